@@ -1,0 +1,50 @@
+# The two set-up commands: `make test` and `make demo`. Each installs what it needs first
+# (a virtualenv in .venv with the CPU build of torch, and libturbojpeg where apt can add it),
+# and is quick when everything is already installed.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+DEMO   ?= demo
+
+.PHONY: install system-deps test demo lint fuzz clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory system-deps
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU torch first, from the local wheel cache: a bare `torch` could pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev,plot]'
+	@touch $(STAMP)
+
+# libturbojpeg (libjpeg-turbo's TurboJPEG API) for fast JPEG decoding. Optional: without it
+# packer decodes with Pillow and says so once.
+system-deps:
+	@if ldconfig -p 2>/dev/null | grep -q 'libturbojpeg\.so'; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing libturbojpeg0 with apt-get"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q libturbojpeg0 >/dev/null 2>&1 \
+	  || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libturbojpeg0 >/dev/null 2>&1; } \
+	  || echo "packer: could not install libturbojpeg0; JPEG decoding will use Pillow"; \
+	else echo "packer: libturbojpeg not found and not installable here (see README: Install); JPEG decoding will use Pillow"; fi
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check packer tests examples
+
+# Sample data -> every format -> verify -> benchmark. Outputs land in $(DEMO)/.
+demo: install
+	@mkdir -p $(DEMO)
+	@test -d $(DEMO)/imgs || $(BIN)/packer sample $(DEMO)/imgs --count 2000 --classes 10
+	$(BIN)/packer convert $(DEMO)/imgs --to lmdb --overwrite
+	$(BIN)/packer info $(DEMO)/imgs.lmdb
+	$(BIN)/packer verify $(DEMO)/imgs.lmdb --against $(DEMO)/imgs
+
+clean:
+	rm -rf $(VENV) $(DEMO) .pytest_cache *.egg-info

@@ -1,0 +1,15 @@
+"""packer: pack loose image folders into few large files and read them back fast in PyTorch."""
+
+__version__ = "0.1.0"
+
+from packer.convert import ConvertResult, convert  # noqa: E402
+from packer.datasets import DATASET_CLASSES, PackedDataset, open_dataset  # noqa: E402
+from packer.errors import PackerError  # noqa: E402
+from packer.formats import FORMATS  # noqa: E402
+
+globals().update({cls.__name__: cls for cls in DATASET_CLASSES.values()})
+
+__all__ = [
+    "__version__", "convert", "ConvertResult", "open_dataset", "PackedDataset", "PackerError", "FORMATS",
+    *(cls.__name__ for cls in DATASET_CLASSES.values()),
+]

@@ -1,0 +1,3 @@
+from packer.cli import main
+
+raise SystemExit(main())

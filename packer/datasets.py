@@ -1,0 +1,227 @@
+"""Map-style PyTorch datasets over packed datasets: a drop-in for torchvision's ImageFolder.
+
+``open_dataset(path)`` returns ``(image, label)`` samples with ``classes``, ``class_to_idx``,
+``targets``, ``samples`` and ``transform`` as ImageFolder has them. Shard readers open their
+files lazily in each process, so the dataset is safe to hand to ``DataLoader(num_workers>0)``
+under fork and spawn alike. ``__getitems__`` lets a DataLoader read a batch in one call, with
+runs of neighbouring samples read together.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Literal, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from packer.decode import BACKENDS, decode
+from packer.errors import PackerError
+from packer.formats import FORMATS, get_format
+from packer.index import Index, shard_starts
+from packer.manifest import Manifest, read_manifest
+
+ImageKind = Literal["pil", "numpy", "tensor"]
+Access = Literal["auto", "sequential", "random"]
+
+
+def _memory_available() -> int:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def resolve_access(access: Access, manifest: Manifest) -> str:
+    """``auto``: sequential-friendly (read-ahead on) unless the dataset is larger than half the free RAM.
+
+    Read-ahead makes sequential and block-shuffled passes many times faster; it only hurts
+    uniform random access over data that can't stay in the page cache.
+    """
+    if access not in ("auto", "sequential", "random"):
+        raise PackerError(f"unknown access pattern {access!r} (choose auto, sequential or random)")
+    if access != "auto":
+        return access
+    size = sum(f.num_bytes for s in manifest.shards for f in s.files)
+    return "random" if size > _memory_available() // 2 else "sequential"
+
+
+class PackedDataset(Dataset):
+    """A packed dataset of any format, read as ``(image, label)`` pairs like ImageFolder."""
+
+    FORMAT: str | None = None  # set by the per-format subclasses (LMDBDataset, ...)
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        image: ImageKind = "pil",
+        decoder: str = "auto",
+        access: Access = "auto",
+    ) -> None:
+        self.root = Path(path)
+        self.manifest = read_manifest(self.root)
+        if self.FORMAT is not None and self.manifest.format != self.FORMAT:
+            raise PackerError(
+                f"{self.root}: holds format {self.manifest.format!r}, not {self.FORMAT!r} "
+                f"(use packer.open_dataset to open any format)"
+            )
+        if image not in ("pil", "numpy", "tensor"):
+            raise PackerError(f"unknown image kind {image!r} (choose pil, numpy or tensor)")
+        if decoder not in BACKENDS:
+            raise PackerError(f"unknown decoder {decoder!r} (choose from {', '.join(BACKENDS)})")
+        self.transform = transform
+        self.target_transform = target_transform
+        self.image = image
+        self.decoder = decoder
+        self.index = Index.load(self.root, self.manifest.num_samples)
+        self.classes: list[str] = list(self.manifest.classes)
+        self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        fmt = get_format(self.manifest.format)
+        self.access = resolve_access(access, self.manifest)
+        self._readers = [fmt.Reader(self.root, s, self.manifest.payload, access=self.access) for s in self.manifest.shards]
+        self._starts = shard_starts([s.num_samples for s in self.manifest.shards])
+        self._path_to_index: dict[str, int] | None = None
+
+    # ------------------------------------------------------------ ImageFolder surface
+
+    def __len__(self) -> int:
+        return self.manifest.num_samples
+
+    @property
+    def targets(self) -> list[int]:
+        return self.index.labels.tolist()
+
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        """``(source path relative to the converted folder, label)`` pairs, built on demand."""
+        return list(zip(self.index.rel_paths(), self.index.labels.tolist()))
+
+    imgs = samples
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        i = self._check_index(i)
+        return self._finish(i, self._read_one(i))
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        """A batch's samples in one call; neighbours on disk are read together."""
+        idx = [self._check_index(i) for i in indices]
+        return [self._finish(i, buf) for i, buf in zip(idx, self.read_payloads(idx))]
+
+    def index_of(self, rel_path: str) -> int:
+        """Position of the sample packed from ``rel_path`` (relative to the converted folder)."""
+        if self._path_to_index is None:
+            self._path_to_index = {p: n for n, p in enumerate(self.index.rel_paths())}
+        try:
+            return self._path_to_index[rel_path]
+        except KeyError:
+            raise KeyError(f"{rel_path!r} is not in {self.root}") from None
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return (
+            f"{type(self).__name__}({str(self.root)!r}, format={m.format}, payload={m.payload}, "
+            f"samples={len(self)}, classes={len(self.classes)}, image={self.image})"
+        )
+
+    # ------------------------------------------------------------ reading
+
+    def _check_index(self, i: int) -> int:
+        n = len(self)
+        i = int(i)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sample index {i} out of range for a dataset of {n}")
+        return i
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(shard number, position inside that shard) of sample ``i``."""
+        shard = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return shard, i - int(self._starts[shard])
+
+    def _read_one(self, i: int):
+        shard, pos = self.locate(i)
+        return self._readers[shard].read(pos)
+
+    def read_payload(self, i: int):
+        """The stored payload of sample ``i``: encoded bytes, or raw pixel bytes/array."""
+        return self._read_one(self._check_index(i))
+
+    def read_payloads(self, indices: Sequence[int]) -> list:
+        """Payloads of many samples, each shard read once in position order, returned in the order asked."""
+        idx = np.asarray(indices, dtype=np.int64)
+        out: list = [None] * len(idx)
+        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
+        for shard in np.unique(shard_of):
+            where = np.nonzero(shard_of == shard)[0]
+            where = where[np.argsort(idx[where], kind="stable")]
+            positions = (idx[where] - self._starts[shard]).tolist()
+            for j, buf in zip(where.tolist(), self._readers[shard].read_many(positions)):
+                out[j] = buf
+        return out
+
+    def pixels(self, i: int, payload=None) -> np.ndarray:
+        """Sample ``i`` as HWC uint8 RGB, decoding encoded payloads."""
+        buf = self._read_one(i) if payload is None else payload
+        if self.manifest.payload == "encoded":
+            return decode(buf, self.decoder, strict=False)
+        h, w = int(self.index.heights[i]), int(self.index.widths[i])
+        arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+        if arr.size != h * w * 3:
+            raise PackerError(f"{self.root}: sample {i} holds {arr.size} bytes, expected {h}x{w}x3")
+        return arr.reshape(h, w, 3)
+
+    def _finish(self, i: int, payload) -> tuple[Any, Any]:
+        arr = self.pixels(i, payload)
+        if self.image == "pil":
+            img: Any = Image.fromarray(arr)
+        elif self.image == "tensor":
+            if not arr.flags.writeable:
+                arr = arr.copy()  # torch needs writable memory; raw payloads are read-only views
+            img = torch.from_numpy(arr).permute(2, 0, 1)
+        else:
+            img = arr
+        target = int(self.index.labels[i])
+        if self.transform is not None:
+            img = self.transform(img)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return img, target
+
+    def close(self) -> None:
+        for r in self._readers:
+            r.close()
+
+
+def _format_dataset_class(fmt_name: str, class_name: str) -> type[PackedDataset]:
+    cls = type(class_name, (PackedDataset,), {
+        "FORMAT": fmt_name,
+        "__doc__": f"A packed dataset of format {fmt_name!r} (see PackedDataset).",
+        "__module__": __name__,
+    })
+    cls.__qualname__ = class_name
+    return cls
+
+
+DATASET_CLASSES: dict[str, type[PackedDataset]] = {
+    name: _format_dataset_class(name, module.DATASET_CLASS) for name, module in FORMATS.items()
+}
+globals().update({cls.__name__: cls for cls in DATASET_CLASSES.values()})
+
+
+def open_dataset(path: str | os.PathLike, **kwargs: Any) -> PackedDataset:
+    """Open a packed dataset of any format; keyword arguments as for ``PackedDataset``."""
+    manifest = read_manifest(path)
+    cls = DATASET_CLASSES.get(manifest.format)
+    if cls is None:
+        raise PackerError(f"{path}: format {manifest.format!r} is unknown to this packer ({', '.join(FORMATS)})")
+    return cls(path, **kwargs)

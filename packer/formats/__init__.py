@@ -1,0 +1,30 @@
+"""The format registry: format name -> module with ``Writer``, ``Reader`` and a few constants.
+
+A format module defines:
+
+- ``NAME``: the name used on the command line and stored in the manifest;
+- ``PAYLOADS``: the payloads it can store (``encoded`` bytes and/or ``raw`` pixels);
+- ``DEFAULT_SHARD_BYTES``: the shard size cap it prefers (``None``: one shard);
+- ``Writer(directory, shard_id, num_samples, payload, options)`` with ``add(sample)`` and
+  ``close() -> (file names, facts)``; it writes one shard;
+- ``Reader(directory, shard, payload)`` that opens nothing until its first ``read(pos)``
+  in the current process, with ``read_many(positions)`` for runs of neighbours and ``close()``.
+
+Adding a format is one module here plus one line in ``FORMATS``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from packer.errors import PackerError
+from packer.formats import lmdb as _lmdb
+
+FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (_lmdb,)}
+
+
+def get_format(name: str) -> ModuleType:
+    try:
+        return FORMATS[name]
+    except KeyError:
+        raise PackerError(f"unknown format {name!r} (choose from {', '.join(FORMATS)})") from None

@@ -1,0 +1,99 @@
+"""Check a packed dataset: files and checksums, counts, and (optionally) against its source folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from packer.convert import ERRORS_NAME, ConvertOptions, SourceError, prepare
+from packer.datasets import open_dataset
+from packer.errors import PackerError
+from packer.manifest import read_manifest, sha256_file
+from packer.scan import scan_folder
+
+
+@dataclass
+class Report:
+    problems: list[str] = field(default_factory=list)
+    checked: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, progress: bool = False) -> Report:
+    """Every check ``packer verify`` runs; problems are collected, not raised."""
+    root = Path(path)
+    report = Report()
+    try:
+        manifest = read_manifest(root)
+    except PackerError as exc:
+        report.problems.append(str(exc))
+        return report
+    for info in manifest.all_files():
+        file = root / info.name
+        if not file.is_file():
+            report.problems.append(f"{file}: missing")
+        elif file.stat().st_size != info.num_bytes:
+            report.problems.append(f"{file}: {file.stat().st_size} bytes, manifest says {info.num_bytes}")
+        elif sha256_file(file) != info.sha256:
+            report.problems.append(f"{file}: checksum mismatch (damaged or modified)")
+    report.checked["files"] = len(manifest.all_files())
+    if report.problems:
+        return report
+    try:
+        ds = open_dataset(root, image="numpy")
+    except PackerError as exc:
+        report.problems.append(str(exc))
+        return report
+    report.checked["samples"] = len(ds)
+    if against is not None:
+        _check_against(ds, Path(against), report, progress)
+    return report
+
+
+def _check_against(ds, src: Path, report: Report, progress: bool) -> None:
+    """Every source file is packed identically (bytes, or Pillow's pixels for raw) or listed as an error."""
+    from tqdm import tqdm
+
+    scan = scan_folder(src)
+    try:
+        errors = json.loads((ds.root / ERRORS_NAME).read_text(encoding="utf-8"))["errors"]
+        reported = {e["path"] for e in errors}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        report.problems.append(f"{ds.root / ERRORS_NAME}: cannot read error report ({exc})")
+        return
+    if list(ds.classes) != list(scan.classes):
+        report.problems.append(f"classes differ: dataset {ds.classes[:5]}..., source {scan.classes[:5]}...")
+    packed = {p: i for i, p in enumerate(ds.index.rel_paths())}
+    raw = ds.manifest.payload == "raw"
+    options = ConvertOptions(**{**ds.manifest.options, "decoder": "pil"})  # the reference decode
+    for rel, label in tqdm(list(zip(scan.rel_paths, scan.labels.tolist())), unit="img", desc="verifying",
+                           disable=not progress):
+        i = packed.get(rel)
+        if i is None:
+            if rel not in reported:
+                report.problems.append(f"{src / rel}: neither packed nor reported as an error")
+            continue
+        if int(ds.index.labels[i]) != label:
+            report.problems.append(f"{src / rel}: label {int(ds.index.labels[i])}, source folder says {label}")
+        try:
+            data = (src / rel).read_bytes()
+        except OSError as exc:
+            report.problems.append(f"{src / rel}: cannot read source ({exc.strerror})")
+            continue
+        if raw:
+            expected = prepare(src, rel, label, options)
+            if isinstance(expected, SourceError) or not np.array_equal(ds.pixels(i), expected.payload):
+                report.problems.append(f"{src / rel}: stored pixels differ from the source's decode")
+        elif bytes(ds.read_payload(i)) != data:
+            report.problems.append(f"{src / rel}: stored bytes differ from the source file")
+    extra = set(packed) - set(scan.rel_paths)
+    for rel in sorted(extra)[:20]:
+        report.problems.append(f"{rel}: packed but not in {src}")
+    report.checked["source files"] = len(scan)
