@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         packer convert imgs/ --to lmdb                # -> imgs.lmdb/ beside imgs/
         packer convert imgs/ --to lmdb -o /fast/imgs.lmdb --workers 8
         packer convert imgs/ --to lmdb --validate header   # faster; catches fewer damaged files
+        packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
         """, description="Pack a folder of images (ImageFolder layout root/<class>/<img>, or flat) into one "
         "dataset directory. Every source file is either packed or listed with its reason in errors.json.")
     p.add_argument("source", help="folder of images")
@@ -73,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="processes reading and validating (default: all cores)")
     p.add_argument("--shard-size", type=parse_bytes, default=None, metavar="SIZE",
                    help="approximate shard size, e.g. 512MB (default: the format's, 1GB for lmdb)")
+    p.add_argument("--order", choices=("shuffled", "source"), default="shuffled",
+                   help="sample order in the dataset. shuffled (default): a seeded shuffle, so neighbours on disk "
+                   "are unrelated and block-shuffled reading (packer.sampler) mixes labels in every batch; "
+                   "source: ImageFolder's order, dataset index i = ImageFolder index i. Either way "
+                   "ds.samples and ds.index_of(rel_path) map samples to their source files")
+    p.add_argument("--seed", type=int, default=0, help="seed of --order shuffled (default 0; recorded in the manifest)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (only once the new one is complete)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
@@ -116,7 +123,7 @@ def cmd_convert(args) -> int:
     res = convert(
         args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
         on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
-        overwrite=args.overwrite, progress=not args.quiet,
+        overwrite=args.overwrite, progress=not args.quiet, order=args.order, seed=args.seed,
     )
     total = res.num_samples + len(res.errors)
     print(

@@ -16,7 +16,7 @@ import sys
 import time
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator, Literal
 
@@ -32,6 +32,9 @@ from packer.manifest import PAYLOADS, Manifest, Shard, file_info, write_manifest
 from packer.scan import ScanResult, scan_folder
 
 Validate = Literal["full", "header", "none"]
+Order = Literal["shuffled", "source"]
+ORDERS = ("shuffled", "source")
+DEFAULT_ORDER: Order = "shuffled"  # see README "Sample order": label mixing for block-shuffled reads
 PARTIAL_SUFFIX = ".partial"
 ERRORS_NAME = "errors.json"
 _CHUNK = 16  # files per pool task: amortises IPC without hurting ordering latency
@@ -46,6 +49,8 @@ class ConvertOptions:
     validate: Validate = "full"
     shard_bytes: int | None = None  # None: the format's default
     decoder: str = "auto"
+    order: Order = DEFAULT_ORDER  # sample order in the dataset: a seeded shuffle, or the scan's (ImageFolder's)
+    seed: int = 0  # of the shuffled order
 
     def check(self) -> None:
         fmt = get_format(self.format)
@@ -57,6 +62,10 @@ class ConvertOptions:
             raise PackerError(f"unknown validation level {self.validate!r} (choose full, header or none)")
         if self.shard_bytes is not None and self.shard_bytes <= 0:
             raise PackerError("shard size must be positive")
+        if self.order not in ORDERS:
+            raise PackerError(f"unknown sample order {self.order!r} (choose {' or '.join(ORDERS)})")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise PackerError(f"the order seed must be a non-negative integer, got {self.seed!r}")
 
 
 @dataclass
@@ -151,6 +160,20 @@ def plan_shards(num_files: int, mean_bytes: float, shard_bytes: int | None) -> l
     return [(s, min(s + per_shard, num_files)) for s in range(0, num_files, per_shard)]
 
 
+def apply_order(scan: ScanResult, order: str, seed: int) -> ScanResult:
+    """The scan with its samples in dataset order: as found (ImageFolder's), or a seeded shuffle.
+
+    The permutation depends only on (seed, number of files), never on ``workers``, and comes
+    from numpy's stable PCG64 stream, so the same seed gives the same bytes everywhere.
+    """
+    if order == "source":
+        return scan
+    from packer.sampler import stable_permutation
+
+    perm = stable_permutation(len(scan), seed)
+    return replace(scan, rel_paths=[scan.rel_paths[i] for i in perm], labels=scan.labels[perm])
+
+
 def check_free_space(directory: Path, needed: float) -> None:
     free = shutil.disk_usage(directory).free
     if needed * 1.05 > free:
@@ -206,9 +229,12 @@ def convert(
     shard_bytes: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    order: Order = DEFAULT_ORDER,
+    seed: int = 0,
 ) -> ConvertResult:
     """Pack the images of folder ``src`` into a dataset of format ``to``; see ``packer convert --help``."""
-    options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes)
+    options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes,
+                             order=order, seed=seed)
     options.check()
     if on_error not in ("skip", "raise"):
         raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
@@ -230,6 +256,7 @@ def convert(
         )
     out.parent.mkdir(parents=True, exist_ok=True)
 
+    scan = apply_order(scan, options.order, options.seed)
     mean_bytes = estimate_sample_bytes(scan, options)
     check_free_space(out.parent, mean_bytes * len(scan))
     plan = plan_shards(len(scan), mean_bytes, options.shard_bytes)
@@ -257,7 +284,7 @@ def convert(
         created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
     (partial / ERRORS_NAME).write_text(
-        json.dumps({"num_errors": len(errors), "ignored": dict(scan.ignored), "errors": [asdict(e) for e in errors]},
+        json.dumps({"num_errors": len(errors), "ignored": dict(scan.ignored), "errors": [asdict(e) for e in sorted(errors, key=lambda e: e.path)]},
                    indent=1, ensure_ascii=False),
         encoding="utf-8",
     )
