@@ -29,6 +29,7 @@ from packer.formats import get_format
 from packer.formats.base import PreparedSample
 from packer.index import Index
 from packer.manifest import PAYLOADS, Manifest, Shard, file_info, write_manifest
+from packer.resize import ResizeSpec
 from packer.scan import ScanResult, scan_folder
 
 Validate = Literal["full", "header", "none"]
@@ -45,7 +46,14 @@ class ConvertOptions:
     payload: str = "encoded"
     validate: Validate = "full"
     shard_bytes: int | None = None  # None: the format's default
+    resize: str | None = None  # "S" or "HxW" (raw payloads only; lossy, explicit)
+    resize_mode: str = "stretch"  # for HxW: stretch, or fit (keep aspect, pad)
+    upscale: bool = False
     decoder: str = "auto"
+
+    @property
+    def resize_spec(self) -> ResizeSpec | None:
+        return ResizeSpec.parse(self.resize, self.resize_mode, self.upscale)
 
     def check(self) -> None:
         fmt = get_format(self.format)
@@ -57,6 +65,8 @@ class ConvertOptions:
             raise PackerError(f"unknown validation level {self.validate!r} (choose full, header or none)")
         if self.shard_bytes is not None and self.shard_bytes <= 0:
             raise PackerError("shard size must be positive")
+        if self.resize_spec is not None and self.payload != "raw":
+            raise PackerError("--resize changes pixels, so it needs --payload raw (encoded payloads keep the source bytes)")
 
 
 @dataclass
@@ -97,6 +107,9 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
     try:
         if options.payload == "raw":
             pixels = decode(data, options.decoder, strict=True)
+            spec = options.resize_spec
+            if spec is not None:
+                pixels = spec.apply(pixels)
             h, w = pixels.shape[:2]
             return PreparedSample(-1, rel, label, np.ascontiguousarray(pixels), h, w)
         if options.validate == "full":
@@ -135,6 +148,9 @@ def estimate_sample_bytes(scan: ScanResult, options: ConvertOptions, probes: int
             if options.payload == "raw":
                 with open(path, "rb") as fh:
                     h, w = read_header(fh.read(1 << 20))
+                spec = options.resize_spec
+                if spec is not None:
+                    h, w = spec.output_shape(h, w)
                 sizes.append(h * w * 3)
             else:
                 sizes.append(path.stat().st_size)
@@ -204,11 +220,15 @@ def convert(
     on_error: Literal["skip", "raise"] = "skip",
     workers: int | None = None,
     shard_bytes: int | None = None,
+    resize: str | None = None,
+    resize_mode: str = "stretch",
+    upscale: bool = False,
     overwrite: bool = False,
     progress: bool = True,
 ) -> ConvertResult:
     """Pack the images of folder ``src`` into a dataset of format ``to``; see ``packer convert --help``."""
-    options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes)
+    options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes,
+                             resize=None if resize is None else str(resize), resize_mode=resize_mode, upscale=upscale)
     options.check()
     if on_error not in ("skip", "raise"):
         raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
