@@ -9,8 +9,10 @@ looks complete. Every source file is either packed or listed in ``errors.json``.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import shutil
 import sys
 import time
@@ -96,8 +98,7 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
     """Read one source file and make its payload; a problem becomes a SourceError, never an exception."""
     path = root / rel
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
+        data = read_source(path)
     except OSError as exc:
         if not path.exists() and path.is_symlink():
             return SourceError(rel, "broken symbolic link")
@@ -123,6 +124,22 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
     except Exception as exc:  # a codec crash on hostile bytes must not abort the conversion
         return SourceError(rel, f"cannot decode image: {type(exc).__name__}: {exc}")
     return PreparedSample(-1, rel, label, data, h, w)
+
+
+def read_source(path: Path) -> bytes:
+    """The whole file, refusing special files (a FIFO would block forever) and files that change size."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read()
+        if len(data) != st.st_size and st.st_size != 0:
+            raise OSError(errno.EAGAIN, f"changed while being read ({st.st_size} bytes, then {len(data)})")
+        return data
+    finally:
+        os.close(fd)
 
 
 def _prepare_chunk(root: Path, items: list[tuple[str, int]], options: ConvertOptions) -> list:
