@@ -286,7 +286,9 @@ def _rank_main(rank: int, world: int, store: str, path: str, block: int, out: st
                                               drop_last=kind == "block_drop")
             for epoch in (0, 1):
                 sampler.set_epoch(epoch)
-                loader = DataLoader(Indexed(ds), sampler=sampler, batch_size=8, num_workers=2, collate_fn=collate)
+                # fork, as under torchrun: a process started by mp.spawn would spawn its workers too (slow)
+                loader = DataLoader(Indexed(ds), sampler=sampler, batch_size=8, num_workers=2, collate_fn=collate,
+                                    multiprocessing_context="fork")
                 mine = []
                 for batch in loader:  # a collective per step, as DDP does: uneven batch counts would hang
                     t = torch.tensor([len(batch)])
