@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import torch.distributed as dist

@@ -69,7 +69,7 @@ class Indexed(Dataset):
         info = get_worker_info()
         wid = -1 if info is None else info.id
         items = self.ds.__getitems__(indices)
-        return [(int(i), int(lab), int(img.sum()), wid) for i, (img, lab) in zip(indices, items)]
+        return [(int(i), int(lab), int(img.sum()), wid) for i, (img, lab) in zip(indices, items, strict=True)]
 
     def __getitem__(self, i):
         return self.__getitems__([i])[0]
@@ -241,7 +241,7 @@ def test_convert_order_source_and_shuffled(data, tmp_path):
     scan = scan_folder(src)
     source = open_dataset(data["source"], image="numpy")
     shuffled = open_dataset(data["shuffled"], image="numpy")
-    assert source.samples == list(zip(scan.rel_paths, scan.labels.tolist()))  # ImageFolder's order
+    assert source.samples == list(zip(scan.rel_paths, scan.labels.tolist(), strict=True))  # ImageFolder's order
     assert shuffled.samples != source.samples and sorted(shuffled.samples) == sorted(source.samples)
     assert shuffled.manifest.options["order"] == "shuffled" and shuffled.manifest.options["seed"] == 3
     assert source.manifest.options["order"] == "source"
