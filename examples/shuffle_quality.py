@@ -21,6 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from packer.sampler import (  # noqa: E402
     DEFAULT_BLOCK_BYTES,
+    DEFAULT_OPEN_BLOCKS,
+    DEFAULT_RUN,
+    batchmates_again,
     block_boundaries,
     rank_order,
     shuffle_stats,
@@ -35,6 +38,7 @@ COLUMNS = [
     ("gap_mean_frac", "mean gap / N", "{:.3f}"),
     ("classes_per_batch", "classes / batch", "{:.1f}"),
     ("label_tv", "label TV", "{:.3f}"),
+    ("again", "batch-mates again", "{:.2%}"),
 ]
 
 
@@ -48,13 +52,15 @@ def imagenet_like(classes: int, per_class: int, mean_kb: float, seed: int = 0):
     return labels, nbytes, list(range(per_shard, n, per_shard))
 
 
-def rows_for(name, labels, nbytes, cuts, batch, block_bytes, open_blocks_list, epochs):
+def rows_for(name, labels, nbytes, cuts, batch, block_bytes, configs, epochs):
     bounds = block_boundaries(nbytes, block_bytes, cuts)
     out = []
-    for k in open_blocks_list:
-        stats = [shuffle_stats(rank_order(bounds, e, 0, open_blocks=k, batch_size=batch), labels, batch, bounds)
-                 for e in range(epochs)]
-        out.append((f"block, {name}, {k} open", {c: float(np.mean([s[c] for s in stats])) for c, _, _ in COLUMNS}))
+    for k, run in configs:
+        orders = [rank_order(bounds, e, 0, open_blocks=k, run=run, batch_size=batch) for e in range(epochs + 1)]
+        stats = [shuffle_stats(o, labels, batch, bounds) for o in orders[:epochs]]
+        for e, st in enumerate(stats):
+            st["again"] = batchmates_again(orders[e], orders[e + 1], batch)
+        out.append((f"block, {name}, {k} open, run {run}", {c: float(np.mean([s[c] for s in stats])) for c, _, _ in COLUMNS}))
     return out, bounds
 
 
@@ -66,11 +72,12 @@ def main() -> None:
     ap.add_argument("--mean-kb", type=float, default=110.0)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--block-mb", type=float, default=DEFAULT_BLOCK_BYTES / 1e6)
-    ap.add_argument("--open-blocks", default="1,4,16", help="comma-separated values to compare")
+    ap.add_argument("--configs", default="8:1,1:16,8:16,32:16,8:64",
+                    help="open_blocks:run pairs to compare, comma-separated")
     ap.add_argument("--epochs", type=int, default=2, help="epochs averaged per row")
     args = ap.parse_args()
     block = int(args.block_mb * 1e6)
-    ks = [int(v) for v in args.open_blocks.split(",")]
+    ks = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
 
     rows = []
     if args.dataset:
@@ -85,21 +92,28 @@ def main() -> None:
         what = f"{args.dataset}: {len(labels):,} samples"
     else:
         labels, nbytes, cuts = imagenet_like(args.classes, args.per_class, args.mean_kb)
-        r, bounds = rows_for("--order source", labels, nbytes, cuts, args.batch, block, ks[1:2] or ks, args.epochs)
+        r, bounds = rows_for("--order source", labels, nbytes, cuts, args.batch, block, [(DEFAULT_OPEN_BLOCKS, DEFAULT_RUN)], args.epochs)
         rows += r
         perm = stable_permutation(len(labels), 0)  # what `packer convert --order shuffled --seed 0` does
         labels, nbytes = labels[perm], nbytes[perm]
         r, bounds = rows_for("--order shuffled", labels, nbytes, cuts, args.batch, block, ks, args.epochs)
         rows += r
-        what = (f"ImageNet-1k-like metadata: {args.classes} classes x {args.per_class} images, "
+        what = (f"class-sorted metadata: {args.classes} classes x {args.per_class} images, "
                 f"~{args.mean_kb:.0f} KB each")
     rng = np.random.default_rng(0)
-    uni = [shuffle_stats(rng.permutation(len(labels)), labels, args.batch, bounds) for _ in range(args.epochs)]
+    uorders = [rng.permutation(len(labels)) for _ in range(args.epochs + 1)]
+    uni = [shuffle_stats(o, labels, args.batch, bounds) for o in uorders[:-1]]
+    for e, st in enumerate(uni):
+        st["again"] = batchmates_again(uorders[e], uorders[e + 1], args.batch)
     rows.insert(0, ("uniform shuffle", {c: float(np.mean([s[c] for s in uni])) for c, _, _ in COLUMNS}))
 
     sizes = np.diff(bounds)
     print(f"{what}; batch {args.batch}; blocks of {args.block_mb:g} MB "
           f"({len(sizes):,} blocks, {sizes.mean():.0f} samples each on average); mean of {args.epochs} epochs\n")
+    print("blocks / batch: distinct blocks a batch touches; reads / batch: contiguous runs `__getitems__` reads;")
+    print("gap: |position difference| of consecutive samples (median in samples; mean as a fraction of N);")
+    print("label TV: total-variation distance of a batch's label histogram from the dataset's;")
+    print("batch-mates again: share of pairs batched together in one epoch that meet again in the next.\n")
     print("| order | " + " | ".join(h for _, h, _ in COLUMNS) + " |")
     print("|---|" + "---:|" * len(COLUMNS))
     for name, st in rows:

@@ -10,11 +10,17 @@ the container. ``BlockShuffleSampler`` keeps reads large and near each other:
 3. that sequence is split into equal contiguous parts, one per distributed rank (padded by
    repeating samples or cut short, ``drop_last`` as in ``DistributedSampler``), so each rank
    reads its own blocks and every rank gets the same number of samples;
-4. inside a rank, consecutive *windows* of about ``open_blocks`` blocks are shuffled
-   uniformly: samples come in random order from a few open blocks at once. With
+4. inside a rank, consecutive *windows* of about ``open_blocks`` blocks are shuffled: their
+   samples come in random order from several open blocks at once, in *runs* of ``run``
+   neighbours (cut at a new random phase each epoch; ``run=1`` shuffles single samples). With
    ``batch_size`` given, windows hold a whole number of batches, so no batch straddles two
-   windows: each batch is drawn from about ``open_blocks`` blocks and ``__getitems__`` reads it
-   as a few runs of neighbours.
+   windows: a batch is about ``batch_size / run`` large reads from at most ~``open_blocks``
+   blocks, which ``__getitems__`` serves run by run.
+
+Runs set the read size (the IO cost on seek-bound storage); blocks and windows bound how far
+apart a batch's reads are and how much a rank touches at a time (page cache, per-worker
+mosaic caches). The price of locality is that a run's samples share a batch every epoch
+(``batchmates_again`` measures it; about ``run / batch_size`` of the pairs).
 
 The order is a pure function of (seed, epoch, rank, number of ranks) and the blocks; random
 numbers come straight from the PCG64 bit generator (whose stream numpy keeps stable), so the
@@ -41,7 +47,8 @@ from packer.errors import PackerError
 from packer.index import shard_starts
 
 DEFAULT_BLOCK_BYTES = 16_000_000  # ~16 ms of an HDD's sequential read: a seek (~7 ms) costs < 1/3
-DEFAULT_OPEN_BLOCKS = 4
+DEFAULT_OPEN_BLOCKS = 8  # window of 128 MB per rank: mixing across blocks at no IO cost
+DEFAULT_RUN = 16  # neighbours read together: ~1.8 MB reads of ImageNet JPEGs; see docs/sampling.md
 
 
 # ------------------------------------------------------------------ random numbers
@@ -128,6 +135,7 @@ def rank_order(
     num_replicas: int = 1,
     rank: int = 0,
     open_blocks: int = DEFAULT_OPEN_BLOCKS,
+    run: int = DEFAULT_RUN,
     batch_size: int | None = None,
     shuffle: bool = True,
     drop_last: bool = False,
@@ -136,27 +144,33 @@ def rank_order(
     n = int(bounds[-1])
     sizes = np.diff(bounds)
     nb = len(sizes)
-    if shuffle:
-        perm = stable_permutation(nb, seed, epoch, 0)
-        # blocks end to end in permuted order: sample k of the sequence is bounds[block] + offset
-        psizes = sizes[perm]
-        seq = np.repeat(bounds[:-1][perm] - np.concatenate(([0], np.cumsum(psizes)[:-1])), psizes) + np.arange(n)
+    if not shuffle or n == 0:
+        seq, unit = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     else:
-        seq = np.arange(n, dtype=np.int64)
+        perm = stable_permutation(nb, seed, epoch, 0)
+        psizes = sizes[perm]
+        offset = np.arange(n) - np.repeat(np.concatenate(([0], np.cumsum(psizes)[:-1])), psizes)  # inside block
+        seq = np.repeat(bounds[:-1][perm], psizes) + offset  # the blocks end to end, in permuted order
+        # runs of `run` neighbours, cut at a random phase per block and epoch: the units shuffled below
+        phase = np.repeat((_raw(seed, epoch, 2, n=nb) % np.uint64(run)).astype(np.int64), psizes)
+        unit = np.cumsum((offset == 0) | ((offset + phase) % run == 0)) - 1
     if drop_last:
         per_rank = n // num_replicas
-        seq = seq[: per_rank * num_replicas]
+        seq, unit = seq[: per_rank * num_replicas], unit[: per_rank * num_replicas]
     else:
         per_rank = math.ceil(n / num_replicas)
-        seq = np.resize(seq, per_rank * num_replicas)  # pads by repeating from the start, like DistributedSampler
+        pad = per_rank * num_replicas - n  # repeats samples from the start, like DistributedSampler
+        seq = np.resize(seq, per_rank * num_replicas)
+        unit = np.concatenate([unit, np.resize(unit, pad) + (int(unit[-1]) + 1 if n else 0)])
     mine = seq[rank * per_rank : (rank + 1) * per_rank]
     if not shuffle or per_rank == 0:
         return mine.astype(np.int64)
+    mine_unit = unit[rank * per_rank : (rank + 1) * per_rank]
     window = max(1, round(open_blocks * n / nb))
     if batch_size:
         window = max(batch_size, round(window / batch_size) * batch_size)
-    keys = _raw(seed, epoch, 1, rank, num_replicas, n=per_rank)
-    order = np.lexsort((keys, np.arange(per_rank) // window))
+    keys = _raw(seed, epoch, 1, rank, num_replicas, n=int(unit[-1]) + 1)[mine_unit]
+    order = np.lexsort((np.arange(per_rank), keys, np.arange(per_rank) // window))
     return mine[order].astype(np.int64)
 
 
@@ -177,6 +191,7 @@ class BlockShuffleSampler(Sampler[int]):
         block_bytes: int | None = None,
         blocks: Sequence[int] | None = None,
         open_blocks: int = DEFAULT_OPEN_BLOCKS,
+        run: int = DEFAULT_RUN,
         batch_size: int | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
@@ -193,11 +208,14 @@ class BlockShuffleSampler(Sampler[int]):
             raise PackerError(f"rank {rank} is not in [0, {num_replicas}) ranks")
         if open_blocks < 1:
             raise PackerError(f"open_blocks must be at least 1, got {open_blocks}")
+        if run < 1:
+            raise PackerError(f"run must be at least 1, got {run}")
         if batch_size is not None and batch_size < 1:
             raise PackerError(f"batch_size must be positive, got {batch_size}")
         self.bounds = dataset_boundaries(dataset, block_bytes, blocks)
         self.num_samples_total = int(self.bounds[-1])
         self.open_blocks = open_blocks
+        self.run = run
         self.batch_size = batch_size
         self.num_replicas = num_replicas
         self.rank = rank
@@ -221,7 +239,7 @@ class BlockShuffleSampler(Sampler[int]):
         """This rank's indices for ``epoch`` (default: the current one) as an array."""
         return rank_order(
             self.bounds, self.epoch if epoch is None else epoch, self.seed,
-            num_replicas=self.num_replicas, rank=self.rank, open_blocks=self.open_blocks,
+            num_replicas=self.num_replicas, rank=self.rank, open_blocks=self.open_blocks, run=self.run,
             batch_size=self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last,
         )
 
@@ -248,9 +266,10 @@ class BlockBatchSampler(BatchSampler):
 
 
 def block_order(ds: Any, epoch: int, seed: int = 0, block_bytes: int | None = None, *,
-                open_blocks: int = DEFAULT_OPEN_BLOCKS, batch_size: int | None = None) -> np.ndarray:
+                open_blocks: int = DEFAULT_OPEN_BLOCKS, run: int = DEFAULT_RUN,
+                batch_size: int | None = None) -> np.ndarray:
     """The whole epoch's block-shuffled order for one process (no ranks): for benchmarks."""
-    s = BlockShuffleSampler(ds, block_bytes=block_bytes, open_blocks=open_blocks, batch_size=batch_size,
+    s = BlockShuffleSampler(ds, block_bytes=block_bytes, open_blocks=open_blocks, run=run, batch_size=batch_size,
                             num_replicas=1, rank=0, seed=seed, warn=False)
     return s.order(epoch)
 
@@ -316,3 +335,23 @@ def shuffle_stats(
         out["classes_per_batch"] = float(np.mean(np.sum(counts > 0, axis=1)))
         out["label_tv"] = float(np.mean(0.5 * np.abs(counts / batch_size - global_p).sum(axis=1)))
     return out
+
+
+def batchmates_again(order_a: np.ndarray, order_b: np.ndarray, batch_size: int) -> float:
+    """Fraction of pairs of samples batched together in ``order_b`` that were together in ``order_a``.
+
+    Label mix can't see it, but block shuffling keeps a block's samples in the same few batches
+    every epoch when windows are small; a uniform shuffle gives about ``batch_size / N``.
+    """
+    a, b = np.asarray(order_a, dtype=np.int64), np.asarray(order_b, dtype=np.int64)
+    n = max(int(a.max()), int(b.max())) + 1
+    nbatch = min(len(a), len(b)) // batch_size
+    batch_a = np.full(n, -1, dtype=np.int64)
+    batch_a[a[: nbatch * batch_size]] = np.arange(nbatch * batch_size) // batch_size
+    ids_b = b[: nbatch * batch_size]
+    prev = batch_a[ids_b]
+    keep = prev >= 0
+    pair_key = (np.arange(nbatch * batch_size) // batch_size)[keep] * (nbatch + 1) + prev[keep]
+    _, counts = np.unique(pair_key, return_counts=True)
+    together = float(np.sum(counts * (counts - 1) // 2))
+    return together / max(nbatch * batch_size * (batch_size - 1) / 2, 1.0)

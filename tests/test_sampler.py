@@ -21,6 +21,7 @@ from packer.cli import main
 from packer.sampler import (
     BlockBatchSampler,
     BlockShuffleSampler,
+    batchmates_again,
     block_boundaries,
     block_order,
     rank_order,
@@ -165,9 +166,27 @@ def test_batches_drawn_from_few_blocks(data):
     assert blocky["blocks_per_batch"] <= 4.0, blocky
     assert ref["blocks_per_batch"] >= 10.0, ref
     assert blocky["runs_per_batch"] < 0.6 * ref["runs_per_batch"], (blocky, ref)
+    # runs of 4 neighbours: a batch of 16 is about 4 reads (+ cuts at block ends and random phases)
+    s4 = BlockShuffleSampler(ds, block_bytes=data["block"], batch_size=batch, open_blocks=4, run=4)
+    assert np.mean([shuffle_stats(s4.order(e), batch_size=batch)["runs_per_batch"] for e in range(10)]) <= 6.5
 
 
-def test_label_mix_close_to_uniform_with_shuffled_order(data):
+def test_batchmates_again_grows_with_run_length(data):
+    ds = open_dataset(data["shuffled"], image="numpy")
+    again = {}
+    for run in (1, 16):
+        s = BlockShuffleSampler(ds, block_bytes=data["block"], batch_size=16, run=run)
+        again[run] = np.mean([batchmates_again(s.order(e), s.order(e + 1), 16) for e in range(10)])
+    rng = np.random.default_rng(0)
+    orders = [rng.permutation(N) for _ in range(11)]
+    again["uniform"] = np.mean([batchmates_again(orders[e], orders[e + 1], 16) for e in range(10)])
+    assert again["uniform"] < again[1] < again[16], again
+    assert abs(again["uniform"] - 15 / (N - 1)) < 0.02  # a uniform shuffle: batch_size / N or so
+    assert batchmates_again(orders[0], orders[0], 16) == 1.0
+
+
+@pytest.mark.parametrize("open_blocks,run", [(8, 16), (4, 4)])
+def test_label_mix_close_to_uniform_with_shuffled_order(data, open_blocks, run):
     """Measure: mean total-variation distance between each batch's label histogram and the
     dataset's, over 30 epochs. Bound: on a class-sorted source converted with --order shuffled,
     the block sampler is within 10% of a uniform shuffle; with --order source it is far worse
@@ -177,7 +196,8 @@ def test_label_mix_close_to_uniform_with_shuffled_order(data):
     for name in ("shuffled", "source"):
         ds = open_dataset(data[name], image="numpy")
         labels = ds.index.labels
-        s = BlockShuffleSampler(ds, block_bytes=data["block"], batch_size=batch, warn=False)
+        s = BlockShuffleSampler(ds, block_bytes=data["block"], batch_size=batch, open_blocks=open_blocks, run=run,
+                                warn=False)
         tv[name] = np.mean([shuffle_stats(s.order(e), labels, batch)["label_tv"] for e in range(epochs)])
         rng = np.random.default_rng(0)
         tv[name + "_uniform"] = np.mean(
