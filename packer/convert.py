@@ -17,7 +17,7 @@ import shutil
 import sys
 import time
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Literal
@@ -313,6 +313,7 @@ def _write_all(scan, partial, plan, fmt, options, on_error, workers, progress):
     bytes_read = 0
     results = _ordered_results(scan.root, items, options, workers)
     bar = _progress(len(items), progress)
+    hasher = ThreadPoolExecutor(max_workers=1)
     try:
         for shard_id, (start, stop) in enumerate(plan):
             writer = fmt.Writer(partial, shard_id, stop - start, options.payload, asdict(options))
@@ -341,10 +342,15 @@ def _write_all(scan, partial, plan, fmt, options, on_error, workers, progress):
             except BaseException:
                 writer.abort()
                 raise
-            shards.append(Shard(num_samples=count, files=[file_info(partial, n) for n in names], facts=facts))
+            # Checksums of finished shards are computed in a thread while the next shard is written.
+            shards.append(Shard(num_samples=count, files=[hasher.submit(file_info, partial, n) for n in names],
+                                facts=facts))
+        for shard in shards:
+            shard.files = [f.result() for f in shard.files]
     finally:
         bar.close()
         results.close()
+        hasher.shutdown(cancel_futures=True)
     index = Index.build(rel_paths, labels, heights, widths, nbytes)
     meta_names = index.save(partial)
     meta_files = [file_info(partial, n) for n in meta_names]

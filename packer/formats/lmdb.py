@@ -7,8 +7,9 @@
 |                      | encoded file bytes, or raw HWC uint8 RGB bytes (shape in ``meta/``) |
 
 Written with ``append=True`` (keys arrive sorted: pages fill completely, no splits), committed
-in batches, the map grown on ``MapFullError`` instead of reserving a huge map up front, then
-copied compacted so the file holds no free pages and is reproducible byte for byte.
+in batches, the map grown on ``MapFullError`` instead of reserving a huge map up front. The
+same samples in the same order give the same file, byte for byte (LMDB's page allocation is
+deterministic and ``meminit`` zeroes unused bytes).
 
 Readers open with ``readonly=True, lock=False`` (safe on read-only and network filesystems:
 nothing is written, not even a lock file). ``readahead`` decides whether the kernel reads
@@ -48,9 +49,8 @@ class Writer:
     def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
         self.name = shard_name(shard_id)
         self.path = directory / self.name
-        self._build = directory / (self.name + ".build")
         self._map_size = _INITIAL_MAP
-        self._env = self._open(self._build)
+        self._env = self._open(self.path)
         self._batch: list[tuple[bytes, bytes]] = []
         self._batch_bytes = 0
         self._count = 0
@@ -76,7 +76,7 @@ class Writer:
                     with txn.cursor() as cur:
                         for k, v in self._batch:
                             if not cur.put(k, v, append=True):
-                                raise PackerError(f"{self._build}: LMDB refused key {k!r}")
+                                raise PackerError(f"{self.path}: LMDB refused key {k!r}")
                 self._batch, self._batch_bytes = [], 0
             except lmdb.MapFullError:
                 self._map_size *= 2  # the aborted transaction wrote nothing; grow and retry
@@ -84,17 +84,13 @@ class Writer:
 
     def close(self) -> tuple[list[str], dict]:
         self._commit()
-        # Compacted copy: no free pages, deterministic bytes; map size recorded = what it needs.
-        self._env.copy(str(self.path), compact=True)
         self._env.close()
-        os.remove(self._build)
         return [self.name], {"map_size": self._map_size}
 
     def abort(self) -> None:
         self._env.close()
-        for p in (self._build, self.path):
-            if p.exists():
-                os.remove(p)
+        if self.path.exists():
+            os.remove(self.path)
 
 
 # py-lmdb refuses to open one environment twice in a process, yet two datasets (or a dataset and
