@@ -12,23 +12,25 @@ from __future__ import annotations
 import errno
 import json
 import os
-import stat
 import shutil
+import stat
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 import numpy as np
 
 from packer import __version__
-from packer.decode import DecodeError, decode, read_header
+from packer.decode import DecodeError, decode
 from packer.errors import PackerError
 from packer.formats import get_format
 from packer.formats.base import PreparedSample
+from packer.headers import image_size
 from packer.index import Index
 from packer.manifest import PAYLOADS, Manifest, Shard, file_info, write_manifest
 from packer.resize import ResizeSpec
@@ -116,7 +118,7 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
         if options.validate == "full":
             h, w = decode(data, options.decoder, strict=True).shape[:2]
         elif options.validate == "header":
-            h, w = read_header(data)
+            h, w = image_size(data)
         else:
             h, w = 0, 0  # unknown: not looked at
     except DecodeError as exc:
@@ -164,7 +166,7 @@ def estimate_sample_bytes(scan: ScanResult, options: ConvertOptions, probes: int
         try:
             if options.payload == "raw":
                 with open(path, "rb") as fh:
-                    h, w = read_header(fh.read(1 << 20))
+                    h, w = image_size(fh.read(1 << 20))
                 spec = options.resize_spec
                 if spec is not None:
                     h, w = spec.output_shape(h, w)
