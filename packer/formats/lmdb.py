@@ -24,9 +24,10 @@ import os
 from pathlib import Path
 
 import lmdb
+import numpy as np
 
 from packer.errors import PackerError
-from packer.formats.base import LazyHandle, PreparedSample, contiguous_runs
+from packer.formats.base import LazyHandle, PreparedSample, advise_willneed, contiguous_runs, mapping_base
 from packer.manifest import Shard
 
 NAME = "lmdb"
@@ -133,6 +134,7 @@ class Reader:
         self.num_samples = shard.num_samples
         self.readahead = access != "random"
         self._env: LazyHandle[lmdb.Environment] = LazyHandle()
+        self._advice: LazyHandle[tuple[int, int] | None] = LazyHandle()  # (fd, mmap base) for prefetch
 
     def _open(self) -> lmdb.Environment:
         return _shared_env(self.path, self.readahead)
@@ -162,5 +164,37 @@ class Reader:
                     cur.next()
         return out
 
+    def prefetch(self, positions: list[int]) -> None:
+        """Start reading the file spans of these samples in the background (see base.advise_willneed).
+
+        LMDB stores a large value in consecutive overflow pages and, written in key order, runs
+        of neighbouring samples in one span of the file; a value's file offset is its address
+        in the read-only map minus the map's base.
+        """
+        env = self._env.get(self._open)
+        advice = self._advice.get(self._open_advice)
+        if advice is None:
+            return
+        fd, base = advice
+        spans = []
+        with env.begin(buffers=True) as txn:
+            for start, stop in contiguous_runs(sorted(set(positions))):
+                first, last = txn.get(key(start)), txn.get(key(stop - 1))
+                if first is None or last is None:
+                    continue  # read() will report it
+                # Small values share leaf pages and are laid out downwards inside a page: take the hull.
+                a = np.frombuffer(first, np.uint8).ctypes.data - base
+                b = np.frombuffer(last, np.uint8).ctypes.data - base
+                lo, hi = min(a, b), max(a + len(first), b + len(last))
+                if 0 <= lo < hi:
+                    spans.append((lo, hi))
+        advise_willneed(fd, spans)
+
+    def _open_advice(self) -> tuple[int, int] | None:
+        self._env.get(self._open)
+        base = mapping_base(str(self.path.resolve()))
+        return None if base is None else (os.open(self.path, os.O_RDONLY), base)
+
     def close(self) -> None:
+        self._advice.close(lambda advice: advice and os.close(advice[0]))
         self._env.close(lambda env: _release_env(self.path))
