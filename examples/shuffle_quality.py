@@ -110,10 +110,10 @@ def main() -> None:
     sizes = np.diff(bounds)
     print(f"{what}; batch {args.batch}; blocks of {args.block_mb:g} MB "
           f"({len(sizes):,} blocks, {sizes.mean():.0f} samples each on average); mean of {args.epochs} epochs\n")
-    print("blocks / batch: distinct blocks a batch touches; reads / batch: contiguous runs `__getitems__` reads;")
-    print("gap: |position difference| of consecutive samples (median in samples; mean as a fraction of N);")
-    print("label TV: total-variation distance of a batch's label histogram from the dataset's;")
-    print("batch-mates again: share of pairs batched together in one epoch that meet again in the next.\n")
+    print("- blocks / batch: distinct blocks a batch touches; reads / batch: its runs of contiguous samples")
+    print("- gap: |position difference| of consecutive samples (median, in samples; mean, as a fraction of N)")
+    print("- label TV: total-variation distance of a batch's label histogram from the dataset's")
+    print("- batch-mates again: share of the pairs batched together in one epoch that meet again in the next\n")
     print("| order | " + " | ".join(h for _, h, _ in COLUMNS) + " |")
     print("|---|" + "---:|" * len(COLUMNS))
     for name, st in rows:
