@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         packer convert imgs/ --to lmdb --payload raw --resize 256   # decoded once, short side 256
         packer convert imgs/ --to lmdb --resume       # go on after Ctrl-C, a kill or a full disk
         packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
+        packer convert /shared/imgs --to lmdb --scheduler tcp://HOST:8786   # on a Dask cluster
+        packer convert imgs/ --to lmdb --scheduler local:4      # a local Dask cluster of 4 processes
         """, description="Pack a folder of images (ImageFolder layout root/<class>/<img>, or flat) into one "
         "dataset directory. Every source file is either packed or listed with its reason in errors.json.")
     p.add_argument("source", help="folder of images")
@@ -91,6 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="go on with an interrupted conversion of the same source and options (its finished "
                    "shards are checked and kept; the result is identical to an uninterrupted run)")
+    p.add_argument("--scheduler", metavar="tcp://HOST:PORT|local:N",
+                   help="convert on a Dask cluster (pip install 'packer[dask]'): the address of a running "
+                   "scheduler, or local:N to start N local worker processes. Workers scan the class folders "
+                   "and write one shard per task; source and output must be on storage they all share. "
+                   "Same bytes as a local conversion; --workers is then ignored")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
 
@@ -128,14 +135,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_convert(args) -> int:
+    import contextlib
+
     from packer.convert import convert
 
-    res = convert(
-        args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
-        on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
-        resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
-        overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
-    )
+    if args.scheduler:
+        from packer.distributed import open_client
+
+        cluster = open_client(args.scheduler)
+    else:
+        cluster = contextlib.nullcontext()
+    with cluster as client:
+        res = convert(
+            args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
+            on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
+            resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
+            overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
+            client=client,
+        )
     total = res.num_samples + len(res.errors)
     print(
         f"packed {res.num_samples} of {total} images into {res.output} in {res.seconds:.1f} s "

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -276,8 +276,13 @@ def convert(
     progress: bool = True,
     order: Order = DEFAULT_ORDER,
     seed: int = 0,
+    client: Any = None,
 ) -> ConvertResult:
-    """Pack the images of folder ``src`` into a dataset of format ``to``; see ``packer convert --help``."""
+    """Pack the images of folder ``src`` into a dataset of format ``to``; see ``packer convert --help``.
+
+    With a Dask ``client`` the class folders are scanned and the shards written by the cluster's
+    workers (packer.distributed; source and output on storage they share); the bytes are the same.
+    """
     options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes,
                              resize=None if resize is None else str(resize), resize_mode=resize_mode, upscale=upscale,
                              order=order, seed=seed)
@@ -290,7 +295,13 @@ def convert(
     workers = os.cpu_count() or 1 if workers is None else workers
 
     started = time.perf_counter()
-    scan = apply_order(scan_folder(src), options.order, options.seed)
+    if client is None:
+        scanned = scan_folder(src)
+    else:
+        from packer.distributed import scan_on_cluster
+
+        scanned = scan_on_cluster(client, src)
+    scan = apply_order(scanned, options.order, options.seed)
     out = Path(os.path.abspath(output if output is not None else default_output(scan.root, to)))
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     if out.exists() and not overwrite:
@@ -299,7 +310,12 @@ def convert(
     ranges = [(int(a), int(b)) for a, b in plan["shards"]]
     done = load_done_shards(partial, len(ranges))
     try:
-        results = _build_shards(scan, partial, ranges, done, fmt, options, on_error, workers, progress)
+        if client is None:
+            results = _build_shards(scan, partial, ranges, done, fmt, options, on_error, workers, progress)
+        else:
+            from packer.distributed import build_shards
+
+            results = build_shards(client, scan, partial, ranges, done, options, on_error, progress)
     except ShardWriteError as exc:
         raise PackerError(
             f"{out}: {exc}; the finished shards are kept in {partial}: free space (or fix the problem), "
