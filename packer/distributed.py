@@ -142,7 +142,9 @@ def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str,
     fmt = get_format(opts.format)
     staging = part / STAGING_DIR / f"{shard_id:05d}-{uuid.uuid4().hex}"
     try:
-        staging.mkdir(parents=True)
+        with contextlib.suppress(FileExistsError):
+            staging.parent.mkdir()  # not parents=True: never re-create a removed output folder
+        staging.mkdir()
         samples = (prepare(src, rel, label, opts) for rel, label in items)
         try:
             result, names = write_shard(staging, shard_id, len(items), samples, fmt, opts, on_error, src)
