@@ -15,13 +15,17 @@ from imagesets import make_bad_inputs, make_imagefolder
 
 distributed = pytest.importorskip("distributed", reason="needs the packer[dask] extra (make install adds it)")
 
-from packer import PackerError, convert  # noqa: E402
+from test_resume import manifest_without_time, tree_digest  # noqa: E402
+
+from packer import (  # noqa: E402
+    PackerError,
+    convert,
+    open_dataset,  # noqa: E402
+)
 from packer.convert import ShardWriteError  # noqa: E402
-from packer import open_dataset  # noqa: E402
 from packer.distributed import STAGING_DIR, _move_into_place, open_client, scan_on_cluster  # noqa: E402
 from packer.scan import scan_folder  # noqa: E402
 from packer.verify import verify  # noqa: E402
-from test_resume import manifest_without_time, tree_digest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARD = 40_000  # about 8 images of 48x64: several shards from a tiny source
