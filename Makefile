@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first, from the local wheel cache: a bare `torch` could pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,plot]'
+	$(BIN)/pip install -q -e '.[dev,plot,dask]'
 	@touch $(STAMP)
 
 # libturbojpeg (libjpeg-turbo's TurboJPEG API) for fast JPEG decoding. Optional: without it

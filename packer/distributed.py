@@ -18,6 +18,7 @@ import itertools
 import os
 import shutil
 import socket
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,7 +187,11 @@ def build_shards(client: Any, scan: ScanResult, partial: Path, ranges: list[tupl
     opts = asdict(options)
     todo = [sid for sid in range(len(ranges)) if sid not in done]
     token = uuid.uuid4().hex
-    in_flight = 2 * _worker_threads(client)  # a bounded queue: the scheduler never holds every path list
+    threads = _worker_threads(client)
+    in_flight = 2 * threads  # a bounded queue: the scheduler never holds every path list
+    if len(ranges) < threads:
+        print(f"packer: {len(ranges)} shard(s) for {threads} Dask worker threads: a task writes one shard, so "
+              f"most workers will idle; choose a smaller --shard-size", file=sys.stderr)
 
     def submit(sid: int):
         a, b = ranges[sid]
