@@ -226,13 +226,24 @@ def build_shards(client: Any, scan: ScanResult, partial: Path, ranges: list[tupl
             for nxt in queue:
                 pending.add(submit(nxt))
                 break
-    except BaseException:
-        client.cancel([f for f in submitted if not f.done()])
+    except BaseException as exc:
+        # convert() removes the output folder after a bad source under --on-error raise: let the
+        # shards already running end first, so none writes into a folder being removed
+        _stop(client, submitted, wait_running=isinstance(exc, PackerError) and not isinstance(exc, ShardWriteError))
         raise
     finally:
         bar.close()
     shutil.rmtree(partial / STAGING_DIR, ignore_errors=True)
     return results
+
+
+def _stop(client: Any, futures: list, wait_running: bool) -> None:
+    """Cancel the shards not yet started; with ``wait_running``, wait for those running to end."""
+    live = [f for f in futures if not f.done()]
+    running = {str(k) for keys in client.processing().values() for k in keys} if wait_running else set()
+    client.cancel([f for f in live if str(f.key) not in running])
+    if running:
+        _require_dask().wait([f for f in live if str(f.key) in running])
 
 
 def check_result(result: ShardResult, sid: int, scan: ScanResult, span: tuple[int, int], partial: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import os
@@ -171,6 +172,7 @@ def test_on_error_raise_names_the_file(client, source, tmp_path):
     with pytest.raises(PackerError, match=r"weird/(empty|truncated|random|broken_link|unreadable)\.jpg"):
         convert(source, out, shard_bytes=SHARD, on_error="raise", order="source", progress=False, client=client)
     assert not out.exists()
+    assert not (tmp_path / "d.lmdb.partial").exists()  # running shards ended before it was removed
 
 
 def _fail_at_shard(monkeypatch, module, shard_id: int) -> None:
@@ -262,3 +264,16 @@ def test_bad_local_cluster_size_is_a_clear_error(spec):
     with pytest.raises(PackerError, match="local:N needs a positive number"):
         with open_client(spec):
             pass
+
+
+def test_a_worker_that_cannot_see_the_folders_says_so(source, tmp_path):
+    from packer import __version__
+    from packer.convert import ConvertOptions
+    from packer.distributed import convert_shard
+
+    opts = dataclasses.asdict(ConvertOptions())
+    reply = convert_shard(str(source), str(tmp_path / "missing.partial"), 0, [("class_0/img_000.jpg", 0)], opts,
+                          "skip", __version__)
+    assert reply["kind"] == "input" and "shared by the driver and every worker" in reply["error"]
+    reply = convert_shard(str(source), str(tmp_path), 0, [], opts, "skip", "0.0.0")
+    assert reply["kind"] == "input" and "install the same packer" in reply["error"]
