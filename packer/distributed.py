@@ -62,8 +62,10 @@ def open_client(scheduler: str) -> Iterator[Any]:
             raise PackerError(f"--scheduler {scheduler!r}: local:N needs a positive number of workers, e.g. local:4")
         import logging
 
+        # dashboard_address=None would still bind the scheduler's HTTP server to *:8787 (and clash
+        # with any other cluster on the machine): a free port on localhost instead
         cluster = distributed.LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
-                                           dashboard_address=None, silence_logs=logging.ERROR)
+                                           dashboard_address="127.0.0.1:0", silence_logs=logging.ERROR)
         try:
             with distributed.Client(cluster) as client:
                 yield client
