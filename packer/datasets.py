@@ -221,11 +221,13 @@ DATASET_CLASSES: dict[str, type[PackedDataset]] = {
 globals().update({cls.__name__: cls for cls in DATASET_CLASSES.values()})
 
 
-def open_dataset(path: str | os.PathLike, cache: str | None = None, **kwargs: Any) -> PackedDataset:
+def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_options: dict | None = None,
+                 **kwargs: Any) -> PackedDataset:
     """Open a packed dataset of any format; keyword arguments as for ``PackedDataset``.
 
     ``cache="ram"`` (stored payloads) or ``"ram-decoded"`` (decoded pixels) returns a
-    ``packer.cache.CachedDataset``: one copy in shared memory for all DataLoader workers.
+    ``packer.cache.CachedDataset`` (``cache_options`` go to it): one copy in shared memory
+    for all DataLoader workers.
     """
     manifest = read_manifest(path)
     cls = DATASET_CLASSES.get(manifest.format)
@@ -236,4 +238,4 @@ def open_dataset(path: str | os.PathLike, cache: str | None = None, **kwargs: An
         return ds
     from packer.cache import CachedDataset
 
-    return CachedDataset(ds, cache)
+    return CachedDataset(ds, cache, **(cache_options or {}))

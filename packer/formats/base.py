@@ -38,11 +38,8 @@ class LazyHandle(Generic[H]):
         self._handle: H | None = None
         self._pid: int | None = None
 
-    def get(self, opener: Callable[[], H], inherited: Callable[[H], Any] | None = None) -> H:
-        """The handle for this process; ``inherited`` is called on a handle a fork child got from its parent."""
+    def get(self, opener: Callable[[], H]) -> H:
         if self._handle is None or self._pid != os.getpid():
-            if self._handle is not None and inherited is not None:
-                inherited(self._handle)
             self._handle, self._pid = opener(), os.getpid()
         return self._handle
 

@@ -97,13 +97,6 @@ class Writer:
                 os.remove(p)
 
 
-def _close_inherited(env: lmdb.Environment) -> None:
-    """Close, in a fork child, the environment the parent had open: py-lmdb refuses to open the same
-    file twice in one process and its registry of open files survives fork. With lock=False this only
-    unmaps the child's copy; the parent's environment is unaffected."""
-    env.close()
-
-
 class Reader:
     """Reads one shard; opens the environment lazily in each process."""
 
@@ -126,7 +119,7 @@ class Reader:
         return self.num_samples
 
     def read(self, pos: int) -> bytes:
-        with self._env.get(self._open, _close_inherited).begin() as txn:
+        with self._env.get(self._open).begin() as txn:
             value = txn.get(key(pos))
         if value is None:
             raise PackerError(f"{self.path}: sample {pos} is missing from the shard")
@@ -135,7 +128,7 @@ class Reader:
     def read_many(self, positions: list[int]) -> list[bytes]:
         """Runs of neighbouring positions are read with one cursor walk (sequential pages)."""
         out: list[bytes] = []
-        with self._env.get(self._open, _close_inherited).begin() as txn, txn.cursor() as cur:
+        with self._env.get(self._open).begin() as txn, txn.cursor() as cur:
             for start, stop in contiguous_runs(list(positions)):
                 if not cur.set_key(key(start)):
                     raise PackerError(f"{self.path}: sample {start} is missing from the shard")
