@@ -14,10 +14,11 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data._utils.collate import default_collate
 
 from packer.errors import PackerError
 from packer.instrument import InstrumentedDataset
@@ -29,6 +30,12 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def default_workers() -> list[int]:
+    """0, then powers of two up to the cores, and the core count itself."""
+    cores = usable_cores()
+    return sorted({0, cores, *(2 ** k for k in range(cores.bit_length()) if 2 ** k <= cores)})
 
 
 class RandomCrop:
@@ -106,7 +113,7 @@ class SweepResult:
 
 def _measure(ds: InstrumentedDataset, workers: int, batch_size: int, pin_memory: bool, step_s: float,
              batches: int, warmup: int, device: torch.device | None, start_method: str | None,
-             seed: int, progress: bool) -> SweepPoint:
+             seed: int, progress: bool, collate: Callable | None) -> SweepPoint:
     total = warmup + batches
     gen = torch.Generator().manual_seed(seed)
     sampler = RandomSampler(ds, num_samples=total * batch_size, generator=gen)  # several epochs if needed
@@ -114,7 +121,7 @@ def _measure(ds: InstrumentedDataset, workers: int, batch_size: int, pin_memory:
     if workers > 0 and start_method:
         kwargs["multiprocessing_context"] = start_method
     loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=pin_memory,
-                        collate_fn=ds.collate(), drop_last=True, **kwargs)
+                        collate_fn=ds.collate(collate or default_collate), drop_last=True, **kwargs)
     prof = LoopProfiler(loader, warmup=warmup, device=device, progress=progress,
                         desc=f"workers={workers} batch={batch_size} pin={'on' if pin_memory else 'off'}")
     ds.reset()
@@ -146,6 +153,7 @@ def sweep(
     start_method: str | None = None,
     seed: int = 0,
     progress: bool = True,
+    collate: Callable | None = None,
 ) -> SweepResult:
     """Run every (batch size, pin_memory, workers) setting; pick the smallest worker count that keeps the step fed.
 
@@ -172,12 +180,13 @@ def sweep(
     for b, pin, w in itertools.product(batch_sizes, pins, sorted(set(workers))):
         points.append(_measure(
             ds, w, b, pin, step_ms / 1000 * b / base_batch, batches,
-            (2 * w + 2) if warmup is None else warmup, dev, start_method, seed, progress))
+            (2 * w + 2) if warmup is None else warmup, dev, start_method, seed, progress, collate))
     fed = [p for p in points if p.fed]
     chosen = min(fed, key=lambda p: (p.workers, batch_sizes.index(p.batch_size), p.pin_memory)) if fed else None
 
-    # Prediction from the per-sample cost measured with the fewest workers (least contention).
-    ref = min(points, key=lambda p: p.workers)
+    # Prediction from the per-sample cost measured in the fewest worker processes (least contention;
+    # workers run torch single-threaded as in training), or in the main process if no workers ran.
+    ref = min(points, key=lambda p: (p.workers == 0, p.workers))
     cost_ms = sum(v for k, v in ref.per_sample_ms.items() if k != "h2d")
     need = base_batch * cost_ms / step_ms if step_ms else math.inf
     # num_workers=0 loads in series with the step: fed only if loading a batch takes < 10% of it.
@@ -212,7 +221,7 @@ def sweep(
             lines.append(f"Try more workers (up to {cores}).")
         if stage:
             lines.append(f"the largest cost per sample is {stage} ({best.per_sample_ms[stage]:.2f} ms): {ADVICE[stage]}.")
-    if ref.workers == 0 and cost_ms:
+    if cost_ms:
         per_core = 1000 / cost_ms
         lines.append(f"ceiling on this machine: about {per_core * cores:,.0f} samples/s "
                      f"({per_core:,.0f} per core x {cores} cores) against {1000 * base_batch / step_ms:,.0f} "
