@@ -157,22 +157,39 @@ def verdict(stats: LoopStats, stages: StageTotals | None = None, workers: int | 
                                                           else "") + (f", the machine {cores} cores" if cores else "")
                      + ".")
         f["workers_needed"] = math.ceil(need) if math.isfinite(need) else None
+        if cores and need > cores:
+            lines.append(f"that is more than this machine's {cores} cores: CPU loading cannot feed this step here; "
+                         "cut the per-sample cost (see above) or the decode work (smaller or decoded payloads).")
     return Verdict(bound, limit, lines, {**f, "per_sample_ms": per_sample})
+
+
+def _find(obj: Any, attr: str, kind: type, depth: int = 4) -> Any:
+    """``obj.attr``, or ``obj.loader.attr`` through wrappers such as the prefetchers, if of ``kind``."""
+    for _ in range(depth):
+        value = getattr(obj, attr, None)
+        if isinstance(value, kind):
+            return value
+        obj = getattr(obj, "loader", None)
+        if obj is None:
+            return None
+    return None
 
 
 class LoopProfiler:
     """Iterate a loader, timing the wait for each batch and the step that follows (see module doc)."""
 
     def __init__(self, loader: Iterable, *, warmup: int = 1, device: torch.device | str | None = None,
-                 sync: bool | None = None, progress: bool = True, desc: str = "profile") -> None:
+                 sync: bool | None = None, progress: bool = True, desc: str = "profile",
+                 instrumented: InstrumentedDataset | None = None) -> None:
         self.loader = loader
         self.device = torch.device(device) if device is not None else None
         self.sync = sync
         self.progress = progress
         self.desc = desc
         self.stats = LoopStats(warmup=warmup)
-        ds = getattr(loader, "dataset", None)
-        self.instrumented: InstrumentedDataset | None = ds if isinstance(ds, InstrumentedDataset) else None
+        self.instrumented: InstrumentedDataset | None = instrumented or _find(loader, "dataset", InstrumentedDataset)
+        workers = _find(loader, "num_workers", int)
+        self.num_workers: int | None = workers if workers is not None else None
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -230,8 +247,7 @@ class LoopProfiler:
         return self.instrumented.stage_totals() if self.instrumented is not None else None
 
     def verdict(self, cores: int | None = None) -> Verdict:
-        return verdict(self.stats, self.stage_totals(), workers=getattr(self.loader, "num_workers", None),
-                       cores=cores)
+        return verdict(self.stats, self.stage_totals(), workers=self.num_workers, cores=cores)
 
     def summary(self) -> str:
         """A few lines: iterations, wait vs step, throughput, and the stage breakdown when known."""
