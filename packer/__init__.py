@@ -2,11 +2,11 @@
 
 __version__ = "0.1.0"
 
+from packer.cache import CachedDataset  # noqa: E402
 from packer.convert import ConvertResult, convert  # noqa: E402
 from packer.datasets import DATASET_CLASSES, PackedDataset, open_dataset  # noqa: E402
 from packer.errors import PackerError  # noqa: E402
 from packer.formats import FORMATS  # noqa: E402
-from packer.cache import CachedDataset  # noqa: E402
 from packer.instrument import instrument  # noqa: E402
 from packer.prefetch import BackgroundLoader, CUDAPrefetcher  # noqa: E402
 from packer.profiler import profile  # noqa: E402

@@ -35,9 +35,10 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
@@ -163,7 +164,7 @@ def _fill_range(ds: Any, path: str, base: int, offsets: np.ndarray, start: int, 
         count = len(offsets) - 1
         for a in range(0, count, chunk):
             idx = list(range(start + a, start + min(count, a + chunk)))
-            for k, (i, payload) in enumerate(zip(idx, ds.read_payloads(idx)), start=a):
+            for k, (i, payload) in enumerate(zip(idx, ds.read_payloads(idx), strict=True), start=a):
                 item = ds.pixels(i, payload) if decoded else payload
                 if isinstance(item, np.ndarray):
                     buf = np.ascontiguousarray(item).reshape(-1)
@@ -275,12 +276,12 @@ class CachedDataset(Dataset):
                 for a, b in ranges]
         if self.decoded and procs > 1 and len(ranges) > 1:  # decoding is CPU work: spread it
             with ProcessPoolExecutor(min(procs, len(ranges))) as pool:
-                for (a, b), fut in zip(ranges, [pool.submit(_fill_range, *job) for job in jobs]):
+                for (a, b), fut in zip(ranges, [pool.submit(_fill_range, *job) for job in jobs], strict=True):
                     fut.result()
                     if bar is not None:
                         bar.update(b - a)
         else:  # stored bytes: one sequential pass reads fastest
-            for (a, b), job in zip(ranges, jobs):
+            for (a, b), job in zip(ranges, jobs, strict=True):
                 _fill_range(*job)
                 if bar is not None:
                     bar.update(b - a)

@@ -298,8 +298,10 @@ def cmd_sample(args) -> int:
 
 def cmd_profile(args) -> int:
     from packer.datasets import open_dataset
-    from packer.sweep import RandomCrop, default_workers, plot_sweep, sweep
+    from packer.sweep import RandomCrop, default_workers, plot_sweep, require_matplotlib, sweep
 
+    if args.plot:
+        require_matplotlib()
     workers = default_workers() if args.workers == "auto" else args.workers
     batch_sizes = args.batch_size
     pins = []

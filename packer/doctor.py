@@ -14,8 +14,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from packer import measure, sysinfo
 from packer.cli import human_bytes

@@ -14,8 +14,9 @@ as a single ``getitem`` stage.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, get_worker_info
@@ -114,7 +115,7 @@ class InstrumentedDataset(Dataset):
         t1 = clock()
         decode = transform = 0.0
         out = []
-        for i, p in zip(idx, payloads):
+        for i, p in zip(idx, payloads, strict=True):
             a = clock()
             arr = ds.pixels(i, p)
             b = clock()

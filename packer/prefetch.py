@@ -187,6 +187,6 @@ class CUDAPrefetcher:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_stream(side)  # the copy of this batch is done before compute uses it
             batch = nxt
-            map_tensors(batch, lambda t: t.record_stream(compute))
+            map_tensors(batch, lambda t, s=compute: t.record_stream(s))
             nxt = preload()  # enqueue the next copy; it runs while the caller computes on `batch`
             yield batch

@@ -19,8 +19,9 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch

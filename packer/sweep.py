@@ -13,8 +13,9 @@ import itertools
 import math
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, RandomSampler
@@ -90,7 +91,7 @@ class SweepResult:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        for p, q in zip(d["points"], self.points):
+        for p, q in zip(d["points"], self.points, strict=True):
             p["fed"] = q.fed
         if self.chosen is not None:
             d["chosen"]["fed"] = True
@@ -231,16 +232,22 @@ def sweep(
                        lines=[ln for ln in lines if ln], notes=notes)
 
 
-def plot_sweep(result: SweepResult, path: str | os.PathLike) -> None:
-    """PNG: wait as % of step (and samples/s) against num_workers, one line per batch size / pin setting."""
+def require_matplotlib() -> None:
+    """Raise a clear error now (before minutes of measuring) if a plot can't be drawn."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         raise PackerError("--plot needs matplotlib, which is not installed: pip install 'packer[plot]' "
                           "(or pip install matplotlib)") from None
+
+
+def plot_sweep(result: SweepResult, path: str | os.PathLike) -> None:
+    """PNG: wait as % of step (and samples/s) against num_workers, one line per batch size / pin setting."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     groups: dict[tuple[int, bool], list[SweepPoint]] = {}
     for p in result.points:

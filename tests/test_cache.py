@@ -12,14 +12,13 @@ import time
 
 import numpy as np
 import pytest
+from _tiny import Probe, first, make_lmdb, mapped_files
 from torch.utils.data import DataLoader
 
 import packer
 from packer import cache as cache_mod
 from packer.cache import CachedDataset, sweep_stale
 from packer.errors import PackerError
-
-from _tiny import Probe, first, make_lmdb, mapped_files
 
 
 def shm_files() -> set[str]:

@@ -6,11 +6,10 @@ import copy
 import json
 
 import pytest
+from _tiny import make_lmdb
 
 from packer.cli import main
 from packer.doctor import diagnose, fs_kind, judge, render
-
-from _tiny import make_lmdb
 
 
 @pytest.fixture(scope="module")

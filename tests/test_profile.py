@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from _tiny import make_lmdb
 from torch.utils.data import DataLoader
 
 import packer
@@ -14,8 +15,6 @@ from packer.errors import PackerError
 from packer.instrument import StageTotals, instrument
 from packer.profiler import LoopStats, batch_len, profile, verdict
 from packer.sweep import RandomCrop, plot_sweep, sweep
-
-from _tiny import make_lmdb
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +150,29 @@ def test_plot_or_clear_message(lmdb_path, tmp_path):
         return
     plot_sweep(res, out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_cli_json_and_exit_code(lmdb_path, capsys):
+    import json
+
+    from packer.cli import main
+
+    rc = main(["profile", str(lmdb_path), "--workers", "0,1", "--batch-size", "4", "--step-ms", "30",
+               "--batches", "3", "--crop", "16", "--json", "-", "-q"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == (0 if d["feasible"] else 1)
+    assert [p["workers"] for p in d["points"]] == [0, 1] and d["points"][0]["batch_size"] == 4
+    rc = main(["profile", str(lmdb_path), "--workers", "0", "--batch-size", "4", "--step-ms", "0.01",
+               "--batches", "2", "--crop", "0", "-q"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "NOT FEASIBLE" in out  # list-collated samples (no crop) work too
+
+
+def test_profile_cli_rejects_bad_lists(lmdb_path, capsys):
+    from packer.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["profile", str(lmdb_path), "--workers", "two"])
+    assert e.value.code == 2
+    assert main(["profile", str(lmdb_path), "--pin-memory", "maybe", "-q"]) == 2
+    assert "pin-memory" in capsys.readouterr().err
