@@ -109,7 +109,8 @@ def _decode_samples(path: Path | None, ds: Any, files: list[str]) -> tuple[list[
         buf = io.BytesIO()
         photo_like(rng, 375, 500, k).save(buf, format="JPEG", quality=90)
         out.append(buf.getvalue())
-    return out, "8 generated photo-like 500x375 JPEGs at quality 90 (no images under PATH)"
+    why = "no PATH given" if path is None else f"no images under {path}"
+    return out, f"8 generated photo-like 500x375 JPEGs at quality 90 ({why})"
 
 
 # ----------------------------------------------------------------------------- probes
@@ -228,6 +229,12 @@ def probe_storage(path: Path, ds: Any, files: list[str], seconds: float, log: Ca
         r = measure.sequential_read_ceiling(writable_dir, nbytes=64 << 20, repeats=2)
         st["sequential_read"] = {"MB_per_s": r.value, "detail": r.detail,
                                  "eviction_verified": "NOT verified" not in r.detail}
+    else:
+        st["not_measured"] = (f"sequential read: {writable_dir} is not writable and holds no file of 16 MB or more "
+                              "to read")
+    if not small:
+        st["not_measured"] = (st.get("not_measured", "") + "; " if st.get("not_measured") else "") + \
+            f"small-file reads: no images under {path} and it is not writable for scratch files"
     return st
 
 
@@ -307,6 +314,9 @@ def judge(r: dict) -> list[dict]:
             f"({per_core['turbojpeg'] / per_core['pil']:.2f}x): keep decoder='auto'.",
             turbojpeg=per_core["turbojpeg"], pil=per_core["pil"]))
     st, data = r.get("storage"), r.get("data")
+    if not st:
+        out.append(_finding("storage not measured: run packer doctor PATH with PATH on the disk that holds the "
+                            "training data to compare its cold small-file and sequential reads with decoding."))
     if st:
         small, seq = st.get("small_file_read"), st.get("sequential_read")
         kind = st["kind"]
@@ -471,6 +481,8 @@ def render(r: dict) -> str:
         if st.get("sequential_read"):
             s = st["sequential_read"]
             lines.append(f"          cold sequential read: {s['MB_per_s']:,.0f} MB/s ({s['detail']})")
+        if st.get("not_measured"):
+            lines.append(f"          not measured: {st['not_measured']}")
     lines.append("")
     lines.append("verdict")
     lines.extend(f"  - {f['text']}" for f in r["verdict"])

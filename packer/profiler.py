@@ -32,7 +32,7 @@ from packer.prefetch import to_device
 FED = 0.10  # the step is fed when it waits for data less than 10% of its own time
 
 ADVICE = {
-    "read": "reads are the limit: pack the folder (packer convert), cache it in RAM "
+    "read": "reads (IO) are the limit: pack the folder (packer convert), cache it in RAM "
     "(open_dataset(path, cache='ram')) if it fits, or move it to faster storage",
     "decode": "decoding is the limit: more workers (up to the cores), libjpeg-turbo, decode at reduced size, "
     "or store decoded pixels (--payload raw / cache='ram-decoded') if they fit",

@@ -176,6 +176,8 @@ def sweep(
         notes.append("no CUDA here: pin_memory has no effect without a GPU, so only pin_memory=False was run")
     ds = dataset if isinstance(dataset, InstrumentedDataset) else InstrumentedDataset(dataset)
     cores = usable_cores()
+    if max(workers) > cores:
+        notes.append(f"with more workers than the {cores} cores, per-sample times include waiting for a core")
     points = []
     base_batch = batch_sizes[0]
     for b, pin, w in itertools.product(batch_sizes, pins, sorted(set(workers))):
@@ -208,6 +210,10 @@ def sweep(
             f"{100 * chosen.wait_over_step:.0f}%; {chosen.samples_per_s:,.0f} samples/s).")
         if predicted is not None and predicted != chosen.workers:
             lines.append(f"(the prediction said {predicted}; the measured sweep decides.)")
+        if chosen.per_sample_ms:
+            stage = max(chosen.per_sample_ms, key=chosen.per_sample_ms.get)
+            lines.append(f"there the loop is compute-bound; the largest loading cost is {stage} "
+                         f"({chosen.per_sample_ms[stage]:.2f} ms per sample), the stage to cut if the step gets faster.")
         feasible = True
     else:
         best = min(points, key=lambda p: p.wait_over_step)
