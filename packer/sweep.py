@@ -197,7 +197,7 @@ def sweep(
     if not math.isfinite(need):
         predicted = None
     else:
-        predicted = 0 if need < FED else max(1, math.ceil(need))
+        predicted = 0 if need < FED / 2 else max(1, math.ceil(need))  # half: the main process has overheads
     lines = [f"step: {step_ms:g} ms per batch of {base_batch} (simulated); fed = data wait < {100 * FED:.0f}% of the step"]
     lines.append(
         f"one process loads a sample in {cost_ms:.2f} ms (measured with num_workers={ref.workers}), a batch of "
@@ -268,6 +268,13 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike) -> None:
         ax1.plot([result.chosen.workers], [100 * result.chosen.wait_over_step], "*", ms=16, color="green",
                  label=f"chosen: num_workers={result.chosen.workers}")
     ax1.set_yscale("symlog", linthresh=10)
+    ax1.set_ylim(bottom=0)
+    if result.chosen is None:
+        ax1.text(0.5, 0.92, "no setting keeps the step fed", transform=ax1.transAxes, ha="center", color="red")
+    base = result.points[0].batch_size if result.points else 0
+    if result.step_ms > 0 and base:
+        ax2.axhline(1000 * base / result.step_ms, color="red", ls="--", lw=1,
+                    label=f"asked by the step (batch {base})")
     ax1.set_xlabel("num_workers")
     ax1.set_ylabel("data wait, % of step time")
     ax1.set_title(f"Does the loader feed a {result.step_ms:g} ms step?")
@@ -277,8 +284,11 @@ def plot_sweep(result: SweepResult, path: str | os.PathLike) -> None:
     ax2.set_ylabel("samples/s")
     ax2.set_title("Loader throughput with the step running")
     ax2.legend(fontsize=8)
+    from matplotlib.ticker import MaxNLocator
+
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(f"packer profile {result.dataset}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -111,19 +111,19 @@ def test_batch_len():
 
 
 def test_sweep_picks_the_smallest_worker_count_that_keeps_the_step_fed(lmdb_path):
-    res = sweep(tensor_ds(lmdb_path), workers=(0, 1, 2), batch_sizes=(8,), step_ms=40, batches=6, progress=False)
+    # 4 tiny images per 50 ms step: a fraction of one core, so some setting is fed even on a busy machine.
+    res = sweep(tensor_ds(lmdb_path), workers=(0, 1, 2), batch_sizes=(4,), step_ms=50, batches=6, progress=False)
     assert [p.workers for p in res.points] == [0, 1, 2]
     for p in res.points:
         assert p.iterations == 6 and p.fed == (p.wait_ms < 0.10 * p.measured_step_ms)
         assert {"read", "decode", "transform", "collate"} <= set(p.per_sample_ms)
     fed = [p.workers for p in res.points if p.fed]
-    assert res.feasible == bool(fed)
-    if fed:  # on a loaded machine nothing may qualify; then the report must say so (next test's case)
-        assert res.chosen.workers == min(fed) and res.chosen.wait_over_step < 0.10
-        assert f"num_workers={res.chosen.workers}" in res.report()
+    assert res.feasible and fed
+    assert res.chosen.workers == min(fed) and res.chosen.wait_over_step < 0.10
+    assert f"num_workers={res.chosen.workers}" in res.report()
     assert res.predicted_workers is not None
     d = res.to_dict()
-    assert d["points"][0]["workers"] == 0 and "fed" in d["points"][0]
+    assert d["points"][0]["workers"] == 0 and "fed" in d["points"][0] and d["chosen"]["fed"]
 
 
 def test_sweep_says_plainly_when_no_setting_is_fed(lmdb_path):
