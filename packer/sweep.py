@@ -198,6 +198,14 @@ def sweep(
         predicted = None
     else:
         predicted = 0 if need < FED / 2 else max(1, math.ceil(need))  # half: the main process has overheads
+    zero = [p for p in points if p.workers == 0]
+    if zero and ref.workers > 0 and cost_ms:
+        cost0 = sum(v for k, v in zero[0].per_sample_ms.items() if k != "h2d")
+        if cost0 > 2 * cost_ms:
+            notes.append(
+                f"with num_workers=0 a sample cost {cost0:.2f} ms against {cost_ms:.2f} ms in a worker: the main "
+                f"process runs torch with {torch.get_num_threads()} intra-op threads (workers use 1), and on a busy "
+                "or small machine those threads contend; torch.set_num_threads(1) helps if you must load in-process")
     lines = [f"step: {step_ms:g} ms per batch of {base_batch} (simulated); fed = data wait < {100 * FED:.0f}% of the step"]
     lines.append(
         f"one process loads a sample in {cost_ms:.2f} ms (measured with num_workers={ref.workers}), a batch of "
