@@ -8,7 +8,7 @@ A tiny CNN trains on 64x64 random crops (on the GPU when there is one, else the 
 dataset is wrapped with ``packer.instrument`` so the workers report read / decode / transform /
 collate time per sample; the loop runs through ``packer.profile`` (wait for batch vs step) and
 ``CUDAPrefetcher`` (copies the next batch to the GPU during the current step; a pass-through on
-CPU); at the end it prints the profile and the verdict: input-bound or compute-bound, and which
+CPU), optionally behind a ``BackgroundLoader`` thread (``--background N``); at the end it prints the profile and the verdict: input-bound or compute-bound, and which
 stage to fix.
 """
 
@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import packer
-from packer.prefetch import CUDAPrefetcher
+from packer.prefetch import BackgroundLoader, CUDAPrefetcher
 from packer.sweep import RandomCrop, usable_cores
 
 
@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--crop", type=int, default=64)
     ap.add_argument("--cache", choices=("ram", "ram-decoded"), default=None, help="serve samples from a shared RAM cache")
+    ap.add_argument("--background", type=int, default=0, metavar="N",
+                    help="keep N batches ready in a background thread (packer.BackgroundLoader; useful with --workers 0)")
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     loss_fn = nn.CrossEntropyLoss()
 
     for epoch in range(args.epochs):
-        prof = packer.profile(CUDAPrefetcher(loader, device), desc=f"epoch {epoch}")
+        source = BackgroundLoader(loader, depth=args.background) if args.background else loader
+        prof = packer.profile(CUDAPrefetcher(source, device), desc=f"epoch {epoch}")
         total, correct, loss_sum = 0, 0, 0.0
         for x, y in prof:
             x = x.float().div_(255)
