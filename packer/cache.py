@@ -211,11 +211,17 @@ class CachedDataset(Dataset):
         self.path = shm / _cache_name()
         self.num_samples, self.data_at, self.total_bytes = n, data_at, total
         self.owner_pid = os.getpid()
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise PackerError(f"RAM cache: cannot create {self.path} ({exc.strerror})") from exc
         janitor = None
         try:
-            os.ftruncate(fd, total)
             janitor = _start_janitor(self.path)
+            try:  # reserve the pages now: a full tmpfs then fails here, not with SIGBUS while filling
+                os.posix_fallocate(fd, 0, total)
+            except OSError as exc:
+                raise PackerError(f"RAM cache: cannot reserve {human_bytes(total)} in {shm} ({exc.strerror})") from exc
             self._finalizer = weakref.finalize(self, _release, str(self.path), self.owner_pid, janitor)
             self._fill(fd, offsets, shapes, workers, progress)
         except BaseException:

@@ -148,3 +148,12 @@ def test_unknown_mode_and_non_packer_dataset(lmdb_path):
         packer.open_dataset(lmdb_path, cache="disk")
     with pytest.raises(PackerError, match="packer datasets"):
         CachedDataset(list(range(3)), "ram", progress=False)
+
+
+def test_refuses_when_shm_is_too_small(lmdb_path, monkeypatch):
+    from packer import sysinfo
+
+    monkeypatch.setattr(sysinfo, "disk_space", lambda path: (64_000, 64_000_000))
+    with pytest.raises(PackerError) as err:
+        CachedDataset(packer.open_dataset(lmdb_path), "ram-decoded", progress=False)
+    assert "/dev/shm has 64.0 KB free of 64.0 MB" in str(err.value) and "--shm-size" in str(err.value)
