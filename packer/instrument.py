@@ -6,8 +6,8 @@ fork workers inherit and spawn workers receive through torch's multiprocessing p
 process writes only its own row (worker id + 1; row 0 is the main process), so no lock is
 needed, and the main process reads the totals at any time with ``stage_totals()``.
 
-Stages are split for datasets that expose packer's staged reading (``read_payloads``,
-``pixels``, ``present``: ``PackedDataset`` and ``CachedDataset``); any other dataset is timed
+Stages are split for datasets that expose packer's staged reading (``read_payload``,
+``pixels``, ``present``; ``prefetch`` counts as read: ``PackedDataset`` and ``CachedDataset``); any other dataset is timed
 as a single ``getitem`` stage.
 """
 
@@ -80,7 +80,7 @@ class InstrumentedDataset(Dataset):
 
     def __init__(self, dataset: Dataset, max_workers: int = 256) -> None:
         self.dataset = dataset
-        self.staged = all(hasattr(dataset, a) for a in ("read_payloads", "pixels", "present"))
+        self.staged = all(hasattr(dataset, a) for a in ("read_payload", "pixels", "present"))
         self.table = torch.zeros((max_workers + 1, len(STAGES) + 2), dtype=torch.float64).share_memory_()
 
     def __len__(self) -> int:
@@ -110,19 +110,26 @@ class InstrumentedDataset(Dataset):
         ds: Any = self.dataset
         n = len(ds)
         idx = [int(i) + n if int(i) < 0 else int(i) for i in indices]
-        t0 = clock()
-        payloads = ds.read_payloads(idx)
-        t1 = clock()
-        decode = transform = 0.0
-        out = []
-        for i, p in zip(idx, payloads, strict=True):
+        read = decode = transform = 0.0
+        # The same path as PackedDataset.__getitems__: hint the batch's IO, then read in file order.
+        if hasattr(ds, "prefetch"):
+            t0 = clock()
+            ds.prefetch(idx)
+            read += clock() - t0
+        out: list = [None] * len(idx)
+        for j in sorted(range(len(idx)), key=idx.__getitem__):
+            i = idx[j]
             a = clock()
-            arr = ds.pixels(i, p)
+            payload = ds.read_payload(i)
             b = clock()
-            out.append(ds.present(i, arr))
-            decode += b - a
-            transform += clock() - b
-        row[STAGES.index("read")] += t1 - t0
+            arr = ds.pixels(i, payload)
+            c = clock()
+            out[j] = ds.present(i, arr)
+            d = clock()
+            read += b - a
+            decode += c - b
+            transform += d - c
+        row[STAGES.index("read")] += read
         row[STAGES.index("decode")] += decode
         row[STAGES.index("transform")] += transform
         row[_SAMPLES] += len(out)
