@@ -227,8 +227,16 @@ def sweep(
         best = min(points, key=lambda p: p.wait_over_step)
         stage = max(best.per_sample_ms, key=best.per_sample_ms.get) if best.per_sample_ms else None
         feasible = False
-        why = (f"The step would need about {need:.1f} busy workers but the machine has {cores} cores"
-               if need > cores else "No tested worker count was enough")
+        if need > cores:
+            why = f"The step would need about {need:.1f} busy workers but the machine has {cores} cores"
+        elif best.workers >= math.ceil(need):
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+            why = (f"{best.workers} workers can load {1000 * best.workers / cost_ms:,.0f} samples/s against "
+                   f"{1000 * base_batch / step_ms:,.0f} asked, so the {best.wait_ms:.1f} ms left per batch is "
+                   f"hand-over cost in the main process (receiving each batch from a worker) or CPU contention "
+                   f"(load {load:.1f} on {cores} cores); larger batches amortise the first")
+        else:
+            why = "No tested worker count was enough"
         lines.append(
             f"NOT FEASIBLE as tested: no setting keeps a {step_ms:g} ms step fed; the best, num_workers={best.workers}, "
             f"still waits {best.wait_ms:.1f} ms per step ({100 * best.wait_over_step:.0f}%). {why}.")
