@@ -243,9 +243,9 @@ class CachedDataset(Dataset):
                     magic, mode, n, data_at, ready = _HEADER.unpack(fh.read(_HEADER.size))
             except (OSError, struct.error) as exc:
                 raise PackerError(f"{path}: not a readable packer RAM cache ({exc})") from exc
-            if magic != _MAGIC:
+            if magic not in (_MAGIC, bytes(8)):  # zeros: created, header not written yet
                 raise PackerError(f"{path}: not a packer RAM cache")
-            if ready or time.monotonic() > deadline:
+            if (ready and magic == _MAGIC) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
         if not ready:
