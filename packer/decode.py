@@ -60,13 +60,14 @@ def turbojpeg_handle():
     """The process's TurboJPEG object, or None when libturbojpeg is missing."""
     global _turbo, _turbo_pid, _turbo_error
     if _turbo_pid != os.getpid():
-        _turbo_pid = os.getpid()
         try:
             from turbojpeg import TurboJPEG
 
-            _turbo, _turbo_error = TurboJPEG(), None
+            turbo, error = TurboJPEG(), None
         except (ImportError, OSError, RuntimeError) as exc:
-            _turbo, _turbo_error = None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            turbo, error = None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        _turbo, _turbo_error = turbo, error
+        _turbo_pid = os.getpid()  # last: a second thread must never see this pid before the handle is set
     return _turbo
 
 

@@ -84,6 +84,11 @@ def open_client(scheduler: str) -> Iterator[Any]:
 
 
 def _worker_threads(client: Any) -> int:
+    """Worker threads of the cluster; with none yet, say so and wait for the first worker to join."""
+    if not client.nthreads():
+        print(f"packer: no Dask workers at {client.scheduler.address} yet; waiting for one to join "
+              f"(dask worker {client.scheduler.address} --nthreads 1)", file=sys.stderr)
+        client.wait_for_workers(1)
     return max(1, sum(client.nthreads().values()))
 
 
@@ -97,6 +102,7 @@ def scan_on_cluster(client: Any, root: str | os.PathLike) -> ScanResult:
     merged in class order. A flat folder (no class folders) is walked here.
     """
     _require_dask()
+    _worker_threads(client)
 
     def map_classes(folders: list[tuple[str, str]]):
         per_task = max(1, len(folders) // (_worker_threads(client) * _CLASSES_PER_TASK_TARGET))

@@ -277,3 +277,27 @@ def test_a_worker_that_cannot_see_the_folders_says_so(source, tmp_path):
     assert reply["kind"] == "input" and "shared by the driver and every worker" in reply["error"]
     reply = convert_shard(str(source), str(tmp_path), 0, [], opts, "skip", "0.0.0")
     assert reply["kind"] == "input" and "install the same packer" in reply["error"]
+
+
+def test_decoder_handle_is_safe_to_load_from_several_threads(monkeypatch):
+    """A Dask worker with --nthreads > 1 loads the TurboJPEG handle from several threads at once."""
+    import threading
+
+    decode = importlib.import_module("packer.decode")
+    if not decode.turbojpeg_available():
+        pytest.skip("libturbojpeg not installed")
+    for _ in range(5):
+        monkeypatch.setattr(decode, "_turbo_pid", None)
+        monkeypatch.setattr(decode, "_turbo", None)
+        barrier, handles = threading.Barrier(4), []
+
+        def load(barrier=barrier, handles=handles):
+            barrier.wait()
+            handles.append(decode.turbojpeg_handle())
+
+        threads = [threading.Thread(target=load) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(handles) == 4 and all(h is not None for h in handles)
