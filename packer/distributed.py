@@ -206,20 +206,18 @@ def build_shards(client: Any, scan: ScanResult, partial: Path, ranges: list[tupl
         items = list(zip(scan.rel_paths[a:b], scan.labels[a:b].tolist()))
         future = client.submit(convert_shard, root, str(partial), sid, items, opts, on_error, __version__,
                                key=f"packer-shard-{sid:05d}-{token}", retries=_RETRIES)
-        shard_of[future.key] = sid
-        submitted.append(future)
+        live[future.key] = (sid, future)
         return future
 
     results = dict(done)
-    shard_of: dict[str, int] = {}
-    submitted: list = []
+    live: dict[str, tuple[int, Any]] = {}  # submitted and not yet collected: key -> (shard, future)
     queue = iter(todo)
     pending = distributed.as_completed([submit(sid) for sid in itertools.islice(queue, in_flight)])
     bar = _progress(len(scan), progress)
     bar.update(sum(ranges[sid][1] - ranges[sid][0] for sid in done))
     try:
         for future in pending:
-            sid = shard_of.pop(future.key)
+            sid, _ = live.pop(future.key)
             try:
                 reply = future.result()
             except Exception as exc:  # KilledWorker (lost too often), or the task's own bug after its retries
@@ -237,7 +235,7 @@ def build_shards(client: Any, scan: ScanResult, partial: Path, ranges: list[tupl
     except BaseException as exc:
         # convert() removes the output folder after a bad source under --on-error raise: let the
         # shards already running end first, so none writes into a folder being removed
-        _stop(client, submitted, wait_running=isinstance(exc, PackerError) and not isinstance(exc, ShardWriteError))
+        _stop(client, [f for _, f in live.values()], wait_running=isinstance(exc, PackerError) and not isinstance(exc, ShardWriteError))
         raise
     finally:
         bar.close()
