@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import textwrap
@@ -107,6 +108,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_sample)
+
+    p = _parser(sub, "bench", "measure decoders (and, in the full tool, IO throughput)", """
+        packer bench --decoders                         # on 200 generated photo-like JPEGs
+        packer bench --decoders imgs/                   # on your own images (a folder)
+        packer bench --decoders imgs.lmdb --sizes full,224,112 --json decoders.json
+        """, description="--decoders: images/s and megapixels/s per core of each available JPEG decoder, at full "
+        "size and with decode-time downscaling (decode_size), in one process on in-memory bytes. On a packed "
+        "dataset it also measures open_dataset's decoding rate against bare libjpeg-turbo (packer's overhead).")
+    p.add_argument("path", nargs="?", metavar="DATASET|FOLDER",
+                   help="packed dataset or folder of images (default: generate a small sample set)")
+    p.add_argument("--decoders", action="store_true", help="benchmark the decoders (required in this version)")
+    p.add_argument("--sizes", default="full,224,112",
+                   help="decode sizes: 'full' or a short side S (decode_size=S), comma-separated (default full,224,112)")
+    p.add_argument("--backends", default=None, help="comma-separated (default: all available)")
+    p.add_argument("--limit", type=int, default=200, help="images to use (default 200)")
+    p.add_argument("--seconds", type=float, default=2.0, help="CPU seconds per measurement (default 2)")
+    p.add_argument("--batch-size", type=int, default=32, help="batch for the open_dataset overhead measurement")
+    p.add_argument("--json", metavar="FILE", help="write every figure to FILE")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
@@ -190,6 +210,58 @@ def cmd_sample(args) -> int:
     total = make_sample(args.output, count=args.count, classes=args.classes, size=(h, w), seed=args.seed,
                         quality=args.quality, progress=not args.quiet)
     print(f"wrote {args.count} images ({human_bytes(total)}) to {args.output}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if not args.decoders:
+        print("packer bench: only --decoders is implemented in this version; the IO benchmark "
+              "(folders vs packed datasets, cold/warm, --emulate) is issue 6 (packer/bench.py).", file=sys.stderr)
+        return 2
+    import platform
+    import tempfile
+
+    from packer import decodebench
+
+    try:
+        sizes = [None if s.strip() == "full" else int(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError:
+        raise PackerError(f"--sizes {args.sizes!r}: expected 'full' or numbers, e.g. full,224,112") from None
+    backends = args.backends.split(",") if args.backends else None
+    with tempfile.TemporaryDirectory(prefix="packer-bench-") as tmp:
+        path = args.path
+        if path is None:
+            from packer.sample import make_sample
+
+            path = f"{tmp}/imgs"
+            print(f"no DATASET|FOLDER given: generating {args.limit} photo-like JPEGs (about 500x375, q90)")
+            make_sample(path, count=args.limit, classes=1, progress=False)
+        samples = decodebench.load_samples(path, limit=args.limit)
+        mean_kb = sum(map(len, samples)) / len(samples) / 1e3
+        print(f"{len(samples)} images from {path} (mean {mean_kb:.0f} KB); one process, rates per core from CPU time")
+        results = decodebench.measure_decoders(samples, backends=backends, sizes=sizes, seconds=args.seconds)
+        print(decodebench.format_table(results))
+        overhead = None
+        from pathlib import Path
+
+        from packer.decode import turbojpeg_available
+        if (Path(path) / "manifest.json").exists() and turbojpeg_available():
+            overhead = decodebench.measure_overhead(path, limit=args.limit, batch_size=args.batch_size,
+                                                    seconds=args.seconds * 2)
+            r = overhead["img_per_s"]
+            print(f"open_dataset(image='numpy', decoder='auto') vs bare libjpeg-turbo, same bytes, batches of "
+                  f"{args.batch_size}: packer {r['packer']:.0f} img/s = {overhead['ratio']:.0%} of bare "
+                  f"{r['bare']:.0f} img/s ({overhead['ratio_vs_bare_batch']:.0%} of bare holding a batch, "
+                  f"{r['bare_batch']:.0f}); one sample at a time {r['packer_item']:.0f} = {overhead['ratio_item']:.0%}")
+    if args.json:
+        from packer import __version__
+
+        doc = {"packer": __version__, "python": platform.python_version(), "machine": platform.machine(),
+               "cpu_count": os.cpu_count(), "path": args.path, "samples": len(samples),
+               "decoders": results, "overhead": overhead}
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh, indent=1)
+        print(f"wrote {args.json}")
     return 0
 
 
