@@ -166,7 +166,7 @@ def decode_pil(data: bytes | memoryview, min_size: int | None = None) -> np.ndar
 
 
 # TurboJPEG colorspaces it decodes like Pillow; CMYK (3) and YCCK (4) go to Pillow.
-_TURBO_SAFE_COLORSPACES = (0, 1, 2)  # RGB, YCbCr, GRAY
+TURBO_SAFE_COLORSPACES = (0, 1, 2)  # RGB, YCbCr, GRAY
 
 
 def decode_turbojpeg(data: bytes | memoryview, strict: bool = True, min_size: int | None = None) -> np.ndarray | None:
@@ -182,7 +182,7 @@ def decode_turbojpeg(data: bytes | memoryview, strict: bool = True, min_size: in
             if strict:
                 warnings.simplefilter("error")
             width, height, _sub, colorspace = tj.decode_header(data)
-            if colorspace not in _TURBO_SAFE_COLORSPACES:
+            if colorspace not in TURBO_SAFE_COLORSPACES:
                 return None
             d = scale_denominator(height, width, min_size) if min_size else 1
             return tj.decode(data, pixel_format=_TJPF_RGB, scaling_factor=(1, d) if d > 1 else None)

@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from packer.decode import decode, scale_denominator, scaled_shape, turbojpeg_handle
+from packer.decode import TURBO_SAFE_COLORSPACES, decode, scale_denominator, scaled_shape, sniff, turbojpeg_handle
 from packer.errors import PackerError
 
 # Bench-only extra: measured when importable, never a dependency (see the report on simplejpeg).
@@ -134,9 +134,19 @@ def measure_overhead(dataset: str | os.PathLike, limit: int = 200, batch_size: i
     ds = open_dataset(dataset, image="numpy", decoder="auto", decode_size=decode_size)
     if ds.manifest.payload != "encoded":
         raise PackerError(f"{dataset}: payload {ds.manifest.payload!r} holds no encoded images to decode")
-    n = min(limit, len(ds))
-    data = [bytes(ds.read_payload(i)) for i in range(n)]
-    batches = [list(range(s, min(n, s + batch_size))) for s in range(0, n, batch_size)]
+    # The first ``limit`` samples that libjpeg-turbo decodes itself (JPEG, not CMYK/YCCK): the same bytes both ways.
+    keep: list[int] = []
+    for i in range(len(ds)):
+        if len(keep) >= limit:
+            break
+        d = ds.read_payload(i)
+        if sniff(d) == "jpeg" and tj.decode_header(d)[3] in TURBO_SAFE_COLORSPACES:
+            keep.append(i)
+    if not keep:
+        raise PackerError(f"{dataset}: no JPEG that libjpeg-turbo decodes among its samples")
+    n = len(keep)
+    data = [bytes(ds.read_payload(i)) for i in keep]
+    batches = [keep[s:s + batch_size] for s in range(0, n, batch_size)]
     from turbojpeg import TJPF_RGB
 
     def decode_bare(d: bytes) -> np.ndarray:
@@ -152,8 +162,8 @@ def measure_overhead(dataset: str | os.PathLike, limit: int = 200, batch_size: i
         return n
 
     def bare_batch() -> int:
-        for b in batches:
-            held = [decode_bare(data[i]) for i in b]
+        for s in range(0, n, batch_size):
+            held = [decode_bare(d) for d in data[s:s + batch_size]]
             del held
         return n
 
@@ -163,7 +173,7 @@ def measure_overhead(dataset: str | os.PathLike, limit: int = 200, batch_size: i
         return n
 
     def packer_item() -> int:
-        for i in range(n):
+        for i in keep:
             ds[i]
         return n
 

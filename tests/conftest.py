@@ -1,0 +1,26 @@
+"""Shared test options and fixtures."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser):
+    # `make test` passes this in CI and wherever ldconfig lists libturbojpeg: the libjpeg-turbo
+    # path must then really run, so tests that need it fail instead of skipping.
+    parser.addoption("--require-turbojpeg", action="store_true",
+                     help="fail (not skip) when libturbojpeg does not load")
+
+
+@pytest.fixture
+def turbojpeg(request):
+    """The process's TurboJPEG handle; skips without libturbojpeg, fails with --require-turbojpeg."""
+    from packer.decode import turbojpeg_handle, turbojpeg_missing_reason
+
+    handle = turbojpeg_handle()
+    if handle is None:
+        reason = f"libturbojpeg did not load: {turbojpeg_missing_reason()}"
+        if request.config.getoption("--require-turbojpeg"):
+            pytest.fail(reason + " (--require-turbojpeg)")
+        pytest.skip(reason)
+    return handle
