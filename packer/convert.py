@@ -9,8 +9,10 @@ looks complete. Every source file is either packed or listed in ``errors.json``.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import shutil
 import sys
 import time
@@ -29,6 +31,7 @@ from packer.formats import get_format
 from packer.formats.base import PreparedSample
 from packer.index import Index
 from packer.manifest import PAYLOADS, Manifest, Shard, file_info, write_manifest
+from packer.resize import ResizeSpec
 from packer.scan import ScanResult, scan_folder
 
 Validate = Literal["full", "header", "none"]
@@ -45,7 +48,14 @@ class ConvertOptions:
     payload: str = "encoded"
     validate: Validate = "full"
     shard_bytes: int | None = None  # None: the format's default
+    resize: str | None = None  # "S" or "HxW" (raw payloads only; lossy, explicit)
+    resize_mode: str = "stretch"  # for HxW: stretch, or fit (keep aspect, pad)
+    upscale: bool = False
     decoder: str = "auto"
+
+    @property
+    def resize_spec(self) -> ResizeSpec | None:
+        return ResizeSpec.parse(self.resize, self.resize_mode, self.upscale)
 
     def check(self) -> None:
         fmt = get_format(self.format)
@@ -57,6 +67,8 @@ class ConvertOptions:
             raise PackerError(f"unknown validation level {self.validate!r} (choose full, header or none)")
         if self.shard_bytes is not None and self.shard_bytes <= 0:
             raise PackerError("shard size must be positive")
+        if self.resize_spec is not None and self.payload != "raw":
+            raise PackerError("--resize changes pixels, so it needs --payload raw (encoded payloads keep the source bytes)")
 
 
 @dataclass
@@ -86,8 +98,7 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
     """Read one source file and make its payload; a problem becomes a SourceError, never an exception."""
     path = root / rel
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
+        data = read_source(path)
     except OSError as exc:
         if not path.exists() and path.is_symlink():
             return SourceError(rel, "broken symbolic link")
@@ -97,6 +108,9 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
     try:
         if options.payload == "raw":
             pixels = decode(data, options.decoder, strict=True)
+            spec = options.resize_spec
+            if spec is not None:
+                pixels = spec.apply(pixels)
             h, w = pixels.shape[:2]
             return PreparedSample(-1, rel, label, np.ascontiguousarray(pixels), h, w)
         if options.validate == "full":
@@ -110,6 +124,22 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
     except Exception as exc:  # a codec crash on hostile bytes must not abort the conversion
         return SourceError(rel, f"cannot decode image: {type(exc).__name__}: {exc}")
     return PreparedSample(-1, rel, label, data, h, w)
+
+
+def read_source(path: Path) -> bytes:
+    """The whole file, refusing special files (a FIFO would block forever) and files that change size."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read()
+        if len(data) != st.st_size and st.st_size != 0:
+            raise OSError(errno.EAGAIN, f"changed while being read ({st.st_size} bytes, then {len(data)})")
+        return data
+    finally:
+        os.close(fd)
 
 
 def _prepare_chunk(root: Path, items: list[tuple[str, int]], options: ConvertOptions) -> list:
@@ -135,6 +165,9 @@ def estimate_sample_bytes(scan: ScanResult, options: ConvertOptions, probes: int
             if options.payload == "raw":
                 with open(path, "rb") as fh:
                     h, w = read_header(fh.read(1 << 20))
+                spec = options.resize_spec
+                if spec is not None:
+                    h, w = spec.output_shape(h, w)
                 sizes.append(h * w * 3)
             else:
                 sizes.append(path.stat().st_size)
@@ -204,11 +237,15 @@ def convert(
     on_error: Literal["skip", "raise"] = "skip",
     workers: int | None = None,
     shard_bytes: int | None = None,
+    resize: str | None = None,
+    resize_mode: str = "stretch",
+    upscale: bool = False,
     overwrite: bool = False,
     progress: bool = True,
 ) -> ConvertResult:
     """Pack the images of folder ``src`` into a dataset of format ``to``; see ``packer convert --help``."""
-    options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes)
+    options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes,
+                             resize=None if resize is None else str(resize), resize_mode=resize_mode, upscale=upscale)
     options.check()
     if on_error not in ("skip", "raise"):
         raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")

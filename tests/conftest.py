@@ -1,8 +1,6 @@
-"""Shared test options and fixtures."""
-
-from __future__ import annotations
-
 import pytest
+
+from imagesets import make_flat, make_imagefolder
 
 
 def pytest_addoption(parser):
@@ -24,3 +22,14 @@ def turbojpeg(request):
             pytest.fail(reason + " (--require-turbojpeg)")
         pytest.skip(reason)
     return handle
+
+
+@pytest.fixture(scope="session")
+def imagefolder(tmp_path_factory):
+    """3 classes x 5 small JPEGs, shared read-only by the tests of a session."""
+    return make_imagefolder(tmp_path_factory.mktemp("src") / "imgs")
+
+
+@pytest.fixture(scope="session")
+def flatfolder(tmp_path_factory):
+    return make_flat(tmp_path_factory.mktemp("flat") / "flat")

@@ -97,6 +97,38 @@ class Writer:
                 os.remove(p)
 
 
+# py-lmdb refuses to open one environment twice in a process, yet two datasets (or a dataset and
+# `verify`) may read the same shard: readers of a process share one handle, counted.
+_ENVS: dict[str, list] = {}
+
+
+def _shared_env(path: Path, readahead: bool) -> lmdb.Environment:
+    entry = _ENVS.get(str(path))
+    if entry is not None and entry[2] != os.getpid():
+        entry[0].close()  # inherited through fork: py-lmdb would refuse a second open of the same file
+        entry = None
+    if entry is None:
+        try:
+            env = lmdb.open(
+                str(path), subdir=False, readonly=True, lock=False, readahead=readahead,
+                meminit=False, max_readers=2048, max_dbs=0,
+            )
+        except lmdb.Error as exc:
+            raise PackerError(f"{path}: cannot open LMDB shard ({exc})") from exc
+        entry = _ENVS[str(path)] = [env, 0, os.getpid()]
+    entry[1] += 1
+    return entry[0]
+
+
+def _release_env(path: Path) -> None:
+    entry = _ENVS.get(str(path))
+    if entry is not None and entry[2] == os.getpid():
+        entry[1] -= 1
+        if entry[1] <= 0:
+            entry[0].close()
+            del _ENVS[str(path)]
+
+
 class Reader:
     """Reads one shard; opens the environment lazily in each process."""
 
@@ -107,13 +139,7 @@ class Reader:
         self._env: LazyHandle[lmdb.Environment] = LazyHandle()
 
     def _open(self) -> lmdb.Environment:
-        try:
-            return lmdb.open(
-                str(self.path), subdir=False, readonly=True, lock=False, readahead=self.readahead,
-                meminit=False, max_readers=2048, max_dbs=0,
-            )
-        except lmdb.Error as exc:
-            raise PackerError(f"{self.path}: cannot open LMDB shard ({exc})") from exc
+        return _shared_env(self.path, self.readahead)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -141,4 +167,4 @@ class Reader:
         return out
 
     def close(self) -> None:
-        self._env.close(lambda env: env.close())
+        self._env.close(lambda env: _release_env(self.path))
