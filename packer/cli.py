@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         packer convert imgs/ --to lmdb -o /fast/imgs.lmdb --workers 8
         packer convert imgs/ --to lmdb --validate header   # faster; catches fewer damaged files
         packer convert imgs/ --to lmdb --payload raw --resize 256   # decoded once, short side 256
+        packer convert imgs/ --to lmdb --resume       # go on after Ctrl-C, a kill or a full disk
+        packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
         """, description="Pack a folder of images (ImageFolder layout root/<class>/<img>, or flat) into one "
         "dataset directory. Every source file is either packed or listed with its reason in errors.json.")
     p.add_argument("source", help="folder of images")
@@ -80,7 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resize-mode", choices=("stretch", "fit"), default="stretch",
                    help="for --resize HxW: stretch to the shape (default) or fit inside it and pad with black")
     p.add_argument("--upscale", action="store_true", help="let --resize enlarge small images (default: never)")
+    p.add_argument("--order", choices=("shuffled", "source"), default="shuffled",
+                   help="sample order in the dataset. shuffled (default): a seeded shuffle, so neighbours on disk "
+                   "are unrelated and block-shuffled reading (packer.sampler) mixes labels in every batch; "
+                   "source: ImageFolder's order, dataset index i = ImageFolder index i. Either way "
+                   "ds.samples and ds.index_of(rel_path) map samples to their source files")
+    p.add_argument("--seed", type=int, default=0, help="seed of --order shuffled (default 0; recorded in the manifest)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (only once the new one is complete)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on with an interrupted conversion of the same source and options (its finished "
+                   "shards are checked and kept; the result is identical to an uninterrupted run)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
 
@@ -143,7 +154,7 @@ def cmd_convert(args) -> int:
         args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
         on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
         resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
-        overwrite=args.overwrite, progress=not args.quiet,
+        overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
     )
     total = res.num_samples + len(res.errors)
     print(

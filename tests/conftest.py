@@ -1,5 +1,4 @@
 import pytest
-
 from imagesets import make_flat, make_imagefolder
 
 

@@ -7,7 +7,6 @@ from packer.errors import PackerError
 from packer.scan import scan_folder
 
 
-
 def imagefolder_reference(root):
     """torchvision.datasets.folder.make_dataset, restated: sorted(os.walk) then sorted files."""
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
