@@ -267,10 +267,11 @@ def cmd_bench(args) -> int:
             overhead = decodebench.measure_overhead(path, limit=args.limit, batch_size=args.batch_size,
                                                     seconds=args.seconds * 2)
             r = overhead["img_per_s"]
-            print(f"open_dataset(image='numpy', decoder='auto') vs bare libjpeg-turbo, same bytes, batches of "
-                  f"{args.batch_size}: packer {r['packer']:.0f} img/s = {overhead['ratio']:.0%} of bare "
-                  f"{r['bare']:.0f} img/s ({overhead['ratio_vs_bare_batch']:.0%} of bare holding a batch, "
-                  f"{r['bare_batch']:.0f}); one sample at a time {r['packer_item']:.0f} = {overhead['ratio_item']:.0%}")
+            print(f"open_dataset(image='numpy', decoder='auto') vs bare libjpeg-turbo on the same {overhead['samples']} "
+                  f"JPEGs, batches of {args.batch_size} via __getitems__: {r['packer']:.0f} vs {r['bare']:.0f} img/s "
+                  f"= {overhead['ratio']:.0%} (one sample at a time {overhead['ratio_item']:.0%}; "
+                  f"holding full-size arrays per batch {r['packer_held']:.0f} vs {r['bare_held']:.0f} "
+                  f"= {overhead['ratio_held']:.0%})")
     if args.json:
         from packer import __version__
 
