@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 
-from packer.decode import TURBO_SAFE_COLORSPACES, decode, scale_denominator, scaled_shape, sniff, turbojpeg_handle
+from packer.decode import (
+    TURBO_SAFE_COLORSPACES,
+    decode,
+    scale_denominator,
+    scaled_shape,
+    sniff,
+    turbojpeg_handle,
+)
 from packer.errors import PackerError
 
 # Bench-only extra: measured when importable, never a dependency (see the report on simplejpeg).

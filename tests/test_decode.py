@@ -124,7 +124,7 @@ def test_png_variants_equal_pillow(kind):
         arr = np.asarray(rgb).astype(np.uint16) * 256 + (np.arange(91, dtype=np.uint16) * 3 % 256)[:, None]  # low byte varies
         data = png_rgb16(arr)
     elif kind == "I;16":
-        data = png(Image.fromarray((np.asarray(rgb.convert("L")).astype(np.uint16) * 200)))
+        data = png(Image.fromarray(np.asarray(rgb.convert("L")).astype(np.uint16) * 200))
     elif kind == "P+transparency":
         data = png(rgb.quantize(64), transparency=3)
     elif kind == "RGBA":
