@@ -9,18 +9,23 @@ def pytest_addoption(parser):
                      help="fail (not skip) when libturbojpeg does not load")
 
 
-@pytest.fixture
-def turbojpeg(request):
-    """The process's TurboJPEG handle; skips without libturbojpeg, fails with --require-turbojpeg."""
+def turbojpeg_or_skip(required: bool):
+    """The process's TurboJPEG handle; skips without libturbojpeg, or fails if it is required."""
     from packer.decode import turbojpeg_handle, turbojpeg_missing_reason
 
     handle = turbojpeg_handle()
     if handle is None:
         reason = f"libturbojpeg did not load: {turbojpeg_missing_reason()}"
-        if request.config.getoption("--require-turbojpeg"):
+        if required:
             pytest.fail(reason + " (--require-turbojpeg)")
         pytest.skip(reason)
     return handle
+
+
+@pytest.fixture
+def turbojpeg(request):
+    """Tests that exercise libjpeg-turbo take this fixture (see --require-turbojpeg)."""
+    return turbojpeg_or_skip(request.config.getoption("--require-turbojpeg"))
 
 
 @pytest.fixture(scope="session")

@@ -245,6 +245,15 @@ def test_missing_library_falls_back_to_pillow_with_one_notice(no_turbojpeg, caps
         decode(data, "turbojpeg")
 
 
+def test_require_turbojpeg_fails_instead_of_skipping(no_turbojpeg):
+    from conftest import turbojpeg_or_skip
+
+    with pytest.raises(pytest.skip.Exception, match="libturbojpeg did not load"):
+        turbojpeg_or_skip(required=False)
+    with pytest.raises(pytest.fail.Exception, match="--require-turbojpeg"):
+        turbojpeg_or_skip(required=True)
+
+
 def test_missing_library_through_a_dataset(packed, no_turbojpeg, capsys):
     path, refs = packed
     ds = open_dataset(path, image="numpy")
