@@ -378,5 +378,6 @@ def test_cli_bench_decoders(turbojpeg, packed, tmp_path, capsys):
     assert set(doc["overhead"]["img_per_s"]) == {"bare", "packer", "packer_item", "bare_held", "packer_held"}
     assert doc["overhead"]["ratio"] == pytest.approx(doc["overhead"]["img_per_s"]["packer"]
                                                      / doc["overhead"]["img_per_s"]["bare"])
-    assert cli_main(["bench", str(path)]) == 2
-    assert "issue 6" in capsys.readouterr().err
+    assert cli_main(["bench"]) == 2  # no PATH and no --decoders: usage
+    assert "at least one PATH" in capsys.readouterr().err
+    assert cli_main(["bench", "--decoders", str(path), str(path)]) == 2
