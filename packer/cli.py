@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         packer convert imgs/ --to lmdb -o /fast/imgs.lmdb --workers 8
         packer convert imgs/ --to lmdb --validate header   # faster; catches fewer damaged files
         packer convert imgs/ --to lmdb --payload raw --resize 256   # decoded once, short side 256
+        packer convert imgs/ --to hdf5                               # encoded bytes, one blob + offsets
+        packer convert imgs/ --to memmap --payload raw --resize 224x224   # one (N,224,224,3) .npy
+        packer convert imgs/ --to hdf5 --payload raw --resize 256 --compression lzf
         """, description="Pack a folder of images (ImageFolder layout root/<class>/<img>, or flat) into one "
         "dataset directory. Every source file is either packed or listed with its reason in errors.json.")
     p.add_argument("source", help="folder of images")
@@ -73,12 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip: report bad files in errors.json and go on (default); raise: stop at the first")
     p.add_argument("--workers", type=int, default=None, help="processes reading and validating (default: all cores)")
     p.add_argument("--shard-size", type=parse_bytes, default=None, metavar="SIZE",
-                   help="approximate shard size, e.g. 512MB (default: the format's, 1GB for lmdb)")
+                   help="approximate shard size, e.g. 512MB (default: the format's: 1GB for lmdb, one file for hdf5 and memmap)")
     p.add_argument("--resize", metavar="S|HxW",
                    help="raw payloads only, lossy: S = short side to S (aspect kept); HxW = exact shape")
     p.add_argument("--resize-mode", choices=("stretch", "fit"), default="stretch",
                    help="for --resize HxW: stretch to the shape (default) or fit inside it and pad with black")
     p.add_argument("--upscale", action="store_true", help="let --resize enlarge small images (default: never)")
+    p.add_argument("--compression", choices=("lzf", "gzip"), default=None,
+                   help="hdf5 with --payload raw only: compress pixel chunks (lzf fast, gzip smaller; default none)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (only once the new one is complete)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
@@ -123,7 +128,7 @@ def cmd_convert(args) -> int:
         args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
         on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
         resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
-        overwrite=args.overwrite, progress=not args.quiet,
+        compression=args.compression, overwrite=args.overwrite, progress=not args.quiet,
     )
     total = res.num_samples + len(res.errors)
     print(

@@ -8,6 +8,9 @@ from typing import Any, Callable, Generic, TypeVar
 
 import numpy as np
 
+from packer.errors import PackerError
+from packer.resize import ResizeSpec
+
 H = TypeVar("H")
 
 
@@ -61,3 +64,24 @@ def contiguous_runs(positions: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((p, p + 1))
     return runs
+
+
+def fixed_shape(payload: str, options: dict) -> tuple[int, int, int] | None:
+    """(H, W, 3) every sample of a raw payload will have, known before writing; else None.
+
+    Only ``--resize HxW`` promises one shape in advance (short-side resizing and untouched
+    sources vary), so that is when formats choose a fixed-shape ``(N, H, W, 3)`` layout.
+    """
+    if payload != "raw":
+        return None
+    spec = ResizeSpec.parse(options.get("resize"), options.get("resize_mode", "stretch"),
+                            bool(options.get("upscale", False)))
+    return None if spec is None or spec.fixed_shape is None else (*spec.fixed_shape, 3)
+
+
+def check_offsets(offsets: np.ndarray, num_samples: int, total: int, where: object) -> None:
+    """Offsets ``[N+1]`` must start at 0, never decrease and end at the blob's size."""
+    if offsets.ndim != 1 or len(offsets) != num_samples + 1:
+        raise PackerError(f"{where}: {len(offsets)} offsets for {num_samples} samples (expected N+1)")
+    if offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
+        raise PackerError(f"{where}: offsets do not describe the {total} bytes of image data")
