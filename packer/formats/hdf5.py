@@ -199,8 +199,16 @@ class Reader:
         n = self.num_samples
         # Uncompressed: no chunk cache, so HDF5 reads exactly the asked bytes into our array.
         cache = _CACHE_COMPRESSED if self.compressed else 0
+        kw = {"rdcc_nbytes": cache, "rdcc_nslots": 1009, "rdcc_w0": 1.0}
         try:
-            f = h5py.File(self.path, "r", locking=False, rdcc_nbytes=cache, rdcc_nslots=1009, rdcc_w0=1.0)
+            try:
+                f = h5py.File(self.path, "r", locking=False, **kw)
+            except OSError as exc:
+                if "locking flag" not in str(exc):
+                    raise
+                # This process already has the file open with other locking flags (the user's own
+                # h5py.File): HDF5 shares that open file and insists the flags match, so use its.
+                f = h5py.File(self.path, "r", **kw)
         except (OSError, ValueError) as exc:
             raise PackerError(f"{self.path}: cannot open HDF5 shard ({exc})") from exc
         try:
