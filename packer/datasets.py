@@ -16,7 +16,7 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from packer.decode import BACKENDS, decode
 from packer.errors import PackerError
@@ -234,7 +234,7 @@ class PackedDataset(Dataset):
                     f"{self.root}: get_batch needs images of one shape, this batch has {len(shapes)} "
                     f"(e.g. {sorted(shapes)[:2]}); convert with --payload raw --resize HxW")
             shape = pixels[0].shape if pixels else (0, 0, 3)
-        images = out if out is not None else torch.empty((len(idx), *shape), dtype=torch.uint8)
+        images = out if out is not None else _new_batch((len(idx), *shape))
         if tuple(images.shape) != (len(idx), *shape) or images.dtype != torch.uint8 or not images.is_contiguous():
             raise PackerError(f"out: expected a contiguous uint8 tensor {(len(idx), *shape)}, got "
                               f"{images.dtype} {tuple(images.shape)}")
@@ -263,6 +263,16 @@ class PackedDataset(Dataset):
     def close(self) -> None:
         for r in self._readers:
             r.close()
+
+
+def _new_batch(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uint8 tensor; inside a DataLoader worker it lives in shared memory, as ``default_collate``
+    makes its batches, so handing it to the main process copies nothing."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    elem = torch.empty(0, dtype=torch.uint8)
+    storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device=elem.device)
+    return elem.new(storage).resize_(*shape)
 
 
 class BatchView(Dataset):
