@@ -227,7 +227,7 @@ class PackedDataset(Dataset):
             idx, in_order = idx[order], True
         shape = self.fixed_shape
         if shape is None:
-            pixels = [self.pixels(int(i), p) for i, p in zip(idx, self.read_payloads(idx))]
+            pixels = [self.pixels(int(i), p) for i, p in zip(idx, self.read_payloads(idx), strict=True)]
             shapes = {p.shape for p in pixels}
             if len(shapes) > 1:
                 raise PackerError(
@@ -247,7 +247,7 @@ class PackedDataset(Dataset):
             buf = arr if in_order else np.empty_like(arr)
             shard_of = np.searchsorted(self._starts, ordered, side="right") - 1
             bounds = np.searchsorted(shard_of, np.arange(len(self._readers) + 1))
-            for shard, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
+            for shard, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
                 if hi > lo:
                     positions = (ordered[lo:hi] - self._starts[shard]).tolist()
                     self._readers[shard].read_into(positions, buf[lo:hi])

@@ -212,7 +212,7 @@ def test_resize_hxw_stretch_and_fit(src, tmp_path, fmt):
     fit = pack(src, tmp_path / "f", fmt, "raw", resize="30x36", resize_mode="fit")
     for ds in (stretch, fit):
         assert ds.fixed_shape == (30, 36, 3)
-        assert set(zip(ds.index.heights.tolist(), ds.index.widths.tolist())) == {(30, 36)}
+        assert set(zip(ds.index.heights.tolist(), ds.index.widths.tolist(), strict=True)) == {(30, 36)}
     for i, path in enumerate(packed_sources(fit)):
         h0, w0 = pillow(path).shape[:2]
         img = fit[i][0]
@@ -332,7 +332,7 @@ def test_batched_loader_reads_every_sample_once(src, tmp_path, fmt, method):
     sampler = BatchSampler(SequentialSampler(range(len(ds))), batch_size=4, drop_last=False)
     loader = DataLoader(ds.batched(layout="NCHW"), sampler=sampler, batch_size=None, num_workers=2,
                         multiprocessing_context=method)
-    images, labels = zip(*loader)
+    images, labels = zip(*loader, strict=True)
     assert [tuple(x.shape[1:]) for x in images] == [(3, 16, 20)] * len(images)
     allimg = torch.cat(images).permute(0, 2, 3, 1).numpy()
     assert np.array_equal(allimg, np.stack([ds[i][0] for i in range(len(ds))]))
