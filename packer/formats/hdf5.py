@@ -23,6 +23,11 @@ raw datasets have one image per chunk: a sample is one chunk, compressed or not.
 ``--compression lzf|gzip`` (raw payloads only: JPEG/PNG bytes don't compress) runs in the
 writing process.
 
+Reads return fresh arrays that HDF5 filled from the file (an (H, W, 3) array for raw, a
+``memoryview`` of the bytes for encoded), so torch wraps them without another copy; a
+batch (``read_into``) costs one more copy into the batch tensor. Runs of neighbours are one
+read; ``prefetch`` tells the kernel which chunks a batch will need (``posix_fadvise``).
+
 Readers open the file lazily in each process (h5py handles cross neither fork nor pickle)
 with ``locking=False``: HDF5's file locks fail on many NFS mounts and a read-only reader
 needs none. (With h5py < 3.5 or HDF5 < 1.12.1, set ``HDF5_USE_FILE_LOCKING=FALSE`` in the
@@ -35,6 +40,7 @@ row, so one file costs nothing in lookups and is the file a user expects; use
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +49,14 @@ import numpy as np
 
 from packer import __version__
 from packer.errors import PackerError
-from packer.formats.base import LazyHandle, PreparedSample, check_offsets, contiguous_runs, fixed_shape
+from packer.formats.base import (
+    LazyHandle,
+    PreparedSample,
+    advise_willneed,
+    check_offsets,
+    contiguous_runs,
+    fixed_shape,
+)
 from packer.manifest import Shard
 
 NAME = "hdf5"
@@ -179,6 +192,7 @@ class _Open:
     images: h5py.Dataset
     offsets: np.ndarray | None  # in memory: N+1 int64
     shapes: np.ndarray | None
+    fd: int | None = None  # opened on the first prefetch, for read-ahead advice
 
 
 class Reader:
@@ -270,6 +284,28 @@ class Reader:
                 out.extend(self._split(h, self._blob(h, start, stop), start, stop))
         return out
 
+    def prefetch(self, positions: list[int]) -> None:
+        """Ask the kernel to start reading these samples' chunks now (see base.advise_willneed)."""
+        h = self._h.get(self._open)
+        if h.fd is None:
+            h.fd = os.open(self.path, os.O_RDONLY)
+        dsid, spans = h.images.id, []
+        if h.offsets is None:
+            for p in positions:
+                info = dsid.get_chunk_info_by_coord((p, 0, 0, 0))
+                spans.append((info.byte_offset, info.byte_offset + info.size))
+        else:
+            chunk = h.images.chunks[0]
+            for p in positions:
+                a, b = int(h.offsets[p]), int(h.offsets[p + 1])
+                for c in range(a // chunk * chunk, b, chunk):
+                    info = dsid.get_chunk_info_by_coord((c,))
+                    if self.compressed:  # inflated whole
+                        spans.append((info.byte_offset, info.byte_offset + info.size))
+                    else:  # just the sample's bytes in this chunk
+                        spans.append((info.byte_offset + max(a, c) - c, info.byte_offset + min(b, c + chunk) - c))
+        advise_willneed(h.fd, spans)
+
     def read_into(self, positions: list[int], out: np.ndarray) -> None:
         """Fixed shape only: read samples at ascending ``positions`` into ``out[0:len]``."""
         if self.fixed_shape is None:
@@ -282,4 +318,9 @@ class Reader:
             k += stop - start
 
     def close(self) -> None:
-        self._h.close(lambda h: h.file.close())
+        def closer(h: _Open) -> None:
+            h.file.close()
+            if h.fd is not None:
+                os.close(h.fd)
+
+        self._h.close(closer)

@@ -19,7 +19,8 @@ close when validation dropped samples (numpy pads it so the count can change in 
 Readers map the files read-only, lazily in each process, and return zero-copy read-only
 views: an ``(H, W, 3)`` array for raw, a ``memoryview`` for encoded. The only copy is made
 when handing pixels to torch (``image="tensor"``, which needs writable memory) or into a
-batch (``read_into``). ``access="random"`` advises the kernel not to read ahead.
+batch (``read_into``). ``access="random"`` advises the kernel not to read ahead;
+``prefetch`` asks it to read a batch's byte spans at once.
 
 One shard by default (``DEFAULT_SHARD_BYTES = None``): the formats index by offset, so a
 single file costs nothing in lookups, one mapping per worker suffices, and the fixed-shape
@@ -38,7 +39,14 @@ from pathlib import Path
 import numpy as np
 
 from packer.errors import PackerError
-from packer.formats.base import LazyHandle, PreparedSample, check_offsets, contiguous_runs, fixed_shape
+from packer.formats.base import (
+    LazyHandle,
+    PreparedSample,
+    advise_willneed,
+    check_offsets,
+    contiguous_runs,
+    fixed_shape,
+)
 from packer.manifest import Shard
 
 NAME = "memmap"
@@ -163,6 +171,8 @@ class _Maps:
     data: np.ndarray  # [N,H,W,3] (fixed) or the 1-D uint8 blob
     offsets: np.ndarray | None
     shapes: np.ndarray | None
+    fd: int  # the data file, for read-ahead advice (prefetch)
+    start: int  # where the data begin in the file (the .npy header's length)
 
 
 class Reader:
@@ -185,7 +195,8 @@ class Reader:
             data = load_npy(self.paths[0], "|u1", self.access)
             if data.shape != (n, *self.fixed_shape):
                 raise PackerError(f"{self.paths[0]}: shape {data.shape}, manifest says {(n, *self.fixed_shape)}")
-            return _Maps(data, None, None)
+            start = os.path.getsize(self.paths[0]) - data.nbytes
+            return _Maps(data, None, None, os.open(self.paths[0], os.O_RDONLY), start)
         offsets = load_npy(self.paths[1], "<i8")
         size = os.path.getsize(self.paths[0])
         check_offsets(offsets, n, size, self.paths[1])
@@ -196,7 +207,7 @@ class Reader:
             if shapes.shape != (n, 3) or np.any(shapes[:, 2] != 3) or np.any(shapes < 0) or not np.array_equal(
                     shapes.prod(axis=1), np.diff(offsets)):
                 raise PackerError(f"{self.paths[2]}: shapes do not match the offsets")
-        return _Maps(data, offsets, shapes)
+        return _Maps(data, offsets, shapes, os.open(self.paths[0], os.O_RDONLY), 0)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -212,6 +223,16 @@ class Reader:
     def read_many(self, positions: list[int]) -> list:
         return [self.read(p) for p in positions]
 
+    def prefetch(self, positions: list[int]) -> None:
+        """Ask the kernel to start reading these samples' bytes now (see base.advise_willneed)."""
+        m = self._maps.get(self._open)
+        if m.offsets is None:
+            size = m.data[0].nbytes if len(m.data) else 0
+            spans = [(m.start + p * size, m.start + (p + 1) * size) for p in positions]
+        else:
+            spans = [(int(m.offsets[p]), int(m.offsets[p + 1])) for p in positions]
+        advise_willneed(m.fd, spans)
+
     def read_into(self, positions: list[int], out: np.ndarray) -> None:
         """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``, one copy per run."""
         if self.fixed_shape is None:
@@ -223,4 +244,4 @@ class Reader:
             k += stop - start
 
     def close(self) -> None:
-        self._maps.close()  # mappings go when the last view of them does
+        self._maps.close(lambda m: os.close(m.fd))  # the mappings go when the last view of them does
