@@ -348,3 +348,27 @@ def test_cli_convert_and_info(src, tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["format"] == "memmap" and info["num_samples"] == 13 and info["shards"][0]["facts"]["layout"] == "fixed"
     assert np.load(out / "shard-00000.pixels.npy", mmap_mode="r").shape == (13, 24, 24, 3)
+
+
+@pytest.mark.parametrize(("planned", "written"), [(10, 9), (100, 0), (100_000, 7)])
+def test_writers_close_with_fewer_samples_than_planned(tmp_path, planned, written):
+    """Validation drops samples after the shard was planned: the files describe only what was written."""
+    from packer.formats import hdf5, memmap
+    from packer.formats.base import PreparedSample
+
+    for module in (memmap, hdf5):
+        w = module.Writer(tmp_path, planned, planned, "raw", {"resize": "4x5"})
+        for k in range(written):
+            w.add(PreparedSample(k, f"x{k}.jpg", k % 3, np.full((4, 5, 3), k, np.uint8), 4, 5))
+        names, facts = w.close()
+        assert facts["layout"] == "fixed"
+        if module is memmap:
+            arr = np.load(tmp_path / names[0])  # numpy's own reader agrees with the rewritten header
+            assert (tmp_path / names[0]).stat().st_size == 128 + written * 60
+        else:
+            with h5py.File(tmp_path / names[0], "r") as f:
+                arr = f["images"][()]
+                assert f["labels"][()].tolist() == [k % 3 for k in range(written)]
+                assert f.attrs["num_samples"] == written
+        assert arr.shape == (written, 4, 5, 3)
+        assert [int(a[0, 0, 0]) for a in arr] == list(range(written))
