@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="for --resize HxW: stretch to the shape (default) or fit inside it and pad with black")
     p.add_argument("--upscale", action="store_true", help="let --resize enlarge small images (default: never)")
     p.add_argument("--compression", choices=("lzf", "gzip"), default=None,
-                   help="hdf5 with --payload raw only: compress pixel chunks (lzf fast, gzip smaller; default none)")
+                   help="hdf5 with --payload raw only: compress pixel chunks (lzf: fast, h5py's filter; "
+                   "gzip: smaller, any HDF5 reader; default none)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (only once the new one is complete)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)

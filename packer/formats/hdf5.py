@@ -21,7 +21,9 @@ whole, so they are smaller (a random read inflates at most about one 256-px imag
 it needs) and read through a 4 MiB cache that keeps neighbours' shared chunks. Fixed-shape
 raw datasets have one image per chunk: a sample is one chunk, compressed or not.
 ``--compression lzf|gzip`` (raw payloads only: JPEG/PNG bytes don't compress) runs in the
-writing process.
+writing process. gzip is built into every HDF5 library; lzf is faster but h5py's own filter
+(h5py reads it everywhere, C tools need the LZF plugin). Files are checked readable by
+HDF5 1.10's ``h5ls``/``h5dump``.
 
 Reads return fresh arrays that HDF5 filled from the file (an (H, W, 3) array for raw, a
 ``memoryview`` of the bytes for encoded), so torch wraps them without another copy; a
