@@ -301,6 +301,12 @@ def test_damaged_files_give_packer_errors(src, tmp_path):
         fh.truncate(5000)
     with pytest.raises(PackerError, match="bytes"):
         open_dataset(npy.root)[0]
+    for ds in (mm, h5):  # a crafted manifest: the shard's layout facts make no sense
+        manifest = json.loads((ds.root / "manifest.json").read_text())
+        manifest["shards"][0]["facts"] = {"layout": "fixed", "shape": [16, -1, 3]}
+        (ds.root / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(PackerError, match="layout"):
+            open_dataset(ds.root)
 
 
 # ---------------------------------------------------------------- DataLoader workers, fork and spawn

@@ -123,3 +123,15 @@ def mapping_base(path: str) -> int | None:
     except OSError:
         pass
     return None
+
+
+def shard_layout(facts: dict, where: object) -> tuple[int, int, int] | None:
+    """The shard's (H, W, 3) from its manifest facts for the ``fixed`` layout, None for ``blob``."""
+    layout = facts.get("layout")
+    if layout == "blob":
+        return None
+    shape = facts.get("shape")
+    if layout != "fixed" or not isinstance(shape, list) or len(shape) != 3 or shape[2] != 3 or not all(
+            isinstance(v, int) and v > 0 for v in shape):
+        raise PackerError(f"{where}: manifest describes an unknown shard layout {layout!r} (shape {shape!r})")
+    return (shape[0], shape[1], 3)

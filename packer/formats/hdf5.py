@@ -58,6 +58,7 @@ from packer.formats.base import (
     check_offsets,
     contiguous_runs,
     fixed_shape,
+    shard_layout,
 )
 from packer.manifest import Shard
 
@@ -198,16 +199,17 @@ class _Open:
 
 
 class Reader:
-    """Reads one shard file; h5py opens it lazily in each process, read-only, without locking."""
+    """Reads one shard file; h5py opens it lazily in each process, read-only, without locking.
+
+    ``access`` is accepted for the common interface and changes nothing: HDF5 reads with
+    ``pread``, where the kernel's read-ahead follows the access pattern by itself.
+    """
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
         self.path = directory / shard.files[0].name
         self.num_samples = shard.num_samples
         self.payload = payload
-        layout = shard.facts.get("layout")
-        if layout not in ("fixed", "blob"):
-            raise PackerError(f"{self.path}: unknown HDF5 layout {layout!r} in the manifest")
-        self.fixed_shape: tuple[int, int, int] | None = tuple(shard.facts["shape"]) if layout == "fixed" else None
+        self.fixed_shape = shard_layout(shard.facts, self.path)
         self.compressed = bool(shard.facts.get("compression"))
         self._h: LazyHandle[_Open] = LazyHandle()
 
@@ -237,6 +239,8 @@ class Reader:
                 return _Open(f, images, None, None)
             if images.ndim != 1:
                 raise PackerError(f"{self.path}: /images is {images.shape}, expected a 1-D blob")
+            if f["offsets"].shape != (n + 1,) or (self.payload == "raw" and f["shapes"].shape != (n, 3)):
+                raise PackerError(f"{self.path}: /offsets or /shapes do not have one entry per sample ({n})")
             offsets = np.asarray(f["offsets"][()], dtype=np.int64)
             check_offsets(offsets, n, images.shape[0], f"{self.path}:/offsets")
             shapes = None

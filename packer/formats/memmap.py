@@ -46,6 +46,7 @@ from packer.formats.base import (
     check_offsets,
     contiguous_runs,
     fixed_shape,
+    shard_layout,
 )
 from packer.manifest import Shard
 
@@ -183,10 +184,9 @@ class Reader:
         self.num_samples = shard.num_samples
         self.payload = payload
         self.access = access
-        layout = shard.facts.get("layout")
-        if layout not in ("fixed", "blob") or len(self.paths) != (1 if layout == "fixed" else 2 + (payload == "raw")):
-            raise PackerError(f"{directory}: shard {self.paths[0].name} has an unknown memmap layout {layout!r}")
-        self.fixed_shape: tuple[int, int, int] | None = tuple(shard.facts["shape"]) if layout == "fixed" else None
+        self.fixed_shape = shard_layout(shard.facts, self.paths[0] if self.paths else directory)
+        if len(self.paths) != (1 if self.fixed_shape else 2 + (payload == "raw")):
+            raise PackerError(f"{directory}: a memmap shard of this layout has other files than {self.paths}")
         self._maps: LazyHandle[_Maps] = LazyHandle()
 
     def _open(self) -> _Maps:
