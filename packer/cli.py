@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         packer convert imgs/ --to hdf5                               # encoded bytes, one blob + offsets
         packer convert imgs/ --to memmap --payload raw --resize 224x224   # one (N,224,224,3) .npy
         packer convert imgs/ --to hdf5 --payload raw --resize 256 --compression lzf
+        packer convert imgs/ --to lmdb --resume       # go on after Ctrl-C, a kill or a full disk
+        packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
         """, description="Pack a folder of images (ImageFolder layout root/<class>/<img>, or flat) into one "
         "dataset directory. Every source file is either packed or listed with its reason in errors.json.")
     p.add_argument("source", help="folder of images")
@@ -85,7 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", choices=("lzf", "gzip"), default=None,
                    help="hdf5 with --payload raw only: compress pixel chunks (lzf: fast, h5py's filter; "
                    "gzip: smaller, any HDF5 reader; default none)")
+    p.add_argument("--order", choices=("shuffled", "source"), default="shuffled",
+                   help="sample order in the dataset. shuffled (default): a seeded shuffle, so neighbours on disk "
+                   "are unrelated and block-shuffled reading (packer.sampler) mixes labels in every batch; "
+                   "source: ImageFolder's order, dataset index i = ImageFolder index i. Either way "
+                   "ds.samples and ds.index_of(rel_path) map samples to their source files")
+    p.add_argument("--seed", type=int, default=0, help="seed of --order shuffled (default 0; recorded in the manifest)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (only once the new one is complete)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on with an interrupted conversion of the same source and options (its finished "
+                   "shards are checked and kept; the result is identical to an uninterrupted run)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
 
@@ -129,7 +140,8 @@ def cmd_convert(args) -> int:
         args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
         on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
         resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
-        compression=args.compression, overwrite=args.overwrite, progress=not args.quiet,
+        compression=args.compression, overwrite=args.overwrite, resume=args.resume, progress=not args.quiet,
+        order=args.order, seed=args.seed,
     )
     total = res.num_samples + len(res.errors)
     print(

@@ -100,18 +100,16 @@ class Writer:
         self._shapes = np.zeros((num_samples, 3), dtype="<i8")
         self._pending: list = []  # samples not yet written
         self._pending_bytes = 0
-        try:
-            self._file = h5py.File(self.path, "w", libver=_LIBVER)
-            if self.shape is not None:
-                self._images = self._file.create_dataset(
-                    "images", shape=(num_samples, *self.shape), maxshape=(None, *self.shape), dtype="u1",
-                    chunks=(1, *self.shape), compression=self.compression)
-            else:
-                chunk = _BLOB_CHUNK_COMPRESSED if self.compression else _BLOB_CHUNK
-                self._images = self._file.create_dataset(
-                    "images", shape=(0,), maxshape=(None,), dtype="u1", chunks=(chunk,), compression=self.compression)
-        except (OSError, ValueError) as exc:
-            raise PackerError(f"{self.path}: cannot create HDF5 file ({exc})") from exc
+        # OSError (disk full, I/O) propagates: the driver reports it and keeps finished shards for --resume.
+        self._file = h5py.File(self.path, "w", libver=_LIBVER)
+        if self.shape is not None:
+            self._images = self._file.create_dataset(
+                "images", shape=(num_samples, *self.shape), maxshape=(None, *self.shape), dtype="u1",
+                chunks=(1, *self.shape), compression=self.compression)
+        else:
+            chunk = _BLOB_CHUNK_COMPRESSED if self.compression else _BLOB_CHUNK
+            self._images = self._file.create_dataset(
+                "images", shape=(0,), maxshape=(None,), dtype="u1", chunks=(chunk,), compression=self.compression)
 
     def add(self, sample: PreparedSample) -> None:
         if self._count >= self._planned:
@@ -132,48 +130,42 @@ class Writer:
     def _flush(self) -> None:
         if not self._pending:
             return
-        try:
-            if self.shape is not None:
-                stop = self._count
-                self._images[stop - len(self._pending) : stop] = np.stack(self._pending)
-            else:
-                start, stop = int(self._images.shape[0]), int(self._offsets[self._count])
-                self._images.resize((stop,))
-                self._images[start:stop] = np.frombuffer(b"".join(
-                    p if isinstance(p, bytes) else p.tobytes() for p in self._pending), dtype=np.uint8)
-        except (OSError, ValueError) as exc:
-            raise PackerError(f"{self.path}: cannot write ({exc})") from exc
+        if self.shape is not None:
+            stop = self._count
+            self._images[stop - len(self._pending) : stop] = np.stack(self._pending)
+        else:
+            start, stop = int(self._images.shape[0]), int(self._offsets[self._count])
+            self._images.resize((stop,))
+            self._images[start:stop] = np.frombuffer(b"".join(
+                p if isinstance(p, bytes) else p.tobytes() for p in self._pending), dtype=np.uint8)
         self._pending, self._pending_bytes = [], 0
 
     def close(self) -> tuple[list[str], dict]:
         self._flush()
         n, f = self._count, self._file
         layout = "fixed" if self.shape is not None else "blob"
-        try:
-            if self.shape is not None and n != self._planned:  # samples failed validation
-                self._images.resize((n, *self.shape))
-            self._images.attrs["description"] = _DESCRIBE[(self.payload, layout)]
-            if self.shape is None:
-                f.create_dataset("offsets", data=self._offsets[: n + 1]).attrs["description"] = (
-                    "int64 [N+1]: image i is images[offsets[i]:offsets[i+1]]")
-            if self.payload == "raw" and self.shape is None:
-                f.create_dataset("shapes", data=self._shapes[:n]).attrs["description"] = (
-                    "int64 [N,3]: (height, width, 3) of image i")
-            f.create_dataset("labels", data=self._labels[:n]).attrs["description"] = (
-                "int64 [N]: class index of image i (-1: no class); class names are in the packer "
-                "dataset's manifest.json, source paths in its meta/")
-            f.attrs.update({
-                "packer_format": NAME,
-                "packer_version": __version__,
-                "payload": self.payload,
-                "layout": layout,
-                "num_samples": n,
-                "description": f"{n} images packed by packer ({self.payload} payload, {layout} layout): "
-                + _DESCRIBE[(self.payload, layout)],
-            })
-            f.close()
-        except (OSError, ValueError) as exc:
-            raise PackerError(f"{self.path}: cannot write ({exc})") from exc
+        if self.shape is not None and n != self._planned:  # samples failed validation
+            self._images.resize((n, *self.shape))
+        self._images.attrs["description"] = _DESCRIBE[(self.payload, layout)]
+        if self.shape is None:
+            f.create_dataset("offsets", data=self._offsets[: n + 1]).attrs["description"] = (
+                "int64 [N+1]: image i is images[offsets[i]:offsets[i+1]]")
+        if self.payload == "raw" and self.shape is None:
+            f.create_dataset("shapes", data=self._shapes[:n]).attrs["description"] = (
+                "int64 [N,3]: (height, width, 3) of image i")
+        f.create_dataset("labels", data=self._labels[:n]).attrs["description"] = (
+            "int64 [N]: class index of image i (-1: no class); class names are in the packer "
+            "dataset's manifest.json, source paths in its meta/")
+        f.attrs.update({
+            "packer_format": NAME,
+            "packer_version": __version__,
+            "payload": self.payload,
+            "layout": layout,
+            "num_samples": n,
+            "description": f"{n} images packed by packer ({self.payload} payload, {layout} layout): "
+            + _DESCRIBE[(self.payload, layout)],
+        })
+        f.close()
         facts: dict = {"layout": layout, "compression": self.compression}
         if self.shape is not None:
             facts["shape"] = list(self.shape)
@@ -182,8 +174,9 @@ class Writer:
     def abort(self) -> None:
         try:
             self._file.close()
-        finally:
-            self.path.unlink(missing_ok=True)
+        except (OSError, RuntimeError):
+            pass  # flushing fails again on a full disk: the file goes anyway
+        self.path.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------- reading

@@ -85,12 +85,10 @@ class Writer:
             self.names = [f"{stem}.files.bin", f"{stem}.offsets.npy"]
         self.path = directory / self.names[0]
         self.payload = payload
-        try:
-            self._fh = open(self.path, "wb")
-            if self.shape is not None:
-                self._fh.write(self._header)
-        except OSError as exc:
-            raise PackerError(f"{self.path}: cannot write ({exc.strerror or exc})") from exc
+        # OSError (disk full, I/O) propagates: the driver reports it and keeps finished shards for --resume.
+        self._fh = open(self.path, "wb")
+        if self.shape is not None:
+            self._fh.write(self._header)
 
     def add(self, sample: PreparedSample) -> None:
         if self._count >= self._planned:
@@ -100,34 +98,31 @@ class Writer:
             raise PackerError(f"{sample.rel_path}: shape {data.shape} differs from the dataset's {self.shape}")
         if self.payload == "raw" and self.shape is None:
             self._shapes[self._count] = data.shape
-        try:
-            self._fh.write(data)  # bytes, or a C-contiguous uint8 array (buffer protocol: no copy)
-        except OSError as exc:
-            raise PackerError(f"{self.path}: cannot write ({exc.strerror or exc})") from exc
+        self._fh.write(data)  # bytes, or a C-contiguous uint8 array (buffer protocol: no copy)
         self._count += 1
         self._offsets[self._count] = self._offsets[self._count - 1] + sample.nbytes
 
     def close(self) -> tuple[list[str], dict]:
         n = self._count
-        try:
-            if self.shape is not None and n != self._planned:  # samples failed validation
-                header = _npy_header((n, *self.shape), "|u1")
-                if len(header) != len(self._header):
-                    raise PackerError(f"{self.path}: .npy header changed length ({len(self._header)} -> {len(header)})")
-                self._fh.seek(0)
-                self._fh.write(header)
-            self._fh.close()
-            if self.shape is None:
-                np.save(self.directory / self.names[1], self._offsets[: n + 1])
-                if self.payload == "raw":
-                    np.save(self.directory / self.names[2], self._shapes[:n])
-        except OSError as exc:
-            raise PackerError(f"{self.path}: cannot write ({exc.strerror or exc})") from exc
+        if self.shape is not None and n != self._planned:  # samples failed validation
+            header = _npy_header((n, *self.shape), "|u1")
+            if len(header) != len(self._header):
+                raise PackerError(f"{self.path}: .npy header changed length ({len(self._header)} -> {len(header)})")
+            self._fh.seek(0)
+            self._fh.write(header)
+        self._fh.close()
+        if self.shape is None:
+            np.save(self.directory / self.names[1], self._offsets[: n + 1])
+            if self.payload == "raw":
+                np.save(self.directory / self.names[2], self._shapes[:n])
         facts: dict = {"layout": "fixed", "shape": list(self.shape)} if self.shape else {"layout": "blob"}
         return list(self.names), facts
 
     def abort(self) -> None:
-        self._fh.close()
+        try:
+            self._fh.close()
+        except OSError:
+            pass  # flushing what is left fails again on a full disk: the files go anyway
         for name in self.names:
             (self.directory / name).unlink(missing_ok=True)
 
