@@ -7,9 +7,11 @@ lacks disk space must write nothing, and both formats must serve DataLoader work
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import importlib
 import json
+import os
 import pickle
 import shutil
 from collections import Counter
@@ -378,3 +380,36 @@ def test_writers_close_with_fewer_samples_than_planned(tmp_path, planned, writte
                 assert f.attrs["num_samples"] == written
         assert arr.shape == (written, 4, 5, 3)
         assert [int(a[0, 0, 0]) for a in arr] == list(range(written))
+
+
+@pytest.mark.parametrize(("fmt", "kw", "size"), [
+    ("hdf5", {"payload": "raw"}, "96k"),  # ~170 KB of pixels
+    ("hdf5", {"payload": "raw", "resize": "40x40", "compression": "gzip"}, "16k"),
+    ("hdf5", {}, "16k"),  # ~45 KB of JPEGs
+    ("memmap", {"payload": "raw"}, "96k"),
+    ("memmap", {"payload": "raw", "resize": "40x40"}, "32k"),  # the fixed-shape .npy
+])
+def test_disk_full_mid_write_is_a_clear_resumable_error(src, tmp_path, fmt, kw, size):
+    """A real ENOSPC (small tmpfs) while writing: packer's error naming the output, no crash, nothing complete.
+
+    (HDF5 that fails inside close() leaves h5py objects that crash the interpreter when
+    collected; memmap written through a writable map would die of SIGBUS.)
+    """
+    import subprocess
+    from unittest import mock
+
+    small = tmp_path / "small"
+    small.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(small)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root and tmpfs to make a small filesystem")
+    try:
+        with mock.patch("packer.convert.check_free_space"), pytest.raises(PackerError) as err:
+            convert(src, small / "o", to=fmt, workers=0, progress=False, **kw)
+        gc.collect()  # what would crash, crashes now
+        msg = str(err.value)
+        assert str(small / "o") in msg and ("space" in msg.lower() or "full" in msg.lower())
+        assert not (small / "o").exists()
+        assert not list(small.glob("**/manifest.json"))
+    finally:
+        subprocess.run(["umount", str(small)], check=False)

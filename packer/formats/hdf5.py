@@ -42,6 +42,7 @@ row, so one file costs nothing in lookups and is the file a user expects; use
 
 from __future__ import annotations
 
+import errno
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,10 +99,12 @@ class Writer:
         self._offsets = np.zeros(num_samples + 1, dtype="<i8")
         self._labels = np.zeros(num_samples, dtype="<i8")
         self._shapes = np.zeros((num_samples, 3), dtype="<i8")
-        self._pending: list = []  # samples not yet written
-        self._pending_bytes = 0
-        # OSError (disk full, I/O) propagates: the driver reports it and keeps finished shards for --resume.
-        self._file = h5py.File(self.path, "w", libver=_LIBVER)
+        self._pending: list[np.ndarray] = []  # fixed layout: images not yet written
+        self._blob = bytearray()  # blob layout: bytes not yet written
+        # No chunk cache: every chunk goes to disk when written, so a full disk fails the write that
+        # filled it with an OSError; failing later inside h5py's close() leaves objects that crash
+        # the interpreter when collected. (The driver reports the OSError and keeps finished shards.)
+        self._file = h5py.File(self.path, "w", libver=_LIBVER, rdcc_nbytes=0)
         if self.shape is not None:
             self._images = self._file.create_dataset(
                 "images", shape=(num_samples, *self.shape), maxshape=(None, *self.shape), dtype="u1",
@@ -122,26 +125,45 @@ class Writer:
         self._labels[self._count] = sample.label
         self._count += 1
         self._offsets[self._count] = self._offsets[self._count - 1] + sample.nbytes
-        self._pending.append(data)
-        self._pending_bytes += sample.nbytes
-        if self._pending_bytes >= _WRITE_BYTES:
-            self._flush()
-
-    def _flush(self) -> None:
-        if not self._pending:
-            return
         if self.shape is not None:
-            stop = self._count
-            self._images[stop - len(self._pending) : stop] = np.stack(self._pending)
+            self._pending.append(data)
+            if len(self._pending) * data.nbytes >= _WRITE_BYTES:
+                self._flush()
         else:
-            start, stop = int(self._images.shape[0]), int(self._offsets[self._count])
-            self._images.resize((stop,))
-            self._images[start:stop] = np.frombuffer(b"".join(
-                p if isinstance(p, bytes) else p.tobytes() for p in self._pending), dtype=np.uint8)
-        self._pending, self._pending_bytes = [], 0
+            self._blob += data if isinstance(data, bytes) else memoryview(data).cast("B")
+            if len(self._blob) >= _WRITE_BYTES:
+                self._flush()
+
+    def _flush(self, final: bool = False) -> None:
+        """Write what is buffered; blobs only in whole chunks until the end, so no chunk is written twice."""
+        if self.shape is not None:
+            if self._pending:
+                stop = self._count
+                self._images[stop - len(self._pending) : stop] = np.stack(self._pending)
+                self._pending = []
+            return
+        chunk = self._images.chunks[0]
+        n = len(self._blob) if final else len(self._blob) // chunk * chunk
+        if n:
+            start = int(self._images.shape[0])
+            self._images.resize((start + n,))
+            view = np.frombuffer(self._blob, dtype=np.uint8, count=n)
+            self._images[start : start + n] = view
+            del view  # the bytearray can't shrink while a view of it exists
+            del self._blob[:n]
+
+    def _check_room(self) -> None:
+        """Refuse before HDF5 writes its index and metadata at close if they might not fit (see __init__)."""
+        chunks = self._images.id.get_num_chunks()
+        need = 40 * self._count + 64 * chunks + (1 << 20)  # offsets, labels, shapes; chunk index, headers
+        st = os.statvfs(self.path.parent)
+        free = st.f_bavail * st.f_frsize
+        if free < need:
+            raise OSError(errno.ENOSPC, f"{free} bytes free, closing {self.name} needs about {need}")
 
     def close(self) -> tuple[list[str], dict]:
-        self._flush()
+        self._flush(final=True)
+        self._check_room()
         n, f = self._count, self._file
         layout = "fixed" if self.shape is not None else "blob"
         if self.shape is not None and n != self._planned:  # samples failed validation
@@ -173,9 +195,13 @@ class Writer:
 
     def abort(self) -> None:
         try:
+            os.truncate(self.path, 0)  # frees the disk first, so HDF5 can write what close() flushes
+        except OSError:
+            pass
+        try:
             self._file.close()
         except (OSError, RuntimeError):
-            pass  # flushing fails again on a full disk: the file goes anyway
+            pass  # the file goes anyway
         self.path.unlink(missing_ok=True)
 
 
