@@ -2,19 +2,18 @@
 
 The files must make sense without packer (plain numpy, plain h5py), resize must produce the
 documented shapes, --compression must be refused where it can't apply, a conversion that
-lacks disk space must write nothing, and both formats must serve DataLoader workers.
+lacks disk space must write nothing, a full disk mid-write must end in packer's error, and
+whole batches must come back right, in and out of DataLoader workers. (Round trips, labels,
+shards, fork/spawn workers and pickling for every format and payload: test_contract.py.)
 """
 
 from __future__ import annotations
 
 import gc
-import hashlib
 import importlib
 import json
 import os
-import pickle
 import shutil
-from collections import Counter
 from pathlib import Path
 
 import h5py
@@ -254,14 +253,13 @@ def test_refuses_without_disk_space_and_writes_nothing(src, tmp_path, fmt, monke
 
 
 @pytest.mark.parametrize("fmt", FORMATS3)
-def test_reader_pickles_before_and_after_use_and_is_deterministic(src, tmp_path, fmt):
+def test_same_bytes_whatever_the_worker_count_and_access(src, tmp_path, fmt):
     ds = pack(src, tmp_path / "a", fmt, "raw", resize="32")
-    first = ds[3][0].copy()
-    for copy in (pickle.loads(pickle.dumps(ds)), pickle.loads(pickle.dumps(open_dataset(ds.root, image="numpy")))):
-        assert np.array_equal(copy[3][0], first)
     again = convert(src, tmp_path / "b", to=fmt, payload="raw", resize="32", workers=2, progress=False)
     sums = [[f.sha256 for s in open_dataset(p).manifest.shards for f in s.files] for p in (ds.root, again.output)]
-    assert sums[0] == sums[1]  # same bytes whatever the worker count
+    assert sums[0] == sums[1]  # no timestamps or worker-dependent order inside the files
+    rnd = open_dataset(ds.root, image="numpy", access="random")  # read-ahead off: same samples
+    assert all(np.array_equal(rnd[i][0], ds[i][0]) for i in range(len(ds)))
 
 
 @pytest.mark.parametrize("fmt", FORMATS3)
@@ -312,26 +310,6 @@ def test_damaged_files_give_packer_errors(src, tmp_path):
 
 
 # ---------------------------------------------------------------- DataLoader workers, fork and spawn
-
-
-def _keep(batch):
-    return batch
-
-
-def _digest(arr) -> str:
-    return hashlib.sha1(np.ascontiguousarray(np.asarray(arr)).tobytes()).hexdigest()
-
-
-@pytest.mark.parametrize("fmt", FORMATS3)
-@pytest.mark.parametrize(("payload", "method"), [("encoded", "fork"), ("raw", "spawn")])
-def test_dataloader_two_workers(src, tmp_path, fmt, payload, method):
-    ds = pack(src, tmp_path, fmt, payload, **({"resize": "24"} if payload == "raw" else {}))
-    want = Counter((_digest(ds[i][0]), ds[i][1]) for i in range(len(ds)))
-    ds.read_payload(0)  # the parent has opened its handles: workers must not reuse them
-    loader = DataLoader(ds, batch_size=3, shuffle=True, num_workers=2, collate_fn=_keep,
-                        multiprocessing_context=method)
-    got = Counter((_digest(img), label) for batch in loader for img, label in batch)
-    assert got == want
 
 
 @pytest.mark.parametrize(("fmt", "method"), [("hdf5", "fork"), ("memmap", "spawn")])
