@@ -68,6 +68,7 @@ class ConvertOptions:
     resize: str | None = None  # "S" or "HxW" (raw payloads only; lossy, explicit)
     resize_mode: str = "stretch"  # for HxW: stretch, or fit (keep aspect, pad)
     upscale: bool = False
+    compression: str | None = None  # lzf or gzip, raw payloads in formats that offer it (hdf5)
     decoder: str = "auto"
     order: Order = DEFAULT_ORDER  # sample order in the dataset: a seeded shuffle, or the scan's (ImageFolder's)
     seed: int = 0  # of the shuffled order
@@ -88,6 +89,14 @@ class ConvertOptions:
             raise PackerError("shard size must be positive")
         if self.resize_spec is not None and self.payload != "raw":
             raise PackerError("--resize changes pixels, so it needs --payload raw (encoded payloads keep the source bytes)")
+        if self.compression is not None:
+            offered = getattr(fmt, "COMPRESSIONS", frozenset())
+            if self.compression not in offered:
+                raise PackerError(f"--compression {self.compression}: format {self.format!r} offers "
+                                  f"{', '.join(sorted(offered)) or 'no compression'}")
+            if self.payload != "raw":
+                raise PackerError("--compression applies to raw payloads only: encoded JPEG/PNG bytes are "
+                                  "already compressed and would not shrink (use --payload raw, or drop --compression)")
         if self.order not in ORDERS:
             raise PackerError(f"unknown sample order {self.order!r} (choose {' or '.join(ORDERS)})")
         if not isinstance(self.seed, int) or self.seed < 0:
@@ -271,6 +280,7 @@ def convert(
     resize: str | None = None,
     resize_mode: str = "stretch",
     upscale: bool = False,
+    compression: str | None = None,
     overwrite: bool = False,
     resume: bool = False,
     progress: bool = True,
@@ -285,7 +295,7 @@ def convert(
     """
     options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes,
                              resize=None if resize is None else str(resize), resize_mode=resize_mode, upscale=upscale,
-                             order=order, seed=seed)
+                             compression=compression, order=order, seed=seed)
     options.check()
     if on_error not in ("skip", "raise"):
         raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
