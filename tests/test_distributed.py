@@ -18,11 +18,7 @@ distributed = pytest.importorskip("distributed", reason="needs the packer[dask] 
 
 from test_resume import manifest_without_time, tree_digest  # noqa: E402
 
-from packer import (  # noqa: E402
-    PackerError,
-    convert,
-    open_dataset,  # noqa: E402
-)
+from packer import FORMATS, PackerError, convert, open_dataset  # noqa: E402
 from packer.convert import ShardWriteError  # noqa: E402
 from packer.distributed import STAGING_DIR, _move_into_place, open_client, scan_on_cluster  # noqa: E402
 from packer.scan import scan_folder  # noqa: E402
@@ -71,6 +67,15 @@ def test_byte_identical_to_local_conversion(client, source, reference, tmp_path)
     assert {e["path"] for e in errors["errors"]} >= {"weird/empty.jpg", "weird/truncated.jpg", "weird/broken_link.jpg"}
     assert verify(out, against=source).ok
     assert not (out / STAGING_DIR).exists()
+
+
+@pytest.mark.parametrize("fmt", sorted(set(FORMATS) - {"lmdb"}))
+def test_every_format_is_byte_identical(client, source, tmp_path, fmt):
+    opts = dict(to=fmt, shard_bytes=SHARD, progress=False)
+    convert(source, tmp_path / "local", workers=0, **opts)
+    convert(source, tmp_path / "dask", client=client, **opts)
+    assert len(json.loads((tmp_path / "dask" / "manifest.json").read_text())["shards"]) >= 5
+    same_dataset(tmp_path / "local", tmp_path / "dask")
 
 
 def test_raw_payload_in_source_order_is_byte_identical(client, source, tmp_path):
