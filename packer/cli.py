@@ -58,14 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
         packer convert imgs/ --to lmdb -o /fast/imgs.lmdb --workers 8
         packer convert imgs/ --to lmdb --validate header   # faster; catches fewer damaged files
         packer convert imgs/ --to lmdb --payload raw --resize 256   # decoded once, short side 256
+        packer convert imgs/ --to bmp --resize 256          # one uncompressed BMP per image, no decoding in training
+        packer convert imgs/ --to mosaic --tile 224x224     # 224x224 tiles on ~16 MB BMP mosaics
+        packer convert imgs/ --to mosaic --tile 224x224 --grid 16x16 --codec jpeg --quality 95   # lossy, small
         """, description="Pack a folder of images (ImageFolder layout root/<class>/<img>, or flat) into one "
         "dataset directory. Every source file is either packed or listed with its reason in errors.json.")
     p.add_argument("source", help="folder of images")
     p.add_argument("--to", dest="format", default="lmdb", choices=sorted(FORMATS), help="output format (default lmdb)")
     p.add_argument("-o", "--output", help="output directory (default: <source>.<format> beside the source)")
-    p.add_argument("--payload", choices=("encoded", "raw"), default="encoded",
-                   help="encoded: the original file bytes (lossless, smallest; default); "
-                   "raw: decoded RGB pixels (no decoding in training, 5-10x larger)")
+    p.add_argument("--payload", choices=("encoded", "raw"), default=None,
+                   help="encoded: the original file bytes (lossless, smallest; default where the format stores it); "
+                   "raw: decoded RGB pixels (no decoding in training, 5-10x larger; the only payload of bmp and mosaic)")
     p.add_argument("--validate", choices=("full", "header", "none"), default="full",
                    help="full: decode every image (default, catches truncated files); header: read headers only; "
                    "none: pack bytes unchecked")
@@ -79,6 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resize-mode", choices=("stretch", "fit"), default="stretch",
                    help="for --resize HxW: stretch to the shape (default) or fit inside it and pad with black")
     p.add_argument("--upscale", action="store_true", help="let --resize enlarge small images (default: never)")
+    p.add_argument("--tile", metavar="HxW", help="mosaic: the size every image is resized to (stretched, or "
+                   "letterboxed with --resize-mode fit); required for --to mosaic")
+    p.add_argument("--grid", metavar="RxC", help="mosaic: tiles per mosaic, rows x columns (default: about 16 MB "
+                   "decoded per mosaic, e.g. 11x10 for 224x224 tiles)")
+    p.add_argument("--codec", choices=("bmp", "png", "jpeg"), default=None,
+                   help="mosaic file codec: bmp (default; lossless, a tile is read without decoding the rest), png "
+                   "(lossless, smaller, whole mosaics decoded), jpeg (lossy, smallest; tiles multiples of 16 px)")
+    p.add_argument("--quality", type=int, default=None, help="mosaic jpeg quality 1-100 (default 95)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (only once the new one is complete)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
@@ -123,7 +134,7 @@ def cmd_convert(args) -> int:
         args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
         on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
         resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
-        overwrite=args.overwrite, progress=not args.quiet,
+        tile=args.tile, grid=args.grid, codec=args.codec, quality=args.quality, overwrite=args.overwrite, progress=not args.quiet,
     )
     total = res.num_samples + len(res.errors)
     print(
@@ -165,6 +176,10 @@ def cmd_info(args) -> int:
         ("source", data["source"]),
         ("created", f"{data['created_at']} by {data['created_by']}"),
     ]
+    if data["format"] == "mosaic" and data["shards"] and data["shards"][0]["files"]:
+        from pathlib import Path
+
+        rows.append(("look at", f"{Path(args.dataset) / data['shards'][0]['files'][0]['name']} (one mosaic)"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

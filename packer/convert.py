@@ -25,7 +25,7 @@ import numpy as np
 from packer import __version__
 from packer.decode import DecodeError, decode, read_header
 from packer.errors import PackerError
-from packer.formats import get_format
+from packer.formats import FORMATS, get_format
 from packer.formats.base import PreparedSample
 from packer.index import Index
 from packer.manifest import PAYLOADS, Manifest, Shard, file_info, write_manifest
@@ -50,10 +50,14 @@ class ConvertOptions:
     resize_mode: str = "stretch"  # for HxW: stretch, or fit (keep aspect, pad)
     upscale: bool = False
     decoder: str = "auto"
+    tile: str | None = None  # mosaic: "HxW" every image is resized to (implies --resize HxW)
+    grid: str | None = None  # mosaic: "RxC" tiles per mosaic (None: about 16 MB decoded)
+    codec: str | None = None  # mosaic: bmp (default), png or jpeg (lossy)
+    quality: int | None = None  # mosaic jpeg quality (default 95)
 
     @property
     def resize_spec(self) -> ResizeSpec | None:
-        return ResizeSpec.parse(self.resize, self.resize_mode, self.upscale)
+        return ResizeSpec.parse(self.tile or self.resize, self.resize_mode, self.upscale)
 
     def check(self) -> None:
         fmt = get_format(self.format)
@@ -61,12 +65,21 @@ class ConvertOptions:
             raise PackerError(f"unknown payload {self.payload!r} (choose from {', '.join(PAYLOADS)})")
         if self.payload not in fmt.PAYLOADS:
             raise PackerError(f"format {self.format!r} stores only {', '.join(sorted(fmt.PAYLOADS))} payloads")
+        if hasattr(fmt, "check_options"):
+            fmt.check_options(asdict(self))
         if self.validate not in ("full", "header", "none"):
             raise PackerError(f"unknown validation level {self.validate!r} (choose full, header or none)")
         if self.shard_bytes is not None and self.shard_bytes <= 0:
             raise PackerError("shard size must be positive")
+        for name, module in FORMATS.items():  # format-specific options (e.g. mosaic's --tile) stay with their format
+            for key in getattr(module, "OPTIONS", ()):
+                if name != self.format and getattr(self, key) is not None:
+                    raise PackerError(f"--{key} is an option of --to {name} only")
         if self.resize_spec is not None and self.payload != "raw":
             raise PackerError("--resize changes pixels, so it needs --payload raw (encoded payloads keep the source bytes)")
+        if self.tile is not None and self.resize is not None and \
+                ResizeSpec.parse(self.tile).fixed_shape != ResizeSpec.parse(self.resize).fixed_shape:
+            raise PackerError(f"--tile {self.tile} already sets the size; drop --resize {self.resize}")
 
 
 @dataclass
@@ -215,7 +228,7 @@ def convert(
     output: str | os.PathLike | None = None,
     *,
     to: str = "lmdb",
-    payload: str = "encoded",
+    payload: str | None = None,
     validate: Validate = "full",
     on_error: Literal["skip", "raise"] = "skip",
     workers: int | None = None,
@@ -223,12 +236,23 @@ def convert(
     resize: str | None = None,
     resize_mode: str = "stretch",
     upscale: bool = False,
+    tile: str | None = None,
+    grid: str | None = None,
+    codec: str | None = None,
+    quality: int | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> ConvertResult:
-    """Pack the images of folder ``src`` into a dataset of format ``to``; see ``packer convert --help``."""
+    """Pack the images of folder ``src`` into a dataset of format ``to``; see ``packer convert --help``.
+
+    ``payload`` defaults to ``encoded`` where the format stores it, else ``raw`` (bmp, mosaic).
+    """
+    if payload is None:
+        payload = "encoded" if "encoded" in get_format(to).PAYLOADS else "raw"
     options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes,
-                             resize=None if resize is None else str(resize), resize_mode=resize_mode, upscale=upscale)
+                             resize=None if resize is None else str(resize), resize_mode=resize_mode, upscale=upscale,
+                             tile=None if tile is None else str(tile), grid=None if grid is None else str(grid),
+                             codec=codec, quality=quality)
     options.check()
     if on_error not in ("skip", "raise"):
         raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")

@@ -10,6 +10,10 @@ A format module defines:
 - ``Reader(directory, shard, payload)`` that opens nothing until its first ``read(pos)``
   in the current process, with ``read_many(positions)`` for runs of neighbours and ``close()``.
 
+Optional: ``check_options(options)`` (refuse bad format options before any work),
+``error_bound(options) -> (mean, max)`` (absolute pixel error of a lossy format, (0, 0) = exact),
+``dataset_blocks(manifest)`` (natural (start, stop) blocks for the block sampler, e.g. one per mosaic).
+
 Adding a format is one module here plus one line in ``FORMATS``.
 """
 
@@ -18,9 +22,11 @@ from __future__ import annotations
 from types import ModuleType
 
 from packer.errors import PackerError
+from packer.formats import bmp as _bmp
 from packer.formats import lmdb as _lmdb
+from packer.formats import mosaic as _mosaic
 
-FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (_lmdb,)}
+FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (_lmdb, _bmp, _mosaic)}
 
 
 def get_format(name: str) -> ModuleType:
