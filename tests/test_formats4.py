@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import io
 import pickle
 import struct
 from pathlib import Path
@@ -371,7 +370,7 @@ def test_dataloader_two_fork_workers(src, tmp_path, kind):
 def test_dataloader_two_spawn_workers_over_every_kind(src, tmp_path):
     """One spawn run (each costs seconds of interpreter start-up) over all four kinds at once."""
     parts = [_open_kind(src, tmp_path, k) for k in KINDS]
-    for kind, part in zip(KINDS, parts):
+    for kind, part in zip(KINDS, parts, strict=True):
         part.target_transform = functools.partial(_tagged, kind)  # same pixels in several kinds: tell them apart
     ds = torch.utils.data.ConcatDataset(parts)
     _check_loader(ds, "spawn")

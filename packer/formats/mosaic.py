@@ -25,9 +25,9 @@ import mmap
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 import numpy as np
 from PIL import Image
@@ -140,7 +140,7 @@ def blocks(shard: Shard) -> list[tuple[int, int]]:
     """(start, stop) positions inside ``shard`` of each of its mosaics, in order."""
     counts = [int(c) for c in shard.facts.get("samples_per_mosaic", [])]
     edges = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
-    return list(zip(edges[:-1], edges[1:]))
+    return list(zip(edges[:-1], edges[1:], strict=True))
 
 
 def dataset_blocks(manifest: Manifest) -> list[tuple[int, int]]:
