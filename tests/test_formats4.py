@@ -241,7 +241,7 @@ def test_mosaic_fewer_samples_than_planned(src, tmp_path):
     assert all(np.array_equal(ds[i][0], pillow_reference(bad / r, spec)) for i, r in enumerate(ds.index.rel_paths()))
 
 
-def test_mosaic_jpeg_bounded_error_and_crop_equals_full_decode(src, tmp_path):
+def test_mosaic_jpeg_bounded_error_and_every_tile_path_agrees(src, tmp_path):
     out = convert(src, tmp_path / "m.jpeg", to="mosaic", tile="32x16", grid="3x2", codec="jpeg", quality=90,
                   workers=0, progress=False).output
     manifest = read_manifest(out)
@@ -249,28 +249,46 @@ def test_mosaic_jpeg_bounded_error_and_crop_equals_full_decode(src, tmp_path):
     assert 0 < mean_bound < 10 and 0 < max_bound < 64  # stated: quality 90 -> mean <= 7.4, max <= 56
     spec = ResizeSpec.parse("32x16")
     shard = manifest.shards[0]
-    full = mosaic.Reader(out, shard, "raw", tile_read="full")
-    crop = mosaic.Reader(out, shard, "raw", tile_read="crop")
+    assert [f.name for f in shard.files][-1] == "mosaic-00000-000002.jpg.rst.npy"  # mosaics, then their indexes
+    readers = {t: mosaic.Reader(out, shard, "raw", tile_read=t) for t in ("full", "segments", "crop")}
+    assert mosaic.Reader(out, shard, "raw", access="random").tile_read == "segments"
     rels = open_dataset(out).index.rel_paths()
     worst_mean = worst_max = 0.0
-    for i, rel in enumerate(rels):
-        a, b = full.read(i), crop.read(i)
-        assert np.array_equal(a, b)  # 4:4:4 and MCU-aligned tiles: the lossless crop decodes identically
-        err = np.abs(a.astype(int) - pillow_reference(src / rel, spec).astype(int))
+    for i in np.random.default_rng(0).permutation(len(rels)).tolist():  # random order: no cache help
+        a, b, c = (readers[t].read(i) for t in ("full", "segments", "crop"))
+        assert np.array_equal(a, b) and np.array_equal(a, c)  # 4:4:4, MCU-aligned: tile alone == whole mosaic
+        err = np.abs(a.astype(int) - pillow_reference(src / rels[i], spec).astype(int))
         worst_mean, worst_max = max(worst_mean, err.mean()), max(worst_max, err.max())
     assert 0 < worst_max <= max_bound and worst_mean <= mean_bound  # lossy, within the declared bound
+    with Image.open(out / shard.files[0].name) as img:  # restart markers keep it an ordinary JPEG
+        assert img.format == "JPEG" and img.size == (2 * 16, 3 * 32)
     assert verify(out, against=src).ok
 
 
-def test_mosaic_crop_without_libturbojpeg_falls_back_to_full_decode(src, tmp_path, monkeypatch):
+def test_mosaic_jpeg_tiles_without_libturbojpeg(src, tmp_path, monkeypatch):
+    import packer.decode
+
     out = convert(src, tmp_path / "fb.jpeg", to="mosaic", tile="16x16", grid="2x2", codec="jpeg", workers=0,
                   progress=False).output
     shard = read_manifest(out).shards[0]
     expected = [mosaic.Reader(out, shard, "raw", tile_read="full").read(i) for i in range(len(SIZES))]
     monkeypatch.setattr(mosaic, "turbojpeg_handle", lambda: None)
-    reader = mosaic.Reader(out, shard, "raw", access="random")
-    assert reader.tile_read == "crop"
-    assert all(np.array_equal(reader.read(i), expected[i]) for i in range(len(SIZES)))
+    monkeypatch.setattr(packer.decode, "turbojpeg_handle", lambda: None)
+    for tile_read in ("crop", "segments"):  # crop falls back to the full decode; segments decode with Pillow
+        reader = mosaic.Reader(out, shard, "raw", tile_read=tile_read)
+        assert all(np.array_equal(reader.read(i), expected[i]) for i in range(len(SIZES)))
+
+
+def test_mosaic_jpeg_damaged_index_is_named(src, tmp_path):
+    out = convert(src, tmp_path / "di.jpeg", to="mosaic", tile="16x16", grid="2x2", codec="jpeg", workers=0,
+                  progress=False).output
+    shard = read_manifest(out).shards[0]
+    idx_path = out / "mosaic-00000-000001.jpg.rst.npy"
+    idx = np.load(idx_path)
+    idx[3, 1] = 1 << 40
+    np.save(idx_path, idx)
+    with pytest.raises(PackerError, match=r"mosaic-00000-000001\.jpg\.rst\.npy: tile index does not describe"):
+        mosaic.Reader(out, shard, "raw", tile_read="segments").read(5)
 
 
 def test_mosaic_refusals(src, tmp_path):

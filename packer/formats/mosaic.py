@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from packer import bmpfile
+from packer import bmpfile, jpegtiles
 from packer.decode import decode, turbojpeg_handle
 from packer.errors import PackerError
 from packer.formats.base import PreparedSample
@@ -50,6 +50,7 @@ TARGET_MOSAIC_BYTES = 16 << 20  # decoded size the default grid aims at (8-32 MB
 JPEG_MCU = 16  # tiles must be multiples of this for lossless crops, whatever the subsampling
 JPEG_MAX_SIDE = 65500
 CACHE_BYTES = 64 << 20  # decoded mosaics kept per reader and process (at least one)
+INDEX_SUFFIX = ".rst.npy"  # beside each jpeg mosaic: its restart intervals, int64 [n, 2] (packer.jpegtiles)
 _PNG_LEVEL = 1  # photos barely compress further at higher levels, which encode ~2x slower
 
 
@@ -159,8 +160,15 @@ def encode(canvas: np.ndarray, geom: Geometry) -> bytes:
     if geom.codec == "png":
         Image.fromarray(canvas).save(buf, "PNG", compress_level=_PNG_LEVEL)
     else:
-        Image.fromarray(canvas).save(buf, "JPEG", quality=geom.quality, subsampling=0)  # 4:4:4
+        # 4:4:4, baseline, a restart marker after each tile-wide band of 8 rows (see packer.jpegtiles)
+        Image.fromarray(canvas).save(buf, "JPEG", quality=geom.quality, subsampling=0,
+                                     restart_marker_blocks=geom.tile_w // 8)
     return buf.getvalue()
+
+
+def expected_intervals(geom: Geometry, count: int) -> int:
+    """Restart intervals in a jpeg mosaic of ``count`` tiles: one per tile column per 8-pixel band."""
+    return geom.shape(count)[0] // 8 * geom.cols
 
 
 class Writer:
@@ -176,6 +184,7 @@ class Writer:
         self._filled = 0
         self._counts: list[int] = []
         self._names: list[str] = []
+        self._sidecars: list[str] = []  # jpeg: the restart-interval index of each mosaic
 
     def add(self, sample: PreparedSample) -> None:
         g = self.geom
@@ -195,9 +204,19 @@ class Writer:
         assert self._canvas is not None
         name = f"mosaic-{self.shard_id:05d}-{len(self._names):06d}.{EXTENSIONS[self.geom.codec]}"
         used = self.geom.shape(self._filled)[0]
+        data = encode(np.ascontiguousarray(self._canvas[:used]), self.geom)
         with open(self.directory / name, "xb") as fh:
-            fh.write(encode(np.ascontiguousarray(self._canvas[:used]), self.geom))
+            fh.write(data)
         self._names.append(name)
+        if self.geom.codec == "jpeg":
+            index = jpegtiles.restart_index(data, name)
+            if len(index) != expected_intervals(self.geom, self._filled):
+                import PIL
+
+                raise PackerError(f"{name}: the JPEG encoder wrote {len(index)} restart intervals, expected "
+                                  f"{expected_intervals(self.geom, self._filled)} (Pillow {PIL.__version__} too old?)")
+            np.save(self.directory / (name + INDEX_SUFFIX), index, allow_pickle=False)
+            self._sidecars.append(name + INDEX_SUFFIX)
         self._counts.append(self._filled)
         self._canvas[:] = 0
         self._filled = 0
@@ -206,11 +225,11 @@ class Writer:
         if self._filled:
             self._flush()
         g = self.geom
-        return list(self._names), {"tile": [g.tile_h, g.tile_w], "grid": [g.rows, g.cols], "codec": g.codec,
+        return self._names + self._sidecars, {"tile": [g.tile_h, g.tile_w], "grid": [g.rows, g.cols], "codec": g.codec,
                                    "quality": g.quality, "samples_per_mosaic": list(self._counts)}
 
     def abort(self) -> None:
-        for name in self._names:
+        for name in self._names + self._sidecars:
             try:
                 os.remove(self.directory / name)
             except OSError:
@@ -227,7 +246,8 @@ def _geometry_from_facts(shard: Shard, where: Path) -> Geometry:
         raise PackerError(f"{where}: mosaic shard facts are malformed ({type(exc).__name__}: {exc})") from None
     if min(geom.tile_h, geom.tile_w, geom.rows, geom.cols) < 1 or geom.codec not in CODECS:
         raise PackerError(f"{where}: mosaic shard facts are malformed ({f.get('tile')}, {f.get('grid')})")
-    if len(counts) != len(shard.files) or sum(counts) != shard.num_samples or any(not 1 <= c <= geom.cells
+    per_mosaic = 2 if geom.codec == "jpeg" else 1  # jpeg: mosaics, then their interval indexes
+    if len(counts) * per_mosaic != len(shard.files) or sum(counts) != shard.num_samples or any(not 1 <= c <= geom.cells
                                                                                    for c in counts):
         raise PackerError(f"{where}: mosaic counts {counts[:8]} do not match {len(shard.files)} files and "
                           f"{shard.num_samples} samples")
@@ -237,26 +257,27 @@ def _geometry_from_facts(shard: Shard, where: Path) -> Geometry:
 class Reader:
     """Reads tiles of one shard's mosaics.
 
-    ``tile_read``: ``region`` (bmp: read only the tile from a memory map), ``full`` (decode the
-    mosaic, keep it in a small per-process LRU cache, return the tile: cheap for neighbours),
-    ``crop`` (jpeg: cut the tile out losslessly with libjpeg-turbo, decode only it; falls back
-    to ``full`` without libturbojpeg). ``auto``: region for bmp, crop for jpeg under random
-    access, full otherwise.
+    ``tile_read``: ``region`` (bmp: read only the tile's bytes from a memory map), ``segments``
+    (jpeg: copy the tile's restart intervals into a small JPEG and decode only that, see
+    ``packer.jpegtiles``), ``full`` (decode the whole mosaic, keep it in a small per-process LRU
+    cache, return the tile: cheap when neighbours follow), ``crop`` (jpeg: libjpeg-turbo's
+    lossless crop; falls back to ``full`` without libturbojpeg). ``auto``: region for bmp,
+    full for png, segments for jpeg under random access and full otherwise.
     """
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential",
                  tile_read: str = "auto", cache_bytes: int = CACHE_BYTES) -> None:
         self.directory = directory
         self.geom = _geometry_from_facts(shard, directory)
-        self.paths = [directory / f.name for f in shard.files]
         self.counts = [int(c) for c in shard.facts["samples_per_mosaic"]]
+        self.paths = [directory / f.name for f in shard.files[: len(self.counts)]]
+        self.index_paths = [directory / f.name for f in shard.files[len(self.counts):]]
         self.starts = np.cumsum([0] + self.counts, dtype=np.int64)
+        allowed = {"bmp": ("region",), "png": ("full",), "jpeg": ("full", "segments", "crop")}[self.geom.codec]
         if tile_read == "auto":
-            tile_read = {"bmp": "region", "png": "full"}.get(
-                self.geom.codec, "crop" if access == "random" else "full")
-        if tile_read not in ("region", "full", "crop") or (tile_read == "region") != (self.geom.codec == "bmp") \
-                or (tile_read == "crop" and self.geom.codec != "jpeg"):
-            raise PackerError(f"tile_read={tile_read!r} does not suit {self.geom.codec} mosaics")
+            tile_read = "segments" if self.geom.codec == "jpeg" and access == "random" else allowed[0]
+        if tile_read not in allowed:
+            raise PackerError(f"tile_read={tile_read!r} does not suit {self.geom.codec} mosaics ({', '.join(allowed)})")
         self.tile_read = tile_read
         self.cache_bytes = cache_bytes
         self._reset()
@@ -264,7 +285,7 @@ class Reader:
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()  # mosaic -> decoded pixels
-        self._maps: OrderedDict[int, tuple[mmap.mmap, bmpfile.BmpHeader]] = OrderedDict()
+        self._maps: OrderedDict[int, tuple] = OrderedDict()  # mosaic -> (mmap, BMP header or interval index)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -286,22 +307,33 @@ class Reader:
         if self._pid != os.getpid():
             self._reset()  # a forked worker: start with empty caches of its own
         m, cell = self.locate(pos)
-        top, left = self.geom.origin(cell)
-        th, tw = self.geom.tile_h, self.geom.tile_w
+        g = self.geom
+        top, left = g.origin(cell)
         if self.tile_read == "region":
             buf, header = self._map(m)
-            return bmpfile.region(buf, header, top, left, th, tw)
+            return bmpfile.region(buf, header, top, left, g.tile_h, g.tile_w)
+        if self.tile_read == "segments":
+            buf, index = self._map(m)
+            first = top // 8 * g.cols + left // g.tile_w
+            data = jpegtiles.tile_jpeg(buf, index, first, g.tile_h // 8, g.cols, g.tile_h, g.tile_w, self.paths[m])
+            return self._decode_tile(data, m, cell)
         if self.tile_read == "crop" and turbojpeg_handle() is not None:
-            data = self._read_file(m)
             try:
-                tile = decode(turbojpeg_handle().crop(data, left, top, tw, th), "turbojpeg", strict=True)
-            except (PackerError, OSError) as exc:
+                data = turbojpeg_handle().crop(self._read_file(m), left, top, g.tile_w, g.tile_h)
+            except OSError as exc:
                 raise PackerError(f"{self.paths[m]}: cannot cut tile {cell} out of the mosaic ({exc})") from exc
-            return self._checked(tile, (th, tw, 3), m)
-        return self._mosaic(m)[top : top + th, left : left + tw].copy()
+            return self._decode_tile(data, m, cell)
+        return self._mosaic(m)[top : top + g.tile_h, left : left + g.tile_w].copy()
 
     def read_many(self, positions: list[int]) -> list[np.ndarray]:
         return [self.read(p) for p in positions]
+
+    def _decode_tile(self, data: bytes, m: int, cell: int) -> np.ndarray:
+        try:
+            tile = decode(data, "auto", strict=True)
+        except PackerError as exc:
+            raise PackerError(f"{self.paths[m]}: cannot decode tile {cell} of the mosaic ({exc})") from exc
+        return self._checked(tile, (self.geom.tile_h, self.geom.tile_w, 3), m)
 
     def _read_file(self, m: int) -> bytes:
         try:
@@ -315,24 +347,42 @@ class Reader:
             raise PackerError(f"{self.paths[m]}: decoded to {pixels.shape}, the manifest says {shape}")
         return pixels
 
-    def _map(self, m: int) -> tuple[mmap.mmap, bmpfile.BmpHeader]:
+    def _map(self, m: int) -> tuple:
+        """The mosaic's file mapped read-only, with its BMP header (bmp) or restart-interval index (jpeg)."""
         if m in self._maps:
             self._maps.move_to_end(m)
             return self._maps[m]
+        path = self.paths[m]
         try:
-            with open(self.paths[m], "rb") as fh:
+            with open(path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
                 buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         except OSError as exc:
-            raise PackerError(f"{self.paths[m]}: cannot read mosaic ({exc.strerror or exc})") from exc
-        header = bmpfile.parse_header(buf[: bmpfile.HEADER_BYTES], size, self.paths[m])
-        if (header.height, header.width, 3) != self.geom.shape(self.counts[m]):
-            raise PackerError(f"{self.paths[m]}: a {header.height}x{header.width} BMP, the manifest says "
-                              f"{self.geom.shape(self.counts[m])}")
-        self._maps[m] = (buf, header)
+            raise PackerError(f"{path}: cannot read mosaic ({exc.strerror or exc})") from exc
+        shape = self.geom.shape(self.counts[m])
+        if self.geom.codec == "bmp":
+            info = bmpfile.parse_header(buf[: bmpfile.HEADER_BYTES], size, path)
+            if (info.height, info.width, 3) != shape:
+                raise PackerError(f"{path}: a {info.height}x{info.width} BMP, the manifest says {shape}")
+        else:
+            info = self._load_index(m, size)
+        self._maps[m] = (buf, info)
         while len(self._maps) > 16:
             self._maps.popitem(last=False)  # dropped, not closed: tiles handed out may still view it
-        return buf, header
+        return buf, info
+
+    def _load_index(self, m: int, size: int) -> np.ndarray:
+        path = self.index_paths[m]
+        try:
+            index = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as exc:
+            raise PackerError(f"{path}: cannot read the mosaic's tile index ({exc})") from exc
+        n = expected_intervals(self.geom, self.counts[m])
+        if index.shape != (n, 2) or index.dtype != np.dtype("<i8") or (n and (
+                index.min() < 0 or index.max() > size or np.any(index[:, 0] > index[:, 1]))):
+            raise PackerError(f"{path}: tile index does not describe {self.paths[m].name} "
+                              f"({index.dtype} {index.shape}, expected <i8 ({n}, 2) within {size} bytes)")
+        return index
 
     def _mosaic(self, m: int) -> np.ndarray:
         if m in self._cache:
