@@ -9,24 +9,28 @@ looks complete. Every source file is either packed or listed in ``errors.json``.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import stat
 import sys
 import time
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Literal
 
 import numpy as np
 
 from packer import __version__
-from packer.decode import DecodeError, decode, read_header
+from packer.decode import DecodeError, decode
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import PreparedSample
+from packer.headers import image_size
 from packer.index import Index
 from packer.manifest import PAYLOADS, Manifest, Shard, file_info, write_manifest
 from packer.resize import ResizeSpec
@@ -109,8 +113,7 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
     """Read one source file and make its payload; a problem becomes a SourceError, never an exception."""
     path = root / rel
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
+        data = read_source(path)
     except OSError as exc:
         if not path.exists() and path.is_symlink():
             return SourceError(rel, "broken symbolic link")
@@ -128,7 +131,7 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
         if options.validate == "full":
             h, w = decode(data, options.decoder, strict=True).shape[:2]
         elif options.validate == "header":
-            h, w = read_header(data)
+            h, w = image_size(data)
         else:
             h, w = 0, 0  # unknown: not looked at
     except DecodeError as exc:
@@ -136,6 +139,22 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
     except Exception as exc:  # a codec crash on hostile bytes must not abort the conversion
         return SourceError(rel, f"cannot decode image: {type(exc).__name__}: {exc}")
     return PreparedSample(-1, rel, label, data, h, w)
+
+
+def read_source(path: Path) -> bytes:
+    """The whole file, refusing special files (a FIFO would block forever) and files that change size."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read()
+        if len(data) != st.st_size and st.st_size != 0:
+            raise OSError(errno.EAGAIN, f"changed while being read ({st.st_size} bytes, then {len(data)})")
+        return data
+    finally:
+        os.close(fd)
 
 
 def _prepare_chunk(root: Path, items: list[tuple[str, int]], options: ConvertOptions) -> list:
@@ -160,7 +179,7 @@ def estimate_sample_bytes(scan: ScanResult, options: ConvertOptions, probes: int
         try:
             if options.payload == "raw":
                 with open(path, "rb") as fh:
-                    h, w = read_header(fh.read(1 << 20))
+                    h, w = image_size(fh.read(1 << 20))
                 spec = options.resize_spec
                 if spec is not None:
                     h, w = spec.output_shape(h, w)
@@ -320,6 +339,7 @@ def _write_all(scan, partial, plan, fmt, options, on_error, workers, progress):
     bytes_read = 0
     results = _ordered_results(scan.root, items, options, workers)
     bar = _progress(len(items), progress)
+    hasher = ThreadPoolExecutor(max_workers=1)
     try:
         for shard_id, (start, stop) in enumerate(plan):
             writer = fmt.Writer(partial, shard_id, stop - start, options.payload, asdict(options))
@@ -348,10 +368,15 @@ def _write_all(scan, partial, plan, fmt, options, on_error, workers, progress):
             except BaseException:
                 writer.abort()
                 raise
-            shards.append(Shard(num_samples=count, files=[file_info(partial, n) for n in names], facts=facts))
+            # Checksums of finished shards are computed in a thread while the next shard is written.
+            shards.append(Shard(num_samples=count, files=[hasher.submit(file_info, partial, n) for n in names],
+                                facts=facts))
+        for shard in shards:
+            shard.files = [f.result() for f in shard.files]
     finally:
         bar.close()
         results.close()
+        hasher.shutdown(cancel_futures=True)
     index = Index.build(rel_paths, labels, heights, widths, nbytes)
     meta_names = index.save(partial)
     meta_files = [file_info(partial, n) for n in meta_names]
