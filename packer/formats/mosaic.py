@@ -94,9 +94,10 @@ def default_grid(tile_h: int, tile_w: int) -> tuple[int, int]:
 
 def geometry(options: Mapping) -> Geometry:
     """The mosaic layout asked for by convert options (``tile``, ``grid``, ``codec``, ``quality``), checked."""
-    if not options.get("tile"):
+    tile = options.get("tile") or options.get("resize")  # a fixed --resize HxW is the tile size too
+    if not tile or (not options.get("tile") and "x" not in str(tile).lower()):
         raise PackerError("--to mosaic needs --tile HxW, the size every image is resized to (e.g. --tile 224x224)")
-    th, tw = parse_hw(options["tile"], "--tile")
+    th, tw = parse_hw(tile, "--tile" if options.get("tile") else "--resize")
     rows, cols = parse_hw(options["grid"], "--grid") if options.get("grid") else default_grid(th, tw)
     codec = options.get("codec") or DEFAULT_CODEC
     if codec not in CODECS:
