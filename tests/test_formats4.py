@@ -392,3 +392,17 @@ def test_dataloader_two_spawn_workers_over_every_kind(src, tmp_path):
         part.target_transform = functools.partial(_tagged, kind)  # same pixels in several kinds: tell them apart
     ds = torch.utils.data.ConcatDataset(parts)
     _check_loader(ds, "spawn")
+
+
+@pytest.mark.parametrize("codec,tile_read", [("bmp", "region"), ("png", "full"), ("jpeg", "segments"),
+                                             ("jpeg", "full"), ("jpeg", "crop")])
+def test_prefetch_then_read(src, tmp_path, codec, tile_read):
+    out = convert(src, tmp_path / f"p.{codec}", to="mosaic", tile="16x16", grid="2x3", codec=codec, workers=0,
+                  progress=False).output
+    shard = read_manifest(out).shards[0]
+    expected = [mosaic.Reader(out, shard, "raw", tile_read=tile_read).read(i) for i in range(len(SIZES))]
+    reader = mosaic.Reader(str(out), shard, "raw", tile_read=tile_read)  # a str directory works too
+    reader.prefetch([13, 0, 7, 7, 2])
+    assert all(np.array_equal(reader.read(i), expected[i]) for i in (13, 0, 7, 2))
+    reader.prefetch(list(range(len(SIZES))))  # cached mosaics are skipped, the rest advised
+    assert all(np.array_equal(reader.read(i), expected[i]) for i in range(len(SIZES)))

@@ -60,7 +60,7 @@ class Writer:
     def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
         if payload != "raw":
             raise PackerError("the bmp format stores decoded pixels: use --payload raw")
-        self.directory = directory
+        self.directory = Path(directory)
         self._names: list[str] = []
         self._made: set[Path] = set()
 
@@ -91,7 +91,7 @@ class Reader:
     """Reads one shard's BMP files; nothing is kept open, so fork and spawn workers need nothing special."""
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
-        self.directory = directory
+        self.directory = Path(directory)
         self.names = [f.name for f in shard.files]
         if len(self.names) != shard.num_samples:
             raise PackerError(f"{directory}: a bmp shard lists {len(self.names)} files for {shard.num_samples} samples")
@@ -105,6 +105,20 @@ class Reader:
 
     def read_many(self, positions: list[int]) -> list[np.ndarray]:
         return [self.read(p) for p in positions]
+
+    def prefetch(self, positions: list[int]) -> None:
+        """Ask the kernel to start reading these samples' files, all at once (deep queue, overlapped IO)."""
+        if not hasattr(os, "posix_fadvise"):
+            return
+        for pos in positions:
+            try:
+                fd = os.open(self.directory / self.names[pos], os.O_RDONLY)
+            except OSError:
+                continue  # read() will report it
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
 
     def close(self) -> None:
         pass

@@ -35,7 +35,7 @@ from PIL import Image
 from packer import bmpfile, jpegtiles
 from packer.decode import decode, turbojpeg_handle
 from packer.errors import PackerError
-from packer.formats.base import PreparedSample
+from packer.formats.base import PreparedSample, advise_willneed
 from packer.manifest import Manifest, Shard
 
 NAME = "mosaic"
@@ -178,7 +178,7 @@ class Writer:
     def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
         if payload != "raw":
             raise PackerError("the mosaic format stores decoded pixels: use --payload raw")
-        self.directory = directory
+        self.directory = Path(directory)
         self.shard_id = shard_id
         self.geom = geometry(options)
         self._canvas: np.ndarray | None = None
@@ -268,11 +268,11 @@ class Reader:
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential",
                  tile_read: str = "auto", cache_bytes: int = CACHE_BYTES) -> None:
-        self.directory = directory
+        self.directory = Path(directory)
         self.geom = _geometry_from_facts(shard, directory)
         self.counts = [int(c) for c in shard.facts["samples_per_mosaic"]]
-        self.paths = [directory / f.name for f in shard.files[: len(self.counts)]]
-        self.index_paths = [directory / f.name for f in shard.files[len(self.counts):]]
+        self.paths = [self.directory / f.name for f in shard.files[: len(self.counts)]]
+        self.index_paths = [self.directory / f.name for f in shard.files[len(self.counts):]]
         self.starts = np.cumsum([0] + self.counts, dtype=np.int64)
         allowed = {"bmp": ("region",), "png": ("full",), "jpeg": ("full", "segments", "crop")}[self.geom.codec]
         if tile_read == "auto":
@@ -328,6 +328,39 @@ class Reader:
 
     def read_many(self, positions: list[int]) -> list[np.ndarray]:
         return [self.read(p) for p in positions]
+
+    def prefetch(self, positions: list[int]) -> None:
+        """Start reading what these tiles need in the background (see base.advise_willneed).
+
+        bmp: the tiles' row bands; jpeg segments: the tiles' restart intervals; otherwise
+        (whole mosaics are decoded) the whole files.
+        """
+        if self._pid != os.getpid():
+            self._reset()
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for pos in positions:
+            m, cell = self.locate(pos)
+            top, _left = self.geom.origin(cell)
+            if self.tile_read == "full" and m in self._cache:
+                continue
+            if self.tile_read in ("region", "segments"):
+                _buf, info = self._map(m)
+                if self.tile_read == "region":
+                    first = top if info.top_down else info.height - top - self.geom.tile_h
+                    start = info.offset + first * info.stride
+                    spans.setdefault(m, []).append((start, start + self.geom.tile_h * info.stride))
+                else:
+                    band = top // 8 * self.geom.cols
+                    last = band + (self.geom.tile_h // 8 - 1) * self.geom.cols + self.geom.cols - 1
+                    spans.setdefault(m, []).append((int(info[band, 0]), int(info[last, 1])))
+            else:
+                spans.setdefault(m, []).append((0, self.paths[m].stat().st_size))
+        for m, ranges in spans.items():
+            fd = os.open(self.paths[m], os.O_RDONLY)
+            try:
+                advise_willneed(fd, ranges)
+            finally:
+                os.close(fd)
 
     def _decode_tile(self, data: bytes, m: int, cell: int) -> np.ndarray:
         try:
