@@ -358,8 +358,7 @@ def _open_kind(src: Path, tmp_path: Path, kind: str):
     else:
         out = convert(src, tmp_path / f"l.{kind}", to="mosaic", tile="16x16", grid="2x2", codec=kind.split("-")[1],
                       workers=0, progress=False).output
-    access = "random" if kind == "mosaic-jpeg" else "auto"  # jpeg: the crop path in the workers
-    ds = open_dataset(out, image="numpy", access=access)
+    ds = open_dataset(out, image="numpy")
     ds.pixels(0)  # a reader used before the workers start must not leak into them
     return ds
 

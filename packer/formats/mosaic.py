@@ -4,17 +4,21 @@
 |-----------------------------------|----------------------------------------------------------|
 | mosaic-<shard>-<n>.bmp/.png/.jpg  | one mosaic: up to rows x cols tiles of tile_h x tile_w,  |
 |                                   | sample k of the mosaic at row k // cols, column k % cols  |
+| mosaic-<shard>-<n>.jpg.rst.npy    | jpeg only: <i8 [n, 2] byte ranges of its restart intervals |
 
 Shard facts (manifest): ``tile`` [h, w], ``grid`` [rows, cols], ``codec``, ``quality`` and
-``samples_per_mosaic`` (one count per file, in order): every mosaic is full except the last of a
+``samples_per_mosaic`` (one count per mosaic; the shard's files list the mosaics in order, then
+for jpeg their indexes): every mosaic is full except the last of a
 shard, which is cut after its last used row (unused cells of that row are black). One mosaic
 is one block of neighbouring samples for the block sampler (``blocks``/``dataset_blocks``).
 
 Codecs: ``bmp`` (default; lossless, uncompressed, one tile is read from a memory map without
-decoding anything else), ``png`` (lossless, smaller, the whole mosaic is decoded and kept in a
-small per-process cache), ``jpeg`` (explicit, lossy; 4:4:4 so no chroma is lost and tiles sit
-on MCU boundaries: a tile can be cut out losslessly by libjpeg-turbo and decoded alone, or the
-whole mosaic decoded and cached). The default grid makes one mosaic about 16 MB decoded.
+touching the rest), ``png`` (lossless, smaller, but the whole mosaic is decoded for any tile:
+kept in a small per-process cache, so read it in block order), ``jpeg`` (explicit, lossy, the
+smallest; 4:4:4 with tiles on MCU boundaries and a restart marker per tile band, so one tile is
+cut out by copying its bytes and decoded alone, identical to decoding the whole mosaic: see
+``packer.jpegtiles``; each jpeg mosaic has its interval index beside it, ``<mosaic>.rst.npy``).
+The default grid makes one mosaic about 16 MB decoded.
 """
 
 from __future__ import annotations
@@ -261,9 +265,10 @@ class Reader:
     ``tile_read``: ``region`` (bmp: read only the tile's bytes from a memory map), ``segments``
     (jpeg: copy the tile's restart intervals into a small JPEG and decode only that, see
     ``packer.jpegtiles``), ``full`` (decode the whole mosaic, keep it in a small per-process LRU
-    cache, return the tile: cheap when neighbours follow), ``crop`` (jpeg: libjpeg-turbo's
-    lossless crop; falls back to ``full`` without libturbojpeg). ``auto``: region for bmp,
-    full for png, segments for jpeg under random access and full otherwise.
+    cache, return the tile: cheap when neighbours follow, ruinous in uniform random order over
+    more mosaics than the cache holds), ``crop`` (jpeg: libjpeg-turbo's lossless crop, which
+    entropy-decodes the whole mosaic every time; falls back to ``full`` without libturbojpeg).
+    ``auto``: region for bmp, full for png (its only path), segments for jpeg.
     """
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential",
@@ -274,9 +279,9 @@ class Reader:
         self.paths = [self.directory / f.name for f in shard.files[: len(self.counts)]]
         self.index_paths = [self.directory / f.name for f in shard.files[len(self.counts):]]
         self.starts = np.cumsum([0] + self.counts, dtype=np.int64)
-        allowed = {"bmp": ("region",), "png": ("full",), "jpeg": ("full", "segments", "crop")}[self.geom.codec]
-        if tile_read == "auto":
-            tile_read = "segments" if self.geom.codec == "jpeg" and access == "random" else allowed[0]
+        allowed = {"bmp": ("region",), "png": ("full",), "jpeg": ("segments", "full", "crop")}[self.geom.codec]
+        if tile_read == "auto":  # the path that serves any order well; full decodes only pay off in block order
+            tile_read = allowed[0]
         if tile_read not in allowed:
             raise PackerError(f"tile_read={tile_read!r} does not suit {self.geom.codec} mosaics ({', '.join(allowed)})")
         self.tile_read = tile_read
