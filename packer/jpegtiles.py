@@ -36,6 +36,8 @@ def scan_start(data: bytes | memoryview, where: object) -> tuple[int, int]:
         marker = data[i + 1]
         (length,) = struct.unpack_from(">H", data, i + 2)
         if marker in _SOF_BASELINE:
+            if length < 8:
+                raise PackerError(f"{where}: damaged JPEG frame header")
             sof = i
         elif 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
             raise PackerError(f"{where}: not a baseline JPEG (SOF marker {marker:#x})")
@@ -43,6 +45,8 @@ def scan_start(data: bytes | memoryview, where: object) -> tuple[int, int]:
             if sof < 0:
                 raise PackerError(f"{where}: JPEG scan without a frame header")
             return sof, i + 2 + length
+        if length < 2:
+            raise PackerError(f"{where}: damaged JPEG header at byte {i}")
         i += 2 + length
     raise PackerError(f"{where}: JPEG header ends before its scan")
 

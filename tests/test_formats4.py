@@ -300,6 +300,8 @@ def test_mosaic_refusals(src, tmp_path):
         convert(src, tmp_path / "a", to="lmdb", tile="16x16", progress=False)
     with pytest.raises(PackerError, match="unknown mosaic codec"):
         convert(src, tmp_path / "a", to="mosaic", tile="16x16", codec="gif", progress=False)
+    with pytest.raises(PackerError, match="--quality is for --codec jpeg only"):
+        convert(src, tmp_path / "a", to="mosaic", tile="16x16", codec="png", quality=80, progress=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "a.partial").exists()
 
 
@@ -405,3 +407,50 @@ def test_prefetch_then_read(src, tmp_path, codec, tile_read):
     assert all(np.array_equal(reader.read(i), expected[i]) for i in (13, 0, 7, 2))
     reader.prefetch(list(range(len(SIZES))))  # cached mosaics are skipped, the rest advised
     assert all(np.array_equal(reader.read(i), expected[i]) for i in range(len(SIZES)))
+
+
+def test_mutated_bmp_headers_read_right_or_raise_packer_error(tmp_path):
+    """Seeded fuzz of the header bytes: our parser returns the true pixels or a PackerError, nothing else."""
+    px = photo(7, 9, 5)
+    good = bmpfile.encode(px)
+    rng = np.random.default_rng(0)
+    outcomes = {"ok": 0, "error": 0}
+    for case in range(300):
+        data = bytearray(good)
+        for _ in range(int(rng.integers(1, 4))):
+            data[int(rng.integers(0, 54))] = int(rng.integers(0, 256))
+        if case % 5 == 0:
+            data = data[: int(rng.integers(0, len(data)))]
+        path = tmp_path / "f.bmp"
+        path.write_bytes(bytes(data))
+        try:
+            img = bmpfile.read(path)
+        except PackerError as exc:
+            assert "f.bmp" in str(exc)
+            outcomes["error"] += 1
+        else:
+            assert img.shape == px.shape  # fields we don't rely on (resolution, reserved) may change freely
+            outcomes["ok"] += 1
+    assert outcomes["error"] > 100 and outcomes["ok"] > 10
+
+
+def test_mutated_jpeg_mosaic_tiles_read_or_raise_packer_error(src, tmp_path):
+    out = convert(src, tmp_path / "fz.jpeg", to="mosaic", tile="16x16", grid="2x2", codec="jpeg", workers=0,
+                  progress=False).output
+    shard = read_manifest(out).shards[0]
+    target = out / shard.files[0].name
+    good = target.read_bytes()
+    rng = np.random.default_rng(1)
+    for case in range(150):
+        data = bytearray(good)
+        for _ in range(int(rng.integers(1, 6))):
+            data[int(rng.integers(0, len(data)))] = int(rng.integers(0, 256))
+        if case % 4 == 0:
+            data = data[: int(rng.integers(0, len(data)))]
+        target.write_bytes(bytes(data))
+        for tile_read in ("segments", "full"):
+            try:
+                tile = mosaic.Reader(out, shard, "raw", tile_read=tile_read).read(int(rng.integers(0, 4)))
+            except PackerError:
+                continue
+            assert tile.shape == (16, 16, 3)  # damaged entropy data may still decode (to wrong pixels)

@@ -72,7 +72,12 @@ class Writer:
         if path.parent not in self._made:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._made.add(path.parent)
-        with open(path, "xb") as fh:  # "x": two samples must never share a file
+        try:
+            fh = open(path, "xb")  # "x": two samples must never share a file
+        except FileExistsError:
+            raise PackerError(f"{path}: two source files map to this name (a case-insensitive output "
+                              f"filesystem?); convert onto a case-sensitive one") from None
+        with fh:
             fh.write(bmpfile.encode(sample.payload))
         self._names.append(name)
 

@@ -106,6 +106,8 @@ def geometry(options: Mapping) -> Geometry:
     codec = options.get("codec") or DEFAULT_CODEC
     if codec not in CODECS:
         raise PackerError(f"unknown mosaic codec {codec!r} (choose from {', '.join(CODECS)})")
+    if options.get("quality") is not None and codec != "jpeg":
+        raise PackerError(f"--quality is for --codec jpeg only ({codec} is lossless)")
     quality = int(options.get("quality") or 95)
     if not 1 <= quality <= 100:
         raise PackerError(f"--quality {quality}: expected 1..100")
@@ -249,7 +251,8 @@ def _geometry_from_facts(shard: Shard, where: Path) -> Geometry:
         counts = [int(c) for c in f["samples_per_mosaic"]]
     except (KeyError, TypeError, ValueError) as exc:
         raise PackerError(f"{where}: mosaic shard facts are malformed ({type(exc).__name__}: {exc})") from None
-    if min(geom.tile_h, geom.tile_w, geom.rows, geom.cols) < 1 or geom.codec not in CODECS:
+    if min(geom.tile_h, geom.tile_w, geom.rows, geom.cols) < 1 or geom.codec not in CODECS or (
+            geom.codec == "jpeg" and (geom.tile_h % JPEG_MCU or geom.tile_w % JPEG_MCU)):
         raise PackerError(f"{where}: mosaic shard facts are malformed ({f.get('tile')}, {f.get('grid')})")
     per_mosaic = 2 if geom.codec == "jpeg" else 1  # jpeg: mosaics, then their interval indexes
     if len(counts) * per_mosaic != len(shard.files) or sum(counts) != shard.num_samples or any(not 1 <= c <= geom.cells
