@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
         packer convert imgs/ --to lmdb -o /fast/imgs.lmdb --workers 8
         packer convert imgs/ --to lmdb --validate header   # faster; catches fewer damaged files
         packer convert imgs/ --to lmdb --payload raw --resize 256   # decoded once, short side 256
+        packer convert imgs/ --to lmdb --resume       # go on after Ctrl-C, a kill or a full disk
+        packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
         packer convert imgs/ --to bmp --resize 256          # one uncompressed BMP per image, no decoding in training
         packer convert imgs/ --to mosaic --tile 224x224     # 224x224 tiles on ~16 MB BMP mosaics
         packer convert imgs/ --to mosaic --tile 224x224 --grid 16x16 --codec jpeg --quality 95   # lossy, small
@@ -82,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resize-mode", choices=("stretch", "fit"), default="stretch",
                    help="for --resize HxW: stretch to the shape (default) or fit inside it and pad with black")
     p.add_argument("--upscale", action="store_true", help="let --resize enlarge small images (default: never)")
+    p.add_argument("--order", choices=("shuffled", "source"), default="shuffled",
+                   help="sample order in the dataset. shuffled (default): a seeded shuffle, so neighbours on disk "
+                   "are unrelated and block-shuffled reading (packer.sampler) mixes labels in every batch; "
+                   "source: ImageFolder's order, dataset index i = ImageFolder index i. Either way "
+                   "ds.samples and ds.index_of(rel_path) map samples to their source files")
+    p.add_argument("--seed", type=int, default=0, help="seed of --order shuffled (default 0; recorded in the manifest)")
     p.add_argument("--tile", metavar="HxW", help="mosaic: the size every image is resized to (stretched, or "
                    "letterboxed with --resize-mode fit); required for --to mosaic")
     p.add_argument("--grid", metavar="RxC", help="mosaic: tiles per mosaic, rows x columns (default: about 16 MB "
@@ -91,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(lossless, smaller, whole mosaics decoded), jpeg (lossy, smallest; tiles multiples of 16 px)")
     p.add_argument("--quality", type=int, default=None, help="mosaic jpeg quality 1-100 (default 95)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (only once the new one is complete)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on with an interrupted conversion of the same source and options (its finished "
+                   "shards are checked and kept; the result is identical to an uninterrupted run)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
 
@@ -134,7 +145,8 @@ def cmd_convert(args) -> int:
         args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
         on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
         resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
-        tile=args.tile, grid=args.grid, codec=args.codec, quality=args.quality, overwrite=args.overwrite, progress=not args.quiet,
+        tile=args.tile, grid=args.grid, codec=args.codec, quality=args.quality,
+        overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
     )
     total = res.num_samples + len(res.errors)
     print(

@@ -454,3 +454,21 @@ def test_mutated_jpeg_mosaic_tiles_read_or_raise_packer_error(src, tmp_path):
             except PackerError:
                 continue
             assert tile.shape == (16, 16, 3)  # damaged entropy data may still decode (to wrong pixels)
+
+
+def test_shards_hold_whole_mosaics_and_the_sampler_reads_one_mosaic_per_block(src, tmp_path):
+    from packer.sampler import BlockShuffleSampler
+
+    # 16x16 tiles are 768 bytes: a 6-tile shard cap rounds down to whole 2x2 mosaics of 4.
+    out = convert(src, tmp_path / "s.mosaic", to="mosaic", tile="16x16", grid="2x2", shard_bytes=768 * 6, workers=0,
+                  progress=False).output
+    m = read_manifest(out)
+    assert [s.facts["samples_per_mosaic"] for s in m.shards] == [[4], [4], [4], [2]]
+    assert mosaic.dataset_blocks(m) == [(0, 4), (4, 8), (8, 12), (12, 14)]
+    ds = open_dataset(out, image="numpy")
+    assert ds.block_boundaries().tolist() == [0, 4, 8, 12, 14]
+    sampler = BlockShuffleSampler(ds, seed=3)
+    assert sampler.bounds.tolist() == [0, 4, 8, 12, 14]  # picked up by itself: one mosaic per block
+    assert sorted(sampler) == list(range(len(ds)))
+    assert not hasattr(open_dataset(convert(src, tmp_path / "b.bmp", to="bmp", workers=0, progress=False).output),
+                       "block_boundaries")  # formats without natural blocks: the sampler cuts by bytes

@@ -12,7 +12,9 @@ A format module defines:
 
 Optional: ``check_options(options)`` (refuse bad format options before any work),
 ``error_bound(options) -> (mean, max)`` (absolute pixel error of a lossy format, (0, 0) = exact),
-``dataset_blocks(manifest)`` (natural (start, stop) blocks for the block sampler, e.g. one per mosaic).
+``block_boundaries(manifest)`` (natural block starts + N for the block sampler, e.g. one per mosaic;
+the format's dataset class then has a ``block_boundaries()`` method),
+``shard_multiple(options)`` (plan shards in whole units of this many samples, e.g. one mosaic).
 
 Adding a format is one module here plus one line in ``FORMATS``.
 """

@@ -32,7 +32,7 @@ from packer.manifest import Shard
 NAME = "bmp"
 DATASET_CLASS = "BMPDataset"
 PAYLOADS = frozenset({"raw"})
-DEFAULT_SHARD_BYTES = None  # one shard: the tree; checksums are per file anyway
+DEFAULT_SHARD_BYTES = 1 << 30  # a shard is a run of files of the tree: the unit a resumed conversion keeps
 TREE = "images"
 _NAME_MAX = 255
 

@@ -10,7 +10,7 @@ Shard facts (manifest): ``tile`` [h, w], ``grid`` [rows, cols], ``codec``, ``qua
 ``samples_per_mosaic`` (one count per mosaic; the shard's files list the mosaics in order, then
 for jpeg their indexes): every mosaic is full except the last of a
 shard, which is cut after its last used row (unused cells of that row are black). One mosaic
-is one block of neighbouring samples for the block sampler (``blocks``/``dataset_blocks``).
+is one block of neighbouring samples for the block sampler (``block_boundaries``).
 
 Codecs: ``bmp`` (default; lossless, uncompressed, one tile is read from a memory map without
 touching the rest), ``png`` (lossless, smaller, but the whole mosaic is decoded for any tile:
@@ -46,7 +46,7 @@ NAME = "mosaic"
 DATASET_CLASS = "MosaicDataset"
 PAYLOADS = frozenset({"raw"})
 OPTIONS = ("tile", "grid", "codec", "quality")  # ConvertOptions fields only this format takes
-DEFAULT_SHARD_BYTES = None  # one shard of many mosaic files; only a shard's last mosaic is partly filled
+DEFAULT_SHARD_BYTES = 1 << 30  # resume granularity of a long conversion; shards hold whole mosaics
 CODECS = ("bmp", "png", "jpeg")
 DEFAULT_CODEC = "bmp"
 EXTENSIONS = {"bmp": "bmp", "png": "png", "jpeg": "jpg"}
@@ -130,6 +130,11 @@ def check_options(options: Mapping) -> None:
     geometry(options)
 
 
+def shard_multiple(options: Mapping) -> int:
+    """Tiles per mosaic: convert plans shards of whole mosaics, so only a shard's last one is partly filled."""
+    return geometry(options).cells
+
+
 def error_bound(options: Mapping) -> tuple[float, int]:
     """(mean, max) absolute pixel error a reader may show against the resize pipeline's output; (0, 0): exact.
 
@@ -152,12 +157,21 @@ def blocks(shard: Shard) -> list[tuple[int, int]]:
 
 
 def dataset_blocks(manifest: Manifest) -> list[tuple[int, int]]:
-    """(start, stop) dataset indices of every mosaic: the blocks for the block sampler (one mosaic each)."""
+    """(start, stop) dataset indices of every mosaic, in order."""
     out, base = [], 0
     for shard in manifest.shards:
         out += [(base + a, base + b) for a, b in blocks(shard)]
         base += shard.num_samples
     return out
+
+
+def block_boundaries(manifest: Manifest) -> np.ndarray:
+    """Where each mosaic starts, then the sample count: the block sampler's ``blocks`` (one mosaic each).
+
+    ``MosaicDataset.block_boundaries()`` returns this, so ``packer.sampler`` picks it up by itself.
+    """
+    starts = [a for a, _b in dataset_blocks(manifest)]
+    return np.asarray(starts + [manifest.num_samples], dtype=np.int64)
 
 
 def encode(canvas: np.ndarray, geom: Geometry) -> bytes:
