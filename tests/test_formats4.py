@@ -474,6 +474,7 @@ def test_shards_hold_whole_mosaics_and_the_sampler_reads_one_mosaic_per_block(sr
                        "block_boundaries")  # formats without natural blocks: the sampler cuts by bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["--to", "bmp", "--shard-size", "20000"],
                                   ["--to", "mosaic", "--tile", "16x16", "--grid", "2x2", "--codec", "jpeg",
                                    "--shard-size", "6000"]], ids=["bmp", "mosaic-jpeg"])
