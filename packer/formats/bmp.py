@@ -9,8 +9,9 @@ The whole source name is kept and ``.bmp`` appended, so ``a.jpg`` and ``a.png`` 
 can never clash, whatever shard each lands in, and the source name stays readable. A name
 component that can't be a portable file name here (longer than 251 bytes once ``.bmp`` is
 added, a backslash, bytes that are not UTF-8) is shortened to an ASCII prefix plus a hash of
-the whole source path: still deterministic and unique. The manifest lists every file with
-its sha256, in sample order; the reader finds sample ``pos`` of a shard as its ``pos``-th file.
+the whole source path: still deterministic and unique. A shard is a run of about 1 GB of
+these files (the unit a resumed conversion keeps); the manifest lists every file with its
+sha256, in sample order, and the reader finds sample ``pos`` of a shard as its ``pos``-th file.
 
 Trades disk (~3 bytes per pixel) for decode time: reading is a file read plus one numpy copy
 (``packer.bmpfile``), no codec. The manifest grows by about 150 bytes per image.

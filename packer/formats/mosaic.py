@@ -235,7 +235,8 @@ class Writer:
                 import PIL
 
                 raise PackerError(f"{name}: the JPEG encoder wrote {len(index)} restart intervals, expected "
-                                  f"{expected_intervals(self.geom, self._filled)} (Pillow {PIL.__version__} too old?)")
+                                  f"{expected_intervals(self.geom, self._filled)}: jpeg mosaics need Pillow >= 10.2 "
+                                  f"(restart markers), this is {PIL.__version__}")
             np.save(self.directory / (name + INDEX_SUFFIX), index, allow_pickle=False)
             self._sidecars.append(name + INDEX_SUFFIX)
         self._counts.append(self._filled)
