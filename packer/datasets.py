@@ -200,7 +200,10 @@ class PackedDataset(Dataset):
         return arr.reshape(h, w, 3)
 
     def _finish(self, i: int, payload) -> tuple[Any, Any]:
-        arr = self.pixels(i, payload)
+        return self.present(i, self.pixels(i, payload))
+
+    def present(self, i: int, arr: np.ndarray) -> tuple[Any, Any]:
+        """Sample ``i``'s decoded pixels as handed out: image kind, transform, target transform."""
         if self.image == "pil":
             img: Any = Image.fromarray(arr)
         elif self.image == "tensor":
@@ -246,10 +249,21 @@ DATASET_CLASSES: dict[str, type[PackedDataset]] = {
 globals().update({cls.__name__: cls for cls in DATASET_CLASSES.values()})
 
 
-def open_dataset(path: str | os.PathLike, **kwargs: Any) -> PackedDataset:
-    """Open a packed dataset of any format; keyword arguments as for ``PackedDataset``."""
+def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_options: dict | None = None,
+                 **kwargs: Any) -> PackedDataset:
+    """Open a packed dataset of any format; keyword arguments as for ``PackedDataset``.
+
+    ``cache="ram"`` (stored payloads) or ``"ram-decoded"`` (decoded pixels) returns a
+    ``packer.cache.CachedDataset`` (``cache_options`` go to it): one copy in shared memory
+    for all DataLoader workers.
+    """
     manifest = read_manifest(path)
     cls = DATASET_CLASSES.get(manifest.format)
     if cls is None:
         raise PackerError(f"{path}: format {manifest.format!r} is unknown to this packer ({', '.join(FORMATS)})")
-    return cls(path, **kwargs)
+    ds = cls(path, **kwargs)
+    if cache is None:
+        return ds
+    from packer.cache import CachedDataset
+
+    return CachedDataset(ds, cache, **(cache_options or {}))
