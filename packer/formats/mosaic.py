@@ -53,7 +53,9 @@ EXTENSIONS = {"bmp": "bmp", "png": "png", "jpeg": "jpg"}
 TARGET_MOSAIC_BYTES = 16 << 20  # decoded size the default grid aims at (8-32 MB)
 JPEG_MCU = 16  # tiles must be multiples of this for lossless crops, whatever the subsampling
 JPEG_MAX_SIDE = 65500
-CACHE_BYTES = 64 << 20  # decoded mosaics kept per reader and process (at least one)
+# Decoded mosaics kept per reader and process (at least one), for the full-decode path only (png,
+# or jpeg with tile_read="full"): ~8 default mosaics, the block sampler's default open blocks.
+CACHE_BYTES = 160 << 20
 INDEX_SUFFIX = ".rst.npy"  # beside each jpeg mosaic: its restart intervals, int64 [n, 2] (packer.jpegtiles)
 _PNG_LEVEL = 1  # photos barely compress further at higher levels, which encode ~2x slower
 
