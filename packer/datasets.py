@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from packer.decode import BACKENDS, decode
+from packer.decode import BACKENDS, check_min_size, decode
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
 from packer.index import Index, shard_starts
@@ -67,7 +67,10 @@ class PackedDataset(Dataset):
         image: ImageKind = "pil",
         decoder: str = "auto",
         access: Access = "auto",
+        decode_size: int | None = None,
     ) -> None:
+        """``decode_size=S``: decode JPEGs at the smallest DCT scale (1/2, 1/4, 1/8) whose short side
+        is still >= S (faster, not pixel-identical to full-size decoding; encoded payloads only)."""
         self.root = Path(path)
         self.manifest = read_manifest(self.root)
         if self.FORMAT is not None and self.manifest.format != self.FORMAT:
@@ -83,6 +86,7 @@ class PackedDataset(Dataset):
         self.target_transform = target_transform
         self.image = image
         self.decoder = decoder
+        self.decode_size = check_min_size(decode_size)
         self.index = Index.load(self.root, self.manifest.num_samples)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
@@ -192,7 +196,7 @@ class PackedDataset(Dataset):
         """Sample ``i`` as HWC uint8 RGB, decoding encoded payloads."""
         buf = self._read_one(i) if payload is None else payload
         if self.manifest.payload == "encoded":
-            return decode(buf, self.decoder, strict=False)
+            return decode(buf, self.decoder, strict=False, min_size=self.decode_size)
         h, w = int(self.index.heights[i]), int(self.index.widths[i])
         arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
         if arr.size != h * w * 3:
