@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         packer convert imgs/ --to lmdb -o /fast/imgs.lmdb --workers 8
         packer convert imgs/ --to lmdb --validate header   # faster; catches fewer damaged files
         packer convert imgs/ --to lmdb --payload raw --resize 256   # decoded once, short side 256
+        packer convert imgs/ --to hdf5                               # encoded bytes, one blob + offsets
+        packer convert imgs/ --to memmap --payload raw --resize 224x224   # one (N,224,224,3) .npy
+        packer convert imgs/ --to hdf5 --payload raw --resize 256 --compression lzf
         packer convert imgs/ --to lmdb --resume       # go on after Ctrl-C, a kill or a full disk
         packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
         packer convert imgs/ --to bmp --resize 256          # one uncompressed BMP per image, no decoding in training
@@ -79,12 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip: report bad files in errors.json and go on (default); raise: stop at the first")
     p.add_argument("--workers", type=int, default=None, help="processes reading and validating (default: all cores)")
     p.add_argument("--shard-size", type=parse_bytes, default=None, metavar="SIZE",
-                   help="approximate shard size, e.g. 512MB (default: the format's, 1GB for lmdb)")
+                   help="approximate shard size, e.g. 512MB (default: the format's: 1GB for lmdb, one file for hdf5 and memmap)")
     p.add_argument("--resize", metavar="S|HxW",
                    help="raw payloads only, lossy: S = short side to S (aspect kept); HxW = exact shape")
     p.add_argument("--resize-mode", choices=("stretch", "fit"), default="stretch",
                    help="for --resize HxW: stretch to the shape (default) or fit inside it and pad with black")
     p.add_argument("--upscale", action="store_true", help="let --resize enlarge small images (default: never)")
+    p.add_argument("--compression", choices=("lzf", "gzip"), default=None,
+                   help="hdf5 with --payload raw only: compress pixel chunks (lzf: fast, h5py's filter; "
+                   "gzip: smaller, any HDF5 reader; default none)")
     p.add_argument("--order", choices=("shuffled", "source"), default="shuffled",
                    help="sample order in the dataset. shuffled (default): a seeded shuffle, so neighbours on disk "
                    "are unrelated and block-shuffled reading (packer.sampler) mixes labels in every batch; "
@@ -253,7 +259,7 @@ def cmd_convert(args) -> int:
         args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
         on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
         resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
-        tile=args.tile, grid=args.grid, codec=args.codec, quality=args.quality,
+        compression=args.compression, tile=args.tile, grid=args.grid, codec=args.codec, quality=args.quality,
         overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
     )
     total = res.num_samples + len(res.errors)

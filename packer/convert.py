@@ -68,6 +68,7 @@ class ConvertOptions:
     resize: str | None = None  # "S" or "HxW" (raw payloads only; lossy, explicit)
     resize_mode: str = "stretch"  # for HxW: stretch, or fit (keep aspect, pad)
     upscale: bool = False
+    compression: str | None = None  # lzf or gzip, raw payloads in formats that offer it (hdf5)
     decoder: str = "auto"
     order: Order = DEFAULT_ORDER  # sample order in the dataset: a seeded shuffle, or the scan's (ImageFolder's)
     seed: int = 0  # of the shuffled order
@@ -101,6 +102,14 @@ class ConvertOptions:
         if self.tile is not None and self.resize is not None and \
                 ResizeSpec.parse(self.tile).fixed_shape != ResizeSpec.parse(self.resize).fixed_shape:
             raise PackerError(f"--tile {self.tile} already sets the size; drop --resize {self.resize}")
+        if self.compression is not None:
+            offered = getattr(fmt, "COMPRESSIONS", frozenset())
+            if self.compression not in offered:
+                raise PackerError(f"--compression {self.compression}: format {self.format!r} offers "
+                                  f"{', '.join(sorted(offered)) or 'no compression'}")
+            if self.payload != "raw":
+                raise PackerError("--compression applies to raw payloads only: encoded JPEG/PNG bytes are "
+                                  "already compressed and would not shrink (use --payload raw, or drop --compression)")
         if self.order not in ORDERS:
             raise PackerError(f"unknown sample order {self.order!r} (choose {' or '.join(ORDERS)})")
         if not isinstance(self.seed, int) or self.seed < 0:
@@ -296,6 +305,7 @@ def convert(
     resize: str | None = None,
     resize_mode: str = "stretch",
     upscale: bool = False,
+    compression: str | None = None,
     tile: str | None = None,
     grid: str | None = None,
     codec: str | None = None,
@@ -314,7 +324,7 @@ def convert(
         payload = "encoded" if "encoded" in get_format(to).PAYLOADS else "raw"
     options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes,
                              resize=None if resize is None else str(resize), resize_mode=resize_mode, upscale=upscale,
-                             order=order, seed=seed, tile=None if tile is None else str(tile),
+                             compression=compression, order=order, seed=seed, tile=None if tile is None else str(tile),
                              grid=None if grid is None else str(grid), codec=codec, quality=quality)
     options.check()
     if on_error not in ("skip", "raise"):
