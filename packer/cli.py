@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         packer convert imgs/ --to hdf5 --payload raw --resize 256 --compression lzf
         packer convert imgs/ --to lmdb --resume       # go on after Ctrl-C, a kill or a full disk
         packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
+        packer convert imgs/ --to bmp --resize 256          # one uncompressed BMP per image, no decoding in training
+        packer convert imgs/ --to mosaic --tile 224x224     # 224x224 tiles on ~16 MB BMP mosaics
+        packer convert imgs/ --to mosaic --tile 224x224 --grid 16x16 --codec jpeg --quality 95   # lossy, small
         packer convert /shared/imgs --to lmdb --scheduler tcp://HOST:8786   # on a Dask cluster
         packer convert imgs/ --to lmdb --scheduler local:4      # a local Dask cluster of 4 processes
         """, description="Pack a folder of images (ImageFolder layout root/<class>/<img>, or flat) into one "
@@ -71,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="folder of images")
     p.add_argument("--to", dest="format", default="lmdb", choices=sorted(FORMATS), help="output format (default lmdb)")
     p.add_argument("-o", "--output", help="output directory (default: <source>.<format> beside the source)")
-    p.add_argument("--payload", choices=("encoded", "raw"), default="encoded",
-                   help="encoded: the original file bytes (lossless, smallest; default); "
-                   "raw: decoded RGB pixels (no decoding in training, 5-10x larger)")
+    p.add_argument("--payload", choices=("encoded", "raw"), default=None,
+                   help="encoded: the original file bytes (lossless, smallest; default where the format stores it); "
+                   "raw: decoded RGB pixels (no decoding in training, 5-10x larger; the only payload of bmp and mosaic)")
     p.add_argument("--validate", choices=("full", "header", "none"), default="full",
                    help="full: decode every image (default, catches truncated files); header: read headers only; "
                    "none: pack bytes unchecked")
@@ -96,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "source: ImageFolder's order, dataset index i = ImageFolder index i. Either way "
                    "ds.samples and ds.index_of(rel_path) map samples to their source files")
     p.add_argument("--seed", type=int, default=0, help="seed of --order shuffled (default 0; recorded in the manifest)")
+    p.add_argument("--tile", metavar="HxW", help="mosaic: the size every image is resized to (stretched, or "
+                   "letterboxed with --resize-mode fit); required for --to mosaic")
+    p.add_argument("--grid", metavar="RxC", help="mosaic: tiles per mosaic, rows x columns (default: about 16 MB "
+                   "decoded per mosaic, e.g. 11x10 for 224x224 tiles)")
+    p.add_argument("--codec", choices=("bmp", "png", "jpeg"), default=None,
+                   help="mosaic file codec: bmp (default; lossless, a tile is read without decoding the rest), png "
+                   "(lossless, smaller, whole mosaics decoded), jpeg (lossy, smallest; tiles multiples of 16 px)")
+    p.add_argument("--quality", type=int, default=None, help="mosaic jpeg quality 1-100 (default 95)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (only once the new one is complete)")
     p.add_argument("--resume", action="store_true",
                    help="go on with an interrupted conversion of the same source and options (its finished "
@@ -264,8 +275,9 @@ def cmd_convert(args) -> int:
             args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
             on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
             resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
-            compression=args.compression, overwrite=args.overwrite, resume=args.resume, progress=not args.quiet,
-            order=args.order, seed=args.seed, client=client,
+            compression=args.compression, tile=args.tile, grid=args.grid, codec=args.codec, quality=args.quality,
+            overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
+            client=client,
         )
     total = res.num_samples + len(res.errors)
     print(
@@ -307,6 +319,10 @@ def cmd_info(args) -> int:
         ("source", data["source"]),
         ("created", f"{data['created_at']} by {data['created_by']}"),
     ]
+    if data["format"] == "mosaic" and data["shards"] and data["shards"][0]["files"]:
+        from pathlib import Path
+
+        rows.append(("look at", f"{Path(args.dataset) / data['shards'][0]['files'][0]['name']} (one mosaic)"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
