@@ -38,38 +38,64 @@ BENCH_VERSION = 1
 # ------------------------------------------------------------------ orders
 
 
-def block_order(nbytes: np.ndarray, block_bytes: int, open_blocks: int, rng: np.random.Generator) -> np.ndarray:
+def block_groups(nbytes: np.ndarray, block_bytes: int, open_blocks: int, rng: np.random.Generator) -> list[np.ndarray]:
     """Locality-preserving shuffle: contiguous blocks of about ``block_bytes``, blocks in random order,
-    samples shuffled within groups of ``open_blocks`` blocks read together.
+    samples shuffled within groups of ``open_blocks`` blocks that are open (read) together.
 
-    Stand-in for ``packer.sampler.BlockShuffleSampler`` until it is merged: replace this function's
-    body with the sampler's order (``np.fromiter(iter(sampler), np.int64)``) and nothing else changes.
+    Returns the groups in reading order; their concatenation is the sample order. Stand-in for
+    ``packer.sampler.BlockShuffleSampler`` until it is merged: swap the body for the sampler's
+    order and its groups, nothing else changes.
     """
     n = len(nbytes)
     if n == 0:
-        return np.zeros(0, dtype=np.int64)
+        return []
     block_of = (np.cumsum(nbytes) - 1) // max(int(block_bytes), 1)
     starts = np.flatnonzero(np.r_[True, block_of[1:] != block_of[:-1]])
     blocks = np.split(np.arange(n, dtype=np.int64), starts[1:])
     perm = rng.permutation(len(blocks))
     out = []
     for g in range(0, len(perm), max(open_blocks, 1)):
-        group = np.concatenate([blocks[b] for b in perm[g:g + open_blocks]])
+        group = np.concatenate([blocks[b] for b in perm[g:g + max(open_blocks, 1)]])
         rng.shuffle(group)
         out.append(group)
-    return np.concatenate(out)
+    return out
 
 
-def make_order(kind: str, nbytes: np.ndarray, seed: int, block_bytes: int, open_blocks: int) -> np.ndarray:
+def block_order(nbytes: np.ndarray, block_bytes: int, open_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    groups = block_groups(nbytes, block_bytes, open_blocks, rng)
+    return np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class Order:
+    """A sample order and the chunks the read and decode levels fetch with one ``read_payloads`` call each:
+    batches for sequential and shuffled orders, whole groups of open blocks for the block order (the large
+    sequential reads a block-aware reader makes; the samples still come out in the shuffled order)."""
+
+    kind: str
+    indices: np.ndarray
+    chunks: list[np.ndarray]
+
+    def head(self, k: int) -> Order:
+        first = self.indices[:k]
+        return Order(self.kind, first, [first])
+
+
+def make_order(kind: str, nbytes: np.ndarray, seed: int, block_bytes: int, open_blocks: int,
+               batch_size: int = 64) -> Order:
     n = len(nbytes)
     rng = np.random.default_rng(seed)
-    if kind == "sequential":
-        return np.arange(n, dtype=np.int64)
-    if kind == "shuffle":
-        return rng.permutation(n).astype(np.int64)
     if kind == "block":
-        return block_order(nbytes, block_bytes, open_blocks, rng)
-    raise PackerError(f"unknown order {kind!r} (choose {', '.join(ORDERS)})")
+        groups = block_groups(nbytes, block_bytes, open_blocks, rng)
+        idx = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
+        return Order(kind, idx, groups)
+    if kind == "sequential":
+        idx = np.arange(n, dtype=np.int64)
+    elif kind == "shuffle":
+        idx = rng.permutation(n).astype(np.int64)
+    else:
+        raise PackerError(f"unknown order {kind!r} (choose {', '.join(ORDERS)})")
+    return Order(kind, idx, [idx[s:s + batch_size] for s in range(0, n, max(batch_size, 1))])
 
 
 # ------------------------------------------------------------------ sources
@@ -161,34 +187,32 @@ def _payload_len(buf) -> int:
     return int(buf.nbytes) if isinstance(buf, np.ndarray) else len(buf)
 
 
-def _run_pass(src: Source, level: str, order: np.ndarray, workers: int, batch_size: int, pin: bool,
+def _run_pass(src: Source, level: str, order: Order, workers: int, batch_size: int, pin: bool,
               handle: dict) -> tuple[int, int, float, float | None]:
     """One timed pass: (samples, bytes, seconds, seconds to the first batch or None)."""
-    idx = order.tolist()
+    idx = order.indices.tolist()
     t0 = time.perf_counter()
     first = None
     count = nbytes = 0
-    if level == "read":
-        if src.kind == "folder":
-            for i in idx:
+    if level in ("read", "decode") and src.kind == "folder":
+        for i in idx:  # ImageFolder: one open + read per file
+            if level == "read":
                 with open(src.paths[i], "rb") as fh:
                     nbytes += len(fh.read())
-            count = len(idx)
-        else:
-            ds = handle.setdefault("ds", src.open())
-            for s in range(0, len(idx), batch_size):
-                bufs = ds.read_payloads(idx[s:s + batch_size])  # runs of neighbours read together
-                count += len(bufs)
-                nbytes += sum(_payload_len(b) for b in bufs)
-    elif level == "decode":
-        if src.kind == "folder":
-            for i in idx:
+            else:
                 pil_loader(src.paths[i])
-        else:
-            ds = handle.setdefault("ds", src.open())
-            for i in idx:
-                ds[i]
-        count, nbytes = len(idx), int(src.nbytes[order].sum())
+                nbytes += int(src.nbytes[i])
+        count = len(idx)
+    elif level in ("read", "decode"):
+        ds = handle.setdefault("ds", src.open())
+        for chunk in order.chunks:
+            chunk = chunk.tolist()
+            bufs = ds.read_payloads(chunk)  # runs of neighbours read together, returned in the order asked
+            if level == "decode":
+                for i, buf in zip(chunk, bufs):
+                    ds.pixels(i, buf)  # what ds[i] with image="numpy" returns
+            count += len(bufs)
+            nbytes += sum(_payload_len(b) for b in bufs)
     elif level == "loader":
         dataset = FolderSamples(src.paths, src.labels) if src.kind == "folder" else handle.setdefault("tds", src.open("tensor"))
         loader = DataLoader(dataset, batch_size=batch_size, sampler=idx, num_workers=workers,
@@ -197,7 +221,7 @@ def _run_pass(src: Source, level: str, order: np.ndarray, workers: int, batch_si
             if first is None:
                 first = time.perf_counter() - t0
             count += len(images)
-        nbytes = int(src.nbytes[order].sum())
+        nbytes = int(src.nbytes[order.indices].sum())
         del loader
     else:
         raise PackerError(f"unknown level {level!r} (choose {', '.join(LEVELS)})")
@@ -374,7 +398,7 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
         report["ceilings"] = measure_ceilings(sources, o, log)
         results = []
         for src in sources:
-            orders = {k: make_order(k, src.nbytes, o.seed, o.block_bytes, o.open_blocks) for k in o.orders}
+            orders = {k: make_order(k, src.nbytes, o.seed, o.block_bytes, o.open_blocks, o.batch_size) for k in o.orders}
             for level, order_name, cache, w in _settings(o):
                 row = _measure(src, level, order_name, orders[order_name], cache, w, o, thr)
                 results.append(row)
@@ -391,13 +415,13 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
     return report
 
 
-def _measure(src: Source, level: str, order_name: str, order: np.ndarray, cache: str, workers: int | None,
+def _measure(src: Source, level: str, order_name: str, order: Order, cache: str, workers: int | None,
              o: BenchOptions, thr) -> dict:
     handle: dict = {}
     w = workers or 0
     try:
         # Warm-up: loads libraries and opens handles (and, for warm passes, fills the page cache).
-        warm_order = order if cache == "warm" else order[:WARMUP_SAMPLES]
+        warm_order = order if cache == "warm" else order.head(WARMUP_SAMPLES)
         _run_pass(src, level, warm_order, w, o.batch_size, o.pin_memory, handle)
         seconds, firsts, resident, device = [], [], [], []
         count = nbytes = 0
@@ -517,3 +541,49 @@ def format_table(report: dict) -> str:
 
 def print_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def markdown_table(report: dict, levels: Sequence[str] | None = None) -> str:
+    """The results as a Markdown table (for reports and the README)."""
+    out = ["| dataset | level | order | cache | workers | samples/s (min-max) | MB/s | x folder | of ceiling | ceiling |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in report["results"]:
+        if levels and r["level"] not in levels:
+            continue
+        s = r["samples_per_s"]
+        sp = "" if r["speedup_vs_folder"] is None else f"{r['speedup_vs_folder']:.2f}x"
+        ev = "" if r["eviction"] in (None, "verified") else f" (eviction {r['eviction']})"
+        out.append(
+            f"| {r['name']} | {r['level']} | {r['order']} | {r['cache']}{ev} | {'' if r['workers'] is None else r['workers']} "
+            f"| {_fmt_rate(s['median'])} ({_fmt_rate(s['min'])}-{_fmt_rate(s['max'])}) | {_fmt_rate(r['mb_per_s']['median'])} "
+            f"| {sp} | {r['fraction_of_ceiling']:.0%} | {r['ceiling']['name']} |"
+        )
+    return "\n".join(out)
+
+
+def describe_setup(report: dict) -> str:
+    """Machine, storage, emulation and ceilings in a few Markdown bullet lines."""
+    m = report["machine"]
+    v = m["versions"]
+    lines = [f"- machine: {m['cpu']}, {m['cores_usable']} cores usable, {(m['memory_bytes'] or 0) / 2**30:.0f} GiB, "
+             f"{m['os']}, load average at start {', '.join(f'{x:.1f}' for x in m['load_average'] or [])}",
+             "- software: " + ", ".join(f"{k} {val}" for k, val in v.items() if val)]
+    for path, st in report["storage"].items():
+        lines.append(f"- `{path}`: {st['fstype']} on {st['device'] or st['source']} ({st['major_minor']}), "
+                     f"rotational={st['rotational']}, read-ahead {st['read_ahead_kb']} KB, scheduler {st['scheduler']}")
+    if report.get("emulation"):
+        e = report["emulation"]
+        lines.append(f"- EMULATED storage: {e['read_iops']} read IOPS, {(e['read_bps'] or 0) / 1e6:.0f} MB/s "
+                     f"({e['description']}); {e['controller']} on {', '.join(e['devices'])}")
+    c = report["ceilings"]
+    lines.append("- ceilings (same run): " + ", ".join(
+        [f"cold sequential read {x['value']:,.0f} MB/s ({x['low']:,.0f}-{x['high']:,.0f})" for x in c["sequential_read"].values()]
+        + [f"memory copy {c['memory_copy']['value']:,.0f} MB/s"]
+        + [f"decode {k} {x['value']:,.0f} img/s per core" for k, x in c["decode"].items()]))
+    d = ", ".join(f"`{Path(x['path']).name}` {x['samples']} samples, {x['payload_bytes'] / 1e6:.0f} MB of payload, "
+                  f"{x['files']} files, {x['disk_bytes'] / 1e6:.0f} MB on disk" for x in report["datasets"])
+    lines.append(f"- datasets: {d}")
+    o = report["options"]
+    lines.append(f"- options: repeats {o['repeats']}, batch size {o['batch_size']}, block order {o['block_bytes'] / 2**20:.0f} MiB "
+                 f"blocks x {o['open_blocks']} open, seed {o['seed']}, pin_memory {o['pin_memory']}")
+    return "\n".join(lines)

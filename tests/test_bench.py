@@ -146,7 +146,12 @@ def test_block_order_is_a_locality_preserving_permutation():
     # each stretch of 20 samples (two open blocks of 10) covers exactly two aligned blocks
     for g in range(0, 1000, 20):
         assert len({i // 10 for i in order[g:g + 20]}) == 2
-    assert make_order("sequential", nbytes, 0, 1, 1).tolist() == list(range(1000))
+    assert make_order("sequential", nbytes, 0, 1, 1).indices.tolist() == list(range(1000))
+    blk = make_order("block", nbytes, 0, 1_000_000, 2)
+    assert [len(c) for c in blk.chunks] == [20] * 50  # the read level fetches each group of open blocks at once
+    assert np.concatenate(blk.chunks).tolist() == blk.indices.tolist()
+    shuf = make_order("shuffle", nbytes, 0, 1, 1, batch_size=64)
+    assert [len(c) for c in shuf.chunks] == [64] * 15 + [40] and sorted(shuf.indices.tolist()) == list(range(1000))
     with pytest.raises(PackerError):
         make_order("zigzag", nbytes, 0, 1, 1)
 
