@@ -35,7 +35,7 @@ def run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
     shown = " ".join(shlex.quote(c) for c in cmd)
     print(f"$ {shown}", flush=True)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     sys.stdout.write(proc.stdout[-3000:])
     if proc.returncode != 0 and check:
         sys.stderr.write(proc.stderr)

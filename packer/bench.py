@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -209,7 +210,7 @@ def _run_pass(src: Source, level: str, order: Order, workers: int, batch_size: i
             chunk = chunk.tolist()
             bufs = ds.read_payloads(chunk)  # runs of neighbours read together, returned in the order asked
             if level == "decode":
-                for i, buf in zip(chunk, bufs):
+                for i, buf in zip(chunk, bufs, strict=False):
                     ds.pixels(i, buf)  # what ds[i] with image="numpy" returns
             count += len(bufs)
             nbytes += sum(_payload_len(b) for b in bufs)
@@ -348,15 +349,16 @@ def _ceiling_for(src: Source, level: str, cache: str, workers: int | None, ceili
 
 
 def _settings(o: BenchOptions):
+    """(level, order, cache, workers), each cold measurement followed by its warm one: the last cold
+    pass has just filled the page cache, so the warm one needs no warm-up pass of its own."""
     for level in LEVELS:
         if level not in o.levels:
             continue
         for order in o.orders:
-            for cache in CACHES:
-                if cache not in o.caches:
-                    continue
-                for w in (sorted(set(o.workers)) if level == "loader" else [None]):
-                    yield level, order, cache, w
+            for w in (sorted(set(o.workers)) if level == "loader" else [None]):
+                for cache in CACHES:
+                    if cache in o.caches:
+                        yield level, order, cache, w
 
 
 def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None = None,
@@ -399,8 +401,11 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
         results = []
         for src in sources:
             orders = {k: make_order(k, src.nbytes, o.seed, o.block_bytes, o.open_blocks, o.batch_size) for k in o.orders}
+            previous = None
             for level, order_name, cache, w in _settings(o):
-                row = _measure(src, level, order_name, orders[order_name], cache, w, o, thr)
+                prewarmed = cache == "warm" and previous == (level, order_name, "cold", w)
+                row = _measure(src, level, order_name, orders[order_name], cache, w, o, thr, prewarmed)
+                previous = (level, order_name, cache, w)
                 results.append(row)
                 log(format_row(row))
         report["results"] = results
@@ -416,13 +421,15 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
 
 
 def _measure(src: Source, level: str, order_name: str, order: Order, cache: str, workers: int | None,
-             o: BenchOptions, thr) -> dict:
+             o: BenchOptions, thr, prewarmed: bool = False) -> dict:
     handle: dict = {}
     w = workers or 0
     try:
         # Warm-up: loads libraries and opens handles (and, for warm passes, fills the page cache).
-        warm_order = order if cache == "warm" else order.head(WARMUP_SAMPLES)
-        _run_pass(src, level, warm_order, w, o.batch_size, o.pin_memory, handle)
+        # (A warm measurement right after its cold one starts from the cache that pass filled.)
+        if not prewarmed:
+            warm_order = order if cache == "warm" else order.head(WARMUP_SAMPLES)
+            _run_pass(src, level, warm_order, w, o.batch_size, o.pin_memory, handle)
         seconds, firsts, resident, device = [], [], [], []
         count = nbytes = 0
         for _ in range(o.repeats):
@@ -463,7 +470,7 @@ def _measure(src: Source, level: str, order_name: str, order: Order, cache: str,
         # Worker start-up is part of every pass (and of every epoch); the steady rate leaves it out.
         row["seconds_to_first_batch"] = firsts
         first_n = min(o.batch_size, count)
-        row["steady_samples_per_s"] = _stats([(count - first_n) / max(s - (f or 0), 1e-9) for s, f in zip(seconds, firsts)])
+        row["steady_samples_per_s"] = _stats([(count - first_n) / max(s - (f or 0), 1e-9) for s, f in zip(seconds, firsts, strict=False)])
     if device:
         row["device_reads"] = device
     return row

@@ -38,7 +38,7 @@ def plot_report(report: dict, path: str) -> None:
     hatches = ["", "//", "..", "xx", "\\\\", "++"]
     colours = plt.get_cmap("tab10")
     fig, axes = plt.subplots(1, len(levels), figsize=(6.2 * len(levels), 5.4), squeeze=False)
-    for ax, level in zip(axes[0], levels):
+    for ax, level in zip(axes[0], levels, strict=False):
         rows = [r for r in results if r["level"] == level]
         groups = list(dict.fromkeys((r["order"], r["cache"]) for r in rows))
         series = list(dict.fromkeys((r["name"], r["workers"]) for r in rows))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import textwrap
@@ -127,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--cold", action="store_true", help="cold page cache only")
     cache.add_argument("--warm", action="store_true", help="warm page cache only")
-    p.add_argument("--workers", type=_csv(int), default=(0, 2), metavar="N,..",
-                   help="DataLoader num_workers values for the loader level (default 0,2)")
+    p.add_argument("--workers", type=_csv(int), default=None, metavar="N,..",
+                   help="DataLoader num_workers values for the loader level (default: the usable cores, at most 8)")
     p.add_argument("--batch-size", type=int, default=64, help="loader batch size, also the read level's batch (default 64)")
     p.add_argument("--pin-memory", action="store_true", help="DataLoader pin_memory=True")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per measurement (default 3)")
@@ -252,8 +253,9 @@ def cmd_bench(args) -> int:
 
         require_matplotlib()  # before minutes of measuring
     caches = ("cold",) if args.cold else ("warm",) if args.warm else ("cold", "warm")
+    workers = args.workers or (min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1),)
     options = BenchOptions(
-        levels=args.levels, orders=args.orders, caches=caches, workers=args.workers, batch_size=args.batch_size,
+        levels=args.levels, orders=args.orders, caches=caches, workers=workers, batch_size=args.batch_size,
         pin_memory=args.pin_memory, repeats=args.repeats, limit=args.limit, seed=args.seed,
         block_bytes=args.block_size, open_blocks=args.open_blocks, ceiling_bytes=args.ceiling_size,
         emulate=args.emulate, read_iops=args.read_iops, read_bps=args.read_bps,

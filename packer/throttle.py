@@ -28,10 +28,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from packer.errors import PackerError
 from packer.measure import block_device_of
