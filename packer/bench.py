@@ -257,6 +257,7 @@ class BenchOptions:
     block_bytes: int = 64 << 20
     open_blocks: int = 2
     ceiling_bytes: int = 256 << 20
+    ceiling_seconds: float = 1.0  # per decoder, per measurement of the decode ceiling
     emulate: str | None = None
     read_iops: int | None = None
     read_bps: int | None = None
@@ -302,20 +303,20 @@ def measure_ceilings(sources: list[Source], o: BenchOptions, log: Callable[[str]
         r = measure.sequential_read_ceiling(target, o.ceiling_bytes, repeats=max(2, min(o.repeats, 3)))
         ceilings["sequential_read"][str(dev)] = r.to_dict()
         log(f"ceiling: {r.name} {r.value:,.0f} MB/s ({r.detail})")
-    ceilings.update(cpu_ceilings(sources))
+    ceilings.update(cpu_ceilings(sources, o.ceiling_seconds))
     log(f"ceiling: memory copy {ceilings['memory_copy']['value']:,.0f} MB/s; "
         + ", ".join(f"{v['name']} {v['value']:,.0f} img/s" for v in ceilings["decode"].values()))
     return ceilings
 
 
-def cpu_ceilings(sources: list[Source]) -> dict:
+def cpu_ceilings(sources: list[Source], seconds: float = 1.0) -> dict:
     """Memory copy bandwidth and the per-core rate of each decoder the datasets use."""
     out: dict[str, Any] = {"memory_copy": measure.memory_copy_ceiling().to_dict(), "decode": {}}
     encoded = [s for s in sources if s.payload == "encoded"]
     if encoded:
         samples = _decode_samples(encoded[0])
         for backend in sorted({s.decoder for s in encoded}):
-            out["decode"][backend] = measure.decode_ceiling(samples, backend).to_dict()
+            out["decode"][backend] = measure.decode_ceiling(samples, backend, min_seconds=seconds).to_dict()
     return out
 
 
@@ -410,7 +411,7 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
                 log(format_row(row))
         report["results"] = results
         # Other load on the machine lowers a ceiling measured once: measure the CPU ones again, keep the best.
-        report["ceilings"].update(_best_of(report["ceilings"], cpu_ceilings(sources)))
+        report["ceilings"].update(_best_of(report["ceilings"], cpu_ceilings(sources, o.ceiling_seconds)))
         for row in results:
             src = next(s for s in sources if str(s.path) == row["dataset"])
             row["ceiling"] = _ceiling_for(src, row["level"], row["cache"], row["workers"], report["ceilings"], cores)

@@ -261,6 +261,10 @@ def cmd_bench(args) -> int:
         emulate=args.emulate, read_iops=args.read_iops, read_bps=args.read_bps,
     )
     report = run_bench(args.paths, options, log=None if args.quiet else print_progress)
+    if sys.argv[1:2] == ["bench"]:
+        import shlex
+
+        report["command"] = shlex.join(["packer", *sys.argv[1:]])
     if args.json == "-":
         print(json.dumps(report, indent=1))
     else:

@@ -83,7 +83,7 @@ def _check_report(report: dict, folder: Path, n: int) -> None:
 
 def test_read_and_decode_levels_json_consistent(data):
     folder, packed = data
-    opts = BenchOptions(levels=("read", "decode"), repeats=2, ceiling_bytes=4 << 20, batch_size=4, block_bytes=40_000)
+    opts = BenchOptions(levels=("read", "decode"), repeats=2, ceiling_bytes=4 << 20, ceiling_seconds=0.2, batch_size=4, block_bytes=40_000)
     report = run_bench([folder, packed], opts)
     _check_report(report, folder, 10)
     combos = {(r["kind"], r["level"], r["order"], r["cache"]) for r in report["results"]}
@@ -95,7 +95,7 @@ def test_read_and_decode_levels_json_consistent(data):
 def test_loader_level_with_workers(data):
     folder, packed = data
     opts = BenchOptions(levels=("loader",), orders=("block",), caches=("cold",), workers=(0, 2), repeats=1,
-                        ceiling_bytes=4 << 20, batch_size=3)
+                        ceiling_bytes=4 << 20, ceiling_seconds=0.2, batch_size=3)
     report = run_bench([folder, packed], opts)
     _check_report(report, folder, 10)
     assert sorted((r["kind"], r["workers"]) for r in report["results"]) == [("folder", 0), ("folder", 2), ("lmdb", 0), ("lmdb", 2)]
@@ -105,7 +105,7 @@ def test_loader_level_with_workers(data):
 def test_limit_counts_only_the_first_samples(data):
     folder, packed = data
     report = run_bench([folder, packed], BenchOptions(levels=("read",), orders=("shuffle",), caches=("warm",),
-                                                      repeats=1, limit=4, ceiling_bytes=4 << 20))
+                                                      repeats=1, limit=4, ceiling_bytes=4 << 20, ceiling_seconds=0.2))
     first4 = sorted(folder.rglob("*.jpg"))[:4]
     for r in report["results"]:
         assert r["samples"] == 4 and r["bytes"] == sum(p.stat().st_size for p in first4)
@@ -325,7 +325,7 @@ def test_bench_under_emulation_records_device_reads_and_cleans_up(data):
     folder, packed = data
     ctl = throttle.find_controller()
     report = run_bench([folder, packed], BenchOptions(levels=("read",), orders=("block",), caches=("cold",), repeats=1,
-                                                      ceiling_bytes=4 << 20, read_iops=20000, read_bps=1_000_000_000))
+                                                      ceiling_bytes=4 << 20, ceiling_seconds=0.2, read_iops=20000, read_bps=1_000_000_000))
     assert report["emulation"]["read_iops"] == 20000
     for r in report["results"]:
         assert r["device_reads"][0]["bytes"] > 0  # cold reads reached the throttled device
