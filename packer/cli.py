@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
         packer convert imgs/ --to lmdb                # -> imgs.lmdb/ beside imgs/
         packer convert imgs/ --to lmdb -o /fast/imgs.lmdb --workers 8
         packer convert imgs/ --to lmdb --validate header   # faster; catches fewer damaged files
+        packer convert imgs/ --to lmdb --payload raw --resize 256   # decoded once, short side 256
+        packer convert imgs/ --to lmdb --resume       # go on after Ctrl-C, a kill or a full disk
+        packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
         """, description="Pack a folder of images (ImageFolder layout root/<class>/<img>, or flat) into one "
         "dataset directory. Every source file is either packed or listed with its reason in errors.json.")
     p.add_argument("source", help="folder of images")
@@ -74,7 +77,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="processes reading and validating (default: all cores)")
     p.add_argument("--shard-size", type=parse_bytes, default=None, metavar="SIZE",
                    help="approximate shard size, e.g. 512MB (default: the format's, 1GB for lmdb)")
+    p.add_argument("--resize", metavar="S|HxW",
+                   help="raw payloads only, lossy: S = short side to S (aspect kept); HxW = exact shape")
+    p.add_argument("--resize-mode", choices=("stretch", "fit"), default="stretch",
+                   help="for --resize HxW: stretch to the shape (default) or fit inside it and pad with black")
+    p.add_argument("--upscale", action="store_true", help="let --resize enlarge small images (default: never)")
+    p.add_argument("--order", choices=("shuffled", "source"), default="shuffled",
+                   help="sample order in the dataset. shuffled (default): a seeded shuffle, so neighbours on disk "
+                   "are unrelated and block-shuffled reading (packer.sampler) mixes labels in every batch; "
+                   "source: ImageFolder's order, dataset index i = ImageFolder index i. Either way "
+                   "ds.samples and ds.index_of(rel_path) map samples to their source files")
+    p.add_argument("--seed", type=int, default=0, help="seed of --order shuffled (default 0; recorded in the manifest)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (only once the new one is complete)")
+    p.add_argument("--resume", action="store_true",
+                   help="go on with an interrupted conversion of the same source and options (its finished "
+                   "shards are checked and kept; the result is identical to an uninterrupted run)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
 
@@ -108,6 +125,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_sample)
+
+    p = _parser(sub, "profile", "find the num_workers that keeps a training step fed", """
+        packer profile imgs.lmdb --workers 0,1,2 --batch-size 64 --step-ms 40
+        packer profile imgs.lmdb --step-ms 40 --plot sweep.png --json sweep.json
+        packer profile imgs.lmdb --batch-size 64,128 --pin-memory off,on --device cuda
+        packer profile imgs.lmdb --cache ram-decoded     # what a RAM cache of decoded pixels would give
+        """, description="Run a real DataLoader over the dataset (shuffled, as in training) for each "
+        "num_workers / batch size / pin_memory setting while a simulated step sleeps --step-ms per batch, as "
+        "a host waiting on its GPU does. Reports data wait vs step time, samples/s and the per-sample cost of "
+        "read, decode, transform (a random crop) and collate inside the workers; picks the smallest "
+        "num_workers whose wait stays under 10%% of the step, or says plainly that none does. "
+        "Exit 1 when no setting keeps the step fed.")
+    p.add_argument("dataset", help="a packed dataset (packer convert)")
+    p.add_argument("--workers", type=lambda t: t if t == "auto" else _csv(int)(t), default="auto", metavar="N,..",
+                   help="num_workers values, e.g. 0,2,4 (default: 0, 1, 2, 4, ... up to the cores)")
+    p.add_argument("--batch-size", type=_csv(int), default=(64,), metavar="B,..", help="batch sizes, e.g. 64 or 64,128 (default 64)")
+    p.add_argument("--pin-memory", default="off", help="off, on or off,on (on needs CUDA; default off)")
+    p.add_argument("--step-ms", type=float, default=40.0,
+                   help="simulated step per batch of the first batch size, in ms (default 40); scaled for others")
+    p.add_argument("--batches", type=int, default=30, help="batches measured per setting, after warm-up (default 30)")
+    p.add_argument("--crop", type=int, default=224, help="random crop size so batches collate (default 224; 0: none, "
+                   "samples collated as lists)")
+    p.add_argument("--decoder", default="auto", help="JPEG decoder of the dataset (auto, turbojpeg, pil)")
+    p.add_argument("--cache", choices=("ram", "ram-decoded"), default=None, help="profile through a shared RAM cache")
+    p.add_argument("--device", default=None, help="copy each batch to this device, timed as host-to-device (e.g. cuda)")
+    p.add_argument("--start-method", choices=("fork", "spawn", "forkserver"), default=None,
+                   help="DataLoader worker start method (default: the platform's)")
+    p.add_argument("--plot", metavar="PNG", help="write a chart of wait and samples/s against num_workers (needs matplotlib)")
+    p.add_argument("--json", metavar="FILE", help="write every figure as JSON ('-': stdout)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_profile)
+
+    p = _parser(sub, "doctor", "measure this machine (and the storage under PATH) and say where loading will wait", """
+        packer doctor                  # the machine: cores, memory, decoders, GPU, /dev/shm, limits
+        packer doctor imgs/            # and the storage under imgs/: device, filesystem, cold reads
+        packer doctor imgs.lmdb --json
+        """, description="Measure, briefly and within bounds, what limits data loading here: cores and load, "
+        "memory and page cache, the storage under PATH (device, rotational or not, filesystem), cold "
+        "small-file vs sequential read rate there, per-core decode rate of each decoder, GPU and pinned "
+        "memory, libjpeg-turbo, /dev/shm and the open-files limit; then a verdict in plain words where each "
+        "recommendation names the figure behind it.")
+    p.add_argument("path", nargs="?", help="a folder of images, a packed dataset or any directory on the storage to test")
+    p.add_argument("--seconds", type=float, default=1.0, help="time budget of each rate measurement (default 1 s)")
+    p.add_argument("--json", action="store_true", help="print every figure and the verdict as JSON")
+    p.set_defaults(func=cmd_doctor)
 
     p = _parser(sub, "bench", "measure read throughput: loose folder vs packed datasets, against the machine's ceilings", """
         packer bench imgs/ imgs.lmdb                          # every level, order and cache state
@@ -168,7 +230,8 @@ def cmd_convert(args) -> int:
     res = convert(
         args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
         on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
-        overwrite=args.overwrite, progress=not args.quiet,
+        resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
+        overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
     )
     total = res.num_samples + len(res.errors)
     print(
@@ -242,6 +305,48 @@ def cmd_sample(args) -> int:
     total = make_sample(args.output, count=args.count, classes=args.classes, size=(h, w), seed=args.seed,
                         quality=args.quality, progress=not args.quiet)
     print(f"wrote {args.count} images ({human_bytes(total)}) to {args.output}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from packer.datasets import open_dataset
+    from packer.sweep import RandomCrop, default_workers, plot_sweep, require_matplotlib, sweep
+
+    if args.plot:
+        require_matplotlib()
+    workers = default_workers() if args.workers == "auto" else args.workers
+    batch_sizes = args.batch_size
+    pins = []
+    for v in args.pin_memory.split(","):
+        if v.strip() not in ("on", "off"):
+            raise PackerError(f"--pin-memory {args.pin_memory!r}: expected off, on or off,on")
+        pins.append(v.strip() == "on")
+    ds = open_dataset(args.dataset, image="tensor", decoder=args.decoder,
+                      transform=RandomCrop(args.crop) if args.crop else None, cache=args.cache,
+                      cache_options={"progress": not args.quiet})
+    res = sweep(ds, workers=workers, batch_sizes=batch_sizes, pin_memory=pins, step_ms=args.step_ms,
+                batches=args.batches, device=args.device, start_method=args.start_method, progress=not args.quiet,
+                collate=None if args.crop else list)
+    if args.plot:
+        plot_sweep(res, args.plot)
+    if args.json == "-":
+        print(json.dumps(res.to_dict(), indent=1))
+    else:
+        print(res.report())
+        if args.plot:
+            print(f"chart: {args.plot}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(res.to_dict(), fh, indent=1)
+            print(f"figures: {args.json}")
+    return 0 if res.feasible else 1
+
+
+def cmd_doctor(args) -> int:
+    from packer.doctor import diagnose, render
+
+    report = diagnose(args.path, seconds=args.seconds, progress=not args.json)
+    print(json.dumps(report, indent=1) if args.json else render(report))
     return 0
 
 

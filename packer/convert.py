@@ -9,29 +9,49 @@ looks complete. Every source file is either packed or listed in ``errors.json``.
 
 from __future__ import annotations
 
+import errno
+import itertools
 import json
 import os
 import shutil
+import stat
 import sys
 import time
 from collections import deque
-from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Literal
+from types import ModuleType
+from typing import Literal
 
 import numpy as np
 
 from packer import __version__
-from packer.decode import DecodeError, decode, read_header
+from packer.decode import DecodeError, decode
 from packer.errors import PackerError
 from packer.formats import get_format
 from packer.formats.base import PreparedSample
+from packer.headers import image_size
 from packer.index import Index
+from packer.journal import (
+    JOURNAL_DIR,
+    ShardResult,
+    SourceError,
+    load_done_shards,
+    read_plan,
+    record_shard,
+    scan_digest,
+    write_plan,
+)
 from packer.manifest import PAYLOADS, Manifest, Shard, file_info, write_manifest
+from packer.resize import ResizeSpec
 from packer.scan import ScanResult, scan_folder
 
 Validate = Literal["full", "header", "none"]
+Order = Literal["shuffled", "source"]
+ORDERS = ("shuffled", "source")
+DEFAULT_ORDER: Order = "shuffled"  # see docs/sampling.md: label mixing for block-shuffled reads
 PARTIAL_SUFFIX = ".partial"
 ERRORS_NAME = "errors.json"
 _CHUNK = 16  # files per pool task: amortises IPC without hurting ordering latency
@@ -45,7 +65,16 @@ class ConvertOptions:
     payload: str = "encoded"
     validate: Validate = "full"
     shard_bytes: int | None = None  # None: the format's default
+    resize: str | None = None  # "S" or "HxW" (raw payloads only; lossy, explicit)
+    resize_mode: str = "stretch"  # for HxW: stretch, or fit (keep aspect, pad)
+    upscale: bool = False
     decoder: str = "auto"
+    order: Order = DEFAULT_ORDER  # sample order in the dataset: a seeded shuffle, or the scan's (ImageFolder's)
+    seed: int = 0  # of the shuffled order
+
+    @property
+    def resize_spec(self) -> ResizeSpec | None:
+        return ResizeSpec.parse(self.resize, self.resize_mode, self.upscale)
 
     def check(self) -> None:
         fmt = get_format(self.format)
@@ -57,12 +86,12 @@ class ConvertOptions:
             raise PackerError(f"unknown validation level {self.validate!r} (choose full, header or none)")
         if self.shard_bytes is not None and self.shard_bytes <= 0:
             raise PackerError("shard size must be positive")
-
-
-@dataclass
-class SourceError:
-    path: str  # relative to the source folder
-    reason: str
+        if self.resize_spec is not None and self.payload != "raw":
+            raise PackerError("--resize changes pixels, so it needs --payload raw (encoded payloads keep the source bytes)")
+        if self.order not in ORDERS:
+            raise PackerError(f"unknown sample order {self.order!r} (choose {' or '.join(ORDERS)})")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise PackerError(f"the order seed must be a non-negative integer, got {self.seed!r}")
 
 
 @dataclass
@@ -86,8 +115,7 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
     """Read one source file and make its payload; a problem becomes a SourceError, never an exception."""
     path = root / rel
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
+        data = read_source(path)
     except OSError as exc:
         if not path.exists() and path.is_symlink():
             return SourceError(rel, "broken symbolic link")
@@ -97,12 +125,15 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
     try:
         if options.payload == "raw":
             pixels = decode(data, options.decoder, strict=True)
+            spec = options.resize_spec
+            if spec is not None:
+                pixels = spec.apply(pixels)
             h, w = pixels.shape[:2]
             return PreparedSample(-1, rel, label, np.ascontiguousarray(pixels), h, w)
         if options.validate == "full":
             h, w = decode(data, options.decoder, strict=True).shape[:2]
         elif options.validate == "header":
-            h, w = read_header(data)
+            h, w = image_size(data)
         else:
             h, w = 0, 0  # unknown: not looked at
     except DecodeError as exc:
@@ -110,6 +141,22 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
     except Exception as exc:  # a codec crash on hostile bytes must not abort the conversion
         return SourceError(rel, f"cannot decode image: {type(exc).__name__}: {exc}")
     return PreparedSample(-1, rel, label, data, h, w)
+
+
+def read_source(path: Path) -> bytes:
+    """The whole file, refusing special files (a FIFO would block forever) and files that change size."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read()
+        if len(data) != st.st_size and st.st_size != 0:
+            raise OSError(errno.EAGAIN, f"changed while being read ({st.st_size} bytes, then {len(data)})")
+        return data
+    finally:
+        os.close(fd)
 
 
 def _prepare_chunk(root: Path, items: list[tuple[str, int]], options: ConvertOptions) -> list:
@@ -134,7 +181,10 @@ def estimate_sample_bytes(scan: ScanResult, options: ConvertOptions, probes: int
         try:
             if options.payload == "raw":
                 with open(path, "rb") as fh:
-                    h, w = read_header(fh.read(1 << 20))
+                    h, w = image_size(fh.read(1 << 20))
+                spec = options.resize_spec
+                if spec is not None:
+                    h, w = spec.output_shape(h, w)
                 sizes.append(h * w * 3)
             else:
                 sizes.append(path.stat().st_size)
@@ -149,6 +199,20 @@ def plan_shards(num_files: int, mean_bytes: float, shard_bytes: int | None) -> l
         return [(0, num_files)]
     per_shard = max(1, int(shard_bytes // max(mean_bytes, 1.0)))
     return [(s, min(s + per_shard, num_files)) for s in range(0, num_files, per_shard)]
+
+
+def apply_order(scan: ScanResult, order: str, seed: int) -> ScanResult:
+    """The scan with its samples in dataset order: as found (ImageFolder's), or a seeded shuffle.
+
+    The permutation depends only on (seed, number of files), never on ``workers``, and comes
+    from numpy's stable PCG64 stream, so the same seed gives the same bytes everywhere.
+    """
+    if order == "source":
+        return scan
+    from packer.sampler import stable_permutation
+
+    perm = stable_permutation(len(scan), seed)
+    return replace(scan, rel_paths=[scan.rel_paths[i] for i in perm], labels=scan.labels[perm])
 
 
 def check_free_space(directory: Path, needed: float) -> None:
@@ -204,11 +268,19 @@ def convert(
     on_error: Literal["skip", "raise"] = "skip",
     workers: int | None = None,
     shard_bytes: int | None = None,
+    resize: str | None = None,
+    resize_mode: str = "stretch",
+    upscale: bool = False,
     overwrite: bool = False,
+    resume: bool = False,
     progress: bool = True,
+    order: Order = DEFAULT_ORDER,
+    seed: int = 0,
 ) -> ConvertResult:
     """Pack the images of folder ``src`` into a dataset of format ``to``; see ``packer convert --help``."""
-    options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes)
+    options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes,
+                             resize=None if resize is None else str(resize), resize_mode=resize_mode, upscale=upscale,
+                             order=order, seed=seed)
     options.check()
     if on_error not in ("skip", "raise"):
         raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
@@ -218,37 +290,180 @@ def convert(
     workers = os.cpu_count() or 1 if workers is None else workers
 
     started = time.perf_counter()
-    scan = scan_folder(src)
-    out = Path(output) if output is not None else default_output(scan.root, to)
-    out = Path(os.path.abspath(out))
+    scan = apply_order(scan_folder(src), options.order, options.seed)
+    out = Path(os.path.abspath(output if output is not None else default_output(scan.root, to)))
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     if out.exists() and not overwrite:
         raise PackerError(f"{out}: already exists (use --overwrite to replace it)")
-    if partial.exists():
+    plan = _load_or_make_plan(scan, out, partial, options, resume)
+    ranges = [(int(a), int(b)) for a, b in plan["shards"]]
+    done = load_done_shards(partial, len(ranges))
+    try:
+        results = _build_shards(scan, partial, ranges, done, fmt, options, on_error, workers, progress)
+    except ShardWriteError as exc:
         raise PackerError(
-            f"{partial}: left over from an interrupted conversion; remove it first (rm -r '{partial}')"
-        )
-    out.parent.mkdir(parents=True, exist_ok=True)
+            f"{out}: {exc}; the finished shards are kept in {partial}: free space (or fix the problem), "
+            f"then run the same command with --resume"
+        ) from exc
+    except KeyboardInterrupt:
+        print(f"packer: interrupted; finished shards are kept in {partial}: run the same command with "
+              f"--resume to go on, or remove it", file=sys.stderr)
+        raise
+    except PackerError:  # a bad source file under --on-error raise: nothing worth resuming
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return _finish(scan, partial, out, [results[i] for i in range(len(ranges))], options, started)
 
+
+def _load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: ConvertOptions, resume: bool) -> dict:
+    """The shard plan: the journaled one when resuming, else a new one (written before any shard)."""
+    recorded = {k: v for k, v in asdict(options).items() if k != "decoder"}
+    digest = scan_digest(scan)
+    if partial.exists():
+        if not resume:
+            raise PackerError(
+                f"{partial}: left over from an interrupted conversion; go on with it by running the same "
+                f"command with --resume, or remove it (rm -r '{partial}')"
+            )
+        plan = read_plan(partial)
+        if plan is not None:
+            if plan.get("options") != recorded or plan.get("digest") != digest:
+                raise PackerError(
+                    f"{partial}: the source files or the options changed since the interrupted run, so it "
+                    f"can't be resumed; remove it (rm -r '{partial}') and convert again"
+                )
+            return plan
+        shutil.rmtree(partial)  # killed before its plan was written: nothing to keep
+    out.parent.mkdir(parents=True, exist_ok=True)
     mean_bytes = estimate_sample_bytes(scan, options)
     check_free_space(out.parent, mean_bytes * len(scan))
-    plan = plan_shards(len(scan), mean_bytes, options.shard_bytes)
-
+    plan = {"options": recorded, "digest": digest, "source": str(scan.root), "num_files": len(scan),
+            "shards": plan_shards(len(scan), mean_bytes, options.shard_bytes)}
     partial.mkdir()
-    try:
-        result = _write_all(scan, partial, plan, fmt, options, on_error, workers, progress)
-    except BaseException:
-        if not isinstance(sys.exc_info()[1], KeyboardInterrupt):
-            shutil.rmtree(partial, ignore_errors=True)
-        raise
-    shards, meta_files, index, errors, bytes_read = result
+    write_plan(partial, plan)
+    return plan
 
+
+class ShardWriteError(PackerError):
+    """Writing a shard failed (disk full, I/O error): the conversion can be resumed."""
+
+
+def write_shard(
+    partial: Path, shard_id: int, planned: int, samples: Iterable[PreparedSample | SourceError],
+    fmt: ModuleType, options: ConvertOptions, on_error: str, root: Path,
+    on_each: Callable[[PreparedSample | SourceError], None] | None = None,
+) -> tuple[ShardResult, list[str]]:
+    """Write one shard from its prepared samples (in order); returns its metadata and file names."""
+    result = ShardResult(shard_id, Shard(num_samples=0, files=[]))
+    try:
+        writer = fmt.Writer(partial, shard_id, planned, options.payload, asdict(options))
+    except OSError as exc:
+        raise ShardWriteError(f"cannot create shard {shard_id} ({exc})") from exc
+    try:
+        for res in samples:
+            if on_each is not None:
+                on_each(res)
+            if isinstance(res, SourceError):
+                if on_error == "raise":
+                    raise PackerError(f"{root / res.path}: {res.reason}")
+                result.errors.append(res)
+                continue
+            res.index = len(result.rel_paths)  # position inside the shard
+            try:
+                writer.add(res)
+            except PackerError:
+                raise
+            except Exception as exc:  # ENOSPC, EIO, the storage engine's own errors
+                raise ShardWriteError(_write_failure(partial, shard_id, exc)) from exc
+            result.rel_paths.append(res.rel_path)
+            result.labels.append(res.label)
+            result.heights.append(res.height)
+            result.widths.append(res.width)
+            result.nbytes.append(res.nbytes)
+        try:
+            names, facts = writer.close()
+        except PackerError:
+            raise
+        except Exception as exc:
+            raise ShardWriteError(_write_failure(partial, shard_id, exc)) from exc
+    except BaseException:
+        writer.abort()
+        raise
+    result.shard.num_samples = len(result.rel_paths)
+    result.shard.facts = facts
+    return result, names
+
+
+def _write_failure(partial: Path, shard_id: int, exc: Exception) -> str:
+    """Say why a write failed; storage engines often report a full disk as a plain I/O error."""
+    msg = f"writing shard {shard_id} failed ({exc})"
+    try:
+        free = shutil.disk_usage(partial).free
+    except OSError:
+        return msg
+    if free < (64 << 20) or getattr(exc, "errno", None) == errno.ENOSPC:
+        msg += f": the disk is full ({free / 1e6:.1f} MB free)"
+    return msg
+
+
+def _build_shards(scan, partial, ranges, done, fmt, options, on_error, workers, progress) -> dict[int, ShardResult]:
+    """Write every shard not yet done: a process pool prepares samples, this process writes them in order."""
+    todo = [(sid, a, b) for sid, (a, b) in enumerate(ranges) if sid not in done]
+    items = [(scan.rel_paths[i], int(scan.labels[i])) for _, a, b in todo for i in range(a, b)]
+    results = dict(done)
+    bar = _progress(len(scan), progress)
+    bar.update(sum(b - a for sid, (a, b) in enumerate(ranges) if sid in done))
+    written = [0]
+
+    def on_each(res) -> None:
+        bar.update(1)
+        if isinstance(res, PreparedSample):
+            written[0] += res.nbytes
+        if bar.n % 64 == 0:
+            bar.set_postfix_str(f"{written[0] / 1e6 / max(bar.format_dict['elapsed'], 1e-9):.0f} MB/s")
+
+    prepared = _ordered_results(scan.root, items, options, workers)
+    journaler = ThreadPoolExecutor(max_workers=1)  # checksums + journal of a shard while the next is written
+    pending: dict[int, Future] = {}
+    try:
+        for sid, a, b in todo:
+            result, names = write_shard(partial, sid, b - a, itertools.islice(prepared, b - a), fmt, options,
+                                        on_error, scan.root, on_each)
+            pending[sid] = journaler.submit(record_shard, partial, result, names)
+        for sid, future in pending.items():
+            results[sid] = future.result()
+    finally:
+        bar.close()
+        prepared.close()
+        journaler.shutdown(wait=True, cancel_futures=True)
+    return results
+
+
+def _finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult], options: ConvertOptions,
+            started: float) -> ConvertResult:
+    """Index, error report and manifest (last), then the rename that makes the dataset exist."""
+    cat = lambda name: [v for r in shards for v in getattr(r, name)]  # noqa: E731
+    index = Index.build(cat("rel_paths"), cat("labels"), cat("heights"), cat("widths"), cat("nbytes"))
+    errors: list[SourceError] = cat("errors")
+    meta_files = [file_info(partial, n) for n in index.save(partial)]
+    (partial / ERRORS_NAME).write_text(
+        json.dumps({"num_errors": len(errors), "ignored": dict(scan.ignored),
+                    "errors": [asdict(e) for e in sorted(errors, key=lambda e: e.path)]},
+                   indent=1, ensure_ascii=False),
+        encoding="utf-8",
+    )
+    if errors:
+        print(f"packer: {len(errors)} of {len(scan)} files not packed, see {ERRORS_NAME}:", file=sys.stderr)
+        for e in errors[:10]:
+            print(f"  {e.path}: {e.reason}", file=sys.stderr)
+        if len(errors) > 10:
+            print(f"  ... and {len(errors) - 10} more", file=sys.stderr)
     manifest = Manifest(
-        format=to,
+        format=options.format,
         payload=options.payload,
         num_samples=len(index),
         classes=list(scan.classes),
-        shards=shards,
+        shards=[r.shard for r in shards],
         meta_files=meta_files,
         options={k: v for k, v in asdict(options).items() if k != "decoder"},
         num_errors=len(errors),
@@ -256,68 +471,12 @@ def convert(
         created_by=f"packer {__version__}",
         created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
-    (partial / ERRORS_NAME).write_text(
-        json.dumps({"num_errors": len(errors), "ignored": dict(scan.ignored), "errors": [asdict(e) for e in errors]},
-                   indent=1, ensure_ascii=False),
-        encoding="utf-8",
-    )
+    shutil.rmtree(partial / JOURNAL_DIR)
     fsync_tree(partial)
     write_manifest(partial, manifest)
     _swap_into_place(partial, out)
-    return ConvertResult(out, len(index), errors, time.perf_counter() - started, bytes_read, dict(scan.ignored))
-
-
-def _write_all(scan, partial, plan, fmt, options, on_error, workers, progress):
-    items = list(zip(scan.rel_paths, scan.labels.tolist()))
-    shards: list[Shard] = []
-    rel_paths: list[str] = []
-    labels, heights, widths, nbytes = [], [], [], []
-    errors: list[SourceError] = []
-    bytes_read = 0
-    results = _ordered_results(scan.root, items, options, workers)
-    bar = _progress(len(items), progress)
-    try:
-        for shard_id, (start, stop) in enumerate(plan):
-            writer = fmt.Writer(partial, shard_id, stop - start, options.payload, asdict(options))
-            count = 0
-            try:
-                for _ in range(start, stop):
-                    res = next(results)
-                    bar.update(1)
-                    if isinstance(res, SourceError):
-                        if on_error == "raise":
-                            raise PackerError(f"{scan.root / res.path}: {res.reason}")
-                        errors.append(res)
-                        continue
-                    res.index = len(rel_paths)
-                    writer.add(res)
-                    rel_paths.append(res.rel_path)
-                    labels.append(res.label)
-                    heights.append(res.height)
-                    widths.append(res.width)
-                    nbytes.append(res.nbytes)
-                    bytes_read += res.nbytes
-                    count += 1
-                    if bar.n % 64 == 0:
-                        bar.set_postfix_str(f"{bytes_read / 1e6 / max(bar.format_dict['elapsed'], 1e-9):.0f} MB/s")
-                names, facts = writer.close()
-            except BaseException:
-                writer.abort()
-                raise
-            shards.append(Shard(num_samples=count, files=[file_info(partial, n) for n in names], facts=facts))
-    finally:
-        bar.close()
-        results.close()
-    index = Index.build(rel_paths, labels, heights, widths, nbytes)
-    meta_names = index.save(partial)
-    meta_files = [file_info(partial, n) for n in meta_names]
-    if errors:
-        print(f"packer: {len(errors)} of {len(items)} files not packed, see {ERRORS_NAME}:", file=sys.stderr)
-        for e in errors[:10]:
-            print(f"  {e.path}: {e.reason}", file=sys.stderr)
-        if len(errors) > 10:
-            print(f"  ... and {len(errors) - 10} more", file=sys.stderr)
-    return shards, meta_files, index, errors, bytes_read
+    return ConvertResult(out, len(index), errors, time.perf_counter() - started, int(index.nbytes.sum()),
+                         dict(scan.ignored))
 
 
 def _swap_into_place(partial: Path, out: Path) -> None:

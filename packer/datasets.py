@@ -10,8 +10,9 @@ runs of neighbouring samples read together.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -112,9 +113,27 @@ class PackedDataset(Dataset):
         return self._finish(i, self._read_one(i))
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
-        """A batch's samples in one call; neighbours on disk are read together."""
+        """A batch's samples in one call (DataLoader calls this with a batch's indices).
+
+        The whole batch's file spans are requested from the kernel first, as few large reads,
+        then samples are read and decoded in file order: decoding overlaps the reads still in
+        flight instead of waiting for each one in turn.
+        """
         idx = [self._check_index(i) for i in indices]
-        return [self._finish(i, buf) for i, buf in zip(idx, self.read_payloads(idx))]
+        self.prefetch(idx)
+        out: list = [None] * len(idx)
+        for j in sorted(range(len(idx)), key=idx.__getitem__):
+            out[j] = self._finish(idx[j], self._read_one(idx[j]))
+        return out
+
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Hint that these samples will be read soon, for formats that can start their IO early."""
+        idx = np.asarray(indices, dtype=np.int64)
+        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
+        for shard in np.unique(shard_of):
+            reader = self._readers[shard]
+            if hasattr(reader, "prefetch"):
+                reader.prefetch((idx[shard_of == shard] - self._starts[shard]).tolist())
 
     def index_of(self, rel_path: str) -> int:
         """Position of the sample packed from ``rel_path`` (relative to the converted folder)."""
@@ -181,7 +200,10 @@ class PackedDataset(Dataset):
         return arr.reshape(h, w, 3)
 
     def _finish(self, i: int, payload) -> tuple[Any, Any]:
-        arr = self.pixels(i, payload)
+        return self.present(i, self.pixels(i, payload))
+
+    def present(self, i: int, arr: np.ndarray) -> tuple[Any, Any]:
+        """Sample ``i``'s decoded pixels as handed out: image kind, transform, target transform."""
         if self.image == "pil":
             img: Any = Image.fromarray(arr)
         elif self.image == "tensor":
@@ -218,10 +240,21 @@ DATASET_CLASSES: dict[str, type[PackedDataset]] = {
 globals().update({cls.__name__: cls for cls in DATASET_CLASSES.values()})
 
 
-def open_dataset(path: str | os.PathLike, **kwargs: Any) -> PackedDataset:
-    """Open a packed dataset of any format; keyword arguments as for ``PackedDataset``."""
+def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_options: dict | None = None,
+                 **kwargs: Any) -> PackedDataset:
+    """Open a packed dataset of any format; keyword arguments as for ``PackedDataset``.
+
+    ``cache="ram"`` (stored payloads) or ``"ram-decoded"`` (decoded pixels) returns a
+    ``packer.cache.CachedDataset`` (``cache_options`` go to it): one copy in shared memory
+    for all DataLoader workers.
+    """
     manifest = read_manifest(path)
     cls = DATASET_CLASSES.get(manifest.format)
     if cls is None:
         raise PackerError(f"{path}: format {manifest.format!r} is unknown to this packer ({', '.join(FORMATS)})")
-    return cls(path, **kwargs)
+    ds = cls(path, **kwargs)
+    if cache is None:
+        return ds
+    from packer.cache import CachedDataset
+
+    return CachedDataset(ds, cache, **(cache_options or {}))

@@ -97,6 +97,8 @@ def decode_pil(data: bytes | memoryview) -> np.ndarray:
             img.load()
             rgb = img if img.mode == "RGB" else img.convert("RGB")
             return np.asarray(rgb)
+    except Image.UnidentifiedImageError:
+        raise DecodeError(f"not an image format Pillow reads (starts with {bytes(data[:8])!r})") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise DecodeError(f"cannot decode image: {exc}") from exc
 
@@ -144,6 +146,8 @@ def read_header(data: bytes | memoryview) -> tuple[int, int]:
     try:
         with Image.open(io.BytesIO(data)) as img:
             width, height = img.size
+    except Image.UnidentifiedImageError:
+        raise DecodeError(f"not an image format Pillow reads (starts with {bytes(data[:8])!r})") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
         raise DecodeError(f"not a readable image: {exc}") from exc
     return height, width

@@ -39,12 +39,13 @@ def photo_like(rng: np.random.Generator, height: int, width: int, class_id: int 
     draw = ImageDraw.Draw(canvas)
     for _ in range(int(rng.integers(4, 10))):  # objects
         x0, y0 = rng.integers(0, width), rng.integers(0, height)
-        x1, y1 = x0 + rng.integers(20, width // 2), y0 + rng.integers(20, height // 2)
+        x1 = x0 + rng.integers(max(1, width // 25), max(2, width // 2))
+        y1 = y0 + rng.integers(max(1, height // 20), max(2, height // 2))
         color = tuple(int(v) for v in np.clip(base + rng.normal(0, 70, 3), 0, 255))
         if rng.random() < 0.5:
             draw.ellipse([x0, y0, x1, y1], fill=color)
         else:
-            pts = [(int(rng.integers(x0, x1)), int(rng.integers(y0, y1))) for _ in range(int(rng.integers(3, 7)))]
+            pts = [(int(rng.integers(x0, x1 + 1)), int(rng.integers(y0, y1 + 1))) for _ in range(int(rng.integers(3, 7)))]
             draw.polygon(pts, fill=color)
     canvas = canvas.filter(ImageFilter.GaussianBlur(radius=float(rng.uniform(0.6, 1.4))))
     arr = np.asarray(canvas).astype(np.float32)

@@ -7,8 +7,9 @@
 |                      | encoded file bytes, or raw HWC uint8 RGB bytes (shape in ``meta/``) |
 
 Written with ``append=True`` (keys arrive sorted: pages fill completely, no splits), committed
-in batches, the map grown on ``MapFullError`` instead of reserving a huge map up front, then
-copied compacted so the file holds no free pages and is reproducible byte for byte.
+in batches, the map grown on ``MapFullError`` instead of reserving a huge map up front. The
+same samples in the same order give the same file, byte for byte (LMDB's page allocation is
+deterministic and ``meminit`` zeroes unused bytes).
 
 Readers open with ``readonly=True, lock=False`` (safe on read-only and network filesystems:
 nothing is written, not even a lock file). ``readahead`` decides whether the kernel reads
@@ -23,9 +24,10 @@ import os
 from pathlib import Path
 
 import lmdb
+import numpy as np
 
 from packer.errors import PackerError
-from packer.formats.base import LazyHandle, PreparedSample, contiguous_runs
+from packer.formats.base import LazyHandle, PreparedSample, advise_willneed, contiguous_runs, mapping_base
 from packer.manifest import Shard
 
 NAME = "lmdb"
@@ -48,9 +50,8 @@ class Writer:
     def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
         self.name = shard_name(shard_id)
         self.path = directory / self.name
-        self._build = directory / (self.name + ".build")
         self._map_size = _INITIAL_MAP
-        self._env = self._open(self._build)
+        self._env = self._open(self.path)
         self._batch: list[tuple[bytes, bytes]] = []
         self._batch_bytes = 0
         self._count = 0
@@ -76,7 +77,7 @@ class Writer:
                     with txn.cursor() as cur:
                         for k, v in self._batch:
                             if not cur.put(k, v, append=True):
-                                raise PackerError(f"{self._build}: LMDB refused key {k!r}")
+                                raise PackerError(f"{self.path}: LMDB refused key {k!r}")
                 self._batch, self._batch_bytes = [], 0
             except lmdb.MapFullError:
                 self._map_size *= 2  # the aborted transaction wrote nothing; grow and retry
@@ -84,17 +85,45 @@ class Writer:
 
     def close(self) -> tuple[list[str], dict]:
         self._commit()
-        # Compacted copy: no free pages, deterministic bytes; map size recorded = what it needs.
-        self._env.copy(str(self.path), compact=True)
         self._env.close()
-        os.remove(self._build)
         return [self.name], {"map_size": self._map_size}
 
     def abort(self) -> None:
         self._env.close()
-        for p in (self._build, self.path):
-            if p.exists():
-                os.remove(p)
+        if self.path.exists():
+            os.remove(self.path)
+
+
+# py-lmdb refuses to open one environment twice in a process, yet two datasets (or a dataset and
+# `verify`) may read the same shard: readers of a process share one handle, counted.
+_ENVS: dict[str, list] = {}
+
+
+def _shared_env(path: Path, readahead: bool) -> lmdb.Environment:
+    entry = _ENVS.get(str(path))
+    if entry is not None and entry[2] != os.getpid():
+        entry[0].close()  # inherited through fork: py-lmdb would refuse a second open of the same file
+        entry = None
+    if entry is None:
+        try:
+            env = lmdb.open(
+                str(path), subdir=False, readonly=True, lock=False, readahead=readahead,
+                meminit=False, max_readers=2048, max_dbs=0,
+            )
+        except lmdb.Error as exc:
+            raise PackerError(f"{path}: cannot open LMDB shard ({exc})") from exc
+        entry = _ENVS[str(path)] = [env, 0, os.getpid()]
+    entry[1] += 1
+    return entry[0]
+
+
+def _release_env(path: Path) -> None:
+    entry = _ENVS.get(str(path))
+    if entry is not None and entry[2] == os.getpid():
+        entry[1] -= 1
+        if entry[1] <= 0:
+            entry[0].close()
+            del _ENVS[str(path)]
 
 
 class Reader:
@@ -105,15 +134,10 @@ class Reader:
         self.num_samples = shard.num_samples
         self.readahead = access != "random"
         self._env: LazyHandle[lmdb.Environment] = LazyHandle()
+        self._advice: LazyHandle[tuple[int, int] | None] = LazyHandle()  # (fd, mmap base) for prefetch
 
     def _open(self) -> lmdb.Environment:
-        try:
-            return lmdb.open(
-                str(self.path), subdir=False, readonly=True, lock=False, readahead=self.readahead,
-                meminit=False, max_readers=2048, max_dbs=0,
-            )
-        except lmdb.Error as exc:
-            raise PackerError(f"{self.path}: cannot open LMDB shard ({exc})") from exc
+        return _shared_env(self.path, self.readahead)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -140,5 +164,37 @@ class Reader:
                     cur.next()
         return out
 
+    def prefetch(self, positions: list[int]) -> None:
+        """Start reading the file spans of these samples in the background (see base.advise_willneed).
+
+        LMDB stores a large value in consecutive overflow pages and, written in key order, runs
+        of neighbouring samples in one span of the file; a value's file offset is its address
+        in the read-only map minus the map's base.
+        """
+        env = self._env.get(self._open)
+        advice = self._advice.get(self._open_advice)
+        if advice is None:
+            return
+        fd, base = advice
+        spans = []
+        with env.begin(buffers=True) as txn:
+            for start, stop in contiguous_runs(sorted(set(positions))):
+                first, last = txn.get(key(start)), txn.get(key(stop - 1))
+                if first is None or last is None:
+                    continue  # read() will report it
+                # Small values share leaf pages and are laid out downwards inside a page: take the hull.
+                a = np.frombuffer(first, np.uint8).ctypes.data - base
+                b = np.frombuffer(last, np.uint8).ctypes.data - base
+                lo, hi = min(a, b), max(a + len(first), b + len(last))
+                if 0 <= lo < hi:
+                    spans.append((lo, hi))
+        advise_willneed(fd, spans)
+
+    def _open_advice(self) -> tuple[int, int] | None:
+        self._env.get(self._open)
+        base = mapping_base(str(self.path.resolve()))
+        return None if base is None else (os.open(self.path, os.O_RDONLY), base)
+
     def close(self) -> None:
-        self._env.close(lambda env: env.close())
+        self._advice.close(lambda advice: advice and os.close(advice[0]))
+        self._env.close(lambda env: _release_env(self.path))

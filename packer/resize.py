@@ -1,0 +1,89 @@
+"""Resize-on-write for raw payloads: ``S`` (short side to S) or ``HxW`` (exact, fit or stretch).
+
+Lossy and explicit: the manifest records the spec. Downscaling is antialiased (Pillow's
+``reduce`` then Lanczos, ``reducing_gap=3``: close to a full Lanczos, several times faster).
+Images are never enlarged unless ``upscale`` is set: an image smaller than the target keeps
+its size (short-side mode) or is padded with black, centred, up to the exact shape.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from packer.errors import PackerError
+
+MODES = ("stretch", "fit")
+
+
+@dataclass(frozen=True)
+class ResizeSpec:
+    short_side: int | None = None  # "S": short side to S, aspect kept
+    height: int | None = None  # "HxW": exact output shape
+    width: int | None = None
+    mode: str = "stretch"  # for HxW: stretch to the shape, or fit inside it and pad (letterbox)
+    upscale: bool = False
+
+    @classmethod
+    def parse(cls, text: str | None, mode: str = "stretch", upscale: bool = False) -> ResizeSpec | None:
+        if text is None or str(text).strip() == "":
+            return None
+        if mode not in MODES:
+            raise PackerError(f"unknown resize mode {mode!r} (choose {' or '.join(MODES)})")
+        text = str(text).strip().lower()
+        if m := re.fullmatch(r"(\d+)", text):
+            spec = cls(short_side=int(m.group(1)), mode=mode, upscale=upscale)
+        elif m := re.fullmatch(r"(\d+)x(\d+)", text):
+            spec = cls(height=int(m.group(1)), width=int(m.group(2)), mode=mode, upscale=upscale)
+        else:
+            raise PackerError(f"--resize {text!r}: expected S (short side) or HxW, e.g. 256 or 224x224")
+        if min(v for v in (spec.short_side, spec.height, spec.width) if v is not None) < 1:
+            raise PackerError(f"--resize {text!r}: sizes must be at least 1")
+        return spec
+
+    def __str__(self) -> str:
+        return str(self.short_side) if self.short_side else f"{self.height}x{self.width}"
+
+    @property
+    def fixed_shape(self) -> tuple[int, int] | None:
+        """(H, W) every output has, or None when shapes vary (short-side mode)."""
+        return (self.height, self.width) if self.height else None
+
+    def scaled_size(self, h: int, w: int) -> tuple[int, int]:
+        """(h, w) the image is resized to, before any padding."""
+        if self.short_side:
+            scale = self.short_side / min(h, w)
+            if scale >= 1.0 and not self.upscale:
+                return h, w
+            if h <= w:
+                return self.short_side, max(1, round(w * scale))
+            return max(1, round(h * scale)), self.short_side
+        if self.mode == "fit":
+            scale = min(self.height / h, self.width / w)
+            if not self.upscale:
+                scale = min(scale, 1.0)
+            return min(self.height, max(1, round(h * scale))), min(self.width, max(1, round(w * scale)))
+        sh, sw = self.height / h, self.width / w
+        if not self.upscale:
+            sh, sw = min(sh, 1.0), min(sw, 1.0)
+        return max(1, round(h * sh)), max(1, round(w * sw))
+
+    def output_shape(self, h: int, w: int) -> tuple[int, int]:
+        return self.fixed_shape or self.scaled_size(h, w)
+
+    def apply(self, pixels: np.ndarray) -> np.ndarray:
+        """Resize HWC uint8 RGB ``pixels`` to this spec."""
+        h, w = pixels.shape[:2]
+        th, tw = self.scaled_size(h, w)
+        if (th, tw) != (h, w):
+            img = Image.fromarray(pixels).resize((tw, th), Image.Resampling.LANCZOS, reducing_gap=3.0)
+            pixels = np.asarray(img)
+        if self.fixed_shape and (th, tw) != self.fixed_shape:
+            out = np.zeros((self.height, self.width, 3), dtype=np.uint8)
+            top, left = (self.height - th) // 2, (self.width - tw) // 2
+            out[top : top + th, left : left + tw] = pixels
+            pixels = out
+        return np.ascontiguousarray(pixels)

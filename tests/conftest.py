@@ -1,0 +1,13 @@
+import pytest
+from imagesets import make_flat, make_imagefolder
+
+
+@pytest.fixture(scope="session")
+def imagefolder(tmp_path_factory):
+    """3 classes x 5 small JPEGs, shared read-only by the tests of a session."""
+    return make_imagefolder(tmp_path_factory.mktemp("src") / "imgs")
+
+
+@pytest.fixture(scope="session")
+def flatfolder(tmp_path_factory):
+    return make_flat(tmp_path_factory.mktemp("flat") / "flat")

@@ -1,0 +1,105 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from imagesets import make_bad_inputs, make_imagefolder
+
+from packer import convert, open_dataset
+from packer.decode import decode_pil
+from packer.errors import PackerError
+from packer.verify import verify
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args, **kw):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "packer", *map(str, args)], capture_output=True, text=True, env=env, **kw)
+
+
+def test_every_bad_input_is_packed_or_reported(tmp_path):
+    expect = make_bad_inputs(tmp_path / "src")
+    res = convert(tmp_path / "src", tmp_path / "out.lmdb", workers=2, progress=False)
+    ds = open_dataset(res.output, image="numpy")
+    packed = set(ds.index.rel_paths())
+    report = json.loads((res.output / "errors.json").read_text())
+    reported = {e["path"]: e["reason"] for e in report["errors"]}
+    assert packed == {p for p, ok in expect.items() if ok}
+    assert set(reported) == {p for p, ok in expect.items() if not ok}
+    assert report["ignored"] == {"hidden": 1, "not an image": 1}
+    assert "empty" in reported["weird/empty.jpg"]
+    assert "broken symbolic link" in reported["weird/broken_link.jpg"]
+    assert "truncated" in reported["weird/truncated.jpg"].lower() or "premature" in reported["weird/truncated.jpg"].lower()
+    # valid oddities decode exactly as Pillow does
+    for rel in packed:
+        i = ds.index_of(rel)
+        src = (tmp_path / "src" / rel).read_bytes()
+        assert bytes(ds.read_payload(i)) == src
+        assert np.array_equal(ds[i][0], decode_pil(src)), rel
+    assert verify(res.output, against=tmp_path / "src").ok
+
+
+def test_header_validation_packs_truncated_files_but_not_garbage(tmp_path):
+    expect = make_bad_inputs(tmp_path / "src")
+    res = convert(tmp_path / "src", tmp_path / "out.lmdb", validate="header", workers=0, progress=False)
+    packed = set(open_dataset(res.output).index.rel_paths())
+    assert "weird/truncated.jpg" in packed  # only a full decode notices
+    assert "weird/random.jpg" not in packed and "weird/empty.jpg" not in packed
+    assert len(packed) + len(res.errors) == len(expect)
+
+
+def test_on_error_raise_names_the_file_and_leaves_nothing(tmp_path):
+    make_bad_inputs(tmp_path / "src")
+    with pytest.raises(PackerError, match=r"weird/.*\.jpg"):
+        convert(tmp_path / "src", tmp_path / "out.lmdb", on_error="raise", workers=0, progress=False)
+    assert not (tmp_path / "out.lmdb").exists() and not (tmp_path / "out.lmdb.partial").exists()
+
+
+def test_refuses_to_overwrite_and_replaces_atomically(imagefolder, tmp_path):
+    out = tmp_path / "o.lmdb"
+    convert(imagefolder, out, workers=0, progress=False)
+    with pytest.raises(PackerError, match="already exists"):
+        convert(imagefolder, out, workers=0, progress=False)
+    convert(imagefolder, out, workers=0, progress=False, overwrite=True)
+    assert verify(out).ok and not (tmp_path / "o.lmdb.old").exists()
+
+
+def test_default_output_is_beside_the_source(tmp_path):
+    src = make_imagefolder(tmp_path / "pics", classes=2, per_class=2)
+    res = run_cli("convert", src, "--to", "lmdb", "-q")
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "pics.lmdb" / "manifest.json").is_file()
+
+
+def test_cli_exit_codes(tmp_path):
+    make_bad_inputs(tmp_path / "src")
+    res = run_cli("convert", tmp_path / "src", "-o", tmp_path / "o.lmdb", "-q")
+    assert res.returncode == 1 and "not packed" in res.stderr  # problems found, summarised on stderr
+    assert run_cli("convert", tmp_path / "missing").returncode == 2
+    assert run_cli("convert", tmp_path / "src", "--to", "nope").returncode == 2
+
+
+def test_interrupted_conversion_leaves_no_complete_looking_output(tmp_path):
+    src = make_imagefolder(tmp_path / "src", classes=4, per_class=400, size=(64, 80))
+    out = tmp_path / "big.lmdb"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "packer", "convert", str(src), "-o", str(out), "--workers", "1", "-q"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    partial = tmp_path / "big.lmdb.partial"
+    deadline = time.time() + 60
+    while not partial.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.002)
+    assert proc.poll() is None, "conversion ended before it could be interrupted"
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not out.exists()
+    assert not (partial / "manifest.json").exists()
+    with pytest.raises(PackerError, match="interrupted conversion"):
+        convert(src, out, progress=False)
