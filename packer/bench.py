@@ -39,39 +39,9 @@ BENCH_VERSION = 1
 # ------------------------------------------------------------------ orders
 
 
-def block_groups(nbytes: np.ndarray, block_bytes: int, open_blocks: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """Locality-preserving shuffle: contiguous blocks of about ``block_bytes``, blocks in random order,
-    samples shuffled within groups of ``open_blocks`` blocks that are open (read) together.
-
-    Returns the groups in reading order; their concatenation is the sample order. Stand-in for
-    ``packer.sampler.BlockShuffleSampler`` until it is merged: swap the body for the sampler's
-    order and its groups, nothing else changes.
-    """
-    n = len(nbytes)
-    if n == 0:
-        return []
-    block_of = (np.cumsum(nbytes) - 1) // max(int(block_bytes), 1)
-    starts = np.flatnonzero(np.r_[True, block_of[1:] != block_of[:-1]])
-    blocks = np.split(np.arange(n, dtype=np.int64), starts[1:])
-    perm = rng.permutation(len(blocks))
-    out = []
-    for g in range(0, len(perm), max(open_blocks, 1)):
-        group = np.concatenate([blocks[b] for b in perm[g:g + max(open_blocks, 1)]])
-        rng.shuffle(group)
-        out.append(group)
-    return out
-
-
-def block_order(nbytes: np.ndarray, block_bytes: int, open_blocks: int, rng: np.random.Generator) -> np.ndarray:
-    groups = block_groups(nbytes, block_bytes, open_blocks, rng)
-    return np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
-
-
 @dataclass
 class Order:
-    """A sample order and the chunks the read and decode levels fetch with one ``read_payloads`` call each:
-    batches for sequential and shuffled orders, whole groups of open blocks for the block order (the large
-    sequential reads a block-aware reader makes; the samples still come out in the shuffled order)."""
+    """A sample order and the chunks the read and decode levels fetch together (batches, as a DataLoader would)."""
 
     kind: str
     indices: np.ndarray
@@ -82,21 +52,28 @@ class Order:
         return Order(self.kind, first, [first])
 
 
-def make_order(kind: str, nbytes: np.ndarray, seed: int, block_bytes: int, open_blocks: int,
-               batch_size: int = 64) -> Order:
+def make_order(kind: str, nbytes: np.ndarray, seed: int, block_bytes: int | None = None,
+               open_blocks: int | None = None, batch_size: int = 64, cuts: Sequence[int] = (),
+               run: int | None = None) -> Order:
+    """``sequential``, uniform ``shuffle``, or ``block``: packer.sampler's locality-preserving order
+    (blocks of ``block_bytes`` cut at ``cuts`` (shard starts), windows of ``open_blocks`` blocks,
+    runs of ``run`` neighbours; the sampler's defaults when None), exactly as BlockShuffleSampler
+    yields it for one process in epoch 0."""
+    from packer import sampler
+
     n = len(nbytes)
-    rng = np.random.default_rng(seed)
-    if kind == "block":
-        groups = block_groups(nbytes, block_bytes, open_blocks, rng)
-        idx = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
-        return Order(kind, idx, groups)
     if kind == "sequential":
         idx = np.arange(n, dtype=np.int64)
     elif kind == "shuffle":
-        idx = rng.permutation(n).astype(np.int64)
+        idx = np.random.default_rng(seed).permutation(n).astype(np.int64)
+    elif kind == "block":
+        bounds = sampler.block_boundaries(np.asarray(nbytes), block_bytes or sampler.DEFAULT_BLOCK_BYTES, cuts)
+        idx = sampler.rank_order(bounds, 0, seed, open_blocks=open_blocks or sampler.DEFAULT_OPEN_BLOCKS,
+                                 run=run or sampler.DEFAULT_RUN, batch_size=batch_size)
     else:
         raise PackerError(f"unknown order {kind!r} (choose {', '.join(ORDERS)})")
-    return Order(kind, idx, [idx[s:s + batch_size] for s in range(0, n, max(batch_size, 1))])
+    step = max(batch_size, 1)
+    return Order(kind, idx, [idx[s:s + step] for s in range(0, n, step)])
 
 
 # ------------------------------------------------------------------ sources
@@ -140,6 +117,7 @@ class Source:
     paths: list[str] = field(default_factory=list)  # folder: absolute image paths
     labels: list[int] = field(default_factory=list)
     disk_bytes: int = 0  # bytes of all files of the dataset on disk
+    cuts: tuple[int, ...] = ()  # shard starts after the first: blocks of the block order never span two
 
     @property
     def n(self) -> int:
@@ -168,8 +146,9 @@ def open_source(path: str | os.PathLike, limit: int | None) -> Source:
         idx = Index.load(p, m.num_samples)
         n = m.num_samples if limit is None else min(limit, m.num_samples)
         files = measure.tree_files(p)
+        starts = np.cumsum([s.num_samples for s in m.shards])[:-1]
         return Source(p, m.format, m.payload, "auto", np.asarray(idx.nbytes[:n], dtype=np.int64), files,
-                      disk_bytes=sum(os.path.getsize(f) for f in files))
+                      disk_bytes=sum(os.path.getsize(f) for f in files), cuts=tuple(int(c) for c in starts if c < n))
     from packer.scan import scan_folder
 
     scan = scan_folder(p)
@@ -208,12 +187,15 @@ def _run_pass(src: Source, level: str, order: Order, workers: int, batch_size: i
         ds = handle.setdefault("ds", src.open())
         for chunk in order.chunks:
             chunk = chunk.tolist()
-            bufs = ds.read_payloads(chunk)  # runs of neighbours read together, returned in the order asked
-            if level == "decode":
-                for i, buf in zip(chunk, bufs, strict=False):
-                    ds.pixels(i, buf)  # what ds[i] with image="numpy" returns
+            if level == "read":
+                if hasattr(ds, "prefetch"):
+                    ds.prefetch(chunk)  # what __getitems__ does first: the batch's file spans, as few large reads
+                bufs = ds.read_payloads(chunk)  # runs of neighbours read together, returned in the order asked
+                nbytes += sum(_payload_len(b) for b in bufs)
+            else:
+                bufs = ds.__getitems__(chunk)  # a DataLoader's batch fetch, without the DataLoader
+                nbytes += int(src.nbytes[chunk].sum())
             count += len(bufs)
-            nbytes += sum(_payload_len(b) for b in bufs)
     elif level == "loader":
         dataset = FolderSamples(src.paths, src.labels) if src.kind == "folder" else handle.setdefault("tds", src.open("tensor"))
         loader = DataLoader(dataset, batch_size=batch_size, sampler=idx, num_workers=workers,
@@ -254,8 +236,9 @@ class BenchOptions:
     repeats: int = 3
     limit: int | None = None
     seed: int = 0
-    block_bytes: int = 64 << 20
-    open_blocks: int = 2
+    block_bytes: int | None = None  # block order: packer.sampler's defaults when None
+    open_blocks: int | None = None
+    run: int | None = None
     ceiling_bytes: int = 256 << 20
     ceiling_seconds: float = 1.0  # per decoder, per measurement of the decode ceiling
     emulate: str | None = None
@@ -401,7 +384,8 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
         report["ceilings"] = measure_ceilings(sources, o, log)
         results = []
         for src in sources:
-            orders = {k: make_order(k, src.nbytes, o.seed, o.block_bytes, o.open_blocks, o.batch_size) for k in o.orders}
+            orders = {k: make_order(k, src.nbytes, o.seed, o.block_bytes, o.open_blocks, o.batch_size, src.cuts, o.run)
+                      for k in o.orders}
             previous = None
             for level, order_name, cache, w in _settings(o):
                 prewarmed = cache == "warm" and previous == (level, order_name, "cold", w)
@@ -592,6 +576,10 @@ def describe_setup(report: dict) -> str:
                   f"{x['files']} files, {x['disk_bytes'] / 1e6:.0f} MB on disk" for x in report["datasets"])
     lines.append(f"- datasets: {d}")
     o = report["options"]
-    lines.append(f"- options: repeats {o['repeats']}, batch size {o['batch_size']}, block order {o['block_bytes'] / 2**20:.0f} MiB "
-                 f"blocks x {o['open_blocks']} open, seed {o['seed']}, pin_memory {o['pin_memory']}")
+    from packer import sampler
+
+    blk = o.get("block_bytes") or sampler.DEFAULT_BLOCK_BYTES
+    lines.append(f"- options: repeats {o['repeats']}, batch size {o['batch_size']}, block order (packer.sampler): "
+                 f"{blk / 1e6:.0f} MB blocks, windows of {o.get('open_blocks') or sampler.DEFAULT_OPEN_BLOCKS} open blocks, "
+                 f"runs of {o.get('run') or sampler.DEFAULT_RUN}, seed {o['seed']}, pin_memory {o['pin_memory']}")
     return "\n".join(lines)
