@@ -45,6 +45,7 @@ demo: install
 	$(BIN)/packer convert $(DEMO)/imgs --to lmdb --overwrite
 	$(BIN)/packer info $(DEMO)/imgs.lmdb
 	$(BIN)/packer verify $(DEMO)/imgs.lmdb --against $(DEMO)/imgs
+	$(BIN)/packer bench $(DEMO)/imgs $(DEMO)/imgs.lmdb --levels read,decode --orders shuffle,block --repeats 1 --limit 500 -q
 
 # examples/bench_report.md (+ bench*.png, bench*.json): sample set -> every format -> packer bench,
 # as is and under an emulated hard disk (root). Run on a quiet machine; takes several minutes.
