@@ -159,11 +159,11 @@ def main() -> int:
                f"This run took {hdd_minutes:.1f} min. The throttle counts every block IO the kernel submits, "
                "sequential or not, where a real disk streams sequential IOs without seeking: reads that reach "
                "the disk in small IOs pay the IOPS limit in full here. Two cases show in the device-reads "
-               "figures of the JSON: page faults of memory-mapped formats (0.6-2.4 MB IOs instead of the "
-               "~3 MB of a plain sequential read), and ImageFolder's Pillow loader, which reads each file in "
-               "about three IOs (a real disk serves the second and third from its track cache), so the "
-               "folder's `loader` rate here is about a third of its `read` rate. The emulation is pessimistic "
-               "for both.", ""]
+               "figures (table above, and per row in the JSON): page faults and read-ahead hints of "
+               "memory-mapped formats (IOs of well under 1 MB where a plain sequential read makes ~3 MB ones), "
+               "and ImageFolder's Pillow loader, which reads each file in about three IOs (a real disk serves "
+               "the second and third from its track cache), so the folder's `loader` rate here is about a "
+               "third of its `read` rate. The emulation is pessimistic for both.", ""]
     (out / "bench_report.md").write_text("\n".join(md))
     print(f"wrote {out / 'bench_report.md'}")
     return 0
