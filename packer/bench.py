@@ -164,7 +164,11 @@ def open_source(path: str | os.PathLike, limit: int | None) -> Source:
 
 
 def _payload_len(buf) -> int:
-    return int(buf.nbytes) if isinstance(buf, np.ndarray) else len(buf)
+    """Bytes of one payload, after touching each of its pages: zero-copy views (memmap) are read only then."""
+    arr = buf.reshape(-1) if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    if arr.size:
+        _ = int(arr[::4096].sum()) + int(arr[-1])  # one byte per 4 KiB page, and the last
+    return int(arr.nbytes)
 
 
 def _run_pass(src: Source, level: str, order: Order, workers: int, batch_size: int, pin: bool,

@@ -59,8 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         packer convert imgs/ --to lmdb -o /fast/imgs.lmdb --workers 8
         packer convert imgs/ --to lmdb --validate header   # faster; catches fewer damaged files
         packer convert imgs/ --to lmdb --payload raw --resize 256   # decoded once, short side 256
+        packer convert imgs/ --to hdf5                               # encoded bytes, one blob + offsets
+        packer convert imgs/ --to memmap --payload raw --resize 224x224   # one (N,224,224,3) .npy
+        packer convert imgs/ --to hdf5 --payload raw --resize 256 --compression lzf
         packer convert imgs/ --to lmdb --resume       # go on after Ctrl-C, a kill or a full disk
         packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
+        packer convert /shared/imgs --to lmdb --scheduler tcp://HOST:8786   # on a Dask cluster
+        packer convert imgs/ --to lmdb --scheduler local:4      # a local Dask cluster of 4 processes
         """, description="Pack a folder of images (ImageFolder layout root/<class>/<img>, or flat) into one "
         "dataset directory. Every source file is either packed or listed with its reason in errors.json.")
     p.add_argument("source", help="folder of images")
@@ -76,12 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip: report bad files in errors.json and go on (default); raise: stop at the first")
     p.add_argument("--workers", type=int, default=None, help="processes reading and validating (default: all cores)")
     p.add_argument("--shard-size", type=parse_bytes, default=None, metavar="SIZE",
-                   help="approximate shard size, e.g. 512MB (default: the format's, 1GB for lmdb)")
+                   help="approximate shard size, e.g. 512MB (default: the format's: 1GB for lmdb, one file for hdf5 and memmap)")
     p.add_argument("--resize", metavar="S|HxW",
                    help="raw payloads only, lossy: S = short side to S (aspect kept); HxW = exact shape")
     p.add_argument("--resize-mode", choices=("stretch", "fit"), default="stretch",
                    help="for --resize HxW: stretch to the shape (default) or fit inside it and pad with black")
     p.add_argument("--upscale", action="store_true", help="let --resize enlarge small images (default: never)")
+    p.add_argument("--compression", choices=("lzf", "gzip"), default=None,
+                   help="hdf5 with --payload raw only: compress pixel chunks (lzf: fast, h5py's filter; "
+                   "gzip: smaller, any HDF5 reader; default none)")
     p.add_argument("--order", choices=("shuffled", "source"), default="shuffled",
                    help="sample order in the dataset. shuffled (default): a seeded shuffle, so neighbours on disk "
                    "are unrelated and block-shuffled reading (packer.sampler) mixes labels in every batch; "
@@ -92,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="go on with an interrupted conversion of the same source and options (its finished "
                    "shards are checked and kept; the result is identical to an uninterrupted run)")
+    p.add_argument("--scheduler", metavar="tcp://HOST:PORT|local:N",
+                   help="convert on a Dask cluster (pip install 'packer[dask]'): the address of a running "
+                   "scheduler, or local:N to start N local worker processes. Workers scan the class folders "
+                   "and write one shard per task; source and output must be on storage they all share. "
+                   "Same bytes as a local conversion; --workers is then ignored")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
 
@@ -176,13 +189,24 @@ def build_parser() -> argparse.ArgumentParser:
         packer bench imgs/ imgs.lmdb --cold --workers 0,2,4 --json bench.json --plot bench.png
         packer bench imgs/ imgs.lmdb --emulate hdd --levels read   # as on a 7200 rpm disk (root, Linux)
         packer bench imgs/ imgs.lmdb --read-iops 500 --read-bps 200MB --limit 500
+        packer bench --decoders imgs.lmdb --sizes full,224,112     # decoders: img/s and MP/s per core
+        packer bench --decoders                               # ... on 200 generated photo-like JPEGs
         """, description="Time reading a loose folder (as ImageFolder reads it) and packed datasets of the same "
         "images at three levels (read: bytes only; decode: samples as training gets them; loader: through a "
         "DataLoader), in three orders (sequential, uniform shuffle, block = locality-preserving shuffle), with a cold "
         "(evicted, mincore-checked) and a warm page cache. Each figure is the median of --repeats passes with "
         "min-max, shown as samples/s, MB/s, speed-up over the folder and fraction of the machine's ceiling measured "
-        "in the same run. --emulate throttles this run's reads with the kernel block-IO controller.")
-    p.add_argument("paths", nargs="+", metavar="PATH", help="loose image folders and packed datasets (same images)")
+        "in the same run. --emulate throttles this run's reads with the kernel block-IO controller. "
+        "--decoders [DATASET|FOLDER] instead measures images/s and megapixels/s per core of each available JPEG "
+        "decoder, at full size and with decode-time downscaling (decode_size), on in-memory bytes in one process; "
+        "on a packed dataset also open_dataset's decoding rate against bare libjpeg-turbo (packer's overhead).")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="loose image folders and packed datasets (same images)")
+    p.add_argument("--decoders", action="store_true",
+                   help="benchmark the JPEG decoders on one DATASET|FOLDER (default: generated samples)")
+    p.add_argument("--sizes", default="full,224,112",
+                   help="--decoders: decode sizes, 'full' or a short side S (decode_size=S) (default full,224,112)")
+    p.add_argument("--backends", default=None, help="--decoders: comma-separated (default: all available)")
+    p.add_argument("--seconds", type=float, default=2.0, help="--decoders: CPU seconds per measurement (default 2)")
     p.add_argument("--levels", type=_csv(str), default=("read", "decode", "loader"), metavar="L,..",
                    help="any of read, decode, loader (default all)")
     p.add_argument("--orders", type=_csv(str), default=("sequential", "shuffle", "block"), metavar="O,..",
@@ -228,14 +252,24 @@ def _csv(kind):
 
 
 def cmd_convert(args) -> int:
+    import contextlib
+
     from packer.convert import convert
 
-    res = convert(
-        args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
-        on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
-        resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
-        overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
-    )
+    if args.scheduler:
+        from packer.distributed import open_client
+
+        cluster = open_client(args.scheduler)
+    else:
+        cluster = contextlib.nullcontext()
+    with cluster as client:
+        res = convert(
+            args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
+            on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
+            resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
+            compression=args.compression, overwrite=args.overwrite, resume=args.resume, progress=not args.quiet,
+            order=args.order, seed=args.seed, client=client,
+        )
     total = res.num_samples + len(res.errors)
     print(
         f"packed {res.num_samples} of {total} images into {res.output} in {res.seconds:.1f} s "
@@ -354,6 +388,10 @@ def cmd_doctor(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    if args.decoders:
+        return _bench_decoders(args)
+    if not args.paths:
+        raise PackerError("packer bench needs at least one PATH (a folder or a packed dataset), or --decoders")
     from packer.bench import BenchOptions, format_table, print_progress, run_bench
 
     if args.plot:
@@ -386,6 +424,63 @@ def cmd_bench(args) -> int:
 
         plot_report(report, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
+
+
+def _bench_decoders(args) -> int:
+    """``packer bench --decoders [DATASET|FOLDER]``: per-core decoder rates and packer's decode overhead."""
+    import platform
+    import tempfile
+
+    from packer import decodebench
+
+    try:
+        sizes = [None if s.strip() == "full" else int(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError:
+        raise PackerError(f"--sizes {args.sizes!r}: expected 'full' or numbers, e.g. full,224,112") from None
+    backends = args.backends.split(",") if args.backends else None
+    if len(args.paths) > 1:
+        raise PackerError("packer bench --decoders takes one DATASET or FOLDER (or none: generated samples)")
+    limit = args.limit or 200
+    out = sys.stderr if args.json == "-" else sys.stdout  # keep stdout for the JSON
+    with tempfile.TemporaryDirectory(prefix="packer-bench-") as tmp:
+        path = args.paths[0] if args.paths else None
+        if path is None:
+            from packer.sample import make_sample
+
+            path = f"{tmp}/imgs"
+            print(f"no DATASET|FOLDER given: generating {limit} photo-like JPEGs (about 500x375, q90)", file=out)
+            make_sample(path, count=limit, classes=1, progress=False)
+        samples = decodebench.load_samples(path, limit=limit)
+        mean_kb = sum(map(len, samples)) / len(samples) / 1e3
+        print(f"{len(samples)} images from {path} (mean {mean_kb:.0f} KB); one process, rates per core from CPU time",
+              file=out)
+        results = decodebench.measure_decoders(samples, backends=backends, sizes=sizes, seconds=args.seconds)
+        print(decodebench.format_table(results), file=out)
+        overhead = None
+        from pathlib import Path
+
+        from packer.decode import turbojpeg_available
+        if (Path(path) / "manifest.json").exists() and turbojpeg_available():
+            overhead = decodebench.measure_overhead(path, limit=limit, batch_size=args.batch_size,
+                                                    seconds=args.seconds * 2)
+            r = overhead["img_per_s"]
+            print(f"open_dataset(image='numpy', decoder='auto') vs bare libjpeg-turbo on the same {overhead['samples']} "
+                  f"JPEGs, batches of {args.batch_size} via __getitems__: {r['packer']:.0f} vs {r['bare']:.0f} img/s "
+                  f"= {overhead['ratio']:.0%} (one sample at a time {overhead['ratio_item']:.0%}; "
+                  f"holding full-size arrays per batch {r['packer_held']:.0f} vs {r['bare_held']:.0f} "
+                  f"= {overhead['ratio_held']:.0%})", file=out)
+    if args.json:
+        from packer import __version__
+
+        doc = {"packer": __version__, "python": platform.python_version(), "machine": platform.machine(),
+               "cpu_count": os.cpu_count(), "path": path if args.paths else None, "samples": len(samples),
+               "decoders": results, "overhead": overhead}
+        if args.json == "-":
+            print(json.dumps(doc, indent=1))
+        else:
+            with open(args.json, "w") as fh:
+                json.dump(doc, fh, indent=1)
+            print(f"wrote {args.json}")
     return 0
 
 
