@@ -424,6 +424,7 @@ def cmd_bench(args) -> int:
 
         plot_report(report, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
 
 
 def _bench_decoders(args) -> int:
