@@ -225,16 +225,19 @@ def build_parser() -> argparse.ArgumentParser:
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--cold", action="store_true", help="cold page cache only")
     cache.add_argument("--warm", action="store_true", help="warm page cache only")
-    p.add_argument("--workers", type=_csv(int), default=(0, 2), metavar="N,..",
-                   help="DataLoader num_workers values for the loader level (default 0,2)")
+    p.add_argument("--workers", type=_csv(int), default=None, metavar="N,..",
+                   help="DataLoader num_workers values for the loader level (default: the usable cores, at most 8)")
     p.add_argument("--batch-size", type=int, default=64, help="loader batch size, also the read level's batch (default 64)")
     p.add_argument("--pin-memory", action="store_true", help="DataLoader pin_memory=True")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per measurement (default 3)")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N samples of each dataset")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N samples of each dataset, in its stored order (packed datasets are usually stored shuffled)")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffled orders")
-    p.add_argument("--block-size", type=parse_bytes, default=64 << 20, metavar="SIZE",
-                   help="block order: bytes per contiguous block (default 64MiB)")
-    p.add_argument("--open-blocks", type=int, default=2, help="block order: blocks shuffled together (default 2)")
+    p.add_argument("--block-size", type=parse_bytes, default=None, metavar="SIZE",
+                   help="block order: payload bytes per block (default: packer.sampler's, 16MB)")
+    p.add_argument("--open-blocks", type=int, default=None, metavar="N",
+                   help="block order: blocks shuffled together in a window (default: the sampler's, 8)")
+    p.add_argument("--run", type=int, default=None, metavar="N",
+                   help="block order: neighbours read together (default: the sampler's, 16)")
     p.add_argument("--ceiling-size", type=parse_bytes, default=256 << 20, metavar="SIZE",
                    help="size of the scratch file for the sequential-read ceiling (default 256MiB)")
     from packer.throttle import PRESETS
@@ -412,13 +415,18 @@ def cmd_bench(args) -> int:
 
         require_matplotlib()  # before minutes of measuring
     caches = ("cold",) if args.cold else ("warm",) if args.warm else ("cold", "warm")
+    workers = args.workers or (min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1),)
     options = BenchOptions(
-        levels=args.levels, orders=args.orders, caches=caches, workers=args.workers, batch_size=args.batch_size,
+        levels=args.levels, orders=args.orders, caches=caches, workers=workers, batch_size=args.batch_size,
         pin_memory=args.pin_memory, repeats=args.repeats, limit=args.limit, seed=args.seed,
-        block_bytes=args.block_size, open_blocks=args.open_blocks, ceiling_bytes=args.ceiling_size,
+        block_bytes=args.block_size, open_blocks=args.open_blocks, run=args.run, ceiling_bytes=args.ceiling_size,
         emulate=args.emulate, read_iops=args.read_iops, read_bps=args.read_bps,
     )
     report = run_bench(args.paths, options, log=None if args.quiet else print_progress)
+    if sys.argv[1:2] == ["bench"]:
+        import shlex
+
+        report["command"] = shlex.join(["packer", *sys.argv[1:]])
     if args.json == "-":
         print(json.dumps(report, indent=1))
     else:
@@ -432,6 +440,7 @@ def cmd_bench(args) -> int:
 
         plot_report(report, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
 
 
 def _bench_decoders(args) -> int:
