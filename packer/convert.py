@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Literal
@@ -114,6 +114,20 @@ class ConvertOptions:
             raise PackerError(f"unknown sample order {self.order!r} (choose {' or '.join(ORDERS)})")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise PackerError(f"the order seed must be a non-negative integer, got {self.seed!r}")
+
+
+def make_options(to: str, **given: Any) -> ConvertOptions:
+    """ConvertOptions for format ``to`` from keyword fields, refusing unknown names."""
+    known = {f.name for f in fields(ConvertOptions)} - {"format"}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise PackerError(f"unknown conversion option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    if given.get("payload") is None:
+        given["payload"] = "encoded" if "encoded" in get_format(to).PAYLOADS else "raw"
+    for key in ("resize", "tile", "grid"):  # sizes may come as numbers (resize=256)
+        if given.get(key) is not None:
+            given[key] = str(given[key])
+    return ConvertOptions(format=to, **given)
 
 
 @dataclass
@@ -297,38 +311,24 @@ def convert(
     output: str | os.PathLike | None = None,
     *,
     to: str = "lmdb",
-    payload: str | None = None,
-    validate: Validate = "full",
     on_error: Literal["skip", "raise"] = "skip",
     workers: int | None = None,
-    shard_bytes: int | None = None,
-    resize: str | None = None,
-    resize_mode: str = "stretch",
-    upscale: bool = False,
-    compression: str | None = None,
-    tile: str | None = None,
-    grid: str | None = None,
-    codec: str | None = None,
-    quality: int | None = None,
     overwrite: bool = False,
     resume: bool = False,
     progress: bool = True,
-    order: Order = DEFAULT_ORDER,
-    seed: int = 0,
     client: Any = None,
+    **options: Any,
 ) -> ConvertResult:
     """Pack the images of folder ``src`` into a dataset of format ``to``; see ``packer convert --help``.
 
-    With a Dask ``client`` the class folders are scanned and the shards written by the cluster's
-    workers (packer.distributed; source and output on storage they share); the bytes are the same.
-    ``payload`` defaults to ``encoded`` where the format stores it, else ``raw`` (bmp, mosaic).
+    ``options`` are the fields of ``ConvertOptions`` (``payload``, ``validate``, ``shard_bytes``,
+    ``resize``, ``order``, ``tile``, ...): everything that decides the output's bytes, recorded in
+    the manifest. ``payload`` defaults to ``encoded`` where the format stores it, else ``raw``
+    (bmp, mosaic). With a Dask ``client`` the class folders are scanned and the shards written by
+    the cluster's workers (packer.distributed; source and output on storage they share); the
+    bytes are the same.
     """
-    if payload is None:
-        payload = "encoded" if "encoded" in get_format(to).PAYLOADS else "raw"
-    options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes,
-                             resize=None if resize is None else str(resize), resize_mode=resize_mode, upscale=upscale,
-                             compression=compression, order=order, seed=seed, tile=None if tile is None else str(tile),
-                             grid=None if grid is None else str(grid), codec=codec, quality=quality)
+    options = make_options(to, **options)
     options.check()
     if on_error not in ("skip", "raise"):
         raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")

@@ -103,3 +103,9 @@ def test_interrupted_conversion_leaves_no_complete_looking_output(tmp_path):
     assert not (partial / "manifest.json").exists()
     with pytest.raises(PackerError, match="interrupted conversion"):
         convert(src, out, progress=False)
+
+
+def test_unknown_options_are_refused_by_name(imagefolder, tmp_path):
+    with pytest.raises(PackerError, match="unknown conversion option.*resise"):
+        convert(imagefolder, tmp_path / "o.lmdb", resise="224", progress=False)
+    assert not (tmp_path / "o.lmdb").exists()
