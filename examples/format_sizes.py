@@ -28,6 +28,12 @@ VARIANTS = [  # (name, format, options)
     ("memmap raw 256", "memmap", {"payload": "raw", "resize": "256"}),
     ("hdf5 raw 224x224", "hdf5", {"payload": "raw", "resize": "224x224"}),
     ("memmap raw 224x224", "memmap", {"payload": "raw", "resize": "224x224"}),
+    ("lmdb raw 224x224", "lmdb", {"payload": "raw", "resize": "224x224"}),
+    ("bmp 256", "bmp", {"resize": "256"}),
+    ("bmp 224x224", "bmp", {"resize": "224x224"}),
+    ("mosaic bmp 224x224", "mosaic", {"tile": "224x224"}),
+    ("mosaic png 224x224", "mosaic", {"tile": "224x224", "codec": "png"}),
+    ("mosaic jpeg q95 224x224", "mosaic", {"tile": "224x224", "codec": "jpeg", "quality": 95}),
 ]
 
 
