@@ -19,11 +19,13 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from packer.decode import BACKENDS, decode
+from packer.decode import BACKENDS, DecodeError, decode
 from packer.errors import PackerError
+from packer.headers import image_size
 from packer.formats import FORMATS, get_format
 from packer.index import Index, shard_starts
 from packer.manifest import Manifest, read_manifest
+from packer.trust import DATA_ERRORS, reading
 
 ImageKind = Literal["pil", "numpy", "tensor"]
 Access = Literal["auto", "sequential", "random"]
@@ -83,12 +85,20 @@ class PackedDataset(Dataset):
         self.target_transform = target_transform
         self.image = image
         self.decoder = decoder
-        self.index = Index.load(self.root, self.manifest.num_samples)
+        self.manifest.check_files(self.root)
+        self.index = Index.load(self.root, self.manifest.num_samples, files=self.manifest.meta_files,
+                                num_classes=len(self.manifest.classes))
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         fmt = get_format(self.manifest.format)
         self.access = resolve_access(access, self.manifest)
-        self._readers = [fmt.Reader(self.root, s, self.manifest.payload, access=self.access) for s in self.manifest.shards]
+        with reading(f"{self.root}: opening shards"):
+            self._readers = [fmt.Reader(self.root, s, self.manifest.payload, access=self.access)
+                             for s in self.manifest.shards]
+        # Which files this object was opened on: a reader that opens lazily after the dataset
+        # was replaced (convert --overwrite) must not read the new shards with the old index.
+        self._file_ids = [[_file_id(self.root / f.name) for f in s.files] for s in self.manifest.shards]
+        self._ids_checked = [0] * len(self.manifest.shards)  # pid that last checked each shard
         self._starts = shard_starts([s.num_samples for s in self.manifest.shards])
         self._path_to_index: dict[str, int] | None = None
 
@@ -133,7 +143,8 @@ class PackedDataset(Dataset):
         for shard in np.unique(shard_of):
             reader = self._readers[shard]
             if hasattr(reader, "prefetch"):
-                reader.prefetch((idx[shard_of == shard] - self._starts[shard]).tolist())
+                with reading(self._where(shard)):
+                    reader.prefetch((idx[shard_of == shard] - self._starts[shard]).tolist())
 
     def index_of(self, rel_path: str) -> int:
         """Position of the sample packed from ``rel_path`` (relative to the converted folder)."""
@@ -169,7 +180,28 @@ class PackedDataset(Dataset):
 
     def _read_one(self, i: int):
         shard, pos = self.locate(i)
-        return self._readers[shard].read(pos)
+        with reading(self._where(shard, i)):
+            buf = self._readers[shard].read(pos)
+        self._check_read(shard, i, buf)
+        return buf
+
+    def _where(self, shard: int, i: int | None = None) -> str:
+        name = self.root / self.manifest.shards[shard].files[0].name
+        return f"{name}" if i is None else f"{name}: sample {i}"
+
+    def _check_read(self, shard: int, i: int, buf) -> None:
+        """Checks every read passes, whatever the format: the payload has the size the index
+        records, and the shard's files are still those this dataset was opened on."""
+        size = buf.nbytes if isinstance(buf, (np.ndarray, memoryview)) else len(buf)
+        if size != int(self.index.nbytes[i]):
+            raise PackerError(f"{self._where(shard, i)}: {size} bytes read, the index says "
+                              f"{int(self.index.nbytes[i])} (damaged dataset)")
+        if self._ids_checked[shard] != os.getpid():
+            for f, recorded in zip(self.manifest.shards[shard].files, self._file_ids[shard]):
+                if _file_id(self.root / f.name) != recorded:
+                    raise PackerError(f"{self.root / f.name}: replaced since this dataset was opened "
+                                      "(a new conversion?); open the dataset again")
+            self._ids_checked[shard] = os.getpid()
 
     def read_payload(self, i: int):
         """The stored payload of sample ``i``: encoded bytes, or raw pixel bytes/array."""
@@ -184,20 +216,45 @@ class PackedDataset(Dataset):
             where = np.nonzero(shard_of == shard)[0]
             where = where[np.argsort(idx[where], kind="stable")]
             positions = (idx[where] - self._starts[shard]).tolist()
-            for j, buf in zip(where.tolist(), self._readers[shard].read_many(positions)):
+            with reading(self._where(shard)):
+                bufs = self._readers[shard].read_many(positions)
+            if len(bufs) != len(positions):
+                raise PackerError(f"{self._where(shard)}: {len(bufs)} samples read, {len(positions)} asked")
+            for j, buf in zip(where.tolist(), bufs):
+                self._check_read(int(shard), int(idx[j]), buf)
                 out[j] = buf
         return out
 
     def pixels(self, i: int, payload=None) -> np.ndarray:
         """Sample ``i`` as HWC uint8 RGB, decoding encoded payloads."""
         buf = self._read_one(i) if payload is None else payload
-        if self.manifest.payload == "encoded":
-            return decode(buf, self.decoder, strict=False)
         h, w = int(self.index.heights[i]), int(self.index.widths[i])
+        if self.manifest.payload == "encoded":
+            return self._decode(i, buf, h, w)
         arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
         if arr.size != h * w * 3:
             raise PackerError(f"{self.root}: sample {i} holds {arr.size} bytes, expected {h}x{w}x3")
         return arr.reshape(h, w, 3)
+
+    def _decode(self, i: int, buf, h: int, w: int) -> np.ndarray:
+        """Decode sample ``i``; any failure of a codec on damaged bytes is a DecodeError naming the sample.
+
+        The header is checked against the index first, so a damaged header can't make the
+        decoder allocate an image far larger than the one that was packed.
+        """
+        where = f"{self.root}: sample {i} ({self.index.rel_path(i)})"
+        try:
+            hh, ww = image_size(buf)
+            if (h or w) and (hh, ww) != (h, w):
+                raise DecodeError(f"image header says {hh}x{ww}, the index says {h}x{w} (damaged)")
+            limit = Image.MAX_IMAGE_PIXELS
+            if not (h or w) and limit and hh * ww > 2 * limit:  # size unknown (--validate none): Pillow's bound
+                raise DecodeError(f"image header says {hh}x{ww}, beyond Pillow's decompression-bomb limit")
+            return decode(buf, self.decoder, strict=False)
+        except DecodeError as exc:
+            raise DecodeError(f"{where}: {exc}") from exc
+        except DATA_ERRORS as exc:
+            raise DecodeError(f"{where}: cannot decode ({type(exc).__name__}: {exc})") from exc
 
     def _finish(self, i: int, payload) -> tuple[Any, Any]:
         arr = self.pixels(i, payload)
@@ -219,6 +276,14 @@ class PackedDataset(Dataset):
     def close(self) -> None:
         for r in self._readers:
             r.close()
+
+
+def _file_id(path: Path) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise PackerError(f"{path}: {exc.strerror or exc}") from None
+    return st.st_dev, st.st_ino
 
 
 def _format_dataset_class(fmt_name: str, class_name: str) -> type[PackedDataset]:
