@@ -35,6 +35,11 @@ system-deps:
 test: install
 	$(BIN)/python -m pytest -q
 
+# The seeded fuzz test of tests/test_fuzz.py with many more cases (make test runs 120 per format and payload).
+FUZZ_CASES ?= 5000
+fuzz: install
+	$(BIN)/python -m pytest -q -s tests/test_fuzz.py --fuzz-cases $(FUZZ_CASES)
+
 lint: install
 	$(BIN)/ruff check packer tests examples
 

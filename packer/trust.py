@@ -14,6 +14,7 @@ import contextlib
 import os
 import stat
 import struct
+import tokenize
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,7 +124,7 @@ def load_npy(path: Path, dtype: str, ndim: int | None = 1, max_items: int | None
             arr = np.fromfile(fh, dtype=want, count=count)
     except PackerError:
         raise
-    except (OSError, ValueError, EOFError, SyntaxError, TypeError) as exc:
+    except (OSError, ValueError, EOFError, SyntaxError, TypeError, KeyError, tokenize.TokenError) as exc:
         raise PackerError(f"{path}: not a valid .npy file ({type(exc).__name__}: {exc})") from exc
     if arr.size != count:
         raise PackerError(f"{path}: truncated while reading")

@@ -13,6 +13,7 @@ from packer.convert import ERRORS_NAME, ConvertOptions, SourceError, prepare
 from packer.datasets import open_dataset
 from packer.errors import PackerError
 from packer.manifest import read_manifest, sha256_file
+from packer.trust import inside
 from packer.scan import scan_folder
 
 
@@ -37,9 +38,12 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
         return report
     for info in manifest.all_files():
         file = root / info.name
-        if not file.is_file():
-            report.problems.append(f"{file}: missing")
-        elif file.stat().st_size != info.num_bytes:
+        try:
+            inside(root, info.name)  # no symlink out of the dataset: verify reads nothing else either
+        except PackerError as exc:
+            report.problems.append(str(exc))
+            continue
+        if file.stat().st_size != info.num_bytes:
             report.problems.append(f"{file}: {file.stat().st_size} bytes, manifest says {info.num_bytes}")
         elif sha256_file(file) != info.sha256:
             report.problems.append(f"{file}: checksum mismatch (damaged or modified)")

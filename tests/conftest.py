@@ -11,3 +11,8 @@ def imagefolder(tmp_path_factory):
 @pytest.fixture(scope="session")
 def flatfolder(tmp_path_factory):
     return make_flat(tmp_path_factory.mktemp("flat") / "flat")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-cases", type=int, default=120,
+                     help="mutated datasets tried per format and payload in tests/test_fuzz.py (make fuzz: 5000)")

@@ -145,9 +145,16 @@ class Reader:
     def _open(self) -> lmdb.Environment:
         env, self._ident = _shared_env(self.path, self.readahead)
         try:
-            entries = env.stat()["entries"]
-            problem = None if entries == self.num_samples else f"holds {entries} samples, the manifest says {self.num_samples}"
-        except lmdb.Error as exc:
+            stat, info = env.stat(), env.info()
+            # LMDB maps the file and trusts its own page numbers: pages past the end of a truncated
+            # file would fault (SIGBUS). Its pages must all lie inside the file.
+            needed = (info["last_pgno"] + 1) * stat["psize"]
+            size = os.stat(self.path).st_size
+            problem = (None if stat["entries"] == self.num_samples
+                       else f"holds {stat['entries']} samples, the manifest says {self.num_samples}")
+            if needed > size:
+                problem = f"truncated: LMDB records {needed} bytes of pages, the file holds {size}"
+        except (lmdb.Error, OSError) as exc:
             problem = f"damaged LMDB shard ({exc})"
         if problem:
             _release_env(self._ident)
