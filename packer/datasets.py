@@ -225,18 +225,22 @@ class PackedDataset(Dataset):
                 out[j] = buf
         return out
 
-    def pixels(self, i: int, payload=None) -> np.ndarray:
-        """Sample ``i`` as HWC uint8 RGB, decoding encoded payloads."""
+    def pixels(self, i: int, payload=None, strict: bool = False) -> np.ndarray:
+        """Sample ``i`` as HWC uint8 RGB, decoding encoded payloads.
+
+        ``strict``: a decoder warning (e.g. a truncated JPEG, which Pillow pads with grey) is an
+        error too, as in conversion's full validation (``packer verify --deep`` uses it).
+        """
         buf = self._read_one(i) if payload is None else payload
         h, w = int(self.index.heights[i]), int(self.index.widths[i])
         if self.manifest.payload == "encoded":
-            return self._decode(i, buf, h, w)
+            return self._decode(i, buf, h, w, strict)
         arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
         if arr.size != h * w * 3:
             raise PackerError(f"{self.root}: sample {i} holds {arr.size} bytes, expected {h}x{w}x3")
         return arr.reshape(h, w, 3)
 
-    def _decode(self, i: int, buf, h: int, w: int) -> np.ndarray:
+    def _decode(self, i: int, buf, h: int, w: int, strict: bool = False) -> np.ndarray:
         """Decode sample ``i``; any failure of a codec on damaged bytes is a DecodeError naming the sample.
 
         The header is checked against the index first, so a damaged header can't make the
@@ -250,7 +254,7 @@ class PackedDataset(Dataset):
             limit = Image.MAX_IMAGE_PIXELS
             if not (h or w) and limit and hh * ww > 2 * limit:  # size unknown (--validate none): Pillow's bound
                 raise DecodeError(f"image header says {hh}x{ww}, beyond Pillow's decompression-bomb limit")
-            return decode(buf, self.decoder, strict=False)
+            return decode(buf, self.decoder, strict=strict)
         except DecodeError as exc:
             raise DecodeError(f"{where}: {exc}") from exc
         except DATA_ERRORS as exc:
