@@ -71,7 +71,7 @@ class PackedDataset(Dataset):
         access: Access = "auto",
     ) -> None:
         self.root = Path(path)
-        self.manifest = read_manifest(self.root)
+        self.manifest, self.index, self._file_ids = _open_consistent(self.root)
         if self.FORMAT is not None and self.manifest.format != self.FORMAT:
             raise PackerError(
                 f"{self.root}: holds format {self.manifest.format!r}, not {self.FORMAT!r} "
@@ -85,9 +85,6 @@ class PackedDataset(Dataset):
         self.target_transform = target_transform
         self.image = image
         self.decoder = decoder
-        self.manifest.check_files(self.root)
-        self.index = Index.load(self.root, self.manifest.num_samples, files=self.manifest.meta_files,
-                                num_classes=len(self.manifest.classes))
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         fmt = get_format(self.manifest.format)
@@ -95,9 +92,6 @@ class PackedDataset(Dataset):
         with reading(f"{self.root}: opening shards"):
             self._readers = [fmt.Reader(self.root, s, self.manifest.payload, access=self.access)
                              for s in self.manifest.shards]
-        # Which files this object was opened on: a reader that opens lazily after the dataset
-        # was replaced (convert --overwrite) must not read the new shards with the old index.
-        self._file_ids = [[_file_id(self.root / f.name) for f in s.files] for s in self.manifest.shards]
         self._ids_checked = [0] * len(self.manifest.shards)  # pid that last checked each shard
         self._starts = shard_starts([s.num_samples for s in self.manifest.shards])
         self._path_to_index: dict[str, int] | None = None
@@ -192,16 +186,16 @@ class PackedDataset(Dataset):
     def _check_read(self, shard: int, i: int, buf) -> None:
         """Checks every read passes, whatever the format: the payload has the size the index
         records, and the shard's files are still those this dataset was opened on."""
-        size = buf.nbytes if isinstance(buf, (np.ndarray, memoryview)) else len(buf)
-        if size != int(self.index.nbytes[i]):
-            raise PackerError(f"{self._where(shard, i)}: {size} bytes read, the index says "
-                              f"{int(self.index.nbytes[i])} (damaged dataset)")
         if self._ids_checked[shard] != os.getpid():
             for f, recorded in zip(self.manifest.shards[shard].files, self._file_ids[shard]):
                 if _file_id(self.root / f.name) != recorded:
                     raise PackerError(f"{self.root / f.name}: replaced since this dataset was opened "
                                       "(a new conversion?); open the dataset again")
             self._ids_checked[shard] = os.getpid()
+        size = buf.nbytes if isinstance(buf, (np.ndarray, memoryview)) else len(buf)
+        if size != int(self.index.nbytes[i]):
+            raise PackerError(f"{self._where(shard, i)}: {size} bytes read, the index says "
+                              f"{int(self.index.nbytes[i])} (damaged dataset)")
 
     def read_payload(self, i: int):
         """The stored payload of sample ``i``: encoded bytes, or raw pixel bytes/array."""
@@ -280,6 +274,32 @@ class PackedDataset(Dataset):
     def close(self) -> None:
         for r in self._readers:
             r.close()
+
+
+def _open_consistent(root: Path) -> tuple[Manifest, Index, list[list[tuple[int, int]]]]:
+    """Manifest, index and the identity of every shard file, all from one version of the dataset.
+
+    ``convert --overwrite`` swaps a whole new directory in: if the directory changed while
+    these were read, read them again. The file identities let readers, which open lazily,
+    refuse files that were replaced after this point instead of reading them with this index.
+    """
+    for _ in range(5):
+        before = _dir_id(root)
+        manifest = read_manifest(root)
+        manifest.check_files(root)
+        index = Index.load(root, manifest.num_samples, files=manifest.meta_files, num_classes=len(manifest.classes))
+        file_ids = [[_file_id(root / f.name) for f in s.files] for s in manifest.shards]
+        if _dir_id(root) == before:
+            return manifest, index, file_ids
+    raise PackerError(f"{root}: replaced again and again while being opened; try again later")
+
+
+def _dir_id(path: Path) -> tuple[int, int, int]:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise PackerError(f"{path}: {exc.strerror or exc}") from None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
 def _file_id(path: Path) -> tuple[int, int]:

@@ -101,7 +101,11 @@ class Index:
                 info = listed.get(name)
                 if info is None:
                     raise PackerError(f"{directory}: the manifest does not list {name}")
-                if path.stat().st_size != info.num_bytes or sha256_file(path) != info.sha256:
+                try:
+                    same = path.stat().st_size == info.num_bytes and sha256_file(path) == info.sha256
+                except OSError as exc:
+                    raise PackerError(f"{path}: cannot read ({exc.strerror or exc})") from None
+                if not same:
                     raise PackerError(f"{path}: size or checksum differs from the manifest (damaged or modified)")
             # Bound the length before loading: N entries per-sample array, N+1 offsets, blob <= file size.
             limit = {"path_offsets": num_samples + 1, "path_blob": None}.get(f.name, num_samples)

@@ -129,7 +129,10 @@ class Manifest:
         """
         for f in self.all_files():
             path = inside(directory, f.name, str(directory / MANIFEST_NAME))
-            size = path.stat().st_size
+            try:
+                size = path.stat().st_size
+            except OSError as exc:
+                raise PackerError(f"{path}: {exc.strerror or exc}") from None
             if size != f.num_bytes:
                 raise PackerError(f"{path}: {size} bytes, manifest says {f.num_bytes} (damaged or replaced)")
 

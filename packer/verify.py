@@ -61,10 +61,13 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
         report.problems.append(str(exc))
         return report
     report.checked["samples"] = len(ds)
-    if deep:
-        _check_deep(ds, report, progress)
-    if against is not None:
-        _check_against(ds, Path(against), report, progress)
+    try:
+        if deep:
+            _check_deep(ds, report, progress)
+        if against is not None:
+            _check_against(ds, Path(against), report, progress)
+    finally:
+        ds.close()
     return report
 
 

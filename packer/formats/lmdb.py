@@ -101,26 +101,30 @@ _ENVS: dict[str, list] = {}
 
 def _shared_env(path: Path, readahead: bool) -> tuple[lmdb.Environment, tuple]:
     """The process's environment for the file now at ``path`` (keyed by inode: a replaced file is a new one)."""
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise PackerError(f"{path}: cannot open LMDB shard ({exc.strerror or exc})") from None
-    ident = (str(path), st.st_dev, st.st_ino)
-    entry = _ENVS.get(ident)
-    if entry is not None and entry[2] != os.getpid():
-        entry[0].close()  # inherited through fork: py-lmdb would refuse a second open of the same file
-        entry = None
-    if entry is None:
+    for attempt in range(3):
         try:
-            env = lmdb.open(
-                str(path), subdir=False, readonly=True, lock=False, readahead=readahead,
-                meminit=False, max_readers=2048, max_dbs=0,
-            )
-        except lmdb.Error as exc:
-            raise PackerError(f"{path}: cannot open LMDB shard ({exc})") from exc
-        entry = _ENVS[ident] = [env, 0, os.getpid()]
-    entry[1] += 1
-    return entry[0], ident
+            st = os.stat(path)
+        except OSError as exc:
+            raise PackerError(f"{path}: cannot open LMDB shard ({exc.strerror or exc})") from None
+        ident = (str(path), st.st_dev, st.st_ino)
+        entry = _ENVS.get(ident)
+        if entry is not None and entry[2] != os.getpid():
+            entry[0].close()  # inherited through fork: py-lmdb would refuse a second open of the same file
+            entry = None
+        if entry is None:
+            try:
+                env = lmdb.open(
+                    str(path), subdir=False, readonly=True, lock=False, readahead=readahead,
+                    meminit=False, max_readers=2048, max_dbs=0,
+                )
+            except lmdb.Error as exc:
+                if "already open" in str(exc) and attempt < 2:
+                    continue  # the file was replaced between stat and open by one this process has open
+                raise PackerError(f"{path}: cannot open LMDB shard (replaced while opening? {exc})") from exc
+            entry = _ENVS[ident] = [env, 0, os.getpid()]
+        entry[1] += 1
+        return entry[0], ident
+    raise PackerError(f"{path}: replaced while being opened")
 
 
 def _release_env(ident: tuple) -> None:
