@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first, from the local wheel cache: a bare `torch` could pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,plot]'
+	$(BIN)/pip install -q -e '.[dev,plot,dask]'
 	@touch $(STAMP)
 
 # libturbojpeg (libjpeg-turbo's TurboJPEG API) for fast JPEG decoding. Optional: without it
@@ -32,8 +32,13 @@ system-deps:
 	  || echo "packer: could not install libturbojpeg0; JPEG decoding will use Pillow"; \
 	else echo "packer: libturbojpeg not found and not installable here (see README: Install); JPEG decoding will use Pillow"; fi
 
+# In CI, and wherever ldconfig lists libturbojpeg, the suite must run the libjpeg-turbo path:
+# --require-turbojpeg makes tests fail (not skip) when the library does not load.
+# (Expanded when the recipe runs, i.e. after system-deps has installed what it could.)
+REQUIRE_TURBOJPEG = $(if $(CI),--require-turbojpeg,$(shell ldconfig -p 2>/dev/null | grep -q 'libturbojpeg\.so' && echo --require-turbojpeg))
+
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(REQUIRE_TURBOJPEG)
 
 # The seeded fuzz test of tests/test_fuzz.py with many more cases (make test runs 120 per format and payload).
 FUZZ_CASES ?= 5000

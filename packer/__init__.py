@@ -2,16 +2,21 @@
 
 __version__ = "0.1.0"
 
+from packer.cache import CachedDataset  # noqa: E402
 from packer.convert import ConvertResult, convert  # noqa: E402
 from packer.datasets import DATASET_CLASSES, PackedDataset, open_dataset  # noqa: E402
 from packer.errors import PackerError  # noqa: E402
 from packer.formats import FORMATS  # noqa: E402
+from packer.instrument import instrument  # noqa: E402
+from packer.prefetch import BackgroundLoader, CUDAPrefetcher  # noqa: E402
+from packer.profiler import profile  # noqa: E402
 from packer.sampler import BlockBatchSampler, BlockShuffleSampler, block_order  # noqa: E402
 
 globals().update({cls.__name__: cls for cls in DATASET_CLASSES.values()})
 
 __all__ = [
     "__version__", "convert", "ConvertResult", "open_dataset", "PackedDataset", "PackerError", "FORMATS",
+    "CachedDataset", "instrument", "profile", "BackgroundLoader", "CUDAPrefetcher",
     "BlockShuffleSampler", "BlockBatchSampler", "block_order",
     *(cls.__name__ for cls in DATASET_CLASSES.values()),
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import textwrap
@@ -58,8 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
         packer convert imgs/ --to lmdb -o /fast/imgs.lmdb --workers 8
         packer convert imgs/ --to lmdb --validate header   # faster; catches fewer damaged files
         packer convert imgs/ --to lmdb --payload raw --resize 256   # decoded once, short side 256
+        packer convert imgs/ --to hdf5                               # encoded bytes, one blob + offsets
+        packer convert imgs/ --to memmap --payload raw --resize 224x224   # one (N,224,224,3) .npy
+        packer convert imgs/ --to hdf5 --payload raw --resize 256 --compression lzf
         packer convert imgs/ --to lmdb --resume       # go on after Ctrl-C, a kill or a full disk
         packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
+        packer convert /shared/imgs --to lmdb --scheduler tcp://HOST:8786   # on a Dask cluster
+        packer convert imgs/ --to lmdb --scheduler local:4      # a local Dask cluster of 4 processes
         """, description="Pack a folder of images (ImageFolder layout root/<class>/<img>, or flat) into one "
         "dataset directory. Every source file is either packed or listed with its reason in errors.json.")
     p.add_argument("source", help="folder of images")
@@ -75,12 +81,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip: report bad files in errors.json and go on (default); raise: stop at the first")
     p.add_argument("--workers", type=int, default=None, help="processes reading and validating (default: all cores)")
     p.add_argument("--shard-size", type=parse_bytes, default=None, metavar="SIZE",
-                   help="approximate shard size, e.g. 512MB (default: the format's, 1GB for lmdb)")
+                   help="approximate shard size, e.g. 512MB (default: the format's: 1GB for lmdb, one file for hdf5 and memmap)")
     p.add_argument("--resize", metavar="S|HxW",
                    help="raw payloads only, lossy: S = short side to S (aspect kept); HxW = exact shape")
     p.add_argument("--resize-mode", choices=("stretch", "fit"), default="stretch",
                    help="for --resize HxW: stretch to the shape (default) or fit inside it and pad with black")
     p.add_argument("--upscale", action="store_true", help="let --resize enlarge small images (default: never)")
+    p.add_argument("--compression", choices=("lzf", "gzip"), default=None,
+                   help="hdf5 with --payload raw only: compress pixel chunks (lzf: fast, h5py's filter; "
+                   "gzip: smaller, any HDF5 reader; default none)")
     p.add_argument("--order", choices=("shuffled", "source"), default="shuffled",
                    help="sample order in the dataset. shuffled (default): a seeded shuffle, so neighbours on disk "
                    "are unrelated and block-shuffled reading (packer.sampler) mixes labels in every batch; "
@@ -91,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="go on with an interrupted conversion of the same source and options (its finished "
                    "shards are checked and kept; the result is identical to an uninterrupted run)")
+    p.add_argument("--scheduler", metavar="tcp://HOST:PORT|local:N",
+                   help="convert on a Dask cluster (pip install 'packer[dask]'): the address of a running "
+                   "scheduler, or local:N to start N local worker processes. Workers scan the class folders "
+                   "and write one shard per task; source and output must be on storage they all share. "
+                   "Same bytes as a local conversion; --workers is then ignored")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_convert)
 
@@ -139,18 +153,135 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_sample)
+
+    p = _parser(sub, "profile", "find the num_workers that keeps a training step fed", """
+        packer profile imgs.lmdb --workers 0,1,2 --batch-size 64 --step-ms 40
+        packer profile imgs.lmdb --step-ms 40 --plot sweep.png --json sweep.json
+        packer profile imgs.lmdb --batch-size 64,128 --pin-memory off,on --device cuda
+        packer profile imgs.lmdb --cache ram-decoded     # what a RAM cache of decoded pixels would give
+        """, description="Run a real DataLoader over the dataset (shuffled, as in training) for each "
+        "num_workers / batch size / pin_memory setting while a simulated step sleeps --step-ms per batch, as "
+        "a host waiting on its GPU does. Reports data wait vs step time, samples/s and the per-sample cost of "
+        "read, decode, transform (a random crop) and collate inside the workers; picks the smallest "
+        "num_workers whose wait stays under 10%% of the step, or says plainly that none does. "
+        "Exit 1 when no setting keeps the step fed.")
+    p.add_argument("dataset", help="a packed dataset (packer convert)")
+    p.add_argument("--workers", type=lambda t: t if t == "auto" else _csv(int)(t), default="auto", metavar="N,..",
+                   help="num_workers values, e.g. 0,2,4 (default: 0, 1, 2, 4, ... up to the cores)")
+    p.add_argument("--batch-size", type=_csv(int), default=(64,), metavar="B,..", help="batch sizes, e.g. 64 or 64,128 (default 64)")
+    p.add_argument("--pin-memory", default="off", help="off, on or off,on (on needs CUDA; default off)")
+    p.add_argument("--step-ms", type=float, default=40.0,
+                   help="simulated step per batch of the first batch size, in ms (default 40); scaled for others")
+    p.add_argument("--batches", type=int, default=30, help="batches measured per setting, after warm-up (default 30)")
+    p.add_argument("--crop", type=int, default=224, help="random crop size so batches collate (default 224; 0: none, "
+                   "samples collated as lists)")
+    p.add_argument("--decoder", default="auto", help="JPEG decoder of the dataset (auto, turbojpeg, pil)")
+    p.add_argument("--cache", choices=("ram", "ram-decoded"), default=None, help="profile through a shared RAM cache")
+    p.add_argument("--device", default=None, help="copy each batch to this device, timed as host-to-device (e.g. cuda)")
+    p.add_argument("--start-method", choices=("fork", "spawn", "forkserver"), default=None,
+                   help="DataLoader worker start method (default: the platform's)")
+    p.add_argument("--plot", metavar="PNG", help="write a chart of wait and samples/s against num_workers (needs matplotlib)")
+    p.add_argument("--json", metavar="FILE", help="write every figure as JSON ('-': stdout)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_profile)
+
+    p = _parser(sub, "doctor", "measure this machine (and the storage under PATH) and say where loading will wait", """
+        packer doctor                  # the machine: cores, memory, decoders, GPU, /dev/shm, limits
+        packer doctor imgs/            # and the storage under imgs/: device, filesystem, cold reads
+        packer doctor imgs.lmdb --json
+        """, description="Measure, briefly and within bounds, what limits data loading here: cores and load, "
+        "memory and page cache, the storage under PATH (device, rotational or not, filesystem), cold "
+        "small-file vs sequential read rate there, per-core decode rate of each decoder, GPU and pinned "
+        "memory, libjpeg-turbo, /dev/shm and the open-files limit; then a verdict in plain words where each "
+        "recommendation names the figure behind it.")
+    p.add_argument("path", nargs="?", help="a folder of images, a packed dataset or any directory on the storage to test")
+    p.add_argument("--seconds", type=float, default=1.0, help="time budget of each rate measurement (default 1 s)")
+    p.add_argument("--json", action="store_true", help="print every figure and the verdict as JSON")
+    p.set_defaults(func=cmd_doctor)
+
+    p = _parser(sub, "bench", "measure read throughput: loose folder vs packed datasets, against the machine's ceilings", """
+        packer bench imgs/ imgs.lmdb                          # every level, order and cache state
+        packer bench imgs/ imgs.lmdb --cold --workers 0,2,4 --json bench.json --plot bench.png
+        packer bench imgs/ imgs.lmdb --emulate hdd --levels read   # as on a 7200 rpm disk (root, Linux)
+        packer bench imgs/ imgs.lmdb --read-iops 500 --read-bps 200MB --limit 500
+        packer bench --decoders imgs.lmdb --sizes full,224,112     # decoders: img/s and MP/s per core
+        packer bench --decoders                               # ... on 200 generated photo-like JPEGs
+        """, description="Time reading a loose folder (as ImageFolder reads it) and packed datasets of the same "
+        "images at three levels (read: bytes only; decode: samples as training gets them; loader: through a "
+        "DataLoader), in three orders (sequential, uniform shuffle, block = locality-preserving shuffle), with a cold "
+        "(evicted, mincore-checked) and a warm page cache. Each figure is the median of --repeats passes with "
+        "min-max, shown as samples/s, MB/s, speed-up over the folder and fraction of the machine's ceiling measured "
+        "in the same run. --emulate throttles this run's reads with the kernel block-IO controller. "
+        "--decoders [DATASET|FOLDER] instead measures images/s and megapixels/s per core of each available JPEG "
+        "decoder, at full size and with decode-time downscaling (decode_size), on in-memory bytes in one process; "
+        "on a packed dataset also open_dataset's decoding rate against bare libjpeg-turbo (packer's overhead).")
+    p.add_argument("paths", nargs="*", metavar="PATH", help="loose image folders and packed datasets (same images)")
+    p.add_argument("--decoders", action="store_true",
+                   help="benchmark the JPEG decoders on one DATASET|FOLDER (default: generated samples)")
+    p.add_argument("--sizes", default="full,224,112",
+                   help="--decoders: decode sizes, 'full' or a short side S (decode_size=S) (default full,224,112)")
+    p.add_argument("--backends", default=None, help="--decoders: comma-separated (default: all available)")
+    p.add_argument("--seconds", type=float, default=2.0, help="--decoders: CPU seconds per measurement (default 2)")
+    p.add_argument("--levels", type=_csv(str), default=("read", "decode", "loader"), metavar="L,..",
+                   help="any of read, decode, loader (default all)")
+    p.add_argument("--orders", type=_csv(str), default=("sequential", "shuffle", "block"), metavar="O,..",
+                   help="any of sequential, shuffle, block (default all)")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--cold", action="store_true", help="cold page cache only")
+    cache.add_argument("--warm", action="store_true", help="warm page cache only")
+    p.add_argument("--workers", type=_csv(int), default=(0, 2), metavar="N,..",
+                   help="DataLoader num_workers values for the loader level (default 0,2)")
+    p.add_argument("--batch-size", type=int, default=64, help="loader batch size, also the read level's batch (default 64)")
+    p.add_argument("--pin-memory", action="store_true", help="DataLoader pin_memory=True")
+    p.add_argument("--repeats", type=int, default=3, help="timed passes per measurement (default 3)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N samples of each dataset")
+    p.add_argument("--seed", type=int, default=0, help="seed of the shuffled orders")
+    p.add_argument("--block-size", type=parse_bytes, default=64 << 20, metavar="SIZE",
+                   help="block order: bytes per contiguous block (default 64MiB)")
+    p.add_argument("--open-blocks", type=int, default=2, help="block order: blocks shuffled together (default 2)")
+    p.add_argument("--ceiling-size", type=parse_bytes, default=256 << 20, metavar="SIZE",
+                   help="size of the scratch file for the sequential-read ceiling (default 256MiB)")
+    from packer.throttle import PRESETS
+
+    p.add_argument("--emulate", choices=sorted(PRESETS), help="throttle reads like this device: "
+                   + "; ".join(f"{k} = {v.read_iops} IOPS, {v.read_bps // 10**6} MB/s" for k, v in sorted(PRESETS.items())))
+    p.add_argument("--read-iops", type=int, default=None, metavar="N", help="throttle: read IOs per second")
+    p.add_argument("--read-bps", type=parse_bytes, default=None, metavar="B", help="throttle: read bytes per second, e.g. 150MB")
+    p.add_argument("--json", metavar="FILE", help="write every figure and the machine/setup as JSON ('-': stdout)")
+    p.add_argument("--plot", metavar="PNG", help="write a chart (needs matplotlib: pip install 'packer[plot]')")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
+def _csv(kind):
+    def parse(text: str):
+        try:
+            return tuple(kind(v.strip()) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
+    return parse
+
+
 def cmd_convert(args) -> int:
+    import contextlib
+
     from packer.convert import convert
 
-    res = convert(
-        args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
-        on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
-        resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
-        overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
-    )
+    if args.scheduler:
+        from packer.distributed import open_client
+
+        cluster = open_client(args.scheduler)
+    else:
+        cluster = contextlib.nullcontext()
+    with cluster as client:
+        res = convert(
+            args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
+            on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
+            resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
+            compression=args.compression, overwrite=args.overwrite, resume=args.resume, progress=not args.quiet,
+            order=args.order, seed=args.seed, client=client,
+        )
     total = res.num_samples + len(res.errors)
     print(
         f"packed {res.num_samples} of {total} images into {res.output} in {res.seconds:.1f} s "
@@ -234,6 +365,140 @@ def cmd_sample(args) -> int:
     total = make_sample(args.output, count=args.count, classes=args.classes, size=(h, w), seed=args.seed,
                         quality=args.quality, progress=not args.quiet)
     print(f"wrote {args.count} images ({human_bytes(total)}) to {args.output}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from packer.datasets import open_dataset
+    from packer.sweep import RandomCrop, default_workers, plot_sweep, require_matplotlib, sweep
+
+    if args.plot:
+        require_matplotlib()
+    workers = default_workers() if args.workers == "auto" else args.workers
+    batch_sizes = args.batch_size
+    pins = []
+    for v in args.pin_memory.split(","):
+        if v.strip() not in ("on", "off"):
+            raise PackerError(f"--pin-memory {args.pin_memory!r}: expected off, on or off,on")
+        pins.append(v.strip() == "on")
+    ds = open_dataset(args.dataset, image="tensor", decoder=args.decoder,
+                      transform=RandomCrop(args.crop) if args.crop else None, cache=args.cache,
+                      cache_options={"progress": not args.quiet})
+    res = sweep(ds, workers=workers, batch_sizes=batch_sizes, pin_memory=pins, step_ms=args.step_ms,
+                batches=args.batches, device=args.device, start_method=args.start_method, progress=not args.quiet,
+                collate=None if args.crop else list)
+    if args.plot:
+        plot_sweep(res, args.plot)
+    if args.json == "-":
+        print(json.dumps(res.to_dict(), indent=1))
+    else:
+        print(res.report())
+        if args.plot:
+            print(f"chart: {args.plot}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(res.to_dict(), fh, indent=1)
+            print(f"figures: {args.json}")
+    return 0 if res.feasible else 1
+
+
+def cmd_doctor(args) -> int:
+    from packer.doctor import diagnose, render
+
+    report = diagnose(args.path, seconds=args.seconds, progress=not args.json)
+    print(json.dumps(report, indent=1) if args.json else render(report))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.decoders:
+        return _bench_decoders(args)
+    if not args.paths:
+        raise PackerError("packer bench needs at least one PATH (a folder or a packed dataset), or --decoders")
+    from packer.bench import BenchOptions, format_table, print_progress, run_bench
+
+    if args.plot:
+        from packer.benchplot import require_matplotlib
+
+        require_matplotlib()  # before minutes of measuring
+    caches = ("cold",) if args.cold else ("warm",) if args.warm else ("cold", "warm")
+    options = BenchOptions(
+        levels=args.levels, orders=args.orders, caches=caches, workers=args.workers, batch_size=args.batch_size,
+        pin_memory=args.pin_memory, repeats=args.repeats, limit=args.limit, seed=args.seed,
+        block_bytes=args.block_size, open_blocks=args.open_blocks, ceiling_bytes=args.ceiling_size,
+        emulate=args.emulate, read_iops=args.read_iops, read_bps=args.read_bps,
+    )
+    report = run_bench(args.paths, options, log=None if args.quiet else print_progress)
+    if args.json == "-":
+        print(json.dumps(report, indent=1))
+    else:
+        print(format_table(report))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(report, fh, indent=1)
+            print(f"wrote {args.json}")
+    if args.plot:
+        from packer.benchplot import plot_report
+
+        plot_report(report, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
+
+
+def _bench_decoders(args) -> int:
+    """``packer bench --decoders [DATASET|FOLDER]``: per-core decoder rates and packer's decode overhead."""
+    import platform
+    import tempfile
+
+    from packer import decodebench
+
+    try:
+        sizes = [None if s.strip() == "full" else int(s) for s in args.sizes.split(",") if s.strip()]
+    except ValueError:
+        raise PackerError(f"--sizes {args.sizes!r}: expected 'full' or numbers, e.g. full,224,112") from None
+    backends = args.backends.split(",") if args.backends else None
+    if len(args.paths) > 1:
+        raise PackerError("packer bench --decoders takes one DATASET or FOLDER (or none: generated samples)")
+    limit = args.limit or 200
+    out = sys.stderr if args.json == "-" else sys.stdout  # keep stdout for the JSON
+    with tempfile.TemporaryDirectory(prefix="packer-bench-") as tmp:
+        path = args.paths[0] if args.paths else None
+        if path is None:
+            from packer.sample import make_sample
+
+            path = f"{tmp}/imgs"
+            print(f"no DATASET|FOLDER given: generating {limit} photo-like JPEGs (about 500x375, q90)", file=out)
+            make_sample(path, count=limit, classes=1, progress=False)
+        samples = decodebench.load_samples(path, limit=limit)
+        mean_kb = sum(map(len, samples)) / len(samples) / 1e3
+        print(f"{len(samples)} images from {path} (mean {mean_kb:.0f} KB); one process, rates per core from CPU time",
+              file=out)
+        results = decodebench.measure_decoders(samples, backends=backends, sizes=sizes, seconds=args.seconds)
+        print(decodebench.format_table(results), file=out)
+        overhead = None
+        from pathlib import Path
+
+        from packer.decode import turbojpeg_available
+        if (Path(path) / "manifest.json").exists() and turbojpeg_available():
+            overhead = decodebench.measure_overhead(path, limit=limit, batch_size=args.batch_size,
+                                                    seconds=args.seconds * 2)
+            r = overhead["img_per_s"]
+            print(f"open_dataset(image='numpy', decoder='auto') vs bare libjpeg-turbo on the same {overhead['samples']} "
+                  f"JPEGs, batches of {args.batch_size} via __getitems__: {r['packer']:.0f} vs {r['bare']:.0f} img/s "
+                  f"= {overhead['ratio']:.0%} (one sample at a time {overhead['ratio_item']:.0%}; "
+                  f"holding full-size arrays per batch {r['packer_held']:.0f} vs {r['bare_held']:.0f} "
+                  f"= {overhead['ratio_held']:.0%})", file=out)
+    if args.json:
+        from packer import __version__
+
+        doc = {"packer": __version__, "python": platform.python_version(), "machine": platform.machine(),
+               "cpu_count": os.cpu_count(), "path": path if args.paths else None, "samples": len(samples),
+               "decoders": results, "overhead": overhead}
+        if args.json == "-":
+            print(json.dumps(doc, indent=1))
+        else:
+            with open(args.json, "w") as fh:
+                json.dump(doc, fh, indent=1)
+            print(f"wrote {args.json}")
     return 0
 
 

@@ -23,7 +23,7 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -68,6 +68,7 @@ class ConvertOptions:
     resize: str | None = None  # "S" or "HxW" (raw payloads only; lossy, explicit)
     resize_mode: str = "stretch"  # for HxW: stretch, or fit (keep aspect, pad)
     upscale: bool = False
+    compression: str | None = None  # lzf or gzip, raw payloads in formats that offer it (hdf5)
     decoder: str = "auto"
     order: Order = DEFAULT_ORDER  # sample order in the dataset: a seeded shuffle, or the scan's (ImageFolder's)
     seed: int = 0  # of the shuffled order
@@ -88,6 +89,14 @@ class ConvertOptions:
             raise PackerError("shard size must be positive")
         if self.resize_spec is not None and self.payload != "raw":
             raise PackerError("--resize changes pixels, so it needs --payload raw (encoded payloads keep the source bytes)")
+        if self.compression is not None:
+            offered = getattr(fmt, "COMPRESSIONS", frozenset())
+            if self.compression not in offered:
+                raise PackerError(f"--compression {self.compression}: format {self.format!r} offers "
+                                  f"{', '.join(sorted(offered)) or 'no compression'}")
+            if self.payload != "raw":
+                raise PackerError("--compression applies to raw payloads only: encoded JPEG/PNG bytes are "
+                                  "already compressed and would not shrink (use --payload raw, or drop --compression)")
         if self.order not in ORDERS:
             raise PackerError(f"unknown sample order {self.order!r} (choose {' or '.join(ORDERS)})")
         if not isinstance(self.seed, int) or self.seed < 0:
@@ -271,16 +280,22 @@ def convert(
     resize: str | None = None,
     resize_mode: str = "stretch",
     upscale: bool = False,
+    compression: str | None = None,
     overwrite: bool = False,
     resume: bool = False,
     progress: bool = True,
     order: Order = DEFAULT_ORDER,
     seed: int = 0,
+    client: Any = None,
 ) -> ConvertResult:
-    """Pack the images of folder ``src`` into a dataset of format ``to``; see ``packer convert --help``."""
+    """Pack the images of folder ``src`` into a dataset of format ``to``; see ``packer convert --help``.
+
+    With a Dask ``client`` the class folders are scanned and the shards written by the cluster's
+    workers (packer.distributed; source and output on storage they share); the bytes are the same.
+    """
     options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes,
                              resize=None if resize is None else str(resize), resize_mode=resize_mode, upscale=upscale,
-                             order=order, seed=seed)
+                             compression=compression, order=order, seed=seed)
     options.check()
     if on_error not in ("skip", "raise"):
         raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
@@ -290,7 +305,13 @@ def convert(
     workers = os.cpu_count() or 1 if workers is None else workers
 
     started = time.perf_counter()
-    scan = apply_order(scan_folder(src), options.order, options.seed)
+    if client is None:
+        scanned = scan_folder(src)
+    else:
+        from packer.distributed import scan_on_cluster
+
+        scanned = scan_on_cluster(client, src)
+    scan = apply_order(scanned, options.order, options.seed)
     out = Path(os.path.abspath(output if output is not None else default_output(scan.root, to)))
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     if out.exists() and not overwrite:
@@ -299,7 +320,12 @@ def convert(
     ranges = [(int(a), int(b)) for a, b in plan["shards"]]
     done = load_done_shards(partial, len(ranges))
     try:
-        results = _build_shards(scan, partial, ranges, done, fmt, options, on_error, workers, progress)
+        if client is None:
+            results = _build_shards(scan, partial, ranges, done, fmt, options, on_error, workers, progress)
+        else:
+            from packer.distributed import build_shards
+
+            results = build_shards(client, scan, partial, ranges, done, options, on_error, progress)
     except ShardWriteError as exc:
         raise PackerError(
             f"{out}: {exc}; the finished shards are kept in {partial}: free space (or fix the problem), "

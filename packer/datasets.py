@@ -17,9 +17,9 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
-from packer.decode import BACKENDS, DecodeError, decode
+from packer.decode import BACKENDS, DecodeError, check_min_size, decode
 from packer.errors import PackerError
 from packer.headers import image_size
 from packer.formats import FORMATS, get_format
@@ -69,7 +69,10 @@ class PackedDataset(Dataset):
         image: ImageKind = "pil",
         decoder: str = "auto",
         access: Access = "auto",
+        decode_size: int | None = None,
     ) -> None:
+        """``decode_size=S``: decode JPEGs at the smallest DCT scale (1/2, 1/4, 1/8) whose short side
+        is still >= S (faster, not pixel-identical to full-size decoding; encoded payloads only)."""
         self.root = Path(path)
         self.manifest, self.index, self._file_ids = _open_consistent(self.root)
         if self.FORMAT is not None and self.manifest.format != self.FORMAT:
@@ -85,6 +88,7 @@ class PackedDataset(Dataset):
         self.target_transform = target_transform
         self.image = image
         self.decoder = decoder
+        self.decode_size = check_min_size(decode_size)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         fmt = get_format(self.manifest.format)
@@ -186,16 +190,20 @@ class PackedDataset(Dataset):
     def _check_read(self, shard: int, i: int, buf) -> None:
         """Checks every read passes, whatever the format: the payload has the size the index
         records, and the shard's files are still those this dataset was opened on."""
+        self._check_same_files(shard)
+        size = buf.nbytes if isinstance(buf, (np.ndarray, memoryview)) else len(buf)
+        if size != int(self.index.nbytes[i]):
+            raise PackerError(f"{self._where(shard, i)}: {size} bytes read, the index says "
+                              f"{int(self.index.nbytes[i])} (damaged dataset)")
+
+    def _check_same_files(self, shard: int) -> None:
+        """Once per process and shard, after its reader opened: the files are those this dataset was opened on."""
         if self._ids_checked[shard] != os.getpid():
             for f, recorded in zip(self.manifest.shards[shard].files, self._file_ids[shard]):
                 if _file_id(self.root / f.name) != recorded:
                     raise PackerError(f"{self.root / f.name}: replaced since this dataset was opened "
                                       "(a new conversion?); open the dataset again")
             self._ids_checked[shard] = os.getpid()
-        size = buf.nbytes if isinstance(buf, (np.ndarray, memoryview)) else len(buf)
-        if size != int(self.index.nbytes[i]):
-            raise PackerError(f"{self._where(shard, i)}: {size} bytes read, the index says "
-                              f"{int(self.index.nbytes[i])} (damaged dataset)")
 
     def read_payload(self, i: int):
         """The stored payload of sample ``i``: encoded bytes, or raw pixel bytes/array."""
@@ -248,14 +256,17 @@ class PackedDataset(Dataset):
             limit = Image.MAX_IMAGE_PIXELS
             if not (h or w) and limit and hh * ww > 2 * limit:  # size unknown (--validate none): Pillow's bound
                 raise DecodeError(f"image header says {hh}x{ww}, beyond Pillow's decompression-bomb limit")
-            return decode(buf, self.decoder, strict=strict)
+            return decode(buf, self.decoder, strict=strict, min_size=self.decode_size)
         except DecodeError as exc:
             raise DecodeError(f"{where}: {exc}") from exc
         except DATA_ERRORS as exc:
             raise DecodeError(f"{where}: cannot decode ({type(exc).__name__}: {exc})") from exc
 
     def _finish(self, i: int, payload) -> tuple[Any, Any]:
-        arr = self.pixels(i, payload)
+        return self.present(i, self.pixels(i, payload))
+
+    def present(self, i: int, arr: np.ndarray) -> tuple[Any, Any]:
+        """Sample ``i``'s decoded pixels as handed out: image kind, transform, target transform."""
         if self.image == "pil":
             img: Any = Image.fromarray(arr)
         elif self.image == "tensor":
@@ -270,6 +281,74 @@ class PackedDataset(Dataset):
         if self.target_transform is not None:
             target = self.target_transform(target)
         return img, target
+
+    # ------------------------------------------------------------ whole batches
+
+    @property
+    def fixed_shape(self) -> tuple[int, int, int] | None:
+        """(H, W, 3) when every shard stores one shape its reader can copy in bulk, else None."""
+        shapes = {getattr(r, "fixed_shape", None) for r in self._readers}
+        return shapes.pop() if len(shapes) == 1 and None not in shapes else None
+
+    def get_batch(
+        self, indices: Sequence[int], layout: Literal["NHWC", "NCHW"] = "NHWC", sort: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples ``indices`` as one uint8 image tensor and an int64 label tensor; no transforms.
+
+        Fixed-shape raw datasets (``--payload raw --resize HxW`` in hdf5 or memmap) are read
+        shard by shard in storage order straight into the batch (memmap: one memory copy in all).
+        ``sort=True`` returns the samples in storage order (labels follow), which saves the copy
+        that puts them back in the order asked. Other datasets decode each sample; all must
+        share one shape. ``layout="NCHW"`` is a zero-copy channels-last view of the NHWC batch.
+        ``out`` (e.g. a pinned NHWC uint8 tensor) receives the images instead of a new tensor.
+        """
+        if layout not in ("NHWC", "NCHW"):
+            raise PackerError(f"unknown batch layout {layout!r} (choose NHWC or NCHW)")
+        idx = np.fromiter((self._check_index(i) for i in indices), dtype=np.int64, count=len(indices))
+        order = np.argsort(idx, kind="stable")
+        in_order = bool(np.all(order == np.arange(len(idx))))
+        if sort:
+            idx, in_order = idx[order], True
+        shape = self.fixed_shape
+        if shape is None:
+            pixels = [self.pixels(int(i), p) for i, p in zip(idx, self.read_payloads(idx), strict=True)]
+            shapes = {p.shape for p in pixels}
+            if len(shapes) > 1:
+                raise PackerError(
+                    f"{self.root}: get_batch needs images of one shape, this batch has {len(shapes)} "
+                    f"(e.g. {sorted(shapes)[:2]}); convert with --payload raw --resize HxW")
+            shape = pixels[0].shape if pixels else (0, 0, 3)
+        elif np.any(self.index.heights[idx] != shape[0]) or np.any(self.index.widths[idx] != shape[1]):
+            raise PackerError(f"{self.root}: shards say every image is {shape[0]}x{shape[1]}, the index disagrees "
+                              "(damaged dataset)")
+        images = out if out is not None else _new_batch((len(idx), *shape))
+        if tuple(images.shape) != (len(idx), *shape) or images.dtype != torch.uint8 or not images.is_contiguous():
+            raise PackerError(f"out: expected a contiguous uint8 tensor {(len(idx), *shape)}, got "
+                              f"{images.dtype} {tuple(images.shape)}")
+        arr = images.numpy()
+        if self.fixed_shape is None:
+            for k, p in enumerate(pixels):
+                arr[k] = p
+        else:
+            ordered = idx if in_order else idx[order]
+            buf = arr if in_order else np.empty_like(arr)
+            shard_of = np.searchsorted(self._starts, ordered, side="right") - 1
+            bounds = np.searchsorted(shard_of, np.arange(len(self._readers) + 1))
+            for shard, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+                if hi > lo:
+                    positions = (ordered[lo:hi] - self._starts[shard]).tolist()
+                    with reading(self._where(shard)):
+                        self._readers[shard].read_into(positions, buf[lo:hi])
+                    self._check_same_files(shard)
+            if not in_order:
+                arr[order] = buf
+        labels = torch.from_numpy(self.index.labels[idx].astype(np.int64))
+        return (images.permute(0, 3, 1, 2) if layout == "NCHW" else images), labels
+
+    def batched(self, layout: Literal["NHWC", "NCHW"] = "NHWC") -> BatchView:
+        """A dataset whose items are whole batches, for ``DataLoader(sampler=BatchSampler(...), batch_size=None)``."""
+        return BatchView(self, layout)
 
     def close(self) -> None:
         for r in self._readers:
@@ -310,6 +389,39 @@ def _file_id(path: Path) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
+def _new_batch(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uint8 tensor; inside a DataLoader worker it lives in shared memory, as ``default_collate``
+    makes its batches, so handing it to the main process copies nothing."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    elem = torch.empty(0, dtype=torch.uint8)
+    storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device=elem.device)
+    return elem.new(storage).resize_(*shape)
+
+
+class BatchView(Dataset):
+    """Items are batches: ``view[[i, j, ...]] -> (uint8 images, int64 labels)`` via ``get_batch(sort=True)``.
+
+    Use with a ``BatchSampler`` as the loader's sampler and ``batch_size=None``::
+
+        loader = DataLoader(ds.batched(), batch_size=None, num_workers=4, pin_memory=True,
+                            sampler=BatchSampler(RandomSampler(ds), batch_size=256, drop_last=False))
+
+    Each worker then reads a whole batch in one call (one memory copy for memmap); samples in a
+    batch come in storage order, which training does not notice.
+    """
+
+    def __init__(self, dataset: PackedDataset, layout: Literal["NHWC", "NCHW"] = "NHWC") -> None:
+        self.dataset = dataset
+        self.layout = layout
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dataset.get_batch(indices, layout=self.layout, sort=True)
+
+
 def _format_dataset_class(fmt_name: str, class_name: str) -> type[PackedDataset]:
     cls = type(class_name, (PackedDataset,), {
         "FORMAT": fmt_name,
@@ -326,10 +438,21 @@ DATASET_CLASSES: dict[str, type[PackedDataset]] = {
 globals().update({cls.__name__: cls for cls in DATASET_CLASSES.values()})
 
 
-def open_dataset(path: str | os.PathLike, **kwargs: Any) -> PackedDataset:
-    """Open a packed dataset of any format; keyword arguments as for ``PackedDataset``."""
+def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_options: dict | None = None,
+                 **kwargs: Any) -> PackedDataset:
+    """Open a packed dataset of any format; keyword arguments as for ``PackedDataset``.
+
+    ``cache="ram"`` (stored payloads) or ``"ram-decoded"`` (decoded pixels) returns a
+    ``packer.cache.CachedDataset`` (``cache_options`` go to it): one copy in shared memory
+    for all DataLoader workers.
+    """
     manifest = read_manifest(path)
     cls = DATASET_CLASSES.get(manifest.format)
     if cls is None:
         raise PackerError(f"{path}: format {manifest.format!r} is unknown to this packer ({', '.join(FORMATS)})")
-    return cls(path, **kwargs)
+    ds = cls(path, **kwargs)
+    if cache is None:
+        return ds
+    from packer.cache import CachedDataset
+
+    return CachedDataset(ds, cache, **(cache_options or {}))

@@ -3,10 +3,16 @@
 Every decoder returns HWC ``uint8`` RGB, matching ``Image.open(f).convert("RGB")`` (what
 torchvision's ImageFolder loader returns; EXIF orientation is *not* applied, as there).
 The image format is sniffed from the bytes' magic, never from the file name.
+
+``min_size=S`` asks for decode-time downscaling: a JPEG is decoded at the smallest DCT scale
+(1/2, 1/4, 1/8) whose short side is still >= S; both backends pick the same scale and give
+the same size (libjpeg-turbo ``scaling_factor`` / Pillow ``draft``). Other formats have no
+cheap scaled decode and come back at full size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import sys
@@ -32,6 +38,7 @@ _MAGIC = (
     (b"P5", "pgm"),
     (b"P6", "ppm"),
 )
+_JPEG_MAGIC = b"\xff\xd8\xff"
 
 
 class DecodeError(PackerError):
@@ -49,24 +56,69 @@ def sniff(data: bytes | memoryview) -> str:
     return "unknown"
 
 
+# ------------------------------------------------------------------ decode-time downscaling
+
+SCALE_DENOMINATORS = (8, 4, 2)  # the DCT scales libjpeg-turbo and Pillow's draft() both offer
+
+
+def scale_denominator(height: int, width: int, min_size: int | None) -> int:
+    """The largest d in 8, 4, 2 (else 1) whose 1/d-scaled image keeps its short side >= min_size.
+
+    Scaled sides are ceil(side / d), as libjpeg computes them.
+    """
+    if not min_size:
+        return 1
+    short = min(height, width)
+    for d in SCALE_DENOMINATORS:
+        if short >= d and -(-short // d) >= min_size:
+            return d
+    return 1
+
+
+def scaled_shape(height: int, width: int, min_size: int | None) -> tuple[int, int]:
+    """(height, width) that ``decode(..., min_size=min_size)`` returns for a JPEG of this size."""
+    d = scale_denominator(height, width, min_size)
+    return -(-height // d), -(-width // d)
+
+
+def check_min_size(min_size: int | None) -> int | None:
+    """Validate a user's decode size: None (full size) or a positive int."""
+    if min_size is None:
+        return None
+    if isinstance(min_size, bool) or not isinstance(min_size, (int, np.integer)) or min_size < 1:
+        raise PackerError(f"decode size must be a positive number of pixels or None, not {min_size!r}")
+    return int(min_size)
+
+
+# ------------------------------------------------------------------ libjpeg-turbo handle
+
 # One TurboJPEG handle per process, loaded on first use (so fork and spawn workers each load their own).
 _turbo = None
 _turbo_pid = None
 _turbo_error: str | None = None
 _notice_shown = False
+_TJPF_RGB = 0  # turbojpeg.TJPF_RGB, set when the handle loads
+
+
+def _load_turbojpeg():
+    """Load libturbojpeg through PyTurboJPEG (raises ImportError/OSError/RuntimeError if missing)."""
+    import turbojpeg
+
+    global _TJPF_RGB
+    _TJPF_RGB = turbojpeg.TJPF_RGB
+    return turbojpeg.TurboJPEG()
 
 
 def turbojpeg_handle():
     """The process's TurboJPEG object, or None when libturbojpeg is missing."""
     global _turbo, _turbo_pid, _turbo_error
     if _turbo_pid != os.getpid():
-        _turbo_pid = os.getpid()
         try:
-            from turbojpeg import TurboJPEG
-
-            _turbo, _turbo_error = TurboJPEG(), None
+            turbo, error = _load_turbojpeg(), None
         except (ImportError, OSError, RuntimeError) as exc:
-            _turbo, _turbo_error = None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            turbo, error = None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        _turbo, _turbo_error = turbo, error
+        _turbo_pid = os.getpid()  # last: a second thread must never see this pid before the handle is set
     return _turbo
 
 
@@ -80,20 +132,33 @@ def turbojpeg_missing_reason() -> str | None:
 
 
 def _notice_fallback() -> None:
+    """Say once per process that JPEGs go through Pillow, and how to get libjpeg-turbo."""
     global _notice_shown
     if not _notice_shown:
         _notice_shown = True
         print(
-            f"packer: libjpeg-turbo not found ({_turbo_error}); decoding JPEG with Pillow, about 1.3x slower. "
+            f"packer: libjpeg-turbo not found ({_turbo_error}); decoding JPEG with Pillow, about 1.3-2x slower. "
             "Install it: apt-get install libturbojpeg0 | conda install libjpeg-turbo | brew install jpeg-turbo",
             file=sys.stderr,
         )
 
 
-def decode_pil(data: bytes | memoryview) -> np.ndarray:
-    """Decode with Pillow exactly as ImageFolder's loader does: ``convert("RGB")``."""
+# ------------------------------------------------------------------ backends
+
+def decode_pil(data: bytes | memoryview, min_size: int | None = None) -> np.ndarray:
+    """Decode with Pillow exactly as ImageFolder's loader does: ``convert("RGB")``.
+
+    With ``min_size``, JPEGs are decoded at the DCT scale of :func:`scale_denominator` via ``draft``.
+    """
     try:
         with Image.open(io.BytesIO(data)) as img:
+            if min_size and img.format == "JPEG":
+                width, height = img.size
+                d = scale_denominator(height, width, min_size)
+                if d > 1:
+                    # draft() picks the largest scale s in 8,4,2,1 with s <= min(W // w, H // h):
+                    # asking for (W // d, H // d) makes that exactly d.
+                    img.draft("RGB", (width // d, height // d))
             img.load()
             rgb = img if img.mode == "RGB" else img.convert("RGB")
             return np.asarray(rgb)
@@ -104,41 +169,49 @@ def decode_pil(data: bytes | memoryview) -> np.ndarray:
 
 
 # TurboJPEG colorspaces it decodes like Pillow; CMYK (3) and YCCK (4) go to Pillow.
-_TURBO_SAFE_COLORSPACES = (0, 1, 2)  # RGB, YCbCr, GRAY
+TURBO_SAFE_COLORSPACES = (0, 1, 2)  # RGB, YCbCr, GRAY
 
 
-def decode_turbojpeg(data: bytes | memoryview, strict: bool = True) -> np.ndarray | None:
-    """Decode a JPEG with libjpeg-turbo; None when it can't (no library, CMYK): use Pillow then."""
+def decode_turbojpeg(data: bytes | memoryview, strict: bool = True, min_size: int | None = None) -> np.ndarray | None:
+    """Decode a JPEG with libjpeg-turbo; None when it can't (no library, CMYK/YCCK): use Pillow then.
+
+    ``strict`` turns libjpeg's warnings (e.g. truncated data) into a DecodeError.
+    """
     tj = turbojpeg_handle()
     if tj is None:
         return None
-    from turbojpeg import TJPF_RGB
-
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings() if strict else contextlib.nullcontext():
             if strict:
                 warnings.simplefilter("error")
-            _w, _h, _sub, colorspace = tj.decode_header(data)
-            if colorspace not in _TURBO_SAFE_COLORSPACES:
+            width, height, _sub, colorspace = tj.decode_header(data)
+            if colorspace not in TURBO_SAFE_COLORSPACES:
                 return None
-            return tj.decode(data, pixel_format=TJPF_RGB)
+            d = scale_denominator(height, width, min_size) if min_size else 1
+            return tj.decode(data, pixel_format=_TJPF_RGB, scaling_factor=(1, d) if d > 1 else None)
     except (OSError, UserWarning) as exc:
         raise DecodeError(f"cannot decode JPEG: {exc}") from exc
 
 
-def decode(data: bytes | memoryview, backend: Backend = "auto", strict: bool = True) -> np.ndarray:
-    """Decode image bytes to HWC uint8 RGB with the chosen backend."""
+def decode(
+    data: bytes | memoryview, backend: Backend = "auto", strict: bool = True, min_size: int | None = None
+) -> np.ndarray:
+    """Decode image bytes to HWC uint8 RGB with the chosen backend.
+
+    ``auto``: libjpeg-turbo for JPEG when it loads, Pillow otherwise. ``turbojpeg``: the same,
+    but a missing library is an error. ``pil``: Pillow only. ``min_size``: see the module docs.
+    """
     if backend not in BACKENDS:
         raise PackerError(f"unknown decoder {backend!r} (choose from {', '.join(BACKENDS)})")
-    if backend != "pil" and sniff(data) == "jpeg":
-        out = decode_turbojpeg(data, strict=strict)
+    if backend != "pil" and bytes(data[:3]) == _JPEG_MAGIC:
+        out = decode_turbojpeg(data, strict=strict, min_size=min_size)
         if out is not None:
             return out
         if turbojpeg_handle() is None:
             if backend == "turbojpeg":
                 raise PackerError(f"decoder 'turbojpeg' asked for, but libturbojpeg is missing ({_turbo_error})")
             _notice_fallback()
-    return decode_pil(data)
+    return decode_pil(data, min_size=min_size)
 
 
 def read_header(data: bytes | memoryview) -> tuple[int, int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,8 +74,27 @@ def _walk(top: str, rel_top: str, out: list[str], ignored: Counter) -> None:
         out.extend(files)
 
 
-def scan_folder(root: str | os.PathLike) -> ScanResult:
-    """Scan ``root`` (``root/<class>/**/<img>`` or a flat folder of images)."""
+def walk_class(path: str, rel: str) -> tuple[list[str], dict[str, int]]:
+    """The sorted image paths below one class folder (relative to the root) and what was ignored there."""
+    out: list[str] = []
+    ignored: Counter = Counter()
+    _walk(path, rel, out, ignored)
+    return out, dict(ignored)
+
+
+def _walk_locally(folders: list[tuple[str, str]]) -> Iterable[tuple[list[str], dict[str, int]]]:
+    return (walk_class(path, rel) for path, rel in folders)
+
+
+ClassMapper = Callable[[list[tuple[str, str]]], Iterable[tuple[list[str], dict[str, int]]]]
+
+
+def scan_folder(root: str | os.PathLike, map_classes: ClassMapper | None = None) -> ScanResult:
+    """Scan ``root`` (``root/<class>/**/<img>`` or a flat folder of images).
+
+    ``map_classes`` walks the class folders (``(path, rel_prefix)`` pairs) and yields
+    ``walk_class``'s result for each, in order: packer.distributed spreads it over a cluster.
+    """
     root = Path(root)
     if not root.exists():
         raise PackerError(f"{root}: no such folder")
@@ -90,10 +110,11 @@ def scan_folder(root: str | os.PathLike) -> ScanResult:
     if class_dirs:
         classes = [e.name for e in class_dirs]
         labels: list[int] = []
-        for idx, entry in enumerate(class_dirs):
-            before = len(rel_paths)
-            _walk(entry.path, entry.name + "/", rel_paths, ignored)
-            labels.extend([idx] * (len(rel_paths) - before))
+        walked = (map_classes or _walk_locally)([(entry.path, entry.name + "/") for entry in class_dirs])
+        for idx, (files, skipped) in enumerate(walked):
+            rel_paths.extend(files)
+            labels.extend([idx] * len(files))
+            ignored.update(skipped)
         for e in entries:
             if e.name.startswith("."):
                 ignored["hidden"] += 1

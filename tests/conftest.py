@@ -2,6 +2,32 @@ import pytest
 from imagesets import make_flat, make_imagefolder
 
 
+def pytest_addoption(parser):
+    # `make test` passes this in CI and wherever ldconfig lists libturbojpeg: the libjpeg-turbo
+    # path must then really run, so tests that need it fail instead of skipping.
+    parser.addoption("--require-turbojpeg", action="store_true",
+                     help="fail (not skip) when libturbojpeg does not load")
+
+
+def turbojpeg_or_skip(required: bool):
+    """The process's TurboJPEG handle; skips without libturbojpeg, or fails if it is required."""
+    from packer.decode import turbojpeg_handle, turbojpeg_missing_reason
+
+    handle = turbojpeg_handle()
+    if handle is None:
+        reason = f"libturbojpeg did not load: {turbojpeg_missing_reason()}"
+        if required:
+            pytest.fail(reason + " (--require-turbojpeg)")
+        pytest.skip(reason)
+    return handle
+
+
+@pytest.fixture
+def turbojpeg(request):
+    """Tests that exercise libjpeg-turbo take this fixture (see --require-turbojpeg)."""
+    return turbojpeg_or_skip(request.config.getoption("--require-turbojpeg"))
+
+
 @pytest.fixture(scope="session")
 def imagefolder(tmp_path_factory):
     """3 classes x 5 small JPEGs, shared read-only by the tests of a session."""

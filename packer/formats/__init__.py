@@ -5,10 +5,15 @@ A format module defines:
 - ``NAME``: the name used on the command line and stored in the manifest;
 - ``PAYLOADS``: the payloads it can store (``encoded`` bytes and/or ``raw`` pixels);
 - ``DEFAULT_SHARD_BYTES``: the shard size cap it prefers (``None``: one shard);
+- ``COMPRESSIONS`` (optional): the ``--compression`` codecs it offers for raw payloads;
 - ``Writer(directory, shard_id, num_samples, payload, options)`` with ``add(sample)`` and
   ``close() -> (file names, facts)``; it writes one shard;
 - ``Reader(directory, shard, payload)`` that opens nothing until its first ``read(pos)``
-  in the current process, with ``read_many(positions)`` for runs of neighbours and ``close()``.
+  in the current process, with ``read_many(positions)`` for runs of neighbours and ``close()``;
+  optionally ``fixed_shape`` ((H, W, 3) when every sample of the shard has it, else None) and
+  ``read_into(ascending positions, out)`` that fills a preallocated batch array in one copy.
+
+Writers may receive fewer samples than ``num_samples`` (the rest failed validation).
 
 Adding a format is one module here plus one line in ``FORMATS``.
 """
@@ -18,9 +23,11 @@ from __future__ import annotations
 from types import ModuleType
 
 from packer.errors import PackerError
+from packer.formats import hdf5 as _hdf5
 from packer.formats import lmdb as _lmdb
+from packer.formats import memmap as _memmap
 
-FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (_lmdb,)}
+FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (_lmdb, _hdf5, _memmap)}
 
 
 def get_format(name: str) -> ModuleType:

@@ -9,6 +9,9 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from packer.errors import PackerError
+from packer.resize import ResizeSpec
+
 H = TypeVar("H")
 
 
@@ -64,6 +67,27 @@ def contiguous_runs(positions: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
+def fixed_shape(payload: str, options: dict) -> tuple[int, int, int] | None:
+    """(H, W, 3) every sample of a raw payload will have, known before writing; else None.
+
+    Only ``--resize HxW`` promises one shape in advance (short-side resizing and untouched
+    sources vary), so that is when formats choose a fixed-shape ``(N, H, W, 3)`` layout.
+    """
+    if payload != "raw":
+        return None
+    spec = ResizeSpec.parse(options.get("resize"), options.get("resize_mode", "stretch"),
+                            bool(options.get("upscale", False)))
+    return None if spec is None or spec.fixed_shape is None else (*spec.fixed_shape, 3)
+
+
+def check_offsets(offsets: np.ndarray, num_samples: int, total: int, where: object) -> None:
+    """Offsets ``[N+1]`` must start at 0, never decrease and end at the blob's size."""
+    if offsets.ndim != 1 or len(offsets) != num_samples + 1:
+        raise PackerError(f"{where}: {len(offsets)} offsets for {num_samples} samples (expected N+1)")
+    if offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
+        raise PackerError(f"{where}: offsets do not describe the {total} bytes of image data")
+
+
 def merge_spans(spans: list[tuple[int, int]], gap: int = 1 << 20) -> list[tuple[int, int]]:
     """Sorted (start, end) byte spans merged where they overlap or lie within ``gap`` of each other."""
     merged: list[tuple[int, int]] = []
@@ -99,3 +123,15 @@ def mapping_base(path: str) -> int | None:
     except OSError:
         pass
     return None
+
+
+def shard_layout(facts: dict, where: object) -> tuple[int, int, int] | None:
+    """The shard's (H, W, 3) from its manifest facts for the ``fixed`` layout, None for ``blob``."""
+    layout = facts.get("layout")
+    if layout == "blob":
+        return None
+    shape = facts.get("shape")
+    if layout != "fixed" or not isinstance(shape, list) or len(shape) != 3 or shape[2] != 3 or not all(
+            isinstance(v, int) and v > 0 for v in shape):
+        raise PackerError(f"{where}: manifest describes an unknown shard layout {layout!r} (shape {shape!r})")
+    return (shape[0], shape[1], 3)

@@ -1,0 +1,499 @@
+"""``packer bench``: throughput of loose folders vs packed datasets, against the machine's ceilings.
+
+For each dataset, level (``read``: bytes only; ``decode``: samples as training receives them;
+``loader``: through a DataLoader), order (``sequential``, uniform ``shuffle``, locality-preserving
+``block``) and page-cache state (``cold``: every file of the dataset evicted before each repeat,
+checked with mincore; ``warm``: after a full untimed pass), it times ``repeats`` passes and reports
+the median with min-max as samples/s and MB/s, the speed-up over the loose folder in the same
+setting, and the fraction of the relevant ceiling measured in the same run on the same filesystem
+(cold sequential read of a large file, memory copy, per-core decode rate). Optionally the whole run
+happens under a kernel block-IO throttle (``packer.throttle``) that emulates a slow device.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+from packer import measure
+from packer.errors import PackerError
+
+LEVELS = ("read", "decode", "loader")
+ORDERS = ("sequential", "shuffle", "block")
+CACHES = ("cold", "warm")
+WARMUP_SAMPLES = 32
+BENCH_VERSION = 1
+
+
+# ------------------------------------------------------------------ orders
+
+
+def block_order(nbytes: np.ndarray, block_bytes: int, open_blocks: int, rng: np.random.Generator) -> np.ndarray:
+    """Locality-preserving shuffle: contiguous blocks of about ``block_bytes``, blocks in random order,
+    samples shuffled within groups of ``open_blocks`` blocks read together.
+
+    Stand-in for ``packer.sampler.BlockShuffleSampler`` until it is merged: replace this function's
+    body with the sampler's order (``np.fromiter(iter(sampler), np.int64)``) and nothing else changes.
+    """
+    n = len(nbytes)
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    block_of = (np.cumsum(nbytes) - 1) // max(int(block_bytes), 1)
+    starts = np.flatnonzero(np.r_[True, block_of[1:] != block_of[:-1]])
+    blocks = np.split(np.arange(n, dtype=np.int64), starts[1:])
+    perm = rng.permutation(len(blocks))
+    out = []
+    for g in range(0, len(perm), max(open_blocks, 1)):
+        group = np.concatenate([blocks[b] for b in perm[g:g + open_blocks]])
+        rng.shuffle(group)
+        out.append(group)
+    return np.concatenate(out)
+
+
+def make_order(kind: str, nbytes: np.ndarray, seed: int, block_bytes: int, open_blocks: int) -> np.ndarray:
+    n = len(nbytes)
+    rng = np.random.default_rng(seed)
+    if kind == "sequential":
+        return np.arange(n, dtype=np.int64)
+    if kind == "shuffle":
+        return rng.permutation(n).astype(np.int64)
+    if kind == "block":
+        return block_order(nbytes, block_bytes, open_blocks, rng)
+    raise PackerError(f"unknown order {kind!r} (choose {', '.join(ORDERS)})")
+
+
+# ------------------------------------------------------------------ sources
+
+
+def pil_loader(path: str) -> Image.Image:
+    """torchvision ImageFolder's default loader."""
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        return img.convert("RGB")
+
+
+class FolderSamples(Dataset):
+    """A loose folder read as ImageFolder reads it, returning CHW uint8 tensors (no transform)."""
+
+    def __init__(self, paths: Sequence[str], labels: Sequence[int]) -> None:
+        self.paths, self.labels = list(paths), list(labels)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int):
+        return torch.from_numpy(np.array(pil_loader(self.paths[i]))).permute(2, 0, 1), self.labels[i]
+
+
+def list_collate(batch):
+    """Images of different sizes can't be stacked without a transform: keep them as a list."""
+    return [b[0] for b in batch], torch.tensor([b[1] for b in batch])
+
+
+@dataclass
+class Source:
+    """One dataset under test: a loose folder or a packed dataset, cut to ``limit`` samples."""
+
+    path: Path
+    kind: str  # "folder" or the packed format name
+    payload: str  # "encoded" or "raw"
+    decoder: str  # the decoder its decode level uses
+    nbytes: np.ndarray  # payload bytes per sample (the first n)
+    files: list[str]  # every file of the dataset: what a cold pass evicts
+    paths: list[str] = field(default_factory=list)  # folder: absolute image paths
+    labels: list[int] = field(default_factory=list)
+    disk_bytes: int = 0  # bytes of all files of the dataset on disk
+
+    @property
+    def n(self) -> int:
+        return len(self.nbytes)
+
+    @property
+    def name(self) -> str:
+        return self.path.name if self.kind == "folder" else f"{self.path.name}"
+
+    def open(self, image: str = "numpy"):
+        from packer.datasets import open_dataset
+
+        return open_dataset(self.path, image=image, decoder=self.decoder)
+
+
+def open_source(path: str | os.PathLike, limit: int | None) -> Source:
+    from packer.manifest import MANIFEST_NAME, read_manifest
+
+    p = Path(path)
+    if not p.exists():
+        raise PackerError(f"{p}: no such folder or dataset")
+    if (p / MANIFEST_NAME).exists():
+        m = read_manifest(p)
+        from packer.index import Index
+
+        idx = Index.load(p, m.num_samples)
+        n = m.num_samples if limit is None else min(limit, m.num_samples)
+        files = measure.tree_files(p)
+        return Source(p, m.format, m.payload, "auto", np.asarray(idx.nbytes[:n], dtype=np.int64), files,
+                      disk_bytes=sum(os.path.getsize(f) for f in files))
+    from packer.scan import scan_folder
+
+    scan = scan_folder(p)
+    n = len(scan.rel_paths) if limit is None else min(limit, len(scan.rel_paths))
+    paths = [os.path.join(p, r) for r in scan.rel_paths[:n]]
+    all_paths = [os.path.join(p, r) for r in scan.rel_paths]
+    nbytes = np.array([os.path.getsize(f) for f in paths], dtype=np.int64)
+    return Source(p, "folder", "encoded", "pil", nbytes, all_paths, paths=paths,
+                  labels=[int(v) for v in list(scan.labels)[:n]], disk_bytes=int(nbytes.sum()))
+
+
+# ------------------------------------------------------------------ passes
+
+
+def _payload_len(buf) -> int:
+    """Bytes of one payload, after touching each of its pages: zero-copy views (memmap) are read only then."""
+    arr = buf.reshape(-1) if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+    if arr.size:
+        _ = int(arr[::4096].sum()) + int(arr[-1])  # one byte per 4 KiB page, and the last
+    return int(arr.nbytes)
+
+
+def _run_pass(src: Source, level: str, order: np.ndarray, workers: int, batch_size: int, pin: bool,
+              handle: dict) -> tuple[int, int, float, float | None]:
+    """One timed pass: (samples, bytes, seconds, seconds to the first batch or None)."""
+    idx = order.tolist()
+    t0 = time.perf_counter()
+    first = None
+    count = nbytes = 0
+    if level == "read":
+        if src.kind == "folder":
+            for i in idx:
+                with open(src.paths[i], "rb") as fh:
+                    nbytes += len(fh.read())
+            count = len(idx)
+        else:
+            ds = handle.setdefault("ds", src.open())
+            for s in range(0, len(idx), batch_size):
+                bufs = ds.read_payloads(idx[s:s + batch_size])  # runs of neighbours read together
+                count += len(bufs)
+                nbytes += sum(_payload_len(b) for b in bufs)
+    elif level == "decode":
+        if src.kind == "folder":
+            for i in idx:
+                pil_loader(src.paths[i])
+        else:
+            ds = handle.setdefault("ds", src.open())
+            for i in idx:
+                ds[i]
+        count, nbytes = len(idx), int(src.nbytes[order].sum())
+    elif level == "loader":
+        dataset = FolderSamples(src.paths, src.labels) if src.kind == "folder" else handle.setdefault("tds", src.open("tensor"))
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=idx, num_workers=workers,
+                            collate_fn=list_collate, pin_memory=pin)
+        for images, _labels in loader:
+            if first is None:
+                first = time.perf_counter() - t0
+            count += len(images)
+        nbytes = int(src.nbytes[order].sum())
+        del loader
+    else:
+        raise PackerError(f"unknown level {level!r} (choose {', '.join(LEVELS)})")
+    return count, nbytes, time.perf_counter() - t0, first
+
+
+def _close(handle: dict) -> None:
+    """Close readers so their mappings let the page cache go (mapped pages can't be evicted)."""
+    for key in ("ds", "tds"):
+        if key in handle:
+            handle[key].close()
+
+
+def _stats(values: list[float]) -> dict:
+    return {"median": float(np.median(values)), "min": float(min(values)), "max": float(max(values))}
+
+
+# ------------------------------------------------------------------ the run
+
+
+@dataclass
+class BenchOptions:
+    levels: Sequence[str] = LEVELS
+    orders: Sequence[str] = ORDERS
+    caches: Sequence[str] = CACHES
+    workers: Sequence[int] = (0, 2)
+    batch_size: int = 64
+    pin_memory: bool = False
+    repeats: int = 3
+    limit: int | None = None
+    seed: int = 0
+    block_bytes: int = 64 << 20
+    open_blocks: int = 2
+    ceiling_bytes: int = 256 << 20
+    emulate: str | None = None
+    read_iops: int | None = None
+    read_bps: int | None = None
+
+
+def _check_options(o: BenchOptions) -> None:
+    for name, given, allowed in (("level", o.levels, LEVELS), ("order", o.orders, ORDERS), ("cache", o.caches, CACHES)):
+        bad = [v for v in given if v not in allowed]
+        if bad or not given:
+            raise PackerError(f"unknown or no {name} {bad or ''} (choose from {', '.join(allowed)})")
+    if o.repeats < 1 or o.batch_size < 1 or (o.limit is not None and o.limit < 1):
+        raise PackerError("--repeats, --batch-size and --limit must be at least 1")
+    if any(w < 0 for w in o.workers) or not o.workers:
+        raise PackerError("--workers takes counts >= 0, e.g. 0,2,4")
+
+
+def _decode_samples(src: Source, k: int = 48) -> list[bytes]:
+    """The first ``k`` stored payloads of a source, to measure the decoders on."""
+    n = min(k, src.n)
+    if src.kind == "folder":
+        out = []
+        for p in src.paths[:n]:
+            with open(p, "rb") as fh:
+                out.append(fh.read())
+        return out
+    ds = src.open()
+    try:
+        return [bytes(b) for b in ds.read_payloads(list(range(n)))]
+    finally:
+        ds.close()
+
+
+def measure_ceilings(sources: list[Source], o: BenchOptions, log: Callable[[str], None]) -> dict:
+    """Sequential read (cold) per filesystem, memory copy, per-core decode rate per decoder."""
+    ceilings: dict[str, Any] = {"sequential_read": {}, "decode": {}}
+    by_dev: dict[int, Path] = {}
+    for s in sources:
+        by_dev.setdefault(os.stat(s.path).st_dev, s.path.parent if s.path.parent.exists() else s.path)
+    for dev, directory in by_dev.items():
+        target = directory if os.access(directory, os.W_OK) else Path(sources[0].path)
+        r = measure.sequential_read_ceiling(target, o.ceiling_bytes, repeats=max(2, min(o.repeats, 3)))
+        ceilings["sequential_read"][str(dev)] = r.to_dict()
+        log(f"ceiling: {r.name} {r.value:,.0f} MB/s ({r.detail})")
+    r = measure.memory_copy_ceiling()
+    ceilings["memory_copy"] = r.to_dict()
+    log(f"ceiling: memory copy {r.value:,.0f} MB/s")
+    encoded = [s for s in sources if s.payload == "encoded"]
+    if encoded:
+        samples = _decode_samples(encoded[0])
+        for backend in sorted({s.decoder for s in encoded}):
+            r = measure.decode_ceiling(samples, backend)
+            ceilings["decode"][backend] = r.to_dict()
+            log(f"ceiling: {r.name} {r.value:,.0f} img/s")
+    return ceilings
+
+
+def _ceiling_for(src: Source, level: str, cache: str, workers: int | None, ceilings: dict, cores: int) -> dict:
+    """The ceiling a result is measured against, as samples/s and MB/s, with its name."""
+    mean = max(float(src.nbytes.mean()), 1.0) if src.n else 1.0
+    io_name, io_mbs = ("memory copy", ceilings["memory_copy"]["value"]) if cache == "warm" else (
+        "sequential read (cold)", ceilings["sequential_read"][str(os.stat(src.path).st_dev)]["value"])
+    io = {"name": io_name, "mb_per_s": io_mbs, "samples_per_s": io_mbs * 1e6 / mean}
+    if level == "read":
+        return io
+    procs = 1 if level == "decode" or not workers else min(workers, cores)
+    if src.payload == "raw":
+        dec = {"name": f"memory copy x{procs}", "samples_per_s": ceilings["memory_copy"]["value"] * 1e6 / mean * procs}
+    else:
+        rate = ceilings["decode"][src.decoder]["value"]
+        dec = {"name": f"decode {src.decoder} x{procs} core{'s' if procs > 1 else ''}", "samples_per_s": rate * procs}
+    dec["mb_per_s"] = dec["samples_per_s"] * mean / 1e6
+    return dec if dec["samples_per_s"] <= io["samples_per_s"] else io
+
+
+def _settings(o: BenchOptions):
+    for level in LEVELS:
+        if level not in o.levels:
+            continue
+        for order in o.orders:
+            for cache in CACHES:
+                if cache not in o.caches:
+                    continue
+                for w in (sorted(set(o.workers)) if level == "loader" else [None]):
+                    yield level, order, cache, w
+
+
+def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None = None,
+              log: Callable[[str], None] | None = None) -> dict:
+    """Run the benchmark and return the report (JSON-able dict): machine, ceilings, one row per measurement."""
+    from packer.throttle import resolve_limits, throttled
+
+    o = options or BenchOptions()
+    _check_options(o)
+    log = log or (lambda s: None)
+    if not paths:
+        raise PackerError("give at least one folder or packed dataset to benchmark")
+    sources = [open_source(p, o.limit) for p in paths]
+    emulating = bool(o.emulate or o.read_iops or o.read_bps)
+    iops, bps, desc = resolve_limits(o.emulate, o.read_iops, o.read_bps)
+    ctx = throttled([s.path for s in sources] + [s.path.parent for s in sources], iops, bps) if emulating else nullcontext()
+    report: dict[str, Any] = {
+        "packer_bench": BENCH_VERSION,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": measure.describe_machine(),
+        "storage": {str(s.path): measure.describe_storage(s.path) for s in sources},
+        "options": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(o).items()},
+        "datasets": [{"path": str(s.path), "kind": s.kind, "payload": s.payload, "decoder": s.decoder,
+                      "samples": s.n, "payload_bytes": int(s.nbytes.sum()), "files": len(s.files),
+                      "disk_bytes": s.disk_bytes} for s in sources],
+        "emulation": None,
+        "notes": [
+            "cold: each dataset's files are evicted from the page cache before every repeat "
+            "(fsync + posix_fadvise DONTNEED, checked with mincore); directory entries and inodes stay cached",
+            "MB/s counts stored payload bytes (the original file bytes for encoded datasets)",
+        ],
+    }
+    cores = report["machine"]["cores_usable"] or 1
+    with ctx as thr:
+        if thr is not None:
+            report["emulation"] = {"preset": o.emulate, "description": desc, **thr.describe()}
+            log(f"emulating slow storage: {iops or 'unlimited'} read IOPS, "
+                f"{bps / 1e6 if bps else 'unlimited'} MB/s on {', '.join(thr.describe()['devices'])}")
+        report["ceilings"] = measure_ceilings(sources, o, log)
+        results = []
+        for src in sources:
+            orders = {k: make_order(k, src.nbytes, o.seed, o.block_bytes, o.open_blocks) for k in o.orders}
+            for level, order_name, cache, w in _settings(o):
+                row = _measure(src, level, order_name, orders[order_name], cache, w, o, thr)
+                row["ceiling"] = _ceiling_for(src, level, cache, w, report["ceilings"], cores)
+                row["fraction_of_ceiling"] = row["samples_per_s"]["median"] / row["ceiling"]["samples_per_s"]
+                results.append(row)
+                log(format_row(row))
+        report["results"] = results
+    _add_speedups(report["results"])
+    report["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    return report
+
+
+def _measure(src: Source, level: str, order_name: str, order: np.ndarray, cache: str, workers: int | None,
+             o: BenchOptions, thr) -> dict:
+    handle: dict = {}
+    w = workers or 0
+    try:
+        # Warm-up: loads libraries and opens handles (and, for warm passes, fills the page cache).
+        warm_order = order if cache == "warm" else order[:WARMUP_SAMPLES]
+        _run_pass(src, level, warm_order, w, o.batch_size, o.pin_memory, handle)
+        seconds, firsts, resident, device = [], [], [], []
+        count = nbytes = 0
+        for _ in range(o.repeats):
+            if cache == "cold":
+                _close(handle)
+                res = measure.evict(src.files)
+            else:
+                res = measure.residency(src.files)
+            resident.append(res.fraction)
+            before = thr.read_counters() if thr is not None else None
+            count, nbytes, sec, first = _run_pass(src, level, order, w, o.batch_size, o.pin_memory, handle)
+            if before is not None:
+                after = thr.read_counters()
+                device.append({"ios": after[0] - before[0], "bytes": after[1] - before[1]})
+            seconds.append(sec)
+            firsts.append(first)
+    finally:
+        _close(handle)
+    if cache == "cold":
+        if any(r is None for r in resident):
+            eviction = "unverified"
+        elif max(resident) > 0.01:
+            eviction = f"incomplete ({max(resident):.0%} stayed cached)"
+        else:
+            eviction = "verified"
+    else:
+        eviction = None
+    row = {
+        "dataset": str(src.path), "name": src.name, "kind": src.kind, "level": level, "order": order_name,
+        "cache": cache, "workers": workers, "batch_size": o.batch_size if (level == "loader" or (level == "read" and src.kind != "folder")) else None,
+        "samples": count, "bytes": nbytes, "seconds": seconds,
+        "samples_per_s": _stats([count / max(s, 1e-9) for s in seconds]),
+        "mb_per_s": _stats([nbytes / 1e6 / max(s, 1e-9) for s in seconds]),
+        "resident_before": resident,
+        "eviction": eviction,
+    }
+    if level == "loader":
+        row["seconds_to_first_batch"] = firsts
+    if device:
+        row["device_reads"] = device
+    return row
+
+
+def _add_speedups(results: list[dict]) -> None:
+    """Speed-up of each row over the first loose folder's row in the same setting."""
+    base = {}
+    for r in results:
+        if r["kind"] == "folder":
+            base.setdefault((r["level"], r["order"], r["cache"], r["workers"]), r)
+    for r in results:
+        b = base.get((r["level"], r["order"], r["cache"], r["workers"]))
+        r["speedup_vs_folder"] = (r["samples_per_s"]["median"] / b["samples_per_s"]["median"]) if b else None
+
+
+# ------------------------------------------------------------------ output
+
+
+def _fmt_rate(v: float) -> str:
+    return f"{v:,.0f}" if v >= 10 else f"{v:.1f}"
+
+
+def format_row(r: dict) -> str:
+    s, m = r["samples_per_s"], r["mb_per_s"]
+    w = "" if r["workers"] is None else f" w={r['workers']}"
+    ev = "" if r["eviction"] in (None, "verified") else f"  [eviction {r['eviction']}]"
+    return (f"{r['name']:<16} {r['level']:<6} {r['order']:<10} {r['cache']:<4}{w:<5} "
+            f"{_fmt_rate(s['median']):>8} samples/s ({_fmt_rate(s['min'])}-{_fmt_rate(s['max'])})  "
+            f"{_fmt_rate(m['median']):>7} MB/s{ev}")
+
+
+def format_table(report: dict) -> str:
+    """The human table: one line per measurement, grouped by level, with speed-up and fraction of ceiling."""
+    lines = []
+    mach = report["machine"]
+    lines.append(f"packer bench: {mach['cpu']}, {mach['cores_usable']} cores, {mach['os']}")
+    for path, st in report["storage"].items():
+        lines.append(f"  {path}: {st['fstype']} on {st['device'] or st['source']} "
+                     f"({'rotational' if st['rotational'] else 'non-rotational' if st['rotational'] is not None else 'unknown'}"
+                     f", read-ahead {st['read_ahead_kb']} KB)")
+    if report.get("emulation"):
+        e = report["emulation"]
+        lines.append(f"  EMULATED storage ({e['description']}): {e['read_iops'] or 'unlimited'} read IOPS, "
+                     f"{(e['read_bps'] or 0) / 1e6:.0f} MB/s, kernel block-IO throttle on {', '.join(e['devices'])}")
+    c = report["ceilings"]
+    parts = [f"sequential read {v['value']:,.0f} MB/s" for v in c["sequential_read"].values()]
+    parts.append(f"memory copy {c['memory_copy']['value']:,.0f} MB/s")
+    parts += [f"decode {k} {v['value']:,.0f} img/s/core" for k, v in c["decode"].items()]
+    lines.append("  ceilings: " + ", ".join(parts))
+    head = (f"{'dataset':<16} {'level':<6} {'order':<10} {'cache':<5} {'wkr':>3} {'samples/s':>9} {'(min-max)':<15} "
+            f"{'MB/s':>7} {'x folder':>8} {'of ceiling':>10}  ceiling")
+    lines.append("")
+    lines.append(head)
+    lines.append("-" * len(head))
+    prev = None
+    for r in report["results"]:
+        if prev is not None and (r["level"], r["dataset"]) != prev:
+            lines.append("")
+        prev = (r["level"], r["dataset"])
+        s = r["samples_per_s"]
+        sp = "" if r["speedup_vs_folder"] is None else f"{r['speedup_vs_folder']:.2f}x"
+        w = "" if r["workers"] is None else str(r["workers"])
+        flag = "" if r["eviction"] in (None, "verified") else f"  [eviction {r['eviction']}]"
+        lines.append(
+            f"{r['name'][:16]:<16} {r['level']:<6} {r['order']:<10} {r['cache']:<5} {w:>3} {_fmt_rate(s['median']):>9} "
+            f"{'(' + _fmt_rate(s['min']) + '-' + _fmt_rate(s['max']) + ')':<15} {_fmt_rate(r['mb_per_s']['median']):>7} "
+            f"{sp:>8} {r['fraction_of_ceiling']:>10.0%}  {r['ceiling']['name']}{flag}"
+        )
+    lines.append("")
+    lines.append(f"median of {report['options']['repeats']} repeats (min-max); samples per pass: "
+                 + ", ".join(f"{Path(d['path']).name} {d['samples']}" for d in report["datasets"]))
+    return "\n".join(lines)
+
+
+def print_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,242 @@
+"""numpy memmap: plain files that ``np.load(..., mmap_mode="r")`` maps, readable without packer.
+
+| file (per shard)          | dtype | shape     | holds                                                 |
+|---------------------------|-------|-----------|-------------------------------------------------------|
+| shard-00000.pixels.npy    | u1    | [N,H,W,3] | raw, one shape (``--resize HxW``): RGB pixels, a      |
+|                           |       |           | standard ``.npy``: ``np.load(p, mmap_mode="r")[i]``    |
+| shard-00000.pixels.bin    | u1    | [B]       | raw, mixed shapes: HWC RGB pixels back to back        |
+| shard-00000.files.bin     | u1    | [B]       | encoded: the source files' bytes back to back         |
+| shard-00000.offsets.npy   | <i8   | [N+1]     | sample i is ``bin[offsets[i]:offsets[i+1]]``          |
+| shard-00000.shapes.npy    | <i8   | [N,3]     | raw, mixed shapes: (h, w, 3) of each sample           |
+
+The ``.bin`` files have no header at all (``np.fromfile``/``np.memmap`` read them); the encoded
+one is the smallest possible packing of the original files. The fixed-shape ``.npy`` is
+written by streaming rows after a header that numpy itself writes (same bytes as
+``np.lib.format.open_memmap`` would produce), not through a writable memory map: a full disk
+then raises an error instead of killing the process with SIGBUS. The header is rewritten at
+close when validation dropped samples (numpy pads it so the count can change in place).
+
+Readers map the files read-only, lazily in each process, and return zero-copy read-only
+views: an ``(H, W, 3)`` array for raw, a ``memoryview`` for encoded. The only copy is made
+when handing pixels to torch (``image="tensor"``, which needs writable memory) or into a
+batch (``read_into``). ``access="random"`` advises the kernel not to read ahead;
+``prefetch`` asks it to read a batch's byte spans at once.
+
+One shard by default (``DEFAULT_SHARD_BYTES = None``): the formats index by offset, so a
+single file costs nothing in lookups, one mapping per worker suffices, and the fixed-shape
+dataset is then exactly one ``(N, H, W, 3)`` array for anyone with numpy. Use
+``--shard-size`` for filesystems or transfer tools that dislike very large files.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from packer.errors import PackerError
+from packer.formats.base import (
+    LazyHandle,
+    PreparedSample,
+    advise_willneed,
+    check_offsets,
+    contiguous_runs,
+    fixed_shape,
+    shard_layout,
+)
+from packer.manifest import Shard
+
+NAME = "memmap"
+DATASET_CLASS = "MemmapDataset"
+PAYLOADS = frozenset({"encoded", "raw"})
+DEFAULT_SHARD_BYTES = None
+
+
+def shard_stem(shard_id: int) -> str:
+    return f"shard-{shard_id:05d}"
+
+
+def _npy_header(shape: tuple[int, ...], dtype: str) -> bytes:
+    """The ``.npy`` header numpy writes for an array of this shape and dtype."""
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": dtype, "fortran_order": False, "shape": tuple(shape)})
+    return buf.getvalue()
+
+
+class Writer:
+    def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
+        self.directory = directory
+        stem = shard_stem(shard_id)
+        self.shape = fixed_shape(payload, options)
+        self._planned = num_samples
+        self._count = 0
+        self._offsets = np.zeros(num_samples + 1, dtype="<i8")
+        if self.shape is not None:
+            self.names = [f"{stem}.pixels.npy"]
+            self._header = _npy_header((num_samples, *self.shape), "|u1")
+        elif payload == "raw":
+            self.names = [f"{stem}.pixels.bin", f"{stem}.offsets.npy", f"{stem}.shapes.npy"]
+            self._shapes = np.zeros((num_samples, 3), dtype="<i8")
+        else:
+            self.names = [f"{stem}.files.bin", f"{stem}.offsets.npy"]
+        self.path = directory / self.names[0]
+        self.payload = payload
+        # OSError (disk full, I/O) propagates: the driver reports it and keeps finished shards for --resume.
+        self._fh = open(self.path, "wb")
+        if self.shape is not None:
+            self._fh.write(self._header)
+
+    def add(self, sample: PreparedSample) -> None:
+        if self._count >= self._planned:
+            raise PackerError(f"{self.path}: more samples than the {self._planned} planned for this shard")
+        data = sample.payload
+        if self.shape is not None and data.shape != self.shape:
+            raise PackerError(f"{sample.rel_path}: shape {data.shape} differs from the dataset's {self.shape}")
+        if self.payload == "raw" and self.shape is None:
+            self._shapes[self._count] = data.shape
+        self._fh.write(data)  # bytes, or a C-contiguous uint8 array (buffer protocol: no copy)
+        self._count += 1
+        self._offsets[self._count] = self._offsets[self._count - 1] + sample.nbytes
+
+    def close(self) -> tuple[list[str], dict]:
+        n = self._count
+        if self.shape is not None and n != self._planned:  # samples failed validation
+            header = _npy_header((n, *self.shape), "|u1")
+            if len(header) != len(self._header):
+                raise PackerError(f"{self.path}: .npy header changed length ({len(self._header)} -> {len(header)})")
+            self._fh.seek(0)
+            self._fh.write(header)
+        self._fh.close()
+        if self.shape is None:
+            np.save(self.directory / self.names[1], self._offsets[: n + 1])
+            if self.payload == "raw":
+                np.save(self.directory / self.names[2], self._shapes[:n])
+        facts: dict = {"layout": "fixed", "shape": list(self.shape)} if self.shape else {"layout": "blob"}
+        return list(self.names), facts
+
+    def abort(self) -> None:
+        try:
+            self._fh.close()
+        except OSError:
+            pass  # flushing what is left fails again on a full disk: the files go anyway
+        for name in self.names:
+            (self.directory / name).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _map(path: Path, access: str) -> mmap.mmap:
+    try:
+        with open(path, "rb") as fh:
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
+        raise PackerError(f"{path}: cannot map ({exc})") from exc
+    if access == "random" and hasattr(mmap, "MADV_RANDOM"):
+        mm.madvise(mmap.MADV_RANDOM)  # no read-ahead: uniform random reads would only evict pages
+    return mm
+
+
+def load_npy(path: Path, dtype: str, access: str = "sequential") -> np.ndarray:
+    """A read-only, memory-mapped ``.npy`` of exactly ``dtype`` (header parsed safely, no pickle)."""
+    fmt = np.lib.format
+    try:
+        with open(path, "rb") as fh:
+            version = fmt.read_magic(fh)
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, fortran, found = read(fh)
+            offset = fh.tell()
+    except (OSError, ValueError) as exc:
+        raise PackerError(f"{path}: not a readable .npy file ({exc})") from exc
+    if found != np.dtype(dtype) or fortran:
+        raise PackerError(f"{path}: holds {found}{' (Fortran order)' if fortran else ''}, expected {dtype}")
+    size = int(np.prod(shape, dtype=np.int64)) * found.itemsize
+    if os.path.getsize(path) != offset + size:
+        raise PackerError(f"{path}: {os.path.getsize(path)} bytes, its header {shape} needs {offset + size}")
+    if size == 0:
+        return np.zeros(shape, dtype=found)
+    return np.ndarray(shape, dtype=found, buffer=_map(path, access), offset=offset)
+
+
+@dataclass
+class _Maps:
+    data: np.ndarray  # [N,H,W,3] (fixed) or the 1-D uint8 blob
+    offsets: np.ndarray | None
+    shapes: np.ndarray | None
+    fd: int  # the data file, for read-ahead advice (prefetch)
+    start: int  # where the data begin in the file (the .npy header's length)
+
+
+class Reader:
+    """Reads one shard through read-only memory maps, opened lazily in each process."""
+
+    def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
+        self.paths = [directory / f.name for f in shard.files]
+        self.num_samples = shard.num_samples
+        self.payload = payload
+        self.access = access
+        self.fixed_shape = shard_layout(shard.facts, self.paths[0] if self.paths else directory)
+        if len(self.paths) != (1 if self.fixed_shape else 2 + (payload == "raw")):
+            raise PackerError(f"{directory}: a memmap shard of this layout has other files than {self.paths}")
+        self._maps: LazyHandle[_Maps] = LazyHandle()
+
+    def _open(self) -> _Maps:
+        n = self.num_samples
+        if self.fixed_shape is not None:
+            data = load_npy(self.paths[0], "|u1", self.access)
+            if data.shape != (n, *self.fixed_shape):
+                raise PackerError(f"{self.paths[0]}: shape {data.shape}, manifest says {(n, *self.fixed_shape)}")
+            start = os.path.getsize(self.paths[0]) - data.nbytes
+            return _Maps(data, None, None, os.open(self.paths[0], os.O_RDONLY), start)
+        offsets = load_npy(self.paths[1], "<i8")
+        size = os.path.getsize(self.paths[0])
+        check_offsets(offsets, n, size, self.paths[1])
+        data = np.ndarray((size,), np.uint8, buffer=_map(self.paths[0], self.access)) if size else np.zeros(0, np.uint8)
+        shapes = None
+        if self.payload == "raw":
+            shapes = load_npy(self.paths[2], "<i8")
+            if shapes.shape != (n, 3) or np.any(shapes[:, 2] != 3) or np.any(shapes < 0) or not np.array_equal(
+                    shapes.prod(axis=1), np.diff(offsets)):
+                raise PackerError(f"{self.paths[2]}: shapes do not match the offsets")
+        return _Maps(data, offsets, shapes, os.open(self.paths[0], os.O_RDONLY), 0)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def read(self, pos: int) -> np.ndarray | memoryview:
+        """Zero-copy, read-only: (H, W, 3) pixels for raw, a memoryview of the bytes for encoded."""
+        m = self._maps.get(self._open)
+        if m.offsets is None:
+            return m.data[pos]
+        view = m.data[m.offsets[pos] : m.offsets[pos + 1]]
+        return view.data if m.shapes is None else view.reshape(m.shapes[pos])
+
+    def read_many(self, positions: list[int]) -> list:
+        return [self.read(p) for p in positions]
+
+    def prefetch(self, positions: list[int]) -> None:
+        """Ask the kernel to start reading these samples' bytes now (see base.advise_willneed)."""
+        m = self._maps.get(self._open)
+        if m.offsets is None:
+            size = m.data[0].nbytes if len(m.data) else 0
+            spans = [(m.start + p * size, m.start + (p + 1) * size) for p in positions]
+        else:
+            spans = [(int(m.offsets[p]), int(m.offsets[p + 1])) for p in positions]
+        advise_willneed(m.fd, spans)
+
+    def read_into(self, positions: list[int], out: np.ndarray) -> None:
+        """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``, one copy per run."""
+        if self.fixed_shape is None:
+            raise PackerError(f"{self.paths[0]}: read_into needs a fixed-shape shard")
+        data = self._maps.get(self._open).data
+        k = 0
+        for start, stop in contiguous_runs(list(positions)):
+            out[k : k + stop - start] = data[start:stop]
+            k += stop - start
+
+    def close(self) -> None:
+        self._maps.close(lambda m: os.close(m.fd))  # the mappings go when the last view of them does

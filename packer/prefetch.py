@@ -1,0 +1,192 @@
+"""Prefetchers: overlap getting the next batch with computing on the current one.
+
+``BackgroundLoader(loader, depth=N)`` keeps N batches ready in a thread (useful with
+``num_workers=0``, or to hide the main process's share of loading: unpickling, pinning).
+``CUDAPrefetcher(loader, device)`` copies the next batch to the GPU on a side CUDA stream
+while the current batch computes (the approach of NVIDIA Apex's ``data_prefetcher``); on a
+machine without CUDA it passes batches through unchanged, so one script runs everywhere.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+_END = object()
+
+
+class _Raised:
+    """An exception from the loader, carried to the consumer to be raised there."""
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+def _produce(it: Iterator, out: queue.Queue, stop: threading.Event) -> None:
+    """Thread body: pull batches into ``out`` until the loader ends, fails or we're told to stop."""
+    try:
+        while not stop.is_set():
+            try:
+                item: Any = next(it)
+            except StopIteration:
+                item = _END
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+                item = _Raised(exc)
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item is _END or isinstance(item, _Raised):
+                return
+    finally:
+        del it  # drop the loader's iterator in this thread (DataLoader workers shut down with it)
+
+
+class BackgroundLoader:
+    """Iterate ``loader`` in a background thread that keeps up to ``depth`` batches ready.
+
+    Each ``iter()`` starts one thread; it stops and is joined when the iteration ends, when the
+    consumer breaks out or raises (the generator is closed or garbage-collected), or on
+    ``close()``. An exception raised by the loader is raised again in the consumer, with its
+    original traceback.
+    """
+
+    def __init__(self, loader: Iterable, depth: int = 2, join_timeout: float = 60.0) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}")
+        self.loader = loader
+        self.depth = depth
+        self.join_timeout = join_timeout
+        self._live: weakref.WeakSet = weakref.WeakSet()
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator:
+        gen = self._iterate()
+        self._live.add(gen)
+        return gen
+
+    def _iterate(self) -> Iterator:
+        out: queue.Queue = queue.Queue(maxsize=self.depth)
+        stop = threading.Event()
+        it = iter(self.loader)  # created here: DataLoader workers are started from the caller's thread
+        thread = threading.Thread(target=_produce, args=(it, out, stop), name="packer-BackgroundLoader", daemon=True)
+        del it
+        thread.start()
+        try:
+            while True:
+                item = out.get()
+                if item is _END:
+                    return
+                if isinstance(item, _Raised):
+                    raise item.exc
+                yield item
+        finally:
+            stop.set()
+            while True:  # unblock a producer waiting on a full queue
+                try:
+                    out.get_nowait()
+                except queue.Empty:
+                    break
+            thread.join(self.join_timeout)
+            if thread.is_alive():
+                warnings.warn(
+                    f"BackgroundLoader: the loader did not return a batch within {self.join_timeout:.0f} s "
+                    "of being stopped; its thread is left to finish that batch", RuntimeWarning, stacklevel=2)
+
+    def close(self) -> None:
+        """Stop every iteration still running (their threads are joined)."""
+        for gen in list(self._live):
+            gen.close()
+
+    def __enter__(self) -> BackgroundLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def map_tensors(batch: Any, fn) -> Any:
+    """Apply ``fn`` to every tensor in a batch made of tuples, lists, dicts and namedtuples."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        mapped = {k: map_tensors(v, fn) for k, v in batch.items()}
+        return mapped if type(batch) is dict else type(batch)(mapped)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(map_tensors(v, fn) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(map_tensors(v, fn) for v in batch)
+    return batch
+
+
+def to_device(batch: Any, device: torch.device | str, non_blocking: bool = False) -> Any:
+    """Every tensor of ``batch`` moved to ``device``."""
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=non_blocking))
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_pinned() else t.pin_memory()
+
+
+class CUDAPrefetcher:
+    """Yield ``loader``'s batches already on ``device``, the copy of batch k+1 overlapping step k.
+
+    On CUDA: each batch is copied from pinned host memory (pinned here if the DataLoader didn't,
+    which costs a host copy: prefer ``pin_memory=True``) with ``non_blocking=True`` on a side
+    stream. Before a batch is handed out, the compute stream waits for that copy
+    (``wait_stream``), and each tensor is marked with ``record_stream`` so the caching allocator
+    does not reuse its memory while the compute stream may still read it. On any other device
+    (CPU), batches pass through untouched.
+    """
+
+    def __init__(self, loader: Iterable, device: torch.device | str | None = None) -> None:
+        self.loader = loader
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None and torch.cuda.is_available():
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def active(self) -> bool:
+        """True when batches are really copied ahead on a CUDA side stream."""
+        return self.device.type == "cuda"
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator:
+        if not self.active:
+            yield from self.loader
+            return
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"CUDAPrefetcher: device {self.device} asked for, but CUDA is not available")
+        side = torch.cuda.Stream(self.device)
+        it = iter(self.loader)
+
+        def preload() -> Any:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return _END
+            with torch.cuda.stream(side):
+                return map_tensors(batch, lambda t: _pinned(t).to(self.device, non_blocking=True))
+
+        nxt = preload()
+        while nxt is not _END:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(side)  # the copy of this batch is done before compute uses it
+            batch = nxt
+            map_tensors(batch, lambda t, s=compute: t.record_stream(s))
+            nxt = preload()  # enqueue the next copy; it runs while the caller computes on `batch`
+            yield batch
