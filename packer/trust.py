@@ -89,8 +89,8 @@ def inside(root: Path, name: str, where: str | None = None, must_exist: bool = T
     return path
 
 
-def load_npy(path: Path, dtype: str, ndim: int | None = 1, max_items: int | None = None) -> np.ndarray:
-    """A ``.npy`` of exactly ``dtype``, with its header checked against the file size before loading.
+def npy_header(path: Path, dtype: str, ndim: int | None = None) -> tuple[tuple[int, ...], int]:
+    """(shape, data offset) of a ``.npy`` holding exactly ``dtype`` in C order, its size checked against the file.
 
     ``np.load`` alone trusts the header: a crafted shape makes it allocate what the header
     says, not what the file holds. Here the file must hold exactly header + shape x itemsize.
@@ -107,25 +107,36 @@ def load_npy(path: Path, dtype: str, ndim: int | None = 1, max_items: int | None
             else:
                 raise ValueError(f"unsupported .npy version {version}")
             offset = fh.tell()
-            if found != want or found.hasobject:
-                raise PackerError(f"{path}: holds {found}, expected {want}")
-            if ndim is not None and len(shape) != ndim:
-                raise PackerError(f"{path}: shape {shape}, expected {ndim} dimensions")
-            if fortran and len(shape) > 1:
-                raise PackerError(f"{path}: Fortran-ordered array, expected C order")
-            count = 1
-            for n in shape:
-                count *= int(n)
-            if count * want.itemsize != size - offset:
-                raise PackerError(f"{path}: header promises {count * want.itemsize} bytes of data, "
-                                  f"the file holds {size - offset}")
-            if max_items is not None and count > max_items:
-                raise PackerError(f"{path}: {count} entries, at most {max_items} expected")
-            arr = np.fromfile(fh, dtype=want, count=count)
-    except PackerError:
-        raise
     except (OSError, ValueError, EOFError, SyntaxError, TypeError, KeyError, tokenize.TokenError) as exc:
         raise PackerError(f"{path}: not a valid .npy file ({type(exc).__name__}: {exc})") from exc
+    if found != want or found.hasobject:
+        raise PackerError(f"{path}: holds {found}, expected {want}")
+    if ndim is not None and len(shape) != ndim:
+        raise PackerError(f"{path}: shape {shape}, expected {ndim} dimensions")
+    if fortran and len(shape) > 1:
+        raise PackerError(f"{path}: Fortran-ordered array, expected C order")
+    count = 1
+    for n in shape:
+        count *= int(n)  # Python ints: a crafted shape can't overflow into a small size
+    if count * want.itemsize != size - offset:
+        raise PackerError(f"{path}: header promises {count * want.itemsize} bytes of data, the file holds {size - offset}")
+    return tuple(int(n) for n in shape), offset
+
+
+def load_npy(path: Path, dtype: str, ndim: int | None = 1, max_items: int | None = None) -> np.ndarray:
+    """A ``.npy`` of exactly ``dtype`` read into memory after ``npy_header`` checked it (never pickle)."""
+    shape, offset = npy_header(path, dtype, ndim)
+    count = 1
+    for n in shape:
+        count *= n
+    if max_items is not None and count > max_items:
+        raise PackerError(f"{path}: {count} entries, at most {max_items} expected")
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            arr = np.fromfile(fh, dtype=np.dtype(dtype), count=count)
+    except (OSError, ValueError) as exc:
+        raise PackerError(f"{path}: cannot read ({exc})") from exc
     if arr.size != count:
         raise PackerError(f"{path}: truncated while reading")
     return arr.reshape(shape)

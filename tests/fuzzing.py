@@ -286,7 +286,8 @@ def run_case(base: Path, work: Path, seed: int, expected) -> dict:
                 good = i < len(expected) and (rel, label, payload) == expected[i]
                 out["ok" if good else "wrong"] += 1
             for call in (lambda: dset.__getitems__(list(range(n))[::-1]),
-                         lambda: dset.read_payloads(list(range(n))[::2] + list(range(n))[1::2])):
+                         lambda: dset.read_payloads(list(range(n))[::2] + list(range(n))[1::2]),
+                         lambda: getattr(dset, "get_batch", lambda _: None)(list(range(n))[::-1])):
                 try:
                     call()
                 except PackerError:
