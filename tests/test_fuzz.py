@@ -27,6 +27,7 @@ def test_fuzzed_dataset_reads_verified_data_or_raises_packer_error(case, imagefo
     kwargs = dict(FORMAT_OPTIONS.get(name, {}))
     if resize:
         kwargs["resize"] = resize
+        kwargs.pop("tile", None)  # mosaic: a fixed --resize HxW is the tile size (as in test_contract)
     convert(imagefolder, base, to=name, payload=payload, shard_bytes=6_000, workers=1, progress=False, **kwargs)
     count = request.config.getoption("--fuzz-cases")
     work = tmp_path / "work"
