@@ -21,8 +21,8 @@ from torch.utils.data import Dataset, get_worker_info
 
 from packer.decode import BACKENDS, DecodeError, check_min_size, decode
 from packer.errors import PackerError
-from packer.headers import image_size
 from packer.formats import FORMATS, get_format
+from packer.headers import image_size
 from packer.index import Index, shard_starts
 from packer.manifest import Manifest, read_manifest
 from packer.trust import DATA_ERRORS, reading

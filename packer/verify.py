@@ -13,8 +13,8 @@ from packer.convert import ERRORS_NAME, ConvertOptions, SourceError, prepare
 from packer.datasets import open_dataset
 from packer.errors import PackerError
 from packer.manifest import read_manifest, sha256_file
-from packer.trust import inside
 from packer.scan import scan_folder
+from packer.trust import inside
 
 
 @dataclass

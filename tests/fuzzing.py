@@ -120,7 +120,7 @@ def _edit_manifest(ds: Path, outside: Path, rng: random.Random) -> str:
 def _npy_header_edit(file: Path, rng: random.Random) -> str:
     raw = file.read_bytes()
     with open(file, "rb") as fh:
-        version = np.lib.format.read_magic(fh)
+        np.lib.format.read_magic(fh)
         shape, fortran, dtype = np.lib.format.read_array_header_1_0(fh)
         body = raw[fh.tell():]
     choice = rng.randrange(5)
@@ -134,11 +134,11 @@ def _npy_header_edit(file: Path, rng: random.Random) -> str:
         fortran = True
         shape = (shape[0], 1)
     else:  # an object array header: would need pickle
-        header = "{'descr': '|O', 'fortran_order': False, 'shape': (%d,), }" % shape[0]
+        header = f"{{'descr': '|O', 'fortran_order': False, 'shape': ({shape[0]},), }}"
         file.write_bytes(_npy_bytes(header) + body)
         return "descr |O"
-    header = "{'descr': %r, 'fortran_order': %r, 'shape': %r, }" % (np.lib.format.dtype_to_descr(dtype), fortran,
-                                                                      tuple(shape))
+    descr = np.lib.format.dtype_to_descr(dtype)
+    header = f"{{'descr': {descr!r}, 'fortran_order': {fortran!r}, 'shape': {tuple(shape)!r}, }}"
     file.write_bytes(_npy_bytes(header) + body)
     return f"header {header[:60]}"
 

@@ -59,3 +59,35 @@ def _outcome(r: dict) -> str:
     if r["error"]:
         return "error on read"
     return "all samples intact"
+
+
+def test_the_harness_catches_crashes_hangs_and_reads_outside(tmp_path, monkeypatch, imagefolder):
+    """The guards above can fail: a segfault, a hang and an open outside are each reported."""
+    import faulthandler
+    import os
+    import signal
+    import time
+
+    import fuzzing
+
+    base = tmp_path / "ds.lmdb"
+    convert(imagefolder, base, to="lmdb", workers=1, progress=False)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"x")
+
+    def fake(base, work, seed, expected):
+        if seed == 1:
+            faulthandler.disable()  # the crash is the point: no traceback dump in the test output
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if seed == 2:
+            time.sleep(60)
+        watch = fuzzing.OpenWatch([outside])
+        if seed == 3:
+            (outside / "secret").read_bytes()
+        return {"seed": seed, "kind": "x", "outside_reads": watch.events()}
+
+    monkeypatch.setattr(fuzzing, "run_case", fake)
+    res = {r["seed"]: r for r in fuzzing.run_cases(base, tmp_path, [0, 1, 2, 3, 4], processes=2, timeout=3)}
+    assert "died" in res[1]["crash"] and "hang" in res[2]["crash"]
+    assert res[3]["outside_reads"] and not res[0]["outside_reads"] and not res[4].get("crash")
