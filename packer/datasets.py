@@ -364,19 +364,27 @@ def _open_consistent(root: Path) -> tuple[Manifest, Index, list[list[tuple[int, 
     """
     for _ in range(5):
         before = _dir_id(root)
-        manifest = read_manifest(root)
-        manifest.check_files(root)
-        index = Index.load(root, manifest.num_samples, files=manifest.meta_files, num_classes=len(manifest.classes))
-        file_ids = [[_file_id(root / f.name) for f in s.files] for s in manifest.shards]
+        try:
+            manifest = read_manifest(root)
+            manifest.check_files(root)
+            index = Index.load(root, manifest.num_samples, files=manifest.meta_files,
+                               num_classes=len(manifest.classes))
+            file_ids = [[_file_id(root / f.name) for f in s.files] for s in manifest.shards]
+        except PackerError:
+            if _dir_id(root, missing_ok=True) not in (before, None):
+                continue  # swapped while being read: files vanished or changed under us, read the new one
+            raise
         if _dir_id(root) == before:
             return manifest, index, file_ids
     raise PackerError(f"{root}: replaced again and again while being opened; try again later")
 
 
-def _dir_id(path: Path) -> tuple[int, int, int]:
+def _dir_id(path: Path, missing_ok: bool = False) -> tuple[int, int, int] | None:
     try:
         st = os.stat(path)
     except OSError as exc:
+        if missing_ok:
+            return None
         raise PackerError(f"{path}: {exc.strerror or exc}") from None
     return st.st_dev, st.st_ino, st.st_mtime_ns
 
