@@ -8,7 +8,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO   ?= demo
 
-.PHONY: install system-deps test demo lint fuzz clean
+.PHONY: install system-deps test demo lint fuzz clean bench-report
 
 install: $(STAMP)
 
@@ -55,6 +55,12 @@ demo: install
 	$(BIN)/packer convert $(DEMO)/imgs --to lmdb --overwrite
 	$(BIN)/packer info $(DEMO)/imgs.lmdb
 	$(BIN)/packer verify $(DEMO)/imgs.lmdb --against $(DEMO)/imgs
+	$(BIN)/packer bench $(DEMO)/imgs $(DEMO)/imgs.lmdb --levels read,decode --orders shuffle,block --repeats 1 --limit 500 -q
+
+# examples/bench_report.md (+ bench*.png, bench*.json): sample set -> every format -> packer bench,
+# as is and under an emulated hard disk (root). Run on a quiet machine; takes several minutes.
+bench-report: install
+	$(BIN)/python examples/make_bench_report.py
 
 clean:
-	rm -rf $(VENV) $(DEMO) .pytest_cache *.egg-info
+	rm -rf $(VENV) $(DEMO) bench-work .pytest_cache *.egg-info

@@ -15,10 +15,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,38 +39,41 @@ BENCH_VERSION = 1
 # ------------------------------------------------------------------ orders
 
 
-def block_order(nbytes: np.ndarray, block_bytes: int, open_blocks: int, rng: np.random.Generator) -> np.ndarray:
-    """Locality-preserving shuffle: contiguous blocks of about ``block_bytes``, blocks in random order,
-    samples shuffled within groups of ``open_blocks`` blocks read together.
+@dataclass
+class Order:
+    """A sample order and the chunks the read and decode levels fetch together (batches, as a DataLoader would)."""
 
-    Stand-in for ``packer.sampler.BlockShuffleSampler`` until it is merged: replace this function's
-    body with the sampler's order (``np.fromiter(iter(sampler), np.int64)``) and nothing else changes.
-    """
+    kind: str
+    indices: np.ndarray
+    chunks: list[np.ndarray]
+
+    def head(self, k: int) -> Order:
+        first = self.indices[:k]
+        return Order(self.kind, first, [first])
+
+
+def make_order(kind: str, nbytes: np.ndarray, seed: int, block_bytes: int | None = None,
+               open_blocks: int | None = None, batch_size: int = 64, cuts: Sequence[int] = (),
+               run: int | None = None) -> Order:
+    """``sequential``, uniform ``shuffle``, or ``block``: packer.sampler's locality-preserving order
+    (blocks of ``block_bytes`` cut at ``cuts`` (shard starts), windows of ``open_blocks`` blocks,
+    runs of ``run`` neighbours; the sampler's defaults when None), exactly as BlockShuffleSampler
+    yields it for one process in epoch 0."""
+    from packer import sampler
+
     n = len(nbytes)
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    block_of = (np.cumsum(nbytes) - 1) // max(int(block_bytes), 1)
-    starts = np.flatnonzero(np.r_[True, block_of[1:] != block_of[:-1]])
-    blocks = np.split(np.arange(n, dtype=np.int64), starts[1:])
-    perm = rng.permutation(len(blocks))
-    out = []
-    for g in range(0, len(perm), max(open_blocks, 1)):
-        group = np.concatenate([blocks[b] for b in perm[g:g + open_blocks]])
-        rng.shuffle(group)
-        out.append(group)
-    return np.concatenate(out)
-
-
-def make_order(kind: str, nbytes: np.ndarray, seed: int, block_bytes: int, open_blocks: int) -> np.ndarray:
-    n = len(nbytes)
-    rng = np.random.default_rng(seed)
     if kind == "sequential":
-        return np.arange(n, dtype=np.int64)
-    if kind == "shuffle":
-        return rng.permutation(n).astype(np.int64)
-    if kind == "block":
-        return block_order(nbytes, block_bytes, open_blocks, rng)
-    raise PackerError(f"unknown order {kind!r} (choose {', '.join(ORDERS)})")
+        idx = np.arange(n, dtype=np.int64)
+    elif kind == "shuffle":
+        idx = np.random.default_rng(seed).permutation(n).astype(np.int64)
+    elif kind == "block":
+        bounds = sampler.block_boundaries(np.asarray(nbytes), block_bytes or sampler.DEFAULT_BLOCK_BYTES, cuts)
+        idx = sampler.rank_order(bounds, 0, seed, open_blocks=open_blocks or sampler.DEFAULT_OPEN_BLOCKS,
+                                 run=run or sampler.DEFAULT_RUN, batch_size=batch_size)
+    else:
+        raise PackerError(f"unknown order {kind!r} (choose {', '.join(ORDERS)})")
+    step = max(batch_size, 1)
+    return Order(kind, idx, [idx[s:s + step] for s in range(0, n, step)])
 
 
 # ------------------------------------------------------------------ sources
@@ -113,6 +117,7 @@ class Source:
     paths: list[str] = field(default_factory=list)  # folder: absolute image paths
     labels: list[int] = field(default_factory=list)
     disk_bytes: int = 0  # bytes of all files of the dataset on disk
+    cuts: tuple[int, ...] = ()  # shard starts after the first: blocks of the block order never span two
 
     @property
     def n(self) -> int:
@@ -141,8 +146,9 @@ def open_source(path: str | os.PathLike, limit: int | None) -> Source:
         idx = Index.load(p, m.num_samples)
         n = m.num_samples if limit is None else min(limit, m.num_samples)
         files = measure.tree_files(p)
+        starts = np.cumsum([s.num_samples for s in m.shards])[:-1]
         return Source(p, m.format, m.payload, "auto", np.asarray(idx.nbytes[:n], dtype=np.int64), files,
-                      disk_bytes=sum(os.path.getsize(f) for f in files))
+                      disk_bytes=sum(os.path.getsize(f) for f in files), cuts=tuple(int(c) for c in starts if c < n))
     from packer.scan import scan_folder
 
     scan = scan_folder(p)
@@ -165,34 +171,35 @@ def _payload_len(buf) -> int:
     return int(arr.nbytes)
 
 
-def _run_pass(src: Source, level: str, order: np.ndarray, workers: int, batch_size: int, pin: bool,
+def _run_pass(src: Source, level: str, order: Order, workers: int, batch_size: int, pin: bool,
               handle: dict) -> tuple[int, int, float, float | None]:
     """One timed pass: (samples, bytes, seconds, seconds to the first batch or None)."""
-    idx = order.tolist()
+    idx = order.indices.tolist()
     t0 = time.perf_counter()
     first = None
     count = nbytes = 0
-    if level == "read":
-        if src.kind == "folder":
-            for i in idx:
+    if level in ("read", "decode") and src.kind == "folder":
+        for i in idx:  # ImageFolder: one open + read per file
+            if level == "read":
                 with open(src.paths[i], "rb") as fh:
                     nbytes += len(fh.read())
-            count = len(idx)
-        else:
-            ds = handle.setdefault("ds", src.open())
-            for s in range(0, len(idx), batch_size):
-                bufs = ds.read_payloads(idx[s:s + batch_size])  # runs of neighbours read together
-                count += len(bufs)
-                nbytes += sum(_payload_len(b) for b in bufs)
-    elif level == "decode":
-        if src.kind == "folder":
-            for i in idx:
+            else:
                 pil_loader(src.paths[i])
-        else:
-            ds = handle.setdefault("ds", src.open())
-            for i in idx:
-                ds[i]
-        count, nbytes = len(idx), int(src.nbytes[order].sum())
+                nbytes += int(src.nbytes[i])
+        count = len(idx)
+    elif level in ("read", "decode"):
+        ds = handle.setdefault("ds", src.open())
+        for chunk in order.chunks:
+            chunk = chunk.tolist()
+            if level == "read":
+                if hasattr(ds, "prefetch"):
+                    ds.prefetch(chunk)  # what __getitems__ does first: the batch's file spans, as few large reads
+                bufs = ds.read_payloads(chunk)  # runs of neighbours read together, returned in the order asked
+                nbytes += sum(_payload_len(b) for b in bufs)
+            else:
+                bufs = ds.__getitems__(chunk)  # a DataLoader's batch fetch, without the DataLoader
+                nbytes += int(src.nbytes[chunk].sum())
+            count += len(bufs)
     elif level == "loader":
         dataset = FolderSamples(src.paths, src.labels) if src.kind == "folder" else handle.setdefault("tds", src.open("tensor"))
         loader = DataLoader(dataset, batch_size=batch_size, sampler=idx, num_workers=workers,
@@ -201,7 +208,7 @@ def _run_pass(src: Source, level: str, order: np.ndarray, workers: int, batch_si
             if first is None:
                 first = time.perf_counter() - t0
             count += len(images)
-        nbytes = int(src.nbytes[order].sum())
+        nbytes = int(src.nbytes[order.indices].sum())
         del loader
     else:
         raise PackerError(f"unknown level {level!r} (choose {', '.join(LEVELS)})")
@@ -233,9 +240,11 @@ class BenchOptions:
     repeats: int = 3
     limit: int | None = None
     seed: int = 0
-    block_bytes: int = 64 << 20
-    open_blocks: int = 2
+    block_bytes: int | None = None  # block order: packer.sampler's defaults when None
+    open_blocks: int | None = None
+    run: int | None = None
     ceiling_bytes: int = 256 << 20
+    ceiling_seconds: float = 1.0  # per decoder, per measurement of the decode ceiling
     emulate: str | None = None
     read_iops: int | None = None
     read_bps: int | None = None
@@ -269,27 +278,44 @@ def _decode_samples(src: Source, k: int = 48) -> list[bytes]:
 
 
 def measure_ceilings(sources: list[Source], o: BenchOptions, log: Callable[[str], None]) -> dict:
-    """Sequential read (cold) per filesystem, memory copy, per-core decode rate per decoder."""
-    ceilings: dict[str, Any] = {"sequential_read": {}, "decode": {}}
+    """Sequential read (cold) per filesystem, then the CPU ceilings (memory copy, per-core decode)."""
+    ceilings: dict[str, Any] = {"sequential_read": {}}
     by_dev: dict[int, Path] = {}
     for s in sources:
-        by_dev.setdefault(os.stat(s.path).st_dev, s.path.parent if s.path.parent.exists() else s.path)
-    for dev, directory in by_dev.items():
-        target = directory if os.access(directory, os.W_OK) else Path(sources[0].path)
+        dev = os.stat(s.path).st_dev
+        # The scratch file goes beside the dataset (same filesystem), else inside it.
+        beside = s.path.parent if os.stat(s.path.parent).st_dev == dev and os.access(s.path.parent, os.W_OK) else s.path
+        by_dev.setdefault(dev, beside)
+    for dev, target in by_dev.items():
         r = measure.sequential_read_ceiling(target, o.ceiling_bytes, repeats=max(2, min(o.repeats, 3)))
         ceilings["sequential_read"][str(dev)] = r.to_dict()
         log(f"ceiling: {r.name} {r.value:,.0f} MB/s ({r.detail})")
-    r = measure.memory_copy_ceiling()
-    ceilings["memory_copy"] = r.to_dict()
-    log(f"ceiling: memory copy {r.value:,.0f} MB/s")
+    ceilings.update(cpu_ceilings(sources, o.ceiling_seconds))
+    log(f"ceiling: memory copy {ceilings['memory_copy']['value']:,.0f} MB/s; "
+        + ", ".join(f"{v['name']} {v['value']:,.0f} img/s" for v in ceilings["decode"].values()))
+    return ceilings
+
+
+def cpu_ceilings(sources: list[Source], seconds: float = 1.0) -> dict:
+    """Memory copy bandwidth and the per-core rate of each decoder the datasets use."""
+    out: dict[str, Any] = {"memory_copy": measure.memory_copy_ceiling().to_dict(), "decode": {}}
     encoded = [s for s in sources if s.payload == "encoded"]
     if encoded:
         samples = _decode_samples(encoded[0])
         for backend in sorted({s.decoder for s in encoded}):
-            r = measure.decode_ceiling(samples, backend)
-            ceilings["decode"][backend] = r.to_dict()
-            log(f"ceiling: {r.name} {r.value:,.0f} img/s")
-    return ceilings
+            out["decode"][backend] = measure.decode_ceiling(samples, backend, min_seconds=seconds).to_dict()
+    return out
+
+
+def _best_of(first: dict, again: dict) -> dict:
+    """CPU ceilings were measured before and after the passes: keep the higher (less disturbed) of each."""
+    def pick(a: dict, b: dict) -> dict:
+        best = dict(a if a["value"] >= b["value"] else b)
+        best["runs"] = [a["value"], b["value"]]
+        return best
+
+    return {"memory_copy": pick(first["memory_copy"], again["memory_copy"]),
+            "decode": {k: pick(v, again["decode"][k]) for k, v in first["decode"].items()}}
 
 
 def _ceiling_for(src: Source, level: str, cache: str, workers: int | None, ceilings: dict, cores: int) -> dict:
@@ -311,15 +337,16 @@ def _ceiling_for(src: Source, level: str, cache: str, workers: int | None, ceili
 
 
 def _settings(o: BenchOptions):
+    """(level, order, cache, workers), each cold measurement followed by its warm one: the last cold
+    pass has just filled the page cache, so the warm one needs no warm-up pass of its own."""
     for level in LEVELS:
         if level not in o.levels:
             continue
         for order in o.orders:
-            for cache in CACHES:
-                if cache not in o.caches:
-                    continue
-                for w in (sorted(set(o.workers)) if level == "loader" else [None]):
-                    yield level, order, cache, w
+            for w in (sorted(set(o.workers)) if level == "loader" else [None]):
+                for cache in CACHES:
+                    if cache in o.caches:
+                        yield level, order, cache, w
 
 
 def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None = None,
@@ -361,27 +388,37 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
         report["ceilings"] = measure_ceilings(sources, o, log)
         results = []
         for src in sources:
-            orders = {k: make_order(k, src.nbytes, o.seed, o.block_bytes, o.open_blocks) for k in o.orders}
+            orders = {k: make_order(k, src.nbytes, o.seed, o.block_bytes, o.open_blocks, o.batch_size, src.cuts, o.run)
+                      for k in o.orders}
+            previous = None
             for level, order_name, cache, w in _settings(o):
-                row = _measure(src, level, order_name, orders[order_name], cache, w, o, thr)
-                row["ceiling"] = _ceiling_for(src, level, cache, w, report["ceilings"], cores)
-                row["fraction_of_ceiling"] = row["samples_per_s"]["median"] / row["ceiling"]["samples_per_s"]
+                prewarmed = cache == "warm" and previous == (level, order_name, "cold", w)
+                row = _measure(src, level, order_name, orders[order_name], cache, w, o, thr, prewarmed)
+                previous = (level, order_name, cache, w)
                 results.append(row)
                 log(format_row(row))
         report["results"] = results
+        # Other load on the machine lowers a ceiling measured once: measure the CPU ones again, keep the best.
+        report["ceilings"].update(_best_of(report["ceilings"], cpu_ceilings(sources, o.ceiling_seconds)))
+        for row in results:
+            src = next(s for s in sources if str(s.path) == row["dataset"])
+            row["ceiling"] = _ceiling_for(src, row["level"], row["cache"], row["workers"], report["ceilings"], cores)
+            row["fraction_of_ceiling"] = row["samples_per_s"]["median"] / row["ceiling"]["samples_per_s"]
     _add_speedups(report["results"])
     report["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return report
 
 
-def _measure(src: Source, level: str, order_name: str, order: np.ndarray, cache: str, workers: int | None,
-             o: BenchOptions, thr) -> dict:
+def _measure(src: Source, level: str, order_name: str, order: Order, cache: str, workers: int | None,
+             o: BenchOptions, thr, prewarmed: bool = False) -> dict:
     handle: dict = {}
     w = workers or 0
     try:
         # Warm-up: loads libraries and opens handles (and, for warm passes, fills the page cache).
-        warm_order = order if cache == "warm" else order[:WARMUP_SAMPLES]
-        _run_pass(src, level, warm_order, w, o.batch_size, o.pin_memory, handle)
+        # (A warm measurement right after its cold one starts from the cache that pass filled.)
+        if not prewarmed:
+            warm_order = order if cache == "warm" else order.head(WARMUP_SAMPLES)
+            _run_pass(src, level, warm_order, w, o.batch_size, o.pin_memory, handle)
         seconds, firsts, resident, device = [], [], [], []
         count = nbytes = 0
         for _ in range(o.repeats):
@@ -419,7 +456,10 @@ def _measure(src: Source, level: str, order_name: str, order: np.ndarray, cache:
         "eviction": eviction,
     }
     if level == "loader":
+        # Worker start-up is part of every pass (and of every epoch); the steady rate leaves it out.
         row["seconds_to_first_batch"] = firsts
+        first_n = min(o.batch_size, count)
+        row["steady_samples_per_s"] = _stats([(count - first_n) / max(s - (f or 0), 1e-9) for s, f in zip(seconds, firsts, strict=False)])
     if device:
         row["device_reads"] = device
     return row
@@ -497,3 +537,53 @@ def format_table(report: dict) -> str:
 
 def print_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def markdown_table(report: dict, levels: Sequence[str] | None = None) -> str:
+    """The results as a Markdown table (for reports and the README)."""
+    out = ["| dataset | level | order | cache | workers | samples/s (min-max) | MB/s | x folder | of ceiling | ceiling |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in report["results"]:
+        if levels and r["level"] not in levels:
+            continue
+        s = r["samples_per_s"]
+        sp = "" if r["speedup_vs_folder"] is None else f"{r['speedup_vs_folder']:.2f}x"
+        ev = "" if r["eviction"] in (None, "verified") else f" (eviction {r['eviction']})"
+        out.append(
+            f"| {r['name']} | {r['level']} | {r['order']} | {r['cache']}{ev} | {'' if r['workers'] is None else r['workers']} "
+            f"| {_fmt_rate(s['median'])} ({_fmt_rate(s['min'])}-{_fmt_rate(s['max'])}) | {_fmt_rate(r['mb_per_s']['median'])} "
+            f"| {sp} | {r['fraction_of_ceiling']:.0%} | {r['ceiling']['name']} |"
+        )
+    return "\n".join(out)
+
+
+def describe_setup(report: dict) -> str:
+    """Machine, storage, emulation and ceilings in a few Markdown bullet lines."""
+    m = report["machine"]
+    v = m["versions"]
+    lines = [f"- machine: {m['cpu']}, {m['cores_usable']} cores usable, {(m['memory_bytes'] or 0) / 2**30:.0f} GiB, "
+             f"{m['os']}, load average at start {', '.join(f'{x:.1f}' for x in m['load_average'] or [])}",
+             "- software: " + ", ".join(f"{k} {val}" for k, val in v.items() if val)]
+    for path, st in report["storage"].items():
+        lines.append(f"- `{path}`: {st['fstype']} on {st['device'] or st['source']} ({st['major_minor']}), "
+                     f"rotational={st['rotational']}, read-ahead {st['read_ahead_kb']} KB, scheduler {st['scheduler']}")
+    if report.get("emulation"):
+        e = report["emulation"]
+        lines.append(f"- EMULATED storage: {e['read_iops']} read IOPS, {(e['read_bps'] or 0) / 1e6:.0f} MB/s "
+                     f"({e['description']}); {e['controller']} on {', '.join(e['devices'])}")
+    c = report["ceilings"]
+    lines.append("- ceilings (same run): " + ", ".join(
+        [f"cold sequential read {x['value']:,.0f} MB/s ({x['low']:,.0f}-{x['high']:,.0f})" for x in c["sequential_read"].values()]
+        + [f"memory copy {c['memory_copy']['value']:,.0f} MB/s"]
+        + [f"decode {k} {x['value']:,.0f} img/s per core" for k, x in c["decode"].items()]))
+    d = ", ".join(f"`{Path(x['path']).name}` {x['samples']} samples, {x['payload_bytes'] / 1e6:.0f} MB of payload, "
+                  f"{x['files']} files, {x['disk_bytes'] / 1e6:.0f} MB on disk" for x in report["datasets"])
+    lines.append(f"- datasets: {d}")
+    o = report["options"]
+    from packer import sampler
+
+    blk = o.get("block_bytes") or sampler.DEFAULT_BLOCK_BYTES
+    lines.append(f"- options: repeats {o['repeats']}, batch size {o['batch_size']}, block order (packer.sampler): "
+                 f"{blk / 1e6:.0f} MB blocks, windows of {o.get('open_blocks') or sampler.DEFAULT_OPEN_BLOCKS} open blocks, "
+                 f"runs of {o.get('run') or sampler.DEFAULT_RUN}, seed {o['seed']}, pin_memory {o['pin_memory']}")
+    return "\n".join(lines)

@@ -23,64 +23,60 @@ def require_matplotlib():
     return plt
 
 
-def _series_name(r: dict) -> str:
-    return r["name"] if r["workers"] is None else f"{r['name']} ({r['workers']} workers)"
-
-
 def plot_report(report: dict, path: str) -> None:
-    """Write a PNG: for each level a panel of grouped bars (order x cache), a bar per dataset, with
-    the relevant ceiling of each bar drawn as a black line across it and the value printed on top."""
+    """Write a PNG: for each level a panel of grouped bars (order x cache), one colour per dataset (hatched
+    per DataLoader worker count), each bar's ceiling drawn as a black line across it, values printed on top."""
+    import math
+
+    from matplotlib.patches import Patch
+
     plt = require_matplotlib()
     results = report["results"]
     levels = [lv for lv in ("read", "decode", "loader") if any(r["level"] == lv for r in results)]
-    fig, axes = plt.subplots(1, len(levels), figsize=(6.5 * len(levels), 5.2), squeeze=False)
+    names = list(dict.fromkeys(r["name"] for r in results))
+    workers = sorted({r["workers"] for r in results if r["workers"] is not None})
+    hatches = ["", "//", "..", "xx", "\\\\", "++"]
     colours = plt.get_cmap("tab10")
-    series_all: list[str] = []
-    for r in results:
-        if _series_name(r) not in series_all:
-            series_all.append(_series_name(r))
-    for ax, level in zip(axes[0], levels):
+    fig, axes = plt.subplots(1, len(levels), figsize=(6.2 * len(levels), 5.4), squeeze=False)
+    for ax, level in zip(axes[0], levels, strict=False):
         rows = [r for r in results if r["level"] == level]
-        groups: list[tuple[str, str]] = []
-        series: list[str] = []
-        for r in rows:
-            if (r["order"], r["cache"]) not in groups:
-                groups.append((r["order"], r["cache"]))
-            if _series_name(r) not in series:
-                series.append(_series_name(r))
-        width = 0.8 / max(len(series), 1)
-        ceiling_labelled = False
+        groups = list(dict.fromkeys((r["order"], r["cache"]) for r in rows))
+        series = list(dict.fromkeys((r["name"], r["workers"]) for r in rows))
+        width = 0.82 / max(len(series), 1)
+        low = min(min(r["samples_per_s"]["min"] for r in rows), min(r["ceiling"]["samples_per_s"] for r in rows))
         for r in rows:
             g = groups.index((r["order"], r["cache"]))
-            s = series.index(_series_name(r))
-            x = g + (s - (len(series) - 1) / 2) * width
+            k = series.index((r["name"], r["workers"]))
+            x = g + (k - (len(series) - 1) / 2) * width
             v = r["samples_per_s"]["median"]
-            ax.bar(x, v, width * 0.92, color=colours(series_all.index(_series_name(r)) % 10),
-                   yerr=[[v - r["samples_per_s"]["min"]], [r["samples_per_s"]["max"] - v]], capsize=2,
-                   label=_series_name(r) if g == 0 else None)
-            ax.text(x, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=7, rotation=90)
-            c = r["ceiling"]["samples_per_s"]
-            ax.hlines(c, x - width / 2, x + width / 2, colors="black", linewidth=1.6,
-                      label=None if ceiling_labelled else "ceiling (same run)")
-            ceiling_labelled = True
+            ax.bar(x, v, width * 0.92, color=colours(names.index(r["name"]) % 10), edgecolor="white",
+                   hatch=hatches[workers.index(r["workers"]) % len(hatches)] if r["workers"] is not None else "",
+                   yerr=[[v - r["samples_per_s"]["min"]], [r["samples_per_s"]["max"] - v]], capsize=2, ecolor="0.3")
+            ax.text(x, r["samples_per_s"]["max"] * 1.04, f"{v:,.0f}", ha="center", va="bottom", fontsize=6.5)
+            ax.hlines(r["ceiling"]["samples_per_s"], x - width / 2, x + width / 2, colors="black", linewidth=1.8)
         ax.set_xticks(range(len(groups)))
-        ax.set_xticklabels([f"{o}\n{c}" for o, c in groups], fontsize=8)
+        ax.set_xticklabels([f"{o}\n{c} cache" for o, c in groups], fontsize=8)
         ax.set_yscale("log")
-        ax.set_ylabel("samples/s (log scale; higher is better)")
-        ax.set_title({"read": "read: bytes only (the IO term)", "decode": "decode: images as training gets them",
-                      "loader": "DataLoader (batches, no transform)"}[level], fontsize=10)
+        ax.set_ylim(bottom=10 ** math.floor(math.log10(max(low, 1e-3) * 0.8)))
+        ax.set_ylabel("samples/s (log scale, higher is better)")
+        ax.set_title({"read": "read: stored bytes only (the IO term)", "decode": "decode: images as training gets them",
+                      "loader": "DataLoader: batches, no transform"}[level], fontsize=10)
         ax.grid(axis="y", which="both", alpha=0.25)
-        ax.legend(fontsize=7, loc="lower right")
+    handles = [Patch(color=colours(i % 10), label=n) for i, n in enumerate(names)]
+    handles += [Patch(facecolor="white", edgecolor="0.3", hatch=hatches[i % len(hatches)], label=f"{w} workers")
+                for i, w in enumerate(workers)] if len(workers) > 1 else []
+    handles.append(plt.Line2D([], [], color="black", linewidth=1.8, label="its ceiling, measured in the same run"))
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
     m = report["machine"]
     title = f"packer bench - {m['cpu']}, {m['cores_usable']} cores"
     if report.get("emulation"):
         e = report["emulation"]
         title += f" - EMULATED storage: {e['read_iops'] or 'unlimited'} read IOPS, {(e['read_bps'] or 0) / 1e6:.0f} MB/s"
     ceil = report["ceilings"]
-    sub = ", ".join([f"seq. read {v['value']:,.0f} MB/s" for v in ceil["sequential_read"].values()]
-                    + [f"memcopy {ceil['memory_copy']['value']:,.0f} MB/s"]
+    sub = ", ".join([f"cold sequential read {v['value']:,.0f} MB/s" for v in ceil["sequential_read"].values()]
+                    + [f"memory copy {ceil['memory_copy']['value']:,.0f} MB/s"]
                     + [f"decode {k} {v['value']:,.0f} img/s/core" for k, v in ceil["decode"].items()])
-    fig.suptitle(title + "\nceilings measured in the same run: " + sub, fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.92))
+    fig.suptitle(title + "\nceilings: " + sub, fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)

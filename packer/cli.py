@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         packer convert imgs/ --to hdf5 --payload raw --resize 256 --compression lzf
         packer convert imgs/ --to lmdb --resume       # go on after Ctrl-C, a kill or a full disk
         packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
+        packer convert imgs/ --to bmp --resize 256          # one uncompressed BMP per image, no decoding in training
+        packer convert imgs/ --to mosaic --tile 224x224     # 224x224 tiles on ~16 MB BMP mosaics
+        packer convert imgs/ --to mosaic --tile 224x224 --grid 16x16 --codec jpeg --quality 95   # lossy, small
         packer convert /shared/imgs --to lmdb --scheduler tcp://HOST:8786   # on a Dask cluster
         packer convert imgs/ --to lmdb --scheduler local:4      # a local Dask cluster of 4 processes
         """, description="Pack a folder of images (ImageFolder layout root/<class>/<img>, or flat) into one "
@@ -71,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("source", help="folder of images")
     p.add_argument("--to", dest="format", default="lmdb", choices=sorted(FORMATS), help="output format (default lmdb)")
     p.add_argument("-o", "--output", help="output directory (default: <source>.<format> beside the source)")
-    p.add_argument("--payload", choices=("encoded", "raw"), default="encoded",
-                   help="encoded: the original file bytes (lossless, smallest; default); "
-                   "raw: decoded RGB pixels (no decoding in training, 5-10x larger)")
+    p.add_argument("--payload", choices=("encoded", "raw"), default=None,
+                   help="encoded: the original file bytes (lossless, smallest; default where the format stores it); "
+                   "raw: decoded RGB pixels (no decoding in training, 5-10x larger; the only payload of bmp and mosaic)")
     p.add_argument("--validate", choices=("full", "header", "none"), default="full",
                    help="full: decode every image (default, catches truncated files); header: read headers only; "
                    "none: pack bytes unchecked")
@@ -96,6 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "source: ImageFolder's order, dataset index i = ImageFolder index i. Either way "
                    "ds.samples and ds.index_of(rel_path) map samples to their source files")
     p.add_argument("--seed", type=int, default=0, help="seed of --order shuffled (default 0; recorded in the manifest)")
+    p.add_argument("--tile", metavar="HxW", help="mosaic: the size every image is resized to (stretched, or "
+                   "letterboxed with --resize-mode fit); required for --to mosaic")
+    p.add_argument("--grid", metavar="RxC", help="mosaic: tiles per mosaic, rows x columns (default: about 16 MB "
+                   "decoded per mosaic, e.g. 11x10 for 224x224 tiles)")
+    p.add_argument("--codec", choices=("bmp", "png", "jpeg"), default=None,
+                   help="mosaic file codec: bmp (default; lossless, a tile is read without decoding the rest), png "
+                   "(lossless, smaller, whole mosaics decoded), jpeg (lossy, smallest; tiles multiples of 16 px)")
+    p.add_argument("--quality", type=int, default=None, help="mosaic jpeg quality 1-100 (default 95)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (only once the new one is complete)")
     p.add_argument("--resume", action="store_true",
                    help="go on with an interrupted conversion of the same source and options (its finished "
@@ -229,16 +240,19 @@ def build_parser() -> argparse.ArgumentParser:
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--cold", action="store_true", help="cold page cache only")
     cache.add_argument("--warm", action="store_true", help="warm page cache only")
-    p.add_argument("--workers", type=_csv(int), default=(0, 2), metavar="N,..",
-                   help="DataLoader num_workers values for the loader level (default 0,2)")
+    p.add_argument("--workers", type=_csv(int), default=None, metavar="N,..",
+                   help="DataLoader num_workers values for the loader level (default: the usable cores, at most 8)")
     p.add_argument("--batch-size", type=int, default=64, help="loader batch size, also the read level's batch (default 64)")
     p.add_argument("--pin-memory", action="store_true", help="DataLoader pin_memory=True")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per measurement (default 3)")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N samples of each dataset")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N samples of each dataset, in its stored order (packed datasets are usually stored shuffled)")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffled orders")
-    p.add_argument("--block-size", type=parse_bytes, default=64 << 20, metavar="SIZE",
-                   help="block order: bytes per contiguous block (default 64MiB)")
-    p.add_argument("--open-blocks", type=int, default=2, help="block order: blocks shuffled together (default 2)")
+    p.add_argument("--block-size", type=parse_bytes, default=None, metavar="SIZE",
+                   help="block order: payload bytes per block (default: packer.sampler's, 16MB)")
+    p.add_argument("--open-blocks", type=int, default=None, metavar="N",
+                   help="block order: blocks shuffled together in a window (default: the sampler's, 8)")
+    p.add_argument("--run", type=int, default=None, metavar="N",
+                   help="block order: neighbours read together (default: the sampler's, 16)")
     p.add_argument("--ceiling-size", type=parse_bytes, default=256 << 20, metavar="SIZE",
                    help="size of the scratch file for the sequential-read ceiling (default 256MiB)")
     from packer.throttle import PRESETS
@@ -279,8 +293,9 @@ def cmd_convert(args) -> int:
             args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
             on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
             resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
-            compression=args.compression, overwrite=args.overwrite, resume=args.resume, progress=not args.quiet,
-            order=args.order, seed=args.seed, client=client,
+            compression=args.compression, tile=args.tile, grid=args.grid, codec=args.codec, quality=args.quality,
+            overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
+            client=client,
         )
     total = res.num_samples + len(res.errors)
     print(
@@ -322,6 +337,10 @@ def cmd_info(args) -> int:
         ("source", data["source"]),
         ("created", f"{data['created_at']} by {data['created_by']}"),
     ]
+    if data["format"] == "mosaic" and data["shards"] and data["shards"][0]["files"]:
+        from pathlib import Path
+
+        rows.append(("look at", f"{Path(args.dataset) / data['shards'][0]['files'][0]['name']} (one mosaic)"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
@@ -422,13 +441,18 @@ def cmd_bench(args) -> int:
 
         require_matplotlib()  # before minutes of measuring
     caches = ("cold",) if args.cold else ("warm",) if args.warm else ("cold", "warm")
+    workers = args.workers or (min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1),)
     options = BenchOptions(
-        levels=args.levels, orders=args.orders, caches=caches, workers=args.workers, batch_size=args.batch_size,
+        levels=args.levels, orders=args.orders, caches=caches, workers=workers, batch_size=args.batch_size,
         pin_memory=args.pin_memory, repeats=args.repeats, limit=args.limit, seed=args.seed,
-        block_bytes=args.block_size, open_blocks=args.open_blocks, ceiling_bytes=args.ceiling_size,
+        block_bytes=args.block_size, open_blocks=args.open_blocks, run=args.run, ceiling_bytes=args.ceiling_size,
         emulate=args.emulate, read_iops=args.read_iops, read_bps=args.read_bps,
     )
     report = run_bench(args.paths, options, log=None if args.quiet else print_progress)
+    if sys.argv[1:2] == ["bench"]:
+        import shlex
+
+        report["command"] = shlex.join(["packer", *sys.argv[1:]])
     if args.json == "-":
         print(json.dumps(report, indent=1))
     else:
@@ -442,6 +466,7 @@ def cmd_bench(args) -> int:
 
         plot_report(report, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
 
 
 def _bench_decoders(args) -> int:

@@ -30,7 +30,7 @@ import numpy as np
 from packer import __version__
 from packer.decode import DecodeError, decode
 from packer.errors import PackerError
-from packer.formats import get_format
+from packer.formats import FORMATS, get_format
 from packer.formats.base import PreparedSample
 from packer.headers import image_size
 from packer.index import Index
@@ -72,10 +72,14 @@ class ConvertOptions:
     decoder: str = "auto"
     order: Order = DEFAULT_ORDER  # sample order in the dataset: a seeded shuffle, or the scan's (ImageFolder's)
     seed: int = 0  # of the shuffled order
+    tile: str | None = None  # mosaic: "HxW" every image is resized to (implies --resize HxW)
+    grid: str | None = None  # mosaic: "RxC" tiles per mosaic (None: about 16 MB decoded)
+    codec: str | None = None  # mosaic: bmp (default), png or jpeg (lossy)
+    quality: int | None = None  # mosaic jpeg quality (default 95)
 
     @property
     def resize_spec(self) -> ResizeSpec | None:
-        return ResizeSpec.parse(self.resize, self.resize_mode, self.upscale)
+        return ResizeSpec.parse(self.tile or self.resize, self.resize_mode, self.upscale)
 
     def check(self) -> None:
         fmt = get_format(self.format)
@@ -83,12 +87,21 @@ class ConvertOptions:
             raise PackerError(f"unknown payload {self.payload!r} (choose from {', '.join(PAYLOADS)})")
         if self.payload not in fmt.PAYLOADS:
             raise PackerError(f"format {self.format!r} stores only {', '.join(sorted(fmt.PAYLOADS))} payloads")
+        if hasattr(fmt, "check_options"):
+            fmt.check_options(asdict(self))
         if self.validate not in ("full", "header", "none"):
             raise PackerError(f"unknown validation level {self.validate!r} (choose full, header or none)")
         if self.shard_bytes is not None and self.shard_bytes <= 0:
             raise PackerError("shard size must be positive")
+        for name, module in FORMATS.items():  # format-specific options (e.g. mosaic's --tile) stay with their format
+            for key in getattr(module, "OPTIONS", ()):
+                if name != self.format and getattr(self, key) is not None:
+                    raise PackerError(f"--{key} is an option of --to {name} only")
         if self.resize_spec is not None and self.payload != "raw":
             raise PackerError("--resize changes pixels, so it needs --payload raw (encoded payloads keep the source bytes)")
+        if self.tile is not None and self.resize is not None and \
+                ResizeSpec.parse(self.tile).fixed_shape != ResizeSpec.parse(self.resize).fixed_shape:
+            raise PackerError(f"--tile {self.tile} already sets the size; drop --resize {self.resize}")
         if self.compression is not None:
             offered = getattr(fmt, "COMPRESSIONS", frozenset())
             if self.compression not in offered:
@@ -202,12 +215,24 @@ def estimate_sample_bytes(scan: ScanResult, options: ConvertOptions, probes: int
     return float(np.mean(sizes)) if sizes else 1.0
 
 
-def plan_shards(num_files: int, mean_bytes: float, shard_bytes: int | None) -> list[tuple[int, int]]:
-    """Split source positions into (start, stop) runs of roughly ``shard_bytes`` each."""
+def plan_shards(num_files: int, mean_bytes: float, shard_bytes: int | None, multiple: int = 1) -> list[tuple[int, int]]:
+    """Split source positions into (start, stop) runs of roughly ``shard_bytes`` each.
+
+    ``multiple``: a format's natural unit (mosaic: tiles per mosaic); shards holding more than
+    one are rounded down to whole units, so only a shard's last unit can be partly filled.
+    """
     if shard_bytes is None:
         return [(0, num_files)]
     per_shard = max(1, int(shard_bytes // max(mean_bytes, 1.0)))
+    if per_shard > multiple > 1:
+        per_shard -= per_shard % multiple
     return [(s, min(s + per_shard, num_files)) for s in range(0, num_files, per_shard)]
+
+
+def shard_multiple(options: ConvertOptions) -> int:
+    """The format's natural unit of samples per shard (``shard_multiple(options)`` hook), else 1."""
+    hook = getattr(get_format(options.format), "shard_multiple", None)
+    return int(hook(asdict(options))) if hook is not None else 1
 
 
 def apply_order(scan: ScanResult, order: str, seed: int) -> ScanResult:
@@ -272,7 +297,7 @@ def convert(
     output: str | os.PathLike | None = None,
     *,
     to: str = "lmdb",
-    payload: str = "encoded",
+    payload: str | None = None,
     validate: Validate = "full",
     on_error: Literal["skip", "raise"] = "skip",
     workers: int | None = None,
@@ -281,6 +306,10 @@ def convert(
     resize_mode: str = "stretch",
     upscale: bool = False,
     compression: str | None = None,
+    tile: str | None = None,
+    grid: str | None = None,
+    codec: str | None = None,
+    quality: int | None = None,
     overwrite: bool = False,
     resume: bool = False,
     progress: bool = True,
@@ -292,10 +321,14 @@ def convert(
 
     With a Dask ``client`` the class folders are scanned and the shards written by the cluster's
     workers (packer.distributed; source and output on storage they share); the bytes are the same.
+    ``payload`` defaults to ``encoded`` where the format stores it, else ``raw`` (bmp, mosaic).
     """
+    if payload is None:
+        payload = "encoded" if "encoded" in get_format(to).PAYLOADS else "raw"
     options = ConvertOptions(format=to, payload=payload, validate=validate, shard_bytes=shard_bytes,
                              resize=None if resize is None else str(resize), resize_mode=resize_mode, upscale=upscale,
-                             compression=compression, order=order, seed=seed)
+                             compression=compression, order=order, seed=seed, tile=None if tile is None else str(tile),
+                             grid=None if grid is None else str(grid), codec=codec, quality=quality)
     options.check()
     if on_error not in ("skip", "raise"):
         raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
@@ -364,7 +397,7 @@ def _load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: Conv
     mean_bytes = estimate_sample_bytes(scan, options)
     check_free_space(out.parent, mean_bytes * len(scan))
     plan = {"options": recorded, "digest": digest, "source": str(scan.root), "num_files": len(scan),
-            "shards": plan_shards(len(scan), mean_bytes, options.shard_bytes)}
+            "shards": plan_shards(len(scan), mean_bytes, options.shard_bytes, shard_multiple(options))}
     partial.mkdir()
     write_plan(partial, plan)
     return plan

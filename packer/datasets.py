@@ -431,11 +431,20 @@ class BatchView(Dataset):
 
 
 def _format_dataset_class(fmt_name: str, class_name: str) -> type[PackedDataset]:
-    cls = type(class_name, (PackedDataset,), {
+    attrs: dict[str, Any] = {
         "FORMAT": fmt_name,
         "__doc__": f"A packed dataset of format {fmt_name!r} (see PackedDataset).",
         "__module__": __name__,
-    })
+    }
+    hook = getattr(FORMATS[fmt_name], "block_boundaries", None)
+    if hook is not None:  # the format's natural blocks (mosaic: one per mosaic), used by packer.sampler
+
+        def block_boundaries(self) -> np.ndarray:
+            """Sample indices where the format's natural blocks start, then len(self)."""
+            return hook(self.manifest)
+
+        attrs["block_boundaries"] = block_boundaries
+    cls = type(class_name, (PackedDataset,), attrs)
     cls.__qualname__ = class_name
     return cls
 

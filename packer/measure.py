@@ -15,9 +15,9 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -255,7 +255,7 @@ def decode_ceiling(samples: Sequence[bytes], backend: str, min_seconds: float = 
                 break
         seconds.append(dt)
         counts.append(n)
-    per = [c / s for c, s in zip(counts, seconds)]
+    per = [c / s for c, s in zip(counts, seconds, strict=False)]
     mean_kb = sum(len(s) for s in samples) / len(samples) / 1e3
     srt = sorted(per)
     return Rate(f"decode {backend} (1 core)", "img/s", float(np.median(per)), srt[0], srt[-1], seconds,

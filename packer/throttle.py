@@ -28,10 +28,10 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Sequence
 
 from packer.errors import PackerError
 from packer.measure import block_device_of
@@ -101,8 +101,10 @@ def _v2_has_io(root: Path) -> bool:
         return False
 
 
-def find_controller(v1_root: Path = V1_ROOT, v2_roots: Sequence[Path] = V2_ROOTS) -> Controller:
+def find_controller(v1_root: Path | None = None, v2_roots: Sequence[Path] | None = None) -> Controller:
     """The hierarchy that can throttle reads here, or ThrottleUnavailable saying why not."""
+    v1_root = Path(v1_root or V1_ROOT)
+    v2_roots = [Path(p) for p in (v2_roots or V2_ROOTS)]
     if not sys.platform.startswith("linux"):
         raise ThrottleUnavailable(f"storage emulation needs Linux's block-IO cgroup controller; this is {sys.platform}")
     if (v1_root / "blkio.throttle.read_iops_device").exists():
@@ -263,8 +265,8 @@ def throttled(
     paths: Sequence[str | os.PathLike],
     read_iops: int | None = None,
     read_bps: int | None = None,
-    v1_root: Path = V1_ROOT,
-    v2_roots: Sequence[Path] = V2_ROOTS,
+    v1_root: Path | None = None,
+    v2_roots: Sequence[Path] | None = None,
 ) -> Iterator[Throttle]:
     """Throttle this process's (and its future children's) reads from the devices holding ``paths``."""
     if not read_iops and not read_bps:
@@ -272,7 +274,7 @@ def throttled(
     for name, v in (("read IOPS", read_iops), ("read bytes/s", read_bps)):
         if v is not None and v < 0:
             raise PackerError(f"{name} limit must be positive, got {v}")
-    ctl = find_controller(Path(v1_root), [Path(p) for p in v2_roots])
+    ctl = find_controller(Path(v1_root or V1_ROOT), [Path(p) for p in (v2_roots or V2_ROOTS)])
     devices = devices_of(paths)
     stale = remove_stale(ctl)
     home = ctl.own_cgroup()

@@ -12,6 +12,7 @@ import numpy as np
 from packer.convert import ERRORS_NAME, ConvertOptions, SourceError, prepare
 from packer.datasets import open_dataset
 from packer.errors import PackerError
+from packer.formats import get_format
 from packer.manifest import read_manifest, sha256_file
 from packer.scan import scan_folder
 from packer.trust import inside
@@ -93,6 +94,16 @@ def _check_deep(ds, report: Report, progress: bool) -> None:
         report.checked["without a recorded shape"] = unknown
 
 
+def within(got: np.ndarray, want: np.ndarray, mean_bound: float = 0.0, max_bound: int = 0) -> bool:
+    """Same shape, and the absolute pixel error within the bounds ((0, 0): identical)."""
+    if got.shape != want.shape:
+        return False
+    if max_bound == 0:
+        return bool(np.array_equal(got, want))
+    err = np.abs(got.astype(np.int16) - want.astype(np.int16))
+    return bool(err.max() <= max_bound and err.mean() <= mean_bound)
+
+
 def _check_against(ds, src: Path, report: Report, progress: bool) -> None:
     """Every source file is packed identically (bytes, or Pillow's pixels for raw) or listed as an error."""
     from tqdm import tqdm
@@ -109,6 +120,8 @@ def _check_against(ds, src: Path, report: Report, progress: bool) -> None:
     packed = {p: i for i, p in enumerate(ds.index.rel_paths())}
     raw = ds.manifest.payload == "raw"
     options = ConvertOptions(**{**ds.manifest.options, "decoder": "pil"})  # the reference decode
+    error_bound = getattr(get_format(ds.manifest.format), "error_bound", lambda _options: (0.0, 0))
+    mean_bound, max_bound = error_bound(ds.manifest.options)  # (0, 0) unless the format is lossy (jpeg mosaics)
     for rel, label in tqdm(list(zip(scan.rel_paths, scan.labels.tolist())), unit="img", desc="verifying",
                            disable=not progress):
         i = packed.get(rel)
@@ -125,7 +138,7 @@ def _check_against(ds, src: Path, report: Report, progress: bool) -> None:
             continue
         if raw:
             expected = prepare(src, rel, label, options)
-            if isinstance(expected, SourceError) or not np.array_equal(ds.pixels(i), expected.payload):
+            if isinstance(expected, SourceError) or not within(ds.pixels(i), expected.payload, mean_bound, max_bound):
                 report.problems.append(f"{src / rel}: stored pixels differ from the source's decode")
         elif bytes(ds.read_payload(i)) != data:
             report.problems.append(f"{src / rel}: stored bytes differ from the source file")

@@ -69,9 +69,12 @@ def test_byte_identical_to_local_conversion(client, source, reference, tmp_path)
     assert not (out / STAGING_DIR).exists()
 
 
+FORMAT_NEEDS = {"mosaic": {"tile": "16x16", "grid": "2x2", "shard_bytes": 3_000}}  # options a format needs here
+
+
 @pytest.mark.parametrize("fmt", sorted(set(FORMATS) - {"lmdb"}))
 def test_every_format_is_byte_identical(client, source, tmp_path, fmt):
-    opts = dict(to=fmt, shard_bytes=SHARD, progress=False)
+    opts = {"to": fmt, "shard_bytes": SHARD, "progress": False, **FORMAT_NEEDS.get(fmt, {})}
     convert(source, tmp_path / "local", workers=0, **opts)
     convert(source, tmp_path / "dask", client=client, **opts)
     assert len(json.loads((tmp_path / "dask" / "manifest.json").read_text())["shards"]) >= 5

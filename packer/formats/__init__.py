@@ -15,6 +15,12 @@ A format module defines:
 
 Writers may receive fewer samples than ``num_samples`` (the rest failed validation).
 
+Optional: ``check_options(options)`` (refuse bad format options before any work),
+``error_bound(options) -> (mean, max)`` (absolute pixel error of a lossy format, (0, 0) = exact),
+``block_boundaries(manifest)`` (natural block starts + N for the block sampler, e.g. one per mosaic;
+the format's dataset class then has a ``block_boundaries()`` method),
+``shard_multiple(options)`` (plan shards in whole units of this many samples, e.g. one mosaic).
+
 Adding a format is one module here plus one line in ``FORMATS``.
 """
 
@@ -23,11 +29,13 @@ from __future__ import annotations
 from types import ModuleType
 
 from packer.errors import PackerError
+from packer.formats import bmp as _bmp
 from packer.formats import hdf5 as _hdf5
 from packer.formats import lmdb as _lmdb
 from packer.formats import memmap as _memmap
+from packer.formats import mosaic as _mosaic
 
-FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (_lmdb, _hdf5, _memmap)}
+FORMATS: dict[str, ModuleType] = {m.NAME: m for m in (_lmdb, _hdf5, _memmap, _bmp, _mosaic)}
 
 
 def get_format(name: str) -> ModuleType:

@@ -1,0 +1,461 @@
+"""Mosaic shards: images resized to one tile size and laid out row by row on a grid; each mosaic is one image file.
+
+| file                              | holds                                                    |
+|-----------------------------------|----------------------------------------------------------|
+| mosaic-<shard>-<n>.bmp/.png/.jpg  | one mosaic: up to rows x cols tiles of tile_h x tile_w,  |
+|                                   | sample k of the mosaic at row k // cols, column k % cols  |
+| mosaic-<shard>-<n>.jpg.rst.npy    | jpeg only: <i8 [n, 2] byte ranges of its restart intervals |
+
+Shard facts (manifest): ``tile`` [h, w], ``grid`` [rows, cols], ``codec``, ``quality`` and
+``samples_per_mosaic`` (one count per mosaic; the shard's files list the mosaics in order, then
+for jpeg their indexes): every mosaic is full except the last of a
+shard, which is cut after its last used row (unused cells of that row are black). One mosaic
+is one block of neighbouring samples for the block sampler (``block_boundaries``).
+
+Codecs: ``bmp`` (default; lossless, uncompressed, one tile is read from a memory map without
+touching the rest), ``png`` (lossless, smaller, but the whole mosaic is decoded for any tile:
+kept in a small per-process cache, so read it in block order), ``jpeg`` (explicit, lossy, the
+smallest; 4:4:4 with tiles on MCU boundaries and a restart marker per tile band, so one tile is
+cut out by copying its bytes and decoded alone, identical to decoding the whole mosaic: see
+``packer.jpegtiles``; each jpeg mosaic has its interval index beside it, ``<mosaic>.rst.npy``).
+The default grid makes one mosaic about 16 MB decoded.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import mmap
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from packer import bmpfile, jpegtiles
+from packer.decode import decode, turbojpeg_handle
+from packer.errors import PackerError
+from packer.formats.base import PreparedSample, advise_willneed
+from packer.manifest import Manifest, Shard
+
+NAME = "mosaic"
+DATASET_CLASS = "MosaicDataset"
+PAYLOADS = frozenset({"raw"})
+OPTIONS = ("tile", "grid", "codec", "quality")  # ConvertOptions fields only this format takes
+DEFAULT_SHARD_BYTES = 1 << 30  # resume granularity of a long conversion; shards hold whole mosaics
+CODECS = ("bmp", "png", "jpeg")
+DEFAULT_CODEC = "bmp"
+EXTENSIONS = {"bmp": "bmp", "png": "png", "jpeg": "jpg"}
+TARGET_MOSAIC_BYTES = 16 << 20  # decoded size the default grid aims at (8-32 MB)
+JPEG_MCU = 16  # tiles must be multiples of this for lossless crops, whatever the subsampling
+JPEG_MAX_SIDE = 65500
+# Decoded mosaics kept per reader and process (at least one), for the full-decode path only (png,
+# or jpeg with tile_read="full"): ~8 default mosaics, the block sampler's default open blocks.
+CACHE_BYTES = 160 << 20
+INDEX_SUFFIX = ".rst.npy"  # beside each jpeg mosaic: its restart intervals, int64 [n, 2] (packer.jpegtiles)
+_PNG_LEVEL = 1  # photos barely compress further at higher levels, which encode ~2x slower
+
+
+@dataclass(frozen=True)
+class Geometry:
+    tile_h: int
+    tile_w: int
+    rows: int
+    cols: int
+    codec: str
+    quality: int
+
+    @property
+    def cells(self) -> int:
+        return self.rows * self.cols
+
+    def origin(self, cell: int) -> tuple[int, int]:
+        """(top, left) pixel of cell ``cell`` in its mosaic."""
+        r, c = divmod(cell, self.cols)
+        return r * self.tile_h, c * self.tile_w
+
+    def shape(self, count: int) -> tuple[int, int, int]:
+        """Decoded shape of a mosaic holding ``count`` tiles (cut after its last used row)."""
+        return math.ceil(count / self.cols) * self.tile_h, self.cols * self.tile_w, 3
+
+
+def parse_hw(text: str, what: str) -> tuple[int, int]:
+    """'224x224' -> (224, 224)."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise PackerError(f"{what} {text!r}: expected HxW of positive integers, e.g. 224x224")
+    return int(m.group(1)), int(m.group(2))
+
+
+def default_grid(tile_h: int, tile_w: int) -> tuple[int, int]:
+    """Rows and columns making a roughly square mosaic of about TARGET_MOSAIC_BYTES decoded."""
+    cells = max(1, round(TARGET_MOSAIC_BYTES / (tile_h * tile_w * 3)))
+    cols = max(1, round(math.sqrt(cells * tile_h / tile_w)))
+    return max(1, round(cells / cols)), cols
+
+
+def geometry(options: Mapping) -> Geometry:
+    """The mosaic layout asked for by convert options (``tile``, ``grid``, ``codec``, ``quality``), checked."""
+    tile = options.get("tile") or options.get("resize")  # a fixed --resize HxW is the tile size too
+    if not tile or (not options.get("tile") and "x" not in str(tile).lower()):
+        raise PackerError("--to mosaic needs --tile HxW, the size every image is resized to (e.g. --tile 224x224)")
+    th, tw = parse_hw(tile, "--tile" if options.get("tile") else "--resize")
+    rows, cols = parse_hw(options["grid"], "--grid") if options.get("grid") else default_grid(th, tw)
+    codec = options.get("codec") or DEFAULT_CODEC
+    if codec not in CODECS:
+        raise PackerError(f"unknown mosaic codec {codec!r} (choose from {', '.join(CODECS)})")
+    if options.get("quality") is not None and codec != "jpeg":
+        raise PackerError(f"--quality is for --codec jpeg only ({codec} is lossless)")
+    quality = int(options.get("quality") or 95)
+    if not 1 <= quality <= 100:
+        raise PackerError(f"--quality {quality}: expected 1..100")
+    if codec == "jpeg":
+        if th % JPEG_MCU or tw % JPEG_MCU:
+            def near(v: int) -> str:
+                lo = max(JPEG_MCU, v // JPEG_MCU * JPEG_MCU)
+                return f"{lo}" if lo == v else f"{lo} or {lo + JPEG_MCU}"
+            raise PackerError(
+                f"--tile {th}x{tw}: with --codec jpeg tiles must be multiples of {JPEG_MCU} px so each tile "
+                f"can be cut out losslessly (height {near(th)}, width {near(tw)}), or use a lossless codec"
+            )
+        if rows * th > JPEG_MAX_SIDE or cols * tw > JPEG_MAX_SIDE:
+            raise PackerError(f"--grid {rows}x{cols} of {th}x{tw} tiles exceeds JPEG's {JPEG_MAX_SIDE} px limit")
+    return Geometry(th, tw, rows, cols, codec, quality)
+
+
+def check_options(options: Mapping) -> None:
+    """Called by ConvertOptions.check(): refuse a bad layout before any work starts."""
+    geometry(options)
+
+
+def shard_multiple(options: Mapping) -> int:
+    """Tiles per mosaic: convert plans shards of whole mosaics, so only a shard's last one is partly filled."""
+    return geometry(options).cells
+
+
+def error_bound(options: Mapping) -> tuple[float, int]:
+    """(mean, max) absolute pixel error a reader may show against the resize pipeline's output; (0, 0): exact.
+
+    For jpeg, empirical and generous: the error grows with libjpeg's quantisation-table scale s
+    (0.1 at quality 95, 0.2 at 90, 1 at 50); measured on photo, noise and edge tiles at 4:4:4 the
+    worst mean was ~0.5 + 28 s and the worst pixel ~5 + 227 s (tests/test_formats4.py checks the bound).
+    """
+    if (options.get("codec") or DEFAULT_CODEC) != "jpeg":
+        return 0.0, 0
+    q = int(options.get("quality") or 95)
+    s = (100 - q) / 50 if q >= 50 else 50 / max(q, 1)
+    return 1.0 + 32.0 * s, min(255, int(8 + 240 * s))
+
+
+def blocks(shard: Shard) -> list[tuple[int, int]]:
+    """(start, stop) positions inside ``shard`` of each of its mosaics, in order."""
+    counts = [int(c) for c in shard.facts.get("samples_per_mosaic", [])]
+    edges = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+def dataset_blocks(manifest: Manifest) -> list[tuple[int, int]]:
+    """(start, stop) dataset indices of every mosaic, in order."""
+    out, base = [], 0
+    for shard in manifest.shards:
+        out += [(base + a, base + b) for a, b in blocks(shard)]
+        base += shard.num_samples
+    return out
+
+
+def block_boundaries(manifest: Manifest) -> np.ndarray:
+    """Where each mosaic starts, then the sample count: the block sampler's ``blocks`` (one mosaic each).
+
+    ``MosaicDataset.block_boundaries()`` returns this, so ``packer.sampler`` picks it up by itself.
+    """
+    starts = [a for a, _b in dataset_blocks(manifest)]
+    return np.asarray(starts + [manifest.num_samples], dtype=np.int64)
+
+
+def encode(canvas: np.ndarray, geom: Geometry) -> bytes:
+    if geom.codec == "bmp":
+        return bmpfile.encode(canvas)
+    buf = io.BytesIO()
+    if geom.codec == "png":
+        Image.fromarray(canvas).save(buf, "PNG", compress_level=_PNG_LEVEL)
+    else:
+        # 4:4:4, baseline, a restart marker after each tile-wide band of 8 rows (see packer.jpegtiles)
+        Image.fromarray(canvas).save(buf, "JPEG", quality=geom.quality, subsampling=0,
+                                     restart_marker_blocks=geom.tile_w // 8)
+    return buf.getvalue()
+
+
+def expected_intervals(geom: Geometry, count: int) -> int:
+    """Restart intervals in a jpeg mosaic of ``count`` tiles: one per tile column per 8-pixel band."""
+    return geom.shape(count)[0] // 8 * geom.cols
+
+
+class Writer:
+    """Fills one mosaic at a time; writes it when full, and the last one, cut after its last row, on close."""
+
+    def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
+        if payload != "raw":
+            raise PackerError("the mosaic format stores decoded pixels: use --payload raw")
+        self.directory = Path(directory)
+        self.shard_id = shard_id
+        self.geom = geometry(options)
+        self._canvas: np.ndarray | None = None
+        self._filled = 0
+        self._counts: list[int] = []
+        self._names: list[str] = []
+        self._sidecars: list[str] = []  # jpeg: the restart-interval index of each mosaic
+
+    def add(self, sample: PreparedSample) -> None:
+        g = self.geom
+        px = sample.payload
+        if not isinstance(px, np.ndarray) or px.shape != (g.tile_h, g.tile_w, 3):
+            shape = getattr(px, "shape", None)
+            raise PackerError(f"{sample.rel_path}: a mosaic tile must be {g.tile_h}x{g.tile_w}x3, got {shape}")
+        if self._canvas is None:
+            self._canvas = np.zeros((g.rows * g.tile_h, g.cols * g.tile_w, 3), dtype=np.uint8)
+        top, left = g.origin(self._filled)
+        self._canvas[top : top + g.tile_h, left : left + g.tile_w] = px
+        self._filled += 1
+        if self._filled == g.cells:
+            self._flush()
+
+    def _flush(self) -> None:
+        assert self._canvas is not None
+        name = f"mosaic-{self.shard_id:05d}-{len(self._names):06d}.{EXTENSIONS[self.geom.codec]}"
+        used = self.geom.shape(self._filled)[0]
+        data = encode(np.ascontiguousarray(self._canvas[:used]), self.geom)
+        with open(self.directory / name, "xb") as fh:
+            fh.write(data)
+        self._names.append(name)
+        if self.geom.codec == "jpeg":
+            index = jpegtiles.restart_index(data, name)
+            if len(index) != expected_intervals(self.geom, self._filled):
+                import PIL
+
+                raise PackerError(f"{name}: the JPEG encoder wrote {len(index)} restart intervals, expected "
+                                  f"{expected_intervals(self.geom, self._filled)}: jpeg mosaics need Pillow >= 10.2 "
+                                  f"(restart markers), this is {PIL.__version__}")
+            np.save(self.directory / (name + INDEX_SUFFIX), index, allow_pickle=False)
+            self._sidecars.append(name + INDEX_SUFFIX)
+        self._counts.append(self._filled)
+        self._canvas[:] = 0
+        self._filled = 0
+
+    def close(self) -> tuple[list[str], dict]:
+        if self._filled:
+            self._flush()
+        g = self.geom
+        return self._names + self._sidecars, {"tile": [g.tile_h, g.tile_w], "grid": [g.rows, g.cols], "codec": g.codec,
+                                   "quality": g.quality, "samples_per_mosaic": list(self._counts)}
+
+    def abort(self) -> None:
+        for name in self._names + self._sidecars:
+            try:
+                os.remove(self.directory / name)
+            except OSError:
+                pass
+
+
+def _geometry_from_facts(shard: Shard, where: Path) -> Geometry:
+    f = shard.facts
+    try:
+        (th, tw), (rows, cols) = f["tile"], f["grid"]
+        geom = Geometry(int(th), int(tw), int(rows), int(cols), str(f["codec"]), int(f["quality"]))
+        counts = [int(c) for c in f["samples_per_mosaic"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise PackerError(f"{where}: mosaic shard facts are malformed ({type(exc).__name__}: {exc})") from None
+    if min(geom.tile_h, geom.tile_w, geom.rows, geom.cols) < 1 or geom.codec not in CODECS or (
+            geom.codec == "jpeg" and (geom.tile_h % JPEG_MCU or geom.tile_w % JPEG_MCU)):
+        raise PackerError(f"{where}: mosaic shard facts are malformed ({f.get('tile')}, {f.get('grid')})")
+    per_mosaic = 2 if geom.codec == "jpeg" else 1  # jpeg: mosaics, then their interval indexes
+    if len(counts) * per_mosaic != len(shard.files) or sum(counts) != shard.num_samples or any(not 1 <= c <= geom.cells
+                                                                                   for c in counts):
+        raise PackerError(f"{where}: mosaic counts {counts[:8]} do not match {len(shard.files)} files and "
+                          f"{shard.num_samples} samples")
+    return geom
+
+
+class Reader:
+    """Reads tiles of one shard's mosaics.
+
+    ``tile_read``: ``region`` (bmp: read only the tile's bytes from a memory map), ``segments``
+    (jpeg: copy the tile's restart intervals into a small JPEG and decode only that, see
+    ``packer.jpegtiles``), ``full`` (decode the whole mosaic, keep it in a small per-process LRU
+    cache, return the tile: cheap when neighbours follow, ruinous in uniform random order over
+    more mosaics than the cache holds), ``crop`` (jpeg: libjpeg-turbo's lossless crop, which
+    entropy-decodes the whole mosaic every time; falls back to ``full`` without libturbojpeg).
+    ``auto``: region for bmp, full for png (its only path), segments for jpeg.
+    """
+
+    def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential",
+                 tile_read: str = "auto", cache_bytes: int = CACHE_BYTES) -> None:
+        self.directory = Path(directory)
+        self.geom = _geometry_from_facts(shard, directory)
+        self.counts = [int(c) for c in shard.facts["samples_per_mosaic"]]
+        self.paths = [self.directory / f.name for f in shard.files[: len(self.counts)]]
+        self.index_paths = [self.directory / f.name for f in shard.files[len(self.counts):]]
+        self.starts = np.cumsum([0] + self.counts, dtype=np.int64)
+        allowed = {"bmp": ("region",), "png": ("full",), "jpeg": ("segments", "full", "crop")}[self.geom.codec]
+        if tile_read == "auto":  # the path that serves any order well; full decodes only pay off in block order
+            tile_read = allowed[0]
+        if tile_read not in allowed:
+            raise PackerError(f"tile_read={tile_read!r} does not suit {self.geom.codec} mosaics ({', '.join(allowed)})")
+        self.tile_read = tile_read
+        self.cache_bytes = cache_bytes
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()  # mosaic -> decoded pixels
+        self._maps: OrderedDict[int, tuple] = OrderedDict()  # mosaic -> (mmap, BMP header or interval index)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.update(_cache=OrderedDict(), _maps=OrderedDict(), _pid=None)
+        return state
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def locate(self, pos: int) -> tuple[int, int]:
+        """(mosaic number, cell inside it) of position ``pos``."""
+        if not 0 <= pos < len(self):
+            raise PackerError(f"{self.directory}: sample {pos} is not in this shard of {len(self)}")
+        m = int(np.searchsorted(self.starts, pos, side="right")) - 1
+        return m, pos - int(self.starts[m])
+
+    def read(self, pos: int) -> np.ndarray:
+        """Tile ``pos`` as a new HWC uint8 RGB array."""
+        if self._pid != os.getpid():
+            self._reset()  # a forked worker: start with empty caches of its own
+        m, cell = self.locate(pos)
+        g = self.geom
+        top, left = g.origin(cell)
+        if self.tile_read == "region":
+            buf, header = self._map(m)
+            return bmpfile.region(buf, header, top, left, g.tile_h, g.tile_w)
+        if self.tile_read == "segments":
+            buf, index = self._map(m)
+            first = top // 8 * g.cols + left // g.tile_w
+            data = jpegtiles.tile_jpeg(buf, index, first, g.tile_h // 8, g.cols, g.tile_h, g.tile_w, self.paths[m])
+            return self._decode_tile(data, m, cell)
+        if self.tile_read == "crop" and turbojpeg_handle() is not None:
+            try:
+                data = turbojpeg_handle().crop(self._read_file(m), left, top, g.tile_w, g.tile_h)
+            except OSError as exc:
+                raise PackerError(f"{self.paths[m]}: cannot cut tile {cell} out of the mosaic ({exc})") from exc
+            return self._decode_tile(data, m, cell)
+        return self._mosaic(m)[top : top + g.tile_h, left : left + g.tile_w].copy()
+
+    def read_many(self, positions: list[int]) -> list[np.ndarray]:
+        return [self.read(p) for p in positions]
+
+    def prefetch(self, positions: list[int]) -> None:
+        """Start reading what these tiles need in the background (see base.advise_willneed).
+
+        bmp: the tiles' row bands; jpeg segments: the tiles' restart intervals; otherwise
+        (whole mosaics are decoded) the whole files.
+        """
+        if self._pid != os.getpid():
+            self._reset()
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for pos in positions:
+            m, cell = self.locate(pos)
+            top, _left = self.geom.origin(cell)
+            if self.tile_read == "full" and m in self._cache:
+                continue
+            if self.tile_read in ("region", "segments"):
+                _buf, info = self._map(m)
+                if self.tile_read == "region":
+                    first = top if info.top_down else info.height - top - self.geom.tile_h
+                    start = info.offset + first * info.stride
+                    spans.setdefault(m, []).append((start, start + self.geom.tile_h * info.stride))
+                else:
+                    band = top // 8 * self.geom.cols
+                    last = band + (self.geom.tile_h // 8 - 1) * self.geom.cols + self.geom.cols - 1
+                    spans.setdefault(m, []).append((int(info[band, 0]), int(info[last, 1])))
+            else:
+                spans.setdefault(m, []).append((0, self.paths[m].stat().st_size))
+        for m, ranges in spans.items():
+            fd = os.open(self.paths[m], os.O_RDONLY)
+            try:
+                advise_willneed(fd, ranges)
+            finally:
+                os.close(fd)
+
+    def _decode_tile(self, data: bytes, m: int, cell: int) -> np.ndarray:
+        try:
+            tile = decode(data, "auto", strict=True)
+        except PackerError as exc:
+            raise PackerError(f"{self.paths[m]}: cannot decode tile {cell} of the mosaic ({exc})") from exc
+        return self._checked(tile, (self.geom.tile_h, self.geom.tile_w, 3), m)
+
+    def _read_file(self, m: int) -> bytes:
+        try:
+            with open(self.paths[m], "rb") as fh:
+                return fh.read()
+        except OSError as exc:
+            raise PackerError(f"{self.paths[m]}: cannot read mosaic ({exc.strerror or exc})") from exc
+
+    def _checked(self, pixels: np.ndarray, shape: tuple, m: int) -> np.ndarray:
+        if pixels.shape != shape:
+            raise PackerError(f"{self.paths[m]}: decoded to {pixels.shape}, the manifest says {shape}")
+        return pixels
+
+    def _map(self, m: int) -> tuple:
+        """The mosaic's file mapped read-only, with its BMP header (bmp) or restart-interval index (jpeg)."""
+        if m in self._maps:
+            self._maps.move_to_end(m)
+            return self._maps[m]
+        path = self.paths[m]
+        try:
+            with open(path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        except OSError as exc:
+            raise PackerError(f"{path}: cannot read mosaic ({exc.strerror or exc})") from exc
+        shape = self.geom.shape(self.counts[m])
+        if self.geom.codec == "bmp":
+            info = bmpfile.parse_header(buf[: bmpfile.HEADER_BYTES], size, path)
+            if (info.height, info.width, 3) != shape:
+                raise PackerError(f"{path}: a {info.height}x{info.width} BMP, the manifest says {shape}")
+        else:
+            info = self._load_index(m, size)
+        self._maps[m] = (buf, info)
+        while len(self._maps) > 16:
+            self._maps.popitem(last=False)  # dropped, not closed: tiles handed out may still view it
+        return buf, info
+
+    def _load_index(self, m: int, size: int) -> np.ndarray:
+        path = self.index_paths[m]
+        try:
+            index = np.load(path, allow_pickle=False)
+        except (OSError, ValueError, EOFError) as exc:
+            raise PackerError(f"{path}: cannot read the mosaic's tile index ({exc})") from exc
+        n = expected_intervals(self.geom, self.counts[m])
+        if index.shape != (n, 2) or index.dtype != np.dtype("<i8") or (n and (
+                index.min() < 0 or index.max() > size or np.any(index[:, 0] > index[:, 1]))):
+            raise PackerError(f"{path}: tile index does not describe {self.paths[m].name} "
+                              f"({index.dtype} {index.shape}, expected <i8 ({n}, 2) within {size} bytes)")
+        return index
+
+    def _mosaic(self, m: int) -> np.ndarray:
+        if m in self._cache:
+            self._cache.move_to_end(m)
+            return self._cache[m]
+        data = self._read_file(m)
+        try:
+            pixels = decode(data, "auto", strict=True)
+        except PackerError as exc:
+            raise PackerError(f"{self.paths[m]}: cannot decode mosaic ({exc})") from exc
+        self._cache[m] = self._checked(pixels, self.geom.shape(self.counts[m]), m)
+        while len(self._cache) > 1 and sum(a.nbytes for a in self._cache.values()) > self.cache_bytes:
+            self._cache.popitem(last=False)
+        return pixels
+
+    def close(self) -> None:
+        self._reset()
