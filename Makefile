@@ -52,10 +52,16 @@ lint: install
 demo: install
 	@mkdir -p $(DEMO)
 	@test -d $(DEMO)/imgs || $(BIN)/packer sample $(DEMO)/imgs --count 2000 --classes 10
-	$(BIN)/packer convert $(DEMO)/imgs --to lmdb --overwrite
+	$(BIN)/packer convert $(DEMO)/imgs --to lmdb --overwrite -q
+	$(BIN)/packer convert $(DEMO)/imgs --to hdf5 --overwrite -q
+	$(BIN)/packer convert $(DEMO)/imgs --to memmap --overwrite -q
+	$(BIN)/packer convert $(DEMO)/imgs --to bmp --resize 256 --overwrite -q
+	$(BIN)/packer convert $(DEMO)/imgs --to mosaic --tile 224x224 --overwrite -q
 	$(BIN)/packer info $(DEMO)/imgs.lmdb
-	$(BIN)/packer verify $(DEMO)/imgs.lmdb --against $(DEMO)/imgs
-	$(BIN)/packer bench $(DEMO)/imgs $(DEMO)/imgs.lmdb --levels read,decode --orders shuffle,block --repeats 1 --limit 500 -q
+	$(BIN)/packer verify $(DEMO)/imgs.lmdb --against $(DEMO)/imgs -q
+	$(BIN)/packer bench $(DEMO)/imgs $(DEMO)/imgs.lmdb $(DEMO)/imgs.hdf5 $(DEMO)/imgs.memmap $(DEMO)/imgs.bmp \
+	  $(DEMO)/imgs.mosaic --levels read,decode --orders shuffle,block --repeats 1 -q \
+	  --json $(DEMO)/bench.json --plot $(DEMO)/bench.png
 
 # examples/bench_report.md (+ bench*.png, bench*.json): sample set -> every format -> packer bench,
 # as is and under an emulated hard disk (root). Run on a quiet machine; takes several minutes.

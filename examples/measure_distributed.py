@@ -23,8 +23,8 @@ import tempfile
 from pathlib import Path
 
 from packer import convert
-from packer.cli import parse_bytes
 from packer.distributed import open_client
+from packer.units import parse_bytes
 
 
 def _warm_up() -> None:

@@ -44,8 +44,8 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from packer import sysinfo
-from packer.cli import human_bytes
 from packer.errors import PackerError
+from packer.units import human_bytes
 
 MODES = ("ram", "ram-decoded")
 PREFIX = "packer-cache-"

@@ -8,29 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import textwrap
 
 from packer.errors import PackerError
-
-
-def parse_bytes(text: str) -> int:
-    """'1GB', '512MB', '64k', '1000' -> bytes (decimal units; KiB/MiB/GiB are binary)."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MB, 1GB, 2GiB)")
-    num, unit, binary = float(m.group(1)), m.group(2).lower(), m.group(3)
-    base = 1024 if binary else 1000
-    return int(num * base ** "_kmgt".index(unit or "_"))
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
+from packer.units import human_bytes, parse_bytes
 
 
 def _parser(sub, name: str, help: str, examples: str, description: str = "") -> argparse.ArgumentParser:
@@ -307,40 +289,14 @@ def cmd_convert(args) -> int:
     return 1 if res.errors else 0
 
 
-def info_summary(path) -> dict:
-    from packer.manifest import read_manifest
-
-    m = read_manifest(path)
-    from dataclasses import asdict
-
-    data = asdict(m)
-    data["total_bytes"] = sum(f.num_bytes for f in m.all_files())
-    return data
-
-
 def cmd_info(args) -> int:
-    data = info_summary(args.dataset)
+    from packer.info import dataset_info, info_rows
+
+    data = dataset_info(args.dataset)
     if args.json:
         print(json.dumps(data, indent=1, ensure_ascii=False))
         return 0
-    classes = data["classes"]
-    shown = ", ".join(classes[:8]) + (f", ... ({len(classes)} in all)" if len(classes) > 8 else "")
-    rows = [
-        ("dataset", str(args.dataset)),
-        ("format", data["format"]),
-        ("payload", data["payload"] + (" (original file bytes)" if data["payload"] == "encoded" else " (HWC uint8 RGB)")),
-        ("samples", f"{data['num_samples']:,}"),
-        ("classes", f"{len(classes)}: {shown}" if classes else "none (flat folder, label -1)"),
-        ("shards", f"{len(data['shards'])}, {human_bytes(data['total_bytes'])} in all"),
-        ("not packed", f"{data['num_errors']} (see errors.json)" if data["num_errors"] else "0"),
-        ("options", ", ".join(f"{k}={v}" for k, v in data["options"].items())),
-        ("source", data["source"]),
-        ("created", f"{data['created_at']} by {data['created_by']}"),
-    ]
-    if data["format"] == "mosaic" and data["shards"] and data["shards"][0]["files"]:
-        from pathlib import Path
-
-        rows.append(("look at", f"{Path(args.dataset) / data['shards'][0]['files'][0]['name']} (one mosaic)"))
+    rows = info_rows(args.dataset, data)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

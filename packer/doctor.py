@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from packer import measure, sysinfo
-from packer.cli import human_bytes
 from packer.scan import IMG_EXTENSIONS
+from packer.units import human_bytes
 
 NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "9p", "afs", "beegfs", "gpfs",
               "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs", "virtiofs"}
