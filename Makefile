@@ -40,6 +40,11 @@ REQUIRE_TURBOJPEG = $(if $(CI),--require-turbojpeg,$(shell ldconfig -p 2>/dev/nu
 test: install
 	$(BIN)/python -m pytest -q $(REQUIRE_TURBOJPEG)
 
+# The seeded fuzz test of tests/test_fuzz.py with many more cases (make test runs 120 per format and payload).
+FUZZ_CASES ?= 5000
+fuzz: install
+	$(BIN)/python -m pytest -q -s tests/test_fuzz.py --fuzz-cases $(FUZZ_CASES)
+
 lint: install
 	$(BIN)/ruff check packer tests examples
 

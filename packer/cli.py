@@ -112,11 +112,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = _parser(sub, "verify", "check a packed dataset (exit 1 on any problem)", """
         packer verify imgs.lmdb                    # files present, checksums, counts
         packer verify imgs.lmdb --against imgs/    # and every source file packed identically or reported
+        packer verify imgs.lmdb --deep             # and decode every sample, shapes as recorded
         """)
     p.add_argument("dataset")
+    p.add_argument("--deep", action="store_true",
+                   help="also decode every sample (strictly) and check it against the stored shape")
     p.add_argument("--against", metavar="SRC", help="the source folder to compare with")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_verify)
+
+    p = _parser(sub, "extract", "write a packed dataset's images back as files", """
+        packer extract imgs.lmdb restored/               # restored/<class>/<file>, byte-identical
+        packer extract imgs.lmdb restored/ --overwrite   # replace files that exist already
+        """, description="Write every sample back under its original relative path inside DIR: the original "
+        "bytes for encoded payloads; PNG (lossless pixels, extension changed to .png) for raw payloads. "
+        "Paths that would land outside DIR are refused, and so are existing files unless --overwrite.")
+    p.add_argument("dataset")
+    p.add_argument("dir", help="destination folder (created if missing)")
+    p.add_argument("--overwrite", action="store_true", help="replace files that exist already")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_extract)
 
     p = _parser(sub, "sample", "generate a folder of photo-like JPEGs to try packer on", """
         packer sample imgs/ --count 2000 --classes 10
@@ -291,7 +306,7 @@ def cmd_info(args) -> int:
 def cmd_verify(args) -> int:
     from packer.verify import verify
 
-    report = verify(args.dataset, against=args.against, progress=not args.quiet)
+    report = verify(args.dataset, against=args.against, progress=not args.quiet, deep=args.deep)
     checked = ", ".join(f"{v} {k}" for k, v in report.checked.items())
     if report.ok:
         print(f"ok: {args.dataset} ({checked})")
@@ -302,6 +317,17 @@ def cmd_verify(args) -> int:
         print(f"... and {len(report.problems) - 50} more")
     print(f"FAILED: {len(report.problems)} problems in {args.dataset}")
     return 1
+
+
+def cmd_extract(args) -> int:
+    from packer.extract import extract
+
+    res = extract(args.dataset, args.dir, overwrite=args.overwrite, progress=not args.quiet)
+    print(f"wrote {res.num_files} files ({human_bytes(res.num_bytes)}) to {res.output}")
+    if res.as_png:
+        print("raw payload: images written as PNG (the stored pixels, losslessly); names end in .png "
+              "instead of the original extension")
+    return 0
 
 
 def cmd_sample(args) -> int:

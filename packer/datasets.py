@@ -19,11 +19,13 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, get_worker_info
 
-from packer.decode import BACKENDS, check_min_size, decode
+from packer.decode import BACKENDS, DecodeError, check_min_size, decode
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
+from packer.headers import image_size
 from packer.index import Index, shard_starts
 from packer.manifest import Manifest, read_manifest
+from packer.trust import DATA_ERRORS, reading
 
 ImageKind = Literal["pil", "numpy", "tensor"]
 Access = Literal["auto", "sequential", "random"]
@@ -72,7 +74,7 @@ class PackedDataset(Dataset):
         """``decode_size=S``: decode JPEGs at the smallest DCT scale (1/2, 1/4, 1/8) whose short side
         is still >= S (faster, not pixel-identical to full-size decoding; encoded payloads only)."""
         self.root = Path(path)
-        self.manifest = read_manifest(self.root)
+        self.manifest, self.index, self._file_ids = _open_consistent(self.root)
         if self.FORMAT is not None and self.manifest.format != self.FORMAT:
             raise PackerError(
                 f"{self.root}: holds format {self.manifest.format!r}, not {self.FORMAT!r} "
@@ -87,12 +89,14 @@ class PackedDataset(Dataset):
         self.image = image
         self.decoder = decoder
         self.decode_size = check_min_size(decode_size)
-        self.index = Index.load(self.root, self.manifest.num_samples)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         fmt = get_format(self.manifest.format)
         self.access = resolve_access(access, self.manifest)
-        self._readers = [fmt.Reader(self.root, s, self.manifest.payload, access=self.access) for s in self.manifest.shards]
+        with reading(f"{self.root}: opening shards"):
+            self._readers = [fmt.Reader(self.root, s, self.manifest.payload, access=self.access)
+                             for s in self.manifest.shards]
+        self._ids_checked = [0] * len(self.manifest.shards)  # pid that last checked each shard
         self._starts = shard_starts([s.num_samples for s in self.manifest.shards])
         self._path_to_index: dict[str, int] | None = None
 
@@ -137,7 +141,8 @@ class PackedDataset(Dataset):
         for shard in np.unique(shard_of):
             reader = self._readers[shard]
             if hasattr(reader, "prefetch"):
-                reader.prefetch((idx[shard_of == shard] - self._starts[shard]).tolist())
+                with reading(self._where(shard)):
+                    reader.prefetch((idx[shard_of == shard] - self._starts[shard]).tolist())
 
     def index_of(self, rel_path: str) -> int:
         """Position of the sample packed from ``rel_path`` (relative to the converted folder)."""
@@ -173,7 +178,32 @@ class PackedDataset(Dataset):
 
     def _read_one(self, i: int):
         shard, pos = self.locate(i)
-        return self._readers[shard].read(pos)
+        with reading(self._where(shard, i)):
+            buf = self._readers[shard].read(pos)
+        self._check_read(shard, i, buf)
+        return buf
+
+    def _where(self, shard: int, i: int | None = None) -> str:
+        name = self.root / self.manifest.shards[shard].files[0].name
+        return f"{name}" if i is None else f"{name}: sample {i}"
+
+    def _check_read(self, shard: int, i: int, buf) -> None:
+        """Checks every read passes, whatever the format: the payload has the size the index
+        records, and the shard's files are still those this dataset was opened on."""
+        self._check_same_files(shard)
+        size = buf.nbytes if isinstance(buf, (np.ndarray, memoryview)) else len(buf)
+        if size != int(self.index.nbytes[i]):
+            raise PackerError(f"{self._where(shard, i)}: {size} bytes read, the index says "
+                              f"{int(self.index.nbytes[i])} (damaged dataset)")
+
+    def _check_same_files(self, shard: int) -> None:
+        """Once per process and shard, after its reader opened: the files are those this dataset was opened on."""
+        if self._ids_checked[shard] != os.getpid():
+            for f, recorded in zip(self.manifest.shards[shard].files, self._file_ids[shard]):
+                if _file_id(self.root / f.name) != recorded:
+                    raise PackerError(f"{self.root / f.name}: replaced since this dataset was opened "
+                                      "(a new conversion?); open the dataset again")
+            self._ids_checked[shard] = os.getpid()
 
     def read_payload(self, i: int):
         """The stored payload of sample ``i``: encoded bytes, or raw pixel bytes/array."""
@@ -188,20 +218,49 @@ class PackedDataset(Dataset):
             where = np.nonzero(shard_of == shard)[0]
             where = where[np.argsort(idx[where], kind="stable")]
             positions = (idx[where] - self._starts[shard]).tolist()
-            for j, buf in zip(where.tolist(), self._readers[shard].read_many(positions)):
+            with reading(self._where(shard)):
+                bufs = self._readers[shard].read_many(positions)
+            if len(bufs) != len(positions):
+                raise PackerError(f"{self._where(shard)}: {len(bufs)} samples read, {len(positions)} asked")
+            for j, buf in zip(where.tolist(), bufs):
+                self._check_read(int(shard), int(idx[j]), buf)
                 out[j] = buf
         return out
 
-    def pixels(self, i: int, payload=None) -> np.ndarray:
-        """Sample ``i`` as HWC uint8 RGB, decoding encoded payloads."""
+    def pixels(self, i: int, payload=None, strict: bool = False) -> np.ndarray:
+        """Sample ``i`` as HWC uint8 RGB, decoding encoded payloads.
+
+        ``strict``: a decoder warning (e.g. a truncated JPEG, which Pillow pads with grey) is an
+        error too, as in conversion's full validation (``packer verify --deep`` uses it).
+        """
         buf = self._read_one(i) if payload is None else payload
-        if self.manifest.payload == "encoded":
-            return decode(buf, self.decoder, strict=False, min_size=self.decode_size)
         h, w = int(self.index.heights[i]), int(self.index.widths[i])
+        if self.manifest.payload == "encoded":
+            return self._decode(i, buf, h, w, strict)
         arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
         if arr.size != h * w * 3:
             raise PackerError(f"{self.root}: sample {i} holds {arr.size} bytes, expected {h}x{w}x3")
         return arr.reshape(h, w, 3)
+
+    def _decode(self, i: int, buf, h: int, w: int, strict: bool = False) -> np.ndarray:
+        """Decode sample ``i``; any failure of a codec on damaged bytes is a DecodeError naming the sample.
+
+        The header is checked against the index first, so a damaged header can't make the
+        decoder allocate an image far larger than the one that was packed.
+        """
+        where = f"{self.root}: sample {i} ({self.index.rel_path(i)})"
+        try:
+            hh, ww = image_size(buf)
+            if (h or w) and (hh, ww) != (h, w):
+                raise DecodeError(f"image header says {hh}x{ww}, the index says {h}x{w} (damaged)")
+            limit = Image.MAX_IMAGE_PIXELS
+            if not (h or w) and limit and hh * ww > 2 * limit:  # size unknown (--validate none): Pillow's bound
+                raise DecodeError(f"image header says {hh}x{ww}, beyond Pillow's decompression-bomb limit")
+            return decode(buf, self.decoder, strict=strict, min_size=self.decode_size)
+        except DecodeError as exc:
+            raise DecodeError(f"{where}: {exc}") from exc
+        except DATA_ERRORS as exc:
+            raise DecodeError(f"{where}: cannot decode ({type(exc).__name__}: {exc})") from exc
 
     def _finish(self, i: int, payload) -> tuple[Any, Any]:
         return self.present(i, self.pixels(i, payload))
@@ -260,6 +319,9 @@ class PackedDataset(Dataset):
                     f"{self.root}: get_batch needs images of one shape, this batch has {len(shapes)} "
                     f"(e.g. {sorted(shapes)[:2]}); convert with --payload raw --resize HxW")
             shape = pixels[0].shape if pixels else (0, 0, 3)
+        elif np.any(self.index.heights[idx] != shape[0]) or np.any(self.index.widths[idx] != shape[1]):
+            raise PackerError(f"{self.root}: shards say every image is {shape[0]}x{shape[1]}, the index disagrees "
+                              "(damaged dataset)")
         images = out if out is not None else _new_batch((len(idx), *shape))
         if tuple(images.shape) != (len(idx), *shape) or images.dtype != torch.uint8 or not images.is_contiguous():
             raise PackerError(f"out: expected a contiguous uint8 tensor {(len(idx), *shape)}, got "
@@ -276,7 +338,9 @@ class PackedDataset(Dataset):
             for shard, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
                 if hi > lo:
                     positions = (ordered[lo:hi] - self._starts[shard]).tolist()
-                    self._readers[shard].read_into(positions, buf[lo:hi])
+                    with reading(self._where(shard)):
+                        self._readers[shard].read_into(positions, buf[lo:hi])
+                    self._check_same_files(shard)
             if not in_order:
                 arr[order] = buf
         labels = torch.from_numpy(self.index.labels[idx].astype(np.int64))
@@ -289,6 +353,48 @@ class PackedDataset(Dataset):
     def close(self) -> None:
         for r in self._readers:
             r.close()
+
+
+def _open_consistent(root: Path) -> tuple[Manifest, Index, list[list[tuple[int, int]]]]:
+    """Manifest, index and the identity of every shard file, all from one version of the dataset.
+
+    ``convert --overwrite`` swaps a whole new directory in: if the directory changed while
+    these were read, read them again. The file identities let readers, which open lazily,
+    refuse files that were replaced after this point instead of reading them with this index.
+    """
+    for _ in range(5):
+        before = _dir_id(root)
+        try:
+            manifest = read_manifest(root)
+            manifest.check_files(root)
+            index = Index.load(root, manifest.num_samples, files=manifest.meta_files,
+                               num_classes=len(manifest.classes))
+            file_ids = [[_file_id(root / f.name) for f in s.files] for s in manifest.shards]
+        except PackerError:
+            if _dir_id(root, missing_ok=True) not in (before, None):
+                continue  # swapped while being read: files vanished or changed under us, read the new one
+            raise
+        if _dir_id(root) == before:
+            return manifest, index, file_ids
+    raise PackerError(f"{root}: replaced again and again while being opened; try again later")
+
+
+def _dir_id(path: Path, missing_ok: bool = False) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if missing_ok:
+            return None
+        raise PackerError(f"{path}: {exc.strerror or exc}") from None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
+def _file_id(path: Path) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise PackerError(f"{path}: {exc.strerror or exc}") from None
+    return st.st_dev, st.st_ino
 
 
 def _new_batch(shape: tuple[int, ...]) -> torch.Tensor:

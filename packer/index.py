@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from packer.errors import PackerError
+from packer.manifest import sha256_file
+from packer.trust import check_offsets, inside, load_npy
 
 META_DIR = "meta"
 DTYPES = {
@@ -33,6 +35,7 @@ DTYPES = {
     "path_blob": "u1",
     "path_offsets": "<i8",
 }
+MAX_SIDE = 1 << 20  # no real image has a side of a million pixels: larger values are damage
 
 
 @dataclass
@@ -83,31 +86,54 @@ class Index:
         return names
 
     @classmethod
-    def load(cls, directory: Path, num_samples: int) -> Index:
+    def load(cls, directory: Path, num_samples: int, files: list | None = None, num_classes: int | None = None) -> Index:
+        """Load and check ``meta/*.npy``; ``files`` (the manifest's ``meta_files``) adds size and sha256 checks.
+
+        The dataset may be crafted: each file must stay inside ``directory``, match its
+        checksum, and hold exactly the dtype and length expected before anything is allocated.
+        """
+        listed = {f.name: f for f in files} if files is not None else None
         arrays = {}
         for f in fields(cls):
-            path = directory / META_DIR / f"{f.name}.npy"
-            try:
-                arr = np.load(path, allow_pickle=False, mmap_mode=None)
-            except (OSError, ValueError, EOFError) as exc:
-                raise PackerError(f"{path}: cannot read sample metadata ({exc})") from exc
-            if arr.ndim != 1 or arr.dtype != np.dtype(DTYPES[f.name]):
-                raise PackerError(f"{path}: expected a 1-D {DTYPES[f.name]} array, found {arr.dtype} {arr.shape}")
-            arrays[f.name] = arr
+            name = f"{META_DIR}/{f.name}.npy"
+            path = inside(directory, name)
+            if listed is not None:
+                info = listed.get(name)
+                if info is None:
+                    raise PackerError(f"{directory}: the manifest does not list {name}")
+                try:
+                    same = path.stat().st_size == info.num_bytes and sha256_file(path) == info.sha256
+                except OSError as exc:
+                    raise PackerError(f"{path}: cannot read ({exc.strerror or exc})") from None
+                if not same:
+                    raise PackerError(f"{path}: size or checksum differs from the manifest (damaged or modified)")
+            # Bound the length before loading: N entries per-sample array, N+1 offsets, blob <= file size.
+            limit = {"path_offsets": num_samples + 1, "path_blob": None}.get(f.name, num_samples)
+            arrays[f.name] = load_npy(path, DTYPES[f.name], ndim=1, max_items=limit)
         index = cls(**arrays)
-        index.check(directory, num_samples)
+        index.check(directory, num_samples, num_classes)
         return index
 
-    def check(self, directory: Path, num_samples: int) -> None:
+    def check(self, directory: Path, num_samples: int, num_classes: int | None = None) -> None:
+        """Lengths match the manifest, offsets describe the path blob, values are in range."""
         where = directory / META_DIR
         for name in ("labels", "heights", "widths", "nbytes"):
             if len(getattr(self, name)) != num_samples:
                 raise PackerError(f"{where}/{name}.npy: {len(getattr(self, name))} entries, manifest says {num_samples}")
-        off = self.path_offsets
-        if len(off) != num_samples + 1 or off[0] != 0 or off[-1] != len(self.path_blob) or np.any(np.diff(off) < 0):
-            raise PackerError(f"{where}/path_offsets.npy: offsets do not describe path_blob.npy")
+        check_offsets(self.path_offsets, len(self.path_blob), f"{where}/path_offsets.npy", count=num_samples)
         if np.any(self.nbytes < 0) or np.any(self.heights < 0) or np.any(self.widths < 0):
             raise PackerError(f"{where}: negative sizes in sample metadata")
+        if np.any(self.heights > MAX_SIDE) or np.any(self.widths > MAX_SIDE):
+            raise PackerError(f"{where}: image sides above {MAX_SIDE} in sample metadata")
+        if num_classes is not None and len(self.labels):
+            low, high = int(self.labels.min()), int(self.labels.max())
+            if low < -1 or high >= num_classes:
+                raise PackerError(f"{where}/labels.npy: labels from {low} to {high}, "
+                                  f"but the dataset has {num_classes} classes")
+        try:
+            self.path_blob.tobytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PackerError(f"{where}/path_blob.npy: not UTF-8 ({exc})") from None
 
 
 def shard_starts(counts: list[int]) -> np.ndarray:

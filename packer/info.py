@@ -21,7 +21,7 @@ def dataset_info(path: str | os.PathLike) -> dict[str, Any]:
     data = asdict(manifest)
     data["total_bytes"] = sum(f.num_bytes for f in manifest.all_files())
     data["num_files"] = len(manifest.all_files())
-    index = Index.load(root, manifest.num_samples)
+    index = Index.load(root, manifest.num_samples, files=manifest.meta_files, num_classes=len(manifest.classes))
     if len(index):
         counts = np.bincount(index.labels[index.labels >= 0], minlength=len(manifest.classes))
         known = (index.heights > 0) & (index.widths > 0)

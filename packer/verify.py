@@ -15,6 +15,7 @@ from packer.errors import PackerError
 from packer.formats import get_format
 from packer.manifest import read_manifest, sha256_file
 from packer.scan import scan_folder
+from packer.trust import inside
 
 
 @dataclass
@@ -27,8 +28,13 @@ class Report:
         return not self.problems
 
 
-def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, progress: bool = False) -> Report:
-    """Every check ``packer verify`` runs; problems are collected, not raised."""
+def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, progress: bool = False,
+           deep: bool = False) -> Report:
+    """Every check ``packer verify`` runs; problems are collected, not raised.
+
+    ``deep``: also decode every sample (strictly, as conversion's full validation does) and
+    check its shape against the stored heights and widths.
+    """
     root = Path(path)
     report = Report()
     try:
@@ -38,9 +44,12 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
         return report
     for info in manifest.all_files():
         file = root / info.name
-        if not file.is_file():
-            report.problems.append(f"{file}: missing")
-        elif file.stat().st_size != info.num_bytes:
+        try:
+            inside(root, info.name)  # no symlink out of the dataset: verify reads nothing else either
+        except PackerError as exc:
+            report.problems.append(str(exc))
+            continue
+        if file.stat().st_size != info.num_bytes:
             report.problems.append(f"{file}: {file.stat().st_size} bytes, manifest says {info.num_bytes}")
         elif sha256_file(file) != info.sha256:
             report.problems.append(f"{file}: checksum mismatch (damaged or modified)")
@@ -53,9 +62,36 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
         report.problems.append(str(exc))
         return report
     report.checked["samples"] = len(ds)
-    if against is not None:
-        _check_against(ds, Path(against), report, progress)
+    try:
+        if deep:
+            _check_deep(ds, report, progress)
+        if against is not None:
+            _check_against(ds, Path(against), report, progress)
+    finally:
+        ds.close()
     return report
+
+
+def _check_deep(ds, report: Report, progress: bool) -> None:
+    """Decode every sample; its shape must be the one the index records."""
+    from tqdm import tqdm
+
+    unknown = 0
+    for i in tqdm(range(len(ds)), unit="img", desc="decoding", disable=not progress):
+        try:
+            arr = ds.pixels(i, strict=True)
+        except PackerError as exc:
+            report.problems.append(str(exc))
+            continue
+        h, w = int(ds.index.heights[i]), int(ds.index.widths[i])
+        if h == 0 and w == 0:
+            unknown += 1  # converted with --validate none: no shape was recorded
+        elif arr.shape != (h, w, 3):
+            report.problems.append(f"{ds.root}: sample {i} ({ds.index.rel_path(i)}) decodes to "
+                                   f"{arr.shape[0]}x{arr.shape[1]}, the index says {h}x{w}")
+    report.checked["decoded"] = len(ds)
+    if unknown:
+        report.checked["without a recorded shape"] = unknown
 
 
 def within(got: np.ndarray, want: np.ndarray, mean_bound: float = 0.0, max_bound: int = 0) -> bool:

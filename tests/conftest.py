@@ -7,6 +7,8 @@ def pytest_addoption(parser):
     # path must then really run, so tests that need it fail instead of skipping.
     parser.addoption("--require-turbojpeg", action="store_true",
                      help="fail (not skip) when libturbojpeg does not load")
+    parser.addoption("--fuzz-cases", type=int, default=120,
+                     help="mutated datasets tried per format and payload in tests/test_fuzz.py (make fuzz: 5000)")
 
 
 def turbojpeg_or_skip(required: bool):

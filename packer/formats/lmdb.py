@@ -99,31 +99,41 @@ class Writer:
 _ENVS: dict[str, list] = {}
 
 
-def _shared_env(path: Path, readahead: bool) -> lmdb.Environment:
-    entry = _ENVS.get(str(path))
-    if entry is not None and entry[2] != os.getpid():
-        entry[0].close()  # inherited through fork: py-lmdb would refuse a second open of the same file
-        entry = None
-    if entry is None:
+def _shared_env(path: Path, readahead: bool) -> tuple[lmdb.Environment, tuple]:
+    """The process's environment for the file now at ``path`` (keyed by inode: a replaced file is a new one)."""
+    for attempt in range(3):
         try:
-            env = lmdb.open(
-                str(path), subdir=False, readonly=True, lock=False, readahead=readahead,
-                meminit=False, max_readers=2048, max_dbs=0,
-            )
-        except lmdb.Error as exc:
-            raise PackerError(f"{path}: cannot open LMDB shard ({exc})") from exc
-        entry = _ENVS[str(path)] = [env, 0, os.getpid()]
-    entry[1] += 1
-    return entry[0]
+            st = os.stat(path)
+        except OSError as exc:
+            raise PackerError(f"{path}: cannot open LMDB shard ({exc.strerror or exc})") from None
+        ident = (str(path), st.st_dev, st.st_ino)
+        entry = _ENVS.get(ident)
+        if entry is not None and entry[2] != os.getpid():
+            entry[0].close()  # inherited through fork: py-lmdb would refuse a second open of the same file
+            entry = None
+        if entry is None:
+            try:
+                env = lmdb.open(
+                    str(path), subdir=False, readonly=True, lock=False, readahead=readahead,
+                    meminit=False, max_readers=2048, max_dbs=0,
+                )
+            except lmdb.Error as exc:
+                if "already open" in str(exc) and attempt < 2:
+                    continue  # the file was replaced between stat and open by one this process has open
+                raise PackerError(f"{path}: cannot open LMDB shard (replaced while opening? {exc})") from exc
+            entry = _ENVS[ident] = [env, 0, os.getpid()]
+        entry[1] += 1
+        return entry[0], ident
+    raise PackerError(f"{path}: replaced while being opened")
 
 
-def _release_env(path: Path) -> None:
-    entry = _ENVS.get(str(path))
+def _release_env(ident: tuple) -> None:
+    entry = _ENVS.get(ident)
     if entry is not None and entry[2] == os.getpid():
         entry[1] -= 1
         if entry[1] <= 0:
             entry[0].close()
-            del _ENVS[str(path)]
+            del _ENVS[ident]
 
 
 class Reader:
@@ -137,20 +147,45 @@ class Reader:
         self._advice: LazyHandle[tuple[int, int] | None] = LazyHandle()  # (fd, mmap base) for prefetch
 
     def _open(self) -> lmdb.Environment:
-        return _shared_env(self.path, self.readahead)
+        env, self._ident = _shared_env(self.path, self.readahead)
+        try:
+            stat, info = env.stat(), env.info()
+            # LMDB maps the file and trusts its own page numbers: pages past the end of a truncated
+            # file would fault (SIGBUS). Its pages must all lie inside the file.
+            needed = (info["last_pgno"] + 1) * stat["psize"]
+            size = os.stat(self.path).st_size
+            problem = (None if stat["entries"] == self.num_samples
+                       else f"holds {stat['entries']} samples, the manifest says {self.num_samples}")
+            if needed > size:
+                problem = f"truncated: LMDB records {needed} bytes of pages, the file holds {size}"
+        except (lmdb.Error, OSError) as exc:
+            problem = f"damaged LMDB shard ({exc})"
+        if problem:
+            _release_env(self._ident)
+            raise PackerError(f"{self.path}: {problem}")
+        return env
 
     def __len__(self) -> int:
         return self.num_samples
 
     def read(self, pos: int) -> bytes:
-        with self._env.get(self._open).begin() as txn:
-            value = txn.get(key(pos))
+        try:
+            with self._env.get(self._open).begin() as txn:
+                value = txn.get(key(pos))
+        except lmdb.Error as exc:
+            raise PackerError(f"{self.path}: damaged LMDB shard, reading sample {pos} ({exc})") from exc
         if value is None:
             raise PackerError(f"{self.path}: sample {pos} is missing from the shard")
         return value
 
     def read_many(self, positions: list[int]) -> list[bytes]:
         """Runs of neighbouring positions are read with one cursor walk (sequential pages)."""
+        try:
+            return self._read_runs(positions)
+        except lmdb.Error as exc:
+            raise PackerError(f"{self.path}: damaged LMDB shard ({exc})") from exc
+
+    def _read_runs(self, positions: list[int]) -> list[bytes]:
         out: list[bytes] = []
         with self._env.get(self._open).begin() as txn, txn.cursor() as cur:
             for start, stop in contiguous_runs(list(positions)):
@@ -197,4 +232,4 @@ class Reader:
 
     def close(self) -> None:
         self._advice.close(lambda advice: advice and os.close(advice[0]))
-        self._env.close(lambda env: _release_env(self.path))
+        self._env.close(lambda env: _release_env(self._ident))

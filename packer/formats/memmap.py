@@ -49,6 +49,7 @@ from packer.formats.base import (
     shard_layout,
 )
 from packer.manifest import Shard
+from packer.trust import npy_header
 
 NAME = "memmap"
 DATASET_CLASS = "MemmapDataset"
@@ -143,23 +144,11 @@ def _map(path: Path, access: str) -> mmap.mmap:
 
 def load_npy(path: Path, dtype: str, access: str = "sequential") -> np.ndarray:
     """A read-only, memory-mapped ``.npy`` of exactly ``dtype`` (header parsed safely, no pickle)."""
-    fmt = np.lib.format
-    try:
-        with open(path, "rb") as fh:
-            version = fmt.read_magic(fh)
-            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-            shape, fortran, found = read(fh)
-            offset = fh.tell()
-    except (OSError, ValueError) as exc:
-        raise PackerError(f"{path}: not a readable .npy file ({exc})") from exc
-    if found != np.dtype(dtype) or fortran:
-        raise PackerError(f"{path}: holds {found}{' (Fortran order)' if fortran else ''}, expected {dtype}")
-    size = int(np.prod(shape, dtype=np.int64)) * found.itemsize
-    if os.path.getsize(path) != offset + size:
-        raise PackerError(f"{path}: {os.path.getsize(path)} bytes, its header {shape} needs {offset + size}")
+    shape, offset = npy_header(path, dtype)  # shared checks: dtype, C order, size against the file
+    size = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
     if size == 0:
-        return np.zeros(shape, dtype=found)
-    return np.ndarray(shape, dtype=found, buffer=_map(path, access), offset=offset)
+        return np.zeros(shape, dtype=dtype)
+    return np.ndarray(shape, dtype=dtype, buffer=_map(path, access), offset=offset)
 
 
 @dataclass

@@ -1,0 +1,151 @@
+"""Read-side checks for datasets that may be damaged or crafted: one place for every format.
+
+A packed dataset is untrusted input (copied between machines, shared, downloaded). These
+helpers turn what a hostile or damaged file could do (paths leaving the dataset directory,
+symlinks out of it, ``.npy`` headers promising more bytes than the file holds, offsets past
+the end, exceptions from C libraries) into a ``PackerError`` naming the file and the reason.
+Nothing here unpickles: ``.npy`` files are loaded with ``allow_pickle=False`` after their
+header has been checked against the file's size, so no allocation exceeds what the file holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import struct
+import tokenize
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from packer.errors import PackerError
+
+try:  # optional at import time: only for the exception mapping below
+    import lmdb as _lmdb
+
+    _LMDB_ERRORS: tuple[type[BaseException], ...] = (_lmdb.Error,)
+except ImportError:  # pragma: no cover
+    _LMDB_ERRORS = ()
+
+# Exceptions that damaged or crafted bytes can raise inside readers and codecs (h5py raises
+# OSError/KeyError/ValueError/RuntimeError; numpy ValueError/TypeError; Pillow also EOFError,
+# struct.error, IndexError, SyntaxError). `reading()` maps them to PackerError at the boundary
+# of PackedDataset, with the original chained (``raise ... from``) so a real bug stays visible.
+DATA_ERRORS: tuple[type[BaseException], ...] = (
+    OSError, ValueError, KeyError, IndexError, TypeError, RuntimeError, EOFError, SyntaxError,
+    ZeroDivisionError, OverflowError, UnicodeDecodeError, struct.error, zlib.error, *_LMDB_ERRORS,
+)
+
+
+@contextlib.contextmanager
+def reading(where: str) -> Iterator[None]:
+    """Turn a data-caused exception raised while reading ``where`` into a PackerError naming it."""
+    try:
+        yield
+    except PackerError:
+        raise
+    except DATA_ERRORS as exc:
+        raise PackerError(f"{where}: damaged or not a valid packed dataset ({type(exc).__name__}: {exc})") from exc
+
+
+def check_inner_name(name: object, where: str) -> str:
+    """A relative name that stays inside the dataset directory (no absolute path, ``..``, NUL, ``\\``)."""
+    if not isinstance(name, str) or not name or "\x00" in name or "\\" in name:
+        raise PackerError(f"{where}: file name {name!r} is not a plain relative name")
+    p = Path(name)
+    if p.is_absolute() or ".." in p.parts or name.startswith("~"):
+        raise PackerError(f"{where}: file name {name!r} points outside the dataset directory")
+    return name
+
+
+def inside(root: Path, name: str, where: str | None = None, must_exist: bool = True) -> Path:
+    """``root/name``, refusing a name or a symlink that leads out of ``root`` and anything but a regular file.
+
+    The dataset directory itself may be a symlink (data on another disk); what is inside it
+    may not point elsewhere, so a dataset can only ever read its own files.
+    """
+    where = where or str(root)
+    check_inner_name(name, where)
+    path = root / name
+    try:
+        real_root = root.resolve(strict=True)
+        real = path.resolve(strict=must_exist)
+    except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        if isinstance(exc, FileNotFoundError):
+            raise PackerError(f"{path}: missing") from None
+        raise PackerError(f"{path}: cannot resolve ({exc})") from None
+    if real != real_root and real_root not in real.parents:
+        raise PackerError(f"{path}: leads outside the dataset directory (to {real}); refusing to read it")
+    if must_exist:
+        try:
+            mode = os.stat(real).st_mode
+        except OSError as exc:
+            raise PackerError(f"{path}: cannot stat ({exc.strerror or exc})") from None
+        if not stat.S_ISREG(mode):
+            raise PackerError(f"{path}: not a regular file")
+    return path
+
+
+def npy_header(path: Path, dtype: str, ndim: int | None = None) -> tuple[tuple[int, ...], int]:
+    """(shape, data offset) of a ``.npy`` holding exactly ``dtype`` in C order, its size checked against the file.
+
+    ``np.load`` alone trusts the header: a crafted shape makes it allocate what the header
+    says, not what the file holds. Here the file must hold exactly header + shape x itemsize.
+    """
+    want = np.dtype(dtype)
+    try:
+        size = os.stat(path).st_size
+        with open(path, "rb") as fh:
+            version = np.lib.format.read_magic(fh)
+            if version == (1, 0):
+                shape, fortran, found = np.lib.format.read_array_header_1_0(fh, max_header_size=10_000)
+            elif version in ((2, 0), (3, 0)):
+                shape, fortran, found = np.lib.format.read_array_header_2_0(fh, max_header_size=10_000)
+            else:
+                raise ValueError(f"unsupported .npy version {version}")
+            offset = fh.tell()
+    except (OSError, ValueError, EOFError, SyntaxError, TypeError, KeyError, tokenize.TokenError) as exc:
+        raise PackerError(f"{path}: not a valid .npy file ({type(exc).__name__}: {exc})") from exc
+    if found != want or found.hasobject:
+        raise PackerError(f"{path}: holds {found}, expected {want}")
+    if ndim is not None and len(shape) != ndim:
+        raise PackerError(f"{path}: shape {shape}, expected {ndim} dimensions")
+    if fortran and len(shape) > 1:
+        raise PackerError(f"{path}: Fortran-ordered array, expected C order")
+    count = 1
+    for n in shape:
+        count *= int(n)  # Python ints: a crafted shape can't overflow into a small size
+    if count * want.itemsize != size - offset:
+        raise PackerError(f"{path}: header promises {count * want.itemsize} bytes of data, the file holds {size - offset}")
+    return tuple(int(n) for n in shape), offset
+
+
+def load_npy(path: Path, dtype: str, ndim: int | None = 1, max_items: int | None = None) -> np.ndarray:
+    """A ``.npy`` of exactly ``dtype`` read into memory after ``npy_header`` checked it (never pickle)."""
+    shape, offset = npy_header(path, dtype, ndim)
+    count = 1
+    for n in shape:
+        count *= n
+    if max_items is not None and count > max_items:
+        raise PackerError(f"{path}: {count} entries, at most {max_items} expected")
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            arr = np.fromfile(fh, dtype=np.dtype(dtype), count=count)
+    except (OSError, ValueError) as exc:
+        raise PackerError(f"{path}: cannot read ({exc})") from exc
+    if arr.size != count:
+        raise PackerError(f"{path}: truncated while reading")
+    return arr.reshape(shape)
+
+
+def check_offsets(offsets: np.ndarray, total: int, where: str, count: int | None = None) -> None:
+    """``offsets`` ([N+1], from 0, non-decreasing, ending at ``total``) describe a blob of ``total`` bytes."""
+    if offsets.ndim != 1 or len(offsets) < 1 or (count is not None and len(offsets) != count + 1):
+        raise PackerError(f"{where}: {len(offsets)} offsets, expected {'N+1' if count is None else count + 1}")
+    if int(offsets[0]) != 0 or int(offsets[-1]) != total or bool(np.any(np.diff(offsets) < 0)):
+        raise PackerError(f"{where}: offsets do not describe the {total} bytes they index "
+                          "(negative, decreasing or past the end)")
