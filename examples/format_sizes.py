@@ -11,6 +11,7 @@ ratio to the source folder's bytes and the conversion rate.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def main() -> None:
             rate = f"{res.files_per_second:,.0f} files/s"
         size = tree_bytes(path)
         extra = ", ".join(f"{k}={v}" for k, v in opts.items() if k != "payload")
-        print(f"| {path.name} | {opts.get('payload', 'encoded')} | {extra} | {size:,} | {size / base:.2f} | {rate} |")
+        payload = json.loads((path / "manifest.json").read_text())["payload"]
+        print(f"| {path.name} | {payload} | {extra} | {size:,} | {size / base:.2f} | {rate} |")
 
 
 if __name__ == "__main__":

@@ -89,18 +89,18 @@ def test_interrupted_conversion_leaves_no_complete_looking_output(tmp_path):
     src = make_imagefolder(tmp_path / "src", classes=4, per_class=400, size=(64, 80))
     out = tmp_path / "big.lmdb"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "packer", "convert", str(src), "-o", str(out), "--workers", "1", "-q"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    partial = tmp_path / "big.lmdb.partial"
+    # small shards: the kill lands after the first shard is journaled and long before the last
+    proc = subprocess.Popen([sys.executable, "-m", "packer", "convert", str(src), "-o", str(out), "--workers", "1",
+                             "--shard-size", "20000", "-q"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    journal = tmp_path / "big.lmdb.partial" / "journal"
     deadline = time.time() + 60
-    while not partial.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.002)
+    while proc.poll() is None and time.time() < deadline and not any(journal.glob("shard-*.json")):
+        time.sleep(0.001)
     assert proc.poll() is None, "conversion ended before it could be interrupted"
-    time.sleep(0.2)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not out.exists()
-    assert not (partial / "manifest.json").exists()
+    assert not (tmp_path / "big.lmdb.partial" / "manifest.json").exists()
     with pytest.raises(PackerError, match="interrupted conversion"):
         convert(src, out, progress=False)
 
