@@ -58,6 +58,7 @@ from packer.formats.base import (
     advise_willneed,
     check_offsets,
     contiguous_runs,
+    copy_runs,
     fixed_shape,
     shard_layout,
 )
@@ -147,10 +148,10 @@ class Writer:
         if n:
             start = int(self._images.shape[0])
             self._images.resize((start + n,))
-            view = np.frombuffer(self._blob, dtype=np.uint8, count=n)
-            self._images[start : start + n] = view
-            del view  # the bytearray can't shrink while a view of it exists
-            del self._blob[:n]
+            # Split off the head instead of viewing and then shrinking the buffer: a view that
+            # lingers anywhere (h5py, a traceback) would make the shrink fail with BufferError.
+            head, self._blob = self._blob[:n], self._blob[n:]
+            self._images[start : start + n] = np.frombuffer(head, dtype=np.uint8)
 
     def _check_room(self) -> None:
         """Refuse before HDF5 writes its index and metadata at close if they might not fit (see __init__)."""
@@ -339,12 +340,8 @@ class Reader:
         """Fixed shape only: read samples at ascending ``positions`` into ``out[0:len]``."""
         if self.fixed_shape is None:
             raise PackerError(f"{self.path}: read_into needs a fixed-shape shard")
-        images = self._h.get(self._open).images
-        k = 0
-        for start, stop in contiguous_runs(list(positions)):
-            # A slice read plus a copy beats read_direct per run (~5x) and h5py's fancy indexing (~300x).
-            out[k : k + stop - start] = images[start:stop]
-            k += stop - start
+        # A slice read per run beats read_direct per run (~5x) and h5py's fancy indexing (~300x).
+        copy_runs(self._h.get(self._open).images, positions, out)
 
     def close(self) -> None:
         def closer(h: _Open) -> None:
