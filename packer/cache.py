@@ -44,6 +44,7 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from packer import sysinfo
+from packer.datasets import normalize_index
 from packer.errors import PackerError
 from packer.units import human_bytes
 
@@ -341,13 +342,7 @@ class CachedDataset(Dataset):
         return self.dataset.present(i, arr)
 
     def _index(self, i: int) -> int:
-        n = self.num_samples
-        i = int(i)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"sample index {i} out of range for a dataset of {n}")
-        return i
+        return normalize_index(i, self.num_samples)
 
     def __getitem__(self, i: int) -> tuple[Any, Any]:
         i = self._index(i)

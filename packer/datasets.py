@@ -19,6 +19,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, get_worker_info
 
+from packer import sysinfo
 from packer.decode import BACKENDS, DecodeError, check_min_size, decode
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
@@ -29,17 +30,6 @@ from packer.trust import DATA_ERRORS, reading
 
 ImageKind = Literal["pil", "numpy", "tensor"]
 Access = Literal["auto", "sequential", "random"]
-
-
-def _memory_available() -> int:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 62
 
 
 def resolve_access(access: Access, manifest: Manifest) -> str:
@@ -53,7 +43,18 @@ def resolve_access(access: Access, manifest: Manifest) -> str:
     if access != "auto":
         return access
     size = sum(f.num_bytes for s in manifest.shards for f in s.files)
-    return "random" if size > _memory_available() // 2 else "sequential"
+    available = sysinfo.memory_available()
+    return "random" if available is not None and size > available // 2 else "sequential"
+
+
+def normalize_index(i: int, n: int) -> int:
+    """``i`` as a position in ``range(n)``, negative counting from the end, like a list; else IndexError."""
+    i = int(i)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"sample index {i} out of range for a dataset of {n}")
+    return i
 
 
 class PackedDataset(Dataset):
@@ -163,13 +164,7 @@ class PackedDataset(Dataset):
     # ------------------------------------------------------------ reading
 
     def _check_index(self, i: int) -> int:
-        n = len(self)
-        i = int(i)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"sample index {i} out of range for a dataset of {n}")
-        return i
+        return normalize_index(i, len(self))
 
     def locate(self, i: int) -> tuple[int, int]:
         """(shard number, position inside that shard) of sample ``i``."""

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from packer import sysinfo
+
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -415,14 +417,7 @@ def describe_machine() -> dict:
                     break
     except OSError:
         pass
-    mem = None
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemTotal:"):
-                    mem = int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    mem = sysinfo.meminfo().get("MemTotal")
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return {
         "cpu": cpu,

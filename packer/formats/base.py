@@ -88,6 +88,18 @@ def check_offsets(offsets: np.ndarray, num_samples: int, total: int, where: obje
         raise PackerError(f"{where}: offsets do not describe the {total} bytes of image data")
 
 
+def copy_runs(source, positions: list[int], out: np.ndarray) -> None:
+    """Copy ``source[p]`` for ascending ``positions`` into ``out[0:len]``: one slice copy per run of neighbours.
+
+    ``source`` is anything sliceable along its first axis (a numpy memmap, an h5py dataset);
+    a slice per run beats per-sample reads and h5py's fancy indexing by far.
+    """
+    k = 0
+    for start, stop in contiguous_runs(list(positions)):
+        out[k : k + stop - start] = source[start:stop]
+        k += stop - start
+
+
 def merge_spans(spans: list[tuple[int, int]], gap: int = 1 << 20) -> list[tuple[int, int]]:
     """Sorted (start, end) byte spans merged where they overlap or lie within ``gap`` of each other."""
     merged: list[tuple[int, int]] = []

@@ -44,7 +44,7 @@ from packer.formats.base import (
     PreparedSample,
     advise_willneed,
     check_offsets,
-    contiguous_runs,
+    copy_runs,
     fixed_shape,
     shard_layout,
 )
@@ -221,11 +221,7 @@ class Reader:
         """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``, one copy per run."""
         if self.fixed_shape is None:
             raise PackerError(f"{self.paths[0]}: read_into needs a fixed-shape shard")
-        data = self._maps.get(self._open).data
-        k = 0
-        for start, stop in contiguous_runs(list(positions)):
-            out[k : k + stop - start] = data[start:stop]
-            k += stop - start
+        copy_runs(self._maps.get(self._open).data, positions, out)
 
     def close(self) -> None:
         self._maps.close(lambda m: os.close(m.fd))  # the mappings go when the last view of them does
