@@ -55,6 +55,10 @@ DEFAULT_ORDER: Order = "shuffled"  # see docs/sampling.md: label mixing for bloc
 PARTIAL_SUFFIX = ".partial"
 ERRORS_NAME = "errors.json"
 _CHUNK = 16  # files per pool task: amortises IPC without hurting ordering latency
+# Chunks in flight per worker: enough that the workers keep going while this process pauses to
+# commit a batch or close a shard (4 left them idle half the time), few enough to bound memory.
+_AHEAD = 16
+_AHEAD_BYTES = 256 << 20  # ... and at most about this much prepared payload waiting (raw pixels are large)
 
 
 @dataclass
@@ -276,9 +280,10 @@ def check_free_space(directory: Path, needed: float) -> None:
 
 
 def _ordered_results(
-    root: Path, items: list[tuple[str, int]], options: ConvertOptions, workers: int
+    root: Path, items: list[tuple[str, int]], options: ConvertOptions, workers: int, mean_bytes: float = 0.0
 ) -> Iterator[PreparedSample | SourceError]:
     """Prepared samples in source order; a bounded number of chunks in flight keeps memory flat."""
+    ahead = max(2, min(_AHEAD, int(_AHEAD_BYTES // max(1.0, workers * _CHUNK * mean_bytes))))
     chunks = [items[i : i + _CHUNK] for i in range(0, len(items), _CHUNK)]
     if workers <= 0:
         for chunk in chunks:
@@ -290,7 +295,7 @@ def _ordered_results(
         try:
             for chunk in todo:
                 pending.append(pool.submit(_prepare_chunk, root, chunk, options))
-                if len(pending) >= workers * 4:
+                if len(pending) >= workers * ahead:
                     yield from pending.popleft().result()
             while pending:
                 yield from pending.popleft().result()
@@ -354,7 +359,7 @@ def convert(
     done = load_done_shards(partial, len(ranges))
     try:
         if client is None:
-            results = _build_shards(scan, partial, ranges, done, fmt, options, on_error, workers, progress)
+            results = _build_shards(scan, partial, plan, done, fmt, options, on_error, workers, progress)
         else:
             from packer.distributed import build_shards
 
@@ -397,7 +402,8 @@ def _load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: Conv
     mean_bytes = estimate_sample_bytes(scan, options)
     check_free_space(out.parent, mean_bytes * len(scan))
     plan = {"options": recorded, "digest": digest, "source": str(scan.root), "num_files": len(scan),
-            "shards": plan_shards(len(scan), mean_bytes, options.shard_bytes, shard_multiple(options))}
+            "shards": plan_shards(len(scan), mean_bytes, options.shard_bytes, shard_multiple(options)),
+            "mean_bytes": mean_bytes}
     partial.mkdir()
     write_plan(partial, plan)
     return plan
@@ -465,8 +471,9 @@ def _write_failure(partial: Path, shard_id: int, exc: Exception) -> str:
     return msg
 
 
-def _build_shards(scan, partial, ranges, done, fmt, options, on_error, workers, progress) -> dict[int, ShardResult]:
+def _build_shards(scan, partial, plan, done, fmt, options, on_error, workers, progress) -> dict[int, ShardResult]:
     """Write every shard not yet done: a process pool prepares samples, this process writes them in order."""
+    ranges = [(int(a), int(b)) for a, b in plan["shards"]]
     todo = [(sid, a, b) for sid, (a, b) in enumerate(ranges) if sid not in done]
     items = [(scan.rel_paths[i], int(scan.labels[i])) for _, a, b in todo for i in range(a, b)]
     results = dict(done)
@@ -481,7 +488,7 @@ def _build_shards(scan, partial, ranges, done, fmt, options, on_error, workers, 
         if bar.n % 64 == 0:
             bar.set_postfix_str(f"{written[0] / 1e6 / max(bar.format_dict['elapsed'], 1e-9):.0f} MB/s")
 
-    prepared = _ordered_results(scan.root, items, options, workers)
+    prepared = _ordered_results(scan.root, items, options, workers, float(plan.get("mean_bytes", 0.0)))
     journaler = ThreadPoolExecutor(max_workers=1)  # checksums + journal of a shard while the next is written
     pending: dict[int, Future] = {}
     try:

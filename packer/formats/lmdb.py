@@ -34,7 +34,7 @@ NAME = "lmdb"
 DATASET_CLASS = "LMDBDataset"
 PAYLOADS = frozenset({"encoded", "raw"})
 DEFAULT_SHARD_BYTES = 1 << 30
-_BATCH_BYTES = 64 << 20  # commit about every 64 MB
+_BATCH_BYTES = 16 << 20  # commit about every 16 MB: short pauses, so the workers never wait on a commit
 _INITIAL_MAP = 64 << 20
 
 
