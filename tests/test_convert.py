@@ -1,3 +1,4 @@
+import importlib
 import json
 import os
 import signal
@@ -109,3 +110,33 @@ def test_unknown_options_are_refused_by_name(imagefolder, tmp_path):
     with pytest.raises(PackerError, match="unknown conversion option.*resise"):
         convert(imagefolder, tmp_path / "o.lmdb", resise="224", progress=False)
     assert not (tmp_path / "o.lmdb").exists()
+
+
+def test_files_that_vanish_or_change_during_the_run_are_reported(tmp_path, monkeypatch):
+    conv = importlib.import_module("packer.convert")
+
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=3)
+    real_scan = conv.scan_folder
+
+    def scan_then_delete(root, *args, **kwargs):  # the file disappears after the scan listed it
+        scan = real_scan(root, *args, **kwargs)
+        (Path(root) / "class_0" / "img_001.jpg").unlink()
+        return scan
+
+    real_fstat = os.fstat
+    target = (src / "class_1" / "img_002.jpg").stat().st_ino
+
+    def fstat_growing(fd):  # the file grows between the size check and the read
+        st = real_fstat(fd)
+        if st.st_ino == target:
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev, st.st_nlink, st.st_uid, st.st_gid,
+                                   st.st_size + 100, st.st_atime, st.st_mtime, st.st_ctime))
+        return st
+
+    monkeypatch.setattr(conv, "scan_folder", scan_then_delete)
+    monkeypatch.setattr(conv.os, "fstat", fstat_growing)
+    res = convert(src, tmp_path / "o.lmdb", workers=0, progress=False)
+    reasons = {e.path: e.reason for e in res.errors}
+    assert "No such file" in reasons["class_0/img_001.jpg"]
+    assert "changed while being read" in reasons["class_1/img_002.jpg"]
+    assert res.num_samples == 4 and len(res.errors) == 2
