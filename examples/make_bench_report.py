@@ -3,7 +3,8 @@
     python examples/make_bench_report.py            # or: make bench-report
 
 1. generates the sample set (``packer sample``, 2,000 photo-like JPEGs, seed 0) in ``bench-work/``;
-2. packs it into every registered format that stores encoded payloads (``packer convert``);
+2. packs it into every registered format (``packer convert``; bmp and mosaic, which store decoded
+   pixels, at 224x224);
 3. runs ``packer bench`` on the folder and the packed datasets (all levels, cold and warm);
 4. runs it again under an emulated hard disk (``--emulate hdd``: kernel block-IO throttle, needs
    root and a cgroup blkio/io controller; skipped with the reason in the report otherwise);
@@ -29,6 +30,8 @@ sys.path.insert(0, str(REPO))
 
 from packer.bench import describe_setup, markdown_table  # noqa: E402
 from packer.formats import FORMATS  # noqa: E402
+
+RAW_FORMAT_OPTIONS = {"mosaic": ["--tile", "224x224"]}
 
 
 def run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -106,10 +109,10 @@ def main() -> int:
         run(cmd)
     packed = []
     for name, module in sorted(FORMATS.items()):
-        if "encoded" not in module.PAYLOADS:
-            continue
+        # formats that store decoded pixels are benchmarked at 224x224, the usual training size
+        extra = [] if "encoded" in module.PAYLOADS else RAW_FORMAT_OPTIONS.get(name, ["--resize", "224x224"])
         target = work / f"imgs.{name}"
-        cmd = packer("convert", str(imgs), "--to", name, "-o", str(target), "-q")
+        cmd = packer("convert", str(imgs), "--to", name, "-o", str(target), *extra, "-q")
         commands.append(shown(cmd))
         if not (target / "manifest.json").exists():
             run(cmd)
