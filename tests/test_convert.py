@@ -1,15 +1,14 @@
 import importlib
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from imagesets import make_bad_inputs, make_imagefolder
+from interrupt import kill_after_shards
 
 from packer import convert, open_dataset
 from packer.decode import decode_pil
@@ -91,15 +90,8 @@ def test_interrupted_conversion_leaves_no_complete_looking_output(tmp_path):
     out = tmp_path / "big.lmdb"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # small shards: the kill lands after the first shard is journaled and long before the last
-    proc = subprocess.Popen([sys.executable, "-m", "packer", "convert", str(src), "-o", str(out), "--workers", "1",
-                             "--shard-size", "20000", "-q"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    journal = tmp_path / "big.lmdb.partial" / "journal"
-    deadline = time.time() + 60
-    while proc.poll() is None and time.time() < deadline and not any(journal.glob("shard-*.json")):
-        time.sleep(0.001)
-    assert proc.poll() is None, "conversion ended before it could be interrupted"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    cmd = [sys.executable, "-m", "packer", "convert", str(src), "-o", str(out), "--workers", "1", "--shard-size", "20000", "-q"]
+    kill_after_shards(cmd, env, tmp_path / "big.lmdb.partial" / "journal")
     assert not out.exists()
     assert not (tmp_path / "big.lmdb.partial" / "manifest.json").exists()
     with pytest.raises(PackerError, match="interrupted conversion"):

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from interrupt import kill_after_shards
 from PIL import Image
 
 from packer import bmpfile, cli, convert, open_dataset
@@ -481,25 +482,15 @@ def test_shards_hold_whole_mosaics_and_the_sampler_reads_one_mosaic_per_block(sr
 def test_resume_after_sigkill_is_byte_identical(tmp_path, args):
     """Killed mid-conversion, then --resume: the same files as an uninterrupted run (mosaics, indexes, BMPs)."""
     import os
-    import signal
     import subprocess
     import sys
-    import time
 
     source = write_tree(tmp_path / "src", [(40 + k % 7, 50 + k % 5) for k in range(80)], classes=3)[0].parents[1]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     base = [sys.executable, "-m", "packer", "convert", str(source), "--workers", "1", "-q", *args]
     subprocess.run(base + ["-o", str(tmp_path / "ref")], env=env, check=True, capture_output=True)
     out, journal = tmp_path / "out", tmp_path / "out.partial" / "journal"
-    proc = subprocess.Popen(base + ["-o", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while proc.poll() is None and time.time() < deadline:
-        if journal.is_dir() and len(list(journal.glob("shard-*.json"))) >= 2:
-            break
-        time.sleep(0.001)
-    assert proc.poll() is None, "conversion ended before it could be interrupted"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    kill_after_shards(base + ["-o", str(out)], env, journal, shards=2)
     res = subprocess.run(base + ["-o", str(out), "--resume"], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
 

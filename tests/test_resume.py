@@ -2,14 +2,13 @@
 
 import hashlib
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from imagesets import make_imagefolder
+from interrupt import kill_after_shards
 
 from packer import PackerError, convert
 from packer.verify import verify
@@ -56,17 +55,8 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     cmd = [sys.executable, "-m", "packer", "convert", str(source), "-o", str(out), "--workers", "1",
            "--shard-size", "40000", "-q"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while proc.poll() is None and time.time() < deadline:
-        if journal.is_dir() and len(list(journal.glob("shard-*.json"))) >= 2:
-            break
-        time.sleep(0.001)
-    assert proc.poll() is None, "conversion ended before it could be interrupted"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    done_before = kill_after_shards(cmd, env, journal, shards=2)
     assert not out.exists()
-    done_before = len(list(journal.glob("shard-*.json")))
     assert done_before >= 2
 
     res = subprocess.run(cmd, env=env, capture_output=True, text=True)  # without --resume: refused, with the way out
