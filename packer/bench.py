@@ -192,9 +192,7 @@ def _run_pass(src: Source, level: str, order: Order, workers: int, batch_size: i
         for chunk in order.chunks:
             chunk = chunk.tolist()
             if level == "read":
-                if hasattr(ds, "prefetch"):
-                    ds.prefetch(chunk)  # what __getitems__ does first: the batch's file spans, as few large reads
-                bufs = ds.read_payloads(chunk)  # runs of neighbours read together, returned in the order asked
+                bufs = ds.read_payloads(chunk)  # read ahead in file order, runs of neighbours together
                 nbytes += sum(_payload_len(b) for b in bufs)
             else:
                 bufs = ds.__getitems__(chunk)  # a DataLoader's batch fetch, without the DataLoader

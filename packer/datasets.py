@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, get_worker_info
 
-from packer import sysinfo
+from packer import readahead, sysinfo
 from packer.decode import BACKENDS, DecodeError, check_min_size, decode
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
@@ -45,6 +45,11 @@ def resolve_access(access: Access, manifest: Manifest) -> str:
     size = sum(f.num_bytes for s in manifest.shards for f in s.files)
     available = sysinfo.memory_available()
     return "random" if available is not None and size > available // 2 else "sequential"
+
+
+def _file_order(idx: Sequence[int]) -> list[int]:
+    """Positions of ``idx`` sorted by sample index (file order; ties keep their order), as prefetch plans them."""
+    return sorted(range(len(idx)), key=idx.__getitem__)
 
 
 def normalize_index(i: int, n: int) -> int:
@@ -124,26 +129,40 @@ class PackedDataset(Dataset):
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
         """A batch's samples in one call (DataLoader calls this with a batch's indices).
 
-        The whole batch's file spans are requested from the kernel first, as few large reads,
-        then samples are read and decoded in file order: decoding overlaps the reads still in
-        flight instead of waiting for each one in turn.
+        A background thread reads the batch's bytes in file order (``prefetch``) while this one
+        decodes each sample as soon as its bytes are in: IO overlaps decoding instead of
+        alternating with it.
         """
         idx = [self._check_index(i) for i in indices]
-        self.prefetch(idx)
+        pending = self.prefetch(idx)
         out: list = [None] * len(idx)
-        for j in sorted(range(len(idx)), key=idx.__getitem__):
+        for k, j in enumerate(_file_order(idx)):
+            pending.wait(k)
             out[j] = self._finish(idx[j], self._read_one(idx[j]))
         return out
 
-    def prefetch(self, indices: Sequence[int]) -> None:
-        """Hint that these samples will be read soon, for formats that can start their IO early."""
-        idx = np.asarray(indices, dtype=np.int64)
-        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
+    def prefetch(self, indices: Sequence[int]) -> readahead.Pending:
+        """Start reading these samples' bytes in the background, in file order (packer.readahead).
+
+        Returns at once; ``wait(k)`` on the result returns when the ``k``-th sample in file order
+        (``sorted(indices)``) is in memory. Formats of one file per sample (bmp) have the kernel
+        read them all at once instead.
+        """
+        idx = np.asarray([self._check_index(i) for i in indices], dtype=np.int64)
+        ordered = idx[np.argsort(idx, kind="stable")]
+        shard_of = np.searchsorted(self._starts, ordered, side="right") - 1
+        requests: list = []
         for shard in np.unique(shard_of):
             reader = self._readers[shard]
-            if hasattr(reader, "prefetch"):
-                with reading(self._where(shard)):
-                    reader.prefetch((idx[shard_of == shard] - self._starts[shard]).tolist())
+            positions = (ordered[shard_of == shard] - self._starts[shard]).tolist()
+            with reading(self._where(shard)):
+                if hasattr(reader, "file_spans"):
+                    requests.extend(reader.file_spans(positions))
+                    continue
+                if hasattr(reader, "prefetch"):
+                    reader.prefetch(positions)
+            requests.extend([] for _ in positions)
+        return readahead.start(requests)
 
     def index_of(self, rel_path: str) -> int:
         """Position of the sample packed from ``rel_path`` (relative to the converted folder)."""
@@ -205,21 +224,33 @@ class PackedDataset(Dataset):
         return self._read_one(self._check_index(i))
 
     def read_payloads(self, indices: Sequence[int]) -> list:
-        """Payloads of many samples, each shard read once in position order, returned in the order asked."""
-        idx = np.asarray(indices, dtype=np.int64)
+        """Payloads of many samples, read ahead in file order (``prefetch``), returned in the order asked.
+
+        Runs of neighbours in a shard are read with one ``read_many`` call each, as soon as the
+        read-ahead has brought in the run's last sample.
+        """
+        idx = np.asarray([self._check_index(i) for i in indices], dtype=np.int64)
+        pending = self.prefetch(idx)
+        order = np.asarray(_file_order(idx.tolist()), dtype=np.int64)
         out: list = [None] * len(idx)
-        shard_of = np.searchsorted(self._starts, idx, side="right") - 1
-        for shard in np.unique(shard_of):
-            where = np.nonzero(shard_of == shard)[0]
-            where = where[np.argsort(idx[where], kind="stable")]
+        shard_of = np.searchsorted(self._starts, idx[order], side="right") - 1
+        k = 0
+        while k < len(order):
+            shard = int(shard_of[k])
+            stop = k + 1
+            while stop < len(order) and shard_of[stop] == shard and idx[order[stop]] <= idx[order[stop - 1]] + 1:
+                stop += 1
+            pending.wait(stop - 1)
+            where = order[k:stop]
             positions = (idx[where] - self._starts[shard]).tolist()
             with reading(self._where(shard)):
                 bufs = self._readers[shard].read_many(positions)
             if len(bufs) != len(positions):
                 raise PackerError(f"{self._where(shard)}: {len(bufs)} samples read, {len(positions)} asked")
             for j, buf in zip(where.tolist(), bufs):
-                self._check_read(int(shard), int(idx[j]), buf)
+                self._check_read(shard, int(idx[j]), buf)
                 out[j] = buf
+            k = stop
         return out
 
     def pixels(self, i: int, payload=None, strict: bool = False) -> np.ndarray:

@@ -111,15 +111,19 @@ class InstrumentedDataset(Dataset):
         n = len(ds)
         idx = [int(i) + n if int(i) < 0 else int(i) for i in indices]
         read = decode = transform = 0.0
-        # The same path as PackedDataset.__getitems__: hint the batch's IO, then read in file order.
+        # The same path as PackedDataset.__getitems__: read ahead in the background, wait for each
+        # sample's bytes (read time) and decode it in file order.
+        pending = None
         if hasattr(ds, "prefetch"):
             t0 = clock()
-            ds.prefetch(idx)
+            pending = ds.prefetch(idx)
             read += clock() - t0
         out: list = [None] * len(idx)
-        for j in sorted(range(len(idx)), key=idx.__getitem__):
+        for k, j in enumerate(sorted(range(len(idx)), key=idx.__getitem__)):
             i = idx[j]
             a = clock()
+            if pending is not None:
+                pending.wait(k)
             payload = ds.read_payload(i)
             b = clock()
             arr = ds.pixels(i, payload)

@@ -14,7 +14,7 @@ import torch
 from interrupt import kill_after_shards
 from PIL import Image
 
-from packer import bmpfile, cli, convert, open_dataset
+from packer import bmpfile, cli, convert, open_dataset, readahead
 from packer.errors import PackerError
 from packer.formats import bmp as bmp_format
 from packer.formats import mosaic
@@ -398,15 +398,20 @@ def test_dataloader_two_spawn_workers_over_every_kind(src, tmp_path):
 
 @pytest.mark.parametrize("codec,tile_read", [("bmp", "region"), ("png", "full"), ("jpeg", "segments"),
                                              ("jpeg", "full"), ("jpeg", "crop")])
-def test_prefetch_then_read(src, tmp_path, codec, tile_read):
+def test_file_spans_then_read(src, tmp_path, codec, tile_read):
     out = convert(src, tmp_path / f"p.{codec}", to="mosaic", tile="16x16", grid="2x3", codec=codec, workers=0,
                   progress=False).output
     shard = read_manifest(out).shards[0]
     expected = [mosaic.Reader(out, shard, "raw", tile_read=tile_read).read(i) for i in range(len(SIZES))]
     reader = mosaic.Reader(str(out), shard, "raw", tile_read=tile_read)  # a str directory works too
-    reader.prefetch([13, 0, 7, 7, 2])
+    spans = reader.file_spans([13, 0, 7, 7, 2])
+    assert [len(r) for r in spans] == [1] * 5 and all(0 <= a < b for r in spans for _p, a, b in r)
+    readahead.start(spans).wait(4, timeout=10)
     assert all(np.array_equal(reader.read(i), expected[i]) for i in (13, 0, 7, 2))
-    reader.prefetch(list(range(len(SIZES))))  # cached mosaics are skipped, the rest advised
+    spans = reader.file_spans(list(range(len(SIZES))))  # whole-mosaic decoding: cached mosaics need no bytes
+    if tile_read == "full":
+        assert sum(not r for r in spans) >= 3
+    readahead.start(spans).wait(len(SIZES) - 1, timeout=10)
     assert all(np.array_equal(reader.read(i), expected[i]) for i in range(len(SIZES)))
 
 

@@ -100,29 +100,6 @@ def copy_runs(source, positions: list[int], out: np.ndarray) -> None:
         k += stop - start
 
 
-def merge_spans(spans: list[tuple[int, int]], gap: int = 1 << 20) -> list[tuple[int, int]]:
-    """Sorted (start, end) byte spans merged where they overlap or lie within ``gap`` of each other."""
-    merged: list[tuple[int, int]] = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1] + gap:
-            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def advise_willneed(fd: int, spans: list[tuple[int, int]]) -> None:
-    """Ask the kernel to start reading these byte spans now, asynchronously (no-op off Linux).
-
-    One large request per span instead of one small page fault per sample: on slow or
-    IOPS-limited storage the batch streams in while earlier samples are being decoded.
-    """
-    if not hasattr(os, "posix_fadvise"):
-        return
-    for start, end in merge_spans(spans):
-        os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
-
-
 def mapping_base(path: str) -> int | None:
     """Start address of this process's memory mapping of ``path`` (Linux /proc), else None."""
     try:

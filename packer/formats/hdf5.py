@@ -28,7 +28,7 @@ HDF5 1.10's ``h5ls``/``h5dump``.
 Reads return fresh arrays that HDF5 filled from the file (an (H, W, 3) array for raw, a
 ``memoryview`` of the bytes for encoded), so torch wraps them without another copy; a
 batch (``read_into``) costs one more copy into the batch tensor. Runs of neighbours are one
-read; ``prefetch`` tells the kernel which chunks a batch will need (``posix_fadvise``).
+read; ``file_spans`` tells packer.readahead which chunks a batch will need.
 
 Readers open the file lazily in each process (h5py handles cross neither fork nor pickle)
 with ``locking=False``: HDF5's file locks fail on many NFS mounts and a read-only reader
@@ -55,7 +55,6 @@ from packer.errors import PackerError
 from packer.formats.base import (
     LazyHandle,
     PreparedSample,
-    advise_willneed,
     check_offsets,
     contiguous_runs,
     copy_runs,
@@ -215,7 +214,6 @@ class _Open:
     images: h5py.Dataset
     offsets: np.ndarray | None  # in memory: N+1 int64
     shapes: np.ndarray | None
-    fd: int | None = None  # opened on the first prefetch, for read-ahead advice
 
 
 class Reader:
@@ -314,27 +312,27 @@ class Reader:
                 out.extend(self._split(h, self._blob(h, start, stop), start, stop))
         return out
 
-    def prefetch(self, positions: list[int]) -> None:
-        """Ask the kernel to start reading these samples' chunks now (see base.advise_willneed)."""
+    def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
+        """Per position, the byte ranges of the file its chunks occupy (see packer.readahead)."""
         h = self._h.get(self._open)
-        if h.fd is None:
-            h.fd = os.open(self.path, os.O_RDONLY)
-        dsid, spans = h.images.id, []
+        dsid, path, out = h.images.id, str(self.path), []
         if h.offsets is None:
             for p in positions:
                 info = dsid.get_chunk_info_by_coord((p, 0, 0, 0))
-                spans.append((info.byte_offset, info.byte_offset + info.size))
-        else:
-            chunk = h.images.chunks[0]
-            for p in positions:
-                a, b = int(h.offsets[p]), int(h.offsets[p + 1])
-                for c in range(a // chunk * chunk, b, chunk):
-                    info = dsid.get_chunk_info_by_coord((c,))
-                    if self.compressed:  # inflated whole
-                        spans.append((info.byte_offset, info.byte_offset + info.size))
-                    else:  # just the sample's bytes in this chunk
-                        spans.append((info.byte_offset + max(a, c) - c, info.byte_offset + min(b, c + chunk) - c))
-        advise_willneed(h.fd, spans)
+                out.append([(path, info.byte_offset, info.byte_offset + info.size)])
+            return out
+        chunk = h.images.chunks[0]
+        for p in positions:
+            a, b = int(h.offsets[p]), int(h.offsets[p + 1])
+            ranges = []
+            for c in range(a // chunk * chunk, b, chunk):
+                info = dsid.get_chunk_info_by_coord((c,))
+                if self.compressed:  # inflated whole
+                    ranges.append((path, info.byte_offset, info.byte_offset + info.size))
+                else:  # just the sample's bytes in this chunk
+                    ranges.append((path, info.byte_offset + max(a, c) - c, info.byte_offset + min(b, c + chunk) - c))
+            out.append(ranges)
+        return out
 
     def read_into(self, positions: list[int], out: np.ndarray) -> None:
         """Fixed shape only: read samples at ascending ``positions`` into ``out[0:len]``."""
@@ -344,9 +342,4 @@ class Reader:
         copy_runs(self._h.get(self._open).images, positions, out)
 
     def close(self) -> None:
-        def closer(h: _Open) -> None:
-            h.file.close()
-            if h.fd is not None:
-                os.close(h.fd)
-
-        self._h.close(closer)
+        self._h.close(lambda h: h.file.close())

@@ -5,6 +5,8 @@
 | shard-00000.lmdb     | LMDB environment (``subdir=False``, no lock file); key ``%010d`` of |
 |                      | the sample's position in the shard (ASCII), value the payload:      |
 |                      | encoded file bytes, or raw HWC uint8 RGB bytes (shape in ``meta/``) |
+| shard-00000.spans.npy| [N, 3] int64: each sample's leaf page offset and value start/end in |
+|                      | the file, for read-ahead without touching the file (packer.readahead)|
 
 Written with ``append=True`` (keys arrive sorted: pages fill completely, no splits), committed
 in batches, the map grown on ``MapFullError`` instead of reserving a huge map up front. The
@@ -27,8 +29,9 @@ import lmdb
 import numpy as np
 
 from packer.errors import PackerError
-from packer.formats.base import LazyHandle, PreparedSample, advise_willneed, contiguous_runs, mapping_base
+from packer.formats.base import LazyHandle, PreparedSample, contiguous_runs, mapping_base
 from packer.manifest import Shard
+from packer.trust import load_npy
 
 NAME = "lmdb"
 DATASET_CLASS = "LMDBDataset"
@@ -86,12 +89,40 @@ class Writer:
     def close(self) -> tuple[list[str], dict]:
         self._commit()
         self._env.close()
-        return [self.name], {"map_size": self._map_size}
+        np.save(self.path.with_name(spans_name(self.name)), _value_spans(self.path, self._count), allow_pickle=False)
+        return [self.name, spans_name(self.name)], {"map_size": self._map_size}
 
     def abort(self) -> None:
         self._env.close()
-        if self.path.exists():
-            os.remove(self.path)
+        for path in (self.path, self.path.with_name(spans_name(self.name))):
+            path.unlink(missing_ok=True)
+
+
+def spans_name(shard_file: str) -> str:
+    return shard_file.removesuffix(".lmdb") + ".spans.npy"
+
+
+def _value_spans(path: Path, count: int) -> np.ndarray:
+    """[count, 3] int64: each sample's leaf page offset and value start/end in the file, found by one
+    cursor walk of the just-written file (in the page cache). Read-ahead needs them without
+    touching the file: LMDB reads a value's first page just to return its address."""
+    env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, readahead=True, meminit=False, max_dbs=0)
+    try:
+        base = mapping_base(str(path.resolve()))
+        psize = env.stat()["psize"]
+        out = np.zeros((count, 3), dtype=np.int64)
+        if base is None:
+            return out[:0]  # no /proc: readers fall back to looking values up
+        with env.begin(buffers=True) as txn, txn.cursor() as cur:
+            for i, (k, v) in enumerate(cur):
+                if i >= count:
+                    break
+                kaddr = np.frombuffer(k, np.uint8).ctypes.data - base
+                vaddr = np.frombuffer(v, np.uint8).ctypes.data - base
+                out[i] = (kaddr // psize * psize, vaddr, vaddr + len(v))
+        return out
+    finally:
+        env.close()
 
 
 # py-lmdb refuses to open one environment twice in a process, yet two datasets (or a dataset and
@@ -141,10 +172,12 @@ class Reader:
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
         self.path = directory / shard.files[0].name
+        self.spans_path = directory / shard.files[1].name if len(shard.files) > 1 else None  # older datasets: none
         self.num_samples = shard.num_samples
         self.readahead = access != "random"
         self._env: LazyHandle[lmdb.Environment] = LazyHandle()
-        self._advice: LazyHandle[tuple[int, int] | None] = LazyHandle()  # (fd, mmap base) for prefetch
+        self._spans: LazyHandle[np.ndarray | None] = LazyHandle()  # [N, 3] leaf page, value start, end
+        self._psize = 4096
 
     def _open(self) -> lmdb.Environment:
         env, self._ident = _shared_env(self.path, self.readahead)
@@ -199,37 +232,33 @@ class Reader:
                     cur.next()
         return out
 
-    def prefetch(self, positions: list[int]) -> None:
-        """Start reading the file spans of these samples in the background (see base.advise_willneed).
+    def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
+        """Per position, the file spans reading it touches: its leaf page and its value (see packer.readahead).
 
-        LMDB stores a large value in consecutive overflow pages and, written in key order, runs
-        of neighbouring samples in one span of the file; a value's file offset is its address
-        in the read-only map minus the map's base.
+        From the shard's ``.spans.npy``, written with it; datasets without one (packer < 0.2)
+        get no read-ahead: looking a value up reads its first page.
         """
-        env = self._env.get(self._open)
-        advice = self._advice.get(self._open_advice)
-        if advice is None:
-            return
-        fd, base = advice
-        spans = []
-        with env.begin(buffers=True) as txn:
-            for start, stop in contiguous_runs(sorted(set(positions))):
-                first, last = txn.get(key(start)), txn.get(key(stop - 1))
-                if first is None or last is None:
-                    continue  # read() will report it
-                # Small values share leaf pages and are laid out downwards inside a page: take the hull.
-                a = np.frombuffer(first, np.uint8).ctypes.data - base
-                b = np.frombuffer(last, np.uint8).ctypes.data - base
-                lo, hi = min(a, b), max(a + len(first), b + len(last))
-                if 0 <= lo < hi:
-                    spans.append((lo, hi))
-        advise_willneed(fd, spans)
+        spans = self._spans.get(self._load_spans)
+        if spans is None:
+            return [[] for _ in positions]
+        path, psize = str(self.path), self._psize
+        return [[(path, int(spans[p, 0]), int(spans[p, 0]) + psize), (path, int(spans[p, 1]), int(spans[p, 2]))]
+                for p in positions]
 
-    def _open_advice(self) -> tuple[int, int] | None:
-        self._env.get(self._open)
-        base = mapping_base(str(self.path.resolve()))
-        return None if base is None else (os.open(self.path, os.O_RDONLY), base)
+    def _load_spans(self) -> np.ndarray | None:
+        if self.spans_path is None:
+            return None
+        env = self._env.get(self._open)
+        self._psize = int(env.stat()["psize"])
+        spans = load_npy(self.spans_path, "<i8", ndim=2, max_items=3 * self.num_samples)
+        size = os.stat(self.path).st_size
+        if spans.shape == (0, 3):
+            return None
+        if (spans.shape != (self.num_samples, 3) or np.any(spans < 0) or np.any(spans[:, 1] > spans[:, 2])
+                or np.any(spans[:, 2] > size) or np.any(spans[:, 0] % self._psize) or np.any(spans[:, 0] >= size)):
+            raise PackerError(f"{self.spans_path}: spans do not describe the samples of {self.path.name}")
+        return spans
 
     def close(self) -> None:
-        self._advice.close(lambda advice: advice and os.close(advice[0]))
+        self._spans.close()
         self._env.close(lambda env: _release_env(self._ident))

@@ -20,7 +20,7 @@ Readers map the files read-only, lazily in each process, and return zero-copy re
 views: an ``(H, W, 3)`` array for raw, a ``memoryview`` for encoded. The only copy is made
 when handing pixels to torch (``image="tensor"``, which needs writable memory) or into a
 batch (``read_into``). ``access="random"`` advises the kernel not to read ahead;
-``prefetch`` asks it to read a batch's byte spans at once.
+``file_spans`` tells packer.readahead which bytes a batch needs.
 
 One shard by default (``DEFAULT_SHARD_BYTES = None``): the formats index by offset, so a
 single file costs nothing in lookups, one mapping per worker suffices, and the fixed-shape
@@ -42,7 +42,6 @@ from packer.errors import PackerError
 from packer.formats.base import (
     LazyHandle,
     PreparedSample,
-    advise_willneed,
     check_offsets,
     copy_runs,
     fixed_shape,
@@ -156,7 +155,6 @@ class _Maps:
     data: np.ndarray  # [N,H,W,3] (fixed) or the 1-D uint8 blob
     offsets: np.ndarray | None
     shapes: np.ndarray | None
-    fd: int  # the data file, for read-ahead advice (prefetch)
     start: int  # where the data begin in the file (the .npy header's length)
 
 
@@ -180,7 +178,7 @@ class Reader:
             if data.shape != (n, *self.fixed_shape):
                 raise PackerError(f"{self.paths[0]}: shape {data.shape}, manifest says {(n, *self.fixed_shape)}")
             start = os.path.getsize(self.paths[0]) - data.nbytes
-            return _Maps(data, None, None, os.open(self.paths[0], os.O_RDONLY), start)
+            return _Maps(data, None, None, start)
         offsets = load_npy(self.paths[1], "<i8")
         size = os.path.getsize(self.paths[0])
         check_offsets(offsets, n, size, self.paths[1])
@@ -191,7 +189,7 @@ class Reader:
             if shapes.shape != (n, 3) or np.any(shapes[:, 2] != 3) or np.any(shapes < 0) or not np.array_equal(
                     shapes.prod(axis=1), np.diff(offsets)):
                 raise PackerError(f"{self.paths[2]}: shapes do not match the offsets")
-        return _Maps(data, offsets, shapes, os.open(self.paths[0], os.O_RDONLY), 0)
+        return _Maps(data, offsets, shapes, 0)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -207,15 +205,14 @@ class Reader:
     def read_many(self, positions: list[int]) -> list:
         return [self.read(p) for p in positions]
 
-    def prefetch(self, positions: list[int]) -> None:
-        """Ask the kernel to start reading these samples' bytes now (see base.advise_willneed)."""
+    def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
+        """Per position, the byte range of the data file it is read from (see packer.readahead)."""
         m = self._maps.get(self._open)
+        path = str(self.paths[0])
         if m.offsets is None:
             size = m.data[0].nbytes if len(m.data) else 0
-            spans = [(m.start + p * size, m.start + (p + 1) * size) for p in positions]
-        else:
-            spans = [(int(m.offsets[p]), int(m.offsets[p + 1])) for p in positions]
-        advise_willneed(m.fd, spans)
+            return [[(path, m.start + p * size, m.start + (p + 1) * size)] for p in positions]
+        return [[(path, int(m.offsets[p]), int(m.offsets[p + 1]))] for p in positions]
 
     def read_into(self, positions: list[int], out: np.ndarray) -> None:
         """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``, one copy per run."""
@@ -224,4 +221,4 @@ class Reader:
         copy_runs(self._maps.get(self._open).data, positions, out)
 
     def close(self) -> None:
-        self._maps.close(lambda m: os.close(m.fd))  # the mappings go when the last view of them does
+        self._maps.close()  # the mappings go when the last view of them does

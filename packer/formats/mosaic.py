@@ -39,7 +39,7 @@ from PIL import Image
 from packer import bmpfile, jpegtiles
 from packer.decode import decode, turbojpeg_handle
 from packer.errors import PackerError
-from packer.formats.base import PreparedSample, advise_willneed
+from packer.formats.base import PreparedSample
 from packer.manifest import Manifest, Shard
 
 NAME = "mosaic"
@@ -354,38 +354,34 @@ class Reader:
     def read_many(self, positions: list[int]) -> list[np.ndarray]:
         return [self.read(p) for p in positions]
 
-    def prefetch(self, positions: list[int]) -> None:
-        """Start reading what these tiles need in the background (see base.advise_willneed).
+    def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
+        """Per position, what reading its tile touches (see packer.readahead).
 
-        bmp: the tiles' row bands; jpeg segments: the tiles' restart intervals; otherwise
-        (whole mosaics are decoded) the whole files.
+        bmp: the tile's row band; jpeg segments: the tile's restart intervals; otherwise (whole
+        mosaics are decoded) the whole file, unless this process has it decoded already.
         """
         if self._pid != os.getpid():
             self._reset()
-        spans: dict[int, list[tuple[int, int]]] = {}
+        out: list[list[tuple[str, int, int]]] = []
         for pos in positions:
             m, cell = self.locate(pos)
             top, _left = self.geom.origin(cell)
+            path = str(self.paths[m])
             if self.tile_read == "full" and m in self._cache:
-                continue
-            if self.tile_read in ("region", "segments"):
+                out.append([])
+            elif self.tile_read == "region":
                 _buf, info = self._map(m)
-                if self.tile_read == "region":
-                    first = top if info.top_down else info.height - top - self.geom.tile_h
-                    start = info.offset + first * info.stride
-                    spans.setdefault(m, []).append((start, start + self.geom.tile_h * info.stride))
-                else:
-                    band = top // 8 * self.geom.cols
-                    last = band + (self.geom.tile_h // 8 - 1) * self.geom.cols + self.geom.cols - 1
-                    spans.setdefault(m, []).append((int(info[band, 0]), int(info[last, 1])))
+                first = top if info.top_down else info.height - top - self.geom.tile_h
+                start = info.offset + first * info.stride
+                out.append([(path, start, start + self.geom.tile_h * info.stride)])
+            elif self.tile_read == "segments":
+                _buf, index = self._map(m)
+                band = top // 8 * self.geom.cols
+                last = band + (self.geom.tile_h // 8 - 1) * self.geom.cols + self.geom.cols - 1
+                out.append([(path, int(index[band, 0]), int(index[last, 1]))])
             else:
-                spans.setdefault(m, []).append((0, self.paths[m].stat().st_size))
-        for m, ranges in spans.items():
-            fd = os.open(self.paths[m], os.O_RDONLY)
-            try:
-                advise_willneed(fd, ranges)
-            finally:
-                os.close(fd)
+                out.append([(path, 0, self.paths[m].stat().st_size)])
+        return out
 
     def _decode_tile(self, data: bytes, m: int, cell: int) -> np.ndarray:
         try:

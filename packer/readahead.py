@@ -1,0 +1,170 @@
+"""Read-ahead of a batch's bytes by a background thread, so IO overlaps decoding and requests stay large.
+
+A batch is read in file order by one thread per process (each DataLoader worker has its own):
+each span of neighbouring samples is read with sequential ``pread`` calls of ``PIECE`` bytes
+into a scratch buffer, which puts it into the page cache; the caller waits for each sample's
+bytes only (``Pending.wait``) and decodes it while the thread reads the next ones.
+
+Why a thread and plain reads rather than ``posix_fadvise(WILLNEED)`` and page faults: measured
+under the emulated hard disk (``packer bench --emulate hdd``, 150 IOPS), fadvise-then-fault
+splits a batch into requests of ~600 KB on average, varying run to run, while sequential
+preads let the kernel's own read-ahead build requests of 1 MB and more (device reads per
+196 MB: ~190 instead of 250-310). The thread reads only the spans asked for (the kernel may
+read a little beyond, as for any sequential read); a read error here is ignored, since the
+caller's own read reports it with the file and the sample.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+PIECE = 256 << 10  # one pread: the kernel's sequential read-ahead turns a run of these into >= 1 MB requests
+GAP = 256 << 10  # spans closer than this are read as one (reading the gap beats another request)
+_MAX_OPEN = 32
+LOOKBACK = 4  # spans a new range may join (see plan)
+
+Range = tuple[str, int, int]  # (path, start, end) of bytes a sample needs
+
+
+@dataclass
+class Pending:
+    """The read-ahead of one batch: ``wait(k)`` returns once item ``k``'s bytes have been read."""
+
+    spans: list[Range]
+    need: list[tuple[int, int]]  # item -> (span index, end offset) to wait for; (-1, 0) = nothing
+    _done: int = 0  # spans finished
+    _offset: int = 0  # bytes of span _done read up to here
+    _cond: threading.Condition = field(default_factory=threading.Condition)
+    _over: bool = False
+
+    def wait(self, k: int, timeout: float = 60.0) -> None:
+        span, end = self.need[k]
+        with self._cond:
+            self._cond.wait_for(lambda: self._over or self._done > span or (self._done == span and self._offset >= end),
+                                timeout)
+
+    def done(self) -> bool:
+        with self._cond:
+            return self._over
+
+    def _advance(self, span: int, offset: int) -> None:
+        with self._cond:
+            self._done, self._offset = span, offset
+            self._cond.notify_all()
+
+    def _finish(self) -> None:
+        with self._cond:
+            self._done, self._over = len(self.spans), True
+            self._cond.notify_all()
+
+
+def plan(requests: Sequence[Sequence[Range]], gap: int = GAP) -> Pending:
+    """Spans to read, in the order given, neighbours on the same file merged; what each item waits for.
+
+    Items should come in file order (the caller reads them in that order too). A range joins one
+    of the last ``LOOKBACK`` spans when it overlaps it or lies within ``gap`` of it (e.g. an LMDB
+    value after the previous value, its leaf page on a span read before), else opens a new span.
+    """
+    spans: list[list] = []
+    need: list[tuple[int, int]] = []
+    for ranges in requests:
+        last = (-1, 0)
+        for path, start, end in sorted(ranges, key=lambda r: (r[0], r[1])):
+            if end <= start:
+                continue
+            for j in range(len(spans) - 1, max(-1, len(spans) - 1 - LOOKBACK), -1):
+                s = spans[j]
+                if s[0] == path and s[1] - gap <= start <= s[2] + gap:
+                    s[1], s[2] = min(s[1], start), max(s[2], end)
+                    break
+            else:
+                j = len(spans)
+                spans.append([path, start, end])
+            last = max(last, (j, end))
+        need.append(last)
+    return Pending([(p, a, b) for p, a, b in spans], need)
+
+
+class _Reader:
+    """The per-process thread and its queue."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.jobs: queue.SimpleQueue[Pending] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="packer-readahead", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        buf = bytearray(PIECE)
+        view = memoryview(buf)
+        fds: dict[str, int] = {}
+        while True:
+            job = self.jobs.get()
+            try:
+                for k, (path, start, end) in enumerate(job.spans):
+                    fd = _fd(fds, path)
+                    offset = start
+                    while fd is not None and offset < end:
+                        n = min(end, (offset // PIECE + 1) * PIECE) - offset  # pieces aligned after the first
+                        try:
+                            got = os.preadv(fd, [view[:n]], offset)
+                        except OSError:
+                            got = 0
+                        if got <= 0:
+                            break  # past the end or unreadable: the caller's own read will say so
+                        offset += got
+                        job._advance(k, offset)
+                    job._advance(k + 1, 0)
+            finally:
+                job._finish()
+            if self.jobs.empty():  # idle: hold no files open (deleted outputs free their space)
+                for fd in fds.values():
+                    os.close(fd)
+                fds.clear()
+
+
+def _fd(fds: dict[str, int], path: str) -> int | None:
+    fd = fds.get(path)
+    if fd is None:
+        if len(fds) >= _MAX_OPEN:
+            os.close(fds.pop(next(iter(fds))))
+        try:
+            fd = fds[path] = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
+    return fd
+
+
+_READER: _Reader | None = None
+_LOCK = threading.Lock()
+
+
+def _reader() -> _Reader:
+    global _READER
+    with _LOCK:
+        if _READER is None or _READER.pid != os.getpid():
+            _READER = _Reader()  # first use in this process (a forked worker inherits no thread)
+        return _READER
+
+
+def _after_fork() -> None:
+    global _READER, _LOCK
+    _READER, _LOCK = None, threading.Lock()  # the parent's may have been held at fork time
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
+
+
+def start(requests: Sequence[Sequence[Range]], gap: int = GAP) -> Pending:
+    """Queue the read-ahead of ``requests`` (per item, its byte ranges) and return at once."""
+    job = plan(requests, gap)
+    if job.spans:
+        _reader().jobs.put(job)
+    else:
+        job._finish()
+    return job
