@@ -46,34 +46,37 @@ class Order:
     kind: str
     indices: np.ndarray
     chunks: list[np.ndarray]
+    blocks: np.ndarray | None = None  # block order: the blocks, for whole-block read-ahead
 
     def head(self, k: int) -> Order:
         first = self.indices[:k]
-        return Order(self.kind, first, [first])
+        return Order(self.kind, first, [first], self.blocks)
 
 
 def make_order(kind: str, nbytes: np.ndarray, seed: int, block_bytes: int | None = None,
                open_blocks: int | None = None, batch_size: int = 64, cuts: Sequence[int] = (),
-               run: int | None = None) -> Order:
+               run: int | None = None, blocks: np.ndarray | None = None) -> Order:
     """``sequential``, uniform ``shuffle``, or ``block``: packer.sampler's locality-preserving order
-    (blocks of ``block_bytes`` cut at ``cuts`` (shard starts), windows of ``open_blocks`` blocks,
-    runs of ``run`` neighbours; the sampler's defaults when None), exactly as BlockShuffleSampler
-    yields it for one process in epoch 0."""
+    (the format's own ``blocks`` unless ``block_bytes`` is given, else blocks of ``block_bytes`` cut
+    at ``cuts`` (shard starts); windows of ``open_blocks`` blocks, runs of ``run`` neighbours; the
+    sampler's defaults when None), exactly as BlockShuffleSampler yields it for one process in epoch 0."""
     from packer import sampler
 
     n = len(nbytes)
+    bounds = None
     if kind == "sequential":
         idx = np.arange(n, dtype=np.int64)
     elif kind == "shuffle":
         idx = np.random.default_rng(seed).permutation(n).astype(np.int64)
     elif kind == "block":
-        bounds = sampler.block_boundaries(np.asarray(nbytes), block_bytes or sampler.DEFAULT_BLOCK_BYTES, cuts)
+        bounds = (np.asarray(blocks, dtype=np.int64) if blocks is not None and block_bytes is None else
+                  sampler.block_boundaries(np.asarray(nbytes), block_bytes or sampler.DEFAULT_BLOCK_BYTES, cuts))
         idx = sampler.rank_order(bounds, 0, seed, open_blocks=open_blocks or sampler.DEFAULT_OPEN_BLOCKS,
                                  run=run or sampler.DEFAULT_RUN, batch_size=batch_size)
     else:
         raise PackerError(f"unknown order {kind!r} (choose {', '.join(ORDERS)})")
     step = max(batch_size, 1)
-    return Order(kind, idx, [idx[s:s + step] for s in range(0, n, step)])
+    return Order(kind, idx, [idx[s:s + step] for s in range(0, n, step)], bounds)
 
 
 # ------------------------------------------------------------------ sources
@@ -118,6 +121,7 @@ class Source:
     labels: list[int] = field(default_factory=list)
     disk_bytes: int = 0  # bytes of all files of the dataset on disk
     cuts: tuple[int, ...] = ()  # shard starts after the first: blocks of the block order never span two
+    blocks: np.ndarray | None = None  # the format's own blocks (one mosaic each), as BlockShuffleSampler takes them
 
     @property
     def n(self) -> int:
@@ -147,8 +151,14 @@ def open_source(path: str | os.PathLike, limit: int | None) -> Source:
         n = m.num_samples if limit is None else min(limit, m.num_samples)
         files = measure.tree_files(p)
         starts = np.cumsum([s.num_samples for s in m.shards])[:-1]
+        from packer.formats import get_format
+
+        own = getattr(get_format(m.format), "block_boundaries", None)
+        blocks = None if own is None else own(m)
+        blocks = None if blocks is None else np.append(blocks[blocks < n], n)
         return Source(p, m.format, m.payload, "auto", np.asarray(idx.nbytes[:n], dtype=np.int64), files,
-                      disk_bytes=sum(os.path.getsize(f) for f in files), cuts=tuple(int(c) for c in starts if c < n))
+                      disk_bytes=sum(os.path.getsize(f) for f in files), cuts=tuple(int(c) for c in starts if c < n),
+                      blocks=blocks)
     from packer.scan import scan_folder
 
     scan = scan_folder(p)
@@ -189,6 +199,7 @@ def _run_pass(src: Source, level: str, order: Order, workers: int, batch_size: i
         count = len(idx)
     elif level in ("read", "decode"):
         ds = handle.setdefault("ds", src.open())
+        ds.read_ahead_blocks(order.blocks)  # as BlockShuffleSampler tells its dataset; forgets blocks read before
         for chunk in order.chunks:
             chunk = chunk.tolist()
             if level == "read":
@@ -200,6 +211,8 @@ def _run_pass(src: Source, level: str, order: Order, workers: int, batch_size: i
             count += len(bufs)
     elif level == "loader":
         dataset = FolderSamples(src.paths, src.labels) if src.kind == "folder" else handle.setdefault("tds", src.open("tensor"))
+        if src.kind != "folder":
+            dataset.read_ahead_blocks(order.blocks)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=idx, num_workers=workers,
                             collate_fn=list_collate, pin_memory=pin)
         for images, _labels in loader:
@@ -386,7 +399,8 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
         report["ceilings"] = measure_ceilings(sources, o, log)
         results = []
         for src in sources:
-            orders = {k: make_order(k, src.nbytes, o.seed, o.block_bytes, o.open_blocks, o.batch_size, src.cuts, o.run)
+            orders = {k: make_order(k, src.nbytes, o.seed, o.block_bytes, o.open_blocks, o.batch_size, src.cuts, o.run,
+                                 src.blocks)
                       for k in o.orders}
             previous = None
             for level, order_name, cache, w in _settings(o):

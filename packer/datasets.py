@@ -10,6 +10,7 @@ runs of neighbouring samples read together.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -45,6 +46,9 @@ def resolve_access(access: Access, manifest: Manifest) -> str:
     size = sum(f.num_bytes for s in manifest.shards for f in s.files)
     available = sysinfo.memory_available()
     return "random" if available is not None and size > available // 2 else "sequential"
+
+
+BLOCKS_REMEMBERED = 32  # blocks a process remembers having read ahead (~0.5 GB at the sampler's 16 MB)
 
 
 def _file_order(idx: Sequence[int]) -> list[int]:
@@ -105,6 +109,8 @@ class PackedDataset(Dataset):
         self._ids_checked = [0] * len(self.manifest.shards)  # pid that last checked each shard
         self._starts = shard_starts([s.num_samples for s in self.manifest.shards])
         self._path_to_index: dict[str, int] | None = None
+        self._blocks: np.ndarray | None = None  # read-ahead by whole blocks (read_ahead_blocks)
+        self._blocks_read: tuple[int, OrderedDict] = (0, OrderedDict())  # (pid, blocks read ahead there)
 
     # ------------------------------------------------------------ ImageFolder surface
 
@@ -162,7 +168,43 @@ class PackedDataset(Dataset):
                 if hasattr(reader, "prefetch"):
                     reader.prefetch(positions)
             requests.extend([] for _ in positions)
-        return readahead.start(requests)
+        return readahead.start(requests + self._new_blocks(ordered))
+
+    def read_ahead_blocks(self, bounds: Sequence[int] | None) -> None:
+        """Read whole blocks ahead: samples are read block by block (``bounds`` as ``BlockShuffleSampler``'s).
+
+        Then the first batch that touches a block has, after its own bytes, the rest of the block
+        read in the background, so the block's later batches find their bytes in memory (each
+        process does this once per block; the last ``BLOCKS_REMEMBERED`` are remembered).
+        ``BlockShuffleSampler`` calls this on its dataset; ``None`` turns it off (uniform shuffles).
+        """
+        self._blocks = None if bounds is None else np.asarray(bounds, dtype=np.int64)
+        self._blocks_read = (0, OrderedDict())
+
+    def _new_blocks(self, ordered: np.ndarray) -> list:
+        """Read-ahead requests for the blocks these samples open in this process: each block's hull."""
+        if self._blocks is None or not len(ordered):
+            return []
+        pid, seen = self._blocks_read
+        if pid != os.getpid():
+            seen = OrderedDict()
+            self._blocks_read = (os.getpid(), seen)
+        out = []
+        for b in np.unique(np.searchsorted(self._blocks, ordered, side="right") - 1).tolist():
+            if b in seen or not 0 <= b < len(self._blocks) - 1:
+                continue
+            seen[b] = None
+            if len(seen) > BLOCKS_REMEMBERED:
+                seen.popitem(last=False)
+            first, last = int(self._blocks[b]), int(self._blocks[b + 1]) - 1
+            shard, a = self.locate(first)
+            reader = self._readers[shard]
+            if self.locate(last)[0] != shard or not hasattr(reader, "file_spans"):
+                continue
+            ends = [r[-1] for r in reader.file_spans([a, a + last - first]) if r]  # the payload's range is last
+            if len(ends) == 2 and ends[0][0] == ends[1][0]:
+                out.append([(ends[0][0], min(ends[0][1], ends[1][1]), max(ends[0][2], ends[1][2]))])
+        return out
 
     def index_of(self, rel_path: str) -> int:
         """Position of the sample packed from ``rel_path`` (relative to the converted folder)."""

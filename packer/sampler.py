@@ -213,6 +213,8 @@ class BlockShuffleSampler(Sampler[int]):
         if batch_size is not None and batch_size < 1:
             raise PackerError(f"batch_size must be positive, got {batch_size}")
         self.bounds = dataset_boundaries(dataset, block_bytes, blocks)
+        if shuffle and hasattr(dataset, "read_ahead_blocks"):
+            dataset.read_ahead_blocks(self.bounds)  # its workers then read each block whole, ahead of decoding
         self.num_samples_total = int(self.bounds[-1])
         self.open_blocks = open_blocks
         self.run = run

@@ -177,3 +177,38 @@ def test_lmdb_crafted_spans_file_is_refused(tmp_path):
     ds = open_dataset(out)
     with pytest.raises(PackerError, match="spans.npy: spans do not describe"):
         ds.read_payloads([1, 2, 3])
+
+
+@pytest.mark.parametrize("fmt", ["memmap", "lmdb"])
+def test_block_sampler_has_whole_blocks_read_ahead(tmp_path, fmt):
+    """After one batch touches a block, the rest of that block comes into the page cache too, once."""
+    from packer.sampler import BlockShuffleSampler
+
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=40, size=(96, 128))
+    out = convert(src, tmp_path / f"ds.{fmt}", to=fmt, workers=0, progress=False).output
+    ds = open_dataset(out)
+    sampler = BlockShuffleSampler(ds, block_bytes=int(ds.index.nbytes[:40].sum()), batch_size=8)
+    assert sampler.num_blocks == 2 and ds._blocks is not None
+    shard = out / ds.manifest.shards[0].files[0].name
+    ds.read_payload(0)
+    if evict([shard]).verified is False:
+        pytest.skip("page-cache residency can't be checked here (no mincore)")
+    pending = ds.prefetch([45, 46])  # two samples of the second block
+    deadline = time.time() + 10
+    while not pending.done() and time.time() < deadline:
+        time.sleep(0.01)
+    block_bytes = int(ds.index.nbytes[40:].sum())
+    resident = resident_pages(shard)[0] * 4096
+    assert resident >= 0.9 * block_bytes, f"{resident} bytes in, the block holds {block_bytes}"
+    again = ds.prefetch([50])  # the block was read ahead already: only the sample itself is planned
+    assert len(again.spans) <= 2
+    ds.read_ahead_blocks(None)
+    assert len(ds.prefetch([5]).spans) <= 2  # off: no block read-ahead
+
+
+def test_uniform_shuffle_reads_no_whole_blocks(tmp_path):
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
+    ds = open_dataset(convert(src, tmp_path / "ds.memmap", to="memmap", workers=0, progress=False).output)
+    job = ds.prefetch([3, 30])
+    # the two samples (and the gap between them, closer than readahead.GAP), nothing beyond
+    assert [b - a for _p, a, b in job.spans] == [int(ds.index.nbytes[3:31].sum())]

@@ -11,7 +11,10 @@ A format module defines:
 - ``Reader(directory, shard, payload)`` that opens nothing until its first ``read(pos)``
   in the current process, with ``read_many(positions)`` for runs of neighbours and ``close()``;
   optionally ``fixed_shape`` ((H, W, 3) when every sample of the shard has it, else None) and
-  ``read_into(ascending positions, out)`` that fills a preallocated batch array in one copy.
+  ``read_into(ascending positions, out)`` that fills a preallocated batch array in one copy;
+  and for read-ahead (packer.readahead) either ``file_spans(positions)`` (per position, the
+  ``(path, start, end)`` byte ranges reading it touches, the sample's own bytes last) or, for
+  one file per sample, ``prefetch(positions)`` (ask the kernel for the files, all at once).
 
 Writers may receive fewer samples than ``num_samples`` (the rest failed validation).
 

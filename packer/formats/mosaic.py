@@ -412,11 +412,13 @@ class Reader:
             with open(path, "rb") as fh:
                 size = os.fstat(fh.fileno()).st_size
                 buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+                # The header by a small read: a page fault on the map would read megabytes around it.
+                head = os.pread(fh.fileno(), bmpfile.HEADER_BYTES, 0) if self.geom.codec == "bmp" else b""
         except OSError as exc:
             raise PackerError(f"{path}: cannot read mosaic ({exc.strerror or exc})") from exc
         shape = self.geom.shape(self.counts[m])
         if self.geom.codec == "bmp":
-            info = bmpfile.parse_header(buf[: bmpfile.HEADER_BYTES], size, path)
+            info = bmpfile.parse_header(head, size, path)
             if (info.height, info.width, 3) != shape:
                 raise PackerError(f"{path}: a {info.height}x{info.width} BMP, the manifest says {shape}")
         else:
