@@ -168,7 +168,7 @@ class PackedDataset(Dataset):
                 if hasattr(reader, "prefetch"):
                     reader.prefetch(positions)
             requests.extend([] for _ in positions)
-        return readahead.start(requests + self._new_blocks(ordered))
+        return readahead.start(requests, later=self._new_blocks(ordered))
 
     def read_ahead_blocks(self, bounds: Sequence[int] | None) -> None:
         """Read whole blocks ahead: samples are read block by block (``bounds`` as ``BlockShuffleSampler``'s).
@@ -182,7 +182,7 @@ class PackedDataset(Dataset):
         self._blocks_read = (0, OrderedDict())
 
     def _new_blocks(self, ordered: np.ndarray) -> list:
-        """Read-ahead requests for the blocks these samples open in this process: each block's hull."""
+        """Background read-ahead for the blocks these samples open in this process: each block's hull."""
         if self._blocks is None or not len(ordered):
             return []
         pid, seen = self._blocks_read
@@ -203,7 +203,7 @@ class PackedDataset(Dataset):
                 continue
             ends = [r[-1] for r in reader.file_spans([a, a + last - first]) if r]  # the payload's range is last
             if len(ends) == 2 and ends[0][0] == ends[1][0]:
-                out.append([(ends[0][0], min(ends[0][1], ends[1][1]), max(ends[0][2], ends[1][2]))])
+                out.append((ends[0][0], min(ends[0][1], ends[1][1]), max(ends[0][2], ends[1][2])))
         return out
 
     def index_of(self, rel_path: str) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ class Pending:
 
     spans: list[Range]
     need: list[tuple[int, int]]  # item -> (span index, end offset) to wait for; (-1, 0) = nothing
+    later: list[Range] = field(default_factory=list)  # read in the background once no batch waits
     _done: int = 0  # spans finished
     _offset: int = 0  # bytes of span _done read up to here
     _cond: threading.Condition = field(default_factory=threading.Condition)
@@ -102,29 +104,48 @@ class _Reader:
         buf = bytearray(PIECE)
         view = memoryview(buf)
         fds: dict[str, int] = {}
+        later: deque[list] = deque()  # background spans [path, offset, end]: read when no batch waits
         while True:
-            job = self.jobs.get()
             try:
-                for k, (path, start, end) in enumerate(job.spans):
-                    fd = _fd(fds, path)
-                    offset = start
-                    while fd is not None and offset < end:
-                        n = min(end, (offset // PIECE + 1) * PIECE) - offset  # pieces aligned after the first
-                        try:
-                            got = os.preadv(fd, [view[:n]], offset)
-                        except OSError:
-                            got = 0
-                        if got <= 0:
-                            break  # past the end or unreadable: the caller's own read will say so
-                        offset += got
-                        job._advance(k, offset)
-                    job._advance(k + 1, 0)
-            finally:
-                job._finish()
-            if self.jobs.empty():  # idle: hold no files open (deleted outputs free their space)
+                job = self.jobs.get(block=not later)
+            except queue.Empty:
+                job = None
+            if job is not None:
+                try:
+                    for k, (path, start, end) in enumerate(job.spans):
+                        offset = start
+                        while offset < end:
+                            got = _piece(fds, path, offset, end, view)
+                            if got <= 0:
+                                break  # past the end or unreadable: the caller's own read will say so
+                            offset += got
+                            job._advance(k, offset)
+                        job._advance(k + 1, 0)
+                finally:
+                    job._finish()
+                later.extend([p, a, b] for p, a, b in job.later)
+            elif later:  # one piece, then look for a waiting batch again
+                span = later[0]
+                got = _piece(fds, span[0], span[1], span[2], view)
+                span[1] += max(got, 0)
+                if got <= 0 or span[1] >= span[2]:
+                    later.popleft()
+            if not later and self.jobs.empty():  # idle: hold no files open (deleted outputs free their space)
                 for fd in fds.values():
                     os.close(fd)
                 fds.clear()
+
+
+def _piece(fds: dict[str, int], path: str, offset: int, end: int, view: memoryview) -> int:
+    """Read one piece of [offset, end) of ``path`` (pieces aligned after the first); bytes read, 0 or -1."""
+    fd = _fd(fds, path)
+    if fd is None:
+        return -1
+    n = min(end, (offset // PIECE + 1) * PIECE) - offset
+    try:
+        return os.preadv(fd, [view[:n]], offset)
+    except OSError:
+        return -1
 
 
 def _fd(fds: dict[str, int], path: str) -> int | None:
@@ -160,10 +181,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
 
 
-def start(requests: Sequence[Sequence[Range]], gap: int = GAP) -> Pending:
-    """Queue the read-ahead of ``requests`` (per item, its byte ranges) and return at once."""
+def start(requests: Sequence[Sequence[Range]], later: Sequence[Range] = (), gap: int = GAP) -> Pending:
+    """Queue the read-ahead of ``requests`` (per item, its byte ranges) and return at once.
+
+    ``later``: ranges nobody waits for yet (e.g. the rest of a block), read in the background,
+    piece by piece, whenever no batch's own bytes are waiting to be read.
+    """
     job = plan(requests, gap)
-    if job.spans:
+    job.later = [r for r in later if r[2] > r[1]]
+    if job.spans or job.later:
         _reader().jobs.put(job)
     else:
         job._finish()

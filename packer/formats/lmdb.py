@@ -235,7 +235,7 @@ class Reader:
     def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
         """Per position, the file spans reading it touches: its leaf page and its value (see packer.readahead).
 
-        From the shard's ``.spans.npy``, written with it; datasets without one (packer < 0.2)
+        From the shard's ``.spans.npy``, written with it; datasets written before it existed
         get no read-ahead: looking a value up reads its first page.
         """
         spans = self._spans.get(self._load_spans)
