@@ -18,6 +18,7 @@ import os
 import shutil
 import stat
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -232,11 +233,19 @@ _RING: mmap.mmap | None = None
 def _init_worker(ring: mmap.mmap | None) -> None:
     global _RING
     _RING = ring
+    # A killed parent (SIGKILL) can't stop its pool: a worker waiting for work would wait forever.
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     if _WORKER_NICENESS:
         try:
             os.nice(_WORKER_NICENESS)
         except OSError:
             pass
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _from_ring(ring: mmap.mmap, results: list, where: list) -> list:
