@@ -12,10 +12,13 @@ from __future__ import annotations
 import errno
 import itertools
 import json
+import mmap
+import multiprocessing
 import os
 import shutil
 import stat
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -59,6 +62,8 @@ _CHUNK = 16  # files per pool task: amortises IPC without hurting ordering laten
 # commit a batch or close a shard (4 left them idle half the time), few enough to bound memory.
 _AHEAD = 16
 _AHEAD_BYTES = 256 << 20  # ... and at most about this much prepared payload waiting (raw pixels are large)
+_RING_BYTES = 256 << 20  # at most this much shared ring for payloads from forked workers (0: pickle them)
+_WORKER_NICENESS = 5  # workers yield to the single writer, so it keeps up and the tail after the last read is short
 
 
 @dataclass
@@ -199,8 +204,58 @@ def read_source(path: Path) -> bytes:
         os.close(fd)
 
 
-def _prepare_chunk(root: Path, items: list[tuple[str, int]], options: ConvertOptions) -> list:
-    return [prepare(root, rel, label, options) for rel, label in items]
+def _prepare_chunk(root: Path, items: list[tuple[str, int]], options: ConvertOptions,
+                   slot: tuple[int, int] | None = None) -> tuple[list, list]:
+    """Prepare ``items``; with a ring ``slot`` (offset, size) payloads travel through the shared ring.
+
+    Returns the results and, per result, where its payload lies in the ring: ``(offset, nbytes,
+    shape)``, or None where it travels pickled (errors; payloads that do not fit the slot).
+    """
+    results = [prepare(root, rel, label, options) for rel, label in items]
+    where: list = [None] * len(results)
+    if slot is None or _RING is None:
+        return results, where
+    offset, end = slot[0], slot[0] + slot[1]
+    for i, res in enumerate(results):
+        if isinstance(res, PreparedSample) and offset + res.nbytes <= end:
+            payload, nbytes = res.payload, res.nbytes
+            _RING[offset : offset + nbytes] = payload if isinstance(payload, bytes) else payload.data
+            where[i] = (offset, nbytes, None if isinstance(payload, bytes) else payload.shape)
+            res.payload = b""
+            offset += nbytes
+    return results, where
+
+
+# The shared ring of a fork-started pool, inherited by its workers (set by their initializer).
+_RING: mmap.mmap | None = None
+
+
+def _init_worker(ring: mmap.mmap | None) -> None:
+    global _RING
+    _RING = ring
+    # A killed parent (SIGKILL) can't stop its pool: a worker waiting for work would wait forever.
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    if _WORKER_NICENESS:
+        try:
+            os.nice(_WORKER_NICENESS)
+        except OSError:
+            pass
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _from_ring(ring: mmap.mmap, results: list, where: list) -> list:
+    """Copy the payloads out of the ring (the slot is reused as soon as this returns)."""
+    for res, loc in zip(results, where):
+        if loc is not None:
+            offset, nbytes, shape = loc
+            data = ring[offset : offset + nbytes]  # a copy, as bytes
+            res.payload = data if shape is None else np.frombuffer(data, np.uint8).reshape(shape).copy()
+    return results
 
 
 # ---------------------------------------------------------------- planning
@@ -287,21 +342,37 @@ def _ordered_results(
     chunks = [items[i : i + _CHUNK] for i in range(0, len(items), _CHUNK)]
     if workers <= 0:
         for chunk in chunks:
-            yield from _prepare_chunk(root, chunk, options)
+            yield from _prepare_chunk(root, chunk, options)[0]
         return
-    with ProcessPoolExecutor(max_workers=workers) as pool:
-        pending: deque[Future] = deque()
-        todo = iter(chunks)
-        try:
-            for chunk in todo:
-                pending.append(pool.submit(_prepare_chunk, root, chunk, options))
-                if len(pending) >= workers * ahead:
-                    yield from pending.popleft().result()
-            while pending:
-                yield from pending.popleft().result()
-        finally:
-            for f in pending:
-                f.cancel()
+    ctx = multiprocessing.get_context()
+    # Forked workers inherit a shared ring: payloads cross by one copy each way instead of pickles
+    # through a pipe. Other start methods can't inherit it and fall back to pickling.
+    slots = workers * ahead  # one per chunk in flight: a slot is free again once its chunk is popped
+    slot_bytes = int(min(2 * _CHUNK * max(mean_bytes, 1 << 16), _RING_BYTES // slots)) & ~4095
+    ring = mmap.mmap(-1, slots * slot_bytes) if ctx.get_start_method() == "fork" and slot_bytes else None
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                                 initargs=(ring,)) as pool:
+            pending: deque[Future] = deque()
+            try:
+                for n, chunk in enumerate(chunks):
+                    slot = None if ring is None else ((n % slots) * slot_bytes, slot_bytes)
+                    pending.append(pool.submit(_prepare_chunk, root, chunk, options, slot))
+                    if len(pending) >= slots:
+                        yield from _received(ring, pending.popleft())
+                while pending:
+                    yield from _received(ring, pending.popleft())
+            finally:
+                for f in pending:
+                    f.cancel()
+    finally:
+        if ring is not None:
+            ring.close()
+
+
+def _received(ring: mmap.mmap | None, future: Future) -> list:
+    results, where = future.result()
+    return results if ring is None else _from_ring(ring, results, where)
 
 
 def _progress(total: int, enabled: bool):
@@ -496,6 +567,7 @@ def _build_shards(scan, partial, plan, done, fmt, options, on_error, workers, pr
             result, names = write_shard(partial, sid, b - a, itertools.islice(prepared, b - a), fmt, options,
                                         on_error, scan.root, on_each)
             pending[sid] = journaler.submit(record_shard, partial, result, names)
+        prepared.close()  # the pool winds down while the last shard is checksummed
         for sid, future in pending.items():
             results[sid] = future.result()
     finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,14 +123,16 @@ def shard_entry(partial: Path, shard_id: int) -> Path:
 
 
 def record_shard(partial: Path, result: ShardResult, names: list[str]) -> ShardResult:
-    """Flush the shard's files, checksum them, then journal the shard as done."""
-    for name in names:
-        fd = os.open(partial / name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    result.shard.files = [FileInfo(n, (partial / n).stat().st_size, sha256_file(partial / n)) for n in names]
+    """Flush the shard's files and checksum them (at once: both take a while), then journal the shard as done."""
+    with ThreadPoolExecutor(max_workers=1) as hasher:
+        sums = [hasher.submit(sha256_file, partial / n) for n in names]
+        for name in names:
+            fd = os.open(partial / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        result.shard.files = [FileInfo(n, (partial / n).stat().st_size, s.result()) for n, s in zip(names, sums)]
     _write_atomic(shard_entry(partial, result.shard_id), result.to_json())
     return result
 
