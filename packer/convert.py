@@ -63,7 +63,6 @@ _CHUNK = 16  # files per pool task: amortises IPC without hurting ordering laten
 _AHEAD = 16
 _AHEAD_BYTES = 256 << 20  # ... and at most about this much prepared payload waiting (raw pixels are large)
 _RING_BYTES = 256 << 20  # at most this much shared ring for payloads from forked workers (0: pickle them)
-_WORKER_NICENESS = 5  # workers yield to the single writer, so it keeps up and the tail after the last read is short
 
 
 @dataclass
@@ -235,11 +234,6 @@ def _init_worker(ring: mmap.mmap | None) -> None:
     _RING = ring
     # A killed parent (SIGKILL) can't stop its pool: a worker waiting for work would wait forever.
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    if _WORKER_NICENESS:
-        try:
-            os.nice(_WORKER_NICENESS)
-        except OSError:
-            pass
 
 
 def _exit_with_parent(parent: int) -> None:
