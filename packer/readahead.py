@@ -9,9 +9,10 @@ Why a thread and plain reads rather than ``posix_fadvise(WILLNEED)`` and page fa
 under the emulated hard disk (``packer bench --emulate hdd``, 150 IOPS), fadvise-then-fault
 splits a batch into requests of ~600 KB on average, varying run to run, while sequential
 preads let the kernel's own read-ahead build requests of 1 MB and more (device reads per
-196 MB: ~190 instead of 250-310). The thread reads only the spans asked for (the kernel may
-read a little beyond, as for any sequential read); a read error here is ignored, since the
-caller's own read reports it with the file and the sample.
+196 MB: ~190 instead of 250-310). The thread reads the spans asked for (the kernel may read a
+little beyond, as for any sequential read) and, in the background whenever no batch waits, the
+``later`` ranges a caller adds (the rest of a block, in block order); a read error here is
+ignored, since the caller's own read reports it with the file and the sample.
 """
 
 from __future__ import annotations
