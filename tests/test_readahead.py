@@ -24,6 +24,48 @@ def test_plan_merges_neighbours_on_one_file_in_order():
     assert len(far.spans) == 8 and far.need[-1] == (7, 20)  # beyond LOOKBACK spans: a new span
 
 
+def test_plan_merges_a_range_just_before_a_recent_span():
+    """Bottom-up BMP mosaics: the next tiles' rows lie before the previous ones; still one span, read upwards."""
+    job = readahead.plan([[("a", 3000, 4000)], [("a", 2000, 3000)], [("a", 1000, 1950)], [("a", 10, 20)]], gap=100)
+    assert job.spans == [("a", 1000, 4000), ("a", 10, 20)]
+    assert job.need == [(0, 4000), (0, 3000), (0, 1950), (1, 20)]
+
+
+def test_spans_are_read_in_pieces_from_their_start(tmp_path, monkeypatch):
+    """The first pread of a span is a whole piece, not a stub up to an aligned offset: a read that
+    follows no other is read as asked, so a stub would cost a device request of its own."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(4 * readahead.PIECE))
+    calls = []
+    real = os.preadv
+
+    def spy(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+            calls.append((offset, sum(len(b) for b in buffers)))
+        return real(fd, buffers, offset)
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc")
+    monkeypatch.setattr(os, "preadv", spy)
+    start, end = 1000, 1000 + 2 * readahead.PIECE + 7
+    job = readahead.start([[(str(path), start, end)]])
+    job.wait(0, timeout=10)
+    assert calls == [(start, readahead.PIECE), (start + readahead.PIECE, readahead.PIECE),
+                     (start + 2 * readahead.PIECE, 7)]
+
+
+def test_mosaic_run_of_tiles_is_one_span(tmp_path):
+    """Neighbouring tiles of a (bottom-up) BMP mosaic lie in adjacent row bands: one span, not one per band."""
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
+    ds = open_dataset(convert(src, tmp_path / "ds.mosaic", to="mosaic", tile="64x64", grid="2x24", workers=0,
+                              progress=False).output)
+    bands = ds._readers[0].file_spans([0, 24])
+    assert bands[0][0][1] > bands[1][0][1]  # bottom-up: the second row of tiles lies first in the file
+    assert bands[0][0][2] - bands[0][0][1] > readahead.GAP  # bands farther apart than merely "near"
+    job = ds.prefetch(list(range(40)))  # both rows
+    assert job.spans == [(bands[1][0][0], bands[1][0][1], bands[0][0][2])]
+
+
 def test_plan_item_with_several_ranges_waits_for_its_last():
     job = readahead.plan([[("a", 900, 1000), ("a", 0, 100)]], gap=10)
     assert job.spans == [("a", 0, 100), ("a", 900, 1000)]
