@@ -172,10 +172,12 @@ def decode_pil(data: bytes | memoryview, min_size: int | None = None) -> np.ndar
 TURBO_SAFE_COLORSPACES = (0, 1, 2)  # RGB, YCbCr, GRAY
 
 
-def decode_turbojpeg(data: bytes | memoryview, strict: bool = True, min_size: int | None = None) -> np.ndarray | None:
+def decode_turbojpeg(data: bytes | memoryview, strict: bool = True, min_size: int | None = None,
+                     out: np.ndarray | None = None) -> np.ndarray | None:
     """Decode a JPEG with libjpeg-turbo; None when it can't (no library, CMYK/YCCK): use Pillow then.
 
-    ``strict`` turns libjpeg's warnings (e.g. truncated data) into a DecodeError.
+    ``strict`` turns libjpeg's warnings (e.g. truncated data) into a DecodeError. ``out``: see
+    :func:`decode` (libjpeg-turbo writes into it directly when its shape fits).
     """
     tj = turbojpeg_handle()
     if tj is None:
@@ -188,30 +190,42 @@ def decode_turbojpeg(data: bytes | memoryview, strict: bool = True, min_size: in
             if colorspace not in TURBO_SAFE_COLORSPACES:
                 return None
             d = scale_denominator(height, width, min_size) if min_size else 1
-            return tj.decode(data, pixel_format=_TJPF_RGB, scaling_factor=(1, d) if d > 1 else None)
+            return tj.decode(data, pixel_format=_TJPF_RGB, scaling_factor=(1, d) if d > 1 else None,
+                             dst=out if out is not None and out.flags.c_contiguous else None)
     except (OSError, UserWarning) as exc:
         raise DecodeError(f"cannot decode JPEG: {exc}") from exc
 
 
 def decode(
-    data: bytes | memoryview, backend: Backend = "auto", strict: bool = True, min_size: int | None = None
+    data: bytes | memoryview, backend: Backend = "auto", strict: bool = True, min_size: int | None = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Decode image bytes to HWC uint8 RGB with the chosen backend.
 
     ``auto``: libjpeg-turbo for JPEG when it loads, Pillow otherwise. ``turbojpeg``: the same,
     but a missing library is an error. ``pil``: Pillow only. ``min_size``: see the module docs.
+    ``out``: a uint8 array to put the pixels in (e.g. a slot of a shared batch); returned when the
+    image has its shape, else the pixels come back in a new array.
     """
     if backend not in BACKENDS:
         raise PackerError(f"unknown decoder {backend!r} (choose from {', '.join(BACKENDS)})")
     if backend != "pil" and bytes(data[:3]) == _JPEG_MAGIC:
-        out = decode_turbojpeg(data, strict=strict, min_size=min_size)
-        if out is not None:
-            return out
+        pixels = decode_turbojpeg(data, strict=strict, min_size=min_size, out=out)
+        if pixels is not None:
+            return copy_into(pixels, out)
         if turbojpeg_handle() is None:
             if backend == "turbojpeg":
                 raise PackerError(f"decoder 'turbojpeg' asked for, but libturbojpeg is missing ({_turbo_error})")
             _notice_fallback()
-    return decode_pil(data, min_size=min_size)
+    return copy_into(decode_pil(data, min_size=min_size), out)
+
+
+def copy_into(pixels: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+    """``out`` holding ``pixels`` when the shapes agree (no copy if it already does), else ``pixels``."""
+    if out is None or pixels is out or pixels.shape != out.shape:
+        return pixels
+    np.copyto(out, pixels)
+    return out
 
 
 def read_header(data: bytes | memoryview) -> tuple[int, int]:

@@ -145,6 +145,17 @@ def test_dataloader_workers_see_every_sample_once(packed, start_method):
     assert seen == expected
 
 
+def test_worker_tensors_equal_main_process_reads(packed):
+    """Plain tensors from workers (decoded into one shared block per batch) equal single reads."""
+    from packer.bench import list_collate
+
+    path, *_ = packed
+    ds = open_dataset(path, image="tensor")
+    got = [img for imgs, _labels in DataLoader(ds, batch_size=4, num_workers=2, collate_fn=list_collate)
+           for img in imgs]
+    assert len(got) == len(ds) and all(torch.equal(img, ds[i][0]) for i, img in enumerate(got))
+
+
 def test_reader_pickles_before_and_after_first_use(packed):
     path, *_ = packed
     ds = open_dataset(path, image="numpy")

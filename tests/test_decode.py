@@ -381,3 +381,19 @@ def test_cli_bench_decoders(turbojpeg, packed, tmp_path, capsys):
     assert cli_main(["bench"]) == 2  # no PATH and no --decoders: usage
     assert "at least one PATH" in capsys.readouterr().err
     assert cli_main(["bench", "--decoders", str(path), str(path)]) == 2
+
+
+@pytest.mark.parametrize("fmt, mode", [("JPEG", "RGB"), ("JPEG", "CMYK"), ("PNG", "RGBA")])
+def test_decode_into_a_given_array(fmt, mode):
+    """``out`` of the image's shape receives the pixels (libjpeg-turbo writes in place, others are copied);
+    a wrong shape leaves it untouched and returns a new array."""
+    buf = io.BytesIO()
+    photo_like(np.random.default_rng(3), 21, 34, 2).convert(mode).save(buf, format=fmt)
+    data = buf.getvalue()
+    expected = decode_pil(data)
+    out = np.zeros((21, 34, 3), dtype=np.uint8)
+    got = decode(data, out=out)
+    assert got is out and np.array_equal(out, expected)
+    wrong = np.zeros((20, 34, 3), dtype=np.uint8)
+    got = decode(data, out=wrong)
+    assert got is not wrong and not wrong.any() and np.array_equal(got, expected)
