@@ -166,9 +166,16 @@ class PackedDataset(Dataset):
         """
         if self.image != "tensor" or self.transform is not None or self.decode_size or get_worker_info() is None:
             return None
-        h = self.index.heights[np.asarray(indices, dtype=np.int64)].astype(np.int64)
-        w = self.index.widths[np.asarray(indices, dtype=np.int64)].astype(np.int64)
+        idx = np.asarray(indices, dtype=np.int64)
+        h, w = self.index.heights[idx].astype(np.int64), self.index.widths[idx].astype(np.int64)
         if not len(h) or np.any(h <= 0) or np.any(w <= 0):
+            return None
+        # Sizes come from metadata: allocate only what the per-sample path would accept (it names the problem)
+        if self.manifest.payload == "encoded":
+            limit = Image.MAX_IMAGE_PIXELS
+            if limit and np.any(h * w > 2 * limit):
+                return None
+        elif np.any(self.index.nbytes[idx] != h * w * 3):
             return None
         ends = np.cumsum(h * w * 3)
         block = _new_batch((int(ends[-1]),))

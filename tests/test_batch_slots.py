@@ -74,3 +74,19 @@ def test_no_slots_outside_workers_with_a_transform_or_unknown_sizes(tmp_path, mi
     assert int(ds.index.heights[0]) == 0  # sizes unknown: decoded one by one, still right
     imgs, _ = _worker_batches(ds)[0]
     assert all(torch.equal(img, ds[k][0]) for k, img in enumerate(imgs))
+
+
+def test_sizes_from_damaged_metadata_allocate_nothing(tmp_path, mixed, monkeypatch):
+    """A crafted index size can't make a worker allocate a huge block: no slots, and the per-sample
+    path reports the sample."""
+    import packer.datasets as datasets
+
+    monkeypatch.setattr(datasets, "get_worker_info", lambda: object())  # as inside a worker
+    for payload in ("raw", "encoded"):
+        out = convert(mixed, tmp_path / f"ds-{payload}.lmdb", payload=payload, workers=0, progress=False).output
+        ds = open_dataset(out, image="tensor")
+        assert ds.batch_slots([0, 1]) is not None
+        ds.index.heights[0] = 1 << 30
+        assert ds.batch_slots([0, 1]) is None
+        with pytest.raises(Exception, match="sample 0"):
+            ds.__getitems__([0, 1])
