@@ -162,12 +162,13 @@ def main() -> int:
                markdown_table(rep_hdd), "",
                f"This run took {hdd_minutes:.1f} min. The throttle counts every block IO the kernel submits, "
                "sequential or not, where a real disk streams sequential IOs without seeking: reads that reach "
-               "the disk in small IOs pay the IOPS limit in full here. Two cases show in the device-reads "
-               "figures (table above, and per row in the JSON): page faults and read-ahead hints of "
-               "memory-mapped formats (IOs of well under 1 MB where a plain sequential read makes ~3 MB ones), "
-               "and ImageFolder's Pillow loader, which reads each file in about three IOs (a real disk serves "
-               "the second and third from its track cache), so the folder's `loader` rate here is about a "
-               "third of its `read` rate. The emulation is pessimistic for both.", ""]
+               "the disk in small IOs pay the IOPS limit in full here. The device-reads figures (table above, "
+               "and per row in the JSON) show how many IOs each pass cost: about 1 MB each in block order "
+               "(packer's read-ahead thread reads a batch's spans in file order), one per sample or run of "
+               "neighbours in a uniform shuffle (where a real disk seeks as often), and about three per file "
+               "for ImageFolder's Pillow loader (a real disk serves the second and third from its track "
+               "cache), so the folder's `loader` rate here is about a third of its `read` rate: pessimistic "
+               "for the folder's loader.", ""]
     (out / "bench_report.md").write_text("\n".join(md))
     print(f"wrote {out / 'bench_report.md'}")
     return 0
