@@ -31,6 +31,14 @@ class PreparedSample:
         return len(self.payload) if isinstance(self.payload, bytes) else int(self.payload.nbytes)
 
 
+def check_addition(path, count: int, planned: int, sample: PreparedSample, shape: tuple | None) -> None:
+    """A shard writer's checks before storing ``sample``: room in the plan, and the dataset's fixed shape if any."""
+    if count >= planned:
+        raise PackerError(f"{path}: more samples than the {planned} planned for this shard")
+    if shape is not None and sample.payload.shape != shape:
+        raise PackerError(f"{sample.rel_path}: shape {sample.payload.shape} differs from the dataset's {shape}")
+
+
 class LazyHandle(Generic[H]):
     """A file handle opened on first use in each process; pickles without it.
 

@@ -55,6 +55,7 @@ from packer.errors import PackerError
 from packer.formats.base import (
     LazyHandle,
     PreparedSample,
+    check_addition,
     check_offsets,
     contiguous_runs,
     copy_runs,
@@ -115,11 +116,8 @@ class Writer:
                 "images", shape=(0,), maxshape=(None,), dtype="u1", chunks=(chunk,), compression=self.compression)
 
     def add(self, sample: PreparedSample) -> None:
-        if self._count >= self._planned:
-            raise PackerError(f"{self.path}: more samples than the {self._planned} planned for this shard")
+        check_addition(self.path, self._count, self._planned, sample, self.shape)
         data = sample.payload
-        if self.shape is not None and data.shape != self.shape:
-            raise PackerError(f"{sample.rel_path}: shape {data.shape} differs from the dataset's {self.shape}")
         if self.payload == "raw":
             self._shapes[self._count] = data.shape
         self._labels[self._count] = sample.label

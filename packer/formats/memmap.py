@@ -42,6 +42,7 @@ from packer.errors import PackerError
 from packer.formats.base import (
     LazyHandle,
     PreparedSample,
+    check_addition,
     check_offsets,
     copy_runs,
     fixed_shape,
@@ -91,11 +92,8 @@ class Writer:
             self._fh.write(self._header)
 
     def add(self, sample: PreparedSample) -> None:
-        if self._count >= self._planned:
-            raise PackerError(f"{self.path}: more samples than the {self._planned} planned for this shard")
+        check_addition(self.path, self._count, self._planned, sample, self.shape)
         data = sample.payload
-        if self.shape is not None and data.shape != self.shape:
-            raise PackerError(f"{sample.rel_path}: shape {data.shape} differs from the dataset's {self.shape}")
         if self.payload == "raw" and self.shape is None:
             self._shapes[self._count] = data.shape
         self._fh.write(data)  # bytes, or a C-contiguous uint8 array (buffer protocol: no copy)
