@@ -107,6 +107,15 @@ def list_collate(batch):
     return [b[0] for b in batch], torch.tensor([b[1] for b in batch])
 
 
+def _one_shape(dataset) -> bool:
+    """Whether every image has one known size: then the loader level stacks batches (default_collate), as training would."""
+    index = getattr(dataset, "index", None)
+    if index is None or not len(index.heights):
+        return False
+    h, w = index.heights, index.widths
+    return bool(h[0] > 0 and w[0] > 0 and np.all(h == h[0]) and np.all(w == w[0]))
+
+
 @dataclass
 class Source:
     """One dataset under test: a loose folder or a packed dataset, cut to ``limit`` samples."""
@@ -214,7 +223,7 @@ def _run_pass(src: Source, level: str, order: Order, workers: int, batch_size: i
         if src.kind != "folder":
             dataset.read_ahead_blocks(order.blocks)
         loader = DataLoader(dataset, batch_size=batch_size, sampler=idx, num_workers=workers,
-                            collate_fn=list_collate, pin_memory=pin)
+                            collate_fn=None if _one_shape(dataset) else list_collate, pin_memory=pin)
         for images, _labels in loader:
             if first is None:
                 first = time.perf_counter() - t0

@@ -90,3 +90,18 @@ def test_sizes_from_damaged_metadata_allocate_nothing(tmp_path, mixed, monkeypat
         assert ds.batch_slots([0, 1]) is None
         with pytest.raises(Exception, match="sample 0"):
             ds.__getitems__([0, 1])
+
+
+def test_batches_of_one_shape_are_left_to_the_collate_function(tmp_path, monkeypatch):
+    """Equal sizes: default_collate stacks them into shared memory itself, so no block (it would be one more copy)."""
+    import packer.datasets as datasets
+
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=4)
+    out = convert(src, tmp_path / "ds.memmap", to="memmap", payload="raw", resize="24x32", workers=0,
+                  progress=False).output
+    ds = open_dataset(out, image="tensor")
+    monkeypatch.setattr(datasets, "get_worker_info", lambda: object())  # as inside a worker
+    assert ds.batch_slots([0, 1, 2]) is None
+    monkeypatch.undo()
+    (images, labels), = list(DataLoader(ds, batch_size=8, num_workers=2))  # default_collate stacks
+    assert images.shape == (8, 3, 24, 32) and torch.equal(images[3], ds[3][0])
