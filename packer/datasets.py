@@ -48,6 +48,7 @@ def resolve_access(access: Access, manifest: Manifest) -> str:
     return "random" if available is not None and size > available // 2 else "sequential"
 
 
+BATCH_BLOCK_MAX = 1 << 30  # largest shared block batch_slots maps for one batch (larger: image by image)
 BLOCKS_REMEMBERED = 32  # blocks a process remembers having read ahead (~0.5 GB at the sampler's 16 MB)
 
 
@@ -143,8 +144,10 @@ class PackedDataset(Dataset):
         pending = self.prefetch(idx)
         slots = self.batch_slots(idx)
         out: list = [None] * len(idx)
-        for k, j in enumerate(_file_order(idx)):
+        file_order = _file_order(idx)
+        for k in pending.arrival_order():
             pending.wait(k)
+            j = file_order[k]
             i = idx[j]
             if slots is None:
                 out[j] = self._finish(i, self._read_one(i))
@@ -183,6 +186,8 @@ class PackedDataset(Dataset):
         elif np.any(self.index.nbytes[idx] != h * w * 3):
             return None
         ends = np.cumsum(h * w * 3)
+        if ends[-1] > BATCH_BLOCK_MAX:
+            return None  # nothing checked the sizes yet: don't map more than this on their word
         block = _new_batch((int(ends[-1]),))
         return [block[int(e) - int(hh * ww * 3):int(e)].view(int(hh), int(ww), 3) for e, hh, ww in zip(ends, h, w)]
 

@@ -120,7 +120,9 @@ class InstrumentedDataset(Dataset):
             read += clock() - t0
         slots = ds.batch_slots(idx) if hasattr(ds, "batch_slots") else None
         out: list = [None] * len(idx)
-        for k, j in enumerate(sorted(range(len(idx)), key=idx.__getitem__)):
+        file_order = sorted(range(len(idx)), key=idx.__getitem__)
+        for k in pending.arrival_order() if pending is not None else range(len(idx)):
+            j = file_order[k]
             i = idx[j]
             a = clock()
             if pending is not None:

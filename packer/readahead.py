@@ -55,6 +55,11 @@ class Pending:
             self._cond.wait_for(lambda: self._over or self._done > span or (self._done == span and self._offset >= end),
                                 timeout)
 
+    def arrival_order(self) -> list[int]:
+        """Items in the order their bytes come in (file order, except where a span grew downwards,
+        e.g. a bottom-up BMP's rows): consume them in this order to overlap work with the reads."""
+        return sorted(range(len(self.need)), key=self.need.__getitem__)
+
     def done(self) -> bool:
         with self._cond:
             return self._over
@@ -102,6 +107,8 @@ class _Reader:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
+        self.fds: dict[str, int] = {}  # batch reads
+        self.bg_fds: dict[str, int] = {}  # background reads on their own open files: own kernel read-ahead state
         self.jobs: queue.SimpleQueue[Pending] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="packer-readahead", daemon=True)
         self.thread.start()
@@ -109,8 +116,7 @@ class _Reader:
     def _run(self) -> None:
         buf = bytearray(PIECE)
         view = memoryview(buf)
-        fds: dict[str, int] = {}
-        bg_fds: dict[str, int] = {}  # background reads on their own open files: own kernel read-ahead state
+        fds, bg_fds = self.fds, self.bg_fds
         later: deque[list] = deque()  # background spans [path, offset, end]: read when no batch waits
         while True:
             try:
@@ -187,6 +193,13 @@ def _reader() -> _Reader:
 
 def _after_fork() -> None:
     global _READER, _LOCK
+    if _READER is not None:  # its thread did not come along: close the copies of the files it held open
+        for table in (_READER.fds, _READER.bg_fds):
+            for fd in list(table.values()):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
     _READER, _LOCK = None, threading.Lock()  # the parent's may have been held at fork time
 
 

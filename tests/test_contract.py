@@ -151,9 +151,12 @@ def test_worker_tensors_equal_main_process_reads(packed):
 
     path, *_ = packed
     ds = open_dataset(path, image="tensor")
-    got = [img for imgs, _labels in DataLoader(ds, batch_size=4, num_workers=2, collate_fn=list_collate)
-           for img in imgs]
+    batches = [imgs for imgs, _labels in DataLoader(ds, batch_size=4, num_workers=2, collate_fn=list_collate)]
+    got = [img for imgs in batches for img in imgs]
     assert len(got) == len(ds) and all(torch.equal(img, ds[i][0]) for i, img in enumerate(got))
+    for imgs in batches:  # batches of mixed sizes came as one shared block (batch_slots)
+        if len({img.shape for img in imgs}) > 1:
+            assert len({img.untyped_storage().data_ptr() for img in imgs}) == 1
 
 
 def test_reader_pickles_before_and_after_first_use(packed):

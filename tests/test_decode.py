@@ -397,3 +397,20 @@ def test_decode_into_a_given_array(fmt, mode):
     wrong = np.zeros((20, 34, 3), dtype=np.uint8)
     got = decode(data, out=wrong)
     assert got is not wrong and not wrong.any() and np.array_equal(got, expected)
+
+
+def test_libjpeg_turbo_writes_into_out_itself(turbojpeg, monkeypatch):
+    """No copy for JPEGs: libjpeg-turbo is handed ``out`` as its destination."""
+    buf = io.BytesIO()
+    photo_like(np.random.default_rng(4), 21, 34, 2).save(buf, format="JPEG")
+    given = []
+    real = turbojpeg.decode
+
+    def spy(*args, **kwargs):
+        given.append(kwargs.get("dst"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(turbojpeg, "decode", spy)
+    out = np.zeros((21, 34, 3), dtype=np.uint8)
+    assert decode(buf.getvalue(), out=out) is out
+    assert len(given) == 1 and given[0] is out

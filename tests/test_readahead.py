@@ -29,6 +29,31 @@ def test_plan_merges_a_range_just_before_a_recent_span():
     job = readahead.plan([[("a", 3000, 4000)], [("a", 2000, 3000)], [("a", 1000, 1950)], [("a", 10, 20)]], gap=100)
     assert job.spans == [("a", 1000, 4000), ("a", 10, 20)]
     assert job.need == [(0, 4000), (0, 3000), (0, 1950), (1, 20)]
+    assert job.arrival_order() == [2, 1, 0, 3]  # consume bottom-up bands as they come in
+
+
+def test_forked_child_closes_the_files_its_parent_thread_held(tmp_path):
+    """A worker forked while the parent's thread has files open does not keep copies of them."""
+    if not hasattr(os, "fork"):
+        pytest.skip("needs fork")
+    path = tmp_path / "held.bin"
+    path.write_bytes(b"h" * 100)
+    reader = readahead._reader()
+    fd = os.open(path, os.O_RDONLY)
+    reader.bg_fds[str(path)] = fd  # as if a background read were under way
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.fstat(fd)
+                os._exit(1)  # still open in the child
+            except OSError:
+                os._exit(0)
+        _pid, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        reader.bg_fds.pop(str(path), None)
+        os.close(fd)
 
 
 def test_spans_are_read_in_pieces_from_their_start(tmp_path, monkeypatch):
