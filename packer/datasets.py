@@ -52,6 +52,12 @@ BATCH_BLOCK_MAX = 1 << 30  # largest shared block batch_slots maps for one batch
 BLOCKS_REMEMBERED = 32  # blocks a process remembers having read ahead (~0.5 GB at the sampler's 16 MB)
 
 
+def _beyond_pixel_limit(pixels):
+    """Whether an image of this many pixels is past Pillow's decompression-bomb error (twice its warning limit)."""
+    limit = Image.MAX_IMAGE_PIXELS
+    return bool(limit) and pixels > 2 * limit
+
+
 def _file_order(idx: Sequence[int]) -> list[int]:
     """Positions of ``idx`` sorted by sample index (file order; ties keep their order), as prefetch plans them."""
     return sorted(range(len(idx)), key=idx.__getitem__)
@@ -141,7 +147,7 @@ class PackedDataset(Dataset):
         alternating with it.
         """
         idx = [self._check_index(i) for i in indices]
-        pending = self.prefetch(idx)
+        pending = self._prefetch(np.asarray(idx, dtype=np.int64))
         slots = self.batch_slots(idx)
         out: list = [None] * len(idx)
         file_order = _file_order(idx)
@@ -149,13 +155,18 @@ class PackedDataset(Dataset):
             pending.wait(k)
             j = file_order[k]
             i = idx[j]
-            if slots is None:
-                out[j] = self._finish(i, self._read_one(i))
-            else:
-                view = slots[j].numpy()
-                arr = self.pixels(i, self._read_one(i), out=view)
-                out[j] = self.present(i, arr, slots[j] if arr is view else None)
+            arr, tensor = self.pixels_in_slot(i, self._read_one(i), None if slots is None else slots[j])
+            out[j] = self.present(i, arr, tensor)
         return out
+
+    def pixels_in_slot(self, i: int, payload, slot: torch.Tensor | None) -> tuple[np.ndarray, torch.Tensor | None]:
+        """Sample ``i``'s pixels, decoded into ``slot`` (from ``batch_slots``) when given: (pixels, the
+        slot holding them, or None when it does not, e.g. no slot or a size other than the index's)."""
+        if slot is None:
+            return self.pixels(i, payload), None
+        view = slot.numpy()
+        arr = self.pixels(i, payload, out=view)
+        return arr, slot if arr is view else None
 
     def batch_slots(self, indices: Sequence[int]) -> list[torch.Tensor] | None:
         """Per sample, an HWC uint8 tensor of its size, all in one block of shared memory, where
@@ -176,12 +187,12 @@ class PackedDataset(Dataset):
         if not len(h) or np.any(h <= 0) or np.any(w <= 0):
             return None
         if np.all(h == h[0]) and np.all(w == w[0]):
-            return None  # one shape: a collate function stacks them into shared memory itself; a block here
-            # would be one more copy (default_collate over 224x224 mosaic tiles: ~20 % fewer tiles/s with it)
+            # One shape: a collate function stacks them into shared memory itself; a block here would be
+            # one more copy (default_collate over 224x224 mosaic tiles: ~20 % fewer tiles/s with it).
+            return None
         # Sizes come from metadata: allocate only what the per-sample path would accept (it names the problem)
         if self.manifest.payload == "encoded":
-            limit = Image.MAX_IMAGE_PIXELS
-            if limit and np.any(h * w > 2 * limit):
+            if np.any(_beyond_pixel_limit(h * w)):
                 return None
         elif np.any(self.index.nbytes[idx] != h * w * 3):
             return None
@@ -198,7 +209,10 @@ class PackedDataset(Dataset):
         (``sorted(indices)``) is in memory. Formats of one file per sample (bmp) have the kernel
         read them all at once instead.
         """
-        idx = np.asarray([self._check_index(i) for i in indices], dtype=np.int64)
+        return self._prefetch(np.asarray([self._check_index(i) for i in indices], dtype=np.int64))
+
+    def _prefetch(self, idx: np.ndarray) -> readahead.Pending:
+        """``prefetch`` of indices already checked."""
         ordered = idx[np.argsort(idx, kind="stable")]
         shard_of = np.searchsorted(self._starts, ordered, side="right") - 1
         requests: list = []
@@ -316,7 +330,7 @@ class PackedDataset(Dataset):
         read-ahead has brought in the run's last sample.
         """
         idx = np.asarray([self._check_index(i) for i in indices], dtype=np.int64)
-        pending = self.prefetch(idx)
+        pending = self._prefetch(idx)
         order = np.asarray(_file_order(idx.tolist()), dtype=np.int64)
         out: list = [None] * len(idx)
         shard_of = np.searchsorted(self._starts, idx[order], side="right") - 1
@@ -365,8 +379,7 @@ class PackedDataset(Dataset):
             hh, ww = image_size(buf)
             if (h or w) and (hh, ww) != (h, w):
                 raise DecodeError(f"image header says {hh}x{ww}, the index says {h}x{w} (damaged)")
-            limit = Image.MAX_IMAGE_PIXELS
-            if not (h or w) and limit and hh * ww > 2 * limit:  # size unknown (--validate none): Pillow's bound
+            if not (h or w) and _beyond_pixel_limit(hh * ww):  # size unknown (--validate none): Pillow's bound
                 raise DecodeError(f"image header says {hh}x{ww}, beyond Pillow's decompression-bomb limit")
             return decode(buf, self.decoder, strict=strict, min_size=self.decode_size, out=out)
         except DecodeError as exc:

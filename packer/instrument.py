@@ -129,10 +129,12 @@ class InstrumentedDataset(Dataset):
                 pending.wait(k)
             payload = ds.read_payload(i)
             b = clock()
-            view = None if slots is None else slots[j].numpy()
-            arr = ds.pixels(i, payload) if view is None else ds.pixels(i, payload, out=view)
+            if slots is None:
+                arr, tensor = ds.pixels(i, payload), None
+            else:
+                arr, tensor = ds.pixels_in_slot(i, payload, slots[j])
             c = clock()
-            out[j] = ds.present(i, arr) if view is None or arr is not view else ds.present(i, arr, slots[j])
+            out[j] = ds.present(i, arr) if tensor is None else ds.present(i, arr, tensor)
             d = clock()
             read += b - a
             decode += c - b

@@ -79,8 +79,10 @@ def plan(requests: Sequence[Sequence[Range]], gap: int = GAP) -> Pending:
     """Spans to read, in the order given, neighbours on the same file merged; what each item waits for.
 
     Items should come in file order (the caller reads them in that order too). A range joins one
-    of the last ``LOOKBACK`` spans when it overlaps it or lies within ``gap`` of it (e.g. an LMDB
-    value after the previous value, its leaf page on a span read before), else opens a new span.
+    of the last ``LOOKBACK`` spans when it overlaps it or lies within ``gap`` of it, before or after
+    (an LMDB value after the previous value, its leaf page on a span read before; a bottom-up BMP
+    row band below the previous one), else opens a new span; ``Pending.arrival_order`` says in
+    which order the items' bytes then come in.
     """
     spans: list[list] = []
     need: list[tuple[int, int]] = []

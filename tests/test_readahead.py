@@ -292,3 +292,21 @@ def test_background_ranges_yield_to_a_waiting_batch(tmp_path):
     job = readahead.start([[(str(small), 0, 1000)]])
     job.wait(0, timeout=10)
     assert job.done() and first.done()
+
+
+def test_batch_is_decoded_in_the_order_its_bytes_arrive(tmp_path, monkeypatch):
+    """Bottom-up mosaic: the second row's band is read first, so its tiles are consumed first."""
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
+    ds = open_dataset(convert(src, tmp_path / "ds.mosaic", to="mosaic", tile="64x64", grid="2x24", workers=0,
+                              progress=False).output, image="numpy")
+    waited = []
+    real = readahead.Pending.wait
+
+    def spy(self, k, timeout=60.0):
+        waited.append(k)
+        return real(self, k, timeout)
+
+    monkeypatch.setattr(readahead.Pending, "wait", spy)
+    batch = ds.__getitems__(list(range(40)))
+    assert sorted(waited) == list(range(40)) and waited[:16] == list(range(24, 40))  # row 2 first
+    assert all(np.array_equal(img, ds[i][0]) for i, (img, _label) in enumerate(batch))
