@@ -24,11 +24,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from packer import bmpfile, convert, open_dataset
-from packer.decode import decode, turbojpeg_handle
+from packer import convert, open_dataset
 from packer.formats import bmp as bmp_format
 from packer.formats import mosaic
-from packer.scan import scan_folder
+from packer.images import bmp as bmpfile
+from packer.images.decode import decode, turbojpeg_handle
+from packer.write.scan import scan_folder
 
 
 def rate(fn: Callable[[int], object], order: list[int], budget: float) -> float:

@@ -19,7 +19,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from packer.prefetch import CUDAPrefetcher
+from packer.read.loaders import CUDAPrefetcher
 
 
 def heavy(x: torch.Tensor, reps: int) -> torch.Tensor:

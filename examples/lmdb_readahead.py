@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from packer import open_dataset
-from packer.measure import evict, tree_files
+from packer.diagnose.measure import evict, tree_files
 
 
 def cold_pass(path: str, access: str, order: np.ndarray) -> tuple[float, bool]:

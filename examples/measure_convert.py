@@ -24,8 +24,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from packer import convert
-from packer.decode import decode
-from packer.scan import scan_folder
+from packer.images.decode import decode
+from packer.write.scan import scan_folder
 
 CHUNK = 16
 

@@ -23,12 +23,12 @@ import tempfile
 from pathlib import Path
 
 from packer import convert
-from packer.distributed import open_client
 from packer.units import parse_bytes
+from packer.write.cluster import open_client
 
 
 def _warm_up() -> None:
-    import packer.convert  # noqa: F401  (the first task of a fresh worker would pay for these imports)
+    import packer.write.convert  # noqa: F401  (the first task of a fresh worker would pay for these imports)
 
 
 def run(src: Path, shard_bytes: int, validate: str, workers: int, client=None) -> tuple[float, list[str]]:

@@ -19,7 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from packer.sampler import (  # noqa: E402
+from packer.read.sampler import (  # noqa: E402
     DEFAULT_BLOCK_BYTES,
     DEFAULT_OPEN_BLOCKS,
     DEFAULT_RUN,

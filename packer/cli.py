@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "gzip: smaller, any HDF5 reader; default none)")
     p.add_argument("--order", choices=("shuffled", "source"), default="shuffled",
                    help="sample order in the dataset. shuffled (default): a seeded shuffle, so neighbours on disk "
-                   "are unrelated and block-shuffled reading (packer.sampler) mixes labels in every batch; "
+                   "are unrelated and block-shuffled reading (packer.read.sampler) mixes labels in every batch; "
                    "source: ImageFolder's order, dataset index i = ImageFolder index i. Either way "
                    "ds.samples and ds.index_of(rel_path) map samples to their source files")
     p.add_argument("--seed", type=int, default=0, help="seed of --order shuffled (default 0; recorded in the manifest)")
@@ -230,14 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N samples of each dataset, in its stored order (packed datasets are usually stored shuffled)")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffled orders")
     p.add_argument("--block-size", type=parse_bytes, default=None, metavar="SIZE",
-                   help="block order: payload bytes per block (default: packer.sampler's, 16MB)")
+                   help="block order: payload bytes per block (default: packer.read.sampler's, 16MB)")
     p.add_argument("--open-blocks", type=int, default=None, metavar="N",
                    help="block order: blocks shuffled together in a window (default: the sampler's, 8)")
     p.add_argument("--run", type=int, default=None, metavar="N",
                    help="block order: neighbours read together (default: the sampler's, 16)")
     p.add_argument("--ceiling-size", type=parse_bytes, default=256 << 20, metavar="SIZE",
                    help="size of the scratch file for the sequential-read ceiling (default 256MiB)")
-    from packer.throttle import PRESETS
+    from packer.diagnose.throttle import PRESETS
 
     p.add_argument("--emulate", choices=sorted(PRESETS), help="throttle reads like this device: "
                    + "; ".join(f"{k} = {v.read_iops} IOPS, {v.read_bps // 10**6} MB/s" for k, v in sorted(PRESETS.items())))
@@ -262,10 +262,10 @@ def _csv(kind):
 def cmd_convert(args) -> int:
     import contextlib
 
-    from packer.convert import convert
+    from packer.write.convert import convert
 
     if args.scheduler:
-        from packer.distributed import open_client
+        from packer.write.cluster import open_client
 
         cluster = open_client(args.scheduler)
     else:
@@ -290,7 +290,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from packer.info import dataset_info, info_rows
+    from packer.tools.info import dataset_info, info_rows
 
     data = dataset_info(args.dataset)
     if args.json:
@@ -304,7 +304,7 @@ def cmd_info(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from packer.verify import verify
+    from packer.tools.verify import verify
 
     report = verify(args.dataset, against=args.against, progress=not args.quiet, deep=args.deep)
     checked = ", ".join(f"{v} {k}" for k, v in report.checked.items())
@@ -320,7 +320,7 @@ def cmd_verify(args) -> int:
 
 
 def cmd_extract(args) -> int:
-    from packer.extract import extract
+    from packer.tools.extract import extract
 
     res = extract(args.dataset, args.dir, overwrite=args.overwrite, progress=not args.quiet)
     print(f"wrote {res.num_files} files ({human_bytes(res.num_bytes)}) to {res.output}")
@@ -331,7 +331,7 @@ def cmd_extract(args) -> int:
 
 
 def cmd_sample(args) -> int:
-    from packer.sample import make_sample
+    from packer.tools.sample import make_sample
 
     try:
         h, w = (int(v) for v in args.size.lower().split("x"))
@@ -344,8 +344,8 @@ def cmd_sample(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from packer.datasets import open_dataset
-    from packer.sweep import RandomCrop, default_workers, plot_sweep, require_matplotlib, sweep
+    from packer.diagnose.sweep import RandomCrop, default_workers, plot_sweep, require_matplotlib, sweep
+    from packer.read.dataset import open_dataset
 
     if args.plot:
         require_matplotlib()
@@ -378,7 +378,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from packer.doctor import diagnose, render
+    from packer.diagnose.doctor import diagnose, render
 
     report = diagnose(args.path, seconds=args.seconds, progress=not args.json)
     print(json.dumps(report, indent=1) if args.json else render(report))
@@ -390,10 +390,10 @@ def cmd_bench(args) -> int:
         return _bench_decoders(args)
     if not args.paths:
         raise PackerError("packer bench needs at least one PATH (a folder or a packed dataset), or --decoders")
-    from packer.bench import BenchOptions, format_table, print_progress, run_bench
+    from packer.diagnose.bench import BenchOptions, format_table, print_progress, run_bench
 
     if args.plot:
-        from packer.benchplot import require_matplotlib
+        from packer.diagnose.plots import require_matplotlib
 
         require_matplotlib()  # before minutes of measuring
     caches = ("cold",) if args.cold else ("warm",) if args.warm else ("cold", "warm")
@@ -418,7 +418,7 @@ def cmd_bench(args) -> int:
                 json.dump(report, fh, indent=1)
             print(f"wrote {args.json}")
     if args.plot:
-        from packer.benchplot import plot_report
+        from packer.diagnose.plots import plot_report
 
         plot_report(report, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
@@ -430,7 +430,7 @@ def _bench_decoders(args) -> int:
     import platform
     import tempfile
 
-    from packer import decodebench
+    from packer.diagnose import decoders as decodebench
 
     try:
         sizes = [None if s.strip() == "full" else int(s) for s in args.sizes.split(",") if s.strip()]
@@ -444,7 +444,7 @@ def _bench_decoders(args) -> int:
     with tempfile.TemporaryDirectory(prefix="packer-bench-") as tmp:
         path = args.paths[0] if args.paths else None
         if path is None:
-            from packer.sample import make_sample
+            from packer.tools.sample import make_sample
 
             path = f"{tmp}/imgs"
             print(f"no DATASET|FOLDER given: generating {limit} photo-like JPEGs (about 500x375, q90)", file=out)
@@ -458,7 +458,7 @@ def _bench_decoders(args) -> int:
         overhead = None
         from pathlib import Path
 
-        from packer.decode import turbojpeg_available
+        from packer.images.decode import turbojpeg_available
         if (Path(path) / "manifest.json").exists() and turbojpeg_available():
             overhead = decodebench.measure_overhead(path, limit=limit, batch_size=args.batch_size,
                                                     seconds=args.seconds * 2)

@@ -1,5 +1,5 @@
 import pytest
-from imagesets import make_flat, make_imagefolder
+from support.imagesets import make_flat, make_imagefolder
 
 
 def pytest_addoption(parser):
@@ -13,7 +13,7 @@ def pytest_addoption(parser):
 
 def turbojpeg_or_skip(required: bool):
     """The process's TurboJPEG handle; skips without libturbojpeg, or fails if it is required."""
-    from packer.decode import turbojpeg_handle, turbojpeg_missing_reason
+    from packer.images.decode import turbojpeg_handle, turbojpeg_missing_reason
 
     handle = turbojpeg_handle()
     if handle is None:

@@ -12,7 +12,7 @@ A format module defines:
   in the current process, with ``read_many(positions)`` for runs of neighbours and ``close()``;
   optionally ``fixed_shape`` ((H, W, 3) when every sample of the shard has it, else None) and
   ``read_into(ascending positions, out)`` that fills a preallocated batch array in one copy;
-  and for read-ahead (packer.readahead) either ``file_spans(positions)`` (per position, the
+  and for read-ahead (packer.read.readahead) either ``file_spans(positions)`` (per position, the
   ``(path, start, end)`` byte ranges reading it touches, the sample's own bytes last) or, for
   one file per sample, ``prefetch(positions)`` (ask the kernel for the files, all at once).
 

@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from packer.errors import PackerError
-from packer.resize import ResizeSpec
+from packer.images.resize import ResizeSpec
 
 H = TypeVar("H")
 

@@ -14,7 +14,7 @@ these files (the unit a resumed conversion keeps); the manifest lists every file
 sha256, in sample order, and the reader finds sample ``pos`` of a shard as its ``pos``-th file.
 
 Trades disk (~3 bytes per pixel) for decode time: reading is a file read plus one numpy copy
-(``packer.bmpfile``), no codec. The manifest grows by about 150 bytes per image.
+(``packer.images.bmp``), no codec. The manifest grows by about 150 bytes per image.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from packer import bmpfile
 from packer.errors import PackerError
 from packer.formats.base import PreparedSample
-from packer.manifest import Shard
+from packer.images import bmp as bmpfile
+from packer.layout.manifest import Shard
 
 NAME = "bmp"
 DATASET_CLASS = "BMPDataset"

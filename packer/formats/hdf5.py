@@ -28,7 +28,7 @@ HDF5 1.10's ``h5ls``/``h5dump``.
 Reads return fresh arrays that HDF5 filled from the file (an (H, W, 3) array for raw, a
 ``memoryview`` of the bytes for encoded), so torch wraps them without another copy; a
 batch (``read_into``) costs one more copy into the batch tensor. Runs of neighbours are one
-read; ``file_spans`` tells packer.readahead which chunks a batch will need.
+read; ``file_spans`` tells packer.read.readahead which chunks a batch will need.
 
 Readers open the file lazily in each process (h5py handles cross neither fork nor pickle)
 with ``locking=False``: HDF5's file locks fail on many NFS mounts and a read-only reader
@@ -62,7 +62,7 @@ from packer.formats.base import (
     fixed_shape,
     shard_layout,
 )
-from packer.manifest import Shard
+from packer.layout.manifest import Shard
 
 NAME = "hdf5"
 DATASET_CLASS = "HDF5Dataset"
@@ -311,7 +311,7 @@ class Reader:
         return out
 
     def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
-        """Per position, the byte ranges of the file its chunks occupy (see packer.readahead)."""
+        """Per position, the byte ranges of the file its chunks occupy (see packer.read.readahead)."""
         h = self._h.get(self._open)
         dsid, path, out = h.images.id, str(self.path), []
         if h.offsets is None:

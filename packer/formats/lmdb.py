@@ -6,7 +6,7 @@
 |                      | the sample's position in the shard (ASCII), value the payload:      |
 |                      | encoded file bytes, or raw HWC uint8 RGB bytes (shape in ``meta/``) |
 | shard-00000.spans.npy| [N, 3] int64: each sample's leaf page offset and value start/end in |
-|                      | the file, for read-ahead without touching the file (packer.readahead)|
+|                      | the file, for read-ahead without touching the file (packer.read.readahead)|
 
 Written with ``append=True`` (keys arrive sorted: pages fill completely, no splits), committed
 in batches, the map grown on ``MapFullError`` instead of reserving a huge map up front. The
@@ -30,8 +30,8 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.formats.base import LazyHandle, PreparedSample, contiguous_runs, mapping_base
-from packer.manifest import Shard
-from packer.trust import load_npy
+from packer.layout.manifest import Shard
+from packer.layout.trust import load_npy
 
 NAME = "lmdb"
 DATASET_CLASS = "LMDBDataset"
@@ -233,7 +233,7 @@ class Reader:
         return out
 
     def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
-        """Per position, the file spans reading it touches: its leaf page and its value (see packer.readahead).
+        """Per position, the file spans reading it touches: its leaf page and its value (see packer.read.readahead).
 
         From the shard's ``.spans.npy``, written with it; datasets written before it existed
         get no read-ahead: looking a value up reads its first page.

@@ -20,7 +20,7 @@ Readers map the files read-only, lazily in each process, and return zero-copy re
 views: an ``(H, W, 3)`` array for raw, a ``memoryview`` for encoded. The only copy is made
 when handing pixels to torch (``image="tensor"``, which needs writable memory) or into a
 batch (``read_into``). ``access="random"`` advises the kernel not to read ahead;
-``file_spans`` tells packer.readahead which bytes a batch needs.
+``file_spans`` tells packer.read.readahead which bytes a batch needs.
 
 One shard by default (``DEFAULT_SHARD_BYTES = None``): the formats index by offset, so a
 single file costs nothing in lookups, one mapping per worker suffices, and the fixed-shape
@@ -48,8 +48,8 @@ from packer.formats.base import (
     fixed_shape,
     shard_layout,
 )
-from packer.manifest import Shard
-from packer.trust import npy_header
+from packer.layout.manifest import Shard
+from packer.layout.trust import npy_header
 
 NAME = "memmap"
 DATASET_CLASS = "MemmapDataset"
@@ -204,7 +204,7 @@ class Reader:
         return [self.read(p) for p in positions]
 
     def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
-        """Per position, the byte range of the data file it is read from (see packer.readahead)."""
+        """Per position, the byte range of the data file it is read from (see packer.read.readahead)."""
         m = self._maps.get(self._open)
         path = str(self.paths[0])
         if m.offsets is None:

@@ -17,7 +17,7 @@ touching the rest), ``png`` (lossless, smaller, but the whole mosaic is decoded 
 kept in a small per-process cache, so read it in block order), ``jpeg`` (explicit, lossy, the
 smallest; 4:4:4 with tiles on MCU boundaries and a restart marker per tile band, so one tile is
 cut out by copying its bytes and decoded alone, identical to decoding the whole mosaic: see
-``packer.jpegtiles``; each jpeg mosaic has its interval index beside it, ``<mosaic>.rst.npy``).
+``packer.images.jpegtiles``; each jpeg mosaic has its interval index beside it, ``<mosaic>.rst.npy``).
 The default grid makes one mosaic about 16 MB decoded.
 """
 
@@ -36,11 +36,12 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from packer import bmpfile, jpegtiles
-from packer.decode import decode, turbojpeg_handle
 from packer.errors import PackerError
 from packer.formats.base import PreparedSample
-from packer.manifest import Manifest, Shard
+from packer.images import bmp as bmpfile
+from packer.images import jpegtiles
+from packer.images.decode import decode, turbojpeg_handle
+from packer.layout.manifest import Manifest, Shard
 
 NAME = "mosaic"
 DATASET_CLASS = "MosaicDataset"
@@ -56,7 +57,7 @@ JPEG_MAX_SIDE = 65500
 # Decoded mosaics kept per reader and process (at least one), for the full-decode path only (png,
 # or jpeg with tile_read="full"): ~8 default mosaics, the block sampler's default open blocks.
 CACHE_BYTES = 160 << 20
-INDEX_SUFFIX = ".rst.npy"  # beside each jpeg mosaic: its restart intervals, int64 [n, 2] (packer.jpegtiles)
+INDEX_SUFFIX = ".rst.npy"  # beside each jpeg mosaic: its restart intervals, int64 [n, 2] (packer.images.jpegtiles)
 _PNG_LEVEL = 1  # photos barely compress further at higher levels, which encode ~2x slower
 
 
@@ -170,7 +171,7 @@ def dataset_blocks(manifest: Manifest) -> list[tuple[int, int]]:
 def block_boundaries(manifest: Manifest) -> np.ndarray:
     """Where each mosaic starts, then the sample count: the block sampler's ``blocks`` (one mosaic each).
 
-    ``MosaicDataset.block_boundaries()`` returns this, so ``packer.sampler`` picks it up by itself.
+    ``MosaicDataset.block_boundaries()`` returns this, so ``packer.read.sampler`` picks it up by itself.
     """
     starts = [a for a, _b in dataset_blocks(manifest)]
     return np.asarray(starts + [manifest.num_samples], dtype=np.int64)
@@ -183,7 +184,7 @@ def encode(canvas: np.ndarray, geom: Geometry) -> bytes:
     if geom.codec == "png":
         Image.fromarray(canvas).save(buf, "PNG", compress_level=_PNG_LEVEL)
     else:
-        # 4:4:4, baseline, a restart marker after each tile-wide band of 8 rows (see packer.jpegtiles)
+        # 4:4:4, baseline, a restart marker after each tile-wide band of 8 rows (see packer.images.jpegtiles)
         Image.fromarray(canvas).save(buf, "JPEG", quality=geom.quality, subsampling=0,
                                      restart_marker_blocks=geom.tile_w // 8)
     return buf.getvalue()
@@ -284,7 +285,7 @@ class Reader:
 
     ``tile_read``: ``region`` (bmp: read only the tile's bytes from a memory map), ``segments``
     (jpeg: copy the tile's restart intervals into a small JPEG and decode only that, see
-    ``packer.jpegtiles``), ``full`` (decode the whole mosaic, keep it in a small per-process LRU
+    ``packer.images.jpegtiles``), ``full`` (decode the whole mosaic, keep it in a small per-process LRU
     cache, return the tile: cheap when neighbours follow, ruinous in uniform random order over
     more mosaics than the cache holds), ``crop`` (jpeg: libjpeg-turbo's lossless crop, which
     entropy-decodes the whole mosaic every time; falls back to ``full`` without libturbojpeg).
@@ -355,7 +356,7 @@ class Reader:
         return [self.read(p) for p in positions]
 
     def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
-        """Per position, what reading its tile touches (see packer.readahead).
+        """Per position, what reading its tile touches (see packer.read.readahead).
 
         bmp: the tile's row band; jpeg segments: the tile's restart intervals; otherwise (whole
         mosaics are decoded) the whole file, unless this process has it decoded already.

@@ -1,0 +1,1 @@
+"""Measuring, then explaining: bench, doctor, profile; nothing in write/, read/ or tools/ imports it."""

@@ -1,0 +1,143 @@
+"""Per-sample metadata of a packed dataset, as plain numpy arrays.
+
+Layout (folder ``meta/`` inside the dataset, each file a ``.npy`` loaded with
+``allow_pickle=False``; dtypes pinned little-endian):
+
+| file              | dtype | shape  | holds                                             |
+|-------------------|-------|--------|---------------------------------------------------|
+| labels.npy        | <i8   | [N]    | class index, -1 for a flat folder                 |
+| heights.npy       | <i4   | [N]    | image height as stored (after any resize)         |
+| widths.npy        | <i4   | [N]    | image width as stored                             |
+| nbytes.npy        | <i8   | [N]    | payload bytes of the sample                       |
+| path_blob.npy     | u1    | [B]    | UTF-8 relative source paths, back to back         |
+| path_offsets.npy  | <i8   | [N+1]  | where each path starts in path_blob               |
+
+Arrays, not lists of dicts: forked DataLoader workers share them without copying.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from packer.errors import PackerError
+from packer.layout.manifest import sha256_file
+from packer.layout.trust import check_offsets, inside, load_npy
+
+META_DIR = "meta"
+DTYPES = {
+    "labels": "<i8",
+    "heights": "<i4",
+    "widths": "<i4",
+    "nbytes": "<i8",
+    "path_blob": "u1",
+    "path_offsets": "<i8",
+}
+MAX_SIDE = 1 << 20  # no real image has a side of a million pixels: larger values are damage
+
+
+@dataclass
+class Index:
+    labels: np.ndarray
+    heights: np.ndarray
+    widths: np.ndarray
+    nbytes: np.ndarray
+    path_blob: np.ndarray
+    path_offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    @classmethod
+    def build(cls, rel_paths: list[str], labels, heights, widths, nbytes) -> Index:
+        encoded = [p.encode("utf-8") for p in rel_paths]
+        offsets = np.zeros(len(encoded) + 1, dtype="<i8")
+        np.cumsum([len(b) for b in encoded], out=offsets[1:])
+        blob = np.frombuffer(b"".join(encoded), dtype="u1").copy()
+        return cls(
+            labels=np.asarray(labels, dtype="<i8"),
+            heights=np.asarray(heights, dtype="<i4"),
+            widths=np.asarray(widths, dtype="<i4"),
+            nbytes=np.asarray(nbytes, dtype="<i8"),
+            path_blob=blob,
+            path_offsets=offsets,
+        )
+
+    def rel_path(self, i: int) -> str:
+        start, end = self.path_offsets[i], self.path_offsets[i + 1]
+        return self.path_blob[start:end].tobytes().decode("utf-8")
+
+    def rel_paths(self) -> list[str]:
+        blob = self.path_blob.tobytes()
+        off = self.path_offsets.tolist()
+        return [blob[off[i] : off[i + 1]].decode("utf-8") for i in range(len(self))]
+
+    def save(self, directory: Path) -> list[str]:
+        """Write the arrays under ``directory/meta``; returns the written names (relative)."""
+        meta = directory / META_DIR
+        meta.mkdir(exist_ok=True)
+        names = []
+        for f in fields(self):
+            name = f"{META_DIR}/{f.name}.npy"
+            np.save(directory / name, np.ascontiguousarray(getattr(self, f.name), dtype=DTYPES[f.name]))
+            names.append(name)
+        return names
+
+    @classmethod
+    def load(cls, directory: Path, num_samples: int, files: list | None = None, num_classes: int | None = None) -> Index:
+        """Load and check ``meta/*.npy``; ``files`` (the manifest's ``meta_files``) adds size and sha256 checks.
+
+        The dataset may be crafted: each file must stay inside ``directory``, match its
+        checksum, and hold exactly the dtype and length expected before anything is allocated.
+        """
+        listed = {f.name: f for f in files} if files is not None else None
+        arrays = {}
+        for f in fields(cls):
+            name = f"{META_DIR}/{f.name}.npy"
+            path = inside(directory, name)
+            if listed is not None:
+                info = listed.get(name)
+                if info is None:
+                    raise PackerError(f"{directory}: the manifest does not list {name}")
+                try:
+                    same = path.stat().st_size == info.num_bytes and sha256_file(path) == info.sha256
+                except OSError as exc:
+                    raise PackerError(f"{path}: cannot read ({exc.strerror or exc})") from None
+                if not same:
+                    raise PackerError(f"{path}: size or checksum differs from the manifest (damaged or modified)")
+            # Bound the length before loading: N entries per-sample array, N+1 offsets, blob <= file size.
+            limit = {"path_offsets": num_samples + 1, "path_blob": None}.get(f.name, num_samples)
+            arrays[f.name] = load_npy(path, DTYPES[f.name], ndim=1, max_items=limit)
+        index = cls(**arrays)
+        index.check(directory, num_samples, num_classes)
+        return index
+
+    def check(self, directory: Path, num_samples: int, num_classes: int | None = None) -> None:
+        """Lengths match the manifest, offsets describe the path blob, values are in range."""
+        where = directory / META_DIR
+        for name in ("labels", "heights", "widths", "nbytes"):
+            if len(getattr(self, name)) != num_samples:
+                raise PackerError(f"{where}/{name}.npy: {len(getattr(self, name))} entries, manifest says {num_samples}")
+        check_offsets(self.path_offsets, len(self.path_blob), f"{where}/path_offsets.npy", count=num_samples)
+        if np.any(self.nbytes < 0) or np.any(self.heights < 0) or np.any(self.widths < 0):
+            raise PackerError(f"{where}: negative sizes in sample metadata")
+        if np.any(self.heights > MAX_SIDE) or np.any(self.widths > MAX_SIDE):
+            raise PackerError(f"{where}: image sides above {MAX_SIDE} in sample metadata")
+        if num_classes is not None and len(self.labels):
+            low, high = int(self.labels.min()), int(self.labels.max())
+            if low < -1 or high >= num_classes:
+                raise PackerError(f"{where}/labels.npy: labels from {low} to {high}, "
+                                  f"but the dataset has {num_classes} classes")
+        try:
+            self.path_blob.tobytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PackerError(f"{where}/path_blob.npy: not UTF-8 ({exc})") from None
+
+
+def shard_starts(counts: list[int]) -> np.ndarray:
+    """Global index of each shard's first sample, plus the total at the end."""
+    starts = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=starts[1:])
+    return starts

@@ -1,0 +1,206 @@
+"""``manifest.json``: what a packed dataset is, written last and atomically.
+
+A directory without a valid manifest is not a dataset. The manifest is plain JSON (never
+pickle), checked on load for its kind and version, so an old or foreign directory gets a
+clear error instead of a confusing read failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packer.errors import PackerError
+from packer.layout.trust import check_inner_name, inside
+
+KIND = "packer-dataset"
+VERSION = 1
+MANIFEST_NAME = "manifest.json"
+PAYLOADS = ("encoded", "raw")  # encoded: the source file's bytes; raw: decoded HWC uint8 RGB
+
+
+@dataclass
+class FileInfo:
+    """One file of a shard, with what ``packer verify`` checks."""
+
+    name: str  # relative to the dataset directory
+    num_bytes: int
+    sha256: str
+
+
+@dataclass
+class Shard:
+    """A run of consecutive samples stored together."""
+
+    num_samples: int
+    files: list[FileInfo]
+    facts: dict[str, Any] = field(default_factory=dict)  # format-specific, from Writer.close()
+
+
+@dataclass
+class Manifest:
+    format: str
+    payload: str
+    num_samples: int
+    classes: list[str]
+    shards: list[Shard]
+    meta_files: list[FileInfo] = field(default_factory=list)  # meta/*.npy, checksummed like shards
+    options: dict[str, Any] = field(default_factory=dict)
+    num_errors: int = 0
+    source: str = ""
+    created_by: str = ""
+    created_at: str = ""
+    kind: str = KIND
+    version: int = VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, ensure_ascii=False)
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "manifest") -> Manifest:
+        """Build from parsed JSON, checking every field's type and range (the file may be crafted)."""
+        if not isinstance(data, dict) or data.get("kind") != KIND:
+            kind = data.get("kind") if isinstance(data, dict) else type(data).__name__
+            raise PackerError(f"{where}: not a packer manifest (kind is {kind!r})")
+        if data.get("version") != VERSION:
+            raise PackerError(
+                f"{where}: manifest version {data.get('version')!r}, but this packer reads version "
+                f"{VERSION}; convert again or use a matching packer"
+            )
+        try:
+            shards = [
+                Shard(
+                    num_samples=_count(s["num_samples"], "shard num_samples"),
+                    files=[_file_info(f) for f in _typed(s["files"], list, "shard files")],
+                    facts=dict(_typed(s.get("facts", {}), dict, "shard facts")),
+                )
+                for s in _typed(data["shards"], list, "shards")
+            ]
+            meta_files = [_file_info(f) for f in _typed(data.get("meta_files", []), list, "meta_files")]
+            manifest = cls(
+                format=_typed(data["format"], str, "format"),
+                payload=_typed(data["payload"], str, "payload"),
+                num_samples=_count(data["num_samples"], "num_samples"),
+                classes=[_typed(c, str, "class name") for c in _typed(data["classes"], list, "classes")],
+                shards=shards,
+                meta_files=meta_files,
+                options=dict(_typed(data.get("options", {}), dict, "options")),
+                num_errors=_count(data.get("num_errors", 0), "num_errors"),
+                source=str(data.get("source", "")),
+                created_by=str(data.get("created_by", "")),
+                created_at=str(data.get("created_at", "")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PackerError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from exc
+        manifest.check(where)
+        return manifest
+
+    def check(self, where: str) -> None:
+        """Internal consistency: counts add up, file names stay inside the dataset, each named once."""
+        if self.payload not in PAYLOADS:
+            raise PackerError(f"{where}: unknown payload {self.payload!r} (expected one of {PAYLOADS})")
+        if self.num_samples < 0 or any(s.num_samples < 0 for s in self.shards):
+            raise PackerError(f"{where}: negative sample count")
+        total = sum(s.num_samples for s in self.shards)
+        if total != self.num_samples:
+            raise PackerError(f"{where}: shards hold {total} samples but the manifest says {self.num_samples}")
+        if any(not s.files for s in self.shards):
+            raise PackerError(f"{where}: a shard lists no files")
+        if len(set(self.classes)) != len(self.classes):
+            raise PackerError(f"{where}: class names repeat")
+        seen: set[str] = set()
+        for f in self.all_files():
+            check_inner_name(f.name, where)
+            if os.path.normpath(f.name) in seen or f.name == MANIFEST_NAME:
+                raise PackerError(f"{where}: file {f.name!r} listed twice")
+            seen.add(os.path.normpath(f.name))
+
+    def all_files(self) -> list[FileInfo]:
+        return [f for s in self.shards for f in s.files] + list(self.meta_files)
+
+    def check_files(self, directory: Path) -> None:
+        """Every listed file exists inside ``directory`` (no symlink leading out) with its recorded size.
+
+        A cheap ``stat`` per file, no hashing: damage inside a file is ``packer verify``'s job.
+        """
+        for f in self.all_files():
+            path = inside(directory, f.name, str(directory / MANIFEST_NAME))
+            try:
+                size = path.stat().st_size
+            except OSError as exc:
+                raise PackerError(f"{path}: {exc.strerror or exc}") from None
+            if size != f.num_bytes:
+                raise PackerError(f"{path}: {size} bytes, manifest says {f.num_bytes} (damaged or replaced)")
+
+
+_MAX_COUNT = 1 << 62
+
+
+def _typed(value: Any, kind: type, what: str) -> Any:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise TypeError(f"{what} must be {kind.__name__}, found {type(value).__name__} {value!r:.60}")
+    return value
+
+
+def _count(value: Any, what: str) -> int:
+    _typed(value, int, what)
+    if not 0 <= value < _MAX_COUNT:
+        raise ValueError(f"{what} {value} out of range")
+    return value
+
+
+def _file_info(f: Any) -> FileInfo:
+    _typed(f, dict, "file entry")
+    digest = _typed(f["sha256"], str, "sha256")
+    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError(f"sha256 {digest!r:.80} is not 64 hex digits")
+    return FileInfo(_typed(f["name"], str, "file name"), _count(f["num_bytes"], "num_bytes"), digest)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Write ``manifest.json`` atomically (tmp file, fsync, rename)."""
+    path = directory / MANIFEST_NAME
+    tmp = directory / (MANIFEST_NAME + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(manifest.to_json())
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_manifest(directory: str | os.PathLike) -> Manifest:
+    directory = Path(directory)
+    path = directory / MANIFEST_NAME
+    if not directory.exists():
+        raise PackerError(f"{directory}: no such dataset")
+    if not path.is_file():
+        hint = " (an unfinished conversion?)" if directory.is_dir() else ""
+        raise PackerError(f"{directory}: not a packed dataset, {MANIFEST_NAME} is missing{hint}")
+    inside(directory, MANIFEST_NAME)
+    try:
+        if path.stat().st_size > _MAX_MANIFEST_BYTES:
+            raise PackerError(f"{path}: manifest is implausibly large ({path.stat().st_size} bytes)")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise PackerError(f"{path}: cannot read manifest ({type(exc).__name__}: {exc})") from exc
+    return Manifest.from_dict(data, where=str(path))
+
+
+_MAX_MANIFEST_BYTES = 256 << 20
+
+
+def sha256_file(path: Path, block: int = 4 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_info(directory: Path, name: str) -> FileInfo:
+    path = directory / name
+    return FileInfo(name=name, num_bytes=path.stat().st_size, sha256=sha256_file(path))

@@ -1,0 +1,1 @@
+"""Dataset -> PyTorch: the Dataset, read-ahead, samplers, the RAM cache, loaders."""

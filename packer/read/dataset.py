@@ -1,0 +1,606 @@
+"""Map-style PyTorch datasets over packed datasets: a drop-in for torchvision's ImageFolder.
+
+``open_dataset(path)`` returns ``(image, label)`` samples with ``classes``, ``class_to_idx``,
+``targets``, ``samples`` and ``transform`` as ImageFolder has them. Shard readers open their
+files lazily in each process, so the dataset is safe to hand to ``DataLoader(num_workers>0)``
+under fork and spawn alike. ``__getitems__`` lets a DataLoader read a batch in one call, with
+runs of neighbouring samples read together.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset, get_worker_info
+
+from packer import sysinfo
+from packer.errors import PackerError
+from packer.formats import FORMATS, get_format
+from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
+from packer.images.headers import image_size
+from packer.layout.index import Index, shard_starts
+from packer.layout.manifest import Manifest, read_manifest
+from packer.layout.trust import DATA_ERRORS, reading
+from packer.read import readahead
+
+ImageKind = Literal["pil", "numpy", "tensor"]
+Access = Literal["auto", "sequential", "random"]
+
+
+def resolve_access(access: Access, manifest: Manifest) -> str:
+    """``auto``: sequential-friendly (read-ahead on) unless the dataset is larger than half the free RAM.
+
+    Read-ahead makes sequential and block-shuffled passes many times faster; it only hurts
+    uniform random access over data that can't stay in the page cache.
+    """
+    if access not in ("auto", "sequential", "random"):
+        raise PackerError(f"unknown access pattern {access!r} (choose auto, sequential or random)")
+    if access != "auto":
+        return access
+    size = sum(f.num_bytes for s in manifest.shards for f in s.files)
+    available = sysinfo.memory_available()
+    return "random" if available is not None and size > available // 2 else "sequential"
+
+
+BATCH_BLOCK_MAX = 1 << 30  # largest shared block batch_slots maps for one batch (larger: image by image)
+BLOCKS_REMEMBERED = 32  # blocks a process remembers having read ahead (~0.5 GB at the sampler's 16 MB)
+
+
+def _beyond_pixel_limit(pixels):
+    """Whether an image of this many pixels is past Pillow's decompression-bomb error (twice its warning limit)."""
+    limit = Image.MAX_IMAGE_PIXELS
+    return bool(limit) and pixels > 2 * limit
+
+
+def _file_order(idx: Sequence[int]) -> list[int]:
+    """Positions of ``idx`` sorted by sample index (file order; ties keep their order), as prefetch plans them."""
+    return sorted(range(len(idx)), key=idx.__getitem__)
+
+
+def normalize_index(i: int, n: int) -> int:
+    """``i`` as a position in ``range(n)``, negative counting from the end, like a list; else IndexError."""
+    i = int(i)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"sample index {i} out of range for a dataset of {n}")
+    return i
+
+
+class PackedDataset(Dataset):
+    """A packed dataset of any format, read as ``(image, label)`` pairs like ImageFolder."""
+
+    FORMAT: str | None = None  # set by the per-format subclasses (LMDBDataset, ...)
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        transform: Callable | None = None,
+        target_transform: Callable | None = None,
+        image: ImageKind = "pil",
+        decoder: str = "auto",
+        access: Access = "auto",
+        decode_size: int | None = None,
+    ) -> None:
+        """``decode_size=S``: decode JPEGs at the smallest DCT scale (1/2, 1/4, 1/8) whose short side
+        is still >= S (faster, not pixel-identical to full-size decoding; encoded payloads only)."""
+        self.root = Path(path)
+        self.manifest, self.index, self._file_ids = _open_consistent(self.root)
+        if self.FORMAT is not None and self.manifest.format != self.FORMAT:
+            raise PackerError(
+                f"{self.root}: holds format {self.manifest.format!r}, not {self.FORMAT!r} "
+                f"(use packer.open_dataset to open any format)"
+            )
+        if image not in ("pil", "numpy", "tensor"):
+            raise PackerError(f"unknown image kind {image!r} (choose pil, numpy or tensor)")
+        if decoder not in BACKENDS:
+            raise PackerError(f"unknown decoder {decoder!r} (choose from {', '.join(BACKENDS)})")
+        self.transform = transform
+        self.target_transform = target_transform
+        self.image = image
+        self.decoder = decoder
+        self.decode_size = check_min_size(decode_size)
+        self.classes: list[str] = list(self.manifest.classes)
+        self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        fmt = get_format(self.manifest.format)
+        self.access = resolve_access(access, self.manifest)
+        with reading(f"{self.root}: opening shards"):
+            self._readers = [fmt.Reader(self.root, s, self.manifest.payload, access=self.access)
+                             for s in self.manifest.shards]
+        self._ids_checked = [0] * len(self.manifest.shards)  # pid that last checked each shard
+        self._starts = shard_starts([s.num_samples for s in self.manifest.shards])
+        self._path_to_index: dict[str, int] | None = None
+        self._blocks: np.ndarray | None = None  # read-ahead by whole blocks (read_ahead_blocks)
+        self._blocks_read: tuple[int, OrderedDict] = (0, OrderedDict())  # (pid, blocks read ahead there)
+
+    # ------------------------------------------------------------ ImageFolder surface
+
+    def __len__(self) -> int:
+        return self.manifest.num_samples
+
+    @property
+    def targets(self) -> list[int]:
+        return self.index.labels.tolist()
+
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        """``(source path relative to the converted folder, label)`` pairs, built on demand."""
+        return list(zip(self.index.rel_paths(), self.index.labels.tolist()))
+
+    imgs = samples
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        i = self._check_index(i)
+        return self._finish(i, self._read_one(i))
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        """A batch's samples in one call (DataLoader calls this with a batch's indices).
+
+        A background thread reads the batch's bytes in file order (``prefetch``) while this one
+        decodes each sample as soon as its bytes are in: IO overlaps decoding instead of
+        alternating with it.
+        """
+        idx = [self._check_index(i) for i in indices]
+        pending = self._prefetch(np.asarray(idx, dtype=np.int64))
+        slots = self.batch_slots(idx)
+        out: list = [None] * len(idx)
+        file_order = _file_order(idx)
+        for k in pending.arrival_order():
+            pending.wait(k)
+            j = file_order[k]
+            i = idx[j]
+            arr, tensor = self.pixels_in_slot(i, self._read_one(i), None if slots is None else slots[j])
+            out[j] = self.present(i, arr, tensor)
+        return out
+
+    def pixels_in_slot(self, i: int, payload, slot: torch.Tensor | None) -> tuple[np.ndarray, torch.Tensor | None]:
+        """Sample ``i``'s pixels, decoded into ``slot`` (from ``batch_slots``) when given: (pixels, the
+        slot holding them, or None when it does not, e.g. no slot or a size other than the index's)."""
+        if slot is None:
+            return self.pixels(i, payload), None
+        view = slot.numpy()
+        arr = self.pixels(i, payload, out=view)
+        return arr, slot if arr is view else None
+
+    def batch_slots(self, indices: Sequence[int]) -> list[torch.Tensor] | None:
+        """Per sample, an HWC uint8 tensor of its size, all in one block of shared memory, where
+        samples of different sizes leave a DataLoader worker as plain tensors (``image="tensor"``,
+        no transform), so that no collate function can stack them.
+
+        Samples are decoded straight into their slots, so a batch crosses to the main process as
+        one block, as ``default_collate``'s stacked batches do, instead of one copy into shared
+        memory per image (2 workers on 2 cores: ~25 % more images/s; ``packer bench --levels
+        loader``). Keeping one image keeps its batch's block alive. None elsewhere (main process,
+        transforms, ``decode_size``, batches of one shape) and where the index lacks a size
+        (``--validate none``).
+        """
+        if self.image != "tensor" or self.transform is not None or self.decode_size or get_worker_info() is None:
+            return None
+        idx = np.asarray(indices, dtype=np.int64)
+        h, w = self.index.heights[idx].astype(np.int64), self.index.widths[idx].astype(np.int64)
+        if not len(h) or np.any(h <= 0) or np.any(w <= 0):
+            return None
+        if np.all(h == h[0]) and np.all(w == w[0]):
+            # One shape: a collate function stacks them into shared memory itself; a block here would be
+            # one more copy (default_collate over 224x224 mosaic tiles: ~20 % fewer tiles/s with it).
+            return None
+        # Sizes come from metadata: allocate only what the per-sample path would accept (it names the problem)
+        if self.manifest.payload == "encoded":
+            if np.any(_beyond_pixel_limit(h * w)):
+                return None
+        elif np.any(self.index.nbytes[idx] != h * w * 3):
+            return None
+        ends = np.cumsum(h * w * 3)
+        if ends[-1] > BATCH_BLOCK_MAX:
+            return None  # nothing checked the sizes yet: don't map more than this on their word
+        block = _new_batch((int(ends[-1]),))
+        return [block[int(e) - int(hh * ww * 3):int(e)].view(int(hh), int(ww), 3) for e, hh, ww in zip(ends, h, w)]
+
+    def prefetch(self, indices: Sequence[int]) -> readahead.Pending:
+        """Start reading these samples' bytes in the background, in file order (packer.read.readahead).
+
+        Returns at once; ``wait(k)`` on the result returns when the ``k``-th sample in file order
+        (``sorted(indices)``) is in memory. Formats of one file per sample (bmp) have the kernel
+        read them all at once instead.
+        """
+        return self._prefetch(np.asarray([self._check_index(i) for i in indices], dtype=np.int64))
+
+    def _prefetch(self, idx: np.ndarray) -> readahead.Pending:
+        """``prefetch`` of indices already checked."""
+        ordered = idx[np.argsort(idx, kind="stable")]
+        shard_of = np.searchsorted(self._starts, ordered, side="right") - 1
+        requests: list = []
+        for shard in np.unique(shard_of):
+            reader = self._readers[shard]
+            positions = (ordered[shard_of == shard] - self._starts[shard]).tolist()
+            with reading(self._where(shard)):
+                if hasattr(reader, "file_spans"):
+                    requests.extend(reader.file_spans(positions))
+                    continue
+                if hasattr(reader, "prefetch"):
+                    reader.prefetch(positions)
+            requests.extend([] for _ in positions)
+        return readahead.start(requests, later=self._new_blocks(ordered))
+
+    def read_ahead_blocks(self, bounds: Sequence[int] | None) -> None:
+        """Read whole blocks ahead: samples are read block by block (``bounds`` as ``BlockShuffleSampler``'s).
+
+        Then the first batch that touches a block has, after its own bytes, the rest of the block
+        read in the background, so the block's later batches find their bytes in memory (each
+        process does this once per block; the last ``BLOCKS_REMEMBERED`` are remembered).
+        ``BlockShuffleSampler`` calls this on its dataset; ``None`` turns it off (uniform shuffles).
+        """
+        self._blocks = None if bounds is None else np.asarray(bounds, dtype=np.int64)
+        self._blocks_read = (0, OrderedDict())
+
+    def _new_blocks(self, ordered: np.ndarray) -> list:
+        """Background read-ahead for the blocks these samples open in this process: each block's hull."""
+        if self._blocks is None or not len(ordered):
+            return []
+        pid, seen = self._blocks_read
+        if pid != os.getpid():
+            seen = OrderedDict()
+            self._blocks_read = (os.getpid(), seen)
+        out = []
+        for b in np.unique(np.searchsorted(self._blocks, ordered, side="right") - 1).tolist():
+            if b in seen or not 0 <= b < len(self._blocks) - 1:
+                continue
+            seen[b] = None
+            if len(seen) > BLOCKS_REMEMBERED:
+                seen.popitem(last=False)
+            first, last = int(self._blocks[b]), int(self._blocks[b + 1]) - 1
+            shard, a = self.locate(first)
+            reader = self._readers[shard]
+            if self.locate(last)[0] != shard or not hasattr(reader, "file_spans"):
+                continue
+            ends = [r[-1] for r in reader.file_spans([a, a + last - first]) if r]  # the payload's range is last
+            if len(ends) == 2 and ends[0][0] == ends[1][0]:
+                out.append((ends[0][0], min(ends[0][1], ends[1][1]), max(ends[0][2], ends[1][2])))
+        return out
+
+    def index_of(self, rel_path: str) -> int:
+        """Position of the sample packed from ``rel_path`` (relative to the converted folder)."""
+        if self._path_to_index is None:
+            self._path_to_index = {p: n for n, p in enumerate(self.index.rel_paths())}
+        try:
+            return self._path_to_index[rel_path]
+        except KeyError:
+            raise KeyError(f"{rel_path!r} is not in {self.root}") from None
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return (
+            f"{type(self).__name__}({str(self.root)!r}, format={m.format}, payload={m.payload}, "
+            f"samples={len(self)}, classes={len(self.classes)}, image={self.image})"
+        )
+
+    # ------------------------------------------------------------ reading
+
+    def _check_index(self, i: int) -> int:
+        return normalize_index(i, len(self))
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(shard number, position inside that shard) of sample ``i``."""
+        shard = int(np.searchsorted(self._starts, i, side="right")) - 1
+        return shard, i - int(self._starts[shard])
+
+    def _read_one(self, i: int):
+        shard, pos = self.locate(i)
+        with reading(self._where(shard, i)):
+            buf = self._readers[shard].read(pos)
+        self._check_read(shard, i, buf)
+        return buf
+
+    def _where(self, shard: int, i: int | None = None) -> str:
+        name = self.root / self.manifest.shards[shard].files[0].name
+        return f"{name}" if i is None else f"{name}: sample {i}"
+
+    def _check_read(self, shard: int, i: int, buf) -> None:
+        """Checks every read passes, whatever the format: the payload has the size the index
+        records, and the shard's files are still those this dataset was opened on."""
+        self._check_same_files(shard)
+        size = buf.nbytes if isinstance(buf, (np.ndarray, memoryview)) else len(buf)
+        if size != int(self.index.nbytes[i]):
+            raise PackerError(f"{self._where(shard, i)}: {size} bytes read, the index says "
+                              f"{int(self.index.nbytes[i])} (damaged dataset)")
+
+    def _check_same_files(self, shard: int) -> None:
+        """Once per process and shard, after its reader opened: the files are those this dataset was opened on."""
+        if self._ids_checked[shard] != os.getpid():
+            for f, recorded in zip(self.manifest.shards[shard].files, self._file_ids[shard]):
+                if _file_id(self.root / f.name) != recorded:
+                    raise PackerError(f"{self.root / f.name}: replaced since this dataset was opened "
+                                      "(a new conversion?); open the dataset again")
+            self._ids_checked[shard] = os.getpid()
+
+    def read_payload(self, i: int):
+        """The stored payload of sample ``i``: encoded bytes, or raw pixel bytes/array."""
+        return self._read_one(self._check_index(i))
+
+    def read_payloads(self, indices: Sequence[int]) -> list:
+        """Payloads of many samples, read ahead in file order (``prefetch``), returned in the order asked.
+
+        Runs of neighbours in a shard are read with one ``read_many`` call each, as soon as the
+        read-ahead has brought in the run's last sample.
+        """
+        idx = np.asarray([self._check_index(i) for i in indices], dtype=np.int64)
+        pending = self._prefetch(idx)
+        order = np.asarray(_file_order(idx.tolist()), dtype=np.int64)
+        out: list = [None] * len(idx)
+        shard_of = np.searchsorted(self._starts, idx[order], side="right") - 1
+        k = 0
+        while k < len(order):
+            shard = int(shard_of[k])
+            stop = k + 1
+            while stop < len(order) and shard_of[stop] == shard and idx[order[stop]] <= idx[order[stop - 1]] + 1:
+                stop += 1
+            pending.wait(stop - 1)
+            where = order[k:stop]
+            positions = (idx[where] - self._starts[shard]).tolist()
+            with reading(self._where(shard)):
+                bufs = self._readers[shard].read_many(positions)
+            if len(bufs) != len(positions):
+                raise PackerError(f"{self._where(shard)}: {len(bufs)} samples read, {len(positions)} asked")
+            for j, buf in zip(where.tolist(), bufs):
+                self._check_read(shard, int(idx[j]), buf)
+                out[j] = buf
+            k = stop
+        return out
+
+    def pixels(self, i: int, payload=None, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+        """Sample ``i`` as HWC uint8 RGB, decoding encoded payloads.
+
+        ``strict``: a decoder warning (e.g. a truncated JPEG, which Pillow pads with grey) is an
+        error too, as in conversion's full validation (``packer verify --deep`` uses it).
+        """
+        buf = self._read_one(i) if payload is None else payload
+        h, w = int(self.index.heights[i]), int(self.index.widths[i])
+        if self.manifest.payload == "encoded":
+            return self._decode(i, buf, h, w, strict, out)
+        arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
+        if arr.size != h * w * 3:
+            raise PackerError(f"{self.root}: sample {i} holds {arr.size} bytes, expected {h}x{w}x3")
+        return copy_into(arr.reshape(h, w, 3), out)
+
+    def _decode(self, i: int, buf, h: int, w: int, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+        """Decode sample ``i``; any failure of a codec on damaged bytes is a DecodeError naming the sample.
+
+        The header is checked against the index first, so a damaged header can't make the
+        decoder allocate an image far larger than the one that was packed.
+        """
+        where = f"{self.root}: sample {i} ({self.index.rel_path(i)})"
+        try:
+            hh, ww = image_size(buf)
+            if (h or w) and (hh, ww) != (h, w):
+                raise DecodeError(f"image header says {hh}x{ww}, the index says {h}x{w} (damaged)")
+            if not (h or w) and _beyond_pixel_limit(hh * ww):  # size unknown (--validate none): Pillow's bound
+                raise DecodeError(f"image header says {hh}x{ww}, beyond Pillow's decompression-bomb limit")
+            return decode(buf, self.decoder, strict=strict, min_size=self.decode_size, out=out)
+        except DecodeError as exc:
+            raise DecodeError(f"{where}: {exc}") from exc
+        except DATA_ERRORS as exc:
+            raise DecodeError(f"{where}: cannot decode ({type(exc).__name__}: {exc})") from exc
+
+    def _finish(self, i: int, payload) -> tuple[Any, Any]:
+        return self.present(i, self.pixels(i, payload))
+
+    def present(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
+        """Sample ``i``'s decoded pixels as handed out: image kind, transform, target transform.
+
+        ``tensor``: ``arr``'s memory as a tensor already (its slot of ``batch_slots``).
+        """
+        if self.image == "pil":
+            img: Any = Image.fromarray(arr)
+        elif self.image == "tensor" and tensor is not None:
+            img = tensor.permute(2, 0, 1)
+        elif self.image == "tensor":
+            if not arr.flags.writeable:
+                arr = arr.copy()  # torch needs writable memory; raw payloads are read-only views
+            img = torch.from_numpy(arr).permute(2, 0, 1)
+        else:
+            img = arr
+        target = int(self.index.labels[i])
+        if self.transform is not None:
+            img = self.transform(img)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return img, target
+
+    # ------------------------------------------------------------ whole batches
+
+    @property
+    def fixed_shape(self) -> tuple[int, int, int] | None:
+        """(H, W, 3) when every shard stores one shape its reader can copy in bulk, else None."""
+        shapes = {getattr(r, "fixed_shape", None) for r in self._readers}
+        return shapes.pop() if len(shapes) == 1 and None not in shapes else None
+
+    def get_batch(
+        self, indices: Sequence[int], layout: Literal["NHWC", "NCHW"] = "NHWC", sort: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples ``indices`` as one uint8 image tensor and an int64 label tensor; no transforms.
+
+        Fixed-shape raw datasets (``--payload raw --resize HxW`` in hdf5 or memmap) are read
+        shard by shard in storage order straight into the batch (memmap: one memory copy in all).
+        ``sort=True`` returns the samples in storage order (labels follow), which saves the copy
+        that puts them back in the order asked. Other datasets decode each sample; all must
+        share one shape. ``layout="NCHW"`` is a zero-copy channels-last view of the NHWC batch.
+        ``out`` (e.g. a pinned NHWC uint8 tensor) receives the images instead of a new tensor.
+        """
+        if layout not in ("NHWC", "NCHW"):
+            raise PackerError(f"unknown batch layout {layout!r} (choose NHWC or NCHW)")
+        idx = np.fromiter((self._check_index(i) for i in indices), dtype=np.int64, count=len(indices))
+        order = np.argsort(idx, kind="stable")
+        in_order = bool(np.all(order == np.arange(len(idx))))
+        if sort:
+            idx, in_order = idx[order], True
+        shape = self.fixed_shape
+        if shape is None:
+            pixels = [self.pixels(int(i), p) for i, p in zip(idx, self.read_payloads(idx), strict=True)]
+            shapes = {p.shape for p in pixels}
+            if len(shapes) > 1:
+                raise PackerError(
+                    f"{self.root}: get_batch needs images of one shape, this batch has {len(shapes)} "
+                    f"(e.g. {sorted(shapes)[:2]}); convert with --payload raw --resize HxW")
+            shape = pixels[0].shape if pixels else (0, 0, 3)
+        elif np.any(self.index.heights[idx] != shape[0]) or np.any(self.index.widths[idx] != shape[1]):
+            raise PackerError(f"{self.root}: shards say every image is {shape[0]}x{shape[1]}, the index disagrees "
+                              "(damaged dataset)")
+        images = out if out is not None else _new_batch((len(idx), *shape))
+        if tuple(images.shape) != (len(idx), *shape) or images.dtype != torch.uint8 or not images.is_contiguous():
+            raise PackerError(f"out: expected a contiguous uint8 tensor {(len(idx), *shape)}, got "
+                              f"{images.dtype} {tuple(images.shape)}")
+        arr = images.numpy()
+        if self.fixed_shape is None:
+            for k, p in enumerate(pixels):
+                arr[k] = p
+        else:
+            ordered = idx if in_order else idx[order]
+            buf = arr if in_order else np.empty_like(arr)
+            shard_of = np.searchsorted(self._starts, ordered, side="right") - 1
+            bounds = np.searchsorted(shard_of, np.arange(len(self._readers) + 1))
+            for shard, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+                if hi > lo:
+                    positions = (ordered[lo:hi] - self._starts[shard]).tolist()
+                    with reading(self._where(shard)):
+                        self._readers[shard].read_into(positions, buf[lo:hi])
+                    self._check_same_files(shard)
+            if not in_order:
+                arr[order] = buf
+        labels = torch.from_numpy(self.index.labels[idx].astype(np.int64))
+        return (images.permute(0, 3, 1, 2) if layout == "NCHW" else images), labels
+
+    def batched(self, layout: Literal["NHWC", "NCHW"] = "NHWC") -> BatchView:
+        """A dataset whose items are whole batches, for ``DataLoader(sampler=BatchSampler(...), batch_size=None)``."""
+        return BatchView(self, layout)
+
+    def close(self) -> None:
+        for r in self._readers:
+            r.close()
+
+
+def _open_consistent(root: Path) -> tuple[Manifest, Index, list[list[tuple[int, int]]]]:
+    """Manifest, index and the identity of every shard file, all from one version of the dataset.
+
+    ``convert --overwrite`` swaps a whole new directory in: if the directory changed while
+    these were read, read them again. The file identities let readers, which open lazily,
+    refuse files that were replaced after this point instead of reading them with this index.
+    """
+    for _ in range(5):
+        before = _dir_id(root)
+        try:
+            manifest = read_manifest(root)
+            manifest.check_files(root)
+            index = Index.load(root, manifest.num_samples, files=manifest.meta_files,
+                               num_classes=len(manifest.classes))
+            file_ids = [[_file_id(root / f.name) for f in s.files] for s in manifest.shards]
+        except PackerError:
+            if _dir_id(root, missing_ok=True) not in (before, None):
+                continue  # swapped while being read: files vanished or changed under us, read the new one
+            raise
+        if _dir_id(root) == before:
+            return manifest, index, file_ids
+    raise PackerError(f"{root}: replaced again and again while being opened; try again later")
+
+
+def _dir_id(path: Path, missing_ok: bool = False) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if missing_ok:
+            return None
+        raise PackerError(f"{path}: {exc.strerror or exc}") from None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
+def _file_id(path: Path) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise PackerError(f"{path}: {exc.strerror or exc}") from None
+    return st.st_dev, st.st_ino
+
+
+def _new_batch(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uint8 tensor; inside a DataLoader worker it lives in shared memory, as ``default_collate``
+    makes its batches, so handing it to the main process copies nothing."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    elem = torch.empty(0, dtype=torch.uint8)
+    storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device=elem.device)
+    return elem.new(storage).resize_(*shape)
+
+
+class BatchView(Dataset):
+    """Items are batches: ``view[[i, j, ...]] -> (uint8 images, int64 labels)`` via ``get_batch(sort=True)``.
+
+    Use with a ``BatchSampler`` as the loader's sampler and ``batch_size=None``::
+
+        loader = DataLoader(ds.batched(), batch_size=None, num_workers=4, pin_memory=True,
+                            sampler=BatchSampler(RandomSampler(ds), batch_size=256, drop_last=False))
+
+    Each worker then reads a whole batch in one call (one memory copy for memmap); samples in a
+    batch come in storage order, which training does not notice.
+    """
+
+    def __init__(self, dataset: PackedDataset, layout: Literal["NHWC", "NCHW"] = "NHWC") -> None:
+        self.dataset = dataset
+        self.layout = layout
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dataset.get_batch(indices, layout=self.layout, sort=True)
+
+
+def _format_dataset_class(fmt_name: str, class_name: str) -> type[PackedDataset]:
+    attrs: dict[str, Any] = {
+        "FORMAT": fmt_name,
+        "__doc__": f"A packed dataset of format {fmt_name!r} (see PackedDataset).",
+        "__module__": __name__,
+    }
+    hook = getattr(FORMATS[fmt_name], "block_boundaries", None)
+    if hook is not None:  # the format's natural blocks (mosaic: one per mosaic), used by packer.read.sampler
+
+        def block_boundaries(self) -> np.ndarray:
+            """Sample indices where the format's natural blocks start, then len(self)."""
+            return hook(self.manifest)
+
+        attrs["block_boundaries"] = block_boundaries
+    cls = type(class_name, (PackedDataset,), attrs)
+    cls.__qualname__ = class_name
+    return cls
+
+
+DATASET_CLASSES: dict[str, type[PackedDataset]] = {
+    name: _format_dataset_class(name, module.DATASET_CLASS) for name, module in FORMATS.items()
+}
+globals().update({cls.__name__: cls for cls in DATASET_CLASSES.values()})
+
+
+def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_options: dict | None = None,
+                 **kwargs: Any) -> PackedDataset:
+    """Open a packed dataset of any format; keyword arguments as for ``PackedDataset``.
+
+    ``cache="ram"`` (stored payloads) or ``"ram-decoded"`` (decoded pixels) returns a
+    ``packer.read.cache.CachedDataset`` (``cache_options`` go to it): one copy in shared memory
+    for all DataLoader workers.
+    """
+    manifest = read_manifest(path)
+    cls = DATASET_CLASSES.get(manifest.format)
+    if cls is None:
+        raise PackerError(f"{path}: format {manifest.format!r} is unknown to this packer ({', '.join(FORMATS)})")
+    ds = cls(path, **kwargs)
+    if cache is None:
+        return ds
+    from packer.read.cache import CachedDataset
+
+    return CachedDataset(ds, cache, **(cache_options or {}))

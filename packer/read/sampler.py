@@ -1,0 +1,359 @@
+"""A locality-preserving shuffle (the idea of FFCV's quasi-random order) for every packed dataset.
+
+Uniform shuffling costs one seek per sample on spinning disks and network storage, whatever
+the container. ``BlockShuffleSampler`` keeps reads large and near each other:
+
+1. samples are split into *blocks* of contiguous samples (``block_bytes`` of payload each,
+   from ``ds.index.nbytes``, never across a shard boundary; or explicit ``blocks``, e.g. one
+   mosaic each);
+2. each epoch the blocks are put in a new random order and laid end to end;
+3. that sequence is split into equal contiguous parts, one per distributed rank (padded by
+   repeating samples or cut short, ``drop_last`` as in ``DistributedSampler``), so each rank
+   reads its own blocks and every rank gets the same number of samples;
+4. inside a rank, consecutive *windows* of about ``open_blocks`` blocks are shuffled: their
+   samples come in random order from several open blocks at once, in *runs* of ``run``
+   neighbours (cut at a new random phase each epoch; ``run=1`` shuffles single samples). With
+   ``batch_size`` given, windows hold a whole number of batches, so no batch straddles two
+   windows: a batch is about ``batch_size / run`` large reads from at most ~``open_blocks``
+   blocks, which ``__getitems__`` serves run by run.
+
+Runs set the read size (the IO cost on seek-bound storage); blocks and windows bound how far
+apart a batch's reads are and how much a rank touches at a time (page cache, per-worker
+mosaic caches). The price of locality is that a run's samples share a batch every epoch
+(``batchmates_again`` measures it; about ``run / batch_size`` of the pairs).
+
+The order is a pure function of (seed, epoch, rank, number of ranks) and the blocks; random
+numbers come straight from the PCG64 bit generator (whose stream numpy keeps stable), so the
+order does not change with the numpy version. A map-style sampler runs in the DataLoader's
+main process, which hands whole batches to the workers in turn: locality per worker comes
+from each batch being drawn from few blocks, not from splitting the sampler per worker.
+
+Block shuffling mixes labels only as well as neighbours on disk are unrelated: convert with
+``--order shuffled`` (the default) for class-sorted sources.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, Sampler
+
+from packer.errors import PackerError
+from packer.layout.index import shard_starts
+
+DEFAULT_BLOCK_BYTES = 16_000_000  # ~16 ms of an HDD's sequential read: a seek (~7 ms) costs < 1/3
+DEFAULT_OPEN_BLOCKS = 8  # window of 128 MB per rank: mixing across blocks at no IO cost
+DEFAULT_RUN = 16  # neighbours read together: ~1.8 MB reads of ImageNet JPEGs; see docs/sampling.md
+
+
+# ------------------------------------------------------------------ random numbers
+
+
+def _raw(seed: int, *keys: int, n: int) -> np.ndarray:
+    """``n`` uint64 draws from PCG64 seeded by (seed, *keys): stable across numpy versions."""
+    if seed < 0 or any(k < 0 for k in keys):
+        raise PackerError(f"seed and epoch must be non-negative integers, got seed={seed}, {keys}")
+    return np.random.PCG64(np.random.SeedSequence([int(seed), *map(int, keys)])).random_raw(n)
+
+
+def stable_permutation(n: int, seed: int, *keys: int) -> np.ndarray:
+    """A random permutation of ``range(n)`` that depends only on (seed, *keys), not on numpy's version."""
+    return np.argsort(_raw(seed, *keys, n=n), kind="stable")
+
+
+# ------------------------------------------------------------------ blocks
+
+
+def block_boundaries(nbytes: np.ndarray, block_bytes: int, cuts: Sequence[int] = ()) -> np.ndarray:
+    """Start of each block of contiguous samples holding about ``block_bytes``, plus the end.
+
+    A block closes once it holds ``block_bytes`` or more (a sample larger than that is a
+    block of its own), and always at each of ``cuts`` (shard starts: a block never spans
+    two files).
+    """
+    if block_bytes <= 0:
+        raise PackerError(f"block size must be positive, got {block_bytes}")
+    nbytes = np.asarray(nbytes, dtype=np.int64)
+    n = len(nbytes)
+    bounds = [0]
+    for stop in sorted({int(c) for c in cuts if 0 < int(c) < n} | {n}):
+        start = bounds[-1]
+        csum = np.cumsum(nbytes[start:stop])  # bytes from this shard's first sample
+        done = 0  # bytes before the open block
+        while bounds[-1] < stop:
+            j = int(np.searchsorted(csum, done + block_bytes, side="left"))  # first sample reaching the size
+            end = min(stop, start + j + 1)
+            bounds.append(end)
+            done = int(csum[end - start - 1])
+    return np.asarray(bounds, dtype=np.int64)
+
+
+def check_boundaries(blocks: Sequence[int], n: int) -> np.ndarray:
+    """Explicit block boundaries: increasing, from 0 to ``n`` (len = number of blocks + 1)."""
+    b = np.asarray(blocks, dtype=np.int64)
+    if b.ndim != 1 or len(b) < 2 or b[0] != 0 or b[-1] != n or np.any(np.diff(b) <= 0):
+        raise PackerError(
+            f"blocks must be strictly increasing sample indices from 0 to the dataset length {n} "
+            f"(block i is samples blocks[i]..blocks[i+1]-1); got {len(b)} values"
+            + (f" from {b[0]} to {b[-1]}" if b.ndim == 1 and len(b) else "")
+        )
+    return b
+
+
+def dataset_boundaries(dataset: Any, block_bytes: int | None = None, blocks: Sequence[int] | None = None) -> np.ndarray:
+    """Block boundaries for ``dataset``: explicit ``blocks``, the dataset's own (``block_boundaries()``,
+    e.g. one mosaic per block), or ``block_bytes`` of payload from its metadata, cut at shard starts."""
+    n = len(dataset)
+    if blocks is not None:
+        return check_boundaries(blocks, n)
+    own = getattr(dataset, "block_boundaries", None)
+    if block_bytes is None and callable(own):
+        return check_boundaries(own(), n)
+    index = getattr(dataset, "index", None)
+    if index is None or not hasattr(index, "nbytes"):
+        raise PackerError(
+            f"{type(dataset).__name__} has no per-sample sizes (index.nbytes): pass blocks= explicitly"
+        )
+    manifest = getattr(dataset, "manifest", None)
+    cuts = shard_starts([s.num_samples for s in manifest.shards])[1:-1] if manifest is not None else ()
+    return block_boundaries(index.nbytes, DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes, cuts)
+
+
+# ------------------------------------------------------------------ the order
+
+
+def rank_order(
+    bounds: np.ndarray,
+    epoch: int,
+    seed: int = 0,
+    *,
+    num_replicas: int = 1,
+    rank: int = 0,
+    open_blocks: int = DEFAULT_OPEN_BLOCKS,
+    run: int = DEFAULT_RUN,
+    batch_size: int | None = None,
+    shuffle: bool = True,
+    drop_last: bool = False,
+) -> np.ndarray:
+    """The sample indices rank ``rank`` of ``num_replicas`` reads in ``epoch`` (see the module doc)."""
+    n = int(bounds[-1])
+    sizes = np.diff(bounds)
+    nb = len(sizes)
+    if not shuffle or n == 0:
+        seq, unit = np.arange(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    else:
+        perm = stable_permutation(nb, seed, epoch, 0)
+        psizes = sizes[perm]
+        offset = np.arange(n) - np.repeat(np.concatenate(([0], np.cumsum(psizes)[:-1])), psizes)  # inside block
+        seq = np.repeat(bounds[:-1][perm], psizes) + offset  # the blocks end to end, in permuted order
+        # runs of `run` neighbours, cut at a random phase per block and epoch: the units shuffled below
+        phase = np.repeat((_raw(seed, epoch, 2, n=nb) % np.uint64(run)).astype(np.int64), psizes)
+        unit = np.cumsum((offset == 0) | ((offset + phase) % run == 0)) - 1
+    if drop_last:
+        per_rank = n // num_replicas
+        seq, unit = seq[: per_rank * num_replicas], unit[: per_rank * num_replicas]
+    else:
+        per_rank = math.ceil(n / num_replicas)
+        pad = per_rank * num_replicas - n  # repeats samples from the start, like DistributedSampler
+        seq = np.resize(seq, per_rank * num_replicas)
+        unit = np.concatenate([unit, np.resize(unit, pad) + (int(unit[-1]) + 1 if n else 0)])
+    mine = seq[rank * per_rank : (rank + 1) * per_rank]
+    if not shuffle or per_rank == 0:
+        return mine.astype(np.int64)
+    mine_unit = unit[rank * per_rank : (rank + 1) * per_rank]
+    window = max(1, round(open_blocks * n / nb))
+    if batch_size:
+        window = max(batch_size, round(window / batch_size) * batch_size)
+    keys = _raw(seed, epoch, 1, rank, num_replicas, n=int(unit[-1]) + 1)[mine_unit]
+    order = np.lexsort((np.arange(per_rank), keys, np.arange(per_rank) // window))
+    return mine[order].astype(np.int64)
+
+
+class BlockShuffleSampler(Sampler[int]):
+    """Quasi-random order that reads few blocks at a time; rank-aware like ``DistributedSampler``.
+
+    ``DataLoader(ds, sampler=s, batch_size=s.batch_size, num_workers=8)``, and
+    ``s.set_epoch(epoch)`` before each epoch for a new order. ``num_replicas``/``rank``
+    default to the initialised ``torch.distributed`` process group, else a single process.
+    Every rank yields ``len(s)`` samples: ``drop_last=False`` pads by repeating a few samples,
+    ``True`` leaves out up to ``num_replicas - 1`` (different ones each epoch).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        block_bytes: int | None = None,
+        blocks: Sequence[int] | None = None,
+        open_blocks: int = DEFAULT_OPEN_BLOCKS,
+        run: int = DEFAULT_RUN,
+        batch_size: int | None = None,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        warn: bool = True,
+    ) -> None:
+        if num_replicas is None:
+            num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise PackerError(f"rank {rank} is not in [0, {num_replicas}) ranks")
+        if open_blocks < 1:
+            raise PackerError(f"open_blocks must be at least 1, got {open_blocks}")
+        if run < 1:
+            raise PackerError(f"run must be at least 1, got {run}")
+        if batch_size is not None and batch_size < 1:
+            raise PackerError(f"batch_size must be positive, got {batch_size}")
+        self.bounds = dataset_boundaries(dataset, block_bytes, blocks)
+        if shuffle and hasattr(dataset, "read_ahead_blocks"):
+            dataset.read_ahead_blocks(self.bounds)  # its workers then read each block whole, ahead of decoding
+        self.num_samples_total = int(self.bounds[-1])
+        self.open_blocks = open_blocks
+        self.run = run
+        self.batch_size = batch_size
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        labels = getattr(getattr(dataset, "index", None), "labels", None)
+        if warn and shuffle and labels is not None:
+            warn_if_sorted(labels, self.bounds)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.bounds) - 1
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next iteration use the order of ``epoch`` (call before each epoch, on every rank)."""
+        self.epoch = int(epoch)
+
+    def order(self, epoch: int | None = None) -> np.ndarray:
+        """This rank's indices for ``epoch`` (default: the current one) as an array."""
+        return rank_order(
+            self.bounds, self.epoch if epoch is None else epoch, self.seed,
+            num_replicas=self.num_replicas, rank=self.rank, open_blocks=self.open_blocks, run=self.run,
+            batch_size=self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last,
+        )
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.order().tolist())
+
+    def __len__(self) -> int:
+        n, r = self.num_samples_total, self.num_replicas
+        return n // r if self.drop_last else math.ceil(n / r)
+
+
+class BlockBatchSampler(BatchSampler):
+    """Batches of a ``BlockShuffleSampler``: ``DataLoader(ds, batch_sampler=BlockBatchSampler(ds, 256))``.
+
+    Keyword arguments go to ``BlockShuffleSampler``; ``drop_last`` here drops a short last
+    batch of each rank (ranks already hold equal sample counts, so they have equal batch counts).
+    """
+
+    def __init__(self, dataset: Any, batch_size: int, drop_last_batch: bool = False, **kwargs: Any) -> None:
+        super().__init__(BlockShuffleSampler(dataset, batch_size=batch_size, **kwargs), batch_size, drop_last_batch)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
+def block_order(ds: Any, epoch: int, seed: int = 0, block_bytes: int | None = None, *,
+                open_blocks: int = DEFAULT_OPEN_BLOCKS, run: int = DEFAULT_RUN,
+                batch_size: int | None = None) -> np.ndarray:
+    """The whole epoch's block-shuffled order for one process (no ranks): for benchmarks."""
+    s = BlockShuffleSampler(ds, block_bytes=block_bytes, open_blocks=open_blocks, run=run, batch_size=batch_size,
+                            num_replicas=1, rank=0, seed=seed, warn=False)
+    return s.order(epoch)
+
+
+def warn_if_sorted(labels: np.ndarray, bounds: np.ndarray) -> None:
+    """Warn when most blocks hold a single label: block shuffling would then batch few classes together."""
+    labels = np.asarray(labels)
+    if len(bounds) < 3 or len(np.unique(labels)) < 2:
+        return
+    changes = np.concatenate(([0], np.cumsum(labels[1:] != labels[:-1])))  # label changes up to each sample
+    pure = float(np.mean(changes[bounds[1:] - 1] == changes[bounds[:-1]]))
+    if pure > 0.5:
+        warnings.warn(
+            f"{pure:.0%} of the blocks hold a single label: the dataset is stored in class order, so "
+            "block shuffling puts few classes in each batch. Convert with --order shuffled, or use a "
+            "uniform shuffle.", stacklevel=3,
+        )
+
+
+# ------------------------------------------------------------------ shuffle quality
+
+
+def shuffle_stats(
+    order: np.ndarray,
+    labels: np.ndarray | None = None,
+    batch_size: int = 256,
+    bounds: np.ndarray | None = None,
+) -> dict[str, float]:
+    """Locality and label mixing of an epoch order, for comparing samplers.
+
+    - ``gap_median`` / ``gap_mean_frac``: distance between consecutive samples' positions
+      (median, in samples; mean, as a fraction of the dataset: 1/3 for a uniform shuffle);
+    - ``gap_le_block``: fraction of consecutive pairs less than one mean block apart;
+    - ``runs_per_batch``: contiguous runs in a sorted batch (reads ``__getitems__`` makes);
+    - ``blocks_per_batch``: distinct blocks a batch touches (with ``bounds``);
+    - ``classes_per_batch``: distinct labels per batch;
+    - ``label_tv``: mean total-variation distance between a batch's label histogram and the
+      whole dataset's (0 = same mix; uniform shuffling is the reference to compare with).
+    """
+    order = np.asarray(order, dtype=np.int64)
+    n = int(order.max()) + 1 if len(order) else 0
+    gaps = np.abs(np.diff(order))
+    out: dict[str, float] = {
+        "gap_median": float(np.median(gaps)) if len(gaps) else 0.0,
+        "gap_mean_frac": float(gaps.mean() / max(n, 1)) if len(gaps) else 0.0,
+    }
+    nbatch = len(order) // batch_size
+    batches = np.sort(order[: nbatch * batch_size].reshape(nbatch, batch_size), axis=1)
+    out["runs_per_batch"] = float(np.mean(1 + np.sum(np.diff(batches, axis=1) != 1, axis=1))) if nbatch else 0.0
+    if bounds is not None:
+        mean_block = n / max(len(bounds) - 1, 1)
+        out["gap_le_block"] = float(np.mean(gaps < mean_block)) if len(gaps) else 0.0
+        blk = np.searchsorted(bounds, batches, side="right") - 1
+        out["blocks_per_batch"] = float(np.mean(1 + np.sum(np.diff(blk, axis=1) != 0, axis=1))) if nbatch else 0.0
+    if labels is not None and nbatch:
+        labels = np.asarray(labels, dtype=np.int64)
+        values, codes = np.unique(labels, return_inverse=True)
+        k = len(values)
+        global_p = np.bincount(codes, minlength=k) / len(codes)
+        bl = codes[order[: nbatch * batch_size]].reshape(nbatch, batch_size)
+        counts = np.zeros((nbatch, k), dtype=np.int64)
+        np.add.at(counts, (np.repeat(np.arange(nbatch), batch_size), bl.ravel()), 1)
+        out["classes_per_batch"] = float(np.mean(np.sum(counts > 0, axis=1)))
+        out["label_tv"] = float(np.mean(0.5 * np.abs(counts / batch_size - global_p).sum(axis=1)))
+    return out
+
+
+def batchmates_again(order_a: np.ndarray, order_b: np.ndarray, batch_size: int) -> float:
+    """Fraction of pairs of samples batched together in ``order_b`` that were together in ``order_a``.
+
+    Label mix can't see it, but block shuffling keeps a block's samples in the same few batches
+    every epoch when windows are small; a uniform shuffle gives about ``batch_size / N``.
+    """
+    a, b = np.asarray(order_a, dtype=np.int64), np.asarray(order_b, dtype=np.int64)
+    n = max(int(a.max()), int(b.max())) + 1
+    nbatch = min(len(a), len(b)) // batch_size
+    batch_a = np.full(n, -1, dtype=np.int64)
+    batch_a[a[: nbatch * batch_size]] = np.arange(nbatch * batch_size) // batch_size
+    ids_b = b[: nbatch * batch_size]
+    prev = batch_a[ids_b]
+    keep = prev >= 0
+    pair_key = (np.arange(nbatch * batch_size) // batch_size)[keep] * (nbatch + 1) + prev[keep]
+    _, counts = np.unique(pair_key, return_counts=True)
+    together = float(np.sum(counts * (counts - 1) // 2))
+    return together / max(nbatch * batch_size * (batch_size - 1) / 2, 1.0)

@@ -1,0 +1,1 @@
+"""Commands on finished datasets: info, verify, extract, and the sample-data generator."""

@@ -1,0 +1,148 @@
+"""Check a packed dataset: files and checksums, counts, and (optionally) against its source folder."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from packer.errors import PackerError
+from packer.formats import get_format
+from packer.layout.manifest import read_manifest, sha256_file
+from packer.layout.trust import inside
+from packer.read.dataset import open_dataset
+from packer.write.convert import ERRORS_NAME, ConvertOptions, SourceError, prepare
+from packer.write.scan import scan_folder
+
+
+@dataclass
+class Report:
+    problems: list[str] = field(default_factory=list)
+    checked: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, progress: bool = False,
+           deep: bool = False) -> Report:
+    """Every check ``packer verify`` runs; problems are collected, not raised.
+
+    ``deep``: also decode every sample (strictly, as conversion's full validation does) and
+    check its shape against the stored heights and widths.
+    """
+    root = Path(path)
+    report = Report()
+    try:
+        manifest = read_manifest(root)
+    except PackerError as exc:
+        report.problems.append(str(exc))
+        return report
+    for info in manifest.all_files():
+        file = root / info.name
+        try:
+            inside(root, info.name)  # no symlink out of the dataset: verify reads nothing else either
+        except PackerError as exc:
+            report.problems.append(str(exc))
+            continue
+        if file.stat().st_size != info.num_bytes:
+            report.problems.append(f"{file}: {file.stat().st_size} bytes, manifest says {info.num_bytes}")
+        elif sha256_file(file) != info.sha256:
+            report.problems.append(f"{file}: checksum mismatch (damaged or modified)")
+    report.checked["files"] = len(manifest.all_files())
+    if report.problems:
+        return report
+    try:
+        ds = open_dataset(root, image="numpy")
+    except PackerError as exc:
+        report.problems.append(str(exc))
+        return report
+    report.checked["samples"] = len(ds)
+    try:
+        if deep:
+            _check_deep(ds, report, progress)
+        if against is not None:
+            _check_against(ds, Path(against), report, progress)
+    finally:
+        ds.close()
+    return report
+
+
+def _check_deep(ds, report: Report, progress: bool) -> None:
+    """Decode every sample; its shape must be the one the index records."""
+    from tqdm import tqdm
+
+    unknown = 0
+    for i in tqdm(range(len(ds)), unit="img", desc="decoding", disable=not progress):
+        try:
+            arr = ds.pixels(i, strict=True)
+        except PackerError as exc:
+            report.problems.append(str(exc))
+            continue
+        h, w = int(ds.index.heights[i]), int(ds.index.widths[i])
+        if h == 0 and w == 0:
+            unknown += 1  # converted with --validate none: no shape was recorded
+        elif arr.shape != (h, w, 3):
+            report.problems.append(f"{ds.root}: sample {i} ({ds.index.rel_path(i)}) decodes to "
+                                   f"{arr.shape[0]}x{arr.shape[1]}, the index says {h}x{w}")
+    report.checked["decoded"] = len(ds)
+    if unknown:
+        report.checked["without a recorded shape"] = unknown
+
+
+def within(got: np.ndarray, want: np.ndarray, mean_bound: float = 0.0, max_bound: int = 0) -> bool:
+    """Same shape, and the absolute pixel error within the bounds ((0, 0): identical)."""
+    if got.shape != want.shape:
+        return False
+    if max_bound == 0:
+        return bool(np.array_equal(got, want))
+    err = np.abs(got.astype(np.int16) - want.astype(np.int16))
+    return bool(err.max() <= max_bound and err.mean() <= mean_bound)
+
+
+def _check_against(ds, src: Path, report: Report, progress: bool) -> None:
+    """Every source file is packed identically (bytes, or Pillow's pixels for raw) or listed as an error."""
+    from tqdm import tqdm
+
+    scan = scan_folder(src)
+    try:
+        errors = json.loads((ds.root / ERRORS_NAME).read_text(encoding="utf-8"))["errors"]
+        reported = {e["path"] for e in errors}
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        report.problems.append(f"{ds.root / ERRORS_NAME}: cannot read error report ({exc})")
+        return
+    if list(ds.classes) != list(scan.classes):
+        report.problems.append(f"classes differ: dataset {ds.classes[:5]}..., source {scan.classes[:5]}...")
+    packed = {p: i for i, p in enumerate(ds.index.rel_paths())}
+    raw = ds.manifest.payload == "raw"
+    options = ConvertOptions(**{**ds.manifest.options, "decoder": "pil"})  # the reference decode
+    error_bound = getattr(get_format(ds.manifest.format), "error_bound", lambda _options: (0.0, 0))
+    mean_bound, max_bound = error_bound(ds.manifest.options)  # (0, 0) unless the format is lossy (jpeg mosaics)
+    for rel, label in tqdm(list(zip(scan.rel_paths, scan.labels.tolist())), unit="img", desc="verifying",
+                           disable=not progress):
+        i = packed.get(rel)
+        if i is None:
+            if rel not in reported:
+                report.problems.append(f"{src / rel}: neither packed nor reported as an error")
+            continue
+        if int(ds.index.labels[i]) != label:
+            report.problems.append(f"{src / rel}: label {int(ds.index.labels[i])}, source folder says {label}")
+        try:
+            data = (src / rel).read_bytes()
+        except OSError as exc:
+            report.problems.append(f"{src / rel}: cannot read source ({exc.strerror})")
+            continue
+        if raw:
+            expected = prepare(src, rel, label, options)
+            if isinstance(expected, SourceError) or not within(ds.pixels(i), expected.payload, mean_bound, max_bound):
+                report.problems.append(f"{src / rel}: stored pixels differ from the source's decode")
+        elif bytes(ds.read_payload(i)) != data:
+            report.problems.append(f"{src / rel}: stored bytes differ from the source file")
+    extra = set(packed) - set(scan.rel_paths)
+    for rel in sorted(extra)[:20]:
+        report.problems.append(f"{rel}: packed but not in {src}")
+    report.checked["source files"] = len(scan)

@@ -1,0 +1,1 @@
+"""Folder -> dataset: scanning, planning, preparing and writing shards, the journal, convert()."""

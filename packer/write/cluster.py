@@ -1,0 +1,270 @@
+"""Distributed conversion on a Dask cluster: one task per shard, the same bytes as a local run.
+
+The driver scans (class folders spread over the cluster) and plans as ``convert`` does; each
+task reads its shard's sources from shared storage, writes the shard into a private staging
+folder ``<out>.partial/.staging/<shard>-<uuid>/``, moves the finished files into place and
+journals the shard (``packer.write.journal``). A worker lost mid-shard leaves at most a staging
+folder, never a half shard under the real names; Dask runs the task again elsewhere and the
+next ``load_done_shards`` (or the end of the run) clears the leftovers. The driver checks each
+returned shard against the plan and finishes (index, errors.json, manifest) like a local run.
+
+Dask is an optional extra (``pip install 'packer[dask]'``), imported only here and only when used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import socket
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from packer import __version__
+from packer.errors import PackerError
+from packer.formats import get_format
+from packer.write.journal import ShardResult, record_shard
+from packer.write.scan import ScanResult, scan_folder, walk_class
+
+STAGING_DIR = ".staging"
+_RETRIES = 2  # re-runs after an exception in a task (a lost worker is re-run by the scheduler anyway)
+_CLASSES_PER_TASK_TARGET = 8  # scan tasks per worker thread: balance without a task per tiny class
+
+
+def _require_dask():
+    try:
+        import distributed
+    except ImportError as exc:
+        raise PackerError(
+            "--scheduler needs Dask distributed, which is not installed: pip install 'packer[dask]' "
+            "(or pip install 'dask[distributed]')"
+        ) from exc
+    return distributed
+
+
+@contextlib.contextmanager
+def open_client(scheduler: str) -> Iterator[Any]:
+    """A Dask client for ``tcp://HOST:PORT`` (a running scheduler) or ``local:N`` (a LocalCluster here).
+
+    ``local:N`` starts N worker processes with one thread each and closes them on exit.
+    """
+    distributed = _require_dask()
+    if scheduler.startswith("local:"):
+        try:
+            n = int(scheduler.split(":", 1)[1])
+        except ValueError:
+            n = 0
+        if n <= 0:
+            raise PackerError(f"--scheduler {scheduler!r}: local:N needs a positive number of workers, e.g. local:4")
+        import logging
+
+        # dashboard_address=None would still bind the scheduler's HTTP server to *:8787 (and clash
+        # with any other cluster on the machine): a free port on localhost instead
+        cluster = distributed.LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
+                                           dashboard_address="127.0.0.1:0", silence_logs=logging.ERROR)
+        try:
+            with distributed.Client(cluster) as client:
+                yield client
+        finally:
+            cluster.close()
+        return
+    try:
+        client = distributed.Client(scheduler, timeout="30s")
+    except (OSError, TimeoutError) as exc:
+        raise PackerError(
+            f"--scheduler {scheduler!r}: cannot reach the Dask scheduler ({exc}); start one with "
+            f"'dask scheduler' and workers with 'dask worker {scheduler}', or use local:N"
+        ) from exc
+    with client:
+        yield client
+
+
+def _worker_threads(client: Any) -> int:
+    """Worker threads of the cluster; with none yet, say so and wait for the first worker to join."""
+    if not client.nthreads():
+        print(f"packer: no Dask workers at {client.scheduler.address} yet; waiting for one to join "
+              f"(dask worker {client.scheduler.address} --nthreads 1)", file=sys.stderr)
+        client.wait_for_workers(1)
+    return max(1, sum(client.nthreads().values()))
+
+
+# ---------------------------------------------------------------- scan
+
+
+def scan_on_cluster(client: Any, root: str | os.PathLike) -> ScanResult:
+    """``scan_folder(root)`` with the class folders walked by the cluster's workers; the same result.
+
+    Each task walks a run of consecutive class folders and returns their sorted paths; they are
+    merged in class order. A flat folder (no class folders) is walked here.
+    """
+    _require_dask()
+    _worker_threads(client)
+
+    def map_classes(folders: list[tuple[str, str]]):
+        per_task = max(1, len(folders) // (_worker_threads(client) * _CLASSES_PER_TASK_TARGET))
+        groups = [[(os.path.abspath(p), rel) for p, rel in folders[i : i + per_task]]
+                  for i in range(0, len(folders), per_task)]
+        token = uuid.uuid4().hex
+        futures = [client.submit(_walk_classes, g, key=f"packer-scan-{i:06d}-{token}", retries=_RETRIES)
+                   for i, g in enumerate(groups)]
+        try:
+            for future in futures:  # in class order; later groups keep walking meanwhile
+                yield from future.result()
+                future.release()
+        finally:
+            client.cancel(futures)
+
+    return scan_folder(root, map_classes=map_classes)
+
+
+def _walk_classes(folders: list[tuple[str, str]]) -> list[tuple[list[str], dict[str, int]]]:
+    """Dask task: walk_class for a run of class folders."""
+    return [walk_class(path, rel) for path, rel in folders]
+
+
+# ---------------------------------------------------------------- shards
+
+
+def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str, int]], options: dict,
+                  on_error: str, version: str) -> dict:
+    """Dask task: prepare, write, move into place and journal one shard.
+
+    Returns ``{"result": ShardResult JSON}``, or ``{"error": message, "kind": "write"|"input"}``
+    for a problem that running again would not fix (so Dask does not retry it).
+    """
+    from packer.write.convert import ConvertOptions, ShardWriteError, prepare, write_shard
+
+    host = socket.gethostname()
+    if version != __version__:
+        return {"kind": "input", "error": f"worker {host} runs packer {__version__}, the driver {version}: "
+                "install the same packer on every worker"}
+    part, src = Path(partial), Path(root)
+    for what, path in (("output", part), ("source", src)):
+        if not path.is_dir():
+            return {"kind": "input", "error": f"worker {host} cannot see the {what} folder {path}: the source "
+                    "and the output must be on storage shared by the driver and every worker, under the same path"}
+    opts = ConvertOptions(**options)
+    fmt = get_format(opts.format)
+    staging = part / STAGING_DIR / f"{shard_id:05d}-{uuid.uuid4().hex}"
+    try:
+        with contextlib.suppress(FileExistsError):
+            staging.parent.mkdir()  # not parents=True: never re-create a removed output folder
+        staging.mkdir()
+        samples = (prepare(src, rel, label, opts) for rel, label in items)
+        try:
+            result, names = write_shard(staging, shard_id, len(items), samples, fmt, opts, on_error, src)
+        except ShardWriteError as exc:
+            return {"kind": "write", "error": str(exc)}
+        except PackerError as exc:  # a bad source under --on-error raise
+            return {"kind": "input", "error": str(exc)}
+        _move_into_place(staging, part, names)
+        record_shard(part, result, names)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"result": result.to_json()}
+
+
+def _move_into_place(staging: Path, partial: Path, names: list[str]) -> None:
+    """Rename a closed shard's files from staging to their real names (subfolders included).
+
+    Each rename is atomic, and the file under a real name is always complete: a second attempt
+    at the same shard renames identical bytes over the first's.
+    """
+    for name in names:
+        folder = partial  # created level by level: never re-create a removed output folder
+        for part in Path(name).parent.parts:
+            folder = folder / part
+            with contextlib.suppress(FileExistsError):
+                folder.mkdir()
+        os.replace(staging / name, partial / name)
+
+
+def build_shards(client: Any, scan: ScanResult, partial: Path, ranges: list[tuple[int, int]],
+                 done: dict[int, ShardResult], options: Any, on_error: str, progress: bool) -> dict[int, ShardResult]:
+    """Write every shard not yet done on the cluster; returns all shards' results, checked against the plan."""
+    distributed = _require_dask()
+    from dataclasses import asdict
+
+    from packer.write.convert import ShardWriteError, _progress
+
+    root = os.path.abspath(scan.root)
+    opts = asdict(options)
+    todo = [sid for sid in range(len(ranges)) if sid not in done]
+    token = uuid.uuid4().hex
+    threads = _worker_threads(client)
+    in_flight = 2 * threads  # a bounded queue: the scheduler never holds every path list
+    if len(ranges) < threads:
+        print(f"packer: {len(ranges)} shard(s) for {threads} Dask worker threads: a task writes one shard, so "
+              f"most workers will idle; choose a smaller --shard-size", file=sys.stderr)
+
+    def submit(sid: int):
+        a, b = ranges[sid]
+        items = list(zip(scan.rel_paths[a:b], scan.labels[a:b].tolist()))
+        future = client.submit(convert_shard, root, str(partial), sid, items, opts, on_error, __version__,
+                               key=f"packer-shard-{sid:05d}-{token}", retries=_RETRIES)
+        live[future.key] = (sid, future)
+        return future
+
+    results = dict(done)
+    live: dict[str, tuple[int, Any]] = {}  # submitted and not yet collected: key -> (shard, future)
+    queue = iter(todo)
+    pending = distributed.as_completed([submit(sid) for sid in itertools.islice(queue, in_flight)])
+    bar = _progress(len(scan), progress)
+    bar.update(sum(ranges[sid][1] - ranges[sid][0] for sid in done))
+    try:
+        for future in pending:
+            sid, _ = live.pop(future.key)
+            try:
+                reply = future.result()
+            except Exception as exc:  # KilledWorker (lost too often), or the task's own bug after its retries
+                raise ShardWriteError(f"shard {sid} failed on the cluster ({type(exc).__name__}: {exc})") from exc
+            future.release()
+            if "error" in reply:
+                raise (ShardWriteError if reply["kind"] == "write" else PackerError)(reply["error"])
+            result = ShardResult.from_json(reply["result"], f"shard {sid} from the cluster")
+            check_result(result, sid, scan, ranges[sid], partial)
+            results[sid] = result
+            bar.update(ranges[sid][1] - ranges[sid][0])
+            for nxt in queue:
+                pending.add(submit(nxt))
+                break
+    except BaseException as exc:
+        # convert() removes the output folder after a bad source under --on-error raise: let the
+        # shards already running end first, so none writes into a folder being removed
+        _stop(client, [f for _, f in live.values()], wait_running=isinstance(exc, PackerError) and not isinstance(exc, ShardWriteError))
+        raise
+    finally:
+        bar.close()
+    shutil.rmtree(partial / STAGING_DIR, ignore_errors=True)
+    return results
+
+
+def _stop(client: Any, futures: list, wait_running: bool) -> None:
+    """Cancel the shards not yet started; with ``wait_running``, wait for those running to end."""
+    live = [f for f in futures if not f.done()]
+    running = {str(k) for keys in client.processing().values() for k in keys} if wait_running else set()
+    client.cancel([f for f in live if str(f.key) not in running])
+    if running:
+        _require_dask().wait([f for f in live if str(f.key) in running])
+
+
+def check_result(result: ShardResult, sid: int, scan: ScanResult, span: tuple[int, int], partial: Path) -> None:
+    """A shard written elsewhere must hold exactly its planned samples, in order, and its journaled files."""
+    a, b = span
+    failed = {e.path for e in result.errors}
+    expected = [p for p in scan.rel_paths[a:b] if p not in failed]
+    where = f"shard {sid} from the cluster"
+    if result.shard_id != sid or result.rel_paths != expected or len(failed) + len(expected) != b - a:
+        raise PackerError(f"{where}: holds other samples than planned (a worker with a different packer or source?)")
+    if result.labels != scan.labels[a:b][[p not in failed for p in scan.rel_paths[a:b]]].tolist():
+        raise PackerError(f"{where}: labels differ from the plan")
+    for f in result.shard.files:
+        path = partial / f.name
+        size = path.stat().st_size if path.is_file() else None
+        if size != f.num_bytes:
+            raise PackerError(f"{where}: {path} is {'missing' if size is None else f'{size} bytes'}, "
+                              f"the worker journaled {f.num_bytes} (is {partial} on storage shared by all workers?)")

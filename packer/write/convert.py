@@ -1,0 +1,645 @@
+"""The conversion driver: scan -> plan shards -> prepare in a process pool -> write -> index -> manifest.
+
+Worker processes read, validate and (for raw payloads) decode the source files; the main
+process writes shards in dataset order, so the output depends only on the source and the
+options, never on ``workers``. Everything goes into ``<out>.partial`` and is renamed to
+``<out>`` after the manifest is written, so an interrupted run never leaves an output that
+looks complete. Every source file is either packed or listed in ``errors.json``.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import mmap
+import multiprocessing
+import os
+import shutil
+import stat
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Literal
+
+import numpy as np
+
+from packer import __version__
+from packer.errors import PackerError
+from packer.formats import FORMATS, get_format
+from packer.formats.base import PreparedSample
+from packer.images.decode import DecodeError, decode
+from packer.images.headers import image_size
+from packer.images.resize import ResizeSpec
+from packer.layout.index import Index
+from packer.layout.manifest import PAYLOADS, Manifest, Shard, file_info, write_manifest
+from packer.write.journal import (
+    JOURNAL_DIR,
+    ShardResult,
+    SourceError,
+    load_done_shards,
+    read_plan,
+    record_shard,
+    scan_digest,
+    write_plan,
+)
+from packer.write.scan import ScanResult, scan_folder
+
+Validate = Literal["full", "header", "none"]
+Order = Literal["shuffled", "source"]
+ORDERS = ("shuffled", "source")
+DEFAULT_ORDER: Order = "shuffled"  # see docs/sampling.md: label mixing for block-shuffled reads
+PARTIAL_SUFFIX = ".partial"
+ERRORS_NAME = "errors.json"
+_CHUNK = 16  # files per pool task: amortises IPC without hurting ordering latency
+# Chunks in flight per worker: enough that the workers keep going while this process pauses to
+# commit a batch or close a shard (4 left them idle half the time), few enough to bound memory.
+_AHEAD = 16
+_AHEAD_BYTES = 256 << 20  # ... and at most about this much prepared payload waiting (raw pixels are large)
+_RING_BYTES = 256 << 20  # at most this much shared ring for payloads from forked workers (0: pickle them)
+
+
+@dataclass
+class ConvertOptions:
+    """Everything that decides the bytes of the output (recorded in the manifest)."""
+
+    format: str = "lmdb"
+    payload: str = "encoded"
+    validate: Validate = "full"
+    shard_bytes: int | None = None  # None: the format's default
+    resize: str | None = None  # "S" or "HxW" (raw payloads only; lossy, explicit)
+    resize_mode: str = "stretch"  # for HxW: stretch, or fit (keep aspect, pad)
+    upscale: bool = False
+    compression: str | None = None  # lzf or gzip, raw payloads in formats that offer it (hdf5)
+    decoder: str = "auto"
+    order: Order = DEFAULT_ORDER  # sample order in the dataset: a seeded shuffle, or the scan's (ImageFolder's)
+    seed: int = 0  # of the shuffled order
+    tile: str | None = None  # mosaic: "HxW" every image is resized to (implies --resize HxW)
+    grid: str | None = None  # mosaic: "RxC" tiles per mosaic (None: about 16 MB decoded)
+    codec: str | None = None  # mosaic: bmp (default), png or jpeg (lossy)
+    quality: int | None = None  # mosaic jpeg quality (default 95)
+
+    @property
+    def resize_spec(self) -> ResizeSpec | None:
+        return ResizeSpec.parse(self.tile or self.resize, self.resize_mode, self.upscale)
+
+    def check(self) -> None:
+        fmt = get_format(self.format)
+        if self.payload not in PAYLOADS:
+            raise PackerError(f"unknown payload {self.payload!r} (choose from {', '.join(PAYLOADS)})")
+        if self.payload not in fmt.PAYLOADS:
+            raise PackerError(f"format {self.format!r} stores only {', '.join(sorted(fmt.PAYLOADS))} payloads")
+        if hasattr(fmt, "check_options"):
+            fmt.check_options(asdict(self))
+        if self.validate not in ("full", "header", "none"):
+            raise PackerError(f"unknown validation level {self.validate!r} (choose full, header or none)")
+        if self.shard_bytes is not None and self.shard_bytes <= 0:
+            raise PackerError("shard size must be positive")
+        for name, module in FORMATS.items():  # format-specific options (e.g. mosaic's --tile) stay with their format
+            for key in getattr(module, "OPTIONS", ()):
+                if name != self.format and getattr(self, key) is not None:
+                    raise PackerError(f"--{key} is an option of --to {name} only")
+        if self.resize_spec is not None and self.payload != "raw":
+            raise PackerError("--resize changes pixels, so it needs --payload raw (encoded payloads keep the source bytes)")
+        if self.tile is not None and self.resize is not None and \
+                ResizeSpec.parse(self.tile).fixed_shape != ResizeSpec.parse(self.resize).fixed_shape:
+            raise PackerError(f"--tile {self.tile} already sets the size; drop --resize {self.resize}")
+        if self.compression is not None:
+            offered = getattr(fmt, "COMPRESSIONS", frozenset())
+            if self.compression not in offered:
+                raise PackerError(f"--compression {self.compression}: format {self.format!r} offers "
+                                  f"{', '.join(sorted(offered)) or 'no compression'}")
+            if self.payload != "raw":
+                raise PackerError("--compression applies to raw payloads only: encoded JPEG/PNG bytes are "
+                                  "already compressed and would not shrink (use --payload raw, or drop --compression)")
+        if self.order not in ORDERS:
+            raise PackerError(f"unknown sample order {self.order!r} (choose {' or '.join(ORDERS)})")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise PackerError(f"the order seed must be a non-negative integer, got {self.seed!r}")
+
+
+def make_options(to: str, **given: Any) -> ConvertOptions:
+    """ConvertOptions for format ``to`` from keyword fields, refusing unknown names."""
+    known = {f.name for f in fields(ConvertOptions)} - {"format"}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise PackerError(f"unknown conversion option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    if given.get("payload") is None:
+        given["payload"] = "encoded" if "encoded" in get_format(to).PAYLOADS else "raw"
+    for key in ("resize", "tile", "grid"):  # sizes may come as numbers (resize=256)
+        if given.get(key) is not None:
+            given[key] = str(given[key])
+    return ConvertOptions(format=to, **given)
+
+
+@dataclass
+class ConvertResult:
+    output: Path
+    num_samples: int
+    errors: list[SourceError]
+    seconds: float
+    bytes_read: int
+    ignored: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def files_per_second(self) -> float:
+        return (self.num_samples + len(self.errors)) / max(self.seconds, 1e-9)
+
+
+# ---------------------------------------------------------------- worker side
+
+
+def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> PreparedSample | SourceError:
+    """Read one source file and make its payload; a problem becomes a SourceError, never an exception."""
+    path = root / rel
+    try:
+        data = read_source(path)
+    except OSError as exc:
+        if not path.exists() and path.is_symlink():
+            return SourceError(rel, "broken symbolic link")
+        return SourceError(rel, f"cannot read: {exc.strerror or exc}")
+    if not data:
+        return SourceError(rel, "empty file (0 bytes)")
+    try:
+        if options.payload == "raw":
+            pixels = decode(data, options.decoder, strict=True)
+            spec = options.resize_spec
+            if spec is not None:
+                pixels = spec.apply(pixels)
+            h, w = pixels.shape[:2]
+            return PreparedSample(-1, rel, label, np.ascontiguousarray(pixels), h, w)
+        if options.validate == "full":
+            h, w = decode(data, options.decoder, strict=True).shape[:2]
+        elif options.validate == "header":
+            h, w = image_size(data)
+        else:
+            h, w = 0, 0  # unknown: not looked at
+    except DecodeError as exc:
+        return SourceError(rel, str(exc))
+    except Exception as exc:  # a codec crash on hostile bytes must not abort the conversion
+        return SourceError(rel, f"cannot decode image: {type(exc).__name__}: {exc}")
+    return PreparedSample(-1, rel, label, data, h, w)
+
+
+def read_source(path: Path) -> bytes:
+    """The whole file, refusing special files (a FIFO would block forever) and files that change size."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read()
+        if len(data) != st.st_size and st.st_size != 0:
+            raise OSError(errno.EAGAIN, f"changed while being read ({st.st_size} bytes, then {len(data)})")
+        return data
+    finally:
+        os.close(fd)
+
+
+def _prepare_chunk(root: Path, items: list[tuple[str, int]], options: ConvertOptions,
+                   slot: tuple[int, int] | None = None) -> tuple[list, list]:
+    """Prepare ``items``; with a ring ``slot`` (offset, size) payloads travel through the shared ring.
+
+    Returns the results and, per result, where its payload lies in the ring: ``(offset, nbytes,
+    shape)``, or None where it travels pickled (errors; payloads that do not fit the slot).
+    """
+    results = [prepare(root, rel, label, options) for rel, label in items]
+    where: list = [None] * len(results)
+    if slot is None or _RING is None:
+        return results, where
+    offset, end = slot[0], slot[0] + slot[1]
+    for i, res in enumerate(results):
+        if isinstance(res, PreparedSample) and offset + res.nbytes <= end:
+            payload, nbytes = res.payload, res.nbytes
+            _RING[offset : offset + nbytes] = payload if isinstance(payload, bytes) else payload.data
+            where[i] = (offset, nbytes, None if isinstance(payload, bytes) else payload.shape)
+            res.payload = b""
+            offset += nbytes
+    return results, where
+
+
+# The shared ring of a fork-started pool, inherited by its workers (set by their initializer).
+_RING: mmap.mmap | None = None
+
+
+def _init_worker(ring: mmap.mmap | None) -> None:
+    global _RING
+    _RING = ring
+    # A killed parent (SIGKILL) can't stop its pool: a worker waiting for work would wait forever.
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _from_ring(ring: mmap.mmap, results: list, where: list) -> list:
+    """Copy the payloads out of the ring (the slot is reused as soon as this returns)."""
+    for res, loc in zip(results, where):
+        if loc is not None:
+            offset, nbytes, shape = loc
+            data = ring[offset : offset + nbytes]  # a copy, as bytes
+            res.payload = data if shape is None else np.frombuffer(data, np.uint8).reshape(shape).copy()
+    return results
+
+
+# ---------------------------------------------------------------- planning
+
+
+def default_output(src: Path, fmt: str) -> Path:
+    src = Path(os.path.abspath(src))
+    return src.with_name(f"{src.name}.{fmt}")
+
+
+def estimate_sample_bytes(scan: ScanResult, options: ConvertOptions, probes: int = 64) -> float:
+    """Mean payload size from a deterministic sample of the sources (no full stat pass)."""
+    n = len(scan)
+    picks = sorted({int(i) for i in np.linspace(0, n - 1, num=min(n, probes))})
+    sizes = []
+    for i in picks:
+        path = scan.root / scan.rel_paths[i]
+        try:
+            if options.payload == "raw":
+                with open(path, "rb") as fh:
+                    h, w = image_size(fh.read(1 << 20))
+                spec = options.resize_spec
+                if spec is not None:
+                    h, w = spec.output_shape(h, w)
+                sizes.append(h * w * 3)
+            else:
+                sizes.append(path.stat().st_size)
+        except (OSError, DecodeError):
+            continue
+    return float(np.mean(sizes)) if sizes else 1.0
+
+
+def plan_shards(num_files: int, mean_bytes: float, shard_bytes: int | None, multiple: int = 1) -> list[tuple[int, int]]:
+    """Split source positions into (start, stop) runs of roughly ``shard_bytes`` each.
+
+    ``multiple``: a format's natural unit (mosaic: tiles per mosaic); shards holding more than
+    one are rounded down to whole units, so only a shard's last unit can be partly filled.
+    """
+    if shard_bytes is None:
+        return [(0, num_files)]
+    per_shard = max(1, int(shard_bytes // max(mean_bytes, 1.0)))
+    if per_shard > multiple > 1:
+        per_shard -= per_shard % multiple
+    return [(s, min(s + per_shard, num_files)) for s in range(0, num_files, per_shard)]
+
+
+def shard_multiple(options: ConvertOptions) -> int:
+    """The format's natural unit of samples per shard (``shard_multiple(options)`` hook), else 1."""
+    hook = getattr(get_format(options.format), "shard_multiple", None)
+    return int(hook(asdict(options))) if hook is not None else 1
+
+
+def apply_order(scan: ScanResult, order: str, seed: int) -> ScanResult:
+    """The scan with its samples in dataset order: as found (ImageFolder's), or a seeded shuffle.
+
+    The permutation depends only on (seed, number of files), never on ``workers``, and comes
+    from numpy's stable PCG64 stream, so the same seed gives the same bytes everywhere.
+    """
+    if order == "source":
+        return scan
+    from packer.read.sampler import stable_permutation
+
+    perm = stable_permutation(len(scan), seed)
+    return replace(scan, rel_paths=[scan.rel_paths[i] for i in perm], labels=scan.labels[perm])
+
+
+def check_free_space(directory: Path, needed: float) -> None:
+    free = shutil.disk_usage(directory).free
+    if needed * 1.05 > free:
+        raise PackerError(
+            f"{directory}: not enough free disk space: the output needs about {needed / 1e9:.2f} GB, "
+            f"{free / 1e9:.2f} GB free (choose another --output, or --resize for raw payloads)"
+        )
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _ordered_results(
+    root: Path, items: list[tuple[str, int]], options: ConvertOptions, workers: int, mean_bytes: float = 0.0
+) -> Iterator[PreparedSample | SourceError]:
+    """Prepared samples in source order; a bounded number of chunks in flight keeps memory flat."""
+    ahead = max(2, min(_AHEAD, int(_AHEAD_BYTES // max(1.0, workers * _CHUNK * mean_bytes))))
+    chunks = [items[i : i + _CHUNK] for i in range(0, len(items), _CHUNK)]
+    if workers <= 0:
+        for chunk in chunks:
+            yield from _prepare_chunk(root, chunk, options)[0]
+        return
+    ctx = multiprocessing.get_context()
+    # Forked workers inherit a shared ring: payloads cross by one copy each way instead of pickles
+    # through a pipe. Other start methods can't inherit it and fall back to pickling.
+    slots = workers * ahead  # one per chunk in flight: a slot is free again once its chunk is popped
+    slot_bytes = int(min(2 * _CHUNK * max(mean_bytes, 1 << 16), _RING_BYTES // slots)) & ~4095
+    ring = mmap.mmap(-1, slots * slot_bytes) if ctx.get_start_method() == "fork" and slot_bytes else None
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                                 initargs=(ring,)) as pool:
+            pending: deque[Future] = deque()
+            try:
+                for n, chunk in enumerate(chunks):
+                    slot = None if ring is None else ((n % slots) * slot_bytes, slot_bytes)
+                    pending.append(pool.submit(_prepare_chunk, root, chunk, options, slot))
+                    if len(pending) >= slots:
+                        yield from _received(ring, pending.popleft())
+                while pending:
+                    yield from _received(ring, pending.popleft())
+            finally:
+                for f in pending:
+                    f.cancel()
+    finally:
+        if ring is not None:
+            ring.close()
+
+
+def _received(ring: mmap.mmap | None, future: Future) -> list:
+    results, where = future.result()
+    return results if ring is None else _from_ring(ring, results, where)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="img", disable=not enabled, dynamic_ncols=True, smoothing=0.1,
+                desc="packing", file=sys.stderr)
+
+
+def convert(
+    src: str | os.PathLike,
+    output: str | os.PathLike | None = None,
+    *,
+    to: str = "lmdb",
+    on_error: Literal["skip", "raise"] = "skip",
+    workers: int | None = None,
+    overwrite: bool = False,
+    resume: bool = False,
+    progress: bool = True,
+    client: Any = None,
+    **options: Any,
+) -> ConvertResult:
+    """Pack the images of folder ``src`` into a dataset of format ``to``; see ``packer convert --help``.
+
+    ``options`` are the fields of ``ConvertOptions`` (``payload``, ``validate``, ``shard_bytes``,
+    ``resize``, ``order``, ``tile``, ...): everything that decides the output's bytes, recorded in
+    the manifest. ``payload`` defaults to ``encoded`` where the format stores it, else ``raw``
+    (bmp, mosaic). With a Dask ``client`` the class folders are scanned and the shards written by
+    the cluster's workers (packer.write.cluster; source and output on storage they share); the
+    bytes are the same.
+    """
+    options = make_options(to, **options)
+    options.check()
+    if on_error not in ("skip", "raise"):
+        raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
+    fmt = get_format(to)
+    if options.shard_bytes is None:
+        options.shard_bytes = fmt.DEFAULT_SHARD_BYTES
+    workers = os.cpu_count() or 1 if workers is None else workers
+
+    started = time.perf_counter()
+    if client is None:
+        scanned = scan_folder(src)
+    else:
+        from packer.write.cluster import scan_on_cluster
+
+        scanned = scan_on_cluster(client, src)
+    scan = apply_order(scanned, options.order, options.seed)
+    out = Path(os.path.abspath(output if output is not None else default_output(scan.root, to)))
+    partial = out.with_name(out.name + PARTIAL_SUFFIX)
+    if out.exists() and not overwrite:
+        raise PackerError(f"{out}: already exists (use --overwrite to replace it)")
+    plan = _load_or_make_plan(scan, out, partial, options, resume)
+    ranges = [(int(a), int(b)) for a, b in plan["shards"]]
+    done = load_done_shards(partial, len(ranges))
+    try:
+        if client is None:
+            results = _build_shards(scan, partial, plan, done, fmt, options, on_error, workers, progress)
+        else:
+            from packer.write.cluster import build_shards
+
+            results = build_shards(client, scan, partial, ranges, done, options, on_error, progress)
+    except ShardWriteError as exc:
+        raise PackerError(
+            f"{out}: {exc}; the finished shards are kept in {partial}: free space (or fix the problem), "
+            f"then run the same command with --resume"
+        ) from exc
+    except KeyboardInterrupt:
+        print(f"packer: interrupted; finished shards are kept in {partial}: run the same command with "
+              f"--resume to go on, or remove it", file=sys.stderr)
+        raise
+    except PackerError:  # a bad source file under --on-error raise: nothing worth resuming
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return _finish(scan, partial, out, [results[i] for i in range(len(ranges))], options, started)
+
+
+def _load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: ConvertOptions, resume: bool) -> dict:
+    """The shard plan: the journaled one when resuming, else a new one (written before any shard)."""
+    recorded = {k: v for k, v in asdict(options).items() if k != "decoder"}
+    digest = scan_digest(scan)
+    if partial.exists():
+        if not resume:
+            raise PackerError(
+                f"{partial}: left over from an interrupted conversion; go on with it by running the same "
+                f"command with --resume, or remove it (rm -r '{partial}')"
+            )
+        plan = read_plan(partial)
+        if plan is not None:
+            if plan.get("options") != recorded or plan.get("digest") != digest:
+                raise PackerError(
+                    f"{partial}: the source files or the options changed since the interrupted run, so it "
+                    f"can't be resumed; remove it (rm -r '{partial}') and convert again"
+                )
+            return plan
+        shutil.rmtree(partial)  # killed before its plan was written: nothing to keep
+    out.parent.mkdir(parents=True, exist_ok=True)
+    mean_bytes = estimate_sample_bytes(scan, options)
+    check_free_space(out.parent, mean_bytes * len(scan))
+    plan = {"options": recorded, "digest": digest, "source": str(scan.root), "num_files": len(scan),
+            "shards": plan_shards(len(scan), mean_bytes, options.shard_bytes, shard_multiple(options)),
+            "mean_bytes": mean_bytes}
+    partial.mkdir()
+    write_plan(partial, plan)
+    return plan
+
+
+class ShardWriteError(PackerError):
+    """Writing a shard failed (disk full, I/O error): the conversion can be resumed."""
+
+
+def write_shard(
+    partial: Path, shard_id: int, planned: int, samples: Iterable[PreparedSample | SourceError],
+    fmt: ModuleType, options: ConvertOptions, on_error: str, root: Path,
+    on_each: Callable[[PreparedSample | SourceError], None] | None = None,
+) -> tuple[ShardResult, list[str]]:
+    """Write one shard from its prepared samples (in order); returns its metadata and file names."""
+    result = ShardResult(shard_id, Shard(num_samples=0, files=[]))
+    try:
+        writer = fmt.Writer(partial, shard_id, planned, options.payload, asdict(options))
+    except OSError as exc:
+        raise ShardWriteError(f"cannot create shard {shard_id} ({exc})") from exc
+    try:
+        for res in samples:
+            if on_each is not None:
+                on_each(res)
+            if isinstance(res, SourceError):
+                if on_error == "raise":
+                    raise PackerError(f"{root / res.path}: {res.reason}")
+                result.errors.append(res)
+                continue
+            res.index = len(result.rel_paths)  # position inside the shard
+            try:
+                writer.add(res)
+            except PackerError:
+                raise
+            except Exception as exc:  # ENOSPC, EIO, the storage engine's own errors
+                raise ShardWriteError(_write_failure(partial, shard_id, exc)) from exc
+            result.rel_paths.append(res.rel_path)
+            result.labels.append(res.label)
+            result.heights.append(res.height)
+            result.widths.append(res.width)
+            result.nbytes.append(res.nbytes)
+        try:
+            names, facts = writer.close()
+        except PackerError:
+            raise
+        except Exception as exc:
+            raise ShardWriteError(_write_failure(partial, shard_id, exc)) from exc
+    except BaseException:
+        writer.abort()
+        raise
+    result.shard.num_samples = len(result.rel_paths)
+    result.shard.facts = facts
+    return result, names
+
+
+def _write_failure(partial: Path, shard_id: int, exc: Exception) -> str:
+    """Say why a write failed; storage engines often report a full disk as a plain I/O error."""
+    msg = f"writing shard {shard_id} failed ({exc})"
+    try:
+        free = shutil.disk_usage(partial).free
+    except OSError:
+        return msg
+    if free < (64 << 20) or getattr(exc, "errno", None) == errno.ENOSPC:
+        msg += f": the disk is full ({free / 1e6:.1f} MB free)"
+    return msg
+
+
+def _build_shards(scan, partial, plan, done, fmt, options, on_error, workers, progress) -> dict[int, ShardResult]:
+    """Write every shard not yet done: a process pool prepares samples, this process writes them in order."""
+    ranges = [(int(a), int(b)) for a, b in plan["shards"]]
+    todo = [(sid, a, b) for sid, (a, b) in enumerate(ranges) if sid not in done]
+    items = [(scan.rel_paths[i], int(scan.labels[i])) for _, a, b in todo for i in range(a, b)]
+    results = dict(done)
+    bar = _progress(len(scan), progress)
+    bar.update(sum(b - a for sid, (a, b) in enumerate(ranges) if sid in done))
+    written = [0]
+
+    def on_each(res) -> None:
+        bar.update(1)
+        if isinstance(res, PreparedSample):
+            written[0] += res.nbytes
+        if bar.n % 64 == 0:
+            bar.set_postfix_str(f"{written[0] / 1e6 / max(bar.format_dict['elapsed'], 1e-9):.0f} MB/s")
+
+    prepared = _ordered_results(scan.root, items, options, workers, float(plan.get("mean_bytes", 0.0)))
+    journaler = ThreadPoolExecutor(max_workers=1)  # checksums + journal of a shard while the next is written
+    pending: dict[int, Future] = {}
+    try:
+        for sid, a, b in todo:
+            result, names = write_shard(partial, sid, b - a, itertools.islice(prepared, b - a), fmt, options,
+                                        on_error, scan.root, on_each)
+            pending[sid] = journaler.submit(record_shard, partial, result, names)
+        prepared.close()  # the pool winds down while the last shard is checksummed
+        for sid, future in pending.items():
+            results[sid] = future.result()
+    finally:
+        bar.close()
+        prepared.close()
+        journaler.shutdown(wait=True, cancel_futures=True)
+    return results
+
+
+def _finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult], options: ConvertOptions,
+            started: float) -> ConvertResult:
+    """Index, error report and manifest (last), then the rename that makes the dataset exist."""
+    cat = lambda name: [v for r in shards for v in getattr(r, name)]  # noqa: E731
+    index = Index.build(cat("rel_paths"), cat("labels"), cat("heights"), cat("widths"), cat("nbytes"))
+    errors: list[SourceError] = cat("errors")
+    meta_files = [file_info(partial, n) for n in index.save(partial)]
+    (partial / ERRORS_NAME).write_text(
+        json.dumps({"num_errors": len(errors), "ignored": dict(scan.ignored),
+                    "errors": [asdict(e) for e in sorted(errors, key=lambda e: e.path)]},
+                   indent=1, ensure_ascii=False),
+        encoding="utf-8",
+    )
+    if errors:
+        print(f"packer: {len(errors)} of {len(scan)} files not packed, see {ERRORS_NAME}:", file=sys.stderr)
+        for e in errors[:10]:
+            print(f"  {e.path}: {e.reason}", file=sys.stderr)
+        if len(errors) > 10:
+            print(f"  ... and {len(errors) - 10} more", file=sys.stderr)
+    manifest = Manifest(
+        format=options.format,
+        payload=options.payload,
+        num_samples=len(index),
+        classes=list(scan.classes),
+        shards=[r.shard for r in shards],
+        meta_files=meta_files,
+        options={k: v for k, v in asdict(options).items() if k != "decoder"},
+        num_errors=len(errors),
+        source=str(scan.root),
+        created_by=f"packer {__version__}",
+        created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+    shutil.rmtree(partial / JOURNAL_DIR)
+    fsync_tree(partial)
+    write_manifest(partial, manifest)
+    _swap_into_place(partial, out)
+    return ConvertResult(out, len(index), errors, time.perf_counter() - started, int(index.nbytes.sum()),
+                         dict(scan.ignored))
+
+
+def _swap_into_place(partial: Path, out: Path) -> None:
+    """Rename the finished output into place; an old output (--overwrite) is replaced only now.
+
+    Readers that already opened the old dataset keep reading its (unlinked) files.
+    """
+    trash = out.with_name(out.name + ".old")
+    if out.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(out, trash)
+    os.replace(partial, out)
+    shutil.rmtree(trash, ignore_errors=True)
+    fd = os.open(out.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(directory: Path) -> None:
+    """Flush every file below ``directory`` and the directories themselves to disk."""
+    for dirpath, _dirnames, filenames in os.walk(directory):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,168 @@
+"""The conversion journal: what an interrupted conversion had finished, so ``--resume`` can go on.
+
+Inside ``<out>.partial/journal/``:
+
+| file              | written                        | holds                                          |
+|-------------------|--------------------------------|------------------------------------------------|
+| plan.json         | before the first shard         | options, source, a digest of the scanned file  |
+|                   |                                | list, the shard plan (source position ranges)  |
+| shard-00000.json  | after that shard is on disk    | its files (sizes, sha256), per-sample metadata |
+|                   | (fsynced)                      | and the source files it could not pack         |
+
+Only JSON: a journal, like a manifest, can never execute code when read. A shard counts as
+done only once its entry exists, and its files are checked against it before being reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from packer.errors import PackerError
+from packer.layout.manifest import FileInfo, Shard, sha256_file
+from packer.write.scan import ScanResult
+
+JOURNAL_DIR = "journal"
+PLAN_NAME = "plan.json"
+
+
+@dataclass
+class SourceError:
+    path: str  # relative to the source folder
+    reason: str
+
+
+@dataclass
+class ShardResult:
+    """One finished shard: its files and the metadata of the samples it holds, in order."""
+
+    shard_id: int
+    shard: Shard
+    rel_paths: list[str] = field(default_factory=list)
+    labels: list[int] = field(default_factory=list)
+    heights: list[int] = field(default_factory=list)
+    widths: list[int] = field(default_factory=list)
+    nbytes: list[int] = field(default_factory=list)
+    errors: list[SourceError] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False)
+
+    @classmethod
+    def from_json(cls, text: str, where: str) -> ShardResult:
+        try:
+            data = json.loads(text)
+            shard = data["shard"]
+            result = cls(
+                shard_id=int(data["shard_id"]),
+                shard=Shard(
+                    num_samples=int(shard["num_samples"]),
+                    files=[FileInfo(str(f["name"]), int(f["num_bytes"]), str(f["sha256"])) for f in shard["files"]],
+                    facts=dict(shard.get("facts", {})),
+                ),
+                rel_paths=[str(p) for p in data["rel_paths"]],
+                labels=[int(v) for v in data["labels"]],
+                heights=[int(v) for v in data["heights"]],
+                widths=[int(v) for v in data["widths"]],
+                nbytes=[int(v) for v in data["nbytes"]],
+                errors=[SourceError(str(e["path"]), str(e["reason"])) for e in data["errors"]],
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PackerError(f"{where}: damaged journal entry ({exc})") from exc
+        n = result.shard.num_samples
+        if not all(len(v) == n for v in (result.rel_paths, result.labels, result.heights, result.widths, result.nbytes)):
+            raise PackerError(f"{where}: damaged journal entry (lengths disagree)")
+        return result
+
+
+def scan_digest(scan: ScanResult) -> str:
+    """Identifies the scanned file list and labels: a resume must see the same source."""
+    h = hashlib.sha256()
+    h.update(json.dumps(scan.classes).encode())
+    for rel, label in zip(scan.rel_paths, scan.labels.tolist()):
+        h.update(f"{label}\0{rel}\n".encode())
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_plan(partial: Path, plan: dict[str, Any]) -> None:
+    (partial / JOURNAL_DIR).mkdir(exist_ok=True)
+    _write_atomic(partial / JOURNAL_DIR / PLAN_NAME, json.dumps(plan, ensure_ascii=False, indent=1))
+
+
+def read_plan(partial: Path) -> dict[str, Any] | None:
+    path = partial / JOURNAL_DIR / PLAN_NAME
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise PackerError(f"{path}: damaged conversion plan ({exc}); remove {partial} and convert again") from exc
+
+
+def shard_entry(partial: Path, shard_id: int) -> Path:
+    return partial / JOURNAL_DIR / f"shard-{shard_id:05d}.json"
+
+
+def record_shard(partial: Path, result: ShardResult, names: list[str]) -> ShardResult:
+    """Flush the shard's files and checksum them (at once: both take a while), then journal the shard as done."""
+    with ThreadPoolExecutor(max_workers=1) as hasher:
+        sums = [hasher.submit(sha256_file, partial / n) for n in names]
+        for name in names:
+            fd = os.open(partial / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        result.shard.files = [FileInfo(n, (partial / n).stat().st_size, s.result()) for n, s in zip(names, sums)]
+    _write_atomic(shard_entry(partial, result.shard_id), result.to_json())
+    return result
+
+
+def load_done_shards(partial: Path, num_shards: int) -> dict[int, ShardResult]:
+    """Journaled shards whose files are intact; anything else in ``partial`` is removed."""
+    done: dict[int, ShardResult] = {}
+    for shard_id in range(num_shards):
+        entry = shard_entry(partial, shard_id)
+        if not entry.is_file():
+            continue
+        result = ShardResult.from_json(entry.read_text(encoding="utf-8"), str(entry))
+        intact = all(
+            (partial / f.name).is_file()
+            and (partial / f.name).stat().st_size == f.num_bytes
+            and sha256_file(partial / f.name) == f.sha256
+            for f in result.shard.files
+        )
+        if intact:
+            done[shard_id] = result
+        else:
+            entry.unlink()
+    keep = {f.name for r in done.values() for f in r.shard.files}
+    for dirpath, _dirnames, filenames in os.walk(partial, topdown=False):
+        rel_dir = Path(dirpath).relative_to(partial)
+        if rel_dir.parts[:1] == (JOURNAL_DIR,):
+            continue
+        for name in filenames:
+            if (rel_dir / name).as_posix() not in keep:
+                os.remove(os.path.join(dirpath, name))
+        if rel_dir != Path(".") and not os.listdir(dirpath):
+            os.rmdir(dirpath)
+    return done

@@ -1,0 +1,334 @@
+"""packer bench, measure and throttle: real passes on a tiny set, real eviction, real kernel throttle where possible.
+
+No timing thresholds: only structure, counts, bytes, eviction and clean-up are checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from packer.cli import main
+from packer.diagnose import measure, throttle
+from packer.diagnose.bench import BenchOptions, format_table, make_order, run_bench
+from packer.errors import PackerError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _make_folder(root: Path, per_class: int = 5) -> Path:
+    rng = np.random.default_rng(1)
+    for c in ("cat", "dog"):
+        (root / c).mkdir(parents=True)
+        for i in range(per_class):
+            h, w = 40 + 4 * i, 56 - 2 * i
+            base = np.linspace(0, 255, w, dtype=np.float32)[None, :, None] * np.ones((h, 1, 3), np.float32)
+            img = np.clip(base + rng.normal(0, 30, (h, w, 3)), 0, 255).astype(np.uint8)
+            Image.fromarray(img).save(root / c / f"{i:03d}.jpg", quality=90)
+    return root
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    from packer.write.convert import convert
+
+    base = tmp_path_factory.mktemp("bench")
+    folder = _make_folder(base / "imgs")
+    convert(folder, base / "imgs.lmdb", to="lmdb", workers=1, progress=False)
+    return folder, base / "imgs.lmdb"
+
+
+def _can_evict(path: Path) -> bool:
+    st = measure.describe_storage(path)
+    return st["fstype"] not in ("tmpfs", "ramfs", None) and measure.resident_pages(path) is not None
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*.jpg"))
+
+
+def _check_report(report: dict, folder: Path, n: int) -> None:
+    json.dumps(report)  # every figure is JSON-able
+    for key in ("machine", "storage", "options", "datasets", "ceilings", "results"):
+        assert key in report
+    assert report["machine"]["cores_usable"] >= 1 and report["machine"]["versions"]["packer"]
+    assert report["ceilings"]["memory_copy"]["value"] > 0
+    assert all(v["value"] > 0 for v in report["ceilings"]["sequential_read"].values())
+    for r in report["results"]:
+        assert r["samples"] == n, r
+        assert len(r["seconds"]) == report["options"]["repeats"]
+        s = r["samples_per_s"]
+        assert s["min"] <= s["median"] <= s["max"]
+        assert r["fraction_of_ceiling"] == pytest.approx(s["median"] / r["ceiling"]["samples_per_s"])
+        if r["level"] == "read":
+            assert r["bytes"] == _folder_bytes(folder)  # encoded payloads: the source files' bytes exactly
+        if r["kind"] == "folder":
+            assert r["speedup_vs_folder"] == pytest.approx(1.0)
+        else:
+            assert r["speedup_vs_folder"] > 0
+        if r["cache"] == "cold" and _can_evict(folder):
+            assert r["eviction"] == "verified", r
+            assert all(f == 0 for f in r["resident_before"])
+
+
+def test_read_and_decode_levels_json_consistent(data):
+    folder, packed = data
+    opts = BenchOptions(levels=("read", "decode"), repeats=2, ceiling_bytes=4 << 20, ceiling_seconds=0.2, batch_size=4, block_bytes=40_000)
+    report = run_bench([folder, packed], opts)
+    _check_report(report, folder, 10)
+    combos = {(r["kind"], r["level"], r["order"], r["cache"]) for r in report["results"]}
+    assert len(combos) == 2 * 2 * 3 * 2  # kinds x levels x orders x caches
+    assert {d["samples"] for d in report["datasets"]} == {10}
+    assert "imgs.lmdb" in format_table(report)
+
+
+def test_loader_level_with_workers(data):
+    folder, packed = data
+    opts = BenchOptions(levels=("loader",), orders=("block",), caches=("cold",), workers=(0, 2), repeats=1,
+                        ceiling_bytes=4 << 20, ceiling_seconds=0.2, batch_size=3)
+    report = run_bench([folder, packed], opts)
+    _check_report(report, folder, 10)
+    assert sorted((r["kind"], r["workers"]) for r in report["results"]) == [("folder", 0), ("folder", 2), ("lmdb", 0), ("lmdb", 2)]
+    assert all(r["ceiling"]["samples_per_s"] > 0 for r in report["results"])
+
+
+def test_limit_counts_only_the_first_samples(data):
+    folder, packed = data
+    report = run_bench([folder, packed], BenchOptions(levels=("read",), orders=("shuffle",), caches=("warm",),
+                                                      repeats=1, limit=4, ceiling_bytes=4 << 20, ceiling_seconds=0.2))
+    first4 = sorted(folder.rglob("*.jpg"))[:4]
+    from packer import open_dataset
+
+    ds = open_dataset(packed)
+    packed4 = int(ds.index.nbytes[:4].sum())  # the first 4 in the dataset's own (shuffled) order
+    for r in report["results"]:
+        assert r["samples"] == 4
+        assert r["bytes"] == (sum(p.stat().st_size for p in first4) if r["kind"] == "folder" else packed4)
+
+
+def test_eviction_verified_on_a_file_just_read(tmp_path):
+    path = tmp_path / "blob.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    if not _can_evict(path):
+        pytest.skip("mincore/fadvise eviction not possible on this filesystem")
+    measure.read_file(path)
+    before = measure.residency([path])
+    assert before.verified and before.fraction > 0.9
+    after = measure.evict([path])
+    assert after.verified and after.fraction == 0
+    measure.read_file(path)
+    assert measure.residency([path]).fraction > 0.9
+
+
+def test_mapped_pages_stay_and_are_reported(tmp_path):
+    import mmap
+
+    path = tmp_path / "mapped.bin"
+    path.write_bytes(os.urandom(1 << 20))
+    if not _can_evict(path):
+        pytest.skip("mincore/fadvise eviction not possible on this filesystem")
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        sum(mm[i] for i in range(0, len(mm), 4096))  # fault every page in through the mapping
+        res = measure.evict([path])
+        assert res.verified and res.fraction > 0.5  # mapped pages can't be dropped: the check must say so
+
+
+def test_orders_are_permutations_in_batches():
+    nbytes = np.full(1000, 100_000)
+    blk = make_order("block", nbytes, 0, block_bytes=1_000_000, open_blocks=2, batch_size=64, run=4)
+    assert sorted(blk.indices.tolist()) == list(range(1000)) and blk.indices.tolist() != list(range(1000))
+    assert np.concatenate(blk.chunks).tolist() == blk.indices.tolist()
+    assert [len(c) for c in blk.chunks] == [64] * 15 + [40]
+    # locality: a batch touches few blocks of 10 samples (windows of 2 blocks, batch-aligned)
+    assert np.mean([len({i // 10 for i in c}) for c in blk.chunks]) < 16
+    shuf = make_order("shuffle", nbytes, 0, batch_size=64)
+    assert sorted(shuf.indices.tolist()) == list(range(1000))
+    assert make_order("sequential", nbytes, 0).indices.tolist() == list(range(1000))
+    with pytest.raises(PackerError):
+        make_order("zigzag", nbytes, 0)
+
+
+def test_cli_writes_json_and_plot(data, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    folder, packed = data
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    rc = main(["bench", str(folder), str(packed), "--levels", "read", "--orders", "sequential,block", "--repeats", "1",
+               "--limit", "6", "--ceiling-size", "4MB", "--json", str(out), "--plot", str(png), "-q"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert len(report["results"]) == 2 * 2 * 2 and all(r["samples"] == 6 for r in report["results"])
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert "x folder" in capsys.readouterr().out
+
+
+def test_cli_plot_without_matplotlib_refuses_before_measuring(data, monkeypatch, capsys):
+    folder, _ = data
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["bench", str(folder), "--plot", "x.png", "-q"]) == 2
+    assert "pip install matplotlib" in capsys.readouterr().err
+
+
+def test_bad_options_are_usage_errors(data, capsys):
+    folder, _ = data
+    assert main(["bench", str(folder), "--levels", "fly", "-q"]) == 2
+    assert "unknown or no level" in capsys.readouterr().err
+    assert main(["bench", str(folder / "nope"), "-q"]) == 2
+
+
+# ------------------------------------------------------------------ emulation refused where impossible
+
+
+def test_refuses_without_controller(tmp_path):
+    with pytest.raises(throttle.ThrottleUnavailable, match="no block-IO cgroup controller"):
+        throttle.find_controller(tmp_path / "v1", [tmp_path / "v2"])
+
+
+def test_refuses_when_not_root(monkeypatch, tmp_path):
+    fake = tmp_path / "blkio"
+    fake.mkdir()
+    (fake / "blkio.throttle.read_iops_device").write_text("")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(throttle.ThrottleUnavailable, match="needs root"):
+        throttle.find_controller(fake, [])
+
+
+def test_refuses_off_linux(monkeypatch):
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(throttle.ThrottleUnavailable, match="needs Linux"):
+        throttle.find_controller()
+
+
+def test_refuses_without_block_device():
+    if not Path("/dev/shm").is_dir() or measure.describe_storage("/dev/shm")["fstype"] != "tmpfs":
+        pytest.skip("no tmpfs at /dev/shm")
+    with pytest.raises(throttle.ThrottleUnavailable, match="not on a block device"):
+        throttle.devices_of(["/dev/shm"])
+
+
+def test_cli_emulation_refused_exits_2(data, monkeypatch, tmp_path, capsys):
+    folder, _ = data
+    monkeypatch.setattr(throttle, "V1_ROOT", tmp_path / "none")
+    monkeypatch.setattr(throttle, "V2_ROOTS", (tmp_path / "none2",))
+    assert main(["bench", str(folder), "--emulate", "hdd", "--levels", "read", "-q"]) == 2
+    assert "no block-IO cgroup controller" in capsys.readouterr().err
+
+
+def test_presets_documented():
+    for name, p in throttle.PRESETS.items():
+        assert p.read_iops > 0 and p.read_bps > 0 and p.source
+        assert f"| {name}" in throttle.__doc__
+    assert throttle.resolve_limits("hdd", None, 99)[:2] == (150, 99)
+    with pytest.raises(PackerError):
+        throttle.resolve_limits("floppy", None, None)
+
+
+# ------------------------------------------------------------------ the real kernel throttle (root + cgroups)
+
+
+def _throttle_possible(path) -> bool:
+    try:
+        throttle.find_controller()
+        throttle.devices_of([path])
+        return True
+    except throttle.ThrottleUnavailable:
+        return False
+
+
+needs_throttle = pytest.mark.skipif(not _throttle_possible(Path(__file__).parent), reason="kernel block-IO throttle unavailable")
+
+
+def _own_cgroup_line() -> str:
+    return Path("/proc/self/cgroup").read_text()
+
+
+def _packer_cgroups(ctl) -> list[Path]:
+    return list(ctl.root.glob(throttle.PREFIX + "*"))
+
+
+@needs_throttle
+def test_throttle_applies_and_is_removed(tmp_path):
+    ctl = throttle.find_controller()
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(os.urandom(2 << 20))
+    with throttle.throttled([tmp_path], read_iops=5000, read_bps=500_000_000) as thr:
+        assert thr.cgroup.is_dir() and str(os.getpid()) in (thr.cgroup / "cgroup.procs").read_text().split()
+        limits = (thr.cgroup / ("blkio.throttle.read_iops_device" if ctl.version == 1 else "io.max")).read_text()
+        assert any(f"{a}:{b}" in limits for a, b, _ in thr.devices)
+        measure.evict([blob])
+        before = thr.read_counters()
+        measure.read_file(blob)
+        after = thr.read_counters()
+        assert after[0] > before[0] and after[1] - before[1] >= (1 << 20)  # the reads went through our cgroup
+    assert not thr.cgroup.exists() and not thr.active
+    assert throttle.PREFIX not in _own_cgroup_line()
+
+
+@needs_throttle
+def test_throttle_removed_after_exception_and_ctrl_c(tmp_path):
+    for exc in (RuntimeError, KeyboardInterrupt):
+        with pytest.raises(exc):
+            with throttle.throttled([tmp_path], read_iops=1000) as thr:
+                if exc is KeyboardInterrupt:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(1)
+                raise exc("boom")
+        assert not thr.cgroup.exists()
+        assert throttle.PREFIX not in _own_cgroup_line()
+
+
+_CHILD = textwrap.dedent("""
+    import sys, time
+    from packer.diagnose.throttle import throttled
+    with throttled([sys.argv[1]], read_iops=1000):
+        print("ready", flush=True)
+        time.sleep(60)
+""")
+
+
+def _start_child(path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, str(path)], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+@needs_throttle
+def test_sigterm_cleans_up_and_sigkill_leftover_is_removed_next_time(tmp_path):
+    ctl = throttle.find_controller()
+    proc = _start_child(tmp_path)
+    cg = ctl.root / f"{throttle.PREFIX}{proc.pid}"
+    assert cg.is_dir()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    assert not cg.exists()
+
+    proc = _start_child(tmp_path)
+    cg = ctl.root / f"{throttle.PREFIX}{proc.pid}"
+    proc.kill()
+    proc.wait(timeout=30)
+    assert cg.is_dir()  # SIGKILL: nothing could clean up
+    with throttle.throttled([tmp_path], read_iops=1000) as thr:
+        assert str(cg) in thr.stale_removed
+    assert not cg.exists() and not _packer_cgroups(ctl)
+
+
+@needs_throttle
+def test_bench_under_emulation_records_device_reads_and_cleans_up(data):
+    folder, packed = data
+    ctl = throttle.find_controller()
+    report = run_bench([folder, packed], BenchOptions(levels=("read",), orders=("block",), caches=("cold",), repeats=1,
+                                                      ceiling_bytes=4 << 20, ceiling_seconds=0.2, read_iops=20000, read_bps=1_000_000_000))
+    assert report["emulation"]["read_iops"] == 20000
+    for r in report["results"]:
+        assert r["device_reads"][0]["bytes"] > 0  # cold reads reached the throttled device
+    assert not _packer_cgroups(ctl) and throttle.PREFIX not in _own_cgroup_line()

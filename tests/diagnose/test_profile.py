@@ -1,0 +1,178 @@
+"""The loop profiler, per-stage instrumentation across workers, the verdict and the worker sweep."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from support._tiny import make_lmdb
+from torch.utils.data import DataLoader
+
+import packer
+from packer.diagnose.instrument import StageTotals, instrument
+from packer.diagnose.profile import LoopStats, batch_len, profile, verdict
+from packer.diagnose.sweep import RandomCrop, plot_sweep, sweep
+from packer.errors import PackerError
+
+
+@pytest.fixture(scope="module")
+def lmdb_path(tmp_path_factory):
+    return make_lmdb(tmp_path_factory.mktemp("profile"), count=24)
+
+
+def tensor_ds(path):
+    return packer.open_dataset(path, image="tensor", transform=RandomCrop(16))
+
+
+def test_wait_plus_step_adds_up_and_samples_are_counted(lmdb_path):
+    ds = tensor_ds(lmdb_path)
+    loader = DataLoader(ds, batch_size=5, num_workers=0)
+    prof = profile(loader, progress=False)
+    for _x, _y in prof:
+        time.sleep(0.002)
+    st = prof.stats
+    assert st.iterations == math.ceil(24 / 5) and sum(st.samples) == 24 and st.samples[-1] == 4
+    assert sum(st.wait) + sum(st.step) + sum(st.h2d) == pytest.approx(st.total_s, rel=1e-6)
+    assert all(s >= 0.002 for s in st.step)
+    f_all, f_steady = st.figures(steady=False), st.figures(steady=True)
+    assert f_all["samples"] == 24 and f_steady["samples"] == 24 - 5 and f_steady["iterations"] == st.iterations - 1
+    assert 0 <= f_all["wait_fraction"] <= 1
+
+
+def test_break_counts_only_complete_steps(lmdb_path):
+    prof = profile(DataLoader(tensor_ds(lmdb_path), batch_size=2), progress=False)
+    for i, _b in enumerate(prof):
+        if i == 3:
+            break
+    assert prof.stats.iterations == 3 and sum(prof.stats.samples) == 6
+    assert sum(prof.stats.wait) + sum(prof.stats.step) == pytest.approx(prof.stats.total_s, rel=1e-6)
+
+
+def test_device_copy_is_timed_as_its_own_stage(lmdb_path):
+    prof = profile(DataLoader(tensor_ds(lmdb_path), batch_size=6), device="cpu", progress=False)
+    for x, _y in prof:
+        assert x.device.type == "cpu"
+    assert len(prof.stats.h2d) == 4 and all(h >= 0 for h in prof.stats.h2d)
+    assert sum(prof.stats.wait) + sum(prof.stats.step) + sum(prof.stats.h2d) == pytest.approx(prof.stats.total_s, rel=1e-6)
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_stages_are_summed_across_workers(lmdb_path, start_method):
+    ds = instrument(tensor_ds(lmdb_path))
+    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=ds.collate(),
+                        multiprocessing_context=start_method)
+    prof = profile(loader, progress=False)
+    for _ in prof:
+        pass
+    totals = prof.stage_totals()
+    assert totals.samples == 24 and totals.batches == 6 == prof.stats.iterations
+    assert totals.processes == 2  # both workers wrote their rows; the main process did no loading
+    assert set(totals.seconds) == {"read", "decode", "transform", "collate"}
+    assert all(v > 0 for v in totals.per_sample_ms().values())
+    assert "per sample" in prof.summary()
+    assert ds.classes == ds.dataset.classes  # the ImageFolder surface shows through
+
+
+def test_uninstrumented_dataset_is_one_stage():
+    ds = instrument([(torch.zeros(2), 0)] * 10)
+    for _ in DataLoader(ds, batch_size=5, collate_fn=ds.collate()):
+        pass
+    t = ds.stage_totals()
+    assert set(t.seconds) == {"getitem", "collate"} and t.samples == 10 and t.batches == 2 and t.processes == 1
+
+
+def _stats(wait_ms, step_ms, n=10, batch=8):
+    return LoopStats(wait=[wait_ms / 1000] * n, step=[step_ms / 1000] * n, h2d=[0.0] * n, samples=[batch] * n,
+                     total_s=n * (wait_ms + step_ms) / 1000)
+
+
+def test_verdict_compute_bound():
+    v = verdict(_stats(wait_ms=2, step_ms=40))
+    assert v.bound == "compute" and v.limit is None and "compute-bound" in str(v) and "2.0 ms" in str(v)
+
+
+def test_verdict_input_bound_names_the_stage_and_workers():
+    stages = StageTotals(seconds={"read": 0.1, "decode": 0.8, "transform": 0.05, "collate": 0.05},
+                         samples=100, batches=12, processes=1)
+    v = verdict(_stats(wait_ms=30, step_ms=40), stages, workers=1, cores=2)
+    assert v.bound == "input" and v.limit == "decode"
+    text = str(v)
+    assert "decode 8.00" in text and "decoding is the limit" in text and "num_workers=1" in text
+    # 10 ms per sample, 8 per batch, 40 ms step -> 2 busy workers
+    assert v.figures["workers_needed"] == 2
+
+
+def test_batch_len():
+    assert batch_len([torch.zeros(7, 3), torch.zeros(7)]) == 7
+    assert batch_len({"x": torch.zeros(5, 1)}) == 5
+    assert batch_len([(1, 2), (3, 4), (5, 6)]) == 3
+
+
+def test_sweep_picks_the_smallest_worker_count_that_keeps_the_step_fed(lmdb_path):
+    # 4 tiny images per 50 ms step: a fraction of one core, so some setting is fed even on a busy machine.
+    res = sweep(tensor_ds(lmdb_path), workers=(0, 1, 2), batch_sizes=(4,), step_ms=50, batches=6, progress=False)
+    assert [p.workers for p in res.points] == [0, 1, 2]
+    for p in res.points:
+        assert p.iterations == 6 and p.fed == (p.wait_ms < 0.10 * p.measured_step_ms)
+        assert {"read", "decode", "transform", "collate"} <= set(p.per_sample_ms)
+    fed = [p.workers for p in res.points if p.fed]
+    assert res.feasible and fed
+    assert res.chosen.workers == min(fed) and res.chosen.wait_over_step < 0.10
+    assert f"num_workers={res.chosen.workers}" in res.report()
+    assert res.predicted_workers is not None
+    d = res.to_dict()
+    assert d["points"][0]["workers"] == 0 and "fed" in d["points"][0] and d["chosen"]["fed"]
+
+
+def test_sweep_says_plainly_when_no_setting_is_fed(lmdb_path):
+    res = sweep(tensor_ds(lmdb_path), workers=(0, 1), batch_sizes=(8,), step_ms=0.01, batches=4, progress=False)
+    assert not res.feasible and res.chosen is None
+    assert "NOT FEASIBLE" in res.report()
+
+
+def test_sweep_rejects_bad_arguments(lmdb_path):
+    with pytest.raises(PackerError):
+        sweep(tensor_ds(lmdb_path), workers=(-1,), progress=False)
+    with pytest.raises(PackerError):
+        sweep(tensor_ds(lmdb_path), batches=1, progress=False)
+
+
+def test_plot_or_clear_message(lmdb_path, tmp_path):
+    res = sweep(tensor_ds(lmdb_path), workers=(0, 1), batch_sizes=(8,), step_ms=5, batches=3, progress=False)
+    out = tmp_path / "sweep.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(PackerError, match="matplotlib"):
+            plot_sweep(res, out)
+        return
+    plot_sweep(res, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_cli_json_and_exit_code(lmdb_path, capsys):
+    import json
+
+    from packer.cli import main
+
+    rc = main(["profile", str(lmdb_path), "--workers", "0,1", "--batch-size", "4", "--step-ms", "30",
+               "--batches", "3", "--crop", "16", "--json", "-", "-q"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == (0 if d["feasible"] else 1)
+    assert [p["workers"] for p in d["points"]] == [0, 1] and d["points"][0]["batch_size"] == 4
+    rc = main(["profile", str(lmdb_path), "--workers", "0", "--batch-size", "4", "--step-ms", "0.01",
+               "--batches", "2", "--crop", "0", "-q"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "NOT FEASIBLE" in out  # list-collated samples (no crop) work too
+
+
+def test_profile_cli_rejects_bad_lists(lmdb_path, capsys):
+    from packer.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["profile", str(lmdb_path), "--workers", "two"])
+    assert e.value.code == 2
+    assert main(["profile", str(lmdb_path), "--pin-memory", "maybe", "-q"]) == 2
+    assert "pin-memory" in capsys.readouterr().err

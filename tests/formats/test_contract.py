@@ -1,0 +1,191 @@
+"""The round-trip contract every registered format meets, for every payload it stores.
+
+One test body per property, parametrized over FORMATS x payloads: adding a format adds its
+cases here without a line of test code. Formats that are lossy by design declare
+``MAX_ABS_ERROR`` (largest allowed pixel difference) in their module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from packer import FORMATS, PackerError, convert, open_dataset
+from packer.read.dataset import DATASET_CLASSES
+from packer.tools.verify import verify
+from packer.write.convert import ConvertOptions, prepare
+from packer.write.scan import scan_folder
+
+# Options a format needs beyond the case's own (e.g. a tile size); none for most.
+FORMAT_OPTIONS: dict[str, dict] = {"mosaic": {"tile": "32x48"}}
+
+
+def cases():
+    for name, module in FORMATS.items():
+        for payload in sorted(module.PAYLOADS):
+            yield pytest.param((name, payload, None), id=f"{name}-{payload}")
+            if payload == "raw":
+                yield pytest.param((name, payload, "24x32"), id=f"{name}-{payload}-24x32")
+
+
+CASES = list(cases())
+
+
+@pytest.fixture(scope="module")
+def packed_cache(tmp_path_factory):
+    return {}
+
+
+@pytest.fixture(params=CASES)
+def packed(request, imagefolder, packed_cache, tmp_path_factory):
+    """(dataset path, options) for the case, converted once per module, with shards small enough to split."""
+    name, payload, resize = request.param
+    key = (name, payload, resize)
+    if key not in packed_cache:
+        out = tmp_path_factory.mktemp("contract") / f"ds.{name}"
+        kwargs = dict(FORMAT_OPTIONS.get(name, {}))
+        if resize:
+            kwargs["resize"] = resize
+            kwargs.pop("tile", None)  # mosaic: a fixed --resize HxW is the tile size
+        convert(imagefolder, out, to=name, payload=payload, shard_bytes=6_000, workers=2, progress=False, **kwargs)
+        packed_cache[key] = out
+    return packed_cache[key], name, payload, resize
+
+
+
+def _max_error(name: str, options: dict) -> int:
+    module = FORMATS[name]
+    if hasattr(module, "error_bound"):  # lossy depending on options (mosaic: codec jpeg and its quality)
+        return int(module.error_bound(options)[1])
+    return int(getattr(module, "MAX_ABS_ERROR", 0))
+
+
+def test_round_trip_bytes_and_pixels(packed, imagefolder):
+    path, name, payload, resize = packed
+    ds = open_dataset(path, image="numpy")
+    scan = scan_folder(imagefolder)
+    assert len(ds) == len(scan)
+    assert sorted(ds.index.rel_paths()) == sorted(scan.rel_paths)
+    for rel, label in zip(scan.rel_paths, scan.labels.tolist()):
+        i = ds.index_of(rel)
+        img, target = ds[i]
+        assert target == label
+        assert img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3
+        source = (imagefolder / rel).read_bytes()
+        if payload == "encoded":
+            assert bytes(ds.read_payload(i)) == source  # byte-identical
+            from packer.images.decode import decode_pil
+
+            assert np.array_equal(img, decode_pil(source))  # exactly what Pillow decodes
+        else:
+            ref = prepare(imagefolder, rel, label, ConvertOptions(**{**ds.manifest.options, "decoder": "pil"}))
+            assert img.shape == ref.payload.shape
+            diff = np.abs(img.astype(np.int16) - ref.payload.astype(np.int16)).max()
+            assert diff <= _max_error(name, ds.manifest.options), f"{rel}: max pixel error {diff}"
+            if resize:
+                assert img.shape[:2] == (24, 32)
+
+
+def test_imagefolder_surface(packed, imagefolder):
+    path, name, payload, _ = packed
+    ds = open_dataset(path)
+    scan = scan_folder(imagefolder)
+    assert ds.classes == scan.classes and ds.class_to_idx == scan.class_to_idx
+    assert sorted(ds.samples) == sorted(zip(scan.rel_paths, scan.labels.tolist()))
+    assert [t for _, t in ds.samples] == ds.targets
+    img, _ = ds[0]
+    assert img.mode == "RGB"  # image="pil" default, like ImageFolder
+    t, _ = open_dataset(path, image="tensor")[0]
+    assert t.dtype == torch.uint8 and t.shape[0] == 3
+    assert isinstance(ds, DATASET_CLASSES[name])
+    flipped, label = open_dataset(path, transform=lambda im: im.transpose(0), target_transform=lambda y: y + 100)[0]
+    assert label == ds.targets[0] + 100 and flipped.size == img.size
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+    assert np.array_equal(np.asarray(ds[-1][0]), np.asarray(ds[len(ds) - 1][0]))
+
+
+def test_shards_split_and_verify(packed):
+    path, name, payload, _ = packed
+    ds = open_dataset(path)
+    shards = ds.manifest.shards
+    assert sum(s.num_samples for s in shards) == len(ds)
+    assert len(shards) > 1, "a 6 kB shard cap splits 15 small images"
+    assert verify(path).ok
+
+
+def test_getitems_equals_getitem(packed):
+    path, *_ = packed
+    ds = open_dataset(path, image="numpy")
+    order = [3, 4, 5, 0, 14, 7, 7, 13, 12]
+    batch = ds.__getitems__(order)
+    for i, (img, label) in zip(order, batch):
+        ref_img, ref_label = ds[i]
+        assert label == ref_label and np.array_equal(img, ref_img)
+
+
+def digest(img) -> str:
+    """Picklable transform (spawn workers import it): identifies a sample by its pixels."""
+    return hashlib.sha1(np.ascontiguousarray(img).tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_dataloader_workers_see_every_sample_once(packed, start_method):
+    path, *_ = packed
+    ds = open_dataset(path, image="numpy", transform=digest)
+    expected = sorted((digest(open_dataset(path, image="numpy")[i][0]), ds.targets[i]) for i in range(len(ds)))
+    loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, multiprocessing_context=start_method,
+                        generator=torch.Generator().manual_seed(0))
+    seen = sorted((d, int(t)) for digests, targets in loader for d, t in zip(digests, targets))
+    assert seen == expected
+
+
+def test_worker_tensors_equal_main_process_reads(packed):
+    """Plain tensors from workers (decoded into one shared block per batch) equal single reads."""
+    from packer.diagnose.bench import list_collate
+
+    path, *_ = packed
+    ds = open_dataset(path, image="tensor")
+    batches = [imgs for imgs, _labels in DataLoader(ds, batch_size=4, num_workers=2, collate_fn=list_collate)]
+    got = [img for imgs in batches for img in imgs]
+    assert len(got) == len(ds) and all(torch.equal(img, ds[i][0]) for i, img in enumerate(got))
+    for imgs in batches:  # batches of mixed sizes came as one shared block (batch_slots)
+        if len({img.shape for img in imgs}) > 1:
+            assert len({img.untyped_storage().data_ptr() for img in imgs}) == 1
+
+
+def test_reader_pickles_before_and_after_first_use(packed):
+    path, *_ = packed
+    ds = open_dataset(path, image="numpy")
+    fresh = pickle.loads(pickle.dumps(ds))
+    first = ds[1][0]
+    used = pickle.loads(pickle.dumps(ds))
+    assert np.array_equal(fresh[1][0], first) and np.array_equal(used[1][0], first)
+
+
+def test_verify_catches_a_flipped_byte(packed, tmp_path):
+    import shutil
+
+    path, *_ = packed
+    copy = tmp_path / "copy"
+    shutil.copytree(path, copy)
+    shard = copy / open_dataset(copy).manifest.shards[0].files[0].name
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    report = verify(copy)
+    assert not report.ok and any("checksum" in p for p in report.problems)
+
+
+def test_wrong_class_refuses_other_formats(packed):
+    path, name, *_ = packed
+    other = next((cls for fmt, cls in DATASET_CLASSES.items() if fmt != name), None)
+    if other is None:
+        pytest.skip("only one format registered")
+    with pytest.raises(PackerError, match="use packer.open_dataset"):
+        other(path)

@@ -1,0 +1,93 @@
+"""Seeded fuzzing of packed datasets: damaged or crafted files give PackerError, never anything else.
+
+For every registered format and payload (the contract cases), a real dataset is packed and
+then mutated ``--fuzz-cases`` times (bit flips, overwrites, truncations, extensions, deleted
+and swapped files, manifest field edits, .npy header and value edits, symlinks and names
+leading out of the directory; see tests/support/fuzzing.py). For each case every read must return
+the original sample or raise PackerError; no other exception, no crash, no hang, no open of
+a file outside the dataset, no allocation beyond 1 GiB. Where damage (not a crafted edit with
+recomputed checksums) lets a read return wrong data, ``packer verify`` must report the dataset.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+from support.fuzzing import KINDS, run_cases
+from test_contract import CASES, FORMAT_OPTIONS
+
+from packer import convert
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fuzzed_dataset_reads_verified_data_or_raises_packer_error(case, imagefolder, tmp_path, request):
+    name, payload, resize = case
+    base = tmp_path / f"ds.{name}"
+    kwargs = dict(FORMAT_OPTIONS.get(name, {}))
+    if resize:
+        kwargs["resize"] = resize
+        kwargs.pop("tile", None)  # mosaic: a fixed --resize HxW is the tile size (as in test_contract)
+    convert(imagefolder, base, to=name, payload=payload, shard_bytes=6_000, workers=1, progress=False, **kwargs)
+    count = request.config.getoption("--fuzz-cases")
+    work = tmp_path / "work"
+    work.mkdir()
+    results = run_cases(base, work, list(range(count)))
+
+    crashes = [r for r in results if r.get("crash")]
+    escapes = [r for r in results if r.get("outside_reads")]
+    silent = [r for r in results if r.get("wrong") and not r["crafted"] and r["verify_ok"] is not False]
+    tally = collections.Counter((r["kind"], _outcome(r)) for r in results)
+    print(f"\nfuzz {name}-{payload}{'-' + resize if resize else ''}: {count} cases")
+    for kind in KINDS:
+        row = {o: n for (k, o), n in tally.items() if k == kind}
+        print(f"  {kind:15} {sum(row.values()):5}  " + ", ".join(f"{o} {n}" for o, n in sorted(row.items())))
+    lines = [f"seed {r['seed']} {r.get('desc', r['kind'])}: {r['crash'][:200]}" for r in crashes]
+    assert not crashes, f"{len(crashes)} cases raised something other than PackerError:\n" + "\n".join(lines)
+    assert not escapes, "\n".join(f"seed {r['seed']} {r['desc']}: read outside the dataset" for r in escapes[:5])
+    assert not silent, "\n".join(f"seed {r['seed']} {r['desc']}: wrong data, verify saw nothing" for r in silent[:5])
+    assert sum(r["ok"] for r in results) > 0 and sum(r["error"] for r in results) + sum(not r["opened"] for r in results) > 0
+
+
+def _outcome(r: dict) -> str:
+    if r.get("crash"):
+        return "CRASH"
+    if not r["opened"]:
+        return "refused at open"
+    if r["wrong"]:
+        return "crafted: other data" if r["crafted"] else "damaged: verify reports it"
+    if r["error"]:
+        return "error on read"
+    return "all samples intact"
+
+
+def test_the_harness_catches_crashes_hangs_and_reads_outside(tmp_path, monkeypatch, imagefolder):
+    """The guards above can fail: a segfault, a hang and an open outside are each reported."""
+    import faulthandler
+    import os
+    import signal
+    import time
+
+    from support import fuzzing
+
+    base = tmp_path / "ds.lmdb"
+    convert(imagefolder, base, to="lmdb", workers=1, progress=False)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"x")
+
+    def fake(base, work, seed, expected):
+        if seed == 1:
+            faulthandler.disable()  # the crash is the point: no traceback dump in the test output
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if seed == 2:
+            time.sleep(60)
+        watch = fuzzing.OpenWatch([outside])
+        if seed == 3:
+            (outside / "secret").read_bytes()
+        return {"seed": seed, "kind": "x", "outside_reads": watch.events()}
+
+    monkeypatch.setattr(fuzzing, "run_case", fake)
+    res = {r["seed"]: r for r in fuzzing.run_cases(base, tmp_path, [0, 1, 2, 3, 4], processes=2, timeout=3)}
+    assert "died" in res[1]["crash"] and "hang" in res[2]["crash"]
+    assert res[3]["outside_reads"] and not res[0]["outside_reads"] and not res[4].get("crash")

@@ -1,0 +1,416 @@
+"""Decoders: equal to Pillow's convert("RGB"), decode-time downscaling, fallback, workers, benchmark.
+
+All images are real encoder output (Pillow's libjpeg-turbo, libturbojpeg's own encoder for
+YCCK), generated here at odd sizes so partial MCUs at the edges are covered.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import packer.images.decode as dec
+from packer import convert, open_dataset
+from packer.cli import main as cli_main
+from packer.errors import PackerError
+from packer.images.decode import DecodeError, decode, decode_pil, scale_denominator, scaled_shape, sniff
+from packer.tools.sample import photo_like
+
+# Largest per-pixel difference allowed between libjpeg-turbo (system libturbojpeg via PyTurboJPEG)
+# and Pillow (its bundled libjpeg-turbo) on the same JPEG. Both run libjpeg-turbo's accurate
+# integer IDCT and fancy upsampling, which are bit-exact across versions and SIMD paths, so the
+# bound is 0 at full size and also for DCT-downscaled decodes (scaling_factor vs draft()).
+MAX_DIFF_FULL = 0
+MAX_DIFF_SCALED = 0
+
+QUALITIES = (50, 75, 95)
+SUBSAMPLINGS = {"4:4:4": 0, "4:2:2": 1, "4:2:0": 2}
+
+
+def photo(h: int = 67, w: int = 91, seed: int = 0) -> Image.Image:
+    return photo_like(np.random.default_rng(seed), h, w)
+
+
+def jpeg(img: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", **kw)
+    return buf.getvalue()
+
+
+def png(img: Image.Image, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", **kw)
+    return buf.getvalue()
+
+
+def png_rgb16(arr: np.ndarray) -> bytes:
+    """A 48-bit RGB PNG (Pillow reads these but cannot write them): minimal, valid encoder."""
+    h, w, _ = arr.shape
+
+    def chunk(tag: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + tag + body + struct.pack(">I", zlib.crc32(tag + body))
+
+    rows = b"".join(b"\x00" + arr[y].astype(">u2").tobytes() for y in range(h))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 16, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+
+def pillow_rgb(data: bytes) -> np.ndarray:
+    """The reference: what torchvision's ImageFolder loader gives."""
+    with Image.open(io.BytesIO(data)) as img:
+        return np.asarray(img.convert("RGB"))
+
+
+def max_diff(a: np.ndarray, b: np.ndarray) -> int:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
+
+
+def check_rgb(out: np.ndarray, h: int, w: int) -> None:
+    assert out.dtype == np.uint8 and out.shape == (h, w, 3)
+
+
+# ------------------------------------------------------------------ exactness vs Pillow
+
+@pytest.mark.parametrize("progressive", [False, True], ids=["baseline", "progressive"])
+@pytest.mark.parametrize("sub", list(SUBSAMPLINGS))
+def test_turbojpeg_matches_pillow(turbojpeg, sub, progressive):
+    img = photo()
+    for q in QUALITIES:
+        data = jpeg(img, quality=q, subsampling=SUBSAMPLINGS[sub], progressive=progressive)
+        ref = pillow_rgb(data)
+        out = dec.decode_turbojpeg(data)
+        assert out is not None, "libjpeg-turbo should decode this JPEG itself"
+        check_rgb(out, 67, 91)
+        assert max_diff(out, ref) <= MAX_DIFF_FULL, f"q{q} {sub}"
+        assert max_diff(decode(data, "auto"), ref) <= MAX_DIFF_FULL
+        assert max_diff(decode(data, "pil"), ref) == 0
+
+
+def test_grayscale_jpeg_becomes_rgb(turbojpeg):
+    data = jpeg(photo().convert("L"), quality=85)
+    out = dec.decode_turbojpeg(data)
+    check_rgb(out, 67, 91)
+    assert max_diff(out, pillow_rgb(data)) <= MAX_DIFF_FULL
+    assert (out[..., 0] == out[..., 2]).all()
+
+
+def test_cmyk_and_ycck_jpegs_go_to_pillow(turbojpeg):
+    import turbojpeg as tjmod
+
+    cmyk = jpeg(photo().convert("CMYK"), quality=90)  # Adobe CMYK, as Photoshop writes them
+    ycck = turbojpeg.encode(np.asarray(photo().convert("CMYK")), quality=90, pixel_format=tjmod.TJPF_CMYK,
+                            jpeg_subsample=tjmod.TJSAMP_420)
+    for data, colorspace in ((cmyk, tjmod.TJCS_CMYK), (ycck, tjmod.TJCS_YCCK)):
+        assert turbojpeg.decode_header(data)[3] == colorspace
+        assert dec.decode_turbojpeg(data) is None  # not safe: Pillow's job
+        for backend in ("auto", "turbojpeg", "pil"):
+            out = decode(data, backend)
+            check_rgb(out, 67, 91)
+            assert max_diff(out, pillow_rgb(data)) == 0
+
+
+@pytest.mark.parametrize("kind", ["L", "LA", "RGBA", "P", "P+transparency", "1", "I;16", "RGB48"])
+def test_png_variants_equal_pillow(kind):
+    rgb = photo()
+    if kind == "RGB48":
+        arr = np.asarray(rgb).astype(np.uint16) * 256 + (np.arange(91, dtype=np.uint16) * 3 % 256)[:, None]  # low byte varies
+        data = png_rgb16(arr)
+    elif kind == "I;16":
+        data = png(Image.fromarray(np.asarray(rgb.convert("L")).astype(np.uint16) * 200))
+    elif kind == "P+transparency":
+        data = png(rgb.quantize(64), transparency=3)
+    elif kind == "RGBA":
+        rgba = rgb.convert("RGBA")
+        rgba.putalpha(Image.fromarray(np.tile(np.arange(91, dtype=np.uint8) * 2, (67, 1))))
+        data = png(rgba)
+    elif kind == "P":
+        data = png(rgb.quantize(200))
+    else:
+        data = png(rgb.convert(kind))
+    assert sniff(data) == "png"
+    for backend in ("auto", "turbojpeg", "pil"):
+        out = decode(data, backend)
+        check_rgb(out, 67, 91)
+        assert max_diff(out, pillow_rgb(data)) == 0
+
+
+def test_format_is_sniffed_not_named(tmp_path):
+    data = png(photo())
+    assert sniff(data) == "png" and sniff(jpeg(photo())) == "jpeg" and sniff(b"garbage") == "unknown"
+    (tmp_path / "png_named.JPEG").write_bytes(data)
+    assert max_diff(decode((tmp_path / "png_named.JPEG").read_bytes()), pillow_rgb(data)) == 0
+
+
+def test_damaged_jpeg_is_a_decode_error(turbojpeg):
+    data = jpeg(photo(), quality=90)
+    for bad in (data[: len(data) // 2], b"\xff\xd8\xff" + os.urandom(300)):
+        for backend in ("auto", "pil"):
+            with pytest.raises(DecodeError):
+                decode(bad, backend, strict=True)
+
+
+def test_unknown_backend():
+    with pytest.raises(PackerError, match="unknown decoder"):
+        decode(jpeg(photo()), "opencv")
+
+
+# ------------------------------------------------------------------ decode-time downscaling
+
+def test_scale_denominator_is_the_smallest_scale_keeping_the_short_side():
+    assert scale_denominator(375, 500, None) == 1
+    assert scale_denominator(375, 500, 224) == 1  # 1/2 would give 188 < 224
+    assert scale_denominator(375, 500, 188) == 2  # ceil(375 / 2) = 188
+    assert scale_denominator(375, 500, 189) == 1
+    assert scale_denominator(1000, 1500, 224) == 4  # 250; 1/8 would give 125
+    assert scale_denominator(4000, 3000, 224) == 8
+    assert scale_denominator(3, 9, 1) == 2  # never a scale larger than the short side
+    for h in range(1, 70):
+        for s in (1, 2, 7, 16, 33):
+            d = scale_denominator(h, 2 * h + 1, s)
+            got = scaled_shape(h, 2 * h + 1, s)[0]
+            assert got == -(-h // d)
+            assert d == 1 or got >= s  # still >= S ...
+            assert d == 8 or 2 * d > h or -(-h // (2 * d)) < s  # ... and the next scale would not be
+
+
+@pytest.mark.parametrize("sub", list(SUBSAMPLINGS))
+def test_downscaled_decodes_agree_between_backends(turbojpeg, sub):
+    h, w = 203, 151
+    img = photo(h, w, seed=3)
+    for q in QUALITIES:
+        for progressive in (False, True):
+            data = jpeg(img, quality=q, subsampling=SUBSAMPLINGS[sub], progressive=progressive)
+            for s in (1, 19, 20, 26, 38, 51, 76, 102, 151, 500):
+                shape = scaled_shape(h, w, s)
+                tj_out = dec.decode_turbojpeg(data, min_size=s)
+                pil_out = decode(data, "pil", min_size=s)
+                check_rgb(tj_out, *shape)
+                check_rgb(pil_out, *shape)
+                assert min(shape) >= min(s, min(h, w))
+                assert max_diff(tj_out, pil_out) <= MAX_DIFF_SCALED, f"q{q} {sub} S={s}"
+                assert max_diff(decode(data, "auto", min_size=s), pil_out) <= MAX_DIFF_SCALED
+
+
+def test_downscaling_is_real_and_non_jpeg_stay_full_size(turbojpeg):
+    img = photo(160, 240)
+    data = jpeg(img, quality=90)
+    small = decode(data, "auto", min_size=40)
+    assert small.shape == (40, 60, 3)  # 1/4
+    # A downscaled decode is close to (not equal to) a resized full decode: a sanity check of content.
+    ref = np.asarray(Image.fromarray(pillow_rgb(data)).resize((60, 40), Image.BOX))
+    assert np.abs(small.astype(int) - ref).mean() < 4
+    for other in (png(img), png(img.convert("P"))):
+        assert decode(other, "auto", min_size=40).shape == (160, 240, 3)
+    for kind in ("L", "CMYK"):  # Pillow-decoded JPEGs downscale the same way
+        data = jpeg(img.convert(kind), quality=90)
+        assert decode(data, "auto", min_size=40).shape == decode(data, "pil", min_size=40).shape == (40, 60, 3)
+
+
+# ------------------------------------------------------------------ missing libturbojpeg
+
+@pytest.fixture
+def no_turbojpeg(monkeypatch):
+    """This process, as if libturbojpeg were not installed: the loader fails as ctypes would."""
+    def missing():
+        raise OSError("libturbojpeg.so.0: cannot open shared object file: No such file or directory")
+
+    monkeypatch.setattr(dec, "_load_turbojpeg", missing)
+    monkeypatch.setattr(dec, "_turbo_pid", None)
+    monkeypatch.setattr(dec, "_turbo", None)
+    monkeypatch.setattr(dec, "_notice_shown", False)
+    yield
+    monkeypatch.undo()
+    dec._turbo_pid = None  # reload the real handle on next use
+
+
+def test_missing_library_falls_back_to_pillow_with_one_notice(no_turbojpeg, capsys):
+    data = jpeg(photo(), quality=90)
+    assert dec.turbojpeg_handle() is None and not dec.turbojpeg_available()
+    assert "cannot open shared object" in dec.turbojpeg_missing_reason()
+    for _ in range(3):
+        assert max_diff(decode(data, "auto"), pillow_rgb(data)) == 0
+    assert decode(data, "auto", min_size=30).shape == decode_pil(data, min_size=30).shape == (34, 46, 3)
+    err = capsys.readouterr().err
+    assert err.count("libjpeg-turbo not found") == 1
+    assert "apt-get install libturbojpeg0" in err and "cannot open shared object" in err
+    with pytest.raises(PackerError, match="libturbojpeg is missing"):
+        decode(data, "turbojpeg")
+
+
+def test_require_turbojpeg_fails_instead_of_skipping(no_turbojpeg):
+    from conftest import turbojpeg_or_skip
+
+    with pytest.raises(pytest.skip.Exception, match="libturbojpeg did not load"):
+        turbojpeg_or_skip(required=False)
+    with pytest.raises(pytest.fail.Exception, match="--require-turbojpeg"):
+        turbojpeg_or_skip(required=True)
+
+
+def test_missing_library_through_a_dataset(packed, no_turbojpeg, capsys):
+    path, refs = packed
+    ds = open_dataset(path, image="numpy")
+    for i in range(len(ds)):
+        assert max_diff(ds[i][0], refs[ds.samples[i][0]]) == 0
+    assert capsys.readouterr().err.count("libjpeg-turbo not found") == 1
+
+
+# ------------------------------------------------------------------ datasets and workers
+
+@pytest.fixture
+def packed(tmp_path):
+    """An LMDB of mixed real images (JPEG 4:2:0/4:4:4/progressive/gray/CMYK, PNGs, a PNG named .jpg)."""
+    src = tmp_path / "imgs"
+    files = {
+        "a/q90.jpg": jpeg(photo(120, 90, 1), quality=90),
+        "a/q60_444.jpg": jpeg(photo(77, 130, 2), quality=60, subsampling=0),
+        "a/prog.jpg": jpeg(photo(100, 100, 3), quality=80, progressive=True),
+        "b/gray.jpg": jpeg(photo(90, 64, 4).convert("L"), quality=85),
+        "b/cmyk.jpg": jpeg(photo(64, 96, 5).convert("CMYK"), quality=85),
+        "b/png_named.jpg": png(photo(50, 70, 6).convert("RGBA")),
+        "b/pal.png": png(photo(50, 60, 7).quantize(32)),
+    }
+    for rel, data in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_bytes(data)
+    out = tmp_path / "imgs.lmdb"
+    res = convert(src, out, to="lmdb", workers=1, progress=False)
+    assert res.num_samples == len(files) and not res.errors
+    return out, {rel: pillow_rgb(data) for rel, data in files.items()}
+
+
+def test_dataset_decode_size(packed):
+    path, refs = packed
+    full = open_dataset(path, image="numpy")
+    small = open_dataset(path, image="numpy", decode_size=30)
+    tensor = open_dataset(path, image="tensor", decode_size=30)
+    assert full.decode_size is None
+    for i, (rel, _label) in enumerate(full.samples):
+        assert max_diff(full[i][0], refs[rel]) == 0  # off by default: exact
+        h, w = refs[rel].shape[:2]
+        arr = small[i][0]
+        want = scaled_shape(h, w, 30) if rel.endswith(".jpg") and rel != "b/png_named.jpg" else (h, w)
+        assert arr.shape == (*want, 3), rel
+        assert max_diff(arr, decode(small.read_payload(i), "pil", min_size=30)) == 0
+        assert tuple(tensor[i][0].shape) == (3, *want)
+    batch = small.__getitems__([3, 0, 6])
+    assert [a.shape for a, _ in batch] == [small[i][0].shape for i in (3, 0, 6)]
+    for bad in (0, -5, 2.5, "224", True):
+        with pytest.raises(PackerError, match="decode size"):
+            open_dataset(path, decode_size=bad)
+
+
+def handle_pids(img):
+    """Transform run in DataLoader workers: (worker pid, pid that loaded this process's TurboJPEG handle), pixels."""
+    dec.turbojpeg_handle()
+    return os.getpid(), dec._turbo_pid, img
+
+
+@pytest.mark.parametrize("ctx,decode_size", [("fork", None), ("spawn", 30)])
+def test_workers_decode_with_their_own_handle(turbojpeg, packed, ctx, decode_size):
+    from torch.utils.data import DataLoader
+
+    path, refs = packed
+    decode(jpeg(photo()), "auto")  # the parent holds a handle before forking
+    ds = open_dataset(path, image="numpy", decode_size=decode_size, transform=handle_pids)
+    ds[0]  # and has read from the dataset
+    loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context=ctx, collate_fn=list)
+    got = [item for batch in loader for item in batch]
+    assert len(got) == len(ds)
+    pids = {pid for (pid, _, _), _ in got}
+    assert os.getpid() not in pids and all(pid == loaded for (pid, loaded, _), _ in got)
+    for i, ((_, _, arr), _label) in enumerate(got):
+        rel = ds.samples[i][0]
+        want = decode(ds.read_payload(i), "pil", min_size=decode_size)  # Pillow, at the same DCT scale
+        assert max_diff(arr, want) == 0, rel
+        if decode_size is None:
+            assert max_diff(arr, refs[rel]) == 0
+
+
+def test_require_turbojpeg_option(request):
+    """With --require-turbojpeg (CI, or libturbojpeg installed), the library must load."""
+    if not request.config.getoption("--require-turbojpeg"):
+        pytest.skip("only with --require-turbojpeg")
+    assert dec.turbojpeg_available(), f"libturbojpeg did not load: {dec.turbojpeg_missing_reason()}"
+
+
+# ------------------------------------------------------------------ benchmark
+
+def test_measure_decoders_structure(packed, tmp_path):
+    from packer.diagnose.decoders import available_backends, load_samples, measure_decoders
+
+    path, refs = packed
+    samples = load_samples(path, limit=100)
+    ds = open_dataset(path)
+    assert sorted(samples) == sorted(bytes(ds.read_payload(i)) for i in range(len(ds)))
+    folder_samples = load_samples(tmp_path / "imgs", limit=3)
+    assert len(folder_samples) == 3
+    backends = [b for b in available_backends() if b != "simplejpeg"]
+    jpegs = [s for s in samples if sniff(s) == "jpeg" and Image.open(io.BytesIO(s)).mode != "CMYK"]
+    res = measure_decoders(jpegs, backends=backends, sizes=(None, 30), seconds=0.01)
+    assert [(r["backend"], r["decode_size"]) for r in res] == [(b, s) for b in backends for s in (None, 30)]
+    for r in res:
+        assert r["images"] >= len(jpegs) and r["images"] % len(jpegs) == 0
+        assert r["img_per_s"] > 0 and r["src_mp_per_s"] >= r["out_mp_per_s"] > 0
+        shapes = [decode(s, "pil", min_size=r["decode_size"]).shape for s in jpegs]
+        assert r["mean_out_hw"] == [pytest.approx(np.mean([s[0] for s in shapes])),
+                                    pytest.approx(np.mean([s[1] for s in shapes]))]
+    with pytest.raises(PackerError, match="not available"):
+        measure_decoders(jpegs, backends=["nvjpeg"], seconds=0.01)
+
+
+def test_cli_bench_decoders(turbojpeg, packed, tmp_path, capsys):
+    path, _ = packed
+    out = tmp_path / "dec.json"
+    assert cli_main(["bench", "--decoders", str(path), "--limit", "4", "--seconds", "0.01",
+                     "--sizes", "full,40", "--backends", "turbojpeg,pil", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "img/s/core" in text and "vs bare libjpeg-turbo" in text
+    doc = json.loads(out.read_text())
+    assert doc["samples"] == 4 and len(doc["decoders"]) == 4
+    assert set(doc["overhead"]["img_per_s"]) == {"bare", "packer", "packer_item", "bare_held", "packer_held"}
+    assert doc["overhead"]["ratio"] == pytest.approx(doc["overhead"]["img_per_s"]["packer"]
+                                                     / doc["overhead"]["img_per_s"]["bare"])
+    assert cli_main(["bench"]) == 2  # no PATH and no --decoders: usage
+    assert "at least one PATH" in capsys.readouterr().err
+    assert cli_main(["bench", "--decoders", str(path), str(path)]) == 2
+
+
+@pytest.mark.parametrize("fmt, mode", [("JPEG", "RGB"), ("JPEG", "CMYK"), ("PNG", "RGBA")])
+def test_decode_into_a_given_array(fmt, mode):
+    """``out`` of the image's shape receives the pixels (libjpeg-turbo writes in place, others are copied);
+    a wrong shape leaves it untouched and returns a new array."""
+    buf = io.BytesIO()
+    photo_like(np.random.default_rng(3), 21, 34, 2).convert(mode).save(buf, format=fmt)
+    data = buf.getvalue()
+    expected = decode_pil(data)
+    out = np.zeros((21, 34, 3), dtype=np.uint8)
+    got = decode(data, out=out)
+    assert got is out and np.array_equal(out, expected)
+    wrong = np.zeros((20, 34, 3), dtype=np.uint8)
+    got = decode(data, out=wrong)
+    assert got is not wrong and not wrong.any() and np.array_equal(got, expected)
+
+
+def test_libjpeg_turbo_writes_into_out_itself(turbojpeg, monkeypatch):
+    """No copy for JPEGs: libjpeg-turbo is handed ``out`` as its destination."""
+    buf = io.BytesIO()
+    photo_like(np.random.default_rng(4), 21, 34, 2).save(buf, format="JPEG")
+    given = []
+    real = turbojpeg.decode
+
+    def spy(*args, **kwargs):
+        given.append(kwargs.get("dst"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(turbojpeg, "decode", spy)
+    out = np.zeros((21, 34, 3), dtype=np.uint8)
+    assert decode(buf.getvalue(), out=out) is out
+    assert len(given) == 1 and given[0] is out

@@ -1,0 +1,122 @@
+"""Worker batches of plain tensors are decoded straight into one block of shared memory (batch_slots)."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from support.imagesets import make_imagefolder
+from torch.utils.data import DataLoader
+
+from packer import convert, open_dataset
+from packer.diagnose.bench import list_collate
+from packer.tools.sample import photo_like
+
+
+def _mixed_folder(root):
+    """JPEGs of varied sizes plus the decoders' other paths: PNG, grayscale and CMYK JPEG (Pillow decodes CMYK)."""
+    make_imagefolder(root, classes=2, per_class=6, size=(30, 40))
+    rng = np.random.default_rng(5)
+    for name, mode, fmt in (("png.png", "RGB", "PNG"), ("gray.jpg", "L", "JPEG"), ("cmyk.jpg", "CMYK", "JPEG"),
+                            ("rgba.png", "RGBA", "PNG")):
+        buf = io.BytesIO()
+        photo_like(rng, 27, 35, 1).convert(mode).save(buf, format=fmt)
+        (root / "class_1" / name).write_bytes(buf.getvalue())
+    return root
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    return _mixed_folder(tmp_path_factory.mktemp("slots") / "src")
+
+
+def _worker_batches(ds, start_method="fork", batch_size=5):
+    loader = DataLoader(ds, batch_size=batch_size, num_workers=2, collate_fn=list_collate,
+                        multiprocessing_context=start_method)
+    return [(imgs, labels) for imgs, labels in loader]
+
+
+@pytest.mark.parametrize("fmt, payload", [("lmdb", "encoded"), ("memmap", "raw"), ("hdf5", "encoded")])
+def test_worker_batch_shares_one_block_and_matches_single_reads(tmp_path, mixed, fmt, payload):
+    out = convert(mixed, tmp_path / f"ds.{fmt}", to=fmt, payload=payload, workers=0, progress=False).output
+    ds = open_dataset(out, image="tensor")
+    seen = mixed_batches = 0
+    for b, (imgs, labels) in enumerate(_worker_batches(ds)):
+        if len({img.shape for img in imgs}) > 1:  # (batches of one shape are left to the collate function)
+            blocks = {img.untyped_storage().data_ptr() for img in imgs}
+            assert len(blocks) == 1, f"batch {b}: {len(blocks)} blocks"  # crossed as one block
+            assert imgs[0].untyped_storage().is_shared()
+            mixed_batches += 1
+        for k, (img, label) in enumerate(zip(imgs, labels.tolist())):
+            ref, ref_label = ds[b * 5 + k]  # main process: no slots
+            assert img.shape == ref.shape and img.dtype == torch.uint8 and torch.equal(img, ref) and label == ref_label
+            seen += 1
+    assert seen == len(ds) and mixed_batches >= len(ds) // 5 - 1
+
+
+def test_spawned_workers_use_slots_too(tmp_path):
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=4)
+    ds = open_dataset(convert(src, tmp_path / "ds.lmdb", workers=0, progress=False).output, image="tensor")
+    (imgs, _labels), = _worker_batches(ds, "spawn", batch_size=8)
+    assert len({img.untyped_storage().data_ptr() for img in imgs}) == 1
+    assert all(torch.equal(img, ds[k][0]) for k, img in enumerate(imgs))
+
+
+def test_no_slots_outside_workers_with_a_transform_or_unknown_sizes(tmp_path, mixed):
+    out = convert(mixed, tmp_path / "ds.lmdb", workers=0, progress=False).output
+    assert open_dataset(out, image="tensor").batch_slots([0, 1]) is None  # main process: separate tensors
+    flipped = open_dataset(out, image="tensor", transform=lambda t: t.flip(-1))
+    imgs, _ = _worker_batches(flipped)[0]
+    assert len({img.untyped_storage().data_ptr() for img in imgs}) == len(imgs)
+    assert torch.equal(imgs[0], open_dataset(out, image="tensor")[0][0].flip(-1))
+    blind = convert(mixed, tmp_path / "blind.lmdb", workers=0, progress=False, validate="none").output
+    ds = open_dataset(blind, image="tensor")
+    assert int(ds.index.heights[0]) == 0  # sizes unknown: decoded one by one, still right
+    imgs, _ = _worker_batches(ds)[0]
+    assert all(torch.equal(img, ds[k][0]) for k, img in enumerate(imgs))
+
+
+def test_sizes_from_damaged_metadata_allocate_nothing(tmp_path, mixed, monkeypatch):
+    """A crafted index size can't make a worker allocate a huge block: no slots, and the per-sample
+    path reports the sample."""
+    import packer.read.dataset as datasets
+
+    monkeypatch.setattr(datasets, "get_worker_info", lambda: object())  # as inside a worker
+    for payload in ("raw", "encoded"):
+        out = convert(mixed, tmp_path / f"ds-{payload}.lmdb", payload=payload, workers=0, progress=False).output
+        ds = open_dataset(out, image="tensor")
+        assert ds.batch_slots([0, 1]) is not None
+        ds.index.heights[0] = 1 << 30
+        assert ds.batch_slots([0, 1]) is None
+        with pytest.raises(Exception, match="sample 0"):
+            ds.__getitems__([0, 1])
+
+
+def test_batches_of_one_shape_are_left_to_the_collate_function(tmp_path, monkeypatch):
+    """Equal sizes: default_collate stacks them into shared memory itself, so no block (it would be one more copy)."""
+    import packer.read.dataset as datasets
+
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=4)
+    out = convert(src, tmp_path / "ds.memmap", to="memmap", payload="raw", resize="24x32", workers=0,
+                  progress=False).output
+    ds = open_dataset(out, image="tensor")
+    monkeypatch.setattr(datasets, "get_worker_info", lambda: object())  # as inside a worker
+    assert ds.batch_slots([0, 1, 2]) is None
+    monkeypatch.undo()
+    (images, labels), = list(DataLoader(ds, batch_size=8, num_workers=2))  # default_collate stacks
+    assert images.shape == (8, 3, 24, 32) and torch.equal(images[3], ds[3][0])
+
+
+def test_no_block_beyond_the_budget(tmp_path, mixed, monkeypatch):
+    """Sizes nothing has checked yet can't map more than BATCH_BLOCK_MAX for one batch."""
+    import packer.read.dataset as datasets
+
+    out = convert(mixed, tmp_path / "ds.lmdb", workers=0, progress=False).output
+    ds = open_dataset(out, image="tensor")
+    monkeypatch.setattr(datasets, "get_worker_info", lambda: object())  # as inside a worker
+    assert ds.batch_slots([0, 1]) is not None
+    monkeypatch.setattr(datasets, "BATCH_BLOCK_MAX", 1000)
+    assert ds.batch_slots([0, 1]) is None
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(ds.__getitems__([0, 1]), (ds[0], ds[1])))

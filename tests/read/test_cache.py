@@ -1,0 +1,158 @@
+"""The shared RAM cache: one copy in /dev/shm shared by fork and spawn workers, refusal, clean-up."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from support._tiny import Probe, first, make_lmdb, mapped_files
+from torch.utils.data import DataLoader
+
+import packer
+from packer.errors import PackerError
+from packer.read import cache as cache_mod
+from packer.read.cache import CachedDataset, sweep_stale
+
+
+def shm_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(cache_mod.PREFIX)}
+
+
+@pytest.fixture(scope="module")
+def lmdb_path(tmp_path_factory):
+    return make_lmdb(tmp_path_factory.mktemp("cache"), count=40)
+
+
+@pytest.mark.parametrize("mode", ["ram", "ram-decoded"])
+def test_cached_samples_equal_uncached(lmdb_path, mode):
+    plain = packer.open_dataset(lmdb_path, image="numpy")
+    cached = packer.open_dataset(lmdb_path, image="numpy", cache=mode,
+                                 cache_options={"progress": False, "workers": 2})
+    try:
+        assert isinstance(cached, CachedDataset) and cached.path.exists()
+        assert len(cached) == len(plain) and cached.classes == plain.classes and cached.targets == plain.targets
+        for i in range(len(plain)):
+            a, b = cached[i], plain[i]
+            assert b[1] == a[1] and np.array_equal(a[0], b[0])
+        if mode == "ram":
+            assert cached.read_payload(3) == plain.read_payload(3)
+    finally:
+        cached.close()
+    assert not cached.path.exists()
+
+
+@pytest.mark.parametrize("mode, start_method", [("ram", "fork"), ("ram-decoded", "fork"), ("ram-decoded", "spawn")])
+def test_workers_share_one_copy(lmdb_path, mode, start_method):  # spawn workers take seconds to start: one case
+    plain = packer.open_dataset(lmdb_path, image="numpy")
+    cached = CachedDataset(packer.open_dataset(lmdb_path, image="numpy"), mode, progress=False, workers=1)
+    try:
+        cached[0]  # map it in the parent too
+        ino = os.stat(cached.path).st_ino
+        assert mapped_files(cached.path.name) == [(str(cached.path), ino)]
+        loader = DataLoader(Probe(cached, cached.path.name), batch_size=1, num_workers=2,
+                            multiprocessing_context=start_method, collate_fn=first)
+        pids, seen = set(), []
+        for i, pid, maps, img, label in loader:
+            pids.add(pid)
+            seen.append(i)
+            assert maps == [(str(cached.path), ino)]  # the worker maps the very same shm file
+            ref_img, ref_label = plain[i]
+            assert label == ref_label and np.array_equal(img, ref_img)
+        assert sorted(seen) == list(range(len(plain)))
+        assert len(pids) == 2 and os.getpid() not in pids
+        assert cached.path.exists()  # workers ending never delete the creator's cache
+    finally:
+        cached.close()
+    assert not cached.path.exists()
+
+
+def test_refuses_when_memory_is_short(lmdb_path, monkeypatch):
+    before = shm_files()
+    monkeypatch.setattr(cache_mod, "memory_available", lambda: 1000)
+    with pytest.raises(PackerError) as err:
+        CachedDataset(packer.open_dataset(lmdb_path), "ram-decoded", progress=False)
+    msg = str(err.value)
+    assert "refused" in msg and "1.0 KB of RAM is available" in msg and "needs" in msg
+    assert shm_files() == before
+
+
+def test_removed_on_garbage_collection(lmdb_path):
+    cached = CachedDataset(packer.open_dataset(lmdb_path), "ram", progress=False)
+    path = cached.path
+    assert path.exists()
+    del cached
+    gc.collect()
+    assert not path.exists()
+
+
+CHILD = textwrap.dedent("""
+    import sys, time
+    from packer.read.cache import CachedDataset
+    import packer
+    ds = CachedDataset(packer.open_dataset(sys.argv[1]), "ram", progress=False)
+    ds[0]
+    print(ds.path, flush=True)
+    time.sleep(600)
+""")
+
+
+def _wait_gone(path, seconds=20.0) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if not os.path.exists(path):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_removed_after_the_creator_is_killed(lmdb_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)}
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(lmdb_path)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        path = child.stdout.readline().strip()
+        assert path and os.path.exists(path)
+        other = CachedDataset.attach(packer.open_dataset(lmdb_path), path)  # another "rank" maps it
+        assert other[5][1] == packer.open_dataset(lmdb_path)[5][1]
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        assert _wait_gone(path), f"{path} left behind after SIGKILL"  # the janitor removed it
+        assert other[5][1] == packer.open_dataset(lmdb_path)[5][1]  # an existing mapping keeps working
+        other.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_stale_files_are_swept(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"{cache_mod.PREFIX}{dead.pid}-12345-deadbeef.bin"
+    stale.write_bytes(b"x")
+    mine = tmp_path / cache_mod._cache_name()
+    mine.write_bytes(b"x")
+    assert sweep_stale(tmp_path) == [stale]
+    assert not stale.exists() and mine.exists()
+
+
+def test_unknown_mode_and_non_packer_dataset(lmdb_path):
+    with pytest.raises(PackerError, match="unknown cache"):
+        packer.open_dataset(lmdb_path, cache="disk")
+    with pytest.raises(PackerError, match="packer datasets"):
+        CachedDataset(list(range(3)), "ram", progress=False)
+
+
+def test_refuses_when_shm_is_too_small(lmdb_path, monkeypatch):
+    from packer import sysinfo
+
+    monkeypatch.setattr(sysinfo, "disk_space", lambda path: (64_000, 64_000_000))
+    with pytest.raises(PackerError) as err:
+        CachedDataset(packer.open_dataset(lmdb_path), "ram-decoded", progress=False)
+    assert "/dev/shm has 64.0 KB free of 64.0 MB" in str(err.value) and "--shm-size" in str(err.value)

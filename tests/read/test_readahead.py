@@ -1,0 +1,313 @@
+"""Batch read-ahead: the background thread brings a batch's bytes in, in file order, and callers wait per sample."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from support.imagesets import make_imagefolder
+
+from packer import convert, open_dataset
+from packer.diagnose.measure import evict, resident_pages
+from packer.read import readahead
+
+
+def test_plan_merges_neighbours_on_one_file_in_order():
+    job = readahead.plan([[("a", 0, 10)], [("a", 10, 20)], [], [("a", 5000, 6000)], [("b", 0, 5)], [("a", 20, 30)]],
+                         gap=100)
+    assert job.spans == [("a", 0, 30), ("a", 5000, 6000), ("b", 0, 5)]  # a recent span takes a neighbour
+    assert job.need == [(0, 10), (0, 20), (-1, 0), (1, 6000), (2, 5), (0, 30)]
+    far = readahead.plan([[("a", 0, 10)]] + [[("a", 1000 * i, 1000 * i + 1)] for i in range(1, 7)] + [[("a", 10, 20)]],
+                         gap=100)
+    assert len(far.spans) == 8 and far.need[-1] == (7, 20)  # beyond LOOKBACK spans: a new span
+
+
+def test_plan_merges_a_range_just_before_a_recent_span():
+    """Bottom-up BMP mosaics: the next tiles' rows lie before the previous ones; still one span, read upwards."""
+    job = readahead.plan([[("a", 3000, 4000)], [("a", 2000, 3000)], [("a", 1000, 1950)], [("a", 10, 20)]], gap=100)
+    assert job.spans == [("a", 1000, 4000), ("a", 10, 20)]
+    assert job.need == [(0, 4000), (0, 3000), (0, 1950), (1, 20)]
+    assert job.arrival_order() == [2, 1, 0, 3]  # consume bottom-up bands as they come in
+
+
+def test_forked_child_closes_the_files_its_parent_thread_held(tmp_path):
+    """A worker forked while the parent's thread has files open does not keep copies of them."""
+    if not hasattr(os, "fork"):
+        pytest.skip("needs fork")
+    path = tmp_path / "held.bin"
+    path.write_bytes(b"h" * 100)
+    reader = readahead._reader()
+    fd = os.open(path, os.O_RDONLY)
+    reader.bg_fds[str(path)] = fd  # as if a background read were under way
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.fstat(fd)
+                os._exit(1)  # still open in the child
+            except OSError:
+                os._exit(0)
+        _pid, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    finally:
+        reader.bg_fds.pop(str(path), None)
+        os.close(fd)
+
+
+def test_spans_are_read_in_pieces_from_their_start(tmp_path, monkeypatch):
+    """The first pread of a span is a whole piece, not a stub up to an aligned offset: a read that
+    follows no other is read as asked, so a stub would cost a device request of its own."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(4 * readahead.PIECE))
+    calls = []
+    real = os.preadv
+
+    def spy(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+            calls.append((offset, sum(len(b) for b in buffers)))
+        return real(fd, buffers, offset)
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc")
+    monkeypatch.setattr(os, "preadv", spy)
+    start, end = 1000, 1000 + 2 * readahead.PIECE + 7
+    job = readahead.start([[(str(path), start, end)]])
+    job.wait(0, timeout=10)
+    assert calls == [(start, readahead.PIECE), (start + readahead.PIECE, readahead.PIECE),
+                     (start + 2 * readahead.PIECE, 7)]
+
+
+def test_mosaic_run_of_tiles_is_one_span(tmp_path):
+    """Neighbouring tiles of a (bottom-up) BMP mosaic lie in adjacent row bands: one span, not one per band."""
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
+    ds = open_dataset(convert(src, tmp_path / "ds.mosaic", to="mosaic", tile="64x64", grid="2x24", workers=0,
+                              progress=False).output)
+    bands = ds._readers[0].file_spans([0, 24])
+    assert bands[0][0][1] > bands[1][0][1]  # bottom-up: the second row of tiles lies first in the file
+    assert bands[0][0][2] - bands[0][0][1] > readahead.GAP  # bands farther apart than merely "near"
+    job = ds.prefetch(list(range(40)))  # both rows
+    assert job.spans == [(bands[1][0][0], bands[1][0][1], bands[0][0][2])]
+
+
+def test_plan_item_with_several_ranges_waits_for_its_last():
+    job = readahead.plan([[("a", 900, 1000), ("a", 0, 100)]], gap=10)
+    assert job.spans == [("a", 0, 100), ("a", 900, 1000)]
+    assert job.need == [(1, 1000)]
+
+
+def test_start_reads_the_bytes_and_wait_returns(tmp_path):
+    path = tmp_path / "f.bin"
+    data = os.urandom(3 * readahead.PIECE + 123)
+    path.write_bytes(data)
+    job = readahead.start([[(str(path), 10, 20)], [(str(path), readahead.PIECE - 5, len(data))]])
+    for k in range(2):
+        job.wait(k, timeout=10)
+    deadline = time.time() + 10
+    while not job.done() and time.time() < deadline:
+        time.sleep(0.01)
+    assert job.done()
+
+
+def test_missing_file_or_range_past_the_end_does_not_hang(tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"x" * 100)
+    job = readahead.start([[(str(tmp_path / "gone.bin"), 0, 10)], [(str(path), 50, 10_000)]])
+    t = time.time()
+    job.wait(0, timeout=10)
+    job.wait(1, timeout=10)
+    assert time.time() - t < 5 and job.done()
+
+
+def test_empty_request_is_done_at_once():
+    job = readahead.start([[], []])
+    assert job.done()
+    job.wait(0, timeout=0.1)
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "memmap", "hdf5"])
+def test_prefetch_brings_a_cold_batch_into_the_page_cache(tmp_path, fmt):
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=40, size=(96, 128))
+    res = convert(src, tmp_path / f"ds.{fmt}", to=fmt, workers=0, progress=False, order="source")
+    ds = open_dataset(res.output)
+    shard = res.output / ds.manifest.shards[0].files[0].name
+    ds.read_payload(0)  # open the shard (maps headers) before measuring
+    if evict([shard]).verified is False:
+        pytest.skip("page-cache residency can't be checked here (no mincore)")
+    before = resident_pages(shard)[0]
+    pending = ds.prefetch(list(range(69, 9, -1)))  # any order: read in file order
+    for k in range(60):
+        pending.wait(k, timeout=10)
+    resident, total = resident_pages(shard)
+    assert resident - before >= 20, f"only {resident - before} of {total} pages came in"
+    spans = ds._readers[0].file_spans([10, 69])
+    assert all(len(r) == (2 if fmt == "lmdb" else 1) for r in spans)  # lmdb: the leaf page too
+    assert spans[0][-1][1] < spans[1][-1][1] and all(b - a == ds.index.nbytes[i] for i, r in zip((10, 69), spans)
+                                                      for _p, a, b in r[-1:])
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "memmap", "hdf5", "mosaic"])
+def test_batches_read_with_read_ahead_equal_single_reads(tmp_path, fmt):
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=30, size=(32, 32))
+    extra = {"tile": "32x32"} if fmt == "mosaic" else {}
+    out = convert(src, tmp_path / f"ds.{fmt}", to=fmt, workers=0, progress=False, shard_bytes=20_000, **extra).output
+    ds = open_dataset(out, image="numpy")
+    assert len(ds.manifest.shards) > 1
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        idx = rng.choice(len(ds), size=17).tolist() + [3, 3]  # duplicates and shard crossings
+        batch = ds.__getitems__(idx)
+        single = [ds[i] for i in idx]
+        assert all(np.array_equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(batch, single, strict=True))
+        payloads = ds.read_payloads(idx)
+        assert all(bytes(memoryview(p).cast("B")) == bytes(memoryview(ds.read_payload(i)).cast("B"))
+                   for p, i in zip(payloads, idx, strict=True))
+
+
+def test_forked_loader_workers_get_their_own_thread(tmp_path):
+    """The parent's read-ahead thread was used before the fork: workers still read every sample."""
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
+    out = convert(src, tmp_path / "ds.lmdb", workers=0, progress=False).output
+    ds = open_dataset(out, image="tensor")
+    ds.__getitems__(list(range(10)))  # starts this process's thread
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2,
+                                         multiprocessing_context="fork", collate_fn=lambda b: b)
+    seen = sorted(int(lbl) for batch in loader for _img, lbl in batch)
+    assert len(seen) == len(ds) and seen == sorted(ds.targets)
+
+
+def test_thread_holds_no_files_open_when_idle(tmp_path):
+    """Deleted datasets free their space: the idle thread has closed the files it read."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"y" * 10_000)
+    code = f"""
+import os, time
+from packer.read import readahead
+job = readahead.start([[({str(path)!r}, 0, 10_000)]])
+job.wait(0, timeout=10)
+deadline = time.time() + 10
+while time.time() < deadline:
+    held = [os.readlink(f"/proc/self/fd/{{f}}") for f in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{{f}}")]
+    if not any(h.endswith("f.bin") for h in held):
+        break
+    time.sleep(0.02)
+print("open" if any(h.endswith("f.bin") for h in held) else "closed")
+"""
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert out.stdout.strip() == "closed", out.stderr
+
+
+def _lmdb(tmp_path):
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=15, size=(40, 56))
+    return convert(src, tmp_path / "ds.lmdb", workers=0, progress=False).output
+
+
+def test_lmdb_spans_file_says_where_each_value_lies(tmp_path):
+    out = _lmdb(tmp_path)
+    ds = open_dataset(out)
+    names = [f.name for f in ds.manifest.shards[0].files]
+    assert names == ["shard-00000.lmdb", "shard-00000.spans.npy"]
+    blob = (out / names[0]).read_bytes()
+    for i, ranges in enumerate(ds._readers[0].file_spans(list(range(len(ds))))):
+        (_p, leaf, leaf_end), (_p2, a, b) = ranges
+        assert blob[a:b] == bytes(ds.read_payload(i))
+        assert leaf % 4096 == 0 and leaf_end - leaf == 4096 and b"%010d" % i in blob[leaf:leaf_end]
+
+
+def test_lmdb_without_spans_file_reads_without_read_ahead(tmp_path):
+    """Datasets written before the spans file existed still read, batch path included."""
+    import json
+
+    out = _lmdb(tmp_path)
+    expected = [bytes(open_dataset(out).read_payload(i)) for i in range(30)]
+    m = json.loads((out / "manifest.json").read_text())
+    m["shards"][0]["files"] = m["shards"][0]["files"][:1]
+    (out / "manifest.json").write_text(json.dumps(m))
+    (out / "shard-00000.spans.npy").unlink()
+    ds = open_dataset(out)
+    assert ds._readers[0].file_spans([0, 5]) == [[], []]
+    assert [bytes(p) for p in ds.read_payloads(list(range(29, -1, -1)))] == expected[::-1]
+
+
+def test_lmdb_crafted_spans_file_is_refused(tmp_path):
+    from packer.errors import PackerError
+
+    out = _lmdb(tmp_path)
+    spans = np.load(out / "shard-00000.spans.npy")
+    spans[3, 2] = 1 << 40  # past the end of the file
+    np.save(out / "shard-00000.spans.npy", spans)
+    ds = open_dataset(out)
+    with pytest.raises(PackerError, match="spans.npy: spans do not describe"):
+        ds.read_payloads([1, 2, 3])
+
+
+@pytest.mark.parametrize("fmt", ["memmap", "lmdb"])
+def test_block_sampler_has_whole_blocks_read_ahead(tmp_path, fmt):
+    """After one batch touches a block, the rest of that block comes into the page cache too, once."""
+    from packer.read.sampler import BlockShuffleSampler
+
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=40, size=(96, 128))
+    out = convert(src, tmp_path / f"ds.{fmt}", to=fmt, workers=0, progress=False).output
+    ds = open_dataset(out)
+    sampler = BlockShuffleSampler(ds, block_bytes=int(ds.index.nbytes[:40].sum()), batch_size=8)
+    assert sampler.num_blocks == 2 and ds._blocks is not None
+    shard = out / ds.manifest.shards[0].files[0].name
+    ds.read_payload(0)
+    if evict([shard]).verified is False:
+        pytest.skip("page-cache residency can't be checked here (no mincore)")
+    pending = ds.prefetch([45, 46])  # two samples of the second block
+    assert len(pending.later) == 1  # the rest of that block, in the background
+    block_bytes = int(ds.index.nbytes[40:].sum())
+    deadline = time.time() + 10
+    while resident_pages(shard)[0] * 4096 < 0.9 * block_bytes and time.time() < deadline:
+        time.sleep(0.01)
+    resident = resident_pages(shard)[0] * 4096
+    assert resident >= 0.9 * block_bytes, f"{resident} bytes in, the block holds {block_bytes}"
+    again = ds.prefetch([50])  # the block was read ahead already: only the sample itself is planned
+    assert len(again.spans) <= 2 and not again.later
+    ds.read_ahead_blocks(None)
+    assert not ds.prefetch([5]).later  # off: no block read-ahead
+
+
+def test_uniform_shuffle_reads_no_whole_blocks(tmp_path):
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
+    ds = open_dataset(convert(src, tmp_path / "ds.memmap", to="memmap", workers=0, progress=False).output)
+    job = ds.prefetch([3, 30])
+    # the two samples (and the gap between them, closer than readahead.GAP), nothing beyond
+    assert [b - a for _p, a, b in job.spans] == [int(ds.index.nbytes[3:31].sum())]
+
+
+def test_background_ranges_yield_to_a_waiting_batch(tmp_path):
+    """A batch queued behind a long background read is served, and both finish (no timing asserted)."""
+    big = tmp_path / "big.bin"
+    big.write_bytes(os.urandom(64 * readahead.PIECE))
+    small = tmp_path / "small.bin"
+    small.write_bytes(b"z" * 1000)
+    first = readahead.start([], later=[(str(big), 0, 64 * readahead.PIECE)])
+    job = readahead.start([[(str(small), 0, 1000)]])
+    job.wait(0, timeout=10)
+    assert job.done() and first.done()
+
+
+def test_batch_is_decoded_in_the_order_its_bytes_arrive(tmp_path, monkeypatch):
+    """Bottom-up mosaic: the second row's band is read first, so its tiles are consumed first."""
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
+    ds = open_dataset(convert(src, tmp_path / "ds.mosaic", to="mosaic", tile="64x64", grid="2x24", workers=0,
+                              progress=False).output, image="numpy")
+    waited = []
+    real = readahead.Pending.wait
+
+    def spy(self, k, timeout=60.0):
+        waited.append(k)
+        return real(self, k, timeout)
+
+    monkeypatch.setattr(readahead.Pending, "wait", spy)
+    batch = ds.__getitems__(list(range(40)))
+    assert sorted(waited) == list(range(40)) and waited[:16] == list(range(24, 40))  # row 2 first
+    assert all(np.array_equal(img, ds[i][0]) for i, (img, _label) in enumerate(batch))

@@ -1,0 +1,378 @@
+"""Seeded mutations of a packed dataset, and the check that reading one is safe (used by test_fuzz.py).
+
+Each case copies a real packed dataset, applies one seeded mutation (damage, or a crafted
+edit whose checksums are recomputed so that only deeper checks can catch it) and then opens
+and reads every sample. Cases run in forked worker processes watched by the parent, so a
+crash (segfault) or a hang is caught and attributed to its seed instead of stopping the run.
+Reads outside the dataset directory are caught with inotify on an identical copy placed
+beside it: following a symlink or an ``..`` name there would return "valid" data, so only
+watching the opens can tell.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import random
+import resource
+import shutil
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+HOSTILE = [-1, 0, 1, 2, 3, -(2**31), 2**31 - 1, 2**63 - 1, 2**64, 10**30, 1.5, float("nan"), True, None, "",
+           "x", "../outside", "/etc/passwd", [], [1], {}, {"a": 1}, "0" * 64]
+KINDS = ["bitflip", "overwrite", "truncate", "extend", "delete", "manifest-field", "npy-header", "npy-value",
+         "symlink-out", "name-out", "swap-files"]
+
+# ------------------------------------------------------------------ inotify (Linux)
+
+_IN_ACCESS, _IN_OPEN = 0x1, 0x20
+
+
+class OpenWatch:
+    """Reports whether any file in the watched directories was opened or read."""
+
+    def __init__(self, dirs: list[Path]) -> None:
+        self.libc = ctypes.CDLL(None, use_errno=True)
+        self.fd = self.libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if self.fd < 0:
+            raise OSError(ctypes.get_errno(), "inotify_init1")
+        for d in dirs:
+            if self.libc.inotify_add_watch(self.fd, str(d).encode(), _IN_ACCESS | _IN_OPEN) < 0:
+                raise OSError(ctypes.get_errno(), f"inotify_add_watch {d}")
+
+    def events(self) -> int:
+        n = 0
+        while True:
+            try:
+                data = os.read(self.fd, 65536)
+            except BlockingIOError:
+                return n
+            n += len(data)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+# ------------------------------------------------------------------ mutations
+
+
+def _files(ds: Path) -> list[Path]:
+    return sorted(p for p in ds.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _rewrite_checksums(ds: Path) -> None:
+    """What a crafter does: make the manifest's sizes and sha256 agree with the files again."""
+    path = ds / "manifest.json"
+    try:
+        data = json.loads(path.read_text())
+        entries = [f for s in data["shards"] for f in s["files"]] + list(data.get("meta_files", []))
+        for f in entries:
+            p = ds / f["name"]
+            if p.is_file():
+                f["num_bytes"] = p.stat().st_size
+                f["sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
+        path.write_text(json.dumps(data))
+    except Exception:  # a damaged manifest stays damaged
+        pass
+
+
+def _json_paths(node, prefix=()):
+    yield prefix
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _json_paths(v, prefix + (k,))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _json_paths(v, prefix + (i,))
+
+
+def _edit_manifest(ds: Path, outside: Path, rng: random.Random) -> str:
+    path = ds / "manifest.json"
+    data = json.loads(path.read_text())
+    paths = [p for p in _json_paths(data) if p]
+    where = rng.choice(paths)
+    parent = data
+    for k in where[:-1]:
+        parent = parent[k]
+    old = parent[where[-1]]
+    r = rng.random()
+    if r < 0.15 and isinstance(parent, dict):
+        del parent[where[-1]]
+        what = "deleted"
+    elif r < 0.45 and isinstance(old, int) and not isinstance(old, bool):
+        new = old + rng.choice([-2, -1, 1, 2, old, -old - 1, 1 << 40])
+        parent[where[-1]] = new
+        what = f"{old}->{new}"
+    else:
+        new = rng.choice(HOSTILE + [str(outside / "manifest.json"), "a" * 100_000])
+        parent[where[-1]] = new
+        what = f"->{new!r:.30}"
+    path.write_text(json.dumps(data))
+    return f"{'/'.join(map(str, where))} {what}"
+
+
+def _npy_header_edit(file: Path, rng: random.Random) -> str:
+    raw = file.read_bytes()
+    with open(file, "rb") as fh:
+        np.lib.format.read_magic(fh)
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(fh)
+        body = raw[fh.tell():]
+    choice = rng.randrange(5)
+    if choice == 0:
+        shape = (rng.choice([0, 1, shape[0] + 1, max(shape[0] - 1, 0), 2**40, 2**62]),)
+    elif choice == 1:
+        shape = (shape[0], rng.choice([1, 2, 3]))
+    elif choice == 2:
+        dtype = np.dtype(rng.choice(["<f8", ">i8", "<i2", "|u1", "<U4", "<i8"]))
+    elif choice == 3:
+        fortran = True
+        shape = (shape[0], 1)
+    else:  # an object array header: would need pickle
+        header = f"{{'descr': '|O', 'fortran_order': False, 'shape': ({shape[0]},), }}"
+        file.write_bytes(_npy_bytes(header) + body)
+        return "descr |O"
+    descr = np.lib.format.dtype_to_descr(dtype)
+    header = f"{{'descr': {descr!r}, 'fortran_order': {fortran!r}, 'shape': {tuple(shape)!r}, }}"
+    file.write_bytes(_npy_bytes(header) + body)
+    return f"header {header[:60]}"
+
+
+def _npy_bytes(header: str) -> bytes:
+    h = header.encode("latin1")
+    pad = 64 - (10 + len(h) + 1) % 64
+    h = h + b" " * pad + b"\n"
+    return b"\x93NUMPY\x01\x00" + len(h).to_bytes(2, "little") + h
+
+
+def _npy_value_edit(file: Path, rng: random.Random) -> str:
+    arr = np.load(file, allow_pickle=False)
+    if arr.size == 0:
+        return "empty"
+    i = rng.randrange(arr.size)
+    info = np.iinfo(arr.dtype)
+    new = rng.choice([-1, -2, 0, 1, 3, 100, info.max, info.min, int(arr[i]) + 1, int(arr[i]) - 1])
+    new = max(info.min, min(info.max, new))
+    arr[i] = new
+    np.save(file, arr)
+    return f"[{i}]={new}"
+
+
+def mutate(ds: Path, outside: Path, rng: random.Random, kind: str) -> tuple[str, bool]:
+    """Apply one mutation of ``kind``; returns (description, crafted)."""
+    files = _files(ds)
+    target = rng.choice(files)
+    crafted = False
+    rel = target.relative_to(ds)
+    if kind in ("bitflip", "overwrite", "truncate", "extend"):
+        data = bytearray(target.read_bytes())
+        if kind == "bitflip" and data:
+            for _ in range(rng.randint(1, 8)):
+                pos = rng.randrange(len(data))
+                data[pos] ^= 1 << rng.randrange(8)
+        elif kind == "overwrite" and data:
+            pos = rng.randrange(len(data))
+            n = rng.randint(1, 64)
+            fill = rng.choice([b"\x00" * n, b"\xff" * n, bytes(rng.randrange(256) for _ in range(n))])
+            data[pos:pos + n] = fill[: len(data) - pos]
+        elif kind == "truncate":
+            del data[rng.randrange(len(data) + 1):]
+        elif kind == "extend":
+            data += rng.choice([b"\x00", bytes([rng.randrange(256)])]) * rng.randint(1, 4096)
+        target.write_bytes(bytes(data))
+        crafted = target.name != "manifest.json" and rng.random() < 0.5
+        desc = f"{kind} {rel}"
+    elif kind == "delete":
+        target.unlink()
+        desc = f"delete {rel}"
+    elif kind == "manifest-field":
+        desc = "manifest " + _edit_manifest(ds, outside, rng)
+    elif kind in ("npy-header", "npy-value"):
+        npys = sorted((ds / "meta").glob("*.npy"))
+        target = rng.choice(npys)
+        edit = _npy_header_edit(target, rng) if kind == "npy-header" else _npy_value_edit(target, rng)
+        crafted = rng.random() < 0.7
+        desc = f"{kind} {target.relative_to(ds)} {edit}"
+    elif kind == "symlink-out":
+        choices = files + [ds / "meta"]
+        target = rng.choice(choices)
+        rel = target.relative_to(ds)
+        if target.is_dir():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
+        dest = outside / rel
+        os.symlink(os.path.relpath(dest, target.parent) if rng.random() < 0.5 else dest, target)
+        desc = f"symlink {rel} -> outside"
+    elif kind == "name-out":
+        path = ds / "manifest.json"
+        data = json.loads(path.read_text())
+        entries = [f for s in data["shards"] for f in s["files"]] + list(data.get("meta_files", []))
+        entry = rng.choice(entries)
+        name = entry["name"]
+        entry["name"] = rng.choice([f"../outside/{name}", str(outside / name), f"meta/../../outside/{name}",
+                                    f"./../outside/{name}", f"{name}/../../outside/{name}"])
+        path.write_text(json.dumps(data))
+        desc = f"name {name} -> {entry['name']}"
+    elif kind == "swap-files":
+        shards = sorted(p for p in files if p.parent == ds and p.name not in ("manifest.json", "errors.json"))
+        if len(shards) >= 2:
+            a, b = rng.sample(shards, 2)
+            tmp = a.with_name("tmp-swap")
+            a.rename(tmp)
+            b.rename(a)
+            tmp.rename(b)
+            desc = f"swap {a.name} {b.name}"
+        else:
+            desc = "swap (one file only)"
+        crafted = rng.random() < 0.5
+    else:
+        raise ValueError(kind)
+    if crafted:
+        _rewrite_checksums(ds)
+    return desc, crafted
+
+
+# ------------------------------------------------------------------ one case, in a worker
+
+
+def expected_samples(path: Path) -> list[tuple[str, int, bytes]]:
+    from packer import open_dataset
+
+    ds = open_dataset(path, image="numpy")
+    return [(ds.index.rel_path(i), int(ds.index.labels[i]), bytes(ds.read_payload(i))) for i in range(len(ds))]
+
+
+def kind_of(seed: int) -> str:
+    return KINDS[seed % len(KINDS)]  # round robin: every kind gets its share of the cases
+
+
+def run_case(base: Path, work: Path, seed: int, expected) -> dict:
+    """Mutate a copy of ``base`` and read it; the dict says what happened."""
+    from packer import PackerError, open_dataset
+    from packer.tools.verify import verify
+
+    rng = random.Random(seed)
+    kind = kind_of(seed)
+    case = work / f"case{seed}"
+    ds, outside = case / "ds", case / "outside"
+    shutil.copytree(base, ds)
+    shutil.copytree(base, outside)
+    desc, crafted = mutate(ds, outside, rng, kind)
+    watch = OpenWatch([outside, outside / "meta"])
+    out = {"seed": seed, "kind": kind, "desc": desc, "crafted": crafted, "ok": 0, "error": 0, "wrong": 0,
+           "opened": False, "crash": None, "verify_ok": None}
+    try:
+        try:
+            dset = open_dataset(ds, image="numpy")
+        except PackerError:
+            out["opened"] = False
+        else:
+            out["opened"] = True
+            n = len(dset)
+            for i in range(n):
+                try:
+                    img, label = dset[i]
+                    payload = bytes(dset.read_payload(i))
+                    rel = dset.index.rel_path(i)
+                except PackerError:
+                    out["error"] += 1
+                    continue
+                good = i < len(expected) and (rel, label, payload) == expected[i]
+                out["ok" if good else "wrong"] += 1
+            for call in (lambda: dset.__getitems__(list(range(n))[::-1]),
+                         lambda: dset.read_payloads(list(range(n))[::2] + list(range(n))[1::2]),
+                         lambda: getattr(dset, "get_batch", lambda _: None)(list(range(n))[::-1])):
+                try:
+                    call()
+                except PackerError:
+                    pass
+            dset.close()
+        out["verify_ok"] = verify(ds).ok
+    except Exception as exc:  # anything but PackerError is a finding
+        out["crash"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-4)}"
+    out["outside_reads"] = watch.events()
+    watch.close()
+    shutil.rmtree(case, ignore_errors=True)
+    return out
+
+
+def _worker(base: Path, work: Path, seeds: list[int], log: Path, expected, mem_limit: int) -> None:
+    # No allocation larger than the data justifies: cap this process's address space growth.
+    vm = _vm_size()
+    if vm:
+        resource.setrlimit(resource.RLIMIT_AS, (vm + mem_limit, resource.RLIM_INFINITY))
+    with open(log, "a") as fh:
+        for seed in seeds:
+            fh.write(json.dumps({"start": seed}) + "\n")
+            fh.flush()
+            try:
+                res = run_case(base, work, seed, expected)
+            except MemoryError as exc:
+                res = {"seed": seed, "kind": kind_of(seed), "crash": f"MemoryError: {exc}"}
+            fh.write(json.dumps(res) + "\n")
+            fh.flush()
+    os._exit(0)
+
+
+def _vm_size() -> int:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmSize:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def run_cases(base: Path, work: Path, seeds: list[int], processes: int = 2, timeout: float = 30.0,
+              mem_limit: int = 1 << 30) -> list[dict]:
+    """Run every seed in forked workers; a worker that dies or hangs has its current case recorded as such."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    expected = expected_samples(base)
+    pending = list(seeds)
+    results: dict[int, dict] = {}
+    running: list[tuple] = []
+    chunk = max(1, len(seeds) // (processes * 4))
+    launched = 0
+    while pending or running:
+        while pending and len(running) < processes:
+            part, pending = pending[:chunk], pending[chunk:]
+            log = work / f"log{launched}.jsonl"
+            launched += 1
+            proc = ctx.Process(target=_worker, args=(base, work, part, log, expected, mem_limit))
+            proc.start()
+            running.append((proc, log, part))
+        time.sleep(0.02)
+        still = []
+        for proc, log, part in running:
+            lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+            done = {r["seed"] for r in lines if "seed" in r}
+            current = [r["start"] for r in lines if "start" in r and r["start"] not in done]
+            for r in lines:
+                if "seed" in r:
+                    results[r["seed"]] = r
+            age = time.time() - log.stat().st_mtime if log.exists() else 0.0
+            if proc.is_alive() and not (current and age > timeout):
+                still.append((proc, log, part))
+                continue
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+                results[current[0]] = {"seed": current[0], "kind": kind_of(current[0]), "crash": f"hang: no result after {timeout:.0f} s"}
+            else:
+                proc.join()
+                if current:
+                    results[current[0]] = {"seed": current[0], "kind": kind_of(current[0]), "crash": f"worker died (exit code {proc.exitcode})"}
+            rest = [s for s in part if s not in results]
+            pending = rest + pending
+        running = still
+    return [results[s] for s in seeds]

@@ -1,0 +1,124 @@
+"""Interrupted conversions resume to the same bytes; the same input always gives the same bytes."""
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.imagesets import make_imagefolder
+from support.interrupt import kill_after_shards
+
+from packer import PackerError, convert
+from packer.tools.verify import verify
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tree_digest(root: Path, skip=("manifest.json",)) -> dict[str, str]:
+    """sha256 of every file below root (the manifest holds a creation time, so it is compared apart)."""
+    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name not in skip}
+
+
+def manifest_without_time(root: Path) -> str:
+    import json
+
+    data = json.loads((root / "manifest.json").read_text())
+    data.pop("created_at")
+    return json.dumps(data, sort_keys=True)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return make_imagefolder(tmp_path_factory.mktemp("res") / "src", classes=3, per_class=60, size=(48, 64))
+
+
+def test_same_bytes_whatever_the_worker_count(source, tmp_path):
+    convert(source, tmp_path / "a.lmdb", workers=0, shard_bytes=40_000, progress=False)
+    convert(source, tmp_path / "b.lmdb", workers=2, shard_bytes=40_000, progress=False)
+    convert(source, tmp_path / "c.lmdb", workers=2, shard_bytes=40_000, progress=False)
+    a, b, c = (tree_digest(tmp_path / n) for n in ("a.lmdb", "b.lmdb", "c.lmdb"))
+    assert a == b == c and len(a) > 8
+    assert manifest_without_time(tmp_path / "a.lmdb") == manifest_without_time(tmp_path / "b.lmdb")
+
+
+def test_resume_after_sigkill_is_byte_identical(tmp_path):
+    # enough images that the kill surely lands mid-way, even on a fast, quiet machine
+    source = make_imagefolder(tmp_path / "src", classes=3, per_class=300, size=(48, 64))
+    before = tree_digest(source)
+    reference = tmp_path / "ref.lmdb"
+    convert(source, reference, workers=1, shard_bytes=40_000, progress=False)
+    out = tmp_path / "out.lmdb"
+    journal = tmp_path / "out.lmdb.partial" / "journal"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "packer", "convert", str(source), "-o", str(out), "--workers", "1",
+           "--shard-size", "40000", "-q"]
+    done_before = kill_after_shards(cmd, env, journal, shards=2)
+    assert not out.exists()
+    assert done_before >= 2
+
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)  # without --resume: refused, with the way out
+    assert res.returncode == 2 and "--resume" in res.stderr and "rm -r" in res.stderr
+
+    res = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert tree_digest(out) == tree_digest(reference)
+    assert manifest_without_time(out) == manifest_without_time(reference)
+    assert verify(out, against=source).ok
+    assert tree_digest(source) == before  # the source is never modified
+
+
+def test_resume_refuses_a_changed_source(source, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    partial = tmp_path / "o.lmdb.partial"
+    # a conversion that stops at the first bad file leaves nothing; so simulate an interruption by
+    # planning, then changing the source
+    from packer.write.convert import ConvertOptions, _load_or_make_plan
+    from packer.write.scan import scan_folder
+
+    _load_or_make_plan(scan_folder(src), tmp_path / "o.lmdb", partial, ConvertOptions(shard_bytes=40_000), False)
+    (src / "class_0" / "img_000.jpg").unlink()
+    with pytest.raises(PackerError, match="changed since the interrupted run"):
+        convert(src, tmp_path / "o.lmdb", shard_bytes=40_000, resume=True, progress=False)
+
+
+def _mount_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir()
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_disk_full_is_a_clear_error_and_nothing_looks_complete(source, tmp_path):
+    small = tmp_path / "small"
+    if not _mount_tmpfs(small, "300k"):
+        pytest.skip("needs root and tmpfs to make a small filesystem")
+    try:
+        before = tree_digest(source)
+        from unittest import mock
+
+        # the up-front space check would refuse; pretend there is room to reach the real ENOSPC
+        with mock.patch("packer.write.convert.check_free_space"), pytest.raises(PackerError) as err:
+            convert(source, small / "o.lmdb", workers=1, shard_bytes=40_000, progress=False)
+        msg = str(err.value)
+        assert str(small / "o.lmdb") in msg and ("space" in msg.lower() or "full" in msg.lower()) and "--resume" in msg
+        assert not (small / "o.lmdb").exists()
+        assert not (small / "o.lmdb.partial" / "manifest.json").exists()
+        assert tree_digest(source) == before
+    finally:
+        subprocess.run(["umount", str(small)], check=False)
+
+
+def test_up_front_space_check_refuses_before_writing(source, tmp_path, monkeypatch):
+    import shutil
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**6, 10**6 - 1000, 1000))
+    with pytest.raises(PackerError, match="not enough free disk space"):
+        convert(source, tmp_path / "o.lmdb", progress=False)
+    assert list(tmp_path.iterdir()) == []
