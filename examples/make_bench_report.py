@@ -110,7 +110,7 @@ def main() -> int:
     packed = []
     for name, module in sorted(FORMATS.items()):
         # formats that store decoded pixels are benchmarked at 224x224, the usual training size
-        extra = [] if "encoded" in module.PAYLOADS else RAW_FORMAT_OPTIONS.get(name, ["--resize", "224x224"])
+        extra = [] if "encoded" in module.payloads else RAW_FORMAT_OPTIONS.get(name, ["--resize", "224x224"])
         target = work / f"imgs.{name}"
         cmd = packer("convert", str(imgs), "--to", name, "-o", str(target), *extra, "-q")
         commands.append(shown(cmd))

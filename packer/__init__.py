@@ -1,22 +1,49 @@
-"""packer: pack loose image folders into few large files and read them back fast in PyTorch."""
+"""packer: pack loose image folders into few large files and read them back fast in PyTorch.
 
-__version__ = "0.1.0"
+The public names load lazily (module ``__getattr__``), so ``packer --help`` and ``packer info``
+start without importing torch.
+"""
 
-from packer.diagnose.instrument import instrument  # noqa: E402
-from packer.diagnose.profile import profile  # noqa: E402
-from packer.errors import PackerError  # noqa: E402
-from packer.formats import FORMATS  # noqa: E402
-from packer.read.cache import CachedDataset  # noqa: E402
-from packer.read.dataset import DATASET_CLASSES, PackedDataset, open_dataset  # noqa: E402
-from packer.read.loaders import BackgroundLoader, CUDAPrefetcher  # noqa: E402
-from packer.read.sampler import BlockBatchSampler, BlockShuffleSampler, block_order  # noqa: E402
-from packer.write.convert import ConvertResult, convert  # noqa: E402
+from __future__ import annotations
 
-globals().update({cls.__name__: cls for cls in DATASET_CLASSES.values()})
+import importlib
+from typing import Any
 
-__all__ = [
-    "__version__", "convert", "ConvertResult", "open_dataset", "PackedDataset", "PackerError", "FORMATS",
-    "CachedDataset", "instrument", "profile", "BackgroundLoader", "CUDAPrefetcher",
-    "BlockShuffleSampler", "BlockBatchSampler", "block_order",
-    *(cls.__name__ for cls in DATASET_CLASSES.values()),
-]
+from packer._version import __version__ as __version__
+
+# public name -> the module that defines it
+_PUBLIC = {
+    "convert": "packer.write.convert", "ConvertResult": "packer.write.convert",
+    "open_dataset": "packer.read.dataset", "PackedDataset": "packer.read.dataset",
+    "DATASET_CLASSES": "packer.read.dataset",
+    "PackerError": "packer.errors", "FORMATS": "packer.formats",
+    "CachedDataset": "packer.read.cache",
+    "instrument": "packer.diagnose.instrument", "profile": "packer.diagnose.profile",
+    "BackgroundLoader": "packer.read.loaders", "CUDAPrefetcher": "packer.read.loaders",
+    "BlockShuffleSampler": "packer.read.sampler", "BlockBatchSampler": "packer.read.sampler",
+    "block_order": "packer.read.sampler",
+}
+
+
+def _dataset_class_names() -> list[str]:
+    """The per-format dataset classes (LMDBDataset, ...): one per registered format."""
+    from packer.formats import FORMATS
+
+    return [fmt.DATASET_CLASS for fmt in FORMATS.values()]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "__all__":
+        return ["__version__", *_PUBLIC, *_dataset_class_names()]
+    module = _PUBLIC.get(name)
+    if module is None and name.endswith("Dataset") and name in _dataset_class_names():
+        module = "packer.read.dataset"
+    if module is None:
+        raise AttributeError(f"module 'packer' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC) | set(_dataset_class_names()))

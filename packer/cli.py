@@ -10,9 +10,14 @@ import json
 import os
 import sys
 import textwrap
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from packer.errors import PackerError
 from packer.units import human_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from packer.formats.base import Format, Option
 
 
 def _parser(sub, name: str, help: str, examples: str, description: str = "") -> argparse.ArgumentParser:
@@ -24,7 +29,7 @@ def _parser(sub, name: str, help: str, examples: str, description: str = "") -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from packer import __version__
+    from packer._version import __version__
     from packer.formats import FORMATS
 
     parser = argparse.ArgumentParser(
@@ -72,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resize-mode", choices=("stretch", "fit"), default="stretch",
                    help="for --resize HxW: stretch to the shape (default) or fit inside it and pad with black")
     p.add_argument("--upscale", action="store_true", help="let --resize enlarge small images (default: never)")
-    p.add_argument("--compression", choices=("lzf", "gzip"), default=None,
+    p.add_argument("--compression", choices=sorted({c for f in FORMATS.values() for c in f.compressions}), default=None,
                    help="hdf5 with --payload raw only: compress pixel chunks (lzf: fast, h5py's filter; "
                    "gzip: smaller, any HDF5 reader; default none)")
     p.add_argument("--order", choices=("shuffled", "source"), default="shuffled",
@@ -81,14 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "source: ImageFolder's order, dataset index i = ImageFolder index i. Either way "
                    "ds.samples and ds.index_of(rel_path) map samples to their source files")
     p.add_argument("--seed", type=int, default=0, help="seed of --order shuffled (default 0; recorded in the manifest)")
-    p.add_argument("--tile", metavar="HxW", help="mosaic: the size every image is resized to (stretched, or "
-                   "letterboxed with --resize-mode fit); required for --to mosaic")
-    p.add_argument("--grid", metavar="RxC", help="mosaic: tiles per mosaic, rows x columns (default: about 16 MB "
-                   "decoded per mosaic, e.g. 11x10 for 224x224 tiles)")
-    p.add_argument("--codec", choices=("bmp", "png", "jpeg"), default=None,
-                   help="mosaic file codec: bmp (default; lossless, a tile is read without decoding the rest), png "
-                   "(lossless, smaller, whole mosaics decoded), jpeg (lossy, smallest; tiles multiples of 16 px)")
-    p.add_argument("--quality", type=int, default=None, help="mosaic jpeg quality 1-100 (default 95)")
+    for opt in _format_options(FORMATS):  # each format's own options (mosaic: --tile, --grid, ...), declared there
+        p.add_argument(f"--{opt.name.replace('_', '-')}", dest=opt.name, metavar=opt.metavar, choices=opt.choices,
+                       type=opt.type, default=None, help=opt.help)
     p.add_argument("--overwrite", action="store_true", help="replace an existing output (only once the new one is complete)")
     p.add_argument("--resume", action="store_true",
                    help="go on with an interrupted conversion of the same source and options (its finished "
@@ -259,9 +259,19 @@ def _csv(kind):
     return parse
 
 
+def _format_options(formats: Mapping[str, Format]) -> list[Option]:
+    """Every format's own conversion options, once each by name, in registry order."""
+    seen: dict[str, Option] = {}
+    for fmt in formats.values():
+        for opt in fmt.options:
+            seen.setdefault(opt.name, opt)
+    return list(seen.values())
+
+
 def cmd_convert(args) -> int:
     import contextlib
 
+    from packer.formats import FORMATS
     from packer.write.convert import convert
 
     if args.scheduler:
@@ -275,7 +285,7 @@ def cmd_convert(args) -> int:
             args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
             on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
             resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
-            compression=args.compression, tile=args.tile, grid=args.grid, codec=args.codec, quality=args.quality,
+            compression=args.compression, **{o.name: vars(args)[o.name] for o in _format_options(FORMATS)},
             overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
             client=client,
         )
@@ -469,7 +479,7 @@ def _bench_decoders(args) -> int:
                   f"holding full-size arrays per batch {r['packer_held']:.0f} vs {r['bare_held']:.0f} "
                   f"= {overhead['ratio_held']:.0%})", file=out)
     if args.json:
-        from packer import __version__
+        from packer._version import __version__
 
         doc = {"packer": __version__, "python": platform.python_version(), "machine": platform.machine(),
                "cpu_count": os.cpu_count(), "path": path if args.paths else None, "samples": len(samples),

@@ -162,8 +162,7 @@ def open_source(path: str | os.PathLike, limit: int | None) -> Source:
         starts = np.cumsum([s.num_samples for s in m.shards])[:-1]
         from packer.formats import get_format
 
-        own = getattr(get_format(m.format), "block_boundaries", None)
-        blocks = None if own is None else own(m)
+        blocks = get_format(m.format).block_boundaries(m)
         blocks = None if blocks is None else np.append(blocks[blocks < n], n)
         return Source(p, m.format, m.payload, "auto", np.asarray(idx.nbytes[:n], dtype=np.int64), files,
                       disk_bytes=sum(os.path.getsize(f) for f in files), cuts=tuple(int(c) for c in starts if c < n),

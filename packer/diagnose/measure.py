@@ -392,7 +392,7 @@ def describe_storage(path: str | os.PathLike) -> dict:
 def _versions() -> dict:
     from importlib import metadata
 
-    from packer import __version__
+    from packer._version import __version__
 
     out = {"packer": __version__, "python": platform.python_version()}
     for dist in ("numpy", "torch", "Pillow", "lmdb", "h5py", "PyTurboJPEG", "matplotlib"):

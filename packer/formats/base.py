@@ -1,18 +1,30 @@
-"""What every format shares: the sample handed to writers and the lazy per-process handle."""
+"""The format interface, in code: ``Format`` (what a format is), ``ShardWriter`` and ``ShardReader`` (what it
+does), ``Option`` (a conversion option only it takes), and what every format shares.
+
+A format is one module that ends with ``FORMAT = Format(...)`` (or an instance of a ``Format`` subclass
+that overrides a hook) plus one line in ``packer.formats.FORMATS``; docs/adding-a-format.md walks
+through one. Hooks have defaults, so nothing ever probes a format with ``getattr``/``hasattr``.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
 from packer.errors import PackerError
 from packer.images.resize import ResizeSpec
 
+if TYPE_CHECKING:
+    from packer.layout.manifest import Manifest, Shard
+
 H = TypeVar("H")
+Span = tuple[str, int, int]  # (file path, start byte, end byte)
 
 
 @dataclass
@@ -29,6 +41,107 @@ class PreparedSample:
     @property
     def nbytes(self) -> int:
         return len(self.payload) if isinstance(self.payload, bytes) else int(self.payload.nbytes)
+
+
+class ShardWriter(ABC):
+    """Writes one shard: ``add`` each prepared sample in order, then ``close`` (or ``abort`` on failure).
+
+    Writers may receive fewer samples than ``num_samples`` (the rest failed validation).
+    """
+
+    def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: Mapping) -> None:
+        self.directory, self.shard_id, self.planned, self.payload = Path(directory), shard_id, num_samples, payload
+
+    @abstractmethod
+    def add(self, sample: PreparedSample) -> None: ...
+
+    @abstractmethod
+    def close(self) -> tuple[list[str], dict]:
+        """Finish the shard: (its file names, relative to the directory; facts for the manifest)."""
+
+    def abort(self) -> None:
+        """Release what the writer holds after a failure (the caller removes the shard's files)."""
+
+
+class ShardReader(ABC):
+    """Reads one shard's payloads; opens nothing until its first read in the current process."""
+
+    fixed_shape: tuple[int, int, int] | None = None  # (H, W, 3) when ``read_into`` can copy a batch in bulk
+
+    @abstractmethod
+    def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def read(self, pos: int) -> Any:
+        """The payload at ``pos``: encoded bytes (or a buffer of them), or an HWC uint8 array."""
+
+    def read_many(self, positions: Sequence[int]) -> list:
+        """Payloads of ``positions``; formats override this where runs of neighbours read faster together."""
+        return [self.read(p) for p in positions]
+
+    def read_into(self, positions: Sequence[int], out: np.ndarray) -> None:
+        """Copy the payloads of ascending ``positions`` into ``out`` (only where ``fixed_shape`` is set)."""
+        raise PackerError(f"{type(self).__name__} has no fixed shape to copy batches into")
+
+    def file_spans(self, positions: Sequence[int]) -> list[list[Span]]:
+        """Per position, the byte ranges reading it touches (the sample's own bytes last), for read-ahead.
+
+        The default: none known (empty lists); read-ahead then leaves the reading to ``read``.
+        """
+        return [[] for _ in positions]
+
+    def prefetch(self, positions: Sequence[int]) -> None:
+        """Ask the kernel for these samples' files at once (formats of one file per sample); default nothing."""
+
+    def close(self) -> None:
+        """Drop this process's open files and maps."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """A conversion option only one format takes; ``packer convert --NAME`` is generated from it."""
+
+    name: str
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    type: Callable[[str], Any] = str
+
+
+@dataclass(frozen=True, eq=False)
+class Format:
+    """What a format is; subclasses override the hooks (defaults: nothing to check, exact, one unit)."""
+
+    name: str  # on the command line and in the manifest
+    dataset_class: str  # the name of its dataset class (packer.LMDBDataset, ...)
+    payloads: frozenset[str]  # "encoded" bytes and/or "raw" pixels
+    Writer: type[ShardWriter]
+    Reader: type[ShardReader]
+    default_shard_bytes: int | None = None  # the shard size cap it prefers (None: one shard)
+    compressions: frozenset[str] = frozenset()  # --compression codecs it offers for raw payloads
+    options: tuple[Option, ...] = field(default=())  # its own conversion options
+
+    def check_options(self, options: Mapping) -> None:
+        """Refuse bad format options before any work starts; default: nothing to check."""
+
+    def implied_resize(self, options: Mapping) -> str | None:
+        """A resize the format's own options imply (mosaic: ``--tile HxW``); default None."""
+        return None
+
+    def shard_multiple(self, options: Mapping) -> int:
+        """Plan shards in whole units of this many samples (mosaic: tiles per mosaic); default 1."""
+        return 1
+
+    def error_bound(self, options: Mapping) -> tuple[float, int]:
+        """(mean, max) absolute pixel error a reader may show; (0, 0): exact (the default)."""
+        return 0.0, 0
+
+    def block_boundaries(self, manifest: Manifest) -> np.ndarray | None:
+        """The format's natural blocks for the block sampler (starts, then N); default None (by bytes)."""
+        return None
 
 
 def check_addition(path, count: int, planned: int, sample: PreparedSample, shape: tuple | None) -> None:

@@ -26,14 +26,10 @@ from pathlib import Path
 import numpy as np
 
 from packer.errors import PackerError
-from packer.formats.base import PreparedSample
+from packer.formats.base import Format, PreparedSample, ShardReader, ShardWriter
 from packer.images import bmp as bmpfile
 from packer.layout.manifest import Shard
 
-NAME = "bmp"
-DATASET_CLASS = "BMPDataset"
-PAYLOADS = frozenset({"raw"})
-DEFAULT_SHARD_BYTES = 1 << 30  # a shard is a run of files of the tree: the unit a resumed conversion keeps
 TREE = "images"
 _NAME_MAX = 255
 
@@ -57,7 +53,7 @@ def bmp_name(rel_path: str) -> str:
     return "/".join([TREE, *dirs, _portable(parts[-1], rel_path, ".bmp")])
 
 
-class Writer:
+class Writer(ShardWriter):
     def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
         if payload != "raw":
             raise PackerError("the bmp format stores decoded pixels: use --payload raw")
@@ -93,7 +89,7 @@ class Writer:
                 pass
 
 
-class Reader:
+class Reader(ShardReader):
     """Reads one shard's BMP files; nothing is kept open, so fork and spawn workers need nothing special."""
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
@@ -128,3 +124,9 @@ class Reader:
 
     def close(self) -> None:
         pass
+
+
+FORMAT = Format(
+    name="bmp", dataset_class="BMPDataset", payloads=frozenset({"raw"}), Writer=Writer, Reader=Reader,
+    default_shard_bytes=1 << 30,  # a shard is a run of files of the tree: the unit a resumed conversion keeps
+)

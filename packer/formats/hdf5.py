@@ -50,11 +50,14 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from packer import __version__
+from packer._version import __version__
 from packer.errors import PackerError
 from packer.formats.base import (
+    Format,
     LazyHandle,
     PreparedSample,
+    ShardReader,
+    ShardWriter,
     check_addition,
     check_offsets,
     contiguous_runs,
@@ -64,11 +67,6 @@ from packer.formats.base import (
 )
 from packer.layout.manifest import Shard
 
-NAME = "hdf5"
-DATASET_CLASS = "HDF5Dataset"
-PAYLOADS = frozenset({"encoded", "raw"})
-COMPRESSIONS = frozenset({"lzf", "gzip"})
-DEFAULT_SHARD_BYTES = None
 _BLOB_CHUNK = 1 << 20
 _BLOB_CHUNK_COMPRESSED = 256 << 10
 _WRITE_BYTES = 16 << 20  # buffer this much before each write call
@@ -88,7 +86,7 @@ def shard_name(shard_id: int) -> str:
     return f"shard-{shard_id:05d}.h5"
 
 
-class Writer:
+class Writer(ShardWriter):
     def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
         self.name = shard_name(shard_id)
         self.path = directory / self.name
@@ -177,7 +175,7 @@ class Writer:
             "int64 [N]: class index of image i (-1: no class); class names are in the packer "
             "dataset's manifest.json, source paths in its meta/")
         f.attrs.update({
-            "packer_format": NAME,
+            "packer_format": "hdf5",
             "packer_version": __version__,
             "payload": self.payload,
             "layout": layout,
@@ -214,7 +212,7 @@ class _Open:
     shapes: np.ndarray | None
 
 
-class Reader:
+class Reader(ShardReader):
     """Reads one shard file; h5py opens it lazily in each process, read-only, without locking.
 
     ``access="random"`` turns the kernel's read-ahead off for the file (``POSIX_FADV_RANDOM`` on
@@ -341,3 +339,10 @@ class Reader:
 
     def close(self) -> None:
         self._h.close(lambda h: h.file.close())
+
+
+FORMAT = Format(
+    name="hdf5", dataset_class="HDF5Dataset", payloads=frozenset({"encoded", "raw"}), Writer=Writer, Reader=Reader,
+    default_shard_bytes=None,
+    compressions=frozenset({"lzf", "gzip"}),
+)

@@ -40,8 +40,11 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.formats.base import (
+    Format,
     LazyHandle,
     PreparedSample,
+    ShardReader,
+    ShardWriter,
     check_addition,
     check_offsets,
     copy_runs,
@@ -50,11 +53,6 @@ from packer.formats.base import (
 )
 from packer.layout.manifest import Shard
 from packer.layout.trust import npy_header
-
-NAME = "memmap"
-DATASET_CLASS = "MemmapDataset"
-PAYLOADS = frozenset({"encoded", "raw"})
-DEFAULT_SHARD_BYTES = None
 
 
 def shard_stem(shard_id: int) -> str:
@@ -68,7 +66,7 @@ def _npy_header(shape: tuple[int, ...], dtype: str) -> bytes:
     return buf.getvalue()
 
 
-class Writer:
+class Writer(ShardWriter):
     def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
         self.directory = directory
         stem = shard_stem(shard_id)
@@ -156,7 +154,7 @@ class _Maps:
     start: int  # where the data begin in the file (the .npy header's length)
 
 
-class Reader:
+class Reader(ShardReader):
     """Reads one shard through read-only memory maps, opened lazily in each process."""
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
@@ -220,3 +218,9 @@ class Reader:
 
     def close(self) -> None:
         self._maps.close()  # the mappings go when the last view of them does
+
+
+FORMAT = Format(
+    name="memmap", dataset_class="MemmapDataset", payloads=frozenset({"encoded", "raw"}), Writer=Writer, Reader=Reader,
+    default_shard_bytes=None,
+)

@@ -37,17 +37,13 @@ import numpy as np
 from PIL import Image
 
 from packer.errors import PackerError
-from packer.formats.base import PreparedSample
+from packer.formats.base import Format, Option, PreparedSample, ShardReader, ShardWriter
 from packer.images import bmp as bmpfile
 from packer.images import jpegtiles
 from packer.images.decode import decode, turbojpeg_handle
+from packer.images.resize import ResizeSpec
 from packer.layout.manifest import Manifest, Shard
 
-NAME = "mosaic"
-DATASET_CLASS = "MosaicDataset"
-PAYLOADS = frozenset({"raw"})
-OPTIONS = ("tile", "grid", "codec", "quality")  # ConvertOptions fields only this format takes
-DEFAULT_SHARD_BYTES = 1 << 30  # resume granularity of a long conversion; shards hold whole mosaics
 CODECS = ("bmp", "png", "jpeg")
 DEFAULT_CODEC = "bmp"
 EXTENSIONS = {"bmp": "bmp", "png": "png", "jpeg": "jpg"}
@@ -128,16 +124,6 @@ def geometry(options: Mapping) -> Geometry:
     return Geometry(th, tw, rows, cols, codec, quality)
 
 
-def check_options(options: Mapping) -> None:
-    """Called by ConvertOptions.check(): refuse a bad layout before any work starts."""
-    geometry(options)
-
-
-def shard_multiple(options: Mapping) -> int:
-    """Tiles per mosaic: convert plans shards of whole mosaics, so only a shard's last one is partly filled."""
-    return geometry(options).cells
-
-
 def error_bound(options: Mapping) -> tuple[float, int]:
     """(mean, max) absolute pixel error a reader may show against the resize pipeline's output; (0, 0): exact.
 
@@ -171,7 +157,7 @@ def dataset_blocks(manifest: Manifest) -> list[tuple[int, int]]:
 def block_boundaries(manifest: Manifest) -> np.ndarray:
     """Where each mosaic starts, then the sample count: the block sampler's ``blocks`` (one mosaic each).
 
-    ``MosaicDataset.block_boundaries()`` returns this, so ``packer.read.sampler`` picks it up by itself.
+    ``MosaicDataset.block_boundaries()`` returns this (through ``FORMAT``), so the block sampler uses it.
     """
     starts = [a for a, _b in dataset_blocks(manifest)]
     return np.asarray(starts + [manifest.num_samples], dtype=np.int64)
@@ -195,7 +181,7 @@ def expected_intervals(geom: Geometry, count: int) -> int:
     return geom.shape(count)[0] // 8 * geom.cols
 
 
-class Writer:
+class Writer(ShardWriter):
     """Fills one mosaic at a time; writes it when full, and the last one, cut after its last row, on close."""
 
     def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
@@ -280,7 +266,7 @@ def _geometry_from_facts(shard: Shard, where: Path) -> Geometry:
     return geom
 
 
-class Reader:
+class Reader(ShardReader):
     """Reads tiles of one shard's mosaics.
 
     ``tile_read``: ``region`` (bmp: read only the tile's bytes from a memory map), ``segments``
@@ -458,3 +444,43 @@ class Reader:
 
     def close(self) -> None:
         self._reset()
+
+
+class MosaicFormat(Format):
+    """Mosaic's hooks: its layout options are checked up front, shards hold whole mosaics, jpeg is lossy."""
+
+    def check_options(self, options: Mapping) -> None:
+        tile, resize = options.get("tile"), options.get("resize")
+        if tile is not None and resize is not None and \
+                ResizeSpec.parse(tile).fixed_shape != ResizeSpec.parse(resize).fixed_shape:
+            raise PackerError(f"--tile {tile} already sets the size; drop --resize {resize}")
+        geometry(options)
+
+    def implied_resize(self, options: Mapping) -> str | None:
+        return options.get("tile")
+
+    def shard_multiple(self, options: Mapping) -> int:
+        """Tiles per mosaic: shards of whole mosaics, so only a shard's last one is partly filled."""
+        return geometry(options).cells
+
+    def error_bound(self, options: Mapping) -> tuple[float, int]:
+        return error_bound(options)
+
+    def block_boundaries(self, manifest: Manifest) -> np.ndarray:
+        return block_boundaries(manifest)
+
+
+FORMAT = MosaicFormat(
+    name="mosaic", dataset_class="MosaicDataset", payloads=frozenset({"raw"}), Writer=Writer, Reader=Reader,
+    default_shard_bytes=1 << 30,  # resume granularity of a long conversion; shards hold whole mosaics
+    options=(
+        Option("tile", "mosaic: the size every image is resized to (stretched, or letterboxed with "
+               "--resize-mode fit); required for --to mosaic", metavar="HxW"),
+        Option("grid", "mosaic: tiles per mosaic, rows x columns (default: about 16 MB decoded per mosaic, "
+               "e.g. 11x10 for 224x224 tiles)", metavar="RxC"),
+        Option("codec", "mosaic file codec: bmp (default; lossless, a tile is read without decoding the rest), "
+               "png (lossless, smaller, whole mosaics decoded), jpeg (lossy, smallest; tiles multiples of 16 px)",
+               choices=CODECS),
+        Option("quality", "mosaic jpeg quality 1-100 (default 95)", type=int),
+    ),
+)

@@ -141,3 +141,13 @@ def shard_starts(counts: list[int]) -> np.ndarray:
     starts = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
     return starts
+
+
+def normalize_index(i: int, n: int) -> int:
+    """``i`` as a position in ``range(n)``, negative counting from the end, like a list; else IndexError."""
+    i = int(i)
+    if i < 0:
+        i += n
+    if not 0 <= i < n:
+        raise IndexError(f"sample index {i} out of range for a dataset of {n}")
+    return i

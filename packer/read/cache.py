@@ -45,7 +45,7 @@ from torch.utils.data import Dataset
 
 from packer import sysinfo
 from packer.errors import PackerError
-from packer.read.dataset import normalize_index
+from packer.layout.index import normalize_index
 from packer.units import human_bytes
 
 MODES = ("ram", "ram-decoded")

@@ -23,9 +23,10 @@ from torch.utils.data import Dataset, get_worker_info
 from packer import sysinfo
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
+from packer.formats.base import Format
 from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
 from packer.images.headers import image_size
-from packer.layout.index import Index, shard_starts
+from packer.layout.index import Index, normalize_index, shard_starts
 from packer.layout.manifest import Manifest, read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
 from packer.read import readahead
@@ -62,16 +63,6 @@ def _beyond_pixel_limit(pixels):
 def _file_order(idx: Sequence[int]) -> list[int]:
     """Positions of ``idx`` sorted by sample index (file order; ties keep their order), as prefetch plans them."""
     return sorted(range(len(idx)), key=idx.__getitem__)
-
-
-def normalize_index(i: int, n: int) -> int:
-    """``i`` as a position in ``range(n)``, negative counting from the end, like a list; else IndexError."""
-    i = int(i)
-    if i < 0:
-        i += n
-    if not 0 <= i < n:
-        raise IndexError(f"sample index {i} out of range for a dataset of {n}")
-    return i
 
 
 class PackedDataset(Dataset):
@@ -221,13 +212,14 @@ class PackedDataset(Dataset):
             reader = self._readers[shard]
             positions = (ordered[shard_of == shard] - self._starts[shard]).tolist()
             with reading(self._where(shard)):
-                if hasattr(reader, "file_spans"):
-                    requests.extend(reader.file_spans(positions))
-                    continue
-                if hasattr(reader, "prefetch"):
-                    reader.prefetch(positions)
-            requests.extend([] for _ in positions)
+                reader.prefetch(positions)  # formats of one file per sample: the kernel reads them all at once
+                requests.extend(reader.file_spans(positions))  # the others: byte ranges for the read-ahead thread
         return readahead.start(requests, later=self._new_blocks(ordered))
+
+    def block_boundaries(self) -> np.ndarray | None:
+        """Sample indices where the format's natural blocks start (mosaic: one per mosaic), then len(self);
+        None for formats without any (the block sampler then makes blocks by bytes)."""
+        return get_format(self.manifest.format).block_boundaries(self.manifest)
 
     def read_ahead_blocks(self, bounds: Sequence[int] | None) -> None:
         """Read whole blocks ahead: samples are read block by block (``bounds`` as ``BlockShuffleSampler``'s).
@@ -258,7 +250,7 @@ class PackedDataset(Dataset):
             first, last = int(self._blocks[b]), int(self._blocks[b + 1]) - 1
             shard, a = self.locate(first)
             reader = self._readers[shard]
-            if self.locate(last)[0] != shard or not hasattr(reader, "file_spans"):
+            if self.locate(last)[0] != shard:
                 continue
             ends = [r[-1] for r in reader.file_spans([a, a + last - first]) if r]  # the payload's range is last
             if len(ends) == 2 and ends[0][0] == ends[1][0]:
@@ -418,7 +410,7 @@ class PackedDataset(Dataset):
     @property
     def fixed_shape(self) -> tuple[int, int, int] | None:
         """(H, W, 3) when every shard stores one shape its reader can copy in bulk, else None."""
-        shapes = {getattr(r, "fixed_shape", None) for r in self._readers}
+        shapes = {r.fixed_shape for r in self._readers}
         return shapes.pop() if len(shapes) == 1 and None not in shapes else None
 
     def get_batch(
@@ -561,29 +553,31 @@ class BatchView(Dataset):
         return self.dataset.get_batch(indices, layout=self.layout, sort=True)
 
 
-def _format_dataset_class(fmt_name: str, class_name: str) -> type[PackedDataset]:
-    attrs: dict[str, Any] = {
-        "FORMAT": fmt_name,
-        "__doc__": f"A packed dataset of format {fmt_name!r} (see PackedDataset).",
+def _format_dataset_class(fmt: Format) -> type[PackedDataset]:
+    """The dataset class of one format (``LMDBDataset``, ...): PackedDataset that opens only that format."""
+    cls = type(fmt.dataset_class, (PackedDataset,), {
+        "FORMAT": fmt.name,
+        "__doc__": f"A packed dataset of format {fmt.name!r} (see PackedDataset).",
         "__module__": __name__,
-    }
-    hook = getattr(FORMATS[fmt_name], "block_boundaries", None)
-    if hook is not None:  # the format's natural blocks (mosaic: one per mosaic), used by packer.read.sampler
-
-        def block_boundaries(self) -> np.ndarray:
-            """Sample indices where the format's natural blocks start, then len(self)."""
-            return hook(self.manifest)
-
-        attrs["block_boundaries"] = block_boundaries
-    cls = type(class_name, (PackedDataset,), attrs)
-    cls.__qualname__ = class_name
+    })
+    cls.__qualname__ = fmt.dataset_class
     return cls
 
 
-DATASET_CLASSES: dict[str, type[PackedDataset]] = {
-    name: _format_dataset_class(name, module.DATASET_CLASS) for name, module in FORMATS.items()
-}
-globals().update({cls.__name__: cls for cls in DATASET_CLASSES.values()})
+# format name -> its dataset class; the built-in formats' now, a registered one's on first use (dataset_class)
+DATASET_CLASSES: dict[str, type[PackedDataset]] = {name: _format_dataset_class(fmt) for name, fmt in FORMATS.items()}
+globals().update({cls.__name__: cls for cls in DATASET_CLASSES.values()})  # pickled by reference: module globals
+
+
+def dataset_class(name: str, where: object = "dataset") -> type[PackedDataset]:
+    """The dataset class of format ``name``, made on first use for a format registered after import."""
+    cls = DATASET_CLASSES.get(name)
+    if cls is None:
+        if name not in FORMATS:
+            raise PackerError(f"{where}: format {name!r} is unknown to this packer ({', '.join(FORMATS)})")
+        cls = DATASET_CLASSES[name] = _format_dataset_class(FORMATS[name])
+        globals()[cls.__name__] = cls
+    return cls
 
 
 def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_options: dict | None = None,
@@ -595,10 +589,7 @@ def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_option
     for all DataLoader workers.
     """
     manifest = read_manifest(path)
-    cls = DATASET_CLASSES.get(manifest.format)
-    if cls is None:
-        raise PackerError(f"{path}: format {manifest.format!r} is unknown to this packer ({', '.join(FORMATS)})")
-    ds = cls(path, **kwargs)
+    ds = dataset_class(manifest.format, path)(path, **kwargs)
     if cache is None:
         return ds
     from packer.read.cache import CachedDataset

@@ -43,6 +43,7 @@ import numpy as np
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, Sampler
 
+from packer._random import raw_draws, stable_permutation
 from packer.errors import PackerError
 from packer.layout.index import shard_starts
 
@@ -52,18 +53,6 @@ DEFAULT_RUN = 16  # neighbours read together: ~1.8 MB reads of ImageNet JPEGs; s
 
 
 # ------------------------------------------------------------------ random numbers
-
-
-def _raw(seed: int, *keys: int, n: int) -> np.ndarray:
-    """``n`` uint64 draws from PCG64 seeded by (seed, *keys): stable across numpy versions."""
-    if seed < 0 or any(k < 0 for k in keys):
-        raise PackerError(f"seed and epoch must be non-negative integers, got seed={seed}, {keys}")
-    return np.random.PCG64(np.random.SeedSequence([int(seed), *map(int, keys)])).random_raw(n)
-
-
-def stable_permutation(n: int, seed: int, *keys: int) -> np.ndarray:
-    """A random permutation of ``range(n)`` that depends only on (seed, *keys), not on numpy's version."""
-    return np.argsort(_raw(seed, *keys, n=n), kind="stable")
 
 
 # ------------------------------------------------------------------ blocks
@@ -112,8 +101,9 @@ def dataset_boundaries(dataset: Any, block_bytes: int | None = None, blocks: Seq
     if blocks is not None:
         return check_boundaries(blocks, n)
     own = getattr(dataset, "block_boundaries", None)
-    if block_bytes is None and callable(own):
-        return check_boundaries(own(), n)
+    bounds = own() if block_bytes is None and callable(own) else None
+    if bounds is not None:
+        return check_boundaries(bounds, n)
     index = getattr(dataset, "index", None)
     if index is None or not hasattr(index, "nbytes"):
         raise PackerError(
@@ -152,7 +142,7 @@ def rank_order(
         offset = np.arange(n) - np.repeat(np.concatenate(([0], np.cumsum(psizes)[:-1])), psizes)  # inside block
         seq = np.repeat(bounds[:-1][perm], psizes) + offset  # the blocks end to end, in permuted order
         # runs of `run` neighbours, cut at a random phase per block and epoch: the units shuffled below
-        phase = np.repeat((_raw(seed, epoch, 2, n=nb) % np.uint64(run)).astype(np.int64), psizes)
+        phase = np.repeat((raw_draws(seed, epoch, 2, n=nb) % np.uint64(run)).astype(np.int64), psizes)
         unit = np.cumsum((offset == 0) | ((offset + phase) % run == 0)) - 1
     if drop_last:
         per_rank = n // num_replicas
@@ -169,7 +159,7 @@ def rank_order(
     window = max(1, round(open_blocks * n / nb))
     if batch_size:
         window = max(batch_size, round(window / batch_size) * batch_size)
-    keys = _raw(seed, epoch, 1, rank, num_replicas, n=int(unit[-1]) + 1)[mine_unit]
+    keys = raw_draws(seed, epoch, 1, rank, num_replicas, n=int(unit[-1]) + 1)[mine_unit]
     order = np.lexsort((np.arange(per_rank), keys, np.arange(per_rank) // window))
     return mine[order].astype(np.int64)
 

@@ -119,9 +119,9 @@ def _check_against(ds, src: Path, report: Report, progress: bool) -> None:
         report.problems.append(f"classes differ: dataset {ds.classes[:5]}..., source {scan.classes[:5]}...")
     packed = {p: i for i, p in enumerate(ds.index.rel_paths())}
     raw = ds.manifest.payload == "raw"
-    options = ConvertOptions(**{**ds.manifest.options, "decoder": "pil"})  # the reference decode
-    error_bound = getattr(get_format(ds.manifest.format), "error_bound", lambda _options: (0.0, 0))
-    mean_bound, max_bound = error_bound(ds.manifest.options)  # (0, 0) unless the format is lossy (jpeg mosaics)
+    options = ConvertOptions.from_record({**ds.manifest.options, "decoder": "pil"}, ds.root)  # the reference decode
+    # (0, 0) unless the format is lossy (jpeg mosaics)
+    mean_bound, max_bound = get_format(ds.manifest.format).error_bound(ds.manifest.options)
     for rel, label in tqdm(list(zip(scan.rel_paths, scan.labels.tolist())), unit="img", desc="verifying",
                            disable=not progress):
         i = packed.get(rel)

@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from packer import __version__
+from packer._version import __version__
 from packer.errors import PackerError
 from packer.formats import get_format
 from packer.write.journal import ShardResult, record_shard
@@ -147,7 +147,7 @@ def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str,
         if not path.is_dir():
             return {"kind": "input", "error": f"worker {host} cannot see the {what} folder {path}: the source "
                     "and the output must be on storage shared by the driver and every worker, under the same path"}
-    opts = ConvertOptions(**options)
+    opts = ConvertOptions.from_record(options)
     fmt = get_format(opts.format)
     staging = part / STAGING_DIR / f"{shard_id:05d}-{uuid.uuid4().hex}"
     try:
@@ -187,12 +187,10 @@ def build_shards(client: Any, scan: ScanResult, partial: Path, ranges: list[tupl
                  done: dict[int, ShardResult], options: Any, on_error: str, progress: bool) -> dict[int, ShardResult]:
     """Write every shard not yet done on the cluster; returns all shards' results, checked against the plan."""
     distributed = _require_dask()
-    from dataclasses import asdict
-
     from packer.write.convert import ShardWriteError, _progress
 
     root = os.path.abspath(scan.root)
-    opts = asdict(options)
+    opts = {**options.record(), "decoder": options.decoder}
     todo = [sid for sid in range(len(ranges)) if sid not in done]
     token = uuid.uuid4().hex
     threads = _worker_threads(client)

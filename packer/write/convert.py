@@ -25,15 +25,15 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Literal
 
 import numpy as np
 
-from packer import __version__
+from packer._random import stable_permutation
+from packer._version import __version__
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
-from packer.formats.base import PreparedSample
+from packer.formats.base import Format, PreparedSample
 from packer.images.decode import DecodeError, decode
 from packer.images.headers import image_size
 from packer.images.resize import ResizeSpec
@@ -67,7 +67,7 @@ _RING_BYTES = 256 << 20  # at most this much shared ring for payloads from forke
 
 @dataclass
 class ConvertOptions:
-    """Everything that decides the bytes of the output (recorded in the manifest)."""
+    """Everything that decides the bytes of the output (recorded in the manifest, see ``record``)."""
 
     format: str = "lmdb"
     payload: str = "encoded"
@@ -76,45 +76,52 @@ class ConvertOptions:
     resize: str | None = None  # "S" or "HxW" (raw payloads only; lossy, explicit)
     resize_mode: str = "stretch"  # for HxW: stretch, or fit (keep aspect, pad)
     upscale: bool = False
-    compression: str | None = None  # lzf or gzip, raw payloads in formats that offer it (hdf5)
+    compression: str | None = None  # a codec of the format's ``compressions`` (hdf5: lzf, gzip), raw payloads only
     decoder: str = "auto"
     order: Order = DEFAULT_ORDER  # sample order in the dataset: a seeded shuffle, or the scan's (ImageFolder's)
     seed: int = 0  # of the shuffled order
-    tile: str | None = None  # mosaic: "HxW" every image is resized to (implies --resize HxW)
-    grid: str | None = None  # mosaic: "RxC" tiles per mosaic (None: about 16 MB decoded)
-    codec: str | None = None  # mosaic: bmp (default), png or jpeg (lossy)
-    quality: int | None = None  # mosaic jpeg quality (default 95)
+    extra: dict[str, Any] = field(default_factory=dict)  # the format's own options (Format.options), by name
+
+    def record(self) -> dict[str, Any]:
+        """The options as the manifest and the journal record them: flat, the format's own by name, no decoder."""
+        common = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("decoder", "extra")}
+        return {**common, **{o.name: self.extra.get(o.name) for o in get_format(self.format).options}}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], where: object = "manifest") -> ConvertOptions:
+        """The options a manifest recorded (``record``'s inverse, ``decoder`` allowed); unknown non-empty entries
+        are refused (old manifests list every format's options, empty where not given)."""
+        common = {f.name for f in fields(cls)} - {"extra"}
+        fmt = get_format(str(record.get("format")))
+        own = {o.name for o in fmt.options}
+        unknown = sorted(k for k, v in record.items() if k not in common | own and v is not None)
+        if unknown:
+            raise PackerError(f"{where}: unknown conversion option(s) {', '.join(unknown)}")
+        return cls(**{k: v for k, v in record.items() if k in common},
+                   extra={k: v for k, v in record.items() if k in own})
 
     @property
     def resize_spec(self) -> ResizeSpec | None:
-        return ResizeSpec.parse(self.tile or self.resize, self.resize_mode, self.upscale)
+        size = self.resize or get_format(self.format).implied_resize(self.record())
+        return ResizeSpec.parse(size, self.resize_mode, self.upscale)
 
     def check(self) -> None:
         fmt = get_format(self.format)
         if self.payload not in PAYLOADS:
             raise PackerError(f"unknown payload {self.payload!r} (choose from {', '.join(PAYLOADS)})")
-        if self.payload not in fmt.PAYLOADS:
-            raise PackerError(f"format {self.format!r} stores only {', '.join(sorted(fmt.PAYLOADS))} payloads")
-        if hasattr(fmt, "check_options"):
-            fmt.check_options(asdict(self))
+        if self.payload not in fmt.payloads:
+            raise PackerError(f"format {self.format!r} stores only {', '.join(sorted(fmt.payloads))} payloads")
+        fmt.check_options(self.record())
         if self.validate not in ("full", "header", "none"):
             raise PackerError(f"unknown validation level {self.validate!r} (choose full, header or none)")
         if self.shard_bytes is not None and self.shard_bytes <= 0:
             raise PackerError("shard size must be positive")
-        for name, module in FORMATS.items():  # format-specific options (e.g. mosaic's --tile) stay with their format
-            for key in getattr(module, "OPTIONS", ()):
-                if name != self.format and getattr(self, key) is not None:
-                    raise PackerError(f"--{key} is an option of --to {name} only")
         if self.resize_spec is not None and self.payload != "raw":
             raise PackerError("--resize changes pixels, so it needs --payload raw (encoded payloads keep the source bytes)")
-        if self.tile is not None and self.resize is not None and \
-                ResizeSpec.parse(self.tile).fixed_shape != ResizeSpec.parse(self.resize).fixed_shape:
-            raise PackerError(f"--tile {self.tile} already sets the size; drop --resize {self.resize}")
         if self.compression is not None:
-            offered = getattr(fmt, "COMPRESSIONS", frozenset())
-            if self.compression not in offered:
+            if self.compression not in fmt.compressions:
                 raise PackerError(f"--compression {self.compression}: format {self.format!r} offers "
-                                  f"{', '.join(sorted(offered)) or 'no compression'}")
+                                  f"{', '.join(sorted(fmt.compressions)) or 'no compression'}")
             if self.payload != "raw":
                 raise PackerError("--compression applies to raw payloads only: encoded JPEG/PNG bytes are "
                                   "already compressed and would not shrink (use --payload raw, or drop --compression)")
@@ -125,17 +132,24 @@ class ConvertOptions:
 
 
 def make_options(to: str, **given: Any) -> ConvertOptions:
-    """ConvertOptions for format ``to`` from keyword fields, refusing unknown names."""
-    known = {f.name for f in fields(ConvertOptions)} - {"format"}
-    unknown = sorted(set(given) - known)
-    if unknown:
-        raise PackerError(f"unknown conversion option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    """ConvertOptions for format ``to`` from keyword fields and the format's own options, refusing unknown names."""
+    fmt = get_format(to)
+    common = {f.name for f in fields(ConvertOptions)} - {"format", "extra"}
+    own = {o.name: o for o in fmt.options}
+    others = {o.name: f.name for f in FORMATS.values() if f is not fmt for o in f.options}
+    for key in sorted(set(given) - common - set(own)):
+        if key in others:
+            if given[key] is None:
+                continue
+            raise PackerError(f"--{key} is an option of --to {others[key]} only")
+        known = ", ".join(sorted(common | set(own)))
+        raise PackerError(f"unknown conversion option {key!r} for --to {to} (known: {known})")
     if given.get("payload") is None:
-        given["payload"] = "encoded" if "encoded" in get_format(to).PAYLOADS else "raw"
-    for key in ("resize", "tile", "grid"):  # sizes may come as numbers (resize=256)
-        if given.get(key) is not None:
-            given[key] = str(given[key])
-    return ConvertOptions(format=to, **given)
+        given["payload"] = "encoded" if "encoded" in fmt.payloads else "raw"
+    if given.get("resize") is not None:  # sizes may come as numbers (resize=256)
+        given["resize"] = str(given["resize"])
+    extra = {k: (str(v) if own[k].type is str and v is not None else v) for k, v in given.items() if k in own}
+    return ConvertOptions(format=to, extra=extra, **{k: v for k, v in given.items() if k in common})
 
 
 @dataclass
@@ -297,9 +311,8 @@ def plan_shards(num_files: int, mean_bytes: float, shard_bytes: int | None, mult
 
 
 def shard_multiple(options: ConvertOptions) -> int:
-    """The format's natural unit of samples per shard (``shard_multiple(options)`` hook), else 1."""
-    hook = getattr(get_format(options.format), "shard_multiple", None)
-    return int(hook(asdict(options))) if hook is not None else 1
+    """The format's natural unit of samples per shard (1 for most; mosaic: tiles per mosaic)."""
+    return int(get_format(options.format).shard_multiple(options.record()))
 
 
 def apply_order(scan: ScanResult, order: str, seed: int) -> ScanResult:
@@ -310,8 +323,6 @@ def apply_order(scan: ScanResult, order: str, seed: int) -> ScanResult:
     """
     if order == "source":
         return scan
-    from packer.read.sampler import stable_permutation
-
     perm = stable_permutation(len(scan), seed)
     return replace(scan, rel_paths=[scan.rel_paths[i] for i in perm], labels=scan.labels[perm])
 
@@ -404,7 +415,7 @@ def convert(
         raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
     fmt = get_format(to)
     if options.shard_bytes is None:
-        options.shard_bytes = fmt.DEFAULT_SHARD_BYTES
+        options.shard_bytes = fmt.default_shard_bytes
     workers = os.cpu_count() or 1 if workers is None else workers
 
     started = time.perf_counter()
@@ -446,7 +457,7 @@ def convert(
 
 def _load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: ConvertOptions, resume: bool) -> dict:
     """The shard plan: the journaled one when resuming, else a new one (written before any shard)."""
-    recorded = {k: v for k, v in asdict(options).items() if k != "decoder"}
+    recorded = options.record()
     digest = scan_digest(scan)
     if partial.exists():
         if not resume:
@@ -480,13 +491,13 @@ class ShardWriteError(PackerError):
 
 def write_shard(
     partial: Path, shard_id: int, planned: int, samples: Iterable[PreparedSample | SourceError],
-    fmt: ModuleType, options: ConvertOptions, on_error: str, root: Path,
+    fmt: Format, options: ConvertOptions, on_error: str, root: Path,
     on_each: Callable[[PreparedSample | SourceError], None] | None = None,
 ) -> tuple[ShardResult, list[str]]:
     """Write one shard from its prepared samples (in order); returns its metadata and file names."""
     result = ShardResult(shard_id, Shard(num_samples=0, files=[]))
     try:
-        writer = fmt.Writer(partial, shard_id, planned, options.payload, asdict(options))
+        writer = fmt.Writer(partial, shard_id, planned, options.payload, options.record())
     except OSError as exc:
         raise ShardWriteError(f"cannot create shard {shard_id} ({exc})") from exc
     try:
@@ -597,7 +608,7 @@ def _finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult
         classes=list(scan.classes),
         shards=[r.shard for r in shards],
         meta_files=meta_files,
-        options={k: v for k, v in asdict(options).items() if k != "decoder"},
+        options=options.record(),
         num_errors=len(errors),
         source=str(scan.root),
         created_by=f"packer {__version__}",

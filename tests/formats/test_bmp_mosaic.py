@@ -20,6 +20,7 @@ from packer.formats import bmp as bmp_format
 from packer.formats import mosaic
 from packer.images import bmp as bmpfile
 from packer.images.resize import ResizeSpec
+from packer.layout.index import shard_starts
 from packer.layout.manifest import read_manifest
 from packer.read import readahead
 from packer.tools.verify import verify
@@ -465,7 +466,7 @@ def test_mutated_jpeg_mosaic_tiles_read_or_raise_packer_error(src, tmp_path):
 
 
 def test_shards_hold_whole_mosaics_and_the_sampler_reads_one_mosaic_per_block(src, tmp_path):
-    from packer.read.sampler import BlockShuffleSampler
+    from packer.read.sampler import BlockShuffleSampler, block_boundaries
 
     # 16x16 tiles are 768 bytes: a 6-tile shard cap rounds down to whole 2x2 mosaics of 4.
     out = convert(src, tmp_path / "s.mosaic", to="mosaic", tile="16x16", grid="2x2", shard_bytes=768 * 6, workers=0,
@@ -478,8 +479,10 @@ def test_shards_hold_whole_mosaics_and_the_sampler_reads_one_mosaic_per_block(sr
     sampler = BlockShuffleSampler(ds, seed=3)
     assert sampler.bounds.tolist() == [0, 4, 8, 12, 14]  # picked up by itself: one mosaic per block
     assert sorted(sampler) == list(range(len(ds)))
-    assert not hasattr(open_dataset(convert(src, tmp_path / "b.bmp", to="bmp", workers=0, progress=False).output),
-                       "block_boundaries")  # formats without natural blocks: the sampler cuts by bytes
+    bmp = open_dataset(convert(src, tmp_path / "b.bmp", to="bmp", workers=0, progress=False).output)
+    assert bmp.block_boundaries() is None  # formats without natural blocks: the sampler cuts by bytes
+    assert BlockShuffleSampler(bmp, block_bytes=20_000).bounds.tolist() == \
+        block_boundaries(bmp.index.nbytes, 20_000, shard_starts([s.num_samples for s in bmp.manifest.shards])[1:-1]).tolist()
 
 
 @pytest.mark.slow

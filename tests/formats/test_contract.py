@@ -2,7 +2,7 @@
 
 One test body per property, parametrized over FORMATS x payloads: adding a format adds its
 cases here without a line of test code. Formats that are lossy by design declare
-``MAX_ABS_ERROR`` (largest allowed pixel difference) in their module.
+it through ``Format.error_bound`` (largest allowed pixel difference).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ FORMAT_OPTIONS: dict[str, dict] = {"mosaic": {"tile": "32x48"}}
 
 def cases():
     for name, module in FORMATS.items():
-        for payload in sorted(module.PAYLOADS):
+        for payload in sorted(module.payloads):
             yield pytest.param((name, payload, None), id=f"{name}-{payload}")
             if payload == "raw":
                 yield pytest.param((name, payload, "24x32"), id=f"{name}-{payload}-24x32")
@@ -59,10 +59,7 @@ def packed(request, imagefolder, packed_cache, tmp_path_factory):
 
 
 def _max_error(name: str, options: dict) -> int:
-    module = FORMATS[name]
-    if hasattr(module, "error_bound"):  # lossy depending on options (mosaic: codec jpeg and its quality)
-        return int(module.error_bound(options)[1])
-    return int(getattr(module, "MAX_ABS_ERROR", 0))
+    return int(FORMATS[name].error_bound(options)[1])  # lossy depending on options (mosaic: codec jpeg)
 
 
 def test_round_trip_bytes_and_pixels(packed, imagefolder):
@@ -83,7 +80,7 @@ def test_round_trip_bytes_and_pixels(packed, imagefolder):
 
             assert np.array_equal(img, decode_pil(source))  # exactly what Pillow decodes
         else:
-            ref = prepare(imagefolder, rel, label, ConvertOptions(**{**ds.manifest.options, "decoder": "pil"}))
+            ref = prepare(imagefolder, rel, label, ConvertOptions.from_record({**ds.manifest.options, "decoder": "pil"}))
             assert img.shape == ref.payload.shape
             diff = np.abs(img.astype(np.int16) - ref.payload.astype(np.int16)).max()
             assert diff <= _max_error(name, ds.manifest.options), f"{rel}: max pixel error {diff}"

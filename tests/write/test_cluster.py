@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import json
 import os
@@ -279,7 +278,7 @@ def test_a_worker_that_cannot_see_the_folders_says_so(source, tmp_path):
     from packer.write.cluster import convert_shard
     from packer.write.convert import ConvertOptions
 
-    opts = dataclasses.asdict(ConvertOptions())
+    opts = ConvertOptions().record()
     reply = convert_shard(str(source), str(tmp_path / "missing.partial"), 0, [("class_0/img_000.jpg", 0)], opts,
                           "skip", __version__)
     assert reply["kind"] == "input" and "shared by the driver and every worker" in reply["error"]

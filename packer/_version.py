@@ -1,0 +1,3 @@
+"""The version of packer, in one place (read by packer/__init__.py and the build)."""
+
+__version__ = "0.1.0"
