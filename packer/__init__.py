@@ -29,7 +29,7 @@ def _dataset_class_names() -> list[str]:
     """The per-format dataset classes (LMDBDataset, ...): one per registered format."""
     from packer.formats import FORMATS
 
-    return [fmt.DATASET_CLASS for fmt in FORMATS.values()]
+    return [fmt.dataset_class for fmt in FORMATS.values()]
 
 
 def __getattr__(name: str) -> Any:

@@ -119,3 +119,18 @@ def test_help_and_info_do_not_import_torch(argv, tmp_path):
     res = subprocess.run([sys.executable, "-c", code, *(a.format(ds=ds) for a in argv)], capture_output=True,
                          text=True, cwd=PACKAGE.parent, timeout=120)
     assert res.stdout.strip().splitlines()[-1] == "NO-TORCH", res.stdout + res.stderr
+
+
+def test_every_public_name_resolves_and_stays_lazy():
+    """``packer.X`` for every name in ``__all__`` loads its module on first use; importing packer loads none."""
+    code = ("import sys, packer\n"
+            "assert 'packer.read.dataset' not in sys.modules and 'torch' not in sys.modules\n"
+            "names = packer.__all__\n"
+            "assert {'convert', 'open_dataset', 'LMDBDataset', 'MosaicDataset', 'BlockShuffleSampler'} <= set(names)\n"
+            "missing = [n for n in names if getattr(packer, n, None) is None]\n"
+            "assert not missing, missing\n"
+            "ns = {}; exec('from packer import *', ns)\n"
+            "assert ns['LMDBDataset'].__name__ == 'LMDBDataset'\n"
+            "print('OK')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=120)
+    assert res.stdout.strip() == "OK", res.stderr
