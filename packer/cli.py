@@ -273,6 +273,7 @@ def cmd_convert(args) -> int:
 
     from packer.formats import FORMATS
     from packer.write.convert import convert
+    from packer.write.scan import describe_ignored
 
     if args.scheduler:
         from packer.write.cluster import open_client
@@ -294,6 +295,8 @@ def cmd_convert(args) -> int:
         f"packed {res.num_samples} of {total} images into {res.output} in {res.seconds:.1f} s "
         f"({res.files_per_second:.0f} files/s, {res.bytes_read / 1e6 / max(res.seconds, 1e-9):.0f} MB/s)"
     )
+    if res.ignored:
+        print(f"ignored: {describe_ignored(res.ignored)}")
     if res.errors:
         print(f"{len(res.errors)} files not packed: see {res.output / 'errors.json'}")
     return 1 if res.errors else 0

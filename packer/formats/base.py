@@ -37,6 +37,7 @@ class PreparedSample:
     payload: bytes | np.ndarray  # encoded bytes, or HWC uint8 RGB for raw
     height: int
     width: int
+    source_stat: list[int] | None = None  # [size, mtime_ns] of the source file as read: a resume checks it
 
     @property
     def nbytes(self) -> int:

@@ -9,8 +9,12 @@ Layout (folder ``meta/`` inside the dataset, each file a ``.npy`` loaded with
 | heights.npy       | <i4   | [N]    | image height as stored (after any resize)         |
 | widths.npy        | <i4   | [N]    | image width as stored                             |
 | nbytes.npy        | <i8   | [N]    | payload bytes of the sample                       |
-| path_blob.npy     | u1    | [B]    | UTF-8 relative source paths, back to back         |
+| path_blob.npy     | u1    | [B]    | UTF-8 relative source paths, back to back (1)     |
 | path_offsets.npy  | <i8   | [N+1]  | where each path starts in path_blob               |
+
+(1) A name whose bytes are not UTF-8 is kept as it was on disk: in Python it reads back with
+those bytes as lone surrogates (``surrogateescape``, as ``os.fsdecode``), so opening or
+extracting it reaches the same file name.
 
 Arrays, not lists of dicts: forked DataLoader workers share them without copying.
 """
@@ -36,6 +40,7 @@ DTYPES = {
     "path_offsets": "<i8",
 }
 MAX_SIDE = 1 << 20  # no real image has a side of a million pixels: larger values are damage
+_PATH_CODEC = ("utf-8", "surrogateescape")  # file names are bytes: those that are not UTF-8 survive the round trip
 
 
 @dataclass
@@ -52,7 +57,7 @@ class Index:
 
     @classmethod
     def build(cls, rel_paths: list[str], labels, heights, widths, nbytes) -> Index:
-        encoded = [p.encode("utf-8") for p in rel_paths]
+        encoded = [p.encode(*_PATH_CODEC) for p in rel_paths]
         offsets = np.zeros(len(encoded) + 1, dtype="<i8")
         np.cumsum([len(b) for b in encoded], out=offsets[1:])
         blob = np.frombuffer(b"".join(encoded), dtype="u1").copy()
@@ -67,12 +72,12 @@ class Index:
 
     def rel_path(self, i: int) -> str:
         start, end = self.path_offsets[i], self.path_offsets[i + 1]
-        return self.path_blob[start:end].tobytes().decode("utf-8")
+        return self.path_blob[start:end].tobytes().decode(*_PATH_CODEC)
 
     def rel_paths(self) -> list[str]:
         blob = self.path_blob.tobytes()
         off = self.path_offsets.tolist()
-        return [blob[off[i] : off[i + 1]].decode("utf-8") for i in range(len(self))]
+        return [blob[off[i] : off[i + 1]].decode(*_PATH_CODEC) for i in range(len(self))]
 
     def save(self, directory: Path) -> list[str]:
         """Write the arrays under ``directory/meta``; returns the written names (relative)."""
@@ -130,10 +135,6 @@ class Index:
             if low < -1 or high >= num_classes:
                 raise PackerError(f"{where}/labels.npy: labels from {low} to {high}, "
                                   f"but the dataset has {num_classes} classes")
-        try:
-            self.path_blob.tobytes().decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise PackerError(f"{where}/path_blob.npy: not UTF-8 ({exc})") from None
 
 
 def shard_starts(counts: list[int]) -> np.ndarray:

@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import PackerError
-from packer.layout.trust import check_inner_name, inside
+from packer.layout.trust import check_inner_name, inside, open_regular
 
 KIND = "packer-dataset"
 VERSION = 1
 MANIFEST_NAME = "manifest.json"
+PARTIAL_SUFFIX = ".partial"  # an unfinished output, <out>.partial, renamed to <out> once complete
 PAYLOADS = ("encoded", "raw")  # encoded: the source file's bytes; raw: decoded HWC uint8 RGB
 
 
@@ -58,7 +59,7 @@ class Manifest:
     version: int = VERSION
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, ensure_ascii=False)
+        return dumps_lossless(asdict(self), indent=1)
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "manifest") -> Manifest:
@@ -140,6 +141,15 @@ class Manifest:
 _MAX_COUNT = 1 << 62
 
 
+def dumps_lossless(data: Any, **kwargs: Any) -> str:
+    """JSON text, readable (not ASCII-escaped), that can be written as UTF-8 whatever names it holds.
+
+    A file name that is not valid UTF-8 reaches Python with its bytes as lone surrogates
+    (surrogateescape); they become ``\\udcXX`` escapes, which JSON reads back unchanged.
+    """
+    return json.dumps(data, ensure_ascii=False, **kwargs).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _typed(value: Any, kind: type, what: str) -> Any:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise TypeError(f"{what} must be {kind.__name__}, found {type(value).__name__} {value!r:.60}")
@@ -191,6 +201,28 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
 
 
 _MAX_MANIFEST_BYTES = 256 << 20
+
+
+def holds_dataset(directory: str | os.PathLike) -> bool:
+    """Whether ``directory`` holds a packer manifest, i.e. is a dataset: never a source to scan.
+
+    Only the manifest's ``kind`` is looked at, so a damaged dataset still counts; any other
+    ``manifest.json`` (a photo collection's own) does not.
+    """
+    try:
+        fd, st = open_regular(os.path.join(directory, MANIFEST_NAME))
+    except OSError:
+        return False
+    try:
+        if st.st_size > _MAX_MANIFEST_BYTES:
+            return False
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = json.loads(fh.read())
+    except (OSError, ValueError, RecursionError):
+        return False
+    finally:
+        os.close(fd)
+    return isinstance(data, dict) and data.get("kind") == KIND
 
 
 def sha256_file(path: Path, block: int = 4 << 20) -> str:

@@ -11,6 +11,7 @@ header has been checked against the file's size, so no allocation exceeds what t
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import stat
 import struct
@@ -87,6 +88,23 @@ def inside(root: Path, name: str, where: str | None = None, must_exist: bool = T
         if not stat.S_ISREG(mode):
             raise PackerError(f"{path}: not a regular file")
     return path
+
+
+def open_regular(path: str | os.PathLike) -> tuple[int, os.stat_result]:
+    """A read-only descriptor of ``path`` (links followed) and its ``fstat``; anything but a regular file is refused.
+
+    The one way packer opens a source file: non-blocking, so a FIFO (which would block forever
+    waiting for a writer) or a device is never waited on; raises OSError "not a regular file".
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 def npy_header(path: Path, dtype: str, ndim: int | None = None) -> tuple[tuple[int, ...], int]:

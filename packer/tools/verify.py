@@ -14,7 +14,7 @@ from packer.formats import get_format
 from packer.layout.manifest import read_manifest, sha256_file
 from packer.layout.trust import inside
 from packer.read.dataset import open_dataset
-from packer.write.convert import ERRORS_NAME, ConvertOptions, SourceError, prepare
+from packer.write.convert import ERRORS_NAME, ConvertOptions, SourceError, prepare, read_source
 from packer.write.scan import scan_folder
 
 
@@ -115,6 +115,11 @@ def _check_against(ds, src: Path, report: Report, progress: bool) -> None:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         report.problems.append(f"{ds.root / ERRORS_NAME}: cannot read error report ({exc})")
         return
+    for rel in scan.unlisted:  # reported or not, what is in it can't be checked
+        report.problems.append(f"{src / rel}: cannot list this source folder: its files can't be checked")
+    for e in scan.errors:
+        if e.path not in reported and e.path not in scan.unlisted:
+            report.problems.append(f"{src / e.path}: {e.reason}, and not reported as an error")
     if list(ds.classes) != list(scan.classes):
         report.problems.append(f"classes differ: dataset {ds.classes[:5]}..., source {scan.classes[:5]}...")
     packed = {p: i for i, p in enumerate(ds.index.rel_paths())}
@@ -132,7 +137,7 @@ def _check_against(ds, src: Path, report: Report, progress: bool) -> None:
         if int(ds.index.labels[i]) != label:
             report.problems.append(f"{src / rel}: label {int(ds.index.labels[i])}, source folder says {label}")
         try:
-            data = (src / rel).read_bytes()
+            data = read_source(src / rel)[0]
         except OSError as exc:
             report.problems.append(f"{src / rel}: cannot read source ({exc.strerror})")
             continue

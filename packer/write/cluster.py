@@ -28,7 +28,7 @@ from packer._version import __version__
 from packer.errors import PackerError
 from packer.formats import get_format
 from packer.write.journal import ShardResult, record_shard
-from packer.write.scan import ScanResult, scan_folder, walk_class
+from packer.write.scan import ScanResult, Walk, scan_folder, walk_class
 
 STAGING_DIR = ".staging"
 _RETRIES = 2  # re-runs after an exception in a task (a lost worker is re-run by the scheduler anyway)
@@ -121,7 +121,7 @@ def scan_on_cluster(client: Any, root: str | os.PathLike) -> ScanResult:
     return scan_folder(root, map_classes=map_classes)
 
 
-def _walk_classes(folders: list[tuple[str, str]]) -> list[tuple[list[str], dict[str, int]]]:
+def _walk_classes(folders: list[tuple[str, str]]) -> list[Walk]:
     """Dask task: walk_class for a run of class folders."""
     return [walk_class(path, rel) for path, rel in folders]
 

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import errno
 import itertools
-import json
 import mmap
 import multiprocessing
 import os
 import shutil
-import stat
 import sys
 import threading
 import time
@@ -38,7 +36,16 @@ from packer.images.decode import DecodeError, decode
 from packer.images.headers import image_size
 from packer.images.resize import ResizeSpec
 from packer.layout.index import Index
-from packer.layout.manifest import PAYLOADS, Manifest, Shard, file_info, write_manifest
+from packer.layout.manifest import (
+    PARTIAL_SUFFIX,
+    PAYLOADS,
+    Manifest,
+    Shard,
+    dumps_lossless,
+    file_info,
+    write_manifest,
+)
+from packer.layout.trust import open_regular
 from packer.write.journal import (
     JOURNAL_DIR,
     ShardResult,
@@ -55,7 +62,6 @@ Validate = Literal["full", "header", "none"]
 Order = Literal["shuffled", "source"]
 ORDERS = ("shuffled", "source")
 DEFAULT_ORDER: Order = "shuffled"  # see docs/sampling.md: label mixing for block-shuffled reads
-PARTIAL_SUFFIX = ".partial"
 ERRORS_NAME = "errors.json"
 _CHUNK = 16  # files per pool task: amortises IPC without hurting ordering latency
 # Chunks in flight per worker: enough that the workers keep going while this process pauses to
@@ -173,7 +179,7 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
     """Read one source file and make its payload; a problem becomes a SourceError, never an exception."""
     path = root / rel
     try:
-        data = read_source(path)
+        data, source_stat = read_source(path)
     except OSError as exc:
         if not path.exists() and path.is_symlink():
             return SourceError(rel, "broken symbolic link")
@@ -187,7 +193,7 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
             if spec is not None:
                 pixels = spec.apply(pixels)
             h, w = pixels.shape[:2]
-            return PreparedSample(-1, rel, label, np.ascontiguousarray(pixels), h, w)
+            return PreparedSample(-1, rel, label, np.ascontiguousarray(pixels), h, w, source_stat)
         if options.validate == "full":
             h, w = decode(data, options.decoder, strict=True).shape[:2]
         elif options.validate == "header":
@@ -198,23 +204,27 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
         return SourceError(rel, str(exc))
     except Exception as exc:  # a codec crash on hostile bytes must not abort the conversion
         return SourceError(rel, f"cannot decode image: {type(exc).__name__}: {exc}")
-    return PreparedSample(-1, rel, label, data, h, w)
+    return PreparedSample(-1, rel, label, data, h, w, source_stat)
 
 
-def read_source(path: Path) -> bytes:
-    """The whole file, refusing special files (a FIFO would block forever) and files that change size."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+def read_source(path: Path) -> tuple[bytes, list[int]]:
+    """The whole file and its [size, mtime_ns] as read; OSError for a special file or one that changes meanwhile.
+
+    Opened by ``open_regular`` (a FIFO would block forever); a change of size or mtime during the
+    read means the bytes may mix two versions, so they are refused rather than packed.
+    """
+    fd, st = open_regular(path)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(errno.EINVAL, "not a regular file")
         with os.fdopen(fd, "rb", closefd=False) as fh:
             data = fh.read()
-        if len(data) != st.st_size and st.st_size != 0:
-            raise OSError(errno.EAGAIN, f"changed while being read ({st.st_size} bytes, then {len(data)})")
-        return data
+        after = os.fstat(fd)
     finally:
         os.close(fd)
+    if len(data) != st.st_size and st.st_size != 0:
+        raise OSError(errno.EAGAIN, f"changed while being read ({st.st_size} bytes, then {len(data)})")
+    if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+        raise OSError(errno.EAGAIN, "changed while being read (modified meanwhile)")
+    return data, [st.st_size, st.st_mtime_ns]
 
 
 def _prepare_chunk(root: Path, items: list[tuple[str, int]], options: ConvertOptions,
@@ -283,8 +293,11 @@ def estimate_sample_bytes(scan: ScanResult, options: ConvertOptions, probes: int
         path = scan.root / scan.rel_paths[i]
         try:
             if options.payload == "raw":
-                with open(path, "rb") as fh:
-                    h, w = image_size(fh.read(1 << 20))
+                fd, _ = open_regular(path)  # never blocks on a FIFO
+                try:
+                    h, w = image_size(os.read(fd, 1 << 20))
+                finally:
+                    os.close(fd)
                 spec = options.resize_spec
                 if spec is not None:
                     h, w = spec.output_shape(h, w)
@@ -432,7 +445,7 @@ def convert(
         raise PackerError(f"{out}: already exists (use --overwrite to replace it)")
     plan = _load_or_make_plan(scan, out, partial, options, resume)
     ranges = [(int(a), int(b)) for a, b in plan["shards"]]
-    done = load_done_shards(partial, len(ranges))
+    done = load_done_shards(partial, len(ranges), scan.root)
     try:
         if client is None:
             results = _build_shards(scan, partial, plan, done, fmt, options, on_error, workers, progress)
@@ -521,6 +534,7 @@ def write_shard(
             result.heights.append(res.height)
             result.widths.append(res.width)
             result.nbytes.append(res.nbytes)
+            result.stats.append(res.source_stat)
         try:
             names, facts = writer.close()
         except PackerError:
@@ -587,12 +601,11 @@ def _finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult
     """Index, error report and manifest (last), then the rename that makes the dataset exist."""
     cat = lambda name: [v for r in shards for v in getattr(r, name)]  # noqa: E731
     index = Index.build(cat("rel_paths"), cat("labels"), cat("heights"), cat("widths"), cat("nbytes"))
-    errors: list[SourceError] = cat("errors")
+    errors: list[SourceError] = cat("errors") + scan.errors
     meta_files = [file_info(partial, n) for n in index.save(partial)]
     (partial / ERRORS_NAME).write_text(
-        json.dumps({"num_errors": len(errors), "ignored": dict(scan.ignored),
-                    "errors": [asdict(e) for e in sorted(errors, key=lambda e: e.path)]},
-                   indent=1, ensure_ascii=False),
+        dumps_lossless({"num_errors": len(errors), "ignored": dict(scan.ignored),
+                        "errors": [asdict(e) for e in sorted(errors, key=lambda e: e.path)]}, indent=1),
         encoding="utf-8",
     )
     if errors:

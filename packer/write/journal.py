@@ -7,10 +7,12 @@ Inside ``<out>.partial/journal/``:
 | plan.json         | before the first shard         | options, source, a digest of the scanned file  |
 |                   |                                | list, the shard plan (source position ranges)  |
 | shard-00000.json  | after that shard is on disk    | its files (sizes, sha256), per-sample metadata |
-|                   | (fsynced)                      | and the source files it could not pack         |
+|                   | (fsynced)                      | (with each source's size and mtime as read)    |
+|                   |                                | and the source files it could not pack         |
 
 Only JSON: a journal, like a manifest, can never execute code when read. A shard counts as
-done only once its entry exists, and its files are checked against it before being reused.
+done only once its entry exists, and its files are checked against it before being reused;
+so are its sources: a source whose size or mtime changed since it was read is packed again.
 """
 
 from __future__ import annotations
@@ -18,23 +20,18 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from packer.errors import PackerError
-from packer.layout.manifest import FileInfo, Shard, sha256_file
-from packer.write.scan import ScanResult
+from packer.layout.manifest import FileInfo, Shard, dumps_lossless, sha256_file
+from packer.write.scan import ScanResult, SourceError
 
 JOURNAL_DIR = "journal"
 PLAN_NAME = "plan.json"
-
-
-@dataclass
-class SourceError:
-    path: str  # relative to the source folder
-    reason: str
 
 
 @dataclass
@@ -48,10 +45,11 @@ class ShardResult:
     heights: list[int] = field(default_factory=list)
     widths: list[int] = field(default_factory=list)
     nbytes: list[int] = field(default_factory=list)
+    stats: list[list[int] | None] = field(default_factory=list)  # [size, mtime_ns] of each source as read
     errors: list[SourceError] = field(default_factory=list)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False)
+        return dumps_lossless(asdict(self))
 
     @classmethod
     def from_json(cls, text: str, where: str) -> ShardResult:
@@ -70,12 +68,14 @@ class ShardResult:
                 heights=[int(v) for v in data["heights"]],
                 widths=[int(v) for v in data["widths"]],
                 nbytes=[int(v) for v in data["nbytes"]],
+                stats=[None if v is None else [int(v[0]), int(v[1])] for v in data["stats"]],
                 errors=[SourceError(str(e["path"]), str(e["reason"])) for e in data["errors"]],
             )
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise PackerError(f"{where}: damaged journal entry ({exc})") from exc
         n = result.shard.num_samples
-        if not all(len(v) == n for v in (result.rel_paths, result.labels, result.heights, result.widths, result.nbytes)):
+        if not all(len(v) == n for v in (result.rel_paths, result.labels, result.heights, result.widths, result.nbytes,
+                                         result.stats)):
             raise PackerError(f"{where}: damaged journal entry (lengths disagree)")
         return result
 
@@ -85,7 +85,7 @@ def scan_digest(scan: ScanResult) -> str:
     h = hashlib.sha256()
     h.update(json.dumps(scan.classes).encode())
     for rel, label in zip(scan.rel_paths, scan.labels.tolist()):
-        h.update(f"{label}\0{rel}\n".encode())
+        h.update(f"{label}\0{rel}\n".encode("utf-8", "surrogateescape"))  # a name's non-UTF-8 bytes as they are
     return h.hexdigest()
 
 
@@ -105,7 +105,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def write_plan(partial: Path, plan: dict[str, Any]) -> None:
     (partial / JOURNAL_DIR).mkdir(exist_ok=True)
-    _write_atomic(partial / JOURNAL_DIR / PLAN_NAME, json.dumps(plan, ensure_ascii=False, indent=1))
+    _write_atomic(partial / JOURNAL_DIR / PLAN_NAME, dumps_lossless(plan, indent=1))
 
 
 def read_plan(partial: Path) -> dict[str, Any] | None:
@@ -137,15 +137,18 @@ def record_shard(partial: Path, result: ShardResult, names: list[str]) -> ShardR
     return result
 
 
-def load_done_shards(partial: Path, num_shards: int) -> dict[int, ShardResult]:
-    """Journaled shards whose files are intact; anything else in ``partial`` is removed."""
+def load_done_shards(partial: Path, num_shards: int, root: Path) -> dict[int, ShardResult]:
+    """Journaled shards whose files are intact and whose sources (below ``root``) are unchanged; anything else in ``partial`` is removed."""
     done: dict[int, ShardResult] = {}
+    changed: list[str] = []
     for shard_id in range(num_shards):
         entry = shard_entry(partial, shard_id)
         if not entry.is_file():
             continue
         result = ShardResult.from_json(entry.read_text(encoding="utf-8"), str(entry))
-        intact = all(
+        stale = changed_sources(root, result)
+        changed += stale
+        intact = not stale and all(
             (partial / f.name).is_file()
             and (partial / f.name).stat().st_size == f.num_bytes
             and sha256_file(partial / f.name) == f.sha256
@@ -155,6 +158,10 @@ def load_done_shards(partial: Path, num_shards: int) -> dict[int, ShardResult]:
             done[shard_id] = result
         else:
             entry.unlink()
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
+        print(f"packer: {len(changed)} source file(s) changed since the interrupted run ({shown}): "
+              "packing their shards again", file=sys.stderr)
     keep = {f.name for r in done.values() for f in r.shard.files}
     for dirpath, _dirnames, filenames in os.walk(partial, topdown=False):
         rel_dir = Path(dirpath).relative_to(partial)
@@ -166,3 +173,17 @@ def load_done_shards(partial: Path, num_shards: int) -> dict[int, ShardResult]:
         if rel_dir != Path(".") and not os.listdir(dirpath):
             os.rmdir(dirpath)
     return done
+
+
+def changed_sources(root: Path, result: ShardResult) -> list[str]:
+    """The shard's packed sources whose size or mtime (ns) now differ from when they were read, or that are gone."""
+    changed = []
+    for rel, seen in zip(result.rel_paths, result.stats):
+        try:
+            st = os.stat(root / rel)
+            now = [st.st_size, st.st_mtime_ns]
+        except OSError:
+            now = None
+        if seen is None or now != seen:
+            changed.append(rel)
+    return changed

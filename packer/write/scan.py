@@ -2,11 +2,16 @@
 
 Classes are the sorted names of the top-level folders; images are found recursively below
 them and sorted, so the result is deterministic. A folder with no sub-folders is "flat":
-no classes, every label is -1. Only ``os.scandir`` is used: no per-file ``stat``.
+no classes, every label is -1. Files are found with ``os.scandir`` alone (no per-file
+``stat``); each folder is stat'ed once, to notice links that loop back to a folder above.
+Nothing is lost silently: a folder that can't be listed, a link loop or a name that can't be
+stat'ed becomes a ``SourceError``; packer outputs (datasets, unfinished ``.partial`` folders)
+inside the source are left out and counted in ``ignored`` by name.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -16,9 +21,35 @@ from pathlib import Path
 import numpy as np
 
 from packer.errors import PackerError
+from packer.layout.manifest import MANIFEST_NAME, PARTIAL_SUFFIX, holds_dataset
 
 # torchvision.datasets.folder.IMG_EXTENSIONS
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+NOT_SCANNED = "not scanned"  # ignored[f"not scanned: {folder}/ (why)"]: a packer output inside the source
+
+
+@dataclass
+class SourceError:
+    """A source file or folder that was not packed, and why: one entry of errors.json."""
+
+    path: str  # relative to the source folder; a folder's ends with "/"
+    reason: str
+
+
+@dataclass
+class Walk:
+    """What walking a folder tree found: image paths in ImageFolder order, and what was left out."""
+
+    files: list[str] = field(default_factory=list)  # POSIX-style, relative to the scanned root
+    ignored: Counter = field(default_factory=Counter)  # reason -> count
+    errors: list[SourceError] = field(default_factory=list)
+    unlisted: list[str] = field(default_factory=list)  # folders that could not be listed (in errors too)
+
+    def add(self, other: Walk) -> None:
+        self.files.extend(other.files)
+        self.ignored.update(other.ignored)
+        self.errors.extend(other.errors)
+        self.unlisted.extend(other.unlisted)
 
 
 @dataclass
@@ -30,6 +61,8 @@ class ScanResult:
     rel_paths: list[str]  # POSIX-style, relative to root
     labels: np.ndarray  # int64, -1 for a flat folder
     ignored: Counter = field(default_factory=Counter)  # reason -> count
+    errors: list[SourceError] = field(default_factory=list)  # folders and names the scan could not follow
+    unlisted: list[str] = field(default_factory=list)  # folders that could not be listed: their files are unknown
 
     def __len__(self) -> int:
         return len(self.rel_paths)
@@ -43,50 +76,107 @@ def is_image_name(name: str) -> bool:
     return name.lower().endswith(IMG_EXTENSIONS)
 
 
-def _walk(top: str, rel_top: str, out: list[str], ignored: Counter) -> None:
-    """Append image paths below ``top`` to ``out``, relative to the scanned root.
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
-    Order is torchvision's ``sorted(os.walk(...))``: folders sorted by their full path, and
-    within a folder its files sorted by name.
+
+def _stat_failure(exc: OSError) -> str:
+    if exc.errno == errno.ELOOP:
+        return f"symbolic link loop ({exc.strerror})"
+    return f"cannot stat ({exc.strerror or exc})"
+
+
+def _subfolder(entry: os.DirEntry, rel: str, above: frozenset, found: Walk) -> tuple[int, int] | None:
+    """The (st_dev, st_ino) of folder ``entry`` (at ``rel``) when it is to be walked, else None.
+
+    Left out, with the reason recorded in ``found``: a link back to a folder above it (``above``:
+    their identities; os.walk would go round until the path is too long) and packer outputs
+    (a dataset, an unfinished ``.partial`` folder), which are never source images.
     """
+    try:
+        key = _identity(entry.stat())
+    except OSError as exc:
+        found.errors.append(SourceError(rel, _stat_failure(exc)))
+        return None
+    if key in above:
+        found.errors.append(SourceError(rel, "leads back to a folder above it (a link loop): not followed"))
+        return None
+    if entry.name.endswith(PARTIAL_SUFFIX):
+        found.ignored[f"{NOT_SCANNED}: {rel} (unfinished packer output)"] += 1
+        return None
+    if holds_dataset(entry.path):
+        found.ignored[f"{NOT_SCANNED}: {rel} (packer dataset)"] += 1
+        return None
+    return key
+
+
+def _unlisted(found: Walk, rel: str, exc: OSError) -> None:
+    rel = rel or "./"
+    found.errors.append(SourceError(rel, f"cannot list folder ({exc.strerror or exc}): "
+                                         "the images in it are neither packed nor counted"))
+    found.unlisted.append(rel)
+
+
+def _walk(top: str, rel_top: str, found: Walk, above: frozenset = frozenset()) -> None:
+    """Add the image paths below ``top`` (relative to the scanned root) and what was left out to ``found``.
+
+    Order is torchvision's ``sorted(os.walk(top, followlinks=True))``: folders sorted by their
+    full path, and within a folder its files sorted by name.
+    """
+    try:
+        top_key = _identity(os.stat(top))
+    except OSError as exc:
+        _unlisted(found, rel_top, exc)
+        return
     groups: list[tuple[str, list[str]]] = []
-    stack = [(top, rel_top)]
+    stack = [(top, rel_top, above | {top_key})]
     while stack:
-        path, rel = stack.pop()
+        path, rel, inner = stack.pop()  # inner: this folder and those above it
         try:
             entries = list(os.scandir(path))
         except OSError as exc:
-            ignored[f"unreadable folder ({exc.strerror})"] += 1
+            _unlisted(found, rel, exc)
             continue
         files = []
         for entry in entries:
             name = entry.name
             if name.startswith("."):
-                ignored["hidden"] += 1
-            elif entry.is_dir():  # follows symlinks, like os.walk(followlinks=True); uses d_type
-                stack.append((entry.path, f"{rel}{name}/"))
+                found.ignored["hidden"] += 1
+                continue
+            try:
+                is_dir = entry.is_dir()  # follows symlinks, like os.walk(followlinks=True); uses d_type
+            except OSError as exc:  # a link loop (a.jpg -> a.jpg), a link into a folder we may not search
+                found.errors.append(SourceError(rel + name, _stat_failure(exc)))
+                continue
+            if is_dir:
+                key = _subfolder(entry, f"{rel}{name}/", inner, found)
+                if key is not None:
+                    stack.append((entry.path, f"{rel}{name}/", inner | {key}))
             elif is_image_name(name):
                 files.append(name)  # broken or unreadable files stay: convert reports them
             else:
-                ignored["not an image"] += 1
+                found.ignored["not an image"] += 1
         groups.append((path, [rel + f for f in sorted(files)]))
     for _, files in sorted(groups, key=lambda g: g[0]):
-        out.extend(files)
+        found.files.extend(files)
 
 
-def walk_class(path: str, rel: str) -> tuple[list[str], dict[str, int]]:
-    """The sorted image paths below one class folder (relative to the root) and what was ignored there."""
-    out: list[str] = []
-    ignored: Counter = Counter()
-    _walk(path, rel, out, ignored)
-    return out, dict(ignored)
+def walk_class(path: str, rel: str) -> Walk:
+    """The sorted image paths below one class folder (relative to the root) and what was left out there."""
+    found = Walk()
+    try:  # the root, above the class folder: a link back to it is a loop too
+        above = frozenset({_identity(os.stat(os.path.dirname(path) or "."))})
+    except OSError:
+        above = frozenset()
+    _walk(path, rel, found, above)
+    return found
 
 
-def _walk_locally(folders: list[tuple[str, str]]) -> Iterable[tuple[list[str], dict[str, int]]]:
+def _walk_locally(folders: list[tuple[str, str]]) -> Iterable[Walk]:
     return (walk_class(path, rel) for path, rel in folders)
 
 
-ClassMapper = Callable[[list[tuple[str, str]]], Iterable[tuple[list[str], dict[str, int]]]]
+ClassMapper = Callable[[list[tuple[str, str]]], Iterable[Walk]]
 
 
 def scan_folder(root: str | os.PathLike, map_classes: ClassMapper | None = None) -> ScanResult:
@@ -100,34 +190,51 @@ def scan_folder(root: str | os.PathLike, map_classes: ClassMapper | None = None)
         raise PackerError(f"{root}: no such folder")
     if not root.is_dir():
         raise PackerError(f"{root}: not a folder (give the folder that holds the images)")
-    ignored: Counter = Counter()
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
+        above = frozenset({_identity(os.stat(root))})
     except OSError as exc:
         raise PackerError(f"{root}: cannot list folder ({exc.strerror})") from exc
-    class_dirs = [e for e in entries if not e.name.startswith(".") and e.is_dir()]
-    rel_paths: list[str] = []
+    if any(e.name == MANIFEST_NAME for e in entries) and holds_dataset(root):
+        raise PackerError(f"{root}: a packed dataset, not a folder of images (give the folder it was converted from)")
+    found = Walk()
+    class_dirs, others = [], 0
+    for e in entries:
+        try:
+            is_dir = not e.name.startswith(".") and e.is_dir()
+        except OSError as exc:
+            found.errors.append(SourceError(e.name, _stat_failure(exc)))
+            continue
+        if is_dir:
+            if _subfolder(e, e.name + "/", above, found) is not None:
+                class_dirs.append(e)
+        elif e.name.startswith("."):
+            found.ignored["hidden"] += 1
+        else:
+            others += 1
+    labels: list[int] = []
     if class_dirs:
         classes = [e.name for e in class_dirs]
-        labels: list[int] = []
         walked = (map_classes or _walk_locally)([(entry.path, entry.name + "/") for entry in class_dirs])
-        for idx, (files, skipped) in enumerate(walked):
-            rel_paths.extend(files)
-            labels.extend([idx] * len(files))
-            ignored.update(skipped)
-        for e in entries:
-            if e.name.startswith("."):
-                ignored["hidden"] += 1
-            elif not e.is_dir():
-                ignored["outside class folders"] += 1
-        label_array = np.asarray(labels, dtype=np.int64)
-    else:
-        classes = []
-        _walk(str(root), "", rel_paths, ignored)
-        label_array = np.full(len(rel_paths), -1, dtype=np.int64)
-    if not rel_paths:
-        what = ", ".join(f"{n} {r}" for r, n in sorted(ignored.items())) or "nothing"
+        for idx, walk in enumerate(walked):
+            labels.extend([idx] * len(walk.files))
+            found.add(walk)
+        if others:
+            found.ignored["outside class folders"] += others
+    else:  # flat: walked afresh, the root included (what was found above would count twice)
+        classes, found = [], Walk()
+        _walk(str(root), "", found)
+        labels = [-1] * len(found.files)
+    if not found.files:
+        what = describe_ignored(dict(sorted(found.ignored.items()))) or "nothing"
+        errors = "".join(f"; {e.path}: {e.reason}" for e in found.errors[:3])
         raise PackerError(
-            f"{root}: no images found (looked for {', '.join(IMG_EXTENSIONS)}; ignored: {what})"
+            f"{root}: no images found (looked for {', '.join(IMG_EXTENSIONS)}; ignored: {what}{errors})"
         )
-    return ScanResult(root=root, classes=classes, rel_paths=rel_paths, labels=label_array, ignored=ignored)
+    return ScanResult(root=root, classes=classes, rel_paths=found.files, labels=np.asarray(labels, dtype=np.int64),
+                      ignored=found.ignored, errors=found.errors, unlisted=found.unlisted)
+
+
+def describe_ignored(ignored: dict[str, int]) -> str:
+    """``ignored`` in words: "3 hidden, 1 not an image, not scanned: out.lmdb/ (packer dataset)"."""
+    return ", ".join(r if r.startswith(NOT_SCANNED) else f"{n} {r}" for r, n in ignored.items())

@@ -127,3 +127,57 @@ def test_files_that_vanish_or_change_during_the_run_are_reported(tmp_path, monke
     assert "No such file" in reasons["class_0/img_001.jpg"]
     assert "changed while being read" in reasons["class_1/img_002.jpg"]
     assert res.num_samples == 4 and len(res.errors) == 2
+
+
+def test_a_fifo_in_the_source_is_reported_never_waited_on(tmp_path):
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=3)
+    os.mkfifo(src / "class_0" / "pipe.jpg")  # no writer: a blocking open would wait forever
+    out = tmp_path / "o.bmp"  # a raw payload: the size estimate opens sources too
+    res = run_cli("convert", src, "-o", out, "--to", "bmp", "--workers", "0", "-q", timeout=120)
+    assert res.returncode == 1, res.stderr
+    reasons = {e["path"]: e["reason"] for e in json.loads((out / "errors.json").read_text())["errors"]}
+    assert list(reasons) == ["class_0/pipe.jpg"] and "not a regular file" in reasons["class_0/pipe.jpg"]
+
+
+def test_a_file_rewritten_while_being_read_is_reported_not_packed(tmp_path, monkeypatch):
+    src = make_imagefolder(tmp_path / "src", classes=1, per_class=3)
+    target = (src / "class_0" / "img_001.jpg").stat().st_ino
+    real_fstat = os.fstat
+    seen = []
+
+    def fstat_rewritten(fd):  # same size, a new mtime after the read: rewritten in place meanwhile
+        st = real_fstat(fd)
+        if st.st_ino != target:
+            return st
+        seen.append(fd)
+        return st if len(seen) == 1 else os.stat_result(tuple(st), {"st_mtime_ns": st.st_mtime_ns + 1})
+
+    monkeypatch.setattr(os, "fstat", fstat_rewritten)
+    res = convert(src, tmp_path / "o.lmdb", workers=0, progress=False)
+    assert [(e.path, e.reason) for e in res.errors] == [("class_0/img_001.jpg", "cannot read: changed while being "
+                                                         "read (modified meanwhile)")]
+    assert res.num_samples == 2
+
+
+def test_names_that_are_not_utf8_are_packed_and_extracted_unchanged(tmp_path):
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=2)
+    good = (src / "class_0" / "img_000.jpg").read_bytes()
+    raw_src = os.fsencode(src)
+    os.mkdir(raw_src + b"/cl\xffass")  # a class folder too
+    for name, data in ((b"cl\xffass/p\xfe.jpg", good), (b"class_0/bad\xff.jpg", good), (b"class_1/junk\xff.jpg", b"junk")):
+        with open(raw_src + b"/" + name, "wb") as fh:
+            fh.write(data)
+    res = convert(src, tmp_path / "o.lmdb", workers=1, progress=False)
+    ds = open_dataset(res.output)
+    assert os.fsdecode(b"cl\xffass") in ds.classes
+    assert bytes(ds.read_payload(ds.index_of(os.fsdecode(b"class_0/bad\xff.jpg")))) == good
+    report = json.loads((res.output / "errors.json").read_text(encoding="utf-8"))
+    assert [e["path"] for e in report["errors"]] == [os.fsdecode(b"class_1/junk\xff.jpg")]
+    assert verify(res.output, against=src).ok
+
+    back = tmp_path / "back"
+    res = run_cli("extract", tmp_path / "o.lmdb", back, "-q")
+    assert res.returncode == 0, res.stderr
+    with open(os.fsencode(back) + b"/class_0/bad\xff.jpg", "rb") as fh:
+        assert fh.read() == good
+    assert os.listdir(os.fsencode(back) + b"/cl\xffass") == [b"p\xfe.jpg"]

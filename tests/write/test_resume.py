@@ -122,3 +122,39 @@ def test_up_front_space_check_refuses_before_writing(source, tmp_path, monkeypat
     with pytest.raises(PackerError, match="not enough free disk space"):
         convert(source, tmp_path / "o.lmdb", progress=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_packs_again_a_source_changed_since_the_interruption(source, tmp_path, monkeypatch, capsys):
+    import importlib
+    import json
+    import shutil
+
+    from packer import open_dataset
+
+    conv = importlib.import_module("packer.write.convert")
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    out = tmp_path / "o.lmdb"
+    real_write_shard = conv.write_shard
+
+    def interrupted(partial, shard_id, *args, **kwargs):  # Ctrl-C as the third shard starts
+        if shard_id == 2:
+            raise KeyboardInterrupt
+        return real_write_shard(partial, shard_id, *args, **kwargs)
+
+    monkeypatch.setattr(conv, "write_shard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, out, workers=0, shard_bytes=40_000, progress=False)
+    monkeypatch.undo()
+    packed = json.loads((tmp_path / "o.lmdb.partial" / "journal" / "shard-00000.json").read_text())["rel_paths"]
+    changed = src / packed[0]  # already packed: the same name now holds other bytes
+    new = next(p for p in sorted(src.rglob("*.jpg")) if p != changed).read_bytes()
+    mtime = changed.stat().st_mtime_ns
+    changed.write_bytes(new)
+    os.utime(changed, ns=(mtime + 10**9, mtime + 10**9))  # whatever the file system's clock granularity
+
+    convert(src, out, workers=0, shard_bytes=40_000, resume=True, progress=False)
+    ds = open_dataset(out)
+    assert bytes(ds.read_payload(ds.index_of(packed[0]))) == new  # not the stale bytes of the first run
+    assert verify(out, against=src).ok
+    assert f"changed since the interrupted run ({packed[0]})" in capsys.readouterr().err
