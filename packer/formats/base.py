@@ -149,8 +149,9 @@ def check_addition(path, count: int, planned: int, sample: PreparedSample, shape
     """A shard writer's checks before storing ``sample``: room in the plan, and the dataset's fixed shape if any."""
     if count >= planned:
         raise PackerError(f"{path}: more samples than the {planned} planned for this shard")
-    if shape is not None and sample.payload.shape != shape:
-        raise PackerError(f"{sample.rel_path}: shape {sample.payload.shape} differs from the dataset's {shape}")
+    got = sample.payload.shape if isinstance(sample.payload, np.ndarray) else None
+    if shape is not None and got != shape:
+        raise PackerError(f"{sample.rel_path}: shape {got} differs from the dataset's {shape}")
 
 
 class LazyHandle(Generic[H]):

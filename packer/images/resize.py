@@ -50,7 +50,7 @@ class ResizeSpec:
     @property
     def fixed_shape(self) -> tuple[int, int] | None:
         """(H, W) every output has, or None when shapes vary (short-side mode)."""
-        return (self.height, self.width) if self.height else None
+        return (self.height, self.width) if self.height and self.width else None
 
     def scaled_size(self, h: int, w: int) -> tuple[int, int]:
         """(h, w) the image is resized to, before any padding."""
@@ -61,12 +61,13 @@ class ResizeSpec:
             if h <= w:
                 return self.short_side, max(1, round(w * scale))
             return max(1, round(h * scale)), self.short_side
+        th, tw = self.fixed_shape or (h, w)  # parse() sets either short_side or both sides
         if self.mode == "fit":
-            scale = min(self.height / h, self.width / w)
+            scale = min(th / h, tw / w)
             if not self.upscale:
                 scale = min(scale, 1.0)
-            return min(self.height, max(1, round(h * scale))), min(self.width, max(1, round(w * scale)))
-        sh, sw = self.height / h, self.width / w
+            return min(th, max(1, round(h * scale))), min(tw, max(1, round(w * scale)))
+        sh, sw = th / h, tw / w
         if not self.upscale:
             sh, sw = min(sh, 1.0), min(sw, 1.0)
         return max(1, round(h * sh)), max(1, round(w * sw))
@@ -81,9 +82,10 @@ class ResizeSpec:
         if (th, tw) != (h, w):
             img = Image.fromarray(pixels).resize((tw, th), Image.Resampling.LANCZOS, reducing_gap=3.0)
             pixels = np.asarray(img)
-        if self.fixed_shape and (th, tw) != self.fixed_shape:
-            out = np.zeros((self.height, self.width, 3), dtype=np.uint8)
-            top, left = (self.height - th) // 2, (self.width - tw) // 2
+        shape = self.fixed_shape
+        if shape is not None and (th, tw) != shape:
+            out = np.zeros((*shape, 3), dtype=np.uint8)
+            top, left = (shape[0] - th) // 2, (shape[1] - tw) // 2
             out[top : top + th, left : left + tw] = pixels
             pixels = out
         return np.ascontiguousarray(pixels)
