@@ -21,8 +21,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 from torch.utils.data._utils.collate import default_collate
 
-from packer.diagnose.instrument import InstrumentedDataset
-from packer.diagnose.profile import ADVICE, FED, LoopProfiler
+from packer.diagnose.profile import ADVICE, FED, InstrumentedDataset, LoopProfiler
 from packer.errors import PackerError
 
 
