@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from packer.diagnose.bench import describe_setup, markdown_table  # noqa: E402
+from packer.diagnose.reports import describe_setup, markdown_table  # noqa: E402
 from packer.formats import FORMATS  # noqa: E402
 
 RAW_FORMAT_OPTIONS = {"mosaic": ["--tile", "224x224"]}

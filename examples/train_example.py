@@ -21,7 +21,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import packer
-from packer.diagnose.sweep import RandomCrop, usable_cores
+from packer.diagnose.sweep import RandomCrop
+from packer.diagnose.system import usable_cores
 from packer.read.loaders import BackgroundLoader, CUDAPrefetcher
 
 
