@@ -57,7 +57,7 @@ def shown(cmd: list[str]) -> str:
 
 
 def hdd_summary(report: dict) -> list[str]:
-    """The issue's acceptance figures: packed block-order cold reads vs the emulated device's ceiling and the folder."""
+    """The acceptance figures: packed block-order cold reads vs the emulated device's ceiling and the folder."""
     rows = [r for r in report["results"] if r["level"] == "read" and r["cache"] == "cold"]
     folder = next((r for r in rows if r["kind"] == "folder" and r["order"] == "shuffle"), None)
     e = report["emulation"]

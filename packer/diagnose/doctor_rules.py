@@ -69,8 +69,8 @@ def libjpeg_turbo(f: Facts) -> Finding | None:
     if not dec["libturbojpeg"] and "pil" in pc:
         return _finding(
             f"libjpeg-turbo is missing ({dec['libturbojpeg_error']}): JPEGs decode with Pillow at {pc['pil']:,.0f} img/s "
-            "per core; libjpeg-turbo measured 1.14x Pillow 13's rate on the sample set (1.35x older Pillow builds', "
-            "docs/decoding.md): apt-get install libturbojpeg0 (or conda install libjpeg-turbo).", pil=pc["pil"])
+            "per core; libjpeg-turbo decoded 1.14-1.28x faster than Pillow 13 in packer's measurements "
+            "(docs/decoding.md): apt-get install libturbojpeg0 (or conda install libjpeg-turbo).", pil=pc["pil"])
     if "turbojpeg" in pc and "pil" in pc:
         return _finding(f"libjpeg-turbo decodes {pc['turbojpeg']:,.0f} img/s per core vs Pillow {pc['pil']:,.0f} "
                         f"({pc['turbojpeg'] / pc['pil']:.2f}x): keep decoder='auto'.",
