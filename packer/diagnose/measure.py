@@ -213,10 +213,12 @@ def rate_of(name: str, unit: str, timings: Sequence[Timing], clock: str = "wall"
 
 
 def read_file(path: str | os.PathLike, block: int = READ_BLOCK, max_bytes: int | None = None,
-              until: float | None = None) -> int:
-    """Read a file with ``block``-sized reads, to its end, ``max_bytes`` or the ``perf_counter`` time ``until``."""
+              until: float | None = None, buf: memoryview | None = None) -> int:
+    """Read a file with ``block``-sized reads (into ``buf`` if given: many small files then share one buffer,
+    which a per-file allocation would otherwise slow down), to its end, ``max_bytes`` or the ``perf_counter``
+    time ``until``; returns the bytes read."""
     total = 0
-    view = memoryview(bytearray(block))
+    view = buf if buf is not None else memoryview(bytearray(block))
     with open(path, "rb", buffering=0) as fh:
         while max_bytes is None or total < max_bytes:
             n = fh.readinto(view)
@@ -254,13 +256,13 @@ def cold_read(paths: Sequence[str | os.PathLike], max_bytes: int | None = None, 
               block: int = READ_BLOCK) -> ColdRead:
     """Evict ``paths`` from the page cache, then read them in order until done, ``max_bytes`` or ``seconds``."""
     res = evict(paths)
-    files = 0
+    files, buf = 0, memoryview(bytearray(block))
 
     def read_all() -> int:
         nonlocal files
         total, until = 0, None if seconds is None else time.perf_counter() + seconds
         for p in paths:
-            total += read_file(p, block, None if max_bytes is None else max_bytes - total, until)
+            total += read_file(p, block, None if max_bytes is None else max_bytes - total, until, buf)
             files += 1
             if (max_bytes is not None and total >= max_bytes) or (until is not None and time.perf_counter() >= until):
                 break
