@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from packer.diagnose.bench import describe_setup, markdown_table  # noqa: E402
+from packer.diagnose.reports import describe_setup, markdown_table  # noqa: E402
 from packer.formats import FORMATS  # noqa: E402
 
 RAW_FORMAT_OPTIONS = {"mosaic": ["--tile", "224x224"]}
@@ -57,7 +57,7 @@ def shown(cmd: list[str]) -> str:
 
 
 def hdd_summary(report: dict) -> list[str]:
-    """The issue's acceptance figures: packed block-order cold reads vs the emulated device's ceiling and the folder."""
+    """The acceptance figures: packed block-order cold reads vs the emulated device's ceiling and the folder."""
     rows = [r for r in report["results"] if r["level"] == "read" and r["cache"] == "cold"]
     folder = next((r for r in rows if r["kind"] == "folder" and r["order"] == "shuffle"), None)
     e = report["emulation"]

@@ -1,6 +1,6 @@
 """Conversion rate vs the rate at which the same processes merely read (or decode) the files.
 
-The issue-2 targets: with ``--validate header`` conversion runs at >= 80% of the plain read
+The goals it checks: with ``--validate header`` conversion runs at >= 80% of the plain read
 rate of the same number of processes; with full validation at >= 90% of their plain decode
 rate. Each figure is the median of ``--repeats`` runs, interleaved so load drifts hit all alike.
 

@@ -357,7 +357,8 @@ def cmd_sample(args) -> int:
 
 
 def cmd_profile(args) -> int:
-    from packer.diagnose.sweep import RandomCrop, default_workers, plot_sweep, require_matplotlib, sweep
+    from packer.diagnose.plots import plot_sweep, require_matplotlib
+    from packer.diagnose.sweep import RandomCrop, default_workers, sweep
     from packer.read.dataset import open_dataset
 
     if args.plot:
@@ -403,14 +404,16 @@ def cmd_bench(args) -> int:
         return _bench_decoders(args)
     if not args.paths:
         raise PackerError("packer bench needs at least one PATH (a folder or a packed dataset), or --decoders")
-    from packer.diagnose.bench import BenchOptions, format_table, print_progress, run_bench
+    from packer.diagnose.bench import BenchOptions, run_bench
+    from packer.diagnose.reports import bench_table, print_progress
+    from packer.diagnose.system import usable_cores
 
     if args.plot:
         from packer.diagnose.plots import require_matplotlib
 
         require_matplotlib()  # before minutes of measuring
     caches = ("cold",) if args.cold else ("warm",) if args.warm else ("cold", "warm")
-    workers = args.workers or (min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1),)
+    workers = args.workers or (min(8, usable_cores()),)
     options = BenchOptions(
         levels=args.levels, orders=args.orders, caches=caches, workers=workers, batch_size=args.batch_size,
         pin_memory=args.pin_memory, repeats=args.repeats, limit=args.limit, seed=args.seed,
@@ -425,15 +428,15 @@ def cmd_bench(args) -> int:
     if args.json == "-":
         print(json.dumps(report, indent=1))
     else:
-        print(format_table(report))
+        print(bench_table(report))
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(report, fh, indent=1)
             print(f"wrote {args.json}")
     if args.plot:
-        from packer.diagnose.plots import plot_report
+        from packer.diagnose.plots import plot_bench
 
-        plot_report(report, args.plot)
+        plot_bench(report, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
 
@@ -444,6 +447,7 @@ def _bench_decoders(args) -> int:
     import tempfile
 
     from packer.diagnose import decoders as decodebench
+    from packer.diagnose.measure import load_samples
 
     try:
         sizes = [None if s.strip() == "full" else int(s) for s in args.sizes.split(",") if s.strip()]
@@ -462,12 +466,12 @@ def _bench_decoders(args) -> int:
             path = f"{tmp}/imgs"
             print(f"no DATASET|FOLDER given: generating {limit} photo-like JPEGs (about 500x375, q90)", file=out)
             make_sample(path, count=limit, classes=1, progress=False)
-        samples = decodebench.load_samples(path, limit=limit)
+        samples = load_samples(path, limit=limit)
         mean_kb = sum(map(len, samples)) / len(samples) / 1e3
         print(f"{len(samples)} images from {path} (mean {mean_kb:.0f} KB); one process, rates per core from CPU time",
               file=out)
         results = decodebench.measure_decoders(samples, backends=backends, sizes=sizes, seconds=args.seconds)
-        print(decodebench.format_table(results), file=out)
+        print(decodebench.decoder_table(results), file=out)
         overhead = None
         from pathlib import Path
 

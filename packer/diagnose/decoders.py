@@ -1,79 +1,21 @@
-"""Decoder benchmark: images/s and megapixels/s per core for each backend, full size and downscaled.
+"""``packer bench --decoders``: images/s and megapixels/s per core of each decoder, full size and downscaled.
 
-Everything runs in this one process on in-memory bytes, so the figures are per core and free
-of IO. Rates come from the process's CPU time (user + system, page faults included), which
-other processes on a shared machine disturb far less than wall time; wall time is reported too.
-
-``measure_overhead`` answers issue 5's target: the rate of the ``auto`` decoder through
-``open_dataset(..., image="numpy")`` (LMDB read, decode, label, batch as a DataLoader asks for
-it) as a fraction of bare libjpeg-turbo decoding of the same bytes in the same run.
+Everything runs in this one process on in-memory bytes, so the figures are per core and free of
+IO; rates come from CPU time (``measure.decode_rate`` with the ``cpu`` clock), wall time is
+reported too. ``measure_overhead`` compares ``open_dataset(..., image="numpy")`` with bare
+libjpeg-turbo on the same bytes: packer's per-sample overhead. Figures: docs/decoding.md.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import numpy as np
 
+from packer.diagnose.measure import available_backends, decode_rate, decoder, timed
 from packer.errors import PackerError
-from packer.images.decode import (
-    TURBO_SAFE_COLORSPACES,
-    decode,
-    scale_denominator,
-    scaled_shape,
-    sniff,
-    turbojpeg_handle,
-)
-
-# Bench-only extra: measured when importable, never a dependency (see the report on simplejpeg).
-OPTIONAL_BACKENDS = ("simplejpeg",)
-
-
-def _simplejpeg_decoder() -> Callable | None:
-    try:
-        import simplejpeg
-    except ImportError:
-        return None
-
-    def run(data: bytes, min_size: int | None) -> np.ndarray:
-        if not min_size:
-            return simplejpeg.decode_jpeg(data, colorspace="rgb")
-        h, w = simplejpeg.decode_jpeg_header(data)[:2]
-        th, tw = scaled_shape(h, w, min_size)  # the smallest scale giving >= this is packer's own scale
-        return simplejpeg.decode_jpeg(data, colorspace="rgb", min_height=th, min_width=tw)
-
-    return run
-
-
-def available_backends(include_optional: bool = True) -> list[str]:
-    """Backends that work here: ``turbojpeg`` (if libturbojpeg loads), ``pil``, optional extras."""
-    names = (["turbojpeg"] if turbojpeg_handle() is not None else []) + ["pil"]
-    if include_optional and _simplejpeg_decoder() is not None:
-        names.append("simplejpeg")
-    return names
-
-
-def _decoder(backend: str) -> Callable[[bytes, int | None], np.ndarray]:
-    if backend in ("auto", "turbojpeg", "pil"):
-        return lambda data, min_size: decode(data, backend, strict=False, min_size=min_size)
-    if backend == "simplejpeg":
-        fn = _simplejpeg_decoder()
-        if fn is not None:
-            return fn
-    raise PackerError(f"decoder {backend!r} is not available here (available: {', '.join(available_backends())})")
-
-
-def _timed_passes(fn: Callable[[], int], seconds: float, min_passes: int = 1) -> tuple[int, float, float]:
-    """Call ``fn`` (one pass, returns items done) until ``seconds`` of CPU time; (items, cpu_s, wall_s)."""
-    items, c0, w0 = 0, time.process_time(), time.perf_counter()
-    passes = 0
-    while passes < min_passes or time.process_time() - c0 < seconds:
-        items += fn()
-        passes += 1
-    return items, time.process_time() - c0, time.perf_counter() - w0
+from packer.images.decode import TURBO_SAFE_COLORSPACES, scale_denominator, sniff, turbojpeg_handle
 
 
 def measure_decoders(
@@ -91,34 +33,25 @@ def measure_decoders(
     if not samples:
         raise PackerError("no samples to benchmark")
     backends = list(backends) if backends is not None else available_backends()
-    src_px = []
-    for data in samples:
-        h, w = decode(data, "pil").shape[:2]  # true size; reference decode doubles as validation
-        src_px.append(h * w)
-    mean_src_px = float(np.mean(src_px))
+    pil = decoder("pil")
+    mean_src_px = float(np.mean([np.prod(pil(d).shape[:2]) for d in samples]))  # true sizes; validates too
     results = []
     for backend in backends:
-        fn = _decoder(backend)
+        fn = decoder(backend)
         for size in sizes:
-            out_px = [fn(d, size).shape[:2] for d in samples]  # warm-up, and the output sizes
-
-            def one_pass(fn=fn, size=size) -> int:
-                for d in samples:
-                    fn(d, size)
-                return len(samples)
-
-            n, cpu, wall = _timed_passes(one_pass, seconds)
-            rate = n / cpu
+            out_hw = np.array([fn(d, size).shape[:2] for d in samples], dtype=np.float64)  # warm-up, output sizes
+            r = decode_rate(samples, backend, min_size=size, seconds=seconds, repeats=1, clock="cpu")
+            t = r.timings[0]
             results.append({
                 "backend": backend,
                 "decode_size": size,
-                "images": n,
-                "cpu_s": round(cpu, 4),
-                "wall_s": round(wall, 4),
-                "img_per_s": rate,
-                "src_mp_per_s": rate * mean_src_px / 1e6,
-                "out_mp_per_s": rate * float(np.mean([h * w for h, w in out_px])) / 1e6,
-                "mean_out_hw": [float(np.mean([h for h, _ in out_px])), float(np.mean([w for _, w in out_px]))],
+                "images": int(t.items),
+                "cpu_s": round(t.cpu_s, 4),
+                "wall_s": round(t.wall_s, 4),
+                "img_per_s": r.value,
+                "src_mp_per_s": r.value * mean_src_px / 1e6,
+                "out_mp_per_s": r.value * float(np.mean(out_hw[:, 0] * out_hw[:, 1])) / 1e6,
+                "mean_out_hw": [float(out_hw[:, 0].mean()), float(out_hw[:, 1].mean())],
             })
     return results
 
@@ -126,6 +59,44 @@ def measure_decoders(
 def _shape_only(arr: np.ndarray) -> tuple:
     """Stand-in transform: drops the decoded array at once, as a crop/resize transform would, at no cost."""
     return arr.shape
+
+
+def _turbo_jpegs(ds, tj, limit: int) -> list[int]:
+    """The first ``limit`` samples that libjpeg-turbo decodes itself (JPEG, not CMYK/YCCK): the same bytes both ways."""
+    keep: list[int] = []
+    for i in range(len(ds)):
+        if len(keep) >= limit:
+            break
+        d = ds.read_payload(i)
+        if sniff(d) == "jpeg" and tj.decode_header(d)[3] in TURBO_SAFE_COLORSPACES:
+            keep.append(i)
+    return keep
+
+
+def _bare_decoder(tj, decode_size: int | None) -> Callable[[bytes], np.ndarray]:
+    """``TurboJPEG.decode(bytes, RGB)``, at packer's scale for ``decode_size``."""
+    from turbojpeg import TJPF_RGB
+
+    def decode_bare(d: bytes) -> np.ndarray:
+        if decode_size:
+            w, h = tj.decode_header(d)[:2]
+            den = scale_denominator(h, w, decode_size)
+            return tj.decode(d, pixel_format=TJPF_RGB, scaling_factor=(1, den) if den > 1 else None)
+        return tj.decode(d, pixel_format=TJPF_RGB)
+
+    return decode_bare
+
+
+def _interleaved_rates(fns: dict[str, Callable[[], int]], repeats: int, seconds: float) -> dict[str, list[float]]:
+    """Items/s of CPU time of each pass function, alternated in ``repeats`` rounds so drift hits all alike."""
+    for fn in fns.values():  # warm-up: page cache, LMDB map, allocator
+        fn()
+    rates: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t = timed(fn, seconds / len(fns), clock="cpu")
+            rates[name].append(t.items / t.cpu_s)
+    return rates
 
 
 def measure_overhead(dataset: str | os.PathLike, limit: int = 200, batch_size: int = 32,
@@ -138,7 +109,7 @@ def measure_overhead(dataset: str | os.PathLike, limit: int = 200, batch_size: i
     transform that drops the array as a training crop would (the memory pattern of training);
     ``packer_item``: ``ds[i]`` one at a time, same transform;
     ``bare_held`` / ``packer_held``: full-size arrays kept until the batch is done (no transform).
-    ``ratio`` = packer / bare (issue 5's target: >= 0.90); ``ratio_held`` = packer_held / bare_held.
+    ``ratio`` = packer / bare (1.0: no overhead); ``ratio_held`` = packer_held / bare_held.
     """
     from packer.read.dataset import open_dataset
 
@@ -147,68 +118,44 @@ def measure_overhead(dataset: str | os.PathLike, limit: int = 200, batch_size: i
         raise PackerError("libturbojpeg is not available: nothing to compare packer's decoding against")
     ds = open_dataset(dataset, image="numpy", decoder="auto", decode_size=decode_size, transform=_shape_only)
     held_ds = open_dataset(dataset, image="numpy", decoder="auto", decode_size=decode_size)
-    if ds.manifest.payload != "encoded":
-        raise PackerError(f"{dataset}: payload {ds.manifest.payload!r} holds no encoded images to decode")
-    # The first ``limit`` samples that libjpeg-turbo decodes itself (JPEG, not CMYK/YCCK): the same bytes both ways.
-    keep: list[int] = []
-    for i in range(len(ds)):
-        if len(keep) >= limit:
-            break
-        d = ds.read_payload(i)
-        if sniff(d) == "jpeg" and tj.decode_header(d)[3] in TURBO_SAFE_COLORSPACES:
-            keep.append(i)
-    if not keep:
-        raise PackerError(f"{dataset}: no JPEG that libjpeg-turbo decodes among its samples")
-    n = len(keep)
-    data = [bytes(ds.read_payload(i)) for i in keep]
-    batches = [keep[s:s + batch_size] for s in range(0, n, batch_size)]
-    from turbojpeg import TJPF_RGB
+    try:
+        if ds.manifest.payload != "encoded":
+            raise PackerError(f"{dataset}: payload {ds.manifest.payload!r} holds no encoded images to decode")
+        keep = _turbo_jpegs(ds, tj, limit)
+        if not keep:
+            raise PackerError(f"{dataset}: no JPEG that libjpeg-turbo decodes among its samples")
+        n, data = len(keep), [bytes(ds.read_payload(i)) for i in keep]
+        batches = [keep[s:s + batch_size] for s in range(0, n, batch_size)]
+        decode_bare = _bare_decoder(tj, decode_size)
 
-    def decode_bare(d: bytes) -> np.ndarray:
-        if decode_size:
-            w, h = tj.decode_header(d)[:2]
-            den = scale_denominator(h, w, decode_size)
-            return tj.decode(d, pixel_format=TJPF_RGB, scaling_factor=(1, den) if den > 1 else None)
-        return tj.decode(d, pixel_format=TJPF_RGB)
+        def bare() -> int:
+            for d in data:
+                decode_bare(d)
+            return n
 
-    def bare() -> int:
-        for d in data:
-            decode_bare(d)
-        return n
+        def bare_held() -> int:
+            for s in range(0, n, batch_size):
+                held = [decode_bare(d) for d in data[s:s + batch_size]]
+                del held
+            return n
 
-    def bare_held() -> int:
-        for s in range(0, n, batch_size):
-            held = [decode_bare(d) for d in data[s:s + batch_size]]
-            del held
-        return n
+        def packer_batch(ds=ds) -> int:
+            for b in batches:
+                ds.__getitems__(b)
+            return n
 
-    def packer_batch() -> int:
-        for b in batches:
-            ds.__getitems__(b)
-        return n
+        def packer_item() -> int:
+            for i in keep:
+                ds[i]
+            return n
 
-    def packer_held() -> int:
-        for b in batches:
-            held_ds.__getitems__(b)
-        return n
-
-    def packer_item() -> int:
-        for i in keep:
-            ds[i]
-        return n
-
-    fns = {"bare": bare, "packer": packer_batch, "packer_item": packer_item,
-           "bare_held": bare_held, "packer_held": packer_held}
-    for fn in fns.values():  # warm-up: page cache, LMDB map, allocator
-        fn()
-    rates: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            items, cpu, _wall = _timed_passes(fn, seconds / len(fns))
-            rates[name].append(items / cpu)
+        rates = _interleaved_rates({"bare": bare, "packer": packer_batch, "packer_item": packer_item,
+                                    "bare_held": bare_held, "packer_held": lambda: packer_batch(held_ds)},
+                                   repeats, seconds)
+    finally:
+        ds.close()
+        held_ds.close()
     med = {k: float(np.median(v)) for k, v in rates.items()}
-    ds.close()
-    held_ds.close()
     return {
         "dataset": str(dataset), "samples": n, "batch_size": batch_size, "decode_size": decode_size,
         "repeats": repeats, "img_per_s": med, "all_img_per_s": rates,
@@ -217,32 +164,7 @@ def measure_overhead(dataset: str | os.PathLike, limit: int = 200, batch_size: i
     }
 
 
-def load_samples(path: str | os.PathLike, limit: int = 200) -> list[bytes]:
-    """Up to ``limit`` encoded images from a packed dataset (encoded payload) or a folder of images.
-
-    Spread evenly over the dataset so every class is represented.
-    """
-    p = Path(path)
-    if (p / "manifest.json").exists():
-        from packer.read.dataset import open_dataset
-
-        ds = open_dataset(p)
-        if ds.manifest.payload != "encoded":
-            raise PackerError(f"{p}: payload {ds.manifest.payload!r} holds decoded pixels; decoders need encoded images")
-        picks = np.unique(np.linspace(0, len(ds) - 1, min(limit, len(ds))).astype(np.int64))
-        out = [bytes(b) for b in ds.read_payloads(picks.tolist())]
-        ds.close()
-        return out
-    if p.is_dir():
-        from packer.write.scan import scan_folder
-
-        scan = scan_folder(p)
-        picks = np.unique(np.linspace(0, len(scan) - 1, min(limit, len(scan))).astype(np.int64))
-        return [(p / scan.rel_paths[i]).read_bytes() for i in picks.tolist()]
-    raise PackerError(f"{p}: neither a packed dataset nor a folder of images")
-
-
-def format_table(results: list[dict]) -> str:
+def decoder_table(results: list[dict]) -> str:
     """The results as an aligned text table, with each row's speed-up over Pillow at full size."""
     base = next((r["img_per_s"] for r in results if r["backend"] == "pil" and r["decode_size"] is None), None)
     lines = [f"{'backend':<11} {'decode size':>11} {'out HxW':>9} {'img/s/core':>10} {'src MP/s':>9} "

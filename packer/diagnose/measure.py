@@ -1,9 +1,11 @@
-"""Measurement primitives shared by ``packer bench`` and ``packer doctor``.
+"""Measurement primitives of ``packer bench``, ``packer doctor`` and ``packer bench --decoders``: one of each.
 
-Page-cache eviction of files (fsync + ``posix_fadvise(DONTNEED)``) verified with ``mincore``,
-the machine's ceilings (cold sequential read of a large file on the data's filesystem, memory
-copy bandwidth, per-core decode rate), the cold small-file read rate, and a description of the
-machine and of the storage under a path (device, filesystem, rotational) read from /proc and /sys.
+- page cache: residency by ``mincore``, eviction by fsync + ``posix_fadvise(DONTNEED)``, checked;
+- the timer (``timed``: a wall or CPU clock) and the rate made of repeated timings (``Rate``);
+- the cold reader (``cold_read``: evict, then read files in large reads, bounded in bytes and time);
+- the ceilings: cold sequential read of a scratch file on the data's filesystem, memory copy;
+- the decode rate (``decode_rate``: one core, in-memory samples, any decoder) and the decoders;
+- the sample picker (``load_samples``: encoded images spread evenly over a dataset or a folder).
 """
 
 from __future__ import annotations
@@ -11,19 +13,20 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
-import platform
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from packer import sysinfo
+from packer.errors import PackerError
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+COLD = 0.01  # a read counts as cold when under 1% of the files' pages stayed cached after eviction
+READ_BLOCK = 8 << 20  # bytes per read() of the cold reader
 
 
 # ------------------------------------------------------------------ page cache
@@ -146,28 +149,130 @@ def tree_files(path: str | os.PathLike) -> list[str]:
     return sorted(out)
 
 
-# ------------------------------------------------------------------ ceilings
+# ------------------------------------------------------------------ the timer
+
+
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+@dataclass
+class Timing:
+    """What one timed measurement did: ``items`` (images, bytes, ...) in CPU and in wall seconds."""
+
+    items: float
+    cpu_s: float
+    wall_s: float
+
+    def seconds(self, clock: str) -> float:
+        return self.cpu_s if clock == "cpu" else self.wall_s
+
+
+def timed(fn: Callable[[], float], seconds: float = 0.0, clock: str = "wall", min_passes: int = 1) -> Timing:
+    """Call ``fn`` (one pass; returns the items it did) ``min_passes`` times, then until ``seconds`` have passed.
+
+    ``clock``: ``wall`` (``perf_counter``) or ``cpu`` (this process's user + system time, page
+    faults included, which other processes on a shared machine disturb far less than wall time).
+    """
+    if clock not in CLOCKS:
+        raise ValueError(f"clock {clock!r}: choose {', '.join(CLOCKS)}")
+    now = CLOCKS[clock]
+    items, passes = 0.0, 0
+    c0, w0 = time.process_time(), time.perf_counter()
+    start = now()
+    while passes < min_passes or now() - start < seconds:
+        items += fn()
+        passes += 1
+    return Timing(items, time.process_time() - c0, time.perf_counter() - w0)
 
 
 @dataclass
 class Rate:
-    """One measured rate; ``seconds`` of each repeat, figures from the median repeat."""
+    """One measured rate: the median over repeated timings (``value``), their lowest and highest."""
 
     name: str
     unit: str  # what ``value`` counts per second: "MB/s" or "img/s"
-    value: float  # median
+    value: float
     low: float
     high: float
-    seconds: list[float]
+    timings: list[Timing]
+    clock: str = "wall"
     detail: str = ""
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _rate(name: str, unit: str, amount: float, seconds: list[float], detail: str = "") -> Rate:
-    rates = sorted(amount / max(s, 1e-9) for s in seconds)
-    return Rate(name, unit, float(np.median(rates)), rates[0], rates[-1], seconds, detail)
+def rate_of(name: str, unit: str, timings: Sequence[Timing], clock: str = "wall", detail: str = "",
+            scale: float = 1.0) -> Rate:
+    """The rate of ``timings`` on ``clock``, ``scale`` units per item (1e-6 makes bytes MB)."""
+    rates = sorted(t.items * scale / max(t.seconds(clock), 1e-9) for t in timings)
+    return Rate(name, unit, float(np.median(rates)), rates[0], rates[-1], list(timings), clock, detail)
+
+
+# ------------------------------------------------------------------ the cold reader
+
+
+def read_file(path: str | os.PathLike, block: int = READ_BLOCK, max_bytes: int | None = None,
+              until: float | None = None, buf: memoryview | None = None) -> int:
+    """Read a file with ``block``-sized reads (into ``buf`` if given: many small files then share one buffer,
+    which a per-file allocation would otherwise slow down), to its end, ``max_bytes`` or the ``perf_counter``
+    time ``until``; returns the bytes read."""
+    total = 0
+    view = buf if buf is not None else memoryview(bytearray(block))
+    with open(path, "rb", buffering=0) as fh:
+        while max_bytes is None or total < max_bytes:
+            n = fh.readinto(view)
+            if not n:
+                break
+            total += n
+            if until is not None and time.perf_counter() >= until:
+                break
+    return total
+
+
+@dataclass
+class ColdRead:
+    """One cold read: files and bytes read (``timing.items``) and the files' residency just after eviction."""
+
+    files: int
+    timing: Timing
+    residency: Residency
+
+    @property
+    def cold(self) -> bool:
+        """The eviction was verified (mincore) and under ``COLD`` of the pages stayed cached."""
+        return self.residency.verified and (self.residency.fraction or 0.0) < COLD
+
+    @property
+    def files_per_s(self) -> float:
+        return self.files / max(self.timing.wall_s, 1e-9)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.timing.items / 1e6 / max(self.timing.wall_s, 1e-9)
+
+
+def cold_read(paths: Sequence[str | os.PathLike], max_bytes: int | None = None, seconds: float | None = None,
+              block: int = READ_BLOCK) -> ColdRead:
+    """Evict ``paths`` from the page cache, then read them in order until done, ``max_bytes`` or ``seconds``."""
+    res = evict(paths)
+    files, buf = 0, memoryview(bytearray(block))
+
+    def read_all() -> int:
+        nonlocal files
+        total, until = 0, None if seconds is None else time.perf_counter() + seconds
+        for p in paths:
+            total += read_file(p, block, None if max_bytes is None else max_bytes - total, until, buf)
+            files += 1
+            if (max_bytes is not None and total >= max_bytes) or (until is not None and time.perf_counter() >= until):
+                break
+        return total
+
+    timing = timed(read_all)
+    return ColdRead(files, timing, res)
+
+
+# ------------------------------------------------------------------ ceilings
 
 
 def _write_scratch(directory: Path, nbytes: int) -> Path:
@@ -188,19 +293,6 @@ def _write_scratch(directory: Path, nbytes: int) -> Path:
     return Path(name)
 
 
-def read_file(path: str | os.PathLike, block: int = 8 << 20) -> int:
-    """Read a whole file with large reads; returns the bytes read."""
-    total = 0
-    buf = bytearray(block)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
-        while True:
-            n = fh.readinto(view)
-            if not n:
-                return total
-            total += n
-
-
 def sequential_read_ceiling(directory: str | os.PathLike, nbytes: int = 256 << 20, repeats: int = 3) -> Rate:
     """Cold sequential read bandwidth (MB/s) of a ``nbytes`` scratch file written in ``directory``.
 
@@ -209,19 +301,12 @@ def sequential_read_ceiling(directory: str | os.PathLike, nbytes: int = 256 << 2
     """
     path = _write_scratch(Path(directory), nbytes)
     try:
-        seconds = []
-        unverified = False
-        for _ in range(repeats):
-            res = evict([path])
-            if not res.verified or (res.fraction or 0) > 0.01:
-                unverified = True
-            t = time.perf_counter()
-            read_file(path)
-            seconds.append(time.perf_counter() - t)
+        reads = [cold_read([path]) for _ in range(repeats)]
     finally:
         os.unlink(path)
-    detail = f"{nbytes / 1e6:.0f} MB file in {directory}, 8 MB reads" + (", eviction NOT verified" if unverified else "")
-    return _rate("sequential read (cold)", "MB/s", nbytes / 1e6, seconds, detail)
+    detail = (f"{nbytes / 1e6:.0f} MB file in {directory}, {READ_BLOCK >> 20} MB reads"
+              + ("" if all(r.cold for r in reads) else ", eviction NOT verified"))
+    return rate_of("sequential read (cold)", "MB/s", [r.timing for r in reads], detail=detail, scale=1e-6)
 
 
 def memory_copy_ceiling(nbytes: int = 128 << 20, repeats: int = 5) -> Rate:
@@ -229,202 +314,114 @@ def memory_copy_ceiling(nbytes: int = 128 << 20, repeats: int = 5) -> Rate:
     src = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)  # fault the pages in first
-    seconds = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+
+    def copy() -> int:
         np.copyto(dst, src)
-        seconds.append(time.perf_counter() - t)
-    return _rate("memory copy", "MB/s", nbytes / 1e6, seconds, f"{nbytes >> 20} MiB numpy copy, one core")
+        return nbytes
+
+    timings = [timed(copy) for _ in range(repeats)]
+    return rate_of("memory copy", "MB/s", timings, detail=f"{nbytes >> 20} MiB numpy copy, one core", scale=1e-6)
 
 
-def decode_ceiling(samples: Sequence[bytes], backend: str, min_seconds: float = 1.0, repeats: int = 3) -> Rate:
-    """Per-core decode rate (img/s) of ``packer.images.decode.decode(data, backend)`` on in-memory samples."""
+# ------------------------------------------------------------------ decoders and the decode rate
+
+
+OPTIONAL_BACKENDS = ("simplejpeg",)  # measured when importable, never a dependency (docs/decoding.md)
+
+
+def _simplejpeg_decoder() -> Callable | None:
+    try:
+        import simplejpeg
+    except ImportError:
+        return None
+    from packer.images.decode import scaled_shape
+
+    def run(data: bytes, min_size: int | None = None) -> np.ndarray:
+        if not min_size:
+            return simplejpeg.decode_jpeg(data, colorspace="rgb")
+        h, w = simplejpeg.decode_jpeg_header(data)[:2]
+        th, tw = scaled_shape(h, w, min_size)  # the smallest scale giving >= this is packer's own scale
+        return simplejpeg.decode_jpeg(data, colorspace="rgb", min_height=th, min_width=tw)
+
+    return run
+
+
+def available_backends(include_optional: bool = True) -> list[str]:
+    """Decoders that work here: ``turbojpeg`` (if libturbojpeg loads), ``pil``, optional extras."""
+    from packer.images.decode import turbojpeg_handle
+
+    names = (["turbojpeg"] if turbojpeg_handle() is not None else []) + ["pil"]
+    if include_optional and _simplejpeg_decoder() is not None:
+        names.append("simplejpeg")
+    return names
+
+
+def decoder(backend: str) -> Callable[..., np.ndarray]:
+    """``fn(data, min_size=None)`` decoding as a dataset does (``auto``, ``turbojpeg``, ``pil``) or with an extra."""
     from packer.images.decode import decode
 
+    if backend in ("auto", "turbojpeg", "pil"):
+        return lambda data, min_size=None: decode(data, backend, strict=False, min_size=min_size)
+    fn = _simplejpeg_decoder() if backend == "simplejpeg" else None
+    if fn is None:
+        raise PackerError(f"decoder {backend!r} is not available here (available: {', '.join(available_backends())})")
+    return fn
+
+
+def decode_rate(samples: Sequence[bytes], backend: str, min_size: int | None = None, seconds: float = 1.0,
+                repeats: int = 3, clock: str = "wall") -> Rate:
+    """Images/s of one core decoding in-memory ``samples`` with ``backend``: ``repeats`` timings of ``seconds / repeats``."""
     if not samples:
-        raise ValueError("decode_ceiling needs at least one sample")
-    for data in samples[: min(4, len(samples))]:
-        decode(data, backend)  # load the library, fail early
-    seconds, counts = [], []
-    for _ in range(repeats):
-        n, t = 0, time.perf_counter()
-        while True:
-            for data in samples:
-                decode(data, backend)
-            n += len(samples)
-            dt = time.perf_counter() - t
-            if dt >= min_seconds / repeats:
-                break
-        seconds.append(dt)
-        counts.append(n)
-    per = [c / s for c, s in zip(counts, seconds, strict=False)]
+        raise PackerError("no samples to measure decoding on")
+    fn = decoder(backend)
+    for data in samples[:4]:
+        fn(data, min_size)  # load the library, fail early
+
+    def one_pass() -> int:
+        for data in samples:
+            fn(data, min_size)
+        return len(samples)
+
+    timings = [timed(one_pass, seconds / repeats, clock) for _ in range(repeats)]
     mean_kb = sum(len(s) for s in samples) / len(samples) / 1e3
-    srt = sorted(per)
-    return Rate(f"decode {backend} (1 core)", "img/s", float(np.median(per)), srt[0], srt[-1], seconds,
-                f"{len(samples)} samples of {mean_kb:.0f} KB on average, in memory")
+    size = "" if not min_size else f", decode_size {min_size}"
+    return rate_of(f"decode {backend} (1 core)", "img/s", timings, clock,
+                   f"{len(samples)} samples of {mean_kb:.0f} KB on average, in memory{size}")
 
 
-def small_file_read_rate(paths: Sequence[str | os.PathLike]) -> tuple[float, float, Residency]:
-    """Cold open+read of each file in order: (files/s, MB/s, residency after eviction)."""
-    res = evict(paths)
-    total = 0
-    t = time.perf_counter()
-    for p in paths:
-        with open(p, "rb") as fh:
-            total += len(fh.read())
-    dt = max(time.perf_counter() - t, 1e-9)
-    return len(paths) / dt, total / 1e6 / dt, res
+# ------------------------------------------------------------------ the sample picker
 
 
-# ------------------------------------------------------------------ machine and storage
+def spread(n: int, k: int) -> list[int]:
+    """Up to ``k`` indices spread evenly over ``range(n)``, first and last included."""
+    return np.unique(np.linspace(0, n - 1, min(k, n)).astype(np.int64)).tolist() if n > 0 and k > 0 else []
 
 
-def _mountinfo() -> list[dict]:
+def load_samples(where: str | os.PathLike | Sequence[str], limit: int = 200) -> list[bytes]:
+    """Up to ``limit`` encoded images spread evenly (every class represented) over a packed dataset
+    (encoded payloads), a folder of images, or a list of image files (unreadable ones are skipped)."""
+    if isinstance(where, (str, os.PathLike)):
+        p = Path(where)
+        if (p / "manifest.json").exists():
+            from packer.read.dataset import open_dataset
+
+            ds = open_dataset(p)
+            try:
+                if ds.manifest.payload != "encoded":
+                    raise PackerError(f"{p}: payload {ds.manifest.payload!r} holds decoded pixels; "
+                                      "decoders need encoded images")
+                return [bytes(b) for b in ds.read_payloads(spread(len(ds), limit))]
+            finally:
+                ds.close()
+        if not p.is_dir():
+            raise PackerError(f"{p}: neither a packed dataset nor a folder of images")
+        from packer.write.scan import scan_folder
+
+        where = [str(p / rel) for rel in scan_folder(p).rel_paths]
     out = []
-    try:
-        with open("/proc/self/mountinfo") as fh:
-            for line in fh:
-                left, _, right = line.partition(" - ")
-                f = left.split()
-                r = right.split()
-                out.append({
-                    "dev": f[2], "root": f[3], "mount_point": _unescape(f[4]),
-                    "fstype": r[0] if r else "", "source": _unescape(r[1]) if len(r) > 1 else "",
-                    "super_options": r[2] if len(r) > 2 else "",
-                })
-    except OSError:
-        pass
-    return out
-
-
-def _unescape(s: str) -> str:
-    return s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-
-
-def mount_of(path: str | os.PathLike) -> dict | None:
-    """The /proc/self/mountinfo entry of the mount holding ``path`` (longest matching mount point)."""
-    real = os.path.realpath(path)
-    best = None
-    for m in _mountinfo():
-        mp = m["mount_point"]
-        if real == mp or real.startswith(mp.rstrip("/") + "/") or mp == "/":
-            if best is None or len(mp) >= len(best["mount_point"]):
-                best = m
-    return best
-
-
-def _sys_block(major: int, minor: int) -> Path | None:
-    p = Path(f"/sys/dev/block/{major}:{minor}")
-    return p.resolve() if p.exists() else None
-
-
-def block_device_of(path: str | os.PathLike, _depth: int = 0) -> tuple[int, int, str] | None:
-    """(major, minor, name) of the whole block device holding ``path``; None if there is none.
-
-    Partitions resolve to their disk (the throttle works per disk). Overlay filesystems resolve
-    through their upper directory; filesystems on anonymous devices (btrfs subvolumes) through the
-    mount's source device. Network and memory filesystems (nfs, tmpfs) have no block device.
-    """
-    st = os.stat(path)
-    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
-    sys_dev = _sys_block(major, minor)
-    if sys_dev is None and _depth < 4:
-        m = mount_of(path)
-        if m is None:
-            return None
-        if m["fstype"] == "overlay":
-            for opt in m["super_options"].split(","):
-                if opt.startswith("upperdir="):
-                    return block_device_of(opt.split("=", 1)[1], _depth + 1)
-            return None
-        if m["source"].startswith("/dev/") and os.path.exists(m["source"]):
-            rdev = os.stat(m["source"]).st_rdev
-            major, minor = os.major(rdev), os.minor(rdev)
-            sys_dev = _sys_block(major, minor)
-    if sys_dev is None:
-        return None
-    if (sys_dev / "partition").exists():  # a partition: the throttle and queue facts live on its disk
-        sys_dev = sys_dev.parent
+    for i in spread(len(where), limit):
         try:
-            major, minor = (int(v) for v in (sys_dev / "dev").read_text().split(":"))
-        except (OSError, ValueError):
-            return None
-    return major, minor, sys_dev.name
-
-
-def _read(path: str | Path) -> str | None:
-    try:
-        return Path(path).read_text().strip()
-    except OSError:
-        return None
-
-
-def describe_storage(path: str | os.PathLike) -> dict:
-    """Filesystem type, mount, device (major:minor, name), rotational flag and read-ahead of ``path``."""
-    m = mount_of(path) or {}
-    dev = block_device_of(path)
-    out = {
-        "path": os.path.realpath(path),
-        "mount_point": m.get("mount_point"),
-        "fstype": m.get("fstype"),
-        "source": m.get("source"),
-        "device": None,
-        "major_minor": None,
-        "rotational": None,
-        "read_ahead_kb": None,
-        "scheduler": None,
-    }
-    if dev is not None:
-        major, minor, name = dev
-        queue = Path(f"/sys/block/{name}/queue")
-        rot = _read(queue / "rotational")
-        sched = _read(queue / "scheduler")
-        ra = _read(queue / "read_ahead_kb")
-        out.update({
-            "device": name, "major_minor": f"{major}:{minor}",
-            "rotational": None if rot is None else rot == "1",
-            "read_ahead_kb": int(ra) if ra and ra.isdigit() else None,
-            "scheduler": sched.split("[")[1].split("]")[0] if sched and "[" in sched else sched,
-        })
+            out.append(Path(where[i]).read_bytes())
+        except OSError:
+            pass
     return out
-
-
-def _versions() -> dict:
-    from importlib import metadata
-
-    from packer._version import __version__
-
-    out = {"packer": __version__, "python": platform.python_version()}
-    for dist in ("numpy", "torch", "Pillow", "lmdb", "h5py", "PyTurboJPEG", "matplotlib"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    from packer.images.decode import turbojpeg_available
-
-    out["libturbojpeg"] = "loaded" if turbojpeg_available() else "missing"
-    return out
-
-
-def describe_machine() -> dict:
-    """CPU model, cores usable, memory, kernel, load, library versions."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    mem = sysinfo.meminfo().get("MemTotal")
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "cores_usable": usable,
-        "memory_bytes": mem,
-        "os": f"{platform.system()} {platform.release()}",
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-        "versions": _versions(),
-    }

@@ -1,15 +1,24 @@
-"""The ``packer bench --plot`` chart: samples/s per dataset, one panel per level, ceilings as lines.
+"""The charts of ``packer bench --plot`` (samples/s per dataset against the ceilings) and ``packer profile --plot``.
 
-matplotlib is optional (``pip install 'packer[plot]'``); without it the command says so and stops
-before measuring anything.
+matplotlib is optional (``pip install 'packer[plot]'``); without it the commands say so and stop
+before measuring anything (``require_matplotlib``).
 """
 
 from __future__ import annotations
 
+import math
+import os
+from typing import TYPE_CHECKING
+
+from packer.diagnose.reports import ceiling_summary
 from packer.errors import PackerError
+
+if TYPE_CHECKING:
+    from packer.diagnose.sweep import SweepPoint, SweepResult
 
 
 def require_matplotlib():
+    """matplotlib's pyplot on the Agg backend, or a PackerError that says how to install it."""
     try:
         import matplotlib
 
@@ -23,11 +32,9 @@ def require_matplotlib():
     return plt
 
 
-def plot_report(report: dict, path: str) -> None:
+def plot_bench(report: dict, path: str | os.PathLike) -> None:
     """Write a PNG: for each level a panel of grouped bars (order x cache), one colour per dataset (hatched
     per DataLoader worker count), each bar's ceiling drawn as a black line across it, values printed on top."""
-    import math
-
     from matplotlib.patches import Patch
 
     plt = require_matplotlib()
@@ -72,11 +79,53 @@ def plot_report(report: dict, path: str) -> None:
     if report.get("emulation"):
         e = report["emulation"]
         title += f" - EMULATED storage: {e['read_iops'] or 'unlimited'} read IOPS, {(e['read_bps'] or 0) / 1e6:.0f} MB/s"
-    ceil = report["ceilings"]
-    sub = ", ".join([f"cold sequential read {v['value']:,.0f} MB/s" for v in ceil["sequential_read"].values()]
-                    + [f"memory copy {ceil['memory_copy']['value']:,.0f} MB/s"]
-                    + [f"decode {k} {v['value']:,.0f} img/s/core" for k, v in ceil["decode"].items()])
-    fig.suptitle(title + "\nceilings: " + sub, fontsize=10)
+    fig.suptitle(title + "\nceilings: " + ceiling_summary(report["ceilings"]), fontsize=10)
     fig.tight_layout(rect=(0, 0.07, 1, 0.93))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(result: SweepResult, path: str | os.PathLike) -> None:
+    """PNG: wait as % of step (and samples/s) against num_workers, one line per batch size / pin setting."""
+    from matplotlib.ticker import MaxNLocator
+
+    from packer.diagnose.profile import FED
+
+    plt = require_matplotlib()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    groups: dict[tuple[int, bool], list[SweepPoint]] = {}
+    for p in result.points:
+        groups.setdefault((p.batch_size, p.pin_memory), []).append(p)
+    for (b, pin), pts in groups.items():
+        pts.sort(key=lambda p: p.workers)
+        label = f"batch {b}" + (", pinned" if pin else "")
+        ax1.plot([p.workers for p in pts], [100 * p.wait_over_step for p in pts], "o-", label=label)
+        ax2.plot([p.workers for p in pts], [p.samples_per_s for p in pts], "o-", label=label)
+    ax1.axhline(100 * FED, color="red", ls="--", lw=1, label=f"fed: wait < {100 * FED:.0f}% of step")
+    if result.chosen is not None:
+        ax1.plot([result.chosen.workers], [100 * result.chosen.wait_over_step], "*", ms=16, color="green",
+                 label=f"chosen: num_workers={result.chosen.workers}")
+    ax1.set_yscale("symlog", linthresh=10)
+    ax1.set_ylim(bottom=0)
+    if result.chosen is None:
+        ax1.text(0.5, 0.92, "no setting keeps the step fed", transform=ax1.transAxes, ha="center", color="red")
+    base = result.points[0].batch_size if result.points else 0
+    if result.step_ms > 0 and base:
+        ax2.axhline(1000 * base / result.step_ms, color="red", ls="--", lw=1,
+                    label=f"asked by the step (batch {base})")
+    ax1.set_xlabel("num_workers")
+    ax1.set_ylabel("data wait, % of step time")
+    ax1.set_title(f"Does the loader feed a {result.step_ms:g} ms step?")
+    ax1.legend(fontsize=8)
+    ax2.axvline(result.cores, color="grey", ls=":", lw=1, label=f"{result.cores} cores")
+    ax2.set_xlabel("num_workers")
+    ax2.set_ylabel("samples/s")
+    ax2.set_title("Loader throughput with the step running")
+    ax2.legend(fontsize=8)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    fig.suptitle(f"packer profile {result.dataset}", fontsize=10)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packer.diagnose.measure import block_device_of
+from packer.diagnose.system import block_device_of
 from packer.errors import PackerError
 
 
@@ -52,7 +52,7 @@ PRESETS: dict[str, Preset] = {
 
 V1_ROOT = Path("/sys/fs/cgroup/blkio")
 V2_ROOTS = (Path("/sys/fs/cgroup/unified"), Path("/sys/fs/cgroup"))
-PREFIX = "packer-bench-"
+CGROUP_PREFIX = "packer-bench-"
 
 
 class ThrottleUnavailable(PackerError):
@@ -181,9 +181,9 @@ def remove_cgroup(ctl: Controller, cg: Path, back_to: Path, devices: Sequence[tu
 def remove_stale(ctl: Controller) -> list[Path]:
     """Remove cgroups left by packer runs whose process is gone (killed with SIGKILL, power lost)."""
     removed = []
-    for cg in sorted(ctl.root.glob(PREFIX + "*")):
+    for cg in sorted(ctl.root.glob(CGROUP_PREFIX + "*")):
         try:
-            owner = int(cg.name[len(PREFIX):])
+            owner = int(cg.name[len(CGROUP_PREFIX):])
         except ValueError:
             continue
         if owner != os.getpid() and _alive(owner):
@@ -278,7 +278,7 @@ def throttled(
     devices = devices_of(paths)
     stale = remove_stale(ctl)
     home = ctl.own_cgroup()
-    cg = ctl.root / f"{PREFIX}{os.getpid()}"
+    cg = ctl.root / f"{CGROUP_PREFIX}{os.getpid()}"
     pairs = [(a, b) for a, b, _ in devices]
     old_term = signal.getsignal(signal.SIGTERM) if _main_thread() else None
     try:

@@ -19,8 +19,9 @@ import pytest
 from PIL import Image
 
 from packer.cli import main
-from packer.diagnose import measure, throttle
-from packer.diagnose.bench import BenchOptions, format_table, make_order, run_bench
+from packer.diagnose import measure, system, throttle
+from packer.diagnose.bench import BenchOptions, make_order, run_bench
+from packer.diagnose.reports import bench_table
 from packer.errors import PackerError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,7 +50,7 @@ def data(tmp_path_factory):
 
 
 def _can_evict(path: Path) -> bool:
-    st = measure.describe_storage(path)
+    st = system.describe_storage(path)
     return st["fstype"] not in ("tmpfs", "ramfs", None) and measure.resident_pages(path) is not None
 
 
@@ -89,7 +90,7 @@ def test_read_and_decode_levels_json_consistent(data):
     combos = {(r["kind"], r["level"], r["order"], r["cache"]) for r in report["results"]}
     assert len(combos) == 2 * 2 * 3 * 2  # kinds x levels x orders x caches
     assert {d["samples"] for d in report["datasets"]} == {10}
-    assert "imgs.lmdb" in format_table(report)
+    assert "imgs.lmdb" in bench_table(report)
 
 
 def test_loader_level_with_workers(data):
@@ -209,7 +210,7 @@ def test_refuses_off_linux(monkeypatch):
 
 
 def test_refuses_without_block_device():
-    if not Path("/dev/shm").is_dir() or measure.describe_storage("/dev/shm")["fstype"] != "tmpfs":
+    if not Path("/dev/shm").is_dir() or system.describe_storage("/dev/shm")["fstype"] != "tmpfs":
         pytest.skip("no tmpfs at /dev/shm")
     with pytest.raises(throttle.ThrottleUnavailable, match="not on a block device"):
         throttle.devices_of(["/dev/shm"])
@@ -252,7 +253,7 @@ def _own_cgroup_line() -> str:
 
 
 def _packer_cgroups(ctl) -> list[Path]:
-    return list(ctl.root.glob(throttle.PREFIX + "*"))
+    return list(ctl.root.glob(throttle.CGROUP_PREFIX + "*"))
 
 
 @needs_throttle
@@ -270,7 +271,7 @@ def test_throttle_applies_and_is_removed(tmp_path):
         after = thr.read_counters()
         assert after[0] > before[0] and after[1] - before[1] >= (1 << 20)  # the reads went through our cgroup
     assert not thr.cgroup.exists() and not thr.active
-    assert throttle.PREFIX not in _own_cgroup_line()
+    assert throttle.CGROUP_PREFIX not in _own_cgroup_line()
 
 
 @needs_throttle
@@ -283,7 +284,7 @@ def test_throttle_removed_after_exception_and_ctrl_c(tmp_path):
                     time.sleep(1)
                 raise exc("boom")
         assert not thr.cgroup.exists()
-        assert throttle.PREFIX not in _own_cgroup_line()
+        assert throttle.CGROUP_PREFIX not in _own_cgroup_line()
 
 
 _CHILD = textwrap.dedent("""
@@ -306,14 +307,14 @@ def _start_child(path) -> subprocess.Popen:
 def test_sigterm_cleans_up_and_sigkill_leftover_is_removed_next_time(tmp_path):
     ctl = throttle.find_controller()
     proc = _start_child(tmp_path)
-    cg = ctl.root / f"{throttle.PREFIX}{proc.pid}"
+    cg = ctl.root / f"{throttle.CGROUP_PREFIX}{proc.pid}"
     assert cg.is_dir()
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
     assert not cg.exists()
 
     proc = _start_child(tmp_path)
-    cg = ctl.root / f"{throttle.PREFIX}{proc.pid}"
+    cg = ctl.root / f"{throttle.CGROUP_PREFIX}{proc.pid}"
     proc.kill()
     proc.wait(timeout=30)
     assert cg.is_dir()  # SIGKILL: nothing could clean up
@@ -331,4 +332,4 @@ def test_bench_under_emulation_records_device_reads_and_cleans_up(data):
     assert report["emulation"]["read_iops"] == 20000
     for r in report["results"]:
         assert r["device_reads"][0]["bytes"] > 0  # cold reads reached the throttled device
-    assert not _packer_cgroups(ctl) and throttle.PREFIX not in _own_cgroup_line()
+    assert not _packer_cgroups(ctl) and throttle.CGROUP_PREFIX not in _own_cgroup_line()

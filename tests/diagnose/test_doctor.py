@@ -9,7 +9,9 @@ import pytest
 from support._tiny import make_lmdb
 
 from packer.cli import main
-from packer.diagnose.doctor import diagnose, fs_kind, judge, render
+from packer.diagnose.doctor import diagnose, render
+from packer.diagnose.doctor_rules import judge
+from packer.diagnose.system import fs_kind
 
 
 @pytest.fixture(scope="module")

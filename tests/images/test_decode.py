@@ -344,7 +344,8 @@ def test_require_turbojpeg_option(request):
 # ------------------------------------------------------------------ benchmark
 
 def test_measure_decoders_structure(packed, tmp_path):
-    from packer.diagnose.decoders import available_backends, load_samples, measure_decoders
+    from packer.diagnose.decoders import available_backends, measure_decoders
+    from packer.diagnose.measure import load_samples
 
     path, refs = packed
     samples = load_samples(path, limit=100)
