@@ -611,7 +611,9 @@ def write_shard(
     result = ShardResult(shard_id, Shard(num_samples=0, files=[]))
     try:
         writer = fmt.Writer(partial, shard_id, planned, options.payload, asdict(options))
-    except OSError as exc:
+    except PackerError:
+        raise
+    except Exception as exc:  # ENOSPC, EIO, the storage engine's own errors (lmdb.DiskError is no OSError)
         raise ShardWriteError(f"cannot create shard {shard_id} ({exc})") from exc
     try:
         for res in samples:

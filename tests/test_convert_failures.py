@@ -56,7 +56,8 @@ STEPS = [("journal/plan.json", 2), ("journal/shard-00000.json", 1), ("meta/label
 def test_disk_full_at_each_step_is_one_line_then_resumes(source, tmp_path, step, code):
     with small_tmpfs(tmp_path / "fs", "4m") as fs:
         out, filler = fs / "o.lmdb", tmp_path / "fs" / "filler"
-        cmd = ["convert", source, "-o", out, "--workers", "0", "--shard-size", "2000", "-q"]
+        # one shard: once the disk is full, nothing else is being written that could fail first
+        cmd = ["convert", source, "-o", out, "--workers", "0", "-q"]
         target = os.path.basename(step) + (".tmp" if step.endswith(".json") else "")
         res = run_cli_at(cmd, ENV, "open", target, f"fill:{filler}")
         line = one_line(res.stderr)
@@ -72,6 +73,20 @@ def test_disk_full_at_each_step_is_one_line_then_resumes(source, tmp_path, step,
             done = packer_cli(*cmd, "--resume")
             assert done.returncode == 0, done.stderr
         assert verify(out, against=source).ok and sorted(os.listdir(fs)) == ["o.lmdb"]
+
+
+def test_disk_full_while_shards_are_written_and_journaled_is_one_line(source, tmp_path):
+    # several shards: the journal of shard 0 (a thread) and the creation of the next shard (LMDB's
+    # own DiskError, no OSError) race to meet the full disk first; either way one line, exit 1
+    with small_tmpfs(tmp_path / "fs", "4m") as fs:
+        out = fs / "o.lmdb"
+        cmd = ["convert", source, "-o", out, "--workers", "0", "--shard-size", "2000", "-q"]
+        res = run_cli_at(cmd, ENV, "open", "shard-00000.json.tmp", f"fill:{tmp_path / 'fs' / 'filler'}")
+        line = one_line(res.stderr)
+        assert res.returncode == 1 and line.startswith(f"packer: error: {out}") and "--resume" in line
+        assert "No space left on device" in line or "disk is full" in line
+        (fs / "filler").unlink()
+        assert packer_cli(*cmd, "--resume").returncode == 0 and verify(out, against=source).ok
 
 
 @pytest.mark.parametrize("step", ["journal/shard-00001.json", "meta/labels.npy", "errors.json", "manifest.json"])
