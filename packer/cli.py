@@ -1,6 +1,7 @@
 """Command line: argparse only. One ``cmd_<name>(args) -> int`` per subcommand; the work lives elsewhere.
 
-Exit codes: 0 ok, 1 a problem was found (bad files, failed verification), 2 usage or refused.
+Exit codes: 0 ok, 1 a problem was found (bad files, failed verification, a conversion that failed
+mid-way and can be resumed), 2 usage or refused.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import sys
 import textwrap
 
-from packer.errors import PackerError
+from packer.errors import PackerError, ResumableError
 from packer.units import human_bytes, parse_bytes
 
 
@@ -89,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="mosaic file codec: bmp (default; lossless, a tile is read without decoding the rest), png "
                    "(lossless, smaller, whole mosaics decoded), jpeg (lossy, smallest; tiles multiples of 16 px)")
     p.add_argument("--quality", type=int, default=None, help="mosaic jpeg quality 1-100 (default 95)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output (only once the new one is complete)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing packer dataset (only once the new one is complete; "
+                   "anything else at the output path is refused)")
     p.add_argument("--resume", action="store_true",
                    help="go on with an interrupted conversion of the same source and options (its finished "
                    "shards are checked and kept; the result is identical to an uninterrupted run)")
@@ -494,9 +496,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
+    except ResumableError as exc:
+        print(f"packer: error: {exc}", file=sys.stderr)
+        return 1
     except PackerError as exc:
         print(f"packer: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("packer: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # convert's says what it kept and how to go on
+        print(f"packer: {str(exc) or 'interrupted'}", file=sys.stderr)
         return 130

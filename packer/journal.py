@@ -9,6 +9,12 @@ Inside ``<out>.partial/journal/``:
 | shard-00000.json  | after that shard is on disk    | its files (sizes, sha256), per-sample metadata |
 |                   | (fsynced)                      | (with each source's size and mtime as read)    |
 |                   |                                | and the source files it could not pack         |
+| swap.json         | after the manifest, before the | the name of the folder the old output (if any) |
+|                   | renames into place             | is moved into: --resume finishes the swap      |
+
+The folder is made under a temporary name and renamed to ``<out>.partial`` only once its plan
+is written, so a ``.partial`` without a plan was not made by packer and is never deleted. The
+journal stays until the dataset is in place, then is removed.
 
 Only JSON: a journal, like a manifest, can never execute code when read. A shard counts as
 done only once its entry exists, and its files are checked against it before being reused;
@@ -26,12 +32,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packer.durable import fsync_file, write_atomic
 from packer.errors import PackerError
-from packer.manifest import FileInfo, Shard, dumps_lossless, sha256_file
+from packer.manifest import PARTIAL_SUFFIX, FileInfo, Shard, dumps_lossless, sha256_file
 from packer.scan import ScanResult, SourceError
 
 JOURNAL_DIR = "journal"
 PLAN_NAME = "plan.json"
+SWAP_NAME = "swap.json"
+OLD_TAG = ".packer-old-"  # <out>.packer-old-<pid>-<random>: the folder an --overwrite moves the old output into
+_MAX_SWAP_BYTES = 1 << 16
 
 
 @dataclass
@@ -89,28 +99,22 @@ def scan_digest(scan: ScanResult) -> str:
     return h.hexdigest()
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_plan(partial: Path, plan: dict[str, Any]) -> None:
     (partial / JOURNAL_DIR).mkdir(exist_ok=True)
-    _write_atomic(partial / JOURNAL_DIR / PLAN_NAME, dumps_lossless(plan, indent=1))
+    write_atomic(partial / JOURNAL_DIR / PLAN_NAME, dumps_lossless(plan, indent=1))
+
+
+def made_by_packer(partial: Path) -> bool:
+    """Whether ``partial`` is a folder a conversion made: a real folder holding its journaled plan."""
+    journal = partial / JOURNAL_DIR
+    return (not partial.is_symlink() and partial.is_dir() and not journal.is_symlink()
+            and (journal / PLAN_NAME).is_file() and not (journal / PLAN_NAME).is_symlink())
 
 
 def read_plan(partial: Path) -> dict[str, Any] | None:
+    """The journaled plan of ``partial``, or None where packer did not make it (see ``made_by_packer``)."""
     path = partial / JOURNAL_DIR / PLAN_NAME
-    if not path.is_file():
+    if not made_by_packer(partial):
         return None
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -127,14 +131,53 @@ def record_shard(partial: Path, result: ShardResult, names: list[str]) -> ShardR
     with ThreadPoolExecutor(max_workers=1) as hasher:
         sums = [hasher.submit(sha256_file, partial / n) for n in names]
         for name in names:
-            fd = os.open(partial / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(partial / name)
         result.shard.files = [FileInfo(n, (partial / n).stat().st_size, s.result()) for n, s in zip(names, sums)]
-    _write_atomic(shard_entry(partial, result.shard_id), result.to_json())
+    write_atomic(shard_entry(partial, result.shard_id), result.to_json())
     return result
+
+
+def write_swap(partial: Path, trash: str | None) -> None:
+    """Journal the swap about to happen: the old output (if any) goes into folder ``trash`` beside it."""
+    write_atomic(partial / JOURNAL_DIR / SWAP_NAME, json.dumps({"trash": trash}))
+
+
+def read_swap(partial: Path, out: Path) -> tuple[bool, str | None]:
+    """(whether ``partial`` holds a journaled swap into ``out``, the trash folder's name it records).
+
+    The name is trusted only in the shape packer gives it (``<out>.packer-old-...``, no slash),
+    so a damaged or crafted record can never point a deletion anywhere else.
+    """
+    path = partial / JOURNAL_DIR / SWAP_NAME
+    if not made_by_packer(partial) or not path.is_file():
+        return False, None
+    try:
+        if path.stat().st_size > _MAX_SWAP_BYTES:
+            raise ValueError("implausibly large")
+        trash = json.loads(path.read_text(encoding="utf-8"))["trash"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PackerError(f"{path}: damaged swap record ({exc}); move {partial} away and convert again") from exc
+    if trash is not None and not (isinstance(trash, str) and trash.startswith(out.name + OLD_TAG)
+                                  and "/" not in trash and "\0" not in trash):
+        raise PackerError(f"{path}: damaged swap record (trash {trash!r:.80}); move {partial} away and convert again")
+    return True, trash
+
+
+def unfinished_note(out: Path) -> str:
+    """What an interrupted conversion left beside the missing dataset ``out``, and what to do (or "")."""
+    partial = out.with_name(out.name + PARTIAL_SUFFIX)
+    try:
+        swapping, trash = read_swap(partial, out)
+    except PackerError as exc:
+        return f" ({exc})"
+    if swapping:
+        old = f", the old one in {out.with_name(trash)}" if trash and os.path.lexists(out.with_name(trash) / out.name) else ""
+        return (f" (a 'packer convert' is moving its result into place, or was interrupted doing so: the new, "
+                f"complete dataset is in {partial}{old}; unless a conversion is still running, run the same "
+                f"convert command with --resume to finish)")
+    if made_by_packer(partial):
+        return f" (an unfinished conversion is in {partial}: run the same convert command with --resume)"
+    return ""
 
 
 def load_done_shards(partial: Path, num_shards: int, root: Path) -> dict[int, ShardResult]:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from packer.durable import write_atomic
 from packer.errors import PackerError
 from packer.trust import check_inner_name, inside, open_regular
 
@@ -172,21 +173,17 @@ def _file_info(f: Any) -> FileInfo:
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
-    """Write ``manifest.json`` atomically (tmp file, fsync, rename)."""
-    path = directory / MANIFEST_NAME
-    tmp = directory / (MANIFEST_NAME + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(manifest.to_json())
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """Write ``manifest.json`` atomically (tmp file, fsync, rename, folder fsync)."""
+    write_atomic(directory / MANIFEST_NAME, manifest.to_json())
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:
     directory = Path(directory)
     path = directory / MANIFEST_NAME
     if not directory.exists():
-        raise PackerError(f"{directory}: no such dataset")
+        from packer.journal import unfinished_note  # the journal builds on this module
+
+        raise PackerError(f"{directory}: no such dataset{unfinished_note(Path(os.path.abspath(directory)))}")
     if not path.is_file():
         hint = " (an unfinished conversion?)" if directory.is_dir() else ""
         raise PackerError(f"{directory}: not a packed dataset, {MANIFEST_NAME} is missing{hint}")
