@@ -37,7 +37,7 @@ import numpy as np
 from PIL import Image
 
 from packer import bmpfile, jpegtiles
-from packer.decode import decode, turbojpeg_handle
+from packer.decode import check_pixels, decode, turbojpeg_handle
 from packer.errors import PackerError
 from packer.formats.base import PreparedSample
 from packer.manifest import Manifest, Shard
@@ -124,6 +124,11 @@ def geometry(options: Mapping) -> Geometry:
             )
         if rows * th > JPEG_MAX_SIDE or cols * tw > JPEG_MAX_SIDE:
             raise PackerError(f"--grid {rows}x{cols} of {th}x{tw} tiles exceeds JPEG's {JPEG_MAX_SIDE} px limit")
+    if codec == "png":  # read by decoding whole mosaics: one must stay within the pixel limit
+        try:
+            check_pixels(rows * th, cols * tw, what=f"--grid {rows}x{cols} of {th}x{tw} tiles makes png mosaics of")
+        except PackerError as exc:
+            raise PackerError(f"{exc}; use a smaller --grid or --codec bmp") from None
     return Geometry(th, tw, rows, cols, codec, quality)
 
 
