@@ -44,8 +44,10 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -354,10 +356,13 @@ class Reader:
     def _get(self) -> _Open:
         return self._h.get(self._open)
 
-    def _checked(self, h: _Open, result):
-        """``result`` of a read, once the file is seen to have kept its size (past its end HDF5 reads zeros)."""
-        check_size(h.fd, self.num_bytes, self.path)
-        return result
+    def _checked(self, h: _Open, read: Callable[[], Any]) -> Any:
+        """``read()``, once the file is seen to have kept its size after it: past its end HDF5 reads
+        zeros or fails, and a truncated file must be named as such, not returned as damaged pixels."""
+        try:
+            return read()
+        finally:
+            check_size(h.fd, self.num_bytes, self.path)  # raised here, it replaces what read() gave
 
     def __len__(self) -> int:
         return self.num_samples
@@ -378,19 +383,22 @@ class Reader:
         """A fresh array: (H, W, 3) pixels for raw, a memoryview of the file's bytes for encoded."""
         h = self._get()
         if h.offsets is None:
-            return self._checked(h, h.images[pos])
-        return self._checked(h, self._split(h, self._blob(h, pos, pos + 1), pos, pos + 1)[0])
+            return self._checked(h, lambda: h.images[pos])
+        return self._checked(h, lambda: self._split(h, self._blob(h, pos, pos + 1), pos, pos + 1)[0])
 
     def read_many(self, positions: list[int]) -> list:
         """One HDF5 read per run of neighbouring positions."""
         h = self._get()
+        return self._checked(h, lambda: self._read_runs(h, positions))
+
+    def _read_runs(self, h: _Open, positions: list[int]) -> list:
         out: list = []
         for start, stop in contiguous_runs(list(positions)):
             if h.offsets is None:
                 out.extend(h.images[start:stop])
             else:
                 out.extend(self._split(h, self._blob(h, start, stop), start, stop))
-        return self._checked(h, out)
+        return out
 
     def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
         """Per position, the byte ranges of the file its chunks occupy (see packer.readahead)."""
@@ -420,8 +428,7 @@ class Reader:
             raise PackerError(f"{self.path}: read_into needs a fixed-shape shard")
         # A slice read per run beats read_direct per run (~5x) and h5py's fancy indexing (~300x).
         h = self._get()
-        copy_runs(h.images, positions, out)
-        self._checked(h, None)
+        self._checked(h, lambda: copy_runs(h.images, positions, out))
 
     def close(self) -> None:
         self._h.close(lambda h: h.file.close())
