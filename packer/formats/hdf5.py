@@ -289,7 +289,9 @@ class Reader:
         if plist.get_external_count():
             raise PackerError(f"{self.path}: /{name} keeps its data in external files; refusing it")
         if found != layout:
-            raise PackerError(f"{self.path}: /{name} has storage layout {found}, the writer makes {layout}")
+            names = {h5py.h5d.COMPACT: "compact", h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.CHUNKED: "chunked"}
+            raise PackerError(f"{self.path}: /{name} has storage layout {names.get(found, found)}, the writer "
+                              f"makes {names[layout]}")
         return dset
 
     def _parts(self, f: h5py.File) -> tuple[h5py.Dataset, h5py.Dataset | None, h5py.Dataset | None]:
