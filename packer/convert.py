@@ -36,7 +36,7 @@ from typing import Any, Literal
 import numpy as np
 
 from packer import __version__
-from packer.decode import DecodeError, decode
+from packer.decode import DecodeError, check_pixels, decode
 from packer.durable import fsync_dir, fsync_tree, write_atomic
 from packer.errors import PackerError, ResumableError
 from packer.formats import FORMATS, get_format
@@ -201,8 +201,9 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
             h, w = decode(data, options.decoder, strict=True).shape[:2]
         elif options.validate == "header":
             h, w = image_size(data)
+            check_pixels(h, w)  # what a decode would refuse is refused here too, from the header
         else:
-            h, w = 0, 0  # unknown: not looked at
+            h, w = 0, 0  # unknown: not looked at (readers then refuse an image above the pixel limit)
     except DecodeError as exc:
         return SourceError(rel, str(exc))
     except Exception as exc:  # a codec crash on hostile bytes must not abort the conversion

@@ -21,7 +21,7 @@ from PIL import Image
 from torch.utils.data import Dataset, get_worker_info
 
 from packer import readahead, sysinfo
-from packer.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
+from packer.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode, pixel_limit
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
 from packer.headers import image_size
@@ -50,12 +50,6 @@ def resolve_access(access: Access, manifest: Manifest) -> str:
 
 BATCH_BLOCK_MAX = 1 << 30  # largest shared block batch_slots maps for one batch (larger: image by image)
 BLOCKS_REMEMBERED = 32  # blocks a process remembers having read ahead (~0.5 GB at the sampler's 16 MB)
-
-
-def _beyond_pixel_limit(pixels):
-    """Whether an image of this many pixels is past Pillow's decompression-bomb error (twice its warning limit)."""
-    limit = Image.MAX_IMAGE_PIXELS
-    return bool(limit) and pixels > 2 * limit
 
 
 def _file_order(idx: Sequence[int]) -> list[int]:
@@ -192,7 +186,8 @@ class PackedDataset(Dataset):
             return None
         # Sizes come from metadata: allocate only what the per-sample path would accept (it names the problem)
         if self.manifest.payload == "encoded":
-            if np.any(_beyond_pixel_limit(h * w)):
+            limit = pixel_limit()
+            if limit is not None and np.any(h * w > limit):
                 return None
         elif np.any(self.index.nbytes[idx] != h * w * 3):
             return None
@@ -372,15 +367,14 @@ class PackedDataset(Dataset):
         """Decode sample ``i``; any failure of a codec on damaged bytes is a DecodeError naming the sample.
 
         The header is checked against the index first, so a damaged header can't make the
-        decoder allocate an image far larger than the one that was packed.
+        decoder allocate an image far larger than the one that was packed; the decoder then
+        refuses any image above the pixel limit (``packer.decode.check_pixels``), whatever the index says.
         """
         where = f"{self.root}: sample {i} ({self.index.rel_path(i)})"
         try:
             hh, ww = image_size(buf)
             if (h or w) and (hh, ww) != (h, w):
                 raise DecodeError(f"image header says {hh}x{ww}, the index says {h}x{w} (damaged)")
-            if not (h or w) and _beyond_pixel_limit(hh * ww):  # size unknown (--validate none): Pillow's bound
-                raise DecodeError(f"image header says {hh}x{ww}, beyond Pillow's decompression-bomb limit")
             return decode(buf, self.decoder, strict=strict, min_size=self.decode_size, out=out)
         except DecodeError as exc:
             raise DecodeError(f"{where}: {exc}") from exc

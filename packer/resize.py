@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from packer.decode import check_pixels
 from packer.errors import PackerError
 
 MODES = ("stretch", "fit")
@@ -78,6 +79,7 @@ class ResizeSpec:
         """Resize HWC uint8 RGB ``pixels`` to this spec."""
         h, w = pixels.shape[:2]
         th, tw = self.scaled_size(h, w)
+        check_pixels(*self.output_shape(h, w), what="resizing to")  # an upscale may ask for more than a decode may
         if (th, tw) != (h, w):
             img = Image.fromarray(pixels).resize((tw, th), Image.Resampling.LANCZOS, reducing_gap=3.0)
             pixels = np.asarray(img)

@@ -65,6 +65,19 @@ class LazyHandle(Generic[H]):
         return {"_handle": None, "_pid": None}
 
 
+def check_size(fd: int, expected: int, path: object) -> None:
+    """The open shard file ``fd`` still has the size the manifest records.
+
+    Truncated in place (``rsync --inplace``, ``cp`` over an open dataset), a memory-mapped file
+    kills its reader with SIGBUS at the first page past the new end, and HDF5 reads zeros there;
+    one ``fstat`` before each read turns that into an error.
+    """
+    size = os.fstat(fd).st_size
+    if size != expected:
+        raise PackerError(f"{path}: shard changed size since it was opened ({expected} bytes in the manifest, "
+                          f"{size} now: rewritten in place?); reopen the dataset")
+
+
 def contiguous_runs(positions: list[int]) -> list[tuple[int, int]]:
     """Split positions into (start, stop) runs of consecutive values, in the order given."""
     runs: list[tuple[int, int]] = []

@@ -29,7 +29,7 @@ import lmdb
 import numpy as np
 
 from packer.errors import PackerError
-from packer.formats.base import LazyHandle, PreparedSample, contiguous_runs, mapping_base
+from packer.formats.base import LazyHandle, PreparedSample, check_size, contiguous_runs, mapping_base
 from packer.manifest import Shard
 from packer.trust import load_npy
 
@@ -168,34 +168,52 @@ def _release_env(ident: tuple) -> None:
 
 
 class Reader:
-    """Reads one shard; opens the environment lazily in each process."""
+    """Reads one shard; opens the environment lazily in each process.
+
+    LMDB maps the file itself and trusts it: a page past the end of a file truncated in place
+    kills the process with SIGBUS. So the reader keeps its own descriptor of the file and checks
+    its size against the manifest before each read (``base.check_size``).
+    """
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
         self.path = directory / shard.files[0].name
+        self.num_bytes = shard.files[0].num_bytes
         self.spans_path = directory / shard.files[1].name if len(shard.files) > 1 else None  # older datasets: none
         self.num_samples = shard.num_samples
         self.readahead = access != "random"
-        self._env: LazyHandle[lmdb.Environment] = LazyHandle()
+        self._env: LazyHandle[tuple[lmdb.Environment, int]] = LazyHandle()  # (environment, our descriptor)
         self._spans: LazyHandle[np.ndarray | None] = LazyHandle()  # [N, 3] leaf page, value start, end
         self._psize = 4096
 
-    def _open(self) -> lmdb.Environment:
+    def _open(self) -> tuple[lmdb.Environment, int]:
         env, self._ident = _shared_env(self.path, self.readahead)
+        fd = -1
         try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self._ident[1:]:
+                raise OSError(f"{self.path.name} was replaced while being opened")
             stat, info = env.stat(), env.info()
             # LMDB maps the file and trusts its own page numbers: pages past the end of a truncated
             # file would fault (SIGBUS). Its pages must all lie inside the file.
             needed = (info["last_pgno"] + 1) * stat["psize"]
-            size = os.stat(self.path).st_size
             problem = (None if stat["entries"] == self.num_samples
                        else f"holds {stat['entries']} samples, the manifest says {self.num_samples}")
-            if needed > size:
-                problem = f"truncated: LMDB records {needed} bytes of pages, the file holds {size}"
+            if needed > st.st_size:
+                problem = f"truncated: LMDB records {needed} bytes of pages, the file holds {st.st_size}"
         except (lmdb.Error, OSError) as exc:
             problem = f"damaged LMDB shard ({exc})"
         if problem:
+            if fd >= 0:
+                os.close(fd)
             _release_env(self._ident)
             raise PackerError(f"{self.path}: {problem}")
+        return env, fd
+
+    def _get(self) -> lmdb.Environment:
+        """The environment, its file seen to have the manifest's size (LMDB would fault on a shorter one)."""
+        env, fd = self._env.get(self._open)
+        check_size(fd, self.num_bytes, self.path)
         return env
 
     def __len__(self) -> int:
@@ -203,7 +221,7 @@ class Reader:
 
     def read(self, pos: int) -> bytes:
         try:
-            with self._env.get(self._open).begin() as txn:
+            with self._get().begin() as txn:
                 value = txn.get(key(pos))
         except lmdb.Error as exc:
             raise PackerError(f"{self.path}: damaged LMDB shard, reading sample {pos} ({exc})") from exc
@@ -220,7 +238,7 @@ class Reader:
 
     def _read_runs(self, positions: list[int]) -> list[bytes]:
         out: list[bytes] = []
-        with self._env.get(self._open).begin() as txn, txn.cursor() as cur:
+        with self._get().begin() as txn, txn.cursor() as cur:
             for start, stop in contiguous_runs(list(positions)):
                 if not cur.set_key(key(start)):
                     raise PackerError(f"{self.path}: sample {start} is missing from the shard")
@@ -248,7 +266,7 @@ class Reader:
     def _load_spans(self) -> np.ndarray | None:
         if self.spans_path is None:
             return None
-        env = self._env.get(self._open)
+        env = self._get()
         self._psize = int(env.stat()["psize"])
         spans = load_npy(self.spans_path, "<i8", ndim=2, max_items=3 * self.num_samples)
         size = os.stat(self.path).st_size
@@ -261,4 +279,8 @@ class Reader:
 
     def close(self) -> None:
         self._spans.close()
-        self._env.close(lambda env: _release_env(self._ident))
+        self._env.close(self._close_env)
+
+    def _close_env(self, handle: tuple[lmdb.Environment, int]) -> None:
+        os.close(handle[1])
+        _release_env(self._ident)
