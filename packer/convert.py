@@ -405,6 +405,8 @@ def convert(
     fmt = get_format(to)
     if options.shard_bytes is None:
         options.shard_bytes = fmt.DEFAULT_SHARD_BYTES
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+        raise PackerError(f"workers {workers!r}: expected a count >= 0 (0: in this process; None: all cores)")
     workers = os.cpu_count() or 1 if workers is None else workers
 
     started = time.perf_counter()

@@ -165,12 +165,15 @@ def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None
         except OSError as exc:
             report.problems.append(f"{src / rel}: cannot read source ({exc.strerror})")
             continue
-        if raw:
-            expected = prepare(src, rel, label, options)
-            if isinstance(expected, SourceError) or not within(ds.pixels(i), expected.payload, mean_bound, max_bound):
-                report.problems.append(f"{src / rel}: stored pixels differ from the source's decode")
-        elif bytes(ds.read_payload(i)) != data:
-            report.problems.append(f"{src / rel}: stored bytes differ from the source file")
+        try:  # a sample that fails to read is a problem found, like one that differs
+            if raw:
+                expected = prepare(src, rel, label, options)
+                if isinstance(expected, SourceError) or not within(ds.pixels(i), expected.payload, mean_bound, max_bound):
+                    report.problems.append(f"{src / rel}: stored pixels differ from the source's decode")
+            elif bytes(ds.read_payload(i)) != data:
+                report.problems.append(f"{src / rel}: stored bytes differ from the source file")
+        except PackerError as exc:
+            report.problems.append(str(exc))
     extra = set(packed) - set(scan.rel_paths)
     for rel in sorted(extra)[:20]:
         report.problems.append(f"{rel}: packed but not in {src}")
