@@ -27,7 +27,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from packer import measure
-from packer.errors import PackerError
+from packer.errors import PackerError, under_way
 
 LEVELS = ("read", "decode", "loader")
 ORDERS = ("sequential", "shuffle", "block")
@@ -146,6 +146,22 @@ class Source:
         return open_dataset(self.path, image=image, decoder=self.decoder)
 
 
+def _packed_source(p: Path, m, limit: int | None) -> Source:
+    from packer.formats import get_format
+    from packer.index import Index
+
+    idx = Index.load(p, m.num_samples)
+    n = m.num_samples if limit is None else min(limit, m.num_samples)
+    files = measure.tree_files(p)
+    starts = np.cumsum([s.num_samples for s in m.shards])[:-1]
+    own = getattr(get_format(m.format), "block_boundaries", None)
+    blocks = None if own is None else own(m)
+    blocks = None if blocks is None else np.append(blocks[blocks < n], n)
+    return Source(p, m.format, m.payload, "auto", np.asarray(idx.nbytes[:n], dtype=np.int64), files,
+                  disk_bytes=sum(os.path.getsize(f) for f in files), cuts=tuple(int(c) for c in starts if c < n),
+                  blocks=blocks)
+
+
 def open_source(path: str | os.PathLike, limit: int | None) -> Source:
     from packer.manifest import MANIFEST_NAME, read_manifest
 
@@ -153,21 +169,9 @@ def open_source(path: str | os.PathLike, limit: int | None) -> Source:
     if not p.exists():
         raise PackerError(f"{p}: no such folder or dataset")
     if (p / MANIFEST_NAME).exists():
-        m = read_manifest(p)
-        from packer.index import Index
-
-        idx = Index.load(p, m.num_samples)
-        n = m.num_samples if limit is None else min(limit, m.num_samples)
-        files = measure.tree_files(p)
-        starts = np.cumsum([s.num_samples for s in m.shards])[:-1]
-        from packer.formats import get_format
-
-        own = getattr(get_format(m.format), "block_boundaries", None)
-        blocks = None if own is None else own(m)
-        blocks = None if blocks is None else np.append(blocks[blocks < n], n)
-        return Source(p, m.format, m.payload, "auto", np.asarray(idx.nbytes[:n], dtype=np.int64), files,
-                      disk_bytes=sum(os.path.getsize(f) for f in files), cuts=tuple(int(c) for c in starts if c < n),
-                      blocks=blocks)
+        with under_way():  # a dataset failing its checks: the data is bad (exit 1), not the command line
+            m = read_manifest(p)
+            return _packed_source(p, m, limit)
     from packer.scan import scan_folder
 
     scan = scan_folder(p)
@@ -279,6 +283,12 @@ def _check_options(o: BenchOptions) -> None:
         raise PackerError("--repeats, --batch-size and --limit must be at least 1")
     if any(w < 0 for w in o.workers) or not o.workers:
         raise PackerError("--workers takes counts >= 0, e.g. 0,2,4")
+    if o.seed < 0:
+        raise PackerError(f"--seed {o.seed}: expected 0 or more")
+    for name, value in (("--block-size", o.block_bytes), ("--open-blocks", o.open_blocks), ("--run", o.run),
+                        ("--ceiling-size", o.ceiling_bytes), ("--read-iops", o.read_iops), ("--read-bps", o.read_bps)):
+        if value is not None and value < 1:
+            raise PackerError(f"{name} {value}: expected at least 1")
 
 
 def _decode_samples(src: Source, k: int = 48) -> list[bytes]:

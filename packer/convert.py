@@ -37,10 +37,10 @@ import numpy as np
 
 from packer import __version__
 from packer.decode import DecodeError, check_pixels, decode
-from packer.durable import fsync_dir, fsync_tree, write_atomic
 from packer.errors import PackerError, ResumableError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import PreparedSample
+from packer.fsutil import fsync_dir, fsync_tree, write_atomic
 from packer.headers import image_size
 from packer.index import Index
 from packer.journal import (
@@ -437,6 +437,8 @@ def convert(
     fmt = get_format(to)
     if options.shard_bytes is None:
         options.shard_bytes = fmt.DEFAULT_SHARD_BYTES
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+        raise PackerError(f"workers {workers!r}: expected a count >= 0 (0: in this process; None: all cores)")
     workers = os.cpu_count() or 1 if workers is None else workers
     out = output_path(src, output, to)
     check_destination(src, out, overwrite)

@@ -84,7 +84,7 @@ class PackedDataset(Dataset):
     ) -> None:
         """``decode_size=S``: decode JPEGs at the smallest DCT scale (1/2, 1/4, 1/8) whose short side
         is still >= S (faster, not pixel-identical to full-size decoding; encoded payloads only)."""
-        self.root = Path(path)
+        self.root = Path(path).absolute()  # not relative: a later os.chdir, a worker or an unpickling elsewhere
         self.manifest, self.index, self._file_ids = _open_consistent(self.root)
         if self.FORMAT is not None and self.manifest.format != self.FORMAT:
             raise PackerError(
@@ -587,6 +587,7 @@ def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_option
     ``packer.cache.CachedDataset`` (``cache_options`` go to it): one copy in shared memory
     for all DataLoader workers.
     """
+    path = Path(path).absolute()
     manifest = read_manifest(path)
     cls = DATASET_CLASSES.get(manifest.format)
     if cls is None:

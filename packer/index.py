@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.durable import naming
 from packer.errors import PackerError
+from packer.fsutil import naming
 from packer.manifest import sha256_file
 from packer.trust import check_offsets, inside, load_npy
 

@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packer.durable import fsync_file, write_atomic
 from packer.errors import PackerError
+from packer.fsutil import fsync_file, write_atomic
 from packer.manifest import PARTIAL_SUFFIX, FileInfo, Shard, dumps_lossless, sha256_file
 from packer.scan import ScanResult, SourceError
 

@@ -148,10 +148,15 @@ def _shared_env(path: Path, readahead: bool) -> tuple[lmdb.Environment, tuple]:
                     str(path), subdir=False, readonly=True, lock=False, readahead=readahead,
                     meminit=False, max_readers=2048, max_dbs=0,
                 )
+            except lmdb.InvalidError as exc:
+                raise PackerError(f"{path}: damaged, not a valid LMDB file (MDB_INVALID: its header pages are "
+                                  "not LMDB's)") from exc
             except lmdb.Error as exc:
-                if "already open" in str(exc) and attempt < 2:
-                    continue  # the file was replaced between stat and open by one this process has open
-                raise PackerError(f"{path}: cannot open LMDB shard (replaced while opening? {exc})") from exc
+                if "already open" in str(exc):
+                    if attempt < 2:
+                        continue  # the file was replaced between stat and open by one this process has open
+                    raise PackerError(f"{path}: cannot open LMDB shard (replaced while opening? {exc})") from exc
+                raise PackerError(f"{path}: cannot open LMDB shard ({exc})") from exc
             entry = _ENVS[ident] = [env, 0, os.getpid()]
         entry[1] += 1
         return entry[0], ident

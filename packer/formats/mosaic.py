@@ -47,6 +47,7 @@ from packer.trust import load_npy
 NAME = "mosaic"
 DATASET_CLASS = "MosaicDataset"
 PAYLOADS = frozenset({"raw"})
+DEFAULT_QUALITY = 95  # --codec jpeg
 OPTIONS = ("tile", "grid", "codec", "quality")  # ConvertOptions fields only this format takes
 DEFAULT_SHARD_BYTES = 1 << 30  # resume granularity of a long conversion; shards hold whole mosaics
 CODECS = ("bmp", "png", "jpeg")
@@ -112,9 +113,7 @@ def geometry(options: Mapping) -> Geometry:
         raise PackerError(f"unknown mosaic codec {codec!r} (choose from {', '.join(CODECS)})")
     if options.get("quality") is not None and codec != "jpeg":
         raise PackerError(f"--quality is for --codec jpeg only ({codec} is lossless)")
-    quality = int(options.get("quality") or 95)
-    if not 1 <= quality <= 100:
-        raise PackerError(f"--quality {quality}: expected 1..100")
+    quality = jpeg_quality(options)
     if codec == "jpeg":
         if th % JPEG_MCU or tw % JPEG_MCU:
             def near(v: int) -> str:
@@ -132,6 +131,16 @@ def geometry(options: Mapping) -> Geometry:
         except PackerError as exc:
             raise PackerError(f"{exc}; use a smaller --grid or --codec bmp") from None
     return Geometry(th, tw, rows, cols, codec, quality)
+
+
+def jpeg_quality(options: Mapping) -> int:
+    """``quality`` of the options, an int 1..100 (95 when not given; 0 is refused, not taken as unset)."""
+    quality = options.get("quality")
+    if quality is None:
+        return DEFAULT_QUALITY
+    if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
+        raise PackerError(f"--quality {quality!r}: expected an integer from 1 to 100")
+    return quality
 
 
 def check_options(options: Mapping) -> None:
@@ -153,7 +162,7 @@ def error_bound(options: Mapping) -> tuple[float, int]:
     """
     if (options.get("codec") or DEFAULT_CODEC) != "jpeg":
         return 0.0, 0
-    q = int(options.get("quality") or 95)
+    q = jpeg_quality(options)
     s = (100 - q) / 50 if q >= 50 else 50 / max(q, 1)
     return 1.0 + 32.0 * s, min(255, int(8 + 240 * s))
 
