@@ -5,7 +5,7 @@
     python examples/train_example.py demo/imgs.lmdb --epochs 1 --workers 2
 
 A tiny CNN trains on 64x64 random crops (on the GPU when there is one, else the CPU). The
-dataset is wrapped with ``packer.instrument`` so the workers report read / decode / transform /
+dataset is wrapped with ``packer.diagnose.instrument`` so the workers report read / decode / transform /
 collate time per sample; the loop runs through ``packer.profile`` (wait for batch vs step) and
 ``CUDAPrefetcher`` (copies the next batch to the GPU during the current step; a pass-through on
 CPU), optionally behind a ``BackgroundLoader`` thread (``--background N``); at the end it prints the profile and the verdict: input-bound or compute-bound, and which

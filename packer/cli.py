@@ -1,6 +1,7 @@
 """Command line: argparse only. One ``cmd_<name>(args) -> int`` per subcommand; the work lives elsewhere.
 
-Exit codes: 0 ok, 1 a problem was found (bad files, failed verification), 2 usage or refused.
+Exit codes: see ``EXIT_CODES`` (``packer --help``). Numeric options are checked by their argparse
+type (out of range: a usage error, exit 2) before any work starts.
 """
 
 from __future__ import annotations
@@ -13,11 +14,23 @@ import textwrap
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from packer.errors import PackerError
-from packer.units import human_bytes, parse_bytes
+from packer.argtypes import csv_of, float_in, hw_arg, int_in, size_arg
+from packer.errors import PackerError, RunError, under_way
+from packer.units import human_bytes
 
 if TYPE_CHECKING:
     from packer.formats.base import Format, Option
+
+EXIT_CODES = """\
+exit codes (every command):
+  0    ok
+  1    the command ran and found a problem: verify found damage or differences, convert left
+       source files unpacked (listed in errors.json), profile found no setting that keeps the
+       step fed, a dataset failed its checks while being read, a write failed part-way
+  2    the command could not run as asked: a usage error or an option out of range, an input
+       path that is missing, unreadable or not a dataset, a destination refused before anything
+       was written (read-only, files in the way, names too long), a missing optional package
+  130  interrupted (Ctrl-C)"""
 
 
 def _parser(sub, name: str, help: str, examples: str, description: str = "") -> argparse.ArgumentParser:
@@ -31,12 +44,14 @@ def _parser(sub, name: str, help: str, examples: str, description: str = "") -> 
 def build_parser() -> argparse.ArgumentParser:
     from packer._version import __version__
     from packer.formats import FORMATS
+    from packer.tools.sample import MAX_COUNT, MAX_SIDE
 
     parser = argparse.ArgumentParser(
         prog="packer",
         description="Pack loose image folders into few large files (LMDB, HDF5, numpy memmap, BMP, mosaic) "
         "and read them back fast with PyTorch.",
-        epilog="Run 'packer COMMAND --help' for the options and examples of each command.",
+        epilog="Run 'packer COMMAND --help' for the options and examples of each command.\n\n" + EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"packer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -69,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "none: pack bytes unchecked")
     p.add_argument("--on-error", choices=("skip", "raise"), default="skip",
                    help="skip: report bad files in errors.json and go on (default); raise: stop at the first")
-    p.add_argument("--workers", type=int, default=None, help="processes reading and validating (default: all cores)")
-    p.add_argument("--shard-size", type=parse_bytes, default=None, metavar="SIZE",
+    p.add_argument("--workers", type=int_in(0), default=None,
+                   help="processes reading and validating (default: all cores; 0: in this process)")
+    p.add_argument("--shard-size", type=size_arg, default=None, metavar="SIZE",
                    help="approximate shard size, e.g. 512MB (default: the format's: 1GB for lmdb, one file for hdf5 and memmap)")
     p.add_argument("--resize", metavar="S|HxW",
                    help="raw payloads only, lossy: S = short side to S (aspect kept); HxW = exact shape")
@@ -85,11 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "are unrelated and block-shuffled reading (packer.read.sampler) mixes labels in every batch; "
                    "source: ImageFolder's order, dataset index i = ImageFolder index i. Either way "
                    "ds.samples and ds.index_of(rel_path) map samples to their source files")
-    p.add_argument("--seed", type=int, default=0, help="seed of --order shuffled (default 0; recorded in the manifest)")
+    p.add_argument("--seed", type=int_in(0), default=0, help="seed of --order shuffled (default 0; recorded in the manifest)")
     for opt in _format_options(FORMATS):  # each format's own options (mosaic: --tile, --grid, ...), declared there
         p.add_argument(f"--{opt.name.replace('_', '-')}", dest=opt.name, metavar=opt.metavar, choices=opt.choices,
                        type=opt.type, default=None, help=opt.help)
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output (only once the new one is complete)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing packer dataset (only once the new one is complete; "
+                   "anything else at the output path is refused)")
     p.add_argument("--resume", action="store_true",
                    help="go on with an interrupted conversion of the same source and options (its finished "
                    "shards are checked and kept; the result is identical to an uninterrupted run)")
@@ -125,8 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
         packer extract imgs.lmdb restored/               # restored/<class>/<file>, byte-identical
         packer extract imgs.lmdb restored/ --overwrite   # replace files that exist already
         """, description="Write every sample back under its original relative path inside DIR: the original "
-        "bytes for encoded payloads; PNG (lossless pixels, extension changed to .png) for raw payloads. "
-        "Paths that would land outside DIR are refused, and so are existing files unless --overwrite.")
+        "bytes for encoded payloads; PNG (lossless pixels) for raw payloads, the extension changed to .png "
+        "(a.jpg -> a.png), except where the source folder had two files of one name with different extensions "
+        "(a.jpg and a.png): then a renamed one keeps its whole name plus .png (a.jpg.png; a.png stays a.png). "
+        "Every target is checked before anything is written (exit 2 if refused): paths that would land outside "
+        "DIR, names too long for the filesystem, a read-only or unwritable DIR, existing files unless "
+        "--overwrite. A failure part-way (disk full) stops with exit 1, the files before it written.")
     p.add_argument("dataset")
     p.add_argument("dir", help="destination folder (created if missing)")
     p.add_argument("--overwrite", action="store_true", help="replace files that exist already")
@@ -139,11 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
         """, description="Write an ImageFolder of synthetic photo-like JPEGs (about 500x375, about 100 KB at "
         "quality 90, like ImageNet), deterministic for a seed.")
     p.add_argument("output")
-    p.add_argument("--count", type=int, default=2000)
-    p.add_argument("--classes", type=int, default=10, help="class folders (0: a flat folder)")
-    p.add_argument("--size", default="375x500", help="HxW around which sizes vary by 10%% (default 375x500)")
-    p.add_argument("--quality", type=int, default=90)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--count", type=int_in(1, MAX_COUNT), default=2000, help="images (default 2000)")
+    p.add_argument("--classes", type=int_in(0, MAX_COUNT), default=10, help="class folders (default 10; 0: a flat folder)")
+    p.add_argument("--size", type=hw_arg(MAX_SIDE), default=(375, 500), metavar="HxW",
+                   help=f"around which sizes vary by 10%% (default 375x500; sides 1 to {MAX_SIDE})")
+    p.add_argument("--quality", type=int_in(1, 100), default=90, help="JPEG quality 1-100 (default 90)")
+    p.add_argument("--seed", type=int_in(0), default=0)
     p.add_argument("-q", "--quiet", action="store_true")
     p.set_defaults(func=cmd_sample)
 
@@ -159,14 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
         "num_workers whose wait stays under 10%% of the step, or says plainly that none does. "
         "Exit 1 when no setting keeps the step fed.")
     p.add_argument("dataset", help="a packed dataset (packer convert)")
-    p.add_argument("--workers", type=lambda t: t if t == "auto" else _csv(int)(t), default="auto", metavar="N,..",
+    p.add_argument("--workers", type=lambda t: t if t == "auto" else csv_of(int_in(0))(t), default="auto", metavar="N,..",
                    help="num_workers values, e.g. 0,2,4 (default: 0, 1, 2, 4, ... up to the cores)")
-    p.add_argument("--batch-size", type=_csv(int), default=(64,), metavar="B,..", help="batch sizes, e.g. 64 or 64,128 (default 64)")
+    p.add_argument("--batch-size", type=csv_of(int_in(1)), default=(64,), metavar="B,..", help="batch sizes, e.g. 64 or 64,128 (default 64)")
     p.add_argument("--pin-memory", default="off", help="off, on or off,on (on needs CUDA; default off)")
-    p.add_argument("--step-ms", type=float, default=40.0,
+    p.add_argument("--step-ms", type=float_in(0.0, 60_000.0), default=40.0,
                    help="simulated step per batch of the first batch size, in ms (default 40); scaled for others")
-    p.add_argument("--batches", type=int, default=30, help="batches measured per setting, after warm-up (default 30)")
-    p.add_argument("--crop", type=int, default=224, help="random crop size so batches collate (default 224; 0: none, "
+    p.add_argument("--batches", type=int_in(2), default=30, help="batches measured per setting, after warm-up (default 30)")
+    p.add_argument("--crop", type=int_in(0), default=224, help="random crop size so batches collate (default 224; 0: none, "
                    "samples collated as lists)")
     p.add_argument("--decoder", default="auto", help="JPEG decoder of the dataset (auto, turbojpeg, pil)")
     p.add_argument("--cache", choices=("ram", "ram-decoded"), default=None, help="profile through a shared RAM cache")
@@ -188,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         "memory, libjpeg-turbo, /dev/shm and the open-files limit; then a verdict in plain words where each "
         "recommendation names the figure behind it.")
     p.add_argument("path", nargs="?", help="a folder of images, a packed dataset or any directory on the storage to test")
-    p.add_argument("--seconds", type=float, default=1.0, help="time budget of each rate measurement (default 1 s)")
+    p.add_argument("--seconds", type=float_in(0.0, 600.0, above=True), default=1.0,
+                   help="time budget of each rate measurement (default 1 s)")
     p.add_argument("--json", action="store_true", help="print every figure and the verdict as JSON")
     p.set_defaults(func=cmd_doctor)
 
@@ -211,52 +234,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="*", metavar="PATH", help="loose image folders and packed datasets (same images)")
     p.add_argument("--decoders", action="store_true",
                    help="benchmark the JPEG decoders on one DATASET|FOLDER (default: generated samples)")
-    p.add_argument("--sizes", default="full,224,112",
+    p.add_argument("--sizes", type=csv_of(lambda t: None if t == "full" else int_in(1)(t)), default=(None, 224, 112),
+                   metavar="S,..",
                    help="--decoders: decode sizes, 'full' or a short side S (decode_size=S) (default full,224,112)")
     p.add_argument("--backends", default=None, help="--decoders: comma-separated (default: all available)")
-    p.add_argument("--seconds", type=float, default=2.0, help="--decoders: CPU seconds per measurement (default 2)")
-    p.add_argument("--levels", type=_csv(str), default=("read", "decode", "loader"), metavar="L,..",
+    p.add_argument("--seconds", type=float_in(0.0, 600.0, above=True), default=2.0,
+                   help="--decoders: CPU seconds per measurement (default 2)")
+    p.add_argument("--levels", type=csv_of(str), default=("read", "decode", "loader"), metavar="L,..",
                    help="any of read, decode, loader (default all)")
-    p.add_argument("--orders", type=_csv(str), default=("sequential", "shuffle", "block"), metavar="O,..",
+    p.add_argument("--orders", type=csv_of(str), default=("sequential", "shuffle", "block"), metavar="O,..",
                    help="any of sequential, shuffle, block (default all)")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--cold", action="store_true", help="cold page cache only")
     cache.add_argument("--warm", action="store_true", help="warm page cache only")
-    p.add_argument("--workers", type=_csv(int), default=None, metavar="N,..",
+    p.add_argument("--workers", type=csv_of(int_in(0)), default=None, metavar="N,..",
                    help="DataLoader num_workers values for the loader level (default: the usable cores, at most 8)")
-    p.add_argument("--batch-size", type=int, default=64, help="loader batch size, also the read level's batch (default 64)")
+    p.add_argument("--batch-size", type=int_in(1), default=64, help="loader batch size, also the read level's batch (default 64)")
     p.add_argument("--pin-memory", action="store_true", help="DataLoader pin_memory=True")
-    p.add_argument("--repeats", type=int, default=3, help="timed passes per measurement (default 3)")
-    p.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N samples of each dataset, in its stored order (packed datasets are usually stored shuffled)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the shuffled orders")
-    p.add_argument("--block-size", type=parse_bytes, default=None, metavar="SIZE",
+    p.add_argument("--repeats", type=int_in(1), default=3, help="timed passes per measurement (default 3)")
+    p.add_argument("--limit", type=int_in(1), default=None, metavar="N", help="only the first N samples of each dataset, in its stored order (packed datasets are usually stored shuffled)")
+    p.add_argument("--seed", type=int_in(0), default=0, help="seed of the shuffled orders")
+    p.add_argument("--block-size", type=size_arg, default=None, metavar="SIZE",
                    help="block order: payload bytes per block (default: packer.read.sampler's, 16MB)")
-    p.add_argument("--open-blocks", type=int, default=None, metavar="N",
+    p.add_argument("--open-blocks", type=int_in(1), default=None, metavar="N",
                    help="block order: blocks shuffled together in a window (default: the sampler's, 8)")
-    p.add_argument("--run", type=int, default=None, metavar="N",
+    p.add_argument("--run", type=int_in(1), default=None, metavar="N",
                    help="block order: neighbours read together (default: the sampler's, 16)")
-    p.add_argument("--ceiling-size", type=parse_bytes, default=256 << 20, metavar="SIZE",
+    p.add_argument("--ceiling-size", type=size_arg, default=256 << 20, metavar="SIZE",
                    help="size of the scratch file for the sequential-read ceiling (default 256MiB)")
     from packer.diagnose.throttle import PRESETS
 
     p.add_argument("--emulate", choices=sorted(PRESETS), help="throttle reads like this device: "
                    + "; ".join(f"{k} = {v.read_iops} IOPS, {v.read_bps // 10**6} MB/s" for k, v in sorted(PRESETS.items())))
-    p.add_argument("--read-iops", type=int, default=None, metavar="N", help="throttle: read IOs per second")
-    p.add_argument("--read-bps", type=parse_bytes, default=None, metavar="B", help="throttle: read bytes per second, e.g. 150MB")
+    p.add_argument("--read-iops", type=int_in(1), default=None, metavar="N", help="throttle: read IOs per second")
+    p.add_argument("--read-bps", type=size_arg, default=None, metavar="B", help="throttle: read bytes per second, e.g. 150MB")
     p.add_argument("--json", metavar="FILE", help="write every figure and the machine/setup as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="PNG", help="write a chart (needs matplotlib: pip install 'packer[plot]')")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_bench)
     return parser
-
-
-def _csv(kind):
-    def parse(text: str):
-        try:
-            return tuple(kind(v.strip()) for v in text.split(",") if v.strip())
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {text!r}") from None
-    return parse
 
 
 def _format_options(formats: Mapping[str, Format]) -> list[Option]:
@@ -303,9 +319,12 @@ def cmd_convert(args) -> int:
 
 
 def cmd_info(args) -> int:
+    from packer.layout.manifest import dataset_directory
     from packer.tools.info import dataset_info, info_rows
 
-    data = dataset_info(args.dataset)
+    dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
+    with under_way():
+        data = dataset_info(args.dataset)
     if args.json:
         print(json.dumps(data, indent=1, ensure_ascii=False))
         return 0
@@ -317,8 +336,10 @@ def cmd_info(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    from packer.layout.manifest import dataset_directory
     from packer.tools.verify import verify
 
+    dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
     report = verify(args.dataset, against=args.against, progress=not args.quiet, deep=args.deep)
     checked = ", ".join(f"{v} {k}" for k, v in report.checked.items())
     if report.ok:
@@ -340,17 +361,16 @@ def cmd_extract(args) -> int:
     if res.as_png:
         print("raw payload: images written as PNG (the stored pixels, losslessly); names end in .png "
               "instead of the original extension")
+    if res.kept_extension:
+        print(f"{res.kept_extension} of them kept their original name plus .png (e.g. a.jpg.png): another "
+              "file of the same name with another extension is in the same folder")
     return 0
 
 
 def cmd_sample(args) -> int:
     from packer.tools.sample import make_sample
 
-    try:
-        h, w = (int(v) for v in args.size.lower().split("x"))
-    except ValueError:
-        raise PackerError(f"--size {args.size!r}: expected HxW, e.g. 375x500") from None
-    total = make_sample(args.output, count=args.count, classes=args.classes, size=(h, w), seed=args.seed,
+    total = make_sample(args.output, count=args.count, classes=args.classes, size=args.size, seed=args.seed,
                         quality=args.quality, progress=not args.quiet)
     print(f"wrote {args.count} images ({human_bytes(total)}) to {args.output}")
     return 0
@@ -370,9 +390,16 @@ def cmd_profile(args) -> int:
         if v.strip() not in ("on", "off"):
             raise PackerError(f"--pin-memory {args.pin_memory!r}: expected off, on or off,on")
         pins.append(v.strip() == "on")
-    ds = open_dataset(args.dataset, image="tensor", decoder=args.decoder,
-                      transform=RandomCrop(args.crop) if args.crop else None, cache=args.cache,
-                      cache_options={"progress": not args.quiet})
+    from packer.layout.manifest import dataset_directory
+
+    dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
+    with under_way():
+        ds = open_dataset(args.dataset, image="tensor", decoder=args.decoder,
+                          transform=RandomCrop(args.crop) if args.crop else None)
+    if args.cache:
+        from packer.read.cache import CachedDataset
+
+        ds = CachedDataset(ds, args.cache, progress=not args.quiet)
     res = sweep(ds, workers=workers, batch_sizes=batch_sizes, pin_memory=pins, step_ms=args.step_ms,
                 batches=args.batches, device=args.device, start_method=args.start_method, progress=not args.quiet,
                 collate=None if args.crop else list)
@@ -449,10 +476,7 @@ def _bench_decoders(args) -> int:
     from packer.diagnose import decoders as decodebench
     from packer.diagnose.measure import load_samples
 
-    try:
-        sizes = [None if s.strip() == "full" else int(s) for s in args.sizes.split(",") if s.strip()]
-    except ValueError:
-        raise PackerError(f"--sizes {args.sizes!r}: expected 'full' or numbers, e.g. full,224,112") from None
+    sizes = list(args.sizes)
     backends = args.backends.split(",") if args.backends else None
     if len(args.paths) > 1:
         raise PackerError("packer bench --decoders takes one DATASET or FOLDER (or none: generated samples)")
@@ -510,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except PackerError as exc:
         print(f"packer: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("packer: interrupted", file=sys.stderr)
+        return 1 if isinstance(exc, RunError) else 2  # ResumableError is a RunError
+    except KeyboardInterrupt as exc:  # convert's says what it kept and how to go on
+        print(f"packer: {str(exc) or 'interrupted'}", file=sys.stderr)
         return 130

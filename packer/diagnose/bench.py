@@ -74,6 +74,12 @@ def _check_options(o: BenchOptions) -> None:
         raise PackerError("--repeats, --batch-size and --limit must be at least 1")
     if any(w < 0 for w in o.workers) or not o.workers:
         raise PackerError("--workers takes counts >= 0, e.g. 0,2,4")
+    if o.seed < 0:
+        raise PackerError(f"--seed {o.seed}: expected 0 or more")
+    for name, value in (("--block-size", o.block_bytes), ("--open-blocks", o.open_blocks), ("--run", o.run),
+                        ("--ceiling-size", o.ceiling_bytes), ("--read-iops", o.read_iops), ("--read-bps", o.read_bps)):
+        if value is not None and value < 1:
+            raise PackerError(f"{name} {value}: expected at least 1")
 
 
 # ------------------------------------------------------------------ one pass

@@ -14,7 +14,7 @@ from PIL import Image
 from torch.utils.data import Dataset
 
 from packer.diagnose import measure
-from packer.errors import PackerError
+from packer.errors import PackerError, under_way
 
 BENCH_ORDERS = ("sequential", "shuffle", "block")
 
@@ -159,7 +159,8 @@ def open_source(path: str | os.PathLike, limit: int | None) -> Source:
     if not p.exists():
         raise PackerError(f"{p}: no such folder or dataset")
     if (p / MANIFEST_NAME).exists():
-        return _packed_source(p, limit)
+        with under_way():  # a dataset failing its checks: the data is bad (exit 1), not the command line
+            return _packed_source(p, limit)
     scan = scan_folder(p)
     n = len(scan.rel_paths) if limit is None else min(limit, len(scan.rel_paths))
     paths = [os.path.join(p, r) for r in scan.rel_paths[:n]]

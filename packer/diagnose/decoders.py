@@ -32,6 +32,8 @@ def measure_decoders(
     """
     if not samples:
         raise PackerError("no samples to benchmark")
+    if not 0 < seconds < float("inf") or any(s is not None and s < 1 for s in sizes):
+        raise PackerError(f"seconds {seconds!r} must be positive and decode sizes {list(sizes)} 'full' or >= 1")
     backends = list(backends) if backends is not None else available_backends()
     pil = decoder("pil")
     mean_src_px = float(np.mean([np.prod(pil(d).shape[:2]) for d in samples]))  # true sizes; validates too

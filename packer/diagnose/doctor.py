@@ -247,6 +247,8 @@ def diagnose(path: str | os.PathLike | None = None, seconds: float = 1.0, progre
     from packer.errors import PackerError
 
     log = (lambda msg: print(f"doctor: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
+    if not 0 < float(seconds) < float("inf"):
+        raise PackerError(f"seconds {seconds!r}: expected a positive time budget")
     seconds = max(0.1, float(seconds))
     report: dict[str, Any] = {"path": None, "seconds_per_probe": seconds}
     log("machine, memory, limits")

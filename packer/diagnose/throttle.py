@@ -5,7 +5,8 @@ device(s) holding ``paths`` (cgroup v1 ``blkio.throttle.read_iops_device``/``rea
 or v2 ``io.max``), moves this process into it (DataLoader workers forked or spawned later
 inherit it), and on the way out — normal exit, exception, Ctrl-C or SIGTERM — moves every
 process back, removes the limits and the cgroup. Cgroups left by a killed earlier run
-(``packer-bench-<pid>`` whose pid is gone) are removed on entry.
+(``packer-bench-<pid>`` whose pid is gone and that holds no process) are removed on entry;
+another run's live cgroup never is.
 
 Only reads that reach the device are throttled: page-cache hits (warm passes) are not, which is
 what slow storage does too. Metadata latency of a network filesystem (one round trip per open)
@@ -179,14 +180,18 @@ def remove_cgroup(ctl: Controller, cg: Path, back_to: Path, devices: Sequence[tu
 
 
 def remove_stale(ctl: Controller) -> list[Path]:
-    """Remove cgroups left by packer runs whose process is gone (killed with SIGKILL, power lost)."""
+    """Remove cgroups left by packer runs whose process is gone (killed with SIGKILL, power lost).
+
+    Never a live run's: one whose owner runs (or whose pid this process can't see, e.g. from
+    another pid namespace, while processes are still in it) is left alone.
+    """
     removed = []
     for cg in sorted(ctl.root.glob(CGROUP_PREFIX + "*")):
         try:
             owner = int(cg.name[len(CGROUP_PREFIX):])
         except ValueError:
             continue
-        if owner != os.getpid() and _alive(owner):
+        if (owner != os.getpid() and _alive(owner)) or _pids(cg):
             continue
         try:
             remove_cgroup(ctl, cg, ctl.root, _limited_devices(ctl, cg))

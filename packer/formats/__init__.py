@@ -6,9 +6,13 @@ Adding a format is one module here that ends with ``FORMAT = Format(...)`` plus 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from packer.errors import PackerError
 from packer.formats import bmp, hdf5, lmdb, memmap, mosaic
 from packer.formats.base import Format
+from packer.layout.manifest import OPTION_TYPES
 
 FORMATS: dict[str, Format] = {f.name: f for f in (lmdb.FORMAT, hdf5.FORMAT, memmap.FORMAT, bmp.FORMAT, mosaic.FORMAT)}
 
@@ -25,3 +29,22 @@ def register(fmt: Format) -> None:
     if fmt.name in FORMATS:
         raise PackerError(f"a format named {fmt.name!r} is registered already")
     FORMATS[fmt.name] = fmt
+
+
+def check_recorded_options(name: str, options: Mapping[str, Any], where: object) -> None:
+    """Refuse a manifest's recorded options that format ``name`` never writes: another format's or an
+    unknown one (non-empty), or its own in a state its ``check_options`` refuses. The common options
+    are typed by the manifest itself (OPTION_TYPES)."""
+    fmt = get_format(name)
+    own = {o.name for o in fmt.options}
+    others = {o.name: f.name for f in FORMATS.values() if f is not fmt for o in f.options}
+    try:
+        for key, value in options.items():
+            if key in OPTION_TYPES or key in own or value is None:
+                continue
+            if key in others:
+                raise PackerError(f"--{key} is an option of --to {others[key]} only")
+            raise PackerError(f"unknown conversion option {key!r} for --to {name}")
+        fmt.check_options(options)
+    except PackerError as exc:
+        raise PackerError(f"{where}: the recorded conversion options are not valid ({exc})") from None

@@ -109,7 +109,7 @@ class Option:
     help: str
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
-    type: Callable[[str], Any] = str
+    type: Callable[[str], Any] | None = None  # None: the text as given (argparse's default)
 
 
 @dataclass(frozen=True, eq=False)
@@ -177,6 +177,19 @@ class LazyHandle(Generic[H]):
 
     def __getstate__(self) -> dict:
         return {"_handle": None, "_pid": None}
+
+
+def check_size(fd: int, expected: int, path: object) -> None:
+    """The open shard file ``fd`` still has the size the manifest records.
+
+    Truncated in place (``rsync --inplace``, ``cp`` over an open dataset), a memory-mapped file
+    kills its reader with SIGBUS at the first page past the new end, and HDF5 reads zeros there;
+    one ``fstat`` before each read turns that into an error.
+    """
+    size = os.fstat(fd).st_size
+    if size != expected:
+        raise PackerError(f"{path}: shard changed size since it was opened ({expected} bytes in the manifest, "
+                          f"{size} now: rewritten in place?); reopen the dataset")
 
 
 def contiguous_runs(positions: list[int]) -> list[tuple[int, int]]:

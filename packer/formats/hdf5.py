@@ -44,8 +44,10 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import h5py
 import numpy as np
@@ -60,11 +62,13 @@ from packer.formats.base import (
     ShardWriter,
     check_addition,
     check_offsets,
+    check_size,
     contiguous_runs,
     copy_runs,
     fixed_shape,
     shard_layout,
 )
+from packer.images.decode import check_pixels, pixel_limit
 from packer.layout.manifest import Shard
 
 _BLOB_CHUNK = 1 << 20
@@ -210,10 +214,19 @@ class _Open:
     images: h5py.Dataset
     offsets: np.ndarray | None  # in memory: N+1 int64
     shapes: np.ndarray | None
+    fd: int  # HDF5's own descriptor of the file, for the size check after each read
+
+
+_FILTERS = {None: [], "gzip": [h5py.h5z.FILTER_DEFLATE], "lzf": [h5py.h5z.FILTER_LZF]}  # what the writer uses
 
 
 class Reader(ShardReader):
     """Reads one shard file; h5py opens it lazily in each process, read-only, without locking.
+
+    The file's structure is checked when the reader is made (so ``open_dataset`` and ``packer
+    verify`` refuse a crafted file) and again in each process that opens it: only the datasets
+    the writer makes, stored the way it stores them (hard links, chunks and filters as written,
+    no external links, external storage or virtual datasets: nothing is read from other files).
 
     ``access="random"`` turns the kernel's read-ahead off for the file (``POSIX_FADV_RANDOM`` on
     HDF5's own descriptor), as for the other formats: uniform random reads of a file larger than
@@ -222,58 +235,134 @@ class Reader(ShardReader):
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
         self.path = directory / shard.files[0].name
+        self.num_bytes = shard.files[0].num_bytes
         self.num_samples = shard.num_samples
         self.payload = payload
         self.fixed_shape = shard_layout(shard.facts, self.path)
-        self.compressed = bool(shard.facts.get("compression"))
+        self.compression = shard.facts.get("compression")
+        self.compressed = bool(self.compression)
+        if self.compression not in _FILTERS or (self.compressed and payload != "raw"):
+            raise PackerError(f"{self.path}: manifest names compression {self.compression!r} for {payload} "
+                              "payloads, which the writer never makes")
         self.access = access
         self._h: LazyHandle[_Open] = LazyHandle()
+        f = self._open_file()
+        try:
+            self._parts(f)
+        finally:
+            f.close()
 
-    def _open(self) -> _Open:
-        n = self.num_samples
+    def _open_file(self) -> h5py.File:
         # Uncompressed: no chunk cache, so HDF5 reads exactly the asked bytes into our array.
         cache = _CACHE_COMPRESSED if self.compressed else 0
         kw = {"rdcc_nbytes": cache, "rdcc_nslots": 1009, "rdcc_w0": 1.0}
         try:
             try:
-                f = h5py.File(self.path, "r", locking=False, **kw)
+                return h5py.File(self.path, "r", locking=False, **kw)
             except OSError as exc:
                 if "locking flag" not in str(exc):
                     raise
                 # This process already has the file open with other locking flags (the user's own
                 # h5py.File): HDF5 shares that open file and insists the flags match, so use its.
-                f = h5py.File(self.path, "r", **kw)
+                return h5py.File(self.path, "r", **kw)
         except (OSError, ValueError) as exc:
             raise PackerError(f"{self.path}: cannot open HDF5 shard ({exc})") from exc
-        if self.access == "random" and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.id.get_vfd_handle(), 0, 0, os.POSIX_FADV_RANDOM)
+
+    def _dataset(self, f: h5py.File, name: str, layout: int) -> h5py.Dataset:
+        """``/name``, refused unless it is a dataset stored inside this file with the writer's ``layout``."""
+        link = f.get(name, getlink=True)
+        if link is None:
+            raise PackerError(f"{self.path}: missing HDF5 dataset /{name}")
+        if not isinstance(link, h5py.HardLink):  # resolving an external link would open another file
+            target = f" to {link.filename}:{link.path}" if isinstance(link, h5py.ExternalLink) else ""
+            raise PackerError(f"{self.path}: /{name} is a {type(link).__name__}{target}, not a dataset of this "
+                              "file; packer reads nothing outside the dataset")
+        dset = f.get(name)
+        if not isinstance(dset, h5py.Dataset):
+            raise PackerError(f"{self.path}: /{name} is a {type(dset).__name__}, expected a dataset")
+        plist = dset.id.get_create_plist()
+        found = plist.get_layout()
+        if found == h5py.h5d.VIRTUAL:
+            raise PackerError(f"{self.path}: /{name} is a virtual dataset (its data lie in other files); refusing it")
+        if plist.get_external_count():
+            raise PackerError(f"{self.path}: /{name} keeps its data in external files; refusing it")
+        if found != layout:
+            names = {h5py.h5d.COMPACT: "compact", h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.CHUNKED: "chunked"}
+            raise PackerError(f"{self.path}: /{name} has storage layout {names.get(found, found)}, the writer "
+                              f"makes {names[layout]}")
+        return dset
+
+    def _parts(self, f: h5py.File) -> tuple[h5py.Dataset, h5py.Dataset | None, h5py.Dataset | None]:
+        """(/images, /offsets, /shapes) after checking everything about them that bounds what a read allocates."""
+        n = self.num_samples
+        images = self._dataset(f, "images", h5py.h5d.CHUNKED)
+        if images.dtype != np.uint8:
+            raise PackerError(f"{self.path}: /images is {images.dtype}, expected uint8")
+        if self.fixed_shape is not None:
+            if images.shape != (n, *self.fixed_shape):
+                raise PackerError(f"{self.path}: /images is {images.shape}, manifest says {(n, *self.fixed_shape)}")
+            check_pixels(*self.fixed_shape[:2], what=f"{self.path}: images of")
+            chunk = (1, *self.fixed_shape)
+        elif images.ndim != 1:
+            raise PackerError(f"{self.path}: /images is {images.shape}, expected a 1-D blob")
+        else:
+            chunk = (_BLOB_CHUNK_COMPRESSED if self.compressed else _BLOB_CHUNK,)
+        plist = images.id.get_create_plist()
+        filters = [plist.get_filter(k)[0] for k in range(plist.get_nfilters())]
+        if images.chunks != chunk or filters != _FILTERS[self.compression]:
+            raise PackerError(f"{self.path}: /images has chunks {images.chunks} and filters {filters}; the writer "
+                              f"makes {chunk} and {_FILTERS[self.compression]} ({self.compression or 'uncompressed'})")
+        size = int(np.prod(images.shape, dtype=object))
+        if not self.compressed and size > self.num_bytes:
+            # Chunks never written read as zeros: a huge dataset could take no room in the file.
+            raise PackerError(f"{self.path}: /images of shape {images.shape} needs {size} bytes, the file has "
+                              f"{self.num_bytes}")
+        if self.fixed_shape is not None:
+            return images, None, None
+        offsets = self._dataset(f, "offsets", h5py.h5d.CONTIGUOUS)
+        shapes = self._dataset(f, "shapes", h5py.h5d.CONTIGUOUS) if self.payload == "raw" else None
+        if offsets.shape != (n + 1,) or (shapes is not None and shapes.shape != (n, 3)):
+            raise PackerError(f"{self.path}: /offsets or /shapes do not have one entry per sample ({n})")
+        if offsets.dtype != np.dtype("<i8") or (shapes is not None and shapes.dtype != np.dtype("<i8")):
+            raise PackerError(f"{self.path}: /offsets or /shapes are not little-endian int64")
+        return images, offsets, shapes
+
+    def _open(self) -> _Open:
+        n = self.num_samples
+        f = self._open_file()
         try:
-            images = f["images"]
-            if images.dtype != np.uint8:
-                raise PackerError(f"{self.path}: /images is {images.dtype}, expected uint8")
-            if self.fixed_shape is not None:
-                if images.shape != (n, *self.fixed_shape):
-                    raise PackerError(f"{self.path}: /images is {images.shape}, manifest says {(n, *self.fixed_shape)}")
-                return _Open(f, images, None, None)
-            if images.ndim != 1:
-                raise PackerError(f"{self.path}: /images is {images.shape}, expected a 1-D blob")
-            if f["offsets"].shape != (n + 1,) or (self.payload == "raw" and f["shapes"].shape != (n, 3)):
-                raise PackerError(f"{self.path}: /offsets or /shapes do not have one entry per sample ({n})")
-            offsets = np.asarray(f["offsets"][()], dtype=np.int64)
+            fd = f.id.get_vfd_handle()
+            if self.access == "random" and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            images, offsets_ds, shapes_ds = self._parts(f)
+            if offsets_ds is None:
+                return _Open(f, images, None, None, fd)
+            offsets = np.asarray(offsets_ds[()], dtype=np.int64)
             check_offsets(offsets, n, images.shape[0], f"{self.path}:/offsets")
             shapes = None
-            if self.payload == "raw":
-                shapes = np.asarray(f["shapes"][()], dtype=np.int64)
+            if shapes_ds is not None:
+                shapes = np.asarray(shapes_ds[()], dtype=np.int64)
                 if shapes.shape != (n, 3) or np.any(shapes < 0) or not np.array_equal(
                         shapes.prod(axis=1), np.diff(offsets)):
                     raise PackerError(f"{self.path}: /shapes do not match /offsets")
-            return _Open(f, images, offsets, shapes)
-        except KeyError as exc:
-            f.close()
-            raise PackerError(f"{self.path}: missing HDF5 dataset ({exc})") from exc
+                limit = pixel_limit()
+                if limit is not None and np.any(shapes[:, 0] * shapes[:, 1] > limit):
+                    raise PackerError(f"{self.path}: /shapes hold images above the pixel limit of {limit}")
+            return _Open(f, images, offsets, shapes, fd)
         except BaseException:
             f.close()
             raise
+
+    def _get(self) -> _Open:
+        return self._h.get(self._open)
+
+    def _checked(self, h: _Open, read: Callable[[], Any]) -> Any:
+        """``read()``, once the file is seen to have kept its size after it: past its end HDF5 reads
+        zeros or fails, and a truncated file must be named as such, not returned as damaged pixels."""
+        try:
+            return read()
+        finally:
+            check_size(h.fd, self.num_bytes, self.path)  # raised here, it replaces what read() gave
 
     def __len__(self) -> int:
         return self.num_samples
@@ -292,14 +381,17 @@ class Reader(ShardReader):
 
     def read(self, pos: int) -> np.ndarray | memoryview:
         """A fresh array: (H, W, 3) pixels for raw, a memoryview of the file's bytes for encoded."""
-        h = self._h.get(self._open)
+        h = self._get()
         if h.offsets is None:
-            return h.images[pos]
-        return self._split(h, self._blob(h, pos, pos + 1), pos, pos + 1)[0]
+            return self._checked(h, lambda: h.images[pos])
+        return self._checked(h, lambda: self._split(h, self._blob(h, pos, pos + 1), pos, pos + 1)[0])
 
     def read_many(self, positions: list[int]) -> list:
         """One HDF5 read per run of neighbouring positions."""
-        h = self._h.get(self._open)
+        h = self._get()
+        return self._checked(h, lambda: self._read_runs(h, positions))
+
+    def _read_runs(self, h: _Open, positions: list[int]) -> list:
         out: list = []
         for start, stop in contiguous_runs(list(positions)):
             if h.offsets is None:
@@ -310,7 +402,7 @@ class Reader(ShardReader):
 
     def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
         """Per position, the byte ranges of the file its chunks occupy (see packer.read.readahead)."""
-        h = self._h.get(self._open)
+        h = self._get()
         dsid, path, out = h.images.id, str(self.path), []
         if h.offsets is None:
             for p in positions:
@@ -335,7 +427,8 @@ class Reader(ShardReader):
         if self.fixed_shape is None:
             raise PackerError(f"{self.path}: read_into needs a fixed-shape shard")
         # A slice read per run beats read_direct per run (~5x) and h5py's fancy indexing (~300x).
-        copy_runs(self._h.get(self._open).images, positions, out)
+        h = self._get()
+        self._checked(h, lambda: copy_runs(h.images, positions, out))
 
     def close(self) -> None:
         self._h.close(lambda h: h.file.close())

@@ -35,6 +35,7 @@ from packer.formats.base import (
     PreparedSample,
     ShardReader,
     ShardWriter,
+    check_size,
     contiguous_runs,
     mapping_base,
 )
@@ -152,10 +153,15 @@ def _shared_env(path: Path, readahead: bool) -> tuple[lmdb.Environment, tuple]:
                     str(path), subdir=False, readonly=True, lock=False, readahead=readahead,
                     meminit=False, max_readers=2048, max_dbs=0,
                 )
+            except lmdb.InvalidError as exc:
+                raise PackerError(f"{path}: damaged, not a valid LMDB file (MDB_INVALID: its header pages are "
+                                  "not LMDB's)") from exc
             except lmdb.Error as exc:
-                if "already open" in str(exc) and attempt < 2:
-                    continue  # the file was replaced between stat and open by one this process has open
-                raise PackerError(f"{path}: cannot open LMDB shard (replaced while opening? {exc})") from exc
+                if "already open" in str(exc):
+                    if attempt < 2:
+                        continue  # the file was replaced between stat and open by one this process has open
+                    raise PackerError(f"{path}: cannot open LMDB shard (replaced while opening? {exc})") from exc
+                raise PackerError(f"{path}: cannot open LMDB shard ({exc})") from exc
             entry = _ENVS[ident] = [env, 0, os.getpid()]
         entry[1] += 1
         return entry[0], ident
@@ -172,34 +178,52 @@ def _release_env(ident: tuple) -> None:
 
 
 class Reader(ShardReader):
-    """Reads one shard; opens the environment lazily in each process."""
+    """Reads one shard; opens the environment lazily in each process.
+
+    LMDB maps the file itself and trusts it: a page past the end of a file truncated in place
+    kills the process with SIGBUS. So the reader keeps its own descriptor of the file and checks
+    its size against the manifest before each read (``base.check_size``).
+    """
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
         self.path = directory / shard.files[0].name
+        self.num_bytes = shard.files[0].num_bytes
         self.spans_path = directory / shard.files[1].name if len(shard.files) > 1 else None  # older datasets: none
         self.num_samples = shard.num_samples
         self.readahead = access != "random"
-        self._env: LazyHandle[lmdb.Environment] = LazyHandle()
+        self._env: LazyHandle[tuple[lmdb.Environment, int]] = LazyHandle()  # (environment, our descriptor)
         self._spans: LazyHandle[np.ndarray | None] = LazyHandle()  # [N, 3] leaf page, value start, end
         self._psize = 4096
 
-    def _open(self) -> lmdb.Environment:
+    def _open(self) -> tuple[lmdb.Environment, int]:
         env, self._ident = _shared_env(self.path, self.readahead)
+        fd = -1
         try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != self._ident[1:]:
+                raise OSError(f"{self.path.name} was replaced while being opened")
             stat, info = env.stat(), env.info()
             # LMDB maps the file and trusts its own page numbers: pages past the end of a truncated
             # file would fault (SIGBUS). Its pages must all lie inside the file.
             needed = (info["last_pgno"] + 1) * stat["psize"]
-            size = os.stat(self.path).st_size
             problem = (None if stat["entries"] == self.num_samples
                        else f"holds {stat['entries']} samples, the manifest says {self.num_samples}")
-            if needed > size:
-                problem = f"truncated: LMDB records {needed} bytes of pages, the file holds {size}"
+            if needed > st.st_size:
+                problem = f"truncated: LMDB records {needed} bytes of pages, the file holds {st.st_size}"
         except (lmdb.Error, OSError) as exc:
             problem = f"damaged LMDB shard ({exc})"
         if problem:
+            if fd >= 0:
+                os.close(fd)
             _release_env(self._ident)
             raise PackerError(f"{self.path}: {problem}")
+        return env, fd
+
+    def _get(self) -> lmdb.Environment:
+        """The environment, its file seen to have the manifest's size (LMDB would fault on a shorter one)."""
+        env, fd = self._env.get(self._open)
+        check_size(fd, self.num_bytes, self.path)
         return env
 
     def __len__(self) -> int:
@@ -207,7 +231,7 @@ class Reader(ShardReader):
 
     def read(self, pos: int) -> bytes:
         try:
-            with self._env.get(self._open).begin() as txn:
+            with self._get().begin() as txn:
                 value = txn.get(key(pos))
         except lmdb.Error as exc:
             raise PackerError(f"{self.path}: damaged LMDB shard, reading sample {pos} ({exc})") from exc
@@ -224,7 +248,7 @@ class Reader(ShardReader):
 
     def _read_runs(self, positions: list[int]) -> list[bytes]:
         out: list[bytes] = []
-        with self._env.get(self._open).begin() as txn, txn.cursor() as cur:
+        with self._get().begin() as txn, txn.cursor() as cur:
             for start, stop in contiguous_runs(list(positions)):
                 if not cur.set_key(key(start)):
                     raise PackerError(f"{self.path}: sample {start} is missing from the shard")
@@ -252,7 +276,7 @@ class Reader(ShardReader):
     def _load_spans(self) -> np.ndarray | None:
         if self.spans_path is None:
             return None
-        env = self._env.get(self._open)
+        env = self._get()
         self._psize = int(env.stat()["psize"])
         spans = load_npy(self.spans_path, "<i8", ndim=2, max_items=3 * self.num_samples)
         size = os.stat(self.path).st_size
@@ -265,7 +289,11 @@ class Reader(ShardReader):
 
     def close(self) -> None:
         self._spans.close()
-        self._env.close(lambda env: _release_env(self._ident))
+        self._env.close(self._close_env)
+
+    def _close_env(self, handle: tuple[lmdb.Environment, int]) -> None:
+        os.close(handle[1])
+        _release_env(self._ident)
 
 
 FORMAT = Format(

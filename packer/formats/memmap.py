@@ -47,6 +47,7 @@ from packer.formats.base import (
     ShardWriter,
     check_addition,
     check_offsets,
+    check_size,
     copy_runs,
     fixed_shape,
     shard_layout,
@@ -126,10 +127,10 @@ class Writer(ShardWriter):
 # ---------------------------------------------------------------- reading
 
 
-def _map(path: Path, access: str) -> mmap.mmap:
+def _map(path: Path, access: str, fh) -> mmap.mmap:
+    """``fh`` (open on ``path``) mapped read-only."""
     try:
-        with open(path, "rb") as fh:
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
         raise PackerError(f"{path}: cannot map ({exc})") from exc
     if access == "random" and hasattr(mmap, "MADV_RANDOM"):
@@ -137,13 +138,32 @@ def _map(path: Path, access: str) -> mmap.mmap:
     return mm
 
 
-def load_npy(path: Path, dtype: str, access: str = "sequential") -> np.ndarray:
-    """A read-only, memory-mapped ``.npy`` of exactly ``dtype`` (header parsed safely, no pickle)."""
+def _open_file(path: Path, files: list) -> object:
+    """``path`` opened for reading and added to ``files`` (which the caller closes)."""
+    try:
+        fh = open(path, "rb")
+    except OSError as exc:
+        raise PackerError(f"{path}: cannot open ({exc.strerror or exc})") from exc
+    files.append(fh)
+    return fh
+
+
+def load_npy(path: Path, dtype: str, access: str = "sequential", files: list | None = None) -> np.ndarray:
+    """A read-only, memory-mapped ``.npy`` of exactly ``dtype`` (header parsed safely, no pickle).
+
+    ``files``: the mapped file is left open and appended there (for size checks); else closed.
+    """
     shape, offset = npy_header(path, dtype)  # shared checks: dtype, C order, size against the file
     size = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
     if size == 0:
         return np.zeros(shape, dtype=dtype)
-    return np.ndarray(shape, dtype=dtype, buffer=_map(path, access), offset=offset)
+    opened: list = [] if files is None else files
+    fh = _open_file(path, opened)
+    try:
+        return np.ndarray(shape, dtype=dtype, buffer=_map(path, access, fh), offset=offset)
+    finally:
+        if files is None:
+            fh.close()
 
 
 @dataclass
@@ -152,13 +172,19 @@ class _Maps:
     offsets: np.ndarray | None
     shapes: np.ndarray | None
     start: int  # where the data begin in the file (the .npy header's length)
+    files: list  # the mapped files, kept open for the size checks
 
 
 class Reader(ShardReader):
-    """Reads one shard through read-only memory maps, opened lazily in each process."""
+    """Reads one shard through read-only memory maps, opened lazily in each process.
+
+    Before each read the mapped files' sizes are checked against the manifest (``base.check_size``):
+    touching a page past the end of a file truncated in place would kill the process (SIGBUS).
+    """
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
         self.paths = [directory / f.name for f in shard.files]
+        self.sizes = {directory / f.name: f.num_bytes for f in shard.files}
         self.num_samples = shard.num_samples
         self.payload = payload
         self.access = access
@@ -168,42 +194,65 @@ class Reader(ShardReader):
         self._maps: LazyHandle[_Maps] = LazyHandle()
 
     def _open(self) -> _Maps:
+        files: list = []
+        try:
+            return self._open_maps(files)
+        except BaseException:
+            for fh in files:
+                fh.close()
+            raise
+
+    def _open_maps(self, files: list) -> _Maps:
         n = self.num_samples
         if self.fixed_shape is not None:
-            data = load_npy(self.paths[0], "|u1", self.access)
+            data = load_npy(self.paths[0], "|u1", self.access, files)
             if data.shape != (n, *self.fixed_shape):
                 raise PackerError(f"{self.paths[0]}: shape {data.shape}, manifest says {(n, *self.fixed_shape)}")
             start = os.path.getsize(self.paths[0]) - data.nbytes
-            return _Maps(data, None, None, start)
-        offsets = load_npy(self.paths[1], "<i8")
+            return _Maps(data, None, None, start, files)
+        offsets = load_npy(self.paths[1], "<i8", files=files)
         size = os.path.getsize(self.paths[0])
         check_offsets(offsets, n, size, self.paths[1])
-        data = np.ndarray((size,), np.uint8, buffer=_map(self.paths[0], self.access)) if size else np.zeros(0, np.uint8)
+        data = np.zeros(0, np.uint8)
+        if size:
+            data = np.ndarray((size,), np.uint8, buffer=_map(self.paths[0], self.access,
+                                                               _open_file(self.paths[0], files)))
         shapes = None
         if self.payload == "raw":
-            shapes = load_npy(self.paths[2], "<i8")
+            shapes = load_npy(self.paths[2], "<i8", files=files)
             if shapes.shape != (n, 3) or np.any(shapes[:, 2] != 3) or np.any(shapes < 0) or not np.array_equal(
                     shapes.prod(axis=1), np.diff(offsets)):
                 raise PackerError(f"{self.paths[2]}: shapes do not match the offsets")
-        return _Maps(data, offsets, shapes, 0)
+        return _Maps(data, offsets, shapes, 0, files)
+
+    def _get(self) -> _Maps:
+        """The maps, every mapped file seen to have kept the manifest's size."""
+        m = self._maps.get(self._open)
+        for fh in m.files:
+            check_size(fh.fileno(), self.sizes[Path(fh.name)], fh.name)
+        return m
 
     def __len__(self) -> int:
         return self.num_samples
 
     def read(self, pos: int) -> np.ndarray | memoryview:
         """Zero-copy, read-only: (H, W, 3) pixels for raw, a memoryview of the bytes for encoded."""
-        m = self._maps.get(self._open)
+        return self._view(self._get(), pos)
+
+    @staticmethod
+    def _view(m: _Maps, pos: int) -> np.ndarray | memoryview:
         if m.offsets is None:
             return m.data[pos]
         view = m.data[m.offsets[pos] : m.offsets[pos + 1]]
         return view.data if m.shapes is None else view.reshape(m.shapes[pos])
 
     def read_many(self, positions: list[int]) -> list:
-        return [self.read(p) for p in positions]
+        m = self._get()  # one size check for the batch
+        return [self._view(m, p) for p in positions]
 
     def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
         """Per position, the byte range of the data file it is read from (see packer.read.readahead)."""
-        m = self._maps.get(self._open)
+        m = self._get()
         path = str(self.paths[0])
         if m.offsets is None:
             size = m.data[0].nbytes if len(m.data) else 0
@@ -214,10 +263,10 @@ class Reader(ShardReader):
         """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``, one copy per run."""
         if self.fixed_shape is None:
             raise PackerError(f"{self.paths[0]}: read_into needs a fixed-shape shard")
-        copy_runs(self._maps.get(self._open).data, positions, out)
+        copy_runs(self._get().data, positions, out)
 
     def close(self) -> None:
-        self._maps.close()  # the mappings go when the last view of them does
+        self._maps.close(lambda m: [fh.close() for fh in m.files])  # the mappings go with their last view
 
 
 FORMAT = Format(

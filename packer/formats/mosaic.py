@@ -36,13 +36,18 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from packer.argtypes import int_in
 from packer.errors import PackerError
-from packer.formats.base import Format, Option, PreparedSample, ShardReader, ShardWriter
+from packer.formats.base import Format, Option, PreparedSample, ShardReader, ShardWriter, check_size
 from packer.images import bmp as bmpfile
 from packer.images import jpegtiles
-from packer.images.decode import decode, turbojpeg_handle
+from packer.images.decode import check_pixels, decode, turbojpeg_handle
+from packer.images.headers import image_size
 from packer.images.resize import ResizeSpec
 from packer.layout.manifest import Manifest, Shard
+from packer.layout.trust import load_npy
+
+DEFAULT_QUALITY = 95  # --codec jpeg
 
 CODECS = ("bmp", "png", "jpeg")
 DEFAULT_CODEC = "bmp"
@@ -107,9 +112,7 @@ def geometry(options: Mapping) -> Geometry:
         raise PackerError(f"unknown mosaic codec {codec!r} (choose from {', '.join(CODECS)})")
     if options.get("quality") is not None and codec != "jpeg":
         raise PackerError(f"--quality is for --codec jpeg only ({codec} is lossless)")
-    quality = int(options.get("quality") or 95)
-    if not 1 <= quality <= 100:
-        raise PackerError(f"--quality {quality}: expected 1..100")
+    quality = jpeg_quality(options)
     if codec == "jpeg":
         if th % JPEG_MCU or tw % JPEG_MCU:
             def near(v: int) -> str:
@@ -121,7 +124,22 @@ def geometry(options: Mapping) -> Geometry:
             )
         if rows * th > JPEG_MAX_SIDE or cols * tw > JPEG_MAX_SIDE:
             raise PackerError(f"--grid {rows}x{cols} of {th}x{tw} tiles exceeds JPEG's {JPEG_MAX_SIDE} px limit")
+    if codec == "png":  # read by decoding whole mosaics: one must stay within the pixel limit
+        try:
+            check_pixels(rows * th, cols * tw, what=f"--grid {rows}x{cols} of {th}x{tw} tiles makes png mosaics of")
+        except PackerError as exc:
+            raise PackerError(f"{exc}; use a smaller --grid or --codec bmp") from None
     return Geometry(th, tw, rows, cols, codec, quality)
+
+
+def jpeg_quality(options: Mapping) -> int:
+    """``quality`` of the options, an int 1..100 (95 when not given; 0 is refused, not taken as unset)."""
+    quality = options.get("quality")
+    if quality is None:
+        return DEFAULT_QUALITY
+    if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
+        raise PackerError(f"--quality {quality!r}: expected an integer from 1 to 100")
+    return quality
 
 
 def error_bound(options: Mapping) -> tuple[float, int]:
@@ -133,7 +151,7 @@ def error_bound(options: Mapping) -> tuple[float, int]:
     """
     if (options.get("codec") or DEFAULT_CODEC) != "jpeg":
         return 0.0, 0
-    q = int(options.get("quality") or 95)
+    q = jpeg_quality(options)
     s = (100 - q) / 50 if q >= 50 else 50 / max(q, 1)
     return 1.0 + 32.0 * s, min(255, int(8 + 240 * s))
 
@@ -284,6 +302,7 @@ class Reader(ShardReader):
         self.geom = _geometry_from_facts(shard, directory)
         self.counts = [int(c) for c in shard.facts["samples_per_mosaic"]]
         self.paths = [self.directory / f.name for f in shard.files[: len(self.counts)]]
+        self.sizes = [f.num_bytes for f in shard.files[: len(self.counts)]]  # each mosaic's, per the manifest
         self.index_paths = [self.directory / f.name for f in shard.files[len(self.counts):]]
         self.starts = np.cumsum([0] + self.counts, dtype=np.int64)
         allowed = {"bmp": ("region",), "png": ("full",), "jpeg": ("segments", "full", "crop")}[self.geom.codec]
@@ -298,7 +317,7 @@ class Reader(ShardReader):
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()  # mosaic -> decoded pixels
-        self._maps: OrderedDict[int, tuple] = OrderedDict()  # mosaic -> (mmap, BMP header or interval index)
+        self._maps: OrderedDict[int, tuple] = OrderedDict()  # mosaic -> (mmap, BMP header or interval index, file)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -323,16 +342,16 @@ class Reader(ShardReader):
         g = self.geom
         top, left = g.origin(cell)
         if self.tile_read == "region":
-            buf, header = self._map(m)
+            buf, header = self._mapped(m)
             return bmpfile.region(buf, header, top, left, g.tile_h, g.tile_w)
         if self.tile_read == "segments":
-            buf, index = self._map(m)
+            buf, index = self._mapped(m)
             first = top // 8 * g.cols + left // g.tile_w
             data = jpegtiles.tile_jpeg(buf, index, first, g.tile_h // 8, g.cols, g.tile_h, g.tile_w, self.paths[m])
             return self._decode_tile(data, m, cell)
         if self.tile_read == "crop" and turbojpeg_handle() is not None:
             try:
-                data = turbojpeg_handle().crop(self._read_file(m), left, top, g.tile_w, g.tile_h)
+                data = turbojpeg_handle().crop(self._read_file(m, checked=True), left, top, g.tile_w, g.tile_h)
             except OSError as exc:
                 raise PackerError(f"{self.paths[m]}: cannot cut tile {cell} out of the mosaic ({exc})") from exc
             return self._decode_tile(data, m, cell)
@@ -377,52 +396,83 @@ class Reader(ShardReader):
             raise PackerError(f"{self.paths[m]}: cannot decode tile {cell} of the mosaic ({exc})") from exc
         return self._checked(tile, (self.geom.tile_h, self.geom.tile_w, 3), m)
 
-    def _read_file(self, m: int) -> bytes:
+    def _read_file(self, m: int, checked: bool = False) -> bytes:
+        """The mosaic file's bytes; ``checked``: its header agrees with the manifest (see ``_check_header``)."""
         try:
             with open(self.paths[m], "rb") as fh:
-                return fh.read()
+                data = fh.read()
         except OSError as exc:
             raise PackerError(f"{self.paths[m]}: cannot read mosaic ({exc.strerror or exc})") from exc
+        if checked:
+            self._check_header(m, data)
+        return data
+
+    def _check_header(self, m: int, data) -> None:
+        """The image header gives the mosaic size the manifest's geometry says: checked before decoding
+        anything, so a crafted header can't make the decoder allocate more than the packed mosaic."""
+        try:
+            h, w = image_size(data)
+        except PackerError as exc:
+            raise PackerError(f"{self.paths[m]}: cannot decode mosaic ({exc})") from exc
+        want = self.geom.shape(self.counts[m])
+        if (h, w) != want[:2]:
+            raise PackerError(f"{self.paths[m]}: image header says {h}x{w}, the manifest says {want[0]}x{want[1]}")
 
     def _checked(self, pixels: np.ndarray, shape: tuple, m: int) -> np.ndarray:
         if pixels.shape != shape:
             raise PackerError(f"{self.paths[m]}: decoded to {pixels.shape}, the manifest says {shape}")
         return pixels
 
+    def _mapped(self, m: int) -> tuple:
+        """``_map(m)``, its file seen to have kept its size: touching a page past the end of a file
+        truncated in place would kill the process (SIGBUS)."""
+        buf, info = self._map(m)
+        check_size(self._maps[m][2].fileno(), self.sizes[m], self.paths[m])
+        return buf, info
+
     def _map(self, m: int) -> tuple:
-        """The mosaic's file mapped read-only, with its BMP header (bmp) or restart-interval index (jpeg)."""
+        """The mosaic's file mapped read-only, with its BMP header (bmp) or restart-interval index (jpeg).
+
+        The file stays open (for ``_mapped``'s size checks) while it is among the last 16 mapped.
+        """
         if m in self._maps:
             self._maps.move_to_end(m)
-            return self._maps[m]
+            return self._maps[m][:2]
         path = self.paths[m]
         try:
-            with open(path, "rb") as fh:
-                size = os.fstat(fh.fileno()).st_size
-                buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
-                # The header by a small read: a page fault on the map would read megabytes around it.
-                head = os.pread(fh.fileno(), bmpfile.HEADER_BYTES, 0) if self.geom.codec == "bmp" else b""
+            fh = open(path, "rb")
         except OSError as exc:
             raise PackerError(f"{path}: cannot read mosaic ({exc.strerror or exc})") from exc
-        shape = self.geom.shape(self.counts[m])
-        if self.geom.codec == "bmp":
-            info = bmpfile.parse_header(head, size, path)
-            if (info.height, info.width, 3) != shape:
-                raise PackerError(f"{path}: a {info.height}x{info.width} BMP, the manifest says {shape}")
-        else:
-            info = self._load_index(m, size)
-        self._maps[m] = (buf, info)
+        try:
+            check_size(fh.fileno(), self.sizes[m], path)
+            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if self.sizes[m] else b""
+            # The header by a small read: a page fault on the map would read megabytes around it.
+            head = os.pread(fh.fileno(), bmpfile.HEADER_BYTES, 0) if self.geom.codec == "bmp" else b""
+            shape = self.geom.shape(self.counts[m])
+            if self.geom.codec == "bmp":
+                info = bmpfile.parse_header(head, self.sizes[m], path)
+                if (info.height, info.width, 3) != shape:
+                    raise PackerError(f"{path}: a {info.height}x{info.width} BMP, the manifest says {shape}")
+            else:
+                info = self._load_index(m, self.sizes[m])
+                self._check_header(m, buf)
+        except OSError as exc:
+            fh.close()
+            raise PackerError(f"{path}: cannot read mosaic ({exc.strerror or exc})") from exc
+        except BaseException:
+            fh.close()
+            raise
+        self._maps[m] = (buf, info, fh)
         while len(self._maps) > 16:
-            self._maps.popitem(last=False)  # dropped, not closed: tiles handed out may still view it
+            # The map is dropped, not closed (tiles handed out may still view it); its file is closed.
+            self._maps.popitem(last=False)[1][2].close()
         return buf, info
 
     def _load_index(self, m: int, size: int) -> np.ndarray:
         path = self.index_paths[m]
-        try:
-            index = np.load(path, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as exc:
-            raise PackerError(f"{path}: cannot read the mosaic's tile index ({exc})") from exc
         n = expected_intervals(self.geom, self.counts[m])
-        if index.shape != (n, 2) or index.dtype != np.dtype("<i8") or (n and (
+        index = load_npy(path, "<i8", ndim=2, max_items=2 * n)  # its header checked against the file first
+        if index.shape != (n, 2) or (n and (
                 index.min() < 0 or index.max() > size or np.any(index[:, 0] > index[:, 1]))):
             raise PackerError(f"{path}: tile index does not describe {self.paths[m].name} "
                               f"({index.dtype} {index.shape}, expected <i8 ({n}, 2) within {size} bytes)")
@@ -432,7 +482,7 @@ class Reader(ShardReader):
         if m in self._cache:
             self._cache.move_to_end(m)
             return self._cache[m]
-        data = self._read_file(m)
+        data = self._read_file(m, checked=True)
         try:
             pixels = decode(data, "auto", strict=True)
         except PackerError as exc:
@@ -481,6 +531,6 @@ FORMAT = MosaicFormat(
         Option("codec", "mosaic file codec: bmp (default; lossless, a tile is read without decoding the rest), "
                "png (lossless, smaller, whole mosaics decoded), jpeg (lossy, smallest; tiles multiples of 16 px)",
                choices=CODECS),
-        Option("quality", "mosaic jpeg quality 1-100 (default 95)", type=int),
+        Option("quality", "mosaic jpeg quality 1-100 (default 95)", type=int_in(1, 100)),
     ),
 )

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from packer.errors import PackerError
+from packer.images.decode import check_pixels
 
 _FILE_HEADER = struct.Struct("<2sIHHI")  # 14 bytes
 _INFO_HEADER = struct.Struct("<IiiHHIIiiII")  # 40 bytes (BITMAPINFOHEADER)
@@ -105,6 +106,7 @@ def region(buf, header: BmpHeader, top: int, left: int, height: int, width: int)
     """
     if top < 0 or left < 0 or top + height > header.height or left + width > header.width:
         raise PackerError(f"region {height}x{width} at ({top}, {left}) is outside a {header.height}x{header.width} BMP")
+    check_pixels(height, width)  # the one pixel limit of every decode path, before allocating
     first = top if header.top_down else header.height - top - height
     band = _rows(buf, header, first, height)[:, left * 3 : (left + width) * 3].reshape(height, width, 3)
     if not header.top_down:

@@ -45,6 +45,26 @@ class DecodeError(PackerError):
     """The bytes are not a complete, decodable image."""
 
 
+# ------------------------------------------------------------------ the pixel limit
+
+def pixel_limit() -> int | None:
+    """The most pixels an image may have: twice Pillow's ``Image.MAX_IMAGE_PIXELS`` (read now), where
+    Pillow raises its DecompressionBombError; None when that is None (no limit)."""
+    limit = Image.MAX_IMAGE_PIXELS
+    return None if limit is None else 2 * int(limit)
+
+
+def check_pixels(height: int, width: int, what: str = "image header says") -> None:
+    """Refuse an image of this size (from its header or metadata) above :func:`pixel_limit`, before any
+    pixel is allocated: every decode path calls this, so a 1 KB file can't claim gigabytes."""
+    limit = pixel_limit()
+    if limit is not None and int(height) * int(width) > limit:
+        raise DecodeError(
+            f"{what} {int(height)}x{int(width)} ({int(height) * int(width)} pixels), above the pixel "
+            f"limit of {limit} (2 x PIL.Image.MAX_IMAGE_PIXELS, Pillow's decompression-bomb rule; raise that "
+            "to read larger images)")
+
+
 def sniff(data: bytes | memoryview) -> str:
     """Image format from the first bytes: ``jpeg``, ``png``, ``webp``, ... or ``unknown``."""
     head = bytes(data[:12])
@@ -152,8 +172,9 @@ def decode_pil(data: bytes | memoryview, min_size: int | None = None) -> np.ndar
     """
     try:
         with Image.open(io.BytesIO(data)) as img:
+            width, height = img.size
+            check_pixels(height, width)  # Image.open reads the header only: nothing allocated yet
             if min_size and img.format == "JPEG":
-                width, height = img.size
                 d = scale_denominator(height, width, min_size)
                 if d > 1:
                     # draft() picks the largest scale s in 8,4,2,1 with s <= min(W // w, H // h):
@@ -164,7 +185,9 @@ def decode_pil(data: bytes | memoryview, min_size: int | None = None) -> np.ndar
             return np.asarray(rgb)
     except Image.UnidentifiedImageError:
         raise DecodeError(f"not an image format Pillow reads (starts with {bytes(data[:8])!r})") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+    except Image.DecompressionBombError as exc:  # Pillow's own check of the same limit, inside Image.open
+        raise DecodeError(f"above the pixel limit of {pixel_limit()} ({exc})") from exc
+    except (OSError, ValueError, SyntaxError) as exc:
         raise DecodeError(f"cannot decode image: {exc}") from exc
 
 
@@ -187,6 +210,7 @@ def decode_turbojpeg(data: bytes | memoryview, strict: bool = True, min_size: in
             if strict:
                 warnings.simplefilter("error")
             width, height, _sub, colorspace = tj.decode_header(data)
+            check_pixels(height, width)
             if colorspace not in TURBO_SAFE_COLORSPACES:
                 return None
             d = scale_denominator(height, width, min_size) if min_size else 1
@@ -235,6 +259,8 @@ def read_header(data: bytes | memoryview) -> tuple[int, int]:
             width, height = img.size
     except Image.UnidentifiedImageError:
         raise DecodeError(f"not an image format Pillow reads (starts with {bytes(data[:8])!r})") from None
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+    except Image.DecompressionBombError as exc:
+        raise DecodeError(f"above the pixel limit of {pixel_limit()} ({exc})") from exc
+    except (OSError, ValueError, SyntaxError) as exc:
         raise DecodeError(f"not a readable image: {exc}") from exc
     return height, width

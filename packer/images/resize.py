@@ -15,6 +15,7 @@ import numpy as np
 from PIL import Image
 
 from packer.errors import PackerError
+from packer.images.decode import check_pixels
 
 MODES = ("stretch", "fit")
 
@@ -79,6 +80,7 @@ class ResizeSpec:
         """Resize HWC uint8 RGB ``pixels`` to this spec."""
         h, w = pixels.shape[:2]
         th, tw = self.scaled_size(h, w)
+        check_pixels(*self.output_shape(h, w), what="resizing to")  # an upscale may ask for more than a decode may
         if (th, tw) != (h, w):
             img = Image.fromarray(pixels).resize((tw, th), Image.Resampling.LANCZOS, reducing_gap=3.0)
             pixels = np.asarray(img)

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from packer.errors import PackerError
+from packer.layout.fsutil import naming
 from packer.layout.manifest import sha256_file
 from packer.layout.trust import check_offsets, inside, load_npy
 
@@ -80,13 +81,17 @@ class Index:
         return [blob[off[i] : off[i + 1]].decode(*_PATH_CODEC) for i in range(len(self))]
 
     def save(self, directory: Path) -> list[str]:
-        """Write the arrays under ``directory/meta``; returns the written names (relative)."""
+        """Write the arrays under ``directory/meta``; returns the written names (relative).
+
+        A failed write (disk full) raises an ``OSError`` naming the file.
+        """
         meta = directory / META_DIR
         meta.mkdir(exist_ok=True)
         names = []
         for f in fields(self):
             name = f"{META_DIR}/{f.name}.npy"
-            np.save(directory / name, np.ascontiguousarray(getattr(self, f.name), dtype=DTYPES[f.name]))
+            with naming(directory / name):
+                np.save(directory / name, np.ascontiguousarray(getattr(self, f.name), dtype=DTYPES[f.name]))
             names.append(name)
         return names
 

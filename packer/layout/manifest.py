@@ -10,12 +10,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from packer.errors import PackerError
-from packer.layout.trust import check_inner_name, inside, open_regular
+from packer.layout.fsutil import write_atomic
+from packer.layout.trust import check_inner_name, inside, open_regular, read_inside
 
 KIND = "packer-dataset"
 VERSION = 1
@@ -89,7 +91,7 @@ class Manifest:
                 classes=[_typed(c, str, "class name") for c in _typed(data["classes"], list, "classes")],
                 shards=shards,
                 meta_files=meta_files,
-                options=dict(_typed(data.get("options", {}), dict, "options")),
+                options=_options(data.get("options", {})),
                 num_errors=_count(data.get("num_errors", 0), "num_errors"),
                 source=str(data.get("source", "")),
                 created_by=str(data.get("created_by", "")),
@@ -163,6 +165,33 @@ def _count(value: Any, what: str) -> int:
     return value
 
 
+# The conversion options a manifest records (ConvertOptions' fields but ``decoder``) and the types
+# and ranges of their values: ``packer verify --against`` rebuilds the conversion from them, so a
+# crafted value is refused when the manifest is read. Names not listed are kept and read by nothing.
+OPTION_TYPES: dict[str, tuple[type, ...]] = {
+    "format": (str,), "payload": (str,), "validate": (str,), "shard_bytes": (int, type(None)),
+    "resize": (str, type(None)), "resize_mode": (str,), "upscale": (bool,), "compression": (str, type(None)),
+    "order": (str,), "seed": (int,),
+}  # a format's own options (mosaic's tile, quality, ...) are its to check: Format.check_options
+_OPTION_RANGES: dict[str, tuple[int, int]] = {"shard_bytes": (1, _MAX_COUNT), "seed": (0, _MAX_COUNT)}
+
+
+def _options(value: Any) -> dict[str, Any]:
+    """The manifest's ``options``, each listed one of its type and in its range."""
+    options = dict(_typed(value, dict, "options"))
+    for name, v in options.items():
+        kinds = OPTION_TYPES.get(name)
+        if kinds is None:
+            continue
+        if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+            allowed = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            raise TypeError(f"option {name} must be {allowed}, found {type(v).__name__} {v!r:.60}")
+        lo, hi = _OPTION_RANGES.get(name, (None, None))
+        if lo is not None and v is not None and not lo <= v <= hi:
+            raise ValueError(f"option {name} {v} out of range ({lo} to {hi})")
+    return options
+
+
 def _file_info(f: Any) -> FileInfo:
     _typed(f, dict, "file entry")
     digest = _typed(f["sha256"], str, "sha256")
@@ -172,30 +201,40 @@ def _file_info(f: Any) -> FileInfo:
 
 
 def write_manifest(directory: Path, manifest: Manifest) -> None:
-    """Write ``manifest.json`` atomically (tmp file, fsync, rename)."""
-    path = directory / MANIFEST_NAME
-    tmp = directory / (MANIFEST_NAME + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(manifest.to_json())
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """Write ``manifest.json`` atomically (tmp file, fsync, rename, folder fsync)."""
+    write_atomic(directory / MANIFEST_NAME, manifest.to_json())
+
+
+def dataset_directory(directory: str | os.PathLike) -> Path:
+    """``directory``, refused when it is no dataset at all: missing, unreadable, not a directory, no manifest.
+
+    A directory that passes may still be damaged: that is for ``read_manifest`` and the readers to find.
+    """
+    directory = Path(directory)
+    try:
+        st = os.stat(directory)
+    except FileNotFoundError:
+        from packer.layout.partial import unfinished_note  # partial.py builds on this module
+
+        raise PackerError(f"{directory}: no such dataset{unfinished_note(Path(os.path.abspath(directory)))}") from None
+    except OSError as exc:
+        raise PackerError(f"{directory}: cannot open ({exc.strerror or exc})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise PackerError(f"{directory}: not a packed dataset (a dataset is a directory)")
+    if not os.access(directory, os.R_OK | os.X_OK):
+        raise PackerError(f"{directory}: cannot open (permission denied)")
+    if not os.path.lexists(directory / MANIFEST_NAME):
+        raise PackerError(f"{directory}: not a packed dataset, {MANIFEST_NAME} is missing (an unfinished conversion?)")
+    return directory
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:
-    directory = Path(directory)
+    directory = dataset_directory(directory)
     path = directory / MANIFEST_NAME
-    if not directory.exists():
-        raise PackerError(f"{directory}: no such dataset")
-    if not path.is_file():
-        hint = " (an unfinished conversion?)" if directory.is_dir() else ""
-        raise PackerError(f"{directory}: not a packed dataset, {MANIFEST_NAME} is missing{hint}")
-    inside(directory, MANIFEST_NAME)
+    raw = read_inside(directory, MANIFEST_NAME, _MAX_MANIFEST_BYTES)
     try:
-        if path.stat().st_size > _MAX_MANIFEST_BYTES:
-            raise PackerError(f"{path}: manifest is implausibly large ({path.stat().st_size} bytes)")
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise PackerError(f"{path}: cannot read manifest ({type(exc).__name__}: {exc})") from exc
     return Manifest.from_dict(data, where=str(path))
 

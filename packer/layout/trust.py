@@ -107,6 +107,29 @@ def open_regular(path: str | os.PathLike) -> tuple[int, os.stat_result]:
     return fd, st
 
 
+def read_inside(root: Path, name: str, max_bytes: int, where: str | None = None) -> bytes:
+    """The bytes of the regular file ``root/name`` (checked by ``inside``), refused beyond ``max_bytes``.
+
+    Opened non-blocking and checked again on the open file, so a FIFO or device put there after
+    the check can't make the read hang, and nothing larger than ``max_bytes`` is read into memory.
+    """
+    path = inside(root, name, where)
+    try:
+        fd, st = open_regular(path)
+    except OSError as exc:
+        raise PackerError(f"{path}: cannot open ({exc.strerror or exc})") from None
+    with os.fdopen(fd, "rb") as fh:
+        if st.st_size > max_bytes:
+            raise PackerError(f"{path}: implausibly large ({st.st_size} bytes, at most {max_bytes} expected)")
+        try:
+            data = fh.read(max_bytes + 1)
+        except OSError as exc:
+            raise PackerError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if len(data) > max_bytes:
+        raise PackerError(f"{path}: grew past {max_bytes} bytes while being read")
+    return data
+
+
 def npy_header(path: Path, dtype: str, ndim: int | None = None) -> tuple[tuple[int, ...], int]:
     """(shape, data offset) of a ``.npy`` holding exactly ``dtype`` in C order, its size checked against the file.
 

@@ -17,9 +17,10 @@ process that attaches a segment registers it with its resource tracker, which un
 *that* process exits, so a spawn worker ending would delete the cache under everyone else):
  1. ``close()``, garbage collection and interpreter exit unlink the file in the creating process
     (never in workers: they check the creator's pid);
- 2. a tiny janitor process, started with the cache, blocks reading a pipe from the creator and
-    unlinks the file when the pipe closes, which the kernel does when the creator dies in any
-    way, SIGKILL and segfaults included (fork children inherit the pipe, so it waits for them too);
+ 2. a tiny janitor process, started with the cache as the creator's child, unlinks the file when
+    its parent changes (the creator died in any way, SIGKILL and segfaults included; checked 4
+    times a second) or the creator writes to its pipe (``close()``). It does not wait for the pipe
+    to close: forked DataLoader workers hold it too, and orphaned workers can outlive the creator;
  3. files are named ``packer-cache-<pid>-<start time>-<random>.bin``; creating a cache first
     removes files whose creator is no longer running (the start time tells a reused pid apart),
     which covers the janitor itself being killed.
@@ -56,10 +57,17 @@ _HEADER_BYTES = 64
 _PAGE = 4096
 _HEADROOM = 0.05  # of total RAM left free after caching, at least 256 MB
 
+# The janitor: unlinks argv[1] once its parent (the creator) exits or writes to / closes the pipe.
+# It watches the parent's pid itself rather than waiting for the pipe to close: DataLoader workers
+# forked from the creator hold the pipe too and may outlive it (orphans), and the file must not.
 _JANITOR = (
-    "import os, signal, sys\n"
+    "import os, select, signal, sys\n"
     "for s in (signal.SIGINT, signal.SIGHUP): signal.signal(s, signal.SIG_IGN)\n"
-    "sys.stdin.buffer.read()\n"
+    "creator = int(sys.argv[2])\n"
+    "poll = select.poll()\n"
+    "poll.register(0, select.POLLIN)\n"
+    "while os.getppid() == creator and not poll.poll(250):\n"
+    "    pass\n"
     "try: os.unlink(sys.argv[1])\n"
     "except FileNotFoundError: pass\n"
 )
@@ -122,7 +130,7 @@ def sweep_stale(shm_dir: Path = sysinfo.SHM_DIR) -> list[Path]:
 
 def _start_janitor(path: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", _JANITOR, str(path)], stdin=subprocess.PIPE,
+        [sys.executable, "-I", "-S", "-c", _JANITOR, str(path), str(os.getpid())], stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
     )
 
@@ -137,6 +145,7 @@ def _release(path: str, owner_pid: int, janitor: subprocess.Popen | None) -> Non
         pass
     if janitor is not None:
         try:
+            janitor.stdin.write(b"x")  # type: ignore[union-attr]  # closing alone: forked workers hold the pipe too
             janitor.stdin.close()  # type: ignore[union-attr]
             janitor.wait(timeout=5)
         except (OSError, subprocess.TimeoutExpired):

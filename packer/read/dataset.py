@@ -22,12 +22,12 @@ from torch.utils.data import Dataset, get_worker_info
 
 from packer import sysinfo
 from packer.errors import PackerError
-from packer.formats import FORMATS, get_format
+from packer.formats import FORMATS, check_recorded_options, get_format
 from packer.formats.base import Format
-from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
+from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode, pixel_limit
 from packer.images.headers import image_size
 from packer.layout.index import Index, normalize_index, shard_starts
-from packer.layout.manifest import Manifest, read_manifest
+from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
 from packer.read import readahead
 
@@ -54,12 +54,6 @@ BATCH_BLOCK_MAX = 1 << 30  # largest shared block batch_slots maps for one batch
 BLOCKS_REMEMBERED = 32  # blocks a process remembers having read ahead (~0.5 GB at the sampler's 16 MB)
 
 
-def _beyond_pixel_limit(pixels):
-    """Whether an image of this many pixels is past Pillow's decompression-bomb error (twice its warning limit)."""
-    limit = Image.MAX_IMAGE_PIXELS
-    return bool(limit) and pixels > 2 * limit
-
-
 def _file_order(idx: Sequence[int]) -> list[int]:
     """Positions of ``idx`` sorted by sample index (file order; ties keep their order), as prefetch plans them."""
     return sorted(range(len(idx)), key=idx.__getitem__)
@@ -82,7 +76,7 @@ class PackedDataset(Dataset):
     ) -> None:
         """``decode_size=S``: decode JPEGs at the smallest DCT scale (1/2, 1/4, 1/8) whose short side
         is still >= S (faster, not pixel-identical to full-size decoding; encoded payloads only)."""
-        self.root = Path(path)
+        self.root = Path(path).absolute()  # not relative: a later os.chdir, a worker or an unpickling elsewhere
         self.manifest, self.index, self._file_ids = _open_consistent(self.root)
         if self.FORMAT is not None and self.manifest.format != self.FORMAT:
             raise PackerError(
@@ -101,6 +95,7 @@ class PackedDataset(Dataset):
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         fmt = get_format(self.manifest.format)
+        check_recorded_options(fmt.name, self.manifest.options, self.root / MANIFEST_NAME)
         self.access = resolve_access(access, self.manifest)
         with reading(f"{self.root}: opening shards"):
             self._readers = [fmt.Reader(self.root, s, self.manifest.payload, access=self.access)
@@ -184,7 +179,8 @@ class PackedDataset(Dataset):
             return None
         # Sizes come from metadata: allocate only what the per-sample path would accept (it names the problem)
         if self.manifest.payload == "encoded":
-            if np.any(_beyond_pixel_limit(h * w)):
+            limit = pixel_limit()
+            if limit is not None and np.any(h * w > limit):
                 return None
         elif np.any(self.index.nbytes[idx] != h * w * 3):
             return None
@@ -365,15 +361,14 @@ class PackedDataset(Dataset):
         """Decode sample ``i``; any failure of a codec on damaged bytes is a DecodeError naming the sample.
 
         The header is checked against the index first, so a damaged header can't make the
-        decoder allocate an image far larger than the one that was packed.
+        decoder allocate an image far larger than the one that was packed; the decoder then
+        refuses any image above the pixel limit (``packer.images.decode.check_pixels``), whatever the index says.
         """
         where = f"{self.root}: sample {i} ({self.index.rel_path(i)})"
         try:
             hh, ww = image_size(buf)
             if (h or w) and (hh, ww) != (h, w):
                 raise DecodeError(f"image header says {hh}x{ww}, the index says {h}x{w} (damaged)")
-            if not (h or w) and _beyond_pixel_limit(hh * ww):  # size unknown (--validate none): Pillow's bound
-                raise DecodeError(f"image header says {hh}x{ww}, beyond Pillow's decompression-bomb limit")
             return decode(buf, self.decoder, strict=strict, min_size=self.decode_size, out=out)
         except DecodeError as exc:
             raise DecodeError(f"{where}: {exc}") from exc
@@ -588,6 +583,7 @@ def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_option
     ``packer.read.cache.CachedDataset`` (``cache_options`` go to it): one copy in shared memory
     for all DataLoader workers.
     """
+    path = Path(path).absolute()
     manifest = read_manifest(path)
     ds = dataset_class(manifest.format, path)(path, **kwargs)
     if cache is None:

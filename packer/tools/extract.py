@@ -1,22 +1,31 @@
 """``packer extract``: write a packed dataset's samples back as files under their relative paths.
 
 Encoded payloads come back byte-identical to the source files. Raw payloads (decoded pixels)
-are written as PNG, lossless for the stored pixels, with the extension changed to ``.png``.
+are written as PNG, lossless for the stored pixels, with the extension changed to ``.png``
+(``a.jpg`` -> ``a.png``); where two samples would then share a name (the source had ``a.jpg``
+and ``a.png``), each renamed one keeps its whole name instead (``a.jpg.png``; ``a.png`` stays).
 The relative paths come from the dataset, which may be crafted, so every target is checked
-to land inside the destination: no absolute paths, no ``..``, no symlink inside the
-destination leading out of it. Existing files are never replaced unless ``overwrite``.
+before anything is written: inside the destination (no absolute paths, no ``..``, no symlink
+inside the destination leading out of it), no two samples on one name, no name both a file and
+a folder, every name short enough for the filesystem, the destination writable. Existing files
+are never replaced unless ``overwrite``. Files are written through a short temporary name in
+the same folder, so no partial file is ever left under a target's name.
 """
 
 from __future__ import annotations
 
 import io
 import os
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from PIL import Image
 
-from packer.errors import PackerError
+from packer.errors import PackerError, RunError, under_way
+from packer.layout.fsutil import create_temp, destination_dir, nearest_existing
+from packer.layout.manifest import dataset_directory
 from packer.layout.trust import check_inner_name
 from packer.read.dataset import open_dataset
 
@@ -27,57 +36,44 @@ class ExtractResult:
     num_files: int
     num_bytes: int
     as_png: bool  # raw payload: written as PNG, names end in .png
+    kept_extension: int = 0  # raw payload: PNGs named <original name>.png because of a name clash
 
 
-def target_name(rel: str, raw: bool) -> str:
-    """The file name a sample is extracted to (raw payloads: the extension becomes ``.png``)."""
-    return str(Path(rel).with_suffix(".png")) if raw else rel
+def target_names(rel_paths: Sequence[str], raw: bool) -> list[str]:
+    """The names samples are extracted to: their relative paths; for raw payloads PNG names (see the module doc)."""
+    if not raw:
+        return list(rel_paths)
+    names = [str(PurePosixPath(r).with_suffix(".png")) for r in rel_paths]
+    count = Counter(names)
+    return [n if count[n] == 1 or n == r else r + ".png" for r, n in zip(rel_paths, names, strict=True)]
 
 
 def extract(path: str | os.PathLike, dest: str | os.PathLike, overwrite: bool = False,
             progress: bool = False) -> ExtractResult:
-    """Write every sample of the dataset at ``path`` under ``dest``; refuse before writing if any target exists."""
-    from tqdm import tqdm
+    """Write every sample of the dataset at ``path`` under ``dest``; every target is checked before writing.
 
-    ds = open_dataset(path, image="numpy")
-    raw = ds.manifest.payload == "raw"
-    dest = Path(dest)
-    names = [target_name(_checked(rel, path), raw) for rel in ds.index.rel_paths()]
-    if len(set(names)) != len(names):
-        seen: set[str] = set()
-        dup = next(n for n in names if n in seen or seen.add(n))
-        raise PackerError(f"{path}: two samples would both be written to {dup!r}")
-    for c in ds.classes:
-        if "/" in _checked(c, path):
-            raise PackerError(f"{path}: class name {c!r} is not a single folder name")
-    dest.mkdir(parents=True, exist_ok=True)
-    real_dest = dest.resolve()
-    targets = [_target(real_dest, dest, n) for n in names]
-    if not overwrite:
-        existing = [t for t in targets if os.path.lexists(t)]
-        if existing:
-            raise PackerError(f"{dest}: {len(existing)} of the files to extract exist already, e.g. {existing[0]} "
-                              "(use --overwrite to replace them)")
-    for c in ds.classes:  # class folders even when empty, so ImageFolder finds the same classes
-        _target(real_dest, dest, c + "/x").parent.mkdir(parents=True, exist_ok=True)
-    total = 0
-    for i in tqdm(range(len(ds)), unit="img", desc="extracting", disable=not progress):
-        if raw:
-            buf = io.BytesIO()
-            Image.fromarray(ds.pixels(i)).save(buf, format="PNG")
-            data = buf.getvalue()
-        else:
-            data = bytes(ds.read_payload(i))
-        target = _target(real_dest, dest, names[i])
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            _target(real_dest, dest, names[i])  # again, after creating folders: nothing on the way leads out
-            _write(target, data, overwrite)
-        except OSError as exc:
-            raise PackerError(f"{target}: cannot write ({exc.strerror or exc})") from None
-        total += len(data)
-    ds.close()
-    return ExtractResult(dest, len(ds), total, raw)
+    Refusals before anything is written raise PackerError; a dataset that fails to read, or a
+    write failing part-way (disk full), raises RunError (the command line's exit 1).
+    """
+    dataset_directory(path)
+    with under_way():
+        ds = open_dataset(path, image="numpy")
+    try:
+        raw = ds.manifest.payload == "raw"
+        rels = [_checked(rel, path) for rel in ds.index.rel_paths()]
+        names = target_names(rels, raw)
+        dest = Path(dest)
+        _check_names(path, dest, rels, names, ds.classes)
+        dest = destination_dir(dest, "extract destination")
+        real_dest = dest.resolve()
+        targets = [_target(real_dest, dest, n) for n in names]
+        _check_existing(dest, targets, [_target(real_dest, dest, c + "/x").parent for c in ds.classes], overwrite)
+        with under_way():
+            total = _write_all(ds, real_dest, dest, names, raw, overwrite, progress)
+    finally:
+        ds.close()
+    kept = sum(n != str(PurePosixPath(r).with_suffix(".png")) for r, n in zip(rels, names, strict=True)) if raw else 0
+    return ExtractResult(dest, len(names), total, raw, kept)
 
 
 def _checked(name: str, where) -> str:
@@ -85,6 +81,39 @@ def _checked(name: str, where) -> str:
     if name.startswith("/") or name in (".", "") or any(p in (".", "") for p in name.split("/")):
         raise PackerError(f"{where}: sample path {name!r} is not a plain relative path")
     return name
+
+
+def _check_names(where, dest: Path, rels: list[str], names: list[str], classes: Sequence[str]) -> None:
+    """Refuse, before writing anything: two samples on one name, a name both file and folder, names too long."""
+    for c in classes:
+        if "/" in _checked(c, where):
+            raise PackerError(f"{where}: class name {c!r} is not a single folder name")
+    first: dict[str, str] = {}
+    for rel, name in zip(rels, names, strict=True):
+        if name in first:
+            raise PackerError(f"{where}: samples {first[name]!r} and {rel!r} would both be written to {name!r}")
+        first[name] = rel
+    folders = set(classes) | {str(p) for n in names for p in PurePosixPath(n).parents if str(p) != "."}
+    clash = next((n for n in names if n in folders), None)
+    if clash is not None:
+        raise PackerError(f"{where}: {clash!r} would be both a file and a folder under {dest}")
+    base = Path(os.path.abspath(dest))
+    probe = nearest_existing(base)
+    name_max, path_max = _limit(probe, "PC_NAME_MAX", 255), _limit(probe, "PC_PATH_MAX", 4096)
+    for name in sorted(set(names) | folders):
+        longest = max(PurePosixPath(name).parts, key=lambda p: len(os.fsencode(p)))
+        if len(os.fsencode(longest)) > name_max:
+            raise PackerError(f"{base / name}: the name {longest[:40]!r}... is {len(os.fsencode(longest))} bytes, "
+                              f"longer than the {name_max} this filesystem allows")
+        if len(os.fsencode(str(base / name))) >= path_max:
+            raise PackerError(f"{base / name[:60]}...: path longer than the {path_max} bytes this system allows")
+
+
+def _limit(path: Path, name: str, default: int) -> int:
+    try:
+        return int(os.pathconf(path, name))
+    except (OSError, ValueError):
+        return default
 
 
 def _target(real_dest: Path, dest: Path, name: str) -> Path:
@@ -96,20 +125,70 @@ def _target(real_dest: Path, dest: Path, name: str) -> Path:
     return target
 
 
+def _check_existing(dest: Path, targets: list[Path], class_dirs: list[Path], overwrite: bool) -> None:
+    """Refuse targets that exist (unless ``overwrite``) or are folders, and files where folders are needed."""
+    for d in {p for t in targets for p in t.parents if dest in p.parents} | set(class_dirs):
+        if os.path.lexists(d) and not d.is_dir():
+            raise PackerError(f"{d}: exists and is not a folder, but files are to be extracted into it")
+    existing = [t for t in targets if os.path.lexists(t)]
+    folder = next((t for t in existing if t.is_dir() and not t.is_symlink()), None)
+    if folder is not None:
+        raise PackerError(f"{folder}: a folder is in the way of a file to extract")
+    if existing and not overwrite:
+        raise PackerError(f"{dest}: {len(existing)} of the files to extract exist already, e.g. {existing[0]} "
+                          "(use --overwrite to replace them)")
+
+
+def _write_all(ds, real_dest: Path, dest: Path, names: list[str], raw: bool, overwrite: bool, progress: bool) -> int:
+    """Write every sample (class folders too, even empty ones, so ImageFolder finds the same classes)."""
+    from tqdm import tqdm
+
+    for c in ds.classes:
+        _mkdir(_target(real_dest, dest, c))
+    total = 0
+    for i in tqdm(range(len(ds)), unit="img", desc="extracting", disable=not progress):
+        if raw:
+            buf = io.BytesIO()
+            Image.fromarray(ds.pixels(i)).save(buf, format="PNG")
+            data = buf.getvalue()
+        else:
+            data = bytes(ds.read_payload(i))
+        target = _target(real_dest, dest, names[i])
+        _mkdir(target.parent)
+        _target(real_dest, dest, names[i])  # again, after creating folders: nothing on the way leads out
+        _write(target, data, overwrite)
+        total += len(data)
+    return total
+
+
+def _mkdir(folder: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RunError(f"{folder}: cannot create folder ({exc.strerror or exc}); the files before it were written") from None
+
+
 def _write(target: Path, data: bytes, overwrite: bool) -> None:
-    """Write via a temporary file in the same folder: no partial file, never through a symlink."""
-    tmp = target.with_name(f".{target.name}.packer-tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    """Write via a short temporary file in the same folder: no partial file, never through a symlink.
+
+    ``overwrite``: ``os.replace`` (a link itself is replaced, never what it points to); otherwise
+    ``os.link``, which refuses to replace a file that appeared since the checks.
+    """
+    try:
+        fd, tmp = create_temp(target.parent)
+    except OSError as exc:
+        raise RunError(f"{target}: cannot write ({exc.strerror or exc}); the files before it were written") from None
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         if overwrite:
-            os.replace(tmp, target)  # replaces a link itself, never what it points to
+            os.replace(tmp, target)
         else:
-            try:
-                os.link(tmp, target)  # fails if the target exists: nothing is replaced
-            except FileExistsError:
-                raise PackerError(f"{target}: exists already (use --overwrite to replace it)") from None
+            os.link(tmp, target)
+    except FileExistsError:
+        raise RunError(f"{target}: appeared while extracting; left as it is") from None
+    except OSError as exc:
+        raise RunError(f"{target}: cannot write ({exc.strerror or exc}); the files before it were written") from None
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)

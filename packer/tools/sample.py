@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from packer.errors import PackerError
+from packer.errors import PackerError, RunError, under_way
+from packer.layout.fsutil import destination_dir
 
 
 def _noise_field(rng: np.random.Generator, h: int, w: int, cells: int) -> np.ndarray:
@@ -58,8 +59,35 @@ def photo_like(rng: np.random.Generator, height: int, width: int, class_id: int 
 def _write_one(args: tuple[str, int, int, int, int, int]) -> int:
     path, seed, class_id, height, width, quality = args
     rng = np.random.default_rng(seed)
-    photo_like(rng, height, width, class_id).save(path, format="JPEG", quality=quality)
-    return os.path.getsize(path)
+    try:
+        photo_like(rng, height, width, class_id).save(path, format="JPEG", quality=quality)
+        return os.path.getsize(path)
+    except OSError as exc:
+        raise RunError(f"{path}: cannot write ({exc.strerror or exc}); the images before it were written") from None
+
+
+MAX_SIDE = 4096  # largest --size side: a generated image is built in float32 arrays (~200 MB at 4096x4096)
+MAX_COUNT = 10_000_000
+
+
+def check_sample_options(count: int, classes: int, size: tuple[int, int], seed: int, quality: int,
+                         workers: int | None) -> None:
+    """Refuse values ``make_sample`` can't honour, with a message naming the option (``packer sample``'s flags)."""
+    def whole(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    if not whole(count) or not 1 <= count <= MAX_COUNT:
+        raise PackerError(f"--count {count!r}: expected an integer from 1 to {MAX_COUNT}")
+    if not whole(classes) or not 0 <= classes <= MAX_COUNT:
+        raise PackerError(f"--classes {classes!r}: expected an integer from 0 (a flat folder) to {MAX_COUNT}")
+    if len(size) != 2 or not all(whole(v) and 1 <= v <= MAX_SIDE for v in size):
+        raise PackerError(f"--size {size!r}: expected height and width from 1 to {MAX_SIDE}")
+    if not whole(seed) or seed < 0:
+        raise PackerError(f"--seed {seed!r}: expected a non-negative integer")
+    if not whole(quality) or not 1 <= quality <= 100:
+        raise PackerError(f"--quality {quality!r}: expected an integer from 1 to 100")
+    if workers is not None and (not whole(workers) or workers < 1):
+        raise PackerError(f"workers {workers!r}: expected a positive integer (or None: all cores)")
 
 
 def make_sample(
@@ -75,27 +103,38 @@ def make_sample(
     """Write ``count`` JPEGs into ``out/class_XX/img_XXXXXX.jpg``; returns bytes written.
 
     ``size`` is (height, width); each image varies it by up to 10 % so shapes are mixed,
-    as in real datasets. Deterministic for a given ``seed``.
+    as in real datasets. Deterministic for a given ``seed``. Bad values, a non-empty or
+    unwritable ``out`` are refused (PackerError) before anything is written; a write failing
+    part-way (disk full) raises RunError naming the file.
     """
-    if count < 1 or classes < 0:
-        raise PackerError("need --count >= 1 and --classes >= 0")
+    check_sample_options(count, classes, tuple(size), seed, quality, workers)
     out = Path(out)
-    if out.exists() and any(out.iterdir()):
+    if out.is_dir() and any(out.iterdir()):
         raise PackerError(f"{out}: exists and is not empty")
+    destination_dir(out, "sample folder")
     rng = np.random.default_rng(seed)
     jobs = []
     for i in range(count):
         cls = i % classes if classes else 0
         folder = out / f"class_{cls:02d}" if classes else out
-        folder.mkdir(parents=True, exist_ok=True)
-        h = int(size[0] * rng.uniform(0.9, 1.1))
-        w = int(size[1] * rng.uniform(0.9, 1.1))
+        h = max(1, int(size[0] * rng.uniform(0.9, 1.1)))
+        w = max(1, int(size[1] * rng.uniform(0.9, 1.1)))
         jobs.append((str(folder / f"img_{i:06d}.jpg"), seed * 1_000_003 + i, cls, h, w, quality))
     from tqdm import tqdm
 
     total = 0
-    with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        for n in tqdm(pool.map(_write_one, jobs, chunksize=8), total=count, unit="img",
-                      desc="generating", disable=not progress):
-            total += n
+    with under_way():
+        for cls in range(min(classes, count)):
+            _mkdir(out / f"class_{cls:02d}")
+        with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+            for n in tqdm(pool.map(_write_one, jobs, chunksize=8), total=count, unit="img",
+                          desc="generating", disable=not progress):
+                total += n
     return total
+
+
+def _mkdir(folder: Path) -> None:
+    try:
+        folder.mkdir(exist_ok=True)
+    except OSError as exc:
+        raise RunError(f"{folder}: cannot create folder ({exc.strerror or exc})") from None

@@ -11,11 +11,11 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.formats import get_format
-from packer.layout.manifest import read_manifest, sha256_file
-from packer.layout.trust import inside
+from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
+from packer.layout.trust import inside, read_inside
 from packer.read.dataset import open_dataset
-from packer.write.convert import ERRORS_NAME, ConvertOptions, SourceError, prepare, read_source
-from packer.write.scan import scan_folder
+from packer.write.convert import ERRORS_NAME, ConvertOptions, SourceError, make_options, prepare, read_source
+from packer.write.scan import ScanResult, scan_folder
 
 
 @dataclass
@@ -30,13 +30,15 @@ class Report:
 
 def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, progress: bool = False,
            deep: bool = False) -> Report:
-    """Every check ``packer verify`` runs; problems are collected, not raised.
+    """Every check ``packer verify`` runs; problems are collected, not raised (a missing or empty
+    ``against`` folder is refused up front with a PackerError: nothing to compare with).
 
     ``deep``: also decode every sample (strictly, as conversion's full validation does) and
     check its shape against the stored heights and widths.
     """
     root = Path(path)
     report = Report()
+    scan = scan_folder(against) if against is not None else None  # a missing source: refused before any work
     try:
         manifest = read_manifest(root)
     except PackerError as exc:
@@ -65,8 +67,8 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
     try:
         if deep:
             _check_deep(ds, report, progress)
-        if against is not None:
-            _check_against(ds, Path(against), report, progress)
+        if scan is not None:
+            _check_against(ds, scan, report, progress)
     finally:
         ds.close()
     return report
@@ -104,16 +106,44 @@ def within(got: np.ndarray, want: np.ndarray, mean_bound: float = 0.0, max_bound
     return bool(err.max() <= max_bound and err.mean() <= mean_bound)
 
 
-def _check_against(ds, src: Path, report: Report, progress: bool) -> None:
+_MAX_ERRORS_BYTES = 256 << 20  # errors.json: about a million failed files' entries
+
+
+def reported_errors(root: Path) -> set[str]:
+    """The source paths ``errors.json`` lists, read as untrusted input (a regular file inside ``root``, size-capped)."""
+    where = str(root / ERRORS_NAME)
+    raw = read_inside(root, ERRORS_NAME, _MAX_ERRORS_BYTES, where)
+    try:
+        errors = json.loads(raw.decode("utf-8"))["errors"]
+        paths = {e["path"] for e in errors}
+    except (UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as exc:
+        raise PackerError(f"{where}: not a packer error report ({type(exc).__name__}: {exc})") from None
+    if not all(isinstance(p, str) for p in paths):
+        raise PackerError(f"{where}: not a packer error report (a path is not a string)")
+    return paths
+
+
+def reference_options(manifest: Manifest, where: str = MANIFEST_NAME) -> ConvertOptions:
+    """The conversion a manifest records, checked as ``convert`` checks it, decoding with Pillow (the reference)."""
+    recorded = {k: v for k, v in manifest.options.items() if k != "format"}
+    try:
+        options = make_options(manifest.format, **{**recorded, "decoder": "pil"})
+        options.check()
+    except PackerError as exc:
+        raise PackerError(f"{where}: the recorded conversion options are not valid ({exc})") from None
+    return options
+
+
+def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None:
     """Every source file is packed identically (bytes, or Pillow's pixels for raw) or listed as an error."""
     from tqdm import tqdm
 
-    scan = scan_folder(src)
+    src = scan.root
     try:
-        errors = json.loads((ds.root / ERRORS_NAME).read_text(encoding="utf-8"))["errors"]
-        reported = {e["path"] for e in errors}
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        report.problems.append(f"{ds.root / ERRORS_NAME}: cannot read error report ({exc})")
+        reported = reported_errors(ds.root)
+        options = reference_options(ds.manifest, str(ds.root / MANIFEST_NAME))
+    except PackerError as exc:
+        report.problems.append(str(exc))
         return
     for rel in scan.unlisted:  # reported or not, what is in it can't be checked
         report.problems.append(f"{src / rel}: cannot list this source folder: its files can't be checked")
@@ -141,12 +171,15 @@ def _check_against(ds, src: Path, report: Report, progress: bool) -> None:
         except OSError as exc:
             report.problems.append(f"{src / rel}: cannot read source ({exc.strerror})")
             continue
-        if raw:
-            expected = prepare(src, rel, label, options)
-            if isinstance(expected, SourceError) or not within(ds.pixels(i), expected.payload, mean_bound, max_bound):
-                report.problems.append(f"{src / rel}: stored pixels differ from the source's decode")
-        elif bytes(ds.read_payload(i)) != data:
-            report.problems.append(f"{src / rel}: stored bytes differ from the source file")
+        try:  # a sample that fails to read is a problem found, like one that differs
+            if raw:
+                expected = prepare(src, rel, label, options)
+                if isinstance(expected, SourceError) or not within(ds.pixels(i), expected.payload, mean_bound, max_bound):
+                    report.problems.append(f"{src / rel}: stored pixels differ from the source's decode")
+            elif bytes(ds.read_payload(i)) != data:
+                report.problems.append(f"{src / rel}: stored bytes differ from the source file")
+        except PackerError as exc:
+            report.problems.append(str(exc))
     extra = set(packed) - set(scan.rel_paths)
     for rel in sorted(extra)[:20]:
         report.problems.append(f"{rel}: packed but not in {src}")

@@ -5,15 +5,22 @@ process writes shards in dataset order, so the output depends only on the source
 options, never on ``workers``. Everything goes into ``<out>.partial`` and is renamed to
 ``<out>`` after the manifest is written, so an interrupted run never leaves an output that
 looks complete. Every source file is either packed or listed in ``errors.json``.
+
+Nothing the run did not make is deleted: the output may not be, hold or lie inside the source;
+``--overwrite`` replaces only a packer dataset, moved into a fresh ``<out>.packer-old-*`` folder
+(journaled, so ``--resume`` finishes a swap killed half-way) and deleted once the new one is in
+place; a ``.partial`` is reused or removed only when its journal shows packer made it.
 """
 
 from __future__ import annotations
 
 import errno
 import itertools
+import json
 import mmap
 import multiprocessing
 import os
+import secrets
 import shutil
 import sys
 import threading
@@ -29,25 +36,29 @@ import numpy as np
 
 from packer._random import stable_permutation
 from packer._version import __version__
-from packer.errors import PackerError
+from packer.errors import PackerError, ResumableError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import Format, PreparedSample
-from packer.images.decode import DecodeError, decode
+from packer.images.decode import DecodeError, check_pixels, decode
 from packer.images.headers import image_size
 from packer.images.resize import ResizeSpec
+from packer.layout.fsutil import fsync_dir, fsync_tree, write_atomic
 from packer.layout.index import Index
 from packer.layout.manifest import (
+    MANIFEST_NAME,
     PARTIAL_SUFFIX,
     PAYLOADS,
     Manifest,
     Shard,
     dumps_lossless,
     file_info,
+    holds_dataset,
+    read_manifest,
     write_manifest,
 )
+from packer.layout.partial import JOURNAL_DIR, OLD_TAG, PLAN_NAME, made_by_packer, read_swap
 from packer.layout.trust import open_regular
 from packer.write.journal import (
-    JOURNAL_DIR,
     ShardResult,
     SourceError,
     load_done_shards,
@@ -55,6 +66,7 @@ from packer.write.journal import (
     record_shard,
     scan_digest,
     write_plan,
+    write_swap,
 )
 from packer.write.scan import ScanResult, scan_folder
 
@@ -62,6 +74,7 @@ Validate = Literal["full", "header", "none"]
 Order = Literal["shuffled", "source"]
 ORDERS = ("shuffled", "source")
 DEFAULT_ORDER: Order = "shuffled"  # see docs/sampling.md: label mixing for block-shuffled reads
+NEW_TAG = ".packer-new-"  # <out>.packer-new-<pid>-<random>: a new .partial until its plan is written
 ERRORS_NAME = "errors.json"
 _CHUNK = 16  # files per pool task: amortises IPC without hurting ordering latency
 # Chunks in flight per worker: enough that the workers keep going while this process pauses to
@@ -154,7 +167,7 @@ def make_options(to: str, **given: Any) -> ConvertOptions:
         given["payload"] = "encoded" if "encoded" in fmt.payloads else "raw"
     if given.get("resize") is not None:  # sizes may come as numbers (resize=256)
         given["resize"] = str(given["resize"])
-    extra = {k: (str(v) if own[k].type is str and v is not None else v) for k, v in given.items() if k in own}
+    extra = {k: (str(v) if own[k].type is None and v is not None else v) for k, v in given.items() if k in own}
     return ConvertOptions(format=to, extra=extra, **{k: v for k, v in given.items() if k in common})
 
 
@@ -198,8 +211,9 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
             h, w = decode(data, options.decoder, strict=True).shape[:2]
         elif options.validate == "header":
             h, w = image_size(data)
+            check_pixels(h, w)  # what a decode would refuse is refused here too, from the header
         else:
-            h, w = 0, 0  # unknown: not looked at
+            h, w = 0, 0  # unknown: not looked at (readers then refuse an image above the pixel limit)
     except DecodeError as exc:
         return SourceError(rel, str(exc))
     except Exception as exc:  # a codec crash on hostile bytes must not abort the conversion
@@ -420,7 +434,8 @@ def convert(
     the manifest. ``payload`` defaults to ``encoded`` where the format stores it, else ``raw``
     (bmp, mosaic). With a Dask ``client`` the class folders are scanned and the shards written by
     the cluster's workers (packer.write.cluster; source and output on storage they share); the
-    bytes are the same.
+    bytes are the same. ``overwrite`` replaces an existing packer dataset (nothing else);
+    ``resume`` goes on with an interrupted run's ``<out>.partial``.
     """
     options = make_options(to, **options)
     options.check()
@@ -429,7 +444,11 @@ def convert(
     fmt = get_format(to)
     if options.shard_bytes is None:
         options.shard_bytes = fmt.default_shard_bytes
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
+        raise PackerError(f"workers {workers!r}: expected a count >= 0 (0: in this process; None: all cores)")
     workers = os.cpu_count() or 1 if workers is None else workers
+    out = output_path(src, output, to)
+    check_destination(src, out, overwrite)
 
     started = time.perf_counter()
     if client is None:
@@ -439,11 +458,83 @@ def convert(
 
         scanned = scan_on_cluster(client, src)
     scan = apply_order(scanned, options.order, options.seed)
-    out = Path(os.path.abspath(output if output is not None else default_output(scan.root, to)))
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
-    if out.exists() and not overwrite:
-        raise PackerError(f"{out}: already exists (use --overwrite to replace it)")
     plan = _load_or_make_plan(scan, out, partial, options, resume)
+    try:
+        if read_swap(partial, out)[0]:  # a finished conversion whose move into place was interrupted
+            return _complete_swap(scan, partial, out, started)
+        shards = _write_shards(scan, partial, out, plan, fmt, options, on_error, workers, progress, client)
+        return _finish(scan, partial, out, shards, options, started)
+    except OSError as exc:  # the journal, meta/*.npy, errors.json, the manifest or the renames
+        raise _failed_midway(f"{exc.filename or out}: {exc.strerror or exc}", partial) from exc
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_interrupted(partial)) from None
+
+
+def output_path(src: str | os.PathLike, output: str | os.PathLike | None, fmt: str) -> Path:
+    """The absolute output path: ``output``, or ``<src>.<fmt>`` beside the source; an empty one is refused."""
+    if output is None:
+        return default_output(Path(src), fmt)
+    if os.fspath(output) == "":
+        raise PackerError("the output path is empty: name the dataset folder to create (-o DIR)")
+    return Path(os.path.abspath(output))
+
+
+def check_destination(src: str | os.PathLike, out: Path, overwrite: bool) -> None:
+    """Refuse, before anything is written, an output whose replacement would destroy data.
+
+    The output may not be the source, hold it or lie inside it (symlinks followed); an existing
+    path is replaced only when it holds a packer dataset, and then only with ``overwrite``.
+    """
+    source, target = Path(os.path.realpath(src)), Path(os.path.realpath(out))
+    if target == source:
+        raise PackerError(f"{out}: is the source folder itself; choose another --output")
+    if source.is_relative_to(target):
+        raise PackerError(f"{out}: holds the source folder {src}; choose an --output that does not contain it")
+    if target.is_relative_to(source):
+        raise PackerError(f"{out}: lies inside the source folder {src}; choose an --output outside it")
+    if not os.path.lexists(out):
+        return
+    if not holds_dataset(out):
+        raise PackerError(f"{out}: exists and is {_describe(out)}, not a packer dataset; packer replaces only a "
+                          f"dataset, even with --overwrite: choose another --output, or move it away yourself")
+    if not overwrite:
+        raise PackerError(f"{out}: already exists (use --overwrite to replace it)")
+
+
+def _describe(path: Path) -> str:
+    if path.is_symlink() and not path.exists():
+        return "a broken symbolic link"
+    if path.is_file():
+        return "a file"
+    if path.is_dir():
+        return f"a folder without a packer {MANIFEST_NAME}"
+    return "a special file"
+
+
+def _fresh_name(out: Path, tag: str) -> Path:
+    """A name beside ``out`` no earlier run used: ``<out><tag><pid>-<random>`` (made exclusively by the caller)."""
+    return out.with_name(f"{out.name}{tag}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _failed_midway(message: str, partial: Path) -> PackerError:
+    """The error for a failure after the output was started: resumable while ``partial`` holds the work."""
+    if not made_by_packer(partial):
+        return PackerError(message)
+    return ResumableError(f"{message}; the work done so far is kept in {partial}: free space (or fix the "
+                          f"problem), then run the same command with --resume")
+
+
+def _interrupted(partial: Path) -> str:
+    """What a Ctrl-C leaves: the message the CLI prints (once) as ``packer: ...``."""
+    if not made_by_packer(partial):
+        return "interrupted"
+    return (f"interrupted; the work done so far is kept in {partial}: run the same command with --resume "
+            f"to go on, or remove it")
+
+
+def _write_shards(scan, partial, out, plan, fmt, options, on_error, workers, progress, client) -> list[ShardResult]:
+    """Every planned shard, reusing the journaled ones: written here (a process pool) or on a Dask cluster."""
     ranges = [(int(a), int(b)) for a, b in plan["shards"]]
     done = load_done_shards(partial, len(ranges), scan.root)
     try:
@@ -454,48 +545,75 @@ def convert(
 
             results = build_shards(client, scan, partial, ranges, done, options, on_error, progress)
     except ShardWriteError as exc:
-        raise PackerError(
-            f"{out}: {exc}; the finished shards are kept in {partial}: free space (or fix the problem), "
-            f"then run the same command with --resume"
-        ) from exc
-    except KeyboardInterrupt:
-        print(f"packer: interrupted; finished shards are kept in {partial}: run the same command with "
-              f"--resume to go on, or remove it", file=sys.stderr)
-        raise
+        raise _failed_midway(f"{out}: {exc}", partial) from exc
     except PackerError:  # a bad source file under --on-error raise: nothing worth resuming
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return _finish(scan, partial, out, [results[i] for i in range(len(ranges))], options, started)
+    return [results[i] for i in range(len(ranges))]
 
 
 def _load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: ConvertOptions, resume: bool) -> dict:
-    """The shard plan: the journaled one when resuming, else a new one (written before any shard)."""
+    """The shard plan: the journaled one when resuming, else a new one (written before any shard).
+
+    An existing ``partial`` is used only when its journal shows packer made it, and never
+    deleted here: one that packer did not make is refused, naming it.
+    """
     recorded = options.record()
     digest = scan_digest(scan)
-    if partial.exists():
-        if not resume:
-            raise PackerError(
-                f"{partial}: left over from an interrupted conversion; go on with it by running the same "
-                f"command with --resume, or remove it (rm -r '{partial}')"
-            )
+    if os.path.lexists(partial):
         plan = read_plan(partial)
-        if plan is not None:
-            if plan.get("options") != recorded or plan.get("digest") != digest:
-                raise PackerError(
-                    f"{partial}: the source files or the options changed since the interrupted run, so it "
-                    f"can't be resumed; remove it (rm -r '{partial}') and convert again"
-                )
-            return plan
-        shutil.rmtree(partial)  # killed before its plan was written: nothing to keep
-    out.parent.mkdir(parents=True, exist_ok=True)
+        if plan is None:
+            raise PackerError(f"{partial}: exists but was not made by packer (it holds no {JOURNAL_DIR}/{PLAN_NAME}), "
+                              f"so packer leaves it alone: move it away, or choose another --output")
+        if not resume:
+            raise PackerError(_leftover(partial, out))
+        if plan.get("options") != recorded or plan.get("digest") != digest:
+            raise PackerError(
+                f"{partial}: the source files or the options changed since the interrupted run, so it "
+                f"can't be resumed; remove it (rm -r '{partial}') and convert again"
+            )
+        return plan
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PackerError(f"{exc.filename or out.parent}: cannot create the output's folder ({exc.strerror or exc})") from exc
     mean_bytes = estimate_sample_bytes(scan, options)
     check_free_space(out.parent, mean_bytes * len(scan))
     plan = {"options": recorded, "digest": digest, "source": str(scan.root), "num_files": len(scan),
             "shards": plan_shards(len(scan), mean_bytes, options.shard_bytes, shard_multiple(options)),
             "mean_bytes": mean_bytes}
-    partial.mkdir()
-    write_plan(partial, plan)
+    _make_partial(out, partial, plan)
     return plan
+
+
+def _leftover(partial: Path, out: Path) -> str:
+    """Why a packer-made ``partial`` blocks a run without --resume, and the ways out."""
+    swapping, trash = read_swap(partial, out)
+    if not swapping:
+        return (f"{partial}: left over from an interrupted conversion; go on with it by running the same "
+                f"command with --resume, or remove it (rm -r '{partial}')")
+    old = out.with_name(trash) / out.name if trash else None
+    where = f"the old dataset was moved to {old.parent}" if old is not None and os.path.lexists(old) \
+        else f"{out} is not replaced yet"
+    return (f"{partial}: holds the complete result of an interrupted conversion that was being moved into place "
+            f"({where}); run the same command with --resume to finish that (nothing is converted again)")
+
+
+def _make_partial(out: Path, partial: Path, plan: dict) -> None:
+    """Create ``partial`` holding ``plan``: made under a fresh name and renamed once the plan is on disk,
+    so a ``.partial`` without a plan is never one of packer's."""
+    tmp = _fresh_name(out, NEW_TAG)
+    try:
+        os.mkdir(tmp)
+        try:
+            write_plan(tmp, plan)
+            os.rename(tmp, partial)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        fsync_dir(out.parent)
+    except OSError as exc:
+        raise PackerError(f"{exc.filename or partial}: cannot create the output ({exc.strerror or exc})") from exc
 
 
 class ShardWriteError(PackerError):
@@ -511,7 +629,9 @@ def write_shard(
     result = ShardResult(shard_id, Shard(num_samples=0, files=[]))
     try:
         writer = fmt.Writer(partial, shard_id, planned, options.payload, options.record())
-    except OSError as exc:
+    except PackerError:
+        raise
+    except Exception as exc:  # ENOSPC, EIO, the storage engine's own errors (lmdb.DiskError is no OSError)
         raise ShardWriteError(f"cannot create shard {shard_id} ({exc})") from exc
     try:
         for res in samples:
@@ -598,16 +718,16 @@ def _build_shards(scan, partial, plan, done, fmt, options, on_error, workers, pr
 
 def _finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult], options: ConvertOptions,
             started: float) -> ConvertResult:
-    """Index, error report and manifest (last), then the rename that makes the dataset exist."""
+    """Index, error report and manifest (last), then the renames that make the dataset exist."""
     cat = lambda name: [v for r in shards for v in getattr(r, name)]  # noqa: E731
     index = Index.build(cat("rel_paths"), cat("labels"), cat("heights"), cat("widths"), cat("nbytes"))
     errors: list[SourceError] = cat("errors") + scan.errors
     meta_files = [file_info(partial, n) for n in index.save(partial)]
-    (partial / ERRORS_NAME).write_text(
-        dumps_lossless({"num_errors": len(errors), "ignored": dict(scan.ignored),
-                        "errors": [asdict(e) for e in sorted(errors, key=lambda e: e.path)]}, indent=1),
-        encoding="utf-8",
-    )
+    write_atomic(partial / ERRORS_NAME, dumps_lossless(
+        {"num_errors": len(errors), "ignored": dict(scan.ignored),
+         "errors": [asdict(e) for e in sorted(errors, key=lambda e: e.path)]},
+        indent=1,
+    ))
     if errors:
         print(f"packer: {len(errors)} of {len(scan)} files not packed, see {ERRORS_NAME}:", file=sys.stderr)
         for e in errors[:10]:
@@ -627,7 +747,6 @@ def _finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult
         created_by=f"packer {__version__}",
         created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
-    shutil.rmtree(partial / JOURNAL_DIR)
     fsync_tree(partial)
     write_manifest(partial, manifest)
     _swap_into_place(partial, out)
@@ -635,35 +754,66 @@ def _finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult
                          dict(scan.ignored))
 
 
-def _swap_into_place(partial: Path, out: Path) -> None:
-    """Rename the finished output into place; an old output (--overwrite) is replaced only now.
+def _complete_swap(scan: ScanResult, partial: Path, out: Path, started: float) -> ConvertResult:
+    """Finish the move into place that a killed run journaled: its output is complete, nothing is converted."""
+    num_samples = read_manifest(partial).num_samples
+    path = partial / ERRORS_NAME
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        errors = [SourceError(str(e["path"]), str(e["reason"])) for e in report["errors"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PackerError(f"{path}: damaged error report ({exc}); move {partial} away and convert again") from exc
+    print(f"packer: {partial} holds a finished conversion; moving it into place", file=sys.stderr)
+    _swap_into_place(partial, out)
+    return ConvertResult(out, num_samples, errors, time.perf_counter() - started, 0, dict(scan.ignored))
 
+
+def _swap_into_place(partial: Path, out: Path) -> None:
+    """Rename the finished ``partial`` to ``out``; an old output (--overwrite) is moved aside only now.
+
+    The swap is journaled first, naming the fresh folder the old output goes into, so a run
+    killed between the two renames is finished by --resume, and only that folder is deleted.
     Readers that already opened the old dataset keep reading its (unlinked) files.
     """
-    trash = out.with_name(out.name + ".old")
-    if out.exists():
-        shutil.rmtree(trash, ignore_errors=True)
-        os.replace(out, trash)
-    os.replace(partial, out)
-    shutil.rmtree(trash, ignore_errors=True)
-    fd = os.open(out.parent, os.O_RDONLY)
+    swapping, name = read_swap(partial, out)
+    if not swapping:
+        name = _fresh_name(out, OLD_TAG).name if os.path.lexists(out) else None
+        write_swap(partial, name)
+    trash = out.with_name(name) if name else None
+    if os.path.lexists(out):
+        if trash is None:
+            raise PackerError(f"{out}: appeared while {partial} was being moved there; move it away, then run "
+                              f"the same command with --resume")
+        _set_aside(out, trash)
+    os.rename(partial, out)
+    fsync_dir(out.parent)
+    _remove_leftovers(out, trash)
+
+
+def _set_aside(out: Path, trash: Path) -> None:
+    """Move ``out`` into the new folder ``trash`` (made here, or empty: made by a run killed right after)."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        os.mkdir(trash)
+    except FileExistsError:
+        if trash.is_symlink() or not trash.is_dir() or os.listdir(trash):
+            raise PackerError(f"{trash}: exists and is not the empty folder packer made, so {out} is not moved "
+                              f"into it; move one of them away, then run the same command with --resume") from None
+    os.rename(out, trash / out.name)
 
 
-def fsync_tree(directory: Path) -> None:
-    """Flush every file below ``directory`` and the directories themselves to disk."""
-    for dirpath, _dirnames, filenames in os.walk(directory):
-        for name in filenames:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        fd = os.open(dirpath, os.O_RDONLY)
+def _remove_leftovers(out: Path, trash: Path | None) -> None:
+    """Delete the old output's folder (if it holds nothing else) and the journal; failing only warns."""
+    leftovers = [out / JOURNAL_DIR]
+    if trash is not None and trash.is_dir() and not trash.is_symlink():
+        if set(os.listdir(trash)) <= {out.name}:
+            leftovers.insert(0, trash)
+        else:
+            print(f"packer: warning: {trash} holds more than the old {out.name}; left alone", file=sys.stderr)
+    for path in leftovers:
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            print(f"packer: warning: {out} is in place, but {exc.filename or path} could not be removed "
+                  f"({exc.strerror or exc}); remove it yourself", file=sys.stderr)

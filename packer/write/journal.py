@@ -9,6 +9,12 @@ Inside ``<out>.partial/journal/``:
 | shard-00000.json  | after that shard is on disk    | its files (sizes, sha256), per-sample metadata |
 |                   | (fsynced)                      | (with each source's size and mtime as read)    |
 |                   |                                | and the source files it could not pack         |
+| swap.json         | after the manifest, before the | the name of the folder the old output (if any) |
+|                   | renames into place             | is moved into: --resume finishes the swap      |
+
+The folder is made under a temporary name and renamed to ``<out>.partial`` only once its plan
+is written, so a ``.partial`` without a plan was not made by packer and is never deleted. The
+journal stays until the dataset is in place, then is removed.
 
 Only JSON: a journal, like a manifest, can never execute code when read. A shard counts as
 done only once its entry exists, and its files are checked against it before being reused;
@@ -27,11 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import PackerError
+from packer.layout.fsutil import fsync_file, write_atomic
 from packer.layout.manifest import FileInfo, Shard, dumps_lossless, sha256_file
+from packer.layout.partial import JOURNAL_DIR, PLAN_NAME, SWAP_NAME, made_by_packer
 from packer.write.scan import ScanResult, SourceError
-
-JOURNAL_DIR = "journal"
-PLAN_NAME = "plan.json"
 
 
 @dataclass
@@ -89,28 +94,15 @@ def scan_digest(scan: ScanResult) -> str:
     return h.hexdigest()
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_plan(partial: Path, plan: dict[str, Any]) -> None:
     (partial / JOURNAL_DIR).mkdir(exist_ok=True)
-    _write_atomic(partial / JOURNAL_DIR / PLAN_NAME, dumps_lossless(plan, indent=1))
+    write_atomic(partial / JOURNAL_DIR / PLAN_NAME, dumps_lossless(plan, indent=1))
 
 
 def read_plan(partial: Path) -> dict[str, Any] | None:
+    """The journaled plan of ``partial``, or None where packer did not make it (see ``made_by_packer``)."""
     path = partial / JOURNAL_DIR / PLAN_NAME
-    if not path.is_file():
+    if not made_by_packer(partial):
         return None
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -127,14 +119,15 @@ def record_shard(partial: Path, result: ShardResult, names: list[str]) -> ShardR
     with ThreadPoolExecutor(max_workers=1) as hasher:
         sums = [hasher.submit(sha256_file, partial / n) for n in names]
         for name in names:
-            fd = os.open(partial / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(partial / name)
         result.shard.files = [FileInfo(n, (partial / n).stat().st_size, s.result()) for n, s in zip(names, sums)]
-    _write_atomic(shard_entry(partial, result.shard_id), result.to_json())
+    write_atomic(shard_entry(partial, result.shard_id), result.to_json())
     return result
+
+
+def write_swap(partial: Path, trash: str | None) -> None:
+    """Journal the swap about to happen: the old output (if any) goes into folder ``trash`` beside it."""
+    write_atomic(partial / JOURNAL_DIR / SWAP_NAME, json.dumps({"trash": trash}))
 
 
 def load_done_shards(partial: Path, num_shards: int, root: Path) -> dict[int, ShardResult]:

@@ -252,12 +252,24 @@ def _own_cgroup_line() -> str:
     return Path("/proc/self/cgroup").read_text()
 
 
-def _packer_cgroups(ctl) -> list[Path]:
-    return list(ctl.root.glob(throttle.CGROUP_PREFIX + "*"))
+def _still_throttled(proc: subprocess.Popen) -> bool:
+    """Whether ``proc`` (a live run started by ``_start_child``) still sits in its own cgroup."""
+    cg = throttle.find_controller().root / f"{throttle.CGROUP_PREFIX}{proc.pid}"
+    return proc.poll() is None and str(proc.pid) in (cg / "cgroup.procs").read_text().split()
+
+
+@pytest.fixture
+def other_run(tmp_path):
+    """Another packer benchmark throttling its reads meanwhile (e.g. another user's): these tests only
+    check and remove the cgroups they created, and the other run keeps its own."""
+    proc = _start_child(tmp_path)
+    yield proc
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
 
 
 @needs_throttle
-def test_throttle_applies_and_is_removed(tmp_path):
+def test_throttle_applies_and_is_removed(tmp_path, other_run):
     ctl = throttle.find_controller()
     blob = tmp_path / "blob.bin"
     blob.write_bytes(os.urandom(2 << 20))
@@ -272,6 +284,7 @@ def test_throttle_applies_and_is_removed(tmp_path):
         assert after[0] > before[0] and after[1] - before[1] >= (1 << 20)  # the reads went through our cgroup
     assert not thr.cgroup.exists() and not thr.active
     assert throttle.CGROUP_PREFIX not in _own_cgroup_line()
+    assert _still_throttled(other_run)
 
 
 @needs_throttle
@@ -304,7 +317,7 @@ def _start_child(path) -> subprocess.Popen:
 
 
 @needs_throttle
-def test_sigterm_cleans_up_and_sigkill_leftover_is_removed_next_time(tmp_path):
+def test_sigterm_cleans_up_and_sigkill_leftover_is_removed_next_time(tmp_path, other_run):
     ctl = throttle.find_controller()
     proc = _start_child(tmp_path)
     cg = ctl.root / f"{throttle.CGROUP_PREFIX}{proc.pid}"
@@ -320,11 +333,13 @@ def test_sigterm_cleans_up_and_sigkill_leftover_is_removed_next_time(tmp_path):
     assert cg.is_dir()  # SIGKILL: nothing could clean up
     with throttle.throttled([tmp_path], read_iops=1000) as thr:
         assert str(cg) in thr.stale_removed
-    assert not cg.exists() and not _packer_cgroups(ctl)
+        assert f"{throttle.CGROUP_PREFIX}{other_run.pid}" not in " ".join(thr.stale_removed)  # alive: not stale
+    assert not cg.exists() and not thr.cgroup.exists()
+    assert _still_throttled(other_run)
 
 
 @needs_throttle
-def test_bench_under_emulation_records_device_reads_and_cleans_up(data):
+def test_bench_under_emulation_records_device_reads_and_cleans_up(data, other_run):
     folder, packed = data
     ctl = throttle.find_controller()
     report = run_bench([folder, packed], BenchOptions(levels=("read",), orders=("block",), caches=("cold",), repeats=1,
@@ -332,4 +347,25 @@ def test_bench_under_emulation_records_device_reads_and_cleans_up(data):
     assert report["emulation"]["read_iops"] == 20000
     for r in report["results"]:
         assert r["device_reads"][0]["bytes"] > 0  # cold reads reached the throttled device
-    assert not _packer_cgroups(ctl) and throttle.CGROUP_PREFIX not in _own_cgroup_line()
+    assert not (ctl.root / f"{throttle.CGROUP_PREFIX}{os.getpid()}").exists() and throttle.CGROUP_PREFIX not in _own_cgroup_line()
+    assert _still_throttled(other_run)
+
+
+@needs_throttle
+def test_a_cgroup_with_live_processes_is_not_stale_even_when_its_owner_pid_is_unknown(tmp_path):
+    ctl = throttle.find_controller()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    cg = ctl.root / f"{throttle.CGROUP_PREFIX}{dead.pid}"  # owner gone, or in a pid namespace this process can't see
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        cg.mkdir()
+        (cg / "cgroup.procs").write_text(str(sleeper.pid))
+        with throttle.throttled([tmp_path], read_iops=1000) as thr:
+            assert str(cg) not in thr.stale_removed
+        assert str(sleeper.pid) in (cg / "cgroup.procs").read_text().split()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        throttle.remove_cgroup(ctl, cg, ctl.root)
+    assert not cg.exists()

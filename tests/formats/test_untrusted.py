@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from support.fuzzing import _rewrite_checksums as recompute_checksums
+from support.fuzzing import craft_rel_path
 
 from packer import PackerError, convert, open_dataset
 from packer.cli import main
@@ -296,21 +297,9 @@ def test_extract_refuses_existing_files_unless_overwrite(bases, tmp_path):
     assert victim.read_bytes() != b"mine"
 
 
-def _craft_path(ds: Path, i: int, new: str) -> None:
-    d = open_dataset(ds)
-    paths = d.index.rel_paths()
-    paths[i] = new
-    blob = "".join(paths).encode()
-    offsets = np.zeros(len(paths) + 1, dtype="<i8")
-    np.cumsum([len(p.encode()) for p in paths], out=offsets[1:])
-    np.save(ds / "meta/path_blob.npy", np.frombuffer(blob, dtype="u1"))
-    np.save(ds / "meta/path_offsets.npy", offsets)
-    recompute_checksums(ds)
-
-
 @pytest.mark.parametrize("evil", ["../evil.jpg", "/tmp/evil-packer.jpg", "class_0/../../evil.jpg", "./x.jpg"])
 def test_extract_refuses_paths_leaving_the_destination(enc, tmp_path, evil):
-    _craft_path(enc, 3, evil)
+    craft_rel_path(enc, 3, evil)
     out = tmp_path / "deep" / "restored"
     with pytest.raises(PackerError):
         extract(enc, out)

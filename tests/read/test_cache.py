@@ -156,3 +156,42 @@ def test_refuses_when_shm_is_too_small(lmdb_path, monkeypatch):
     with pytest.raises(PackerError) as err:
         CachedDataset(packer.open_dataset(lmdb_path), "ram-decoded", progress=False)
     assert "/dev/shm has 64.0 KB free of 64.0 MB" in str(err.value) and "--shm-size" in str(err.value)
+
+
+ORPHAN_CHILD = textwrap.dedent("""
+    import os, sys, time
+    from packer.read.cache import CachedDataset
+    import packer
+    ds = CachedDataset(packer.open_dataset(sys.argv[1]), "ram", progress=False, shm_dir=sys.argv[2])
+    pid = os.fork()  # like a fork DataLoader worker: holds every descriptor the creator has
+    if pid == 0:
+        ds[0]
+        time.sleep(600)
+        os._exit(0)
+    print(ds.path, pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_removed_after_the_creator_is_killed_while_a_forked_worker_lives(lmdb_path, tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p)}
+    child = subprocess.Popen([sys.executable, "-c", ORPHAN_CHILD, str(lmdb_path), str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True, env=env)
+    orphan = None
+    try:
+        path, orphan_s = child.stdout.readline().split()
+        orphan = int(orphan_s)
+        assert os.path.exists(path) and os.path.dirname(path) == str(tmp_path)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        assert _wait_gone(path, seconds=10), f"{path} left behind while an orphaned worker lives"
+        os.kill(orphan, 0)  # the orphan still runs: the file went with its creator, not with the last worker
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        if orphan is not None:
+            try:
+                os.kill(orphan, signal.SIGKILL)
+            except ProcessLookupError:
+                pass

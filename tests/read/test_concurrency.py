@@ -7,14 +7,13 @@ import multiprocessing as mp
 import os
 import shutil
 import stat
-import subprocess
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from support.imagesets import make_imagefolder
+from support.mounts import read_only_mount
 from torch.utils.data import DataLoader
 
 from packer import PackerError, convert, open_dataset
@@ -80,24 +79,6 @@ def test_four_jobs_with_workers_read_a_read_only_copy(packed, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in copy.rglob("*")} == before
     assert sorted(p.name for p in copy.iterdir()) == sorted(p.name for p in packed.iterdir())  # no lock files
     assert verify(copy).ok
-
-
-@contextmanager
-def read_only_mount(source: Path, target: Path):
-    """A read-only bind mount of ``source`` at ``target`` (root and mount rights needed, else skip)."""
-    target.mkdir()
-    try:
-        subprocess.run(["mount", "--bind", str(source), str(target)], check=True, capture_output=True)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        pytest.skip(f"cannot bind-mount here ({exc}); the read-only copy test still runs")
-    try:
-        r = subprocess.run(["mount", "-o", "remount,ro,bind", str(target)], capture_output=True)
-        if r.returncode != 0:
-            pytest.skip(f"cannot remount read-only: {r.stderr.decode().strip()}")
-        yield target
-    finally:  # lazy if something still holds a file open: never leave a mount behind
-        if subprocess.run(["umount", str(target)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(target)], capture_output=True)
 
 
 def test_jobs_read_from_a_read_only_filesystem(packed, tmp_path):

@@ -287,7 +287,9 @@ def test_cli_order_flag(data, tmp_path):
     assert main(["convert", str(data["src"]), "-o", str(out), "--order", "source", "--workers", "0", "-q"]) == 0
     m = json.loads((out / "manifest.json").read_text())
     assert m["options"]["order"] == "source"
-    assert main(["convert", str(data["src"]), "-o", str(tmp_path / "x"), "--seed", "-1", "--workers", "0", "-q"]) == 2
+    with pytest.raises(SystemExit) as exc:  # a usage error: argparse's range check, exit 2
+        main(["convert", str(data["src"]), "-o", str(tmp_path / "x"), "--seed", "-1", "--workers", "0", "-q"])
+    assert exc.value.code == 2 and not (tmp_path / "x").exists()
 
 
 # ------------------------------------------------------------------ two gloo ranks

@@ -376,3 +376,18 @@ def run_cases(base: Path, work: Path, seeds: list[int], processes: int = 2, time
             pending = rest + pending
         running = still
     return [results[s] for s in seeds]
+
+
+def craft_rel_path(ds: Path, i: int, new: str) -> None:
+    """Give sample ``i`` of dataset ``ds`` the stored source path ``new`` (checksums recomputed: crafted)."""
+    from packer import open_dataset
+
+    d = open_dataset(ds)
+    paths = d.index.rel_paths()
+    paths[i] = new
+    blob = "".join(paths).encode()
+    offsets = np.zeros(len(paths) + 1, dtype="<i8")
+    np.cumsum([len(p.encode()) for p in paths], out=offsets[1:])
+    np.save(ds / "meta/path_blob.npy", np.frombuffer(blob, dtype="u1"))
+    np.save(ds / "meta/path_offsets.npy", offsets)
+    _rewrite_checksums(ds)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from support.imagesets import make_imagefolder
 from support.interrupt import kill_after_shards
+from support.mounts import small_tmpfs
 
 from packer import PackerError, convert
 from packer.tools.verify import verify
@@ -87,19 +88,8 @@ def test_resume_refuses_a_changed_source(source, tmp_path):
         convert(src, tmp_path / "o.lmdb", shard_bytes=40_000, resume=True, progress=False)
 
 
-def _mount_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir()
-    if os.geteuid() != 0:
-        return False
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
-
-
 def test_disk_full_is_a_clear_error_and_nothing_looks_complete(source, tmp_path):
-    small = tmp_path / "small"
-    if not _mount_tmpfs(small, "300k"):
-        pytest.skip("needs root and tmpfs to make a small filesystem")
-    try:
+    with small_tmpfs(tmp_path / "small", "300k") as small:
         before = tree_digest(source)
         from unittest import mock
 
@@ -111,8 +101,6 @@ def test_disk_full_is_a_clear_error_and_nothing_looks_complete(source, tmp_path)
         assert not (small / "o.lmdb").exists()
         assert not (small / "o.lmdb.partial" / "manifest.json").exists()
         assert tree_digest(source) == before
-    finally:
-        subprocess.run(["umount", str(small)], check=False)
 
 
 def test_up_front_space_check_refuses_before_writing(source, tmp_path, monkeypatch):
