@@ -7,11 +7,11 @@ Adding a format is one module here that ends with ``FORMAT = Format(...)`` plus 
 from __future__ import annotations
 
 from packer.errors import PackerError
-from packer.formats import bmp, hdf5, lmdb, memmap, mosaic, n5, recordio
+from packer.formats import bmp, hdf5, lmdb, memmap, mosaic, n5, pth, recordio, safetensors
 from packer.formats.base import Format
 
 FORMATS: dict[str, Format] = {f.name: f for f in (lmdb.FORMAT, hdf5.FORMAT, memmap.FORMAT, bmp.FORMAT, mosaic.FORMAT,
-                                                  recordio.FORMAT, n5.FORMAT)}
+                                                  recordio.FORMAT, n5.FORMAT, pth.FORMAT, safetensors.FORMAT)}
 
 
 def get_format(name: str) -> Format:
