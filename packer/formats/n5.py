@@ -16,7 +16,8 @@ dimension order). N5 lists dimensions fastest-varying first (F order), the rever
 C order: an N5 ``[3, W, H, N]`` array is numpy's ``(N, H, W, 3)`` with the same bytes, which is
 how tensorstore presents it. Images are blocked along N only (``images/0/0/0/<j>``, about 1 MiB
 of pixels per block: whole images, fewer files than images) and blobs in 1 MiB blocks
-(``images/<j>``; 256 KiB when compressed); the small int64 arrays are one block each.
+(``images/<j>``; 256 KiB when compressed); ``--n5-block SIZE`` sets another size. The small
+int64 arrays are one block each.
 
 A block file is a big-endian header, ``mode`` uint16 (0), ``ndim`` uint16, ``ndim`` uint32
 sizes of this block (the last block along N is cut to what remains, as the Java library
@@ -55,6 +56,7 @@ from packer.errors import PackerError
 from packer.formats.base import (
     Format,
     LazyHandle,
+    Option,
     PreparedSample,
     ShardReader,
     ShardWriter,
@@ -66,6 +68,7 @@ from packer.formats.base import (
     shard_layout,
 )
 from packer.layout.manifest import Shard
+from packer.units import parse_bytes
 
 N5_VERSION = "2.0.0"
 ATTRIBUTES = "attributes.json"
@@ -226,6 +229,25 @@ def inflate(arr: Array, data: bytes, cap: int, where: object) -> bytes:
 # ---------------------------------------------------------------- writing
 
 
+def block_bytes(options: Mapping) -> int | None:
+    """``--n5-block`` in bytes (a number, or a size such as ``64KiB`` from the Python API), else None."""
+    value = options.get("n5_block")
+    if value is None:
+        return None
+    try:
+        size = value if type(value) is int else parse_bytes(str(value))
+    except ValueError as exc:  # argparse.ArgumentTypeError is a ValueError
+        raise PackerError(f"--n5-block {value!r}: {exc}") from None
+    if not 1 <= size <= _MAX_BLOCK_BYTES:
+        raise PackerError(f"--n5-block {value}: must be between 1 byte and {_MAX_BLOCK_BYTES >> 20} MiB")
+    return size
+
+
+class N5Format(Format):
+    def check_options(self, options: Mapping) -> None:
+        block_bytes(options)
+
+
 class Writer(ShardWriter):
     """Streams images into blocks as they fill; the small arrays and all attributes are written at close."""
 
@@ -235,7 +257,8 @@ class Writer(ShardWriter):
         self.compression = options.get("compression") or "raw"
         self.name = shard_dir(shard_id)
         self.root = self.directory / self.name
-        target = _BLOCK_BYTES_GZIP if self.compression == "gzip" and self.shape is None else _BLOCK_BYTES
+        target = block_bytes(options) or (
+            _BLOCK_BYTES_GZIP if self.compression == "gzip" and self.shape is None else _BLOCK_BYTES)
         if self.shape is not None:  # whole images per block
             self.rows, self.step = max(1, target // prod(self.shape)), max(1, target // prod(self.shape)) * prod(self.shape)
         else:
@@ -532,8 +555,10 @@ class Reader(ShardReader):
         self._h.close(closer)
 
 
-FORMAT = Format(
+FORMAT = N5Format(
     name="n5", dataset_class="N5Dataset", payloads=frozenset({"encoded", "raw"}), Writer=Writer, Reader=Reader,
     default_shard_bytes=None,
     compressions=frozenset({"gzip"}),
+    options=(Option("n5_block", "n5: bytes of images per block file (default 1MiB; 256KiB for gzip blobs); "
+                    "whole images with --resize HxW", metavar="SIZE", type=parse_bytes),),
 )
