@@ -14,7 +14,7 @@ JS and C++ readers) open without packer and without executing anything.
 The file is written here (8 bytes, JSON, the arrays), not through the ``safetensors`` package,
 so that the images can stream from the shard's scratch file instead of being held in memory;
 ``__metadata__`` says ``format``, ``payload`` and ``layout``. Tests check the files with the
-package itself (tests/formats/test_recordio_n5_pth.py).
+package itself (tests/formats/test_pth_safetensors.py).
 
 Reading needs no package: the header (at most 100 MB, as the reference reader allows) is parsed
 and every entry checked (dtype, shape x itemsize = its byte range, ranges back to back covering
