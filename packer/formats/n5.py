@@ -336,6 +336,8 @@ _DESCRIBE = {
 @dataclass
 class _Open:
     images: Array
+    blocks: list[str]  # path of each images block (files the manifest lists)
+    block_sizes: list[int]  # their sizes, as the manifest records them
     offsets: np.ndarray | None  # N+1 (blob layouts)
     shapes: np.ndarray | None  # N x 3 (raw, mixed shapes)
     fds: OrderedDict = field(default_factory=OrderedDict)  # block number -> open descriptor (LRU)
@@ -437,7 +439,9 @@ class Reader(ShardReader):
         if [f"{self.root_name}/{x}" for x in [ATTRIBUTES, *names]] != self.files:
             raise PackerError(f"{self.directory / self.root_name}: the N5 attributes describe other files "
                               "than the manifest lists")
-        return _Open(images, offsets, shapes)
+        rels = [f"images/{images.block_name(j)}" for j in range(images.num_blocks)]
+        return _Open(images, [str(self._path(r)) for r in rels], [self.sizes[f"{self.root_name}/{r}"] for r in rels],
+                     offsets, shapes)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -447,7 +451,7 @@ class Reader(ShardReader):
     def _fd(self, h: _Open, j: int) -> int:
         fd = h.fds.pop(j, None)
         if fd is None:
-            path = self._path(f"images/{h.images.block_name(j)}")
+            path = h.blocks[j]
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as exc:
@@ -470,7 +474,7 @@ class Reader(ShardReader):
                     h.decoded.popitem(last=False)
             h.decoded[j] = data
             return data[a:b]
-        fd, where = self._fd(h, j), self._path(f"images/{arr.block_name(j)}")
+        fd, where = self._fd(h, j), h.blocks[j]
         hb = arr.header_bytes()
         if j not in h.checked:
             count = check_block_header(os.pread(fd, hb, 0), arr, j, where)
@@ -538,12 +542,10 @@ class Reader(ShardReader):
             a, b = self._span(h, p)
             spans = []
             for j in range(a // step, -(-b // step)):
-                rel = f"images/{arr.block_name(j)}"
-                path = str(self._path(rel))
                 if arr.compression == "gzip":  # inflated whole
-                    spans.append((path, 0, self.sizes[f"{self.root_name}/{rel}"]))
+                    spans.append((h.blocks[j], 0, h.block_sizes[j]))
                 else:
-                    spans.append((path, hb + max(a, j * step) - j * step, hb + min(b, (j + 1) * step) - j * step))
+                    spans.append((h.blocks[j], hb + max(a, j * step) - j * step, hb + min(b, (j + 1) * step) - j * step))
             out.append(spans)
         return out
 
