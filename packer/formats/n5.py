@@ -14,10 +14,11 @@ Each dataset directory holds ``attributes.json`` (``dimensions``, ``blockSize``,
 ``compression``) and one file per block at ``<dataset>/<i0>/<i1>/...`` (grid position in N5
 dimension order). N5 lists dimensions fastest-varying first (F order), the reverse of numpy's
 C order: an N5 ``[3, W, H, N]`` array is numpy's ``(N, H, W, 3)`` with the same bytes, which is
-how tensorstore presents it. Images are blocked along N only (``images/0/0/0/<j>``, about 1 MiB
-of pixels per block: whole images, fewer files than images) and blobs in 1 MiB blocks
-(``images/<j>``; 256 KiB when compressed); ``--n5-block SIZE`` sets another size. The small
-int64 arrays are one block each.
+how tensorstore presents it. Images are blocked along N only (``images/0/0/0/<j>``, whole
+images, about 1 MiB of pixels per block: a few images per file) and blobs in 1 MiB blocks
+(``images/<j>``). Compressed blocks are smaller, 256 KiB before compression: a read inflates
+its whole block (at 224x224 that is one image per block). ``--n5-block SIZE`` sets another
+size. The small int64 arrays are one block each.
 
 A block file is a big-endian header, ``mode`` uint16 (0), ``ndim`` uint16, ``ndim`` uint32
 sizes of this block (the last block along N is cut to what remains, as the Java library
@@ -32,8 +33,7 @@ manifest) before it allocates: an uncompressed block must be exactly header + el
 a compressed one is inflated with the block's size as the cap (no gzip bomb), and only the
 block files the manifest lists are ever opened. Uncompressed samples are one ``pread`` of
 their bytes per block they touch; a compressed block is inflated whole and the last few are
-kept (a random read of one 224 px image inflates its ~1 MiB block: decompressing costs more
-than with one image per block, in exchange for a hundredth of the files).
+kept, so a sequential pass inflates each block once and a random read inflates up to 256 KiB.
 
 One shard by default: a shard is a directory of block files, so it never is one huge file.
 """
@@ -258,7 +258,7 @@ class Writer(ShardWriter):
         self.name = shard_dir(shard_id)
         self.root = self.directory / self.name
         target = block_bytes(options) or (
-            _BLOCK_BYTES_GZIP if self.compression == "gzip" and self.shape is None else _BLOCK_BYTES)
+            _BLOCK_BYTES_GZIP if self.compression == "gzip" else _BLOCK_BYTES)
         if self.shape is not None:  # whole images per block
             self.rows, self.step = max(1, target // prod(self.shape)), max(1, target // prod(self.shape)) * prod(self.shape)
         else:
@@ -561,6 +561,6 @@ FORMAT = N5Format(
     name="n5", dataset_class="N5Dataset", payloads=frozenset({"encoded", "raw"}), Writer=Writer, Reader=Reader,
     default_shard_bytes=None,
     compressions=frozenset({"gzip"}),
-    options=(Option("n5_block", "n5: bytes of images per block file (default 1MiB; 256KiB for gzip blobs); "
+    options=(Option("n5_block", "n5: bytes of images per block file (default 1MiB; 256KiB with --compression gzip); "
                     "whole images with --resize HxW", metavar="SIZE", type=parse_bytes),),
 )
