@@ -16,9 +16,8 @@ dimension order). N5 lists dimensions fastest-varying first (F order), the rever
 C order: an N5 ``[3, W, H, N]`` array is numpy's ``(N, H, W, 3)`` with the same bytes, which is
 how tensorstore presents it. Images are blocked along N only (``images/0/0/0/<j>``, whole
 images, about 1 MiB of pixels per block: a few images per file) and blobs in 1 MiB blocks
-(``images/<j>``). Compressed blocks are smaller, 256 KiB before compression: a read inflates
-its whole block (at 224x224 that is one image per block). ``--n5-block SIZE`` sets another
-size. The small int64 arrays are one block each.
+(``images/<j>``); ``--n5-block SIZE`` sets another size. The small int64 arrays are one block
+each.
 
 A block file is a big-endian header, ``mode`` uint16 (0), ``ndim`` uint16, ``ndim`` uint32
 sizes of this block (the last block along N is cut to what remains, as the Java library
@@ -32,8 +31,10 @@ Reading checks each block's header against the dataset's attributes (and those a
 manifest) before it allocates: an uncompressed block must be exactly header + elements long,
 a compressed one is inflated with the block's size as the cap (no gzip bomb), and only the
 block files the manifest lists are ever opened. Uncompressed samples are one ``pread`` of
-their bytes per block they touch; a compressed block is inflated whole and the last few are
-kept, so a sequential pass inflates each block once and a random read inflates up to 256 KiB.
+their bytes per block they touch. A compressed block is inflated only as far as the samples
+read from it need, and the last few blocks are kept partly inflated: a sequential pass
+inflates each block once, a random read inflates the start of its block up to its sample
+(half a block on average; ``--n5-block`` smaller for random access to gzip blocks).
 
 One shard by default: a shard is a directory of block files, so it never is one huge file.
 """
@@ -73,11 +74,10 @@ from packer.units import parse_bytes
 N5_VERSION = "2.0.0"
 ATTRIBUTES = "attributes.json"
 _BLOCK_BYTES = 1 << 20
-_BLOCK_BYTES_GZIP = 256 << 10
 _MAX_BLOCK_BYTES = 256 << 20  # refuse attributes promising larger blocks (a crafted file must not allocate more)
 _MAX_ATTRIBUTES_BYTES = 1 << 20
 _OPEN_FILES = 64  # block files a reader keeps open per process
-_DECODED_BLOCKS = 4  # inflated blocks a reader keeps per process
+_DECODED_BLOCKS = 4  # compressed blocks a reader keeps (partly) inflated per process
 DTYPES = {"uint8": np.dtype("u1"), "int64": np.dtype(">i8")}  # N5 stores big-endian
 _GZIP = {"type": "gzip", "level": -1, "useZlib": False}
 
@@ -211,19 +211,43 @@ def check_block_header(head: bytes, arr: Array, j: int, where: object) -> int:
     return prod(dims)
 
 
-def inflate(arr: Array, data: bytes, cap: int, where: object) -> bytes:
-    """A compressed block's elements: exactly ``cap`` bytes, never more (a gzip bomb stops at the cap)."""
-    if cap <= 0:  # zlib reads a cap of 0 as "no cap"
-        raise PackerError(f"{where}: empty N5 block")
-    try:
-        d = zlib.decompressobj(15 if arr.use_zlib else 31)
-        out = d.decompress(data, cap)
-        extra = d.decompress(d.unconsumed_tail, 1) if len(out) == cap and not d.eof else b""  # the trailer
-    except zlib.error as exc:
-        raise PackerError(f"{where}: damaged gzip block ({exc})") from exc
-    if len(out) != cap or extra or not d.eof:
-        raise PackerError(f"{where}: gzip block inflates to other than its {cap} bytes")
-    return out
+class Inflater:
+    """A compressed block inflated as far as reads have needed so far, never past its size.
+
+    A random read inflates the block up to the end of its sample, a later read of the same block
+    goes on from there, and a gzip bomb stops at the block's size: the stream must end exactly
+    there, which is checked once the whole block has been inflated.
+    """
+
+    def __init__(self, arr: Array, data: bytes, size: int, where: object) -> None:
+        if size <= 0:  # zlib reads a limit of 0 as "no limit"
+            raise PackerError(f"{where}: empty N5 block")
+        self.d = zlib.decompressobj(15 if arr.use_zlib else 31)
+        self.tail, self.size, self.where = data, size, where
+        self.out = bytearray()
+
+    def upto(self, stop: int) -> bytearray:
+        """The block's elements, at least its first ``stop`` bytes inflated."""
+        try:
+            while len(self.out) < stop and not self.d.eof:
+                before = len(self.tail)
+                chunk = self.d.decompress(self.tail, min(self.size - len(self.out), max(stop - len(self.out), 1 << 16)))
+                self.tail = self.d.unconsumed_tail
+                self.out += chunk
+                if not chunk and len(self.tail) == before:
+                    break  # no input left before the stream's end
+            if len(self.out) == self.size and not self.d.eof and self.d.decompress(self.tail, 1):
+                raise PackerError(f"{self.where}: gzip block inflates to more than its {self.size} bytes")
+        except zlib.error as exc:
+            raise PackerError(f"{self.where}: damaged gzip block ({exc})") from exc
+        if len(self.out) < stop or (len(self.out) == self.size and not self.d.eof):
+            raise PackerError(f"{self.where}: gzip block inflates to other than its {self.size} bytes")
+        return self.out
+
+
+def inflate(arr: Array, data: bytes, size: int, where: object) -> bytes:
+    """A compressed block's elements: exactly ``size`` bytes (a gzip bomb stops there)."""
+    return bytes(Inflater(arr, data, size, where).upto(size))
 
 
 # ---------------------------------------------------------------- writing
@@ -257,8 +281,7 @@ class Writer(ShardWriter):
         self.compression = options.get("compression") or "raw"
         self.name = shard_dir(shard_id)
         self.root = self.directory / self.name
-        target = block_bytes(options) or (
-            _BLOCK_BYTES_GZIP if self.compression == "gzip" else _BLOCK_BYTES)
+        target = block_bytes(options) or _BLOCK_BYTES
         if self.shape is not None:  # whole images per block
             self.rows, self.step = max(1, target // prod(self.shape)), max(1, target // prod(self.shape)) * prod(self.shape)
         else:
@@ -342,7 +365,7 @@ class _Open:
     shapes: np.ndarray | None  # N x 3 (raw, mixed shapes)
     fds: OrderedDict = field(default_factory=OrderedDict)  # block number -> open descriptor (LRU)
     checked: set = field(default_factory=set)  # raw blocks whose header and size were checked
-    decoded: OrderedDict = field(default_factory=OrderedDict)  # block number -> inflated bytes (LRU)
+    decoded: OrderedDict = field(default_factory=OrderedDict)  # block number -> its Inflater (LRU)
 
 
 class Reader(ShardReader):
@@ -386,23 +409,30 @@ class Reader(ShardReader):
             return np.zeros(shape, dtype=np.int64)
         return np.frombuffer(self._block(arr, 0, name), dtype=">i8").astype(np.int64).reshape(shape)
 
-    def _block(self, arr: Array, j: int, name: str) -> bytes:
-        """Block ``j`` of a dataset read whole (header checked, inflated with a cap); only its needed rows."""
+    def _read_block(self, arr: Array, j: int, name: str) -> tuple[memoryview, int, Path]:
+        """Block ``j``'s file read whole: (its data after the header, the size the checked header gives, path)."""
         path = self._path(f"{name}/{arr.block_name(j)}")
         try:
             with open(path, "rb") as fh:
-                data = fh.read(self.sizes.get(f"{self.root_name}/{name}/{arr.block_name(j)}", 0) + 1)
+                data = fh.read(self.sizes[f"{self.root_name}/{name}/{arr.block_name(j)}"] + 1)
         except OSError as exc:
             raise PackerError(f"{path}: cannot read N5 block ({exc.strerror or exc})") from exc
         count = check_block_header(data, arr, j, path)
-        itemsize = DTYPES[arr.dtype].itemsize
-        full, need = count * itemsize, arr.block_rows(j) * arr.row_bytes
-        body = memoryview(data)[arr.header_bytes():]
+        return memoryview(data)[arr.header_bytes():], count * DTYPES[arr.dtype].itemsize, path
+
+    def _block(self, arr: Array, j: int, name: str) -> bytes:
+        """Block ``j`` of a dataset, its needed rows (header checked, inflated no further than its size)."""
+        body, size, path = self._read_block(arr, j, name)
+        need = arr.block_rows(j) * arr.row_bytes
         if arr.compression == "gzip":
-            return inflate(arr, bytes(body), full, path)[:need]
-        if len(body) != full:
-            raise PackerError(f"{path}: N5 block holds {len(body)} bytes of data, its header says {full}")
+            return inflate(arr, bytes(body), size, path)[:need]
+        if len(body) != size:
+            raise PackerError(f"{path}: N5 block holds {len(body)} bytes of data, its header says {size}")
         return bytes(body[:need])
+
+    def _inflater(self, arr: Array, j: int) -> Inflater:
+        body, size, path = self._read_block(arr, j, "images")
+        return Inflater(arr, bytes(body), size, path)
 
     def _open(self) -> _Open:
         n, shape = self.num_samples, self.fixed_shape
@@ -467,13 +497,13 @@ class Reader(ShardReader):
         """Bytes [a, b) of block ``j``'s elements."""
         arr = h.images
         if arr.compression == "gzip":
-            data = h.decoded.pop(j, None)
-            if data is None:
-                data = self._block(arr, j, "images")
+            block = h.decoded.pop(j, None)
+            if block is None:
+                block = self._inflater(arr, j)
                 while len(h.decoded) >= _DECODED_BLOCKS:
                     h.decoded.popitem(last=False)
-            h.decoded[j] = data
-            return data[a:b]
+            h.decoded[j] = block
+            return bytes(block.upto(b)[a:b])
         fd, where = self._fd(h, j), h.blocks[j]
         hb = arr.header_bytes()
         if j not in h.checked:
@@ -561,6 +591,6 @@ FORMAT = N5Format(
     name="n5", dataset_class="N5Dataset", payloads=frozenset({"encoded", "raw"}), Writer=Writer, Reader=Reader,
     default_shard_bytes=None,
     compressions=frozenset({"gzip"}),
-    options=(Option("n5_block", "n5: bytes of images per block file (default 1MiB; 256KiB with --compression gzip); "
+    options=(Option("n5_block", "n5: bytes of images per block file (default 1MiB); "
                     "whole images with --resize HxW", metavar="SIZE", type=parse_bytes),),
 )
