@@ -10,11 +10,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from packer.errors import PackerError
-from packer.formats import bmp, hdf5, lmdb, memmap, mosaic
+from packer.formats import bmp, hdf5, lmdb, memmap, mosaic, n5, pth, recordio, safetensors
 from packer.formats.base import Format
 from packer.layout.manifest import OPTION_TYPES
 
-FORMATS: dict[str, Format] = {f.name: f for f in (lmdb.FORMAT, hdf5.FORMAT, memmap.FORMAT, bmp.FORMAT, mosaic.FORMAT)}
+FORMATS: dict[str, Format] = {f.name: f for f in (lmdb.FORMAT, hdf5.FORMAT, memmap.FORMAT, bmp.FORMAT, mosaic.FORMAT,
+                                                  recordio.FORMAT, n5.FORMAT, pth.FORMAT, safetensors.FORMAT)}
 
 
 def get_format(name: str) -> Format:

@@ -1,0 +1,131 @@
+"""pth: one ``torch.save`` file per shard, a dict of tensors that ``torch.load(path, weights_only=True)``
+opens without executing code (the arrays of packer.formats.tensorfile, as tensors).
+
+| file               | holds                                                                        |
+|--------------------|------------------------------------------------------------------------------|
+| shard-00000.pth    | PyTorch's zip archive (``<stem>/data.pkl``, ``<stem>/data/<k>``, ...):         |
+|                    | ``{"images": uint8, "offsets": int64, "shapes": int64, "labels": int64}``      |
+|                    | (which of them: tensorfile's table); tensor data stored uncompressed,        |
+|                    | 64-byte aligned                                                               |
+
+    shard = torch.load("shard-00000.pth", weights_only=True, mmap=True)
+    jpeg_bytes = shard["images"][shard["offsets"][i]:shard["offsets"][i + 1]]
+
+Written by ``torch.save`` from a map of the shard's scratch file; the same tensors under the same
+file name give the same bytes (the archive's root folder is the file's stem, so a renamed
+file differs). torch is imported only when a shard is written or opened.
+
+Packer opens shards only with ``weights_only=True`` (the restricted unpickler: tensors, dicts,
+numbers, strings; a pickle that names any other callable is refused, never run) and only after
+checking the zip archive itself: every record stored uncompressed and inside the file, at most
+a 1 MiB ``data.pkl``. Then the dict must hold exactly the expected contiguous CPU tensors with
+the dtypes and shapes the manifest implies, and offsets inside the blob.
+
+``mmap=True`` (torch >= 2.1): opening maps the file instead of reading it, so a shard costs no
+memory until samples are read, and DataLoader workers share the page cache. What it costs:
+each process maps the whole shard (address space, not memory), pages are read on first touch
+(one page fault per 4 KiB on a cold cache: read-ahead via ``file_spans`` helps sequential
+passes), a map over a network filesystem can stall a worker on a page fault where a ``pread``
+would fail fast, and ``torch.load`` still parses ``data.pkl`` on each open. The map is
+private (copy-on-write) and the arrays handed out are read-only views of it. Without ``mmap``
+a plain ``torch.load`` reads the whole shard into memory: hence 256 MiB shards by default.
+"""
+
+from __future__ import annotations
+
+import struct
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from packer.errors import PackerError
+from packer.formats.base import Format
+from packer.formats.tensorfile import ArrayShardReader, ArrayShardWriter, file_size
+
+_MAX_PICKLE = 1 << 20
+_MAX_RECORDS = 64
+_ZIP_LOCAL = b"PK\x03\x04"
+
+
+def check_archive(path: Path) -> dict[str, tuple[int, int]]:
+    """name -> (data start, size) of each record of a ``torch.save`` archive, checked before torch reads it.
+
+    Every record must be stored (no compression to inflate), lie inside the file, and the one
+    pickle must be small: whatever the directory claims, torch then allocates no more than the file.
+    """
+    size = file_size(path)
+    out: dict[str, tuple[int, int]] = {}
+    try:
+        with open(path, "rb") as fh, zipfile.ZipFile(fh) as archive:
+            infos = archive.infolist()
+            if len(infos) > _MAX_RECORDS:
+                raise PackerError(f"{path}: {len(infos)} records in the archive (a packer shard has fewer than {_MAX_RECORDS})")
+            for info in infos:
+                if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1 or info.compress_size != info.file_size:
+                    raise PackerError(f"{path}: record {info.filename!r:.80} is compressed or encrypted")
+                fh.seek(info.header_offset)
+                local = fh.read(30)
+                if len(local) != 30 or local[:4] != _ZIP_LOCAL:
+                    raise PackerError(f"{path}: record {info.filename!r:.80} has no local header where the directory says")
+                name_len, extra_len = struct.unpack_from("<HH", local, 26)
+                start = info.header_offset + 30 + name_len + extra_len
+                if start + info.file_size > size:
+                    raise PackerError(f"{path}: record {info.filename!r:.80} runs past the end of the file")
+                out[info.filename] = (start, info.file_size)
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error) as exc:
+        raise PackerError(f"{path}: not a torch.save archive ({type(exc).__name__}: {exc})") from exc
+    pickles = [name for name in out if name.endswith("/data.pkl")]
+    if len(pickles) != 1 or out[pickles[0]][1] > _MAX_PICKLE:
+        raise PackerError(f"{path}: expected one data.pkl of at most {_MAX_PICKLE} bytes in the archive")
+    return out
+
+
+class Writer(ArrayShardWriter):
+    suffix = ".pth"
+
+    def write_file(self, path: Path, arrays: dict[str, np.ndarray]) -> None:
+        import torch
+
+        torch.save({k: torch.from_numpy(v) for k, v in arrays.items()}, path)
+
+
+class Reader(ArrayShardReader):
+    def load_file(self) -> tuple[dict[str, np.ndarray], int | None]:
+        import torch
+
+        records = check_archive(self.path)
+        try:
+            obj = torch.load(self.path, weights_only=True, mmap=True, map_location="cpu")
+        except Exception as exc:  # the restricted unpickler's refusals, torch's own checks: never a crash
+            raise PackerError(f"{self.path}: refused or damaged torch.save file ({type(exc).__name__}: "
+                              f"{str(exc)[:300]})") from exc
+        kinds = {torch.uint8: "u1", torch.int64: "<i8"}
+        if type(obj) is not dict or not all(
+                type(k) is str and isinstance(v, torch.Tensor) and v.dtype in kinds and v.device.type == "cpu"
+                and v.layout == torch.strided and v.is_contiguous() for k, v in obj.items()):
+            raise PackerError(f"{self.path}: not a dict of contiguous uint8/int64 CPU tensors")
+        arrays = {k: v.detach().numpy() for k, v in obj.items()}
+        return arrays, _data_offset(obj, records, "images")
+
+
+def _data_offset(tensors: dict, records: dict[str, tuple[int, int]], name: str) -> int | None:
+    """Where tensor ``name``'s bytes start in the file (for read-ahead), or None where that can't be told.
+
+    All tensors are views of one map of the file: the map's start is the one that puts every
+    tensor's storage at the start of some data record.
+    """
+    starts = {start for rec, (start, _) in records.items() if "/data/" in rec}
+    ptrs = [t.untyped_storage().data_ptr() for t in tensors.values() if t.untyped_storage().nbytes()]
+    if name not in tensors or not ptrs:
+        return None
+    bases = {ptrs[0] - s for s in starts if all(p - (ptrs[0] - s) in starts for p in ptrs)}
+    if len(bases) != 1:
+        return None
+    return tensors[name].data_ptr() - bases.pop()
+
+
+FORMAT = Format(
+    name="pth", dataset_class="PthDataset", payloads=frozenset({"encoded", "raw"}), Writer=Writer, Reader=Reader,
+    default_shard_bytes=256 << 20,
+)
