@@ -53,6 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
+from packer.argtypes import size_arg
 from packer.errors import PackerError
 from packer.formats.base import (
     Format,
@@ -592,5 +593,5 @@ FORMAT = N5Format(
     default_shard_bytes=None,
     compressions=frozenset({"gzip"}),
     options=(Option("n5_block", "n5: bytes of images per block file (default 1MiB); "
-                    "whole images with --resize HxW", metavar="SIZE", type=parse_bytes),),
+                    "whole images with --resize HxW", metavar="SIZE", type=size_arg),),
 )
