@@ -16,9 +16,9 @@ the device itself and times that copy as the host-to-device stage.
 ``instrument`` splits each sample's time into stages and sums them into a small table in shared
 memory (a ``torch`` tensor moved to shared memory, which fork workers inherit and spawn workers
 receive through torch's multiprocessing pickler). Each process writes only its own row (worker
-id + 1; row 0 is the main process), so no lock is needed. Stages are split for datasets that
-expose packer's staged reading (``read_payload``, ``pixels``, ``present``; ``prefetch`` counts
-as read: ``PackedDataset`` and ``CachedDataset``); any other dataset is one ``getitem`` stage.
+id + 1; row 0 is the main process), so no lock is needed. Packer datasets (``read.staged.StagedDataset``:
+``PackedDataset``, ``CachedDataset``) run their own batch loop with a stage clock, so the profile
+times exactly what training runs (read-ahead counts as read); any other dataset is one ``getitem`` stage.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from torch.utils.data import Dataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from packer.read.loaders import to_device
+from packer.read.staged import StagedDataset, load_batch
 
 # ------------------------------------------------------------------ stage instrumentation
 
@@ -93,21 +94,38 @@ class TimedCollate:
         return out
 
 
+# What an instrumented dataset hands on from the one it wraps (samplers and user code read these).
+_FORWARDED = frozenset({"classes", "class_to_idx", "targets", "samples", "imgs", "root", "index", "manifest",
+                        "transform", "target_transform", "block_boundaries", "read_ahead_blocks", "index_of"})
+
+
+class _RowClock:
+    """A StageClock adding one batch's stage seconds to this process's row of the shared table."""
+
+    def __init__(self, row: torch.Tensor) -> None:
+        self.row = row
+
+    def add(self, read: float, decode: float, transform: float, samples: int) -> None:
+        self.row[STAGES.index("read")] += read
+        self.row[STAGES.index("decode")] += decode
+        self.row[STAGES.index("transform")] += transform
+        self.row[_SAMPLES] += samples
+
+
 class InstrumentedDataset(Dataset):
     """``dataset`` with each sample's read/decode/transform time recorded (see module docstring)."""
 
     def __init__(self, dataset: Dataset, max_workers: int = 256) -> None:
         self.dataset = dataset
-        self.staged = all(hasattr(dataset, a) for a in ("read_payload", "pixels", "present"))
         self.table = torch.zeros((max_workers + 1, len(STAGES) + 2), dtype=torch.float64).share_memory_()
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getattr__(self, name: str) -> Any:  # classes, targets, ... of the wrapped dataset
-        if name in ("dataset", "table", "staged"):
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
+    def __getattr__(self, name: str) -> Any:  # the ImageFolder surface of the wrapped dataset, by name
+        if name in _FORWARDED:
+            return getattr(self.dataset, name)
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r} (the wrapped dataset: .dataset)")
 
     def collate(self, fn: Callable = default_collate) -> TimedCollate:
         """``fn`` wrapped to record collate time: pass it as the DataLoader's ``collate_fn``."""
@@ -117,49 +135,14 @@ class InstrumentedDataset(Dataset):
         return self.__getitems__([i])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list:
+        """A packer dataset's batch through its own batch loop (read.staged.load_batch), timed per stage;
+        any other dataset's samples timed as one ``getitem`` stage."""
         row = self.table[_row()]
-        clock = time.perf_counter
-        if not self.staged:
-            t0 = clock()
-            out = [self.dataset[i] for i in indices]
-            row[STAGES.index("getitem")] += clock() - t0
-            row[_SAMPLES] += len(out)
-            return out
-        ds: Any = self.dataset
-        n = len(ds)
-        idx = [int(i) + n if int(i) < 0 else int(i) for i in indices]
-        read = decode = transform = 0.0
-        # The same path as PackedDataset.__getitems__: read ahead in the background, wait for each
-        # sample's bytes (read time) and decode it in file order.
-        pending = None
-        if hasattr(ds, "prefetch"):
-            t0 = clock()
-            pending = ds.prefetch(idx)
-            read += clock() - t0
-        slots = ds.batch_slots(idx) if hasattr(ds, "batch_slots") else None
-        out: list = [None] * len(idx)
-        file_order = sorted(range(len(idx)), key=idx.__getitem__)
-        for k in pending.arrival_order() if pending is not None else range(len(idx)):
-            j = file_order[k]
-            i = idx[j]
-            a = clock()
-            if pending is not None:
-                pending.wait(k)
-            payload = ds.read_payload(i)
-            b = clock()
-            if slots is None:
-                arr, tensor = ds.pixels(i, payload), None
-            else:
-                arr, tensor = ds.pixels_in_slot(i, payload, slots[j])
-            c = clock()
-            out[j] = ds.present(i, arr) if tensor is None else ds.present(i, arr, tensor)
-            d = clock()
-            read += b - a
-            decode += c - b
-            transform += d - c
-        row[STAGES.index("read")] += read
-        row[STAGES.index("decode")] += decode
-        row[STAGES.index("transform")] += transform
+        if isinstance(self.dataset, StagedDataset):
+            return load_batch(self.dataset, indices, clock=_RowClock(row))
+        t0 = time.perf_counter()
+        out = [self.dataset[i] for i in indices]
+        row[STAGES.index("getitem")] += time.perf_counter() - t0
         row[_SAMPLES] += len(out)
         return out
 

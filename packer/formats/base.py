@@ -94,7 +94,7 @@ class ShardReader(ABC):
         """
         return [[] for _ in positions]
 
-    def prefetch(self, positions: Sequence[int]) -> None:
+    def will_need(self, positions: Sequence[int]) -> None:
         """Ask the kernel for these samples' files at once (formats of one file per sample); default nothing."""
 
     def close(self) -> None:

@@ -108,7 +108,7 @@ class Reader(ShardReader):
     def read_many(self, positions: list[int]) -> list[np.ndarray]:
         return [self.read(p) for p in positions]
 
-    def prefetch(self, positions: list[int]) -> None:
+    def will_need(self, positions: list[int]) -> None:
         """Ask the kernel to start reading these samples' files, all at once (deep queue, overlapped IO)."""
         if not hasattr(os, "posix_fadvise"):
             return

@@ -42,11 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from torch.utils.data import Dataset
+import torch
 
 from packer import sysinfo
 from packer.errors import PackerError
-from packer.layout.index import normalize_index
+from packer.images.decode import copy_into
+from packer.read.staged import StagedDataset
 from packer.units import human_bytes
 
 MODES = ("ram", "ram-decoded")
@@ -156,9 +157,9 @@ def _release(path: str, owner_pid: int, janitor: subprocess.Popen | None) -> Non
 
 def _sizes(ds: Any, decoded: bool) -> tuple[np.ndarray, np.ndarray]:
     """Bytes and (h, w, c) shape of each sample as it will be cached, from the dataset's index."""
-    index = getattr(ds, "index", None)
-    if index is None or not hasattr(ds, "manifest"):
+    if not isinstance(ds, StagedDataset):
         raise PackerError(f"the RAM cache works on packer datasets (open_dataset), not {type(ds).__name__}")
+    index = ds.index
     h, w = index.heights.astype(np.int64), index.widths.astype(np.int64)
     shapes = np.stack([h, w, np.full_like(h, 3)], axis=1)
     if decoded or ds.manifest.payload == "raw":
@@ -192,7 +193,7 @@ def _fill_range(ds: Any, path: str, base: int, offsets: np.ndarray, start: int, 
 
 # ----------------------------------------------------------------------------- the dataset
 
-class CachedDataset(Dataset):
+class CachedDataset(StagedDataset):
     """``dataset`` served from one shared-memory copy (see the module docstring).
 
     ``mode``: ``"ram"`` caches the stored payloads, ``"ram-decoded"`` the decoded pixels.
@@ -318,10 +319,16 @@ class CachedDataset(Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    def __getattr__(self, name: str) -> Any:  # classes, targets, samples, index, manifest, root, ...
-        if name in ("dataset", "_mm", "path", "_finalizer") or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
+    # The wrapped dataset's surface, delegated one name at a time (never blanket forwarding).
+    classes = property(lambda self: self.dataset.classes)
+    class_to_idx = property(lambda self: self.dataset.class_to_idx)
+    targets = property(lambda self: self.dataset.targets)
+    samples = property(lambda self: self.dataset.samples)
+    imgs = samples
+    index = property(lambda self: self.dataset.index)
+    manifest = property(lambda self: self.dataset.manifest)
+    root = property(lambda self: self.dataset.root)
+    image = property(lambda self: self.dataset.image)
 
     @property
     def transform(self):
@@ -330,6 +337,20 @@ class CachedDataset(Dataset):
     @transform.setter
     def transform(self, fn) -> None:
         self.dataset.transform = fn
+
+    @property
+    def target_transform(self):
+        return self.dataset.target_transform
+
+    @target_transform.setter
+    def target_transform(self, fn) -> None:
+        self.dataset.target_transform = fn
+
+    def index_of(self, rel_path: str) -> int:
+        return self.dataset.index_of(rel_path)
+
+    def block_boundaries(self) -> np.ndarray | None:
+        return self.dataset.block_boundaries()
 
     def read_payload(self, i: int) -> Any:
         """Sample ``i`` from the cache: stored bytes (``ram``) or a read-only HWC array (``ram-decoded``)."""
@@ -340,25 +361,19 @@ class CachedDataset(Dataset):
         return mm[a:b].tobytes()
 
     def read_payloads(self, indices: Sequence[int]) -> list:
-        return [self.read_payload(int(i)) for i in indices]
+        return [self.read_payload(self.check_index(i)) for i in indices]
 
-    def pixels(self, i: int, payload: Any = None) -> np.ndarray:
+    def pixels(self, i: int, payload: Any = None, out: np.ndarray | None = None) -> np.ndarray:
         if payload is None:
             payload = self.read_payload(i)
-        return payload if self.decoded else self.dataset.pixels(i, payload)
+        return copy_into(payload, out) if self.decoded else self.dataset.pixels(i, payload, out=out)
 
-    def present(self, i: int, arr: np.ndarray) -> tuple[Any, Any]:
-        return self.dataset.present(i, arr)
+    def present(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
+        return self.dataset.present(i, arr, tensor)
 
-    def _index(self, i: int) -> int:
-        return normalize_index(i, self.num_samples)
-
-    def __getitem__(self, i: int) -> tuple[Any, Any]:
-        i = self._index(i)
-        return self.present(i, self.pixels(i))
-
-    def __getitems__(self, indices: Sequence[int]) -> list:
-        return [self[i] for i in indices]
+    def batch_slots(self, idx: Sequence[int]) -> list[torch.Tensor] | None:
+        """The wrapped dataset's shared batch block (it depends only on the samples' sizes); no disk read-ahead."""
+        return self.dataset.batch_slots(idx)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()

@@ -26,10 +26,11 @@ from packer.formats import FORMATS, check_recorded_options, get_format
 from packer.formats.base import Format
 from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode, pixel_limit
 from packer.images.headers import image_size
-from packer.layout.index import Index, normalize_index, shard_starts
+from packer.layout.index import Index, shard_starts
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
 from packer.read import readahead
+from packer.read.staged import StagedDataset
 
 ImageKind = Literal["pil", "numpy", "tensor"]
 Access = Literal["auto", "sequential", "random"]
@@ -59,7 +60,7 @@ def _file_order(idx: Sequence[int]) -> list[int]:
     return sorted(range(len(idx)), key=idx.__getitem__)
 
 
-class PackedDataset(Dataset):
+class PackedDataset(StagedDataset):
     """A packed dataset of any format, read as ``(image, label)`` pairs like ImageFolder."""
 
     FORMAT: str | None = None  # set by the per-format subclasses (LMDBDataset, ...)
@@ -122,39 +123,6 @@ class PackedDataset(Dataset):
 
     imgs = samples
 
-    def __getitem__(self, i: int) -> tuple[Any, Any]:
-        i = self._check_index(i)
-        return self._finish(i, self._read_one(i))
-
-    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
-        """A batch's samples in one call (DataLoader calls this with a batch's indices).
-
-        A background thread reads the batch's bytes in file order (``prefetch``) while this one
-        decodes each sample as soon as its bytes are in: IO overlaps decoding instead of
-        alternating with it.
-        """
-        idx = [self._check_index(i) for i in indices]
-        pending = self._prefetch(np.asarray(idx, dtype=np.int64))
-        slots = self.batch_slots(idx)
-        out: list = [None] * len(idx)
-        file_order = _file_order(idx)
-        for k in pending.arrival_order():
-            pending.wait(k)
-            j = file_order[k]
-            i = idx[j]
-            arr, tensor = self.pixels_in_slot(i, self._read_one(i), None if slots is None else slots[j])
-            out[j] = self.present(i, arr, tensor)
-        return out
-
-    def pixels_in_slot(self, i: int, payload, slot: torch.Tensor | None) -> tuple[np.ndarray, torch.Tensor | None]:
-        """Sample ``i``'s pixels, decoded into ``slot`` (from ``batch_slots``) when given: (pixels, the
-        slot holding them, or None when it does not, e.g. no slot or a size other than the index's)."""
-        if slot is None:
-            return self.pixels(i, payload), None
-        view = slot.numpy()
-        arr = self.pixels(i, payload, out=view)
-        return arr, slot if arr is view else None
-
     def batch_slots(self, indices: Sequence[int]) -> list[torch.Tensor] | None:
         """Per sample, an HWC uint8 tensor of its size, all in one block of shared memory, where
         samples of different sizes leave a DataLoader worker as plain tensors (``image="tensor"``,
@@ -190,17 +158,17 @@ class PackedDataset(Dataset):
         block = _new_batch((int(ends[-1]),))
         return [block[int(e) - int(hh * ww * 3):int(e)].view(int(hh), int(ww), 3) for e, hh, ww in zip(ends, h, w)]
 
-    def prefetch(self, indices: Sequence[int]) -> readahead.Pending:
+    def read_ahead(self, indices: Sequence[int]) -> readahead.Pending:
         """Start reading these samples' bytes in the background, in file order (packer.read.readahead).
 
         Returns at once; ``wait(k)`` on the result returns when the ``k``-th sample in file order
         (``sorted(indices)``) is in memory. Formats of one file per sample (bmp) have the kernel
         read them all at once instead.
         """
-        return self._prefetch(np.asarray([self._check_index(i) for i in indices], dtype=np.int64))
+        return self.start_reads(np.asarray([self.check_index(i) for i in indices], dtype=np.int64))
 
-    def _prefetch(self, idx: np.ndarray) -> readahead.Pending:
-        """``prefetch`` of indices already checked."""
+    def start_reads(self, idx: np.ndarray) -> readahead.Pending:
+        """``read_ahead`` of indices already checked (the staged-reading hook ``load_batch`` calls)."""
         ordered = idx[np.argsort(idx, kind="stable")]
         shard_of = np.searchsorted(self._starts, ordered, side="right") - 1
         requests: list = []
@@ -208,7 +176,7 @@ class PackedDataset(Dataset):
             reader = self._readers[shard]
             positions = (ordered[shard_of == shard] - self._starts[shard]).tolist()
             with reading(self._where(shard)):
-                reader.prefetch(positions)  # formats of one file per sample: the kernel reads them all at once
+                reader.will_need(positions)  # formats of one file per sample: the kernel reads them all at once
                 requests.extend(reader.file_spans(positions))  # the others: byte ranges for the read-ahead thread
         return readahead.start(requests, later=self._new_blocks(ordered))
 
@@ -271,9 +239,6 @@ class PackedDataset(Dataset):
 
     # ------------------------------------------------------------ reading
 
-    def _check_index(self, i: int) -> int:
-        return normalize_index(i, len(self))
-
     def locate(self, i: int) -> tuple[int, int]:
         """(shard number, position inside that shard) of sample ``i``."""
         shard = int(np.searchsorted(self._starts, i, side="right")) - 1
@@ -310,7 +275,7 @@ class PackedDataset(Dataset):
 
     def read_payload(self, i: int):
         """The stored payload of sample ``i``: encoded bytes, or raw pixel bytes/array."""
-        return self._read_one(self._check_index(i))
+        return self._read_one(self.check_index(i))
 
     def read_payloads(self, indices: Sequence[int]) -> list:
         """Payloads of many samples, read ahead in file order (``prefetch``), returned in the order asked.
@@ -318,8 +283,8 @@ class PackedDataset(Dataset):
         Runs of neighbours in a shard are read with one ``read_many`` call each, as soon as the
         read-ahead has brought in the run's last sample.
         """
-        idx = np.asarray([self._check_index(i) for i in indices], dtype=np.int64)
-        pending = self._prefetch(idx)
+        idx = np.asarray([self.check_index(i) for i in indices], dtype=np.int64)
+        pending = self.start_reads(idx)
         order = np.asarray(_file_order(idx.tolist()), dtype=np.int64)
         out: list = [None] * len(idx)
         shard_of = np.searchsorted(self._starts, idx[order], side="right") - 1
@@ -375,9 +340,6 @@ class PackedDataset(Dataset):
         except DATA_ERRORS as exc:
             raise DecodeError(f"{where}: cannot decode ({type(exc).__name__}: {exc})") from exc
 
-    def _finish(self, i: int, payload) -> tuple[Any, Any]:
-        return self.present(i, self.pixels(i, payload))
-
     def present(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
         """Sample ``i``'s decoded pixels as handed out: image kind, transform, target transform.
 
@@ -423,7 +385,7 @@ class PackedDataset(Dataset):
         """
         if layout not in ("NHWC", "NCHW"):
             raise PackerError(f"unknown batch layout {layout!r} (choose NHWC or NCHW)")
-        idx = np.fromiter((self._check_index(i) for i in indices), dtype=np.int64, count=len(indices))
+        idx = np.fromiter((self.check_index(i) for i in indices), dtype=np.int64, count=len(indices))
         order = np.argsort(idx, kind="stable")
         in_order = bool(np.all(order == np.arange(len(idx))))
         if sort:

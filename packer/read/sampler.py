@@ -46,6 +46,7 @@ from torch.utils.data import BatchSampler, Sampler
 from packer._random import raw_draws, stable_permutation
 from packer.errors import PackerError
 from packer.layout.index import shard_starts
+from packer.read.staged import StagedDataset
 
 DEFAULT_BLOCK_BYTES = 16_000_000  # ~16 ms of an HDD's sequential read: a seek (~7 ms) costs < 1/3
 DEFAULT_OPEN_BLOCKS = 8  # window of 128 MB per rank: mixing across blocks at no IO cost
@@ -100,18 +101,14 @@ def dataset_boundaries(dataset: Any, block_bytes: int | None = None, blocks: Seq
     n = len(dataset)
     if blocks is not None:
         return check_boundaries(blocks, n)
-    own = getattr(dataset, "block_boundaries", None)
-    bounds = own() if block_bytes is None and callable(own) else None
+    if not isinstance(dataset, StagedDataset):
+        raise PackerError(f"{type(dataset).__name__} is not a packer dataset, so it has no per-sample sizes: "
+                          "pass blocks= explicitly")
+    bounds = dataset.block_boundaries() if block_bytes is None else None
     if bounds is not None:
         return check_boundaries(bounds, n)
-    index = getattr(dataset, "index", None)
-    if index is None or not hasattr(index, "nbytes"):
-        raise PackerError(
-            f"{type(dataset).__name__} has no per-sample sizes (index.nbytes): pass blocks= explicitly"
-        )
-    manifest = getattr(dataset, "manifest", None)
-    cuts = shard_starts([s.num_samples for s in manifest.shards])[1:-1] if manifest is not None else ()
-    return block_boundaries(index.nbytes, DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes, cuts)
+    cuts = shard_starts([s.num_samples for s in dataset.manifest.shards])[1:-1]
+    return block_boundaries(dataset.index.nbytes, DEFAULT_BLOCK_BYTES if block_bytes is None else block_bytes, cuts)
 
 
 # ------------------------------------------------------------------ the order
@@ -203,7 +200,7 @@ class BlockShuffleSampler(Sampler[int]):
         if batch_size is not None and batch_size < 1:
             raise PackerError(f"batch_size must be positive, got {batch_size}")
         self.bounds = dataset_boundaries(dataset, block_bytes, blocks)
-        if shuffle and hasattr(dataset, "read_ahead_blocks"):
+        if shuffle and isinstance(dataset, StagedDataset):
             dataset.read_ahead_blocks(self.bounds)  # its workers then read each block whole, ahead of decoding
         self.num_samples_total = int(self.bounds[-1])
         self.open_blocks = open_blocks
@@ -215,7 +212,7 @@ class BlockShuffleSampler(Sampler[int]):
         self.seed = seed
         self.drop_last = drop_last
         self.epoch = 0
-        labels = getattr(getattr(dataset, "index", None), "labels", None)
+        labels = dataset.index.labels if isinstance(dataset, StagedDataset) else None
         if warn and shuffle and labels is not None:
             warn_if_sorted(labels, self.bounds)
 

@@ -176,3 +176,47 @@ def test_profile_cli_rejects_bad_lists(lmdb_path, capsys):
     assert e.value.code == 2
     assert main(["profile", str(lmdb_path), "--pin-memory", "maybe", "-q"]) == 2
     assert "pin-memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cache", ["ram", "ram-decoded"])
+def test_instrumented_cached_dataset_in_workers_gives_what_the_dataset_gives(imagefolder, tmp_path, cache):
+    """Mixed sizes, image="tensor", no transform, a worker: the batch-slot path, through the cache's own
+    reading (it used to reach the uncached dataset through blanket forwarding and crash)."""
+    out = packer.convert(imagefolder, tmp_path / "m.lmdb", workers=0, progress=False).output
+    plain = packer.open_dataset(out, image="tensor")
+    ds = packer.open_dataset(out, image="tensor", cache=cache, cache_options={"progress": False})
+    inst = instrument(ds)
+    loader = DataLoader(inst, batch_size=4, num_workers=1, collate_fn=list)
+    got = [item for batch in loader for item in batch]
+    assert len(got) == len(plain)
+    for i, (img, label) in enumerate(got):
+        ref, ref_label = plain[i]
+        assert label == ref_label and torch.equal(img, ref)
+    totals = inst.stage_totals()
+    assert totals.samples == len(plain) and "read" in totals.seconds and "getitem" not in totals.seconds
+    ds.close()
+
+
+def test_instrumented_cached_dataset_reads_nothing_ahead_from_disk(imagefolder, tmp_path):
+    """The profile of a RAM-cached dataset times the cache: once it is filled, no disk read-ahead is planned."""
+    import subprocess
+    import sys
+
+    out = packer.convert(imagefolder, tmp_path / "r.lmdb", workers=0, progress=False).output
+    code = (
+        "import sys, packer\n"
+        "from packer.diagnose.sweep import RandomCrop\n"
+        "ds = packer.open_dataset(sys.argv[1], image='tensor', transform=RandomCrop(8), cache='ram',\n"
+        "                         cache_options={'progress': False})\n"
+        "from packer.read import readahead\n"
+        "planned = []\n"
+        "start = readahead.start\n"
+        "readahead.start = lambda requests, **kw: (planned.append(len(requests)), start(requests, **kw))[1]\n"
+        "inst = packer.instrument(ds)\n"
+        "for k in range(0, len(inst), 4):\n"
+        "    inst.__getitems__(list(range(k, min(k + 4, len(inst)))))\n"
+        "ds.close()\n"
+        "print(f'READ-AHEAD {planned}' if planned else 'NONE')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120)
+    assert res.stdout.strip().splitlines()[-1] == "NONE", res.stdout + res.stderr

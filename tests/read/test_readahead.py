@@ -88,7 +88,7 @@ def test_mosaic_run_of_tiles_is_one_span(tmp_path):
     bands = ds._readers[0].file_spans([0, 24])
     assert bands[0][0][1] > bands[1][0][1]  # bottom-up: the second row of tiles lies first in the file
     assert bands[0][0][2] - bands[0][0][1] > readahead.GAP  # bands farther apart than merely "near"
-    job = ds.prefetch(list(range(40)))  # both rows
+    job = ds.read_ahead(list(range(40)))  # both rows
     assert job.spans == [(bands[1][0][0], bands[1][0][1], bands[0][0][2])]
 
 
@@ -137,7 +137,7 @@ def test_prefetch_brings_a_cold_batch_into_the_page_cache(tmp_path, fmt):
     if evict([shard]).verified is False:
         pytest.skip("page-cache residency can't be checked here (no mincore)")
     before = resident_pages(shard)[0]
-    pending = ds.prefetch(list(range(69, 9, -1)))  # any order: read in file order
+    pending = ds.read_ahead(list(range(69, 9, -1)))  # any order: read in file order
     for k in range(60):
         pending.wait(k, timeout=10)
     resident, total = resident_pages(shard)
@@ -261,7 +261,7 @@ def test_block_sampler_has_whole_blocks_read_ahead(tmp_path, fmt):
     ds.read_payload(0)
     if evict([shard]).verified is False:
         pytest.skip("page-cache residency can't be checked here (no mincore)")
-    pending = ds.prefetch([45, 46])  # two samples of the second block
+    pending = ds.read_ahead([45, 46])  # two samples of the second block
     assert len(pending.later) == 1  # the rest of that block, in the background
     block_bytes = int(ds.index.nbytes[40:].sum())
     deadline = time.time() + 10
@@ -269,16 +269,16 @@ def test_block_sampler_has_whole_blocks_read_ahead(tmp_path, fmt):
         time.sleep(0.01)
     resident = resident_pages(shard)[0] * 4096
     assert resident >= 0.9 * block_bytes, f"{resident} bytes in, the block holds {block_bytes}"
-    again = ds.prefetch([50])  # the block was read ahead already: only the sample itself is planned
+    again = ds.read_ahead([50])  # the block was read ahead already: only the sample itself is planned
     assert len(again.spans) <= 2 and not again.later
     ds.read_ahead_blocks(None)
-    assert not ds.prefetch([5]).later  # off: no block read-ahead
+    assert not ds.read_ahead([5]).later  # off: no block read-ahead
 
 
 def test_uniform_shuffle_reads_no_whole_blocks(tmp_path):
     src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
     ds = open_dataset(convert(src, tmp_path / "ds.memmap", to="memmap", workers=0, progress=False).output)
-    job = ds.prefetch([3, 30])
+    job = ds.read_ahead([3, 30])
     # the two samples (and the gap between them, closer than readahead.GAP), nothing beyond
     assert [b - a for _p, a, b in job.spans] == [int(ds.index.nbytes[3:31].sum())]
 

@@ -1,0 +1,122 @@
+"""Staged reading, as code: a sample goes read -> decode -> present, a batch through ONE loop.
+
+``StagedDataset`` is the contract ``PackedDataset`` and ``CachedDataset`` keep and that samplers, the
+RAM cache and the profiler rely on; ``load_batch`` is the one batch loop (DataLoader's ``__getitems__``),
+which ``packer.instrument`` runs with a ``StageClock`` instead of copying it.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from packer.layout.index import normalize_index
+
+if TYPE_CHECKING:
+    from packer.layout.index import Index
+    from packer.layout.manifest import Manifest
+    from packer.read.readahead import Pending
+
+
+class StageClock(Protocol):
+    """Receives a batch's seconds per stage (packer.instrument's per-process table)."""
+
+    def add(self, read: float, decode: float, transform: float, samples: int) -> None: ...
+
+
+class StagedDataset(Dataset, ABC):
+    """A dataset of packer samples read in stages. Hooks with defaults: read-ahead, batch slots, blocks."""
+
+    index: Index  # per-sample metadata: labels, sizes, source paths
+    manifest: Manifest
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def read_payload(self, i: int) -> Any:
+        """Sample ``i``'s stored payload (checked index): encoded bytes, or an HWC uint8 array."""
+
+    @abstractmethod
+    def pixels(self, i: int, payload: Any = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Sample ``i`` as HWC uint8 RGB, decoded into ``out`` where given and of the right shape."""
+
+    @abstractmethod
+    def present(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
+        """(image as the dataset hands it out, target), transforms applied; ``tensor`` holds ``arr`` already."""
+
+    def check_index(self, i: int) -> int:
+        """``i`` as a position in ``range(len(self))`` (negative from the end), else IndexError."""
+        return normalize_index(i, len(self))
+
+    def start_reads(self, idx: np.ndarray) -> Pending | None:
+        """Start reading these (checked) samples' bytes in the background; None: nothing to read ahead."""
+        return None
+
+    def batch_slots(self, idx: Sequence[int]) -> list[torch.Tensor] | None:
+        """Per sample, a tensor in one shared block to decode into; None: each sample gets its own array."""
+        return None
+
+    def block_boundaries(self) -> np.ndarray | None:
+        """Where the dataset's natural blocks start, then len(self); None: blocks are made by bytes."""
+        return None
+
+    def read_ahead_blocks(self, bounds: Sequence[int] | None) -> None:
+        """Read whole blocks ahead (the block sampler's); None: off. Default: nothing to read ahead."""
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        i = self.check_index(i)
+        return self.present(i, self.pixels(i, self.read_payload(i)))
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        return load_batch(self, indices)
+
+
+def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | None = None) -> list:
+    """A batch's samples: its bytes read ahead in file order while this thread decodes each one as soon
+    as its bytes are in (IO overlaps decoding), into one shared block where the dataset offers slots."""
+    now = time.perf_counter
+    t0 = now()
+    idx = [ds.check_index(i) for i in indices]
+    pending = ds.start_reads(np.asarray(idx, dtype=np.int64))
+    slots = ds.batch_slots(idx)
+    read, decode, transform = now() - t0, 0.0, 0.0
+    if pending is None:
+        positions, waits = list(range(len(idx))), None
+    else:  # items in the order their bytes arrive, mapped back to their place in the batch
+        file_order = sorted(range(len(idx)), key=idx.__getitem__)
+        waits = pending.arrival_order()
+        positions = [file_order[k] for k in waits]
+    out: list = [None] * len(idx)
+    for n, j in enumerate(positions):
+        i = idx[j]
+        a = now()
+        if pending is not None and waits is not None:
+            pending.wait(waits[n])
+        payload = ds.read_payload(i)
+        b = now()
+        arr, tensor = pixels_in_slot(ds, i, payload, None if slots is None else slots[j])
+        c = now()
+        out[j] = ds.present(i, arr, tensor)
+        d = now()
+        read, decode, transform = read + b - a, decode + c - b, transform + d - c
+    if clock is not None:
+        clock.add(read, decode, transform, len(out))
+    return out
+
+
+def pixels_in_slot(ds: StagedDataset, i: int, payload: Any, slot: torch.Tensor | None
+                   ) -> tuple[np.ndarray, torch.Tensor | None]:
+    """Sample ``i``'s pixels, decoded into ``slot`` when given: (pixels, the slot holding them, or None
+    where it does not, e.g. no slot or a size other than the index's)."""
+    if slot is None:
+        return ds.pixels(i, payload), None
+    view = slot.numpy()
+    arr = ds.pixels(i, payload, out=view)
+    return arr, slot if arr is view else None
