@@ -13,7 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -152,31 +152,6 @@ def check_addition(path, count: int, planned: int, sample: PreparedSample, shape
     got = sample.payload.shape if isinstance(sample.payload, np.ndarray) else None
     if shape is not None and got != shape:
         raise PackerError(f"{sample.rel_path}: shape {got} differs from the dataset's {shape}")
-
-
-class LazyHandle(Generic[H]):
-    """A file handle opened on first use in each process; pickles without it.
-
-    DataLoader workers get the dataset by fork (the parent's handle must not be reused) or by
-    pickling (spawn: handles can't travel). Both end here with a fresh open in the worker.
-    """
-
-    def __init__(self) -> None:
-        self._handle: H | None = None
-        self._pid: int | None = None
-
-    def get(self, opener: Callable[[], H]) -> H:
-        if self._handle is None or self._pid != os.getpid():
-            self._handle, self._pid = opener(), os.getpid()
-        return self._handle
-
-    def close(self, closer: Callable[[H], Any] | None = None) -> None:
-        if self._handle is not None and self._pid == os.getpid() and closer is not None:
-            closer(self._handle)
-        self._handle, self._pid = None, None
-
-    def __getstate__(self) -> dict:
-        return {"_handle": None, "_pid": None}
 
 
 def check_size(fd: int, expected: int, path: object) -> None:

@@ -56,7 +56,6 @@ from packer._version import __version__
 from packer.errors import PackerError
 from packer.formats.base import (
     Format,
-    LazyHandle,
     PreparedSample,
     ShardReader,
     ShardWriter,
@@ -70,6 +69,7 @@ from packer.formats.base import (
 )
 from packer.images.decode import check_pixels, pixel_limit
 from packer.layout.manifest import Shard
+from packer.perprocess import PerProcess
 
 _BLOB_CHUNK = 1 << 20
 _BLOB_CHUNK_COMPRESSED = 256 << 10
@@ -245,7 +245,7 @@ class Reader(ShardReader):
             raise PackerError(f"{self.path}: manifest names compression {self.compression!r} for {payload} "
                               "payloads, which the writer never makes")
         self.access = access
-        self._h: LazyHandle[_Open] = LazyHandle()
+        self._h: PerProcess[_Open] = PerProcess()
         f = self._open_file()
         try:
             self._parts(f)

@@ -31,7 +31,6 @@ import numpy as np
 from packer.errors import PackerError
 from packer.formats.base import (
     Format,
-    LazyHandle,
     PreparedSample,
     ShardReader,
     ShardWriter,
@@ -41,6 +40,7 @@ from packer.formats.base import (
 )
 from packer.layout.manifest import Shard
 from packer.layout.trust import load_npy
+from packer.perprocess import PerProcess
 
 _BATCH_BYTES = 4 << 20  # commit about every 4 MB: measured ~30% faster than 16 MB here (dirty pages stay cache-hot)
 _INITIAL_MAP = 64 << 20
@@ -132,7 +132,14 @@ def _value_spans(path: Path, count: int) -> np.ndarray:
 
 # py-lmdb refuses to open one environment twice in a process, yet two datasets (or a dataset and
 # `verify`) may read the same shard: readers of a process share one handle, counted.
-_ENVS: dict[str, list] = {}
+def _close_inherited(envs: dict[tuple, list]) -> None:
+    """A forked child's copies of its parent's environments: py-lmdb would refuse to open those files again."""
+    for env, _count in envs.values():
+        env.close()
+
+
+# The process's open environments: (path, device, inode) -> [environment, readers using it].
+_ENVS: PerProcess[dict[tuple, list]] = PerProcess(dict, inherited=_close_inherited)
 
 
 def _shared_env(path: Path, readahead: bool) -> tuple[lmdb.Environment, tuple]:
@@ -143,10 +150,8 @@ def _shared_env(path: Path, readahead: bool) -> tuple[lmdb.Environment, tuple]:
         except OSError as exc:
             raise PackerError(f"{path}: cannot open LMDB shard ({exc.strerror or exc})") from None
         ident = (str(path), st.st_dev, st.st_ino)
-        entry = _ENVS.get(ident)
-        if entry is not None and entry[2] != os.getpid():
-            entry[0].close()  # inherited through fork: py-lmdb would refuse a second open of the same file
-            entry = None
+        envs = _ENVS.get()
+        entry = envs.get(ident)
         if entry is None:
             try:
                 env = lmdb.open(
@@ -162,19 +167,20 @@ def _shared_env(path: Path, readahead: bool) -> tuple[lmdb.Environment, tuple]:
                         continue  # the file was replaced between stat and open by one this process has open
                     raise PackerError(f"{path}: cannot open LMDB shard (replaced while opening? {exc})") from exc
                 raise PackerError(f"{path}: cannot open LMDB shard ({exc})") from exc
-            entry = _ENVS[ident] = [env, 0, os.getpid()]
+            entry = envs[ident] = [env, 0]
         entry[1] += 1
         return entry[0], ident
     raise PackerError(f"{path}: replaced while being opened")
 
 
 def _release_env(ident: tuple) -> None:
-    entry = _ENVS.get(ident)
-    if entry is not None and entry[2] == os.getpid():
+    envs = _ENVS.peek()
+    entry = None if envs is None else envs.get(ident)
+    if envs is not None and entry is not None:
         entry[1] -= 1
         if entry[1] <= 0:
             entry[0].close()
-            del _ENVS[ident]
+            del envs[ident]
 
 
 class Reader(ShardReader):
@@ -191,8 +197,8 @@ class Reader(ShardReader):
         self.spans_path = directory / shard.files[1].name if len(shard.files) > 1 else None  # older datasets: none
         self.num_samples = shard.num_samples
         self.readahead = access != "random"
-        self._env: LazyHandle[tuple[lmdb.Environment, int]] = LazyHandle()  # (environment, our descriptor)
-        self._spans: LazyHandle[np.ndarray | None] = LazyHandle()  # [N, 3] leaf page, value start, end
+        self._env: PerProcess[tuple[lmdb.Environment, int]] = PerProcess()  # (environment, our descriptor)
+        self._spans: PerProcess[np.ndarray | None] = PerProcess()  # [N, 3] leaf page, value start, end
         self._psize = 4096
 
     def _open(self) -> tuple[lmdb.Environment, int]:

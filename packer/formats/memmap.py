@@ -41,7 +41,6 @@ import numpy as np
 from packer.errors import PackerError
 from packer.formats.base import (
     Format,
-    LazyHandle,
     PreparedSample,
     ShardReader,
     ShardWriter,
@@ -54,6 +53,7 @@ from packer.formats.base import (
 )
 from packer.layout.manifest import Shard
 from packer.layout.trust import npy_header
+from packer.perprocess import PerProcess
 
 
 def shard_stem(shard_id: int) -> str:
@@ -191,7 +191,7 @@ class Reader(ShardReader):
         self.fixed_shape = shard_layout(shard.facts, self.paths[0] if self.paths else directory)
         if len(self.paths) != (1 if self.fixed_shape else 2 + (payload == "raw")):
             raise PackerError(f"{directory}: a memmap shard of this layout has other files than {self.paths}")
-        self._maps: LazyHandle[_Maps] = LazyHandle()
+        self._maps: PerProcess[_Maps] = PerProcess()
 
     def _open(self) -> _Maps:
         files: list = []

@@ -30,7 +30,7 @@ import os
 import re
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +46,7 @@ from packer.images.headers import image_size
 from packer.images.resize import ResizeSpec
 from packer.layout.manifest import Manifest, Shard
 from packer.layout.trust import load_npy
+from packer.perprocess import PerProcess
 
 DEFAULT_QUALITY = 95  # --codec jpeg
 
@@ -284,6 +285,20 @@ def _geometry_from_facts(shard: Shard, where: Path) -> Geometry:
     return geom
 
 
+@dataclass
+class _Caches:
+    """One process's caches of a mosaic reader."""
+
+    decoded: OrderedDict[int, np.ndarray] = field(default_factory=OrderedDict)  # mosaic -> decoded pixels
+    maps: OrderedDict[int, tuple] = field(default_factory=OrderedDict)  # mosaic -> (mmap, header or index, file)
+
+    def close(self) -> None:
+        for _buf, _info, fh in self.maps.values():
+            fh.close()
+        self.maps.clear()
+        self.decoded.clear()
+
+
 class Reader(ShardReader):
     """Reads tiles of one shard's mosaics.
 
@@ -312,17 +327,15 @@ class Reader(ShardReader):
             raise PackerError(f"tile_read={tile_read!r} does not suit {self.geom.codec} mosaics ({', '.join(allowed)})")
         self.tile_read = tile_read
         self.cache_bytes = cache_bytes
-        self._reset()
+        self._state: PerProcess[_Caches] = PerProcess(_Caches)  # a forked worker starts with empty caches
 
-    def _reset(self) -> None:
-        self._pid = os.getpid()
-        self._cache: OrderedDict[int, np.ndarray] = OrderedDict()  # mosaic -> decoded pixels
-        self._maps: OrderedDict[int, tuple] = OrderedDict()  # mosaic -> (mmap, BMP header or interval index, file)
+    @property
+    def _cache(self) -> OrderedDict[int, np.ndarray]:
+        return self._state.get().decoded
 
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state.update(_cache=OrderedDict(), _maps=OrderedDict(), _pid=None)
-        return state
+    @property
+    def _maps(self) -> OrderedDict[int, tuple]:
+        return self._state.get().maps
 
     def __len__(self) -> int:
         return int(self.starts[-1])
@@ -336,8 +349,6 @@ class Reader(ShardReader):
 
     def read(self, pos: int) -> np.ndarray:
         """Tile ``pos`` as a new HWC uint8 RGB array."""
-        if self._pid != os.getpid():
-            self._reset()  # a forked worker: start with empty caches of its own
         m, cell = self.locate(pos)
         g = self.geom
         top, left = g.origin(cell)
@@ -366,8 +377,6 @@ class Reader(ShardReader):
         bmp: the tile's row band; jpeg segments: the tile's restart intervals; otherwise (whole
         mosaics are decoded) the whole file, unless this process has it decoded already.
         """
-        if self._pid != os.getpid():
-            self._reset()
         out: list[list[tuple[str, int, int]]] = []
         for pos in positions:
             m, cell = self.locate(pos)
@@ -493,7 +502,7 @@ class Reader(ShardReader):
         return pixels
 
     def close(self) -> None:
-        self._reset()
+        self._state.close(_Caches.close)
 
 
 class MosaicFormat(Format):

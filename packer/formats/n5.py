@@ -57,7 +57,6 @@ from packer.argtypes import size_arg
 from packer.errors import PackerError
 from packer.formats.base import (
     Format,
-    LazyHandle,
     Option,
     PreparedSample,
     ShardReader,
@@ -70,6 +69,7 @@ from packer.formats.base import (
     shard_layout,
 )
 from packer.layout.manifest import Shard
+from packer.perprocess import PerProcess
 from packer.units import parse_bytes
 
 N5_VERSION = "2.0.0"
@@ -384,7 +384,7 @@ class Reader(ShardReader):
         self.access = access
         self.facts = shard.facts
         self.fixed_shape = shard_layout(shard.facts, self.directory / self.files[0])
-        self._h: LazyHandle[_Open] = LazyHandle()
+        self._h: PerProcess[_Open] = PerProcess()
 
     def _path(self, rel: str) -> Path:
         """The path of a file of this shard; only files the manifest lists (it checked they stay inside)."""

@@ -54,7 +54,6 @@ import numpy as np
 from packer.errors import PackerError
 from packer.formats.base import (
     Format,
-    LazyHandle,
     PreparedSample,
     ShardReader,
     ShardWriter,
@@ -63,6 +62,7 @@ from packer.formats.base import (
     contiguous_runs,
 )
 from packer.layout.manifest import Shard
+from packer.perprocess import PerProcess
 
 MAGIC = 0xCED7230A
 _MAGIC_BYTES = struct.pack("<I", MAGIC)
@@ -298,7 +298,7 @@ class Reader(ShardReader):
         self.idx_path = directory / shard.files[1].name
         self.num_samples = shard.num_samples
         self.access = access
-        self._h: LazyHandle[_Open] = LazyHandle()
+        self._h: PerProcess[_Open] = PerProcess()
 
     def _open(self) -> _Open:
         try:

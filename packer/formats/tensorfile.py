@@ -30,7 +30,6 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.formats.base import (
-    LazyHandle,
     PreparedSample,
     ShardReader,
     ShardWriter,
@@ -42,6 +41,7 @@ from packer.formats.base import (
     shard_layout,
 )
 from packer.layout.manifest import Shard
+from packer.perprocess import PerProcess
 
 SCRATCH_SUFFIX = ".images.tmp"
 
@@ -135,7 +135,7 @@ class ArrayShardReader(ShardReader):
         self.payload = payload
         self.access = access
         self.fixed_shape = shard_layout(shard.facts, self.path)
-        self._h: LazyHandle[_Open] = LazyHandle()
+        self._h: PerProcess[_Open] = PerProcess()
 
     @abstractmethod
     def load_file(self) -> tuple[dict[str, np.ndarray], int | None]:

@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import io
-import os
 import sys
 import warnings
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 from PIL import Image
 
 from packer.errors import PackerError
+from packer.perprocess import PerProcess
 
 Backend = Literal["auto", "turbojpeg", "pil"]
 BACKENDS = ("auto", "turbojpeg", "pil")
@@ -112,10 +112,6 @@ def check_min_size(min_size: int | None) -> int | None:
 
 # ------------------------------------------------------------------ libjpeg-turbo handle
 
-# One TurboJPEG handle per process, loaded on first use (so fork and spawn workers each load their own).
-_turbo = None
-_turbo_pid = None
-_turbo_error: str | None = None
 _notice_shown = False
 _TJPF_RGB = 0  # turbojpeg.TJPF_RGB, set when the handle loads
 
@@ -129,17 +125,21 @@ def _load_turbojpeg():
     return turbojpeg.TurboJPEG()
 
 
+def _turbo_state() -> tuple[Any, str | None]:
+    """(the TurboJPEG handle or None, why it is missing or None)."""
+    try:
+        return _load_turbojpeg(), None
+    except (ImportError, OSError, RuntimeError) as exc:
+        return None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+# One TurboJPEG handle per process, loaded on first use (so fork and spawn workers each load their own).
+_TURBO: PerProcess[tuple[Any, str | None]] = PerProcess(_turbo_state)
+
+
 def turbojpeg_handle():
     """The process's TurboJPEG object, or None when libturbojpeg is missing."""
-    global _turbo, _turbo_pid, _turbo_error
-    if _turbo_pid != os.getpid():
-        try:
-            turbo, error = _load_turbojpeg(), None
-        except (ImportError, OSError, RuntimeError) as exc:
-            turbo, error = None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        _turbo, _turbo_error = turbo, error
-        _turbo_pid = os.getpid()  # last: a second thread must never see this pid before the handle is set
-    return _turbo
+    return _TURBO.get()[0]
 
 
 def turbojpeg_available() -> bool:
@@ -147,8 +147,7 @@ def turbojpeg_available() -> bool:
 
 
 def turbojpeg_missing_reason() -> str | None:
-    turbojpeg_handle()
-    return _turbo_error
+    return _TURBO.get()[1]
 
 
 def _notice_fallback() -> None:
@@ -157,7 +156,7 @@ def _notice_fallback() -> None:
     if not _notice_shown:
         _notice_shown = True
         print(
-            f"packer: libjpeg-turbo not found ({_turbo_error}); decoding JPEG with Pillow, about 1.3-2x slower. "
+            f"packer: libjpeg-turbo not found ({turbojpeg_missing_reason()}); decoding JPEG with Pillow, about 1.3-2x slower. "
             "Install it: apt-get install libturbojpeg0 | conda install libjpeg-turbo | brew install jpeg-turbo",
             file=sys.stderr,
         )
@@ -239,7 +238,7 @@ def decode(
             return copy_into(pixels, out)
         if turbojpeg_handle() is None:
             if backend == "turbojpeg":
-                raise PackerError(f"decoder 'turbojpeg' asked for, but libturbojpeg is missing ({_turbo_error})")
+                raise PackerError(f"decoder 'turbojpeg' asked for, but libturbojpeg is missing ({turbojpeg_missing_reason()})")
             _notice_fallback()
     return copy_into(decode_pil(data, min_size=min_size), out)
 

@@ -29,6 +29,7 @@ from packer.images.headers import image_size
 from packer.layout.index import Index, shard_starts
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
+from packer.perprocess import PerProcess
 from packer.read import readahead
 from packer.read.staged import StagedDataset
 
@@ -101,11 +102,11 @@ class PackedDataset(StagedDataset):
         with reading(f"{self.root}: opening shards"):
             self._readers = [fmt.Reader(self.root, s, self.manifest.payload, access=self.access)
                              for s in self.manifest.shards]
-        self._ids_checked = [0] * len(self.manifest.shards)  # pid that last checked each shard
+        self._checked: PerProcess[set[int]] = PerProcess(set)  # shards whose files this process checked
         self._starts = shard_starts([s.num_samples for s in self.manifest.shards])
         self._path_to_index: dict[str, int] | None = None
         self._blocks: np.ndarray | None = None  # read-ahead by whole blocks (read_ahead_blocks)
-        self._blocks_read: tuple[int, OrderedDict] = (0, OrderedDict())  # (pid, blocks read ahead there)
+        self._blocks_read: PerProcess[OrderedDict] = PerProcess(OrderedDict)  # blocks read ahead in this process
 
     # ------------------------------------------------------------ ImageFolder surface
 
@@ -194,16 +195,13 @@ class PackedDataset(StagedDataset):
         ``BlockShuffleSampler`` calls this on its dataset; ``None`` turns it off (uniform shuffles).
         """
         self._blocks = None if bounds is None else np.asarray(bounds, dtype=np.int64)
-        self._blocks_read = (0, OrderedDict())
+        self._blocks_read = PerProcess(OrderedDict)
 
     def _new_blocks(self, ordered: np.ndarray) -> list:
         """Background read-ahead for the blocks these samples open in this process: each block's hull."""
         if self._blocks is None or not len(ordered):
             return []
-        pid, seen = self._blocks_read
-        if pid != os.getpid():
-            seen = OrderedDict()
-            self._blocks_read = (os.getpid(), seen)
+        seen = self._blocks_read.get()
         out = []
         for b in np.unique(np.searchsorted(self._blocks, ordered, side="right") - 1).tolist():
             if b in seen or not 0 <= b < len(self._blocks) - 1:
@@ -266,12 +264,13 @@ class PackedDataset(StagedDataset):
 
     def _check_same_files(self, shard: int) -> None:
         """Once per process and shard, after its reader opened: the files are those this dataset was opened on."""
-        if self._ids_checked[shard] != os.getpid():
+        checked = self._checked.get()
+        if shard not in checked:
             for f, recorded in zip(self.manifest.shards[shard].files, self._file_ids[shard]):
                 if _file_id(self.root / f.name) != recorded:
                     raise PackerError(f"{self.root / f.name}: replaced since this dataset was opened "
                                       "(a new conversion?); open the dataset again")
-            self._ids_checked[shard] = os.getpid()
+            checked.add(shard)
 
     def read_payload(self, i: int):
         """The stored payload of sample ``i``: encoded bytes, or raw pixel bytes/array."""

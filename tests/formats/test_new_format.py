@@ -19,9 +19,10 @@ import test_contract as contract
 
 from packer import PackerError, cli, convert, open_dataset
 from packer.formats import FORMATS, register
-from packer.formats.base import Format, LazyHandle, Option, PreparedSample, ShardReader, ShardWriter, Span
+from packer.formats.base import Format, Option, PreparedSample, ShardReader, ShardWriter, Span
 from packer.layout.manifest import Shard
 from packer.layout.trust import inside, load_npy
+from packer.perprocess import PerProcess
 
 
 class Writer(ShardWriter):
@@ -57,7 +58,7 @@ class Reader(ShardReader):
         if self.spans.shape != (shard.num_samples, 2) or np.any(self.spans < 0) or np.any(self.spans > size) or \
                 np.any(self.spans[:, 0] > self.spans[:, 1]):
             raise PackerError(f"{self.path}: spans do not describe the samples of this file")
-        self._fd: LazyHandle[int] = LazyHandle()
+        self._fd: PerProcess[int] = PerProcess()
 
     def __len__(self) -> int:
         return len(self.spans)

@@ -21,6 +21,7 @@ from packer import convert, open_dataset
 from packer.cli import main as cli_main
 from packer.errors import PackerError
 from packer.images.decode import DecodeError, decode, decode_pil, scale_denominator, scaled_shape, sniff
+from packer.perprocess import PerProcess
 from packer.tools.sample import photo_like
 
 # Largest per-pixel difference allowed between libjpeg-turbo (system libturbojpeg via PyTurboJPEG)
@@ -223,12 +224,10 @@ def no_turbojpeg(monkeypatch):
         raise OSError("libturbojpeg.so.0: cannot open shared object file: No such file or directory")
 
     monkeypatch.setattr(dec, "_load_turbojpeg", missing)
-    monkeypatch.setattr(dec, "_turbo_pid", None)
-    monkeypatch.setattr(dec, "_turbo", None)
+    monkeypatch.setattr(dec, "_TURBO", PerProcess(dec._turbo_state))  # a handle not loaded yet in this process
     monkeypatch.setattr(dec, "_notice_shown", False)
     yield
     monkeypatch.undo()
-    dec._turbo_pid = None  # reload the real handle on next use
 
 
 def test_missing_library_falls_back_to_pillow_with_one_notice(no_turbojpeg, capsys):
@@ -310,7 +309,7 @@ def test_dataset_decode_size(packed):
 def handle_pids(img):
     """Transform run in DataLoader workers: (worker pid, pid that loaded this process's TurboJPEG handle), pixels."""
     dec.turbojpeg_handle()
-    return os.getpid(), dec._turbo_pid, img
+    return os.getpid(), dec._TURBO._pid, img
 
 
 @pytest.mark.parametrize("ctx,decode_size", [("fork", None), ("spawn", 30)])

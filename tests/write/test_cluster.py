@@ -291,11 +291,11 @@ def test_decoder_handle_is_safe_to_load_from_several_threads(monkeypatch):
     import threading
 
     decode = importlib.import_module("packer.images.decode")
+    from packer.perprocess import PerProcess
     if not decode.turbojpeg_available():
         pytest.skip("libturbojpeg not installed")
     for _ in range(5):
-        monkeypatch.setattr(decode, "_turbo_pid", None)
-        monkeypatch.setattr(decode, "_turbo", None)
+        monkeypatch.setattr(decode, "_TURBO", PerProcess(decode._turbo_state))  # not loaded yet in this process
         barrier, handles = threading.Barrier(4), []
 
         def load(barrier=barrier, handles=handles):
