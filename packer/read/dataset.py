@@ -20,36 +20,19 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, get_worker_info
 
-from packer import sysinfo
 from packer.errors import PackerError
-from packer.formats import FORMATS, check_recorded_options, get_format
+from packer.formats import FORMATS, get_format
 from packer.formats.base import Format
 from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode, pixel_limit
 from packer.images.headers import image_size
-from packer.layout.index import Index, shard_starts
-from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest
+from packer.layout.manifest import read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
 from packer.perprocess import PerProcess
 from packer.read import readahead
 from packer.read.staged import StagedDataset
+from packer.read.store import Access, ShardStore
 
 ImageKind = Literal["pil", "numpy", "tensor"]
-Access = Literal["auto", "sequential", "random"]
-
-
-def resolve_access(access: Access, manifest: Manifest) -> str:
-    """``auto``: sequential-friendly (read-ahead on) unless the dataset is larger than half the free RAM.
-
-    Read-ahead makes sequential and block-shuffled passes many times faster; it only hurts
-    uniform random access over data that can't stay in the page cache.
-    """
-    if access not in ("auto", "sequential", "random"):
-        raise PackerError(f"unknown access pattern {access!r} (choose auto, sequential or random)")
-    if access != "auto":
-        return access
-    size = sum(f.num_bytes for s in manifest.shards for f in s.files)
-    available = sysinfo.memory_available()
-    return "random" if available is not None and size > available // 2 else "sequential"
 
 
 BATCH_BLOCK_MAX = 1 << 30  # largest shared block batch_slots maps for one batch (larger: image by image)
@@ -79,7 +62,8 @@ class PackedDataset(StagedDataset):
         """``decode_size=S``: decode JPEGs at the smallest DCT scale (1/2, 1/4, 1/8) whose short side
         is still >= S (faster, not pixel-identical to full-size decoding; encoded payloads only)."""
         self.root = Path(path).absolute()  # not relative: a later os.chdir, a worker or an unpickling elsewhere
-        self.manifest, self.index, self._file_ids = _open_consistent(self.root)
+        self.store = ShardStore(self.root, access)
+        self.manifest, self.index, self.access = self.store.manifest, self.store.index, self.store.access
         if self.FORMAT is not None and self.manifest.format != self.FORMAT:
             raise PackerError(
                 f"{self.root}: holds format {self.manifest.format!r}, not {self.FORMAT!r} "
@@ -96,14 +80,6 @@ class PackedDataset(StagedDataset):
         self.decode_size = check_min_size(decode_size)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
-        fmt = get_format(self.manifest.format)
-        check_recorded_options(fmt.name, self.manifest.options, self.root / MANIFEST_NAME)
-        self.access = resolve_access(access, self.manifest)
-        with reading(f"{self.root}: opening shards"):
-            self._readers = [fmt.Reader(self.root, s, self.manifest.payload, access=self.access)
-                             for s in self.manifest.shards]
-        self._checked: PerProcess[set[int]] = PerProcess(set)  # shards whose files this process checked
-        self._starts = shard_starts([s.num_samples for s in self.manifest.shards])
         self._path_to_index: dict[str, int] | None = None
         self._blocks: np.ndarray | None = None  # read-ahead by whole blocks (read_ahead_blocks)
         self._blocks_read: PerProcess[OrderedDict] = PerProcess(OrderedDict)  # blocks read ahead in this process
@@ -171,12 +147,12 @@ class PackedDataset(StagedDataset):
     def start_reads(self, idx: np.ndarray) -> readahead.Pending:
         """``read_ahead`` of indices already checked (the staged-reading hook ``load_batch`` calls)."""
         ordered = idx[np.argsort(idx, kind="stable")]
-        shard_of = np.searchsorted(self._starts, ordered, side="right") - 1
+        shard_of = np.searchsorted(self.store.starts, ordered, side="right") - 1
         requests: list = []
         for shard in np.unique(shard_of):
-            reader = self._readers[shard]
-            positions = (ordered[shard_of == shard] - self._starts[shard]).tolist()
-            with reading(self._where(shard)):
+            reader = self.store.readers[shard]
+            positions = (ordered[shard_of == shard] - self.store.starts[shard]).tolist()
+            with reading(self.store.where(shard)):
                 reader.will_need(positions)  # formats of one file per sample: the kernel reads them all at once
                 requests.extend(reader.file_spans(positions))  # the others: byte ranges for the read-ahead thread
         return readahead.start(requests, later=self._new_blocks(ordered))
@@ -211,7 +187,7 @@ class PackedDataset(StagedDataset):
                 seen.popitem(last=False)
             first, last = int(self._blocks[b]), int(self._blocks[b + 1]) - 1
             shard, a = self.locate(first)
-            reader = self._readers[shard]
+            reader = self.store.readers[shard]
             if self.locate(last)[0] != shard:
                 continue
             ends = [r[-1] for r in reader.file_spans([a, a + last - first]) if r]  # the payload's range is last
@@ -237,44 +213,9 @@ class PackedDataset(StagedDataset):
 
     # ------------------------------------------------------------ reading
 
-    def locate(self, i: int) -> tuple[int, int]:
-        """(shard number, position inside that shard) of sample ``i``."""
-        shard = int(np.searchsorted(self._starts, i, side="right")) - 1
-        return shard, i - int(self._starts[shard])
-
-    def _read_one(self, i: int):
-        shard, pos = self.locate(i)
-        with reading(self._where(shard, i)):
-            buf = self._readers[shard].read(pos)
-        self._check_read(shard, i, buf)
-        return buf
-
-    def _where(self, shard: int, i: int | None = None) -> str:
-        name = self.root / self.manifest.shards[shard].files[0].name
-        return f"{name}" if i is None else f"{name}: sample {i}"
-
-    def _check_read(self, shard: int, i: int, buf) -> None:
-        """Checks every read passes, whatever the format: the payload has the size the index
-        records, and the shard's files are still those this dataset was opened on."""
-        self._check_same_files(shard)
-        size = buf.nbytes if isinstance(buf, (np.ndarray, memoryview)) else len(buf)
-        if size != int(self.index.nbytes[i]):
-            raise PackerError(f"{self._where(shard, i)}: {size} bytes read, the index says "
-                              f"{int(self.index.nbytes[i])} (damaged dataset)")
-
-    def _check_same_files(self, shard: int) -> None:
-        """Once per process and shard, after its reader opened: the files are those this dataset was opened on."""
-        checked = self._checked.get()
-        if shard not in checked:
-            for f, recorded in zip(self.manifest.shards[shard].files, self._file_ids[shard]):
-                if _file_id(self.root / f.name) != recorded:
-                    raise PackerError(f"{self.root / f.name}: replaced since this dataset was opened "
-                                      "(a new conversion?); open the dataset again")
-            checked.add(shard)
-
     def read_payload(self, i: int):
         """The stored payload of sample ``i``: encoded bytes, or raw pixel bytes/array."""
-        return self._read_one(self.check_index(i))
+        return self.store.read(self.check_index(i))
 
     def read_payloads(self, indices: Sequence[int]) -> list:
         """Payloads of many samples, read ahead in file order (``prefetch``), returned in the order asked.
@@ -286,7 +227,7 @@ class PackedDataset(StagedDataset):
         pending = self.start_reads(idx)
         order = np.asarray(_file_order(idx.tolist()), dtype=np.int64)
         out: list = [None] * len(idx)
-        shard_of = np.searchsorted(self._starts, idx[order], side="right") - 1
+        shard_of = np.searchsorted(self.store.starts, idx[order], side="right") - 1
         k = 0
         while k < len(order):
             shard = int(shard_of[k])
@@ -295,13 +236,13 @@ class PackedDataset(StagedDataset):
                 stop += 1
             pending.wait(stop - 1)
             where = order[k:stop]
-            positions = (idx[where] - self._starts[shard]).tolist()
-            with reading(self._where(shard)):
-                bufs = self._readers[shard].read_many(positions)
+            positions = (idx[where] - self.store.starts[shard]).tolist()
+            with reading(self.store.where(shard)):
+                bufs = self.store.readers[shard].read_many(positions)
             if len(bufs) != len(positions):
-                raise PackerError(f"{self._where(shard)}: {len(bufs)} samples read, {len(positions)} asked")
+                raise PackerError(f"{self.store.where(shard)}: {len(bufs)} samples read, {len(positions)} asked")
             for j, buf in zip(where.tolist(), bufs):
-                self._check_read(shard, int(idx[j]), buf)
+                self.store.check_read(shard, int(idx[j]), buf)
                 out[j] = buf
             k = stop
         return out
@@ -312,7 +253,7 @@ class PackedDataset(StagedDataset):
         ``strict``: a decoder warning (e.g. a truncated JPEG, which Pillow pads with grey) is an
         error too, as in conversion's full validation (``packer verify --deep`` uses it).
         """
-        buf = self._read_one(i) if payload is None else payload
+        buf = self.store.read(i) if payload is None else payload
         h, w = int(self.index.heights[i]), int(self.index.widths[i])
         if self.manifest.payload == "encoded":
             return self._decode(i, buf, h, w, strict, out)
@@ -363,12 +304,6 @@ class PackedDataset(StagedDataset):
 
     # ------------------------------------------------------------ whole batches
 
-    @property
-    def fixed_shape(self) -> tuple[int, int, int] | None:
-        """(H, W, 3) when every shard stores one shape its reader can copy in bulk, else None."""
-        shapes = {r.fixed_shape for r in self._readers}
-        return shapes.pop() if len(shapes) == 1 and None not in shapes else None
-
     def get_batch(
         self, indices: Sequence[int], layout: Literal["NHWC", "NCHW"] = "NHWC", sort: bool = False,
         out: torch.Tensor | None = None,
@@ -389,7 +324,7 @@ class PackedDataset(StagedDataset):
         in_order = bool(np.all(order == np.arange(len(idx))))
         if sort:
             idx, in_order = idx[order], True
-        shape = self.fixed_shape
+        shape = self.store.fixed_shape
         if shape is None:
             pixels = [self.pixels(int(i), p) for i, p in zip(idx, self.read_payloads(idx), strict=True)]
             shapes = {p.shape for p in pixels}
@@ -406,20 +341,20 @@ class PackedDataset(StagedDataset):
             raise PackerError(f"out: expected a contiguous uint8 tensor {(len(idx), *shape)}, got "
                               f"{images.dtype} {tuple(images.shape)}")
         arr = images.numpy()
-        if self.fixed_shape is None:
+        if self.store.fixed_shape is None:
             for k, p in enumerate(pixels):
                 arr[k] = p
         else:
             ordered = idx if in_order else idx[order]
             buf = arr if in_order else np.empty_like(arr)
-            shard_of = np.searchsorted(self._starts, ordered, side="right") - 1
-            bounds = np.searchsorted(shard_of, np.arange(len(self._readers) + 1))
+            shard_of = np.searchsorted(self.store.starts, ordered, side="right") - 1
+            bounds = np.searchsorted(shard_of, np.arange(len(self.store.readers) + 1))
             for shard, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
                 if hi > lo:
-                    positions = (ordered[lo:hi] - self._starts[shard]).tolist()
-                    with reading(self._where(shard)):
-                        self._readers[shard].read_into(positions, buf[lo:hi])
-                    self._check_same_files(shard)
+                    positions = (ordered[lo:hi] - self.store.starts[shard]).tolist()
+                    with reading(self.store.where(shard)):
+                        self.store.readers[shard].read_into(positions, buf[lo:hi])
+                    self.store.check_same_files(shard)
             if not in_order:
                 arr[order] = buf
         labels = torch.from_numpy(self.index.labels[idx].astype(np.int64))
@@ -429,51 +364,12 @@ class PackedDataset(StagedDataset):
         """A dataset whose items are whole batches, for ``DataLoader(sampler=BatchSampler(...), batch_size=None)``."""
         return BatchView(self, layout)
 
+    def locate(self, i: int) -> tuple[int, int]:
+        """(shard number, position inside that shard) of sample ``i``."""
+        return self.store.locate(i)
+
     def close(self) -> None:
-        for r in self._readers:
-            r.close()
-
-
-def _open_consistent(root: Path) -> tuple[Manifest, Index, list[list[tuple[int, int]]]]:
-    """Manifest, index and the identity of every shard file, all from one version of the dataset.
-
-    ``convert --overwrite`` swaps a whole new directory in: if the directory changed while
-    these were read, read them again. The file identities let readers, which open lazily,
-    refuse files that were replaced after this point instead of reading them with this index.
-    """
-    for _ in range(5):
-        before = _dir_id(root)
-        try:
-            manifest = read_manifest(root)
-            manifest.check_files(root)
-            index = Index.load(root, manifest.num_samples, files=manifest.meta_files,
-                               num_classes=len(manifest.classes))
-            file_ids = [[_file_id(root / f.name) for f in s.files] for s in manifest.shards]
-        except PackerError:
-            if _dir_id(root, missing_ok=True) not in (before, None):
-                continue  # swapped while being read: files vanished or changed under us, read the new one
-            raise
-        if _dir_id(root) == before:
-            return manifest, index, file_ids
-    raise PackerError(f"{root}: replaced again and again while being opened; try again later")
-
-
-def _dir_id(path: Path, missing_ok: bool = False) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        if missing_ok:
-            return None
-        raise PackerError(f"{path}: {exc.strerror or exc}") from None
-    return st.st_dev, st.st_ino, st.st_mtime_ns
-
-
-def _file_id(path: Path) -> tuple[int, int]:
-    try:
-        st = os.stat(path)
-    except OSError as exc:
-        raise PackerError(f"{path}: {exc.strerror or exc}") from None
-    return st.st_dev, st.st_ino
+        self.store.close()
 
 
 def _new_batch(shape: tuple[int, ...]) -> torch.Tensor:

@@ -87,7 +87,7 @@ def test_tensorstore_reads_every_array_packer_wrote(packed, case):
 def test_samples_span_blocks_where_the_block_size_says(packed):
     for case in ("encoded", "raw", "raw-24x32", "raw-24x32-gzip"):
         ds = open_dataset(packed[case])
-        spans = [ds._readers[s].file_spans([p])[0] for s, p in map(ds.locate, range(len(ds)))]
+        spans = [ds.store.readers[s].file_spans([p])[0] for s, p in map(ds.locate, range(len(ds)))]
         files = {path for sample in spans for path, *_ in sample}
         assert len(files) > len(ds.manifest.shards), case  # several blocks a shard
         if not case.startswith("raw-24x32"):
@@ -220,7 +220,7 @@ def test_file_spans_hold_each_sample(packed):
     ds = open_dataset(packed["raw-24x32"], image="numpy")
     for i in range(len(ds)):
         shard, pos = ds.locate(i)
-        [[(path, a, b)]] = ds._readers[shard].file_spans([pos])
+        [[(path, a, b)]] = ds.store.readers[shard].file_spans([pos])
         with open(path, "rb") as fh:
             fh.seek(a)
             assert fh.read(b - a) == ds.read_payload(i).tobytes()

@@ -112,7 +112,7 @@ def test_samples_are_read_only_views_and_spans_hold_them(packed, fmt):
             payload = ds.read_payload(i)
             assert payload.readonly if isinstance(payload, memoryview) else not payload.flags.writeable
             shard, pos = ds.locate(i)
-            [[(file, a, b)]] = ds._readers[shard].file_spans([pos])
+            [[(file, a, b)]] = ds.store.readers[shard].file_spans([pos])
             with open(file, "rb") as fh:
                 fh.seek(a)
                 assert fh.read(b - a) == bytes(payload if isinstance(payload, memoryview) else payload.tobytes())

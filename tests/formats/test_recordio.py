@@ -135,7 +135,7 @@ def test_file_spans_hold_each_record(packed):
     ds = open_dataset(packed)
     for i in range(len(ds)):
         shard, pos = ds.locate(i)
-        [[(path, a, b)]] = ds._readers[shard].file_spans([pos])
+        [[(path, a, b)]] = ds.store.readers[shard].file_spans([pos])
         with open(path, "rb") as fh:
             fh.seek(a)
             record = fh.read(b - a)

@@ -85,7 +85,7 @@ def test_mosaic_run_of_tiles_is_one_span(tmp_path):
     src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
     ds = open_dataset(convert(src, tmp_path / "ds.mosaic", to="mosaic", tile="64x64", grid="2x24", workers=0,
                               progress=False).output)
-    bands = ds._readers[0].file_spans([0, 24])
+    bands = ds.store.readers[0].file_spans([0, 24])
     assert bands[0][0][1] > bands[1][0][1]  # bottom-up: the second row of tiles lies first in the file
     assert bands[0][0][2] - bands[0][0][1] > readahead.GAP  # bands farther apart than merely "near"
     job = ds.read_ahead(list(range(40)))  # both rows
@@ -142,7 +142,7 @@ def test_prefetch_brings_a_cold_batch_into_the_page_cache(tmp_path, fmt):
         pending.wait(k, timeout=10)
     resident, total = resident_pages(shard)
     assert resident - before >= 20, f"only {resident - before} of {total} pages came in"
-    spans = ds._readers[0].file_spans([10, 69])
+    spans = ds.store.readers[0].file_spans([10, 69])
     assert all(len(r) == (2 if fmt == "lmdb" else 1) for r in spans)  # lmdb: the leaf page too
     assert spans[0][-1][1] < spans[1][-1][1] and all(b - a == ds.index.nbytes[i] for i, r in zip((10, 69), spans)
                                                       for _p, a, b in r[-1:])
@@ -214,7 +214,7 @@ def test_lmdb_spans_file_says_where_each_value_lies(tmp_path):
     names = [f.name for f in ds.manifest.shards[0].files]
     assert names == ["shard-00000.lmdb", "shard-00000.spans.npy"]
     blob = (out / names[0]).read_bytes()
-    for i, ranges in enumerate(ds._readers[0].file_spans(list(range(len(ds))))):
+    for i, ranges in enumerate(ds.store.readers[0].file_spans(list(range(len(ds))))):
         (_p, leaf, leaf_end), (_p2, a, b) = ranges
         assert blob[a:b] == bytes(ds.read_payload(i))
         assert leaf % 4096 == 0 and leaf_end - leaf == 4096 and b"%010d" % i in blob[leaf:leaf_end]
@@ -231,7 +231,7 @@ def test_lmdb_without_spans_file_reads_without_read_ahead(tmp_path):
     (out / "manifest.json").write_text(json.dumps(m))
     (out / "shard-00000.spans.npy").unlink()
     ds = open_dataset(out)
-    assert ds._readers[0].file_spans([0, 5]) == [[], []]
+    assert ds.store.readers[0].file_spans([0, 5]) == [[], []]
     assert [bytes(p) for p in ds.read_payloads(list(range(29, -1, -1)))] == expected[::-1]
 
 

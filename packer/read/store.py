@@ -1,0 +1,144 @@
+"""A dataset's shards, opened as one consistent version, and reads checked whatever the format.
+
+``ShardStore`` holds the manifest, the per-sample index and the identity of every shard file, all
+read from one version of the dataset (a conversion with ``--overwrite`` may swap a new one in at
+any time), one ``Format.Reader`` per shard (opening nothing until used in a process), and checks
+each read: the payload has the size the index records, and the files are the ones opened.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from packer import sysinfo
+from packer.errors import PackerError
+from packer.formats import check_recorded_options, get_format
+from packer.layout.index import Index, shard_starts
+from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest
+from packer.layout.trust import reading
+from packer.perprocess import PerProcess
+
+Access = Literal["auto", "sequential", "random"]
+
+
+def resolve_access(access: Access, manifest: Manifest) -> str:
+    """``auto``: sequential-friendly (read-ahead on) unless the dataset is larger than half the free RAM.
+
+    Read-ahead makes sequential and block-shuffled passes many times faster; it only hurts
+    uniform random access over data that can't stay in the page cache.
+    """
+    if access not in ("auto", "sequential", "random"):
+        raise PackerError(f"unknown access pattern {access!r} (choose auto, sequential or random)")
+    if access != "auto":
+        return access
+    size = sum(f.num_bytes for s in manifest.shards for f in s.files)
+    available = sysinfo.memory_available()
+    return "random" if available is not None and size > available // 2 else "sequential"
+
+
+class ShardStore:
+    """The shards of the dataset at ``root`` (an absolute path), opened consistently; reads checked."""
+
+    def __init__(self, root: Path, access: Access = "auto") -> None:
+        self.root = root
+        self.manifest, self.index, self._file_ids = _open_consistent(root)
+        fmt = get_format(self.manifest.format)
+        check_recorded_options(fmt.name, self.manifest.options, root / MANIFEST_NAME)
+        self.access = resolve_access(access, self.manifest)
+        with reading(f"{root}: opening shards"):
+            self.readers = [fmt.Reader(root, s, self.manifest.payload, access=self.access)
+                            for s in self.manifest.shards]
+        self.starts = shard_starts([s.num_samples for s in self.manifest.shards])
+        self._checked: PerProcess[set[int]] = PerProcess(set)  # shards whose files this process checked
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(shard number, position inside that shard) of sample ``i``."""
+        shard = int(np.searchsorted(self.starts, i, side="right")) - 1
+        return shard, i - int(self.starts[shard])
+
+    def read(self, i: int) -> Any:
+        """Sample ``i``'s payload (a checked index), checked against the index and the files opened."""
+        shard, pos = self.locate(i)
+        with reading(self.where(shard, i)):
+            buf = self.readers[shard].read(pos)
+        self.check_read(shard, i, buf)
+        return buf
+
+    def where(self, shard: int, i: int | None = None) -> str:
+        name = self.root / self.manifest.shards[shard].files[0].name
+        return f"{name}" if i is None else f"{name}: sample {i}"
+
+    def check_read(self, shard: int, i: int, buf) -> None:
+        """Checks every read passes, whatever the format: the payload has the size the index
+        records, and the shard's files are still those this dataset was opened on."""
+        self.check_same_files(shard)
+        size = buf.nbytes if isinstance(buf, (np.ndarray, memoryview)) else len(buf)
+        if size != int(self.index.nbytes[i]):
+            raise PackerError(f"{self.where(shard, i)}: {size} bytes read, the index says "
+                              f"{int(self.index.nbytes[i])} (damaged dataset)")
+
+    def check_same_files(self, shard: int) -> None:
+        """Once per process and shard, after its reader opened: the files are those this dataset was opened on."""
+        checked = self._checked.get()
+        if shard not in checked:
+            for f, recorded in zip(self.manifest.shards[shard].files, self._file_ids[shard]):
+                if _file_id(self.root / f.name) != recorded:
+                    raise PackerError(f"{self.root / f.name}: replaced since this dataset was opened "
+                                      "(a new conversion?); open the dataset again")
+            checked.add(shard)
+
+    @property
+    def fixed_shape(self) -> tuple[int, int, int] | None:
+        """(H, W, 3) when every shard stores one shape its reader can copy in bulk, else None."""
+        shapes = {r.fixed_shape for r in self.readers}
+        return shapes.pop() if len(shapes) == 1 and None not in shapes else None
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()
+
+
+def _open_consistent(root: Path) -> tuple[Manifest, Index, list[list[tuple[int, int]]]]:
+    """Manifest, index and the identity of every shard file, all from one version of the dataset.
+
+    ``convert --overwrite`` swaps a whole new directory in: if the directory changed while
+    these were read, read them again. The file identities let readers, which open lazily,
+    refuse files that were replaced after this point instead of reading them with this index.
+    """
+    for _ in range(5):
+        before = _dir_id(root)
+        try:
+            manifest = read_manifest(root)
+            manifest.check_files(root)
+            index = Index.load(root, manifest.num_samples, files=manifest.meta_files,
+                               num_classes=len(manifest.classes))
+            file_ids = [[_file_id(root / f.name) for f in s.files] for s in manifest.shards]
+        except PackerError:
+            if _dir_id(root, missing_ok=True) not in (before, None):
+                continue  # swapped while being read: files vanished or changed under us, read the new one
+            raise
+        if _dir_id(root) == before:
+            return manifest, index, file_ids
+    raise PackerError(f"{root}: replaced again and again while being opened; try again later")
+
+
+def _dir_id(path: Path, missing_ok: bool = False) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if missing_ok:
+            return None
+        raise PackerError(f"{path}: {exc.strerror or exc}") from None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
+def _file_id(path: Path) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise PackerError(f"{path}: {exc.strerror or exc}") from None
+    return st.st_dev, st.st_ino
