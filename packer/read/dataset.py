@@ -18,24 +18,22 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from PIL import Image
-from torch.utils.data import Dataset, get_worker_info
 
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import Format
-from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode, pixel_limit
+from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
 from packer.images.headers import image_size
 from packer.layout.manifest import read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
 from packer.perprocess import PerProcess
-from packer.read import readahead
+from packer.read import batch, readahead
 from packer.read.staged import StagedDataset
 from packer.read.store import Access, ShardStore
 
 ImageKind = Literal["pil", "numpy", "tensor"]
 
 
-BATCH_BLOCK_MAX = 1 << 30  # largest shared block batch_slots maps for one batch (larger: image by image)
 BLOCKS_REMEMBERED = 32  # blocks a process remembers having read ahead (~0.5 GB at the sampler's 16 MB)
 
 
@@ -99,41 +97,6 @@ class PackedDataset(StagedDataset):
         return list(zip(self.index.rel_paths(), self.index.labels.tolist()))
 
     imgs = samples
-
-    def batch_slots(self, indices: Sequence[int]) -> list[torch.Tensor] | None:
-        """Per sample, an HWC uint8 tensor of its size, all in one block of shared memory, where
-        samples of different sizes leave a DataLoader worker as plain tensors (``image="tensor"``,
-        no transform), so that no collate function can stack them.
-
-        Samples are decoded straight into their slots, so a batch crosses to the main process as
-        one block, as ``default_collate``'s stacked batches do, instead of one copy into shared
-        memory per image (2 workers on 2 cores: ~25 % more images/s; ``packer bench --levels
-        loader``). Keeping one image keeps its batch's block alive. None elsewhere (main process,
-        transforms, ``decode_size``, batches of one shape) and where the index lacks a size
-        (``--validate none``).
-        """
-        if self.image != "tensor" or self.transform is not None or self.decode_size or get_worker_info() is None:
-            return None
-        idx = np.asarray(indices, dtype=np.int64)
-        h, w = self.index.heights[idx].astype(np.int64), self.index.widths[idx].astype(np.int64)
-        if not len(h) or np.any(h <= 0) or np.any(w <= 0):
-            return None
-        if np.all(h == h[0]) and np.all(w == w[0]):
-            # One shape: a collate function stacks them into shared memory itself; a block here would be
-            # one more copy (default_collate over 224x224 mosaic tiles: ~20 % fewer tiles/s with it).
-            return None
-        # Sizes come from metadata: allocate only what the per-sample path would accept (it names the problem)
-        if self.manifest.payload == "encoded":
-            limit = pixel_limit()
-            if limit is not None and np.any(h * w > limit):
-                return None
-        elif np.any(self.index.nbytes[idx] != h * w * 3):
-            return None
-        ends = np.cumsum(h * w * 3)
-        if ends[-1] > BATCH_BLOCK_MAX:
-            return None  # nothing checked the sizes yet: don't map more than this on their word
-        block = _new_batch((int(ends[-1]),))
-        return [block[int(e) - int(hh * ww * 3):int(e)].view(int(hh), int(ww), 3) for e, hh, ww in zip(ends, h, w)]
 
     def read_ahead(self, indices: Sequence[int]) -> readahead.Pending:
         """Start reading these samples' bytes in the background, in file order (packer.read.readahead).
@@ -302,107 +265,34 @@ class PackedDataset(StagedDataset):
             target = self.target_transform(target)
         return img, target
 
-    # ------------------------------------------------------------ whole batches
+    # ------------------------------------------------------------ whole batches (packer.read.batch)
+
+    def batch_slots(self, indices: Sequence[int]) -> list[torch.Tensor] | None:
+        """One shared block for a worker's batch of mixed sizes (see ``packer.read.batch.batch_slots``)."""
+        return batch.batch_slots(self, indices)
 
     def get_batch(
         self, indices: Sequence[int], layout: Literal["NHWC", "NCHW"] = "NHWC", sort: bool = False,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Samples ``indices`` as one uint8 image tensor and an int64 label tensor; no transforms.
+        """Samples ``indices`` as one uint8 image tensor and an int64 label tensor (``packer.read.batch.get_batch``)."""
+        return batch.get_batch(self, indices, layout, sort, out)
 
-        Fixed-shape raw datasets (``--payload raw --resize HxW`` in hdf5 or memmap) are read
-        shard by shard in storage order straight into the batch (memmap: one memory copy in all).
-        ``sort=True`` returns the samples in storage order (labels follow), which saves the copy
-        that puts them back in the order asked. Other datasets decode each sample; all must
-        share one shape. ``layout="NCHW"`` is a zero-copy channels-last view of the NHWC batch.
-        ``out`` (e.g. a pinned NHWC uint8 tensor) receives the images instead of a new tensor.
-        """
-        if layout not in ("NHWC", "NCHW"):
-            raise PackerError(f"unknown batch layout {layout!r} (choose NHWC or NCHW)")
-        idx = np.fromiter((self.check_index(i) for i in indices), dtype=np.int64, count=len(indices))
-        order = np.argsort(idx, kind="stable")
-        in_order = bool(np.all(order == np.arange(len(idx))))
-        if sort:
-            idx, in_order = idx[order], True
-        shape = self.store.fixed_shape
-        if shape is None:
-            pixels = [self.pixels(int(i), p) for i, p in zip(idx, self.read_payloads(idx), strict=True)]
-            shapes = {p.shape for p in pixels}
-            if len(shapes) > 1:
-                raise PackerError(
-                    f"{self.root}: get_batch needs images of one shape, this batch has {len(shapes)} "
-                    f"(e.g. {sorted(shapes)[:2]}); convert with --payload raw --resize HxW")
-            shape = pixels[0].shape if pixels else (0, 0, 3)
-        elif np.any(self.index.heights[idx] != shape[0]) or np.any(self.index.widths[idx] != shape[1]):
-            raise PackerError(f"{self.root}: shards say every image is {shape[0]}x{shape[1]}, the index disagrees "
-                              "(damaged dataset)")
-        images = out if out is not None else _new_batch((len(idx), *shape))
-        if tuple(images.shape) != (len(idx), *shape) or images.dtype != torch.uint8 or not images.is_contiguous():
-            raise PackerError(f"out: expected a contiguous uint8 tensor {(len(idx), *shape)}, got "
-                              f"{images.dtype} {tuple(images.shape)}")
-        arr = images.numpy()
-        if self.store.fixed_shape is None:
-            for k, p in enumerate(pixels):
-                arr[k] = p
-        else:
-            ordered = idx if in_order else idx[order]
-            buf = arr if in_order else np.empty_like(arr)
-            shard_of = np.searchsorted(self.store.starts, ordered, side="right") - 1
-            bounds = np.searchsorted(shard_of, np.arange(len(self.store.readers) + 1))
-            for shard, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-                if hi > lo:
-                    positions = (ordered[lo:hi] - self.store.starts[shard]).tolist()
-                    with reading(self.store.where(shard)):
-                        self.store.readers[shard].read_into(positions, buf[lo:hi])
-                    self.store.check_same_files(shard)
-            if not in_order:
-                arr[order] = buf
-        labels = torch.from_numpy(self.index.labels[idx].astype(np.int64))
-        return (images.permute(0, 3, 1, 2) if layout == "NCHW" else images), labels
-
-    def batched(self, layout: Literal["NHWC", "NCHW"] = "NHWC") -> BatchView:
+    def batched(self, layout: Literal["NHWC", "NCHW"] = "NHWC") -> batch.BatchView:
         """A dataset whose items are whole batches, for ``DataLoader(sampler=BatchSampler(...), batch_size=None)``."""
-        return BatchView(self, layout)
+        return batch.BatchView(self, layout)
 
     def locate(self, i: int) -> tuple[int, int]:
         """(shard number, position inside that shard) of sample ``i``."""
         return self.store.locate(i)
 
+    @property
+    def fixed_shape(self) -> tuple[int, int, int] | None:
+        """(H, W, 3) when every shard stores one shape its reader copies in bulk (``get_batch``), else None."""
+        return self.store.fixed_shape
+
     def close(self) -> None:
         self.store.close()
-
-
-def _new_batch(shape: tuple[int, ...]) -> torch.Tensor:
-    """An uint8 tensor; inside a DataLoader worker it lives in shared memory, as ``default_collate``
-    makes its batches, so handing it to the main process copies nothing."""
-    if get_worker_info() is None:
-        return torch.empty(shape, dtype=torch.uint8)
-    elem = torch.empty(0, dtype=torch.uint8)
-    storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device=elem.device)
-    return elem.new(storage).resize_(*shape)
-
-
-class BatchView(Dataset):
-    """Items are batches: ``view[[i, j, ...]] -> (uint8 images, int64 labels)`` via ``get_batch(sort=True)``.
-
-    Use with a ``BatchSampler`` as the loader's sampler and ``batch_size=None``::
-
-        loader = DataLoader(ds.batched(), batch_size=None, num_workers=4, pin_memory=True,
-                            sampler=BatchSampler(RandomSampler(ds), batch_size=256, drop_last=False))
-
-    Each worker then reads a whole batch in one call (one memory copy for memmap); samples in a
-    batch come in storage order, which training does not notice.
-    """
-
-    def __init__(self, dataset: PackedDataset, layout: Literal["NHWC", "NCHW"] = "NHWC") -> None:
-        self.dataset = dataset
-        self.layout = layout
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.dataset.get_batch(indices, layout=self.layout, sort=True)
 
 
 def _format_dataset_class(fmt: Format) -> type[PackedDataset]:

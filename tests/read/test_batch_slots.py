@@ -78,45 +78,40 @@ def test_no_slots_outside_workers_with_a_transform_or_unknown_sizes(tmp_path, mi
     assert all(torch.equal(img, ds[k][0]) for k, img in enumerate(imgs))
 
 
-def test_sizes_from_damaged_metadata_allocate_nothing(tmp_path, mixed, monkeypatch):
+def test_sizes_from_damaged_metadata_allocate_nothing(tmp_path, mixed):
     """A crafted index size can't make a worker allocate a huge block: no slots, and the per-sample
     path reports the sample."""
-    import packer.read.dataset as datasets
+    from packer.read.batch import batch_slots
 
-    monkeypatch.setattr(datasets, "get_worker_info", lambda: object())  # as inside a worker
     for payload in ("raw", "encoded"):
         out = convert(mixed, tmp_path / f"ds-{payload}.lmdb", payload=payload, workers=0, progress=False).output
         ds = open_dataset(out, image="tensor")
-        assert ds.batch_slots([0, 1]) is not None
+        assert batch_slots(ds, [0, 1], in_worker=True) is not None  # as inside a worker
         ds.index.heights[0] = 1 << 30
-        assert ds.batch_slots([0, 1]) is None
+        assert batch_slots(ds, [0, 1], in_worker=True) is None
         with pytest.raises(Exception, match="sample 0"):
             ds.__getitems__([0, 1])
 
 
-def test_batches_of_one_shape_are_left_to_the_collate_function(tmp_path, monkeypatch):
+def test_batches_of_one_shape_are_left_to_the_collate_function(tmp_path):
     """Equal sizes: default_collate stacks them into shared memory itself, so no block (it would be one more copy)."""
-    import packer.read.dataset as datasets
+    from packer.read.batch import batch_slots
 
     src = make_imagefolder(tmp_path / "src", classes=2, per_class=4)
     out = convert(src, tmp_path / "ds.memmap", to="memmap", payload="raw", resize="24x32", workers=0,
                   progress=False).output
     ds = open_dataset(out, image="tensor")
-    monkeypatch.setattr(datasets, "get_worker_info", lambda: object())  # as inside a worker
-    assert ds.batch_slots([0, 1, 2]) is None
-    monkeypatch.undo()
+    assert batch_slots(ds, [0, 1, 2], in_worker=True) is None  # as inside a worker
     (images, labels), = list(DataLoader(ds, batch_size=8, num_workers=2))  # default_collate stacks
     assert images.shape == (8, 3, 24, 32) and torch.equal(images[3], ds[3][0])
 
 
-def test_no_block_beyond_the_budget(tmp_path, mixed, monkeypatch):
+def test_no_block_beyond_the_budget(tmp_path, mixed):
     """Sizes nothing has checked yet can't map more than BATCH_BLOCK_MAX for one batch."""
-    import packer.read.dataset as datasets
+    from packer.read.batch import batch_slots
 
     out = convert(mixed, tmp_path / "ds.lmdb", workers=0, progress=False).output
     ds = open_dataset(out, image="tensor")
-    monkeypatch.setattr(datasets, "get_worker_info", lambda: object())  # as inside a worker
-    assert ds.batch_slots([0, 1]) is not None
-    monkeypatch.setattr(datasets, "BATCH_BLOCK_MAX", 1000)
-    assert ds.batch_slots([0, 1]) is None
+    assert batch_slots(ds, [0, 1], in_worker=True) is not None  # as inside a worker
+    assert batch_slots(ds, [0, 1], max_bytes=1000, in_worker=True) is None
     assert all(torch.equal(a[0], b[0]) for a, b in zip(ds.__getitems__([0, 1]), (ds[0], ds[1])))
