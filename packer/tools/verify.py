@@ -14,8 +14,10 @@ from packer.formats import get_format
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from packer.layout.trust import inside, read_inside
 from packer.read.dataset import open_dataset
-from packer.write.convert import ERRORS_NAME, ConvertOptions, SourceError, make_options, prepare, read_source
-from packer.write.scan import ScanResult, scan_folder
+from packer.write.options import ConvertOptions, make_options
+from packer.write.output import ERRORS_NAME
+from packer.write.scan import ScanResult, SourceError, scan_folder
+from packer.write.shards import prepare, read_source
 
 
 @dataclass

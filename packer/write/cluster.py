@@ -21,6 +21,7 @@ import socket
 import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,9 @@ from packer._version import __version__
 from packer.errors import PackerError
 from packer.formats import get_format
 from packer.write.journal import ShardResult, record_shard
+from packer.write.options import ConvertOptions
 from packer.write.scan import ScanResult, Walk, scan_folder, walk_class
+from packer.write.shards import BuildJob, ShardWriteError, prepare, progress_bar, write_shard
 
 STAGING_DIR = ".staging"
 _RETRIES = 2  # re-runs after an exception in a task (a lost worker is re-run by the scheduler anyway)
@@ -136,8 +139,6 @@ def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str,
     Returns ``{"result": ShardResult JSON}``, or ``{"error": message, "kind": "write"|"input"}``
     for a problem that running again would not fix (so Dask does not retry it).
     """
-    from packer.write.convert import ConvertOptions, ShardWriteError, prepare, write_shard
-
     host = socket.gethostname()
     if version != __version__:
         return {"kind": "input", "error": f"worker {host} runs packer {__version__}, the driver {version}: "
@@ -183,62 +184,67 @@ def _move_into_place(staging: Path, partial: Path, names: list[str]) -> None:
         os.replace(staging / name, partial / name)
 
 
-def build_shards(client: Any, scan: ScanResult, partial: Path, ranges: list[tuple[int, int]],
-                 done: dict[int, ShardResult], options: Any, on_error: str, progress: bool) -> dict[int, ShardResult]:
-    """Write every shard not yet done on the cluster; returns all shards' results, checked against the plan."""
-    distributed = _require_dask()
-    from packer.write.convert import ShardWriteError, _progress
+@dataclass
+class DaskCluster:
+    """Builds shards on the Dask cluster of ``client``: one task per shard."""
 
-    root = os.path.abspath(scan.root)
-    opts = {**options.record(), "decoder": options.decoder}
-    todo = [sid for sid in range(len(ranges)) if sid not in done]
-    token = uuid.uuid4().hex
-    threads = _worker_threads(client)
-    in_flight = 2 * threads  # a bounded queue: the scheduler never holds every path list
-    if len(ranges) < threads:
-        print(f"packer: {len(ranges)} shard(s) for {threads} Dask worker threads: a task writes one shard, so "
-              f"most workers will idle; choose a smaller --shard-size", file=sys.stderr)
+    client: Any
 
-    def submit(sid: int):
-        a, b = ranges[sid]
-        items = list(zip(scan.rel_paths[a:b], scan.labels[a:b].tolist()))
-        future = client.submit(convert_shard, root, str(partial), sid, items, opts, on_error, __version__,
-                               key=f"packer-shard-{sid:05d}-{token}", retries=_RETRIES)
-        live[future.key] = (sid, future)
-        return future
+    def build_shards(self, job: BuildJob) -> dict[int, ShardResult]:
+        """Write every shard not yet done on the cluster; returns all shards' results, checked against the plan."""
+        client = self.client
+        distributed = _require_dask()
+        scan, partial, ranges = job.scan, job.partial, job.ranges
+        root = os.path.abspath(scan.root)
+        opts = {**job.options.record(), "decoder": job.options.decoder}
+        todo = job.todo()
+        token = uuid.uuid4().hex
+        threads = _worker_threads(client)
+        in_flight = 2 * threads  # a bounded queue: the scheduler never holds every path list
+        if len(ranges) < threads:
+            print(f"packer: {len(ranges)} shard(s) for {threads} Dask worker threads: a task writes one shard, so "
+                  f"most workers will idle; choose a smaller --shard-size", file=sys.stderr)
 
-    results = dict(done)
-    live: dict[str, tuple[int, Any]] = {}  # submitted and not yet collected: key -> (shard, future)
-    queue = iter(todo)
-    pending = distributed.as_completed([submit(sid) for sid in itertools.islice(queue, in_flight)])
-    bar = _progress(len(scan), progress)
-    bar.update(sum(ranges[sid][1] - ranges[sid][0] for sid in done))
-    try:
-        for future in pending:
-            sid, _ = live.pop(future.key)
-            try:
-                reply = future.result()
-            except Exception as exc:  # KilledWorker (lost too often), or the task's own bug after its retries
-                raise ShardWriteError(f"shard {sid} failed on the cluster ({type(exc).__name__}: {exc})") from exc
-            future.release()
-            if "error" in reply:
-                raise (ShardWriteError if reply["kind"] == "write" else PackerError)(reply["error"])
-            result = ShardResult.from_json(reply["result"], f"shard {sid} from the cluster")
-            check_result(result, sid, scan, ranges[sid], partial)
-            results[sid] = result
-            bar.update(ranges[sid][1] - ranges[sid][0])
-            for nxt in queue:
-                pending.add(submit(nxt))
-                break
-    except BaseException as exc:
-        # convert() removes the output folder after a bad source under --on-error raise: let the
-        # shards already running end first, so none writes into a folder being removed
-        _stop(client, [f for _, f in live.values()], wait_running=isinstance(exc, PackerError) and not isinstance(exc, ShardWriteError))
-        raise
-    finally:
-        bar.close()
-    shutil.rmtree(partial / STAGING_DIR, ignore_errors=True)
-    return results
+        def submit(sid: int):
+            a, b = ranges[sid]
+            items = list(zip(scan.rel_paths[a:b], scan.labels[a:b].tolist()))
+            future = client.submit(convert_shard, root, str(partial), sid, items, opts, job.on_error, __version__,
+                                   key=f"packer-shard-{sid:05d}-{token}", retries=_RETRIES)
+            live[future.key] = (sid, future)
+            return future
+
+        results = dict(job.done)
+        live: dict[str, tuple[int, Any]] = {}  # submitted and not yet collected: key -> (shard, future)
+        queue = iter(todo)
+        pending = distributed.as_completed([submit(sid) for sid in itertools.islice(queue, in_flight)])
+        bar = progress_bar(len(scan), job.progress)
+        bar.update(job.done_samples())
+        try:
+            for future in pending:
+                sid, _ = live.pop(future.key)
+                try:
+                    reply = future.result()
+                except Exception as exc:  # KilledWorker (lost too often), or the task's own bug after its retries
+                    raise ShardWriteError(f"shard {sid} failed on the cluster ({type(exc).__name__}: {exc})") from exc
+                future.release()
+                if "error" in reply:
+                    raise (ShardWriteError if reply["kind"] == "write" else PackerError)(reply["error"])
+                result = ShardResult.from_json(reply["result"], f"shard {sid} from the cluster")
+                check_result(result, sid, scan, ranges[sid], partial)
+                results[sid] = result
+                bar.update(ranges[sid][1] - ranges[sid][0])
+                for nxt in queue:
+                    pending.add(submit(nxt))
+                    break
+        except BaseException as exc:
+            # convert() removes the output folder after a bad source under --on-error raise: let the
+            # shards already running end first, so none writes into a folder being removed
+            _stop(client, [f for _, f in live.values()], wait_running=isinstance(exc, PackerError) and not isinstance(exc, ShardWriteError))
+            raise
+        finally:
+            bar.close()
+        shutil.rmtree(partial / STAGING_DIR, ignore_errors=True)
+        return results
 
 
 def _stop(client: Any, futures: list, wait_running: bool) -> None:

@@ -18,8 +18,9 @@ from torch.utils.data import DataLoader
 from packer import FORMATS, PackerError, convert, open_dataset
 from packer.read.dataset import DATASET_CLASSES
 from packer.tools.verify import verify
-from packer.write.convert import ConvertOptions, prepare
+from packer.write.options import ConvertOptions
 from packer.write.scan import scan_folder
+from packer.write.shards import prepare
 
 # Options a format needs beyond the case's own (e.g. a tile size); none for most.
 FORMAT_OPTIONS: dict[str, dict] = {"mosaic": {"tile": "32x48"}}

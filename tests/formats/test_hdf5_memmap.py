@@ -10,7 +10,6 @@ shards, fork/spawn workers and pickling for every format and payload: test_contr
 from __future__ import annotations
 
 import gc
-import importlib
 import json
 import os
 import shutil
@@ -233,14 +232,17 @@ def test_resize_hxw_stretch_and_fit(src, tmp_path, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS3)
 def test_refuses_without_disk_space_and_writes_nothing(src, tmp_path, fmt, monkeypatch):
-    conv = importlib.import_module("packer.write.convert")  # the module (packer.write.convert is also the function)
-    scan = conv.scan_folder(src)
-    need = {p: len(scan) * conv.estimate_sample_bytes(scan, conv.ConvertOptions(format=fmt, payload=p))
+    from packer.write.options import ConvertOptions
+    from packer.write.plan import estimate_sample_bytes
+    from packer.write.scan import scan_folder
+
+    scan = scan_folder(src)
+    need = {p: len(scan) * estimate_sample_bytes(scan, ConvertOptions(format=fmt, payload=p))
             for p in ("raw", "encoded")}
     free = int((need["raw"] + need["encoded"]) / 2)  # room for the JPEGs, not for their pixels
     assert need["encoded"] * 1.1 < free < need["raw"]
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(conv.shutil, "disk_usage", lambda p: usage._replace(free=free))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=free))
     out = tmp_path / "out"
     with pytest.raises(PackerError, match="not enough free disk space"):
         convert(src, out, to=fmt, payload="raw", progress=False, workers=0)
@@ -383,7 +385,7 @@ def test_disk_full_mid_write_is_a_clear_resumable_error(src, tmp_path, fmt, kw, 
                                            capture_output=True).returncode != 0:
         pytest.skip("needs root and tmpfs to make a small filesystem")
     try:
-        with mock.patch("packer.write.convert.check_free_space"), pytest.raises(PackerError) as err:
+        with mock.patch("packer.write.plan.check_free_space"), pytest.raises(PackerError) as err:
             convert(src, small / "o", to=fmt, workers=0, progress=False, **kw)
         gc.collect()  # what would crash, crashes now
         msg = str(err.value)

@@ -104,6 +104,6 @@ def test_every_recorded_option_has_a_checked_type():
     from dataclasses import fields
 
     from packer.layout.manifest import OPTION_TYPES
-    from packer.write.convert import ConvertOptions
+    from packer.write.options import ConvertOptions
 
     assert {f.name for f in fields(ConvertOptions)} - {"decoder", "extra"} == set(OPTION_TYPES)

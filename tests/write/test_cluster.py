@@ -20,8 +20,8 @@ from test_resume import manifest_without_time, tree_digest  # noqa: E402
 from packer import FORMATS, PackerError, convert, open_dataset  # noqa: E402
 from packer.tools.verify import verify  # noqa: E402
 from packer.write.cluster import STAGING_DIR, _move_into_place, open_client, scan_on_cluster  # noqa: E402
-from packer.write.convert import ShardWriteError  # noqa: E402
 from packer.write.scan import scan_folder  # noqa: E402
+from packer.write.shards import ShardWriteError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SHARD = 40_000  # about 8 images of 48x64: several shards from a tiny source
@@ -137,7 +137,7 @@ def test_move_into_place_handles_subfolders_and_repeats(tmp_path):
 
 # Run on the workers (client.run): the first time a worker prepares the victim file, it kills itself.
 def _arm_killer(marker: str, victim: str) -> None:
-    pc = importlib.import_module("packer.write.convert")  # packer.write.convert the attribute is the function
+    pc = importlib.import_module("packer.write.cluster")  # where a shard task finds prepare
 
     original = pc.prepare
 
@@ -152,7 +152,7 @@ def _arm_killer(marker: str, victim: str) -> None:
 
 
 def _disarm_killer() -> None:
-    pc = importlib.import_module("packer.write.convert")  # packer.write.convert the attribute is the function
+    pc = importlib.import_module("packer.write.cluster")
 
     pc.prepare = getattr(pc.prepare, "original", pc.prepare)
 
@@ -196,7 +196,7 @@ def _fail_at_shard(monkeypatch, module, shard_id: int) -> None:
 def test_resume_local_run_on_the_cluster(client, source, reference, tmp_path, monkeypatch):
     out = tmp_path / "d.lmdb"
     with monkeypatch.context() as m:
-        _fail_at_shard(m, importlib.import_module("packer.write.convert"), 4)
+        _fail_at_shard(m, importlib.import_module("packer.write.pool"), 4)  # the local backend's write_shard
         with pytest.raises(PackerError, match="--resume"):
             convert(source, out, workers=0, shard_bytes=SHARD, progress=False)
     journaled = list((tmp_path / "d.lmdb.partial" / "journal").glob("shard-*.json"))
@@ -206,7 +206,7 @@ def test_resume_local_run_on_the_cluster(client, source, reference, tmp_path, mo
 
 
 def _arm_write_failure(shard_id: int) -> None:
-    pc = importlib.import_module("packer.write.convert")  # packer.write.convert the attribute is the function
+    pc = importlib.import_module("packer.write.cluster")  # where a shard task finds write_shard
 
     original = pc.write_shard
 
@@ -220,7 +220,7 @@ def _arm_write_failure(shard_id: int) -> None:
 
 
 def _disarm_write_failure() -> None:
-    pc = importlib.import_module("packer.write.convert")  # packer.write.convert the attribute is the function
+    pc = importlib.import_module("packer.write.cluster")
 
     pc.write_shard = getattr(pc.write_shard, "original", pc.write_shard)
 
@@ -276,7 +276,7 @@ def test_bad_local_cluster_size_is_a_clear_error(spec):
 def test_a_worker_that_cannot_see_the_folders_says_so(source, tmp_path):
     from packer import __version__
     from packer.write.cluster import convert_shard
-    from packer.write.convert import ConvertOptions
+    from packer.write.options import ConvertOptions
 
     opts = ConvertOptions().record()
     reply = convert_shard(str(source), str(tmp_path / "missing.partial"), 0, [("class_0/img_000.jpg", 0)], opts,

@@ -2,16 +2,14 @@
 when they don't fit their slot): every way gives the same bytes as preparing in this process."""
 
 import hashlib
-import multiprocessing
-import sys
 from pathlib import Path
 
 import pytest
 from support.imagesets import make_imagefolder
 
 from packer import convert
-
-pc = sys.modules["packer.write.convert"]
+from packer.write import pool
+from packer.write.pool import PoolSettings
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -28,33 +26,32 @@ def source(tmp_path_factory):
 def ring_use(monkeypatch):
     """Counts payloads copied out of the ring and results that came pickled."""
     seen = {"ring": 0, "pickled": 0}
-    original = pc._from_ring
+    original = pool._from_ring
 
     def spy(ring, results, where):
         seen["ring"] += sum(w is not None for w in where)
         seen["pickled"] += sum(w is None for w in where)
         return original(ring, results, where)
 
-    monkeypatch.setattr(pc, "_from_ring", spy)
+    monkeypatch.setattr(pool, "_from_ring", spy)
     return seen
 
 
 @pytest.mark.parametrize("payload", ["encoded", "raw"])
 @pytest.mark.parametrize("way", ["ring", "small slots", "pickled", "spawn"])
-def test_every_transfer_gives_the_same_bytes(source, tmp_path, monkeypatch, ring_use, way, payload):
+def test_every_transfer_gives_the_same_bytes(source, tmp_path, ring_use, way, payload):
     if way == "spawn" and payload == "raw":
         pytest.skip("spawn workers take seconds to start: one case")
     kw = dict(payload=payload, shard_bytes=60_000 if payload == "encoded" else 600_000, progress=False)
     convert(source, tmp_path / "ref.lmdb", workers=0, **kw)
-    if way == "small slots":  # a slot holds one or two payloads: the others in its chunk come pickled
-        monkeypatch.setattr(pc, "_RING_BYTES", 32 * (4096 if payload == "encoded" else 16384))
-        monkeypatch.setattr(pc, "_AHEAD", 16)
-    elif way == "pickled":
-        monkeypatch.setattr(pc, "_RING_BYTES", 0)
-    elif way == "spawn":
-        spawn = multiprocessing.get_context("spawn")
-        monkeypatch.setattr(pc.multiprocessing, "get_context", lambda method=None: spawn)
-    convert(source, tmp_path / "out.lmdb", workers=2, **kw)
+    settings = {
+        "ring": PoolSettings(),
+        # a slot holds one or two payloads: the others in its chunk come pickled
+        "small slots": PoolSettings(ring_bytes=32 * (4096 if payload == "encoded" else 16384), ahead=16),
+        "pickled": PoolSettings(ring_bytes=0),
+        "spawn": PoolSettings(start_method="spawn"),
+    }[way]
+    convert(source, tmp_path / "out.lmdb", workers=2, pool=settings, **kw)
     assert tree_digest(tmp_path / "out.lmdb") == tree_digest(tmp_path / "ref.lmdb")
     if way == "ring":
         assert ring_use == {"ring": 90, "pickled": 0}

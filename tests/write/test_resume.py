@@ -79,10 +79,11 @@ def test_resume_refuses_a_changed_source(source, tmp_path):
     partial = tmp_path / "o.lmdb.partial"
     # a conversion that stops at the first bad file leaves nothing; so simulate an interruption by
     # planning, then changing the source
-    from packer.write.convert import ConvertOptions, _load_or_make_plan
+    from packer.write.options import ConvertOptions
+    from packer.write.plan import load_or_make_plan
     from packer.write.scan import scan_folder
 
-    _load_or_make_plan(scan_folder(src), tmp_path / "o.lmdb", partial, ConvertOptions(shard_bytes=40_000), False)
+    load_or_make_plan(scan_folder(src), tmp_path / "o.lmdb", partial, ConvertOptions(shard_bytes=40_000), False)
     (src / "class_0" / "img_000.jpg").unlink()
     with pytest.raises(PackerError, match="changed since the interrupted run"):
         convert(src, tmp_path / "o.lmdb", shard_bytes=40_000, resume=True, progress=False)
@@ -94,7 +95,7 @@ def test_disk_full_is_a_clear_error_and_nothing_looks_complete(source, tmp_path)
         from unittest import mock
 
         # the up-front space check would refuse; pretend there is room to reach the real ENOSPC
-        with mock.patch("packer.write.convert.check_free_space"), pytest.raises(PackerError) as err:
+        with mock.patch("packer.write.plan.check_free_space"), pytest.raises(PackerError) as err:
             convert(source, small / "o.lmdb", workers=1, shard_bytes=40_000, progress=False)
         msg = str(err.value)
         assert str(small / "o.lmdb") in msg and ("space" in msg.lower() or "full" in msg.lower()) and "--resume" in msg
@@ -119,18 +120,18 @@ def test_resume_packs_again_a_source_changed_since_the_interruption(source, tmp_
 
     from packer import open_dataset
 
-    conv = importlib.import_module("packer.write.convert")
+    pool = importlib.import_module("packer.write.pool")  # where the local backend finds write_shard
     src = tmp_path / "src"
     shutil.copytree(source, src)
     out = tmp_path / "o.lmdb"
-    real_write_shard = conv.write_shard
+    real_write_shard = pool.write_shard
 
     def interrupted(partial, shard_id, *args, **kwargs):  # Ctrl-C as the third shard starts
         if shard_id == 2:
             raise KeyboardInterrupt
         return real_write_shard(partial, shard_id, *args, **kwargs)
 
-    monkeypatch.setattr(conv, "write_shard", interrupted)
+    monkeypatch.setattr(pool, "write_shard", interrupted)
     with pytest.raises(KeyboardInterrupt):
         convert(src, out, workers=0, shard_bytes=40_000, progress=False)
     monkeypatch.undo()

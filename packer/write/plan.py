@@ -1,0 +1,156 @@
+"""Planning a conversion: the sample order, the payload size estimate, the shards, the free-space check,
+and the plan journaled in ``<out>.partial`` before any shard is written (a resumed run reads it back).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from packer._random import stable_permutation
+from packer.errors import PackerError
+from packer.formats import get_format
+from packer.images.decode import DecodeError
+from packer.images.headers import image_size
+from packer.layout.fsutil import fsync_dir
+from packer.layout.partial import JOURNAL_DIR, PLAN_NAME, read_swap
+from packer.layout.trust import open_regular
+from packer.write.journal import read_plan, scan_digest, write_plan
+from packer.write.options import ConvertOptions
+from packer.write.output import fresh_name
+from packer.write.scan import ScanResult
+
+NEW_TAG = ".packer-new-"  # <out>.packer-new-<pid>-<random>: a new .partial until its plan is written
+
+
+def estimate_sample_bytes(scan: ScanResult, options: ConvertOptions, probes: int = 64) -> float:
+    """Mean payload size from a deterministic sample of the sources (no full stat pass)."""
+    n = len(scan)
+    picks = sorted({int(i) for i in np.linspace(0, n - 1, num=min(n, probes))})
+    sizes = []
+    for i in picks:
+        path = scan.root / scan.rel_paths[i]
+        try:
+            if options.payload == "raw":
+                fd, _ = open_regular(path)  # never blocks on a FIFO
+                try:
+                    h, w = image_size(os.read(fd, 1 << 20))
+                finally:
+                    os.close(fd)
+                spec = options.resize_spec
+                if spec is not None:
+                    h, w = spec.output_shape(h, w)
+                sizes.append(h * w * 3)
+            else:
+                sizes.append(path.stat().st_size)
+        except (OSError, DecodeError):
+            continue
+    return float(np.mean(sizes)) if sizes else 1.0
+
+
+def plan_shards(num_files: int, mean_bytes: float, shard_bytes: int | None, multiple: int = 1) -> list[tuple[int, int]]:
+    """Split source positions into (start, stop) runs of roughly ``shard_bytes`` each.
+
+    ``multiple``: a format's natural unit (mosaic: tiles per mosaic); shards holding more than
+    one are rounded down to whole units, so only a shard's last unit can be partly filled.
+    """
+    if shard_bytes is None:
+        return [(0, num_files)]
+    per_shard = max(1, int(shard_bytes // max(mean_bytes, 1.0)))
+    if per_shard > multiple > 1:
+        per_shard -= per_shard % multiple
+    return [(s, min(s + per_shard, num_files)) for s in range(0, num_files, per_shard)]
+
+
+def shard_multiple(options: ConvertOptions) -> int:
+    """The format's natural unit of samples per shard (1 for most; mosaic: tiles per mosaic)."""
+    return int(get_format(options.format).shard_multiple(options.record()))
+
+
+def apply_order(scan: ScanResult, order: str, seed: int) -> ScanResult:
+    """The scan with its samples in dataset order: as found (ImageFolder's), or a seeded shuffle.
+
+    The permutation depends only on (seed, number of files), never on ``workers``, and comes
+    from numpy's stable PCG64 stream, so the same seed gives the same bytes everywhere.
+    """
+    if order == "source":
+        return scan
+    perm = stable_permutation(len(scan), seed)
+    return replace(scan, rel_paths=[scan.rel_paths[i] for i in perm], labels=scan.labels[perm])
+
+
+def check_free_space(directory: Path, needed: float) -> None:
+    free = shutil.disk_usage(directory).free
+    if needed * 1.05 > free:
+        raise PackerError(
+            f"{directory}: not enough free disk space: the output needs about {needed / 1e9:.2f} GB, "
+            f"{free / 1e9:.2f} GB free (choose another --output, or --resize for raw payloads)"
+        )
+
+
+def load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: ConvertOptions, resume: bool) -> dict:
+    """The shard plan: the journaled one when resuming, else a new one (written before any shard).
+
+    An existing ``partial`` is used only when its journal shows packer made it, and never
+    deleted here: one that packer did not make is refused, naming it.
+    """
+    recorded = options.record()
+    digest = scan_digest(scan)
+    if os.path.lexists(partial):
+        plan = read_plan(partial)
+        if plan is None:
+            raise PackerError(f"{partial}: exists but was not made by packer (it holds no {JOURNAL_DIR}/{PLAN_NAME}), "
+                              f"so packer leaves it alone: move it away, or choose another --output")
+        if not resume:
+            raise PackerError(_leftover(partial, out))
+        if plan.get("options") != recorded or plan.get("digest") != digest:
+            raise PackerError(
+                f"{partial}: the source files or the options changed since the interrupted run, so it "
+                f"can't be resumed; remove it (rm -r '{partial}') and convert again"
+            )
+        return plan
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise PackerError(f"{exc.filename or out.parent}: cannot create the output's folder ({exc.strerror or exc})") from exc
+    mean_bytes = estimate_sample_bytes(scan, options)
+    check_free_space(out.parent, mean_bytes * len(scan))
+    plan = {"options": recorded, "digest": digest, "source": str(scan.root), "num_files": len(scan),
+            "shards": plan_shards(len(scan), mean_bytes, options.shard_bytes, shard_multiple(options)),
+            "mean_bytes": mean_bytes}
+    _make_partial(out, partial, plan)
+    return plan
+
+
+def _leftover(partial: Path, out: Path) -> str:
+    """Why a packer-made ``partial`` blocks a run without --resume, and the ways out."""
+    swapping, trash = read_swap(partial, out)
+    if not swapping:
+        return (f"{partial}: left over from an interrupted conversion; go on with it by running the same "
+                f"command with --resume, or remove it (rm -r '{partial}')")
+    old = out.with_name(trash) / out.name if trash else None
+    where = f"the old dataset was moved to {old.parent}" if old is not None and os.path.lexists(old) \
+        else f"{out} is not replaced yet"
+    return (f"{partial}: holds the complete result of an interrupted conversion that was being moved into place "
+            f"({where}); run the same command with --resume to finish that (nothing is converted again)")
+
+
+def _make_partial(out: Path, partial: Path, plan: dict) -> None:
+    """Create ``partial`` holding ``plan``: made under a fresh name and renamed once the plan is on disk,
+    so a ``.partial`` without a plan is never one of packer's."""
+    tmp = fresh_name(out, NEW_TAG)
+    try:
+        os.mkdir(tmp)
+        try:
+            write_plan(tmp, plan)
+            os.rename(tmp, partial)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        fsync_dir(out.parent)
+    except OSError as exc:
+        raise PackerError(f"{exc.filename or partial}: cannot create the output ({exc.strerror or exc})") from exc

@@ -1,0 +1,182 @@
+"""The local backend: a process pool prepares the samples, this process writes the shards in order.
+
+Worker processes read, validate and (for raw payloads) decode the source files in chunks; the
+results come back in source order, so the output depends only on the source and the options,
+never on ``workers``. A bounded number of chunks is in flight, so memory stays flat. Forked
+workers hand payloads back through a shared ring (one copy each way, no pickling); workers
+started another way (spawn, forkserver) can't inherit it and pickle them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import multiprocessing
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from packer.formats import get_format
+from packer.formats.base import PreparedSample
+from packer.write.journal import ShardResult, record_shard
+from packer.write.options import ConvertOptions
+from packer.write.scan import SourceError
+from packer.write.shards import BuildJob, prepare, progress_bar, write_shard
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """How the pool moves work; the defaults suit every run (tests shrink them to reach the other paths)."""
+
+    chunk: int = 16  # files per pool task: amortises IPC without hurting ordering latency
+    # Chunks in flight per worker: enough that the workers keep going while this process pauses to
+    # commit a batch or close a shard (4 left them idle half the time), few enough to bound memory.
+    ahead: int = 16
+    ahead_bytes: int = 256 << 20  # ... and at most about this much prepared payload waiting (raw pixels are large)
+    ring_bytes: int = 256 << 20  # at most this much shared ring for payloads from forked workers (0: pickle them)
+    start_method: str | None = None  # of the worker processes; None: multiprocessing's default
+
+
+@dataclass
+class LocalPool:
+    """Builds shards with ``workers`` processes preparing samples (0: all in this process)."""
+
+    workers: int
+    settings: PoolSettings = field(default_factory=PoolSettings)
+
+    def build_shards(self, job: BuildJob) -> dict[int, ShardResult]:
+        """Write every shard not yet done: the pool prepares samples, this process writes them in order."""
+        todo = [(sid, *job.ranges[sid]) for sid in job.todo()]
+        scan = job.scan
+        items = [(scan.rel_paths[i], int(scan.labels[i])) for _, a, b in todo for i in range(a, b)]
+        fmt = get_format(job.options.format)
+        results = dict(job.done)
+        bar = progress_bar(len(scan), job.progress)
+        bar.update(job.done_samples())
+        written = [0]
+
+        def on_each(res) -> None:
+            bar.update(1)
+            if isinstance(res, PreparedSample):
+                written[0] += res.nbytes
+            if bar.n % 64 == 0:
+                bar.set_postfix_str(f"{written[0] / 1e6 / max(bar.format_dict['elapsed'], 1e-9):.0f} MB/s")
+
+        prepared = ordered_results(scan.root, items, job.options, self.workers, job.mean_bytes, self.settings)
+        journaler = ThreadPoolExecutor(max_workers=1)  # checksums + journal of a shard while the next is written
+        pending: dict[int, Future] = {}
+        try:
+            for sid, a, b in todo:
+                result, names = write_shard(job.partial, sid, b - a, itertools.islice(prepared, b - a), fmt,
+                                            job.options, job.on_error, scan.root, on_each)
+                pending[sid] = journaler.submit(record_shard, job.partial, result, names)
+            prepared.close()  # the pool winds down while the last shard is checksummed
+            for sid, future in pending.items():
+                results[sid] = future.result()
+        finally:
+            bar.close()
+            prepared.close()
+            journaler.shutdown(wait=True, cancel_futures=True)
+        return results
+
+
+def ordered_results(
+    root: Path, items: list[tuple[str, int]], options: ConvertOptions, workers: int, mean_bytes: float = 0.0,
+    settings: PoolSettings = PoolSettings(),
+) -> Iterator[PreparedSample | SourceError]:
+    """Prepared samples in source order; a bounded number of chunks in flight keeps memory flat."""
+    chunk_len = settings.chunk
+    ahead = max(2, min(settings.ahead, int(settings.ahead_bytes // max(1.0, workers * chunk_len * mean_bytes))))
+    chunks = [items[i : i + chunk_len] for i in range(0, len(items), chunk_len)]
+    if workers <= 0:
+        for chunk in chunks:
+            yield from prepare_chunk(root, chunk, options)[0]
+        return
+    ctx = multiprocessing.get_context(settings.start_method)
+    # Forked workers inherit a shared ring: payloads cross by one copy each way instead of pickles
+    # through a pipe. Other start methods can't inherit it and fall back to pickling.
+    slots = workers * ahead  # one per chunk in flight: a slot is free again once its chunk is popped
+    slot_bytes = int(min(2 * chunk_len * max(mean_bytes, 1 << 16), settings.ring_bytes // slots)) & ~4095
+    ring = mmap.mmap(-1, slots * slot_bytes) if ctx.get_start_method() == "fork" and slot_bytes else None
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
+                                 initargs=(ring,)) as pool:
+            pending: deque[Future] = deque()
+            try:
+                for n, chunk in enumerate(chunks):
+                    slot = None if ring is None else ((n % slots) * slot_bytes, slot_bytes)
+                    pending.append(pool.submit(prepare_chunk, root, chunk, options, slot))
+                    if len(pending) >= slots:
+                        yield from _received(ring, pending.popleft())
+                while pending:
+                    yield from _received(ring, pending.popleft())
+            finally:
+                for f in pending:
+                    f.cancel()
+    finally:
+        if ring is not None:
+            ring.close()
+
+
+def _received(ring: mmap.mmap | None, future: Future) -> list:
+    results, where = future.result()
+    return results if ring is None else _from_ring(ring, results, where)
+
+
+# ---------------------------------------------------------------- worker side
+
+
+def prepare_chunk(root: Path, items: list[tuple[str, int]], options: ConvertOptions,
+                  slot: tuple[int, int] | None = None) -> tuple[list, list]:
+    """Prepare ``items``; with a ring ``slot`` (offset, size) payloads travel through the shared ring.
+
+    Returns the results and, per result, where its payload lies in the ring: ``(offset, nbytes,
+    shape)``, or None where it travels pickled (errors; payloads that do not fit the slot).
+    """
+    results = [prepare(root, rel, label, options) for rel, label in items]
+    where: list = [None] * len(results)
+    if slot is None or _RING is None:
+        return results, where
+    offset, end = slot[0], slot[0] + slot[1]
+    for i, res in enumerate(results):
+        if isinstance(res, PreparedSample) and offset + res.nbytes <= end:
+            payload, nbytes = res.payload, res.nbytes
+            _RING[offset : offset + nbytes] = payload if isinstance(payload, bytes) else payload.data
+            where[i] = (offset, nbytes, None if isinstance(payload, bytes) else payload.shape)
+            res.payload = b""
+            offset += nbytes
+    return results, where
+
+
+# The shared ring of a fork-started pool, inherited by its workers (set by their initializer).
+_RING: mmap.mmap | None = None
+
+
+def _init_worker(ring: mmap.mmap | None) -> None:
+    global _RING
+    _RING = ring
+    # A killed parent (SIGKILL) can't stop its pool: a worker waiting for work would wait forever.
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _from_ring(ring: mmap.mmap, results: list, where: list) -> list:
+    """Copy the payloads out of the ring (the slot is reused as soon as this returns)."""
+    for res, loc in zip(results, where):
+        if loc is not None:
+            offset, nbytes, shape = loc
+            data = ring[offset : offset + nbytes]  # a copy, as bytes
+            res.payload = data if shape is None else np.frombuffer(data, np.uint8).reshape(shape).copy()
+    return results
