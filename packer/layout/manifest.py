@@ -17,12 +17,12 @@ from typing import Any
 
 from packer.errors import PackerError
 from packer.layout.fsutil import write_atomic
+from packer.layout.partial import unfinished_note
 from packer.layout.trust import check_inner_name, inside, open_regular, read_inside
 
 KIND = "packer-dataset"
 VERSION = 1
 MANIFEST_NAME = "manifest.json"
-PARTIAL_SUFFIX = ".partial"  # an unfinished output, <out>.partial, renamed to <out> once complete
 PAYLOADS = ("encoded", "raw")  # encoded: the source file's bytes; raw: decoded HWC uint8 RGB
 
 
@@ -214,8 +214,6 @@ def dataset_directory(directory: str | os.PathLike) -> Path:
     try:
         st = os.stat(directory)
     except FileNotFoundError:
-        from packer.layout.partial import unfinished_note  # partial.py builds on this module
-
         raise PackerError(f"{directory}: no such dataset{unfinished_note(Path(os.path.abspath(directory)))}") from None
     except OSError as exc:
         raise PackerError(f"{directory}: cannot open ({exc.strerror or exc})") from None

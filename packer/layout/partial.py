@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 
 from packer.errors import PackerError
-from packer.layout.manifest import PARTIAL_SUFFIX
 
+PARTIAL_SUFFIX = ".partial"  # an unfinished output, <out>.partial, renamed to <out> once complete
 JOURNAL_DIR = "journal"
 PLAN_NAME = "plan.json"
 SWAP_NAME = "swap.json"

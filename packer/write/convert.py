@@ -27,14 +27,13 @@ from packer.formats import get_format
 from packer.layout.fsutil import fsync_tree, write_atomic
 from packer.layout.index import Index
 from packer.layout.manifest import (
-    PARTIAL_SUFFIX,
     Manifest,
     dumps_lossless,
     file_info,
     read_manifest,
     write_manifest,
 )
-from packer.layout.partial import made_by_packer, read_swap
+from packer.layout.partial import PARTIAL_SUFFIX, made_by_packer, read_swap
 from packer.write.cluster import DaskCluster, scan_on_cluster
 from packer.write.journal import ShardResult, SourceError, load_done_shards
 from packer.write.options import ConvertOptions, make_options

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from packer.errors import PackerError
-from packer.layout.manifest import MANIFEST_NAME, PARTIAL_SUFFIX, holds_dataset
+from packer.layout.manifest import MANIFEST_NAME, holds_dataset
+from packer.layout.partial import PARTIAL_SUFFIX
 
 # torchvision.datasets.folder.IMG_EXTENSIONS
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
