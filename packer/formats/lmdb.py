@@ -132,7 +132,7 @@ def _value_spans(path: Path, count: int) -> np.ndarray:
 
 # py-lmdb refuses to open one environment twice in a process, yet two datasets (or a dataset and
 # `verify`) may read the same shard: readers of a process share one handle, counted.
-_ENVS: dict[str, list] = {}
+_ENVS: dict[tuple, list] = {}
 
 
 def _shared_env(path: Path, readahead: bool) -> tuple[lmdb.Environment, tuple]:

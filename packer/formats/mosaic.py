@@ -349,9 +349,9 @@ class Reader(ShardReader):
             first = top // 8 * g.cols + left // g.tile_w
             data = jpegtiles.tile_jpeg(buf, index, first, g.tile_h // 8, g.cols, g.tile_h, g.tile_w, self.paths[m])
             return self._decode_tile(data, m, cell)
-        if self.tile_read == "crop" and turbojpeg_handle() is not None:
+        if self.tile_read == "crop" and (turbo := turbojpeg_handle()) is not None:
             try:
-                data = turbojpeg_handle().crop(self._read_file(m, checked=True), left, top, g.tile_w, g.tile_h)
+                data = turbo.crop(self._read_file(m, checked=True), left, top, g.tile_w, g.tile_h)
             except OSError as exc:
                 raise PackerError(f"{self.paths[m]}: cannot cut tile {cell} out of the mosaic ({exc})") from exc
             return self._decode_tile(data, m, cell)
@@ -501,8 +501,8 @@ class MosaicFormat(Format):
 
     def check_options(self, options: Mapping) -> None:
         tile, resize = options.get("tile"), options.get("resize")
-        if tile is not None and resize is not None and \
-                ResizeSpec.parse(tile).fixed_shape != ResizeSpec.parse(resize).fixed_shape:
+        tile_spec, resize_spec = ResizeSpec.parse(tile), ResizeSpec.parse(resize)
+        if tile_spec is not None and resize_spec is not None and tile_spec.fixed_shape != resize_spec.fixed_shape:
             raise PackerError(f"--tile {tile} already sets the size; drop --resize {resize}")
         geometry(options)
 

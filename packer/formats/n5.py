@@ -50,6 +50,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -131,13 +132,13 @@ class Array:
             raise PackerError(f"{where}: N5 dimensions {dims!r:.80} / blockSize {block!r:.80} are not valid")
         if dtype not in DTYPES:
             raise PackerError(f"{where}: N5 dataType {dtype!r:.40}, expected one of {', '.join(DTYPES)}")
-        kind = comp.get("type") if isinstance(comp, dict) else None
-        if kind not in ("raw", "gzip") or not isinstance(comp.get("useZlib", False), bool):
+        kind, use_zlib = (comp.get("type"), comp.get("useZlib", False)) if isinstance(comp, dict) else (None, None)
+        if kind not in ("raw", "gzip") or not isinstance(use_zlib, bool):
             raise PackerError(f"{where}: N5 compression {comp!r:.80} (packer reads raw and gzip)")
         shape = tuple(reversed(dims))
         if list(reversed(block[:-1])) != list(shape[1:]):
             raise PackerError(f"{where}: blocks split more than the slowest dimension (blockSize {block})")
-        arr = cls(shape, block[-1], dtype, kind, bool(comp.get("useZlib", False)))
+        arr = cls(shape, block[-1], dtype, kind, use_zlib)
         if arr.rows * arr.row_bytes > _MAX_BLOCK_BYTES:
             raise PackerError(f"{where}: blocks of {arr.rows * arr.row_bytes} bytes (at most {_MAX_BLOCK_BYTES})")
         return arr
@@ -284,7 +285,8 @@ class Writer(ShardWriter):
         self.root = self.directory / self.name
         target = block_bytes(options) or _BLOCK_BYTES
         if self.shape is not None:  # whole images per block
-            self.rows, self.step = max(1, target // prod(self.shape)), max(1, target // prod(self.shape)) * prod(self.shape)
+            self.rows = max(1, target // prod(self.shape))
+            self.step = self.rows * prod(self.shape)
         else:
             self.rows = self.step = target
         self._count = 0
@@ -304,11 +306,11 @@ class Writer(ShardWriter):
         check_addition(self.root, self._count, self.planned, sample, self.shape)
         data = sample.payload
         if self.payload == "raw":
-            self._shapes[self._count] = data.shape
+            self._shapes[self._count] = cast(np.ndarray, data).shape
         self._labels[self._count] = sample.label
         self._count += 1
         self._offsets[self._count] = self._offsets[self._count - 1] + sample.nbytes
-        self._pending += data if isinstance(data, bytes) else memoryview(data).cast("B")
+        self._pending += data if isinstance(data, bytes) else data.data.cast("B")
         while len(self._pending) >= self.step:
             self._flush(self.step)
 
@@ -334,7 +336,8 @@ class Writer(ShardWriter):
         _write_json(self.root / ATTRIBUTES, {"n5": N5_VERSION, "packer": {
             "format": "n5", "payload": self.payload, "layout": layout, "num_samples": n,
             "description": _DESCRIBE[(self.payload, layout)]}})
-        facts: dict = {"layout": layout, "rows": self.rows, "compression": None if self.compression == "raw" else "gzip"}
+        facts: dict = {"layout": layout, "rows": self.rows,
+                       "compression": None if self.compression == "raw" else "gzip"}
         if self.shape is not None:
             facts["shape"] = list(self.shape)
         return [f"{self.name}/{x}" for x in names], facts
@@ -405,7 +408,8 @@ class Reader(ShardReader):
     def _small(self, arr: Array, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A one-block int64 dataset of exactly ``shape``, read whole."""
         if arr.shape != shape or arr.dtype != "int64" or arr.num_blocks > 1:
-            raise PackerError(f"{self._where(name)}: {arr.shape} {arr.dtype} in {arr.num_blocks} blocks, expected {shape} int64")
+            raise PackerError(f"{self._where(name)}: {arr.shape} {arr.dtype} in {arr.num_blocks} blocks, "
+                              f"expected {shape} int64")
         if not arr.num_blocks:
             return np.zeros(shape, dtype=np.int64)
         return np.frombuffer(self._block(arr, 0, name), dtype=">i8").astype(np.int64).reshape(shape)
@@ -576,7 +580,8 @@ class Reader(ShardReader):
                 if arr.compression == "gzip":  # inflated whole
                     spans.append((h.blocks[j], 0, h.block_sizes[j]))
                 else:
-                    spans.append((h.blocks[j], hb + max(a, j * step) - j * step, hb + min(b, (j + 1) * step) - j * step))
+                    lo, hi = max(a, j * step) - j * step, min(b, (j + 1) * step) - j * step
+                    spans.append((h.blocks[j], hb + lo, hb + hi))
             out.append(spans)
         return out
 
