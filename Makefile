@@ -45,8 +45,11 @@ FUZZ_CASES ?= 5000
 fuzz: install
 	$(BIN)/python -m pytest -q -s tests/test_fuzz.py --fuzz-cases $(FUZZ_CASES)
 
+# ruff (line length 120, E501 on) on everything; pyright in basic mode on packer/ (settings in pyproject.toml),
+# against this virtualenv's packages.
 lint: install
 	$(BIN)/ruff check packer tests examples
+	$(BIN)/pyright --pythonpath $(BIN)/python
 
 # Sample data -> every format -> verify -> benchmark. Outputs land in $(DEMO)/.
 demo: install

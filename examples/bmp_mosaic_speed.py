@@ -128,8 +128,8 @@ def main() -> None:
     for codec in ("bmp", "png", "jpeg"):
         out = work / f"imgs.mosaic-{codec}"
         if not out.exists():
-            convert(src, out, to="mosaic", tile=args.tile, codec=codec, quality=args.quality if codec == "jpeg" else None,
-                    progress=False)
+            convert(src, out, to="mosaic", tile=args.tile, codec=codec,
+                    quality=args.quality if codec == "jpeg" else None, progress=False)
         m = open_dataset(out).manifest
         shard = m.shards[0]
         sizes[codec] = {"disk_bytes": disk_bytes(out), "grid": shard.facts["grid"], "mosaics": len(m.shards[0].facts[

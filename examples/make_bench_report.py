@@ -67,12 +67,14 @@ def hdd_summary(report: dict) -> list[str]:
            f"ceiling measured in the run: **{ceiling:,.0f} MB/s**."]
     if folder:
         bound = (e["read_bps"] / mean) / e["read_iops"]
-        out.append(f"Loose folder, ImageFolder's shuffled order, cold: **{folder['samples_per_s']['median']:,.0f} files/s** "
+        out.append(f"Loose folder, ImageFolder's shuffled order, cold: "
+                   f"**{folder['samples_per_s']['median']:,.0f} files/s** "
                    f"({folder['mb_per_s']['median']:.0f} MB/s); physics allows packed reads about "
                    f"(bytes/s / mean file size) / IOPS = ({e['read_bps'] / 1e6:.0f} MB/s / {mean / 1e3:.0f} KB) / "
                    f"{e['read_iops']} = **{bound:.1f}x** that.")
     out.append("")
-    out.append("| packed dataset | order | samples/s | MB/s | of sequential ceiling (target >= 80% for block) | x folder (shuffled) | device reads: IOs, mean size |")
+    out.append("| packed dataset | order | samples/s | MB/s | of sequential ceiling (target >= 80% for block) "
+               "| x folder (shuffled) | device reads: IOs, mean size |")
     out.append("|---|---|---:|---:|---:|---:|---|")
     for r in rows:
         if r["kind"] == "folder":
@@ -81,7 +83,8 @@ def hdd_summary(report: dict) -> list[str]:
         vs = r["samples_per_s"]["median"] / folder["samples_per_s"]["median"] if folder else float("nan")
         dev = r.get("device_reads") or []
         io = ", ".join(f"{d['ios']} x {d['bytes'] / max(d['ios'], 1) / 1e3:.0f} KB" for d in dev)
-        out.append(f"| {r['name']} | {r['order']} | {r['samples_per_s']['median']:,.0f} | {r['mb_per_s']['median']:.0f} "
+        out.append(f"| {r['name']} | {r['order']} | {r['samples_per_s']['median']:,.0f} "
+                   f"| {r['mb_per_s']['median']:.0f} "
                    f"| {frac:.0%} | {vs:.1f}x | {io} |")
     return out
 
@@ -93,7 +96,8 @@ def main() -> int:
     ap.add_argument("--count", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--workers", default="0,2")
-    ap.add_argument("--quick", action="store_true", help="300 images, 1 repeat: checks the pipeline, not for publishing")
+    ap.add_argument("--quick", action="store_true",
+                    help="300 images, 1 repeat: checks the pipeline, not for publishing")
     a = ap.parse_args()
     if a.quick:
         a.count, a.repeats = 300, 1
@@ -127,8 +131,8 @@ def main() -> int:
     run(cmd_main)
     main_minutes = (time.time() - t) / 60
     # Under the emulated disk the loose folder reads ~150 files/s (~13 s a pass): shuffled and block orders only.
-    cmd_hdd = packer("bench", *paths, "--emulate", "hdd", "--levels", "read,loader", "--orders", "shuffle,block", "--cold",
-                     "--workers", a.workers.split(",")[-1], "--json", str(out / "bench_hdd.json"),
+    cmd_hdd = packer("bench", *paths, "--emulate", "hdd", "--levels", "read,loader", "--orders", "shuffle,block",
+                     "--cold", "--workers", a.workers.split(",")[-1], "--json", str(out / "bench_hdd.json"),
                      "--plot", str(out / "bench_hdd.png"), *common)
     commands.append(shown(cmd_hdd))
     t = time.time()

@@ -128,7 +128,8 @@ def main() -> None:
                 evict(paths)
             rates[name].append(fn())
     med = {k: statistics.median(v) for k, v in rates.items()}
-    print(f"{len(paths)} files, {args.workers} workers, {'cold' if args.cold else 'warm'} cache, median of {args.repeats}")
+    print(f"{len(paths)} files, {args.workers} workers, {'cold' if args.cold else 'warm'} cache, "
+          f"median of {args.repeats}")
     for k, v in rates.items():
         print(f"  {k:<28} {med[k]:8.0f} files/s   (min {min(v):.0f}, max {max(v):.0f})")
     for conv, base, copy, target in (("header", "plain read", "plain copy (read)", 80),

@@ -60,7 +60,8 @@ def rows_for(name, labels, nbytes, cuts, batch, block_bytes, configs, epochs):
         stats = [shuffle_stats(o, labels, batch, bounds) for o in orders[:epochs]]
         for e, st in enumerate(stats):
             st["again"] = batchmates_again(orders[e], orders[e + 1], batch)
-        out.append((f"block, {name}, {k} open, run {run}", {c: float(np.mean([s[c] for s in stats])) for c, _, _ in COLUMNS}))
+        means = {c: float(np.mean([s[c] for s in stats])) for c, _, _ in COLUMNS}
+        out.append((f"block, {name}, {k} open, run {run}", means))
     return out, bounds
 
 
@@ -92,7 +93,8 @@ def main() -> None:
         what = f"{args.dataset}: {len(labels):,} samples"
     else:
         labels, nbytes, cuts = imagenet_like(args.classes, args.per_class, args.mean_kb)
-        r, bounds = rows_for("--order source", labels, nbytes, cuts, args.batch, block, [(DEFAULT_OPEN_BLOCKS, DEFAULT_RUN)], args.epochs)
+        r, bounds = rows_for("--order source", labels, nbytes, cuts, args.batch, block,
+                             [(DEFAULT_OPEN_BLOCKS, DEFAULT_RUN)], args.epochs)
         rows += r
         perm = stable_permutation(len(labels), 0)  # what `packer convert --order shuffled --seed 0` does
         labels, nbytes = labels[perm], nbytes[perm]

@@ -8,8 +8,8 @@ A tiny CNN trains on 64x64 random crops (on the GPU when there is one, else the 
 dataset is wrapped with ``packer.diagnose.instrument`` so the workers report read / decode / transform /
 collate time per sample; the loop runs through ``packer.profile`` (wait for batch vs step) and
 ``CUDAPrefetcher`` (copies the next batch to the GPU during the current step; a pass-through on
-CPU), optionally behind a ``BackgroundLoader`` thread (``--background N``); at the end it prints the profile and the verdict: input-bound or compute-bound, and which
-stage to fix.
+CPU), optionally behind a ``BackgroundLoader`` thread (``--background N``); at the end it prints
+the profile and the verdict: input-bound or compute-bound, and which stage to fix.
 """
 
 from __future__ import annotations
@@ -42,9 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--crop", type=int, default=64)
-    ap.add_argument("--cache", choices=("ram", "ram-decoded"), default=None, help="serve samples from a shared RAM cache")
+    ap.add_argument("--cache", choices=("ram", "ram-decoded"), default=None,
+                    help="serve samples from a shared RAM cache")
     ap.add_argument("--background", type=int, default=0, metavar="N",
-                    help="keep N batches ready in a background thread (packer.BackgroundLoader; useful with --workers 0)")
+                    help="keep N batches ready in a background thread "
+                    "(packer.BackgroundLoader; useful with --workers 0)")
     args = ap.parse_args(argv)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -184,3 +184,18 @@ def test_the_convention_is_stated_in_help_and_readme(capsys):
         for code, words in (("0", "ok"), ("1", "found a problem"), ("2", "could not run as asked"),
                             ("130", "interrupted")):
             assert any(line.strip().startswith(code) and words in line for line in text.splitlines()), (code, text)
+
+
+def test_compression_help_is_built_from_each_formats_codecs():
+    """``--compression``'s help names what each format offers (hdf5: gzip, lzf; n5: gzip), not one format."""
+    from packer.cli.parser import compression_help
+    from packer.formats import FORMATS
+
+    text = compression_help(FORMATS)
+    offering = {name: fmt.compressions for name, fmt in FORMATS.items() if fmt.compressions}
+    assert {"hdf5", "n5"} <= set(offering)
+    for name, codecs in offering.items():
+        assert f"{name}: {', '.join(sorted(codecs))}" in text, (name, text)
+    convert_help = next(a for a in build_parser()._subparsers._group_actions[0].choices["convert"]._actions
+                        if "--compression" in a.option_strings).help
+    assert convert_help == text

@@ -151,7 +151,10 @@ def run_pass(src: Source, level: str, order: BenchOrder, workers: int, batch_siz
         count, first = _loader_pass(src, order, workers, batch_size, pin, handle)
         nbytes = int(src.nbytes[order.indices].sum())
     elif level in ("read", "decode"):
-        count, nbytes = _folder_pass(src, level, order) if src.kind == "folder" else _packed_pass(src, level, order, handle)
+        if src.kind == "folder":
+            count, nbytes = _folder_pass(src, level, order)
+        else:
+            count, nbytes = _packed_pass(src, level, order, handle)
     else:
         raise PackerError(f"unknown level {level!r} (choose {', '.join(BENCH_LEVELS)})")
     return count, nbytes, time.perf_counter() - t0, first
@@ -289,7 +292,8 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
     sources = [open_source(p, o.limit) for p in paths]
     emulating = bool(o.emulate or o.read_iops or o.read_bps)
     iops, bps, desc = resolve_limits(o.emulate, o.read_iops, o.read_bps)
-    ctx = throttled([s.path for s in sources] + [s.path.parent for s in sources], iops, bps) if emulating else nullcontext()
+    watched = [s.path for s in sources] + [s.path.parent for s in sources]
+    ctx = throttled(watched, iops, bps) if emulating else nullcontext()
     report = _report_head(sources, o)
     cores = report["machine"]["cores_usable"] or 1
     with ctx as thr:
@@ -337,7 +341,7 @@ def _timed_repeats(src: Source, level: str, order: BenchOrder, cache: str, w: in
         out["resident"].append(res.fraction)
         before = thr.read_counters() if thr is not None else None
         out["count"], out["nbytes"], sec, first = run_pass(src, level, order, w, o.batch_size, o.pin_memory, handle)
-        if before is not None:
+        if thr is not None and before is not None:
             after = thr.read_counters()
             out["device"].append({"ios": after[0] - before[0], "bytes": after[1] - before[1]})
         out["seconds"].append(sec)
@@ -347,7 +351,8 @@ def _timed_repeats(src: Source, level: str, order: BenchOrder, cache: str, w: in
 
 def measure_setting(src: Source, level: str, order_name: str, order: BenchOrder, cache: str, workers: int | None,
                     o: BenchOptions, thr=None, prewarmed: bool = False) -> dict:
-    """One row of the report: ``o.repeats`` timed passes of ``src`` at one level, order, cache state and worker count."""
+    """One row of the report: ``o.repeats`` timed passes of ``src`` at one level, order, cache state and worker
+    count."""
     handle: dict = {}
     w = workers or 0
     try:

@@ -91,7 +91,8 @@ def list_collate(batch):
 
 
 def one_shape(dataset) -> bool:
-    """Whether every image has one known size: then the loader level stacks batches (default_collate), as training would."""
+    """Whether every image has one known size: then the loader level stacks batches (default_collate), as
+    training would."""
     index = getattr(dataset, "index", None)
     if index is None or not len(index.heights):
         return False

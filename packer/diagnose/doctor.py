@@ -81,7 +81,7 @@ def _generated_jpegs(k: int = 8) -> list[bytes]:
 
 def _decode_samples(path: Path | None, ds: Any, files: list[str]) -> tuple[list[bytes], str]:
     """A few encoded images to time the decoders on: the user's own when there are any."""
-    if ds is not None and ds.manifest.payload == "encoded" and len(ds):
+    if path is not None and ds is not None and ds.manifest.payload == "encoded" and len(ds):
         out = measure.load_samples(path, 16)
         return out, f"{len(out)} samples of {path}"
     out = measure.load_samples(files, 16) if files else []
@@ -292,7 +292,8 @@ def render(r: dict) -> str:
                 else f"none (torch {g['torch']}, CUDA build {g['cuda_build']}; pinned memory: "
                      f"{'yes' if g['pinned_memory'] else 'no'})")
     lines.append(f"GPU       {gpu_line}")
-    lines.append(f"JPEG      libjpeg-turbo {'loaded' if d['libturbojpeg'] else 'MISSING: ' + str(d['libturbojpeg_error'])}")
+    turbo = "loaded" if d["libturbojpeg"] else f"MISSING: {d['libturbojpeg_error']}"
+    lines.append(f"JPEG      libjpeg-turbo {turbo}")
     for name, v in d["per_core"].items():
         lines.append(f"decode    {name}: " + (f"{v['img_per_s']:,.0f} img/s per core ({v['low']:,.0f}-{v['high']:,.0f})"
                                              if "img_per_s" in v else f"failed: {v['error']}"))
@@ -309,10 +310,10 @@ def render(r: dict) -> str:
                      f"{st.get('mount_point')}; device {st.get('device') or 'none'} ({rot})")
         if st.get("small_file_read"):
             s = st["small_file_read"]
-            lines.append(f"          cold small-file reads: {s['files_per_s']:,.0f} files/s ({s['MB_per_s']:,.0f} MB/s, "
-                         f"{s['files']} files of {s['mean_KB']:.0f} KB; eviction "
-                         f"{'verified' if s['eviction_verified'] else 'NOT verified'})"
-                         + (f"\n          (small files: {st['small_files_from']})" if st.get("small_files_from") else ""))
+            small_from = f"\n          (small files: {st['small_files_from']})" if st.get("small_files_from") else ""
+            lines.append(f"          cold small-file reads: {s['files_per_s']:,.0f} files/s "
+                         f"({s['MB_per_s']:,.0f} MB/s, {s['files']} files of {s['mean_KB']:.0f} KB; eviction "
+                         f"{'verified' if s['eviction_verified'] else 'NOT verified'})" + small_from)
         if st.get("sequential_read"):
             s = st["sequential_read"]
             lines.append(f"          cold sequential read: {s['MB_per_s']:,.0f} MB/s ({s['detail']})")

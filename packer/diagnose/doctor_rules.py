@@ -37,7 +37,7 @@ class Facts:
     def of(cls, r: dict) -> Facts:
         cores = r["machine"]["cores_usable"] or 1
         per_core = {k: v["img_per_s"] for k, v in r["decode"]["per_core"].items() if "img_per_s" in v}
-        best = max(per_core, key=per_core.get) if per_core else None
+        best = max(per_core, key=lambda k: per_core[k]) if per_core else None
         return cls(r, cores, per_core, best, per_core[best] * cores if best else 0.0,
                    max(1, cores - 1) if cores > 2 else cores)
 
@@ -51,7 +51,8 @@ def busy_machine(f: Facts) -> Finding | None:
     if load1 <= 0.8 * f.cores:
         return None
     return _finding(f"the machine is busy: load {load1:.1f} on {f.cores} cores; the rates below are lower than on a "
-                    "quiet machine, and loader workers will compete with whatever runs now.", load1=load1, cores=f.cores)
+                    "quiet machine, and loader workers will compete with whatever runs now.",
+                    load1=load1, cores=f.cores)
 
 
 def decode_ceiling(f: Facts) -> Finding | None:
@@ -68,9 +69,10 @@ def libjpeg_turbo(f: Facts) -> Finding | None:
     dec, pc = f.r["decode"], f.per_core
     if not dec["libturbojpeg"] and "pil" in pc:
         return _finding(
-            f"libjpeg-turbo is missing ({dec['libturbojpeg_error']}): JPEGs decode with Pillow at {pc['pil']:,.0f} img/s "
-            "per core; libjpeg-turbo decoded 1.14-1.28x faster than Pillow 13 in packer's measurements "
-            "(docs/decoding.md): apt-get install libturbojpeg0 (or conda install libjpeg-turbo).", pil=pc["pil"])
+            f"libjpeg-turbo is missing ({dec['libturbojpeg_error']}): JPEGs decode with Pillow at "
+            f"{pc['pil']:,.0f} img/s per core; libjpeg-turbo decoded 1.14-1.28x faster than Pillow 13 in packer's "
+            "measurements (docs/decoding.md): apt-get install libturbojpeg0 (or conda install libjpeg-turbo).",
+            pil=pc["pil"])
     if "turbojpeg" in pc and "pil" in pc:
         return _finding(f"libjpeg-turbo decodes {pc['turbojpeg']:,.0f} img/s per core vs Pillow {pc['pil']:,.0f} "
                         f"({pc['turbojpeg'] / pc['pil']:.2f}x): keep decoder='auto'.",
@@ -102,7 +104,8 @@ def rotational_disk(f: Facts) -> Finding | None:
     fps = small["files_per_s"] if small else None
     if fps is not None and fps > 1000:
         text = (f"sysfs says {st['device']} is rotational, but it read {fps:,.0f} small files/s cold, which no "
-                "spinning disk does: a virtual disk backed by faster storage or a host cache; go by the measured figures.")
+                "spinning disk does: a virtual disk backed by faster storage or a host cache; go by the measured "
+                "figures.")
     else:
         text = (f"{st['device']} is a spinning disk (rotational=1 in sysfs): random small reads manage ~100-200 per "
                 "second; pack the data and read it in packer's block order.")

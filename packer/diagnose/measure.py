@@ -73,7 +73,7 @@ def resident_pages(path: str | os.PathLike) -> tuple[int, int] | None:
             vec = (ctypes.c_ubyte * pages)()
             if _LIBC.mincore(addr, size, vec) != 0:
                 return None
-            return int((np.frombuffer(vec, dtype=np.uint8) & 1).sum()), pages
+            return int((np.ctypeslib.as_array(vec) & 1).sum()), pages
         finally:
             _LIBC.munmap(addr, size)
     finally:
@@ -331,7 +331,7 @@ OPTIONAL_BACKENDS = ("simplejpeg",)  # measured when importable, never a depende
 
 def _simplejpeg_decoder() -> Callable | None:
     try:
-        import simplejpeg
+        import simplejpeg  # pyright: ignore[reportMissingImports]  (optional, not a dependency)
     except ImportError:
         return None
     from packer.images.decode import scaled_shape
@@ -370,7 +370,8 @@ def decoder(backend: str) -> Callable[..., np.ndarray]:
 
 def decode_rate(samples: Sequence[bytes], backend: str, min_size: int | None = None, seconds: float = 1.0,
                 repeats: int = 3, clock: str = "wall") -> Rate:
-    """Images/s of one core decoding in-memory ``samples`` with ``backend``: ``repeats`` timings of ``seconds / repeats``."""
+    """Images/s of one core decoding in-memory ``samples`` with ``backend``: ``repeats`` timings of
+    ``seconds / repeats``."""
     if not samples:
         raise PackerError("no samples to measure decoding on")
     fn = decoder(backend)

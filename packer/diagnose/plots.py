@@ -35,6 +35,8 @@ def require_matplotlib():
 def plot_bench(report: dict, path: str | os.PathLike) -> None:
     """Write a PNG: for each level a panel of grouped bars (order x cache), one colour per dataset (hatched
     per DataLoader worker count), each bar's ceiling drawn as a black line across it, values printed on top."""
+    from matplotlib.artist import Artist
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     plt = require_matplotlib()
@@ -69,16 +71,17 @@ def plot_bench(report: dict, path: str | os.PathLike) -> None:
         ax.set_title({"read": "read: stored bytes only (the IO term)", "decode": "decode: images as training gets them",
                       "loader": "DataLoader: batches, no transform"}[level], fontsize=10)
         ax.grid(axis="y", which="both", alpha=0.25)
-    handles = [Patch(color=colours(i % 10), label=n) for i, n in enumerate(names)]
+    handles: list[Artist] = [Patch(color=colours(i % 10), label=n) for i, n in enumerate(names)]
     handles += [Patch(facecolor="white", edgecolor="0.3", hatch=hatches[i % len(hatches)], label=f"{w} workers")
                 for i, w in enumerate(workers)] if len(workers) > 1 else []
-    handles.append(plt.Line2D([], [], color="black", linewidth=1.8, label="its ceiling, measured in the same run"))
+    handles.append(Line2D([], [], color="black", linewidth=1.8, label="its ceiling, measured in the same run"))
     fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
     m = report["machine"]
     title = f"packer bench - {m['cpu']}, {m['cores_usable']} cores"
     if report.get("emulation"):
         e = report["emulation"]
-        title += f" - EMULATED storage: {e['read_iops'] or 'unlimited'} read IOPS, {(e['read_bps'] or 0) / 1e6:.0f} MB/s"
+        title += (f" - EMULATED storage: {e['read_iops'] or 'unlimited'} read IOPS, "
+                  f"{(e['read_bps'] or 0) / 1e6:.0f} MB/s")
     fig.suptitle(title + "\nceilings: " + ceiling_summary(report["ceilings"]), fontsize=10)
     fig.tight_layout(rect=(0, 0.07, 1, 0.93))
     fig.savefig(path, dpi=110)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,7 +71,7 @@ class StageTotals:
 
     def slowest(self) -> str | None:
         ms = self.per_sample_ms()
-        return max(ms, key=ms.get) if ms else None
+        return max(ms, key=lambda k: ms[k]) if ms else None
 
     def to_dict(self) -> dict:
         return {"per_sample_ms": self.per_sample_ms(), "seconds": self.seconds, "samples": self.samples,
@@ -278,7 +278,7 @@ def verdict(stats: LoopStats, stages: StageTotals | None = None, workers: int | 
         lines.append(f"input-bound: each step waits {wait_ms:.1f} ms for data against {step_ms:.1f} ms of work "
                      f"({100 * ratio:.0f}% of the step; fed means < {100 * FED:.0f}%); "
                      f"{f['samples_per_s']:,.0f} samples/s.")
-        limit = max(per_sample, key=per_sample.get) if per_sample else None
+        limit = max(per_sample, key=lambda k: per_sample[k]) if per_sample else None
         if limit is None:
             lines.append("wrap the dataset with packer.instrument(dataset) (and collate_fn=ds.collate()) "
                          "to see which stage (read, decode, transform, collate) is the limit.")
@@ -346,7 +346,7 @@ class LoopProfiler:
         if self.progress:
             from tqdm import tqdm
 
-            total = len(self.loader) if hasattr(self.loader, "__len__") else None
+            total = len(self.loader) if isinstance(self.loader, Sized) else None
             bar = tqdm(total=total, desc=self.desc, unit="batch", file=sys.stderr, mininterval=0.5, leave=True)
         clock = time.perf_counter
         start = mark = clock()

@@ -36,7 +36,8 @@ def ceiling_summary(ceilings: dict, ranges: bool = False) -> str:
     def span(x: dict) -> str:
         return f" ({x['low']:,.0f}-{x['high']:,.0f})" if ranges else ""
 
-    return ", ".join([f"cold sequential read {x['value']:,.0f} MB/s{span(x)}" for x in ceilings["sequential_read"].values()]
+    return ", ".join([f"cold sequential read {x['value']:,.0f} MB/s{span(x)}"
+                      for x in ceilings["sequential_read"].values()]
                      + [f"memory copy {ceilings['memory_copy']['value']:,.0f} MB/s"]
                      + [f"decode {k} {x['value']:,.0f} img/s per core" for k, x in ceilings["decode"].items()])
 
@@ -82,7 +83,8 @@ def print_progress(line: str) -> None:
 
 def markdown_table(report: dict, levels: Sequence[str] | None = None) -> str:
     """The results as a Markdown table (for reports and the README)."""
-    out = ["| dataset | level | order | cache | workers | samples/s (min-max) | MB/s | x folder | of ceiling | ceiling |",
+    out = ["| dataset | level | order | cache | workers | samples/s (min-max) | MB/s | x folder | of ceiling "
+           "| ceiling |",
            "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in report["results"]:
         if levels and r["level"] not in levels:
@@ -118,6 +120,7 @@ def describe_setup(report: dict) -> str:
 
     blk = o.get("block_bytes") or sampler.DEFAULT_BLOCK_BYTES
     lines.append(f"- options: repeats {o['repeats']}, batch size {o['batch_size']}, block order (packer.read.sampler): "
-                 f"{blk / 1e6:.0f} MB blocks, windows of {o.get('open_blocks') or sampler.DEFAULT_OPEN_BLOCKS} open blocks, "
+                 f"{blk / 1e6:.0f} MB blocks, windows of {o.get('open_blocks') or sampler.DEFAULT_OPEN_BLOCKS} "
+                 "open blocks, "
                  f"runs of {o.get('run') or sampler.DEFAULT_RUN}, seed {o['seed']}, pin_memory {o['pin_memory']}")
     return "\n".join(lines)

@@ -214,12 +214,13 @@ def _in_process_note(points: Sequence[SweepPoint], ref: SweepPoint) -> list[str]
 
 def _fed_lines(chosen: SweepPoint, predicted: int | None) -> list[str]:
     lines = [f"smallest setting that keeps the step fed: num_workers={chosen.workers}, batch_size={chosen.batch_size}, "
-             f"pin_memory={chosen.pin_memory} (waits {chosen.wait_ms:.1f} ms per {chosen.measured_step_ms:.0f} ms step, "
+             f"pin_memory={chosen.pin_memory} (waits {chosen.wait_ms:.1f} ms per "
+             f"{chosen.measured_step_ms:.0f} ms step, "
              f"{100 * chosen.wait_over_step:.0f}%; {chosen.samples_per_s:,.0f} samples/s)."]
     if predicted is not None and predicted != chosen.workers:
         lines.append(f"(the prediction said {predicted}; the measured sweep decides.)")
     if chosen.per_sample_ms:
-        stage = max(chosen.per_sample_ms, key=chosen.per_sample_ms.get)
+        stage = max(chosen.per_sample_ms, key=lambda k: chosen.per_sample_ms[k])
         lines.append(f"there the loop is compute-bound; the largest loading cost is {stage} "
                      f"({chosen.per_sample_ms[stage]:.2f} ms per sample), the stage to cut if the step gets faster.")
     return lines
@@ -238,12 +239,13 @@ def _not_fed_lines(points: Sequence[SweepPoint], step_ms: float, need: float, co
                f"(load {load:.1f} on {cores} cores); larger batches amortise the first")
     else:
         why = "No tested worker count was enough"
-    lines = [f"NOT FEASIBLE as tested: no setting keeps a {step_ms:g} ms step fed; the best, num_workers={best.workers}, "
+    lines = [f"NOT FEASIBLE as tested: no setting keeps a {step_ms:g} ms step fed; the best, "
+             f"num_workers={best.workers}, "
              f"still waits {best.wait_ms:.1f} ms per step ({100 * best.wait_over_step:.0f}%). {why}."]
     if need <= cores and max(p.workers for p in points) < cores:
         lines.append(f"Try more workers (up to {cores}).")
     if best.per_sample_ms:
-        stage = max(best.per_sample_ms, key=best.per_sample_ms.get)
+        stage = max(best.per_sample_ms, key=lambda k: best.per_sample_ms[k])
         lines.append(f"the largest cost per sample is {stage} ({best.per_sample_ms[stage]:.2f} ms): {ADVICE[stage]}.")
     return lines
 
@@ -262,7 +264,10 @@ def word_sweep(dataset: str, points: list[SweepPoint], step_ms: float, cores: in
              f"{base} in {base * cost_ms:.0f} ms: keeping the step fed needs about {need:.1f} busy workers"
              + (f" -> predicted num_workers={predicted}" if predicted is not None else "")
              + f"; this machine has {cores} cores."]
-    lines += _fed_lines(chosen, predicted) if chosen is not None else _not_fed_lines(points, step_ms, need, cost_ms, cores)
+    if chosen is not None:
+        lines += _fed_lines(chosen, predicted)
+    else:
+        lines += _not_fed_lines(points, step_ms, need, cost_ms, cores)
     if cost_ms and step_ms:
         per_core = 1000 / cost_ms
         lines.append(f"ceiling on this machine: about {per_core * cores:,.0f} samples/s "

@@ -158,7 +158,7 @@ def _versions() -> dict:
     from packer._version import __version__
     from packer.images.decode import turbojpeg_available
 
-    out = {"packer": __version__, "python": platform.python_version()}
+    out: dict[str, str | None] = {"packer": __version__, "python": platform.python_version()}
     for dist in ("numpy", "torch", "Pillow", "lmdb", "h5py", "PyTurboJPEG", "matplotlib"):
         try:
             out[dist] = metadata.version(dist)

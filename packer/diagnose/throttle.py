@@ -67,7 +67,8 @@ class Controller:
     version: int
     root: Path
 
-    def limit_lines(self, devices: Sequence[tuple[int, int]], iops: int | None, bps: int | None) -> dict[str, list[str]]:
+    def limit_lines(self, devices: Sequence[tuple[int, int]], iops: int | None,
+                    bps: int | None) -> dict[str, list[str]]:
         """File name -> lines to write to set the limits (0/None = unlimited)."""
         if self.version == 1:
             return {
@@ -334,7 +335,8 @@ def _unblock_signals(old) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def resolve_limits(emulate: str | None, read_iops: int | None, read_bps: int | None) -> tuple[int | None, int | None, str]:
+def resolve_limits(emulate: str | None, read_iops: int | None,
+                   read_bps: int | None) -> tuple[int | None, int | None, str]:
     """(iops, bytes/s, description) from a preset and/or explicit limits (explicit ones win)."""
     if emulate is not None and emulate not in PRESETS:
         raise PackerError(f"unknown --emulate preset {emulate!r} (choose {', '.join(PRESETS)})")

@@ -178,7 +178,7 @@ def contiguous_runs(positions: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def fixed_shape(payload: str, options: dict) -> tuple[int, int, int] | None:
+def fixed_shape(payload: str, options: Mapping) -> tuple[int, int, int] | None:
     """(H, W, 3) every sample of a raw payload will have, known before writing; else None.
 
     Only ``--resize HxW`` promises one shape in advance (short-side resizing and untouched

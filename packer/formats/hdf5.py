@@ -47,7 +47,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import h5py
 import numpy as np
@@ -121,16 +121,16 @@ class Writer(ShardWriter):
         check_addition(self.path, self._count, self._planned, sample, self.shape)
         data = sample.payload
         if self.payload == "raw":
-            self._shapes[self._count] = data.shape
+            self._shapes[self._count] = cast(np.ndarray, data).shape
         self._labels[self._count] = sample.label
         self._count += 1
         self._offsets[self._count] = self._offsets[self._count - 1] + sample.nbytes
         if self.shape is not None:
-            self._pending.append(data)
-            if len(self._pending) * data.nbytes >= _WRITE_BYTES:
+            self._pending.append(cast(np.ndarray, data))
+            if len(self._pending) * sample.nbytes >= _WRITE_BYTES:
                 self._flush()
         else:
-            self._blob += data if isinstance(data, bytes) else memoryview(data).cast("B")
+            self._blob += data if isinstance(data, bytes) else data.data.cast("B")
             if len(self._blob) >= _WRITE_BYTES:
                 self._flush()
 
@@ -142,7 +142,7 @@ class Writer(ShardWriter):
                 self._images[stop - len(self._pending) : stop] = np.stack(self._pending)
                 self._pending = []
             return
-        chunk = self._images.chunks[0]
+        chunk = cast(tuple, self._images.chunks)[0]  # the blob is always chunked
         n = len(self._blob) if final else len(self._blob) // chunk * chunk
         if n:
             start = int(self._images.shape[0])
@@ -369,14 +369,16 @@ class Reader(ShardReader):
 
     def _blob(self, h: _Open, start: int, stop: int) -> np.ndarray:
         # Plain slices take h5py's fast path: several times quicker than read_direct or fancy indexing.
-        return h.images[int(h.offsets[start]) : int(h.offsets[stop])]
+        offsets = cast(np.ndarray, h.offsets)  # blob layout: offsets are in memory
+        return h.images[int(offsets[start]) : int(offsets[stop])]
 
     def _split(self, h: _Open, buf: np.ndarray, start: int, stop: int) -> list:
-        base = h.offsets[start]
+        offsets = cast(np.ndarray, h.offsets)
+        base = offsets[start]
         out = []
         for pos in range(start, stop):
-            view = buf[h.offsets[pos] - base : h.offsets[pos + 1] - base]
-            out.append(memoryview(view) if h.shapes is None else view.reshape(h.shapes[pos]))
+            view = buf[offsets[pos] - base : offsets[pos + 1] - base]
+            out.append(view.data if h.shapes is None else view.reshape(h.shapes[pos]))
         return out
 
     def read(self, pos: int) -> np.ndarray | memoryview:
@@ -409,7 +411,7 @@ class Reader(ShardReader):
                 info = dsid.get_chunk_info_by_coord((p, 0, 0, 0))
                 out.append([(path, info.byte_offset, info.byte_offset + info.size)])
             return out
-        chunk = h.images.chunks[0]
+        chunk = cast(tuple, h.images.chunks)[0]
         for p in positions:
             a, b = int(h.offsets[p]), int(h.offsets[p + 1])
             ranges = []

@@ -16,7 +16,7 @@ deterministic and ``meminit`` zeroes unused bytes).
 Readers open with ``readonly=True, lock=False`` (safe on read-only and network filesystems:
 nothing is written, not even a lock file). ``readahead`` decides whether the kernel reads
 ahead around each page fault: on for sequential and block-shuffled passes (measured here a
-cold sequential pass is ~17x faster with it), off for uniform random access on datasets
+cold sequential pass is ~26x faster with it: docs/results.md), off for uniform random access on datasets
 larger than RAM, where read-ahead only evicts useful pages.
 """
 

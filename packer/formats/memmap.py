@@ -35,6 +35,7 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO, cast
 
 import numpy as np
 
@@ -94,8 +95,8 @@ class Writer(ShardWriter):
         check_addition(self.path, self._count, self._planned, sample, self.shape)
         data = sample.payload
         if self.payload == "raw" and self.shape is None:
-            self._shapes[self._count] = data.shape
-        self._fh.write(data)  # bytes, or a C-contiguous uint8 array (buffer protocol: no copy)
+            self._shapes[self._count] = cast(np.ndarray, data).shape
+        self._fh.write(data if isinstance(data, bytes) else data.data)  # a C-contiguous uint8 array: no copy
         self._count += 1
         self._offsets[self._count] = self._offsets[self._count - 1] + sample.nbytes
 
@@ -138,7 +139,7 @@ def _map(path: Path, access: str, fh) -> mmap.mmap:
     return mm
 
 
-def _open_file(path: Path, files: list) -> object:
+def _open_file(path: Path, files: list) -> BinaryIO:
     """``path`` opened for reading and added to ``files`` (which the caller closes)."""
     try:
         fh = open(path, "rb")

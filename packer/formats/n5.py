@@ -19,14 +19,6 @@ images, about 1 MiB of pixels per block: a few images per file) and blobs in 1 M
 (``images/<j>``); ``--n5-block SIZE`` sets another size. The small int64 arrays are one block
 each.
 
-A block file is a big-endian header, ``mode`` uint16 (0), ``ndim`` uint16, ``ndim`` uint32
-sizes of this block (the last block along N is cut to what remains, as the Java library
-writes it), then the elements big-endian, raw or gzip-compressed (``--compression gzip``, raw
-payloads only: the ``compressions`` of the Format, so the flag keeps the one meaning it has for
-hdf5; encoded JPEG/PNG bytes would not shrink). gzip is written as the Java default
-(``{"type": "gzip", "level": -1, "useZlib": false}``: gzip framing, mtime 0, so the same
-samples give the same bytes).
-
 Reading checks each block's header against the dataset's attributes (and those against the
 manifest) before it allocates: an uncompressed block must be exactly header + elements long,
 a compressed one is inflated with the block's size as the cap (no gzip bomb), and only the
@@ -41,15 +33,13 @@ One shard by default: a shard is a directory of block files, so it never is one 
 
 from __future__ import annotations
 
-import json
 import os
-import struct
-import zlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -68,187 +58,28 @@ from packer.formats.base import (
     fixed_shape,
     shard_layout,
 )
+from packer.formats.n5blocks import (
+    ATTRIBUTES,
+    BLOCK_BYTES,
+    DTYPES,
+    MAX_BLOCK_BYTES,
+    N5_VERSION,
+    Array,
+    Inflater,
+    check_block_header,
+    inflate,
+    read_attributes,
+    shard_dir,
+    write_block,
+    write_dataset,
+    write_json,
+)
 from packer.layout.manifest import Shard
 from packer.perprocess import PerProcess
 from packer.units import parse_bytes
 
-N5_VERSION = "2.0.0"
-ATTRIBUTES = "attributes.json"
-_BLOCK_BYTES = 1 << 20
-_MAX_BLOCK_BYTES = 256 << 20  # refuse attributes promising larger blocks (a crafted file must not allocate more)
-_MAX_ATTRIBUTES_BYTES = 1 << 20
 _OPEN_FILES = 64  # block files a reader keeps open per process
 _DECODED_BLOCKS = 4  # compressed blocks a reader keeps (partly) inflated per process
-DTYPES = {"uint8": np.dtype("u1"), "int64": np.dtype(">i8")}  # N5 stores big-endian
-_GZIP = {"type": "gzip", "level": -1, "useZlib": False}
-
-
-def shard_dir(shard_id: int) -> str:
-    return f"shard-{shard_id:05d}.n5"
-
-
-@dataclass(frozen=True)
-class Array:
-    """One N5 dataset as packer uses it: numpy (C) order, blocked along the first axis only."""
-
-    shape: tuple[int, ...]  # numpy order (N5's dimensions reversed)
-    rows: int  # block size along the first axis; the block spans the other axes whole
-    dtype: str  # N5 dataType
-    compression: str = "raw"  # raw or gzip
-    use_zlib: bool = False  # gzip: zlib framing instead of gzip's (readers accept both)
-
-    @property
-    def row_bytes(self) -> int:
-        return prod(self.shape[1:]) * DTYPES[self.dtype].itemsize
-
-    @property
-    def num_blocks(self) -> int:
-        return -(-self.shape[0] // self.rows)
-
-    def block_rows(self, j: int) -> int:
-        return min(self.rows, self.shape[0] - j * self.rows)
-
-    def block_name(self, j: int) -> str:
-        """The block's path in its dataset directory: grid position in N5 order (ours is [0, ..., 0, j])."""
-        return "/".join(["0"] * (len(self.shape) - 1) + [str(j)])
-
-    def header_bytes(self) -> int:
-        return 4 + 4 * len(self.shape)
-
-    def attributes(self) -> dict:
-        compression = dict(_GZIP) if self.compression == "gzip" else {"type": "raw"}
-        return {"dimensions": list(reversed(self.shape)), "blockSize": [*reversed(self.shape[1:]), self.rows],
-                "dataType": self.dtype, "compression": compression}
-
-    @classmethod
-    def from_attributes(cls, data: object, where: object) -> Array:
-        """Check a dataset's attributes: plain integers, a known type and codec, whole rows, bounded blocks."""
-        if not isinstance(data, dict):
-            raise PackerError(f"{where}: N5 attributes are not a JSON object")
-        dims, block, dtype, comp = (data.get(k) for k in ("dimensions", "blockSize", "dataType", "compression"))
-        if not (isinstance(dims, list) and isinstance(block, list) and dims and len(dims) == len(block)
-                and all(type(v) is int and v >= 0 for v in dims) and all(type(v) is int and v > 0 for v in block)):
-            raise PackerError(f"{where}: N5 dimensions {dims!r:.80} / blockSize {block!r:.80} are not valid")
-        if dtype not in DTYPES:
-            raise PackerError(f"{where}: N5 dataType {dtype!r:.40}, expected one of {', '.join(DTYPES)}")
-        kind = comp.get("type") if isinstance(comp, dict) else None
-        if kind not in ("raw", "gzip") or not isinstance(comp.get("useZlib", False), bool):
-            raise PackerError(f"{where}: N5 compression {comp!r:.80} (packer reads raw and gzip)")
-        shape = tuple(reversed(dims))
-        if list(reversed(block[:-1])) != list(shape[1:]):
-            raise PackerError(f"{where}: blocks split more than the slowest dimension (blockSize {block})")
-        arr = cls(shape, block[-1], dtype, kind, bool(comp.get("useZlib", False)))
-        if arr.rows * arr.row_bytes > _MAX_BLOCK_BYTES:
-            raise PackerError(f"{where}: blocks of {arr.rows * arr.row_bytes} bytes (at most {_MAX_BLOCK_BYTES})")
-        return arr
-
-
-def encode_block(arr: Array, j: int, data: bytes | memoryview) -> bytes:
-    """Block ``j`` of ``arr`` as a file: the N5 header (this block's sizes), then its elements."""
-    dims = [*reversed(arr.shape[1:]), arr.block_rows(j)]
-    header = struct.pack(f">HH{len(dims)}I", 0, len(dims), *dims)
-    if arr.compression == "gzip":
-        comp = zlib.compressobj(zlib.Z_DEFAULT_COMPRESSION, zlib.DEFLATED, 15 if arr.use_zlib else 31)
-        return header + comp.compress(data) + comp.flush()
-    return header + bytes(data)
-
-
-def write_dataset(root: Path, name: str, arr: Array, data: np.ndarray | None) -> list[str]:
-    """Write an N5 dataset (attributes, and ``data``'s blocks if given); returns the file names under ``root``."""
-    (root / name).mkdir(parents=True, exist_ok=True)
-    names = [f"{name}/{ATTRIBUTES}"]
-    _write_json(root / names[0], arr.attributes())
-    if data is not None:
-        flat = np.ascontiguousarray(data, dtype=DTYPES[arr.dtype]).reshape(-1).view(np.uint8)
-        step = arr.rows * arr.row_bytes
-        for j in range(arr.num_blocks):
-            names.append(_write_block(root, name, arr, j, flat[j * step : (j + 1) * step]))
-    return names
-
-
-def _write_block(root: Path, name: str, arr: Array, j: int, data) -> str:
-    rel = f"{name}/{arr.block_name(j)}"
-    (root / rel).parent.mkdir(parents=True, exist_ok=True)
-    with open(root / rel, "wb") as fh:
-        fh.write(encode_block(arr, j, data))
-    return rel
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def read_attributes(path: Path) -> dict:
-    """An ``attributes.json``, size-capped, as a dict."""
-    try:
-        size = os.stat(path).st_size
-        if size > _MAX_ATTRIBUTES_BYTES:
-            raise PackerError(f"{path}: {size} bytes of attributes (at most {_MAX_ATTRIBUTES_BYTES})")
-        with open(path, "rb") as fh:
-            data = json.loads(fh.read(size + 1))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise PackerError(f"{path}: cannot read N5 attributes ({type(exc).__name__}: {exc})") from exc
-    if not isinstance(data, dict):
-        raise PackerError(f"{path}: N5 attributes are not a JSON object")
-    return data
-
-
-def check_block_header(head: bytes, arr: Array, j: int, where: object) -> int:
-    """The number of elements block ``j``'s file holds, after its header is checked against ``arr``.
-
-    The sizes must be the block's (cut at the edge, as the Java library writes) or, for the last
-    block, the full block size (as tensorstore writes): the needed rows come first either way.
-    """
-    ndim = len(arr.shape)
-    if len(head) < arr.header_bytes():
-        raise PackerError(f"{where}: N5 block shorter than its header")
-    mode, nd = struct.unpack_from(">HH", head)
-    if mode != 0 or nd != ndim:
-        raise PackerError(f"{where}: N5 block header mode {mode}, {nd} dimensions (expected mode 0, {ndim})")
-    dims = struct.unpack_from(f">{ndim}I", head, 4)
-    expected = [*reversed(arr.shape[1:]), arr.block_rows(j)]
-    if list(dims) != expected and list(dims) != [*expected[:-1], arr.rows]:
-        raise PackerError(f"{where}: N5 block of sizes {list(dims)}, the attributes make it {expected}")
-    return prod(dims)
-
-
-class Inflater:
-    """A compressed block inflated as far as reads have needed so far, never past its size.
-
-    A random read inflates the block up to the end of its sample, a later read of the same block
-    goes on from there, and a gzip bomb stops at the block's size: the stream must end exactly
-    there, which is checked once the whole block has been inflated.
-    """
-
-    def __init__(self, arr: Array, data: bytes, size: int, where: object) -> None:
-        if size <= 0:  # zlib reads a limit of 0 as "no limit"
-            raise PackerError(f"{where}: empty N5 block")
-        self.d = zlib.decompressobj(15 if arr.use_zlib else 31)
-        self.tail, self.size, self.where = data, size, where
-        self.out = bytearray()
-
-    def upto(self, stop: int) -> bytearray:
-        """The block's elements, at least its first ``stop`` bytes inflated."""
-        try:
-            while len(self.out) < stop and not self.d.eof:
-                before = len(self.tail)
-                chunk = self.d.decompress(self.tail, min(self.size - len(self.out), max(stop - len(self.out), 1 << 16)))
-                self.tail = self.d.unconsumed_tail
-                self.out += chunk
-                if not chunk and len(self.tail) == before:
-                    break  # no input left before the stream's end
-            if len(self.out) == self.size and not self.d.eof and self.d.decompress(self.tail, 1):
-                raise PackerError(f"{self.where}: gzip block inflates to more than its {self.size} bytes")
-        except zlib.error as exc:
-            raise PackerError(f"{self.where}: damaged gzip block ({exc})") from exc
-        if len(self.out) < stop or (len(self.out) == self.size and not self.d.eof):
-            raise PackerError(f"{self.where}: gzip block inflates to other than its {self.size} bytes")
-        return self.out
-
-
-def inflate(arr: Array, data: bytes, size: int, where: object) -> bytes:
-    """A compressed block's elements: exactly ``size`` bytes (a gzip bomb stops there)."""
-    return bytes(Inflater(arr, data, size, where).upto(size))
 
 
 # ---------------------------------------------------------------- writing
@@ -263,8 +94,8 @@ def block_bytes(options: Mapping) -> int | None:
         size = value if type(value) is int else parse_bytes(str(value))
     except ValueError as exc:  # argparse.ArgumentTypeError is a ValueError
         raise PackerError(f"--n5-block {value!r}: {exc}") from None
-    if not 1 <= size <= _MAX_BLOCK_BYTES:
-        raise PackerError(f"--n5-block {value}: must be between 1 byte and {_MAX_BLOCK_BYTES >> 20} MiB")
+    if not 1 <= size <= MAX_BLOCK_BYTES:
+        raise PackerError(f"--n5-block {value}: must be between 1 byte and {MAX_BLOCK_BYTES >> 20} MiB")
     return size
 
 
@@ -282,9 +113,10 @@ class Writer(ShardWriter):
         self.compression = options.get("compression") or "raw"
         self.name = shard_dir(shard_id)
         self.root = self.directory / self.name
-        target = block_bytes(options) or _BLOCK_BYTES
+        target = block_bytes(options) or BLOCK_BYTES
         if self.shape is not None:  # whole images per block
-            self.rows, self.step = max(1, target // prod(self.shape)), max(1, target // prod(self.shape)) * prod(self.shape)
+            self.rows = max(1, target // prod(self.shape))
+            self.step = self.rows * prod(self.shape)
         else:
             self.rows = self.step = target
         self._count = 0
@@ -304,11 +136,11 @@ class Writer(ShardWriter):
         check_addition(self.root, self._count, self.planned, sample, self.shape)
         data = sample.payload
         if self.payload == "raw":
-            self._shapes[self._count] = data.shape
+            self._shapes[self._count] = cast(np.ndarray, data).shape
         self._labels[self._count] = sample.label
         self._count += 1
         self._offsets[self._count] = self._offsets[self._count - 1] + sample.nbytes
-        self._pending += data if isinstance(data, bytes) else memoryview(data).cast("B")
+        self._pending += data if isinstance(data, bytes) else data.data.cast("B")
         while len(self._pending) >= self.step:
             self._flush(self.step)
 
@@ -317,7 +149,7 @@ class Writer(ShardWriter):
         # The block's edge sizes come from the total so far: a full block is never an edge.
         arr = self._images(j * self.step + n)
         head, self._pending = self._pending[:n], self._pending[n:]
-        self._blocks.append(_write_block(self.root, "images", arr, j, head))
+        self._blocks.append(write_block(self.root, "images", arr, j, head))
 
     def close(self) -> tuple[list[str], dict]:
         if self._pending:
@@ -331,10 +163,11 @@ class Writer(ShardWriter):
             if self.payload == "raw":
                 names += write_dataset(self.root, "shapes", Array((n, 3), max(n, 1), "int64"), self._shapes[:n])
         names += write_dataset(self.root, "labels", Array((n,), max(n, 1), "int64"), self._labels[:n])
-        _write_json(self.root / ATTRIBUTES, {"n5": N5_VERSION, "packer": {
+        write_json(self.root / ATTRIBUTES, {"n5": N5_VERSION, "packer": {
             "format": "n5", "payload": self.payload, "layout": layout, "num_samples": n,
             "description": _DESCRIBE[(self.payload, layout)]}})
-        facts: dict = {"layout": layout, "rows": self.rows, "compression": None if self.compression == "raw" else "gzip"}
+        facts: dict = {"layout": layout, "rows": self.rows,
+                       "compression": None if self.compression == "raw" else "gzip"}
         if self.shape is not None:
             facts["shape"] = list(self.shape)
         return [f"{self.name}/{x}" for x in names], facts
@@ -405,7 +238,8 @@ class Reader(ShardReader):
     def _small(self, arr: Array, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A one-block int64 dataset of exactly ``shape``, read whole."""
         if arr.shape != shape or arr.dtype != "int64" or arr.num_blocks > 1:
-            raise PackerError(f"{self._where(name)}: {arr.shape} {arr.dtype} in {arr.num_blocks} blocks, expected {shape} int64")
+            raise PackerError(f"{self._where(name)}: {arr.shape} {arr.dtype} in {arr.num_blocks} blocks, "
+                              f"expected {shape} int64")
         if not arr.num_blocks:
             return np.zeros(shape, dtype=np.int64)
         return np.frombuffer(self._block(arr, 0, name), dtype=">i8").astype(np.int64).reshape(shape)
@@ -576,7 +410,8 @@ class Reader(ShardReader):
                 if arr.compression == "gzip":  # inflated whole
                     spans.append((h.blocks[j], 0, h.block_sizes[j]))
                 else:
-                    spans.append((h.blocks[j], hb + max(a, j * step) - j * step, hb + min(b, (j + 1) * step) - j * step))
+                    lo, hi = max(a, j * step) - j * step, min(b, (j + 1) * step) - j * step
+                    spans.append((h.blocks[j], hb + lo, hb + hi))
             out.append(spans)
         return out
 

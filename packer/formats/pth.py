@@ -60,14 +60,17 @@ def check_archive(path: Path) -> dict[str, tuple[int, int]]:
         with open(path, "rb") as fh, zipfile.ZipFile(fh) as archive:
             infos = archive.infolist()
             if len(infos) > _MAX_RECORDS:
-                raise PackerError(f"{path}: {len(infos)} records in the archive (a packer shard has fewer than {_MAX_RECORDS})")
+                raise PackerError(f"{path}: {len(infos)} records in the archive (a packer shard has fewer than "
+                                  f"{_MAX_RECORDS})")
             for info in infos:
-                if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1 or info.compress_size != info.file_size:
+                stored = info.compress_type == zipfile.ZIP_STORED and info.compress_size == info.file_size
+                if not stored or info.flag_bits & 0x1:
                     raise PackerError(f"{path}: record {info.filename!r:.80} is compressed or encrypted")
                 fh.seek(info.header_offset)
                 local = fh.read(30)
                 if len(local) != 30 or local[:4] != _ZIP_LOCAL:
-                    raise PackerError(f"{path}: record {info.filename!r:.80} has no local header where the directory says")
+                    raise PackerError(f"{path}: record {info.filename!r:.80} has no local header where the "
+                                      "directory says")
                 name_len, extra_len = struct.unpack_from("<HH", local, 26)
                 start = info.header_offset + 30 + name_len + extra_len
                 if start + info.file_size > size:

@@ -186,7 +186,8 @@ class Writer(ShardWriter):
 # ---------------------------------------------------------------- reading
 
 
-def read_index(idx_path: str | os.PathLike, rec_size: int, max_records: int | None = None) -> tuple[list[str], np.ndarray]:
+def read_index(idx_path: str | os.PathLike, rec_size: int,
+               max_records: int | None = None) -> tuple[list[str], np.ndarray]:
     """(keys, offsets) of an ``.idx`` file in record order, offsets checked against the ``.rec``'s size.
 
     Keys are kept as text (MXNet's are usually integers); offsets must be distinct, inside the
@@ -293,7 +294,8 @@ class Reader(ShardReader):
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
         if len(shard.files) != 2:
-            raise PackerError(f"{directory}: a recordio shard has a .rec and an .idx, the manifest lists {len(shard.files)}")
+            raise PackerError(f"{directory}: a recordio shard has a .rec and an .idx, the manifest lists "
+                              f"{len(shard.files)}")
         self.path = directory / shard.files[0].name
         self.idx_path = directory / shard.files[1].name
         self.num_samples = shard.num_samples

@@ -111,7 +111,7 @@ class Writer(ArrayShardWriter):
             fh.write(prefix)
             for name in order:
                 if arrays[name].nbytes:
-                    fh.write(memoryview(np.ascontiguousarray(arrays[name])).cast("B"))
+                    fh.write(np.ascontiguousarray(arrays[name]).data.cast("B"))
 
 
 class Reader(ArrayShardReader):

@@ -24,7 +24,7 @@ from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import numpy as np
 
@@ -76,10 +76,11 @@ class ArrayShardWriter(ShardWriter):
 
     def add(self, sample: PreparedSample) -> None:
         check_addition(self.path, self._count, self.planned, sample, self.shape)
+        data = sample.payload
         if self.payload == "raw":
-            self._shapes[self._count] = sample.payload.shape
+            self._shapes[self._count] = cast(np.ndarray, data).shape
         self._labels[self._count] = sample.label
-        self._fh.write(sample.payload)  # bytes, or a C-contiguous uint8 array (no copy)
+        self._fh.write(data if isinstance(data, bytes) else data.data)  # a C-contiguous uint8 array: no copy
         self._count += 1
         self._offsets[self._count] = self._offsets[self._count - 1] + sample.nbytes
 
@@ -155,8 +156,8 @@ class ArrayShardReader(ShardReader):
         images, offsets, shapes = arrays["images"], arrays.get("offsets"), arrays.get("shapes")
         if offsets is not None:
             check_offsets(offsets, self.num_samples, len(images), f"{self.path}: offsets")
-        if shapes is not None and (np.any(shapes < 0) or np.any(shapes[:, 2] != 3) or not np.array_equal(
-                shapes.prod(axis=1), np.diff(offsets))):
+        if shapes is not None and (offsets is None or np.any(shapes < 0) or np.any(shapes[:, 2] != 3)
+                                   or not np.array_equal(shapes.prod(axis=1), np.diff(offsets))):
             raise PackerError(f"{self.path}: shapes do not match the offsets")
         return _Open(images, offsets, shapes, images_at)
 
@@ -184,7 +185,7 @@ class ArrayShardReader(ShardReader):
             return [[] for _ in positions]
         path, at = str(self.path), h.images_at
         if h.offsets is None:
-            size = int(np.prod(self.fixed_shape))
+            size = int(np.prod(cast(tuple, self.fixed_shape)))  # fixed layout: no offsets
             return [[(path, at + p * size, at + (p + 1) * size)] for p in positions]
         return [[(path, at + int(h.offsets[p]), at + int(h.offsets[p + 1]))] for p in positions]
 

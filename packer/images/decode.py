@@ -156,7 +156,8 @@ def _notice_fallback() -> None:
     if not _notice_shown:
         _notice_shown = True
         print(
-            f"packer: libjpeg-turbo not found ({turbojpeg_missing_reason()}); decoding JPEG with Pillow, about 1.3-2x slower. "
+            f"packer: libjpeg-turbo not found ({turbojpeg_missing_reason()}); decoding JPEG with Pillow, "
+            "about 1.15-1.3x slower (docs/decoding.md). "
             "Install it: apt-get install libturbojpeg0 | conda install libjpeg-turbo | brew install jpeg-turbo",
             file=sys.stderr,
         )
@@ -220,7 +221,7 @@ def decode_turbojpeg(data: bytes | memoryview, strict: bool = True, min_size: in
 
 
 def decode(
-    data: bytes | memoryview, backend: Backend = "auto", strict: bool = True, min_size: int | None = None,
+    data: bytes | memoryview, backend: Backend | str = "auto", strict: bool = True, min_size: int | None = None,
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """Decode image bytes to HWC uint8 RGB with the chosen backend.
@@ -238,7 +239,8 @@ def decode(
             return copy_into(pixels, out)
         if turbojpeg_handle() is None:
             if backend == "turbojpeg":
-                raise PackerError(f"decoder 'turbojpeg' asked for, but libturbojpeg is missing ({turbojpeg_missing_reason()})")
+                raise PackerError("decoder 'turbojpeg' asked for, but libturbojpeg is missing "
+                                  f"({turbojpeg_missing_reason()})")
             _notice_fallback()
     return copy_into(decode_pil(data, min_size=min_size), out)
 

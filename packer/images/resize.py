@@ -17,7 +17,7 @@ from PIL import Image
 from packer.errors import PackerError
 from packer.images.decode import check_pixels
 
-MODES = ("stretch", "fit")
+RESIZE_MODES = ("stretch", "fit")
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,8 @@ class ResizeSpec:
     def parse(cls, text: str | None, mode: str = "stretch", upscale: bool = False) -> ResizeSpec | None:
         if text is None or str(text).strip() == "":
             return None
-        if mode not in MODES:
-            raise PackerError(f"unknown resize mode {mode!r} (choose {' or '.join(MODES)})")
+        if mode not in RESIZE_MODES:
+            raise PackerError(f"unknown resize mode {mode!r} (choose {' or '.join(RESIZE_MODES)})")
         text = str(text).strip().lower()
         if m := re.fullmatch(r"(\d+)", text):
             spec = cls(short_side=int(m.group(1)), mode=mode, upscale=upscale)

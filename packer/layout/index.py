@@ -96,7 +96,8 @@ class Index:
         return names
 
     @classmethod
-    def load(cls, directory: Path, num_samples: int, files: list | None = None, num_classes: int | None = None) -> Index:
+    def load(cls, directory: Path, num_samples: int, files: list | None = None,
+             num_classes: int | None = None) -> Index:
         """Load and check ``meta/*.npy``; ``files`` (the manifest's ``meta_files``) adds size and sha256 checks.
 
         The dataset may be crafted: each file must stay inside ``directory``, match its
@@ -129,7 +130,8 @@ class Index:
         where = directory / META_DIR
         for name in ("labels", "heights", "widths", "nbytes"):
             if len(getattr(self, name)) != num_samples:
-                raise PackerError(f"{where}/{name}.npy: {len(getattr(self, name))} entries, manifest says {num_samples}")
+                raise PackerError(f"{where}/{name}.npy: {len(getattr(self, name))} entries, "
+                                  f"manifest says {num_samples}")
         check_offsets(self.path_offsets, len(self.path_blob), f"{where}/path_offsets.npy", count=num_samples)
         if np.any(self.nbytes < 0) or np.any(self.heights < 0) or np.any(self.widths < 0):
             raise PackerError(f"{where}: negative sizes in sample metadata")

@@ -186,8 +186,9 @@ def _options(value: Any) -> dict[str, Any]:
         if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
             allowed = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
             raise TypeError(f"option {name} must be {allowed}, found {type(v).__name__} {v!r:.60}")
-        lo, hi = _OPTION_RANGES.get(name, (None, None))
-        if lo is not None and v is not None and not lo <= v <= hi:
+        bounds = _OPTION_RANGES.get(name)
+        if bounds is not None and v is not None and not bounds[0] <= v <= bounds[1]:
+            lo, hi = bounds
             raise ValueError(f"option {name} {v} out of range ({lo} to {hi})")
     return options
 

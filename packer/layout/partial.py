@@ -57,7 +57,9 @@ def unfinished_note(out: Path) -> str:
     except PackerError as exc:
         return f" ({exc})"
     if swapping:
-        old = f", the old one in {out.with_name(trash)}" if trash and os.path.lexists(out.with_name(trash) / out.name) else ""
+        old = ""
+        if trash and os.path.lexists(out.with_name(trash) / out.name):
+            old = f", the old one in {out.with_name(trash)}"
         return (f" (a 'packer convert' is moving its result into place, or was interrupted doing so: the new, "
                 f"complete dataset is in {partial}{old}; unless a conversion is still running, run the same "
                 f"convert command with --resume to finish)")

@@ -160,7 +160,8 @@ def npy_header(path: Path, dtype: str, ndim: int | None = None) -> tuple[tuple[i
     for n in shape:
         count *= int(n)  # Python ints: a crafted shape can't overflow into a small size
     if count * want.itemsize != size - offset:
-        raise PackerError(f"{path}: header promises {count * want.itemsize} bytes of data, the file holds {size - offset}")
+        raise PackerError(f"{path}: header promises {count * want.itemsize} bytes of data, "
+                          f"the file holds {size - offset}")
     return tuple(int(n) for n in shape), offset
 
 

@@ -141,7 +141,7 @@ class BatchView(Dataset):
 
     def __init__(self, dataset: PackedDataset, layout: Literal["NHWC", "NCHW"] = "NHWC") -> None:
         self.dataset = dataset
-        self.layout = layout
+        self.layout: Literal["NHWC", "NCHW"] = layout
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -47,10 +47,12 @@ import torch
 from packer import sysinfo
 from packer.errors import PackerError
 from packer.images.decode import copy_into
+from packer.layout.index import Index
+from packer.layout.manifest import Manifest
 from packer.read.staged import StagedDataset
 from packer.units import human_bytes
 
-MODES = ("ram", "ram-decoded")
+CACHE_MODES = ("ram", "ram-decoded")
 PREFIX = "packer-cache-"
 _MAGIC = b"PKRCACHE"
 _HEADER = struct.Struct("<8sqqqq")  # magic, mode (0 payload, 1 decoded), samples, data offset, ready
@@ -202,8 +204,8 @@ class CachedDataset(StagedDataset):
 
     def __init__(self, dataset: Any, mode: str = "ram", *, workers: int | None = None, progress: bool = True,
                  shm_dir: str | os.PathLike = sysinfo.SHM_DIR) -> None:
-        if mode not in MODES:
-            raise PackerError(f"unknown cache {mode!r} (choose {' or '.join(MODES)})")
+        if mode not in CACHE_MODES:
+            raise PackerError(f"unknown cache {mode!r} (choose {' or '.join(CACHE_MODES)})")
         self.dataset = dataset
         self.mode = mode
         self.decoded = mode == "ram-decoded"
@@ -263,7 +265,7 @@ class CachedDataset(StagedDataset):
             raise PackerError(f"{path}: the RAM cache was not filled within {timeout:.0f} s")
         if n != len(dataset):
             raise PackerError(f"{path}: caches {n} samples but the dataset has {len(dataset)}")
-        self.mode, self.decoded = MODES[mode], bool(mode)
+        self.mode, self.decoded = CACHE_MODES[mode], bool(mode)
         self.num_samples, self.data_at = n, data_at
         self.total_bytes = os.path.getsize(self.path)
         self._finalizer = None
@@ -274,7 +276,8 @@ class CachedDataset(StagedDataset):
         n, data_at = self.num_samples, self.data_at
         head = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(data_at,))
         head[_HEADER_BYTES:_HEADER_BYTES + 8 * (n + 1)] = offsets.view(np.uint8)
-        head[_HEADER_BYTES + 8 * (n + 1):_HEADER_BYTES + 8 * (n + 1) + 24 * n] = shapes.astype(np.int64).view(np.uint8).reshape(-1)
+        shapes_at = _HEADER_BYTES + 8 * (n + 1)
+        head[shapes_at:shapes_at + 24 * n] = shapes.astype(np.int64).view(np.uint8).reshape(-1)
         head[:_HEADER.size] = np.frombuffer(_HEADER.pack(_MAGIC, int(self.decoded), n, data_at, 0), dtype=np.uint8)
         head.flush()
         del head
@@ -313,7 +316,8 @@ class CachedDataset(StagedDataset):
             self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
             n = self.num_samples
             self._offsets = self._mm[_HEADER_BYTES:_HEADER_BYTES + 8 * (n + 1)].view(np.int64)
-            self._shapes = self._mm[_HEADER_BYTES + 8 * (n + 1):_HEADER_BYTES + 8 * (n + 1) + 24 * n].view(np.int64).reshape(n, 3)
+            shapes_at = _HEADER_BYTES + 8 * (n + 1)
+            self._shapes = self._mm[shapes_at:shapes_at + 24 * n].view(np.int64).reshape(n, 3)
         return self._mm
 
     def __len__(self) -> int:
@@ -325,8 +329,15 @@ class CachedDataset(StagedDataset):
     targets = property(lambda self: self.dataset.targets)
     samples = property(lambda self: self.dataset.samples)
     imgs = samples
-    index = property(lambda self: self.dataset.index)
-    manifest = property(lambda self: self.dataset.manifest)
+
+    @property
+    def index(self) -> Index:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return self.dataset.index
+
+    @property
+    def manifest(self) -> Manifest:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return self.dataset.manifest
+
     root = property(lambda self: self.dataset.root)
     image = property(lambda self: self.dataset.image)
 
@@ -382,7 +393,7 @@ class CachedDataset(StagedDataset):
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update(state)  # pyright: ignore[reportAttributeAccessIssue]
         self._mm, self._finalizer = None, None
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -30,6 +30,9 @@ from packer.perprocess import PerProcess
 from packer.read import batch, readahead
 from packer.read.staged import StagedDataset
 from packer.read.store import Access, ShardStore
+
+if TYPE_CHECKING:
+    from packer.read.cache import CachedDataset
 
 ImageKind = Literal["pil", "numpy", "tensor"]
 
@@ -125,7 +128,7 @@ class PackedDataset(StagedDataset):
         None for formats without any (the block sampler then makes blocks by bytes)."""
         return get_format(self.manifest.format).block_boundaries(self.manifest)
 
-    def read_ahead_blocks(self, bounds: Sequence[int] | None) -> None:
+    def read_ahead_blocks(self, bounds: Sequence[int] | np.ndarray | None) -> None:
         """Read whole blocks ahead: samples are read block by block (``bounds`` as ``BlockShuffleSampler``'s).
 
         Then the first batch that touches a block has, after its own bytes, the rest of the block
@@ -180,7 +183,7 @@ class PackedDataset(StagedDataset):
         """The stored payload of sample ``i``: encoded bytes, or raw pixel bytes/array."""
         return self.store.read(self.check_index(i))
 
-    def read_payloads(self, indices: Sequence[int]) -> list:
+    def read_payloads(self, indices: Sequence[int] | np.ndarray) -> list:
         """Payloads of many samples, read ahead in file order (``prefetch``), returned in the order asked.
 
         Runs of neighbours in a shard are read with one ``read_many`` call each, as soon as the
@@ -323,7 +326,7 @@ def dataset_class(name: str, where: object = "dataset") -> type[PackedDataset]:
 
 
 def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_options: dict | None = None,
-                 **kwargs: Any) -> PackedDataset:
+                 **kwargs: Any) -> PackedDataset | CachedDataset:
     """Open a packed dataset of any format; keyword arguments as for ``PackedDataset``.
 
     ``cache="ram"`` (stored payloads) or ``"ram-decoded"`` (decoded pixels) returns a

@@ -14,7 +14,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -121,9 +121,9 @@ def map_tensors(batch: Any, fn) -> Any:
         return fn(batch)
     if isinstance(batch, Mapping):
         mapped = {k: map_tensors(v, fn) for k, v in batch.items()}
-        return mapped if type(batch) is dict else type(batch)(mapped)
+        return mapped if type(batch) is dict else cast(Any, type(batch))(mapped)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(map_tensors(v, fn) for v in batch))
+        return cast(Any, type(batch))(*(map_tensors(v, fn) for v in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(map_tensors(v, fn) for v in batch)
     return batch

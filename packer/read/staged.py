@@ -67,7 +67,7 @@ class StagedDataset(Dataset, ABC):
         """Where the dataset's natural blocks start, then len(self); None: blocks are made by bytes."""
         return None
 
-    def read_ahead_blocks(self, bounds: Sequence[int] | None) -> None:
+    def read_ahead_blocks(self, bounds: Sequence[int] | np.ndarray | None) -> None:
         """Read whole blocks ahead (the block sampler's); None: off. Default: nothing to read ahead."""
 
     def __getitem__(self, i: int) -> tuple[Any, Any]:

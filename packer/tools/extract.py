@@ -165,7 +165,8 @@ def _mkdir(folder: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise RunError(f"{folder}: cannot create folder ({exc.strerror or exc}); the files before it were written") from None
+        raise RunError(f"{folder}: cannot create folder ({exc.strerror or exc}); "
+                       "the files before it were written") from None
 
 
 def _write(target: Path, data: bytes, overwrite: bool) -> None:

@@ -26,8 +26,8 @@ def dataset_info(path: str | os.PathLike) -> dict[str, Any]:
         counts = np.bincount(index.labels[index.labels >= 0], minlength=len(manifest.classes))
         known = (index.heights > 0) & (index.widths > 0)
         data["stats"] = {
-            "samples_per_class": {"min": int(counts.min()), "median": float(np.median(counts)), "max": int(counts.max())}
-            if len(manifest.classes) else None,
+            "samples_per_class": {"min": int(counts.min()), "median": float(np.median(counts)),
+                                  "max": int(counts.max())} if len(manifest.classes) else None,
             "height": _range(index.heights[known]),
             "width": _range(index.widths[known]),
             "sizes_known": int(known.sum()),

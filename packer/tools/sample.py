@@ -23,7 +23,7 @@ def _noise_field(rng: np.random.Generator, h: int, w: int, cells: int) -> np.nda
     """Smooth random field in [-1, 1]: a coarse random grid upsampled bicubically."""
     gh, gw = max(2, cells * h // max(h, w)), max(2, cells * w // max(h, w))
     grid = rng.uniform(-1, 1, (gh, gw)).astype(np.float32)
-    return np.asarray(Image.fromarray(grid, mode="F").resize((w, h), Image.BICUBIC))
+    return np.asarray(Image.fromarray(grid, mode="F").resize((w, h), Image.Resampling.BICUBIC))
 
 
 def photo_like(rng: np.random.Generator, height: int, width: int, class_id: int = 0) -> Image.Image:
@@ -44,9 +44,10 @@ def photo_like(rng: np.random.Generator, height: int, width: int, class_id: int 
         y1 = y0 + rng.integers(max(1, height // 20), max(2, height // 2))
         color = tuple(int(v) for v in np.clip(base + rng.normal(0, 70, 3), 0, 255))
         if rng.random() < 0.5:
-            draw.ellipse([x0, y0, x1, y1], fill=color)
+            draw.ellipse([int(x0), int(y0), int(x1), int(y1)], fill=color)
         else:
-            pts = [(int(rng.integers(x0, x1 + 1)), int(rng.integers(y0, y1 + 1))) for _ in range(int(rng.integers(3, 7)))]
+            corners = int(rng.integers(3, 7))
+            pts = [(int(rng.integers(x0, x1 + 1)), int(rng.integers(y0, y1 + 1))) for _ in range(corners)]
             draw.polygon(pts, fill=color)
     canvas = canvas.filter(ImageFilter.GaussianBlur(radius=float(rng.uniform(0.6, 1.4))))
     arr = np.asarray(canvas).astype(np.float32)
@@ -70,7 +71,7 @@ MAX_SIDE = 4096  # largest --size side: a generated image is built in float32 ar
 MAX_COUNT = 10_000_000
 
 
-def check_sample_options(count: int, classes: int, size: tuple[int, int], seed: int, quality: int,
+def check_sample_options(count: int, classes: int, size: tuple[int, ...], seed: int, quality: int,
                          workers: int | None) -> None:
     """Refuse values ``make_sample`` can't honour, with a message naming the option (``packer sample``'s flags)."""
     def whole(v) -> bool:

@@ -176,7 +176,8 @@ def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None
         try:  # a sample that fails to read is a problem found, like one that differs
             if raw:
                 expected = prepare(src, rel, label, options)
-                if isinstance(expected, SourceError) or not within(ds.pixels(i), expected.payload, mean_bound, max_bound):
+                if isinstance(expected, SourceError) or not within(ds.pixels(i), np.asarray(expected.payload),
+                                                                   mean_bound, max_bound):
                     report.problems.append(f"{src / rel}: stored pixels differ from the source's decode")
             elif bytes(ds.read_payload(i)) != data:
                 report.problems.append(f"{src / rel}: stored bytes differ from the source file")

@@ -239,7 +239,8 @@ class DaskCluster:
         except BaseException as exc:
             # convert() removes the output folder after a bad source under --on-error raise: let the
             # shards already running end first, so none writes into a folder being removed
-            _stop(client, [f for _, f in live.values()], wait_running=isinstance(exc, PackerError) and not isinstance(exc, ShardWriteError))
+            bad_source = isinstance(exc, PackerError) and not isinstance(exc, ShardWriteError)
+            _stop(client, [f for _, f in live.values()], wait_running=bad_source)
             raise
         finally:
             bar.close()

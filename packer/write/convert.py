@@ -83,13 +83,13 @@ def convert(
     defaults suit every run). ``overwrite`` replaces an existing packer dataset (nothing else);
     ``resume`` goes on with an interrupted run's ``<out>.partial``.
     """
-    options = make_options(to, **options)
-    options.check()
+    opts = make_options(to, **options)
+    opts.check()
     if on_error not in ("skip", "raise"):
         raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
     fmt = get_format(to)
-    if options.shard_bytes is None:
-        options.shard_bytes = fmt.default_shard_bytes
+    if opts.shard_bytes is None:
+        opts.shard_bytes = fmt.default_shard_bytes
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
         raise PackerError(f"workers {workers!r}: expected a count >= 0 (0: in this process; None: all cores)")
     workers = os.cpu_count() or 1 if workers is None else workers
@@ -98,18 +98,18 @@ def convert(
 
     started = time.perf_counter()
     scanned = scan_folder(src) if client is None else scan_on_cluster(client, src)
-    scan = apply_order(scanned, options.order, options.seed)
+    scan = apply_order(scanned, opts.order, opts.seed)
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
-    plan = load_or_make_plan(scan, out, partial, options, resume)
+    plan = load_or_make_plan(scan, out, partial, opts, resume)
     try:
         if read_swap(partial, out)[0]:  # a finished conversion whose move into place was interrupted
             return complete_swap(scan, partial, out, started)
         ranges = [(int(a), int(b)) for a, b in plan["shards"]]
-        job = BuildJob(scan, partial, ranges, load_done_shards(partial, len(ranges), scan.root), options, on_error,
+        job = BuildJob(scan, partial, ranges, load_done_shards(partial, len(ranges), scan.root), opts, on_error,
                        progress, float(plan.get("mean_bytes", 0.0)))
         backend: ShardBuilder = LocalPool(workers, pool or PoolSettings()) if client is None else DaskCluster(client)
         shards = _build_shards(backend, job, out)
-        return finish(scan, partial, out, shards, options, started)
+        return finish(scan, partial, out, shards, opts, started)
     except OSError as exc:  # the journal, meta/*.npy, errors.json, the manifest or the renames
         raise _failed_midway(f"{exc.filename or out}: {exc.strerror or exc}", partial) from exc
     except KeyboardInterrupt:

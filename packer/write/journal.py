@@ -131,7 +131,8 @@ def write_swap(partial: Path, trash: str | None) -> None:
 
 
 def load_done_shards(partial: Path, num_shards: int, root: Path) -> dict[int, ShardResult]:
-    """Journaled shards whose files are intact and whose sources (below ``root``) are unchanged; anything else in ``partial`` is removed."""
+    """Journaled shards whose files are intact and whose sources (below ``root``) are unchanged; anything
+    else in ``partial`` is removed."""
     done: dict[int, ShardResult] = {}
     changed: list[str] = []
     for shard_id in range(num_shards):

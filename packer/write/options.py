@@ -72,7 +72,8 @@ class ConvertOptions:
         if self.shard_bytes is not None and self.shard_bytes <= 0:
             raise PackerError("shard size must be positive")
         if self.resize_spec is not None and self.payload != "raw":
-            raise PackerError("--resize changes pixels, so it needs --payload raw (encoded payloads keep the source bytes)")
+            raise PackerError("--resize changes pixels, so it needs --payload raw "
+                              "(encoded payloads keep the source bytes)")
         if self.compression is not None:
             if self.compression not in fmt.compressions:
                 raise PackerError(f"--compression {self.compression}: format {self.format!r} offers "

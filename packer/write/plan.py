@@ -116,7 +116,8 @@ def load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: Conve
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise PackerError(f"{exc.filename or out.parent}: cannot create the output's folder ({exc.strerror or exc})") from exc
+        where = exc.filename or out.parent
+        raise PackerError(f"{where}: cannot create the output's folder ({exc.strerror or exc})") from exc
     mean_bytes = estimate_sample_bytes(scan, options)
     check_free_space(out.parent, mean_bytes * len(scan))
     plan = {"options": recorded, "digest": digest, "source": str(scan.root), "num_files": len(scan),

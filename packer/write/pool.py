@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Generator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -90,7 +90,7 @@ class LocalPool:
 def ordered_results(
     root: Path, items: list[tuple[str, int]], options: ConvertOptions, workers: int, mean_bytes: float = 0.0,
     settings: PoolSettings = PoolSettings(),
-) -> Iterator[PreparedSample | SourceError]:
+) -> Generator[PreparedSample | SourceError, None, None]:
     """Prepared samples in source order; a bounded number of chunks in flight keeps memory flat."""
     chunk_len = settings.chunk
     ahead = max(2, min(settings.ahead, int(settings.ahead_bytes // max(1.0, workers * chunk_len * mean_bytes))))

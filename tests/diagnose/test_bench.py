@@ -84,7 +84,8 @@ def _check_report(report: dict, folder: Path, n: int) -> None:
 
 def test_read_and_decode_levels_json_consistent(data):
     folder, packed = data
-    opts = BenchOptions(levels=("read", "decode"), repeats=2, ceiling_bytes=4 << 20, ceiling_seconds=0.2, batch_size=4, block_bytes=40_000)
+    opts = BenchOptions(levels=("read", "decode"), repeats=2, ceiling_bytes=4 << 20, ceiling_seconds=0.2, batch_size=4,
+                        block_bytes=40_000)
     report = run_bench([folder, packed], opts)
     _check_report(report, folder, 10)
     combos = {(r["kind"], r["level"], r["order"], r["cache"]) for r in report["results"]}
@@ -99,7 +100,8 @@ def test_loader_level_with_workers(data):
                         ceiling_bytes=4 << 20, ceiling_seconds=0.2, batch_size=3)
     report = run_bench([folder, packed], opts)
     _check_report(report, folder, 10)
-    assert sorted((r["kind"], r["workers"]) for r in report["results"]) == [("folder", 0), ("folder", 2), ("lmdb", 0), ("lmdb", 2)]
+    assert sorted((r["kind"], r["workers"]) for r in report["results"]) == [
+        ("folder", 0), ("folder", 2), ("lmdb", 0), ("lmdb", 2)]
     assert all(r["ceiling"]["samples_per_s"] > 0 for r in report["results"])
 
 
@@ -245,7 +247,8 @@ def _throttle_possible(path) -> bool:
         return False
 
 
-needs_throttle = pytest.mark.skipif(not _throttle_possible(Path(__file__).parent), reason="kernel block-IO throttle unavailable")
+needs_throttle = pytest.mark.skipif(not _throttle_possible(Path(__file__).parent),
+                                    reason="kernel block-IO throttle unavailable")
 
 
 def _own_cgroup_line() -> str:
@@ -343,11 +346,13 @@ def test_bench_under_emulation_records_device_reads_and_cleans_up(data, other_ru
     folder, packed = data
     ctl = throttle.find_controller()
     report = run_bench([folder, packed], BenchOptions(levels=("read",), orders=("block",), caches=("cold",), repeats=1,
-                                                      ceiling_bytes=4 << 20, ceiling_seconds=0.2, read_iops=20000, read_bps=1_000_000_000))
+                                                      ceiling_bytes=4 << 20, ceiling_seconds=0.2, read_iops=20000,
+                                                      read_bps=1_000_000_000))
     assert report["emulation"]["read_iops"] == 20000
     for r in report["results"]:
         assert r["device_reads"][0]["bytes"] > 0  # cold reads reached the throttled device
-    assert not (ctl.root / f"{throttle.CGROUP_PREFIX}{os.getpid()}").exists() and throttle.CGROUP_PREFIX not in _own_cgroup_line()
+    assert not (ctl.root / f"{throttle.CGROUP_PREFIX}{os.getpid()}").exists()
+    assert throttle.CGROUP_PREFIX not in _own_cgroup_line()
     assert _still_throttled(other_run)
 
 

@@ -17,7 +17,7 @@ from support.interrupt import kill_after_shards
 from packer import cli, convert, open_dataset
 from packer.errors import PackerError
 from packer.formats import bmp as bmp_format
-from packer.formats import mosaic
+from packer.formats import mosaic, mosaic_geometry
 from packer.images import bmp as bmpfile
 from packer.images.resize import ResizeSpec
 from packer.layout.index import shard_starts
@@ -197,7 +197,7 @@ def test_bmp_refuses_encoded_payload(src, tmp_path):
 
 def test_default_grid_is_8_to_32_mb_decoded():
     for th, tw in [(224, 224), (32, 32), (8, 8), (96, 160), (256, 192), (512, 512), (1000, 700)]:
-        rows, cols = mosaic.default_grid(th, tw)
+        rows, cols = mosaic_geometry.default_grid(th, tw)
         decoded = rows * cols * th * tw * 3
         assert 8 << 20 <= decoded <= 32 << 20, (th, tw, rows, cols)
         assert 0.5 <= (rows * th) / (cols * tw) <= 2  # roughly square
@@ -210,7 +210,7 @@ def test_mosaic_tile_positions_and_partly_filled_last_mosaic(src, tmp_path, code
     m = read_manifest(out)
     (shard,) = m.shards
     assert shard.facts["samples_per_mosaic"] == [6, 6, 2] and shard.facts["grid"] == [2, 3]
-    assert mosaic.dataset_blocks(m) == [(0, 6), (6, 12), (12, 14)]
+    assert mosaic_geometry.dataset_blocks(m) == [(0, 6), (6, 12), (12, 14)]
     spec = ResizeSpec.parse("16x24")
     ds = open_dataset(out, image="numpy")
     rels = ds.index.rel_paths()
@@ -334,7 +334,7 @@ def test_info_points_at_a_mosaic(src, tmp_path, capsys):
     assert cli.main(["info", str(out)]) == 0
     line = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("look at")][0]
     path = Path(line.split()[2])
-    assert path.is_file() and Image.open(path).size == (16 * mosaic.default_grid(16, 16)[1], 16)
+    assert path.is_file() and Image.open(path).size == (16 * mosaic_geometry.default_grid(16, 16)[1], 16)
 
 
 def test_cli_convert_mosaic(src, tmp_path, capsys):
@@ -473,7 +473,7 @@ def test_shards_hold_whole_mosaics_and_the_sampler_reads_one_mosaic_per_block(sr
                   progress=False).output
     m = read_manifest(out)
     assert [s.facts["samples_per_mosaic"] for s in m.shards] == [[4], [4], [4], [2]]
-    assert mosaic.dataset_blocks(m) == [(0, 4), (4, 8), (8, 12), (12, 14)]
+    assert mosaic_geometry.dataset_blocks(m) == [(0, 4), (4, 8), (8, 12), (12, 14)]
     ds = open_dataset(out, image="numpy")
     assert ds.block_boundaries().tolist() == [0, 4, 8, 12, 14]
     sampler = BlockShuffleSampler(ds, seed=3)
@@ -481,8 +481,9 @@ def test_shards_hold_whole_mosaics_and_the_sampler_reads_one_mosaic_per_block(sr
     assert sorted(sampler) == list(range(len(ds)))
     bmp = open_dataset(convert(src, tmp_path / "b.bmp", to="bmp", workers=0, progress=False).output)
     assert bmp.block_boundaries() is None  # formats without natural blocks: the sampler cuts by bytes
+    cuts = shard_starts([s.num_samples for s in bmp.manifest.shards])[1:-1]
     assert BlockShuffleSampler(bmp, block_bytes=20_000).bounds.tolist() == \
-        block_boundaries(bmp.index.nbytes, 20_000, shard_starts([s.num_samples for s in bmp.manifest.shards])[1:-1]).tolist()
+        block_boundaries(bmp.index.nbytes, 20_000, cuts).tolist()
 
 
 @pytest.mark.slow

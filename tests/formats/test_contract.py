@@ -81,7 +81,8 @@ def test_round_trip_bytes_and_pixels(packed, imagefolder):
 
             assert np.array_equal(img, decode_pil(source))  # exactly what Pillow decodes
         else:
-            ref = prepare(imagefolder, rel, label, ConvertOptions.from_record({**ds.manifest.options, "decoder": "pil"}))
+            pil = ConvertOptions.from_record({**ds.manifest.options, "decoder": "pil"})
+            ref = prepare(imagefolder, rel, label, pil)
             assert img.shape == ref.payload.shape
             diff = np.abs(img.astype(np.int16) - ref.payload.astype(np.int16)).max()
             assert diff <= _max_error(name, ds.manifest.options), f"{rel}: max pixel error {diff}"

@@ -126,8 +126,9 @@ def test_virtual_dataset_is_refused(bases, tmp_path):
 # ------------------------------------------------------------------ layouts and filters the writer never makes
 
 
-@pytest.mark.parametrize("options", [{"compression": "gzip", "chunks": (1 << 20,)}, {"fletcher32": True,
-                         "chunks": (1 << 20,)}, {"chunks": (4096,)}, {}], ids=["gzip", "fletcher32", "chunks", "contiguous"])
+@pytest.mark.parametrize("options", [{"compression": "gzip", "chunks": (1 << 20,)},
+                                     {"fletcher32": True, "chunks": (1 << 20,)}, {"chunks": (4096,)}, {}],
+                         ids=["gzip", "fletcher32", "chunks", "contiguous"])
 def test_filters_and_layouts_the_writer_never_makes_are_refused(bases, tmp_path, options):
     def edit(f, outside):
         data = _blob(f)

@@ -158,7 +158,8 @@ def test_a_gzip_bomb_stops_at_the_block_size(copy):
         "ds = open_dataset(sys.argv[1])\n"
         "vm = int(next(l for l in open('/proc/self/status') if l.startswith('VmSize')).split()[1]) * 1024\n"
         "resource.setrlimit(resource.RLIMIT_AS, (vm + (150 << 20), resource.RLIM_INFINITY))\n"
-        "try:\n    [ds.read_payload(i) for i in range(len(ds))]\nexcept PackerError as exc:\n    print('REFUSED', exc)\n"
+        "try:\n    [ds.read_payload(i) for i in range(len(ds))]\n"
+        "except PackerError as exc:\n    print('REFUSED', exc)\n"
     )
     res = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[2])
@@ -231,7 +232,8 @@ def test_the_cli_takes_compression_for_raw_only(imagefolder, tmp_path, capsys):
     assert cli_main(["convert", str(imagefolder), "--to", "n5", "--payload", "raw", "--resize", "24x32",
                      "--compression", "gzip", "-o", str(out), "-q"]) == 0
     assert open_dataset(out).manifest.shards[0].facts["compression"] == "gzip"
-    assert cli_main(["convert", str(imagefolder), "--to", "n5", "--compression", "gzip", "-o", str(tmp_path / "e")]) == 2
+    argv = ["convert", str(imagefolder), "--to", "n5", "--compression", "gzip", "-o", str(tmp_path / "e")]
+    assert cli_main(argv) == 2
     assert "raw payloads only" in capsys.readouterr().err
     assert cli_main(["convert", str(imagefolder), "--to", "n5", "--payload", "raw", "--compression", "lzf",
                      "-o", str(tmp_path / "l")]) == 2

@@ -210,7 +210,8 @@ def test_opening_a_shard_maps_it_instead_of_reading_it(tmp_path):
     assert (out / "shard-00000.pth").stat().st_size > 59e6
     code = (
         "import sys, torch\nfrom packer import open_dataset\n"
-        "def rss():\n    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024\n"
+        "def rss():\n"
+        "    return int(next(l for l in open('/proc/self/status') if l.startswith('VmRSS')).split()[1]) * 1024\n"
         "before = rss()\nds = open_dataset(sys.argv[1], image='numpy')\nds.read_payload(7)\nprint(rss() - before)\n"
     )
     res = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -240,7 +241,8 @@ def rewrite_header(path: Path, edit) -> None:
 @pytest.mark.parametrize("edit,match", [
     (lambda h: h["images"].update(dtype="F32"), "not a U8/I64"),
     (lambda h: h["images"].update(shape=[10**12]), "covers"),
-    (lambda h: h["labels"].update(data_offsets=[8, h["labels"]["data_offsets"][1] + 8]), "overlap or leave gaps|covers"),
+    (lambda h: h["labels"].update(data_offsets=[8, h["labels"]["data_offsets"][1] + 8]),
+     "overlap or leave gaps|covers"),
     (lambda h: h.pop("labels"), "overlap or leave gaps"),
     (lambda h: h.update(extra={"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}), "holds arrays"),
     (lambda h: h.update(__metadata__={"a": 1}), "metadata"),

@@ -189,7 +189,8 @@ def test_bad_magic_and_flag_sequence_are_refused(copy):
     edit(copy / "shard-00000.rec", lambda d: b"\0\0\0\0" + d[4:])
     with pytest.raises(PackerError, match="bad RecordIO magic"):
         read_all(copy)
-    edit(copy / "shard-00000.rec", lambda d: M + struct.pack("<I", 2 << 29 | (struct.unpack_from("<I", d, 4)[0] & ((1 << 29) - 1))) + d[8:])
+    edit(copy / "shard-00000.rec",
+         lambda d: M + struct.pack("<I", 2 << 29 | (struct.unpack_from("<I", d, 4)[0] & ((1 << 29) - 1))) + d[8:])
     with pytest.raises(PackerError, match="out of sequence"):
         read_all(copy)
 

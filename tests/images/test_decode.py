@@ -122,7 +122,8 @@ def test_cmyk_and_ycck_jpegs_go_to_pillow(turbojpeg):
 def test_png_variants_equal_pillow(kind):
     rgb = photo()
     if kind == "RGB48":
-        arr = np.asarray(rgb).astype(np.uint16) * 256 + (np.arange(91, dtype=np.uint16) * 3 % 256)[:, None]  # low byte varies
+        low = (np.arange(91, dtype=np.uint16) * 3 % 256)[:, None]  # the low byte varies
+        arr = np.asarray(rgb).astype(np.uint16) * 256 + low
         data = png_rgb16(arr)
     elif kind == "I;16":
         data = png(Image.fromarray(np.asarray(rgb.convert("L")).astype(np.uint16) * 200))

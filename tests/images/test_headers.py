@@ -9,7 +9,8 @@ from packer.images.decode import DecodeError
 from packer.images.headers import image_size
 
 
-@pytest.mark.parametrize("kw", [{}, {"progressive": True}, {"subsampling": 0}, {"exif": b"Exif\x00\x00" + b"\x00" * 64}])
+@pytest.mark.parametrize("kw", [{}, {"progressive": True}, {"subsampling": 0},
+                                {"exif": b"Exif\x00\x00" + b"\x00" * 64}])
 def test_jpeg_size_matches_pillow(kw):
     rng = np.random.default_rng(3)
     data = jpeg_bytes(rng, 37, 53, **kw)

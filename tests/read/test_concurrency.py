@@ -164,7 +164,8 @@ def test_readers_during_overwrite_see_one_whole_version_or_an_error(two_versions
     for r in readers:
         r.join(timeout=30)
     whole = [p for p in passes if isinstance(p, list)]
-    print(f"passes: {sum(p == old for p in whole)} old, {sum(p == new for p in whole)} new, {len(passes) - len(whole)} errors")
+    print(f"passes: {sum(p == old for p in whole)} old, {sum(p == new for p in whole)} new, "
+          f"{len(passes) - len(whole)} errors")
     assert whole, "the readers never completed a pass"
     for p in whole:
         assert p == old or p == new, "a pass read a mix of two versions"

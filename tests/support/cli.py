@@ -10,4 +10,5 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_cli(*args, **kw) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "packer", *map(str, args)], capture_output=True, text=True, env=env, **kw)
+    return subprocess.run([sys.executable, "-m", "packer", *map(str, args)], capture_output=True, text=True, env=env,
+                          **kw)

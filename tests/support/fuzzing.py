@@ -367,11 +367,13 @@ def run_cases(base: Path, work: Path, seeds: list[int], processes: int = 2, time
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-                results[current[0]] = {"seed": current[0], "kind": kind_of(current[0]), "crash": f"hang: no result after {timeout:.0f} s"}
+                results[current[0]] = {"seed": current[0], "kind": kind_of(current[0]),
+                                       "crash": f"hang: no result after {timeout:.0f} s"}
             else:
                 proc.join()
                 if current:
-                    results[current[0]] = {"seed": current[0], "kind": kind_of(current[0]), "crash": f"worker died (exit code {proc.exitcode})"}
+                    results[current[0]] = {"seed": current[0], "kind": kind_of(current[0]),
+                                           "crash": f"worker died (exit code {proc.exitcode})"}
             rest = [s for s in part if s not in results]
             pending = rest + pending
         running = still

@@ -58,7 +58,10 @@ def make_bad_inputs(root: Path) -> dict[str, bool]:
     for name, mode, fmt in (("png_named.JPEG", "RGB", "PNG"), ("cmyk.jpg", "CMYK", "JPEG"), ("gray.jpg", "L", "JPEG"),
                             ("rgba.png", "RGBA", "PNG"), ("palette.png", "P", "PNG"), ("gray16.png", "I;16", "PNG")):
         buf = io.BytesIO()
-        (img.convert(mode) if mode != "I;16" else Image.fromarray(np.asarray(img.convert("L")).astype(np.uint16) * 257)).save(buf, format=fmt)
+        if mode == "I;16":
+            Image.fromarray(np.asarray(img.convert("L")).astype(np.uint16) * 257).save(buf, format=fmt)
+        else:
+            img.convert(mode).save(buf, format=fmt)
         put(name, buf.getvalue(), True)
     put("ünïcødé_猫.jpg", good, True)
     put("progressive.jpg", jpeg_bytes(rng, 30, 40, progressive=True), True)

@@ -30,7 +30,8 @@ def test_every_bad_input_is_packed_or_reported(tmp_path):
     assert report["ignored"] == {"hidden": 1, "not an image": 1}
     assert "empty" in reported["weird/empty.jpg"]
     assert "broken symbolic link" in reported["weird/broken_link.jpg"]
-    assert "truncated" in reported["weird/truncated.jpg"].lower() or "premature" in reported["weird/truncated.jpg"].lower()
+    truncated = reported["weird/truncated.jpg"].lower()
+    assert "truncated" in truncated or "premature" in truncated
     # valid oddities decode exactly as Pillow does
     for rel in packed:
         i = ds.index_of(rel)
@@ -85,7 +86,8 @@ def test_interrupted_conversion_leaves_no_complete_looking_output(tmp_path):
     out = tmp_path / "big.lmdb"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     # small shards: the kill lands after the first shard is journaled and long before the last
-    cmd = [sys.executable, "-m", "packer", "convert", str(src), "-o", str(out), "--workers", "1", "--shard-size", "20000", "-q"]
+    cmd = [sys.executable, "-m", "packer", "convert", str(src), "-o", str(out), "--workers", "1",
+           "--shard-size", "20000", "-q"]
     kill_after_shards(cmd, env, tmp_path / "big.lmdb.partial" / "journal")
     assert not out.exists()
     assert not (tmp_path / "big.lmdb.partial" / "manifest.json").exists()
@@ -164,7 +166,8 @@ def test_names_that_are_not_utf8_are_packed_and_extracted_unchanged(tmp_path):
     good = (src / "class_0" / "img_000.jpg").read_bytes()
     raw_src = os.fsencode(src)
     os.mkdir(raw_src + b"/cl\xffass")  # a class folder too
-    for name, data in ((b"cl\xffass/p\xfe.jpg", good), (b"class_0/bad\xff.jpg", good), (b"class_1/junk\xff.jpg", b"junk")):
+    named = ((b"cl\xffass/p\xfe.jpg", good), (b"class_0/bad\xff.jpg", good), (b"class_1/junk\xff.jpg", b"junk"))
+    for name, data in named:
         with open(raw_src + b"/" + name, "wb") as fh:
             fh.write(data)
     res = convert(src, tmp_path / "o.lmdb", workers=1, progress=False)

@@ -1,25 +1,19 @@
-"""Command line: argparse only. One ``cmd_<name>(args) -> int`` per subcommand; the work lives elsewhere.
-
-Exit codes: see ``EXIT_CODES`` (``packer --help``). Numeric options are checked by their argparse
-type (out of range: a usage error, exit 2) before any work starts.
-"""
+"""The argument parser: ``build_parser`` and one ``_add_<command>(sub)`` per subcommand (its options and
+examples); each subcommand runs ``packer.cli.commands.cmd_<command>``."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import textwrap
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from packer.argtypes import csv_of, float_in, hw_arg, int_in, size_arg
-from packer.errors import PackerError, RunError, under_way
-from packer.units import human_bytes
+from packer.cli import commands
+from packer.cli.commands import format_options
 
 if TYPE_CHECKING:
-    from packer.formats.base import Format, Option
+    from packer.formats.base import Format
 
 EXIT_CODES = """\
 exit codes (every command):
@@ -33,6 +27,7 @@ exit codes (every command):
   130  interrupted (Ctrl-C)"""
 
 
+
 def _parser(sub, name: str, help: str, examples: str, description: str = "") -> argparse.ArgumentParser:
     return sub.add_parser(
         name, help=help, description=(description or help),
@@ -41,10 +36,17 @@ def _parser(sub, name: str, help: str, examples: str, description: str = "") -> 
     )
 
 
+
+def compression_help(formats: Mapping[str, Format]) -> str:
+    """``--compression``'s help, from what each format offers (``Format.compressions``)."""
+    offers = "; ".join(f"{name}: {', '.join(sorted(fmt.compressions))}"
+                       for name, fmt in sorted(formats.items()) if fmt.compressions)
+    return (f"--payload raw only: compress the stored pixels with a codec the format offers ({offers}; "
+            "gzip: smaller, read by any reader of the format; lzf: faster, h5py's own filter; default none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from packer._version import __version__
-    from packer.formats import FORMATS
-    from packer.tools.sample import MAX_COUNT, MAX_SIDE
 
     parser = argparse.ArgumentParser(
         prog="packer",
@@ -55,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"packer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in (_add_convert, _add_info, _add_verify, _add_extract, _add_sample, _add_profile, _add_doctor,
+                _add_bench):
+        add(sub)
+    return parser
+
+
+def _add_convert(sub) -> None:
+    from packer.formats import FORMATS
 
     p = _parser(sub, "convert", "pack a folder of images into a dataset", """
         packer convert imgs/ --to lmdb                # -> imgs.lmdb/ beside imgs/
@@ -77,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--to", dest="format", default="lmdb", choices=sorted(FORMATS), help="output format (default lmdb)")
     p.add_argument("-o", "--output", help="output directory (default: <source>.<format> beside the source)")
     p.add_argument("--payload", choices=("encoded", "raw"), default=None,
-                   help="encoded: the original file bytes (lossless, smallest; default where the format stores it); "
-                   "raw: decoded RGB pixels (no decoding in training, 5-10x larger; the only payload of bmp and mosaic)")
+                   help="encoded: the original file bytes (lossless, smallest; default where the format stores "
+                   "it); raw: decoded RGB pixels (no decoding in training, 5-10x larger; the only payload of bmp "
+                   "and mosaic)")
     p.add_argument("--validate", choices=("full", "header", "none"), default="full",
                    help="full: decode every image (default, catches truncated files); header: read headers only; "
                    "none: pack bytes unchecked")
@@ -87,26 +98,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int_in(0), default=None,
                    help="processes reading and validating (default: all cores; 0: in this process)")
     p.add_argument("--shard-size", type=size_arg, default=None, metavar="SIZE",
-                   help="approximate shard size, e.g. 512MB (default: the format's: 1GB for lmdb, one file for hdf5 and memmap)")
+                   help="approximate shard size, e.g. 512MB (default: the format's: 1GB for lmdb, one file for "
+                   "hdf5 and memmap)")
     p.add_argument("--resize", metavar="S|HxW",
                    help="raw payloads only, lossy: S = short side to S (aspect kept); HxW = exact shape")
     p.add_argument("--resize-mode", choices=("stretch", "fit"), default="stretch",
                    help="for --resize HxW: stretch to the shape (default) or fit inside it and pad with black")
     p.add_argument("--upscale", action="store_true", help="let --resize enlarge small images (default: never)")
-    p.add_argument("--compression", choices=sorted({c for f in FORMATS.values() for c in f.compressions}), default=None,
-                   help="hdf5 with --payload raw only: compress pixel chunks (lzf: fast, h5py's filter; "
-                   "gzip: smaller, any HDF5 reader; default none)")
+    p.add_argument("--compression", choices=sorted({c for f in FORMATS.values() for c in f.compressions}),
+                   default=None, help=compression_help(FORMATS))
     p.add_argument("--order", choices=("shuffled", "source"), default="shuffled",
                    help="sample order in the dataset. shuffled (default): a seeded shuffle, so neighbours on disk "
                    "are unrelated and block-shuffled reading (packer.read.sampler) mixes labels in every batch; "
                    "source: ImageFolder's order, dataset index i = ImageFolder index i. Either way "
                    "ds.samples and ds.index_of(rel_path) map samples to their source files")
-    p.add_argument("--seed", type=int_in(0), default=0, help="seed of --order shuffled (default 0; recorded in the manifest)")
-    for opt in _format_options(FORMATS):  # each format's own options (mosaic: --tile, --grid, ...), declared there
+    p.add_argument("--seed", type=int_in(0), default=0,
+                   help="seed of --order shuffled (default 0; recorded in the manifest)")
+    for opt in format_options(FORMATS):  # each format's own options (mosaic: --tile, --grid, ...), declared there
+        typed: dict[str, Any] = {"type": opt.type} if opt.type is not None else {}  # None: the text as given
         p.add_argument(f"--{opt.name.replace('_', '-')}", dest=opt.name, metavar=opt.metavar, choices=opt.choices,
-                       type=opt.type, default=None, help=opt.help)
-    p.add_argument("--overwrite", action="store_true", help="replace an existing packer dataset (only once the new one is complete; "
-                   "anything else at the output path is refused)")
+                       default=None, help=opt.help, **typed)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing packer dataset (only once the new "
+                   "one is complete; anything else at the output path is refused)")
     p.add_argument("--resume", action="store_true",
                    help="go on with an interrupted conversion of the same source and options (its finished "
                    "shards are checked and kept; the result is identical to an uninterrupted run)")
@@ -116,16 +129,20 @@ def build_parser() -> argparse.ArgumentParser:
                    "and write one shard per task; source and output must be on storage they all share. "
                    "Same bytes as a local conversion; --workers is then ignored")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_convert)
+    p.set_defaults(func=commands.cmd_convert)
 
+
+def _add_info(sub) -> None:
     p = _parser(sub, "info", "describe a packed dataset", """
         packer info imgs.lmdb
         packer info imgs.lmdb --json | jq .num_samples
         """)
     p.add_argument("dataset")
     p.add_argument("--json", action="store_true", help="print the manifest and summary as JSON")
-    p.set_defaults(func=cmd_info)
+    p.set_defaults(func=commands.cmd_info)
 
+
+def _add_verify(sub) -> None:
     p = _parser(sub, "verify", "check a packed dataset (exit 1 on any problem)", """
         packer verify imgs.lmdb                    # files present, checksums, counts
         packer verify imgs.lmdb --against imgs/    # and every source file packed identically or reported
@@ -136,8 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also decode every sample (strictly) and check it against the stored shape")
     p.add_argument("--against", metavar="SRC", help="the source folder to compare with")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_verify)
+    p.set_defaults(func=commands.cmd_verify)
 
+
+def _add_extract(sub) -> None:
     p = _parser(sub, "extract", "write a packed dataset's images back as files", """
         packer extract imgs.lmdb restored/               # restored/<class>/<file>, byte-identical
         packer extract imgs.lmdb restored/ --overwrite   # replace files that exist already
@@ -152,7 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="destination folder (created if missing)")
     p.add_argument("--overwrite", action="store_true", help="replace files that exist already")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=cmd_extract)
+    p.set_defaults(func=commands.cmd_extract)
+
+
+def _add_sample(sub) -> None:
+    from packer.tools.sample import MAX_COUNT, MAX_SIDE
 
     p = _parser(sub, "sample", "generate a folder of photo-like JPEGs to try packer on", """
         packer sample imgs/ --count 2000 --classes 10
@@ -161,14 +184,17 @@ def build_parser() -> argparse.ArgumentParser:
         "quality 90, like ImageNet), deterministic for a seed.")
     p.add_argument("output")
     p.add_argument("--count", type=int_in(1, MAX_COUNT), default=2000, help="images (default 2000)")
-    p.add_argument("--classes", type=int_in(0, MAX_COUNT), default=10, help="class folders (default 10; 0: a flat folder)")
+    p.add_argument("--classes", type=int_in(0, MAX_COUNT), default=10,
+                   help="class folders (default 10; 0: a flat folder)")
     p.add_argument("--size", type=hw_arg(MAX_SIDE), default=(375, 500), metavar="HxW",
                    help=f"around which sizes vary by 10%% (default 375x500; sides 1 to {MAX_SIDE})")
     p.add_argument("--quality", type=int_in(1, 100), default=90, help="JPEG quality 1-100 (default 90)")
     p.add_argument("--seed", type=int_in(0), default=0)
     p.add_argument("-q", "--quiet", action="store_true")
-    p.set_defaults(func=cmd_sample)
+    p.set_defaults(func=commands.cmd_sample)
 
+
+def _add_profile(sub) -> None:
     p = _parser(sub, "profile", "find the num_workers that keeps a training step fed", """
         packer profile imgs.lmdb --workers 0,1,2 --batch-size 64 --step-ms 40
         packer profile imgs.lmdb --step-ms 40 --plot sweep.png --json sweep.json
@@ -181,25 +207,31 @@ def build_parser() -> argparse.ArgumentParser:
         "num_workers whose wait stays under 10%% of the step, or says plainly that none does. "
         "Exit 1 when no setting keeps the step fed.")
     p.add_argument("dataset", help="a packed dataset (packer convert)")
-    p.add_argument("--workers", type=lambda t: t if t == "auto" else csv_of(int_in(0))(t), default="auto", metavar="N,..",
+    p.add_argument("--workers", type=lambda t: t if t == "auto" else csv_of(int_in(0))(t), default="auto",
+                   metavar="N,..",
                    help="num_workers values, e.g. 0,2,4 (default: 0, 1, 2, 4, ... up to the cores)")
-    p.add_argument("--batch-size", type=csv_of(int_in(1)), default=(64,), metavar="B,..", help="batch sizes, e.g. 64 or 64,128 (default 64)")
+    p.add_argument("--batch-size", type=csv_of(int_in(1)), default=(64,), metavar="B,..",
+                   help="batch sizes, e.g. 64 or 64,128 (default 64)")
     p.add_argument("--pin-memory", default="off", help="off, on or off,on (on needs CUDA; default off)")
     p.add_argument("--step-ms", type=float_in(0.0, 60_000.0), default=40.0,
                    help="simulated step per batch of the first batch size, in ms (default 40); scaled for others")
-    p.add_argument("--batches", type=int_in(2), default=30, help="batches measured per setting, after warm-up (default 30)")
-    p.add_argument("--crop", type=int_in(0), default=224, help="random crop size so batches collate (default 224; 0: none, "
-                   "samples collated as lists)")
+    p.add_argument("--batches", type=int_in(2), default=30,
+                   help="batches measured per setting, after warm-up (default 30)")
+    p.add_argument("--crop", type=int_in(0), default=224,
+                   help="random crop size so batches collate (default 224; 0: none, samples collated as lists)")
     p.add_argument("--decoder", default="auto", help="JPEG decoder of the dataset (auto, turbojpeg, pil)")
     p.add_argument("--cache", choices=("ram", "ram-decoded"), default=None, help="profile through a shared RAM cache")
     p.add_argument("--device", default=None, help="copy each batch to this device, timed as host-to-device (e.g. cuda)")
     p.add_argument("--start-method", choices=("fork", "spawn", "forkserver"), default=None,
                    help="DataLoader worker start method (default: the platform's)")
-    p.add_argument("--plot", metavar="PNG", help="write a chart of wait and samples/s against num_workers (needs matplotlib)")
+    p.add_argument("--plot", metavar="PNG",
+                   help="write a chart of wait and samples/s against num_workers (needs matplotlib)")
     p.add_argument("--json", metavar="FILE", help="write every figure as JSON ('-': stdout)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_profile)
+    p.set_defaults(func=commands.cmd_profile)
 
+
+def _add_doctor(sub) -> None:
     p = _parser(sub, "doctor", "measure this machine (and the storage under PATH) and say where loading will wait", """
         packer doctor                  # the machine: cores, memory, decoders, GPU, /dev/shm, limits
         packer doctor imgs/            # and the storage under imgs/: device, filesystem, cold reads
@@ -209,13 +241,17 @@ def build_parser() -> argparse.ArgumentParser:
         "small-file vs sequential read rate there, per-core decode rate of each decoder, GPU and pinned "
         "memory, libjpeg-turbo, /dev/shm and the open-files limit; then a verdict in plain words where each "
         "recommendation names the figure behind it.")
-    p.add_argument("path", nargs="?", help="a folder of images, a packed dataset or any directory on the storage to test")
+    p.add_argument("path", nargs="?",
+                   help="a folder of images, a packed dataset or any directory on the storage to test")
     p.add_argument("--seconds", type=float_in(0.0, 600.0, above=True), default=1.0,
                    help="time budget of each rate measurement (default 1 s)")
     p.add_argument("--json", action="store_true", help="print every figure and the verdict as JSON")
-    p.set_defaults(func=cmd_doctor)
+    p.set_defaults(func=commands.cmd_doctor)
 
-    p = _parser(sub, "bench", "measure read throughput: loose folder vs packed datasets, against the machine's ceilings", """
+
+def _add_bench(sub) -> None:
+    about = "measure read throughput: loose folder vs packed datasets, against the machine's ceilings"
+    p = _parser(sub, "bench", about, """
         packer bench imgs/ imgs.lmdb                          # every level, order and cache state
         packer bench imgs/ imgs.lmdb --cold --workers 0,2,4 --json bench.json --plot bench.png
         packer bench imgs/ imgs.lmdb --emulate hdd --levels read   # as on a 7200 rpm disk (root, Linux)
@@ -249,10 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--warm", action="store_true", help="warm page cache only")
     p.add_argument("--workers", type=csv_of(int_in(0)), default=None, metavar="N,..",
                    help="DataLoader num_workers values for the loader level (default: the usable cores, at most 8)")
-    p.add_argument("--batch-size", type=int_in(1), default=64, help="loader batch size, also the read level's batch (default 64)")
+    p.add_argument("--batch-size", type=int_in(1), default=64,
+                   help="loader batch size, also the read level's batch (default 64)")
     p.add_argument("--pin-memory", action="store_true", help="DataLoader pin_memory=True")
     p.add_argument("--repeats", type=int_in(1), default=3, help="timed passes per measurement (default 3)")
-    p.add_argument("--limit", type=int_in(1), default=None, metavar="N", help="only the first N samples of each dataset, in its stored order (packed datasets are usually stored shuffled)")
+    p.add_argument("--limit", type=int_in(1), default=None, metavar="N", help="only the first N samples of each "
+                   "dataset, in its stored order (packed datasets are usually stored shuffled)")
     p.add_argument("--seed", type=int_in(0), default=0, help="seed of the shuffled orders")
     p.add_argument("--block-size", type=size_arg, default=None, metavar="SIZE",
                    help="block order: payload bytes per block (default: packer.read.sampler's, 16MB)")
@@ -262,279 +300,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="block order: neighbours read together (default: the sampler's, 16)")
     p.add_argument("--ceiling-size", type=size_arg, default=256 << 20, metavar="SIZE",
                    help="size of the scratch file for the sequential-read ceiling (default 256MiB)")
-    from packer.diagnose.throttle import PRESETS
-
-    p.add_argument("--emulate", choices=sorted(PRESETS), help="throttle reads like this device: "
-                   + "; ".join(f"{k} = {v.read_iops} IOPS, {v.read_bps // 10**6} MB/s" for k, v in sorted(PRESETS.items())))
-    p.add_argument("--read-iops", type=int_in(1), default=None, metavar="N", help="throttle: read IOs per second")
-    p.add_argument("--read-bps", type=size_arg, default=None, metavar="B", help="throttle: read bytes per second, e.g. 150MB")
+    _add_throttle(p)
     p.add_argument("--json", metavar="FILE", help="write every figure and the machine/setup as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="PNG", help="write a chart (needs matplotlib: pip install 'packer[plot]')")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
-    p.set_defaults(func=cmd_bench)
-    return parser
+    p.set_defaults(func=commands.cmd_bench)
 
 
-def _format_options(formats: Mapping[str, Format]) -> list[Option]:
-    """Every format's own conversion options, once each by name, in registry order."""
-    seen: dict[str, Option] = {}
-    for fmt in formats.values():
-        for opt in fmt.options:
-            seen.setdefault(opt.name, opt)
-    return list(seen.values())
+def _add_throttle(p: argparse.ArgumentParser) -> None:
+    """``packer bench``'s emulated storage: a preset device or explicit read limits."""
+    from packer.diagnose.throttle import PRESETS
 
-
-def cmd_convert(args) -> int:
-    import contextlib
-
-    from packer.formats import FORMATS
-    from packer.write.convert import convert
-    from packer.write.scan import describe_ignored
-
-    if args.scheduler:
-        from packer.write.cluster import open_client
-
-        cluster = open_client(args.scheduler)
-    else:
-        cluster = contextlib.nullcontext()
-    with cluster as client:
-        res = convert(
-            args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
-            on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
-            resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
-            compression=args.compression, **{o.name: vars(args)[o.name] for o in _format_options(FORMATS)},
-            overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
-            client=client,
-        )
-    total = res.num_samples + len(res.errors)
-    print(
-        f"packed {res.num_samples} of {total} images into {res.output} in {res.seconds:.1f} s "
-        f"({res.files_per_second:.0f} files/s, {res.bytes_read / 1e6 / max(res.seconds, 1e-9):.0f} MB/s)"
-    )
-    if res.ignored:
-        print(f"ignored: {describe_ignored(res.ignored)}")
-    if res.errors:
-        print(f"{len(res.errors)} files not packed: see {res.output / 'errors.json'}")
-    return 1 if res.errors else 0
-
-
-def cmd_info(args) -> int:
-    from packer.layout.manifest import dataset_directory
-    from packer.tools.info import dataset_info, info_rows
-
-    dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
-    with under_way():
-        data = dataset_info(args.dataset)
-    if args.json:
-        print(json.dumps(data, indent=1, ensure_ascii=False))
-        return 0
-    rows = info_rows(args.dataset, data)
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    return 0
-
-
-def cmd_verify(args) -> int:
-    from packer.layout.manifest import dataset_directory
-    from packer.tools.verify import verify
-
-    dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
-    report = verify(args.dataset, against=args.against, progress=not args.quiet, deep=args.deep)
-    checked = ", ".join(f"{v} {k}" for k, v in report.checked.items())
-    if report.ok:
-        print(f"ok: {args.dataset} ({checked})")
-        return 0
-    for p in report.problems[:50]:
-        print(f"problem: {p}")
-    if len(report.problems) > 50:
-        print(f"... and {len(report.problems) - 50} more")
-    print(f"FAILED: {len(report.problems)} problems in {args.dataset}")
-    return 1
-
-
-def cmd_extract(args) -> int:
-    from packer.tools.extract import extract
-
-    res = extract(args.dataset, args.dir, overwrite=args.overwrite, progress=not args.quiet)
-    print(f"wrote {res.num_files} files ({human_bytes(res.num_bytes)}) to {res.output}")
-    if res.as_png:
-        print("raw payload: images written as PNG (the stored pixels, losslessly); names end in .png "
-              "instead of the original extension")
-    if res.kept_extension:
-        print(f"{res.kept_extension} of them kept their original name plus .png (e.g. a.jpg.png): another "
-              "file of the same name with another extension is in the same folder")
-    return 0
-
-
-def cmd_sample(args) -> int:
-    from packer.tools.sample import make_sample
-
-    total = make_sample(args.output, count=args.count, classes=args.classes, size=args.size, seed=args.seed,
-                        quality=args.quality, progress=not args.quiet)
-    print(f"wrote {args.count} images ({human_bytes(total)}) to {args.output}")
-    return 0
-
-
-def cmd_profile(args) -> int:
-    from packer.diagnose.plots import plot_sweep, require_matplotlib
-    from packer.diagnose.sweep import RandomCrop, default_workers, sweep
-    from packer.read.dataset import open_dataset
-
-    if args.plot:
-        require_matplotlib()
-    workers = default_workers() if args.workers == "auto" else args.workers
-    batch_sizes = args.batch_size
-    pins = []
-    for v in args.pin_memory.split(","):
-        if v.strip() not in ("on", "off"):
-            raise PackerError(f"--pin-memory {args.pin_memory!r}: expected off, on or off,on")
-        pins.append(v.strip() == "on")
-    from packer.layout.manifest import dataset_directory
-
-    dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
-    with under_way():
-        ds = open_dataset(args.dataset, image="tensor", decoder=args.decoder,
-                          transform=RandomCrop(args.crop) if args.crop else None)
-    if args.cache:
-        from packer.read.cache import CachedDataset
-
-        ds = CachedDataset(ds, args.cache, progress=not args.quiet)
-    res = sweep(ds, workers=workers, batch_sizes=batch_sizes, pin_memory=pins, step_ms=args.step_ms,
-                batches=args.batches, device=args.device, start_method=args.start_method, progress=not args.quiet,
-                collate=None if args.crop else list)
-    if args.plot:
-        plot_sweep(res, args.plot)
-    if args.json == "-":
-        print(json.dumps(res.to_dict(), indent=1))
-    else:
-        print(res.report())
-        if args.plot:
-            print(f"chart: {args.plot}")
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(res.to_dict(), fh, indent=1)
-            print(f"figures: {args.json}")
-    return 0 if res.feasible else 1
-
-
-def cmd_doctor(args) -> int:
-    from packer.diagnose.doctor import diagnose, render
-
-    report = diagnose(args.path, seconds=args.seconds, progress=not args.json)
-    print(json.dumps(report, indent=1) if args.json else render(report))
-    return 0
-
-
-def cmd_bench(args) -> int:
-    if args.decoders:
-        return _bench_decoders(args)
-    if not args.paths:
-        raise PackerError("packer bench needs at least one PATH (a folder or a packed dataset), or --decoders")
-    from packer.diagnose.bench import BenchOptions, run_bench
-    from packer.diagnose.reports import bench_table, print_progress
-    from packer.diagnose.system import usable_cores
-
-    if args.plot:
-        from packer.diagnose.plots import require_matplotlib
-
-        require_matplotlib()  # before minutes of measuring
-    caches = ("cold",) if args.cold else ("warm",) if args.warm else ("cold", "warm")
-    workers = args.workers or (min(8, usable_cores()),)
-    options = BenchOptions(
-        levels=args.levels, orders=args.orders, caches=caches, workers=workers, batch_size=args.batch_size,
-        pin_memory=args.pin_memory, repeats=args.repeats, limit=args.limit, seed=args.seed,
-        block_bytes=args.block_size, open_blocks=args.open_blocks, run=args.run, ceiling_bytes=args.ceiling_size,
-        emulate=args.emulate, read_iops=args.read_iops, read_bps=args.read_bps,
-    )
-    report = run_bench(args.paths, options, log=None if args.quiet else print_progress)
-    if sys.argv[1:2] == ["bench"]:
-        import shlex
-
-        report["command"] = shlex.join(["packer", *sys.argv[1:]])
-    if args.json == "-":
-        print(json.dumps(report, indent=1))
-    else:
-        print(bench_table(report))
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(report, fh, indent=1)
-            print(f"wrote {args.json}")
-    if args.plot:
-        from packer.diagnose.plots import plot_bench
-
-        plot_bench(report, args.plot)
-        print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
-    return 0
-
-
-def _bench_decoders(args) -> int:
-    """``packer bench --decoders [DATASET|FOLDER]``: per-core decoder rates and packer's decode overhead."""
-    import platform
-    import tempfile
-
-    from packer.diagnose import decoders as decodebench
-    from packer.diagnose.measure import load_samples
-
-    sizes = list(args.sizes)
-    backends = args.backends.split(",") if args.backends else None
-    if len(args.paths) > 1:
-        raise PackerError("packer bench --decoders takes one DATASET or FOLDER (or none: generated samples)")
-    limit = args.limit or 200
-    out = sys.stderr if args.json == "-" else sys.stdout  # keep stdout for the JSON
-    with tempfile.TemporaryDirectory(prefix="packer-bench-") as tmp:
-        path = args.paths[0] if args.paths else None
-        if path is None:
-            from packer.tools.sample import make_sample
-
-            path = f"{tmp}/imgs"
-            print(f"no DATASET|FOLDER given: generating {limit} photo-like JPEGs (about 500x375, q90)", file=out)
-            make_sample(path, count=limit, classes=1, progress=False)
-        samples = load_samples(path, limit=limit)
-        mean_kb = sum(map(len, samples)) / len(samples) / 1e3
-        print(f"{len(samples)} images from {path} (mean {mean_kb:.0f} KB); one process, rates per core from CPU time",
-              file=out)
-        results = decodebench.measure_decoders(samples, backends=backends, sizes=sizes, seconds=args.seconds)
-        print(decodebench.decoder_table(results), file=out)
-        overhead = None
-        from pathlib import Path
-
-        from packer.images.decode import turbojpeg_available
-        if (Path(path) / "manifest.json").exists() and turbojpeg_available():
-            overhead = decodebench.measure_overhead(path, limit=limit, batch_size=args.batch_size,
-                                                    seconds=args.seconds * 2)
-            r = overhead["img_per_s"]
-            print(f"open_dataset(image='numpy', decoder='auto') vs bare libjpeg-turbo on the same {overhead['samples']} "
-                  f"JPEGs, batches of {args.batch_size} via __getitems__: {r['packer']:.0f} vs {r['bare']:.0f} img/s "
-                  f"= {overhead['ratio']:.0%} (one sample at a time {overhead['ratio_item']:.0%}; "
-                  f"holding full-size arrays per batch {r['packer_held']:.0f} vs {r['bare_held']:.0f} "
-                  f"= {overhead['ratio_held']:.0%})", file=out)
-    if args.json:
-        from packer._version import __version__
-
-        doc = {"packer": __version__, "python": platform.python_version(), "machine": platform.machine(),
-               "cpu_count": os.cpu_count(), "path": path if args.paths else None, "samples": len(samples),
-               "decoders": results, "overhead": overhead}
-        if args.json == "-":
-            print(json.dumps(doc, indent=1))
-        else:
-            with open(args.json, "w") as fh:
-                json.dump(doc, fh, indent=1)
-            print(f"wrote {args.json}")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    try:
-        return args.func(args)
-    except PackerError as exc:
-        print(f"packer: error: {exc}", file=sys.stderr)
-        return 1 if isinstance(exc, RunError) else 2  # ResumableError is a RunError
-    except KeyboardInterrupt as exc:  # convert's says what it kept and how to go on
-        print(f"packer: {str(exc) or 'interrupted'}", file=sys.stderr)
-        return 130
+    devices = "; ".join(f"{k} = {v.read_iops} IOPS, {v.read_bps // 10**6} MB/s" for k, v in sorted(PRESETS.items()))
+    p.add_argument("--emulate", choices=sorted(PRESETS), help=f"throttle reads like this device: {devices}")
+    p.add_argument("--read-iops", type=int_in(1), default=None, metavar="N", help="throttle: read IOs per second")
+    p.add_argument("--read-bps", type=size_arg, default=None, metavar="B",
+                   help="throttle: read bytes per second, e.g. 150MB")

@@ -1,0 +1,266 @@
+"""One ``cmd_<name>(args) -> int`` per subcommand: call the function below that does the work, print its
+result, return the exit code (see ``packer.cli.parser.EXIT_CODES``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from packer.errors import PackerError, under_way
+from packer.units import human_bytes
+
+if TYPE_CHECKING:
+    from packer.formats.base import Format, Option
+
+
+def format_options(formats: Mapping[str, Format]) -> list[Option]:
+    """Every format's own conversion options, once each by name, in registry order."""
+    seen: dict[str, Option] = {}
+    for fmt in formats.values():
+        for opt in fmt.options:
+            seen.setdefault(opt.name, opt)
+    return list(seen.values())
+
+
+def cmd_convert(args) -> int:
+    import contextlib
+
+    from packer.formats import FORMATS
+    from packer.write.convert import convert
+    from packer.write.scan import describe_ignored
+
+    if args.scheduler:
+        from packer.write.cluster import open_client
+
+        cluster = open_client(args.scheduler)
+    else:
+        cluster = contextlib.nullcontext()
+    with cluster as client:
+        res = convert(
+            args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
+            on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
+            resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
+            compression=args.compression, **{o.name: vars(args)[o.name] for o in format_options(FORMATS)},
+            overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
+            client=client,
+        )
+    total = res.num_samples + len(res.errors)
+    print(
+        f"packed {res.num_samples} of {total} images into {res.output} in {res.seconds:.1f} s "
+        f"({res.files_per_second:.0f} files/s, {res.bytes_read / 1e6 / max(res.seconds, 1e-9):.0f} MB/s)"
+    )
+    if res.ignored:
+        print(f"ignored: {describe_ignored(res.ignored)}")
+    if res.errors:
+        print(f"{len(res.errors)} files not packed: see {res.output / 'errors.json'}")
+    return 1 if res.errors else 0
+
+
+def cmd_info(args) -> int:
+    from packer.layout.manifest import dataset_directory
+    from packer.tools.info import dataset_info, info_rows
+
+    dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
+    with under_way():
+        data = dataset_info(args.dataset)
+    if args.json:
+        print(json.dumps(data, indent=1, ensure_ascii=False))
+        return 0
+    rows = info_rows(args.dataset, data)
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from packer.layout.manifest import dataset_directory
+    from packer.tools.verify import verify
+
+    dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
+    report = verify(args.dataset, against=args.against, progress=not args.quiet, deep=args.deep)
+    checked = ", ".join(f"{v} {k}" for k, v in report.checked.items())
+    if report.ok:
+        print(f"ok: {args.dataset} ({checked})")
+        return 0
+    for p in report.problems[:50]:
+        print(f"problem: {p}")
+    if len(report.problems) > 50:
+        print(f"... and {len(report.problems) - 50} more")
+    print(f"FAILED: {len(report.problems)} problems in {args.dataset}")
+    return 1
+
+
+def cmd_extract(args) -> int:
+    from packer.tools.extract import extract
+
+    res = extract(args.dataset, args.dir, overwrite=args.overwrite, progress=not args.quiet)
+    print(f"wrote {res.num_files} files ({human_bytes(res.num_bytes)}) to {res.output}")
+    if res.as_png:
+        print("raw payload: images written as PNG (the stored pixels, losslessly); names end in .png "
+              "instead of the original extension")
+    if res.kept_extension:
+        print(f"{res.kept_extension} of them kept their original name plus .png (e.g. a.jpg.png): another "
+              "file of the same name with another extension is in the same folder")
+    return 0
+
+
+def cmd_sample(args) -> int:
+    from packer.tools.sample import make_sample
+
+    total = make_sample(args.output, count=args.count, classes=args.classes, size=args.size, seed=args.seed,
+                        quality=args.quality, progress=not args.quiet)
+    print(f"wrote {args.count} images ({human_bytes(total)}) to {args.output}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from packer.diagnose.plots import plot_sweep, require_matplotlib
+    from packer.diagnose.sweep import RandomCrop, default_workers, sweep
+    from packer.read.dataset import open_dataset
+
+    if args.plot:
+        require_matplotlib()
+    workers = default_workers() if args.workers == "auto" else args.workers
+    batch_sizes = args.batch_size
+    pins = []
+    for v in args.pin_memory.split(","):
+        if v.strip() not in ("on", "off"):
+            raise PackerError(f"--pin-memory {args.pin_memory!r}: expected off, on or off,on")
+        pins.append(v.strip() == "on")
+    from packer.layout.manifest import dataset_directory
+
+    dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
+    with under_way():
+        ds = open_dataset(args.dataset, image="tensor", decoder=args.decoder,
+                          transform=RandomCrop(args.crop) if args.crop else None)
+    if args.cache:
+        from packer.read.cache import CachedDataset
+
+        ds = CachedDataset(ds, args.cache, progress=not args.quiet)
+    res = sweep(ds, workers=workers, batch_sizes=batch_sizes, pin_memory=pins, step_ms=args.step_ms,
+                batches=args.batches, device=args.device, start_method=args.start_method, progress=not args.quiet,
+                collate=None if args.crop else list)
+    if args.plot:
+        plot_sweep(res, args.plot)
+    if args.json == "-":
+        print(json.dumps(res.to_dict(), indent=1))
+    else:
+        print(res.report())
+        if args.plot:
+            print(f"chart: {args.plot}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(res.to_dict(), fh, indent=1)
+            print(f"figures: {args.json}")
+    return 0 if res.feasible else 1
+
+
+def cmd_doctor(args) -> int:
+    from packer.diagnose.doctor import diagnose, render
+
+    report = diagnose(args.path, seconds=args.seconds, progress=not args.json)
+    print(json.dumps(report, indent=1) if args.json else render(report))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.decoders:
+        return _bench_decoders(args)
+    if not args.paths:
+        raise PackerError("packer bench needs at least one PATH (a folder or a packed dataset), or --decoders")
+    from packer.diagnose.bench import BenchOptions, run_bench
+    from packer.diagnose.reports import bench_table, print_progress
+    from packer.diagnose.system import usable_cores
+
+    if args.plot:
+        from packer.diagnose.plots import require_matplotlib
+
+        require_matplotlib()  # before minutes of measuring
+    caches = ("cold",) if args.cold else ("warm",) if args.warm else ("cold", "warm")
+    workers = args.workers or (min(8, usable_cores()),)
+    options = BenchOptions(
+        levels=args.levels, orders=args.orders, caches=caches, workers=workers, batch_size=args.batch_size,
+        pin_memory=args.pin_memory, repeats=args.repeats, limit=args.limit, seed=args.seed,
+        block_bytes=args.block_size, open_blocks=args.open_blocks, run=args.run, ceiling_bytes=args.ceiling_size,
+        emulate=args.emulate, read_iops=args.read_iops, read_bps=args.read_bps,
+    )
+    report = run_bench(args.paths, options, log=None if args.quiet else print_progress)
+    if sys.argv[1:2] == ["bench"]:
+        import shlex
+
+        report["command"] = shlex.join(["packer", *sys.argv[1:]])
+    if args.json == "-":
+        print(json.dumps(report, indent=1))
+    else:
+        print(bench_table(report))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(report, fh, indent=1)
+            print(f"wrote {args.json}")
+    if args.plot:
+        from packer.diagnose.plots import plot_bench
+
+        plot_bench(report, args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
+    return 0
+
+
+def _bench_decoders(args) -> int:
+    """``packer bench --decoders [DATASET|FOLDER]``: per-core decoder rates and packer's decode overhead."""
+    import platform
+    import tempfile
+
+    from packer.diagnose import decoders as decodebench
+    from packer.diagnose.measure import load_samples
+
+    sizes = list(args.sizes)
+    backends = args.backends.split(",") if args.backends else None
+    if len(args.paths) > 1:
+        raise PackerError("packer bench --decoders takes one DATASET or FOLDER (or none: generated samples)")
+    limit = args.limit or 200
+    out = sys.stderr if args.json == "-" else sys.stdout  # keep stdout for the JSON
+    with tempfile.TemporaryDirectory(prefix="packer-bench-") as tmp:
+        path = args.paths[0] if args.paths else None
+        if path is None:
+            from packer.tools.sample import make_sample
+
+            path = f"{tmp}/imgs"
+            print(f"no DATASET|FOLDER given: generating {limit} photo-like JPEGs (about 500x375, q90)", file=out)
+            make_sample(path, count=limit, classes=1, progress=False)
+        samples = load_samples(path, limit=limit)
+        mean_kb = sum(map(len, samples)) / len(samples) / 1e3
+        print(f"{len(samples)} images from {path} (mean {mean_kb:.0f} KB); one process, rates per core from CPU time",
+              file=out)
+        results = decodebench.measure_decoders(samples, backends=backends, sizes=sizes, seconds=args.seconds)
+        print(decodebench.decoder_table(results), file=out)
+        overhead = None
+        from pathlib import Path
+
+        from packer.images.decode import turbojpeg_available
+        if (Path(path) / "manifest.json").exists() and turbojpeg_available():
+            overhead = decodebench.measure_overhead(path, limit=limit, batch_size=args.batch_size,
+                                                    seconds=args.seconds * 2)
+            r = overhead["img_per_s"]
+            print(f"open_dataset(image='numpy', decoder='auto') vs bare libjpeg-turbo on the same "
+                  f"{overhead['samples']} JPEGs, batches of {args.batch_size} via __getitems__: "
+                  f"{r['packer']:.0f} vs {r['bare']:.0f} img/s "
+                  f"= {overhead['ratio']:.0%} (one sample at a time {overhead['ratio_item']:.0%}; "
+                  f"holding full-size arrays per batch {r['packer_held']:.0f} vs {r['bare_held']:.0f} "
+                  f"= {overhead['ratio_held']:.0%})", file=out)
+    if args.json:
+        from packer._version import __version__
+
+        doc = {"packer": __version__, "python": platform.python_version(), "machine": platform.machine(),
+               "cpu_count": os.cpu_count(), "path": path if args.paths else None, "samples": len(samples),
+               "decoders": results, "overhead": overhead}
+        if args.json == "-":
+            print(json.dumps(doc, indent=1))
+        else:
+            with open(args.json, "w") as fh:
+                json.dump(doc, fh, indent=1)
+            print(f"wrote {args.json}")
+    return 0
