@@ -145,6 +145,26 @@ class Format:
         return None
 
 
+class BlobIndex:
+    """What a shard writer records per sample as it adds them (blob layouts: hdf5, memmap, n5, pth): each
+    payload's end offset, its (H, W, 3) for raw payloads, its label; ``add`` runs ``check_addition`` first."""
+
+    def __init__(self, where: object, planned: int, payload: str, shape: tuple | None) -> None:
+        self.where, self.planned, self.payload, self.shape = where, planned, payload, shape
+        self.count = 0
+        self.offsets = np.zeros(planned + 1, dtype="<i8")
+        self.labels = np.zeros(planned, dtype="<i8")
+        self.shapes = np.zeros((planned, 3), dtype="<i8")
+
+    def add(self, sample: PreparedSample) -> None:
+        check_addition(self.where, self.count, self.planned, sample, self.shape)
+        if isinstance(sample.payload, np.ndarray):
+            self.shapes[self.count] = sample.payload.shape
+        self.labels[self.count] = sample.label
+        self.count += 1
+        self.offsets[self.count] = self.offsets[self.count - 1] + sample.nbytes
+
+
 def check_addition(path, count: int, planned: int, sample: PreparedSample, shape: tuple | None) -> None:
     """A shard writer's checks before storing ``sample``: room in the plan, and the dataset's fixed shape if any."""
     if count >= planned:

@@ -55,11 +55,11 @@ import numpy as np
 from packer._version import __version__
 from packer.errors import PackerError
 from packer.formats.base import (
+    BlobIndex,
     Format,
     PreparedSample,
     ShardReader,
     ShardWriter,
-    check_addition,
     check_offsets,
     check_size,
     contiguous_runs,
@@ -97,11 +97,7 @@ class Writer(ShardWriter):
         self.payload = payload
         self.shape = fixed_shape(payload, options)
         self.compression = options.get("compression")
-        self._planned = num_samples
-        self._count = 0
-        self._offsets = np.zeros(num_samples + 1, dtype="<i8")
-        self._labels = np.zeros(num_samples, dtype="<i8")
-        self._shapes = np.zeros((num_samples, 3), dtype="<i8")
+        self.index = BlobIndex(self.path, num_samples, payload, self.shape)
         self._pending: list[np.ndarray] = []  # fixed layout: images not yet written
         self._blob = bytearray()  # blob layout: bytes not yet written
         # No chunk cache: every chunk goes to disk when written, so a full disk fails the write that
@@ -118,13 +114,8 @@ class Writer(ShardWriter):
                 "images", shape=(0,), maxshape=(None,), dtype="u1", chunks=(chunk,), compression=self.compression)
 
     def add(self, sample: PreparedSample) -> None:
-        check_addition(self.path, self._count, self._planned, sample, self.shape)
+        self.index.add(sample)
         data = sample.payload
-        if self.payload == "raw":
-            self._shapes[self._count] = cast(np.ndarray, data).shape
-        self._labels[self._count] = sample.label
-        self._count += 1
-        self._offsets[self._count] = self._offsets[self._count - 1] + sample.nbytes
         if self.shape is not None:
             self._pending.append(cast(np.ndarray, data))
             if len(self._pending) * sample.nbytes >= _WRITE_BYTES:
@@ -138,7 +129,7 @@ class Writer(ShardWriter):
         """Write what is buffered; blobs only in whole chunks until the end, so no chunk is written twice."""
         if self.shape is not None:
             if self._pending:
-                stop = self._count
+                stop = self.index.count
                 self._images[stop - len(self._pending) : stop] = np.stack(self._pending)
                 self._pending = []
             return
@@ -155,7 +146,7 @@ class Writer(ShardWriter):
     def _check_room(self) -> None:
         """Refuse before HDF5 writes its index and metadata at close if they might not fit (see __init__)."""
         chunks = self._images.id.get_num_chunks()
-        need = 40 * self._count + 64 * chunks + (1 << 20)  # offsets, labels, shapes; chunk index, headers
+        need = 40 * self.index.count + 64 * chunks + (1 << 20)  # offsets, labels, shapes; chunk index, headers
         st = os.statvfs(self.path.parent)
         free = st.f_bavail * st.f_frsize
         if free < need:
@@ -164,18 +155,18 @@ class Writer(ShardWriter):
     def close(self) -> tuple[list[str], dict]:
         self._flush(final=True)
         self._check_room()
-        n, f = self._count, self._file
+        n, f = self.index.count, self._file
         layout = "fixed" if self.shape is not None else "blob"
-        if self.shape is not None and n != self._planned:  # samples failed validation
+        if self.shape is not None and n != self.index.planned:  # samples failed validation
             self._images.resize((n, *self.shape))
         self._images.attrs["description"] = _DESCRIBE[(self.payload, layout)]
         if self.shape is None:
-            f.create_dataset("offsets", data=self._offsets[: n + 1]).attrs["description"] = (
+            f.create_dataset("offsets", data=self.index.offsets[: n + 1]).attrs["description"] = (
                 "int64 [N+1]: image i is images[offsets[i]:offsets[i+1]]")
         if self.payload == "raw" and self.shape is None:
-            f.create_dataset("shapes", data=self._shapes[:n]).attrs["description"] = (
+            f.create_dataset("shapes", data=self.index.shapes[:n]).attrs["description"] = (
                 "int64 [N,3]: (height, width, 3) of image i")
-        f.create_dataset("labels", data=self._labels[:n]).attrs["description"] = (
+        f.create_dataset("labels", data=self.index.labels[:n]).attrs["description"] = (
             "int64 [N]: class index of image i (-1: no class); class names are in the packer "
             "dataset's manifest.json, source paths in its meta/")
         f.attrs.update({

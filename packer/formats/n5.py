@@ -39,20 +39,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
-from typing import cast
 
 import numpy as np
 
 from packer.argtypes import size_arg
 from packer.errors import PackerError
 from packer.formats.base import (
+    BlobIndex,
     Format,
     Option,
     PreparedSample,
     ShardReader,
     ShardWriter,
     Span,
-    check_addition,
     check_offsets,
     contiguous_runs,
     fixed_shape,
@@ -119,10 +118,7 @@ class Writer(ShardWriter):
             self.step = self.rows * prod(self.shape)
         else:
             self.rows = self.step = target
-        self._count = 0
-        self._offsets = np.zeros(num_samples + 1, dtype=np.int64)
-        self._labels = np.zeros(num_samples, dtype=np.int64)
-        self._shapes = np.zeros((num_samples, 3), dtype=np.int64)
+        self.index = BlobIndex(self.root, num_samples, payload, self.shape)
         self._pending = bytearray()
         self._blocks: list[str] = []
         (self.root / "images").mkdir(parents=True, exist_ok=True)  # OSError propagates: the driver reports it
@@ -133,13 +129,8 @@ class Writer(ShardWriter):
         return Array((total,), self.rows, "uint8", self.compression)
 
     def add(self, sample: PreparedSample) -> None:
-        check_addition(self.root, self._count, self.planned, sample, self.shape)
+        self.index.add(sample)
         data = sample.payload
-        if self.payload == "raw":
-            self._shapes[self._count] = cast(np.ndarray, data).shape
-        self._labels[self._count] = sample.label
-        self._count += 1
-        self._offsets[self._count] = self._offsets[self._count - 1] + sample.nbytes
         self._pending += data if isinstance(data, bytes) else data.data.cast("B")
         while len(self._pending) >= self.step:
             self._flush(self.step)
@@ -154,15 +145,15 @@ class Writer(ShardWriter):
     def close(self) -> tuple[list[str], dict]:
         if self._pending:
             self._flush(len(self._pending))
-        n = self._count
-        images = self._images(int(self._offsets[n]))
+        n = self.index.count
+        images = self._images(int(self.index.offsets[n]))
         names = [ATTRIBUTES, *write_dataset(self.root, "images", images, None), *self._blocks]
         layout = "fixed" if self.shape is not None else "blob"
         if self.shape is None:
-            names += write_dataset(self.root, "offsets", Array((n + 1,), n + 1, "int64"), self._offsets[: n + 1])
+            names += write_dataset(self.root, "offsets", Array((n + 1,), n + 1, "int64"), self.index.offsets[: n + 1])
             if self.payload == "raw":
-                names += write_dataset(self.root, "shapes", Array((n, 3), max(n, 1), "int64"), self._shapes[:n])
-        names += write_dataset(self.root, "labels", Array((n,), max(n, 1), "int64"), self._labels[:n])
+                names += write_dataset(self.root, "shapes", Array((n, 3), max(n, 1), "int64"), self.index.shapes[:n])
+        names += write_dataset(self.root, "labels", Array((n,), max(n, 1), "int64"), self.index.labels[:n])
         write_json(self.root / ATTRIBUTES, {"n5": N5_VERSION, "packer": {
             "format": "n5", "payload": self.payload, "layout": layout, "num_samples": n,
             "description": _DESCRIBE[(self.payload, layout)]}})

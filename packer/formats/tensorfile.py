@@ -30,11 +30,11 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.formats.base import (
+    BlobIndex,
     PreparedSample,
     ShardReader,
     ShardWriter,
     Span,
-    check_addition,
     check_offsets,
     copy_runs,
     fixed_shape,
@@ -68,34 +68,26 @@ class ArrayShardWriter(ShardWriter):
         self.name = f"shard-{shard_id:05d}{self.suffix}"
         self.path = self.directory / self.name
         self.scratch = self.directory / (self.name + SCRATCH_SUFFIX)
-        self._count = 0
-        self._offsets = np.zeros(num_samples + 1, dtype="<i8")
-        self._labels = np.zeros(num_samples, dtype="<i8")
-        self._shapes = np.zeros((num_samples, 3), dtype="<i8")
+        self.index = BlobIndex(self.path, num_samples, payload, self.shape)
         self._fh = open(self.scratch, "wb")  # OSError (disk full) propagates: the driver reports it
 
     def add(self, sample: PreparedSample) -> None:
-        check_addition(self.path, self._count, self.planned, sample, self.shape)
+        self.index.add(sample)
         data = sample.payload
-        if self.payload == "raw":
-            self._shapes[self._count] = cast(np.ndarray, data).shape
-        self._labels[self._count] = sample.label
         self._fh.write(data if isinstance(data, bytes) else data.data)  # a C-contiguous uint8 array: no copy
-        self._count += 1
-        self._offsets[self._count] = self._offsets[self._count - 1] + sample.nbytes
 
     def close(self) -> tuple[list[str], dict]:
         self._fh.close()
-        n = self._count
-        total = int(self._offsets[n])
+        n = self.index.count
+        total = int(self.index.offsets[n])
         # mode "c": a private map, writable for torch.from_numpy, never written back
         images = np.memmap(self.scratch, dtype=np.uint8, mode="c", shape=(total,)) if total else np.zeros(0, np.uint8)
         arrays = {"images": images.reshape((n, *self.shape)) if self.shape is not None else images}
         if self.shape is None:
-            arrays["offsets"] = self._offsets[: n + 1]
+            arrays["offsets"] = self.index.offsets[: n + 1]
             if self.payload == "raw":
-                arrays["shapes"] = self._shapes[:n]
-        arrays["labels"] = self._labels[:n]
+                arrays["shapes"] = self.index.shapes[:n]
+        arrays["labels"] = self.index.labels[:n]
         try:
             self.write_file(self.path, arrays)
         finally:
