@@ -86,15 +86,11 @@ def naming(path: str | os.PathLike) -> Iterator[None]:
 
 def fsync_dir(directory: str | os.PathLike) -> None:
     """Flush a folder's entries (a rename or a new file inside it) to disk."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        with naming(directory):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(directory)
 
 
 def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a file (or a folder's entries) to disk; an error names the path."""
     fd = os.open(path, os.O_RDONLY)
     try:
         with naming(path):
