@@ -35,17 +35,17 @@ import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import BinaryIO
 
 import numpy as np
 
 from packer.errors import PackerError
 from packer.formats.base import (
+    BlobIndex,
     Format,
     PreparedSample,
     ShardReader,
     ShardWriter,
-    check_addition,
     check_offsets,
     check_size,
     copy_runs,
@@ -73,36 +73,29 @@ class Writer(ShardWriter):
         self.directory = directory
         stem = shard_stem(shard_id)
         self.shape = fixed_shape(payload, options)
-        self._planned = num_samples
-        self._count = 0
-        self._offsets = np.zeros(num_samples + 1, dtype="<i8")
         if self.shape is not None:
             self.names = [f"{stem}.pixels.npy"]
             self._header = _npy_header((num_samples, *self.shape), "|u1")
         elif payload == "raw":
             self.names = [f"{stem}.pixels.bin", f"{stem}.offsets.npy", f"{stem}.shapes.npy"]
-            self._shapes = np.zeros((num_samples, 3), dtype="<i8")
         else:
             self.names = [f"{stem}.files.bin", f"{stem}.offsets.npy"]
         self.path = directory / self.names[0]
         self.payload = payload
+        self.index = BlobIndex(self.path, num_samples, payload, self.shape)
         # OSError (disk full, I/O) propagates: the driver reports it and keeps finished shards for --resume.
         self._fh = open(self.path, "wb")
         if self.shape is not None:
             self._fh.write(self._header)
 
     def add(self, sample: PreparedSample) -> None:
-        check_addition(self.path, self._count, self._planned, sample, self.shape)
+        self.index.add(sample)
         data = sample.payload
-        if self.payload == "raw" and self.shape is None:
-            self._shapes[self._count] = cast(np.ndarray, data).shape
         self._fh.write(data if isinstance(data, bytes) else data.data)  # a C-contiguous uint8 array: no copy
-        self._count += 1
-        self._offsets[self._count] = self._offsets[self._count - 1] + sample.nbytes
 
     def close(self) -> tuple[list[str], dict]:
-        n = self._count
-        if self.shape is not None and n != self._planned:  # samples failed validation
+        n = self.index.count
+        if self.shape is not None and n != self.index.planned:  # samples failed validation
             header = _npy_header((n, *self.shape), "|u1")
             if len(header) != len(self._header):
                 raise PackerError(f"{self.path}: .npy header changed length ({len(self._header)} -> {len(header)})")
@@ -110,9 +103,9 @@ class Writer(ShardWriter):
             self._fh.write(header)
         self._fh.close()
         if self.shape is None:
-            np.save(self.directory / self.names[1], self._offsets[: n + 1])
+            np.save(self.directory / self.names[1], self.index.offsets[: n + 1])
             if self.payload == "raw":
-                np.save(self.directory / self.names[2], self._shapes[:n])
+                np.save(self.directory / self.names[2], self.index.shapes[:n])
         facts: dict = {"layout": "fixed", "shape": list(self.shape)} if self.shape else {"layout": "blob"}
         return list(self.names), facts
 
