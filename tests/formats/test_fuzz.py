@@ -92,3 +92,13 @@ def test_the_harness_catches_crashes_hangs_and_reads_outside(tmp_path, monkeypat
     res = {r["seed"]: r for r in fuzzing.run_cases(base, tmp_path, [0, 1, 2, 3, 4], processes=2, timeout=3)}
     assert "died" in res[1]["crash"] and "hang" in res[2]["crash"]
     assert res[3]["outside_reads"] and not res[0]["outside_reads"] and not res[4].get("crash")
+
+
+def test_the_harness_reads_only_complete_log_lines(tmp_path):
+    """A worker's log is read while the worker writes it: a half-written last line waits for the next look."""
+    from support.fuzzing import complete_records
+
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"start": 1}\n{"seed": 1, "ok": true}\n{"sta')
+    assert complete_records(log) == [{"start": 1}, {"seed": 1, "ok": True}]
+    assert complete_records(tmp_path / "missing.jsonl") == []

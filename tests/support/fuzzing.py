@@ -320,6 +320,13 @@ def _worker(base: Path, work: Path, seeds: list[int], log: Path, expected, mem_l
     os._exit(0)
 
 
+def complete_records(log: Path) -> list[dict]:
+    """The JSON lines a worker has finished writing to ``log``: a last line still being written is left for later."""
+    if not log.exists():
+        return []
+    return [json.loads(x) for x in log.read_text().split("\n")[:-1] if x]
+
+
 def _vm_size() -> int:
     try:
         with open("/proc/self/status") as fh:
@@ -354,7 +361,7 @@ def run_cases(base: Path, work: Path, seeds: list[int], processes: int = 2, time
         time.sleep(0.02)
         still = []
         for proc, log, part in running:
-            lines = [json.loads(x) for x in log.read_text().splitlines()] if log.exists() else []
+            lines = complete_records(log)
             done = {r["seed"] for r in lines if "seed" in r}
             current = [r["start"] for r in lines if "start" in r and r["start"] not in done]
             for r in lines:
