@@ -1,6 +1,6 @@
 """The charts of ``packer bench --plot`` (samples/s per dataset against the ceilings) and ``packer profile --plot``.
 
-matplotlib is optional (``pip install 'packer[plot]'``); without it the commands say so and stop
+matplotlib is optional (``pip install 'packer-images[plot]'``); without it the commands say so and stop
 before measuring anything (``require_matplotlib``).
 """
 
@@ -10,6 +10,7 @@ import math
 import os
 from typing import TYPE_CHECKING
 
+from packer._version import DISTRIBUTION
 from packer.diagnose.reports import ceiling_summary
 from packer.errors import PackerError
 
@@ -27,7 +28,7 @@ def require_matplotlib():
     except ImportError:
         raise PackerError(
             "--plot needs matplotlib, which is not installed: pip install matplotlib "
-            "(or pip install 'packer[plot]'); or drop --plot"
+            f"(or pip install '{DISTRIBUTION}[plot]'); or drop --plot"
         ) from None
     return plt
 

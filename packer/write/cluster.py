@@ -8,7 +8,7 @@ folder, never a half shard under the real names; Dask runs the task again elsewh
 next ``load_done_shards`` (or the end of the run) clears the leftovers. The driver checks each
 returned shard against the plan and finishes (index, errors.json, manifest) like a local run.
 
-Dask is an optional extra (``pip install 'packer[dask]'``), imported only here and only when used.
+Dask is an optional extra (``pip install 'packer-images[dask]'``), imported only here and only when used.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packer._version import __version__
+from packer._version import DISTRIBUTION, __version__
 from packer.errors import PackerError
 from packer.formats import get_format
 from packer.write.journal import ShardResult, record_shard
@@ -43,7 +43,7 @@ def _require_dask():
         import distributed
     except ImportError as exc:
         raise PackerError(
-            "--scheduler needs Dask distributed, which is not installed: pip install 'packer[dask]' "
+            f"--scheduler needs Dask distributed, which is not installed: pip install '{DISTRIBUTION}[dask]' "
             "(or pip install 'dask[distributed]')"
         ) from exc
     return distributed
