@@ -262,7 +262,7 @@ def test_cli_with_a_scheduler_address(client, source, reference, tmp_path):
 def test_without_dask_packer_works_and_scheduler_says_what_to_install(source, tmp_path):
     # packer, its CLI and packer.write.cluster import without Dask; --scheduler then says what to install
     res = _cli("convert", str(source), "-o", str(tmp_path / "x.lmdb"), "--scheduler", "local:2", block_dask=True)
-    assert res.returncode == 2 and "pip install 'packer[dask]'" in res.stderr, res.stderr
+    assert res.returncode == 2 and "pip install 'packer-images[dask]'" in res.stderr, res.stderr
     assert not (tmp_path / "x.lmdb.partial").exists()
 
 
