@@ -12,13 +12,16 @@ DEMO   ?= demo
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/test.txt requirements/test-no-deps.txt
 	@$(MAKE) --no-print-directory system-deps
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# CPU torch first, from the local wheel cache: a bare `torch` could pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,plot,dask]'
+	# Libraries the interop tests run packer with (Lightning, torchdata, WebDataset, Hugging Face, DALI).
+	$(BIN)/pip install -q -r requirements/test.txt
+	$(BIN)/pip install -q --no-deps -r requirements/test-no-deps.txt
 	@touch $(STAMP)
 
 # libturbojpeg (libjpeg-turbo's TurboJPEG API) for fast JPEG decoding. Optional: without it
