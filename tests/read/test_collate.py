@@ -1,0 +1,76 @@
+"""packer.collate: a default DataLoader over photos of different sizes works, as ImageFolder users expect."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from support.imagesets import make_imagefolder
+from torch.utils.data import DataLoader, default_collate
+
+import packer
+from packer import convert, open_dataset
+
+
+@pytest.fixture(scope="module")
+def mixed_sizes(tmp_path_factory):
+    """An lmdb dataset of JPEGs in two sizes, so most batches mix shapes."""
+    root = tmp_path_factory.mktemp("collate")
+    src = make_imagefolder(root / "src", classes=2, per_class=6, size=(30, 40))
+    make_imagefolder(root / "src2", classes=2, per_class=6, seed=3, size=(36, 28))
+    for f in sorted((root / "src2").rglob("*.jpg")):
+        f.rename(src / f.parent.name / f"b_{f.name}")
+    return convert(src, root / "ds.lmdb", to="lmdb", workers=0, progress=False).output
+
+
+def test_default_collate_fails_on_mixed_sizes_and_packer_collate_does_not(mixed_sizes):
+    ds = open_dataset(mixed_sizes, image="tensor")
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        next(iter(DataLoader(ds, batch_size=len(ds))))
+    imgs, labels = next(iter(DataLoader(ds, batch_size=len(ds), collate_fn=packer.collate)))
+    assert isinstance(imgs, list) and len(imgs) == len(ds)
+    assert labels.dtype == torch.int64 and labels.tolist() == ds.targets
+    for i, img in enumerate(imgs):
+        assert torch.equal(img, ds[i][0])
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_worker_batches_of_mixed_sizes_cross_as_one_shared_block(mixed_sizes, start_method):
+    """With a transform (so batch_slots is off) each worker batch is still one shared block, not one per image."""
+    ds = open_dataset(mixed_sizes, image="tensor", transform=torch.clone)
+    loader = DataLoader(ds, batch_size=6, num_workers=2, collate_fn=packer.collate,
+                        multiprocessing_context=start_method)
+    seen, mixed = 0, 0
+    for b, (imgs, labels) in enumerate(loader):
+        if isinstance(imgs, list):
+            mixed += 1
+            assert len({img.untyped_storage().data_ptr() for img in imgs}) == 1
+            assert imgs[0].untyped_storage().is_shared()
+        for k, img in enumerate(imgs):
+            ref, label = ds[b * 6 + k]
+            assert torch.equal(img, ref) and labels[k].item() == label
+            seen += 1
+    assert seen == len(ds) and mixed >= 1
+
+
+def test_one_shape_stacks_exactly_as_default_collate():
+    rng = np.random.default_rng(0)
+    batch = [(torch.from_numpy(rng.integers(0, 255, (3, 8, 8), dtype=np.uint8)), i) for i in range(5)]
+    ours, theirs = packer.collate(batch), default_collate(batch)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    arrays = [(t.numpy(), {"label": i, "name": f"n{i}"}) for t, i in batch]
+    ours, theirs = packer.collate(arrays), default_collate(arrays)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1]["label"], theirs[1]["label"])
+    assert ours[1]["name"] == theirs[1]["name"]
+
+
+def test_pil_images_and_mixed_arrays_become_lists():
+    pil = [(Image.new("RGB", (4 + i, 5)), i) for i in range(3)]
+    imgs, labels = packer.collate(pil)
+    assert [im.size for im in imgs] == [(4, 5), (5, 5), (6, 5)] and labels.tolist() == [0, 1, 2]
+    arrays = [(np.full((2 + i, 3, 3), i, dtype=np.uint8), i) for i in range(3)]
+    arrays[1][0].flags.writeable = False  # raw payloads are read-only views
+    imgs, labels = packer.collate(arrays)
+    assert [tuple(t.shape) for t in imgs] == [(2, 3, 3), (3, 3, 3), (4, 3, 3)]
+    assert all(isinstance(t, torch.Tensor) and int(t[0, 0, 0]) == i for i, t in enumerate(imgs))
