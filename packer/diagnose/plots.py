@@ -11,7 +11,7 @@ import os
 from typing import TYPE_CHECKING
 
 from packer._version import DISTRIBUTION
-from packer.diagnose.reports import ceiling_summary
+from packer.diagnose.reports import ceiling_summary, fmt_rate, takeaway
 from packer.errors import PackerError
 
 if TYPE_CHECKING:
@@ -33,60 +33,98 @@ def require_matplotlib():
     return plt
 
 
+def _ceiling_segments(bars: list[tuple[float, float]], width: float) -> list[tuple[float, float, float]]:
+    """(x0, x1, ceiling) lines: neighbouring bars that share a ceiling get one line across them."""
+    out: list[tuple[float, float, float]] = []
+    for x, ceiling in bars:
+        if out and math.isclose(out[-1][2], ceiling, rel_tol=1e-9) and math.isclose(out[-1][1], x - width / 2):
+            out[-1] = (out[-1][0], x + width / 2, ceiling)
+        else:
+            out.append((x - width / 2, x + width / 2, ceiling))
+    return out
+
+
+def _bench_panel(ax, rows: list[dict], names: list[str], workers: list, colours, hatches: list[str]) -> None:
+    """One level's grouped bars: value and "x folder" factor on each (vertical, so they never overlap), the
+    min-max range only where there were several repeats, and one ceiling line per run of bars sharing it."""
+    groups = list(dict.fromkeys((r["order"], r["cache"]) for r in rows))
+    series = list(dict.fromkeys((r["name"], r["workers"]) for r in rows))
+    width = 0.82 / max(len(series), 1)
+    bars: dict[int, list[tuple[float, float]]] = {}
+    labels: list[tuple[float, str]] = []
+    for r in rows:
+        g = groups.index((r["order"], r["cache"]))
+        x = g + (series.index((r["name"], r["workers"])) - (len(series) - 1) / 2) * width
+        s = r["samples_per_s"]
+        v = s["median"]
+        spread = s["max"] > s["min"]
+        ax.bar(x, v, width * 0.92, color=colours(names.index(r["name"]) % 10), edgecolor="white",
+               hatch=hatches[workers.index(r["workers"]) % len(hatches)] if r["workers"] is not None else "",
+               yerr=[[v - s["min"]], [s["max"] - v]] if spread else None, capsize=2, ecolor="0.3")
+        factor = r["speedup_vs_folder"]
+        label = fmt_rate(v) + ("" if factor is None or r["kind"] == "folder" else f"  {factor:.1f}x")
+        labels.append((x, label))
+        bars.setdefault(g, []).append((x, r["ceiling"]["samples_per_s"]))
+    for group in bars.values():
+        for x0, x1, ceiling in _ceiling_segments(group, width):
+            ax.hlines(ceiling, x0, x1, colors="black", linewidth=1.8)
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"{o}\n{c} cache" for o, c in groups], fontsize=8)
+    ax.set_yscale("log")
+    low = min(min(r["samples_per_s"]["min"] for r in rows), min(r["ceiling"]["samples_per_s"] for r in rows))
+    high = max(max(r["samples_per_s"]["max"] for r in rows), max(r["ceiling"]["samples_per_s"] for r in rows))
+    bottom = 10 ** math.floor(math.log10(max(low, 1e-3) * 0.5))  # room for the labels in the shortest bar
+    ax.set_ylim(bottom, high * 2)
+    for x, label in labels:  # inside the bars, from their foot: clear of the ceiling lines and of each other
+        ax.text(x, bottom * 1.15, label, ha="center", va="bottom", rotation=90, fontsize=6.5)
+    ax.set_ylabel("samples/s (log scale, higher is better)")
+    ax.grid(axis="y", which="both", alpha=0.25)
+
+
+LEVEL_TITLES = {"read": "read: stored bytes only (the IO term)", "decode": "decode: images as training gets them",
+                "loader": "DataLoader: batches, no transform"}
+
+
 def plot_bench(report: dict, path: str | os.PathLike) -> None:
     """Write a PNG: for each level a panel of grouped bars (order x cache), one colour per dataset (hatched
-    per DataLoader worker count), each bar's ceiling drawn as a black line across it, values printed on top."""
+    per DataLoader worker count), the ceilings as black lines, and the run's takeaway as the caption."""
     from matplotlib.artist import Artist
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     plt = require_matplotlib()
-    results = report["results"]
-    levels = [lv for lv in ("read", "decode", "loader") if any(r["level"] == lv for r in results)]
+    results = [{**r, "kind": _kind(report, r["name"])} for r in report["results"]]
+    levels = [lv for lv in LEVEL_TITLES if any(r["level"] == lv for r in results)]
     names = list(dict.fromkeys(r["name"] for r in results))
     workers = sorted({r["workers"] for r in results if r["workers"] is not None})
     hatches = ["", "//", "..", "xx", "\\\\", "++"]
     colours = plt.get_cmap("tab10")
-    fig, axes = plt.subplots(1, len(levels), figsize=(6.2 * len(levels), 5.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(levels), figsize=(6.2 * len(levels), 5.8), squeeze=False)
     for ax, level in zip(axes[0], levels, strict=False):
-        rows = [r for r in results if r["level"] == level]
-        groups = list(dict.fromkeys((r["order"], r["cache"]) for r in rows))
-        series = list(dict.fromkeys((r["name"], r["workers"]) for r in rows))
-        width = 0.82 / max(len(series), 1)
-        low = min(min(r["samples_per_s"]["min"] for r in rows), min(r["ceiling"]["samples_per_s"] for r in rows))
-        for r in rows:
-            g = groups.index((r["order"], r["cache"]))
-            k = series.index((r["name"], r["workers"]))
-            x = g + (k - (len(series) - 1) / 2) * width
-            v = r["samples_per_s"]["median"]
-            ax.bar(x, v, width * 0.92, color=colours(names.index(r["name"]) % 10), edgecolor="white",
-                   hatch=hatches[workers.index(r["workers"]) % len(hatches)] if r["workers"] is not None else "",
-                   yerr=[[v - r["samples_per_s"]["min"]], [r["samples_per_s"]["max"] - v]], capsize=2, ecolor="0.3")
-            ax.text(x, r["samples_per_s"]["max"] * 1.04, f"{v:,.0f}", ha="center", va="bottom", fontsize=6.5)
-            ax.hlines(r["ceiling"]["samples_per_s"], x - width / 2, x + width / 2, colors="black", linewidth=1.8)
-        ax.set_xticks(range(len(groups)))
-        ax.set_xticklabels([f"{o}\n{c} cache" for o, c in groups], fontsize=8)
-        ax.set_yscale("log")
-        ax.set_ylim(bottom=10 ** math.floor(math.log10(max(low, 1e-3) * 0.8)))
-        ax.set_ylabel("samples/s (log scale, higher is better)")
-        ax.set_title({"read": "read: stored bytes only (the IO term)", "decode": "decode: images as training gets them",
-                      "loader": "DataLoader: batches, no transform"}[level], fontsize=10)
-        ax.grid(axis="y", which="both", alpha=0.25)
+        _bench_panel(ax, [r for r in results if r["level"] == level], names, workers, colours, hatches)
+        ax.set_title(LEVEL_TITLES[level], fontsize=10)
     handles: list[Artist] = [Patch(color=colours(i % 10), label=n) for i, n in enumerate(names)]
     handles += [Patch(facecolor="white", edgecolor="0.3", hatch=hatches[i % len(hatches)], label=f"{w} workers")
                 for i, w in enumerate(workers)] if len(workers) > 1 else []
-    handles.append(Line2D([], [], color="black", linewidth=1.8, label="its ceiling, measured in the same run"))
-    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 6), fontsize=8, frameon=False)
+    handles.append(Line2D([], [], color="black", linewidth=1.8, label="ceiling, measured in the same run"))
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 7), fontsize=8, frameon=False)
     m = report["machine"]
     title = f"packer bench - {m['cpu']}, {m['cores_usable']} cores"
     if report.get("emulation"):
         e = report["emulation"]
         title += (f" - EMULATED storage: {e['read_iops'] or 'unlimited'} read IOPS, "
                   f"{(e['read_bps'] or 0) / 1e6:.0f} MB/s")
-    fig.suptitle(title + "\nceilings: " + ceiling_summary(report["ceilings"]), fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 0.93))
+    fig.suptitle(f"{title}\n{takeaway(report)}", fontsize=10)
+    fig.text(0.5, 0.075, "bars: samples/s and how many times the folder's rate; ceilings: "
+             + ceiling_summary(report["ceilings"]), ha="center", fontsize=7, color="0.35")
+    fig.tight_layout(rect=(0, 0.09, 1, 0.93))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _kind(report: dict, name: str) -> str:
+    """The kind of a result's dataset (folder, lmdb, ...) from the report's dataset list."""
+    return next((d["kind"] for d in report["datasets"] if os.path.basename(d["path"]) == name), "")
 
 
 def plot_sweep(result: SweepResult, path: str | os.PathLike) -> None:

@@ -73,6 +73,7 @@ def bench_table(report: dict) -> str:
     lines.append("")
     lines.append(f"median of {report['options']['repeats']} repeats (min-max); samples per pass: "
                  + ", ".join(f"{Path(d['path']).name} {d['samples']}" for d in report["datasets"]))
+    lines.append(f"in short: {takeaway(report)}")
     return "\n".join(lines)
 
 
@@ -124,3 +125,34 @@ def describe_setup(report: dict) -> str:
                  "open blocks, "
                  f"runs of {o.get('run') or sampler.DEFAULT_RUN}, seed {o['seed']}, pin_memory {o['pin_memory']}")
     return "\n".join(lines)
+
+
+def _span(values: Sequence[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.1f}x" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}-{hi:.1f}x"
+
+
+def takeaway(report: dict) -> str:
+    """One line with what the run shows, computed from its figures: what bounds the loose folder here, and
+    how much faster than the folder the packed datasets of encoded images and of stored pixels are."""
+    results = report["results"]
+    level = next((lv for lv in ("loader", "decode", "read") if any(r["level"] == lv for r in results)), None)
+    if level is None:
+        return "no measurements"
+    rows = [r for r in results if r["level"] == level]
+    payload = {Path(d["path"]).name: (d["kind"], d["payload"]) for d in report["datasets"]}
+    folder = [r for r in results if payload.get(r["name"], ("", ""))[0] == "folder"]
+    parts = []
+    if folder and level != "read":
+        cold = [r["samples_per_s"]["median"] for r in folder if r["level"] == "read" and r["cache"] == "cold"]
+        ceiling = [r["ceiling"]["samples_per_s"] for r in folder if r["level"] == level]
+        if cold and ceiling:
+            bound = "decode-bound" if min(cold) >= max(ceiling) else "IO-bound"
+            parts.append(f"{bound} here (the folder reads {fmt_rate(min(cold))}+ samples/s cold, "
+                         f"its cores decode {fmt_rate(max(ceiling))}/s)")
+    for kind, words in (("encoded", "packed encoded images"), ("raw", "stored pixels")):
+        ups = [r["speedup_vs_folder"] for r in rows if r["speedup_vs_folder"] is not None
+               and payload.get(r["name"], ("", ""))[1] == kind and payload[r["name"]][0] != "folder"]
+        if ups:
+            parts.append(f"{words} {_span(ups)} the folder")
+    return (f"{level} level: " if level != "decode" else "") + "; ".join(parts) if parts else f"{level} level"

@@ -1,0 +1,78 @@
+"""packer bench's chart and one-line takeaway: computed from the run's figures, labels that never overlap."""
+
+from __future__ import annotations
+
+import pytest
+
+from packer.diagnose.reports import bench_table, takeaway
+
+
+def _row(name, level, cache, rate, speedup, ceiling, repeats=(None,)):
+    lo, hi = (rate, rate) if repeats == (None,) else (rate * repeats[0], rate * repeats[1])
+    return {"dataset": f"d/{name}", "name": name, "level": level, "order": "shuffle", "cache": cache,
+            "workers": None, "samples_per_s": {"median": rate, "min": lo, "max": hi},
+            "mb_per_s": {"median": rate / 10, "min": lo / 10, "max": hi / 10}, "eviction": None,
+            "ceiling": {"name": "c", "samples_per_s": ceiling}, "fraction_of_ceiling": rate / ceiling,
+            "speedup_vs_folder": speedup}
+
+
+def _report(folder_cold_read: float, repeats=(None,)) -> dict:
+    datasets = [("imgs", "folder", "encoded"), ("imgs.lmdb", "lmdb", "encoded"), ("imgs.memmap", "memmap", "encoded"),
+                ("imgs.bmp", "bmp", "raw")]
+    results = [
+        _row("imgs", "read", "cold", folder_cold_read, 1.0, 20000),
+        _row("imgs", "decode", "cold", 600, 1.0, 900, repeats),
+        _row("imgs.lmdb", "decode", "cold", 660, 1.1, 1100, repeats),
+        _row("imgs.memmap", "decode", "cold", 540, 0.9, 1100, repeats),
+        _row("imgs.bmp", "decode", "cold", 4200, 7.0, 80000, repeats),
+    ]
+    ceilings = {"sequential_read": {"x": {"value": 2000.0}}, "memory_copy": {"value": 20000.0},
+                "decode": {"auto": {"value": 1100.0}}}
+    return {"results": results, "datasets": [{"path": f"d/{n}", "kind": k, "payload": p, "samples": 10}
+                                             for n, k, p in datasets],
+            "machine": {"cpu": "cpu", "cores_usable": 2, "os": "linux"}, "storage": {}, "emulation": None,
+            "ceilings": ceilings, "options": {"repeats": 1}}
+
+
+def test_takeaway_is_computed_from_the_figures():
+    fast = takeaway(_report(folder_cold_read=5000))
+    assert fast.startswith("decode-bound here") and "packed encoded images 0.9-1.1x" in fast
+    assert "stored pixels 7.0x" in fast
+    slow = takeaway(_report(folder_cold_read=150))  # the folder reads slower than its cores decode
+    assert slow.startswith("IO-bound here") and "reads 150+ samples/s cold" in slow
+    assert bench_table(_report(5000)).splitlines()[-1] == f"in short: {fast}"
+
+
+@pytest.mark.parametrize("repeats", [(None,), (0.9, 1.1)])
+def test_chart_caption_factors_and_error_bars(tmp_path, repeats):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from packer.diagnose import plots
+
+    saved = []
+    real_close = plt.close
+
+    def keep(fig):  # look at the figure plot_bench made before it is closed
+        saved.append(fig)
+
+    plt.close = keep
+    try:
+        plots.plot_bench(_report(5000, repeats), tmp_path / "b.png")
+    finally:
+        plt.close = real_close
+    fig = saved[0]
+    assert takeaway(_report(5000, repeats)) in fig._suptitle.get_text()
+    ax = fig.axes[1]  # decode panel
+    texts = [t.get_text() for t in ax.texts]
+    assert texts == ["600", "660  1.1x", "540  0.9x", "4,200  7.0x"]  # the folder's own bar has no factor
+    errorbars = [c for c in ax.containers if type(c).__name__ == "ErrorbarContainer"]
+    assert len(errorbars) == (0 if repeats == (None,) else 4)  # a range only where there were several repeats
+    # lmdb and memmap share one ceiling: one line across both bars, not one per bar
+    in_errorbars = {id(part) for c in errorbars for part in c.lines[2]}
+    segments = [seg for coll in ax.collections if id(coll) not in in_errorbars for seg in coll.get_segments()]
+    assert sorted(round(s[0][1]) for s in segments) == [900, 1100, 80000]
+    fig.canvas.draw()
+    boxes = [t.get_window_extent() for t in ax.texts]
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    real_close(fig)
