@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from typing import TYPE_CHECKING
 
 from packer._version import DISTRIBUTION
@@ -76,7 +77,8 @@ def _bench_panel(ax, rows: list[dict], names: list[str], workers: list, colours,
     bottom = 10 ** math.floor(math.log10(max(low, 1e-3) * 0.5))  # room for the labels in the shortest bar
     ax.set_ylim(bottom, high * 2)
     for x, label in labels:  # inside the bars, from their foot: clear of the ceiling lines and of each other
-        ax.text(x, bottom * 1.15, label, ha="center", va="bottom", rotation=90, fontsize=6.5)
+        ax.text(x, bottom * 1.15, label, ha="center", va="bottom", rotation=90, fontsize=6.5,
+                bbox={"facecolor": "white", "alpha": 0.7, "pad": 0.6, "linewidth": 0})
     ax.set_ylabel("samples/s (log scale, higher is better)")
     ax.grid(axis="y", which="both", alpha=0.25)
 
@@ -99,25 +101,34 @@ def plot_bench(report: dict, path: str | os.PathLike) -> None:
     workers = sorted({r["workers"] for r in results if r["workers"] is not None})
     hatches = ["", "//", "..", "xx", "\\\\", "++"]
     colours = plt.get_cmap("tab10")
-    fig, axes = plt.subplots(1, len(levels), figsize=(6.2 * len(levels), 5.8), squeeze=False)
-    for ax, level in zip(axes[0], levels, strict=False):
+    most_bars = max(sum(r["level"] == lv for r in results) for lv in levels)
+    # one panel per row, each bar at least 0.16 in wide, so the labels inside the bars never overlap
+    fig, axes = plt.subplots(len(levels), 1, figsize=(max(8.0, 0.16 * most_bars + 1.6), 3.9 * len(levels) + 1.3),
+                             squeeze=False)
+    for ax, level in zip(axes[:, 0], levels, strict=False):
         _bench_panel(ax, [r for r in results if r["level"] == level], names, workers, colours, hatches)
         ax.set_title(LEVEL_TITLES[level], fontsize=10)
     handles: list[Artist] = [Patch(color=colours(i % 10), label=n) for i, n in enumerate(names)]
     handles += [Patch(facecolor="white", edgecolor="0.3", hatch=hatches[i % len(hatches)], label=f"{w} workers")
                 for i, w in enumerate(workers)] if len(workers) > 1 else []
     handles.append(Line2D([], [], color="black", linewidth=1.8, label="ceiling, measured in the same run"))
-    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 7), fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), int(fig.get_figwidth() / 1.9)),
+               fontsize=8, frameon=False)
     m = report["machine"]
     title = f"packer bench - {m['cpu']}, {m['cores_usable']} cores"
     if report.get("emulation"):
         e = report["emulation"]
         title += (f" - EMULATED storage: {e['read_iops'] or 'unlimited'} read IOPS, "
                   f"{(e['read_bps'] or 0) / 1e6:.0f} MB/s")
-    fig.suptitle(f"{title}\n{takeaway(report)}", fontsize=10)
-    fig.text(0.5, 0.075, "bars: samples/s and how many times the folder's rate; ceilings: "
-             + ceiling_summary(report["ceilings"]), ha="center", fontsize=7, color="0.35")
-    fig.tight_layout(rect=(0, 0.09, 1, 0.93))
+    caption = textwrap.fill(takeaway(report), width=int(fig.get_figwidth() * 13))  # ~13 characters an inch at 10 pt
+    fig.suptitle(f"{title}\n{caption}", fontsize=10)
+    footer = textwrap.fill("bars: samples/s and how many times the folder's rate; ceilings: "
+                           + ceiling_summary(report["ceilings"]), width=int(fig.get_figwidth() * 16))
+    legend_rows = math.ceil(len(handles) / int(fig.get_figwidth() / 1.9))
+    fig.text(0.5, (0.2 + 0.2 * legend_rows) / fig.get_figheight(), footer, ha="center", va="bottom", fontsize=7,
+             color="0.35")
+    fig.tight_layout(rect=(0, (0.45 + 0.2 * legend_rows + 0.12 * footer.count("\n")) / fig.get_figheight(), 1,
+                           1 - (0.25 + 0.17 * caption.count("\n")) / fig.get_figheight()))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

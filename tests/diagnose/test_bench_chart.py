@@ -62,7 +62,7 @@ def test_chart_caption_factors_and_error_bars(tmp_path, repeats):
     finally:
         plt.close = real_close
     fig = saved[0]
-    assert takeaway(_report(5000, repeats)) in fig._suptitle.get_text()
+    assert takeaway(_report(5000, repeats)) in fig._suptitle.get_text().replace("\n", " ")
     ax = fig.axes[1]  # decode panel
     texts = [t.get_text() for t in ax.texts]
     assert texts == ["600", "660  1.1x", "540  0.9x", "4,200  7.0x"]  # the folder's own bar has no factor
