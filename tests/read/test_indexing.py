@@ -52,21 +52,11 @@ def packed(source, tmp_path_factory) -> dict[str, Path]:
     }
 
 
-def _pixels(img) -> np.ndarray:
-    return np.asarray(img)
-
-
-def test_storage_order_differs_from_imagefolder_order(packed, source):
-    """The premise of every test here: stored sample i is not ImageFolder's sample i."""
-    ref = ImageFolder(source)
-    ds = open_dataset(packed["lmdb"])
-    stored = [os.path.join(source, r) for r in ds.index.rel_paths()]
-    assert stored != [p for p, _ in ref.samples] and sorted(stored) == sorted(p for p, _ in ref.samples)
-
-
 def test_sample_entry_points_follow_imagefolder(packed, source):
     ref = ImageFolder(source)
     ds = open_dataset(packed["lmdb"], image="numpy")
+    stored = [os.path.join(source, r) for r in ds.index.rel_paths()]  # the premise: stored i is not ImageFolder's i
+    assert stored != [p for p, _ in ref.samples] and sorted(stored) == sorted(p for p, _ in ref.samples)
     assert ds.indexing == "imagefolder" and "indexing=imagefolder" in repr(ds)
     assert ds.classes == ref.classes and ds.class_to_idx == ref.class_to_idx
     assert ds.samples == ds.imgs == ref.samples and ds.targets == ref.targets
