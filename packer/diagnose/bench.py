@@ -32,10 +32,10 @@ from packer.diagnose.bench_sources import (
     make_order,
     one_shape,
     open_source,
-    pil_loader,
 )
 from packer.diagnose.reports import progress_line
 from packer.errors import PackerError
+from packer.images.decode import pil_loader
 
 BENCH_LEVELS = ("read", "decode", "loader")
 CACHE_STATES = ("cold", "warm")
@@ -111,13 +111,12 @@ def _packed_pass(src: Source, level: str, order: BenchOrder, handle: dict) -> tu
     ds = handle.setdefault("ds", src.open())
     ds.read_ahead_blocks(order.blocks)  # as BlockShuffleSampler tells its dataset; forgets blocks read before
     count = nbytes = 0
-    for chunk in order.chunks:
-        chunk = chunk.tolist()
+    for chunk in order.chunks:  # storage positions: "sequential" is the order on disk
         if level == "read":
-            bufs = ds.read_payloads(chunk)  # read ahead in file order, runs of neighbours together
+            bufs = ds.payloads_at(chunk)  # read ahead in file order, runs of neighbours together
             nbytes += sum(_payload_len(b) for b in bufs)
         else:
-            bufs = ds.__getitems__(chunk)
+            bufs = ds.__getitems__(ds.index_map.public_many(chunk).tolist())
             nbytes += int(src.nbytes[chunk].sum())
         count += len(bufs)
     return count, nbytes
@@ -128,11 +127,12 @@ def _loader_pass(src: Source, order: BenchOrder, workers: int, batch_size: int, 
     """Through a DataLoader: (samples, seconds to the first batch) from ``t0``."""
     t0 = time.perf_counter()
     if src.kind == "folder":
-        dataset = FolderSamples(src.paths, src.labels)
+        dataset, indices = FolderSamples(src.paths, src.labels), order.indices
     else:
-        dataset = handle.setdefault("tds", src.open("tensor"))
-        dataset.read_ahead_blocks(order.blocks)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=order.indices.tolist(), num_workers=workers,
+        packed = handle.setdefault("tds", src.open("tensor"))
+        packed.read_ahead_blocks(order.blocks)
+        dataset, indices = packed, packed.index_map.public_many(order.indices)  # the order is of storage positions
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=indices.tolist(), num_workers=workers,
                         collate_fn=None if one_shape(dataset) else list_collate, pin_memory=pin)
     first, count = None, 0
     for images, _labels in loader:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 from torch.utils.data import Dataset
 
 from packer.diagnose import measure
 from packer.errors import PackerError, under_way
+from packer.images.decode import pil_loader
 
 BENCH_ORDERS = ("sequential", "shuffle", "block")
 
@@ -63,13 +63,6 @@ def make_order(kind: str, nbytes: np.ndarray, seed: int, block_bytes: int | None
 
 
 # ------------------------------------------------------------------ sources
-
-
-def pil_loader(path: str) -> Image.Image:
-    """torchvision ImageFolder's default loader."""
-    with open(path, "rb") as f:
-        img = Image.open(f)
-        return img.convert("RGB")
 
 
 class FolderSamples(Dataset):

@@ -64,14 +64,15 @@ def _shape_only(arr: np.ndarray) -> tuple:
 
 
 def _turbo_jpegs(ds, tj, limit: int) -> list[int]:
-    """The first ``limit`` samples that libjpeg-turbo decodes itself (JPEG, not CMYK/YCCK): the same bytes both ways."""
+    """The first ``limit`` samples stored that libjpeg-turbo decodes itself (JPEG, not CMYK/YCCK): the same bytes
+    both ways; as sample indices."""
     keep: list[int] = []
-    for i in range(len(ds)):
+    for pos in range(len(ds)):
         if len(keep) >= limit:
             break
-        d = ds.read_payload(i)
+        d = ds.payload_at(pos)
         if sniff(d) == "jpeg" and tj.decode_header(d)[3] in TURBO_SAFE_COLORSPACES:
-            keep.append(i)
+            keep.append(ds.index_map.public(pos))
     return keep
 
 

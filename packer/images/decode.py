@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import sys
 import warnings
 from typing import Any, Literal
@@ -243,6 +244,13 @@ def decode(
                                   f"({turbojpeg_missing_reason()})")
             _notice_fallback()
     return copy_into(decode_pil(data, min_size=min_size), out)
+
+
+def pil_loader(path: str | os.PathLike) -> Image.Image:
+    """torchvision ImageFolder's ``default_loader`` (its PIL path): the file at ``path`` as an RGB PIL image."""
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        return img.convert("RGB")
 
 
 def copy_into(pixels: np.ndarray, out: np.ndarray | None) -> np.ndarray:

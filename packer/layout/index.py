@@ -11,16 +11,24 @@ Layout (folder ``meta/`` inside the dataset, each file a ``.npy`` loaded with
 | nbytes.npy        | <i8   | [N]    | payload bytes of the sample                       |
 | path_blob.npy     | u1    | [B]    | UTF-8 relative source paths, back to back (1)     |
 | path_offsets.npy  | <i8   | [N+1]  | where each path starts in path_blob               |
+| position.npy      | <i8   | [N]    | storage position of ImageFolder's sample i (2)    |
 
 (1) A name whose bytes are not UTF-8 is kept as it was on disk: in Python it reads back with
 those bytes as lone surrogates (``surrogateescape``, as ``os.fsdecode``), so opening or
 extracting it reaches the same file name.
+
+(2) Samples are stored in the conversion's ``--order`` (a seeded shuffle by default), and every
+array above is in that storage order; ``position`` maps ImageFolder's sample index (the scan's order,
+failed files left out) to where the sample is stored, so ``ds[i]`` can mean ImageFolder's sample i
+(``packer.read.indexing``). Datasets written before it existed lack the file: their indices are the
+storage positions.
 
 Arrays, not lists of dicts: forked DataLoader workers share them without copying.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -39,7 +47,9 @@ DTYPES = {
     "nbytes": "<i8",
     "path_blob": "u1",
     "path_offsets": "<i8",
+    "position": "<i8",
 }
+OPTIONAL = frozenset({"position"})  # absent from datasets written before it existed
 MAX_SIDE = 1 << 20  # no real image has a side of a million pixels: larger values are damage
 _PATH_CODEC = ("utf-8", "surrogateescape")  # file names are bytes: those that are not UTF-8 survive the round trip
 
@@ -52,12 +62,16 @@ class Index:
     nbytes: np.ndarray
     path_blob: np.ndarray
     path_offsets: np.ndarray
+    position: np.ndarray | None = None  # ImageFolder index -> storage position; None: an older dataset
 
     def __len__(self) -> int:
         return len(self.labels)
 
     @classmethod
-    def build(cls, rel_paths: list[str], labels, heights, widths, nbytes) -> Index:
+    def build(cls, rel_paths: list[str], labels, heights, widths, nbytes,
+              source_order: list[str] | None = None) -> Index:
+        """The index of samples stored in this order; ``source_order``: every source path in ImageFolder's
+        order (failed ones too), from which ``position`` is recorded."""
         encoded = [p.encode(*_PATH_CODEC) for p in rel_paths]
         offsets = np.zeros(len(encoded) + 1, dtype="<i8")
         np.cumsum([len(b) for b in encoded], out=offsets[1:])
@@ -69,6 +83,7 @@ class Index:
             nbytes=np.asarray(nbytes, dtype="<i8"),
             path_blob=blob,
             path_offsets=offsets,
+            position=None if source_order is None else imagefolder_positions(rel_paths, source_order),
         )
 
     def rel_path(self, i: int) -> str:
@@ -89,6 +104,8 @@ class Index:
         meta.mkdir(exist_ok=True)
         names = []
         for f in fields(self):
+            if getattr(self, f.name) is None:
+                continue
             name = f"{META_DIR}/{f.name}.npy"
             with naming(directory / name):
                 np.save(directory / name, np.ascontiguousarray(getattr(self, f.name), dtype=DTYPES[f.name]))
@@ -107,6 +124,9 @@ class Index:
         arrays = {}
         for f in fields(cls):
             name = f"{META_DIR}/{f.name}.npy"
+            if f.name in OPTIONAL and (name not in listed if listed is not None
+                                       else not os.path.lexists(directory / name)):
+                continue  # an older dataset
             path = inside(directory, name)
             if listed is not None:
                 info = listed.get(name)
@@ -142,6 +162,30 @@ class Index:
             if low < -1 or high >= num_classes:
                 raise PackerError(f"{where}/labels.npy: labels from {low} to {high}, "
                                   f"but the dataset has {num_classes} classes")
+        if self.position is not None:
+            check_permutation(self.position, num_samples, f"{where}/position.npy")
+
+
+def imagefolder_positions(stored: list[str], source_order: list[str]) -> np.ndarray:
+    """For each sample in ImageFolder's order (``source_order``, the ``stored`` ones), its position in ``stored``."""
+    rank = {p: k for k, p in enumerate(source_order)}
+    try:
+        in_source = np.fromiter((rank[p] for p in stored), dtype=np.int64, count=len(stored))
+    except KeyError as exc:
+        raise PackerError(f"{exc.args[0]!r}: packed, but not among the source's files") from None
+    return np.argsort(in_source, kind="stable").astype("<i8")
+
+
+def check_permutation(values: np.ndarray, n: int, where: str) -> None:
+    """``values`` hold each of ``0 .. n-1`` exactly once (a crafted file could repeat or skip samples)."""
+    if len(values) != n:
+        raise PackerError(f"{where}: {len(values)} entries, manifest says {n}")
+    if n and (int(values.min()) < 0 or int(values.max()) >= n):
+        raise PackerError(f"{where}: positions outside 0..{n - 1}")
+    seen = np.zeros(n, dtype=bool)
+    seen[values] = True
+    if not seen.all():
+        raise PackerError(f"{where}: not a permutation of the samples (some repeat, {int((~seen).sum())} missing)")
 
 
 def shard_starts(counts: list[int]) -> np.ndarray:

@@ -54,7 +54,8 @@ class Manifest:
     meta_files: list[FileInfo] = field(default_factory=list)  # meta/*.npy, checksummed like shards
     options: dict[str, Any] = field(default_factory=dict)
     num_errors: int = 0
-    source: str = ""
+    source: str = ""  # the converted folder, absolute (older datasets: as given, maybe relative)
+    extensions: list[str] = field(default_factory=list)  # the file name endings the scan took; [] in older datasets
     created_by: str = ""
     created_at: str = ""
     kind: str = KIND
@@ -94,6 +95,8 @@ class Manifest:
                 options=_options(data.get("options", {})),
                 num_errors=_count(data.get("num_errors", 0), "num_errors"),
                 source=str(data.get("source", "")),
+                extensions=[_typed(e, str, "extension")
+                            for e in _typed(data.get("extensions", []), list, "extensions")],
                 created_by=str(data.get("created_by", "")),
                 created_at=str(data.get("created_at", "")),
             )

@@ -75,14 +75,14 @@ def get_batch(
     """
     if layout not in ("NHWC", "NCHW"):
         raise PackerError(f"unknown batch layout {layout!r} (choose NHWC or NCHW)")
-    idx = np.fromiter((ds.check_index(i) for i in indices), dtype=np.int64, count=len(indices))
+    idx = ds.positions(indices)  # storage positions: reads, sizes and labels below are all by them
     order = np.argsort(idx, kind="stable")
     in_order = bool(np.all(order == np.arange(len(idx))))
     if sort:
         idx, in_order = idx[order], True
     shape = ds.store.fixed_shape
     if shape is None:
-        pixels = [ds.pixels(int(i), p) for i, p in zip(idx, ds.read_payloads(idx), strict=True)]
+        pixels = [ds.pixels_at(int(i), p) for i, p in zip(idx, ds.payloads_at(idx), strict=True)]
         shapes = {p.shape for p in pixels}
         if len(shapes) > 1:
             raise PackerError(

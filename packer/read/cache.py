@@ -49,7 +49,9 @@ from packer.errors import PackerError
 from packer.images.decode import copy_into
 from packer.layout.index import Index
 from packer.layout.manifest import Manifest
+from packer.read.indexing import IndexMap
 from packer.read.staged import StagedDataset
+from packer.read.surface import FolderSurface
 from packer.units import human_bytes
 
 CACHE_MODES = ("ram", "ram-decoded")
@@ -171,14 +173,15 @@ def _sizes(ds: Any, decoded: bool) -> tuple[np.ndarray, np.ndarray]:
 
 def _fill_range(ds: Any, path: str, base: int, offsets: np.ndarray, start: int, decoded: bool,
                 chunk: int = 256) -> None:
-    """Write samples ``start, start+1, ...`` at ``base + offsets[k]`` of the cache file (runs in the pool too)."""
+    """Write the samples stored at ``start, start+1, ...`` at ``base + offsets[k]`` of the cache file (in the pool
+    too)."""
     mm = np.memmap(path, dtype=np.uint8, mode="r+")
     try:
         count = len(offsets) - 1
         for a in range(0, count, chunk):
             idx = list(range(start + a, start + min(count, a + chunk)))
-            for k, (i, payload) in enumerate(zip(idx, ds.read_payloads(idx), strict=True), start=a):
-                item = ds.pixels(i, payload) if decoded else payload
+            for k, (i, payload) in enumerate(zip(idx, ds.payloads_at(idx), strict=True), start=a):
+                item = ds.pixels_at(i, payload) if decoded else payload
                 if isinstance(item, np.ndarray):
                     buf = np.ascontiguousarray(item).reshape(-1)
                 else:
@@ -195,8 +198,9 @@ def _fill_range(ds: Any, path: str, base: int, offsets: np.ndarray, start: int, 
 
 # ----------------------------------------------------------------------------- the dataset
 
-class CachedDataset(StagedDataset):
-    """``dataset`` served from one shared-memory copy (see the module docstring).
+class CachedDataset(FolderSurface):
+    """``dataset`` served from one shared-memory copy (see the module docstring), in storage order; its
+    indices, ``samples`` and ImageFolder surface are the wrapped dataset's.
 
     ``mode``: ``"ram"`` caches the stored payloads, ``"ram-decoded"`` the decoded pixels.
     ``workers`` processes decode while filling a decoded cache (default: all cores).
@@ -323,12 +327,19 @@ class CachedDataset(StagedDataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    # The wrapped dataset's surface, delegated one name at a time (never blanket forwarding).
-    classes = property(lambda self: self.dataset.classes)
-    class_to_idx = property(lambda self: self.dataset.class_to_idx)
-    targets = property(lambda self: self.dataset.targets)
-    samples = property(lambda self: self.dataset.samples)
-    imgs = samples
+    # The wrapped dataset's state, delegated one name at a time (never blanket forwarding); the
+    # ImageFolder surface built on it (targets, samples, ...) is FolderSurface's, as the wrapped dataset's.
+    @property
+    def classes(self) -> list[str]:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return self.dataset.classes
+
+    @property
+    def class_to_idx(self) -> dict[str, int]:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return self.dataset.class_to_idx
+
+    @property
+    def source_root(self) -> str | None:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return self.dataset.source_root
 
     @property
     def index(self) -> Index:  # pyright: ignore[reportIncompatibleVariableOverride]
@@ -337,6 +348,10 @@ class CachedDataset(StagedDataset):
     @property
     def manifest(self) -> Manifest:  # pyright: ignore[reportIncompatibleVariableOverride]
         return self.dataset.manifest
+
+    @property
+    def index_map(self) -> IndexMap:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return self.dataset.index_map
 
     root = property(lambda self: self.dataset.root)
     image = property(lambda self: self.dataset.image)
@@ -357,30 +372,26 @@ class CachedDataset(StagedDataset):
     def target_transform(self, fn) -> None:
         self.dataset.target_transform = fn
 
-    def index_of(self, rel_path: str) -> int:
-        return self.dataset.index_of(rel_path)
-
     def block_boundaries(self) -> np.ndarray | None:
         return self.dataset.block_boundaries()
 
-    def read_payload(self, i: int) -> Any:
-        """Sample ``i`` from the cache: stored bytes (``ram``) or a read-only HWC array (``ram-decoded``)."""
+    def payload_at(self, i: int) -> Any:
+        """The sample stored at ``i``, from the cache: stored bytes (``ram``) or a read-only HWC array
+        (``ram-decoded``)."""
         mm = self._map()
         a, b = self.data_at + int(self._offsets[i]), self.data_at + int(self._offsets[i + 1])
         if self.decoded:
             return mm[a:b].reshape(tuple(int(v) for v in self._shapes[i]))
         return mm[a:b].tobytes()
 
-    def read_payloads(self, indices: Sequence[int]) -> list:
-        return [self.read_payload(self.check_index(i)) for i in indices]
-
-    def pixels(self, i: int, payload: Any = None, out: np.ndarray | None = None) -> np.ndarray:
+    def pixels_at(self, i: int, payload: Any = None, strict: bool = False, out: np.ndarray | None = None
+                  ) -> np.ndarray:
         if payload is None:
-            payload = self.read_payload(i)
-        return copy_into(payload, out) if self.decoded else self.dataset.pixels(i, payload, out=out)
+            payload = self.payload_at(i)
+        return copy_into(payload, out) if self.decoded else self.dataset.pixels_at(i, payload, strict, out)
 
-    def present(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
-        return self.dataset.present(i, arr, tensor)
+    def present_at(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
+        return self.dataset.present_at(i, arr, tensor)
 
     def batch_slots(self, idx: Sequence[int]) -> list[torch.Tensor] | None:
         """The wrapped dataset's shared batch block (it depends only on the samples' sizes); no disk read-ahead."""

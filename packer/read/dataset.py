@@ -1,7 +1,9 @@
 """Map-style PyTorch datasets over packed datasets: a drop-in for torchvision's ImageFolder.
 
 ``open_dataset(path)`` returns ``(image, label)`` samples with ``classes``, ``class_to_idx``,
-``targets``, ``samples`` and ``transform`` as ImageFolder has them. Shard readers open their
+``targets``, ``samples`` and ``transform`` as ImageFolder has them (packer.read.surface), and
+``ds[i]`` is ImageFolder's sample i whatever order the samples are stored in
+(packer.read.indexing). Shard readers open their
 files lazily in each process, so the dataset is safe to hand to ``DataLoader(num_workers>0)``
 under fork and spawn alike. ``__getitems__`` lets a DataLoader read a batch in one call, with
 runs of neighbouring samples read together.
@@ -28,8 +30,9 @@ from packer.layout.manifest import read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
 from packer.perprocess import PerProcess
 from packer.read import batch, readahead
-from packer.read.staged import StagedDataset
+from packer.read.indexing import IndexMap
 from packer.read.store import Access, ShardStore
+from packer.read.surface import FolderSurface
 
 if TYPE_CHECKING:
     from packer.read.cache import CachedDataset
@@ -45,7 +48,7 @@ def _file_order(idx: Sequence[int]) -> list[int]:
     return sorted(range(len(idx)), key=idx.__getitem__)
 
 
-class PackedDataset(StagedDataset):
+class PackedDataset(FolderSurface):
     """A packed dataset of any format, read as ``(image, label)`` pairs like ImageFolder."""
 
     FORMAT: str | None = None  # set by the per-format subclasses (LMDBDataset, ...)
@@ -59,12 +62,18 @@ class PackedDataset(StagedDataset):
         decoder: str = "auto",
         access: Access = "auto",
         decode_size: int | None = None,
+        source_root: str | os.PathLike | None = None,
     ) -> None:
         """``decode_size=S``: decode JPEGs at the smallest DCT scale (1/2, 1/4, 1/8) whose short side
-        is still >= S (faster, not pixel-identical to full-size decoding; encoded payloads only)."""
+        is still >= S (faster, not pixel-identical to full-size decoding; encoded payloads only).
+        ``source_root``: the converted folder, where it is now (``samples`` join it with each relative
+        path); default: the one the manifest records."""
         self.root = Path(path).absolute()  # not relative: a later os.chdir, a worker or an unpickling elsewhere
         self.store = ShardStore(self.root, access)
         self.manifest, self.index, self.access = self.store.manifest, self.store.index, self.store.access
+        self.index_map = IndexMap.of(self.index)
+        recorded = self.manifest.source if os.path.isabs(self.manifest.source) else None
+        self.source_root = os.path.abspath(source_root) if source_root is not None else recorded
         if self.FORMAT is not None and self.manifest.format != self.FORMAT:
             raise PackerError(
                 f"{self.root}: holds format {self.manifest.format!r}, not {self.FORMAT!r} "
@@ -81,37 +90,23 @@ class PackedDataset(StagedDataset):
         self.decode_size = check_min_size(decode_size)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
-        self._path_to_index: dict[str, int] | None = None
         self._blocks: np.ndarray | None = None  # read-ahead by whole blocks (read_ahead_blocks)
         self._blocks_read: PerProcess[OrderedDict] = PerProcess(OrderedDict)  # blocks read ahead in this process
 
-    # ------------------------------------------------------------ ImageFolder surface
-
     def __len__(self) -> int:
         return self.manifest.num_samples
-
-    @property
-    def targets(self) -> list[int]:
-        return self.index.labels.tolist()
-
-    @property
-    def samples(self) -> list[tuple[str, int]]:
-        """``(source path relative to the converted folder, label)`` pairs, built on demand."""
-        return list(zip(self.index.rel_paths(), self.index.labels.tolist()))
-
-    imgs = samples
 
     def read_ahead(self, indices: Sequence[int]) -> readahead.Pending:
         """Start reading these samples' bytes in the background, in file order (packer.read.readahead).
 
         Returns at once; ``wait(k)`` on the result returns when the ``k``-th sample in file order
-        (``sorted(indices)``) is in memory. Formats of one file per sample (bmp) have the kernel
-        read them all at once instead.
+        (sorted by storage position, ``sorted(ds.positions(indices))``) is in memory. Formats of one
+        file per sample (bmp) have the kernel read them all at once instead.
         """
-        return self.start_reads(np.asarray([self.check_index(i) for i in indices], dtype=np.int64))
+        return self.start_reads(self.positions(indices))
 
     def start_reads(self, idx: np.ndarray) -> readahead.Pending:
-        """``read_ahead`` of indices already checked (the staged-reading hook ``load_batch`` calls)."""
+        """``read_ahead`` of storage positions (the staged-reading hook ``load_batch`` calls)."""
         ordered = idx[np.argsort(idx, kind="stable")]
         shard_of = np.searchsorted(self.store.starts, ordered, side="right") - 1
         requests: list = []
@@ -124,7 +119,7 @@ class PackedDataset(StagedDataset):
         return readahead.start(requests, later=self._new_blocks(ordered))
 
     def block_boundaries(self) -> np.ndarray | None:
-        """Sample indices where the format's natural blocks start (mosaic: one per mosaic), then len(self);
+        """Storage positions where the format's natural blocks start (mosaic: one per mosaic), then len(self);
         None for formats without any (the block sampler then makes blocks by bytes)."""
         return get_format(self.manifest.format).block_boundaries(self.manifest)
 
@@ -152,44 +147,35 @@ class PackedDataset(StagedDataset):
             if len(seen) > BLOCKS_REMEMBERED:
                 seen.popitem(last=False)
             first, last = int(self._blocks[b]), int(self._blocks[b + 1]) - 1
-            shard, a = self.locate(first)
+            shard, a = self.store.locate(first)
             reader = self.store.readers[shard]
-            if self.locate(last)[0] != shard:
+            if self.store.locate(last)[0] != shard:
                 continue
             ends = [r[-1] for r in reader.file_spans([a, a + last - first]) if r]  # the payload's range is last
             if len(ends) == 2 and ends[0][0] == ends[1][0]:
                 out.append((ends[0][0], min(ends[0][1], ends[1][1]), max(ends[0][2], ends[1][2])))
         return out
 
-    def index_of(self, rel_path: str) -> int:
-        """Position of the sample packed from ``rel_path`` (relative to the converted folder)."""
-        if self._path_to_index is None:
-            self._path_to_index = {p: n for n, p in enumerate(self.index.rel_paths())}
-        try:
-            return self._path_to_index[rel_path]
-        except KeyError:
-            raise KeyError(f"{rel_path!r} is not in {self.root}") from None
-
     def __repr__(self) -> str:
         m = self.manifest
         return (
             f"{type(self).__name__}({str(self.root)!r}, format={m.format}, payload={m.payload}, "
-            f"samples={len(self)}, classes={len(self.classes)}, image={self.image})"
+            f"samples={len(self)}, classes={len(self.classes)}, image={self.image}, indexing={self.indexing})"
         )
 
     # ------------------------------------------------------------ reading
 
-    def read_payload(self, i: int):
-        """The stored payload of sample ``i``: encoded bytes, or raw pixel bytes/array."""
-        return self.store.read(self.check_index(i))
+    def payload_at(self, pos: int):
+        """The stored payload at storage position ``pos``: encoded bytes, or raw pixel bytes/array."""
+        return self.store.read(pos)
 
-    def read_payloads(self, indices: Sequence[int] | np.ndarray) -> list:
-        """Payloads of many samples, read ahead in file order (``prefetch``), returned in the order asked.
+    def payloads_at(self, stored: Sequence[int] | np.ndarray) -> list:
+        """Payloads at these storage positions, read ahead in file order, returned in the order asked.
 
         Runs of neighbours in a shard are read with one ``read_many`` call each, as soon as the
         read-ahead has brought in the run's last sample.
         """
-        idx = np.asarray([self.check_index(i) for i in indices], dtype=np.int64)
+        idx = np.asarray(stored, dtype=np.int64)
         pending = self.start_reads(idx)
         order = np.asarray(_file_order(idx.tolist()), dtype=np.int64)
         out: list = [None] * len(idx)
@@ -213,29 +199,26 @@ class PackedDataset(StagedDataset):
             k = stop
         return out
 
-    def pixels(self, i: int, payload=None, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
-        """Sample ``i`` as HWC uint8 RGB, decoding encoded payloads.
-
-        ``strict``: a decoder warning (e.g. a truncated JPEG, which Pillow pads with grey) is an
-        error too, as in conversion's full validation (``packer verify --deep`` uses it).
-        """
+    def pixels_at(self, i: int, payload=None, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+        """The sample stored at ``i`` as HWC uint8 RGB, decoding encoded payloads (``strict``: see ``pixels``)."""
         buf = self.store.read(i) if payload is None else payload
         h, w = int(self.index.heights[i]), int(self.index.widths[i])
         if self.manifest.payload == "encoded":
             return self._decode(i, buf, h, w, strict, out)
         arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
         if arr.size != h * w * 3:
-            raise PackerError(f"{self.root}: sample {i} holds {arr.size} bytes, expected {h}x{w}x3")
+            raise PackerError(f"{self.root}: sample {self.index_map.public(i)} holds {arr.size} bytes, "
+                              f"expected {h}x{w}x3")
         return copy_into(arr.reshape(h, w, 3), out)
 
     def _decode(self, i: int, buf, h: int, w: int, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
-        """Decode sample ``i``; any failure of a codec on damaged bytes is a DecodeError naming the sample.
+        """Decode the sample at ``i``; any failure of a codec on damaged bytes is a DecodeError naming the sample.
 
         The header is checked against the index first, so a damaged header can't make the
         decoder allocate an image far larger than the one that was packed; the decoder then
         refuses any image above the pixel limit (``packer.images.decode.check_pixels``), whatever the index says.
         """
-        where = f"{self.root}: sample {i} ({self.index.rel_path(i)})"
+        where = f"{self.root}: sample {self.index_map.public(i)} ({self.index.rel_path(i)})"
         try:
             hh, ww = image_size(buf)
             if (h or w) and (hh, ww) != (h, w):
@@ -246,8 +229,8 @@ class PackedDataset(StagedDataset):
         except DATA_ERRORS as exc:
             raise DecodeError(f"{where}: cannot decode ({type(exc).__name__}: {exc})") from exc
 
-    def present(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
-        """Sample ``i``'s decoded pixels as handed out: image kind, transform, target transform.
+    def present_at(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
+        """The decoded pixels of the sample stored at ``i`` as handed out: image kind, transform, target transform.
 
         ``tensor``: ``arr``'s memory as a tensor already (its slot of ``batch_slots``).
         """
@@ -271,7 +254,7 @@ class PackedDataset(StagedDataset):
     # ------------------------------------------------------------ whole batches (packer.read.batch)
 
     def batch_slots(self, indices: Sequence[int]) -> list[torch.Tensor] | None:
-        """One shared block for a worker's batch of mixed sizes (see ``packer.read.batch.batch_slots``)."""
+        """One shared block for a worker's batch of mixed sizes (storage positions; ``read.batch.batch_slots``)."""
         return batch.batch_slots(self, indices)
 
     def get_batch(
@@ -287,7 +270,7 @@ class PackedDataset(StagedDataset):
 
     def locate(self, i: int) -> tuple[int, int]:
         """(shard number, position inside that shard) of sample ``i``."""
-        return self.store.locate(i)
+        return self.store.locate(self.position(i))
 
     @property
     def fixed_shape(self) -> tuple[int, int, int] | None:
@@ -327,7 +310,8 @@ def dataset_class(name: str, where: object = "dataset") -> type[PackedDataset]:
 
 def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_options: dict | None = None,
                  **kwargs: Any) -> PackedDataset | CachedDataset:
-    """Open a packed dataset of any format; keyword arguments as for ``PackedDataset``.
+    """Open a packed dataset of any format; keyword arguments as for ``PackedDataset`` (``source_root=``
+    where the converted folder moved). ``with open_dataset(p) as ds:`` closes its shards at the end.
 
     ``cache="ram"`` (stored payloads) or ``"ram-decoded"`` (decoded pixels) returns a
     ``packer.read.cache.CachedDataset`` (``cache_options`` go to it): one copy in shared memory

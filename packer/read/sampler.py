@@ -22,6 +22,9 @@ apart a batch's reads are and how much a rank touches at a time (page cache, per
 mosaic caches). The price of locality is that a run's samples share a batch every epoch
 (``batchmates_again`` measures it; about ``run / batch_size`` of the pairs).
 
+All of this works in storage positions (blocks are runs of samples stored together); the sampler
+yields the dataset's public indices (ImageFolder's, packer.read.indexing), mapped in ``order``.
+
 The order is a pure function of (seed, epoch, rank, number of ranks) and the blocks; random
 numbers come straight from the PCG64 bit generator (whose stream numpy keeps stable), so the
 order does not change with the numpy version. A map-style sampler runs in the DataLoader's
@@ -46,6 +49,7 @@ from torch.utils.data import BatchSampler, Sampler
 from packer._random import raw_draws, stable_permutation
 from packer.errors import PackerError
 from packer.layout.index import shard_starts
+from packer.read.indexing import IndexMap
 from packer.read.staged import StagedDataset
 
 DEFAULT_BLOCK_BYTES = 16_000_000  # ~107 ms of a 150 MB/s disk: a seek (~8.5 ms) costs ~8 % of it
@@ -128,7 +132,7 @@ def rank_order(
     shuffle: bool = True,
     drop_last: bool = False,
 ) -> np.ndarray:
-    """The sample indices rank ``rank`` of ``num_replicas`` reads in ``epoch`` (see the module doc)."""
+    """The storage positions rank ``rank`` of ``num_replicas`` reads in ``epoch`` (see the module doc)."""
     n = int(bounds[-1])
     sizes = np.diff(bounds)
     nb = len(sizes)
@@ -169,7 +173,8 @@ class BlockShuffleSampler(Sampler[int]):
     ``s.set_epoch(epoch)`` before each epoch for a new order. ``num_replicas``/``rank``
     default to the initialised ``torch.distributed`` process group, else a single process.
     Every rank yields ``len(s)`` samples: ``drop_last=False`` pads by repeating a few samples,
-    ``True`` leaves out up to ``num_replicas - 1`` (different ones each epoch).
+    ``True`` leaves out up to ``num_replicas - 1`` (different ones each epoch). Blocks (``blocks=``
+    included) are runs of storage positions; the indices yielded are the dataset's (ImageFolder's).
     """
 
     def __init__(
@@ -201,6 +206,7 @@ class BlockShuffleSampler(Sampler[int]):
         if batch_size is not None and batch_size < 1:
             raise PackerError(f"batch_size must be positive, got {batch_size}")
         self.bounds = dataset_boundaries(dataset, block_bytes, blocks)
+        self.index_map = dataset.index_map if isinstance(dataset, StagedDataset) else IndexMap(None)
         if shuffle and isinstance(dataset, StagedDataset):
             dataset.read_ahead_blocks(self.bounds)  # its workers then read each block whole, ahead of decoding
         self.num_samples_total = int(self.bounds[-1])
@@ -226,7 +232,11 @@ class BlockShuffleSampler(Sampler[int]):
         self.epoch = int(epoch)
 
     def order(self, epoch: int | None = None) -> np.ndarray:
-        """This rank's indices for ``epoch`` (default: the current one) as an array."""
+        """This rank's sample indices (the dataset's: ImageFolder's) for ``epoch`` (default: the current one)."""
+        return self.index_map.public_many(self.stored_order(epoch))
+
+    def stored_order(self, epoch: int | None = None) -> np.ndarray:
+        """``order`` as storage positions: where its locality shows (``shuffle_stats``)."""
         return rank_order(
             self.bounds, self.epoch if epoch is None else epoch, self.seed,
             num_replicas=self.num_replicas, rank=self.rank, open_blocks=self.open_blocks, run=self.run,
@@ -239,6 +249,12 @@ class BlockShuffleSampler(Sampler[int]):
     def __len__(self) -> int:
         n, r = self.num_samples_total, self.num_replicas
         return n // r if self.drop_last else math.ceil(n / r)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(samples={self.num_samples_total}, blocks={self.num_blocks}, "
+                f"open_blocks={self.open_blocks}, run={self.run}, batch_size={self.batch_size}, "
+                f"num_replicas={self.num_replicas}, rank={self.rank}, shuffle={self.shuffle}, seed={self.seed}, "
+                f"drop_last={self.drop_last}, epoch={self.epoch})")
 
 
 class BlockBatchSampler(BatchSampler):
@@ -255,11 +271,15 @@ class BlockBatchSampler(BatchSampler):
     def set_epoch(self, epoch: int) -> None:
         self.block_sampler.set_epoch(epoch)
 
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(batch_size={self.batch_size}, drop_last_batch={self.drop_last}, "
+                f"sampler={self.block_sampler!r})")
+
 
 def block_order(ds: Any, epoch: int, seed: int = 0, block_bytes: int | None = None, *,
                 open_blocks: int = DEFAULT_OPEN_BLOCKS, run: int = DEFAULT_RUN,
                 batch_size: int | None = None) -> np.ndarray:
-    """The whole epoch's block-shuffled order for one process (no ranks): for benchmarks."""
+    """The whole epoch's block-shuffled order for one process (no ranks), as sample indices: for benchmarks."""
     s = BlockShuffleSampler(ds, block_bytes=block_bytes, open_blocks=open_blocks, run=run, batch_size=batch_size,
                             num_replicas=1, rank=0, seed=seed, warn=False)
     return s.order(epoch)

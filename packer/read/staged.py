@@ -21,6 +21,7 @@ from packer.layout.index import normalize_index
 if TYPE_CHECKING:
     from packer.layout.index import Index
     from packer.layout.manifest import Manifest
+    from packer.read.indexing import IndexMap
     from packer.read.readahead import Pending
 
 
@@ -31,51 +32,93 @@ class StageClock(Protocol):
 
 
 class StagedDataset(Dataset, ABC):
-    """A dataset of packer samples read in stages. Hooks with defaults: read-ahead, batch slots, blocks."""
+    """A dataset of packer samples read in stages. Hooks with defaults: read-ahead, batch slots, blocks.
 
-    index: Index  # per-sample metadata: labels, sizes, source paths
+    Public indices are ImageFolder's (``index_map``, see packer.read.indexing); they are mapped to
+    storage positions once, at the entry (``position``), and every hook named ``*_at`` as well as
+    ``start_reads``, ``batch_slots``, ``block_boundaries`` and ``index`` work in storage positions.
+    """
+
+    index: Index  # per-sample metadata in storage order: labels, sizes, source paths
     manifest: Manifest
+    index_map: IndexMap
 
     @abstractmethod
     def __len__(self) -> int: ...
 
     @abstractmethod
-    def read_payload(self, i: int) -> Any:
-        """Sample ``i``'s stored payload (checked index): encoded bytes, or an HWC uint8 array."""
+    def payload_at(self, pos: int) -> Any:
+        """The stored payload at storage position ``pos``: encoded bytes, or an HWC uint8 array."""
 
     @abstractmethod
-    def pixels(self, i: int, payload: Any = None, out: np.ndarray | None = None) -> np.ndarray:
-        """Sample ``i`` as HWC uint8 RGB, decoded into ``out`` where given and of the right shape."""
+    def pixels_at(self, pos: int, payload: Any = None, strict: bool = False, out: np.ndarray | None = None
+                  ) -> np.ndarray:
+        """The sample at ``pos`` as HWC uint8 RGB, decoded into ``out`` where given and of the right shape."""
 
     @abstractmethod
-    def present(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
+    def present_at(self, pos: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
         """(image as the dataset hands it out, target), transforms applied; ``tensor`` holds ``arr`` already."""
+
+    def payloads_at(self, stored: Sequence[int] | np.ndarray) -> list:
+        """Payloads at these storage positions, in the order given."""
+        return [self.payload_at(int(p)) for p in stored]
 
     def check_index(self, i: int) -> int:
         """``i`` as a position in ``range(len(self))`` (negative from the end), else IndexError."""
         return normalize_index(i, len(self))
 
+    def position(self, i: int) -> int:
+        """Where sample ``i`` (a public index, negative from the end) is stored; IndexError out of range."""
+        return self.index_map.stored(self.check_index(i))
+
+    def positions(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        return self.index_map.stored_many([self.check_index(i) for i in indices])
+
+    @property
+    def indexing(self) -> str:
+        """``"imagefolder"``: ``ds[i]`` is ImageFolder's sample i; ``"stored"``: the i-th stored sample
+        (a dataset written before packer recorded the map)."""
+        return self.index_map.kind
+
     def start_reads(self, idx: np.ndarray) -> Pending | None:
-        """Start reading these (checked) samples' bytes in the background; None: nothing to read ahead."""
+        """Start reading these storage positions' bytes in the background; None: nothing to read ahead."""
         return None
 
     def batch_slots(self, idx: Sequence[int]) -> list[torch.Tensor] | None:
-        """Per sample, a tensor in one shared block to decode into; None: each sample gets its own array."""
+        """Per sample (storage positions), a tensor in one shared block to decode into; None: each its own array."""
         return None
 
     def block_boundaries(self) -> np.ndarray | None:
-        """Where the dataset's natural blocks start, then len(self); None: blocks are made by bytes."""
+        """Storage positions where the dataset's natural blocks start, then len(self); None: blocks by bytes."""
         return None
 
     def read_ahead_blocks(self, bounds: Sequence[int] | np.ndarray | None) -> None:
         """Read whole blocks ahead (the block sampler's); None: off. Default: nothing to read ahead."""
 
+    # ------------------------------------------------------------ the public surface: ImageFolder indices
+
     def __getitem__(self, i: int) -> tuple[Any, Any]:
-        i = self.check_index(i)
-        return self.present(i, self.pixels(i, self.read_payload(i)))
+        pos = self.position(i)
+        return self.present_at(pos, self.pixels_at(pos, self.payload_at(pos)))
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
         return load_batch(self, indices)
+
+    def read_payload(self, i: int) -> Any:
+        """The stored payload of sample ``i``: encoded bytes, or raw pixel bytes/array."""
+        return self.payload_at(self.position(i))
+
+    def read_payloads(self, indices: Sequence[int] | np.ndarray) -> list:
+        """Payloads of many samples, returned in the order asked (read in file order where the dataset can)."""
+        return self.payloads_at(self.positions(indices))
+
+    def pixels(self, i: int, payload: Any = None, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+        """Sample ``i`` as HWC uint8 RGB (``payload``: its stored payload, read already).
+
+        ``strict``: a decoder warning (e.g. a truncated JPEG, which Pillow pads with grey) is an
+        error too, as in conversion's full validation (``packer verify --deep`` uses it).
+        """
+        return self.pixels_at(self.position(i), payload, strict, out)
 
 
 def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | None = None) -> list:
@@ -83,7 +126,7 @@ def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | No
     as its bytes are in (IO overlaps decoding), into one shared block where the dataset offers slots."""
     now = time.perf_counter
     t0 = now()
-    idx = [ds.check_index(i) for i in indices]
+    idx = ds.positions(indices).tolist()
     pending = ds.start_reads(np.asarray(idx, dtype=np.int64))
     slots = ds.batch_slots(idx)
     read, decode, transform = now() - t0, 0.0, 0.0
@@ -99,11 +142,11 @@ def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | No
         a = now()
         if pending is not None and waits is not None:
             pending.wait(waits[n])
-        payload = ds.read_payload(i)
+        payload = ds.payload_at(i)
         b = now()
         arr, tensor = pixels_in_slot(ds, i, payload, None if slots is None else slots[j])
         c = now()
-        out[j] = ds.present(i, arr, tensor)
+        out[j] = ds.present_at(i, arr, tensor)
         d = now()
         read, decode, transform = read + b - a, decode + c - b, transform + d - c
     if clock is not None:
@@ -113,10 +156,10 @@ def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | No
 
 def pixels_in_slot(ds: StagedDataset, i: int, payload: Any, slot: torch.Tensor | None
                    ) -> tuple[np.ndarray, torch.Tensor | None]:
-    """Sample ``i``'s pixels, decoded into ``slot`` when given: (pixels, the slot holding them, or None
+    """The pixels at storage position ``i``, decoded into ``slot`` when given: (pixels, the slot holding them, or None
     where it does not, e.g. no slot or a size other than the index's)."""
     if slot is None:
-        return ds.pixels(i, payload), None
+        return ds.pixels_at(i, payload), None
     view = slot.numpy()
-    arr = ds.pixels(i, payload, out=view)
+    arr = ds.pixels_at(i, payload, out=view)
     return arr, slot if arr is view else None

@@ -146,13 +146,13 @@ def _write_all(ds, real_dest: Path, dest: Path, names: list[str], raw: bool, ove
     for c in ds.classes:
         _mkdir(_target(real_dest, dest, c))
     total = 0
-    for i in tqdm(range(len(ds)), unit="img", desc="extracting", disable=not progress):
+    for i in tqdm(range(len(ds)), unit="img", desc="extracting", disable=not progress):  # storage order: sequential
         if raw:
             buf = io.BytesIO()
-            Image.fromarray(ds.pixels(i)).save(buf, format="PNG")
+            Image.fromarray(ds.pixels_at(i)).save(buf, format="PNG")
             data = buf.getvalue()
         else:
-            data = bytes(ds.read_payload(i))
+            data = bytes(ds.payload_at(i))
         target = _target(real_dest, dest, names[i])
         _mkdir(target.parent)
         _target(real_dest, dest, names[i])  # again, after creating folders: nothing on the way leads out

@@ -11,6 +11,7 @@ import numpy as np
 
 from packer.layout.index import Index
 from packer.layout.manifest import read_manifest
+from packer.read.indexing import IMAGEFOLDER, IndexMap
 from packer.units import human_bytes
 
 
@@ -22,6 +23,7 @@ def dataset_info(path: str | os.PathLike) -> dict[str, Any]:
     data["total_bytes"] = sum(f.num_bytes for f in manifest.all_files())
     data["num_files"] = len(manifest.all_files())
     index = Index.load(root, manifest.num_samples, files=manifest.meta_files, num_classes=len(manifest.classes))
+    data["indexing"] = IndexMap.of(index).kind
     if len(index):
         counts = np.bincount(index.labels[index.labels >= 0], minlength=len(manifest.classes))
         known = (index.heights > 0) & (index.widths > 0)
@@ -51,6 +53,8 @@ def info_rows(path: str | os.PathLike, data: dict[str, Any]) -> list[tuple[str, 
         ("payload", payload),
         ("samples", f"{data['num_samples']:,}"),
         ("classes", f"{len(classes)}: {shown}" if classes else "none (flat folder, label -1)"),
+        ("indexing", "ImageFolder's: ds[i] is ImageFolder(source)[i]" if data["indexing"] == IMAGEFOLDER else
+         "stored order: ds[i] is the i-th stored sample (converted by an older packer)"),
     ]
     stats = data.get("stats")
     if stats:

@@ -77,13 +77,13 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
 
 
 def _check_deep(ds, report: Report, progress: bool) -> None:
-    """Decode every sample; its shape must be the one the index records."""
+    """Decode every sample (in storage order: a sequential pass); its shape must be the one the index records."""
     from tqdm import tqdm
 
     unknown = 0
     for i in tqdm(range(len(ds)), unit="img", desc="decoding", disable=not progress):
         try:
-            arr = ds.pixels(i, strict=True)
+            arr = ds.pixels_at(i, strict=True)
         except PackerError as exc:
             report.problems.append(str(exc))
             continue
@@ -91,11 +91,25 @@ def _check_deep(ds, report: Report, progress: bool) -> None:
         if h == 0 and w == 0:
             unknown += 1  # converted with --validate none: no shape was recorded
         elif arr.shape != (h, w, 3):
-            report.problems.append(f"{ds.root}: sample {i} ({ds.index.rel_path(i)}) decodes to "
+            report.problems.append(f"{ds.root}: sample {ds.index_map.public(i)} ({ds.index.rel_path(i)}) decodes to "
                                    f"{arr.shape[0]}x{arr.shape[1]}, the index says {h}x{w}")
     report.checked["decoded"] = len(ds)
     if unknown:
         report.checked["without a recorded shape"] = unknown
+
+
+def _check_indexing(ds, scan: ScanResult, report: Report) -> None:
+    """With ImageFolder indexing, sample i is the source's i-th packed image in ImageFolder's order."""
+    if ds.indexing != "imagefolder":
+        report.checked["indexing: stored order (an older dataset)"] = len(ds)
+        return
+    packed = set(ds.index.rel_paths())
+    want = [rel for rel in scan.rel_paths if rel in packed]
+    got = ds.relpaths
+    if got != want:
+        k = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        report.problems.append(f"{ds.root}: sample {k} is {got[k] if k < len(got) else 'missing'}, but ImageFolder's "
+                               f"sample {k} of {scan.root} is {want[k] if k < len(want) else 'missing'}")
 
 
 def within(got: np.ndarray, want: np.ndarray, mean_bound: float = 0.0, max_bound: int = 0) -> bool:
@@ -137,7 +151,8 @@ def reference_options(manifest: Manifest, where: str = MANIFEST_NAME) -> Convert
 
 
 def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None:
-    """Every source file is packed identically (bytes, or Pillow's pixels for raw) or listed as an error."""
+    """Every source file is packed identically (bytes, or Pillow's pixels for raw) or listed as an error, and
+    ``ds[i]`` is ImageFolder's sample i (among those packed) where the dataset records that indexing."""
     from tqdm import tqdm
 
     src = scan.root
@@ -154,7 +169,7 @@ def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None
             report.problems.append(f"{src / e.path}: {e.reason}, and not reported as an error")
     if list(ds.classes) != list(scan.classes):
         report.problems.append(f"classes differ: dataset {ds.classes[:5]}..., source {scan.classes[:5]}...")
-    packed = {p: i for i, p in enumerate(ds.index.rel_paths())}
+    packed = {p: i for i, p in enumerate(ds.index.rel_paths())}  # storage positions
     raw = ds.manifest.payload == "raw"
     options = ConvertOptions.from_record({**ds.manifest.options, "decoder": "pil"}, ds.root)  # the reference decode
     # (0, 0) unless the format is lossy (jpeg mosaics)
@@ -176,14 +191,15 @@ def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None
         try:  # a sample that fails to read is a problem found, like one that differs
             if raw:
                 expected = prepare(src, rel, label, options)
-                if isinstance(expected, SourceError) or not within(ds.pixels(i), np.asarray(expected.payload),
+                if isinstance(expected, SourceError) or not within(ds.pixels_at(i), np.asarray(expected.payload),
                                                                    mean_bound, max_bound):
                     report.problems.append(f"{src / rel}: stored pixels differ from the source's decode")
-            elif bytes(ds.read_payload(i)) != data:
+            elif bytes(ds.payload_at(i)) != data:
                 report.problems.append(f"{src / rel}: stored bytes differ from the source file")
         except PackerError as exc:
             report.problems.append(str(exc))
     extra = set(packed) - set(scan.rel_paths)
     for rel in sorted(extra)[:20]:
         report.problems.append(f"{rel}: packed but not in {src}")
+    _check_indexing(ds, scan, report)
     report.checked["source files"] = len(scan)

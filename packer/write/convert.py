@@ -40,7 +40,7 @@ from packer.write.options import ConvertOptions, make_options
 from packer.write.output import ERRORS_NAME, check_destination, output_path, swap_into_place
 from packer.write.plan import apply_order, load_or_make_plan
 from packer.write.pool import LocalPool, PoolSettings
-from packer.write.scan import ScanResult, scan_folder
+from packer.write.scan import IMG_EXTENSIONS, ScanResult, scan_folder
 from packer.write.shards import BuildJob, ShardBuilder, ShardWriteError
 
 
@@ -109,7 +109,7 @@ def convert(
                        progress, float(plan.get("mean_bytes", 0.0)))
         backend: ShardBuilder = LocalPool(workers, pool or PoolSettings()) if client is None else DaskCluster(client)
         shards = _build_shards(backend, job, out)
-        return finish(scan, partial, out, shards, opts, started)
+        return finish(scanned, partial, out, shards, opts, started)
     except OSError as exc:  # the journal, meta/*.npy, errors.json, the manifest or the renames
         raise _failed_midway(f"{exc.filename or out}: {exc.strerror or exc}", partial) from exc
     except KeyboardInterrupt:
@@ -130,9 +130,14 @@ def _build_shards(backend: ShardBuilder, job: BuildJob, out: Path) -> list[Shard
 
 def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult], options: ConvertOptions,
            started: float) -> ConvertResult:
-    """Index, error report and manifest (last), then the renames that make the dataset exist."""
+    """Index, error report and manifest (last), then the renames that make the dataset exist.
+
+    ``scan`` in ImageFolder's order (as scanned, before ``--order``): the index records where each of
+    its samples is stored, so that ``ds[i]`` is ImageFolder's sample i whatever the storage order.
+    """
     cat = lambda name: [v for r in shards for v in getattr(r, name)]  # noqa: E731
-    index = Index.build(cat("rel_paths"), cat("labels"), cat("heights"), cat("widths"), cat("nbytes"))
+    index = Index.build(cat("rel_paths"), cat("labels"), cat("heights"), cat("widths"), cat("nbytes"),
+                        source_order=scan.rel_paths)
     errors: list[SourceError] = cat("errors") + scan.errors
     meta_files = [file_info(partial, n) for n in index.save(partial)]
     write_atomic(partial / ERRORS_NAME, dumps_lossless(
@@ -155,7 +160,8 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
         meta_files=meta_files,
         options=options.record(),
         num_errors=len(errors),
-        source=str(scan.root),
+        source=os.path.abspath(scan.root),  # samples are ImageFolder's paths: os.path.join(source, rel)
+        extensions=list(IMG_EXTENSIONS),
         created_by=f"packer {__version__}",
         created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )

@@ -146,7 +146,7 @@ def test_bmp_format_round_trip_tree_names_and_viewer_compatibility(src, tmp_path
     assert manifest.payload == "raw"  # the default payload of a raw-only format
     ds = open_dataset(out, image="numpy")
     assert len(ds) == len(SIZES)
-    for i, rel in enumerate(ds.index.rel_paths()):
+    for i, rel in enumerate(ds.relpaths):  # ds[i]: ImageFolder's order
         f = out / bmp_format.bmp_name(rel)
         assert f.relative_to(out).as_posix() == f"images/{rel}.bmp"
         ref = pillow_reference(src / rel, None)
@@ -169,7 +169,7 @@ def test_bmp_names_never_clash_and_survive_odd_names(tmp_path):
     assert all(len(Path(f).name.encode()) <= 255 and "\\" not in f for f in files)
     assert bmp_format.bmp_name(f"c/{long_stem}.jpg") == bmp_format.bmp_name(f"c/{long_stem}.jpg")  # deterministic
     ds = open_dataset(out, image="numpy")
-    for i, rel in enumerate(ds.index.rel_paths()):
+    for i, rel in enumerate(ds.relpaths):  # ds[i]: ImageFolder's order
         assert np.array_equal(ds[i][0], pillow_reference(root / rel, None))
 
 
@@ -178,9 +178,9 @@ def test_bmp_format_resized_and_damaged_file_named(src, tmp_path):
                   progress=False).output
     ds = open_dataset(out, image="numpy")
     spec = ResizeSpec.parse("24x20", "fit")
-    for i, rel in enumerate(ds.index.rel_paths()):
+    for i, rel in enumerate(ds.relpaths):
         assert np.array_equal(ds[i][0], pillow_reference(src / rel, spec))
-    victim = out / bmp_format.bmp_name(ds.index.rel_path(3))
+    victim = out / bmp_format.bmp_name(ds.relpaths[3])
     victim.write_bytes(_damaged(victim.read_bytes(), "bpp"))
     with pytest.raises(PackerError, match=r"\.bmp: damaged BMP file: 32 bits per pixel"):
         ds[3]
@@ -224,7 +224,7 @@ def test_mosaic_tile_positions_and_partly_filled_last_mosaic(src, tmp_path, code
             i = 6 * k + cell
             ref = pillow_reference(src / rels[i], spec)
             assert np.array_equal(tile, ref), (k, cell)  # lossless: equal to the resize pipeline's output
-            assert np.array_equal(ds[i][0], ref)
+            assert np.array_equal(ds[ds.index_map.public(i)][0], ref)  # i: a storage position
     assert not img[:, 2 * 24:].any()  # unused cells of the last mosaic are black
     assert verify(out, against=src).ok
 
@@ -242,7 +242,7 @@ def test_mosaic_fewer_samples_than_planned(src, tmp_path):
     assert shard.facts["samples_per_mosaic"] == [4, 4, 4, 2]  # no gaps left by the failed files
     ds = open_dataset(res.output, image="numpy")
     spec = ResizeSpec.parse("16x16")
-    assert all(np.array_equal(ds[i][0], pillow_reference(bad / r, spec)) for i, r in enumerate(ds.index.rel_paths()))
+    assert all(np.array_equal(ds[i][0], pillow_reference(bad / r, spec)) for i, r in enumerate(ds.relpaths))
 
 
 def test_mosaic_jpeg_bounded_error_and_every_tile_path_agrees(src, tmp_path):

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+from collections import Counter
 
 import numpy as np
 import pytest
 import torch
+from support.imagefolder import ImageFolder
 from torch.utils.data import DataLoader
 
 from packer import FORMATS, PackerError, convert, open_dataset
 from packer.read.dataset import DATASET_CLASSES
+from packer.read.sampler import BlockShuffleSampler
 from packer.tools.verify import verify
 from packer.write.options import ConvertOptions
 from packer.write.scan import scan_folder
@@ -95,8 +98,22 @@ def test_imagefolder_surface(packed, imagefolder):
     ds = open_dataset(path)
     scan = scan_folder(imagefolder)
     assert ds.classes == scan.classes and ds.class_to_idx == scan.class_to_idx
-    assert sorted(ds.samples) == sorted(zip(scan.rel_paths, scan.labels.tolist()))
-    assert [t for _, t in ds.samples] == ds.targets
+    ref = ImageFolder(imagefolder)  # torchvision's rules, re-implemented (support/imagefolder.py)
+    assert ds.indexing == "imagefolder" and ds.index.rel_paths() != ds.relpaths  # stored shuffled, read as ImageFolder
+    assert ds.samples == ref.samples and ds.targets == ref.targets
+    assert [ds[i][1] for i in range(len(ds))] == ref.targets
+    s = BlockShuffleSampler(ds, block_bytes=6_000, warn=False)
+    assert Counter(s) == Counter(range(len(ref)))
+    pil = ConvertOptions.from_record({**ds.manifest.options, "decoder": "pil"})
+    for i in (0, 6, len(ref) - 1):  # the image too: ImageFolder's sample i (as converted)
+        source, label = ref.samples[i]
+        if payload == "encoded":
+            assert bytes(ds.read_payload(i)) == open(source, "rb").read()
+        else:
+            want = prepare(imagefolder, ds.relpaths[i], label, pil).payload
+            got = np.asarray(open_dataset(path, image="numpy")[i][0])
+            assert got.shape == want.shape
+            assert np.abs(got.astype(np.int16) - want.astype(np.int16)).max() <= _max_error(name, ds.manifest.options)
     img, _ = ds[0]
     assert img.mode == "RGB"  # image="pil" default, like ImageFolder
     t, _ = open_dataset(path, image="tensor")[0]

@@ -64,7 +64,8 @@ def packed_sources(ds) -> list[Path]:
 
 def pack(src: Path, tmp_path: Path, fmt: str, payload: str = "encoded", **kw):
     out = tmp_path / f"out.{fmt}"
-    res = convert(src, out, to=fmt, payload=payload, workers=0, progress=False, **kw)
+    # stored in ImageFolder's order: the files' own arrays (read with h5py/numpy) line up with ds[i]
+    res = convert(src, out, to=fmt, payload=payload, workers=0, progress=False, **{"order": "source", **kw})
     assert [e.path for e in res.errors] == ["class_2/broken.jpg"]  # every writer got one sample fewer than planned
     return open_dataset(out, image="numpy")
 
@@ -257,7 +258,7 @@ def test_refuses_without_disk_space_and_writes_nothing(src, tmp_path, fmt, monke
 @pytest.mark.parametrize("fmt", FORMATS3)
 def test_same_bytes_whatever_the_worker_count_and_access(src, tmp_path, fmt):
     ds = pack(src, tmp_path / "a", fmt, "raw", resize="32")
-    again = convert(src, tmp_path / "b", to=fmt, payload="raw", resize="32", workers=2, progress=False)
+    again = convert(src, tmp_path / "b", to=fmt, payload="raw", resize="32", workers=2, progress=False, order="source")
     sums = [[f.sha256 for s in open_dataset(p).manifest.shards for f in s.files] for p in (ds.root, again.output)]
     assert sums[0] == sums[1]  # no timestamps or worker-dependent order inside the files
     rnd = open_dataset(ds.root, image="numpy", access="random")  # read-ahead off: same samples

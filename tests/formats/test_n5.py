@@ -42,7 +42,8 @@ def packed(imagefolder, tmp_path_factory):
     out = {}
     for name, opts in CASES.items():
         out[name] = root / f"{name}.n5"
-        convert(imagefolder, out[name], to="n5", shard_bytes=20_000, workers=1, progress=False, **opts)
+        convert(imagefolder, out[name], to="n5", shard_bytes=20_000, workers=1, progress=False, order="source",
+                **opts)  # stored in ImageFolder's order: tensorstore's arrays line up with ds[i]
     return out
 
 
@@ -103,7 +104,8 @@ def test_gzip_blocks_are_java_default_gzip_and_deterministic(packed, imagefolder
     mode, ndim = struct.unpack_from(">HH", block)
     assert (mode, ndim) == (0, 4) and block[4 + 16 : 4 + 18] == b"\x1f\x8b"  # gzip magic after the header
     again = tmp_path / "again.n5"
-    convert(imagefolder, again, to="n5", shard_bytes=20_000, workers=2, progress=False, **CASES["raw-24x32-gzip"])
+    convert(imagefolder, again, to="n5", shard_bytes=20_000, workers=2, progress=False, order="source",
+            **CASES["raw-24x32-gzip"])
     for p in sorted(packed["raw-24x32-gzip"].rglob("*")):
         rel = p.relative_to(packed["raw-24x32-gzip"])
         if p.is_file() and rel.name != "manifest.json":

@@ -36,7 +36,8 @@ def packed(imagefolder, tmp_path_factory):
     for fmt in ("pth", "safetensors"):
         for name, opts in VARIANTS.items():
             out[fmt, name] = root / f"{name}.{fmt}"
-            convert(imagefolder, out[fmt, name], to=fmt, shard_bytes=6_000, workers=1, progress=False, **opts)
+            convert(imagefolder, out[fmt, name], to=fmt, shard_bytes=6_000, workers=1, progress=False,
+                    order="source", **opts)  # stored in ImageFolder's order: the libraries' tensors line up with ds[i]
     return out
 
 

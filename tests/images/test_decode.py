@@ -258,7 +258,7 @@ def test_missing_library_through_a_dataset(packed, no_turbojpeg, capsys):
     path, refs = packed
     ds = open_dataset(path, image="numpy")
     for i in range(len(ds)):
-        assert max_diff(ds[i][0], refs[ds.samples[i][0]]) == 0
+        assert max_diff(ds[i][0], refs[ds.relpaths[i]]) == 0
     assert capsys.readouterr().err.count("libjpeg-turbo not found") == 1
 
 
@@ -292,7 +292,7 @@ def test_dataset_decode_size(packed):
     small = open_dataset(path, image="numpy", decode_size=30)
     tensor = open_dataset(path, image="tensor", decode_size=30)
     assert full.decode_size is None
-    for i, (rel, _label) in enumerate(full.samples):
+    for i, rel in enumerate(full.relpaths):
         assert max_diff(full[i][0], refs[rel]) == 0  # off by default: exact
         h, w = refs[rel].shape[:2]
         arr = small[i][0]
@@ -327,7 +327,7 @@ def test_workers_decode_with_their_own_handle(turbojpeg, packed, ctx, decode_siz
     pids = {pid for (pid, _, _), _ in got}
     assert os.getpid() not in pids and all(pid == loaded for (pid, loaded, _), _ in got)
     for i, ((_, _, arr), _label) in enumerate(got):
-        rel = ds.samples[i][0]
+        rel = ds.relpaths[i]
         want = decode(ds.read_payload(i), "pil", min_size=decode_size)  # Pillow, at the same DCT scale
         assert max_diff(arr, want) == 0, rel
         if decode_size is None:

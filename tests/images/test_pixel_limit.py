@@ -122,12 +122,12 @@ def _convert_and_read(src: Path, out: Path, options: dict) -> tuple[dict, dict]:
     errors = {e["path"]: e["reason"] for e in json.loads((out / "errors.json").read_text())["errors"]}
     ds = open_dataset(out, image="numpy")
     reads = {}
-    for i in range(len(ds)):
+    for i, rel in enumerate(ds.relpaths):
         try:
             ds[i]
-            reads[ds.index.rel_path(i)] = "ok"
+            reads[rel] = "ok"
         except PackerError as exc:
-            reads[ds.index.rel_path(i)] = str(exc)
+            reads[rel] = str(exc)
     return errors, reads
 
 
@@ -162,6 +162,7 @@ def crafted(imagefolder, tmp_path, bombs):
     convert(imagefolder, ds_path, to="lmdb", workers=1, progress=False)
     ds = open_dataset(ds_path)
     shard, pos = ds.locate(3)
+    stored = ds.position(3)  # meta/ is in storage order
     ds.close()
     env = lmdb.open(str(ds_path / ds.manifest.shards[shard].files[0].name), subdir=False, lock=False)
     with env.begin(write=True) as txn:
@@ -169,7 +170,7 @@ def crafted(imagefolder, tmp_path, bombs):
     env.close()
     for name, value in (("heights", SIDE), ("widths", SIDE), ("nbytes", len(bombs["jpg"]))):
         arr = np.load(ds_path / f"meta/{name}.npy")
-        arr[3] = value
+        arr[stored] = value
         np.save(ds_path / f"meta/{name}.npy", arr)
     _rewrite_checksums(ds_path)
     return ds_path

@@ -86,9 +86,10 @@ def test_sizes_from_damaged_metadata_allocate_nothing(tmp_path, mixed):
     for payload in ("raw", "encoded"):
         out = convert(mixed, tmp_path / f"ds-{payload}.lmdb", payload=payload, workers=0, progress=False).output
         ds = open_dataset(out, image="tensor")
-        assert batch_slots(ds, [0, 1], in_worker=True) is not None  # as inside a worker
-        ds.index.heights[0] = 1 << 30
-        assert batch_slots(ds, [0, 1], in_worker=True) is None
+        stored = ds.positions([0, 1]).tolist()  # batch_slots, as the index, works in storage positions
+        assert batch_slots(ds, stored, in_worker=True) is not None  # as inside a worker
+        ds.index.heights[stored[0]] = 1 << 30
+        assert batch_slots(ds, stored, in_worker=True) is None
         with pytest.raises(Exception, match="sample 0"):
             ds.__getitems__([0, 1])
 

@@ -216,7 +216,7 @@ def test_lmdb_spans_file_says_where_each_value_lies(tmp_path):
     blob = (out / names[0]).read_bytes()
     for i, ranges in enumerate(ds.store.readers[0].file_spans(list(range(len(ds))))):
         (_p, leaf, leaf_end), (_p2, a, b) = ranges
-        assert blob[a:b] == bytes(ds.read_payload(i))
+        assert blob[a:b] == bytes(ds.payload_at(i))  # file_spans, as readers, work in storage positions
         assert leaf % 4096 == 0 and leaf_end - leaf == 4096 and b"%010d" % i in blob[leaf:leaf_end]
 
 
@@ -253,9 +253,9 @@ def test_block_sampler_has_whole_blocks_read_ahead(tmp_path, fmt):
     from packer.read.sampler import BlockShuffleSampler
 
     src = make_imagefolder(tmp_path / "src", classes=2, per_class=40, size=(96, 128))
-    out = convert(src, tmp_path / f"ds.{fmt}", to=fmt, workers=0, progress=False).output
-    ds = open_dataset(out)
-    sampler = BlockShuffleSampler(ds, block_bytes=int(ds.index.nbytes[:40].sum()), batch_size=8)
+    out = convert(src, tmp_path / f"ds.{fmt}", to=fmt, workers=0, progress=False, order="source").output
+    ds = open_dataset(out)  # stored in ImageFolder's order: sample indices are storage positions here
+    sampler = BlockShuffleSampler(ds, block_bytes=int(ds.index.nbytes[:40].sum()), batch_size=8, warn=False)
     assert sampler.num_blocks == 2 and ds._blocks is not None
     shard = out / ds.manifest.shards[0].files[0].name
     ds.read_payload(0)
@@ -277,7 +277,8 @@ def test_block_sampler_has_whole_blocks_read_ahead(tmp_path, fmt):
 
 def test_uniform_shuffle_reads_no_whole_blocks(tmp_path):
     src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
-    ds = open_dataset(convert(src, tmp_path / "ds.memmap", to="memmap", workers=0, progress=False).output)
+    ds = open_dataset(convert(src, tmp_path / "ds.memmap", to="memmap", workers=0, progress=False,
+                              order="source").output)  # sample indices are storage positions
     job = ds.read_ahead([3, 30])
     # the two samples (and the gap between them, closer than readahead.GAP), nothing beyond
     assert [b - a for _p, a, b in job.spans] == [int(ds.index.nbytes[3:31].sum())]

@@ -135,9 +135,10 @@ def test_order_is_a_permutation_new_each_epoch_and_deterministic(data):
     other.set_epoch(1)
     assert not np.array_equal(np.array(list(other)), orders[1])
     assert np.array_equal(block_order(ds, 1, 5, data["block"]), orders[1])
-    # shuffle=False: plain position order, still split by rank
+    # shuffle=False: plain storage order (a sequential read), still split by rank, as sample indices
     s = BlockShuffleSampler(ds, block_bytes=data["block"], shuffle=False)
-    assert list(s) == list(range(N))
+    assert s.stored_order().tolist() == list(range(N))
+    assert list(s) == [ds.index_map.public(p) for p in range(N)]
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
@@ -161,7 +162,7 @@ def test_batches_drawn_from_few_blocks(data):
     batch = 16
     s = BlockShuffleSampler(ds, block_bytes=data["block"], batch_size=batch, open_blocks=2)
     uniform = np.argsort(np.random.default_rng(0).random(N))
-    blocky = shuffle_stats(s.order(0), batch_size=batch, bounds=s.bounds)
+    blocky = shuffle_stats(s.stored_order(0), batch_size=batch, bounds=s.bounds)  # locality: storage positions
     ref = shuffle_stats(uniform, batch_size=batch, bounds=s.bounds)
     # a window holds a whole number of batches drawn from ~open_blocks blocks (+1 or 2 cut at its ends)
     assert blocky["blocks_per_batch"] <= 4.0, blocky
@@ -169,7 +170,7 @@ def test_batches_drawn_from_few_blocks(data):
     assert blocky["runs_per_batch"] < 0.6 * ref["runs_per_batch"], (blocky, ref)
     # runs of 4 neighbours: a batch of 16 is about 4 reads (+ cuts at block ends and random phases)
     s4 = BlockShuffleSampler(ds, block_bytes=data["block"], batch_size=batch, open_blocks=4, run=4)
-    assert np.mean([shuffle_stats(s4.order(e), batch_size=batch)["runs_per_batch"] for e in range(10)]) <= 6.5
+    assert np.mean([shuffle_stats(s4.stored_order(e), batch_size=batch)["runs_per_batch"] for e in range(10)]) <= 6.5
 
 
 def test_batchmates_again_grows_with_run_length(data):
@@ -196,7 +197,7 @@ def test_label_mix_close_to_uniform_with_shuffled_order(data, open_blocks, run):
     tv = {}
     for name in ("shuffled", "source"):
         ds = open_dataset(data[name], image="numpy")
-        labels = ds.index.labels
+        labels = np.asarray(ds.targets)  # by sample index, as the sampler yields them
         s = BlockShuffleSampler(ds, block_bytes=data["block"], batch_size=batch, open_blocks=open_blocks, run=run,
                                 warn=False)
         tv[name] = np.mean([shuffle_stats(s.order(e), labels, batch)["label_tv"] for e in range(epochs)])
@@ -230,7 +231,7 @@ def test_every_index_once_per_epoch_2_workers_x_2_ranks(data):
                 got = [item for b in loader for item in b]
                 counts.append(len(got))
                 for i, label, total, wid in got:
-                    assert label == ds.index.labels[i] and total == expect_sum[i]
+                    assert label == ds.targets[i] and total == expect_sum[i]
                     workers.add(wid)
                 seen += [i for i, *_ in got]
             assert workers == {0, 1}
@@ -262,22 +263,24 @@ def test_convert_order_source_and_shuffled(data, tmp_path):
     scan = scan_folder(src)
     source = open_dataset(data["source"], image="numpy")
     shuffled = open_dataset(data["shuffled"], image="numpy")
-    assert source.samples == list(zip(scan.rel_paths, scan.labels.tolist(), strict=True))  # ImageFolder's order
-    assert shuffled.samples != source.samples and sorted(shuffled.samples) == sorted(source.samples)
+    want = [(str(src / rel), label) for rel, label in zip(scan.rel_paths, scan.labels.tolist(), strict=True)]
+    assert source.samples == shuffled.samples == want  # ImageFolder's order and paths, whatever the storage order
+    stored = [shuffled.index.rel_paths(), source.index.rel_paths()]
+    assert stored[0] != stored[1] and sorted(stored[0]) == sorted(stored[1]) and stored[1] == scan.rel_paths
     assert shuffled.manifest.options["order"] == "shuffled" and shuffled.manifest.options["seed"] == 3
     assert source.manifest.options["order"] == "source"
     for rel in scan.rel_paths[::17]:  # lookups by original path work in any order
         i = shuffled.index_of(rel)
         assert shuffled.read_payload(i) == (src / rel).read_bytes()
-        assert shuffled.samples[i][0] == rel
+        assert shuffled.relpaths[i] == rel
     # same seed -> same bytes, whatever --workers; another seed -> another order
     a = convert(src, tmp_path / "a.lmdb", progress=False, workers=2, shard_bytes=None, order="shuffled", seed=3)
     b = convert(src, tmp_path / "b.lmdb", progress=False, workers=0, shard_bytes=None, order="shuffled", seed=3)
     sha = [[f.sha256 for s in open_dataset(p).manifest.shards for f in s.files] for p in (a.output, b.output)]
     assert sha[0] == sha[1]
-    assert open_dataset(a.output).samples == open_dataset(b.output).samples
+    assert open_dataset(a.output).index.rel_paths() == open_dataset(b.output).index.rel_paths()
     c = convert(src, tmp_path / "c.lmdb", progress=False, workers=0, order="shuffled", seed=4)
-    assert open_dataset(c.output).samples != open_dataset(a.output).samples
+    assert open_dataset(c.output).index.rel_paths() != open_dataset(a.output).index.rel_paths()
     with pytest.raises(PackerError, match="sample order"):
         convert(src, tmp_path / "d.lmdb", progress=False, workers=0, order="random")
 

@@ -245,7 +245,7 @@ def expected_samples(path: Path) -> list[tuple[str, int, bytes]]:
     from packer import open_dataset
 
     ds = open_dataset(path, image="numpy")
-    return [(ds.index.rel_path(i), int(ds.index.labels[i]), bytes(ds.read_payload(i))) for i in range(len(ds))]
+    return [(rel, label, bytes(ds.read_payload(i))) for i, (rel, label) in enumerate(zip(ds.relpaths, ds.targets))]
 
 
 def kind_of(seed: int) -> str:
@@ -275,11 +275,12 @@ def run_case(base: Path, work: Path, seed: int, expected) -> dict:
         else:
             out["opened"] = True
             n = len(dset)
+            rels = dset.relpaths  # by sample index, as dset[i]
             for i in range(n):
                 try:
                     img, label = dset[i]
                     payload = bytes(dset.read_payload(i))
-                    rel = dset.index.rel_path(i)
+                    rel = rels[i]
                 except PackerError:
                     out["error"] += 1
                     continue

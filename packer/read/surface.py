@@ -1,0 +1,151 @@
+"""The attributes other libraries read from an ImageFolder, in one place for every packer dataset.
+
+torchvision's ``ImageFolder``/``DatasetFolder``/``VisionDataset`` (``targets``, ``samples``/``imgs``,
+``find_classes``, ``loader``, ``extensions``, ``transforms``) and timm's ``ImageDataset``
+(``filename``, ``filenames``), all in ImageFolder's sample order (packer.read.indexing), plus the
+context manager. ``samples`` are ImageFolder's paths: ``os.path.join(source_root, relative path)``,
+with the source folder recorded at conversion (``source_root=`` when the data moved); ``relpaths``
+are the paths relative to it. ``root`` stays the packed dataset's directory (readers, workers and
+messages rely on it); ImageFolder's ``root`` is ``source_root``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from packer.images.decode import pil_loader
+from packer.read.staged import StagedDataset
+
+
+class StandardTransform:
+    """torchvision's ``StandardTransform``: ``transform`` on the input, ``target_transform`` on the target."""
+
+    def __init__(self, transform: Callable | None = None, target_transform: Callable | None = None) -> None:
+        self.transform = transform
+        self.target_transform = target_transform
+
+    def __call__(self, input: Any, target: Any) -> tuple[Any, Any]:
+        if self.transform is not None:
+            input = self.transform(input)
+        if self.target_transform is not None:
+            target = self.target_transform(target)
+        return input, target
+
+    def __repr__(self) -> str:
+        parts = [f"Transform: {self.transform!r}"] if self.transform is not None else []
+        if self.target_transform is not None:
+            parts.append(f"Target transform: {self.target_transform!r}")
+        return "\n".join([type(self).__name__, *parts])
+
+
+class FolderSurface(StagedDataset):
+    """ImageFolder's and timm's read-only surface over ``manifest``, ``index``, ``index_map`` and ``source_root``."""
+
+    root: Any  # the packed dataset's directory (ImageFolder's root, the source folder, is source_root)
+    classes: list[str]
+    class_to_idx: dict[str, int]
+    source_root: str | None  # the converted folder (absolute), None where the dataset does not record it
+    transform: Callable | None
+    target_transform: Callable | None
+    loader = staticmethod(pil_loader)  # ImageFolder's default_loader: a path -> an RGB PIL image
+    _warned_relative = False
+
+    def close(self) -> None:
+        """Release what the dataset holds open (shards, a cache); reading again reopens."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def targets(self) -> list[int]:
+        """Each sample's class index, in ImageFolder's order."""
+        return self.index_map.in_public_order(self.index.labels).tolist()
+
+    @property
+    def relpaths(self) -> list[str]:
+        """Each sample's path relative to the converted folder (POSIX separators), in ImageFolder's order."""
+        rel = self.index.rel_paths()
+        if self.index_map.identity:
+            return rel
+        return [rel[p] for p in self.index_map.stored_many(np.arange(len(rel))).tolist()]
+
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        """ImageFolder's ``(path, class index)`` pairs: ``os.path.join(source_root, relpath)``.
+
+        A dataset that does not record its source folder gives relative paths, and warns once.
+        """
+        root = self._root_or_warn()
+        rel = self.relpaths
+        paths = rel if root is None else [os.path.join(root, r) for r in rel]
+        return list(zip(paths, self.targets))
+
+    imgs = samples
+
+    @property
+    def extensions(self) -> tuple[str, ...] | None:
+        """The file name endings the conversion's scan took (ImageFolder's ``IMG_EXTENSIONS``); None where
+        the dataset does not record them (written before packer did)."""
+        return tuple(self.manifest.extensions) or None
+
+    @property
+    def transforms(self) -> StandardTransform | None:
+        """VisionDataset's joint transform: ``transform`` and ``target_transform`` as one callable, or None."""
+        if self.transform is None and self.target_transform is None:
+            return None
+        return StandardTransform(self.transform, self.target_transform)
+
+    def find_classes(self, directory: str | os.PathLike | None = None) -> tuple[list[str], dict[str, int]]:
+        """DatasetFolder's ``(classes, class_to_idx)``: the classes the source had at conversion (from the
+        manifest; ``directory`` is accepted for the signature, nothing is scanned)."""
+        classes = list(self.manifest.classes)
+        return classes, {c: i for i, c in enumerate(classes)}
+
+    @cached_property
+    def _index_of_relpath(self) -> dict[str, int]:
+        return {p: i for i, p in enumerate(self.relpaths)}
+
+    def index_of(self, path: str | os.PathLike) -> int:
+        """The index of the sample packed from ``path``: relative to the converted folder, or a ``samples`` path."""
+        key = os.fspath(path)
+        if os.path.isabs(key) and self.source_root is not None:
+            rel = os.path.relpath(key, self.source_root)
+            key = key if rel.startswith("..") else rel.replace(os.sep, "/")
+        try:
+            return self._index_of_relpath[key]
+        except KeyError:
+            raise KeyError(f"{os.fspath(path)!r} is not a sample of {self.root}") from None
+
+    def filename(self, index: int, basename: bool = False, absolute: bool = False) -> str:
+        """timm's ``ImageDataset.filename``: the sample's path relative to the source folder, its file
+        name (``basename``) or its full path (``absolute``: as in ``samples``)."""
+        return self._filename(self.relpaths[self.check_index(index)], basename, absolute)
+
+    def filenames(self, basename: bool = False, absolute: bool = False) -> list[str]:
+        """timm's ``ImageDataset.filenames``: ``filename`` of every sample, in order."""
+        return [self._filename(r, basename, absolute) for r in self.relpaths]
+
+    def _filename(self, rel: str, basename: bool, absolute: bool) -> str:
+        if basename:
+            return os.path.basename(rel)
+        if absolute:
+            root = self._root_or_warn()
+            return rel if root is None else os.path.join(root, rel)
+        return rel
+
+    def _root_or_warn(self) -> str | None:
+        if self.source_root is None and not self._warned_relative:
+            self._warned_relative = True
+            warnings.warn(f"{self.root}: samples are paths relative to the converted folder: the "
+                          "dataset does not record that folder as an absolute path (converted by an older packer); "
+                          "open it with source_root=FOLDER for ImageFolder's paths", stacklevel=3)
+        return self.source_root
