@@ -51,7 +51,8 @@ class ConvertResult:
     errors: list[SourceError]
     seconds: float
     bytes_read: int
-    ignored: dict[str, int] = field(default_factory=dict)
+    ignored: dict[str, int] = field(default_factory=dict)  # reason -> count (packer.write.scan)
+    not_images: dict[str, int] = field(default_factory=dict)  # the "not an image" files by suffix
 
     @property
     def files_per_second(self) -> float:
@@ -97,7 +98,9 @@ def convert(
     check_destination(src, out, overwrite)
 
     started = time.perf_counter()
-    scanned = scan_folder(src) if client is None else scan_on_cluster(client, src)
+    hidden, empty = opts.skip_hidden, opts.allow_empty
+    scanned = (scan_folder(src, skip_hidden=hidden, allow_empty=empty) if client is None
+               else scan_on_cluster(client, src, skip_hidden=hidden, allow_empty=empty))
     scan = apply_order(scanned, opts.order, opts.seed)
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     plan = load_or_make_plan(scan, out, partial, opts, resume)
@@ -163,7 +166,7 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
     write_manifest(partial, manifest)
     swap_into_place(partial, out)
     return ConvertResult(out, len(index), errors, time.perf_counter() - started, int(index.nbytes.sum()),
-                         dict(scan.ignored))
+                         dict(scan.ignored), dict(scan.not_images))
 
 
 def complete_swap(scan: ScanResult, partial: Path, out: Path, started: float) -> ConvertResult:
@@ -177,7 +180,8 @@ def complete_swap(scan: ScanResult, partial: Path, out: Path, started: float) ->
         raise PackerError(f"{path}: damaged error report ({exc}); move {partial} away and convert again") from exc
     print(f"packer: {partial} holds a finished conversion; moving it into place", file=sys.stderr)
     swap_into_place(partial, out)
-    return ConvertResult(out, num_samples, errors, time.perf_counter() - started, 0, dict(scan.ignored))
+    return ConvertResult(out, num_samples, errors, time.perf_counter() - started, 0, dict(scan.ignored),
+                         dict(scan.not_images))
 
 
 def _failed_midway(message: str, partial: Path) -> PackerError:
