@@ -44,10 +44,13 @@ def cmd_convert(args) -> int:
             on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
             resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
             compression=args.compression, **{o.name: vars(args)[o.name] for o in format_options(FORMATS)},
-            overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
+            overwrite=args.overwrite, resume=args.resume, if_changed=args.if_changed, progress=not args.quiet,
+            order=args.order, seed=args.seed,
             skip_hidden=args.skip_hidden, allow_empty=args.allow_empty, client=client,
         )
-    if not args.quiet:  # the errors themselves are printed to stderr as the conversion finishes
+    if res.reused and not args.quiet:
+        print(f"reused {res.output}: up to date (same options, same source files, sizes and times)")
+    elif not args.quiet:  # the errors themselves are printed to stderr as the conversion finishes
         packed = conversion_summary(res.num_samples, res.ignored, res.errors)
         rate = res.bytes_read / 1e6 / max(res.seconds, 1e-9)
         print(f"{packed} into {res.output} in {res.seconds:.1f} s ({res.files_per_second:.0f} files/s, "

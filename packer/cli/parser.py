@@ -75,6 +75,7 @@ def _add_convert(sub) -> None:
         packer convert imgs/ --to memmap --payload raw --resize 224x224   # one (N,224,224,3) .npy
         packer convert imgs/ --to hdf5 --payload raw --resize 256 --compression lzf
         packer convert imgs/ --to lmdb --resume       # go on after Ctrl-C, a kill or a full disk
+        packer convert imgs/ --to lmdb --if-changed --overwrite   # in a pipeline: reuse an up-to-date output
         packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
         packer convert imgs/ --to bmp --resize 256          # one uncompressed BMP per image, no decoding in training
         packer convert imgs/ --to mosaic --tile 224x224     # 224x224 tiles on ~16 MB BMP mosaics
@@ -127,6 +128,10 @@ def _add_convert(sub) -> None:
                        default=None, help=opt.help, **typed)
     p.add_argument("--overwrite", action="store_true", help="replace an existing packer dataset (only once the new "
                    "one is complete; anything else at the output path is refused)")
+    p.add_argument("--if-changed", action="store_true",
+                   help="convert only if the output is missing or stale: an output converted with the same options "
+                   "from the same source files (names, sizes, modification times; one stat per file) is reused and "
+                   "the summary says so; a stale one is replaced only with --overwrite")
     p.add_argument("--resume", action="store_true",
                    help="go on with an interrupted conversion of the same source and options (its finished "
                    "shards are checked and kept; the result is identical to an uninterrupted run)")

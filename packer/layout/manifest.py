@@ -55,6 +55,7 @@ class Manifest:
     options: dict[str, Any] = field(default_factory=dict)
     num_errors: int = 0
     source: str = ""
+    source_digest: str = ""  # the scanned file list, sizes and mtimes (packer.write.fresh); "" before it was kept
     created_by: str = ""
     created_at: str = ""
     kind: str = KIND
@@ -94,6 +95,7 @@ class Manifest:
                 options=_options(data.get("options", {})),
                 num_errors=_count(data.get("num_errors", 0), "num_errors"),
                 source=str(data.get("source", "")),
+                source_digest=str(data.get("source_digest", "")),
                 created_by=str(data.get("created_by", "")),
                 created_at=str(data.get("created_at", "")),
             )
