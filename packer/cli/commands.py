@@ -30,7 +30,7 @@ def cmd_convert(args) -> int:
 
     from packer.formats import FORMATS
     from packer.write.convert import convert
-    from packer.write.scan import describe_ignored
+    from packer.write.summary import conversion_summary, describe_left_out
 
     if args.scheduler:
         from packer.write.cluster import open_client
@@ -44,18 +44,20 @@ def cmd_convert(args) -> int:
             on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
             resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
             compression=args.compression, **{o.name: vars(args)[o.name] for o in format_options(FORMATS)},
-            overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
-            client=client,
+            overwrite=args.overwrite, resume=args.resume, if_changed=args.if_changed, progress=not args.quiet,
+            order=args.order, seed=args.seed,
+            skip_hidden=args.skip_hidden, allow_empty=args.allow_empty, client=client,
         )
-    total = res.num_samples + len(res.errors)
-    print(
-        f"packed {res.num_samples} of {total} images into {res.output} in {res.seconds:.1f} s "
-        f"({res.files_per_second:.0f} files/s, {res.bytes_read / 1e6 / max(res.seconds, 1e-9):.0f} MB/s)"
-    )
-    if res.ignored:
-        print(f"ignored: {describe_ignored(res.ignored)}")
-    if res.errors:
-        print(f"{len(res.errors)} files not packed: see {res.output / 'errors.json'}")
+    if res.reused and not args.quiet:
+        print(f"reused {res.output}: up to date (same options, same source files, sizes and times)")
+    elif not args.quiet:  # the errors themselves are printed to stderr as the conversion finishes
+        packed = conversion_summary(res.num_samples, res.ignored, res.errors)
+        rate = res.bytes_read / 1e6 / max(res.seconds, 1e-9)
+        print(f"{packed} into {res.output} in {res.seconds:.1f} s ({res.files_per_second:.0f} files/s, "
+              f"{rate:.0f} MB/s)")
+        left_out = describe_left_out(res.ignored, res.not_images, res.errors)
+        if left_out:
+            print(f"left out: {left_out}")
     return 1 if res.errors else 0
 
 

@@ -75,6 +75,7 @@ def _add_convert(sub) -> None:
         packer convert imgs/ --to memmap --payload raw --resize 224x224   # one (N,224,224,3) .npy
         packer convert imgs/ --to hdf5 --payload raw --resize 256 --compression lzf
         packer convert imgs/ --to lmdb --resume       # go on after Ctrl-C, a kill or a full disk
+        packer convert imgs/ --to lmdb --if-changed --overwrite   # in a pipeline: reuse an up-to-date output
         packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
         packer convert imgs/ --to bmp --resize 256          # one uncompressed BMP per image, no decoding in training
         packer convert imgs/ --to mosaic --tile 224x224     # 224x224 tiles on ~16 MB BMP mosaics
@@ -114,12 +115,23 @@ def _add_convert(sub) -> None:
                    "ds.samples and ds.index_of(rel_path) map samples to their source files")
     p.add_argument("--seed", type=int_in(0), default=0,
                    help="seed of --order shuffled (default 0; recorded in the manifest)")
+    p.add_argument("--skip-hidden", action="store_true",
+                   help="leave out hidden folders and files (names starting with '.', e.g. .ipynb_checkpoints), "
+                   "counted in the summary. Default: ImageFolder's rules, where a hidden folder is a class and a "
+                   "hidden image is a sample")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="keep class folders without images as classes with no samples (ImageFolder's "
+                   "allow_empty=True); default: refuse them, naming each, as ImageFolder does")
     for opt in format_options(FORMATS):  # each format's own options (mosaic: --tile, --grid, ...), declared there
         typed: dict[str, Any] = {"type": opt.type} if opt.type is not None else {}  # None: the text as given
         p.add_argument(f"--{opt.name.replace('_', '-')}", dest=opt.name, metavar=opt.metavar, choices=opt.choices,
                        default=None, help=opt.help, **typed)
     p.add_argument("--overwrite", action="store_true", help="replace an existing packer dataset (only once the new "
                    "one is complete; anything else at the output path is refused)")
+    p.add_argument("--if-changed", action="store_true",
+                   help="convert only if the output is missing or stale: an output converted with the same options "
+                   "from the same source files (names, sizes, modification times; one stat per file) is reused and "
+                   "the summary says so; a stale one is replaced only with --overwrite")
     p.add_argument("--resume", action="store_true",
                    help="go on with an interrupted conversion of the same source and options (its finished "
                    "shards are checked and kept; the result is identical to an uninterrupted run)")
@@ -128,7 +140,8 @@ def _add_convert(sub) -> None:
                    "scheduler, or local:N to start N local worker processes. Workers scan the class folders "
                    "and write one shard per task; source and output must be on storage they all share. "
                    "Same bytes as a local conversion; --workers is then ignored")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="print errors only: no progress bar, no summary (the exit code still tells)")
     p.set_defaults(func=commands.cmd_convert)
 
 

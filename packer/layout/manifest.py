@@ -56,6 +56,7 @@ class Manifest:
     num_errors: int = 0
     source: str = ""  # the converted folder, absolute (older datasets: as given, maybe relative)
     extensions: list[str] = field(default_factory=list)  # the file name endings the scan took; [] in older datasets
+    source_digest: str = ""  # the scanned file list, sizes and mtimes (packer.write.fresh); "" before it was kept
     created_by: str = ""
     created_at: str = ""
     kind: str = KIND
@@ -97,6 +98,7 @@ class Manifest:
                 source=str(data.get("source", "")),
                 extensions=[_typed(e, str, "extension")
                             for e in _typed(data.get("extensions", []), list, "extensions")],
+                source_digest=str(data.get("source_digest", "")),
                 created_by=str(data.get("created_by", "")),
                 created_at=str(data.get("created_at", "")),
             )
@@ -174,7 +176,7 @@ def _count(value: Any, what: str) -> int:
 OPTION_TYPES: dict[str, tuple[type, ...]] = {
     "format": (str,), "payload": (str,), "validate": (str,), "shard_bytes": (int, type(None)),
     "resize": (str, type(None)), "resize_mode": (str,), "upscale": (bool,), "compression": (str, type(None)),
-    "order": (str,), "seed": (int,),
+    "order": (str,), "seed": (int,), "skip_hidden": (bool,), "allow_empty": (bool,),
 }  # a format's own options (mosaic's tile, quality, ...) are its to check: Format.check_options
 _OPTION_RANGES: dict[str, tuple[int, int]] = {"shard_bytes": (1, _MAX_COUNT), "seed": (0, _MAX_COUNT)}
 

@@ -42,17 +42,72 @@ def _range(values: np.ndarray) -> dict[str, int] | None:
     return {"min": int(values.min()), "max": int(values.max())} if len(values) else None
 
 
+def class_names(classes: list[str], shown: int = 20, ends: int = 5) -> str:
+    """Every class name when at most ``shown``, else the count with the first and last ``ends``."""
+    if len(classes) <= shown:
+        return f"{len(classes)}: {', '.join(classes)}"
+    return f"{len(classes):,}: {', '.join(classes[:ends])}, ..., {', '.join(classes[-ends:])}"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def shards_row(data: dict[str, Any]) -> str:
+    """What the shards are, in the format's own terms: files, one file per sample (bmp), mosaics."""
+    shards = data["shards"]
+    data_files = sum(len(s["files"]) for s in shards)
+    where = f"in {_plural(len(shards), 'shard')}"
+    if data["format"] == "mosaic":
+        per = [n for s in shards for n in s.get("facts", {}).get("samples_per_mosaic", [])]
+        facts = shards[0].get("facts", {}) if shards else {}
+        tiles = "x".join(map(str, facts.get("tile", []))) or "?"
+        grid = "x".join(map(str, facts.get("grid", []))) or "?"
+        what = f"{_plural(len(per) or data_files, 'mosaic')} of up to {grid} tiles of {tiles} {where}"
+    elif data_files >= data["num_samples"] > 1:
+        what = f"{data_files:,} files, one per sample, {where}"
+    else:
+        what = f"{_plural(len(shards), 'shard')} ({_plural(data_files, 'file')})"
+    meta = len(data.get("meta_files", []))
+    return f"{what}, {_plural(meta, 'metadata file')}; {human_bytes(data['total_bytes'])} in all"
+
+
+def _option_text(name: str, value: Any) -> str:
+    """An option as people read it: sizes in bytes as "1 GiB" (a power-of-two multiple) or "512.0 MB"."""
+    if name != "shard_bytes" or not isinstance(value, int) or isinstance(value, bool):
+        return str(value)
+    for unit, power in (("GiB", 3), ("MiB", 2), ("KiB", 1)):
+        if value % 1024**power == 0:
+            return f"{value // 1024**power} {unit}"
+    return human_bytes(value)
+
+
+def order_rows(options: dict[str, Any]) -> list[tuple[str, str]]:
+    """How samples are stored and which scan rules made the dataset (older manifests: those of their day)."""
+    order = options.get("order", "source")
+    stored = (f"shuffled (seed {options.get('seed', 0)}): neighbours on disk are unrelated" if order == "shuffled"
+              else "ImageFolder's (source) order")
+    if "skip_hidden" not in options:
+        rules = "hidden names skipped, empty classes kept (made before these were options)"
+    else:
+        rules = ("hidden names skipped" if options["skip_hidden"] else "ImageFolder's: hidden folders and files kept")
+        rules += ", empty classes kept" if options.get("allow_empty") else ""
+    return [("order", stored), ("scan", rules)]
+
+
+_SHOWN_APART = ("format", "payload", "order", "seed", "skip_hidden", "allow_empty")  # rows of their own
+
+
 def info_rows(path: str | os.PathLike, data: dict[str, Any]) -> list[tuple[str, str]]:
     """Human-readable (label, value) rows for the terminal."""
     classes = data["classes"]
-    shown = ", ".join(classes[:8]) + (f", ... ({len(classes)} in all)" if len(classes) > 8 else "")
     payload = data["payload"] + (" (original file bytes)" if data["payload"] == "encoded" else " (HWC uint8 RGB)")
     rows = [
         ("dataset", str(path)),
         ("format", data["format"]),
         ("payload", payload),
         ("samples", f"{data['num_samples']:,}"),
-        ("classes", f"{len(classes)}: {shown}" if classes else "none (flat folder, label -1)"),
+        ("classes", class_names(classes) if classes else "none (flat folder, label -1)"),
         ("indexing", "ImageFolder's: ds[i] is ImageFolder(source)[i]" if data["indexing"] == IMAGEFOLDER else
          "stored order: ds[i] is the i-th stored sample (converted by an older packer)"),
     ]
@@ -69,10 +124,13 @@ def info_rows(path: str | os.PathLike, data: dict[str, Any]) -> list[tuple[str, 
         elif stats["sizes_known"] == 0:
             rows.append(("image size", "not recorded (converted with --validate none)"))
         rows.append(("per sample", f"{human_bytes(stats['payload_bytes']['mean'])} stored on average"))
+    options = data["options"]
     rows += [
-        ("shards", f"{len(data['shards'])} ({data['num_files']} files), {human_bytes(data['total_bytes'])} in all"),
+        ("shards", shards_row(data)),
         ("not packed", f"{data['num_errors']} (see errors.json)" if data["num_errors"] else "0"),
-        ("options", ", ".join(f"{k}={v}" for k, v in data["options"].items() if v is not None)),
+        *order_rows(options),
+        ("options", ", ".join(f"{k}={_option_text(k, v)}" for k, v in options.items()
+                              if v is not None and k not in _SHOWN_APART)),
         ("source", data["source"]),
         ("created", f"{data['created_at']} by {data['created_by']}"),
     ]

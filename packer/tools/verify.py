@@ -14,7 +14,7 @@ from packer.formats import get_format
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from packer.layout.trust import inside, read_inside
 from packer.read.dataset import open_dataset
-from packer.write.options import ConvertOptions, make_options
+from packer.write.options import ConvertOptions, make_options, scan_rules
 from packer.write.output import ERRORS_NAME
 from packer.write.scan import ScanResult, SourceError, scan_folder
 from packer.write.shards import prepare, read_source
@@ -40,11 +40,15 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
     """
     root = Path(path)
     report = Report()
-    scan = scan_folder(against) if against is not None else None  # a missing source: refused before any work
     try:
-        manifest = read_manifest(root)
+        manifest: Manifest | None = read_manifest(root)
     except PackerError as exc:
+        manifest = None
         report.problems.append(str(exc))
+    hidden, empty = scan_rules(manifest.options) if manifest is not None else (False, False)  # as converted
+    # a missing source: refused before any work
+    scan = scan_folder(against, skip_hidden=hidden, allow_empty=empty) if against is not None else None
+    if manifest is None:
         return report
     for info in manifest.all_files():
         file = root / info.name

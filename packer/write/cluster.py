@@ -98,8 +98,9 @@ def _worker_threads(client: Any) -> int:
 # ---------------------------------------------------------------- scan
 
 
-def scan_on_cluster(client: Any, root: str | os.PathLike) -> ScanResult:
-    """``scan_folder(root)`` with the class folders walked by the cluster's workers; the same result.
+def scan_on_cluster(client: Any, root: str | os.PathLike, *, skip_hidden: bool = False,
+                    allow_empty: bool = False) -> ScanResult:
+    """``scan_folder(root, ...)`` with the class folders walked by the cluster's workers; the same result.
 
     Each task walks a run of consecutive class folders and returns their sorted paths; they are
     merged in class order. A flat folder (no class folders) is walked here.
@@ -112,7 +113,7 @@ def scan_on_cluster(client: Any, root: str | os.PathLike) -> ScanResult:
         groups = [[(os.path.abspath(p), rel) for p, rel in folders[i : i + per_task]]
                   for i in range(0, len(folders), per_task)]
         token = uuid.uuid4().hex
-        futures = [client.submit(_walk_classes, g, key=f"packer-scan-{i:06d}-{token}", retries=_RETRIES)
+        futures = [client.submit(_walk_classes, g, skip_hidden, key=f"packer-scan-{i:06d}-{token}", retries=_RETRIES)
                    for i, g in enumerate(groups)]
         try:
             for future in futures:  # in class order; later groups keep walking meanwhile
@@ -121,12 +122,12 @@ def scan_on_cluster(client: Any, root: str | os.PathLike) -> ScanResult:
         finally:
             client.cancel(futures)
 
-    return scan_folder(root, map_classes=map_classes)
+    return scan_folder(root, map_classes=map_classes, skip_hidden=skip_hidden, allow_empty=allow_empty)
 
 
-def _walk_classes(folders: list[tuple[str, str]]) -> list[Walk]:
+def _walk_classes(folders: list[tuple[str, str]], skip_hidden: bool) -> list[Walk]:
     """Dask task: walk_class for a run of class folders."""
-    return [walk_class(path, rel) for path, rel in folders]
+    return [walk_class(path, rel, skip_hidden) for path, rel in folders]
 
 
 # ---------------------------------------------------------------- shards

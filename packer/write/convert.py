@@ -30,11 +30,13 @@ from packer.layout.manifest import (
     Manifest,
     dumps_lossless,
     file_info,
+    holds_dataset,
     read_manifest,
     write_manifest,
 )
 from packer.layout.partial import PARTIAL_SUFFIX, made_by_packer, read_swap
 from packer.write.cluster import DaskCluster, scan_on_cluster
+from packer.write.fresh import source_digest, stale_reason
 from packer.write.journal import ShardResult, SourceError, load_done_shards
 from packer.write.options import ConvertOptions, make_options
 from packer.write.output import ERRORS_NAME, check_destination, output_path, swap_into_place
@@ -51,7 +53,9 @@ class ConvertResult:
     errors: list[SourceError]
     seconds: float
     bytes_read: int
-    ignored: dict[str, int] = field(default_factory=dict)
+    ignored: dict[str, int] = field(default_factory=dict)  # reason -> count (packer.write.scan)
+    not_images: dict[str, int] = field(default_factory=dict)  # the "not an image" files by suffix
+    reused: bool = False  # if_changed found the output up to date: nothing was converted
 
     @property
     def files_per_second(self) -> float:
@@ -67,6 +71,7 @@ def convert(
     workers: int | None = None,
     overwrite: bool = False,
     resume: bool = False,
+    if_changed: bool = False,
     progress: bool = True,
     client: Any = None,
     pool: PoolSettings | None = None,
@@ -81,7 +86,9 @@ def convert(
     the cluster's workers (packer.write.cluster; source and output on storage they share); the
     bytes are the same. ``pool`` tunes the local process pool (``write.pool.PoolSettings``; the
     defaults suit every run). ``overwrite`` replaces an existing packer dataset (nothing else);
-    ``resume`` goes on with an interrupted run's ``<out>.partial``.
+    ``resume`` goes on with an interrupted run's ``<out>.partial``. ``if_changed``: an existing output
+    converted with the same options from the same source files (sizes, mtimes) is reused, not converted
+    again (``write.fresh``); a stale one is replaced only with ``overwrite``.
     """
     opts = make_options(to, **options)
     opts.check()
@@ -94,10 +101,19 @@ def convert(
         raise PackerError(f"workers {workers!r}: expected a count >= 0 (0: in this process; None: all cores)")
     workers = os.cpu_count() or 1 if workers is None else workers
     out = output_path(src, output, to)
-    check_destination(src, out, overwrite)
+    check_destination(src, out, overwrite or if_changed)  # if_changed: an existing dataset is looked at first
 
     started = time.perf_counter()
-    scanned = scan_folder(src) if client is None else scan_on_cluster(client, src)
+    hidden, empty = opts.skip_hidden, opts.allow_empty
+    scanned = (scan_folder(src, skip_hidden=hidden, allow_empty=empty) if client is None
+               else scan_on_cluster(client, src, skip_hidden=hidden, allow_empty=empty))
+    digest = source_digest(scanned)  # before any file is read: a change meanwhile makes the output stale
+    if if_changed and holds_dataset(out):
+        why = stale_reason(out, opts, digest)
+        if why is None:
+            return _reused(scanned, out, started)
+        if not overwrite:
+            raise PackerError(f"{out}: out of date ({why}); add --overwrite to replace it")
     scan = apply_order(scanned, opts.order, opts.seed)
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     plan = load_or_make_plan(scan, out, partial, opts, resume)
@@ -109,7 +125,7 @@ def convert(
                        progress, float(plan.get("mean_bytes", 0.0)))
         backend: ShardBuilder = LocalPool(workers, pool or PoolSettings()) if client is None else DaskCluster(client)
         shards = _build_shards(backend, job, out)
-        return finish(scanned, partial, out, shards, opts, started)
+        return finish(scanned, partial, out, shards, opts, started, digest)
     except OSError as exc:  # the journal, meta/*.npy, errors.json, the manifest or the renames
         raise _failed_midway(f"{exc.filename or out}: {exc.strerror or exc}", partial) from exc
     except KeyboardInterrupt:
@@ -129,7 +145,7 @@ def _build_shards(backend: ShardBuilder, job: BuildJob, out: Path) -> list[Shard
 
 
 def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult], options: ConvertOptions,
-           started: float) -> ConvertResult:
+           started: float, digest: str = "") -> ConvertResult:
     """Index, error report and manifest (last), then the renames that make the dataset exist.
 
     ``scan`` in ImageFolder's order (as scanned, before ``--order``): the index records where each of
@@ -162,6 +178,7 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
         num_errors=len(errors),
         source=os.path.abspath(scan.root),  # samples are ImageFolder's paths: os.path.join(source, rel)
         extensions=list(IMG_EXTENSIONS),
+        source_digest=digest,
         created_by=f"packer {__version__}",
         created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
@@ -169,21 +186,33 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
     write_manifest(partial, manifest)
     swap_into_place(partial, out)
     return ConvertResult(out, len(index), errors, time.perf_counter() - started, int(index.nbytes.sum()),
-                         dict(scan.ignored))
+                         dict(scan.ignored), dict(scan.not_images))
 
 
 def complete_swap(scan: ScanResult, partial: Path, out: Path, started: float) -> ConvertResult:
     """Finish the move into place that a killed run journaled: its output is complete, nothing is converted."""
     num_samples = read_manifest(partial).num_samples
-    path = partial / ERRORS_NAME
-    try:
-        report = json.loads(path.read_text(encoding="utf-8"))
-        errors = [SourceError(str(e["path"]), str(e["reason"])) for e in report["errors"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise PackerError(f"{path}: damaged error report ({exc}); move {partial} away and convert again") from exc
+    errors = _recorded_errors(partial)
     print(f"packer: {partial} holds a finished conversion; moving it into place", file=sys.stderr)
     swap_into_place(partial, out)
-    return ConvertResult(out, num_samples, errors, time.perf_counter() - started, 0, dict(scan.ignored))
+    return ConvertResult(out, num_samples, errors, time.perf_counter() - started, 0, dict(scan.ignored),
+                         dict(scan.not_images))
+
+
+def _reused(scan: ScanResult, out: Path, started: float) -> ConvertResult:
+    """The result for an output ``if_changed`` found up to date: its own counts, nothing converted."""
+    return ConvertResult(out, read_manifest(out).num_samples, _recorded_errors(out), time.perf_counter() - started,
+                         0, dict(scan.ignored), dict(scan.not_images), reused=True)
+
+
+def _recorded_errors(directory: Path) -> list[SourceError]:
+    """The errors a finished conversion's ``errors.json`` lists."""
+    path = directory / ERRORS_NAME
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        return [SourceError(str(e["path"]), str(e["reason"])) for e in report["errors"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PackerError(f"{path}: damaged error report ({exc}); move {directory} away and convert again") from exc
 
 
 def _failed_midway(message: str, partial: Path) -> PackerError:

@@ -35,6 +35,8 @@ class ConvertOptions:
     decoder: str = "auto"
     order: SampleOrder = DEFAULT_ORDER  # sample order in the dataset: a seeded shuffle, or the scan's (ImageFolder's)
     seed: int = 0  # of the shuffled order
+    skip_hidden: bool = False  # leave out names starting with "." (ImageFolder keeps them: hidden folders are classes)
+    allow_empty: bool = False  # keep class folders without images as classes (ImageFolder's allow_empty)
     extra: dict[str, Any] = field(default_factory=dict)  # the format's own options (Format.options), by name
 
     def record(self) -> dict[str, Any]:
@@ -85,6 +87,15 @@ class ConvertOptions:
             raise PackerError(f"unknown sample order {self.order!r} (choose {' or '.join(SAMPLE_ORDERS)})")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise PackerError(f"the order seed must be a non-negative integer, got {self.seed!r}")
+        for name, value in (("skip_hidden", self.skip_hidden), ("allow_empty", self.allow_empty)):
+            if not isinstance(value, bool):
+                raise PackerError(f"{name} must be True or False, got {value!r}")
+
+
+def scan_rules(record: dict[str, Any]) -> tuple[bool, bool]:
+    """``(skip_hidden, allow_empty)`` as a manifest's options record them. Manifests written before they were
+    recorded come from a scan that left hidden names out and kept empty classes."""
+    return bool(record.get("skip_hidden", True)), bool(record.get("allow_empty", True))
 
 
 def make_options(to: str, **given: Any) -> ConvertOptions:

@@ -1,8 +1,11 @@
 """Find the images of a loose folder with torchvision ImageFolder semantics.
 
-Classes are the sorted names of the top-level folders; images are found recursively below
-them and sorted, so the result is deterministic. A folder with no sub-folders is "flat":
-no classes, every label is -1. Files are found with ``os.scandir`` alone (no per-file
+Exactly torchvision's ``find_classes``/``make_dataset`` by default: classes are the sorted names
+of every top-level folder, hidden ones (``.ipynb_checkpoints``) included; images are the files
+with an ``IMG_EXTENSIONS`` name (any case), hidden ones included, in ``sorted(os.walk)`` order;
+a class with no image is refused unless ``allow_empty``. ``skip_hidden`` leaves out every name
+starting with "." (counted in ``ignored``). A folder with no sub-folders is "flat" (where
+ImageFolder refuses): no classes, every label is -1. Files are found with ``os.scandir`` alone (no per-file
 ``stat``); each folder is stat'ed once, to notice links that loop back to a folder above.
 Nothing is lost silently: a folder that can't be listed, a link loop or a name that can't be
 stat'ed becomes a ``SourceError``; packer outputs (datasets, unfinished ``.partial`` folders)
@@ -45,10 +48,12 @@ class Walk:
     ignored: Counter = field(default_factory=Counter)  # reason -> count
     errors: list[SourceError] = field(default_factory=list)
     unlisted: list[str] = field(default_factory=list)  # folders that could not be listed (in errors too)
+    not_images: Counter = field(default_factory=Counter)  # of the files without an image name: suffix -> count
 
     def add(self, other: Walk) -> None:
         self.files.extend(other.files)
         self.ignored.update(other.ignored)
+        self.not_images.update(other.not_images)
         self.errors.extend(other.errors)
         self.unlisted.extend(other.unlisted)
 
@@ -64,6 +69,7 @@ class ScanResult:
     ignored: Counter = field(default_factory=Counter)  # reason -> count
     errors: list[SourceError] = field(default_factory=list)  # folders and names the scan could not follow
     unlisted: list[str] = field(default_factory=list)  # folders that could not be listed: their files are unknown
+    not_images: Counter = field(default_factory=Counter)  # files ignored as "not an image", by suffix (".txt")
 
     def __len__(self) -> int:
         return len(self.rel_paths)
@@ -73,8 +79,18 @@ class ScanResult:
         return {c: i for i, c in enumerate(self.classes)}
 
 
+HIDDEN, HIDDEN_FOLDER, NOT_IMAGE = "hidden", "hidden folder", "not an image"  # reasons in ``ignored``
+OUTSIDE_CLASSES = "outside class folders"
+
+
 def is_image_name(name: str) -> bool:
+    """torchvision's ``has_file_allowed_extension(name, IMG_EXTENSIONS)``: the suffix, in any case."""
     return name.lower().endswith(IMG_EXTENSIONS)
+
+
+def _suffix(name: str) -> str:
+    """The extension a "not an image" file is counted under: ".txt", or "" for none (".bashrc" has none)."""
+    return os.path.splitext(name)[1].lower()
 
 
 def _identity(st: os.stat_result) -> tuple[int, int]:
@@ -118,11 +134,11 @@ def _unlisted(found: Walk, rel: str, exc: OSError) -> None:
     found.unlisted.append(rel)
 
 
-def _walk(top: str, rel_top: str, found: Walk, above: frozenset = frozenset()) -> None:
+def _walk(top: str, rel_top: str, found: Walk, above: frozenset = frozenset(), skip_hidden: bool = False) -> None:
     """Add the image paths below ``top`` (relative to the scanned root) and what was left out to ``found``.
 
     Order is torchvision's ``sorted(os.walk(top, followlinks=True))``: folders sorted by their
-    full path, and within a folder its files sorted by name.
+    full path (``a/z.jpg`` before ``a/b/c.jpg``), and within a folder its files sorted by name.
     """
     try:
         top_key = _identity(os.stat(top))
@@ -141,50 +157,49 @@ def _walk(top: str, rel_top: str, found: Walk, above: frozenset = frozenset()) -
         files = []
         for entry in entries:
             name = entry.name
-            if name.startswith("."):
-                found.ignored["hidden"] += 1
-                continue
             try:
                 is_dir = entry.is_dir()  # follows symlinks, like os.walk(followlinks=True); uses d_type
             except OSError as exc:  # a link loop (a.jpg -> a.jpg), a link into a folder we may not search
                 found.errors.append(SourceError(rel + name, _stat_failure(exc)))
                 continue
-            if is_dir:
+            if skip_hidden and name.startswith("."):
+                found.ignored[HIDDEN_FOLDER if is_dir else HIDDEN] += 1
+            elif is_dir:
                 key = _subfolder(entry, f"{rel}{name}/", inner, found)
                 if key is not None:
                     stack.append((entry.path, f"{rel}{name}/", inner | {key}))
             elif is_image_name(name):
                 files.append(name)  # broken or unreadable files stay: convert reports them
             else:
-                found.ignored["not an image"] += 1
+                found.ignored[NOT_IMAGE] += 1
+                found.not_images[_suffix(name)] += 1
         groups.append((path, [rel + f for f in sorted(files)]))
     for _, files in sorted(groups, key=lambda g: g[0]):
         found.files.extend(files)
 
 
-def walk_class(path: str, rel: str) -> Walk:
+def walk_class(path: str, rel: str, skip_hidden: bool = False) -> Walk:
     """The sorted image paths below one class folder (relative to the root) and what was left out there."""
     found = Walk()
     try:  # the root, above the class folder: a link back to it is a loop too
         above = frozenset({_identity(os.stat(os.path.dirname(path) or "."))})
     except OSError:
         above = frozenset()
-    _walk(path, rel, found, above)
+    _walk(path, rel, found, above, skip_hidden)
     return found
-
-
-def _walk_locally(folders: list[tuple[str, str]]) -> Iterable[Walk]:
-    return (walk_class(path, rel) for path, rel in folders)
 
 
 ClassMapper = Callable[[list[tuple[str, str]]], Iterable[Walk]]
 
 
-def scan_folder(root: str | os.PathLike, map_classes: ClassMapper | None = None) -> ScanResult:
-    """Scan ``root`` (``root/<class>/**/<img>`` or a flat folder of images).
+def scan_folder(root: str | os.PathLike, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
+                allow_empty: bool = False) -> ScanResult:
+    """Scan ``root`` (``root/<class>/**/<img>`` or a flat folder of images) by torchvision's rules.
 
     ``map_classes`` walks the class folders (``(path, rel_prefix)`` pairs) and yields
-    ``walk_class``'s result for each, in order: packer.write.cluster spreads it over a cluster.
+    ``walk_class``'s result for each, in order: packer.write.cluster spreads it over a cluster
+    (it is given ``skip_hidden`` too). ``skip_hidden``: leave out names starting with ".";
+    ``allow_empty``: keep a class folder without images (ImageFolder's ``allow_empty``).
     """
     root = Path(root)
     if not root.exists():
@@ -202,29 +217,35 @@ def scan_folder(root: str | os.PathLike, map_classes: ClassMapper | None = None)
     class_dirs, others = [], 0
     for e in entries:
         try:
-            is_dir = not e.name.startswith(".") and e.is_dir()
+            is_dir = e.is_dir()
         except OSError as exc:
             found.errors.append(SourceError(e.name, _stat_failure(exc)))
             continue
-        if is_dir:
+        if skip_hidden and e.name.startswith("."):
+            found.ignored[HIDDEN_FOLDER if is_dir else HIDDEN] += 1
+        elif is_dir:
             if _subfolder(e, e.name + "/", above, found) is not None:
                 class_dirs.append(e)
-        elif e.name.startswith("."):
-            found.ignored["hidden"] += 1
         else:
             others += 1
     labels: list[int] = []
     if class_dirs:
         classes = [e.name for e in class_dirs]
-        walked = (map_classes or _walk_locally)([(entry.path, entry.name + "/") for entry in class_dirs])
+        folders = [(entry.path, entry.name + "/") for entry in class_dirs]
+        walked = map_classes(folders) if map_classes else (walk_class(p, r, skip_hidden) for p, r in folders)
+        empty = []
         for idx, walk in enumerate(walked):
             labels.extend([idx] * len(walk.files))
+            if not walk.files and folders[idx][1] not in walk.unlisted:  # unlisted: an error already
+                empty.append(classes[idx])
             found.add(walk)
         if others:
-            found.ignored["outside class folders"] += others
+            found.ignored[OUTSIDE_CLASSES] += others
+        if empty and found.files and not allow_empty:
+            raise PackerError(_empty_classes(root, empty, skip_hidden))
     else:  # flat: walked afresh, the root included (what was found above would count twice)
         classes, found = [], Walk()
-        _walk(str(root), "", found)
+        _walk(str(root), "", found, skip_hidden=skip_hidden)
         labels = [-1] * len(found.files)
     if not found.files:
         what = describe_ignored(dict(sorted(found.ignored.items()))) or "nothing"
@@ -233,7 +254,18 @@ def scan_folder(root: str | os.PathLike, map_classes: ClassMapper | None = None)
             f"{root}: no images found (looked for {', '.join(IMG_EXTENSIONS)}; ignored: {what}{errors})"
         )
     return ScanResult(root=root, classes=classes, rel_paths=found.files, labels=np.asarray(labels, dtype=np.int64),
-                      ignored=found.ignored, errors=found.errors, unlisted=found.unlisted)
+                      ignored=found.ignored, errors=found.errors, unlisted=found.unlisted, not_images=found.not_images)
+
+
+def _empty_classes(root: Path, empty: list[str], skip_hidden: bool) -> str:
+    """The error for class folders without images: ImageFolder refuses them too (``allow_empty=False``)."""
+    names = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
+    hint = ""
+    if not skip_hidden and any(c.startswith(".") for c in empty):
+        hint = "; hidden folders are classes, as in ImageFolder: --skip-hidden leaves them out"
+    return (f"{root}: no images in class folder(s) {names} (looked for {', '.join(IMG_EXTENSIONS)}); ImageFolder "
+            f"refuses empty classes too: give --allow-empty (allow_empty=True) to keep them as classes "
+            f"without samples{hint}")
 
 
 def describe_ignored(ignored: dict[str, int]) -> str:

@@ -74,5 +74,5 @@ def make_bad_inputs(root: Path) -> dict[str, bool]:
         put("no_permission.jpg", good, False)
         os.chmod(d / "no_permission.jpg", 0)
     (d / "notes.txt").write_text("not an image")
-    (d / ".hidden.jpg").write_bytes(good)
+    put(".hidden.jpg", good, True)  # a hidden image is a sample, as in ImageFolder
     return expect

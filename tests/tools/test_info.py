@@ -1,6 +1,7 @@
 import json
 
 from support.cli import run_cli
+from support.imagesets import make_imagefolder
 
 from packer import convert, open_dataset
 
@@ -19,3 +20,33 @@ def test_info_prints_manifest_and_sample_statistics(imagefolder, tmp_path):
     text = run_cli("info", out).stdout
     assert "per class" in text and "5 to 5 samples" in text and "lmdb" in text
     assert run_cli("info", tmp_path / "missing").returncode == 2
+
+
+def _rows(out) -> dict[str, str]:
+    res = run_cli("info", out)
+    assert res.returncode == 0, res.stderr
+    return {line[:12].strip(): line[12:].strip() for line in res.stdout.splitlines()}
+
+
+def test_info_lists_classes_sizes_and_shards_people_can_read(tmp_path):
+    src = make_imagefolder(tmp_path / "src", classes=25, per_class=2)
+    lmdb = convert(src, tmp_path / "i.lmdb", workers=0, progress=False, shard_bytes=64 << 20).output
+    rows = _rows(lmdb)
+    names = [f"class_{i}" for i in range(25)]  # make_imagefolder's names, sorted as strings
+    shown = sorted(names)
+    assert rows["classes"] == f"25: {', '.join(shown[:5])}, ..., {', '.join(shown[-5:])}"
+    assert rows["options"].startswith("validate=full, shard_bytes=64 MiB,")
+    assert rows["order"] == "shuffled (seed 0): neighbours on disk are unrelated"
+    assert rows["scan"] == "ImageFolder's: hidden folders and files kept"
+    assert rows["shards"].startswith("1 shard (") and rows["shards"].endswith(" in all")
+
+    few = make_imagefolder(tmp_path / "few", classes=3, per_class=4)
+    bmp = convert(few, tmp_path / "i.bmp", to="bmp", order="source", skip_hidden=True, workers=0,
+                  progress=False).output
+    rows = _rows(bmp)
+    assert rows["classes"] == "3: class_0, class_1, class_2"
+    assert rows["shards"].startswith("12 files, one per sample, in 1 shard, 6 metadata files; ")
+    assert rows["order"] == "ImageFolder's (source) order" and rows["scan"] == "hidden names skipped"
+    mosaic = convert(few, tmp_path / "i.mosaic", to="mosaic", tile="16x16", grid="2x3", workers=0,
+                     progress=False).output
+    assert _rows(mosaic)["shards"].startswith("2 mosaics of up to 2x3 tiles of 16x16 in 1 shard, ")

@@ -102,12 +102,15 @@ def _tree(root: Path, dirs: int, per_dir: int) -> None:
 
 def test_scan_on_cluster_equals_scan_folder(client, tmp_path):
     _tree(tmp_path / "many", dirs=37, per_dir=3)  # more classes than tasks: several classes per task
-    for root in (tmp_path / "many",):
-        local, remote = scan_folder(root), scan_on_cluster(client, root)
-        assert remote.root == local.root and remote.classes == local.classes and len(local.classes) == 37
-        assert remote.rel_paths == local.rel_paths and len(local) == 37 * 9
+    root = tmp_path / "many"
+    # ImageFolder's rules (.git an empty class, .hidden.jpg samples), and with the hidden names left out
+    for rules, classes, count in (({"allow_empty": True}, 38, 37 * 12), ({"skip_hidden": True}, 37, 37 * 9)):
+        local, remote = scan_folder(root, **rules), scan_on_cluster(client, root, **rules)
+        assert remote.root == local.root and remote.classes == local.classes and len(local.classes) == classes
+        assert remote.rel_paths == local.rel_paths and len(local) == count
         assert remote.labels.dtype == local.labels.dtype and (remote.labels == local.labels).all()
         assert list(remote.ignored.items()) == list(local.ignored.items())  # same counts, same order (errors.json)
+        assert remote.not_images == local.not_images
     flat = tmp_path / "flat"
     flat.mkdir()
     for i in range(5):
@@ -255,7 +258,7 @@ def test_cli_with_a_scheduler_address(client, source, reference, tmp_path):
     address = client.scheduler.address  # tcp://127.0.0.1:PORT, as `dask scheduler` prints
     res = _cli("convert", str(source), "-o", str(out), "--shard-size", str(SHARD), "--scheduler", address, "-q")
     assert res.returncode == 1, res.stderr  # 1: some source files were bad (listed in errors.json)
-    assert "packed" in res.stdout
+    assert "not packed, see errors.json" in res.stderr and res.stdout == ""  # -q: the errors only
     same_dataset(out, reference)
 
 

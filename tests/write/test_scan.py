@@ -5,24 +5,32 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
-from support.imagesets import make_bad_inputs, make_imagefolder
+from support.cli import run_cli
+from support.imagesets import jpeg_bytes, make_bad_inputs, make_imagefolder
 
-from packer import convert
+from packer import convert, open_dataset
 from packer.errors import PackerError
 from packer.tools.verify import verify
 from packer.write.scan import scan_folder
 
 
-def imagefolder_reference(root):
-    """torchvision.datasets.folder.make_dataset, restated: sorted(os.walk) then sorted files."""
+def imagefolder_reference(root, allow_empty=False):
+    """torchvision.datasets.folder's find_classes + make_dataset, restated (torchvision can't be installed here):
+    every sub-folder is a class, hidden ones too; sorted(os.walk(followlinks=True)), then sorted file names,
+    kept when path.lower().endswith(IMG_EXTENSIONS); a class without images raises unless allow_empty."""
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
     out = []
     for idx, cls in enumerate(classes):
         for dirpath, _, files in sorted(os.walk(os.path.join(root, cls), followlinks=True)):
             for f in sorted(files):
-                if f.lower().endswith((".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")):
-                    out.append((os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/"), idx))
+                path = os.path.join(dirpath, f)
+                if path.lower().endswith((".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")):
+                    out.append((os.path.relpath(path, root).replace(os.sep, "/"), idx))
+    empty = set(range(len(classes))) - {idx for _, idx in out}
+    if empty and not allow_empty:
+        raise FileNotFoundError(f"Found no valid file for the classes {', '.join(sorted(classes[i] for i in empty))}")
     return classes, out
 
 
@@ -37,17 +45,120 @@ def test_classes_and_order_match_imagefolder(tmp_path):
     assert list(zip(scan.rel_paths, scan.labels.tolist())) == ref
 
 
+HIDDEN_TREE = {  # rel path -> packed with --skip-hidden
+    ".ipynb_checkpoints/x-checkpoint.jpg": False,  # a hidden class: shifts every class index by one
+    "cat/x.JPG": True, "cat/.hidden.jpg": False, "cat/a/z.jpg": True, "cat/a/b/c.jpg": True,
+    "cat/a-2/y.jpeg": True, "cat/.thumbs/t.jpg": False, "dog/IMG_1.PNG": True, "dog/d.Tiff": True,
+}
+NOT_IMAGES = ["cat/notes.txt", "cat/.DS_Store", "dog/labels.csv", "LICENSE"]
+
+
+def make_hidden_tree(root: Path, empty_class: bool = False) -> Path:
+    rng = np.random.default_rng(0)
+    for rel in [*HIDDEN_TREE, *NOT_IMAGES]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(jpeg_bytes(rng, 8, 8) if rel in HIDDEN_TREE else b"text")
+    if empty_class:
+        (root / "empty").mkdir()
+        (root / "empty" / "readme.txt").write_text("nothing yet")
+    return root
+
+
+def test_default_is_imagefolder_exactly_hidden_folders_and_files_included(tmp_path):
+    root = make_hidden_tree(tmp_path / "src")
+    classes, ref = imagefolder_reference(root)
+    assert classes == [".ipynb_checkpoints", "cat", "dog"]
+    assert [p for p, _ in ref][1:5] == ["cat/.hidden.jpg", "cat/x.JPG", "cat/.thumbs/t.jpg", "cat/a/z.jpg"]
+    assert ref.index(("cat/a/z.jpg", 1)) < ref.index(("cat/a/b/c.jpg", 1))  # os.walk order, not sorted full paths
+    scan = scan_folder(root)
+    assert scan.classes == classes and scan.class_to_idx == {c: i for i, c in enumerate(classes)}
+    assert list(zip(scan.rel_paths, scan.labels.tolist())) == ref
+    assert scan.ignored == {"not an image": 3, "outside class folders": 1}
+    assert dict(scan.not_images) == {".txt": 1, "": 1, ".csv": 1}
+
+    ds = open_dataset(convert(root, tmp_path / "o.lmdb", order="source", workers=0, progress=False).output)
+    assert ds.classes == classes and ds.class_to_idx == scan.class_to_idx
+    assert [(p, t) for p, t in zip(ds.index.rel_paths(), ds.targets)] == ref
+    assert verify(ds.root, against=root).ok
+
+
+def test_skip_hidden_leaves_out_exactly_the_hidden_names(tmp_path):
+    root = make_hidden_tree(tmp_path / "src")
+    _, ref = imagefolder_reference(root)
+    scan = scan_folder(root, skip_hidden=True)
+    assert scan.classes == ["cat", "dog"]
+    assert scan.rel_paths == [p for p, _ in ref if HIDDEN_TREE[p]]  # the default's order, less the hidden names
+    assert scan.labels.tolist() == [0, 0, 0, 0, 1, 1]
+    assert scan.ignored == {"hidden": 2, "hidden folder": 2, "not an image": 2, "outside class folders": 1}
+
+    out = tmp_path / "o.lmdb"
+    res = run_cli("convert", root, "-o", out, "--skip-hidden", "--order", "source", "--workers", "0")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith(f"packed 6 of 11 files into {out} in ")  # 11: the hidden folders' files uncounted
+    assert lines[1] == ("left out: 2 not images (.csv x1, .txt x1), 1 outside class folders, "
+                        "2 hidden files and 2 hidden folders (--skip-hidden)")
+    ds = open_dataset(out)
+    assert ds.manifest.options["skip_hidden"] is True and ds.classes == ["cat", "dog"]
+    assert list(ds.index.rel_paths()) == scan.rel_paths
+    assert verify(out, against=root).ok  # re-scanned with the recorded --skip-hidden
+
+
+def test_an_empty_class_is_refused_unless_allowed(tmp_path):
+    root = make_hidden_tree(tmp_path / "src", empty_class=True)
+    with pytest.raises(FileNotFoundError, match="empty"):
+        imagefolder_reference(root)
+    with pytest.raises(PackerError, match=r"no images in class folder\(s\) empty .*--allow-empty"):
+        scan_folder(root)
+    res = run_cli("convert", root, "-o", tmp_path / "o.lmdb", "-q")
+    assert res.returncode == 2 and "--allow-empty" in res.stderr and not (tmp_path / "o.lmdb").exists()
+
+    classes, ref = imagefolder_reference(root, allow_empty=True)
+    res = convert(root, tmp_path / "o.lmdb", allow_empty=True, order="source", workers=0, progress=False)
+    ds = open_dataset(res.output)
+    assert ds.classes == classes == [".ipynb_checkpoints", "cat", "dog", "empty"]
+    assert list(zip(ds.index.rel_paths(), ds.targets)) == ref
+    assert verify(res.output, against=root).ok
+
+
+def test_datasets_from_before_the_scan_options_keep_opening_and_verifying(tmp_path):
+    root = make_hidden_tree(tmp_path / "src", empty_class=True)
+    res = convert(root, tmp_path / "o.lmdb", skip_hidden=True, allow_empty=True, workers=0, progress=False)
+    manifest = json.loads((res.output / "manifest.json").read_text())
+    for key in ("skip_hidden", "allow_empty"):  # as packer wrote it before: hidden names skipped, empty classes kept
+        del manifest["options"][key]
+    (res.output / "manifest.json").write_text(json.dumps(manifest))
+    assert open_dataset(res.output).classes == ["cat", "dog", "empty"]
+    assert verify(res.output, against=root).ok
+
+
+def test_a_hidden_class_without_images_points_at_skip_hidden(tmp_path):
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=2)
+    (src / ".git").mkdir()
+    (src / ".git" / "HEAD").write_text("ref: refs/heads/main")
+    with pytest.raises(PackerError, match=r"class folder\(s\) \.git .*--skip-hidden"):
+        scan_folder(src)
+    assert scan_folder(src, skip_hidden=True).classes == ["class_0", "class_1"]
+
+
+def test_quiet_prints_errors_only(tmp_path):
+    make_bad_inputs(tmp_path / "src")
+    res = run_cli("convert", tmp_path / "src", "-o", tmp_path / "o.lmdb", "-q", "--workers", "0")
+    assert res.returncode == 1 and res.stdout == ""
+    assert "not packed, see errors.json" in res.stderr and "weird/empty.jpg" in res.stderr
+
+
 def test_flat_folder_has_no_labels(flatfolder):
     scan = scan_folder(flatfolder)
     assert scan.classes == [] and len(scan) == 6
     assert (scan.labels == -1).all()
 
 
-def test_hidden_and_non_images_are_ignored_and_counted(tmp_path):
+def test_non_images_are_ignored_and_counted(tmp_path):
     expect = make_bad_inputs(tmp_path / "src")
     scan = scan_folder(tmp_path / "src")
     assert set(scan.rel_paths) == set(expect)  # broken links and unreadable files stay: convert reports them
-    assert scan.ignored["hidden"] == 1 and scan.ignored["not an image"] == 1
+    assert scan.ignored == {"not an image": 1} and scan.not_images == {".txt": 1}
 
 
 def test_empty_and_missing_sources_are_clear_errors(tmp_path):
@@ -163,8 +274,10 @@ def test_packer_outputs_inside_the_source_are_not_scanned(tmp_path):
     with pytest.raises(PackerError, match="a packed dataset, not a folder of images"):
         scan_folder(src / "out.bmp")
 
-    res = run_packer([], "convert", src, "-o", tmp_path / "again.lmdb", "-q")
+    res = run_packer([], "convert", src, "-o", tmp_path / "again.lmdb")  # -q: errors only, no summary
     assert res.returncode == 0, res.stderr
-    assert all(k in res.stdout for k in skipped), res.stdout  # the terminal summary names each one
+    left_out = res.stdout.splitlines()[1]
+    assert left_out.startswith("left out: 1 not an image (.json x1); not scanned: "), res.stdout  # names each one
+    assert all(k.removeprefix("not scanned: ") in left_out for k in skipped), res.stdout
     report = json.loads((tmp_path / "again.lmdb" / "errors.json").read_text())
     assert skipped <= set(report["ignored"])

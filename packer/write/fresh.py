@@ -1,0 +1,51 @@
+"""Is an existing output up to date? ``convert(..., if_changed=True)`` reuses a dataset whose manifest records
+the same options and the same source: its file list, labels, sizes and modification times (one ``stat`` per
+file, no reading), so re-running a pipeline (``make demo``) costs a scan, not a conversion.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+from packer.errors import PackerError
+from packer.layout.manifest import read_manifest
+from packer.write.journal import scan_digest
+from packer.write.options import ConvertOptions
+from packer.write.scan import ScanResult
+
+
+def source_digest(scan: ScanResult) -> str:
+    """Identifies what a conversion of ``scan`` reads: classes, paths, labels, what the scan could not follow,
+    and each file's size and mtime (a file that can't be stat'ed by its error)."""
+    h = hashlib.sha256(scan_digest(scan).encode())
+    for e in scan.errors:
+        h.update(f"{e.path}\0{e.reason}\n".encode("utf-8", "surrogateescape"))
+    for rel in scan.rel_paths:
+        try:
+            st = os.stat(scan.root / rel)
+            h.update(f"{st.st_size} {st.st_mtime_ns}\n".encode())
+        except OSError as exc:
+            h.update(f"{exc.errno}\n".encode())
+    return h.hexdigest()
+
+
+def stale_reason(out: Path, options: ConvertOptions, digest: str) -> str | None:
+    """None when dataset ``out`` holds a conversion with exactly ``options`` of a source with ``digest``
+    (and its files are all there, at their recorded sizes); else why it must be converted again."""
+    try:
+        manifest = read_manifest(out)
+        manifest.check_files(out)
+    except PackerError as exc:
+        return f"it does not open: {exc}"
+    recorded = options.record()
+    changed = sorted(k for k in recorded.keys() | manifest.options.keys()
+                     if recorded.get(k) != manifest.options.get(k))
+    if changed:
+        return "other options: " + ", ".join(f"{k} {manifest.options.get(k)} -> {recorded.get(k)}" for k in changed)
+    if not manifest.source_digest:
+        return "made by a packer that did not record its source's files"
+    if manifest.source_digest != digest:
+        return "the source's files changed (added, removed, renamed, resized or modified)"
+    return None

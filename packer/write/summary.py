@@ -1,0 +1,54 @@
+"""The converter's terminal summary: how many of the files found were packed, and what was left out and why."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from packer.write.scan import HIDDEN, HIDDEN_FOLDER, NOT_IMAGE, NOT_SCANNED, OUTSIDE_CLASSES, SourceError
+
+_FILE_REASONS = (NOT_IMAGE, OUTSIDE_CLASSES, HIDDEN)  # ``ignored`` reasons that count files (the others: folders)
+
+
+def files_found(num_packed: int, ignored: Mapping[str, int], errors: Sequence[SourceError]) -> int:
+    """Every file the scan saw: packed, failed (errors.json) or ignored (folders not counted)."""
+    failed = sum(not e.path.endswith("/") for e in errors)
+    return num_packed + failed + sum(ignored.get(r, 0) for r in _FILE_REASONS)
+
+
+def conversion_summary(num_packed: int, ignored: Mapping[str, int], errors: Sequence[SourceError]) -> str:
+    """``packed 3 of 6 files``: of every file found, not only of the images."""
+    return f"packed {num_packed} of {files_found(num_packed, ignored, errors)} files"
+
+
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word if n == 1 else plural or word + 's'}"
+
+
+def _suffixes(not_images: Mapping[str, int], shown: int = 3) -> str:
+    """".txt x2, .json x1": the commonest suffixes of the files that are not images."""
+    ranked = sorted(not_images.items(), key=lambda kv: (-kv[1], kv[0]))
+    text = ", ".join(f"{s or 'no extension'} x{n}" for s, n in ranked[:shown])
+    return text + (", ..." if len(ranked) > shown else "")
+
+
+def describe_left_out(ignored: Mapping[str, int], not_images: Mapping[str, int], errors: Sequence[SourceError]) -> str:
+    """What was not packed and why, in one line ("" when nothing): the counts the scan and the conversion kept."""
+    parts = []
+    if ignored.get(NOT_IMAGE):
+        parts.append(f"{_plural(ignored[NOT_IMAGE], 'not an image', 'not images')} ({_suffixes(not_images)})")
+    failed = sum(not e.path.endswith("/") for e in errors)
+    if failed:
+        parts.append(f"{failed} unreadable or damaged (see errors.json)")
+    if len(errors) > failed:
+        parts.append(f"{_plural(len(errors) - failed, 'folder')} not read (see errors.json)")
+    if ignored.get(OUTSIDE_CLASSES):
+        parts.append(f"{ignored[OUTSIDE_CLASSES]} outside class folders")
+    hidden = [_plural(ignored[r], w) for r, w in ((HIDDEN, "hidden file"), (HIDDEN_FOLDER, "hidden folder"))
+              if ignored.get(r)]
+    if hidden:
+        parts.append(" and ".join(hidden) + " (--skip-hidden)")
+    text = ", ".join(parts)
+    skipped = [r.removeprefix(NOT_SCANNED + ": ") for r in ignored if r.startswith(NOT_SCANNED)]
+    if skipped:
+        text += ("; " if text else "") + f"{NOT_SCANNED}: {', '.join(skipped)}"
+    return text
