@@ -7,6 +7,9 @@ read the process group in its constructor would see none there and give every ra
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 import torch.distributed as dist
 
 from packer.errors import PackerError
@@ -27,3 +30,17 @@ def replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, 
         rank = dist.get_rank() if grouped else 0
     check_rank(rank, num_replicas)
     return num_replicas, rank
+
+
+def warn_if_accelerate(num_replicas: int) -> None:
+    """Warn when a sampler splits ranks by itself in a process that has imported accelerate.
+
+    ``accelerator.prepare(loader)`` deals a loader's batches out to the processes itself, so a
+    sampler that already gave each rank its share would leave each process half of it (with 2).
+    """
+    if num_replicas > 1 and "accelerate" in sys.modules:
+        warnings.warn(
+            f"BlockShuffleSampler splits the samples over {num_replicas} ranks, and accelerate is loaded: "
+            "accelerator.prepare(loader) splits them again. For a prepared loader build the sampler with "
+            "num_replicas=1, rank=0; pass num_replicas and rank explicitly to silence this warning",
+            stacklevel=3)

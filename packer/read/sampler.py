@@ -45,7 +45,7 @@ from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 from packer._random import raw_draws, stable_permutation
 from packer.errors import PackerError
 from packer.layout.index import shard_starts
-from packer.read.ranks import check_rank, replicas_and_rank
+from packer.read.ranks import check_rank, replicas_and_rank, warn_if_accelerate
 from packer.read.resume import EpochPosition, resume_position
 from packer.read.staged import StagedDataset
 
@@ -264,6 +264,8 @@ class BlockShuffleSampler(DistributedSampler):
         )
 
     def __iter__(self) -> Iterator[int]:
+        if self._replicas == (None, None):
+            warn_if_accelerate(self.num_replicas)
         return self.position.iterate(self.order().tolist())
 
     def __len__(self) -> int:

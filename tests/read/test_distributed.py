@@ -106,6 +106,10 @@ def test_accelerate_with_the_whole_order_per_process(packed, tmp_path):
         assert r0[: 4 * b] == [i for bt in batches[0:8:2] for i in bt]  # accelerate deals whole batches in turn
         assert r1[: 4 * b] == [i for bt in batches[1:8:2] for i in bt]
     assert seen(out, "accelerate-block", 0) != seen(out, "accelerate-block", 1)
+    # a sampler left to split the ranks itself says that accelerate will split them again
+    for r in (0, 1):
+        caught = json.loads((out / f"accelerate-warnings-rank{r}.json").read_text())
+        assert any("num_replicas=1, rank=0" in w for w in caught), caught
 
 
 # ------------------------------------------------------------------ ranks decided when used

@@ -91,9 +91,12 @@ def torchrun_job(path: str, out: Path, block: int) -> None:
 
 
 def accelerate_job(path: str, out: Path, block: int) -> None:
+    import warnings
+
     from accelerate import Accelerator
 
     ds = open_dataset(path, image="numpy")
+    implicit = BlockShuffleSampler(ds, block_bytes=block, batch_size=BATCH, seed=SEED)  # ranks from the group
     # accelerate splits the batches itself: the sampler gives every process the whole order
     sampler = BlockShuffleSampler(ds, block_bytes=block, batch_size=BATCH, seed=SEED, num_replicas=1, rank=0)
     accelerator = Accelerator(cpu=True)
@@ -104,6 +107,11 @@ def accelerate_job(path: str, out: Path, block: int) -> None:
         for batch in loader:
             seen += batch[0].tolist()
         record(out, "accelerate-block", accelerator.process_index, epoch, seen)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        list(accelerator.prepare(DataLoader(Indexed(ds), sampler=implicit, batch_size=BATCH)))
+    (out / f"accelerate-warnings-rank{accelerator.process_index}.json").write_text(
+        json.dumps([str(w.message) for w in caught]))
 
 
 JOBS = {"lightning": lightning_job, "torchrun": torchrun_job, "accelerate": accelerate_job}
