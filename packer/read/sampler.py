@@ -222,22 +222,22 @@ class BlockShuffleSampler(DistributedSampler):
             warn_if_sorted(labels, self.bounds)
 
     @property
-    def num_replicas(self) -> int:  # type: ignore[override]  # resolved when used, not when built
+    def num_replicas(self) -> int:  # resolved when used, not when built
         """Number of ranks: as given, else the process group's world size (1 without one)."""
         return replicas_and_rank(*self._replicas)[0]
 
     @property
-    def rank(self) -> int:  # type: ignore[override]
+    def rank(self) -> int:
         """This process's rank: as given, else the process group's (0 without one)."""
         return replicas_and_rank(*self._replicas)[1]
 
     @property
-    def num_samples(self) -> int:  # type: ignore[override]
+    def num_samples(self) -> int:
         """Samples per rank and epoch (``DistributedSampler``'s attribute)."""
         return len(self)
 
     @property
-    def total_size(self) -> int:  # type: ignore[override]
+    def total_size(self) -> int:
         """Samples per epoch over all ranks, padding included (``DistributedSampler``'s attribute)."""
         return len(self) * self.num_replicas
 
@@ -256,10 +256,9 @@ class BlockShuffleSampler(DistributedSampler):
 
     def order(self, epoch: int | None = None) -> np.ndarray:
         """This rank's indices for ``epoch`` (default: the current one) as an array."""
-        num_replicas, rank = replicas_and_rank(*self._replicas)
         return rank_order(
             self.bounds, self.epoch if epoch is None else epoch, self.seed,
-            num_replicas=num_replicas, rank=rank, open_blocks=self.open_blocks, run=self.run,
+            num_replicas=self.num_replicas, rank=self.rank, open_blocks=self.open_blocks, run=self.run,
             batch_size=self.batch_size, shuffle=self.shuffle, drop_last=self.drop_last,
         )
 
