@@ -185,7 +185,7 @@ _JOB = r"""
 import os, sys, time
 import torch
 sys.path.insert(0, sys.argv[3])
-import test_resume as t
+import test_sampler_state as t
 packed = {"ds": t.open_dataset(sys.argv[1], image="numpy"), "block": int(sys.argv[4])}
 out = sys.argv[2]
 inner, s = t.loader_for(packed, workers=2)
