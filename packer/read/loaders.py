@@ -9,6 +9,7 @@ machine without CUDA it passes batches through unchanged, so one script runs eve
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import warnings
@@ -17,6 +18,9 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
+
+from packer.errors import PackerError
+from packer.read.resume import Stateful
 
 _END = object()
 
@@ -28,19 +32,24 @@ class _Raised:
         self.exc = exc
 
 
-def _produce(it: Iterator, out: queue.Queue, stop: threading.Event) -> None:
-    """Thread body: pull batches into ``out`` until the loader ends, fails or we're told to stop."""
+def _produce(it: Iterator, out: queue.Queue, stop: threading.Event, loader: Stateful | None) -> None:
+    """Thread body: pull batches into ``out`` until the loader ends, fails or we're told to stop.
+
+    With a stateful ``loader``, each batch travels with the loader's state right after it.
+    """
     try:
         while not stop.is_set():
+            state = None
             try:
                 item: Any = next(it)
+                state = None if loader is None else copy.deepcopy(loader.state_dict())
             except StopIteration:
                 item = _END
             except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
                 item = _Raised(exc)
             while not stop.is_set():
                 try:
-                    out.put(item, timeout=0.1)
+                    out.put((item, state), timeout=0.1)
                     break
                 except queue.Full:
                     continue
@@ -56,7 +65,9 @@ class BackgroundLoader:
     Each ``iter()`` starts one thread; it stops and is joined when the iteration ends, when the
     consumer breaks out or raises (the generator is closed or garbage-collected), or on
     ``close()``. An exception raised by the loader is raised again in the consumer, with its
-    original traceback.
+    original traceback. Over a loader with ``state_dict()`` (torchdata's ``StatefulDataLoader``),
+    ``state_dict()`` gives the loader's state after the last batch *handed out*, not after the
+    ones prefetched, so a job resumed from it neither repeats nor skips a batch.
     """
 
     def __init__(self, loader: Iterable, depth: int = 2, join_timeout: float = 60.0) -> None:
@@ -66,6 +77,7 @@ class BackgroundLoader:
         self.depth = depth
         self.join_timeout = join_timeout
         self._live: weakref.WeakSet = weakref.WeakSet()
+        self._state: dict[str, Any] | None = None  # the loader's state after the last batch handed out
 
     def __len__(self) -> int:
         return len(self.loader)  # type: ignore[arg-type]
@@ -79,16 +91,21 @@ class BackgroundLoader:
         out: queue.Queue = queue.Queue(maxsize=self.depth)
         stop = threading.Event()
         it = iter(self.loader)  # created here: DataLoader workers are started from the caller's thread
-        thread = threading.Thread(target=_produce, args=(it, out, stop), name="packer-BackgroundLoader", daemon=True)
+        stateful = self.loader if isinstance(self.loader, Stateful) else None
+        if stateful is not None:
+            self._state = copy.deepcopy(stateful.state_dict())  # where this iteration starts (a loaded state)
+        thread = threading.Thread(target=_produce, args=(it, out, stop, stateful), name="packer-BackgroundLoader",
+                                  daemon=True)
         del it
         thread.start()
         try:
             while True:
-                item = out.get()
+                item, state = out.get()
                 if item is _END:
                     return
                 if isinstance(item, _Raised):
                     raise item.exc
+                self._state = state
                 yield item
         finally:
             stop.set()
@@ -107,6 +124,22 @@ class BackgroundLoader:
         """Stop every iteration still running (their threads are joined)."""
         for gen in list(self._live):
             gen.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped loader's state after the last batch this loader handed out."""
+        stateful = self._stateful()
+        return {"loader": copy.deepcopy(stateful.state_dict() if self._state is None else self._state)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the next iteration after the last batch handed out when ``state_dict`` was saved."""
+        self._stateful().load_state_dict(state_dict["loader"])
+        self._state = copy.deepcopy(state_dict["loader"])
+
+    def _stateful(self) -> Stateful:
+        if not isinstance(self.loader, Stateful):
+            raise PackerError(f"BackgroundLoader over a {type(self.loader).__name__} cannot save its position: wrap a "
+                              "loader with state_dict()/load_state_dict(), e.g. torchdata's StatefulDataLoader")
+        return self.loader
 
     def __enter__(self) -> BackgroundLoader:
         return self

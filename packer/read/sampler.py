@@ -39,17 +39,18 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import torch.distributed as dist
-from torch.utils.data import BatchSampler, Sampler
+from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
 from packer._random import raw_draws, stable_permutation
 from packer.errors import PackerError
 from packer.layout.index import shard_starts
 from packer.read.indexing import IndexMap
+from packer.read.ranks import check_rank, replicas_and_rank, warn_if_accelerate
+from packer.read.resume import EpochPosition, resume_position
 from packer.read.staged import StagedDataset
 
 DEFAULT_BLOCK_BYTES = 16_000_000  # ~107 ms of a 150 MB/s disk: a seek (~8.5 ms) costs ~8 % of it
@@ -166,15 +167,19 @@ def rank_order(
     return mine[order].astype(np.int64)
 
 
-class BlockShuffleSampler(Sampler[int]):
+class BlockShuffleSampler(DistributedSampler):
     """Quasi-random order that reads few blocks at a time; rank-aware like ``DistributedSampler``.
 
     ``DataLoader(ds, sampler=s, batch_size=s.batch_size, num_workers=8)``, and
     ``s.set_epoch(epoch)`` before each epoch for a new order. ``num_replicas``/``rank``
-    default to the initialised ``torch.distributed`` process group, else a single process.
+    default to the ``torch.distributed`` process group initialised when the sampler is used
+    (iterated or measured), else a single process. It is a ``DistributedSampler``, so Lightning
+    and Fabric leave it as it is (they wrap any other sampler, splitting its ranks again).
     Every rank yields ``len(s)`` samples: ``drop_last=False`` pads by repeating a few samples,
     ``True`` leaves out up to ``num_replicas - 1`` (different ones each epoch). Blocks (``blocks=``
     included) are runs of storage positions; the indices yielded are the dataset's (ImageFolder's).
+    ``state_dict()``/``load_state_dict()`` save and restore the position inside an epoch
+    (torchdata's ``StatefulDataLoader`` calls them).
     """
 
     def __init__(
@@ -193,18 +198,17 @@ class BlockShuffleSampler(Sampler[int]):
         drop_last: bool = False,
         warn: bool = True,
     ) -> None:
-        if num_replicas is None:
-            num_replicas = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if rank is None:
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
-            raise PackerError(f"rank {rank} is not in [0, {num_replicas}) ranks")
+        # DistributedSampler.__init__ is not called: it would fix the ranks now, from a process
+        # group that Lightning and accelerate initialise only later.
+        if num_replicas is not None and rank is not None:
+            check_rank(rank, num_replicas)  # else checked when used
         if open_blocks < 1:
             raise PackerError(f"open_blocks must be at least 1, got {open_blocks}")
         if run < 1:
             raise PackerError(f"run must be at least 1, got {run}")
         if batch_size is not None and batch_size < 1:
             raise PackerError(f"batch_size must be positive, got {batch_size}")
+        self.dataset = dataset
         self.bounds = dataset_boundaries(dataset, block_bytes, blocks)
         self.index_map = dataset.index_map if isinstance(dataset, StagedDataset) else IndexMap(None)
         if shuffle and isinstance(dataset, StagedDataset):
@@ -213,22 +217,47 @@ class BlockShuffleSampler(Sampler[int]):
         self.open_blocks = open_blocks
         self.run = run
         self.batch_size = batch_size
-        self.num_replicas = num_replicas
-        self.rank = rank
+        self._replicas = (num_replicas, rank)  # None: from the process group when used
         self.shuffle = shuffle
         self.seed = seed
         self.drop_last = drop_last
         self.epoch = 0
+        self.position = EpochPosition()
         labels = dataset.index.labels if isinstance(dataset, StagedDataset) else None
         if warn and shuffle and labels is not None:
             warn_if_sorted(labels, self.bounds)
+
+    @property
+    def num_replicas(self) -> int:  # resolved when used, not when built
+        """Number of ranks: as given, else the process group's world size (1 without one)."""
+        return replicas_and_rank(*self._replicas)[0]
+
+    @property
+    def rank(self) -> int:
+        """This process's rank: as given, else the process group's (0 without one)."""
+        return replicas_and_rank(*self._replicas)[1]
+
+    @property
+    def num_samples(self) -> int:
+        """Samples per rank and epoch (``DistributedSampler``'s attribute)."""
+        return len(self)
+
+    @property
+    def total_size(self) -> int:
+        """Samples per epoch over all ranks, padding included (``DistributedSampler``'s attribute)."""
+        return len(self) * self.num_replicas
 
     @property
     def num_blocks(self) -> int:
         return len(self.bounds) - 1
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next iteration use the order of ``epoch`` (call before each epoch, on every rank)."""
+        """Make the next iteration use the order of ``epoch`` (call before each epoch, on every rank).
+
+        The epoch a loaded state is in keeps its saved position; another epoch starts at its beginning.
+        """
+        if int(epoch) != self.epoch:
+            self.position = EpochPosition()
         self.epoch = int(epoch)
 
     def order(self, epoch: int | None = None) -> np.ndarray:
@@ -244,7 +273,9 @@ class BlockShuffleSampler(Sampler[int]):
         )
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.order().tolist())
+        if self._replicas == (None, None):
+            warn_if_accelerate(self.num_replicas)
+        return self.position.iterate(self.order().tolist())
 
     def __len__(self) -> int:
         n, r = self.num_samples_total, self.num_replicas
@@ -256,15 +287,41 @@ class BlockShuffleSampler(Sampler[int]):
                 f"num_replicas={self.num_replicas}, rank={self.rank}, shuffle={self.shuffle}, seed={self.seed}, "
                 f"drop_last={self.drop_last}, epoch={self.epoch})")
 
+    def state_dict(self) -> dict[str, Any]:
+        """Where this rank is: the epoch and how many of its samples were handed out (plain ints).
+
+        The same on every rank at a step (ranks hand out equal counts), so one rank's saved state
+        resumes them all, as Lightning does with rank 0's checkpoint.
+        """
+        return {"epoch": self.epoch, "yielded": self.position.yielded, "order": self._order_key()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume: the next iteration continues ``state``'s epoch after its last handed-out sample."""
+        self.epoch, yielded = resume_position(state, self._order_key(), len(self))
+        self.position = EpochPosition(resume_at=yielded)
+
+    def _order_key(self) -> dict[str, Any]:
+        """What the order depends on besides the epoch and the rank: a saved position is only valid for it."""
+        return {"samples": self.num_samples_total, "blocks": self.num_blocks, "seed": self.seed,
+                "num_replicas": self.num_replicas, "open_blocks": self.open_blocks, "run": self.run,
+                "batch_size": self.batch_size, "shuffle": self.shuffle, "drop_last": self.drop_last}
+
 
 class BlockBatchSampler(BatchSampler):
     """Batches of a ``BlockShuffleSampler``: ``DataLoader(ds, batch_sampler=BlockBatchSampler(ds, 256))``.
 
     Keyword arguments go to ``BlockShuffleSampler``; ``drop_last`` here drops a short last
     batch of each rank (ranks already hold equal sample counts, so they have equal batch counts).
+    Lightning cannot leave a ``batch_sampler`` alone under DDP (it rebuilds it around its own
+    sampler): there, pass ``sampler=BlockShuffleSampler(ds, batch_size=B), batch_size=B`` instead.
     """
 
     def __init__(self, dataset: Any, batch_size: int, drop_last_batch: bool = False, **kwargs: Any) -> None:
+        if isinstance(dataset, Sampler):
+            raise PackerError(
+                f"BlockBatchSampler got a {type(dataset).__name__} where a dataset belongs: Lightning rebuilds a "
+                "batch_sampler around its DistributedSampler under DDP, which would undo the block order. Use "
+                "DataLoader(ds, sampler=BlockShuffleSampler(ds, batch_size=B), batch_size=B), which Lightning keeps")
         self.block_sampler = BlockShuffleSampler(dataset, batch_size=batch_size, **kwargs)
         super().__init__(self.block_sampler, batch_size, drop_last_batch)
 
@@ -274,6 +331,14 @@ class BlockBatchSampler(BatchSampler):
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(batch_size={self.batch_size}, drop_last_batch={self.drop_last}, "
                 f"sampler={self.block_sampler!r})")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The block sampler's position (a whole number of batches into the epoch)."""
+        return self.block_sampler.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume at the batch after the last one handed out when ``state`` was saved."""
+        self.block_sampler.load_state_dict(state)
 
 
 def block_order(ds: Any, epoch: int, seed: int = 0, block_bytes: int | None = None, *,
