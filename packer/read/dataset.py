@@ -22,7 +22,7 @@ from PIL import Image
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import Format
-from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
+from packer.images.decode import BACKENDS, DecodeError, check_min_size, check_pixels, copy_into, decode
 from packer.images.headers import image_size
 from packer.layout.manifest import read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
@@ -222,29 +222,43 @@ class PackedDataset(StagedDataset):
         buf = self.store.read(i) if payload is None else payload
         h, w = int(self.index.heights[i]), int(self.index.widths[i])
         if self.manifest.payload == "encoded":
-            return self._decode(i, buf, h, w, strict, out)
+            return self._decode(i, buf, strict, out)
         arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
         if arr.size != h * w * 3:
             raise PackerError(f"{self.root}: sample {i} holds {arr.size} bytes, expected {h}x{w}x3")
         return copy_into(arr.reshape(h, w, 3), out)
 
-    def _decode(self, i: int, buf, h: int, w: int, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    def _decode(self, i: int, buf, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
         """Decode sample ``i``; any failure of a codec on damaged bytes is a DecodeError naming the sample.
 
         The header is checked against the index first, so a damaged header can't make the
         decoder allocate an image far larger than the one that was packed; the decoder then
         refuses any image above the pixel limit (``packer.images.decode.check_pixels``), whatever the index says.
         """
-        where = f"{self.root}: sample {i} ({self.index.rel_path(i)})"
+        self.check_header(i, buf)
+        try:
+            return decode(buf, self.decoder, strict=strict, min_size=self.decode_size, out=out)
+        except DecodeError as exc:
+            raise DecodeError(f"{self._where(i)}: {exc}") from exc
+        except DATA_ERRORS as exc:
+            raise DecodeError(f"{self._where(i)}: cannot decode ({type(exc).__name__}: {exc})") from exc
+
+    def check_header(self, i: int, buf) -> None:
+        """Refuse sample ``i``'s encoded bytes when their header's size is not the index's or is above the
+        pixel limit: checked before any decoder (packer's, or DALI's in ``packer.dali``) allocates."""
+        h, w = int(self.index.heights[i]), int(self.index.widths[i])
         try:
             hh, ww = image_size(buf)
             if (h or w) and (hh, ww) != (h, w):
                 raise DecodeError(f"image header says {hh}x{ww}, the index says {h}x{w} (damaged)")
-            return decode(buf, self.decoder, strict=strict, min_size=self.decode_size, out=out)
+            check_pixels(hh, ww)
         except DecodeError as exc:
-            raise DecodeError(f"{where}: {exc}") from exc
+            raise DecodeError(f"{self._where(i)}: {exc}") from exc
         except DATA_ERRORS as exc:
-            raise DecodeError(f"{where}: cannot decode ({type(exc).__name__}: {exc})") from exc
+            raise DecodeError(f"{self._where(i)}: cannot decode ({type(exc).__name__}: {exc})") from exc
+
+    def _where(self, i: int) -> str:
+        return f"{self.root}: sample {i} ({self.index.rel_path(i)})"
 
     def present(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
         """Sample ``i``'s decoded pixels as handed out: image kind, transform, target transform.
