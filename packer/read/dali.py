@@ -177,7 +177,7 @@ def pipeline(
             layout=["HWC" if source.raw else "", "", ""],
             dtype=[dali.types.UINT8, dali.types.INT64, dali.types.INT64],
         )
-        images = _graph(dali, images, source.raw, device, augment, size)
+        images = augment_graph(dali, images, source.raw, device, augment, size)
         if device == "gpu":
             labels = labels.gpu()
         pipe.set_outputs(images, labels, indices)
@@ -185,8 +185,9 @@ def pipeline(
     return pipe
 
 
-def _graph(dali: Any, images: Any, raw: bool, device: Device, augment: Augment, size: int) -> Any:
-    """Decode (encoded payloads) and augment: the DALI operators between the source and the outputs."""
+def augment_graph(dali: Any, images: Any, raw: bool, device: Device, augment: Augment, size: int) -> Any:
+    """Decode (encoded payloads) and augment: the DALI operators between the source and the outputs (also
+    used on DALI's own file reader by examples/measure_dali.py, so both decode and augment alike)."""
     fn, types = dali.fn, dali.types
     decoder = "mixed" if device == "gpu" else "cpu"
     if raw and device == "gpu":
