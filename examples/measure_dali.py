@@ -40,11 +40,11 @@ from packer.tools.sample import make_sample
 
 
 def keep(batch):
-    return batch  # variable-sized images: no stacking
+    return batch  # images of varying sizes: not stacked (their batch shares one block already)
 
 
 def packer_loader(lmdb: Path, batch_size: int) -> int:
-    ds = packer.open_dataset(lmdb, image="numpy")
+    ds = packer.open_dataset(lmdb, image="tensor")  # a batch decoded into one shared-memory block
     loader = DataLoader(ds, batch_sampler=BlockBatchSampler(ds, batch_size, warn=False), num_workers=2,
                         collate_fn=keep)
     n = sum(len(b) for b in loader)

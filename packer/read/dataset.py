@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -22,8 +23,8 @@ from PIL import Image
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import Format
-from packer.images.decode import BACKENDS, DecodeError, check_min_size, check_pixels, copy_into, decode
-from packer.images.headers import image_size
+from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
+from packer.images.headers import check_size
 from packer.layout.manifest import read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
 from packer.perprocess import PerProcess
@@ -236,29 +237,14 @@ class PackedDataset(StagedDataset):
         refuses any image above the pixel limit (``packer.images.decode.check_pixels``), whatever the index says.
         """
         self.check_header(i, buf)
-        try:
+        with _sample_errors(self, i):
             return decode(buf, self.decoder, strict=strict, min_size=self.decode_size, out=out)
-        except DecodeError as exc:
-            raise DecodeError(f"{self._where(i)}: {exc}") from exc
-        except DATA_ERRORS as exc:
-            raise DecodeError(f"{self._where(i)}: cannot decode ({type(exc).__name__}: {exc})") from exc
 
     def check_header(self, i: int, buf) -> None:
         """Refuse sample ``i``'s encoded bytes when their header's size is not the index's or is above the
         pixel limit: checked before any decoder (packer's, or DALI's in ``packer.dali``) allocates."""
-        h, w = int(self.index.heights[i]), int(self.index.widths[i])
-        try:
-            hh, ww = image_size(buf)
-            if (h or w) and (hh, ww) != (h, w):
-                raise DecodeError(f"image header says {hh}x{ww}, the index says {h}x{w} (damaged)")
-            check_pixels(hh, ww)
-        except DecodeError as exc:
-            raise DecodeError(f"{self._where(i)}: {exc}") from exc
-        except DATA_ERRORS as exc:
-            raise DecodeError(f"{self._where(i)}: cannot decode ({type(exc).__name__}: {exc})") from exc
-
-    def _where(self, i: int) -> str:
-        return f"{self.root}: sample {i} ({self.index.rel_path(i)})"
+        with _sample_errors(self, i):
+            check_size(buf, int(self.index.heights[i]), int(self.index.widths[i]))
 
     def present(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
         """Sample ``i``'s decoded pixels as handed out: image kind, transform, target transform.
@@ -310,6 +296,18 @@ class PackedDataset(StagedDataset):
 
     def close(self) -> None:
         self.store.close()
+
+
+@contextmanager
+def _sample_errors(ds: PackedDataset, i: int) -> Iterator[None]:
+    """Any failure of a codec on sample ``i``'s (damaged) bytes as a DecodeError naming the sample."""
+    try:
+        yield
+    except DecodeError as exc:
+        raise DecodeError(f"{ds.root}: sample {i} ({ds.index.rel_path(i)}): {exc}") from exc
+    except DATA_ERRORS as exc:
+        raise DecodeError(f"{ds.root}: sample {i} ({ds.index.rel_path(i)}): cannot decode "
+                          f"({type(exc).__name__}: {exc})") from exc
 
 
 def _format_dataset_class(fmt: Format) -> type[PackedDataset]:
