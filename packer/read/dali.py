@@ -12,6 +12,7 @@ only when a pipeline is built. See docs/dali.md.
 
 from __future__ import annotations
 
+import copyreg
 import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Literal
@@ -161,6 +162,10 @@ def pipeline(
         raise PackerError(f"unknown augment {augment!r} (choose train, eval or none)")
     if py_start_method not in ("fork", "spawn"):
         raise PackerError(f"unknown py_start_method {py_start_method!r} (choose fork or spawn)")
+    if py_workers > 0 and py_start_method == "fork" and StopIteration in copyreg.dispatch_table:
+        raise PackerError("this process pickles exceptions its own way (a copyreg reducer for StopIteration, "
+                          "e.g. tblib's, which Dask installs), which DALI refuses from its fork workers at "
+                          "each epoch's end: use py_start_method='spawn' or py_workers=0")
     dali = import_dali()
     ds = as_dataset(ds_or_path)
     source = PackerSource(ds, batch_size, shuffle=shuffle, seed=seed, first_epoch=first_epoch,

@@ -4,6 +4,7 @@ epochs, last batches, ranks, fork and spawn workers, and the error without DALI.
 
 from __future__ import annotations
 
+import copyreg
 import subprocess
 import sys
 from collections import Counter
@@ -96,8 +97,19 @@ def test_no_augment_gives_open_datasets_pixels_and_labels(packed, name, payload)
     check_against_open_dataset(path, epoch_samples(pipe))
 
 
+@pytest.fixture
+def plain_exception_pickling():
+    """Exceptions pickled the standard way for the test: an earlier test in this process (Dask's) may have
+    installed tblib's reducers, which DALI's fork workers cannot send back (packer.dali refuses that)."""
+    saved = {t: f for t, f in copyreg.dispatch_table.items() if isinstance(t, type) and issubclass(t, BaseException)}
+    for t in saved:
+        del copyreg.dispatch_table[t]
+    yield
+    copyreg.dispatch_table.update(saved)
+
+
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_parallel_workers_in_fork_and_spawn(packed, method):
+def test_parallel_workers_in_fork_and_spawn(packed, method, plain_exception_pickling):
     """DALI's parallel external source (worker processes, no DataLoader): same samples, new order each epoch."""
     dali_or_skip()
     from packer.dali import pipeline
@@ -201,3 +213,16 @@ def test_bad_arguments_are_packer_errors(packed):
         PackerSource(open_dataset(path), 4, last_batch="wrap")  # type: ignore[arg-type]
     with pytest.raises(PackerError, match="augment='train' or 'eval'"):
         loader(path, 4, augment="none")
+
+
+def test_fork_workers_refused_where_exceptions_pickle_through_copyreg(packed, plain_exception_pickling):
+    """tblib (installed by Dask) pickles StopIteration with a reducer DALI's worker results refuse: a clear
+    error up front instead of an UnpicklingError at the end of the first epoch."""
+    from packer.dali import pipeline
+
+    copyreg.pickle(StopIteration, lambda e: (StopIteration, e.args))
+    try:
+        with pytest.raises(PackerError, match="py_start_method='spawn'"):
+            pipeline(packed("lmdb", "encoded"), 4, py_workers=2, py_start_method="fork")
+    finally:
+        del copyreg.dispatch_table[StopIteration]
