@@ -24,6 +24,7 @@ _PUBLIC = {
     "block_order": "packer.read.sampler",
     "collate": "packer.read.collate",
 }
+_SUBMODULES = {"dali"}  # packer.dali: DALI pipelines (NVIDIA DALI only imported when one is built)
 
 
 def _dataset_class_names() -> list[str]:
@@ -36,6 +37,8 @@ def _dataset_class_names() -> list[str]:
 def __getattr__(name: str) -> Any:
     if name == "__all__":
         return ["__version__", *_PUBLIC, *_dataset_class_names()]
+    if name in _SUBMODULES:
+        return importlib.import_module(f"packer.{name}")  # the import binds it as this package's attribute
     module = _PUBLIC.get(name)
     if module is None and name.endswith("Dataset") and name in _dataset_class_names():
         module = "packer.read.dataset"
@@ -47,4 +50,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC) | set(_dataset_class_names()))
+    return sorted(set(globals()) | set(_PUBLIC) | _SUBMODULES | set(_dataset_class_names()))

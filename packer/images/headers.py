@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import struct
 
-from packer.images.decode import DecodeError, read_header, sniff
+from packer.images.decode import DecodeError, check_pixels, read_header, sniff
 
 # Start-of-frame markers (baseline, extended, progressive, lossless, arithmetic); not DHT/JPG/DAC.
 _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
@@ -53,6 +53,15 @@ def png_size(data: bytes | memoryview) -> tuple[int, int]:
     if height == 0 or width == 0:
         raise DecodeError(f"PNG header gives an empty image ({width}x{height})")
     return height, width
+
+
+def check_size(data: bytes | memoryview, height: int, width: int) -> None:
+    """Refuse encoded bytes whose header gives another size than (height, width) ((0, 0): not known) or
+    one above the pixel limit: checked before any decoder allocates for a damaged header."""
+    hh, ww = image_size(data)
+    if (height or width) and (hh, ww) != (height, width):
+        raise DecodeError(f"image header says {hh}x{ww}, the index says {height}x{width} (damaged)")
+    check_pixels(hh, ww)
 
 
 def image_size(data: bytes | memoryview) -> tuple[int, int]:

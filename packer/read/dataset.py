@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -25,7 +26,7 @@ from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import Format
 from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
-from packer.images.headers import image_size
+from packer.images.headers import check_size
 from packer.layout.manifest import read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
 from packer.perprocess import PerProcess
@@ -204,30 +205,29 @@ class PackedDataset(FolderSurface):
         buf = self.store.read(i) if payload is None else payload
         h, w = int(self.index.heights[i]), int(self.index.widths[i])
         if self.manifest.payload == "encoded":
-            return self._decode(i, buf, h, w, strict, out)
+            return self._decode(i, buf, strict, out)
         arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
         if arr.size != h * w * 3:
             raise PackerError(f"{self.root}: sample {self.index_map.public(i)} holds {arr.size} bytes, "
                               f"expected {h}x{w}x3")
         return copy_into(arr.reshape(h, w, 3), out)
 
-    def _decode(self, i: int, buf, h: int, w: int, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
-        """Decode the sample at ``i``; any failure of a codec on damaged bytes is a DecodeError naming the sample.
+    def _decode(self, i: int, buf, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+        """Decode the sample stored at ``i``; any failure of a codec on damaged bytes is a DecodeError naming the sample.
 
         The header is checked against the index first, so a damaged header can't make the
         decoder allocate an image far larger than the one that was packed; the decoder then
         refuses any image above the pixel limit (``packer.images.decode.check_pixels``), whatever the index says.
         """
-        where = f"{self.root}: sample {self.index_map.public(i)} ({self.index.rel_path(i)})"
-        try:
-            hh, ww = image_size(buf)
-            if (h or w) and (hh, ww) != (h, w):
-                raise DecodeError(f"image header says {hh}x{ww}, the index says {h}x{w} (damaged)")
+        self.check_header(i, buf)
+        with _sample_errors(self, i):
             return decode(buf, self.decoder, strict=strict, min_size=self.decode_size, out=out)
-        except DecodeError as exc:
-            raise DecodeError(f"{where}: {exc}") from exc
-        except DATA_ERRORS as exc:
-            raise DecodeError(f"{where}: cannot decode ({type(exc).__name__}: {exc})") from exc
+
+    def check_header(self, i: int, buf) -> None:
+        """Refuse sample ``i``'s encoded bytes when their header's size is not the index's or is above the
+        pixel limit: checked before any decoder (packer's, or DALI's in ``packer.dali``) allocates."""
+        with _sample_errors(self, i):
+            check_size(buf, int(self.index.heights[i]), int(self.index.widths[i]))
 
     def present_at(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
         """The decoded pixels of the sample stored at ``i`` as handed out: image kind, transform, target transform.
@@ -279,6 +279,18 @@ class PackedDataset(FolderSurface):
 
     def close(self) -> None:
         self.store.close()
+
+
+@contextmanager
+def _sample_errors(ds: PackedDataset, i: int) -> Iterator[None]:
+    """Any failure of a codec on the (damaged) bytes stored at ``i`` as a DecodeError naming the sample."""
+    try:
+        yield
+    except DecodeError as exc:
+        raise DecodeError(f"{ds.root}: sample {ds.index_map.public(i)} ({ds.index.rel_path(i)}): {exc}") from exc
+    except DATA_ERRORS as exc:
+        raise DecodeError(f"{ds.root}: sample {ds.index_map.public(i)} ({ds.index.rel_path(i)}): cannot decode "
+                          f"({type(exc).__name__}: {exc})") from exc
 
 
 def _format_dataset_class(fmt: Format) -> type[PackedDataset]:
