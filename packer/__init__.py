@@ -22,6 +22,7 @@ _PUBLIC = {
     "BackgroundLoader": "packer.read.loaders", "CUDAPrefetcher": "packer.read.loaders",
     "BlockShuffleSampler": "packer.read.sampler", "BlockBatchSampler": "packer.read.sampler",
     "block_order": "packer.read.sampler",
+    "RandomResizedCropDecode": "packer.images.crop", "CenterCropDecode": "packer.images.crop",
 }
 
 

@@ -22,6 +22,7 @@ from PIL import Image
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import Format
+from packer.images.crop import CropDecode, check_crop
 from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
 from packer.images.headers import image_size
 from packer.layout.manifest import read_manifest
@@ -59,9 +60,10 @@ class PackedDataset(StagedDataset):
         decoder: str = "auto",
         access: Access = "auto",
         decode_size: int | None = None,
+        crop: CropDecode | None = None,
     ) -> None:
-        """``decode_size=S``: decode JPEGs at the smallest DCT scale (1/2, 1/4, 1/8) whose short side
-        is still >= S (faster, not pixel-identical to full-size decoding; encoded payloads only)."""
+        """``decode_size=S``: JPEGs decoded at the smallest DCT scale keeping the short side >= S (lossy; 224 does
+        nothing on 500x375 photos). ``crop``: a fused decode + crop + resize (packer.images.crop, docs/decoding.md)."""
         self.root = Path(path).absolute()  # not relative: a later os.chdir, a worker or an unpickling elsewhere
         self.store = ShardStore(self.root, access)
         self.manifest, self.index, self.access = self.store.manifest, self.store.index, self.store.access
@@ -79,6 +81,7 @@ class PackedDataset(StagedDataset):
         self.image = image
         self.decoder = decoder
         self.decode_size = check_min_size(decode_size)
+        self.crop = check_crop(crop, self.decode_size)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self._path_to_index: dict[str, int] | None = None
@@ -226,6 +229,8 @@ class PackedDataset(StagedDataset):
         arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
         if arr.size != h * w * 3:
             raise PackerError(f"{self.root}: sample {i} holds {arr.size} bytes, expected {h}x{w}x3")
+        if self.crop is not None:
+            return self.crop.from_pixels(arr.reshape(h, w, 3), i, out)
         return copy_into(arr.reshape(h, w, 3), out)
 
     def _decode(self, i: int, buf, h: int, w: int, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
@@ -240,6 +245,8 @@ class PackedDataset(StagedDataset):
             hh, ww = image_size(buf)
             if (h or w) and (hh, ww) != (h, w):
                 raise DecodeError(f"image header says {hh}x{ww}, the index says {h}x{w} (damaged)")
+            if self.crop is not None:
+                return self.crop.from_bytes(buf, i, hh, ww, self.decoder, strict, out)
             return decode(buf, self.decoder, strict=strict, min_size=self.decode_size, out=out)
         except DecodeError as exc:
             raise DecodeError(f"{where}: {exc}") from exc
