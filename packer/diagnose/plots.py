@@ -42,7 +42,7 @@ def plot_bench(report: dict, path: str | os.PathLike) -> None:
 
     plt = require_matplotlib()
     results = report["results"]
-    levels = [lv for lv in ("read", "decode", "loader") if any(r["level"] == lv for r in results)]
+    levels = [lv for lv in ("read", "decode", "loader", "train") if any(r["level"] == lv for r in results)]
     names = list(dict.fromkeys(r["name"] for r in results))
     workers = sorted({r["workers"] for r in results if r["workers"] is not None})
     hatches = ["", "//", "..", "xx", "\\\\", "++"]
@@ -70,7 +70,8 @@ def plot_bench(report: dict, path: str | os.PathLike) -> None:
         ax.set_ylim(bottom=10 ** math.floor(math.log10(max(low, 1e-3) * 0.8)))
         ax.set_ylabel("samples/s (log scale, higher is better)")
         ax.set_title({"read": "read: stored bytes only (the IO term)", "decode": "decode: images as training gets them",
-                      "loader": "DataLoader: batches, no transform"}[level], fontsize=10)
+                      "loader": "DataLoader: batches, no transform",
+                      "train": "DataLoader: RandomResizedCrop(224) batches"}[level], fontsize=10)
         ax.grid(axis="y", which="both", alpha=0.25)
     handles: list[Artist] = [Patch(color=colours(i % 10), label=n) for i, n in enumerate(names)]
     handles += [Patch(facecolor="white", edgecolor="0.3", hatch=hatches[i % len(hatches)], label=f"{w} workers")
