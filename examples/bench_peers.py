@@ -155,7 +155,8 @@ def ffcv_epochs(folder: Path, work: Path, workers: int, batch: int) -> dict[tupl
         # FFCV has no whole-image decode of mixed sizes: "full" is its 384 centre crop
         decoder = RandomResizedCropRGBImageDecoder((224, 224)) if train else CenterCropRGBImageDecoder((384, 384), 1.0)
         image = [decoder, RandomHorizontalFlip()] if train else [decoder]
-        loader = Loader(str(beton), batch_size=batch, num_workers=workers, order=order, os_cache=True, seed=0, drop_last=False,
+        loader = Loader(str(beton), batch_size=batch, num_workers=workers, order=order, os_cache=True, seed=0,
+                        drop_last=False,
                         pipelines={"image": [*image, ToTensor(), ToTorchImage()],
                                    "label": [IntDecoder(), ToTensor(), Squeeze()]})
         yield from _count(loader)
