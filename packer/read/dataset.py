@@ -340,6 +340,8 @@ def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_option
     ``packer.read.cache.CachedDataset`` (``cache_options`` go to it): one copy in shared memory
     for all DataLoader workers.
     """
+    if cache == "ram-decoded" and kwargs.get("crop") is not None:
+        raise PackerError("crop= with cache='ram-decoded' would keep one crop per sample for ever: use cache='ram'")
     path = Path(path).absolute()
     manifest = read_manifest(path)
     ds = dataset_class(manifest.format, path)(path, **kwargs)

@@ -209,6 +209,10 @@ def test_crop_mode_refuses_decode_size_and_other_objects(photos, tmp_path):
         open_dataset(out, crop=RandomResizedCropDecode(32), decode_size=32)
     with pytest.raises(PackerError):
         open_dataset(out, crop=lambda x: x)
+    with pytest.raises(PackerError, match="ram-decoded"):
+        open_dataset(out, crop=RandomResizedCropDecode(32), cache="ram-decoded")
+    cached = open_dataset(out, image="numpy", crop=RandomResizedCropDecode(32, seed=1), cache="ram")
+    assert cached[0][0].shape == (32, 32, 3)  # payloads cached, the crop still drawn per access
 
 
 def test_loader_batches_come_from_shared_slots(photos, tmp_path):
