@@ -200,6 +200,7 @@ def _add_profile(sub) -> None:
         packer profile imgs.lmdb --step-ms 40 --plot sweep.png --json sweep.json
         packer profile imgs.lmdb --batch-size 64,128 --pin-memory off,on --device cuda
         packer profile imgs.lmdb --cache ram-decoded     # what a RAM cache of decoded pixels would give
+        packer profile imgs.lmdb --train-crop            # fused decode + RandomResizedCrop(224) + flip
         """, description="Run a real DataLoader over the dataset (shuffled, as in training) for each "
         "num_workers / batch size / pin_memory setting while a simulated step sleeps --step-ms per batch, as "
         "a host waiting on its GPU does. Reports data wait vs step time, samples/s and the per-sample cost of "
@@ -219,6 +220,8 @@ def _add_profile(sub) -> None:
                    help="batches measured per setting, after warm-up (default 30)")
     p.add_argument("--crop", type=int_in(0), default=224,
                    help="random crop size so batches collate (default 224; 0: none, samples collated as lists)")
+    p.add_argument("--train-crop", action="store_true",
+                   help="the fused training pipeline instead: decode + RandomResizedCrop(--crop) + flip in one step")
     p.add_argument("--decoder", default="auto", help="JPEG decoder of the dataset (auto, turbojpeg, pil)")
     p.add_argument("--cache", choices=("ram", "ram-decoded"), default=None, help="profile through a shared RAM cache")
     p.add_argument("--device", default=None, help="copy each batch to this device, timed as host-to-device (e.g. cuda)")
