@@ -151,15 +151,21 @@ def ffcv_epochs(folder: Path, work: Path, workers: int, batch: int) -> dict[tupl
         DatasetWriter(str(beton), {"image": RGBImageField(write_mode="jpg", jpeg_quality=90), "label": IntField()},
                       num_workers=workers).from_indexed_dataset(Items())
 
+    loaders: dict = {}  # one Loader per setting, iterated each epoch, as FFCV is used (it compiles per Loader)
+
     def epoch(train: bool, order) -> Iterable[int]:
+        if (train, order) not in loaders:
+            loaders[(train, order)] = make_loader(train, order)
+        yield from _count(loaders[(train, order)])
+
+    def make_loader(train: bool, order):
         # FFCV has no whole-image decode of mixed sizes: "full" is its 384 centre crop
         decoder = RandomResizedCropRGBImageDecoder((224, 224)) if train else CenterCropRGBImageDecoder((384, 384), 1.0)
         image = [decoder, RandomHorizontalFlip()] if train else [decoder]
-        loader = Loader(str(beton), batch_size=batch, num_workers=workers, order=order, os_cache=True, seed=0,
-                        drop_last=False,
-                        pipelines={"image": [*image, ToTensor(), ToTorchImage()],
-                                   "label": [IntDecoder(), ToTensor(), Squeeze()]})
-        yield from _count(loader)
+        return Loader(str(beton), batch_size=batch, num_workers=workers, order=order, os_cache=True, seed=0,
+                      drop_last=False,
+                      pipelines={"image": [*image, ToTensor(), ToTorchImage()],
+                                 "label": [IntDecoder(), ToTensor(), Squeeze()]})
 
     orders = {"stored": OrderOption.SEQUENTIAL, "training": OrderOption.QUASI_RANDOM}
     return {(s, o): (lambda t=s == "train224", od=orders[o]: epoch(t, od)) for s in SETTINGS for o in ORDERS}
