@@ -23,6 +23,7 @@ _PUBLIC = {
     "BlockShuffleSampler": "packer.read.sampler", "BlockBatchSampler": "packer.read.sampler",
     "block_order": "packer.read.sampler",
     "collate": "packer.read.collate",
+    "RandomResizedCropDecode": "packer.images.crop", "CenterCropDecode": "packer.images.crop",
 }
 _SUBMODULES = {"dali"}  # packer.dali: DALI pipelines (NVIDIA DALI only imported when one is built)
 

@@ -122,6 +122,7 @@ def cmd_sample(args) -> int:
 def cmd_profile(args) -> int:
     from packer.diagnose.plots import plot_sweep, require_matplotlib
     from packer.diagnose.sweep import RandomCrop, default_workers, sweep
+    from packer.images.crop import RandomResizedCropDecode
     from packer.read.dataset import open_dataset
 
     if args.plot:
@@ -137,8 +138,10 @@ def cmd_profile(args) -> int:
 
     dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
     with under_way():
+        fused = args.train_crop and args.crop
         ds = open_dataset(args.dataset, image="tensor", decoder=args.decoder,
-                          transform=RandomCrop(args.crop) if args.crop else None)
+                          crop=RandomResizedCropDecode(args.crop) if fused else None,
+                          transform=RandomCrop(args.crop) if args.crop and not fused else None)
     if args.cache:
         from packer.read.cache import CachedDataset
 

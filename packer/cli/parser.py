@@ -213,6 +213,7 @@ def _add_profile(sub) -> None:
         packer profile imgs.lmdb --step-ms 40 --plot sweep.png --json sweep.json
         packer profile imgs.lmdb --batch-size 64,128 --pin-memory off,on --device cuda
         packer profile imgs.lmdb --cache ram-decoded     # what a RAM cache of decoded pixels would give
+        packer profile imgs.lmdb --train-crop            # fused decode + RandomResizedCrop(224) + flip
         """, description="Run a real DataLoader over the dataset (shuffled, as in training) for each "
         "num_workers / batch size / pin_memory setting while a simulated step sleeps --step-ms per batch, as "
         "a host waiting on its GPU does. Reports data wait vs step time, samples/s and the per-sample cost of "
@@ -232,6 +233,8 @@ def _add_profile(sub) -> None:
                    help="batches measured per setting, after warm-up (default 30)")
     p.add_argument("--crop", type=int_in(0), default=224,
                    help="random crop size so batches collate (default 224; 0: none, samples collated as lists)")
+    p.add_argument("--train-crop", action="store_true",
+                   help="the fused training pipeline instead: decode + RandomResizedCrop(--crop) + flip in one step")
     p.add_argument("--decoder", default="auto", help="JPEG decoder of the dataset (auto, turbojpeg, pil)")
     p.add_argument("--cache", choices=("ram", "ram-decoded"), default=None, help="profile through a shared RAM cache")
     p.add_argument("--device", default=None, help="copy each batch to this device, timed as host-to-device (e.g. cuda)")
@@ -290,7 +293,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--seconds", type=float_in(0.0, 600.0, above=True), default=2.0,
                    help="--decoders: CPU seconds per measurement (default 2)")
     p.add_argument("--levels", type=csv_of(str), default=("read", "decode", "loader"), metavar="L,..",
-                   help="any of read, decode, loader (default all)")
+                   help="any of read, decode, loader, train (RandomResizedCrop(224) batches) (default: all but train)")
     p.add_argument("--orders", type=csv_of(str), default=("sequential", "shuffle", "block"), metavar="O,..",
                    help="any of sequential, shuffle, block (default all)")
     cache = p.add_mutually_exclusive_group()

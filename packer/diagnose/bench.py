@@ -1,7 +1,9 @@
 """``packer bench``: throughput of loose folders vs packed datasets, against the machine's ceilings.
 
 For each dataset, level (``read``: bytes only; ``decode``: samples as training receives them;
-``loader``: through a DataLoader), order (``bench_sources.BENCH_ORDERS``) and page-cache state
+``loader``: through a DataLoader; ``train``: a DataLoader of RandomResizedCrop(224) + flip uint8
+batches, the folder through Pillow as torchvision does it, packed datasets in the fused ``crop`` mode),
+order (``bench_sources.BENCH_ORDERS``) and page-cache state
 (``cold``: every file of the dataset evicted before each repeat, checked with mincore; ``warm``:
 after a full pass), it times ``repeats`` passes and reports the median with min-max, the speed-up
 over the loose folder in the same setting, and the fraction of the relevant ceiling measured in
@@ -25,8 +27,10 @@ from torch.utils.data import DataLoader
 from packer.diagnose import measure, system
 from packer.diagnose.bench_sources import (
     BENCH_ORDERS,
+    TRAIN_SIZE,
     BenchOrder,
     FolderSamples,
+    FolderTrain,
     Source,
     list_collate,
     make_order,
@@ -37,7 +41,8 @@ from packer.diagnose.reports import progress_line
 from packer.errors import PackerError
 from packer.images.decode import pil_loader
 
-BENCH_LEVELS = ("read", "decode", "loader")
+BENCH_LEVELS = ("read", "decode", "loader", "train")
+LOADER_LEVELS = ("loader", "train")  # through a DataLoader, with workers
 CACHE_STATES = ("cold", "warm")
 WARMUP_SAMPLES = 32
 BENCH_VERSION = 1
@@ -45,7 +50,7 @@ BENCH_VERSION = 1
 
 @dataclass
 class BenchOptions:
-    levels: Sequence[str] = BENCH_LEVELS
+    levels: Sequence[str] = ("read", "decode", "loader")  # "train" on request: it is the slowest
     orders: Sequence[str] = BENCH_ORDERS
     caches: Sequence[str] = CACHE_STATES
     workers: Sequence[int] = (0, 2)
@@ -123,17 +128,21 @@ def _packed_pass(src: Source, level: str, order: BenchOrder, handle: dict) -> tu
 
 
 def _loader_pass(src: Source, order: BenchOrder, workers: int, batch_size: int, pin: bool,
-                 handle: dict) -> tuple[int, float | None]:
-    """Through a DataLoader: (samples, seconds to the first batch) from ``t0``."""
+                 handle: dict, train: bool = False) -> tuple[int, float | None]:
+    """Through a DataLoader (``train``: fused RandomResizedCrop batches): (samples, seconds to the first batch)."""
+    from packer.images.crop import RandomResizedCropDecode
+
     t0 = time.perf_counter()
     if src.kind == "folder":
-        dataset, indices = FolderSamples(src.paths, src.labels), order.indices
+        dataset, indices = (FolderTrain if train else FolderSamples)(src.paths, src.labels), order.indices
     else:
-        packed = handle.setdefault("tds", src.open("tensor"))
+        crop = RandomResizedCropDecode(TRAIN_SIZE) if train else None
+        packed = handle.setdefault("tds", src.open("tensor", crop=crop))
         packed.read_ahead_blocks(order.blocks)
         dataset, indices = packed, packed.index_map.public_many(order.indices)  # the order is of storage positions
+    stacked = train or one_shape(dataset)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=indices.tolist(), num_workers=workers,
-                        collate_fn=None if one_shape(dataset) else list_collate, pin_memory=pin)
+                        collate_fn=None if stacked else list_collate, pin_memory=pin)
     first, count = None, 0
     for images, _labels in loader:
         if first is None:
@@ -147,8 +156,8 @@ def run_pass(src: Source, level: str, order: BenchOrder, workers: int, batch_siz
     """One timed pass: (samples, bytes, seconds, seconds to the first batch or None)."""
     t0 = time.perf_counter()
     first = None
-    if level == "loader":
-        count, first = _loader_pass(src, order, workers, batch_size, pin, handle)
+    if level in LOADER_LEVELS:
+        count, first = _loader_pass(src, order, workers, batch_size, pin, handle, train=level == "train")
         nbytes = int(src.nbytes[order.indices].sum())
     elif level in ("read", "decode"):
         if src.kind == "folder":
@@ -239,7 +248,7 @@ def _settings(o: BenchOptions):
         if level not in o.levels:
             continue
         for order in o.orders:
-            for w in (sorted(set(o.workers)) if level == "loader" else [None]):
+            for w in (sorted(set(o.workers)) if level in LOADER_LEVELS else [None]):
                 for cache in CACHE_STATES:
                     if cache in o.caches:
                         yield level, order, cache, w
@@ -368,13 +377,13 @@ def measure_setting(src: Source, level: str, order_name: str, order: BenchOrder,
     row = {
         "dataset": str(src.path), "name": src.name, "kind": src.kind, "level": level, "order": order_name,
         "cache": cache, "workers": workers,
-        "batch_size": o.batch_size if (level == "loader" or (level == "read" and src.kind != "folder")) else None,
+        "batch_size": o.batch_size if (level in LOADER_LEVELS or (level == "read" and src.kind != "folder")) else None,
         "samples": count, "bytes": nbytes, "seconds": seconds,
         "samples_per_s": _stats([count / max(s, 1e-9) for s in seconds]),
         "mb_per_s": _stats([nbytes / 1e6 / max(s, 1e-9) for s in seconds]),
         "resident_before": t["resident"], "eviction": _eviction(cache, t["resident"]),
     }
-    if level == "loader":
+    if level in LOADER_LEVELS:
         # Worker start-up is part of every pass (and of every epoch); the steady rate leaves it out.
         row["seconds_to_first_batch"] = t["firsts"]
         first_n = min(o.batch_size, count)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 from torch.utils.data import Dataset
 
 from packer.diagnose import measure
@@ -78,6 +79,29 @@ class FolderSamples(Dataset):
         return torch.from_numpy(np.array(pil_loader(self.paths[i]))).permute(2, 0, 1), self.labels[i]
 
 
+TRAIN_SIZE = 224  # the train level's RandomResizedCrop output
+
+
+class FolderTrain(FolderSamples):
+    """A loose folder read as torchvision trains on it: PIL decode, then RandomResizedCrop(224) (crop, BILINEAR
+    resize) and a horizontal flip, as a CHW uint8 tensor (``ToTensor`` without the float scaling)."""
+
+    def __init__(self, paths: Sequence[str], labels: Sequence[int]) -> None:
+        from packer.images.crop import RandomResizedCropDecode
+
+        super().__init__(paths, labels)
+        self.crop = RandomResizedCropDecode(TRAIN_SIZE)  # only its torchvision-equal window draws
+
+    def __getitem__(self, i: int):
+        img = pil_loader(self.paths[i])
+        win = self.crop.window(img.height, img.width, i)
+        box = (win.left, win.top, win.left + win.width, win.top + win.height)
+        img = img.crop(box).resize((TRAIN_SIZE, TRAIN_SIZE), Image.Resampling.BILINEAR)
+        if win.flip:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        return torch.from_numpy(np.asarray(img).copy()).permute(2, 0, 1), self.labels[i]
+
+
 def list_collate(batch):
     """Images of different sizes can't be stacked without a transform: keep them as a list."""
     return [b[0] for b in batch], torch.tensor([b[1] for b in batch])
@@ -117,10 +141,10 @@ class Source:
     def name(self) -> str:
         return self.path.name
 
-    def open(self, image: str = "numpy"):
+    def open(self, image: str = "numpy", crop=None):
         from packer.read.dataset import open_dataset
 
-        return open_dataset(self.path, image=image, decoder=self.decoder)
+        return open_dataset(self.path, image=image, decoder=self.decoder, crop=crop)
 
     def decode_samples(self, k: int = 48) -> list[bytes]:
         """Up to ``k`` stored payloads spread over the source, to measure its decoder on."""

@@ -38,6 +38,8 @@ def batch_slots(ds: PackedDataset, indices: Sequence[int], max_bytes: int = BATC
         in_worker = get_worker_info() is not None
     if ds.image != "tensor" or ds.transform is not None or ds.decode_size or not in_worker:
         return None
+    if ds.crop is not None:  # fused crops: every output has crop.size, decoded straight into one block
+        return list(_new_batch((len(indices), *ds.crop.size, 3), shared=True).unbind(0))
     idx = np.asarray(indices, dtype=np.int64)
     h, w = ds.index.heights[idx].astype(np.int64), ds.index.widths[idx].astype(np.int64)
     if not len(h) or np.any(h <= 0) or np.any(w <= 0):

@@ -25,8 +25,9 @@ from PIL import Image
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import Format
+from packer.images.crop import CropDecode, check_crop
 from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
-from packer.images.headers import check_size
+from packer.images.headers import check_size, image_size
 from packer.layout.manifest import read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
 from packer.perprocess import PerProcess
@@ -64,9 +65,10 @@ class PackedDataset(FolderSurface):
         access: Access = "auto",
         decode_size: int | None = None,
         source_root: str | os.PathLike | None = None,
+        crop: CropDecode | None = None,
     ) -> None:
-        """``decode_size=S``: decode JPEGs at the smallest DCT scale (1/2, 1/4, 1/8) whose short side
-        is still >= S (faster, not pixel-identical to full-size decoding; encoded payloads only).
+        """``decode_size=S``: JPEGs decoded at the smallest DCT scale keeping the short side >= S (lossy; 224 does
+        nothing on 500x375 photos). ``crop``: a fused decode + crop + resize (packer.images.crop, docs/decoding.md).
         ``source_root``: the converted folder, where it is now (``samples`` join it with each relative
         path); default: the one the manifest records."""
         self.root = Path(path).absolute()  # not relative: a later os.chdir, a worker or an unpickling elsewhere
@@ -89,6 +91,7 @@ class PackedDataset(FolderSurface):
         self.image = image
         self.decoder = decoder
         self.decode_size = check_min_size(decode_size)
+        self.crop = check_crop(crop, self.decode_size)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self._blocks: np.ndarray | None = None  # read-ahead by whole blocks (read_ahead_blocks)
@@ -210,10 +213,12 @@ class PackedDataset(FolderSurface):
         if arr.size != h * w * 3:
             raise PackerError(f"{self.root}: sample {self.index_map.public(i)} holds {arr.size} bytes, "
                               f"expected {h}x{w}x3")
+        if self.crop is not None:
+            return self.crop.from_pixels(arr.reshape(h, w, 3), self.index_map.public(i), out)
         return copy_into(arr.reshape(h, w, 3), out)
 
     def _decode(self, i: int, buf, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
-        """Decode the sample stored at ``i``; any failure of a codec on damaged bytes is a DecodeError naming the sample.
+        """Decode the sample stored at ``i``; a codec failure on damaged bytes is a DecodeError naming the sample.
 
         The header is checked against the index first, so a damaged header can't make the
         decoder allocate an image far larger than the one that was packed; the decoder then
@@ -221,6 +226,9 @@ class PackedDataset(FolderSurface):
         """
         self.check_header(i, buf)
         with _sample_errors(self, i):
+            if self.crop is not None:  # its random crop is drawn per (seed, epoch, ImageFolder index)
+                hh, ww = image_size(buf)
+                return self.crop.from_bytes(buf, self.index_map.public(i), hh, ww, self.decoder, strict, out)
             return decode(buf, self.decoder, strict=strict, min_size=self.decode_size, out=out)
 
     def check_header(self, i: int, buf) -> None:
@@ -329,6 +337,8 @@ def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_option
     ``packer.read.cache.CachedDataset`` (``cache_options`` go to it): one copy in shared memory
     for all DataLoader workers.
     """
+    if cache == "ram-decoded" and kwargs.get("crop") is not None:
+        raise PackerError("crop= with cache='ram-decoded' would keep one crop per sample for ever: use cache='ram'")
     path = Path(path).absolute()
     manifest = read_manifest(path)
     ds = dataset_class(manifest.format, path)(path, **kwargs)

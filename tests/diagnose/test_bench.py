@@ -105,6 +105,17 @@ def test_loader_level_with_workers(data):
     assert all(r["ceiling"]["samples_per_s"] > 0 for r in report["results"])
 
 
+def test_train_level_gives_crop_batches_for_folder_and_packed(data):
+    folder, packed = data
+    opts = BenchOptions(levels=("train",), orders=("shuffle",), caches=("warm",), workers=(2,), repeats=1,
+                        ceiling_bytes=4 << 20, ceiling_seconds=0.2, batch_size=3)
+    report = run_bench([folder, packed], opts)
+    rows = report["results"]
+    assert sorted((r["kind"], r["level"], r["workers"]) for r in rows) == [("folder", "train", 2), ("lmdb", "train", 2)]
+    assert all(r["samples"] == 10 and r["samples_per_s"]["median"] > 0 for r in rows)
+    assert rows[1]["speedup_vs_folder"] is not None
+
+
 def test_limit_counts_only_the_first_samples(data):
     folder, packed = data
     report = run_bench([folder, packed], BenchOptions(levels=("read",), orders=("shuffle",), caches=("warm",),

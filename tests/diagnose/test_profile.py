@@ -221,3 +221,15 @@ def test_instrumented_cached_dataset_reads_nothing_ahead_from_disk(imagefolder, 
     )
     res = subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120)
     assert res.stdout.strip().splitlines()[-1] == "NONE", res.stdout + res.stderr
+
+
+def test_profile_cli_runs_the_fused_train_crop(lmdb_path, capsys):
+    import json
+
+    from packer.cli import main
+
+    rc = main(["profile", str(lmdb_path), "--workers", "0", "--batch-size", "4", "--step-ms", "1",
+               "--batches", "2", "--crop", "16", "--train-crop", "--json", "-", "-q"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc in (0, 1) and d["points"][0]["samples_per_s"] > 0
+    assert d["points"][0]["per_sample_ms"]["decode"] > 0  # the crop is part of decoding, no transform stage

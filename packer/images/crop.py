@@ -1,0 +1,235 @@
+"""Fused decode + crop + resize (+ flip): training's RandomResizedCrop and eval's resize + center crop in one
+step that decodes a JPEG at the smallest DCT scale (1/2, 1/4, 1/8) still leaving the crop >= the output size.
+
+A ``CropDecode`` turns an image size (from the header or the index, no pixels needed) into a ``Window``:
+the source rectangle, in full-resolution pixels, and whether to flip it. ``decode_window`` then decodes
+at the scale the window allows, resizes the window with antialiased bilinear (``resize_window``) and flips
+it, into ``out`` where given. Semantics and the pixel bounds: docs/decoding.md.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from packer._random import raw_draws
+from packer.errors import PackerError
+from packer.images.decode import SCALE_DENOMINATORS, check_pixels, decode, sniff
+from packer.perprocess import PerProcess
+
+ATTEMPTS = 10  # torchvision's RandomResizedCrop.get_params tries 10 crops, then falls back to a central one
+DRAWS = 2 * ATTEMPTS + 3  # two per attempt, the crop's position (two), the flip (one)
+
+
+@dataclass(frozen=True)
+class Window:
+    """A source rectangle in full-resolution pixels (fractional for resize-then-crop), and a horizontal flip."""
+
+    top: float
+    left: float
+    height: float
+    width: float
+    flip: bool = False
+
+
+def _size_pair(size: int | tuple[int, int]) -> tuple[int, int]:
+    pair = (size, size) if isinstance(size, (int, np.integer)) else tuple(size)
+    if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in pair):
+        raise PackerError(f"crop size {size!r}: expected a positive int or (height, width)")
+    check_pixels(int(pair[0]), int(pair[1]), what="crop output")
+    return int(pair[0]), int(pair[1])
+
+
+class CropDecode(ABC):
+    """How a dataset turns each image into a fixed-size output: ``window`` per sample, ``size`` for all."""
+
+    size: tuple[int, int]  # (height, width) of every output
+
+    @abstractmethod
+    def window(self, height: int, width: int, index: int) -> Window:
+        """The source rectangle for sample ``index`` of this full-resolution size."""
+
+    def from_bytes(self, data: bytes | memoryview, index: int, height: int, width: int, backend: str = "auto",
+               strict: bool = True, out: np.ndarray | None = None) -> np.ndarray:
+        """Sample ``index``'s encoded bytes (``height`` x ``width`` per their header) as its output."""
+        return decode_window(data, self.window(height, width, index), self.size, height, width, backend, strict, out)
+
+    def from_pixels(self, pixels: np.ndarray, index: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Sample ``index``'s full-resolution HWC uint8 pixels (a raw payload) as its output."""
+        return resize_window(pixels, self.window(pixels.shape[0], pixels.shape[1], index), self.size, out=out)
+
+
+def check_crop(crop: CropDecode | None, decode_size: int | None) -> CropDecode | None:
+    """A dataset's ``crop`` argument, checked: a CropDecode, and no ``decode_size`` beside it (it picks the scale)."""
+    if crop is not None and (decode_size or not isinstance(crop, CropDecode)):
+        raise PackerError(f"crop={crop!r}: expected a packer CropDecode, and no decode_size (the crop picks the scale)")
+    return crop
+
+
+def crop_params(height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float],
+                u: np.ndarray) -> tuple[int, int, int, int]:
+    """(top, left, h, w) by torchvision's ``RandomResizedCrop.get_params``, with ``u`` (>= 22 uniforms in
+    [0, 1)) in place of torch's generator: 10 tries of area and log-ratio, then the central fallback."""
+    area = height * width
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for k in range(ATTEMPTS):
+        target_area = area * (scale[0] + (scale[1] - scale[0]) * float(u[2 * k]))
+        aspect = math.exp(log_lo + (log_hi - log_lo) * float(u[2 * k + 1]))
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(float(u[2 * ATTEMPTS]) * (height - h + 1))  # torch.randint(0, height - h + 1)
+            left = int(float(u[2 * ATTEMPTS + 1]) * (width - w + 1))
+            return top, left, h, w
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        h, w = height, int(round(height * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+def _uniforms(raw: np.ndarray) -> np.ndarray:
+    """Doubles in [0, 1) from raw uint64 draws (the top 53 bits, as numpy's ``random()`` makes them)."""
+    return (raw >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def _torch_seeded() -> np.random.PCG64:
+    """This process's stream, seeded by torch (a DataLoader worker's seed differs per worker and epoch)."""
+    return np.random.PCG64(torch.initial_seed())
+
+
+class RandomResizedCropDecode(CropDecode):
+    """torchvision's ``RandomResizedCrop(size, scale, ratio)`` (+ ``RandomHorizontalFlip()`` when ``flip``), fused
+    with decoding. ``seed=None``: draws from a per-process stream seeded by ``torch.initial_seed()``, like
+    torchvision (different per worker and epoch; reproducible under ``torch.manual_seed``). ``seed=S``: each
+    sample's draws depend only on (S, epoch, index); call ``set_epoch`` each epoch (before the loader's
+    iterator is made: persistent workers keep the epoch they started with)."""
+
+    def __init__(self, size: int | tuple[int, int] = 224, scale: tuple[float, float] = (0.08, 1.0),
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = True, seed: int | None = None) -> None:
+        self.size = _size_pair(size)
+        if not 0 < scale[0] <= scale[1]:
+            raise PackerError(f"crop scale {scale!r}: expected 0 < low <= high")
+        if not 0 < ratio[0] <= ratio[1]:
+            raise PackerError(f"crop ratio {ratio!r}: expected 0 < low <= high")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise PackerError(f"crop seed {seed!r}: expected None or an integer >= 0")
+        self.scale = (float(scale[0]), float(scale[1]))
+        self.ratio = (float(ratio[0]), float(ratio[1]))
+        self.flip, self.seed, self.epoch = bool(flip), seed, 0
+        self._stream: PerProcess[np.random.PCG64] = PerProcess(_torch_seeded)
+
+    def __repr__(self) -> str:
+        return (f"RandomResizedCropDecode(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
+                f"flip={self.flip}, seed={self.seed})")
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch that, with ``seed`` and the sample index, decides the crops (``seed=S`` only)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise PackerError(f"epoch {epoch!r}: expected an integer >= 0")
+        self.epoch = epoch
+
+    def draws(self, index: int) -> np.ndarray:
+        """The uniforms sample ``index`` uses (``DRAWS`` of them)."""
+        if self.seed is None:
+            return _uniforms(self._stream.get().random_raw(DRAWS))
+        return _uniforms(raw_draws(self.seed, self.epoch, index, n=DRAWS))
+
+    def window(self, height: int, width: int, index: int) -> Window:
+        u = self.draws(index)
+        top, left, h, w = crop_params(height, width, self.scale, self.ratio, u)
+        return Window(top, left, h, w, self.flip and bool(u[DRAWS - 1] < 0.5))
+
+
+class CenterCropDecode(CropDecode):
+    """torchvision's ``Resize(resize)`` + ``CenterCrop(size)`` (the evaluation transform), fused with decoding:
+    the window is the centre crop's rectangle mapped back to the source."""
+
+    def __init__(self, size: int | tuple[int, int] = 224, resize: int = 256) -> None:
+        self.size = _size_pair(size)
+        if isinstance(resize, bool) or not isinstance(resize, int) or resize < max(self.size):
+            raise PackerError(f"resize {resize!r}: expected an int >= the crop size {max(self.size)}")
+        self.resize = resize
+
+    def __repr__(self) -> str:
+        return f"CenterCropDecode(size={self.size}, resize={self.resize})"
+
+    def window(self, height: int, width: int, index: int) -> Window:
+        # torchvision's Resize(int): the short side to `resize`, the long one truncated, int(resize * long / short)
+        if height <= width:
+            rh, rw = self.resize, int(self.resize * width / height)
+        else:
+            rh, rw = int(self.resize * height / width), self.resize
+        ch, cw = self.size
+        top, left = int(round((rh - ch) / 2.0)), int(round((rw - cw) / 2.0))  # CenterCrop's offsets
+        sy, sx = height / rh, width / rw
+        return Window(top * sy, left * sx, ch * sy, cw * sx)
+
+
+# ------------------------------------------------------------------ decoding a window
+
+
+def window_scale(window: Window, size: tuple[int, int]) -> int:
+    """The largest DCT denominator d in 8, 4, 2 (else 1) whose 1/d-scaled window is still >= ``size``."""
+    for d in SCALE_DENOMINATORS:
+        if window.height / d >= size[0] and window.width / d >= size[1]:
+            return d
+    return 1
+
+
+def _box(window: Window, d: int, height: int, width: int) -> tuple[float, float, float, float]:
+    """(top, left, bottom, right) of ``window`` on the 1/d grid of an image now ``height`` x ``width``, inside it."""
+    top = min(max(window.top / d, 0.0), height - 1.0)
+    left = min(max(window.left / d, 0.0), width - 1.0)
+    bottom = min(max((window.top + window.height) / d, top + 1.0), float(height))
+    right = min(max((window.left + window.width) / d, left + 1.0), float(width))
+    return top, left, bottom, right
+
+
+def resize_window(pixels: np.ndarray, window: Window, size: tuple[int, int], d: int = 1,
+                  out: np.ndarray | None = None) -> np.ndarray:
+    """``window`` (full-resolution pixels) of HWC uint8 ``pixels`` decoded at 1/d, resized to ``size`` with
+    antialiased bilinear and flipped as the window says. A window on whole pixels is cut out and resized by
+    torch (torchvision's ``resized_crop`` on uint8 tensors, ~2x faster than PIL); a fractional one (a DCT
+    scale, the eval window) by PIL's BILINEAR with that exact box (torchvision's PIL path, within 1 of it)."""
+    top, left, bottom, right = _box(window, d, pixels.shape[0], pixels.shape[1])
+    if all(float(v).is_integer() for v in (top, left, bottom, right)):
+        region = pixels[int(top):int(bottom), int(left):int(right)]
+        if (region.shape[0], region.shape[1]) == size:
+            resized = region
+        else:
+            if not region.flags.writeable:
+                region = region.copy()  # torch wants writable memory (raw payloads are read-only views)
+            src = torch.from_numpy(region).permute(2, 0, 1)[None]  # channels-last strides: torch's fast uint8 path
+            resized = F.interpolate(src, size=size, mode="bilinear", antialias=True)[0].permute(1, 2, 0).numpy()
+    else:
+        img = Image.fromarray(pixels).resize((size[1], size[0]), Image.Resampling.BILINEAR,
+                                             box=(left, top, right, bottom))
+        resized = np.asarray(img)
+    if window.flip:
+        resized = resized[:, ::-1]
+    if out is None or out.shape != (*size, 3):
+        return np.array(resized)  # a copy: never a view that keeps the whole decoded image alive
+    np.copyto(out, resized)
+    return out
+
+
+def decode_window(data: bytes | memoryview, window: Window, size: tuple[int, int], height: int, width: int,
+                  backend: str = "auto", strict: bool = True, out: np.ndarray | None = None) -> np.ndarray:
+    """Encoded image bytes (``height`` x ``width`` per their header) decoded at the smallest DCT scale the
+    window allows (JPEG; other formats at full size), then ``resize_window``."""
+    d = window_scale(window, size) if sniff(data) == "jpeg" else 1
+    # decode()'s min_size picks the largest d whose short side stays >= min_size: ceil(short / d) gives this d
+    short = min(height, width)
+    pixels = decode(data, backend, strict=strict, min_size=-(-short // d) if d > 1 else None)
+    scaled = d > 1 and pixels.shape[0] == -(-height // d)  # else the decoder gave the full size
+    return resize_window(pixels, window, size, d if scaled else 1, out)
