@@ -7,6 +7,8 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 DEMO   ?= demo
+# sample photos make demo generates (tests/test_readme.py runs the demo with fewer)
+DEMO_COUNT ?= 2000
 
 .PHONY: install system-deps test demo demo-datasets lint fuzz clean bench-report
 
@@ -63,7 +65,7 @@ demo: install demo-datasets $(DEMO)/bench.json
 
 demo-datasets:
 	@mkdir -p $(DEMO)
-	@test -d $(DEMO)/imgs || $(BIN)/packer sample $(DEMO)/imgs --count 2000 --classes 10
+	@test -d $(DEMO)/imgs || $(BIN)/packer sample $(DEMO)/imgs --count $(DEMO_COUNT) --classes 10
 	$(BIN)/packer convert $(DEMO)/imgs --to lmdb --if-changed --overwrite
 	$(BIN)/packer convert $(DEMO)/imgs --to hdf5 --if-changed --overwrite
 	$(BIN)/packer convert $(DEMO)/imgs --to memmap --if-changed --overwrite
