@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from packer.errors import PackerError, under_way
 from packer.units import human_bytes
@@ -29,8 +29,7 @@ def cmd_convert(args) -> int:
     import contextlib
 
     from packer.formats import FORMATS
-    from packer.write.convert import convert
-    from packer.write.scan import describe_ignored
+    from packer.write.convert import convert, convert_split
 
     if args.scheduler:
         from packer.write.cluster import open_client
@@ -39,14 +38,26 @@ def cmd_convert(args) -> int:
     else:
         cluster = contextlib.nullcontext()
     with cluster as client:
-        res = convert(
-            args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
+        kwargs: dict[str, Any] = dict(
+            to=args.format, payload=args.payload, validate=args.validate,
             on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
             resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
             compression=args.compression, **{o.name: vars(args)[o.name] for o in format_options(FORMATS)},
             overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
-            client=client,
+            client=client, source_type=args.source_type, root=args.root, path_column=args.path_column,
+            label_column=args.label_column, classes_file=args.classes_file, classes=args.classes,
         )
+        if args.split is None:
+            results = [convert(args.source, args.output, **kwargs)]
+        else:
+            results = list(convert_split(args.source, args.output, split=args.split, **kwargs))
+    return max(_report_convert(res) for res in results)
+
+
+def _report_convert(res) -> int:
+    """Print what one conversion did; 1 when some records were not packed."""
+    from packer.write.scan import describe_ignored
+
     total = res.num_samples + len(res.errors)
     print(
         f"packed {res.num_samples} of {total} images into {res.output} in {res.seconds:.1f} s "

@@ -55,6 +55,8 @@ class Manifest:
     options: dict[str, Any] = field(default_factory=dict)
     num_errors: int = 0
     source: str = ""
+    source_type: str = ""  # how the source was read (write/sources: folder, list, archive, packed, ...)
+    source_options: dict[str, Any] = field(default_factory=dict)  # ... and with which options (verify --against)
     created_by: str = ""
     created_at: str = ""
     kind: str = KIND
@@ -94,6 +96,8 @@ class Manifest:
                 options=_options(data.get("options", {})),
                 num_errors=_count(data.get("num_errors", 0), "num_errors"),
                 source=str(data.get("source", "")),
+                source_type=str(data.get("source_type", "")),
+                source_options=dict(_typed(data.get("source_options", {}), dict, "source_options")),
                 created_by=str(data.get("created_by", "")),
                 created_at=str(data.get("created_at", "")),
             )

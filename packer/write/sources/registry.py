@@ -1,0 +1,46 @@
+"""Choosing a source by what SRC is, or by ``--source-type``; the one entry point ``scan_source``.
+
+``SOURCES`` is checked in order: the first whose ``claims(path)`` is true reads SRC. A new source
+is one module and one line here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from packer.errors import PackerError
+from packer.write.scan import ClassMapper, ScanResult
+from packer.write.sources.base import Source, SourceOptions
+from packer.write.sources.folder import FolderSource
+from packer.write.sources.select import select
+
+SOURCES: dict[str, type[Source]] = {
+    FolderSource.type: FolderSource,
+}
+
+
+def open_source(src: str | os.PathLike, options: SourceOptions = SourceOptions()) -> Source:
+    """The source that reads ``src``: ``options.type`` when given, else the first of ``SOURCES`` that claims it."""
+    path = Path(os.path.abspath(src))
+    if options.type is not None:
+        cls = SOURCES.get(options.type)
+        if cls is None:
+            raise PackerError(f"--source-type {options.type!r}: unknown (choose from {', '.join(SOURCES)})")
+        return cls(path, options)
+    if not os.path.lexists(path):
+        raise PackerError(f"{src}: no such folder or file")
+    for cls in SOURCES.values():
+        if cls.claims(path):
+            return cls(path, options)
+    raise PackerError(f"{src}: not a source packer reads (a folder of images, a packer dataset, a list file "
+                      f".csv/.tsv/.txt/.lst, or an archive .tar/.tar.gz/.tgz/.zip); name its kind with --source-type")
+
+
+def scan_source(src: str | os.PathLike, options: SourceOptions = SourceOptions(),
+                map_classes: ClassMapper | None = None) -> ScanResult:
+    """The records of ``src`` as ``options`` read and select them (``--classes``, ``--split``)."""
+    source = open_source(src, options)
+    scan = source.scan(map_classes)
+    scan.source_type = source.type
+    return select(scan, options)
