@@ -46,6 +46,7 @@ def cmd_convert(args) -> int:
             overwrite=args.overwrite, resume=args.resume, progress=not args.quiet, order=args.order, seed=args.seed,
             client=client, source_type=args.source_type, root=args.root, path_column=args.path_column,
             label_column=args.label_column, classes_file=args.classes_file, classes=args.classes,
+            label_key=args.label_key, image_column=args.image_column,
         )
         if args.split is None:
             results = [convert(args.source, args.output, **kwargs)]

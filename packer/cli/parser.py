@@ -153,6 +153,10 @@ def _add_source_arguments(p) -> None:
                    "labels, integers or class names (default label)")
     p.add_argument("--classes-file", metavar="FILE", default=None, help="list files with integer labels: the class "
                    "names, one a line, line i naming label i (default: the labels themselves, 0..max)")
+    p.add_argument("--label-key", metavar="FIELD", default=None, help="WebDataset shards: the label is this field "
+                   "of each sample's json member (default: its cls member)")
+    p.add_argument("--image-column", metavar="NAME", default=None, help="Hugging Face datasets: the Image column "
+                   "(default image); --label-column names the label column (default label, when there is one)")
     p.add_argument("--classes", metavar="A,B,C", default=None, help="keep only these classes, renumbered as "
                    "ImageFolder numbers a folder holding only them (sorted names)")
     p.add_argument("--split", metavar="FRACTION", type=float_in(0.0, 1.0, above=True, below=True), default=None,

@@ -80,13 +80,16 @@ def convert(
     label_column: str | None = None,
     classes_file: str | os.PathLike | None = None,
     classes: Sequence[str] | None = None,
+    label_key: str | None = None,
+    image_column: str | None = None,
     **options: Any,
 ) -> ConvertResult:
     """Pack the records of source ``src`` into a dataset of format ``to``; see ``packer convert --help``.
 
     ``src`` is a folder of images, a list file, an archive or a packer dataset, chosen by what it is
     or by ``source_type`` (write/sources/registry.py); ``root``, ``path_column``, ``label_column`` and
-    ``classes_file`` read list files; ``classes`` keeps those classes only (renumbered in sorted order).
+    ``classes_file`` read list files (``label_key``: WebDataset's json label field; ``image_column``:
+    a Hugging Face dataset's image column); ``classes`` keeps those classes only (renumbered in sorted order).
     ``options`` are the fields of ``ConvertOptions`` (``payload``, ``validate``, ``shard_bytes``,
     ``resize``, ``order``, ``tile``, ...): everything that decides the output's bytes, recorded in
     the manifest. ``payload`` defaults to ``encoded`` where the format stores it, else ``raw``
@@ -96,7 +99,8 @@ def convert(
     defaults suit every run). ``overwrite`` replaces an existing packer dataset (nothing else);
     ``resume`` goes on with an interrupted run's ``<out>.partial``.
     """
-    source = source_options(source_type, root, path_column, label_column, classes_file, classes)
+    source = source_options(source_type, root, path_column, label_column, classes_file, classes, label_key,
+                            image_column)
     return _convert(src, output_path(src, output, to), source, to, on_error, workers, overwrite, resume, progress,
                     client, pool, options)
 
@@ -106,7 +110,8 @@ def convert_split(src: str | os.PathLike, output: str | os.PathLike | None = Non
     """``convert`` into ``<output>-train`` and ``<output>-val``: per class, a seeded ``split`` fraction
     (``seed``, as for the order) goes to train, the rest to val (write/sources/select.py)."""
     out = output_path(src, output, to)
-    names = ("source_type", "root", "path_column", "label_column", "classes_file", "classes")
+    names = ("source_type", "root", "path_column", "label_column", "classes_file", "classes", "label_key",
+             "image_column")
     given = {k: kwargs.pop(k, None) for k in names}
     base = source_options(**given)
     common = ("on_error", "workers", "overwrite", "resume", "progress", "client", "pool")
@@ -124,14 +129,16 @@ def convert_split(src: str | os.PathLike, output: str | os.PathLike | None = Non
 def source_options(source_type: str | None = None, root: str | os.PathLike | None = None,
                    path_column: str | None = None, label_column: str | None = None,
                    classes_file: str | os.PathLike | None = None,
-                   classes: Sequence[str] | None = None) -> SourceOptions:
+                   classes: Sequence[str] | None = None, label_key: str | None = None,
+                   image_column: str | None = None) -> SourceOptions:
     """SourceOptions from ``convert``'s keywords (paths made absolute: the manifest records them)."""
     if isinstance(classes, str):
         classes = [c for c in classes.split(",") if c]
     return SourceOptions(
         type=source_type, root=None if root is None else os.path.abspath(root), path_column=path_column,
         label_column=label_column, classes_file=None if classes_file is None else os.path.abspath(classes_file),
-        classes=None if classes is None else tuple(str(c) for c in classes),
+        classes=None if classes is None else tuple(str(c) for c in classes), label_key=label_key,
+        image_column=image_column,
     )
 
 

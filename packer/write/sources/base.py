@@ -152,6 +152,8 @@ class SourceOptions:
     split: float | None = None  # --split: the fraction of each class in the train part
     split_seed: int = 0
     part: str | None = None  # "train" or "val": which part of --split this output holds
+    label_key: str | None = None  # WebDataset: the field of a sample's json member holding its label (else cls)
+    image_column: str | None = None  # Hugging Face: the Image column (default "image")
 
     def record(self) -> dict[str, Any]:
         """JSON-able, without unset entries (a folder conversion records {"type": "folder"})."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -30,7 +30,7 @@ from packer.write.sources.labels import inside_root, integer_classes, keep_in_ra
 
 @dataclass
 class _Cache:
-    files: dict[int, TableFile]
+    files: dict[int, TableFile] = field(default_factory=dict)
     batch: tuple[int, int] | None = None  # (file, batch) held in column
     column: Any = None  # the image column's bytes child of that batch
 
@@ -41,7 +41,7 @@ class RowReader(SourceReader):
     def __init__(self, files: HFFiles, image_column: str, root: Path | None) -> None:
         self.files, self.image_column = files, image_column
         self.paths = FileReader(root) if root is not None else None
-        self._cache: PerProcess[_Cache] = PerProcess(lambda: _Cache({}))
+        self._cache: PerProcess[_Cache] = PerProcess(_Cache)
 
     def _bytes_column(self, f: int, k: int) -> Any:
         cache = self._cache.get()
@@ -209,4 +209,4 @@ def _lengths(data: Any) -> list[int]:
     """Each row's byte count (0 for a null)."""
     import pyarrow.compute as pc
 
-    return [n or 0 for n in pc.binary_length(data).to_pylist()]
+    return [n or 0 for n in pc.call_function("binary_length", [data]).to_pylist()]

@@ -13,9 +13,15 @@ from packer.errors import PackerError
 from packer.write.scan import ClassMapper, ScanResult
 from packer.write.sources.base import Source, SourceOptions
 from packer.write.sources.folder import FolderSource
+from packer.write.sources.hf import HFSource
+from packer.write.sources.mxrec import RecordIOSource
 from packer.write.sources.select import select
+from packer.write.sources.webdataset import WebDatasetSource
 
 SOURCES: dict[str, type[Source]] = {
+    WebDatasetSource.type: WebDatasetSource,  # before folder: a folder of .tar shards; a brace pattern
+    HFSource.type: HFSource,  # before folder: a save_to_disk folder, a folder of .parquet files
+    RecordIOSource.type: RecordIOSource,
     FolderSource.type: FolderSource,
 }
 
@@ -28,13 +34,15 @@ def open_source(src: str | os.PathLike, options: SourceOptions = SourceOptions()
         if cls is None:
             raise PackerError(f"--source-type {options.type!r}: unknown (choose from {', '.join(SOURCES)})")
         return cls(path, options)
-    if not os.path.lexists(path):
-        raise PackerError(f"{src}: no such folder or file")
-    for cls in SOURCES.values():
+    for cls in SOURCES.values():  # a WebDataset brace pattern names no existing path
         if cls.claims(path):
             return cls(path, options)
+    if not os.path.lexists(path):
+        raise PackerError(f"{src}: no such folder or file")
     raise PackerError(f"{src}: not a source packer reads (a folder of images, a packer dataset, a list file "
-                      f".csv/.tsv/.txt/.lst, or an archive .tar/.tar.gz/.tgz/.zip); name its kind with --source-type")
+                      ".csv/.tsv/.txt/.lst, an archive .tar/.tar.gz/.tgz/.zip, WebDataset shards "
+                      "'shards-{000000..000009}.tar', a Hugging Face dataset (save_to_disk folder, .parquet) or an "
+                      "MXNet .rec); name its kind with --source-type")
 
 
 def scan_source(src: str | os.PathLike, options: SourceOptions = SourceOptions(),

@@ -158,7 +158,8 @@ def _members(tf: tarfile.TarFile, size: int, listing: ShardListing) -> Iterator[
         info = tf.next()
         if info is None:
             return
-        tf.members = []  # tarfile keeps every header otherwise: memory must not grow with the shard
+        # tarfile keeps every header otherwise: memory must not grow with the shard (as webdataset does)
+        tf.members = []  # pyright: ignore[reportAttributeAccessIssue]
         name = info.name
         if info.isdir():
             listing.ignored["tar folders"] += 1

@@ -122,7 +122,7 @@ class WebDatasetSource(Source):
     @classmethod
     def claims(cls, path: Path) -> bool:
         """A brace pattern, or a folder holding ``.tar`` files and nothing else (a single ``.tar`` is an archive)."""
-        if "{" in path.name and not path.exists():
+        if "{" in str(path) and not path.exists():
             return True
         if not path.is_dir():
             return False
@@ -147,16 +147,17 @@ class WebDatasetSource(Source):
                 for sample in listing.samples:
                     found.add(fh.fileno(), n, name, sample, self.options.label_key)
         labelled = any(v is not None for v in found.labels)
-        for i in [i for i, v in enumerate(found.labels) if v is None and labelled]:
-            found.errors.append(SourceError(found.keys[i], "no label (other samples have one: a cls member, or "
-                                            "a json member's --label-key field)", found.where[i]))
         labels = np.asarray([-1 if v is None else v for v in found.labels], dtype=np.int64)
+        classes, keep = [], list(range(len(labels)))
         if labelled:
-            classes = integer_classes(labels, self.options.classes_file)
-            keep = [i for i in keep_in_range(found.keys, labels, classes, found.where, found.errors).tolist()
-                    if found.labels[i] is not None]
-        else:
-            classes, keep = [], list(range(len(labels)))
+            keep = [i for i in keep if found.labels[i] is not None]
+            for i in sorted(set(range(len(labels))) - set(keep)):
+                found.errors.append(SourceError(found.keys[i], "no label (other samples have one: a cls member, "
+                                                "or a json member's --label-key field)", found.where[i]))
+            classes = integer_classes(labels[keep], self.options.classes_file)
+            ok = keep_in_range([found.keys[i] for i in keep], labels[keep], classes, [found.where[i] for i in keep],
+                               found.errors)
+            keep = [keep[j] for j in ok.tolist()]
         if not keep and not found.errors:
             raise PackerError(f"{self.path}: no samples with an image in {len(shards)} shard(s)")
         return ScanResult(root=root, classes=classes, rel_paths=[found.keys[i] for i in keep], labels=labels[keep],
