@@ -13,10 +13,12 @@ from packer.errors import PackerError
 from packer.write.scan import ClassMapper, ScanResult
 from packer.write.sources.base import Source, SourceOptions
 from packer.write.sources.folder import FolderSource
+from packer.write.sources.listfile import ListSource
 from packer.write.sources.select import select
 
 SOURCES: dict[str, type[Source]] = {
     FolderSource.type: FolderSource,
+    ListSource.type: ListSource,
 }
 
 
