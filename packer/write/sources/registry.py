@@ -11,6 +11,7 @@ from pathlib import Path
 
 from packer.errors import PackerError
 from packer.write.scan import ClassMapper, ScanResult
+from packer.write.sources.archive import ArchiveSource
 from packer.write.sources.base import Source, SourceOptions
 from packer.write.sources.folder import FolderSource
 from packer.write.sources.listfile import ListSource
@@ -19,6 +20,7 @@ from packer.write.sources.select import select
 SOURCES: dict[str, type[Source]] = {
     FolderSource.type: FolderSource,
     ListSource.type: ListSource,
+    ArchiveSource.type: ArchiveSource,
 }
 
 
