@@ -15,9 +15,11 @@ from packer.write.sources.archive import ArchiveSource
 from packer.write.sources.base import Source, SourceOptions
 from packer.write.sources.folder import FolderSource
 from packer.write.sources.listfile import ListSource
+from packer.write.sources.packed import PackedSource
 from packer.write.sources.select import select
 
 SOURCES: dict[str, type[Source]] = {
+    PackedSource.type: PackedSource,  # before folder: a dataset is a folder too
     FolderSource.type: FolderSource,
     ListSource.type: ListSource,
     ArchiveSource.type: ArchiveSource,
