@@ -179,7 +179,11 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
 
 
 def check_sequential(scan: ScanResult, options: ConvertOptions, client: Any) -> None:
-    """A source read only in order (a compressed tar) can't be shuffled or spread over a cluster."""
+    """A source read only in order (a compressed tar) can't be shuffled or spread over a cluster; pixels are
+    never re-encoded."""
+    if scan.source_reader().gives_pixels and options.payload != "raw":
+        raise PackerError(f"{scan.root}: holds decoded pixels (raw payloads), which packer never re-encodes: "
+                          "convert it with --payload raw (or convert the original images)")
     if not scan.source_reader().sequential:
         return
     if options.order != "source":

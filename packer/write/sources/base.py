@@ -37,6 +37,7 @@ class SourceReader(ABC):
     """Reads records of one source by (key, locator); picklable, opening nothing until used in a process."""
 
     sequential: ClassVar[bool] = False  # True: records can only be read in scan order (a compressed tar)
+    gives_pixels: bool = False  # True: read() gives HWC pixels (a packed dataset of raw payloads): raw output only
 
     @abstractmethod
     def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:

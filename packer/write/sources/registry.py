@@ -11,18 +11,24 @@ from pathlib import Path
 
 from packer.errors import PackerError
 from packer.write.scan import ClassMapper, ScanResult
+from packer.write.sources.archive import ArchiveSource
 from packer.write.sources.base import Source, SourceOptions
 from packer.write.sources.folder import FolderSource
 from packer.write.sources.hf import HFSource
+from packer.write.sources.listfile import ListSource
 from packer.write.sources.mxrec import RecordIOSource
+from packer.write.sources.packed import PackedSource
 from packer.write.sources.select import select
 from packer.write.sources.webdataset import WebDatasetSource
 
 SOURCES: dict[str, type[Source]] = {
+    PackedSource.type: PackedSource,  # before folder: a dataset is a folder too
     WebDatasetSource.type: WebDatasetSource,  # before folder: a folder of .tar shards; a brace pattern
     HFSource.type: HFSource,  # before folder: a save_to_disk folder, a folder of .parquet files
     RecordIOSource.type: RecordIOSource,
     FolderSource.type: FolderSource,
+    ListSource.type: ListSource,
+    ArchiveSource.type: ArchiveSource,
 }
 
 
