@@ -152,3 +152,20 @@ def test_listing_records_where_each_member_lies_in_the_shard(shards):
     with open(shards[0], "rb") as fh:
         fh.seek(member.offset)
         assert fh.read(member.size) == ITEMS[0].image
+
+
+def test_compressed_shards_are_streamed_in_order_with_the_same_records(shards, tmp_path):
+    import gzip
+
+    folder = tmp_path / "gz"
+    folder.mkdir()
+    for p in shards:
+        (folder / (p.name + ".gz")).write_bytes(gzip.compress(p.read_bytes()))
+    src = folder / "shards-{000000..000002}.tar.gz"
+    out = tmp_path / "out.lmdb"
+    assert convert_ok(src, out, "--workers", "2")["num_errors"] == 0
+    ds = open_dataset(out)
+    assert [bytes(ds.read_payload(i)) for i in range(len(ds))] == [it.image for it in ITEMS]
+    assert ds.targets == [it.label for it in ITEMS] and ds.index.rel_path(0) == "shards-000000.tar.gz/s0000.jpg"
+    res = run_cli("verify", out, "--against", src)
+    assert res.returncode == 0, res.stdout + res.stderr

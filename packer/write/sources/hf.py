@@ -83,6 +83,10 @@ class RowReader(SourceReader):
     def location(self, rel: str, loc: Any) -> str:
         return "" if isinstance(loc, str) else f"{self.files.names[loc[0]]}: row {rel.rsplit('/', 1)[1].split('.')[0]}"
 
+    def missing(self) -> str | None:
+        gone = [n for n in self.files.names if not (self.files.root / n).is_file()]
+        return f"cannot see {self.files.root / gone[0]}" if gone else None
+
     def close(self) -> None:
         self._cache.close()
 

@@ -10,34 +10,15 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.errors import PackerError
 from packer.layout.trust import check_inner_name
 from packer.write.scan import SourceError
-
-_MAX_CLASSES_FILE = 64 << 20
-
-
-def read_classes_file(path: str | Path) -> list[str]:
-    """The class names of ``--classes-file``: one per line, in order (blank lines at the end ignored)."""
-    path = Path(path)
-    try:
-        if path.stat().st_size > _MAX_CLASSES_FILE:
-            raise PackerError(f"{path}: too large for a list of class names")
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PackerError(f"{path}: cannot read the classes file ({exc})") from None
-    while lines and not lines[-1].strip():
-        lines.pop()
-    names = [line.strip() for line in lines]
-    if not names or "" in names or len(set(names)) != len(names):
-        raise PackerError(f"{path}: expected one distinct, non-empty class name per line")
-    return names
+from packer.write.sources.listfile import read_classes
 
 
 def integer_classes(labels: np.ndarray, classes_file: str | None) -> list[str]:
     """``classes`` of integer labels: ``classes_file``'s names, else "0".."max" (none when no label is >= 0)."""
     if classes_file:
-        return read_classes_file(classes_file)
+        return read_classes(Path(classes_file))
     top = int(labels.max()) if len(labels) else -1
     return [str(i) for i in range(top + 1)]
 

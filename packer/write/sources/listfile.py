@@ -127,7 +127,7 @@ def _plain_rows(path: Path, text: str) -> _Rows:
 
 def _labels(path: Path, rows: _Rows, classes_file: str | None) -> tuple[list[str], np.ndarray]:
     """The classes and each kept row's label index; rows with a bad label move to the errors."""
-    named = _read_classes(Path(classes_file)) if classes_file is not None else None
+    named = read_classes(Path(classes_file)) if classes_file is not None else None
     ints = sum(t.isdigit() for t in rows.labels)
     numeric = ints * 2 > len(rows.labels)  # mostly integers: the others are bad labels, not class names
     if numeric:
@@ -151,7 +151,7 @@ def _labels(path: Path, rows: _Rows, classes_file: str | None) -> tuple[list[str
     return classes, labels
 
 
-def _read_classes(path: Path) -> list[str]:
+def read_classes(path: Path) -> list[str]:
     """``--classes-file``: one class name per line (line i names label i), no blank or repeated names."""
     names = [n.strip() for n in _read_text(path).splitlines()]
     while names and not names[-1]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import tarfile
+import zlib
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from pathlib import Path
 from packer.errors import PackerError
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")  # the image of a sample: exactly one of these
+LABEL_EXTENSIONS = ("cls", "json")  # read while listing: a label is in one of them
+MAX_LABEL_MEMBER = 1 << 20  # a cls or json member larger than this holds no label
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$|^([A-Za-z])\.\.([A-Za-z])$")
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta
@@ -105,13 +108,14 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 def shard_paths(src: str | os.PathLike) -> list[Path]:
-    """The shards ``src`` names: a brace pattern, one ``.tar``, or a folder's ``*.tar`` files (sorted)."""
+    """The shards ``src`` names: a brace pattern, one shard, or a folder's ``*.tar``/``*.tar.gz`` files (sorted)."""
     text = os.fspath(src)
     path = Path(text)
     if path.is_dir():
-        shards = sorted(p for p in path.iterdir() if p.name.endswith(".tar") and not p.name.startswith("."))
+        shards = sorted(p for p in path.iterdir() if p.name.endswith((".tar", ".tar.gz", ".tgz"))
+                        and not p.name.startswith("."))
         if not shards:
-            raise PackerError(f"{path}: no .tar shards in this folder")
+            raise PackerError(f"{path}: no .tar or .tar.gz shards in this folder")
         return shards
     names = expand_braces(text)
     if len(set(names)) != len(names):
@@ -130,7 +134,7 @@ class Member:
     """One regular file of a tar: where its bytes lie."""
 
     name: str
-    offset: int  # of the data, in the tar
+    offset: int  # of the data, in the tar; in a compressed shard: the member's number in the stream
     size: int
 
 
@@ -141,6 +145,7 @@ class TarSample:
     key: str
     members: dict[str, Member] = field(default_factory=dict)
     problem: str | None = None  # why the sample can't be packed as it is (a repeated extension)
+    small: dict[str, bytes | None] = field(default_factory=dict)  # cls/json members' bytes (None: too large)
 
 
 @dataclass
@@ -152,10 +157,18 @@ class ShardListing:
     ignored: Counter = field(default_factory=Counter)
 
 
-def _members(tf: tarfile.TarFile, size: int, listing: ShardListing) -> Iterator[Member]:
-    """The shard's regular files with data inside it; the rest goes to ``listing`` as ignored or a problem."""
+def is_compressed(path: Path) -> bool:
+    return path.name.endswith((".tar.gz", ".tgz"))
+
+
+def _members(tf: tarfile.TarFile, size: int | None,
+             listing: ShardListing) -> Iterator[tuple[Member, tarfile.TarInfo]]:
+    """The shard's regular files with data inside it (``size``: the shard's; None: a compressed stream, where
+    a member is numbered instead); the rest goes to ``listing`` as ignored or a problem."""
+    number = -1
     while True:
         info = tf.next()
+        number += 1
         if info is None:
             return
         # tarfile keeps every header otherwise: memory must not grow with the shard (as webdataset does)
@@ -168,11 +181,11 @@ def _members(tf: tarfile.TarFile, size: int, listing: ShardListing) -> Iterator[
             listing.problems.append((name, f"tar member is {kind}: not read"))
         elif _META.match(name) or ("/" not in name and name.startswith("__") and name.endswith("__")):
             listing.ignored["webdataset metadata members"] += 1
-        elif info.offset_data + info.size > size:
+        elif size is not None and info.offset_data + info.size > size:
             listing.problems.append((name, f"truncated: {info.size} bytes at byte {info.offset_data} run past "
                                            f"the shard's end ({size} bytes)"))
         else:
-            yield Member(name, info.offset_data, info.size)
+            yield Member(name, number if size is None else info.offset_data, info.size), info
 
 
 def _bad_name(name: str) -> bool:
@@ -181,47 +194,58 @@ def _bad_name(name: str) -> bool:
 
 
 def list_shard(path: Path) -> ShardListing:
-    """The samples of an uncompressed tar shard, grouped as WebDataset groups them (headers only)."""
+    """The samples of a tar shard, grouped as WebDataset groups them: headers only (and the small ``cls``/``json``
+    members), read in place for a ``.tar``, streamed once for a ``.tar.gz``."""
     listing = ShardListing()
+    compressed = is_compressed(path)
     try:
         size = os.stat(path).st_size
-        tf = tarfile.open(path, "r:")
+        tf = tarfile.open(path, "r|gz" if compressed else "r:")
     except FileNotFoundError:
         raise PackerError(f"{path}: no such shard") from None
-    except (OSError, tarfile.TarError) as exc:
-        raise PackerError(f"{path}: not a readable tar file ({exc})") from None
-    seen: set[str] = set()
-    current: TarSample | None = None
+    except (OSError, EOFError, zlib.error, tarfile.TarError) as exc:
+        raise PackerError(f"{path}: not a readable tar{'.gz' if compressed else ''} file ({exc})") from None
     with tf:
         try:
-            for m in _members(tf, size, listing):
-                split = split_name(m.name)
-                if split is None:
-                    listing.ignored["members without an extension"] += 1
-                    continue
-                if _bad_name(m.name):
-                    listing.problems.append((m.name, "member name is absolute or holds '..'"))
-                    continue
-                key, ext = split
-                if current is None or key != current.key:
-                    current = TarSample(key)
-                    if key in seen:
-                        current.problem = "key seen earlier in this shard (its members are not together)"
-                    seen.add(key)
-                    listing.samples.append(current)
-                if ext in current.members:
-                    current.problem = f"two members with extension .{ext}"
-                current.members.setdefault(ext, m)
-        except (OSError, tarfile.TarError) as exc:
+            _group(tf, None if compressed else size, listing)
+        except (OSError, EOFError, zlib.error, tarfile.TarError) as exc:
             listing.problems.append(("", f"damaged after byte {tf.offset}: {exc}; the rest of the shard is not read"))
             return listing
         end = tf.offset
-    with open(path, "rb") as fh:
-        tail = os.pread(fh.fileno(), 1024, end)
-    if tail != bytes(1024):  # tar ends with two zero blocks; tarfile stops silently at a bad header
-        listing.problems.append(("", f"truncated or damaged after byte {end} (no end-of-archive blocks): "
-                                     "members after it, if any, are not read"))
+    if not compressed:
+        with open(path, "rb") as fh:
+            tail = os.pread(fh.fileno(), 1024, end)
+        if tail != bytes(1024):  # tar ends with two zero blocks; tarfile stops silently at a bad header
+            listing.problems.append(("", f"truncated or damaged after byte {end} (no end-of-archive blocks): "
+                                         "members after it, if any, are not read"))
     return listing
+
+
+def _group(tf: tarfile.TarFile, size: int | None, listing: ShardListing) -> None:
+    """Group the members of ``tf`` into ``listing.samples`` (consecutive members sharing a key)."""
+    seen: set[str] = set()
+    current: TarSample | None = None
+    for m, info in _members(tf, size, listing):
+        split = split_name(m.name)
+        if split is None:
+            listing.ignored["members without an extension"] += 1
+            continue
+        if _bad_name(m.name):
+            listing.problems.append((m.name, "member name is absolute or holds '..'"))
+            continue
+        key, ext = split
+        if current is None or key != current.key:
+            current = TarSample(key)
+            if key in seen:
+                current.problem = "key seen earlier in this shard (its members are not together)"
+            seen.add(key)
+            listing.samples.append(current)
+        if ext in current.members:
+            current.problem = f"two members with extension .{ext}"
+        current.members.setdefault(ext, m)
+        if ext in LABEL_EXTENSIONS and ext not in current.small:
+            fh = tf.extractfile(info)
+            current.small[ext] = fh.read() if fh is not None and m.size <= MAX_LABEL_MEMBER else None
 
 
 def image_member(sample: TarSample) -> tuple[str, Member] | str:

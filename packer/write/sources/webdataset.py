@@ -14,9 +14,11 @@ flat whatever the shard's size).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +27,17 @@ import numpy as np
 from packer.errors import PackerError
 from packer.perprocess import PerProcess
 from packer.write.scan import ClassMapper, ScanResult, SourceError
+from packer.write.sources.archive_gz import GzTarReader
 from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader
 from packer.write.sources.labels import integer_classes, keep_in_range
-from packer.write.sources.wdstar import Member, TarSample, image_member, list_shard, shard_paths
-
-_MAX_LABEL_MEMBER = 1 << 20  # a cls or json member read for its label: more is not a label
+from packer.write.sources.wdstar import (
+    MAX_LABEL_MEMBER,
+    TarSample,
+    image_member,
+    is_compressed,
+    list_shard,
+    shard_paths,
+)
 
 
 class ShardReader(SourceReader):
@@ -83,35 +91,60 @@ class ShardReader(SourceReader):
         self._fds.close(lambda fds: [os.close(fd) for fd, _ in fds.values()])
 
 
-def read_small(fd: int, member: Member, where: str) -> bytes:
-    if member.size > _MAX_LABEL_MEMBER:
-        raise RecordError(f"{where}: {member.size} bytes, too large to hold a label")
-    return os.pread(fd, member.size, member.offset)
-
-
-def sample_label(fd: int, sample: TarSample, label_key: str | None) -> int | None:
+def sample_label(sample: TarSample, label_key: str | None) -> int | None:
     """The sample's label from ``cls`` (or ``json[label_key]``); None when it has none; RecordError when bad."""
-    if label_key is None:
-        member = sample.members.get("cls")
-        if member is None:
-            return None
-        text = read_small(fd, member, member.name).strip()
-        if not text.lstrip(b"-").isdigit():
-            raise RecordError(f"{member.name}: {text[:40]!r} is not an integer label")
-        return int(text)
-    member = sample.members.get("json")
-    if member is None:
+    ext = "cls" if label_key is None else "json"
+    if ext not in sample.members:
         return None
+    name, raw = sample.members[ext].name, sample.small.get(ext)
+    if raw is None:
+        raise RecordError(f"{name}: more than {MAX_LABEL_MEMBER} bytes, too large to hold a label")
+    if label_key is None:
+        text = raw.strip()
+        if not text.lstrip(b"-").isdigit():
+            raise RecordError(f"{name}: {text[:40]!r} is not an integer label")
+        return int(text)
     try:
-        value = json.loads(read_small(fd, member, member.name))
+        value = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise RecordError(f"{member.name}: not JSON ({exc})") from None
+        raise RecordError(f"{name}: not JSON ({exc})") from None
     if not isinstance(value, dict) or label_key not in value:
-        raise RecordError(f"{member.name}: no field {label_key!r} (--label-key)")
+        raise RecordError(f"{name}: no field {label_key!r} (--label-key)")
     label = value[label_key]
     if isinstance(label, bool) or not isinstance(label, int):
-        raise RecordError(f"{member.name}: field {label_key!r} is {label!r}, not an integer label")
+        raise RecordError(f"{name}: field {label_key!r} is {label!r}, not an integer label")
     return label
+
+
+class StreamedShardReader(ShardReader):
+    """Shards some of which are ``.tar.gz``: read in scan order, each compressed shard streamed once
+    (``archive_gz.GzTarReader``; the locator's offset is then the member's number in the stream)."""
+
+    sequential = True
+
+    def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
+        res = next(self.read_in_order([(rel, loc)]))
+        if isinstance(res, RecordError):
+            raise res
+        return res
+
+    def read_in_order(self, records: Iterable[tuple[str, Any]]) -> Iterator[tuple[Payload, Facts | None] | RecordError]:
+        for shard, group in itertools.groupby(records, key=lambda r: r[1][0]):
+            path = self.shards[shard]
+            if not is_compressed(path):
+                for rel, loc in group:
+                    try:
+                        yield ShardReader.read(self, rel, loc)
+                    except RecordError as exc:
+                        yield exc
+                continue
+            try:
+                mtime = os.stat(path).st_mtime_ns
+            except OSError as exc:
+                for _ in group:
+                    yield RecordError(f"cannot read {path.name}: {exc.strerror or exc}")
+                continue
+            yield from GzTarReader(path, mtime).read_in_order((rel, (n, size)) for rel, (_, n, size) in group)
 
 
 class WebDatasetSource(Source):
@@ -127,7 +160,7 @@ class WebDatasetSource(Source):
         if not path.is_dir():
             return False
         names = [p for p in path.iterdir() if not p.name.startswith(".")]
-        return bool(names) and all(p.name.endswith(".tar") and p.is_file() for p in names)
+        return bool(names) and all(p.name.endswith((".tar", ".tar.gz", ".tgz")) and p.is_file() for p in names)
 
     def scan(self, map_classes: ClassMapper | None = None) -> ScanResult:
         shards = shard_paths(self.path)
@@ -143,9 +176,8 @@ class WebDatasetSource(Source):
             found.ignored.update(listing.ignored)
             for member, reason in listing.problems:
                 found.errors.append(SourceError(f"{name}/{member}", reason, f"{name}: member {member or '-'}"))
-            with open(shard, "rb") as fh:
-                for sample in listing.samples:
-                    found.add(fh.fileno(), n, name, sample, self.options.label_key)
+            for sample in listing.samples:
+                found.add(n, name, sample, self.options.label_key)
         labelled = any(v is not None for v in found.labels)
         labels = np.asarray([-1 if v is None else v for v in found.labels], dtype=np.int64)
         classes, keep = [], list(range(len(labels)))
@@ -160,9 +192,9 @@ class WebDatasetSource(Source):
             keep = [keep[j] for j in ok.tolist()]
         if not keep and not found.errors:
             raise PackerError(f"{self.path}: no samples with an image in {len(shards)} shard(s)")
+        reader = (StreamedShardReader if any(is_compressed(p) for p in shards) else ShardReader)(shards)
         return ScanResult(root=root, classes=classes, rel_paths=[found.keys[i] for i in keep], labels=labels[keep],
-                          ignored=found.ignored, errors=found.errors, reader=ShardReader(shards),
-                          locs=[found.locs[i] for i in keep])
+                          ignored=found.ignored, errors=found.errors, reader=reader, locs=[found.locs[i] for i in keep])
 
 
 class _Found:
@@ -176,7 +208,7 @@ class _Found:
         self.errors: list[SourceError] = []
         self.ignored: Counter = Counter()
 
-    def add(self, fd: int, n: int, shard: str, sample: TarSample, label_key: str | None) -> None:
+    def add(self, n: int, shard: str, sample: TarSample, label_key: str | None) -> None:
         """Add ``sample`` of shard ``n``, or an error naming shard and key."""
         where = f"{shard}: key {sample.key}"
         found = image_member(sample)
@@ -185,7 +217,7 @@ class _Found:
             return
         ext, member = found
         try:
-            label = sample_label(fd, sample, label_key)
+            label = sample_label(sample, label_key)
         except RecordError as exc:
             self.errors.append(SourceError(f"{shard}/{sample.key}.{ext}", str(exc), where))
             return
