@@ -142,7 +142,9 @@ def _add_source_arguments(p) -> None:
     from packer.write.sources.registry import SOURCES
 
     p.add_argument("source", help="a folder of images, a list file (.csv .tsv .txt .lst), an archive (.tar .tar.gz "
-                   ".tgz .zip) or a packer dataset; --source-type names the kind when its name does not")
+                   ".tgz .zip), a packer dataset, WebDataset shards ('shards-{000000..000099}.tar'), a Hugging Face "
+                   "dataset (save_to_disk folder, .parquet) or an MXNet .rec; --source-type names the kind when "
+                   "its name does not")
     p.add_argument("--source-type", choices=sorted(SOURCES), default=None,
                    help="read SRC as this kind of source (default: chosen by what SRC is)")
     p.add_argument("--root", metavar="DIR", default=None,
