@@ -17,7 +17,7 @@ from typing import Any
 
 from packer.errors import PackerError
 from packer.write.scan import ScanResult
-from packer.write.sources.archive import Members, clean_member, records_of
+from packer.write.sources.archive_common import Members, clean_member, forget_headers, records_of
 from packer.write.sources.base import Facts, Payload, RecordError, SourceReader
 
 _STREAM_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error)
@@ -27,7 +27,7 @@ def _stream(path: Path) -> Iterator[tuple[int, tarfile.TarInfo, tarfile.TarFile]
     """(member number, header, the open stream) for each member, in stored order, bounded memory."""
     with tarfile.open(path, mode="r|gz") as tf:
         for n, info in enumerate(tf):
-            tf.members = []  # tarfile keeps every header otherwise
+            forget_headers(tf)
             yield n, info, tf
 
 
