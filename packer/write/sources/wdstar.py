@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from packer.errors import PackerError
+from packer.write.sources.archive_common import forget_headers
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")  # the image of a sample: exactly one of these
 LABEL_EXTENSIONS = ("cls", "json")  # read while listing: a label is in one of them
@@ -171,8 +172,7 @@ def _members(tf: tarfile.TarFile, size: int | None,
         number += 1
         if info is None:
             return
-        # tarfile keeps every header otherwise: memory must not grow with the shard (as webdataset does)
-        tf.members = []  # pyright: ignore[reportAttributeAccessIssue]
+        forget_headers(tf)  # memory must not grow with the shard
         name = info.name
         if info.isdir():
             listing.ignored["tar folders"] += 1
