@@ -120,13 +120,6 @@ def _add_convert(sub) -> None:
                    "ds.samples and ds.index_of(rel_path) map samples to their source files")
     p.add_argument("--seed", type=int_in(0), default=0,
                    help="seed of --order shuffled (default 0; recorded in the manifest)")
-    p.add_argument("--skip-hidden", action="store_true",
-                   help="leave out hidden folders and files (names starting with '.', e.g. .ipynb_checkpoints), "
-                   "counted in the summary. Default: ImageFolder's rules, where a hidden folder is a class and a "
-                   "hidden image is a sample")
-    p.add_argument("--allow-empty", action="store_true",
-                   help="keep class folders without images as classes with no samples (ImageFolder's "
-                   "allow_empty=True); default: refuse them, naming each, as ImageFolder does")
     for opt in format_options(FORMATS):  # each format's own options (mosaic: --tile, --grid, ...), declared there
         typed: dict[str, Any] = {"type": opt.type} if opt.type is not None else {}  # None: the text as given
         p.add_argument(f"--{opt.name.replace('_', '-')}", dest=opt.name, metavar=opt.metavar, choices=opt.choices,
@@ -152,6 +145,13 @@ def _add_convert(sub) -> None:
 
 def _add_source_arguments(p) -> None:
     """convert's SRC and how it is read (write/sources)."""
+    p.add_argument("--skip-hidden", action="store_true",
+                   help="leave out hidden folders and files (names starting with '.', e.g. .ipynb_checkpoints), "
+                   "counted in the summary. Default: ImageFolder's rules, where a hidden folder is a class and a "
+                   "hidden image is a sample")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="keep class folders without images as classes with no samples (ImageFolder's "
+                   "allow_empty=True); default: refuse them, naming each, as ImageFolder does")
     from packer.write.sources.registry import SOURCES
 
     p.add_argument("source", help="a folder of images, a list file (.csv .tsv .txt .lst), an archive (.tar .tar.gz "

@@ -33,7 +33,8 @@ def test_csv_with_class_names_converts_and_verifies(imgs, tmp_path):
     res = convert(listing, tmp_path / "o.lmdb", root=imgs, workers=0, progress=False)
     ds = open_dataset(res.output)
     assert ds.classes == ["0x", "1x", "2x"]  # names sorted, as ImageFolder numbers folders
-    for rel, label in ds.samples:
+    assert [p for p, _ in ds.samples] == [str(imgs / rel) for rel in ds.relpaths]  # files below --root
+    for rel, label in zip(ds.relpaths, ds.targets):
         assert ds.classes[label] == rel.split("/")[0][-1] + "x"
         assert bytes(ds.read_payload(ds.index_of(rel))) == (imgs / rel).read_bytes()
     assert ds.manifest.source_type == "list" and ds.manifest.source_options["root"] == str(imgs)

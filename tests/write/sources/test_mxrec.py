@@ -29,8 +29,9 @@ def test_packers_records_convert_and_come_back_byte_identical(imagefolder, tmp_p
     out = tmp_path / "b.lmdb"
     assert convert_ok(first / "shard-00000.rec", out)["num_errors"] == 0
     ds, orig = open_dataset(out), open_dataset(first)
-    assert ds.targets == orig.targets and ds.classes == ["0", "1", "2"]
-    assert list(ds.index.rel_paths()) == [f"shard-00000.rec/{i}" for i in range(len(orig))]
+    # ds[i] is the .rec's record i: orig's i-th stored sample
+    assert ds.targets == orig.index.labels.tolist() and ds.classes == ["0", "1", "2"]
+    assert ds.relpaths == [f"shard-00000.rec/{i}" for i in range(len(orig))]
     res = run_cli("verify", out, "--against", first / "shard-00000.rec")
     assert res.returncode == 0, res.stdout + res.stderr
     back = tmp_path / "c.recordio"
