@@ -41,16 +41,17 @@ def int_in(low: int, high: int | None = None):
     return parse
 
 
-def float_in(low: float, high: float, above: bool = False):
-    """argparse type: a finite number from ``low`` (``above``: more than ``low``) to ``high``."""
+def float_in(low: float, high: float, above: bool = False, below: bool = False):
+    """argparse type: a finite number from ``low`` (``above``: more than ``low``) to ``high`` (``below``: less)."""
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (above and value == low) or value > high:
-            raise argparse.ArgumentTypeError(
-                f"{text} is out of range: expected {'more than' if above else 'from'} {low:g} to {high:g}")
+        if not math.isfinite(value) or value < low or (above and value == low) or value > high or (
+                below and value == high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {'more than' if above else 'from'} "
+                                             f"{low:g} to {'less than ' if below else ''}{high:g}")
         return value
     return parse
 

@@ -32,6 +32,7 @@ NONSENSE = [
     (["convert", "SRC"], "--shard-size", ["0", "-5MB", "..", "big"]),
     (["convert", "SRC", "--to", "n5"], "--n5-block", ["0", "-5MB", "big"]),
     (["convert", "SRC"], "--seed", ["-1", "1.5"]),
+    (["convert", "SRC"], "--split", ["0", "1", "-0.5", "nan", "half"]),
     (["convert", "SRC", "--to", "mosaic", "--tile", "16x16", "--codec", "jpeg"], "--quality", ["0", "101", "-3"]),
     (["sample", "OUT"], "--count", ["0", "-2", "99999999999"]),
     (["sample", "OUT"], "--classes", ["-1"]),

@@ -7,7 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from packer.errors import PackerError, under_way
 from packer.units import human_bytes
@@ -29,8 +29,7 @@ def cmd_convert(args) -> int:
     import contextlib
 
     from packer.formats import FORMATS
-    from packer.write.convert import convert
-    from packer.write.summary import conversion_summary, describe_left_out
+    from packer.write.convert import convert, convert_split
 
     if args.scheduler:
         from packer.write.cluster import open_client
@@ -39,18 +38,32 @@ def cmd_convert(args) -> int:
     else:
         cluster = contextlib.nullcontext()
     with cluster as client:
-        res = convert(
-            args.source, args.output, to=args.format, payload=args.payload, validate=args.validate,
+        kwargs: dict[str, Any] = dict(
+            to=args.format, payload=args.payload, validate=args.validate,
             on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
             resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
             compression=args.compression, **{o.name: vars(args)[o.name] for o in format_options(FORMATS)},
             overwrite=args.overwrite, resume=args.resume, if_changed=args.if_changed, progress=not args.quiet,
-            order=args.order, seed=args.seed,
-            skip_hidden=args.skip_hidden, allow_empty=args.allow_empty, client=client,
+            order=args.order, seed=args.seed, skip_hidden=args.skip_hidden, allow_empty=args.allow_empty,
+            client=client, source_type=args.source_type, root=args.root, path_column=args.path_column,
+            label_column=args.label_column, classes_file=args.classes_file, classes=args.classes,
+            label_key=args.label_key, image_column=args.image_column,
         )
-    if res.reused and not args.quiet:
+        if args.split is None:
+            results = [convert(args.source, args.output, **kwargs)]
+        else:
+            results = list(convert_split(args.source, args.output, split=args.split, **kwargs))
+    return max(_report_convert(res, args.quiet) for res in results)
+
+
+def _report_convert(res, quiet: bool) -> int:
+    """Print what one conversion did (``quiet``: nothing, the errors went to stderr); 1 when some records were
+    not packed."""
+    from packer.write.summary import conversion_summary, describe_left_out
+
+    if res.reused and not quiet:
         print(f"reused {res.output}: up to date (same options, same source files, sizes and times)")
-    elif not args.quiet:  # the errors themselves are printed to stderr as the conversion finishes
+    elif not quiet:
         packed = conversion_summary(res.num_samples, res.ignored, res.errors)
         rate = res.bytes_read / 1e6 / max(res.seconds, 1e-9)
         print(f"{packed} into {res.output} in {res.seconds:.1f} s ({res.files_per_second:.0f} files/s, "

@@ -82,9 +82,14 @@ def _add_convert(sub) -> None:
         packer convert imgs/ --to mosaic --tile 224x224 --grid 16x16 --codec jpeg --quality 95   # lossy, small
         packer convert /shared/imgs --to lmdb --scheduler tcp://HOST:8786   # on a Dask cluster
         packer convert imgs/ --to lmdb --scheduler local:4      # a local Dask cluster of 4 processes
-        """, description="Pack a folder of images (ImageFolder layout root/<class>/<img>, or flat) into one "
-        "dataset directory. Every source file is either packed or listed with its reason in errors.json.")
-    p.add_argument("source", help="folder of images")
+        packer convert labels.csv --root imgs/ --to lmdb    # a list file: path,label[,...] (or "path label" lines)
+        packer convert train.tar --to lmdb                  # an archive, read in place (also .zip, nested tars)
+        packer convert imgs.lmdb --to hdf5                  # a packer dataset into another format
+        packer convert imgs.lmdb --to lmdb --classes cat,dog --split 0.9 -o pets   # -> pets-train, pets-val
+        """, description="Pack a source (a folder of images in ImageFolder layout root/<class>/<img> or flat, a "
+        "list file, an archive, or a packer dataset) into one dataset directory. Every source record is either "
+        "packed or listed with its reason and location in errors.json.")
+    _add_source_arguments(p)
     p.add_argument("--to", dest="format", default="lmdb", choices=sorted(FORMATS), help="output format (default lmdb)")
     p.add_argument("-o", "--output", help="output directory (default: <source>.<format> beside the source)")
     p.add_argument("--payload", choices=("encoded", "raw"), default=None,
@@ -115,13 +120,6 @@ def _add_convert(sub) -> None:
                    "ds.samples and ds.index_of(rel_path) map samples to their source files")
     p.add_argument("--seed", type=int_in(0), default=0,
                    help="seed of --order shuffled (default 0; recorded in the manifest)")
-    p.add_argument("--skip-hidden", action="store_true",
-                   help="leave out hidden folders and files (names starting with '.', e.g. .ipynb_checkpoints), "
-                   "counted in the summary. Default: ImageFolder's rules, where a hidden folder is a class and a "
-                   "hidden image is a sample")
-    p.add_argument("--allow-empty", action="store_true",
-                   help="keep class folders without images as classes with no samples (ImageFolder's "
-                   "allow_empty=True); default: refuse them, naming each, as ImageFolder does")
     for opt in format_options(FORMATS):  # each format's own options (mosaic: --tile, --grid, ...), declared there
         typed: dict[str, Any] = {"type": opt.type} if opt.type is not None else {}  # None: the text as given
         p.add_argument(f"--{opt.name.replace('_', '-')}", dest=opt.name, metavar=opt.metavar, choices=opt.choices,
@@ -145,6 +143,42 @@ def _add_convert(sub) -> None:
     p.set_defaults(func=commands.cmd_convert)
 
 
+def _add_source_arguments(p) -> None:
+    """convert's SRC and how it is read (write/sources)."""
+    p.add_argument("--skip-hidden", action="store_true",
+                   help="leave out hidden folders and files (names starting with '.', e.g. .ipynb_checkpoints), "
+                   "counted in the summary. Default: ImageFolder's rules, where a hidden folder is a class and a "
+                   "hidden image is a sample")
+    p.add_argument("--allow-empty", action="store_true",
+                   help="keep class folders without images as classes with no samples (ImageFolder's "
+                   "allow_empty=True); default: refuse them, naming each, as ImageFolder does")
+    from packer.write.sources.registry import SOURCES
+
+    p.add_argument("source", help="a folder of images, a list file (.csv .tsv .txt .lst), an archive (.tar .tar.gz "
+                   ".tgz .zip), a packer dataset, WebDataset shards ('shards-{000000..000099}.tar'), a Hugging Face "
+                   "dataset (save_to_disk folder, .parquet) or an MXNet .rec; --source-type names the kind when "
+                   "its name does not")
+    p.add_argument("--source-type", choices=sorted(SOURCES), default=None,
+                   help="read SRC as this kind of source (default: chosen by what SRC is)")
+    p.add_argument("--root", metavar="DIR", default=None,
+                   help="list files: the folder their paths are relative to (default: the list file's folder)")
+    p.add_argument("--path-column", metavar="NAME", default=None, help="list files with a header: the column of "
+                   "image paths (default path)")
+    p.add_argument("--label-column", metavar="NAME", default=None, help="list files with a header: the column of "
+                   "labels, integers or class names (default label)")
+    p.add_argument("--classes-file", metavar="FILE", default=None, help="list files with integer labels: the class "
+                   "names, one a line, line i naming label i (default: the labels themselves, 0..max)")
+    p.add_argument("--label-key", metavar="FIELD", default=None, help="WebDataset shards: the label is this field "
+                   "of each sample's json member (default: its cls member)")
+    p.add_argument("--image-column", metavar="NAME", default=None, help="Hugging Face datasets: the Image column "
+                   "(default image); --label-column names the label column (default label, when there is one)")
+    p.add_argument("--classes", metavar="A,B,C", default=None, help="keep only these classes, renumbered as "
+                   "ImageFolder numbers a folder holding only them (sorted names)")
+    p.add_argument("--split", metavar="FRACTION", type=float_in(0.0, 1.0, above=True, below=True), default=None,
+                   help="write OUT-train and OUT-val: per class a seeded (--seed) FRACTION of the records goes to "
+                   "train, the rest to val")
+
+
 def _add_info(sub) -> None:
     p = _parser(sub, "info", "describe a packed dataset", """
         packer info imgs.lmdb
@@ -164,7 +198,8 @@ def _add_verify(sub) -> None:
     p.add_argument("dataset")
     p.add_argument("--deep", action="store_true",
                    help="also decode every sample (strictly) and check it against the stored shape")
-    p.add_argument("--against", metavar="SRC", help="the source folder to compare with")
+    p.add_argument("--against", metavar="SRC", help="the source to compare with (read as the dataset's manifest "
+                   "records it was read: its kind, a list file's --root and columns, --classes, its --split part)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=commands.cmd_verify)
 

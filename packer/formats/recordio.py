@@ -34,8 +34,8 @@ Reading checks before trusting: the ``.idx`` must list keys 0..N-1 in order at i
 offsets inside the ``.rec`` (the first at 0), and each record's parts (magic, flag sequence,
 lengths) must fill exactly the span up to the next record's offset; a read allocates at most
 that span, so a crafted file gives PackerError, never a large allocation. ``list_records``
-lists the records of any (foreign) ``.rec``/``.idx`` pair with their labels: the part a future
-``packer convert X.rec`` source needs.
+lists the records of any (foreign) ``.rec``/``.idx`` pair with their labels; ``record_spans`` and
+``peek_header`` are what the ``packer convert X.rec`` source (write/sources) builds on.
 
 One shard by default, the single ``.rec`` MXNet tools expect; ``--shard-size`` makes several
 pairs (DALI's reader takes lists of them; MXNet's iterators read one pair each).
@@ -219,25 +219,64 @@ def read_index(idx_path: str | os.PathLike, rec_size: int,
     return keys, arr
 
 
-def _scan_offsets(fh, size: int, where: object) -> np.ndarray:
-    """Where each record of a ``.rec`` without an index starts: a walk over the part headers alone."""
-    starts, pos, in_record = [], 0, False
+def scan_offsets(fd: int, size: int, where: object) -> tuple[np.ndarray, np.ndarray, str | None]:
+    """(starts, ends) of the records of a ``.rec`` without an index (a walk over the part headers alone),
+    and why the walk stopped early (None: it reached the end): the complete records before that stand.
+    """
+    starts, ends, pos, start, in_record = [], [], 0, 0, False
+    problem = None
     while pos < size:
-        head = os.pread(fh.fileno(), 8, pos)
+        head = os.pread(fd, 8, pos)
         if len(head) < 8:
-            raise PackerError(f"{where}: ends inside a part header at byte {pos}")
+            problem = f"{where}: ends inside a part header at byte {pos}"
+            break
         magic, lrec = struct.unpack("<II", head)
         if magic != MAGIC:
-            raise PackerError(f"{where}: bad RecordIO magic {magic:#010x} at byte {pos}")
-        cflag = lrec >> 29
+            problem = f"{where}: bad RecordIO magic {magic:#010x} at byte {pos}"
+            break
+        cflag, length = lrec >> 29, lrec & MAX_LENGTH
         if not in_record:
-            starts.append(pos)
+            start = pos
         in_record = cflag in (1, 2)
-        length = lrec & MAX_LENGTH
         pos += 8 + length + (_pad(length) if cflag in (0, 3) else 0)
-    if pos != size or in_record:
-        raise PackerError(f"{where}: the last record runs past the end of the file")
-    return np.asarray(starts, dtype=np.int64)
+        if not in_record and pos <= size:
+            starts.append(start)
+            ends.append(pos)
+    if problem is None and (pos != size or in_record):
+        problem = f"{where}: the record at byte {start} runs past the end of the file ({size} bytes)"
+    return np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64), problem
+
+
+def record_spans(rec_path: Path, fd: int,
+                 idx_path: Path | None) -> tuple[list[str], np.ndarray, np.ndarray, str | None]:
+    """(keys, starts, ends, problem) of a ``.rec``'s records: from its ``.idx`` (PackerError when that is
+    damaged), or a walk of the file (``problem``: why it stopped before the end; the records before stand).
+    """
+    size = os.fstat(fd).st_size
+    if idx_path is not None:
+        keys, offsets = read_index(idx_path, size)
+        return keys, offsets, np.append(offsets[1:], size), None
+    starts, ends, problem = scan_offsets(fd, size, rec_path)
+    return [str(i) for i in range(len(starts))], starts, ends, problem
+
+
+def peek_header(fd: int, start: int, end: int, where: object) -> tuple[float | tuple[float, ...], int, int]:
+    """(label or labels, id, id2) of the record at [start, end) from its first bytes, not the whole record.
+
+    A record split right inside its header (rare) is read whole. Every length is checked.
+    """
+    head = os.pread(fd, min(end - start, 8 + IR_SIZE), start)
+    if len(head) >= 8 + IR_SIZE:
+        magic, lrec = struct.unpack_from("<II", head)
+        flag = struct.unpack_from("<I", head, 8)[0]
+        first = lrec & MAX_LENGTH
+        if magic == MAGIC and first >= IR_SIZE + 4 * flag and 8 + first <= end - start:
+            if flag:
+                head = os.pread(fd, 8 + IR_SIZE + 4 * flag, start)
+            label, id_, id2, _ = unpack_header(memoryview(head)[8:], where)
+            return label, id_, id2
+    label, id_, id2, _ = unpack_header(decode_record(os.pread(fd, end - start, start), where), where)
+    return label, id_, id2
 
 
 @dataclass(frozen=True)
@@ -260,14 +299,10 @@ def list_records(rec_path: str | os.PathLike, idx_path: str | os.PathLike | None
     part header by part header. ``read_record(rec_path, info)`` gives a record's image bytes.
     """
     rec_path = Path(rec_path)
-    size = os.stat(rec_path).st_size
     with open(rec_path, "rb") as fh:
-        if idx_path is not None:
-            keys, offsets = read_index(idx_path, size)
-        else:
-            offsets = _scan_offsets(fh, size, rec_path)
-            keys = [str(i) for i in range(len(offsets))]
-        ends = np.append(offsets[1:], size)
+        keys, offsets, ends, problem = record_spans(rec_path, fh.fileno(), None if idx_path is None else Path(idx_path))
+        if problem:
+            raise PackerError(problem)
         for key, start, end in zip(keys, offsets.tolist(), ends.tolist()):
             where = f"{rec_path}: record {key} at byte {start}"
             data = decode_record(os.pread(fh.fileno(), end - start, start), where)

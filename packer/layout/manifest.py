@@ -57,6 +57,8 @@ class Manifest:
     source: str = ""  # the converted folder, absolute (older datasets: as given, maybe relative)
     extensions: list[str] = field(default_factory=list)  # the file name endings the scan took; [] in older datasets
     source_digest: str = ""  # the scanned file list, sizes and mtimes (packer.write.fresh); "" before it was kept
+    source_type: str = ""  # how the source was read (write/sources: folder, list, archive, packed, ...)
+    source_options: dict[str, Any] = field(default_factory=dict)  # ... and with which options (verify --against)
     created_by: str = ""
     created_at: str = ""
     kind: str = KIND
@@ -99,6 +101,8 @@ class Manifest:
                 extensions=[_typed(e, str, "extension")
                             for e in _typed(data.get("extensions", []), list, "extensions")],
                 source_digest=str(data.get("source_digest", "")),
+                source_type=str(data.get("source_type", "")),
+                source_options=dict(_typed(data.get("source_options", {}), dict, "source_options")),
                 created_by=str(data.get("created_by", "")),
                 created_at=str(data.get("created_at", "")),
             )

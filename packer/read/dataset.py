@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 ImageKind = Literal["pil", "numpy", "tensor"]
 
 
+FILE_SOURCES = ("", "folder", "list")  # source types whose records are files below the recorded source folder
 BLOCKS_REMEMBERED = 32  # blocks a process remembers having read ahead (~0.5 GB at the sampler's 16 MB)
 
 
@@ -75,7 +76,11 @@ class PackedDataset(FolderSurface):
         self.store = ShardStore(self.root, access)
         self.manifest, self.index, self.access = self.store.manifest, self.store.index, self.store.access
         self.index_map = IndexMap.of(self.index)
-        recorded = self.manifest.source if os.path.isabs(self.manifest.source) else None
+        # samples are file paths where the source was files below a folder (a folder, a list file's --root);
+        # the records of an archive, WebDataset, Hugging Face, RecordIO or packer source are named by key only
+        files = self.manifest.source_type in FILE_SOURCES
+        recorded = self.manifest.source if files and os.path.isabs(self.manifest.source) else None
+        self._warned_relative = not files  # keys are not paths to warn about
         self.source_root = os.path.abspath(source_root) if source_root is not None else recorded
         if self.FORMAT is not None and self.manifest.format != self.FORMAT:
             raise PackerError(

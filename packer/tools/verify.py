@@ -16,8 +16,10 @@ from packer.layout.trust import inside, read_inside
 from packer.read.dataset import open_dataset
 from packer.write.options import ConvertOptions, make_options, scan_rules
 from packer.write.output import ERRORS_NAME
-from packer.write.scan import ScanResult, SourceError, scan_folder
-from packer.write.shards import prepare, read_source
+from packer.write.scan import ScanResult, SourceError
+from packer.write.shards import prepare
+from packer.write.sources.base import InlineReader, RecordError, SourceOptions
+from packer.write.sources.registry import scan_source
 
 
 @dataclass
@@ -31,10 +33,12 @@ class Report:
 
 
 def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, progress: bool = False,
-           deep: bool = False) -> Report:
+           deep: bool = False, source: SourceOptions | None = None) -> Report:
     """Every check ``packer verify`` runs; problems are collected, not raised (a missing or empty
-    ``against`` folder is refused up front with a PackerError: nothing to compare with).
+    ``against`` source is refused up front with a PackerError: nothing to compare with).
 
+    ``against`` is read as ``source`` says, by default as the dataset's manifest records it was read
+    (its source type, a list file's root and columns, ``--classes``, its part of ``--split``).
     ``deep``: also decode every sample (strictly, as conversion's full validation does) and
     check its shape against the stored heights and widths.
     """
@@ -47,7 +51,8 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
         report.problems.append(str(exc))
     hidden, empty = scan_rules(manifest.options) if manifest is not None else (False, False)  # as converted
     # a missing source: refused before any work
-    scan = scan_folder(against, skip_hidden=hidden, allow_empty=empty) if against is not None else None
+    scan = None if against is None else scan_source(against, recorded_source(root) if source is None else source,
+                                                    skip_hidden=hidden, allow_empty=empty)
     if manifest is None:
         return report
     for info in manifest.all_files():
@@ -154,6 +159,17 @@ def reference_options(manifest: Manifest, where: str = MANIFEST_NAME) -> Convert
     return options
 
 
+def recorded_source(root: Path) -> SourceOptions:
+    """How the dataset at ``root`` read its source (its manifest's ``source_options``); nothing recorded, or no
+    readable manifest: as ``against`` looks (the manifest's own problems are reported by ``verify``)."""
+    try:
+        manifest = read_manifest(root)
+        options = SourceOptions.from_record(manifest.source_options, root / MANIFEST_NAME)
+    except PackerError:
+        return SourceOptions()
+    return options
+
+
 def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None:
     """Every source file is packed identically (bytes, or Pillow's pixels for raw) or listed as an error, and
     ``ds[i]`` is ImageFolder's sample i (among those packed) where the dataset records that indexing."""
@@ -178,27 +194,27 @@ def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None
     options = ConvertOptions.from_record({**ds.manifest.options, "decoder": "pil"}, ds.root)  # the reference decode
     # (0, 0) unless the format is lossy (jpeg mosaics)
     mean_bound, max_bound = get_format(ds.manifest.format).error_bound(ds.manifest.options)
-    for rel, label in tqdm(list(zip(scan.rel_paths, scan.labels.tolist())), unit="img", desc="verifying",
-                           disable=not progress):
+    reader = scan.source_reader()
+    wanted = [(rel, label, loc) for rel, label, loc in scan.records() if rel in packed or rel not in reported]
+    got = reader.read_in_order((rel, loc) for rel, _, loc in wanted)  # in scan order: sequential readers stream
+    for (rel, label, _), res in tqdm(zip(wanted, got), total=len(wanted), unit="img", desc="verifying",
+                                     disable=not progress):
         i = packed.get(rel)
         if i is None:
-            if rel not in reported:
-                report.problems.append(f"{src / rel}: neither packed nor reported as an error")
+            report.problems.append(f"{src / rel}: neither packed nor reported as an error")
             continue
         if int(ds.index.labels[i]) != label:
-            report.problems.append(f"{src / rel}: label {int(ds.index.labels[i])}, source folder says {label}")
-        try:
-            data = read_source(src / rel)[0]
-        except OSError as exc:
-            report.problems.append(f"{src / rel}: cannot read source ({exc.strerror})")
+            report.problems.append(f"{src / rel}: label {int(ds.index.labels[i])}, the source says {label}")
+        if isinstance(res, RecordError):
+            report.problems.append(f"{src / rel}: cannot read source ({res})")
             continue
         try:  # a sample that fails to read is a problem found, like one that differs
             if raw:
-                expected = prepare(src, rel, label, options)
+                expected = prepare(InlineReader(), rel, label, options, (res[0], res[1], None))
                 if isinstance(expected, SourceError) or not within(ds.pixels_at(i), np.asarray(expected.payload),
                                                                    mean_bound, max_bound):
                     report.problems.append(f"{src / rel}: stored pixels differ from the source's decode")
-            elif bytes(ds.payload_at(i)) != data:
+            elif isinstance(res[0], np.ndarray) or bytes(ds.payload_at(i)) != res[0]:
                 report.problems.append(f"{src / rel}: stored bytes differ from the source file")
         except PackerError as exc:
             report.problems.append(str(exc))

@@ -30,8 +30,9 @@ from packer.errors import PackerError
 from packer.formats import get_format
 from packer.write.journal import ShardResult, record_shard
 from packer.write.options import ConvertOptions
-from packer.write.scan import ScanResult, Walk, scan_folder, walk_class
+from packer.write.scan import ClassMapper, ScanResult, Walk, scan_folder, walk_class
 from packer.write.shards import BuildJob, ShardWriteError, prepare, progress_bar, write_shard
+from packer.write.sources.base import FileReader, SourceReader
 
 STAGING_DIR = ".staging"
 _RETRIES = 2  # re-runs after an exception in a task (a lost worker is re-run by the scheduler anyway)
@@ -100,7 +101,13 @@ def _worker_threads(client: Any) -> int:
 
 def scan_on_cluster(client: Any, root: str | os.PathLike, *, skip_hidden: bool = False,
                     allow_empty: bool = False) -> ScanResult:
-    """``scan_folder(root, ...)`` with the class folders walked by the cluster's workers; the same result.
+    """``scan_folder(root, ...)`` with the class folders walked by the cluster's workers; the same result."""
+    return scan_folder(root, map_classes=class_mapper(client, skip_hidden), skip_hidden=skip_hidden,
+                       allow_empty=allow_empty)
+
+
+def class_mapper(client: Any, skip_hidden: bool = False) -> ClassMapper:
+    """A ``scan_folder`` class mapper that walks the class folders on the cluster (``skip_hidden`` as the scan's).
 
     Each task walks a run of consecutive class folders and returns their sorted paths; they are
     merged in class order. A flat folder (no class folders) is walked here.
@@ -122,7 +129,7 @@ def scan_on_cluster(client: Any, root: str | os.PathLike, *, skip_hidden: bool =
         finally:
             client.cancel(futures)
 
-    return scan_folder(root, map_classes=map_classes, skip_hidden=skip_hidden, allow_empty=allow_empty)
+    return map_classes
 
 
 def _walk_classes(folders: list[tuple[str, str]], skip_hidden: bool) -> list[Walk]:
@@ -133,10 +140,11 @@ def _walk_classes(folders: list[tuple[str, str]], skip_hidden: bool) -> list[Wal
 # ---------------------------------------------------------------- shards
 
 
-def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str, int]], options: dict,
-                  on_error: str, version: str) -> dict:
+def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str, int, Any]], options: dict,
+                  on_error: str, version: str, reader: SourceReader | None = None) -> dict:
     """Dask task: prepare, write, move into place and journal one shard.
 
+    ``items``: (key, label, locator) records read by ``reader`` (default: files below ``root``).
     Returns ``{"result": ShardResult JSON}``, or ``{"error": message, "kind": "write"|"input"}``
     for a problem that running again would not fix (so Dask does not retry it).
     """
@@ -145,10 +153,11 @@ def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str,
         return {"kind": "input", "error": f"worker {host} runs packer {__version__}, the driver {version}: "
                 "install the same packer on every worker"}
     part, src = Path(partial), Path(root)
-    for what, path in (("output", part), ("source", src)):
-        if not path.is_dir():
-            return {"kind": "input", "error": f"worker {host} cannot see the {what} folder {path}: the source "
-                    "and the output must be on storage shared by the driver and every worker, under the same path"}
+    reader = FileReader(src) if reader is None else reader
+    unseen = f"cannot see the output folder {part}" if not part.is_dir() else reader.missing()
+    if unseen is not None:
+        return {"kind": "input", "error": f"worker {host} {unseen}: the source and the output must be on storage "
+                "shared by the driver and every worker, under the same path"}
     opts = ConvertOptions.from_record(options)
     fmt = get_format(opts.format)
     staging = part / STAGING_DIR / f"{shard_id:05d}-{uuid.uuid4().hex}"
@@ -156,7 +165,7 @@ def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str,
         with contextlib.suppress(FileExistsError):
             staging.parent.mkdir()  # not parents=True: never re-create a removed output folder
         staging.mkdir()
-        samples = (prepare(src, rel, label, opts) for rel, label in items)
+        samples = (prepare(reader, rel, label, opts, loc) for rel, label, loc in items)
         try:
             result, names = write_shard(staging, shard_id, len(items), samples, fmt, opts, on_error, src)
         except ShardWriteError as exc:
@@ -197,6 +206,7 @@ class DaskCluster:
         distributed = _require_dask()
         scan, partial, ranges = job.scan, job.partial, job.ranges
         root = os.path.abspath(scan.root)
+        reader = scan.source_reader()
         opts = {**job.options.record(), "decoder": job.options.decoder}
         todo = job.todo()
         token = uuid.uuid4().hex
@@ -208,8 +218,8 @@ class DaskCluster:
 
         def submit(sid: int):
             a, b = ranges[sid]
-            items = list(zip(scan.rel_paths[a:b], scan.labels[a:b].tolist()))
-            future = client.submit(convert_shard, root, str(partial), sid, items, opts, job.on_error, __version__,
+            future = client.submit(convert_shard, root, str(partial), sid, scan.records(a, b), opts,
+                                   job.on_error, __version__, reader,
                                    key=f"packer-shard-{sid:05d}-{token}", retries=_RETRIES)
             live[future.key] = (sid, future)
             return future

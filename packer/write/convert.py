@@ -17,7 +17,8 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,15 +36,18 @@ from packer.layout.manifest import (
     write_manifest,
 )
 from packer.layout.partial import PARTIAL_SUFFIX, made_by_packer, read_swap
-from packer.write.cluster import DaskCluster, scan_on_cluster
+from packer.write.cluster import DaskCluster, class_mapper
 from packer.write.fresh import source_digest, stale_reason
 from packer.write.journal import ShardResult, SourceError, load_done_shards
 from packer.write.options import ConvertOptions, make_options
 from packer.write.output import ERRORS_NAME, check_destination, output_path, swap_into_place
 from packer.write.plan import apply_order, load_or_make_plan
 from packer.write.pool import LocalPool, PoolSettings
-from packer.write.scan import IMG_EXTENSIONS, ScanResult, scan_folder
+from packer.write.scan import IMG_EXTENSIONS, ScanResult
 from packer.write.shards import BuildJob, ShardBuilder, ShardWriteError
+from packer.write.sources.base import SourceOptions
+from packer.write.sources.registry import scan_source
+from packer.write.sources.select import PARTS
 
 
 @dataclass
@@ -75,10 +79,22 @@ def convert(
     progress: bool = True,
     client: Any = None,
     pool: PoolSettings | None = None,
+    source_type: str | None = None,
+    root: str | os.PathLike | None = None,
+    path_column: str | None = None,
+    label_column: str | None = None,
+    classes_file: str | os.PathLike | None = None,
+    classes: Sequence[str] | None = None,
+    label_key: str | None = None,
+    image_column: str | None = None,
     **options: Any,
 ) -> ConvertResult:
-    """Pack the images of folder ``src`` into a dataset of format ``to``; see ``packer convert --help``.
+    """Pack the records of source ``src`` into a dataset of format ``to``; see ``packer convert --help``.
 
+    ``src`` is a folder of images, a list file, an archive or a packer dataset, chosen by what it is
+    or by ``source_type`` (write/sources/registry.py); ``root``, ``path_column``, ``label_column`` and
+    ``classes_file`` read list files (``label_key``: WebDataset's json label field; ``image_column``:
+    a Hugging Face dataset's image column); ``classes`` keeps those classes only (renumbered in sorted order).
     ``options`` are the fields of ``ConvertOptions`` (``payload``, ``validate``, ``shard_bytes``,
     ``resize``, ``order``, ``tile``, ...): everything that decides the output's bytes, recorded in
     the manifest. ``payload`` defaults to ``encoded`` where the format stores it, else ``raw``
@@ -90,6 +106,52 @@ def convert(
     converted with the same options from the same source files (sizes, mtimes) is reused, not converted
     again (``write.fresh``); a stale one is replaced only with ``overwrite``.
     """
+    source = source_options(source_type, root, path_column, label_column, classes_file, classes, label_key,
+                            image_column)
+    return _convert(src, output_path(src, output, to), source, to, on_error, workers, overwrite, resume, progress,
+                    client, pool, options, if_changed)
+
+
+def convert_split(src: str | os.PathLike, output: str | os.PathLike | None = None, *, split: float, to: str = "lmdb",
+                  **kwargs: Any) -> tuple[ConvertResult, ConvertResult]:
+    """``convert`` into ``<output>-train`` and ``<output>-val``: per class, a seeded ``split`` fraction
+    (``seed``, as for the order) goes to train, the rest to val (write/sources/select.py)."""
+    out = output_path(src, output, to)
+    names = ("source_type", "root", "path_column", "label_column", "classes_file", "classes", "label_key",
+             "image_column")
+    given = {k: kwargs.pop(k, None) for k in names}
+    base = source_options(**given)
+    common = ("on_error", "workers", "overwrite", "resume", "progress", "client", "pool", "if_changed")
+    defaults: dict[str, Any] = {"on_error": "skip", "workers": None, "overwrite": False, "resume": False,
+                                "progress": True, "client": None, "pool": None, "if_changed": False}
+    run = {k: kwargs.pop(k, defaults[k]) for k in common}
+    seed = int(kwargs.get("seed", 0))
+    parts = []
+    for part in PARTS:
+        source = replace(base, split=float(split), split_seed=seed, part=part)
+        parts.append(_convert(src, out.with_name(f"{out.name}-{part}"), source, to, options=dict(kwargs), **run))
+    return parts[0], parts[1]
+
+
+def source_options(source_type: str | None = None, root: str | os.PathLike | None = None,
+                   path_column: str | None = None, label_column: str | None = None,
+                   classes_file: str | os.PathLike | None = None,
+                   classes: Sequence[str] | None = None, label_key: str | None = None,
+                   image_column: str | None = None) -> SourceOptions:
+    """SourceOptions from ``convert``'s keywords (paths made absolute: the manifest records them)."""
+    if isinstance(classes, str):
+        classes = [c for c in classes.split(",") if c]
+    return SourceOptions(
+        type=source_type, root=None if root is None else os.path.abspath(root), path_column=path_column,
+        label_column=label_column, classes_file=None if classes_file is None else os.path.abspath(classes_file),
+        classes=None if classes is None else tuple(str(c) for c in classes), label_key=label_key,
+        image_column=image_column,
+    )
+
+
+def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, on_error: str, workers: int | None,
+             overwrite: bool, resume: bool, progress: bool, client: Any, pool: PoolSettings | None,
+             options: dict[str, Any], if_changed: bool = False) -> ConvertResult:
     opts = make_options(to, **options)
     opts.check()
     if on_error not in ("skip", "raise"):
@@ -100,14 +162,16 @@ def convert(
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
         raise PackerError(f"workers {workers!r}: expected a count >= 0 (0: in this process; None: all cores)")
     workers = os.cpu_count() or 1 if workers is None else workers
-    out = output_path(src, output, to)
     check_destination(src, out, overwrite or if_changed)  # if_changed: an existing dataset is looked at first
 
     started = time.perf_counter()
     hidden, empty = opts.skip_hidden, opts.allow_empty
-    scanned = (scan_folder(src, skip_hidden=hidden, allow_empty=empty) if client is None
-               else scan_on_cluster(client, src, skip_hidden=hidden, allow_empty=empty))
-    digest = source_digest(scanned)  # before any file is read: a change meanwhile makes the output stale
+    scanned = scan_source(src, source, None if client is None else class_mapper(client, hidden),
+                          skip_hidden=hidden, allow_empty=empty)
+    check_sequential(scanned, opts, client)
+    # before any file is read: a change meanwhile makes the output stale. Folders only: other sources record
+    # no fingerprint, so --if-changed always converts them again (never reuses a stale output)
+    digest = source_digest(scanned) if scanned.source_type == "folder" else ""
     if if_changed and holds_dataset(out):
         why = stale_reason(out, opts, digest)
         if why is None:
@@ -121,15 +185,31 @@ def convert(
         if read_swap(partial, out)[0]:  # a finished conversion whose move into place was interrupted
             return complete_swap(scan, partial, out, started)
         ranges = [(int(a), int(b)) for a, b in plan["shards"]]
-        job = BuildJob(scan, partial, ranges, load_done_shards(partial, len(ranges), scan.root), opts, on_error,
+        job = BuildJob(scan, partial, ranges, load_done_shards(partial, len(ranges), scan), opts, on_error,
                        progress, float(plan.get("mean_bytes", 0.0)))
         backend: ShardBuilder = LocalPool(workers, pool or PoolSettings()) if client is None else DaskCluster(client)
         shards = _build_shards(backend, job, out)
-        return finish(scanned, partial, out, shards, opts, started, digest)
+        return finish(scanned, partial, out, shards, opts, started, digest, source)
     except OSError as exc:  # the journal, meta/*.npy, errors.json, the manifest or the renames
         raise _failed_midway(f"{exc.filename or out}: {exc.strerror or exc}", partial) from exc
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_interrupted(partial)) from None
+
+
+def check_sequential(scan: ScanResult, options: ConvertOptions, client: Any) -> None:
+    """A source read only in order (a compressed tar) can't be shuffled or spread over a cluster; pixels are
+    never re-encoded."""
+    if scan.source_reader().gives_pixels and options.payload != "raw":
+        raise PackerError(f"{scan.root}: holds decoded pixels (raw payloads), which packer never re-encodes: "
+                          "convert it with --payload raw (or convert the original images)")
+    if not scan.source_reader().sequential:
+        return
+    if options.order != "source":
+        raise PackerError(f"{scan.root}: a compressed archive can only be read in its stored order: add --order "
+                          "source (or decompress it to a .tar, which is read in place in any order)")
+    if client is not None:
+        raise PackerError(f"{scan.root}: a compressed archive can only be read in order, by one process: convert "
+                          "it without --scheduler (or decompress it to a .tar)")
 
 
 def _build_shards(backend: ShardBuilder, job: BuildJob, out: Path) -> list[ShardResult]:
@@ -145,20 +225,20 @@ def _build_shards(backend: ShardBuilder, job: BuildJob, out: Path) -> list[Shard
 
 
 def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult], options: ConvertOptions,
-           started: float, digest: str = "") -> ConvertResult:
+           started: float, digest: str = "", source: SourceOptions = SourceOptions()) -> ConvertResult:
     """Index, error report and manifest (last), then the renames that make the dataset exist.
 
-    ``scan`` in ImageFolder's order (as scanned, before ``--order``): the index records where each of
-    its samples is stored, so that ``ds[i]`` is ImageFolder's sample i whatever the storage order.
+    ``scan`` in the source's order (as scanned, before ``--order``): the index records where each of
+    its samples is stored, so that ``ds[i]`` is the source's sample i whatever the storage order.
     """
     cat = lambda name: [v for r in shards for v in getattr(r, name)]  # noqa: E731
     index = Index.build(cat("rel_paths"), cat("labels"), cat("heights"), cat("widths"), cat("nbytes"),
                         source_order=scan.rel_paths)
-    errors: list[SourceError] = cat("errors") + scan.errors
+    errors: list[SourceError] = locate_errors(scan, cat("errors")) + scan.errors
     meta_files = [file_info(partial, n) for n in index.save(partial)]
     write_atomic(partial / ERRORS_NAME, dumps_lossless(
         {"num_errors": len(errors), "ignored": dict(scan.ignored),
-         "errors": [asdict(e) for e in sorted(errors, key=lambda e: e.path)]},
+         "errors": [e.to_json() for e in sorted(errors, key=lambda e: e.path)]},
         indent=1,
     ))
     if errors:
@@ -179,6 +259,8 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
         source=os.path.abspath(scan.root),  # samples are ImageFolder's paths: os.path.join(source, rel)
         extensions=list(IMG_EXTENSIONS),
         source_digest=digest,
+        source_type=scan.source_type,
+        source_options=source.record(),
         created_by=f"packer {__version__}",
         created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
@@ -187,6 +269,17 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
     swap_into_place(partial, out)
     return ConvertResult(out, len(index), errors, time.perf_counter() - started, int(index.nbytes.sum()),
                          dict(scan.ignored), dict(scan.not_images))
+
+
+def locate_errors(scan: ScanResult, errors: list[SourceError]) -> list[SourceError]:
+    """The errors of records that could not be packed, with where each record is in the source (line, member)."""
+    if not errors or scan.locs is None:
+        return errors
+    reader, locs = scan.source_reader(), scan.locator_of()
+    for e in errors:
+        if not e.location and e.path in locs:
+            e.location = reader.location(e.path, locs[e.path])
+    return errors
 
 
 def complete_swap(scan: ScanResult, partial: Path, out: Path, started: float) -> ConvertResult:
@@ -210,7 +303,7 @@ def _recorded_errors(directory: Path) -> list[SourceError]:
     path = directory / ERRORS_NAME
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
-        return [SourceError(str(e["path"]), str(e["reason"])) for e in report["errors"]]
+        return [SourceError(str(e["path"]), str(e["reason"]), str(e.get("location", ""))) for e in report["errors"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise PackerError(f"{path}: damaged error report ({exc}); move {directory} away and convert again") from exc
 

@@ -37,6 +37,7 @@ from packer.layout.fsutil import fsync_file, write_atomic
 from packer.layout.manifest import FileInfo, Shard, dumps_lossless, sha256_file
 from packer.layout.partial import JOURNAL_DIR, PLAN_NAME, SWAP_NAME, made_by_packer
 from packer.write.scan import ScanResult, SourceError
+from packer.write.sources.base import SourceReader
 
 
 @dataclass
@@ -74,7 +75,8 @@ class ShardResult:
                 widths=[int(v) for v in data["widths"]],
                 nbytes=[int(v) for v in data["nbytes"]],
                 stats=[None if v is None else [int(v[0]), int(v[1])] for v in data["stats"]],
-                errors=[SourceError(str(e["path"]), str(e["reason"])) for e in data["errors"]],
+                errors=[SourceError(str(e["path"]), str(e["reason"]), str(e.get("location", "")))
+                        for e in data["errors"]],
             )
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise PackerError(f"{where}: damaged journal entry ({exc})") from exc
@@ -130,17 +132,18 @@ def write_swap(partial: Path, trash: str | None) -> None:
     write_atomic(partial / JOURNAL_DIR / SWAP_NAME, json.dumps({"trash": trash}))
 
 
-def load_done_shards(partial: Path, num_shards: int, root: Path) -> dict[int, ShardResult]:
-    """Journaled shards whose files are intact and whose sources (below ``root``) are unchanged; anything
+def load_done_shards(partial: Path, num_shards: int, scan: ScanResult) -> dict[int, ShardResult]:
+    """Journaled shards whose files are intact and whose records (of ``scan``) are unchanged; anything
     else in ``partial`` is removed."""
     done: dict[int, ShardResult] = {}
     changed: list[str] = []
+    reader, locs = scan.source_reader(), (scan.locator_of() if scan.locs is not None else {})
     for shard_id in range(num_shards):
         entry = shard_entry(partial, shard_id)
         if not entry.is_file():
             continue
         result = ShardResult.from_json(entry.read_text(encoding="utf-8"), str(entry))
-        stale = changed_sources(root, result)
+        stale = changed_sources(reader, locs, result)
         changed += stale
         intact = not stale and all(
             (partial / f.name).is_file()
@@ -169,15 +172,8 @@ def load_done_shards(partial: Path, num_shards: int, root: Path) -> dict[int, Sh
     return done
 
 
-def changed_sources(root: Path, result: ShardResult) -> list[str]:
-    """The shard's packed sources whose size or mtime (ns) now differ from when they were read, or that are gone."""
-    changed = []
-    for rel, seen in zip(result.rel_paths, result.stats):
-        try:
-            st = os.stat(root / rel)
-            now = [st.st_size, st.st_mtime_ns]
-        except OSError:
-            now = None
-        if seen is None or now != seen:
-            changed.append(rel)
-    return changed
+def changed_sources(reader: SourceReader, locs: dict[str, Any], result: ShardResult) -> list[str]:
+    """The shard's packed records whose facts (a file's size and mtime in ns) now differ from when they were
+    read, or that are gone."""
+    return [rel for rel, seen in zip(result.rel_paths, result.stats)
+            if seen is None or reader.facts(rel, locs.get(rel)) != seen]

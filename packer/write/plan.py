@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,36 +17,47 @@ from packer.images.decode import DecodeError
 from packer.images.headers import image_size
 from packer.layout.fsutil import fsync_dir
 from packer.layout.partial import JOURNAL_DIR, PLAN_NAME, read_swap
-from packer.layout.trust import open_regular
 from packer.write.journal import read_plan, scan_digest, write_plan
 from packer.write.options import ConvertOptions
 from packer.write.output import fresh_name
 from packer.write.scan import ScanResult
+from packer.write.sources.base import RecordError
 
 NEW_TAG = ".packer-new-"  # <out>.packer-new-<pid>-<random>: a new .partial until its plan is written
 
 
 def estimate_sample_bytes(scan: ScanResult, options: ConvertOptions, probes: int = 64) -> float:
-    """Mean payload size from a deterministic sample of the sources (no full stat pass)."""
+    """Mean payload size from a deterministic sample of the records (no full stat pass).
+
+    Encoded: the records' stored sizes; raw: the pixels their headers promise (a sequential source,
+    read only in order, gives its stored sizes: shards of raw payloads then come out larger).
+    """
     n = len(scan)
+    reader = scan.source_reader()
     picks = sorted({int(i) for i in np.linspace(0, n - 1, num=min(n, probes))})
     sizes = []
     for i in picks:
-        path = scan.root / scan.rel_paths[i]
+        rel, loc = scan.rel_paths[i], scan.loc(i)
         try:
-            if options.payload == "raw":
-                fd, _ = open_regular(path)  # never blocks on a FIFO
-                try:
-                    h, w = image_size(os.read(fd, 1 << 20))
-                finally:
-                    os.close(fd)
-                spec = options.resize_spec
-                if spec is not None:
-                    h, w = spec.output_shape(h, w)
-                sizes.append(h * w * 3)
+            size = reader.size(rel, loc)
+            if size is not None and (options.payload != "raw" or reader.sequential):
+                sizes.append(size)
+                continue
+            if reader.sequential:
+                continue
+            data = reader.read(rel, loc)[0]
+            if isinstance(data, np.ndarray):
+                h, w = data.shape[:2]
+            elif options.payload != "raw":
+                sizes.append(len(data))
+                continue
             else:
-                sizes.append(path.stat().st_size)
-        except (OSError, DecodeError):
+                h, w = image_size(data[: 1 << 20])
+            spec = options.resize_spec
+            if spec is not None:
+                h, w = spec.output_shape(h, w)
+            sizes.append(h * w * 3)
+        except (RecordError, DecodeError):
             continue
     return float(np.mean(sizes)) if sizes else 1.0
 
@@ -79,8 +89,7 @@ def apply_order(scan: ScanResult, order: str, seed: int) -> ScanResult:
     """
     if order == "source":
         return scan
-    perm = stable_permutation(len(scan), seed)
-    return replace(scan, rel_paths=[scan.rel_paths[i] for i in perm], labels=scan.labels[perm])
+    return scan.take(stable_permutation(len(scan), seed))
 
 
 def check_free_space(directory: Path, needed: float) -> None:

@@ -16,10 +16,10 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Generator
+from collections.abc import Generator, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,6 +29,7 @@ from packer.write.journal import ShardResult, record_shard
 from packer.write.options import ConvertOptions
 from packer.write.scan import SourceError
 from packer.write.shards import BuildJob, prepare, progress_bar, write_shard
+from packer.write.sources.base import InlineReader, RecordError, SourceReader
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class LocalPool:
         """Write every shard not yet done: the pool prepares samples, this process writes them in order."""
         todo = [(sid, *job.ranges[sid]) for sid in job.todo()]
         scan = job.scan
-        items = [(scan.rel_paths[i], int(scan.labels[i])) for _, a, b in todo for i in range(a, b)]
+        items = [item for _, a, b in todo for item in scan.records(a, b)]
         fmt = get_format(job.options.format)
         results = dict(job.done)
         bar = progress_bar(len(scan), job.progress)
@@ -69,7 +70,8 @@ class LocalPool:
             if bar.n % 64 == 0:
                 bar.set_postfix_str(f"{written[0] / 1e6 / max(bar.format_dict['elapsed'], 1e-9):.0f} MB/s")
 
-        prepared = ordered_results(scan.root, items, job.options, self.workers, job.mean_bytes, self.settings)
+        prepared = ordered_results(scan.source_reader(), items, job.options, self.workers, job.mean_bytes,
+                                   self.settings)
         journaler = ThreadPoolExecutor(max_workers=1)  # checksums + journal of a shard while the next is written
         pending: dict[int, Future] = {}
         try:
@@ -88,16 +90,25 @@ class LocalPool:
 
 
 def ordered_results(
-    root: Path, items: list[tuple[str, int]], options: ConvertOptions, workers: int, mean_bytes: float = 0.0,
-    settings: PoolSettings = PoolSettings(),
+    reader: SourceReader, items: list[tuple[str, int, Any]], options: ConvertOptions, workers: int,
+    mean_bytes: float = 0.0, settings: PoolSettings = PoolSettings(),
 ) -> Generator[PreparedSample | SourceError, None, None]:
-    """Prepared samples in source order; a bounded number of chunks in flight keeps memory flat."""
+    """Prepared samples in source order; a bounded number of chunks in flight keeps memory flat.
+
+    ``items``: (key, label, locator) records. A sequential reader (a compressed tar) is read here, in
+    order, and its payloads travel to the workers with their chunk (``InlineReader``).
+    """
     chunk_len = settings.chunk
     ahead = max(2, min(settings.ahead, int(settings.ahead_bytes // max(1.0, workers * chunk_len * mean_bytes))))
-    chunks = [items[i : i + chunk_len] for i in range(0, len(items), chunk_len)]
+    if reader.sequential:
+        items_iter: Iterable[tuple[str, int, Any]] = _read_inline(reader, items)
+        reader = InlineReader()
+    else:
+        items_iter = items
+    chunks = _chunks(items_iter, chunk_len)
     if workers <= 0:
         for chunk in chunks:
-            yield from prepare_chunk(root, chunk, options)[0]
+            yield from prepare_chunk(reader, chunk, options)[0]
         return
     ctx = multiprocessing.get_context(settings.start_method)
     # Forked workers inherit a shared ring: payloads cross by one copy each way instead of pickles
@@ -112,7 +123,7 @@ def ordered_results(
             try:
                 for n, chunk in enumerate(chunks):
                     slot = None if ring is None else ((n % slots) * slot_bytes, slot_bytes)
-                    pending.append(pool.submit(prepare_chunk, root, chunk, options, slot))
+                    pending.append(pool.submit(prepare_chunk, reader, chunk, options, slot))
                     if len(pending) >= slots:
                         yield from _received(ring, pending.popleft())
                 while pending:
@@ -125,6 +136,19 @@ def ordered_results(
             ring.close()
 
 
+def _chunks(items: Iterable[tuple[str, int, Any]], size: int) -> Iterator[list[tuple[str, int, Any]]]:
+    it = iter(items)
+    while chunk := list(itertools.islice(it, size)):
+        yield chunk
+
+
+def _read_inline(reader: SourceReader, items: list[tuple[str, int, Any]]) -> Iterator[tuple[str, int, Any]]:
+    """The records with what ``reader`` read in order as their locators (for ``InlineReader``)."""
+    got = reader.read_in_order((rel, loc) for rel, _, loc in items)
+    for (rel, label, _), res in zip(items, got):
+        yield rel, label, ((None, None, str(res)) if isinstance(res, RecordError) else (res[0], res[1], None))
+
+
 def _received(ring: mmap.mmap | None, future: Future) -> list:
     results, where = future.result()
     return results if ring is None else _from_ring(ring, results, where)
@@ -133,14 +157,14 @@ def _received(ring: mmap.mmap | None, future: Future) -> list:
 # ---------------------------------------------------------------- worker side
 
 
-def prepare_chunk(root: Path, items: list[tuple[str, int]], options: ConvertOptions,
+def prepare_chunk(reader: SourceReader, items: list[tuple[str, int, Any]], options: ConvertOptions,
                   slot: tuple[int, int] | None = None) -> tuple[list, list]:
     """Prepare ``items``; with a ring ``slot`` (offset, size) payloads travel through the shared ring.
 
     Returns the results and, per result, where its payload lies in the ring: ``(offset, nbytes,
     shape)``, or None where it travels pickled (errors; payloads that do not fit the slot).
     """
-    results = [prepare(root, rel, label, options) for rel, label in items]
+    results = [prepare(reader, rel, label, options, loc) for rel, label, loc in items]
     where: list = [None] * len(results)
     if slot is None or _RING is None:
         return results, where

@@ -16,16 +16,19 @@ from __future__ import annotations
 
 import errno
 import os
+import posixpath
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from packer.errors import PackerError
 from packer.layout.manifest import MANIFEST_NAME, holds_dataset
 from packer.layout.partial import PARTIAL_SUFFIX
+from packer.write.sources.base import FileReader, SourceReader
 
 # torchvision.datasets.folder.IMG_EXTENSIONS
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -38,6 +41,10 @@ class SourceError:
 
     path: str  # relative to the source folder; a folder's ends with "/"
     reason: str
+    location: str = ""  # where in the source when the path does not say it ("labels.csv line 12"); "": left out
+
+    def to_json(self) -> dict[str, str]:
+        return {"path": self.path, "reason": self.reason, **({"location": self.location} if self.location else {})}
 
 
 @dataclass
@@ -60,7 +67,7 @@ class Walk:
 
 @dataclass
 class ScanResult:
-    """The images of one source folder, in ImageFolder order."""
+    """The records of one source (a folder's images in ImageFolder order; see write/sources/base.py)."""
 
     root: Path
     classes: list[str]
@@ -70,9 +77,37 @@ class ScanResult:
     errors: list[SourceError] = field(default_factory=list)  # folders and names the scan could not follow
     unlisted: list[str] = field(default_factory=list)  # folders that could not be listed: their files are unknown
     not_images: Counter = field(default_factory=Counter)  # files ignored as "not an image", by suffix (".txt")
+    reader: SourceReader | None = None  # None: files below root (a folder)
+    locs: list[Any] | None = None  # per record, what the reader needs beside its key (None: the key alone)
+    extras: dict[str, list[str]] = field(default_factory=dict)  # per record, a list file's other columns
+    source_type: str = "folder"
 
     def __len__(self) -> int:
         return len(self.rel_paths)
+
+    def source_reader(self) -> SourceReader:
+        return self.reader if self.reader is not None else FileReader(self.root)
+
+    def loc(self, i: int) -> Any:
+        return None if self.locs is None else self.locs[i]
+
+    def records(self, a: int = 0, b: int | None = None) -> list[tuple[str, int, Any]]:
+        """(key, label, locator) of records a..b-1: what a worker is given."""
+        b = len(self) if b is None else b
+        locs = self.locs[a:b] if self.locs is not None else [None] * (b - a)
+        return list(zip(self.rel_paths[a:b], self.labels[a:b].tolist(), locs))
+
+    def take(self, positions: Any) -> ScanResult:
+        """The records at ``positions`` (an order, or a subset), everything per record kept in step."""
+        pick = [int(i) for i in positions]
+        return replace(self, rel_paths=[self.rel_paths[i] for i in pick],
+                       labels=self.labels[np.asarray(pick, dtype=np.int64)],
+                       locs=None if self.locs is None else [self.locs[i] for i in pick],
+                       extras={k: [v[i] for i in pick] for k, v in self.extras.items()})
+
+    def locator_of(self) -> dict[str, Any]:
+        """key -> locator (for resume checks and error locations after the shards are written)."""
+        return dict(zip(self.rel_paths, self.locs if self.locs is not None else [None] * len(self)))
 
     @property
     def class_to_idx(self) -> dict[str, int]:
@@ -81,6 +116,12 @@ class ScanResult:
 
 HIDDEN, HIDDEN_FOLDER, NOT_IMAGE = "hidden", "hidden folder", "not an image"  # reasons in ``ignored``
 OUTSIDE_CLASSES = "outside class folders"
+
+
+def imagefolder_key(rel: str) -> tuple[str, str]:
+    """Sort key of a POSIX path in ImageFolder order (torchvision sorts os.walk's folders by path, then
+    each folder's file names): the order archive members are given in, like a folder's files."""
+    return posixpath.dirname(rel), posixpath.basename(rel)
 
 
 def is_image_name(name: str) -> bool:

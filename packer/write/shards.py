@@ -9,13 +9,12 @@ Both give the same bytes: a shard depends only on its planned sources and the op
 from __future__ import annotations
 
 import errno
-import os
 import shutil
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -24,10 +23,12 @@ from packer.formats.base import Format, PreparedSample
 from packer.images.decode import DecodeError, check_pixels, decode
 from packer.images.headers import image_size
 from packer.layout.manifest import Shard
-from packer.layout.trust import open_regular
 from packer.write.journal import ShardResult
 from packer.write.options import ConvertOptions
 from packer.write.scan import ScanResult, SourceError
+from packer.write.sources.base import RecordError, SourceReader, read_source
+
+__all__ = ["BuildJob", "ShardBuilder", "ShardWriteError", "prepare", "read_source", "write_shard"]
 
 
 @dataclass
@@ -65,25 +66,20 @@ def progress_bar(total: int, enabled: bool):
                 desc="packing", file=sys.stderr)
 
 
-def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> PreparedSample | SourceError:
-    """Read one source file and make its payload; a problem becomes a SourceError, never an exception."""
-    path = root / rel
+def prepare(reader: SourceReader, rel: str, label: int, options: ConvertOptions,
+            loc: Any = None) -> PreparedSample | SourceError:
+    """Read one record (``reader.read(rel, loc)``) and make its payload; a problem is a SourceError, no exception."""
     try:
-        data, source_stat = read_source(path)
-    except OSError as exc:
-        if not path.exists() and path.is_symlink():
-            return SourceError(rel, "broken symbolic link")
-        return SourceError(rel, f"cannot read: {exc.strerror or exc}")
+        data, source_stat = reader.read(rel, loc)
+    except RecordError as exc:
+        return SourceError(rel, str(exc))
+    if isinstance(data, np.ndarray):  # pixels from a packed source of raw payloads: nothing to decode
+        return _from_pixels(rel, label, data, source_stat, options)
     if not data:
         return SourceError(rel, "empty file (0 bytes)")
     try:
         if options.payload == "raw":
-            pixels = decode(data, options.decoder, strict=True)
-            spec = options.resize_spec
-            if spec is not None:
-                pixels = spec.apply(pixels)
-            h, w = pixels.shape[:2]
-            return PreparedSample(-1, rel, label, np.ascontiguousarray(pixels), h, w, source_stat)
+            return _from_pixels(rel, label, decode(data, options.decoder, strict=True), source_stat, options)
         if options.validate == "full":
             h, w = decode(data, options.decoder, strict=True).shape[:2]
         elif options.validate == "header":
@@ -98,24 +94,16 @@ def prepare(root: Path, rel: str, label: int, options: ConvertOptions) -> Prepar
     return PreparedSample(-1, rel, label, data, h, w, source_stat)
 
 
-def read_source(path: Path) -> tuple[bytes, list[int]]:
-    """The whole file and its [size, mtime_ns] as read; OSError for a special file or one that changes meanwhile.
-
-    Opened by ``open_regular`` (a FIFO would block forever); a change of size or mtime during the
-    read means the bytes may mix two versions, so they are refused rather than packed.
-    """
-    fd, st = open_regular(path)
-    try:
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read()
-        after = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if len(data) != st.st_size and st.st_size != 0:
-        raise OSError(errno.EAGAIN, f"changed while being read ({st.st_size} bytes, then {len(data)})")
-    if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
-        raise OSError(errno.EAGAIN, "changed while being read (modified meanwhile)")
-    return data, [st.st_size, st.st_mtime_ns]
+def _from_pixels(rel: str, label: int, pixels: np.ndarray, source_stat: list[int] | None,
+                 options: ConvertOptions) -> PreparedSample | SourceError:
+    """A raw payload from decoded pixels, resized when asked."""
+    if options.payload != "raw":
+        return SourceError(rel, "the source holds decoded pixels: only --payload raw can store them (never re-encoded)")
+    spec = options.resize_spec
+    if spec is not None:
+        pixels = spec.apply(pixels)
+    h, w = pixels.shape[:2]
+    return PreparedSample(-1, rel, label, np.ascontiguousarray(pixels), h, w, source_stat)
 
 
 class ShardWriteError(PackerError):

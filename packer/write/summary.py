@@ -47,6 +47,8 @@ def describe_left_out(ignored: Mapping[str, int], not_images: Mapping[str, int],
               if ignored.get(r)]
     if hidden:
         parts.append(" and ".join(hidden) + " (--skip-hidden)")
+    known = (NOT_IMAGE, OUTSIDE_CLASSES, HIDDEN, HIDDEN_FOLDER)
+    parts += [f"{n} {r}" for r, n in ignored.items() if r not in known and not r.startswith(NOT_SCANNED)]
     text = ", ".join(parts)
     skipped = [r.removeprefix(NOT_SCANNED + ": ") for r in ignored if r.startswith(NOT_SCANNED)]
     if skipped:

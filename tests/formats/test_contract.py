@@ -24,6 +24,7 @@ from packer.tools.verify import verify
 from packer.write.options import ConvertOptions
 from packer.write.scan import scan_folder
 from packer.write.shards import prepare
+from packer.write.sources.base import FileReader
 
 # Options a format needs beyond the case's own (e.g. a tile size); none for most.
 FORMAT_OPTIONS: dict[str, dict] = {"mosaic": {"tile": "32x48"}}
@@ -85,7 +86,7 @@ def test_round_trip_bytes_and_pixels(packed, imagefolder):
             assert np.array_equal(img, decode_pil(source))  # exactly what Pillow decodes
         else:
             pil = ConvertOptions.from_record({**ds.manifest.options, "decoder": "pil"})
-            ref = prepare(imagefolder, rel, label, pil)
+            ref = prepare(FileReader(imagefolder), rel, label, pil)
             assert img.shape == ref.payload.shape
             diff = np.abs(img.astype(np.int16) - ref.payload.astype(np.int16)).max()
             assert diff <= _max_error(name, ds.manifest.options), f"{rel}: max pixel error {diff}"

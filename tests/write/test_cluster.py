@@ -144,11 +144,11 @@ def _arm_killer(marker: str, victim: str) -> None:
 
     original = pc.prepare
 
-    def prepare(root, rel, label, options):
+    def prepare(reader, rel, label, options, loc=None):
         if rel == victim and not os.path.exists(marker):
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)  # the worker process is lost mid-shard
-        return original(root, rel, label, options)
+        return original(reader, rel, label, options, loc)
 
     prepare.original = original
     pc.prepare = prepare

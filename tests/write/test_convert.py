@@ -103,9 +103,10 @@ def test_unknown_options_are_refused_by_name(imagefolder, tmp_path):
 
 def test_files_that_vanish_or_change_during_the_run_are_reported(tmp_path, monkeypatch):
     conv = importlib.import_module("packer.write.convert")
+    folder = importlib.import_module("packer.write.sources.folder")  # where the folder source scans
 
     src = make_imagefolder(tmp_path / "src", classes=2, per_class=3)
-    real_scan = conv.scan_folder
+    real_scan = folder.scan_folder
 
     def scan_then_delete(root, *args, **kwargs):  # the file disappears after the scan listed it
         scan = real_scan(root, *args, **kwargs)
@@ -122,7 +123,7 @@ def test_files_that_vanish_or_change_during_the_run_are_reported(tmp_path, monke
                                    st.st_size + 100, st.st_atime, st.st_mtime, st.st_ctime))
         return st
 
-    monkeypatch.setattr(conv, "scan_folder", scan_then_delete)
+    monkeypatch.setattr(folder, "scan_folder", scan_then_delete)
     monkeypatch.setattr(conv.os, "fstat", fstat_growing)
     res = convert(src, tmp_path / "o.lmdb", workers=0, progress=False)
     reasons = {e.path: e.reason for e in res.errors}

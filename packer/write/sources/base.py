@@ -1,0 +1,196 @@
+"""The source interface: a ``Source`` scans SRC into records; a ``SourceReader`` reads one record in any process.
+
+A scan (``write.scan.ScanResult``) is the shared record list: per record a key (``rel_paths``: what
+``ds.samples``, ``extract`` and errors.json show), a label and a locator (``locs``: what the reader
+needs beside the key, e.g. a tar member's offset and size), plus the classes, what was ignored and
+the errors found while scanning. The reader is small and picklable: pool workers and Dask tasks get
+it with their records, and it opens its handles per process (``PerProcess``: fork and spawn safe).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+
+from packer.errors import PackerError
+from packer.layout.trust import open_regular
+
+if TYPE_CHECKING:
+    from packer.write.scan import ClassMapper, ScanResult
+
+Payload = bytes | np.ndarray  # encoded bytes, or HWC uint8 pixels (a packed source of raw payloads)
+Facts = list[int]  # two ints that change when a record's content may have: resume repacks a shard then
+
+
+class RecordError(Exception):
+    """One record can't be read; the message is the reason errors.json gives."""
+
+
+class SourceReader(ABC):
+    """Reads records of one source by (key, locator); picklable, opening nothing until used in a process."""
+
+    sequential: ClassVar[bool] = False  # True: records can only be read in scan order (a compressed tar)
+    gives_pixels: bool = False  # True: read() gives HWC pixels (a packed dataset of raw payloads): raw output only
+
+    @abstractmethod
+    def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
+        """The record's payload and its facts as read; ``RecordError`` when it can't be read."""
+
+    @abstractmethod
+    def facts(self, rel: str, loc: Any) -> Facts | None:
+        """The record's facts now (None: gone), compared by ``--resume`` with those recorded when read."""
+
+    def read_in_order(self, records: Iterable[tuple[str, Any]]) -> Iterator[tuple[Payload, Facts | None] | RecordError]:
+        """Each record of ``records`` (in scan order), or the RecordError it gave; sequential readers stream."""
+        for rel, loc in records:
+            try:
+                yield self.read(rel, loc)
+            except RecordError as exc:
+                yield exc
+
+    def size(self, rel: str, loc: Any) -> int | None:
+        """The record's stored size in bytes where known without reading it (None: read it to know)."""
+        return None
+
+    def location(self, rel: str, loc: Any) -> str:
+        """Where the record is, for errors.json ("labels.csv line 12", "x.tar: member a/b.jpg"); "": the key says."""
+        return ""
+
+    def missing(self) -> str | None:
+        """Why this process can't see the source (a Dask worker without the shared storage), or None."""
+        return None
+
+    def close(self) -> None:
+        """Drop this process's open handles."""
+
+
+class FileReader(SourceReader):
+    """Files below ``root`` (a folder, or a list file's ``--root``); ``labels`` names the list file, if any."""
+
+    def __init__(self, root: Path, listing: str = "") -> None:
+        self.root, self.listing = root, listing
+
+    def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
+        path = self.root / rel
+        try:
+            data, facts = read_source(path)
+        except OSError as exc:
+            if not path.exists() and path.is_symlink():
+                raise RecordError("broken symbolic link") from None
+            raise RecordError(f"cannot read: {exc.strerror or exc}") from None
+        return data, facts
+
+    def facts(self, rel: str, loc: Any) -> Facts | None:
+        try:
+            st = os.stat(self.root / rel)
+        except OSError:
+            return None
+        return [st.st_size, st.st_mtime_ns]
+
+    def size(self, rel: str, loc: Any) -> int | None:
+        try:
+            return os.stat(self.root / rel).st_size
+        except OSError:
+            return None
+
+    def location(self, rel: str, loc: Any) -> str:
+        return f"{self.listing} line {loc}" if self.listing and loc is not None else ""
+
+    def missing(self) -> str | None:
+        return None if self.root.is_dir() else f"cannot see the source folder {self.root}"
+
+
+def read_source(path: Path) -> tuple[bytes, list[int]]:
+    """The whole file and its [size, mtime_ns] as read; OSError for a special file or one that changes meanwhile.
+
+    Opened by ``open_regular`` (a FIFO would block forever); a change of size or mtime during the
+    read means the bytes may mix two versions, so they are refused rather than packed.
+    """
+    fd, st = open_regular(path)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = fh.read()
+        after = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if len(data) != st.st_size and st.st_size != 0:
+        raise OSError(errno.EAGAIN, f"changed while being read ({st.st_size} bytes, then {len(data)})")
+    if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+        raise OSError(errno.EAGAIN, "changed while being read (modified meanwhile)")
+    return data, [st.st_size, st.st_mtime_ns]
+
+
+class InlineReader(SourceReader):
+    """Records whose locator carries what a sequential reader read in the driver: ``(payload, facts, error)``."""
+
+    def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
+        payload, facts, error = loc
+        if error is not None:
+            raise RecordError(error)
+        return payload, facts
+
+    def facts(self, rel: str, loc: Any) -> Facts | None:
+        return loc[1]
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """How to read SRC, recorded in the manifest (``record``) so ``verify --against`` reads it the same way."""
+
+    type: str | None = None  # --source-type; None: chosen by what SRC is
+    root: str | None = None  # list files: the folder paths are relative to (default: the list file's folder)
+    path_column: str | None = None  # list files with a header: the column of paths (default "path")
+    label_column: str | None = None  # ... and of labels (default "label")
+    classes_file: str | None = None  # list files with integer labels: one class name per line
+    classes: tuple[str, ...] | None = None  # --classes: keep these classes only, renumbered in sorted order
+    split: float | None = None  # --split: the fraction of each class in the train part
+    split_seed: int = 0
+    part: str | None = None  # "train" or "val": which part of --split this output holds
+    label_key: str | None = None  # WebDataset: the field of a sample's json member holding its label (else cls)
+    image_column: str | None = None  # Hugging Face: the Image column (default "image")
+
+    def record(self) -> dict[str, Any]:
+        """JSON-able, without unset entries (a folder conversion records {"type": "folder"})."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items() if v is not None
+                and not (k == "split_seed" and self.split is None)}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any], where: object = "manifest") -> SourceOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(record) - known)
+        if unknown:
+            raise PackerError(f"{where}: unknown source option(s) {', '.join(unknown)}")
+        given = dict(record)
+        if given.get("classes") is not None:
+            given["classes"] = tuple(str(c) for c in given["classes"])
+        return cls(**given)
+
+
+class Source(ABC):
+    """One kind of input. ``claims`` says whether SRC looks like it; ``scan`` lists its records."""
+
+    type: ClassVar[str]  # the --source-type name, recorded in the manifest
+
+    def __init__(self, path: Path, options: SourceOptions) -> None:
+        self.path, self.options = path, options
+
+    @classmethod
+    @abstractmethod
+    def claims(cls, path: Path) -> bool:
+        """Whether SRC at ``path`` is this kind of source (checked in registry order, without --source-type)."""
+
+    @abstractmethod
+    def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
+             allow_empty: bool = False) -> ScanResult:
+        """Every record, in a deterministic order, with ``reader`` set; a PackerError when SRC is unreadable.
+
+        ``map_classes``: walks class folders elsewhere (a Dask cluster); ``skip_hidden``/``allow_empty``: the
+        folder rules (write.scan); only the folder source uses them.
+        """

@@ -1,0 +1,217 @@
+"""Hugging Face datasets as a source: a ``save_to_disk`` folder or Parquet files (see ``hfarrow``).
+
+One record per row: the image is the ``--image-column`` (default ``image``) struct's ``bytes``,
+kept as they are (the encoded file); a row with only a ``path`` is read from ``--root`` when given,
+else an error. The label is the ``--label-column`` (default ``label``; without that column and
+without the option: -1, like a flat folder), an integer or ``ClassLabel`` column; ``classes`` are
+the ClassLabel's names, else ``--classes-file``, else ``0..max``. A record's key is
+``<file>/<row>`` (row within the file) plus the image path's extension when it has one; errors
+name file and row. Rows are read a batch at a time (a Parquet row group, an Arrow record batch),
+in each worker the batch last used stays cached, so memory is bounded by the largest batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import numpy as np
+
+from packer.errors import PackerError
+from packer.perprocess import PerProcess
+from packer.write.scan import ClassMapper, ScanResult, SourceError, is_image_name
+from packer.write.sources.base import Facts, FileReader, Payload, RecordError, Source, SourceReader
+from packer.write.sources.hfarrow import HFFiles, TableFile, class_names, find_files, pyarrow_modules, schema_features
+from packer.write.sources.labels import inside_root, integer_classes, keep_in_range
+
+
+@dataclass
+class _Cache:
+    files: dict[int, TableFile] = field(default_factory=dict)
+    batch: tuple[int, int] | None = None  # (file, batch) held in column
+    column: Any = None  # the image column's bytes child of that batch
+
+
+class RowReader(SourceReader):
+    """Reads a row's image bytes; locator (file, batch, row in batch, size), or ``path`` for a row read from --root."""
+
+    def __init__(self, files: HFFiles, image_column: str, root: Path | None) -> None:
+        self.files, self.image_column = files, image_column
+        self.paths = FileReader(root) if root is not None else None
+        self._cache: PerProcess[_Cache] = PerProcess(_Cache)
+
+    def _bytes_column(self, f: int, k: int) -> Any:
+        cache = self._cache.get()
+        if cache.batch != (f, k):
+            if f not in cache.files:
+                cache.files[f] = TableFile(self.files.root / self.files.names[f], self.files.kind)
+            try:
+                batch = cache.files[f].batch(k, [self.image_column])
+            except PackerError as exc:
+                raise RecordError(str(exc)) from None
+            cache.batch, cache.column = (f, k), image_bytes_child(whole(batch.column(0)))
+        return cache.column
+
+    def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
+        if isinstance(loc, str):  # a path-only row, read below --root
+            if self.paths is None:
+                raise RecordError("a path-only row, and no --root to read it from")
+            return self.paths.read(loc, None)
+        f, k, row, size = loc
+        data = self._bytes_column(f, k)[row].as_py()
+        if not data or len(data) != size:
+            raise RecordError(f"row changed since the scan ({size} bytes then, {len(data or b'')} now)")
+        return data, [size, self._mtime(f)]
+
+    def _mtime(self, f: int) -> int:
+        return os.stat(self.files.root / self.files.names[f]).st_mtime_ns
+
+    def facts(self, rel: str, loc: Any) -> Facts | None:
+        if isinstance(loc, str):
+            return None if self.paths is None else self.paths.facts(loc, None)
+        try:
+            return [loc[3], self._mtime(loc[0])]
+        except OSError:
+            return None
+
+    def size(self, rel: str, loc: Any) -> int | None:
+        return None if isinstance(loc, str) else loc[3]
+
+    def location(self, rel: str, loc: Any) -> str:
+        return "" if isinstance(loc, str) else f"{self.files.names[loc[0]]}: row {rel.rsplit('/', 1)[1].split('.')[0]}"
+
+    def missing(self) -> str | None:
+        gone = [n for n in self.files.names if not (self.files.root / n).is_file()]
+        return f"cannot see {self.files.root / gone[0]}" if gone else None
+
+    def close(self) -> None:
+        self._cache.close()
+
+
+def whole(column: Any) -> Any:
+    """One array of a column (a Parquet row group's columns come chunked)."""
+    pa = pyarrow_modules()[0]
+    return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+
+
+def image_bytes_child(column: Any) -> Any:
+    """The encoded-bytes array of an image column: a struct's ``bytes`` field, or a binary column itself."""
+    pa = pyarrow_modules()[0]
+    if pa.types.is_struct(column.type):
+        return column.field("bytes")
+    return column
+
+
+def _check_columns(schema: Any, where: Path, image: str, label: str | None) -> None:
+    pa = pyarrow_modules()[0]
+    names = list(schema.names)
+    for col in [image] + ([label] if label else []):
+        if col not in names:
+            raise PackerError(f"{where}: no column {col!r} (columns: {', '.join(names)}); "
+                              f"name the right one with --image-column / --label-column")
+    itype = schema.field(image).type
+    binary = (pa.types.is_binary(itype) or pa.types.is_large_binary(itype))
+    if not binary and not (pa.types.is_struct(itype) and itype.get_field_index("bytes") >= 0):
+        raise PackerError(f"{where}: column {image!r} is {itype}, not an Image (bytes, path) or binary column")
+    if label and not pa.types.is_integer(schema.field(label).type):
+        raise PackerError(f"{where}: column {label!r} is {schema.field(label).type}, not an integer or ClassLabel")
+
+
+class HFSource(Source):
+    """A Hugging Face dataset on disk; its rows in file order, then row order."""
+
+    type = "hf"
+
+    @classmethod
+    def claims(cls, path: Path) -> bool:
+        if path.is_file():
+            return path.suffix in (".parquet", ".arrow")
+        if not path.is_dir():
+            return False
+        if (path / "state.json").is_file() or (path / "dataset_dict.json").is_file():
+            return True
+        return any(p.suffix == ".parquet" for p in path.iterdir())
+
+    def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
+             allow_empty: bool = False) -> ScanResult:
+        files = find_files(self.path)
+        image_col = self.options.image_column or "image"
+        root = Path(self.options.root) if self.options.root else None
+        rows = _Rows()
+        names: list[str] | None = None
+        for f, name in enumerate(files.names):
+            table = TableFile(files.root / name, files.kind)
+            label_col = self.options.label_column or ("label" if "label" in table.schema.names else None)
+            _check_columns(table.schema, files.root / name, image_col, label_col)
+            if f and label_col != rows.label_col:
+                raise PackerError(f"{files.root / name}: no column {rows.label_col!r}, unlike {files.names[0]}")
+            rows.label_col = label_col
+            if label_col:
+                names = class_names(schema_features(table.schema, files.features), label_col)
+            for k, (first, batch) in enumerate(table.batches([image_col] + ([label_col] if label_col else []))):
+                rows.add_batch(f, name, k, first, batch, root)
+        labels = np.asarray(rows.labels, dtype=np.int64)
+        if rows.label_col is None:
+            keep, classes = np.arange(len(labels)), []
+        else:
+            classes = names if names is not None else integer_classes(labels, self.options.classes_file)
+            keep = keep_in_range(rows.keys, labels, classes, rows.where, rows.errors).tolist()
+        if not len(keep) and not rows.errors:
+            raise PackerError(f"{self.path}: no rows")
+        return ScanResult(root=files.root, classes=classes, rel_paths=[rows.keys[i] for i in keep],
+                          labels=labels[keep], ignored=Counter(), errors=rows.errors,
+                          reader=RowReader(files, image_col, root), locs=[rows.locs[i] for i in keep])
+
+
+class _Rows:
+    """The rows found so far: keys, labels, locators, and the errors with file and row."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.labels: list[int] = []
+        self.locs: list[Any] = []
+        self.where: list[str] = []
+        self.errors: list[SourceError] = []
+        self.label_col: str | None = None
+
+    def add_batch(self, f: int, name: str, k: int, first: int, batch: Any, root: Path | None) -> None:
+        column = whole(batch.column(0))
+        data = image_bytes_child(column)
+        lengths = _lengths(data)
+        pa = pyarrow_modules()[0]
+        has_path = pa.types.is_struct(column.type) and column.type.get_field_index("path") >= 0
+        paths = column.field("path").to_pylist() if has_path else [None] * len(column)
+        labels = batch.column(1).to_pylist() if self.label_col else [-1] * len(column)
+        for r in range(len(column)):
+            row, path = first + r, paths[r]
+            suffix = PurePosixPath(path).suffix.lower() if isinstance(path, str) and is_image_name(path) else ""
+            key, where = f"{name}/{row}{suffix}", f"{name}: row {row}"
+            if labels[r] is None:
+                self.errors.append(SourceError(key, f"no label (null in column {self.label_col!r})", where))
+                continue
+            if lengths[r] > 0:
+                loc: Any = (f, k, r, lengths[r])
+            elif path and root is not None:
+                try:
+                    loc = inside_root(path, where)
+                except PackerError as exc:
+                    self.errors.append(SourceError(key, str(exc), where))
+                    continue
+            else:
+                why = f"only a path ({path!r}): give --root to read it from there" if path else "no image"
+                self.errors.append(SourceError(key, why, where))
+                continue
+            self.keys.append(key)
+            self.labels.append(int(labels[r]))
+            self.locs.append(loc)
+            self.where.append(where)
+
+
+def _lengths(data: Any) -> list[int]:
+    """Each row's byte count (0 for a null)."""
+    import pyarrow.compute as pc
+
+    return [n or 0 for n in pc.call_function("binary_length", [data]).to_pylist()]

@@ -1,0 +1,184 @@
+"""A list file: ``path,label`` rows (CSV/TSV with a header, Kaggle style) or ``path label`` lines (Caffe's
+``convert_imageset`` list), the images below ``--root`` (default: the list file's folder).
+
+Labels are integers (kept as they are; ``classes`` from ``--classes-file`` or ``0..max``) or class
+names (``classes`` = the sorted names, as ImageFolder numbers folders; with ``--classes-file``, line i
+is class i). Records keep the file's order. A bad row never aborts: a path leaving ``--root``, a
+duplicate, a bad label or a short row is an errors.json entry naming its line; a missing file is
+found when read (its entry names the line too). Other columns are kept per record (``scan.extras``).
+"""
+
+from __future__ import annotations
+
+import csv
+import posixpath
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from packer.errors import PackerError
+from packer.write.scan import ClassMapper, ScanResult, SourceError
+from packer.write.sources.base import FileReader, Source
+
+LIST_SUFFIXES = (".csv", ".tsv", ".txt", ".lst")
+_MAX_LIST_BYTES = 4 << 30  # a list of ~50 million rows; beyond that it is not a list file
+
+
+@dataclass
+class _Rows:
+    """What the list holds, before labels are resolved: per kept row its path, label text and line."""
+
+    paths: list[str] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)
+    extras: dict[str, list[str]] = field(default_factory=dict)
+    errors: list[SourceError] = field(default_factory=list)
+
+
+class ListSource(Source):
+    """``labels.csv`` / ``.tsv`` (header: ``path,label[,more]``) or ``list.txt`` / ``.lst`` (``path label`` lines)."""
+
+    type = "list"
+
+    @classmethod
+    def claims(cls, path: Path) -> bool:
+        return path.is_file() and path.suffix.lower() in LIST_SUFFIXES
+
+    def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
+             allow_empty: bool = False) -> ScanResult:
+        path, opts = self.path, self.options
+        root = Path(opts.root) if opts.root is not None else path.parent
+        if not root.is_dir():
+            raise PackerError(f"{root}: not a folder (--root names the folder the list's paths are relative to)")
+        text = _read_text(path)
+        tabular = path.suffix.lower() in (".csv", ".tsv")
+        if not tabular and (opts.path_column is not None or opts.label_column is not None):
+            raise PackerError(f"{path}: --path-column/--label-column apply to .csv/.tsv lists with a header")
+        rows = _csv_rows(path, text, self._columns()) if tabular else _plain_rows(path, text)
+        classes, labels = _labels(path, rows, opts.classes_file)
+        if not rows.paths:
+            raise PackerError(f"{path}: no usable rows ({len(rows.errors)} refused"
+                              + "".join(f"; {e.location}: {e.reason}" for e in rows.errors[:3]) + ")")
+        return ScanResult(root=root, classes=classes, rel_paths=rows.paths, labels=labels, errors=rows.errors,
+                          ignored=Counter(), reader=FileReader(root, path.name), locs=list(rows.lines),
+                          extras=rows.extras)
+
+    def _columns(self) -> tuple[str, str]:
+        return self.options.path_column or "path", self.options.label_column or "label"
+
+
+def _read_text(path: Path) -> str:
+    try:
+        size = path.stat().st_size
+        if size > _MAX_LIST_BYTES:
+            raise PackerError(f"{path}: {size} bytes is too large for a list file")
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise PackerError(f"{path}: not UTF-8 text (byte {exc.start}): not a list file") from None
+    except OSError as exc:
+        raise PackerError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
+def _csv_rows(path: Path, text: str, columns: tuple[str, str]) -> _Rows:
+    """Rows of a CSV (``,``) or TSV (tab) list with a header naming its columns."""
+    path_col, label_col = columns
+    reader = csv.reader(text.splitlines(), delimiter="\t" if path.suffix.lower() == ".tsv" else ",")
+    try:
+        header = next(reader, None)
+        if header is None:
+            raise PackerError(f"{path}: empty list file")
+        header = [h.strip() for h in header]
+        for col, flag in ((path_col, "--path-column"), (label_col, "--label-column")):
+            if col not in header:
+                raise PackerError(f"{path}: no column {col!r} in the header ({', '.join(header)}); name the "
+                                  f"right one with {flag}")
+        ip, il = header.index(path_col), header.index(label_col)
+        others = [(i, h) for i, h in enumerate(header) if i not in (ip, il)]
+        rows, seen = _Rows(), {}
+        for row in reader:
+            line = reader.line_num
+            if not row or all(not v.strip() for v in row):
+                continue
+            if len(row) != len(header):
+                rows.errors.append(SourceError(row[ip] if ip < len(row) else "", f"{len(row)} fields, the header "
+                                               f"has {len(header)}: row not packed", f"{path.name} line {line}"))
+                continue
+            _add_row(rows, seen, path.name, line, row[ip], row[il], {h: row[i] for i, h in others})
+    except csv.Error as exc:
+        raise PackerError(f"{path}: line {reader.line_num}: not a valid CSV ({exc})") from None
+    return rows
+
+
+def _plain_rows(path: Path, text: str) -> _Rows:
+    """Rows of a headerless ``relative/path.jpg 3`` list (Caffe's): the label after the last space."""
+    rows, seen = _Rows(), {}
+    for line, raw in enumerate(text.splitlines(), start=1):
+        body = raw.strip()
+        if not body or body.startswith("#"):
+            continue
+        parts = body.rsplit(None, 1)
+        if len(parts) != 2:
+            rows.errors.append(SourceError(body, "no label (expected 'path label')", f"{path.name} line {line}"))
+            continue
+        _add_row(rows, seen, path.name, line, parts[0], parts[1], {})
+    return rows
+
+
+def _labels(path: Path, rows: _Rows, classes_file: str | None) -> tuple[list[str], np.ndarray]:
+    """The classes and each kept row's label index; rows with a bad label move to the errors."""
+    named = read_classes(Path(classes_file)) if classes_file is not None else None
+    ints = sum(t.isdigit() for t in rows.labels)
+    numeric = ints * 2 > len(rows.labels)  # mostly integers: the others are bad labels, not class names
+    if numeric:
+        top = max((int(t) for t in rows.labels if t.isdigit()), default=-1)
+        classes = named if named is not None else [str(i) for i in range(top + 1)]
+        index = {str(i): i for i in range(len(classes))}
+        index.update({t: int(t) for t in rows.labels if t.isdigit() and int(t) < len(classes)})
+    else:
+        classes = named if named is not None else sorted(set(rows.labels) - {""})
+        index = {c: i for i, c in enumerate(classes)}
+    keep = [i for i, t in enumerate(rows.labels) if t in index]
+    for i, t in enumerate(rows.labels):
+        if t not in index:
+            why = "empty label" if not t else (f"label {t!r}: not an integer from 0 to {len(classes) - 1}" if numeric
+                                               else f"label {t!r}: not a class of --classes-file")
+            rows.errors.append(SourceError(rows.paths[i], why, f"{path.name} line {rows.lines[i]}"))
+    labels = np.asarray([index[rows.labels[i]] for i in keep], dtype=np.int64)
+    rows.paths = [rows.paths[i] for i in keep]
+    rows.lines = [rows.lines[i] for i in keep]
+    rows.extras = {k: [v[i] for i in keep] for k, v in rows.extras.items()}
+    return classes, labels
+
+
+def read_classes(path: Path) -> list[str]:
+    """``--classes-file``: one class name per line (line i names label i), no blank or repeated names."""
+    names = [n.strip() for n in _read_text(path).splitlines()]
+    while names and not names[-1]:
+        names.pop()
+    if not names or "" in names or len(set(names)) != len(names):
+        raise PackerError(f"{path}: a classes file holds one distinct, non-empty class name per line")
+    return names
+
+
+def _add_row(rows: _Rows, seen: dict[str, int], name: str, line: int, rel: str, label: str,
+             extras: dict[str, str]) -> None:
+    """Check one row's path and keep it, or record why not."""
+    where = f"{name} line {line}"
+    rel = rel.strip()
+    clean = posixpath.normpath(rel) if rel else ""
+    if not rel:
+        rows.errors.append(SourceError(rel, "empty path", where))
+    elif "\x00" in rel or "\\" in rel or rel.startswith(("/", "~")) or clean == ".." or clean.startswith("../"):
+        rows.errors.append(SourceError(rel, "path leaves --root (absolute, ~ or ..): refused", where))
+    elif clean in seen:
+        rows.errors.append(SourceError(clean, f"listed twice (first on line {seen[clean]}): this row is not packed",
+                                       where))
+    else:
+        seen[clean] = line
+        rows.paths.append(clean)
+        rows.labels.append(label.strip())
+        rows.lines.append(line)
+        for k, v in extras.items():
+            rows.extras.setdefault(k, []).append(v)

@@ -1,0 +1,96 @@
+"""A packer dataset as a source: any format into any other (``packer convert imgs.lmdb --to hdf5``).
+
+Records are the dataset's samples in its order; keys are its relative paths (so ``ds.samples``,
+``extract`` and ``verify`` speak of the original files); labels and classes as it stores them.
+Encoded payloads move as the stored bytes, never re-encoded (``--payload raw`` decodes them);
+raw payloads move as pixels and can only stay raw. Reads go through the format's own ``Reader``
+(one per shard, opened per process), each checked against the size the index records.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from packer.errors import PackerError
+from packer.formats import check_recorded_options, get_format
+from packer.formats.base import ShardReader
+from packer.layout.index import Index, shard_starts
+from packer.layout.manifest import MANIFEST_NAME, Manifest, holds_dataset, read_manifest
+from packer.layout.trust import reading
+from packer.write.scan import ClassMapper, ScanResult
+from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader
+
+
+class PackedSource(Source):
+    """A folder holding a packer manifest."""
+
+    type = "packed"
+
+    @classmethod
+    def claims(cls, path: Path) -> bool:
+        return path.is_dir() and holds_dataset(path)
+
+    def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
+             allow_empty: bool = False) -> ScanResult:
+        root = self.path
+        manifest = read_manifest(root)
+        manifest.check_files(root)
+        check_recorded_options(manifest.format, manifest.options, root / MANIFEST_NAME)
+        index = Index.load(root, manifest.num_samples, files=manifest.meta_files, num_classes=len(manifest.classes))
+        locs = list(zip(range(len(index)), index.nbytes.tolist(), index.heights.tolist(), index.widths.tolist()))
+        return ScanResult(root=root, classes=list(manifest.classes), rel_paths=index.rel_paths(),
+                          labels=np.asarray(index.labels, dtype=np.int64), reader=PackedReader(root, manifest),
+                          locs=locs)
+
+
+class PackedReader(SourceReader):
+    """Sample ``i`` (the locator ``(i, nbytes, height, width)``) through its shard's format Reader."""
+
+    def __init__(self, root: Path, manifest: Manifest) -> None:
+        self.root = root
+        self.gives_pixels = manifest.payload == "raw"
+        fmt = get_format(manifest.format)
+        self.readers: list[ShardReader] = [fmt.Reader(root, s, manifest.payload, access="sequential")
+                                           for s in manifest.shards]
+        self.starts = shard_starts([s.num_samples for s in manifest.shards])
+        self.mtime_ns = os.stat(root / MANIFEST_NAME).st_mtime_ns
+
+    def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
+        i, nbytes, h, w = loc
+        shard = int(np.searchsorted(self.starts, i, side="right")) - 1
+        try:
+            with reading(f"{self.root}: sample {i}"):
+                buf = self.readers[shard].read(i - int(self.starts[shard]))
+                payload: Payload = np.array(buf) if isinstance(buf, np.ndarray) else bytes(buf)
+        except PackerError as exc:
+            raise RecordError(str(exc)) from None
+        size = payload.nbytes if isinstance(payload, np.ndarray) else len(payload)
+        if size != nbytes or (self.gives_pixels and size != h * w * 3):
+            raise RecordError(f"{size} bytes read, the source's index says {nbytes} ({h}x{w}) (damaged dataset)")
+        if self.gives_pixels:  # formats store pixels flat or shaped: the index says the shape
+            payload = np.frombuffer(payload, np.uint8).reshape(h, w, 3) if isinstance(payload, bytes) \
+                else payload.reshape(h, w, 3)
+        return payload, [nbytes, self.mtime_ns]
+
+    def facts(self, rel: str, loc: Any) -> Facts | None:
+        try:
+            return [loc[1], os.stat(self.root / MANIFEST_NAME).st_mtime_ns]
+        except OSError:
+            return None
+
+    def size(self, rel: str, loc: Any) -> int | None:
+        return None if self.gives_pixels else loc[1]
+
+    def location(self, rel: str, loc: Any) -> str:
+        return f"{self.root.name}: sample {loc[0]}"
+
+    def missing(self) -> str | None:
+        return None if self.root.is_dir() else f"cannot see the source dataset {self.root}"
+
+    def close(self) -> None:
+        for r in self.readers:
+            r.close()

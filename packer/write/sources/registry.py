@@ -1,0 +1,62 @@
+"""Choosing a source by what SRC is, or by ``--source-type``; the one entry point ``scan_source``.
+
+``SOURCES`` is checked in order: the first whose ``claims(path)`` is true reads SRC. A new source
+is one module and one line here.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from packer.errors import PackerError
+from packer.write.scan import ClassMapper, ScanResult
+from packer.write.sources.archive import ArchiveSource
+from packer.write.sources.base import Source, SourceOptions
+from packer.write.sources.folder import FolderSource
+from packer.write.sources.hf import HFSource
+from packer.write.sources.listfile import ListSource
+from packer.write.sources.mxrec import RecordIOSource
+from packer.write.sources.packed import PackedSource
+from packer.write.sources.select import select
+from packer.write.sources.webdataset import WebDatasetSource
+
+SOURCES: dict[str, type[Source]] = {
+    PackedSource.type: PackedSource,  # before folder: a dataset is a folder too
+    WebDatasetSource.type: WebDatasetSource,  # before folder: a folder of .tar shards; a brace pattern
+    HFSource.type: HFSource,  # before folder: a save_to_disk folder, a folder of .parquet files
+    RecordIOSource.type: RecordIOSource,
+    FolderSource.type: FolderSource,
+    ListSource.type: ListSource,
+    ArchiveSource.type: ArchiveSource,
+}
+
+
+def open_source(src: str | os.PathLike, options: SourceOptions = SourceOptions()) -> Source:
+    """The source that reads ``src``: ``options.type`` when given, else the first of ``SOURCES`` that claims it."""
+    path = Path(os.path.abspath(src))
+    if options.type is not None:
+        cls = SOURCES.get(options.type)
+        if cls is None:
+            raise PackerError(f"--source-type {options.type!r}: unknown (choose from {', '.join(SOURCES)})")
+        return cls(path, options)
+    for cls in SOURCES.values():  # a WebDataset brace pattern names no existing path
+        if cls.claims(path):
+            return cls(path, options)
+    if not os.path.lexists(path):
+        raise PackerError(f"{src}: no such folder or file")
+    raise PackerError(f"{src}: not a source packer reads (a folder of images, a packer dataset, a list file "
+                      ".csv/.tsv/.txt/.lst, an archive .tar/.tar.gz/.tgz/.zip, WebDataset shards "
+                      "'shards-{000000..000009}.tar', a Hugging Face dataset (save_to_disk folder, .parquet) or an "
+                      "MXNet .rec); name its kind with --source-type")
+
+
+def scan_source(src: str | os.PathLike, options: SourceOptions = SourceOptions(),
+                map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
+                allow_empty: bool = False) -> ScanResult:
+    """The records of ``src`` as ``options`` read and select them (``--classes``, ``--split``); ``skip_hidden``
+    and ``allow_empty``: the folder rules (``write.scan.scan_folder``), for sources that are folders."""
+    source = open_source(src, options)
+    scan = source.scan(map_classes, skip_hidden=skip_hidden, allow_empty=allow_empty)
+    scan.source_type = source.type
+    return select(scan, options)

@@ -1,0 +1,76 @@
+"""Subsets of a scan, whatever the source: ``--classes`` (some classes, renumbered) and ``--split`` (train/val).
+
+Both act on the scanned records before the sample order is applied, so they depend only on the
+source, the class names, the fraction and the seed: the same command gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from packer._random import stable_permutation
+from packer.errors import PackerError
+from packer.write.scan import ScanResult
+from packer.write.sources.base import SourceOptions
+
+PARTS = ("train", "val")
+
+
+def select_classes(scan: ScanResult, names: tuple[str, ...]) -> ScanResult:
+    """The records of classes ``names``, renumbered as ImageFolder would number a folder holding only them
+    (sorted names: index = position in that order); the others are counted in ``ignored``."""
+    if not scan.classes:
+        raise PackerError(f"{scan.root}: --classes needs a source with classes (this one has none)")
+    unknown = sorted(set(names) - set(scan.classes))
+    if unknown:
+        shown = ", ".join(scan.classes[:10]) + (" ..." if len(scan.classes) > 10 else "")
+        raise PackerError(f"--classes: {', '.join(unknown)} not among the source's classes ({shown})")
+    kept = sorted(set(names))
+    new_index = np.full(len(scan.classes) + 1, -1, dtype=np.int64)  # the last entry: label -1 (no class)
+    for i, name in enumerate(kept):
+        new_index[scan.classes.index(name)] = i
+    remapped = new_index[scan.labels]
+    positions = np.flatnonzero(remapped >= 0)
+    out = scan.take(positions)
+    out.labels = remapped[positions]
+    out.classes = kept
+    dropped = len(scan) - len(positions)
+    if dropped:
+        out.ignored = scan.ignored.copy()
+        out.ignored["not in --classes"] += dropped
+    return out
+
+
+def split_positions(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Record positions of the train and val parts: per label, a seeded shuffle (packer._random), the first
+    ``floor(fraction * n + 0.5)`` to train; each part in source order."""
+    train: list[np.ndarray] = []
+    for label in np.unique(labels):
+        where = np.flatnonzero(labels == label)
+        perm = stable_permutation(len(where), seed, int(label) + 1)
+        train.append(where[perm[: math.floor(fraction * len(where) + 0.5)]])
+    chosen = np.zeros(len(labels), dtype=bool)
+    if train:
+        chosen[np.concatenate(train)] = True
+    return np.flatnonzero(chosen), np.flatnonzero(~chosen)
+
+
+def select(scan: ScanResult, options: SourceOptions) -> ScanResult:
+    """``scan`` narrowed by the options' ``classes``, then to the options' ``part`` of ``split``."""
+    if options.classes is not None:
+        scan = select_classes(scan, options.classes)
+    if options.split is None:
+        return scan
+    if options.part not in PARTS:
+        raise PackerError(f"--split: part {options.part!r} (expected train or val)")
+    if not 0.0 < options.split < 1.0:
+        raise PackerError(f"--split {options.split}: expected a fraction between 0 and 1 (e.g. 0.9)")
+    train, val = split_positions(scan.labels, options.split, options.split_seed)
+    keep, other = (train, val) if options.part == "train" else (val, train)
+    out = scan.take(keep)
+    out.ignored = scan.ignored.copy()
+    if len(other):
+        out.ignored[f"in the {PARTS[1] if options.part == 'train' else PARTS[0]} part of --split"] += len(other)
+    return out

@@ -1,0 +1,231 @@
+"""WebDataset shards as a source: ``packer convert 'shards-{000000..000099}.tar' --to lmdb``.
+
+SRC is a brace pattern as WebDataset writes them, one ``.tar``, or a folder of ``.tar`` files.
+Each sample (members grouped by key, see ``wdstar``) gives one record: its image is its one
+``jpg``/``jpeg``/``png``/``webp`` member, its label the ``cls`` member (an ASCII integer) or, with
+``--label-key NAME``, the field NAME of its ``json`` member. A shard without any labels gives
+-1 labels (like a flat folder); once a shard has labels, a sample without one is an error.
+``classes``: the lines of ``--classes-file``, else ``0..max`` (as text), else none. Other members
+(``txt``, ``json``...) are not kept yet: the summary counts them by extension. A record's key is
+``<shard name>/<sample key>.<image extension>``; its locator the image's offset and size in the
+shard, read with one ``pread`` (uncompressed shards only: members are read in place, memory stays
+flat whatever the shard's size).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from packer.errors import PackerError
+from packer.perprocess import PerProcess
+from packer.write.scan import ClassMapper, ScanResult, SourceError
+from packer.write.sources.archive_gz import GzTarReader
+from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader
+from packer.write.sources.labels import integer_classes, keep_in_range
+from packer.write.sources.wdstar import (
+    MAX_LABEL_MEMBER,
+    TarSample,
+    image_member,
+    is_compressed,
+    list_shard,
+    shard_paths,
+)
+
+
+class ShardReader(SourceReader):
+    """Reads image members in place: locator (shard number, offset, size); one open file per shard and process."""
+
+    def __init__(self, shards: list[Path]) -> None:
+        self.shards = shards
+        self._fds: PerProcess[dict[int, tuple[int, int]]] = PerProcess(dict)
+
+    def _fd(self, shard: int) -> tuple[int, int]:
+        fds = self._fds.get()
+        if shard not in fds:
+            try:
+                fd = os.open(self.shards[shard], os.O_RDONLY)
+            except OSError as exc:
+                raise RecordError(f"cannot open {self.shards[shard].name}: {exc.strerror or exc}") from None
+            fds[shard] = (fd, os.fstat(fd).st_mtime_ns)
+        return fds[shard]
+
+    def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
+        shard, offset, size = loc
+        fd, mtime = self._fd(shard)
+        try:
+            data = os.pread(fd, size, offset)
+        except OSError as exc:
+            raise RecordError(f"cannot read: {exc.strerror or exc}") from None
+        if len(data) != size:
+            raise RecordError(f"truncated: {len(data)} of {size} bytes at byte {offset} of {self.shards[shard].name}")
+        if not data:
+            raise RecordError("empty image member (0 bytes)")
+        return data, [size, mtime]
+
+    def facts(self, rel: str, loc: Any) -> Facts | None:
+        try:
+            st = os.stat(self.shards[loc[0]])
+        except OSError:
+            return None
+        return [loc[2], st.st_mtime_ns] if loc[1] + loc[2] <= st.st_size else None
+
+    def size(self, rel: str, loc: Any) -> int | None:
+        return loc[2]
+
+    def location(self, rel: str, loc: Any) -> str:
+        return f"{self.shards[loc[0]].name}: member at byte {loc[1]}"
+
+    def missing(self) -> str | None:
+        gone = [p for p in self.shards if not p.is_file()]
+        return f"cannot see the shard {gone[0]}" if gone else None
+
+    def close(self) -> None:
+        self._fds.close(lambda fds: [os.close(fd) for fd, _ in fds.values()])
+
+
+def sample_label(sample: TarSample, label_key: str | None) -> int | None:
+    """The sample's label from ``cls`` (or ``json[label_key]``); None when it has none; RecordError when bad."""
+    ext = "cls" if label_key is None else "json"
+    if ext not in sample.members:
+        return None
+    name, raw = sample.members[ext].name, sample.small.get(ext)
+    if raw is None:
+        raise RecordError(f"{name}: more than {MAX_LABEL_MEMBER} bytes, too large to hold a label")
+    if label_key is None:
+        text = raw.strip()
+        if not text.lstrip(b"-").isdigit():
+            raise RecordError(f"{name}: {text[:40]!r} is not an integer label")
+        return int(text)
+    try:
+        value = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise RecordError(f"{name}: not JSON ({exc})") from None
+    if not isinstance(value, dict) or label_key not in value:
+        raise RecordError(f"{name}: no field {label_key!r} (--label-key)")
+    label = value[label_key]
+    if isinstance(label, bool) or not isinstance(label, int):
+        raise RecordError(f"{name}: field {label_key!r} is {label!r}, not an integer label")
+    return label
+
+
+class StreamedShardReader(ShardReader):
+    """Shards some of which are ``.tar.gz``: read in scan order, each compressed shard streamed once
+    (``archive_gz.GzTarReader``; the locator's offset is then the member's number in the stream)."""
+
+    sequential = True
+
+    def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
+        res = next(self.read_in_order([(rel, loc)]))
+        if isinstance(res, RecordError):
+            raise res
+        return res
+
+    def read_in_order(self, records: Iterable[tuple[str, Any]]) -> Iterator[tuple[Payload, Facts | None] | RecordError]:
+        for shard, group in itertools.groupby(records, key=lambda r: r[1][0]):
+            path = self.shards[shard]
+            if not is_compressed(path):
+                for rel, loc in group:
+                    try:
+                        yield ShardReader.read(self, rel, loc)
+                    except RecordError as exc:
+                        yield exc
+                continue
+            try:
+                mtime = os.stat(path).st_mtime_ns
+            except OSError as exc:
+                for _ in group:
+                    yield RecordError(f"cannot read {path.name}: {exc.strerror or exc}")
+                continue
+            yield from GzTarReader(path, mtime).read_in_order((rel, (n, size)) for rel, (_, n, size) in group)
+
+
+class WebDatasetSource(Source):
+    """WebDataset ``.tar`` shards (uncompressed), their samples in shard order, then tar order."""
+
+    type = "webdataset"
+
+    @classmethod
+    def claims(cls, path: Path) -> bool:
+        """A brace pattern, or a folder holding ``.tar`` files and nothing else (a single ``.tar`` is an archive)."""
+        if "{" in str(path) and not path.exists():
+            return True
+        if not path.is_dir():
+            return False
+        names = [p for p in path.iterdir() if not p.name.startswith(".")]
+        return bool(names) and all(p.name.endswith((".tar", ".tar.gz", ".tgz")) and p.is_file() for p in names)
+
+    def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
+             allow_empty: bool = False) -> ScanResult:
+        shards = shard_paths(self.path)
+        root = Path(os.path.commonpath([p.parent for p in shards]))
+        found = _Found()
+        for n, shard in enumerate(shards):
+            name = shard.relative_to(root).as_posix()
+            if not shard.is_file():
+                found.errors.append(SourceError(name + "/", "shard missing: its samples are neither packed nor "
+                                                "counted", name))
+                continue
+            listing = list_shard(shard)
+            found.ignored.update(listing.ignored)
+            for member, reason in listing.problems:
+                found.errors.append(SourceError(f"{name}/{member}", reason, f"{name}: member {member or '-'}"))
+            for sample in listing.samples:
+                found.add(n, name, sample, self.options.label_key)
+        labelled = any(v is not None for v in found.labels)
+        labels = np.asarray([-1 if v is None else v for v in found.labels], dtype=np.int64)
+        classes, keep = [], list(range(len(labels)))
+        if labelled:
+            keep = [i for i in keep if found.labels[i] is not None]
+            for i in sorted(set(range(len(labels))) - set(keep)):
+                found.errors.append(SourceError(found.keys[i], "no label (other samples have one: a cls member, "
+                                                "or a json member's --label-key field)", found.where[i]))
+            classes = integer_classes(labels[keep], self.options.classes_file)
+            ok = keep_in_range([found.keys[i] for i in keep], labels[keep], classes, [found.where[i] for i in keep],
+                               found.errors)
+            keep = [keep[j] for j in ok.tolist()]
+        if not keep and not found.errors:
+            raise PackerError(f"{self.path}: no samples with an image in {len(shards)} shard(s)")
+        reader = (StreamedShardReader if any(is_compressed(p) for p in shards) else ShardReader)(shards)
+        return ScanResult(root=root, classes=classes, rel_paths=[found.keys[i] for i in keep], labels=labels[keep],
+                          ignored=found.ignored, errors=found.errors, reader=reader, locs=[found.locs[i] for i in keep])
+
+
+class _Found:
+    """The samples found so far (key, label or None, locator, location) and what was left out."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.labels: list[int | None] = []
+        self.locs: list[tuple[int, int, int]] = []
+        self.where: list[str] = []
+        self.errors: list[SourceError] = []
+        self.ignored: Counter = Counter()
+
+    def add(self, n: int, shard: str, sample: TarSample, label_key: str | None) -> None:
+        """Add ``sample`` of shard ``n``, or an error naming shard and key."""
+        where = f"{shard}: key {sample.key}"
+        found = image_member(sample)
+        if sample.problem is not None or isinstance(found, str):
+            self.errors.append(SourceError(f"{shard}/{sample.key}", sample.problem or str(found), where))
+            return
+        ext, member = found
+        try:
+            label = sample_label(sample, label_key)
+        except RecordError as exc:
+            self.errors.append(SourceError(f"{shard}/{sample.key}.{ext}", str(exc), where))
+            return
+        for other in sample.members:
+            if other != ext and other != ("cls" if label_key is None else "json"):
+                self.ignored[f"webdataset members not kept (per-sample fields): .{other}"] += 1
+        self.keys.append(f"{shard}/{sample.key}.{ext}")
+        self.labels.append(label)
+        self.locs.append((n, member.offset, member.size))
+        self.where.append(where)

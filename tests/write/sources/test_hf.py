@@ -1,0 +1,97 @@
+"""Hugging Face datasets as a source: made by ``datasets`` in the test (save_to_disk, Parquet),
+read by packer through pyarrow alone."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.cli import REPO, run_cli
+from support.foreign import items, make_hf
+
+from packer import open_dataset
+
+ITEMS = items(10)
+NAMES = ["cat", "dog", "emu"]
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory) -> tuple[Path, Path]:
+    return make_hf(tmp_path_factory.mktemp("hf"), ITEMS, NAMES, rows_per_group=4)
+
+
+def convert_ok(src: Path, out: Path, *args: object) -> dict:
+    res = run_cli("convert", src, "--to", "lmdb", "-o", out, "--workers", "2", "--order", "source", *args)
+    report = json.loads((out / "errors.json").read_text())
+    assert res.returncode == (1 if report["num_errors"] else 0), res.stderr  # 1: some records not packed
+    return report
+
+
+@pytest.mark.parametrize("layout", ["save_to_disk", "parquet"])
+def test_rows_convert_with_their_bytes_classlabel_names_and_verify(hf, tmp_path, layout):
+    src = hf[0] if layout == "save_to_disk" else hf[1]
+    out = tmp_path / "out.lmdb"
+    assert convert_ok(src, out)["num_errors"] == 0
+    ds = open_dataset(out)
+    assert [bytes(ds.read_payload(i)) for i in range(len(ds))] == [it.image for it in ITEMS]
+    assert ds.targets == [it.label for it in ITEMS] and ds.classes == NAMES
+    name = "data-00000-of-00001.arrow" if layout == "save_to_disk" else "data.parquet"
+    assert list(ds.index.rel_paths()) == [f"{name}/{i}.jpg" for i in range(len(ITEMS))]
+    res = run_cli("verify", out, "--against", src)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_packer_reads_them_without_importing_datasets(hf, tmp_path):
+    code = ("import sys; from packer import convert; "
+            f"convert({str(hf[1])!r}, {str(tmp_path / 'o.lmdb')!r}, workers=0, progress=False); "
+            "print('datasets' in sys.modules)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
+
+
+def test_path_only_rows_are_errors_without_root_and_read_from_root_with_it(tmp_path):
+    import datasets
+
+    imgs = tmp_path / "imgs"
+    imgs.mkdir()
+    for it in ITEMS[:3]:
+        (imgs / f"{it.key}.jpg").write_bytes(it.image)
+    table = datasets.Dataset.from_dict(
+        {"image": [{"bytes": None, "path": f"{it.key}.jpg"} for it in ITEMS[:3]] + [{"bytes": ITEMS[3].image,
+                                                                                    "path": None}],
+         "label": [0, 1, 2, 1]},
+        features=datasets.Features({"image": datasets.Image(decode=False), "label": datasets.ClassLabel(names=NAMES)}))
+    import pyarrow.parquet as pq  # datasets' to_parquet would embed the files: write the table it holds as it is
+
+    pq.write_table(table.data.table, tmp_path / "p.parquet")
+    report = convert_ok(tmp_path / "p.parquet", tmp_path / "a.lmdb")
+    assert report["num_errors"] == 3 and all("give --root" in e["reason"] for e in report["errors"])
+    assert {e["location"] for e in report["errors"]} == {f"p.parquet: row {r}" for r in range(3)}
+    assert open_dataset(tmp_path / "a.lmdb").targets == [1]
+    assert convert_ok(tmp_path / "p.parquet", tmp_path / "b.lmdb", "--root", imgs)["num_errors"] == 0
+    ds = open_dataset(tmp_path / "b.lmdb")
+    assert [bytes(ds.read_payload(i)) for i in range(4)] == [it.image for it in ITEMS[:4]]
+
+
+def test_a_wrong_column_name_is_one_clear_line(hf, tmp_path):
+    res = run_cli("convert", hf[1], "--to", "lmdb", "-o", tmp_path / "o.lmdb", "--image-column", "picture")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "no column 'picture' (columns: image, label)" in res.stderr and res.stderr.count("\n") == 1
+
+
+def test_an_unreadable_parquet_file_is_one_clear_line(hf, tmp_path):
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes(hf[1].read_bytes()[:-200])
+    res = run_cli("convert", bad, "--to", "lmdb", "-o", tmp_path / "o.lmdb")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert f"{bad}: not a readable parquet file" in res.stderr and res.stderr.count("\n") == 1
+
+
+def test_without_pyarrow_the_error_names_the_extra(hf, tmp_path):
+    code = ("import sys; sys.modules['pyarrow'] = None; from packer import convert; "
+            f"convert({str(hf[1])!r}, {str(tmp_path / 'o.lmdb')!r}, workers=0, progress=False)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert "PackerError" in res.stderr and "packer-images[hf]" in res.stderr

@@ -1,0 +1,105 @@
+"""List-file sources: CSV/TSV with a header and Caffe's ``path label`` lines, read where the images are."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from packer import convert, open_dataset
+from packer.tools.verify import verify
+from packer.write.sources.base import SourceOptions
+from packer.write.sources.registry import scan_source
+from tests.support.cli import run_cli
+from tests.support.imagesets import make_imagefolder
+
+
+@pytest.fixture
+def imgs(tmp_path) -> Path:
+    return make_imagefolder(tmp_path / "imgs", classes=3, per_class=4)
+
+
+def _errors(out: Path) -> list[dict]:
+    return json.loads((out / "errors.json").read_text())["errors"]
+
+
+def test_csv_with_class_names_converts_and_verifies(imgs, tmp_path):
+    rows = ["path,label,caption"] + [f"{p.relative_to(imgs).as_posix()},{p.parent.name[-1]}x,cap {i}"
+                                     for i, p in enumerate(sorted(imgs.rglob("*.jpg")))]
+    listing = tmp_path / "labels.csv"
+    listing.write_text("\n".join(rows) + "\n")
+    res = convert(listing, tmp_path / "o.lmdb", root=imgs, workers=0, progress=False)
+    ds = open_dataset(res.output)
+    assert ds.classes == ["0x", "1x", "2x"]  # names sorted, as ImageFolder numbers folders
+    assert [p for p, _ in ds.samples] == [str(imgs / rel) for rel in ds.relpaths]  # files below --root
+    for rel, label in zip(ds.relpaths, ds.targets):
+        assert ds.classes[label] == rel.split("/")[0][-1] + "x"
+        assert bytes(ds.read_payload(ds.index_of(rel))) == (imgs / rel).read_bytes()
+    assert ds.manifest.source_type == "list" and ds.manifest.source_options["root"] == str(imgs)
+    assert verify(res.output, against=listing).ok  # the recorded --root is used
+    scan = scan_source(listing, SourceOptions(root=str(imgs)))
+    assert scan.extras["caption"][:2] == ["cap 0", "cap 1"] and scan.locs[:2] == [2, 3]
+
+
+def test_caffe_list_with_integer_labels_and_a_classes_file(imgs, tmp_path):
+    files = sorted(imgs.rglob("*.jpg"))
+    listing = tmp_path / "train.txt"
+    listing.write_text("".join(f"{p.relative_to(imgs).as_posix()} {int(p.parent.name[-1]) * 2}\n" for p in files))
+    res = convert(listing, tmp_path / "o.hdf5", to="hdf5", root=imgs, workers=0, progress=False, order="source")
+    ds = open_dataset(res.output)
+    assert ds.classes == ["0", "1", "2", "3", "4"]  # integers keep their values: classes 0..max
+    assert [t for _, t in ds.samples] == [int(p.parent.name[-1]) * 2 for p in files]  # the list's order
+    names = tmp_path / "names.txt"
+    names.write_text("a\nb\nc\nd\ne\n")
+    res = convert(listing, tmp_path / "n.hdf5", to="hdf5", root=imgs, classes_file=names, workers=0, progress=False)
+    assert open_dataset(res.output).classes == ["a", "b", "c", "d", "e"]
+    assert verify(res.output, against=listing).ok
+
+
+def test_bad_rows_are_errors_with_their_line_numbers(imgs, tmp_path):
+    (tmp_path / "secret.jpg").write_bytes((imgs / "class_0" / "img_000.jpg").read_bytes())
+    lines = ["path\tlabel", "class_0/img_000.jpg\t0", "../secret.jpg\t0", "/etc/passwd\t1",
+             "class_0/img_000.jpg\t1", "class_1/img_000.jpg\tseven", "class_1/missing.jpg\t1",
+             "class_2/img_000.jpg\t2\textra", "class_2/img_001.jpg\t2", "class_2/img_002.jpg\t-1"]
+    listing = tmp_path / "l.tsv"
+    listing.write_text("\n".join(lines) + "\n")
+    res = convert(listing, tmp_path / "o.lmdb", root=imgs, workers=0, progress=False)
+    assert res.num_samples == 2
+    where = {e["location"]: e["reason"] for e in _errors(res.output)}
+    assert set(where) == {f"l.tsv line {n}" for n in (3, 4, 5, 6, 7, 8, 10)}
+    assert "leaves --root" in where["l.tsv line 3"] and "leaves --root" in where["l.tsv line 4"]
+    assert "listed twice (first on line 2)" in where["l.tsv line 5"]
+    assert "seven" in where["l.tsv line 6"] and "-1" in where["l.tsv line 10"]
+    assert "No such file" in where["l.tsv line 7"]
+    assert "3 fields" in where["l.tsv line 8"]
+    assert verify(res.output, against=listing).ok
+
+
+@pytest.mark.parametrize("text, flags, message", [
+    ("file,label\na.jpg,0\n", [], "no column 'path' in the header (file, label); name the right one with --path-col"),
+    ("path,label\n", [], "no usable rows"),
+    ("a.jpg 0\n", ["--path-column", "x"], "--path-column/--label-column apply to .csv/.tsv"),
+])
+def test_a_wrong_list_is_one_clear_error(tmp_path, text, flags, message):
+    listing = tmp_path / ("l.csv" if "," in text else "l.txt")
+    listing.write_text(text)
+    proc = run_cli("convert", listing, "-o", tmp_path / "o.lmdb", "-q", *flags)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert message in proc.stderr and proc.stderr.startswith(f"packer: error: {listing}")
+    assert not (tmp_path / "o.lmdb").exists()
+
+
+def test_cli_converts_a_list_with_root_and_columns(imgs, tmp_path):
+    listing = tmp_path / "meta" / "k.csv"
+    listing.parent.mkdir()
+    listing.write_text("id,file,cls\n" + "".join(f"{i},{p.relative_to(imgs).as_posix()},{p.parent.name}\n"
+                                                 for i, p in enumerate(sorted(imgs.rglob("*.jpg")))))
+    proc = run_cli("convert", listing, "--root", imgs, "--path-column", "file", "--label-column", "cls", "-o",
+                   tmp_path / "o.lmdb", "-q", "--workers", "2")
+    assert proc.returncode == 0, proc.stderr
+    ds = open_dataset(tmp_path / "o.lmdb")
+    assert ds.classes == ["class_0", "class_1", "class_2"] and len(ds) == 12
+    assert run_cli("verify", tmp_path / "o.lmdb", "--against", listing, "-q").returncode == 0
+    assert np.array_equal(np.bincount(ds.targets), [4, 4, 4])
