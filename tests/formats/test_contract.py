@@ -111,7 +111,7 @@ def test_imagefolder_surface(packed, imagefolder):
         if payload == "encoded":
             assert bytes(ds.read_payload(i)) == open(source, "rb").read()
         else:
-            want = prepare(imagefolder, ds.relpaths[i], label, pil).payload
+            want = prepare(FileReader(imagefolder), ds.relpaths[i], label, pil).payload
             got = np.asarray(open_dataset(path, image="numpy")[i][0])
             assert got.shape == want.shape
             assert np.abs(got.astype(np.int16) - want.astype(np.int16)).max() <= _max_error(name, ds.manifest.options)
