@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_convert(sub) -> None:
     from packer.formats import FORMATS
 
-    p = _parser(sub, "convert", "pack a folder of images into a dataset", """
+    p = _parser(sub, "convert", "pack images (a folder, a list file, an archive or a dataset) into a dataset", """
         packer convert imgs/ --to lmdb                # -> imgs.lmdb/ beside imgs/
         packer convert imgs/ --to lmdb -o /fast/imgs.lmdb --workers 8
         packer convert imgs/ --to lmdb --validate header   # faster; catches fewer damaged files

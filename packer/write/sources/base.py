@@ -72,7 +72,7 @@ class SourceReader(ABC):
 
 
 class FileReader(SourceReader):
-    """Files below ``root`` (a folder, or a list file's ``--root``); ``labels`` names the list file, if any."""
+    """Files below ``root`` (a folder, or a list file's ``--root``); ``listing``: the list file's name, if any."""
 
     def __init__(self, root: Path, listing: str = "") -> None:
         self.root, self.listing = root, listing
