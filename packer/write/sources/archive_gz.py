@@ -18,7 +18,7 @@ from typing import Any
 from packer.errors import PackerError
 from packer.write.scan import ScanResult
 from packer.write.sources.archive_common import Members, clean_member, forget_headers, records_of
-from packer.write.sources.base import Facts, Payload, RecordError, SourceReader
+from packer.write.sources.base import Facts, Payload, RecordError, SourceReader, read_one_in_order
 
 _STREAM_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error)
 
@@ -76,10 +76,7 @@ class GzTarReader(SourceReader):
         self.path, self.mtime_ns = path, mtime_ns
 
     def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
-        res = next(self.read_in_order([(rel, loc)]))
-        if isinstance(res, RecordError):
-            raise res
-        return res
+        return read_one_in_order(self, rel, loc)
 
     def read_in_order(self, records: Iterable[tuple[str, Any]]) -> Iterator[tuple[Payload, Facts | None] | RecordError]:
         wanted = iter(records)

@@ -71,6 +71,14 @@ class SourceReader(ABC):
         """Drop this process's open handles."""
 
 
+
+def read_one_in_order(reader: SourceReader, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
+    """``read`` for readers that only stream (``sequential``): the record through ``read_in_order``."""
+    res = next(iter(reader.read_in_order([(rel, loc)])))
+    if isinstance(res, RecordError):
+        raise res
+    return res
+
 class FileReader(SourceReader):
     """Files below ``root`` (a folder, or a list file's ``--root``); ``listing``: the list file's name, if any."""
 

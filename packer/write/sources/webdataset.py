@@ -28,7 +28,7 @@ from packer.errors import PackerError
 from packer.perprocess import PerProcess
 from packer.write.scan import ClassMapper, ScanResult, SourceError
 from packer.write.sources.archive_gz import GzTarReader
-from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader
+from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader, read_one_in_order
 from packer.write.sources.labels import integer_classes, keep_in_range
 from packer.write.sources.wdstar import (
     MAX_LABEL_MEMBER,
@@ -123,10 +123,7 @@ class StreamedShardReader(ShardReader):
     sequential = True
 
     def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
-        res = next(self.read_in_order([(rel, loc)]))
-        if isinstance(res, RecordError):
-            raise res
-        return res
+        return read_one_in_order(self, rel, loc)
 
     def read_in_order(self, records: Iterable[tuple[str, Any]]) -> Iterator[tuple[Payload, Facts | None] | RecordError]:
         for shard, group in itertools.groupby(records, key=lambda r: r[1][0]):
