@@ -49,7 +49,13 @@ def cmd_convert(args) -> int:
             label_column=args.label_column, classes_file=args.classes_file, classes=args.classes,
             label_key=args.label_key, image_column=args.image_column,
         )
-        if args.split is None:
+        if args.format == "wds":  # a sink, not a format: packer.write.export_wds
+            from packer.write.export_wds import export_wds
+
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("to", "if_changed", "client", "resize_mode")}
+            kwargs.update(split=args.split, if_changed=args.if_changed or None, scheduler=args.scheduler)
+            results = [export_wds(args.source, args.output, **kwargs)]
+        elif args.split is None:
             results = [convert(args.source, args.output, **kwargs)]
         else:
             results = list(convert_split(args.source, args.output, split=args.split, **kwargs))

@@ -86,11 +86,14 @@ def _add_convert(sub) -> None:
         packer convert train.tar --to lmdb                  # an archive, read in place (also .zip, nested tars)
         packer convert imgs.lmdb --to hdf5                  # a packer dataset into another format
         packer convert imgs.lmdb --to lmdb --classes cat,dog --split 0.9 -o pets   # -> pets-train, pets-val
+        packer convert imgs.lmdb --to wds -o imgs-wds --shard-size 256MB   # WebDataset shards (a sink, not a format)
         """, description="Pack a source (a folder of images in ImageFolder layout root/<class>/<img> or flat, a "
         "list file, an archive, or a packer dataset) into one dataset directory. Every source record is either "
         "packed or listed with its reason and location in errors.json.")
     _add_source_arguments(p)
-    p.add_argument("--to", dest="format", default="lmdb", choices=sorted(FORMATS), help="output format (default lmdb)")
+    p.add_argument("--to", dest="format", default="lmdb", choices=[*sorted(FORMATS), "wds"],
+                   help="output format (default lmdb); wds: WebDataset shards shard-%%06d.tar (<key>.jpg/.png as "
+                   "stored, <key>.cls, classes.txt) for the webdataset package, decoded pixels as lossless PNG")
     p.add_argument("-o", "--output", help="output directory (default: <source>.<format> beside the source)")
     p.add_argument("--payload", choices=("encoded", "raw"), default=None,
                    help="encoded: the original file bytes (lossless, smallest; default where the format stores "
@@ -105,7 +108,7 @@ def _add_convert(sub) -> None:
                    help="processes reading and validating (default: all cores; 0: in this process)")
     p.add_argument("--shard-size", type=size_arg, default=None, metavar="SIZE",
                    help="approximate shard size, e.g. 512MB (default: the format's: 1GB for lmdb, one file for "
-                   "hdf5 and memmap)")
+                   "hdf5 and memmap; --to wds: at most this per .tar, default 256MB)")
     p.add_argument("--resize", metavar="S|HxW",
                    help="raw payloads only, lossy: S = short side to S (aspect kept); HxW = exact shape")
     p.add_argument("--resize-mode", choices=("stretch", "fit"), default="stretch",

@@ -236,17 +236,7 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
                         source_order=scan.rel_paths)
     errors: list[SourceError] = locate_errors(scan, cat("errors")) + scan.errors
     meta_files = [file_info(partial, n) for n in index.save(partial)]
-    write_atomic(partial / ERRORS_NAME, dumps_lossless(
-        {"num_errors": len(errors), "ignored": dict(scan.ignored),
-         "errors": [e.to_json() for e in sorted(errors, key=lambda e: e.path)]},
-        indent=1,
-    ))
-    if errors:
-        print(f"packer: {len(errors)} of {len(scan)} files not packed, see {ERRORS_NAME}:", file=sys.stderr)
-        for e in errors[:10]:
-            print(f"  {e.path}: {e.reason}", file=sys.stderr)
-        if len(errors) > 10:
-            print(f"  ... and {len(errors) - 10} more", file=sys.stderr)
+    write_error_report(partial, errors, scan)
     manifest = Manifest(
         format=options.format,
         payload=options.payload,
@@ -269,6 +259,22 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
     swap_into_place(partial, out)
     return ConvertResult(out, len(index), errors, time.perf_counter() - started, int(index.nbytes.sum()),
                          dict(scan.ignored), dict(scan.not_images))
+
+
+def write_error_report(partial: Path, errors: list[SourceError], scan: ScanResult) -> None:
+    """``errors.json`` (every record not packed, with reason and location; what the scan ignored) and the
+    first ten on stderr."""
+    write_atomic(partial / ERRORS_NAME, dumps_lossless(
+        {"num_errors": len(errors), "ignored": dict(scan.ignored),
+         "errors": [e.to_json() for e in sorted(errors, key=lambda e: e.path)]},
+        indent=1,
+    ))
+    if errors:
+        print(f"packer: {len(errors)} of {len(scan)} files not packed, see {ERRORS_NAME}:", file=sys.stderr)
+        for e in errors[:10]:
+            print(f"  {e.path}: {e.reason}", file=sys.stderr)
+        if len(errors) > 10:
+            print(f"  ... and {len(errors) - 10} more", file=sys.stderr)
 
 
 def locate_errors(scan: ScanResult, errors: list[SourceError]) -> list[SourceError]:

@@ -18,6 +18,7 @@ from packer.errors import PackerError
 from packer.layout.fsutil import fsync_dir
 from packer.layout.manifest import MANIFEST_NAME, holds_dataset
 from packer.layout.partial import JOURNAL_DIR, OLD_TAG, read_swap
+from packer.layout.wdsexport import holds_wds_export
 from packer.write.journal import write_swap
 
 ERRORS_NAME = "errors.json"  # the report of the source files not packed, beside the manifest
@@ -41,7 +42,8 @@ def check_destination(src: str | os.PathLike, out: Path, overwrite: bool) -> Non
     """Refuse, before anything is written, an output whose replacement would destroy data.
 
     The output may not be the source, hold it or lie inside it (symlinks followed); an existing
-    path is replaced only when it holds a packer dataset, and then only with ``overwrite``.
+    path is replaced only when it holds a packer dataset (or a WebDataset export packer made), and then only
+    with ``overwrite``.
     """
     source, target = Path(os.path.realpath(src)), Path(os.path.realpath(out))
     if target == source:
@@ -52,7 +54,7 @@ def check_destination(src: str | os.PathLike, out: Path, overwrite: bool) -> Non
         raise PackerError(f"{out}: lies inside the source folder {src}; choose an --output outside it")
     if not os.path.lexists(out):
         return
-    if not holds_dataset(out):
+    if not (holds_dataset(out) or holds_wds_export(out)):
         raise PackerError(f"{out}: exists and is {_describe(out)}, not a packer dataset; packer replaces only a "
                           f"dataset, even with --overwrite: choose another --output, or move it away yourself")
     if not overwrite:

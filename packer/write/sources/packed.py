@@ -1,6 +1,6 @@
 """A packer dataset as a source: any format into any other (``packer convert imgs.lmdb --to hdf5``).
 
-Records are the dataset's samples in its order; keys are its relative paths (so ``ds.samples``,
+Records are the dataset's samples in its ImageFolder order (record i is ``ds[i]``, wherever it is stored); keys are its relative paths (so ``ds.samples``,
 ``extract`` and ``verify`` speak of the original files); labels and classes as it stores them.
 Encoded payloads move as the stored bytes, never re-encoded (``--payload raw`` decodes them);
 raw payloads move as pixels and can only stay raw. Reads go through the format's own ``Reader``
@@ -42,9 +42,10 @@ class PackedSource(Source):
         check_recorded_options(manifest.format, manifest.options, root / MANIFEST_NAME)
         index = Index.load(root, manifest.num_samples, files=manifest.meta_files, num_classes=len(manifest.classes))
         locs = list(zip(range(len(index)), index.nbytes.tolist(), index.heights.tolist(), index.widths.tolist()))
-        return ScanResult(root=root, classes=list(manifest.classes), rel_paths=index.rel_paths(),
-                          labels=np.asarray(index.labels, dtype=np.int64), reader=PackedReader(root, manifest),
-                          locs=locs)
+        stored = ScanResult(root=root, classes=list(manifest.classes), rel_paths=index.rel_paths(),
+                            labels=np.asarray(index.labels, dtype=np.int64), reader=PackedReader(root, manifest),
+                            locs=locs)
+        return stored if index.position is None else stored.take(index.position)  # ds[i] is record i
 
 
 class PackedReader(SourceReader):

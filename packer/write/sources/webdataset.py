@@ -5,7 +5,8 @@ Each sample (members grouped by key, see ``wdstar``) gives one record: its image
 ``jpg``/``jpeg``/``png``/``webp`` member, its label the ``cls`` member (an ASCII integer) or, with
 ``--label-key NAME``, the field NAME of its ``json`` member. A shard without any labels gives
 -1 labels (like a flat folder); once a shard has labels, a sample without one is an error.
-``classes``: the lines of ``--classes-file``, else ``0..max`` (as text), else none. Other members
+``classes``: the lines of ``--classes-file``, else those of the ``classes.txt`` beside the shards of a
+packer export (``--to wds``), else ``0..max`` (as text), else none. Other members
 (``txt``, ``json``...) are not kept yet: the summary counts them by extension. A record's key is
 ``<shard name>/<sample key>.<image extension>``; its locator the image's offset and size in the
 shard, read with one ``pread`` (uncompressed shards only: members are read in place, memory stays
@@ -25,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from packer.errors import PackerError
+from packer.layout.wdsexport import export_classes_file, holds_wds_export
 from packer.perprocess import PerProcess
 from packer.write.scan import ClassMapper, ScanResult, SourceError
 from packer.write.sources.archive_gz import GzTarReader
@@ -156,6 +158,8 @@ class WebDatasetSource(Source):
             return True
         if not path.is_dir():
             return False
+        if holds_wds_export(path):  # packer's own export: shards beside classes.txt, errors.json, its index
+            return True
         names = [p for p in path.iterdir() if not p.name.startswith(".")]
         return bool(names) and all(p.name.endswith((".tar", ".tar.gz", ".tgz")) and p.is_file() for p in names)
 
@@ -184,7 +188,7 @@ class WebDatasetSource(Source):
             for i in sorted(set(range(len(labels))) - set(keep)):
                 found.errors.append(SourceError(found.keys[i], "no label (other samples have one: a cls member, "
                                                 "or a json member's --label-key field)", found.where[i]))
-            classes = integer_classes(labels[keep], self.options.classes_file)
+            classes = integer_classes(labels[keep], self.options.classes_file or export_classes_file(self.path))
             ok = keep_in_range([found.keys[i] for i in keep], labels[keep], classes, [found.where[i] for i in keep],
                                found.errors)
             keep = [keep[j] for j in ok.tolist()]

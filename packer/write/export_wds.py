@@ -1,0 +1,247 @@
+"""WebDataset export: ``packer convert SRC --to wds`` writes ``shard-%06d.tar`` files the ``webdataset`` package
+reads unchanged (the folder's layout: layout/wdsexport.py).
+
+Any source convert reads (folder, list file, archive, WebDataset, Hugging Face, packer dataset) is scanned,
+read and validated by the same machinery (``write.sources``, ``write.pool.ordered_results``), so a record is
+either exported or in errors.json. Each sample is ``<key>.<ext>``, the encoded bytes exactly as stored,
+``<key>.cls`` (its label as decimal text; none for a source without labels) and ``<key>.json`` (its fields,
+when it has any). A source of decoded pixels (raw payloads) is written losslessly as PNG. The key is the
+record's number in the source's ImageFolder order, zero-padded (``ds[i]`` of a packer dataset, ImageFolder's
+index of a folder); it never contains a dot (webdataset ends a key at the first dot of a member's base name).
+Not a format: nothing in packer opens the export for random access; webdataset streams it, and
+``packer convert OUT --to lmdb`` reads it back as a WebDataset source. The export is not resumable: it
+runs in ``<out>.partial`` and the index is written last, so an interrupted one never looks complete.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import tarfile
+import time
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from PIL import Image
+
+from packer._version import __version__
+from packer.errors import PackerError
+from packer.formats.base import PreparedSample
+from packer.layout.fsutil import fsync_tree, write_atomic
+from packer.layout.manifest import dumps_lossless, file_info
+from packer.layout.partial import PARTIAL_SUFFIX, read_swap
+from packer.layout.wdsexport import CLASSES_NAME, EXPORT_KIND, EXPORT_NAME, SHARD_PATTERN
+from packer.write.convert import (
+    ConvertResult,
+    check_sequential,
+    locate_errors,
+    source_options,
+    write_error_report,
+)
+from packer.write.options import make_options
+from packer.write.output import check_destination, output_path, swap_into_place
+from packer.write.plan import apply_order, estimate_sample_bytes, make_partial
+from packer.write.pool import PoolSettings, ordered_results
+from packer.write.scan import ScanResult, SourceError
+from packer.write.shards import progress_bar
+from packer.write.sources.registry import scan_source
+
+DEFAULT_SHARD_BYTES = 256 << 20
+_BLOCK, _RECORD = tarfile.BLOCKSIZE, tarfile.RECORDSIZE  # a member's header; what the whole tar is padded to
+_SOURCE_KEYWORDS = ("source_type", "root", "path_column", "label_column", "classes_file", "classes", "label_key",
+                    "image_column")
+_MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG\r\n\x1a\n", "png"), (b"BM", "bmp"), (b"GIF8", "gif"))
+
+
+def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, *,
+               on_error: Literal["skip", "raise"] = "skip", workers: int | None = None, overwrite: bool = False,
+               resume: bool = False, progress: bool = True, pool: PoolSettings | None = None,
+               validate: str = "full", shard_bytes: int | None = None, order: str = "shuffled", seed: int = 0,
+               skip_hidden: bool = False, allow_empty: bool = False, decoder: str = "auto",
+               **others: Any) -> ConvertResult:
+    """Write the records of ``src`` as WebDataset shards of at most ``shard_bytes`` (default 256 MB) into ``output``.
+
+    ``others``: ``convert``'s source keywords (``root``, ``classes``, ...); its other options (``payload``,
+    ``resize``, ...) are refused unless unset: the export keeps the source's bytes. ``order``: the order of
+    samples in the shards (keys are the source's numbers either way). ``resume`` only finishes a move into
+    place that a killed run journaled; anything else left in ``<out>.partial`` is refused, naming it.
+    """
+    given = {k: others.pop(k) for k in _SOURCE_KEYWORDS if k in others}
+    unsupported = sorted(k for k, v in others.items() if v is not None and v is not False)
+    if unsupported:
+        raise PackerError(f"--{unsupported[0].replace('_', '-')}: not an option of --to wds (it stores the source's "
+                          "encoded bytes as they are; decoded pixels as lossless PNG)")
+    if on_error not in ("skip", "raise"):
+        raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
+    limit = DEFAULT_SHARD_BYTES if shard_bytes is None else int(shard_bytes)
+    if limit <= 0:
+        raise PackerError("shard size must be positive")
+    out = output_path(src, output, "wds")
+    check_destination(src, out, overwrite)
+    started = time.perf_counter()
+    scanned = scan_source(src, source_options(**given), skip_hidden=skip_hidden, allow_empty=allow_empty)
+    # prepare() reads and validates each record exactly as convert does; "lmdb" only carries the common options
+    opts = make_options("lmdb", payload="raw" if scanned.source_reader().gives_pixels else "encoded",
+                        validate=validate, order=order, seed=seed, decoder=decoder)
+    opts.check()
+    check_sequential(scanned, opts, None)
+    partial = out.with_name(out.name + PARTIAL_SUFFIX)
+    if os.path.lexists(partial):
+        return _leftover(scanned, partial, out, resume, started)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    make_partial(out, partial, {"kind": EXPORT_KIND, "source": str(scanned.root), "options": opts.record()})
+    try:
+        sink = ShardSink(partial, limit)
+        errors = _write_samples(scanned, opts, sink, workers, pool or PoolSettings(), on_error, progress)
+        return _finish(scanned, partial, out, sink, errors, opts.record(), started)
+    except (PackerError, OSError, KeyboardInterrupt) as exc:
+        shutil.rmtree(partial, ignore_errors=True)  # ours (made above) and not resumable: nothing half-done stays
+        if isinstance(exc, OSError):
+            raise PackerError(f"{exc.filename or out}: {exc.strerror or exc}; nothing was exported") from exc
+        raise
+
+
+def _write_samples(scanned: ScanResult, opts: Any, sink: ShardSink, workers: int | None, pool: PoolSettings,
+                   on_error: str, progress: bool) -> list[SourceError]:
+    """Every record of ``scanned`` in ``opts.order`` through the pool into ``sink``; the records not exported."""
+    ordered = apply_order(scanned, opts.order, opts.seed)
+    number = {rel: i for i, rel in enumerate(scanned.rel_paths)}
+    digits = max(6, len(str(max(len(scanned) - 1, 0))))
+    workers = os.cpu_count() or 1 if workers is None else workers
+    prepared = ordered_results(scanned.source_reader(), ordered.records(), opts, workers,
+                               estimate_sample_bytes(scanned, opts), pool)
+    errors: list[SourceError] = []
+    bar = progress_bar(len(ordered), progress)
+    try:
+        for res in prepared:
+            bar.update(1)
+            if isinstance(res, SourceError):
+                if on_error == "raise":
+                    raise PackerError(f"{scanned.root / res.path}: {res.reason}")
+                errors.append(res)
+                continue
+            i = number[res.rel_path]
+            sink.add(sample_members(f"{i:0{digits}d}", res, sample_fields(scanned, i)))
+        sink.close()
+    finally:
+        bar.close()
+        prepared.close()
+    return locate_errors(ordered, errors) + scanned.errors
+
+
+def sample_fields(scan: ScanResult, i: int) -> dict[str, Any]:
+    """Record ``i``'s per-sample fields, its ``<key>.json`` member (empty: none written). Today a list file's
+    other columns; the place where declared per-sample fields join them."""
+    return {name: values[i] for name, values in scan.extras.items()}
+
+
+def sample_members(key: str, sample: PreparedSample, fields: Mapping[str, Any]) -> list[tuple[str, bytes]]:
+    """The tar members of one sample: image (stored bytes, or pixels as PNG), ``cls`` when labelled, ``json``."""
+    if isinstance(sample.payload, np.ndarray):
+        buf = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(sample.payload, dtype=np.uint8), "RGB").save(buf, "PNG")
+        members = [(f"{key}.png", buf.getvalue())]
+    else:
+        data = bytes(sample.payload)
+        members = [(f"{key}.{image_extension(sample.rel_path, data)}", data)]
+    if sample.label >= 0:
+        members.append((f"{key}.cls", str(int(sample.label)).encode()))
+    if fields:
+        members.append((f"{key}.json", dumps_lossless(dict(fields)).encode()))
+    return members
+
+
+def image_extension(rel: str, data: bytes) -> str:
+    """The member extension of encoded bytes: the record's own suffix when it has an image one, else sniffed."""
+    suffix = os.path.splitext(rel)[1].lower().lstrip(".")
+    if suffix in ("jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp"):
+        return suffix
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    return next((ext for magic, ext in _MAGIC if data.startswith(magic)), "bin")
+
+
+class ShardSink:
+    """Writes samples into ``shard-%06d.tar`` files of at most ``limit`` bytes each, padding included (a sample
+    larger than that gets a shard of its own). Members are plain files with fixed metadata: same bytes every run."""
+
+    def __init__(self, folder: Path, limit: int) -> None:
+        self.folder, self.limit = folder, limit
+        self.names: list[str] = []
+        self.counts: list[int] = []
+        self._tar: tarfile.TarFile | None = None
+        self._used = 0  # bytes of headers and padded data in the open shard
+
+    def add(self, members: list[tuple[str, bytes]]) -> None:
+        size = sum(_BLOCK + -(-len(data) // _BLOCK) * _BLOCK for _, data in members)
+        if self._tar is not None and closed_size(self._used + size) > self.limit:
+            self._close_tar()
+        if self._tar is None:
+            self.names.append(SHARD_PATTERN % len(self.names))
+            self.counts.append(0)
+            self._tar = tarfile.open(self.folder / self.names[-1], "w", format=tarfile.USTAR_FORMAT)
+            self._used = 0
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 0
+            self._tar.addfile(info, io.BytesIO(data))
+        self._used += size
+        self.counts[-1] += 1
+
+    def close(self) -> None:
+        if self._tar is not None:
+            self._close_tar()
+
+    def _close_tar(self) -> None:
+        assert self._tar is not None
+        self._tar.close()
+        self._tar = None
+
+
+def closed_size(used: int) -> int:
+    """The size of a tar whose members take ``used`` bytes, once closed (two zero blocks, padded to a record)."""
+    return -(-(used + 2 * _BLOCK) // _RECORD) * _RECORD
+
+
+def _finish(scanned: ScanResult, partial: Path, out: Path, sink: ShardSink, errors: list[SourceError],
+            options: dict[str, Any], started: float) -> ConvertResult:
+    """classes.txt, errors.json, then the index (last), fsync, and the move into place."""
+    if scanned.classes:
+        write_atomic(partial / CLASSES_NAME, "".join(f"{c}\n" for c in scanned.classes))
+    write_error_report(partial, errors, scanned)
+    shards = [{**asdict(file_info(partial, name)), "num_samples": n} for name, n in zip(sink.names, sink.counts)]
+    num_samples = sum(sink.counts)
+    index = {"kind": EXPORT_KIND, "version": 1, "num_samples": num_samples, "num_errors": len(errors),
+             "num_classes": len(scanned.classes), "shards": shards, "source": os.path.abspath(scanned.root),
+             "source_type": scanned.source_type, "options": options, "created_by": f"packer {__version__}",
+             "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    fsync_tree(partial)
+    write_atomic(partial / EXPORT_NAME, dumps_lossless(index, indent=1))
+    swap_into_place(partial, out)
+    return ConvertResult(out, num_samples, errors, time.perf_counter() - started,
+                         sum(int(s["num_bytes"]) for s in shards), dict(scanned.ignored), dict(scanned.not_images))
+
+
+def _leftover(scanned: ScanResult, partial: Path, out: Path, resume: bool, started: float) -> ConvertResult:
+    """A ``<out>.partial`` already there: a finished export being moved into place (``resume`` finishes that),
+    else refused, naming it."""
+    swapping = read_swap(partial, out)[0]
+    if swapping and resume and (partial / EXPORT_NAME).is_file():
+        swap_into_place(partial, out)
+        return ConvertResult(out, int(_read_index(out)["num_samples"]), [], time.perf_counter() - started, 0,
+                             dict(scanned.ignored), dict(scanned.not_images))
+    if swapping:
+        raise PackerError(f"{partial}: holds a finished export that was being moved into place; run the same "
+                          f"command with --resume to finish that")
+    raise PackerError(f"{partial}: exists (left over from an interrupted run, or not packer's); a WebDataset export "
+                      f"is not resumed and packer leaves that folder alone: remove it (rm -r '{partial}') or choose "
+                      f"another --output")
+
+
+def _read_index(out: Path) -> dict[str, Any]:
+    return json.loads((out / EXPORT_NAME).read_text(encoding="utf-8"))

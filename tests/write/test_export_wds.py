@@ -1,0 +1,176 @@
+"""WebDataset export (``packer convert SRC --to wds``), read back through the ``webdataset`` package itself."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import webdataset
+from PIL import Image
+
+from packer import convert, open_dataset
+from packer.errors import PackerError
+from packer.layout.manifest import sha256_file
+from packer.layout.wdsexport import EXPORT_NAME
+from packer.write.export_wds import export_wds
+from tests.support.cli import REPO, run_cli
+from tests.support.imagefolder import ImageFolder
+from tests.support.imagesets import jpeg_bytes, make_imagefolder
+
+
+def read_wds(out: Path) -> dict[int, dict]:
+    """Every sample of the export as the webdataset package gives it, by key number (keys must be unique)."""
+    shards = sorted(str(p) for p in out.glob("shard-*.tar"))
+    found: dict[int, dict] = {}
+    for sample in webdataset.WebDataset(shards, shardshuffle=False):
+        key = int(sample["__key__"])
+        assert key not in found
+        found[key] = sample
+    return found
+
+
+@pytest.fixture
+def dotted(tmp_path) -> Path:
+    """An ImageFolder with dots in class and file names (webdataset ends a key at a base name's first dot)."""
+    src = make_imagefolder(tmp_path / "imgs", classes=2, per_class=4)
+    (src / "a.b").mkdir()
+    (src / "a.b" / "c.d.jpg").write_bytes(jpeg_bytes(np.random.default_rng(5), 20, 30))
+    (src / "a.b" / "e.f.g.JPG").write_bytes(jpeg_bytes(np.random.default_rng(6), 22, 26))
+    return src
+
+
+@pytest.mark.parametrize("order", ["shuffled", "source"])
+def test_folder_export_reads_back_through_webdataset(dotted, tmp_path, order):
+    res = export_wds(dotted, tmp_path / "out", order=order, workers=0, progress=False)
+    reference = ImageFolder(dotted)
+    got = read_wds(res.output)
+    assert sorted(got) == list(range(len(reference))) and res.num_samples == len(reference)
+    for i, (path, label) in enumerate(reference.samples):
+        ext = os.path.splitext(path)[1].lower().lstrip(".")
+        assert got[i][ext] == Path(path).read_bytes()  # the stored bytes, unchanged
+        assert int(got[i]["cls"]) == label
+    assert (res.output / "classes.txt").read_text().splitlines() == reference.classes
+    stored = [int(s["__key__"]) for s in webdataset.WebDataset(sorted(str(p) for p in res.output.glob("*.tar")),
+                                                                shardshuffle=False)]
+    assert (stored == sorted(stored)) == (order == "source")
+
+
+def test_packed_dataset_export_keys_are_dataset_indices(tmp_path):
+    src = make_imagefolder(tmp_path / "imgs", classes=3, per_class=5)
+    ds = open_dataset(convert(src, tmp_path / "d.lmdb", workers=0, progress=False).output)  # shuffled storage
+    got = read_wds(export_wds(ds.root, tmp_path / "out", workers=0, progress=False).output)
+    assert len(got) == len(ds)
+    for i in range(len(ds)):
+        assert got[i]["jpg"] == bytes(ds.read_payload(i)) and int(got[i]["cls"]) == ds.targets[i]
+
+
+def test_raw_payload_dataset_round_trips_pixels_as_png(tmp_path):
+    src = make_imagefolder(tmp_path / "imgs", classes=2, per_class=3)
+    ds = open_dataset(convert(src, tmp_path / "raw.lmdb", payload="raw", workers=0, progress=False).output)
+    got = read_wds(export_wds(ds.root, tmp_path / "out", workers=0, progress=False).output)
+    for i in range(len(ds)):
+        assert set(got[i]) >= {"png", "cls"} and "jpg" not in got[i]
+        pixels = np.asarray(Image.open(io.BytesIO(got[i]["png"])))
+        np.testing.assert_array_equal(pixels, np.asarray(ds[i][0]))
+
+
+def test_shard_size_bounds_every_tar_and_the_index_lists_them(tmp_path):
+    src = make_imagefolder(tmp_path / "imgs", classes=2, per_class=20, size=(48, 64))
+    limit = 40 << 10
+    out = export_wds(src, tmp_path / "out", shard_bytes=limit, workers=0, progress=False).output
+    index = json.loads((out / EXPORT_NAME).read_text())
+    assert len(index["shards"]) > 2 and sum(s["num_samples"] for s in index["shards"]) == index["num_samples"] == 40
+    for shard in index["shards"]:
+        path = out / shard["name"]
+        assert path.stat().st_size == shard["num_bytes"] <= limit
+        assert sha256_file(path) == shard["sha256"]
+        with tarfile.open(path) as tar:
+            assert len({m.name.split(".")[0] for m in tar.getmembers()}) == shard["num_samples"]
+
+
+def test_export_converts_back_to_identical_payloads_and_labels(dotted, tmp_path):
+    out = export_wds(dotted, tmp_path / "out", workers=0, progress=False).output
+    r = run_cli("convert", out, "--to", "lmdb", "-o", tmp_path / "back.lmdb", "--workers", "0", "-q")
+    assert r.returncode == 0, r.stderr
+    back = open_dataset(tmp_path / "back.lmdb")
+    reference = ImageFolder(dotted)
+    assert back.classes == reference.classes and back.manifest.source_type == "webdataset"
+    for j, rel in enumerate(back.relpaths):
+        i = int(rel.split("/")[1].split(".")[0])  # shard-000000.tar/<key>.<ext>
+        path, label = reference.samples[i]
+        assert bytes(back.read_payload(j)) == Path(path).read_bytes() and back.targets[j] == label
+
+
+def test_unreadable_records_go_to_errors_json_and_leave_their_number_unused(tmp_path):
+    src = make_imagefolder(tmp_path / "imgs", classes=2, per_class=3)
+    bad = src / "class_1" / "img_001.jpg"
+    bad.write_bytes(bad.read_bytes()[:50])
+    res = export_wds(src, tmp_path / "out", workers=0, progress=False)
+    reference = [p for p, _ in ImageFolder(src).samples]
+    assert sorted(read_wds(res.output)) == [i for i in range(6) if reference[i] != str(bad)]
+    report = json.loads((res.output / "errors.json").read_text())
+    assert [e["path"] for e in report["errors"]] == ["class_1/img_001.jpg"] and report["num_errors"] == 1
+
+
+def test_list_file_columns_become_the_json_member(tmp_path):
+    src = make_imagefolder(tmp_path / "imgs", classes=2, per_class=2)
+    rels = sorted(p.relative_to(src).as_posix() for p in src.rglob("*.jpg"))
+    listing = tmp_path / "labels.csv"
+    listing.write_text("path,label,caption\n" + "".join(f"{r},{r[6]},cap {k}\n" for k, r in enumerate(rels)))
+    got = read_wds(export_wds(listing, tmp_path / "out", root=src, workers=0, progress=False).output)
+    assert [json.loads(got[k]["json"]) for k in range(len(rels))] == [{"caption": f"cap {k}"} for k in range(len(rels))]
+
+
+def test_an_error_midway_leaves_nothing_that_looks_complete(tmp_path):
+    src = make_imagefolder(tmp_path / "imgs", classes=2, per_class=6)
+    (src / "class_1" / "img_005.jpg").write_bytes(b"not a jpeg")
+    with pytest.raises(PackerError, match="img_005"):
+        export_wds(src, tmp_path / "out", on_error="raise", order="source", shard_bytes=1, workers=0, progress=False)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_a_killed_export_never_looks_complete(tmp_path):
+    src = make_imagefolder(tmp_path / "imgs", classes=4, per_class=100)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "packer", "convert", str(src), "--to", "wds", "-o", str(out),
+                             "--shard-size", "16KB", "--workers", "0", "-q"], env=env)
+    deadline = time.monotonic() + 60
+    while not (out.with_name("out.partial") / "shard-000002.tar").exists() and time.monotonic() < deadline:
+        assert proc.poll() is None, "the export finished before it could be killed"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = tmp_path / "out.partial"
+    assert not out.exists() and partial.is_dir() and not (partial / EXPORT_NAME).exists()
+    r = run_cli("convert", src, "--to", "wds", "-o", out, "-q")
+    assert r.returncode == 2 and "out.partial" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_overwrite_replaces_only_an_export(tmp_path):
+    src = make_imagefolder(tmp_path / "imgs", classes=2, per_class=2)
+    out = export_wds(src, tmp_path / "out", workers=0, progress=False).output
+    with pytest.raises(PackerError, match="already exists"):
+        export_wds(src, out, workers=0, progress=False)
+    assert export_wds(src, out, overwrite=True, workers=0, progress=False).num_samples == 4
+    (tmp_path / "other").mkdir()
+    with pytest.raises(PackerError, match="not a packer dataset"):
+        export_wds(src, tmp_path / "other", overwrite=True, workers=0, progress=False)
+
+
+def test_options_that_would_change_bytes_are_refused_in_one_line(tmp_path):
+    src = make_imagefolder(tmp_path / "imgs", classes=2, per_class=2)
+    r = run_cli("convert", src, "--to", "wds", "--payload", "raw")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "packer: error: --payload: not an option of --to wds (it stores the source's encoded bytes as they are; "
+        "decoded pixels as lossless PNG)"]
