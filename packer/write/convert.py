@@ -231,10 +231,11 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
     ``scan`` in the source's order (as scanned, before ``--order``): the index records where each of
     its samples is stored, so that ``ds[i]`` is the source's sample i whatever the storage order.
     """
+    errors: list[SourceError] = locate_errors(scan, [e for r in shards for e in r.errors]) + scan.errors
+    shards = drop_empty_shards(partial, shards)
     cat = lambda name: [v for r in shards for v in getattr(r, name)]  # noqa: E731
     index = Index.build(cat("rel_paths"), cat("labels"), cat("heights"), cat("widths"), cat("nbytes"),
                         source_order=scan.rel_paths)
-    errors: list[SourceError] = locate_errors(scan, cat("errors")) + scan.errors
     meta_files = [file_info(partial, n) for n in index.save(partial)]
     write_error_report(partial, errors, scan)
     manifest = Manifest(
@@ -259,6 +260,23 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
     swap_into_place(partial, out)
     return ConvertResult(out, len(index), errors, time.perf_counter() - started, int(index.nbytes.sum()),
                          dict(scan.ignored), dict(scan.not_images))
+
+
+def drop_empty_shards(partial: Path, shards: list[ShardResult]) -> list[ShardResult]:
+    """The shards holding samples; the files of those whose every record failed are deleted. An empty shard
+    would be a shard of no files for some formats (bmp) and of files no reader needs for the others: the
+    manifest lists no shard without samples, so every format opens, iterates and verifies the same way."""
+    for r in shards:
+        if r.shard.num_samples > 0:
+            continue
+        for f in r.shard.files:  # then the folders they leave empty (n5's shard-*.n5/...), up to partial
+            path = partial / f.name
+            path.unlink(missing_ok=True)
+            for folder in path.parents:
+                if folder == partial or any(folder.iterdir()):
+                    break
+                folder.rmdir()
+    return [r for r in shards if r.shard.num_samples > 0]
 
 
 def write_error_report(partial: Path, errors: list[SourceError], scan: ScanResult) -> None:

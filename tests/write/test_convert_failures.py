@@ -14,7 +14,7 @@ from support.imagesets import make_imagefolder
 from support.interrupt import run_cli_at
 from support.mounts import read_only_mount, small_tmpfs
 
-from packer import open_dataset
+from packer import FORMATS, convert, open_dataset
 from packer.tools.verify import verify
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,3 +101,23 @@ def test_ctrl_c_says_interrupted_once_with_the_way_on(source, tmp_path, step):
     done = packer_cli(*cmd, "--resume")
     assert done.returncode == 0, done.stderr
     assert verify(out, against=source).ok and len(open_dataset(out)) == 12
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("bad", ["class_1", "class_0+class_1"])
+def test_a_shard_whose_every_record_fails_is_left_out(tmp_path, fmt, bad):
+    src = make_imagefolder(tmp_path / "imgs", classes=3, per_class=2, size=(16, 16))
+    for name in bad.split("+"):
+        for p in (src / name).glob("*.jpg"):
+            p.write_bytes(b"not an image")
+    options = {"tile": "16x16"} if fmt == "mosaic" else {}
+    res = convert(src, tmp_path / f"o.{fmt}", to=fmt, order="source", shard_bytes=1, workers=0, progress=False,
+                  **options)  # one record per planned shard: the bad ones' shards hold nothing
+    ds = open_dataset(res.output)
+    assert len(ds) == 6 - 2 * len(bad.split("+")) == len(ds.manifest.shards) and len(res.errors) == 6 - len(ds)
+    assert [ds[i][1] for i in range(len(ds))] == ds.targets
+    report = verify(res.output, deep=True)
+    assert report.ok, report.problems
+    listed = {f.name for f in ds.manifest.all_files()} | {"manifest.json", "errors.json"}
+    on_disk = {p.relative_to(res.output).as_posix() for p in res.output.rglob("*") if p.is_file()}
+    assert on_disk == listed  # no file of a dropped shard is left behind
