@@ -1,7 +1,9 @@
 """Subsets of a scan, whatever the source: ``--classes`` (some classes, renumbered) and ``--split`` (train/val).
 
 Both act on the scanned records before the sample order is applied, so they depend only on the
-source, the class names, the fraction and the seed: the same command gives the same bytes.
+source, the class names, the fraction and the seed: the same command gives the same bytes. Each error
+is reported once: a record that fails when read is in the errors.json of the part it was drawn into; what
+the scan refused (a bad list row, a folder that can't be listed: no label to draw it by) only in train's.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from packer.write.scan import ScanResult
 from packer.write.sources.base import SourceOptions
 
 PARTS = ("train", "val")
+SCAN_ERRORS_IN_TRAIN = "refused by the scan: listed in the train part's errors.json"
 
 
 def select_classes(scan: ScanResult, names: tuple[str, ...]) -> ScanResult:
@@ -73,4 +76,7 @@ def select(scan: ScanResult, options: SourceOptions) -> ScanResult:
     out.ignored = scan.ignored.copy()
     if len(other):
         out.ignored[f"in the {PARTS[1] if options.part == 'train' else PARTS[0]} part of --split"] += len(other)
+    if options.part != PARTS[0] and scan.errors:  # each error once: what the scan refused is the train part's
+        out.errors = []
+        out.ignored[SCAN_ERRORS_IN_TRAIN] += len(scan.errors)
     return out

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from packer import convert, open_dataset
+from packer.write.convert import convert_split
 from packer.tools.verify import verify
 from packer.write.sources.base import SourceOptions
 from packer.write.sources.registry import scan_source
@@ -103,3 +104,22 @@ def test_cli_converts_a_list_with_root_and_columns(imgs, tmp_path):
     assert ds.classes == ["class_0", "class_1", "class_2"] and len(ds) == 12
     assert run_cli("verify", tmp_path / "o.lmdb", "--against", listing, "-q").returncode == 0
     assert np.array_equal(np.bincount(ds.targets), [4, 4, 4])
+
+
+def test_split_reports_each_error_once(imgs, tmp_path):
+    rels = sorted(p.relative_to(imgs).as_posix() for p in imgs.rglob("*.jpg"))
+    damaged = imgs / rels[5]
+    damaged.write_bytes(damaged.read_bytes()[:40])
+    rows = [f"{r} {r[6]}" for r in rels] + ["../outside.jpg 0", f"{rels[0]} 1", "nolabel.jpg"]
+    listing = tmp_path / "list.txt"
+    listing.write_text("\n".join(rows) + "\n")
+    train, val = convert_split(listing, tmp_path / "o", split=0.5, root=imgs, workers=0, progress=False)
+    scan_errors = {("../outside.jpg", "list.txt line 13"), (rels[0], "list.txt line 14"),
+                   ("nolabel.jpg", "list.txt line 15")}
+    reported = [(e["path"], e.get("location", "")) for part in (train, val) for e in _errors(part.output)]
+    assert len(reported) == len(set(reported)) == 4  # every error once, in one of the two parts
+    assert scan_errors <= {(e["path"], e.get("location", "")) for e in _errors(train.output)}
+    assert (rels[5], "list.txt line 6") in reported  # the damaged image: in the part it was drawn into
+    report = json.loads((val.output / "errors.json").read_text())
+    assert report["ignored"]["refused by the scan: listed in the train part's errors.json"] == 3
+    assert len(train.errors) + len(val.errors) == 4
