@@ -1,5 +1,6 @@
-"""A list file: ``path,label`` rows (CSV/TSV with a header, Kaggle style) or ``path label`` lines (Caffe's
-``convert_imageset`` list), the images below ``--root`` (default: the list file's folder).
+"""A list file: ``path,label`` rows (CSV/TSV with a header, Kaggle style), ``path label`` lines (Caffe's
+``convert_imageset`` list) or ``index<TAB>label<TAB>path`` lines (MXNet's ``.lst``, from ``im2rec.py --list``),
+the images below ``--root`` (default: the list file's folder).
 
 Labels are integers (kept as they are; ``classes`` from ``--classes-file`` or ``0..max``) or class
 names (``classes`` = the sorted names, as ImageFolder numbers folders; with ``--classes-file``, line i
@@ -38,7 +39,8 @@ class _Rows:
 
 
 class ListSource(Source):
-    """``labels.csv`` / ``.tsv`` (header: ``path,label[,more]``) or ``list.txt`` / ``.lst`` (``path label`` lines)."""
+    """``labels.csv`` / ``.tsv`` (header: ``path,label[,more]``), ``list.txt`` / ``.lst`` (``path label`` lines) or
+    MXNet's ``.lst`` (``index<TAB>label<TAB>path``)."""
 
     type = "list"
 
@@ -56,7 +58,10 @@ class ListSource(Source):
         tabular = path.suffix.lower() in (".csv", ".tsv")
         if not tabular and (opts.path_column is not None or opts.label_column is not None):
             raise PackerError(f"{path}: --path-column/--label-column apply to .csv/.tsv lists with a header")
-        rows = _csv_rows(path, text, self._columns()) if tabular else _plain_rows(path, text)
+        if tabular:
+            rows = _csv_rows(path, text, self._columns())
+        else:
+            rows = _mxnet_rows(path, text) if is_mxnet_list(path, text) else _plain_rows(path, text)
         classes, labels = _labels(path, rows, opts.classes_file)
         if not rows.paths:
             raise PackerError(f"{path}: no usable rows ({len(rows.errors)} refused"
@@ -124,6 +129,43 @@ def _plain_rows(path: Path, text: str) -> _Rows:
             continue
         _add_row(rows, seen, path.name, line, parts[0], parts[1], {})
     return rows
+
+
+def is_mxnet_list(path: Path, text: str) -> bool:
+    """Whether a ``.lst`` holds MXNet's ``index<TAB>label<TAB>path`` lines (``im2rec.py --list``), judged by its
+    first line: three or more tab-separated fields, the first an integer."""
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    fields = first.rstrip("\r\n").split("\t")
+    return path.suffix.lower() == ".lst" and len(fields) >= 3 and fields[0].strip().isdigit()
+
+
+def _mxnet_rows(path: Path, text: str) -> _Rows:
+    """Rows of MXNet's ``.lst``: ``index<TAB>label<TAB>path``, the label written as a float (``3.000000``);
+    packer keeps one label per image, so a line with several is refused (its line in errors.json)."""
+    rows, seen = _Rows(), {}
+    for line, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        fields = raw.split("\t")
+        where = f"{path.name} line {line}"
+        if len(fields) < 3 or not fields[0].strip().isdigit():
+            rows.errors.append(SourceError(fields[-1].strip(), "not an MXNet list line ('index<TAB>label<TAB>path')",
+                                           where))
+        elif len(fields) > 3:
+            rows.errors.append(SourceError(fields[-1].strip(), f"{len(fields) - 2} labels: packer keeps one label "
+                                           "per image", where))
+        else:
+            _add_row(rows, seen, path.name, line, fields[2], _integral(fields[1].strip()), {})
+    return rows
+
+
+def _integral(text: str) -> str:
+    """``3.000000`` as ``3`` (MXNet writes labels as floats); any other text unchanged (a bad label, reported)."""
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return str(int(value)) if value.is_integer() and value >= 0 else text
 
 
 def _labels(path: Path, rows: _Rows, classes_file: str | None) -> tuple[list[str], np.ndarray]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -123,3 +124,51 @@ def test_split_reports_each_error_once(imgs, tmp_path):
     report = json.loads((val.output / "errors.json").read_text())
     assert report["ignored"]["refused by the scan: listed in the train part's errors.json"] == 3
     assert len(train.errors) + len(val.errors) == 4
+
+
+def im2rec_list(root: Path, out: Path, shuffle_seed: int | None = 100) -> None:
+    """``im2rec.py --list --recursive`` (MXNet tools/im2rec.py ``list_image`` + ``write_list``): a label per folder
+    in walk order, lines ``index<TAB>label as %f<TAB>relative path``, shuffled by default."""
+    import random
+
+    items, cat, i = [], {}, 0
+    for path, dirs, files in os.walk(root, followlinks=True):
+        dirs.sort()
+        files.sort()
+        for fname in files:
+            fpath = os.path.join(path, fname)
+            if os.path.isfile(fpath) and os.path.splitext(fname)[1].lower() in (".jpeg", ".jpg", ".png"):
+                cat.setdefault(path, len(cat))
+                items.append((i, os.path.relpath(fpath, root), cat[path]))
+                i += 1
+    if shuffle_seed is not None:
+        random.seed(shuffle_seed)
+        random.shuffle(items)
+    with open(out, "w") as fout:
+        for item in items:
+            fout.write("%d\t" % item[0] + "".join("%f\t" % j for j in item[2:]) + "%s\n" % item[1])
+
+
+def test_mxnet_lst_from_im2rec_is_recognised(imgs, tmp_path):
+    listing = tmp_path / "train.lst"
+    im2rec_list(imgs, listing)
+    assert "\t0.000000\t" in listing.read_text()
+    out = tmp_path / "o.lmdb"
+    r = run_cli("convert", listing, "--root", imgs, "--to", "lmdb", "-o", out, "--workers", "0", "-q")
+    assert r.returncode == 0, r.stderr
+    ds = open_dataset(out)
+    assert len(ds) == 12 and ds.classes == ["0", "1", "2"] and ds.manifest.source_type == "list"
+    for rel, label in zip(ds.relpaths, ds.targets):
+        assert label == int(rel.split("/")[0][-1])  # class_k -> k, as im2rec numbered the folders
+        assert bytes(ds.read_payload(ds.index_of(rel))) == (imgs / rel).read_bytes()
+
+
+def test_mxnet_lst_bad_lines_are_errors_with_their_line(imgs, tmp_path):
+    listing = tmp_path / "train.lst"
+    listing.write_text("0\t1.000000\tclass_1/img_000.jpg\n1\t2.500000\tclass_2/img_000.jpg\n"
+                       "2\t1.000000\t0.000000\tclass_0/img_000.jpg\n3\t0.000000\tclass_0/img_001.jpg\n")
+    res = convert(listing, tmp_path / "o.lmdb", root=imgs, workers=0, progress=False)
+    assert open_dataset(res.output).relpaths == ["class_1/img_000.jpg", "class_0/img_001.jpg"]
+    assert sorted((e["location"], e["reason"]) for e in _errors(res.output)) == [
+        ("train.lst line 2", "label '2.500000': not an integer from 0 to 1"),
+        ("train.lst line 3", "2 labels: packer keeps one label per image")]
