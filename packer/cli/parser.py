@@ -91,9 +91,8 @@ def _add_convert(sub) -> None:
         "list file, an archive, or a packer dataset) into one dataset directory. Every source record is either "
         "packed or listed with its reason and location in errors.json.")
     _add_source_arguments(p)
-    p.add_argument("--to", dest="format", default="lmdb", choices=[*sorted(FORMATS), "wds"],
-                   help="output format (default lmdb); wds: WebDataset shards shard-%%06d.tar (<key>.jpg/.png as "
-                   "stored, <key>.cls, classes.txt) for the webdataset package, decoded pixels as lossless PNG")
+    p.add_argument("--to", dest="format", default="lmdb", choices=[*sorted(FORMATS), "wds"], help="output format "
+                   "(default lmdb); wds: WebDataset shards, bytes as stored (decoded pixels as lossless PNG)")
     p.add_argument("-o", "--output", help="output directory (default: <source>.<format> beside the source)")
     p.add_argument("--payload", choices=("encoded", "raw"), default=None,
                    help="encoded: the original file bytes (lossless, smallest; default where the format stores "

@@ -22,6 +22,7 @@ from packer.errors import PackerError
 from packer.layout.manifest import sha256_file
 from packer.layout.wdsexport import EXPORT_NAME
 from packer.write.export_wds import export_wds
+from packer.write.journal import write_plan, write_swap
 from tests.support.cli import REPO, run_cli
 from tests.support.imagefolder import ImageFolder
 from tests.support.imagesets import jpeg_bytes, make_imagefolder
@@ -174,3 +175,16 @@ def test_options_that_would_change_bytes_are_refused_in_one_line(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "packer: error: --payload: not an option of --to wds (it stores the source's encoded bytes as they are; "
         "decoded pixels as lossless PNG)"]
+
+
+def test_resume_finishes_a_journaled_move_into_place(tmp_path):
+    src = make_imagefolder(tmp_path / "imgs", classes=2, per_class=2)
+    out = export_wds(src, tmp_path / "out", workers=0, progress=False).output
+    partial = tmp_path / "out.partial"
+    out.rename(partial)  # what a kill between the journaled swap and the rename leaves
+    write_plan(partial, {"kind": "packer-webdataset-export"})
+    write_swap(partial, None)
+    with pytest.raises(PackerError, match="--resume"):
+        export_wds(src, out, workers=0, progress=False)
+    assert export_wds(src, out, resume=True, workers=0, progress=False).num_samples == 4
+    assert not partial.exists() and not (out / "journal").exists() and len(read_wds(out)) == 4

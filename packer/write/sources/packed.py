@@ -1,7 +1,8 @@
 """A packer dataset as a source: any format into any other (``packer convert imgs.lmdb --to hdf5``).
 
-Records are the dataset's samples in its ImageFolder order (record i is ``ds[i]``, wherever it is stored); keys are its relative paths (so ``ds.samples``,
-``extract`` and ``verify`` speak of the original files); labels and classes as it stores them.
+Records are the dataset's samples in its ImageFolder order (record i is ``ds[i]``, wherever it is stored);
+keys are its relative paths (so ``ds.samples``, ``extract`` and ``verify`` speak of the original files);
+labels and classes as it stores them.
 Encoded payloads move as the stored bytes, never re-encoded (``--payload raw`` decodes them);
 raw payloads move as pixels and can only stay raw. Reads go through the format's own ``Reader``
 (one per shard, opened per process), each checked against the size the index records.

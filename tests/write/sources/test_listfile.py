@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from packer import convert, open_dataset
-from packer.write.convert import convert_split
 from packer.tools.verify import verify
+from packer.write.convert import convert_split
 from packer.write.sources.base import SourceOptions
 from packer.write.sources.registry import scan_source
 from tests.support.cli import run_cli
@@ -146,7 +146,7 @@ def im2rec_list(root: Path, out: Path, shuffle_seed: int | None = 100) -> None:
         random.shuffle(items)
     with open(out, "w") as fout:
         for item in items:
-            fout.write("%d\t" % item[0] + "".join("%f\t" % j for j in item[2:]) + "%s\n" % item[1])
+            fout.write(f"{item[0]:d}\t" + "".join(f"{j:f}\t" for j in item[2:]) + f"{item[1]}\n")  # im2rec's %d %f %s
 
 
 def test_mxnet_lst_from_im2rec_is_recognised(imgs, tmp_path):
