@@ -188,3 +188,28 @@ def test_resume_finishes_a_journaled_move_into_place(tmp_path):
         export_wds(src, out, workers=0, progress=False)
     assert export_wds(src, out, resume=True, workers=0, progress=False).num_samples == 4
     assert not partial.exists() and not (out / "journal").exists() and len(read_wds(out)) == 4
+
+
+@pytest.mark.parametrize("kind", ["tar", "zip", "tar.gz"])
+def test_archive_sources_export_in_imagefolder_order(dotted, tmp_path, kind):
+    import zipfile
+
+    archive = tmp_path / f"train.{kind}"
+    if kind == "zip":
+        with zipfile.ZipFile(archive, "w") as z:
+            for p in sorted(dotted.rglob("*")):
+                z.write(p, p.relative_to(dotted).as_posix())
+    else:
+        with tarfile.open(archive, "w:gz" if kind == "tar.gz" else "w") as t:
+            for p in sorted(dotted.iterdir()):
+                t.add(p, p.name)
+    if kind == "tar.gz":  # streamed: only in stored order
+        with pytest.raises(PackerError, match="--order source"):
+            export_wds(archive, tmp_path / "out", workers=0, progress=False)
+    res = export_wds(archive, tmp_path / "out", order="source", workers=2, progress=False)
+    reference = ImageFolder(dotted)
+    got = read_wds(res.output)
+    assert len(got) == len(reference)
+    for i, (path, label) in enumerate(reference.samples):
+        ext = os.path.splitext(path)[1].lower().lstrip(".")
+        assert got[i][ext] == Path(path).read_bytes() and int(got[i]["cls"]) == label
