@@ -43,7 +43,7 @@ from packer.write.convert import (
     source_options,
     write_error_report,
 )
-from packer.write.options import make_options
+from packer.write.options import ConvertOptions, make_options
 from packer.write.output import check_destination, output_path, swap_into_place
 from packer.write.plan import apply_order, estimate_sample_bytes, make_partial
 from packer.write.pool import PoolSettings, ordered_results
@@ -103,10 +103,12 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
         shutil.rmtree(partial, ignore_errors=True)  # ours (made above) and not resumable: nothing half-done stays
         if isinstance(exc, OSError):
             raise PackerError(f"{exc.filename or out}: {exc.strerror or exc}; nothing was exported") from exc
+        if isinstance(exc, KeyboardInterrupt):
+            raise KeyboardInterrupt("interrupted; nothing was exported") from None
         raise
 
 
-def _write_samples(scanned: ScanResult, opts: Any, sink: ShardSink, workers: int | None, pool: PoolSettings,
+def _write_samples(scanned: ScanResult, opts: ConvertOptions, sink: ShardSink, workers: int | None, pool: PoolSettings,
                    on_error: str, progress: bool) -> list[SourceError]:
     """Every record of ``scanned`` in ``opts.order`` through the pool into ``sink``; the records not exported."""
     ordered = apply_order(scanned, opts.order, opts.seed)

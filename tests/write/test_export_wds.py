@@ -25,7 +25,7 @@ from packer.write.export_wds import export_wds
 from packer.write.journal import write_plan, write_swap
 from tests.support.cli import REPO, run_cli
 from tests.support.imagefolder import ImageFolder
-from tests.support.imagesets import jpeg_bytes, make_imagefolder
+from tests.support.imagesets import jpeg_bytes, make_flat, make_imagefolder
 
 
 def read_wds(out: Path) -> dict[int, dict]:
@@ -213,3 +213,15 @@ def test_archive_sources_export_in_imagefolder_order(dotted, tmp_path, kind):
     for i, (path, label) in enumerate(reference.samples):
         ext = os.path.splitext(path)[1].lower().lstrip(".")
         assert got[i][ext] == Path(path).read_bytes() and int(got[i]["cls"]) == label
+
+
+def test_a_source_without_labels_has_no_cls_and_no_classes(tmp_path):
+    src = make_flat(tmp_path / "flat", count=5)
+    res = export_wds(src, tmp_path / "out", workers=0, progress=False)
+    got = read_wds(res.output)
+    assert len(got) == 5 and all("cls" not in s and "jpg" in s for s in got.values())
+    assert not (res.output / "classes.txt").exists()
+    r = run_cli("convert", res.output, "--to", "lmdb", "-o", tmp_path / "back.lmdb", "--workers", "0", "-q")
+    assert r.returncode == 0, r.stderr
+    back = open_dataset(tmp_path / "back.lmdb")
+    assert back.classes == [] and set(back.targets) == {-1}
