@@ -48,6 +48,7 @@ from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 from packer._random import raw_draws, stable_permutation
 from packer.errors import PackerError
 from packer.layout.index import shard_starts
+from packer.read.hints import hinted_order
 from packer.read.indexing import IndexMap
 from packer.read.ranks import check_rank, replicas_and_rank, warn_if_accelerate
 from packer.read.resume import EpochPosition, resume_position
@@ -211,8 +212,6 @@ class BlockShuffleSampler(DistributedSampler):
         self.dataset = dataset
         self.bounds = dataset_boundaries(dataset, block_bytes, blocks)
         self.index_map = dataset.index_map if isinstance(dataset, StagedDataset) else IndexMap(None)
-        if shuffle and isinstance(dataset, StagedDataset):
-            dataset.read_ahead_blocks(self.bounds)  # its workers then read each block whole, ahead of decoding
         self.num_samples_total = int(self.bounds[-1])
         self.open_blocks = open_blocks
         self.run = run
@@ -273,9 +272,12 @@ class BlockShuffleSampler(DistributedSampler):
         )
 
     def __iter__(self) -> Iterator[int]:
+        """This rank's indices, each carrying its block's range (packer.read.hints): the worker reading a
+        batch reads the rest of the batch's blocks ahead, for as long as this order is iterated."""
         if self._replicas == (None, None):
             warn_if_accelerate(self.num_replicas)
-        return self.position.iterate(self.order().tolist())
+        stored = self.stored_order()
+        return self.position.iterate(hinted_order(self.index_map.public_many(stored).tolist(), stored, self.bounds))
 
     def __len__(self) -> int:
         n, r = self.num_samples_total, self.num_replicas

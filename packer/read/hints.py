@@ -1,0 +1,78 @@
+"""Read-ahead hints that travel with the sample indices: the order being iterated says what comes next.
+
+A sampler that reads block by block (``BlockShuffleSampler``) yields ``Hinted`` indices: ints to
+everyone else, each carrying the range of storage positions its block will be read from in this
+iteration. A DataLoader hands them, inside the batch, to whichever worker reads the batch (fork or
+spawn, under DDP each rank its own), so a worker reads whole blocks ahead exactly while such an
+order is iterated; a uniform shuffle yields plain ints, and its batches read their own bytes only.
+Nothing is switched on in the dataset: no state outlives the iteration that made the hints.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+
+class Ahead(NamedTuple):
+    """Storage positions [first, stop) an iteration will read soon; ``tag`` tells iterations apart."""
+
+    first: int
+    stop: int
+    tag: int
+
+
+class Hinted(int):
+    """A sample index (the dataset's public one) with the ``Ahead`` range its block is read from."""
+
+    ahead: Ahead
+
+    def __new__(cls, value: int, ahead: Ahead) -> Hinted:
+        self = super().__new__(cls, value)
+        self.ahead = ahead
+        return self
+
+    def __reduce__(self) -> tuple:  # to a worker: the class, the int and the range; no per-index dict
+        return (Hinted, (int(self), self.ahead))
+
+
+def block_ranges(stored: np.ndarray, bounds: np.ndarray, tag: int) -> tuple[np.ndarray, list[Ahead]]:
+    """For an order of storage positions: each one's block (by ``bounds``), and per block the hull of the
+    positions this order reads from it (a rank's share of a block split between ranks, not the whole block)."""
+    stored = np.asarray(stored, dtype=np.int64)
+    block = np.searchsorted(bounds, stored, side="right") - 1
+    nb = len(bounds) - 1
+    first = np.full(nb, np.iinfo(np.int64).max, dtype=np.int64)
+    last = np.full(nb, -1, dtype=np.int64)
+    np.minimum.at(first, block, stored)
+    np.maximum.at(last, block, stored)
+    return block, [Ahead(int(a), int(b) + 1, tag) for a, b in zip(first.tolist(), last.tolist())]
+
+
+def aheads_of(indices: Iterable[int]) -> list[Ahead]:
+    """The distinct ``Ahead`` ranges a batch's indices carry, in order of first appearance ([] for plain ints)."""
+    return list(dict.fromkeys(i.ahead for i in indices if isinstance(i, Hinted)))
+
+
+class HintedOrder(Sequence[int]):
+    """An iteration's order of public indices whose items are made ``Hinted`` when taken (an epoch of
+    ImageNet would be a million objects at once)."""
+
+    def __init__(self, public: Sequence[int], block: np.ndarray, aheads: Sequence[Ahead]) -> None:
+        self.public, self.block, self.aheads = public, block, aheads
+
+    def __len__(self) -> int:
+        return len(self.public)
+
+    def __getitem__(self, k):  # type: ignore[override]  # int positions only: the order is walked, never sliced
+        return Hinted(self.public[k], self.aheads[int(self.block[k])])
+
+
+def hinted_order(public: Sequence[int], stored: np.ndarray, bounds: np.ndarray) -> HintedOrder:
+    """One iteration of an order by blocks: ``public`` indices (as yielded) of the storage positions ``stored``,
+    hinted with the blocks of ``bounds``; the tag is new, so a later iteration reads its blocks ahead again."""
+    block, aheads = block_ranges(stored, bounds, tag=time.monotonic_ns())
+    return HintedOrder(public, block, aheads)
