@@ -26,17 +26,17 @@ class Ahead(NamedTuple):
 
 
 class Hinted(int):
-    """A sample index (the dataset's public one) with the ``Ahead`` range its block is read from."""
+    """A sample index (the dataset's public one) with the ``Ahead`` ranges to read soon: its block's first."""
 
-    ahead: Ahead
+    aheads: tuple[Ahead, ...]
 
-    def __new__(cls, value: int, ahead: Ahead) -> Hinted:
+    def __new__(cls, value: int, aheads: tuple[Ahead, ...]) -> Hinted:
         self = super().__new__(cls, value)
-        self.ahead = ahead
+        self.aheads = aheads
         return self
 
-    def __reduce__(self) -> tuple:  # to a worker: the class, the int and the range; no per-index dict
-        return (Hinted, (int(self), self.ahead))
+    def __reduce__(self) -> tuple:  # to a worker: the class, the int and the ranges; no per-index dict
+        return (Hinted, (int(self), self.aheads))
 
 
 def block_ranges(stored: np.ndarray, bounds: np.ndarray, tag: int) -> tuple[np.ndarray, list[Ahead]]:
@@ -54,25 +54,39 @@ def block_ranges(stored: np.ndarray, bounds: np.ndarray, tag: int) -> tuple[np.n
 
 def aheads_of(indices: Iterable[int]) -> list[Ahead]:
     """The distinct ``Ahead`` ranges a batch's indices carry, in order of first appearance ([] for plain ints)."""
-    return list(dict.fromkeys(i.ahead for i in indices if isinstance(i, Hinted)))
+    return list(dict.fromkeys(a for i in indices if isinstance(i, Hinted) for a in i.aheads))
 
 
 class HintedOrder(Sequence[int]):
-    """An iteration's order of public indices whose items are made ``Hinted`` when taken (an epoch of
-    ImageNet would be a million objects at once)."""
+    """An iteration's order of public indices, made ``Hinted`` when taken (an epoch of ImageNet would be a
+    million objects at once). Each carries its block; in the second half of a window (``window`` samples: the
+    sampler's, see ``sampler.window_samples``) also the next window's blocks, so the worker holding such a
+    batch starts reading them while the current window is decoded (in the order they are first needed)."""
 
-    def __init__(self, public: Sequence[int], block: np.ndarray, aheads: Sequence[Ahead]) -> None:
-        self.public, self.block, self.aheads = public, block, aheads
+    def __init__(self, public: Sequence[int], block: np.ndarray, aheads: Sequence[Ahead], window: int) -> None:
+        self.public, self.block, self.aheads, self.window = public, block, aheads, max(int(window), 1)
+        self._made: dict[tuple[int, int], tuple[Ahead, ...]] = {}  # one tuple per (block, window): pickled once
 
     def __len__(self) -> int:
         return len(self.public)
 
     def __getitem__(self, k):  # type: ignore[override]  # int positions only: the order is walked, never sliced
-        return Hinted(self.public[k], self.aheads[int(self.block[k])])
+        b, w = int(self.block[k]), k // self.window
+        late = k - w * self.window >= self.window // 2
+        key = (b, w if late else -1)
+        made = self._made.get(key)
+        if made is None:
+            made = self._made[key] = (self.aheads[b], *(self._next_window(w) if late else ()))
+        return Hinted(self.public[k], made)
+
+    def _next_window(self, w: int) -> tuple[Ahead, ...]:
+        seg = self.block[(w + 1) * self.window : (w + 2) * self.window]
+        blocks, first = np.unique(seg, return_index=True)
+        return tuple(self.aheads[int(b)] for b in blocks[np.argsort(first)])
 
 
-def hinted_order(public: Sequence[int], stored: np.ndarray, bounds: np.ndarray) -> HintedOrder:
+def hinted_order(public: Sequence[int], stored: np.ndarray, bounds: np.ndarray, window: int) -> HintedOrder:
     """One iteration of an order by blocks: ``public`` indices (as yielded) of the storage positions ``stored``,
-    hinted with the blocks of ``bounds``; the tag is new, so a later iteration reads its blocks ahead again."""
+    hinted with the blocks of ``bounds`` and ``window``; the tag is new, so a later iteration reads ahead again."""
     block, aheads = block_ranges(stored, bounds, tag=time.monotonic_ns())
-    return HintedOrder(public, block, aheads)
+    return HintedOrder(public, block, aheads, window)

@@ -160,12 +160,19 @@ def rank_order(
     if not shuffle or per_rank == 0:
         return mine.astype(np.int64)
     mine_unit = unit[rank * per_rank : (rank + 1) * per_rank]
-    window = max(1, round(open_blocks * n / nb))
-    if batch_size:
-        window = max(batch_size, round(window / batch_size) * batch_size)
+    window = window_samples(n, nb, open_blocks, batch_size)
     keys = raw_draws(seed, epoch, 1, rank, num_replicas, n=int(unit[-1]) + 1)[mine_unit]
     order = np.lexsort((np.arange(per_rank), keys, np.arange(per_rank) // window))
     return mine[order].astype(np.int64)
+
+
+def window_samples(n: int, num_blocks: int, open_blocks: int, batch_size: int | None) -> int:
+    """Samples per window: about ``open_blocks`` blocks' worth, a whole number of batches when ``batch_size``
+    is given. ``rank_order`` shuffles inside consecutive windows of its order, so windows stay contiguous."""
+    window = max(1, round(open_blocks * n / max(num_blocks, 1)))
+    if batch_size:
+        window = max(batch_size, round(window / batch_size) * batch_size)
+    return window
 
 
 class BlockShuffleSampler(DistributedSampler):
@@ -277,7 +284,9 @@ class BlockShuffleSampler(DistributedSampler):
         if self._replicas == (None, None):
             warn_if_accelerate(self.num_replicas)
         stored = self.stored_order()
-        return self.position.iterate(hinted_order(self.index_map.public_many(stored).tolist(), stored, self.bounds))
+        window = window_samples(self.num_samples_total, self.num_blocks, self.open_blocks, self.batch_size)
+        return self.position.iterate(hinted_order(self.index_map.public_many(stored).tolist(), stored, self.bounds,
+                                                  window))
 
     def __len__(self) -> int:
         n, r = self.num_samples_total, self.num_replicas

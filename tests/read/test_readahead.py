@@ -275,7 +275,7 @@ def test_block_sampler_indices_have_whole_blocks_read_ahead(tmp_path, fmt):
     sampler = BlockShuffleSampler(ds, block_bytes=int(ds.index.nbytes[:40].sum()), batch_size=8, warn=False)
     assert sampler.num_blocks == 2
     second = [i for i in sampler if i >= 40]  # the second block's samples, as this iteration yields them
-    assert all(isinstance(i, Hinted) and i.ahead[:2] == (40, 80) for i in second)
+    assert all(isinstance(i, Hinted) and i.aheads[0][:2] == (40, 80) for i in second)
     shard = out / ds.manifest.shards[0].files[0].name
     ds.read_payload(0)
     if evict([shard]).verified is False:
@@ -294,20 +294,34 @@ def test_block_sampler_indices_have_whole_blocks_read_ahead(tmp_path, fmt):
 def test_hints_survive_pickling_and_follow_the_rank_and_resume():
     """Indices reach spawn workers pickled; each rank's hints cover its own share of a block; a resumed
     iteration still yields hinted indices."""
-    h = Hinted(7, Ahead(3, 9, 1))
+    h = Hinted(7, (Ahead(3, 9, 1), Ahead(20, 30, 1)))
     back = pickle.loads(pickle.dumps([h, 8]))
-    assert back == [7, 8] and isinstance(back[0], Hinted) and back[0].ahead == (3, 9, 1)
-    assert aheads_of(back) == [h.ahead]
+    assert back == [7, 8] and isinstance(back[0], Hinted) and back[0].aheads == ((3, 9, 1), (20, 30, 1))
+    assert aheads_of(back + [h]) == list(h.aheads)
     for rank in (0, 1):  # 4 blocks; ranks 0 and 1 split the second or third block in the epoch's order
         s = BlockShuffleSampler(list(range(100)), blocks=[0, 30, 60, 90, 100], num_replicas=2, rank=rank, warn=False)
         got = list(s)
         for i in got:  # a rank reads only inside its hints' ranges, and each range only as far as its share
-            same = [j for j in got if j.ahead == i.ahead]
-            assert i.ahead.first == min(same) and i.ahead.stop == max(same) + 1
+            same = [j for j in got if j.aheads[0] == i.aheads[0]]
+            assert i.aheads[0].first == min(same) and i.aheads[0].stop == max(same) + 1
         state = {"epoch": 0, "yielded": 10, "order": s.state_dict()["order"]}
         s.load_state_dict(state)
         rest = list(s)
         assert [int(i) for i in rest] == [int(i) for i in got[10:]] and all(isinstance(i, Hinted) for i in rest)
+
+
+def test_second_half_of_a_window_carries_the_next_windows_blocks():
+    """A worker holding a batch late in a window starts reading the next window's blocks (first needed first)."""
+    s = BlockShuffleSampler(list(range(400)), blocks=list(range(0, 401, 20)), open_blocks=4, batch_size=8,
+                            num_replicas=1, rank=0, warn=False)
+    got, window = list(s), 80  # 4 blocks of 20 samples a window
+    block_of = [int(i) // 20 for i in got]
+    for k, i in enumerate(got):
+        assert i.aheads[0][:2] == (block_of[k] * 20, block_of[k] * 20 + 20)
+        w = k // window
+        nxt = list(dict.fromkeys(block_of[(w + 1) * window:(w + 2) * window]))
+        late = k % window >= window // 2
+        assert [a.first // 20 for a in i.aheads[1:]] == (nxt if late else []), k
 
 
 @pytest.mark.parametrize("fmt", ["memmap", "lmdb"])
