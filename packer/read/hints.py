@@ -26,7 +26,8 @@ class Ahead(NamedTuple):
 
 
 class Hinted(int):
-    """A sample index (the dataset's public one) with the ``Ahead`` ranges to read soon: its block's first."""
+    """A sample index (the dataset's public one) with the ``Ahead`` ranges to read soon: its own block's, then
+    (late in a window) the next window's blocks. Arithmetic, hashing and comparison are plain ``int``'s."""
 
     aheads: tuple[Ahead, ...]
 
