@@ -40,6 +40,7 @@ from packer.diagnose.bench_sources import (
 from packer.diagnose.reports import progress_line
 from packer.errors import PackerError
 from packer.images.decode import pil_loader
+from packer.read.hints import aheads_of, hinted_order
 
 BENCH_LEVELS = ("read", "decode", "loader", "train")
 LOADER_LEVELS = ("loader", "train")  # through a DataLoader, with workers
@@ -111,17 +112,25 @@ def _folder_pass(src: Source, level: str, order: BenchOrder) -> tuple[int, int]:
     return len(order.indices), nbytes
 
 
+def _yielded(ds: Any, order: BenchOrder) -> Sequence[int]:
+    """The order's public indices as a sampler yields them: in block order hinted with their blocks, as
+    BlockShuffleSampler's are (packer.read.hints; a new iteration each time, so each pass reads blocks ahead)."""
+    public = ds.index_map.public_many(order.indices).tolist()
+    return public if order.blocks is None else hinted_order(public, order.indices, order.blocks, order.window)
+
+
 def _packed_pass(src: Source, level: str, order: BenchOrder, handle: dict) -> tuple[int, int]:
     """packer's way: a batch at a time, as a DataLoader fetches it, without the DataLoader."""
     ds = handle.setdefault("ds", src.open())
-    ds.read_ahead_blocks(order.blocks)  # as BlockShuffleSampler tells its dataset; forgets blocks read before
+    yielded = _yielded(ds, order)
     count = nbytes = 0
     for chunk in order.chunks:  # storage positions: "sequential" is the order on disk
+        batch = [yielded[k] for k in range(count, count + len(chunk))]
         if level == "read":
-            bufs = ds.payloads_at(chunk)  # read ahead in file order, runs of neighbours together
+            bufs = ds.payloads_at(chunk, aheads_of(batch))  # read ahead in file order, runs of neighbours together
             nbytes += sum(_payload_len(b) for b in bufs)
         else:
-            bufs = ds.__getitems__(ds.index_map.public_many(chunk).tolist())
+            bufs = ds.__getitems__(batch)
             nbytes += int(src.nbytes[chunk].sum())
         count += len(bufs)
     return count, nbytes
@@ -134,14 +143,13 @@ def _loader_pass(src: Source, order: BenchOrder, workers: int, batch_size: int, 
 
     t0 = time.perf_counter()
     if src.kind == "folder":
-        dataset, indices = (FolderTrain if train else FolderSamples)(src.paths, src.labels), order.indices
+        dataset, indices = (FolderTrain if train else FolderSamples)(src.paths, src.labels), order.indices.tolist()
     else:
         crop = RandomResizedCropDecode(TRAIN_SIZE) if train else None
         packed = handle.setdefault("tds", src.open("tensor", crop=crop))
-        packed.read_ahead_blocks(order.blocks)
-        dataset, indices = packed, packed.index_map.public_many(order.indices)  # the order is of storage positions
+        dataset, indices = packed, _yielded(packed, order)  # the order is of storage positions
     stacked = train or one_shape(dataset)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=indices.tolist(), num_workers=workers,
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=indices, num_workers=workers,
                         collate_fn=None if stacked else list_collate, pin_memory=pin)
     first, count = None, 0
     for images, _labels in loader:

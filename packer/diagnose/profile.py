@@ -96,7 +96,7 @@ class TimedCollate:
 
 # What an instrumented dataset hands on from the one it wraps (samplers and user code read these).
 _FORWARDED = frozenset({"classes", "class_to_idx", "targets", "samples", "imgs", "root", "index", "manifest",
-                        "transform", "target_transform", "block_boundaries", "read_ahead_blocks", "index_of",
+                        "transform", "target_transform", "block_boundaries", "index_of",
                         "index_map", "indexing", "relpaths", "source_root", "find_classes", "loader", "extensions",
                         "transforms", "filename", "filenames"})
 

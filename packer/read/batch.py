@@ -14,6 +14,7 @@ from torch.utils.data import Dataset, get_worker_info
 from packer.errors import PackerError
 from packer.images.decode import pixel_limit
 from packer.layout.trust import reading
+from packer.read.hints import aheads_of
 
 if TYPE_CHECKING:
     from packer.read.dataset import PackedDataset
@@ -84,7 +85,7 @@ def get_batch(
         idx, in_order = idx[order], True
     shape = ds.store.fixed_shape
     if shape is None:
-        pixels = [ds.pixels_at(int(i), p) for i, p in zip(idx, ds.payloads_at(idx), strict=True)]
+        pixels = [ds.pixels_at(int(i), p) for i, p in zip(idx, ds.payloads_at(idx, aheads_of(indices)), strict=True)]
         shapes = {p.shape for p in pixels}
         if len(shapes) > 1:
             raise PackerError(

@@ -32,6 +32,7 @@ from packer.layout.manifest import read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
 from packer.perprocess import PerProcess
 from packer.read import batch, readahead
+from packer.read.hints import Ahead, aheads_of
 from packer.read.indexing import IndexMap
 from packer.read.store import Access, ShardStore
 from packer.read.surface import FolderSurface
@@ -43,7 +44,7 @@ ImageKind = Literal["pil", "numpy", "tensor"]
 
 
 FILE_SOURCES = ("", "folder", "list")  # source types whose records are files below the recorded source folder
-BLOCKS_REMEMBERED = 32  # blocks a process remembers having read ahead (~0.5 GB at the sampler's 16 MB)
+BLOCKS_REMEMBERED = 64  # hinted ranges a process remembers having read ahead (~1 GB at the sampler's 16 MB)
 
 
 def _file_order(idx: Sequence[int]) -> list[int]:
@@ -99,8 +100,7 @@ class PackedDataset(FolderSurface):
         self.crop = check_crop(crop, self.decode_size)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
-        self._blocks: np.ndarray | None = None  # read-ahead by whole blocks (read_ahead_blocks)
-        self._blocks_read: PerProcess[OrderedDict] = PerProcess(OrderedDict)  # blocks read ahead in this process
+        self._ahead_read: PerProcess[OrderedDict] = PerProcess(OrderedDict)  # hinted ranges read in this process
 
     def __len__(self) -> int:
         return self.manifest.num_samples
@@ -110,11 +110,12 @@ class PackedDataset(FolderSurface):
 
         Returns at once; ``wait(k)`` on the result returns when the ``k``-th sample in file order
         (sorted by storage position, ``sorted(ds.positions(indices))``) is in memory. Formats of one
-        file per sample (bmp) have the kernel read them all at once instead.
+        file per sample (bmp) have the kernel read them all at once instead. Indices a block sampler
+        yielded (packer.read.hints) also have the rest of their blocks read, in the background.
         """
-        return self.start_reads(self.positions(indices))
+        return self.start_reads(self.positions(indices), aheads_of(indices))
 
-    def start_reads(self, idx: np.ndarray) -> readahead.Pending:
+    def start_reads(self, idx: np.ndarray, ahead: Sequence[Ahead] = ()) -> readahead.Pending:
         """``read_ahead`` of storage positions (the staged-reading hook ``load_batch`` calls)."""
         ordered = idx[np.argsort(idx, kind="stable")]
         shard_of = np.searchsorted(self.store.starts, ordered, side="right") - 1
@@ -125,43 +126,31 @@ class PackedDataset(FolderSurface):
             with reading(self.store.where(shard)):
                 reader.will_need(positions)  # formats of one file per sample: the kernel reads them all at once
                 requests.extend(reader.file_spans(positions))  # the others: byte ranges for the read-ahead thread
-        return readahead.start(requests, later=self._new_blocks(ordered))
+        return readahead.start(requests, later=self._new_ranges(ahead))
 
     def block_boundaries(self) -> np.ndarray | None:
         """Storage positions where the format's natural blocks start (mosaic: one per mosaic), then len(self);
         None for formats without any (the block sampler then makes blocks by bytes)."""
         return get_format(self.manifest.format).block_boundaries(self.manifest)
 
-    def read_ahead_blocks(self, bounds: Sequence[int] | np.ndarray | None) -> None:
-        """Read whole blocks ahead: samples are read block by block (``bounds`` as ``BlockShuffleSampler``'s).
-
-        Then the first batch that touches a block has, after its own bytes, the rest of the block
-        read in the background, so the block's later batches find their bytes in memory (each
-        process does this once per block; the last ``BLOCKS_REMEMBERED`` are remembered).
-        ``BlockShuffleSampler`` calls this on its dataset; ``None`` turns it off (uniform shuffles).
-        """
-        self._blocks = None if bounds is None else np.asarray(bounds, dtype=np.int64)
-        self._blocks_read = PerProcess(OrderedDict)
-
-    def _new_blocks(self, ordered: np.ndarray) -> list:
-        """Background read-ahead for the blocks these samples open in this process: each block's hull."""
-        if self._blocks is None or not len(ordered):
+    def _new_ranges(self, ahead: Sequence[Ahead]) -> list:
+        """Background reads for the hinted ranges this process has not read ahead yet: each range's byte hull
+        (its first sample's start to its last one's end, in one file; a range across shards is skipped)."""
+        if not ahead:
             return []
-        seen = self._blocks_read.get()
+        seen = self._ahead_read.get()
         out = []
-        for b in np.unique(np.searchsorted(self._blocks, ordered, side="right") - 1).tolist():
-            if b in seen or not 0 <= b < len(self._blocks) - 1:
+        for hint in ahead:
+            if hint in seen or not 0 <= hint.first < hint.stop <= len(self):
                 continue
-            seen[b] = None
+            seen[hint] = None
             if len(seen) > BLOCKS_REMEMBERED:
                 seen.popitem(last=False)
-            first, last = int(self._blocks[b]), int(self._blocks[b + 1]) - 1
-            shard, a = self.store.locate(first)
-            reader = self.store.readers[shard]
-            if self.store.locate(last)[0] != shard:
+            shard, a = self.store.locate(hint.first)
+            if self.store.locate(hint.stop - 1)[0] != shard:
                 continue
-            ends = [r[-1] for r in reader.file_spans([a, a + last - first]) if r]  # the payload's range is last
-            if len(ends) == 2 and ends[0][0] == ends[1][0]:
+            ends = [r[-1] for r in self.store.readers[shard].file_spans([a, a + hint.stop - 1 - hint.first]) if r]
+            if len(ends) == 2 and ends[0][0] == ends[1][0]:  # the payload's range is the last of a sample's
                 out.append((ends[0][0], min(ends[0][1], ends[1][1]), max(ends[0][2], ends[1][2])))
         return out
 
@@ -178,14 +167,14 @@ class PackedDataset(FolderSurface):
         """The stored payload at storage position ``pos``: encoded bytes, or raw pixel bytes/array."""
         return self.store.read(pos)
 
-    def payloads_at(self, stored: Sequence[int] | np.ndarray) -> list:
+    def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = ()) -> list:
         """Payloads at these storage positions, read ahead in file order, returned in the order asked.
 
         Runs of neighbours in a shard are read with one ``read_many`` call each, as soon as the
-        read-ahead has brought in the run's last sample.
+        read-ahead has brought in the run's last sample (``ahead``: as for ``start_reads``).
         """
         idx = np.asarray(stored, dtype=np.int64)
-        pending = self.start_reads(idx)
+        pending = self.start_reads(idx, ahead)
         order = np.asarray(_file_order(idx.tolist()), dtype=np.int64)
         out: list = [None] * len(idx)
         shard_of = np.searchsorted(self.store.starts, idx[order], side="right") - 1

@@ -7,7 +7,7 @@ plain ints and bools only, so it goes into JSON or ``torch.save`` as it is.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from packer.errors import PackerError
@@ -29,10 +29,10 @@ class _Cursor:
         self.yielded = yielded
 
 
-def _walk(order: list[int], cursor: _Cursor) -> Iterator[int]:
-    for i in order[cursor.yielded:]:
+def _walk(order: Sequence[int], cursor: _Cursor) -> Iterator[int]:
+    for k in range(cursor.yielded, len(order)):
         cursor.yielded += 1  # counted before the consumer gets it: a state taken then includes it
-        yield i
+        yield order[k]
 
 
 class EpochPosition:
@@ -47,7 +47,7 @@ class EpochPosition:
         """Samples handed out in this epoch (a loaded position counts until iteration starts)."""
         return self._cursor.yielded if self._resume_at is None else self._resume_at
 
-    def iterate(self, order: list[int]) -> Iterator[int]:
+    def iterate(self, order: Sequence[int]) -> Iterator[int]:
         """Iterate ``order`` from the loaded position, once; from its start afterwards."""
         self._cursor = _Cursor(self._resume_at or 0)
         self._resume_at = None

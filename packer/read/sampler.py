@@ -48,6 +48,7 @@ from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 from packer._random import raw_draws, stable_permutation
 from packer.errors import PackerError
 from packer.layout.index import shard_starts
+from packer.read.hints import hinted_order
 from packer.read.indexing import IndexMap
 from packer.read.ranks import check_rank, replicas_and_rank, warn_if_accelerate
 from packer.read.resume import EpochPosition, resume_position
@@ -159,12 +160,19 @@ def rank_order(
     if not shuffle or per_rank == 0:
         return mine.astype(np.int64)
     mine_unit = unit[rank * per_rank : (rank + 1) * per_rank]
-    window = max(1, round(open_blocks * n / nb))
-    if batch_size:
-        window = max(batch_size, round(window / batch_size) * batch_size)
+    window = window_samples(n, nb, open_blocks, batch_size)
     keys = raw_draws(seed, epoch, 1, rank, num_replicas, n=int(unit[-1]) + 1)[mine_unit]
     order = np.lexsort((np.arange(per_rank), keys, np.arange(per_rank) // window))
     return mine[order].astype(np.int64)
+
+
+def window_samples(n: int, num_blocks: int, open_blocks: int, batch_size: int | None) -> int:
+    """Samples per window: about ``open_blocks`` blocks' worth, a whole number of batches when ``batch_size``
+    is given. ``rank_order`` shuffles inside consecutive windows of its order, so windows stay contiguous."""
+    window = max(1, round(open_blocks * n / max(num_blocks, 1)))
+    if batch_size:
+        window = max(batch_size, round(window / batch_size) * batch_size)
+    return window
 
 
 class BlockShuffleSampler(DistributedSampler):
@@ -211,8 +219,6 @@ class BlockShuffleSampler(DistributedSampler):
         self.dataset = dataset
         self.bounds = dataset_boundaries(dataset, block_bytes, blocks)
         self.index_map = dataset.index_map if isinstance(dataset, StagedDataset) else IndexMap(None)
-        if shuffle and isinstance(dataset, StagedDataset):
-            dataset.read_ahead_blocks(self.bounds)  # its workers then read each block whole, ahead of decoding
         self.num_samples_total = int(self.bounds[-1])
         self.open_blocks = open_blocks
         self.run = run
@@ -273,9 +279,14 @@ class BlockShuffleSampler(DistributedSampler):
         )
 
     def __iter__(self) -> Iterator[int]:
+        """This rank's indices, each carrying its block's range (packer.read.hints): the worker reading a
+        batch reads the rest of the batch's blocks ahead, for as long as this order is iterated."""
         if self._replicas == (None, None):
             warn_if_accelerate(self.num_replicas)
-        return self.position.iterate(self.order().tolist())
+        stored = self.stored_order()
+        window = window_samples(self.num_samples_total, self.num_blocks, self.open_blocks, self.batch_size)
+        return self.position.iterate(hinted_order(self.index_map.public_many(stored).tolist(), stored, self.bounds,
+                                                  window))
 
     def __len__(self) -> int:
         n, r = self.num_samples_total, self.num_replicas

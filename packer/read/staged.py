@@ -17,10 +17,12 @@ import torch
 from torch.utils.data import Dataset
 
 from packer.layout.index import normalize_index
+from packer.read.hints import aheads_of
 
 if TYPE_CHECKING:
     from packer.layout.index import Index
     from packer.layout.manifest import Manifest
+    from packer.read.hints import Ahead
     from packer.read.indexing import IndexMap
     from packer.read.readahead import Pending
 
@@ -59,8 +61,8 @@ class StagedDataset(Dataset, ABC):
     def present_at(self, pos: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
         """(image as the dataset hands it out, target), transforms applied; ``tensor`` holds ``arr`` already."""
 
-    def payloads_at(self, stored: Sequence[int] | np.ndarray) -> list:
-        """Payloads at these storage positions, in the order given."""
+    def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = ()) -> list:
+        """Payloads at these storage positions, in the order given (``ahead``: as for ``start_reads``)."""
         return [self.payload_at(int(p)) for p in stored]
 
     def check_index(self, i: int) -> int:
@@ -80,8 +82,9 @@ class StagedDataset(Dataset, ABC):
         (a dataset written before packer recorded the map)."""
         return self.index_map.kind
 
-    def start_reads(self, idx: np.ndarray) -> Pending | None:
-        """Start reading these storage positions' bytes in the background; None: nothing to read ahead."""
+    def start_reads(self, idx: np.ndarray, ahead: Sequence[Ahead] = ()) -> Pending | None:
+        """Start reading these storage positions' bytes in the background, then the ``ahead`` ranges the order
+        being iterated reads soon (its indices' hints, packer.read.hints); None: nothing to read ahead."""
         return None
 
     def batch_slots(self, idx: Sequence[int]) -> list[torch.Tensor] | None:
@@ -91,9 +94,6 @@ class StagedDataset(Dataset, ABC):
     def block_boundaries(self) -> np.ndarray | None:
         """Storage positions where the dataset's natural blocks start, then len(self); None: blocks by bytes."""
         return None
-
-    def read_ahead_blocks(self, bounds: Sequence[int] | np.ndarray | None) -> None:
-        """Read whole blocks ahead (the block sampler's); None: off. Default: nothing to read ahead."""
 
     # ------------------------------------------------------------ the public surface: ImageFolder indices
 
@@ -110,7 +110,7 @@ class StagedDataset(Dataset, ABC):
 
     def read_payloads(self, indices: Sequence[int] | np.ndarray) -> list:
         """Payloads of many samples, returned in the order asked (read in file order where the dataset can)."""
-        return self.payloads_at(self.positions(indices))
+        return self.payloads_at(self.positions(indices), aheads_of(indices))
 
     def pixels(self, i: int, payload: Any = None, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
         """Sample ``i`` as HWC uint8 RGB (``payload``: its stored payload, read already).
@@ -127,7 +127,7 @@ def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | No
     now = time.perf_counter
     t0 = now()
     idx = ds.positions(indices).tolist()
-    pending = ds.start_reads(np.asarray(idx, dtype=np.int64))
+    pending = ds.start_reads(np.asarray(idx, dtype=np.int64), aheads_of(indices))
     slots = ds.batch_slots(idx)
     read, decode, transform = now() - t0, 0.0, 0.0
     if pending is None:
