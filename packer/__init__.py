@@ -13,7 +13,7 @@ from packer._version import __version__ as __version__
 
 # public name -> the module that defines it
 _PUBLIC = {
-    "convert": "packer.write.convert", "ConvertResult": "packer.write.convert",
+    "convert": "packer.write.convert", "ConvertResult": "packer.write.convert", "Writer": "packer.write.writer",
     "open_dataset": "packer.read.dataset", "PackedDataset": "packer.read.dataset",
     "DATASET_CLASSES": "packer.read.dataset",
     "PackerError": "packer.errors", "FORMATS": "packer.formats",

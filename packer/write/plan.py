@@ -132,7 +132,7 @@ def load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: Conve
     plan = {"options": recorded, "digest": digest, "source": str(scan.root), "num_files": len(scan),
             "shards": plan_shards(len(scan), mean_bytes, options.shard_bytes, shard_multiple(options)),
             "mean_bytes": mean_bytes}
-    _make_partial(out, partial, plan)
+    make_partial(out, partial, plan)
     return plan
 
 
@@ -149,7 +149,7 @@ def _leftover(partial: Path, out: Path) -> str:
             f"({where}); run the same command with --resume to finish that (nothing is converted again)")
 
 
-def _make_partial(out: Path, partial: Path, plan: dict) -> None:
+def make_partial(out: Path, partial: Path, plan: dict) -> None:
     """Create ``partial`` holding ``plan``: made under a fresh name and renamed once the plan is on disk,
     so a ``.partial`` without a plan is never one of packer's."""
     tmp = fresh_name(out, NEW_TAG)
