@@ -254,7 +254,7 @@ class Writer:
             return self.out
         self._options_for(b"")
         self._flush()
-        index = stored_index(self.done, None)
+        index = stored_index(self.done, [k for r in self.done for k in r.rel_paths])  # stored in the order added
         columns: dict[str, list[Any]] = {k: [] for k in self.specs}
         for sid, result in enumerate(self.done):
             store = FieldStore.load(self._spool(sid), {k: s.text for k, s in self.specs.items()},
