@@ -170,8 +170,8 @@ def test_crafted_field_files_are_refused_on_open(fielded, tmp_path, kind):
         open_dataset(bad)
 
 
-@pytest.mark.parametrize("name, blob, message", [("meta", b"{not json", "damaged"), ("caption", b"\xff\xfe", "damaged")])
-def test_damaged_text_is_a_packer_error_when_read(fielded, tmp_path, name, blob, message):
+@pytest.mark.parametrize("name, blob", [("meta", b"{not json"), ("caption", b"\xff\xfe")])
+def test_damaged_text_is_a_packer_error_when_read(fielded, tmp_path, name, blob):
     path, _ = fielded
 
     def edit(root: Path) -> None:
@@ -181,5 +181,5 @@ def test_damaged_text_is_a_packer_error_when_read(fielded, tmp_path, name, blob,
         _save(root / FIELDS / f"{name}.blob.npy", np.frombuffer(blob, np.uint8).copy())
 
     ds = open_dataset(_craft(path, tmp_path / "t.lmdb", edit))
-    with pytest.raises(PackerError, match=message):
+    with pytest.raises(PackerError, match="damaged"):
         ds.field(name, 0)

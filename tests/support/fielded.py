@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from support.imagesets import jpeg_bytes
 
 from packer.write.writer import Writer
+from support.imagesets import jpeg_bytes
 
 SPECS = {"boxes": "float32[:,4]", "caption": "str", "count": "int", "score": "float", "meta": "json",
          "blob": "bytes", "mask": "uint8[2,3]"}
