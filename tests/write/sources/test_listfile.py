@@ -103,3 +103,19 @@ def test_cli_converts_a_list_with_root_and_columns(imgs, tmp_path):
     assert ds.classes == ["class_0", "class_1", "class_2"] and len(ds) == 12
     assert run_cli("verify", tmp_path / "o.lmdb", "--against", listing, "-q").returncode == 0
     assert np.array_equal(np.bincount(ds.targets), [4, 4, 4])
+
+
+def test_extra_columns_become_typed_fields(imgs, tmp_path):
+    files = sorted(imgs.rglob("*.jpg"))
+    rows = ["path,label,caption,bbox x,score,1st"] + [
+        f"{p.relative_to(imgs).as_posix()},{i % 3},cap {i},{i * 10},{i / 4},{'n/a' if i == 2 else i}"
+        for i, p in enumerate(files)]
+    listing = tmp_path / "labels.csv"
+    listing.write_text("\n".join(rows) + "\n")
+    res = convert(listing, tmp_path / "f.lmdb", root=imgs, workers=0, progress=False)  # stored shuffled
+    ds = open_dataset(res.output)
+    assert ds.field_specs == {"caption": "str", "bbox_x": "int", "score": "float", "c_1st": "str"}
+    for i, p in enumerate(files):
+        k = ds.index_of(p.relative_to(imgs).as_posix())
+        assert (ds.field("caption", k), ds.field("bbox_x", k), ds.field("score", k)) == (f"cap {i}", i * 10, i / 4)
+        assert ds.field("c_1st", k) == ("n/a" if i == 2 else str(i))
