@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,6 +103,16 @@ def check_name(name: object, where: str = "field") -> str:
         raise PackerError(f"{where}: field name {name!r:.80} is not an identifier (letters, digits, _)")
     if name in RESERVED:
         raise PackerError(f"{where}: {name!r} is not a field name (every sample has its {name})")
+    return name
+
+
+def as_field_name(text: str, taken: Collection[str] = ()) -> str:
+    """A field name made from a column or member name (``bbox x`` -> ``bbox_x``, ``1st`` -> ``c_1st``), not in
+    ``taken`` nor reserved."""
+    name = re.sub(r"\W", "_", text.strip(), flags=re.ASCII)[:MAX_NAME - 4] or "column"
+    name = f"c_{name}" if name[0].isdigit() else name
+    while name in RESERVED or name in taken:
+        name += "_"
     return name
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import csv
 import posixpath
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from packer.errors import PackerError
-from packer.layout.fields import RESERVED
+from packer.layout.fields import as_field_name
 from packer.write.scan import ClassMapper, ScanResult, SourceError
 from packer.write.sources.base import FileReader, Source
 
@@ -193,10 +192,7 @@ def columns_as_fields(columns: dict[str, list[str]]) -> tuple[dict[str, str], di
     specs: dict[str, str] = {}
     cells: dict[str, list] = {}
     for column, values in columns.items():
-        name = re.sub(r"\W", "_", column.strip(), flags=re.ASCII)[:60] or "column"
-        name = f"c_{name}" if name[0].isdigit() else name
-        while name in RESERVED or name in specs:
-            name += "_"
+        name = as_field_name(column, specs)
         for kind, parse in (("int", _int64), ("float", float)):
             try:
                 cells[name] = [parse(v) for v in values]
