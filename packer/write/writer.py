@@ -76,7 +76,7 @@ class Writer:
         if options.setdefault("order", "source") != "source":
             raise PackerError("Writer: samples are stored in the order added (order='source'); shuffle when adding")
         self.on_error, self.given = on_error, options
-        make_options(format, **options).check()  # unknown or bad options fail now, not at the first sample
+        self._make_options(None).check()  # unknown or bad options fail now, not at the first sample
         check_replaceable(self.out, overwrite)
         self.opts: ConvertOptions | None = None
         self.count = 0  # samples offered so far
@@ -86,7 +86,7 @@ class Writer:
         self.closed = False
         self._pending: list[PreparedSample | SourceError] = []
         self._cells: dict[str, list[Any]] = {k: [] for k in self.specs}
-        self._bytes = 0
+        self._bytes = self._stored = 0  # the pending samples' payload bytes, and how many will be stored
         if os.path.lexists(self.partial):
             self._resume(resume)
 
@@ -116,14 +116,10 @@ class Writer:
             for name, cell in cells.items():
                 self._cells[name].append(cell)
             self._bytes += res.nbytes
+            self._stored += 1
             opts = self._options_for(res.payload)
-            prepared = len(self._prepared())
-            if self._bytes >= (opts.shard_bytes or WRITER_SHARD_BYTES) and prepared % shard_multiple(opts) == 0:
+            if self._bytes >= (opts.shard_bytes or WRITER_SHARD_BYTES) and self._stored % shard_multiple(opts) == 0:
                 self._flush()
-
-    def _prepared(self) -> list[PreparedSample]:
-        """The pending samples that will be stored (not the failed ones)."""
-        return [r for r in self._pending if isinstance(r, PreparedSample)]
 
     def _prepare(self, key: str, image: Any, label: Any, fields: dict[str, Any]
                  ) -> tuple[PreparedSample | SourceError, dict[str, Any]]:
@@ -155,16 +151,22 @@ class Writer:
     def _options_for(self, data: Any) -> ConvertOptions:
         """The options, made at the first sample (its kind decides the payload when none was given)."""
         if self.opts is None:
-            given = dict(self.given)
-            if given.get("payload") is None and isinstance(data, np.ndarray):
-                given["payload"] = "raw"
-            opts = make_options(self.fmt.name, **given)
+            opts = self._make_options(data)
             opts.check()
             opts.shard_bytes = opts.shard_bytes or min(self.fmt.default_shard_bytes or WRITER_SHARD_BYTES,
                                                        WRITER_SHARD_BYTES)
             self.opts = opts
             self._start()
         return self.opts
+
+    def _make_options(self, data: Any) -> ConvertOptions:
+        """Options from the keywords given; without ``payload``: raw for pixels (an array, or ``resize`` or
+        ``compression``, which apply to pixels only), else the format's default."""
+        given = dict(self.given)
+        if given.get("payload") is None and (isinstance(data, np.ndarray) or given.get("resize") is not None
+                                             or given.get("compression") is not None):
+            given["payload"] = "raw"
+        return make_options(self.fmt.name, **given)
 
     # ------------------------------------------------------------ shards and journal
 
@@ -220,7 +222,7 @@ class Writer:
         """Write the pending samples as the next shard; spool its fields, then journal it."""
         assert self.opts is not None
         sid = len(self.done)
-        planned = len(self._prepared())
+        planned = self._stored
         if not self._pending:
             return
         sink = ShardSink(self.partial, sid, planned, self.fmt, self.opts, self.on_error, self.out)
@@ -240,7 +242,7 @@ class Writer:
         spool_tmp.mkdir(exist_ok=True)
         os.rename(spool_tmp, spool)
         self.done.append(record_shard(self.partial, result, names))
-        self._pending, self._cells, self._bytes = [], {k: [] for k in self.specs}, 0
+        self._pending, self._cells, self._bytes, self._stored = [], {k: [] for k in self.specs}, 0, 0
 
     # ------------------------------------------------------------ finishing
 

@@ -37,13 +37,14 @@ def test_every_field_kind_round_trips_in_every_format(tmp_path, fmt):
                 assert bytes(ds.read_payload(i)) == want["image"]
 
 
-def test_arrays_are_stored_raw_and_labels_name_classes(tmp_path):
+@pytest.mark.parametrize("fmt, options", [("lmdb", {}), ("hdf5", {"compression": "gzip"})])
+def test_arrays_are_stored_raw_and_labels_name_classes(tmp_path, fmt, options):
     rng = np.random.default_rng(1)
     arrays = [rng.integers(0, 255, (5 + i, 7, 3), dtype=np.uint8) for i in range(4)]
-    with Writer(tmp_path / "a.lmdb", classes=["cat", "dog"], fields={"n": "int"}) as w:
+    with Writer(tmp_path / "a", format=fmt, classes=["cat", "dog"], fields={"n": "int"}, **options) as w:
         for i, a in enumerate(arrays):
             w.add(a, label=i % 2, n=i)
-    ds = open_dataset(tmp_path / "a.lmdb", image="numpy", fields=("image", "label", "n"))
+    ds = open_dataset(tmp_path / "a", image="numpy", fields=("image", "label", "n"))
     assert ds.manifest.payload == "raw" and ds.classes == ["cat", "dog"] and ds.indexing == "imagefolder"
     for i, a in enumerate(arrays):
         img, label, n = ds[i]
