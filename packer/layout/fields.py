@@ -68,10 +68,6 @@ class FieldSpec:
         """Stored as offsets + blob (str, json, bytes, ragged arrays), else as one array of N values."""
         return self.kind in BLOBS or self.ragged
 
-    @property
-    def row_items(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
 
 def parse_spec(text: object, where: str = "field") -> FieldSpec:
     """``int``, ``float``, ``str``, ``json``, ``bytes``, ``DTYPE[d1,d2]`` (fixed) or ``DTYPE[:,d2]`` (ragged)."""
