@@ -22,6 +22,7 @@ shape): conversions carry cells, so fields move between datasets byte for byte.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 from collections.abc import Collection, Mapping, Sequence
@@ -286,6 +287,14 @@ class FieldStore:
         """Every cell of ``name``, in storage order (a conversion carries them)."""
         n = len(self._arrays[name]["offsets"]) - 1 if self.spec(name).variable else len(self._arrays[name][""])
         return [self.cell(name, i) for i in range(n)]
+
+
+def json_value(value: Any) -> Any:
+    """A field value as JSON holds it (``packer extract``'s sidecar, WebDataset's ``json``): arrays as nested
+    lists, bytes as base64 text, the rest as it is."""
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    return value.tolist() if isinstance(value, np.ndarray) else value
 
 
 def load_fields(directory: Path, manifest: Manifest) -> FieldStore:

@@ -14,7 +14,6 @@ the same folder, so no partial file is ever left under a target's name.
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import os
@@ -23,10 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-import numpy as np
 from PIL import Image
 
 from packer.errors import PackerError, RunError, under_way
+from packer.layout.fields import json_value
 from packer.layout.fsutil import create_temp, destination_dir, nearest_existing
 from packer.layout.manifest import dataset_directory
 from packer.layout.trust import check_inner_name
@@ -88,14 +87,9 @@ def extract(path: str | os.PathLike, dest: str | os.PathLike, overwrite: bool = 
 
 def fields_lines(ds, names: list[str]) -> bytes:
     """One JSON line per stored sample: its extracted name and its fields (arrays as lists, bytes as base64)."""
-    def plain(value):
-        if isinstance(value, bytes):
-            return base64.b64encode(value).decode("ascii")
-        return value.tolist() if isinstance(value, np.ndarray) else value
-
     lines = []
     for i, name in enumerate(names):
-        record = {"path": name, **{k: plain(ds.field_store.value(k, i, str(ds.root))) for k in ds.field_specs}}
+        record = {"path": name, **{k: json_value(ds.field_store.value(k, i, str(ds.root))) for k in ds.field_specs}}
         lines.append(json.dumps(record, ensure_ascii=False))
     return ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
 
