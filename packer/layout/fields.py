@@ -289,6 +289,14 @@ class FieldStore:
         return [self.cell(name, i) for i in range(n)]
 
 
+def same_cell(a: Any, b: Any) -> bool:
+    """Whether two cells store the same bytes (floats bit for bit, arrays with their dtype and shape)."""
+    if isinstance(a, (np.ndarray, np.floating)) or isinstance(b, (np.ndarray, np.floating)):
+        x, y = np.asarray(a), np.asarray(b)
+        return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+    return type(a) is type(b) and a == b
+
+
 def json_value(value: Any) -> Any:
     """A field value as JSON holds it (``packer extract``'s sidecar, WebDataset's ``json``): arrays as nested
     lists, bytes as base64 text, the rest as it is."""

@@ -19,6 +19,7 @@ from packer.read.collate import collate
 from packer.read.dataset import open_dataset
 from packer.tools.extract import FIELDS_NAME, extract
 from packer.tools.info import dataset_info, info_rows
+from packer.tools.verify import verify
 from packer.write.convert import convert
 
 
@@ -57,6 +58,13 @@ def test_shuffled_conversion_carries_fields_by_public_index(fielded, tmp_path):
         for name in SPECS:
             assert same_value(ds.field(name, i), want[name])
             assert same_value(ds[i][name], want[name])
+    assert verify(out, against=path).ok
+    caption = np.load(out / FIELDS / "caption.blob.npy")
+    caption[0] ^= 1  # one byte of one caption changed, checksums made to agree: only the comparison finds it
+    np.save(out / FIELDS / "caption.blob.npy", caption)
+    _rewrite_checksums(out)
+    report = verify(out, against=path)
+    assert not report.ok and any("field 'caption' differs" in p for p in report.problems)
 
 
 def _field_files(root: Path) -> dict[str, str]:

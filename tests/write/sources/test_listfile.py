@@ -119,3 +119,4 @@ def test_extra_columns_become_typed_fields(imgs, tmp_path):
         k = ds.index_of(p.relative_to(imgs).as_posix())
         assert (ds.field("caption", k), ds.field("bbox_x", k), ds.field("score", k)) == (f"cap {i}", i * 10, i / 4)
         assert ds.field("c_1st", k) == ("n/a" if i == 2 else str(i))
+    assert verify(res.output, against=listing).ok  # the fields too, byte for byte
