@@ -127,17 +127,7 @@ class Index:
             if f.name in OPTIONAL and (name not in listed if listed is not None
                                        else not os.path.lexists(directory / name)):
                 continue  # an older dataset
-            path = inside(directory, name)
-            if listed is not None:
-                info = listed.get(name)
-                if info is None:
-                    raise PackerError(f"{directory}: the manifest does not list {name}")
-                try:
-                    same = path.stat().st_size == info.num_bytes and sha256_file(path) == info.sha256
-                except OSError as exc:
-                    raise PackerError(f"{path}: cannot read ({exc.strerror or exc})") from None
-                if not same:
-                    raise PackerError(f"{path}: size or checksum differs from the manifest (damaged or modified)")
+            path = listed_path(directory, name, listed)
             # Bound the length before loading: N entries per-sample array, N+1 offsets, blob <= file size.
             limit = {"path_offsets": num_samples + 1, "path_blob": None}.get(f.name, num_samples)
             arrays[f.name] = load_npy(path, DTYPES[f.name], ndim=1, max_items=limit)
@@ -164,6 +154,24 @@ class Index:
                                   f"but the dataset has {num_classes} classes")
         if self.position is not None:
             check_permutation(self.position, num_samples, f"{where}/position.npy")
+
+
+def listed_path(directory: Path, name: str, listed: dict | None) -> Path:
+    """``directory/name`` inside the dataset; with ``listed`` (name -> the manifest's FileInfo), its size and
+    sha256 checked against the manifest's entry (which must exist)."""
+    path = inside(directory, name)
+    if listed is None:
+        return path
+    info = listed.get(name)
+    if info is None:
+        raise PackerError(f"{directory}: the manifest does not list {name}")
+    try:
+        same = path.stat().st_size == info.num_bytes and sha256_file(path) == info.sha256
+    except OSError as exc:
+        raise PackerError(f"{path}: cannot read ({exc.strerror or exc})") from None
+    if not same:
+        raise PackerError(f"{path}: size or checksum differs from the manifest (damaged or modified)")
+    return path
 
 
 def imagefolder_positions(stored: list[str], source_order: list[str]) -> np.ndarray:

@@ -59,6 +59,7 @@ class Manifest:
     source_digest: str = ""  # the scanned file list, sizes and mtimes (packer.write.fresh); "" before it was kept
     source_type: str = ""  # how the source was read (write/sources: folder, list, archive, packed, ...)
     source_options: dict[str, Any] = field(default_factory=dict)  # ... and with which options (verify --against)
+    fields: dict[str, str] = field(default_factory=dict)  # per-sample fields: name -> spec (layout/fields.py)
     created_by: str = ""
     created_at: str = ""
     kind: str = KIND
@@ -103,6 +104,8 @@ class Manifest:
                 source_digest=str(data.get("source_digest", "")),
                 source_type=str(data.get("source_type", "")),
                 source_options=dict(_typed(data.get("source_options", {}), dict, "source_options")),
+                fields={_typed(k, str, "field name"): _typed(v, str, "field spec")
+                        for k, v in _typed(data.get("fields", {}), dict, "fields").items()},
                 created_by=str(data.get("created_by", "")),
                 created_at=str(data.get("created_at", "")),
             )

@@ -47,6 +47,7 @@ import torch
 from packer import sysinfo
 from packer.errors import PackerError
 from packer.images.decode import copy_into
+from packer.layout.fields import FieldStore
 from packer.layout.index import Index
 from packer.layout.manifest import Manifest
 from packer.read.indexing import IndexMap
@@ -350,6 +351,10 @@ class CachedDataset(FolderSurface):
         return self.dataset.manifest
 
     @property
+    def field_store(self) -> FieldStore:  # pyright: ignore[reportIncompatibleVariableOverride]
+        return self.dataset.field_store
+
+    @property
     def index_map(self) -> IndexMap:  # pyright: ignore[reportIncompatibleVariableOverride]
         return self.dataset.index_map
 
@@ -390,7 +395,7 @@ class CachedDataset(FolderSurface):
             payload = self.payload_at(i)
         return copy_into(payload, out) if self.decoded else self.dataset.pixels_at(i, payload, strict, out)
 
-    def present_at(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
+    def present_at(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> Any:
         return self.dataset.present_at(i, arr, tensor)
 
     def batch_slots(self, idx: Sequence[int]) -> list[torch.Tensor] | None:

@@ -33,6 +33,7 @@ from packer.layout.trust import DATA_ERRORS, reading
 from packer.perprocess import PerProcess
 from packer.read import batch, readahead
 from packer.read.hints import Ahead, aheads_of
+from packer.read.fields import FieldsArg, FieldSelection
 from packer.read.indexing import IndexMap
 from packer.read.store import Access, ShardStore
 from packer.read.surface import FolderSurface
@@ -68,15 +69,19 @@ class PackedDataset(FolderSurface):
         decode_size: int | None = None,
         source_root: str | os.PathLike | None = None,
         crop: CropDecode | None = None,
+        fields: FieldsArg = None,
     ) -> None:
         """``decode_size=S``: JPEGs decoded at the smallest DCT scale keeping the short side >= S (lossy; 224 does
         nothing on 500x375 photos). ``crop``: a fused decode + crop + resize (packer.images.crop, docs/decoding.md).
         ``source_root``: the converted folder, where it is now (``samples`` join it with each relative
-        path); default: the one the manifest records."""
+        path); default: the one the manifest records. ``fields``: what a sample holds (packer.read.fields):
+        None for ``(image, label)``, names for a tuple in that order, ``"all"`` for a dict."""
         self.root = Path(path).absolute()  # not relative: a later os.chdir, a worker or an unpickling elsewhere
         self.store = ShardStore(self.root, access)
         self.manifest, self.index, self.access = self.store.manifest, self.store.index, self.store.access
         self.index_map = IndexMap.of(self.index)
+        self.field_store = self.store.fields
+        self.selection = FieldSelection(fields, self.field_store, self.root)
         # samples are file paths where the source was files below a folder (a folder, a list file's --root);
         # the records of an archive, WebDataset, Hugging Face, RecordIO or packer source are named by key only
         files = self.manifest.source_type in FILE_SOURCES
@@ -231,7 +236,7 @@ class PackedDataset(FolderSurface):
         with _sample_errors(self, i):
             check_size(buf, int(self.index.heights[i]), int(self.index.widths[i]))
 
-    def present_at(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
+    def present_at(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> Any:
         """The decoded pixels of the sample stored at ``i`` as handed out: image kind, transform, target transform.
 
         ``tensor``: ``arr``'s memory as a tensor already (its slot of ``batch_slots``).
@@ -251,7 +256,7 @@ class PackedDataset(FolderSurface):
             img = self.transform(img)
         if self.target_transform is not None:
             target = self.target_transform(target)
-        return img, target
+        return self.selection.sample(self.field_store, i, img, target, str(self.root))
 
     # ------------------------------------------------------------ whole batches (packer.read.batch)
 

@@ -58,8 +58,9 @@ class StagedDataset(Dataset, ABC):
         """The sample at ``pos`` as HWC uint8 RGB, decoded into ``out`` where given and of the right shape."""
 
     @abstractmethod
-    def present_at(self, pos: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> tuple[Any, Any]:
-        """(image as the dataset hands it out, target), transforms applied; ``tensor`` holds ``arr`` already."""
+    def present_at(self, pos: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> Any:
+        """(image as the dataset hands it out, target), transforms applied, plus any fields asked for
+        (packer.read.fields); ``tensor`` holds ``arr`` already."""
 
     def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = ()) -> list:
         """Payloads at these storage positions, in the order given (``ahead``: as for ``start_reads``)."""
@@ -97,11 +98,11 @@ class StagedDataset(Dataset, ABC):
 
     # ------------------------------------------------------------ the public surface: ImageFolder indices
 
-    def __getitem__(self, i: int) -> tuple[Any, Any]:
+    def __getitem__(self, i: int) -> Any:
         pos = self.position(i)
         return self.present_at(pos, self.pixels_at(pos, self.payload_at(pos)))
 
-    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+    def __getitems__(self, indices: Sequence[int]) -> list:
         return load_batch(self, indices)
 
     def read_payload(self, i: int) -> Any:

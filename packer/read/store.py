@@ -17,6 +17,7 @@ import numpy as np
 from packer import sysinfo
 from packer.errors import PackerError
 from packer.formats import check_recorded_options, get_format
+from packer.layout.fields import FieldStore, load_fields
 from packer.layout.index import Index, shard_starts
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packer.layout.trust import reading
@@ -45,7 +46,7 @@ class ShardStore:
 
     def __init__(self, root: Path, access: Access = "auto") -> None:
         self.root = root
-        self.manifest, self.index, self._file_ids = _open_consistent(root)
+        self.manifest, self.index, self.fields, self._file_ids = _open_consistent(root)
         fmt = get_format(self.manifest.format)
         check_recorded_options(fmt.name, self.manifest.options, root / MANIFEST_NAME)
         self.access = resolve_access(access, self.manifest)
@@ -102,8 +103,8 @@ class ShardStore:
             r.close()
 
 
-def _open_consistent(root: Path) -> tuple[Manifest, Index, list[list[tuple[int, int]]]]:
-    """Manifest, index and the identity of every shard file, all from one version of the dataset.
+def _open_consistent(root: Path) -> tuple[Manifest, Index, FieldStore, list[list[tuple[int, int]]]]:
+    """Manifest, index, fields and the identity of every shard file, all from one version of the dataset.
 
     ``convert --overwrite`` swaps a whole new directory in: if the directory changed while
     these were read, read them again. The file identities let readers, which open lazily,
@@ -116,13 +117,14 @@ def _open_consistent(root: Path) -> tuple[Manifest, Index, list[list[tuple[int, 
             manifest.check_files(root)
             index = Index.load(root, manifest.num_samples, files=manifest.meta_files,
                                num_classes=len(manifest.classes))
+            fields = load_fields(root, manifest)
             file_ids = [[_file_id(root / f.name) for f in s.files] for s in manifest.shards]
         except PackerError:
             if _dir_id(root, missing_ok=True) not in (before, None):
                 continue  # swapped while being read: files vanished or changed under us, read the new one
             raise
         if _dir_id(root) == before:
-            return manifest, index, file_ids
+            return manifest, index, fields, file_ids
     raise PackerError(f"{root}: replaced again and again while being opened; try again later")
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from packer.images.decode import pil_loader
+from packer.layout.fields import FieldStore
 from packer.read.staged import StagedDataset
 
 
@@ -50,6 +51,7 @@ class FolderSurface(StagedDataset):
     root: Any  # the packed dataset's directory (ImageFolder's root, the source folder, is source_root)
     classes: list[str]
     class_to_idx: dict[str, int]
+    field_store: FieldStore  # the per-sample fields, in storage order (layout/fields.py)
     source_root: str | None  # the converted folder (absolute), None where the dataset does not record it
     transform: Callable | None
     target_transform: Callable | None
@@ -103,6 +105,15 @@ class FolderSurface(StagedDataset):
         if self.transform is None and self.target_transform is None:
             return None
         return StandardTransform(self.transform, self.target_transform)
+
+    @property
+    def field_specs(self) -> dict[str, str]:
+        """The dataset's per-sample fields: name -> spec (``"str"``, ``"float32[:,4]"``, ...; docs/fields.md)."""
+        return self.field_store.texts
+
+    def field(self, name: str, index: int) -> Any:
+        """Field ``name`` of sample ``index`` (ImageFolder's index), without reading or decoding the image."""
+        return self.field_store.value(name, self.index_map.stored(self.check_index(index)), str(self.root))
 
     def find_classes(self, directory: str | os.PathLike | None = None) -> tuple[list[str], dict[str, int]]:
         """DatasetFolder's ``(classes, class_to_idx)``: the classes the source had at conversion (from the

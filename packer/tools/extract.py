@@ -15,6 +15,7 @@ the same folder, so no partial file is ever left under a target's name.
 from __future__ import annotations
 
 import io
+import json
 import os
 from collections import Counter
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ from pathlib import Path, PurePosixPath
 from PIL import Image
 
 from packer.errors import PackerError, RunError, under_way
+from packer.layout.fields import json_value
 from packer.layout.fsutil import create_temp, destination_dir, nearest_existing
 from packer.layout.manifest import dataset_directory
 from packer.layout.trust import check_inner_name
@@ -37,6 +39,10 @@ class ExtractResult:
     num_bytes: int
     as_png: bool  # raw payload: written as PNG, names end in .png
     kept_extension: int = 0  # raw payload: PNGs named <original name>.png because of a name clash
+    fields_file: Path | None = None  # the per-sample fields, one JSON line per sample (datasets with fields)
+
+
+FIELDS_NAME = "packer-fields.jsonl"  # beside the extracted files: {"path": name, field: value, ...} per sample
 
 
 def target_names(rel_paths: Sequence[str], raw: bool) -> list[str]:
@@ -63,17 +69,29 @@ def extract(path: str | os.PathLike, dest: str | os.PathLike, overwrite: bool = 
         rels = [_checked(rel, path) for rel in ds.index.rel_paths()]
         names = target_names(rels, raw)
         dest = Path(dest)
-        _check_names(path, dest, rels, names, ds.classes)
+        sidecar = [FIELDS_NAME] if ds.field_specs else []
+        _check_names(path, dest, rels + sidecar, names + sidecar, ds.classes)
         dest = destination_dir(dest, "extract destination")
         real_dest = dest.resolve()
-        targets = [_target(real_dest, dest, n) for n in names]
+        targets = [_target(real_dest, dest, n) for n in names + sidecar]
         _check_existing(dest, targets, [_target(real_dest, dest, c + "/x").parent for c in ds.classes], overwrite)
         with under_way():
             total = _write_all(ds, real_dest, dest, names, raw, overwrite, progress)
+            if sidecar:
+                _write(targets[-1], fields_lines(ds, names), overwrite)
     finally:
         ds.close()
     kept = sum(n != str(PurePosixPath(r).with_suffix(".png")) for r, n in zip(rels, names, strict=True)) if raw else 0
-    return ExtractResult(dest, len(names), total, raw, kept)
+    return ExtractResult(dest, len(names), total, raw, kept, dest / FIELDS_NAME if sidecar else None)
+
+
+def fields_lines(ds, names: list[str]) -> bytes:
+    """One JSON line per stored sample: its extracted name and its fields (arrays as lists, bytes as base64)."""
+    lines = []
+    for i, name in enumerate(names):
+        record = {"path": name, **{k: json_value(ds.field_store.value(k, i, str(ds.root))) for k in ds.field_specs}}
+        lines.append(json.dumps(record, ensure_ascii=False))
+    return ("\n".join(lines) + "\n").encode("utf-8", "surrogateescape")
 
 
 def _checked(name: str, where) -> str:

@@ -111,6 +111,8 @@ def info_rows(path: str | os.PathLike, data: dict[str, Any]) -> list[tuple[str, 
         ("indexing", "ImageFolder's: ds[i] is ImageFolder(source)[i]" if data["indexing"] == IMAGEFOLDER else
          "stored order: ds[i] is the i-th stored sample (converted by an older packer)"),
     ]
+    if data.get("fields"):
+        rows.append(("fields", ", ".join(f"{k}: {v}" for k, v in data["fields"].items())))
     stats = data.get("stats")
     if stats:
         if stats["samples_per_class"]:

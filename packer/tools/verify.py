@@ -11,6 +11,7 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.formats import get_format
+from packer.layout.fields import same_cell
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from packer.layout.trust import inside, read_inside
 from packer.read.dataset import open_dataset
@@ -222,4 +223,18 @@ def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None
     for rel in sorted(extra)[:20]:
         report.problems.append(f"{rel}: packed but not in {src}")
     _check_indexing(ds, scan, report)
+    _check_fields(ds, scan, packed, report)
     report.checked["source files"] = len(scan)
+
+
+def _check_fields(ds, scan: ScanResult, packed: dict[str, int], report: Report) -> None:
+    """The per-sample fields the source gives are the dataset's, each packed sample's stored byte for byte."""
+    if ds.field_specs != scan.field_specs:
+        report.problems.append(f"fields differ: dataset {ds.field_specs}, the source gives {scan.field_specs}")
+        return
+    for name, cells in scan.fields.items():
+        differ = [rel for rel, cell in zip(scan.rel_paths, cells)
+                  if rel in packed and not same_cell(ds.field_store.cell(name, packed[rel]), cell)]
+        if differ:
+            report.problems.append(f"field {name!r} differs from the source's for {len(differ)} sample(s), "
+                                   f"e.g. {scan.root / differ[0]}")

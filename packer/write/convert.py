@@ -25,18 +25,11 @@ from typing import Any, Literal
 from packer._version import __version__
 from packer.errors import PackerError, ResumableError
 from packer.formats import get_format
-from packer.layout.fsutil import fsync_tree, write_atomic
-from packer.layout.index import Index
-from packer.layout.manifest import (
-    Manifest,
-    dumps_lossless,
-    file_info,
-    holds_dataset,
-    read_manifest,
-    write_manifest,
-)
+from packer.layout.fields import parse_specs
+from packer.layout.manifest import Manifest, holds_dataset, read_manifest
 from packer.layout.partial import PARTIAL_SUFFIX, made_by_packer, read_swap
 from packer.write.cluster import DaskCluster, class_mapper
+from packer.write.finish import in_storage_order, seal, stored_index
 from packer.write.fresh import source_digest, stale_reason
 from packer.write.journal import ShardResult, SourceError, load_done_shards
 from packer.write.options import ConvertOptions, make_options
@@ -226,27 +219,21 @@ def _build_shards(backend: ShardBuilder, job: BuildJob, out: Path) -> list[Shard
 
 def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult], options: ConvertOptions,
            started: float, digest: str = "", source: SourceOptions = SourceOptions()) -> ConvertResult:
-    """Index, error report and manifest (last), then the renames that make the dataset exist.
+    """Index, fields, error report and manifest (last), then the renames that make the dataset exist (``seal``).
 
     ``scan`` in the source's order (as scanned, before ``--order``): the index records where each of
     its samples is stored, so that ``ds[i]`` is the source's sample i whatever the storage order.
     """
     errors: list[SourceError] = locate_errors(scan, [e for r in shards for e in r.errors]) + scan.errors
     shards = drop_empty_shards(partial, shards)
-    cat = lambda name: [v for r in shards for v in getattr(r, name)]  # noqa: E731
-    index = Index.build(cat("rel_paths"), cat("labels"), cat("heights"), cat("widths"), cat("nbytes"),
-                        source_order=scan.rel_paths)
-    meta_files = [file_info(partial, n) for n in index.save(partial)]
-    write_error_report(partial, errors, scan)
+    index = stored_index(shards, scan.rel_paths)
     manifest = Manifest(
         format=options.format,
         payload=options.payload,
         num_samples=len(index),
         classes=list(scan.classes),
         shards=[r.shard for r in shards],
-        meta_files=meta_files,
         options=options.record(),
-        num_errors=len(errors),
         source=os.path.abspath(scan.root),  # samples are ImageFolder's paths: os.path.join(source, rel)
         extensions=list(IMG_EXTENSIONS),
         source_digest=digest,
@@ -255,9 +242,8 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
         created_by=f"packer {__version__}",
         created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
-    fsync_tree(partial)
-    write_manifest(partial, manifest)
-    swap_into_place(partial, out)
+    seal(partial, out, index, errors, scan.ignored, manifest, parse_specs(scan.field_specs),
+         in_storage_order(index, scan.rel_paths, scan.fields), offered=len(scan))
     return ConvertResult(out, len(index), errors, time.perf_counter() - started, int(index.nbytes.sum()),
                          dict(scan.ignored), dict(scan.not_images))
 
@@ -277,22 +263,6 @@ def drop_empty_shards(partial: Path, shards: list[ShardResult]) -> list[ShardRes
                     break
                 folder.rmdir()
     return [r for r in shards if r.shard.num_samples > 0]
-
-
-def write_error_report(partial: Path, errors: list[SourceError], scan: ScanResult) -> None:
-    """``errors.json`` (every record not packed, with reason and location; what the scan ignored) and the
-    first ten on stderr."""
-    write_atomic(partial / ERRORS_NAME, dumps_lossless(
-        {"num_errors": len(errors), "ignored": dict(scan.ignored),
-         "errors": [e.to_json() for e in sorted(errors, key=lambda e: e.path)]},
-        indent=1,
-    ))
-    if errors:
-        print(f"packer: {len(errors)} of {len(scan)} files not packed, see {ERRORS_NAME}:", file=sys.stderr)
-        for e in errors[:10]:
-            print(f"  {e.path}: {e.reason}", file=sys.stderr)
-        if len(errors) > 10:
-            print(f"  ... and {len(errors) - 10} more", file=sys.stderr)
 
 
 def locate_errors(scan: ScanResult, errors: list[SourceError]) -> list[SourceError]:

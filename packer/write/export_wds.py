@@ -32,6 +32,7 @@ from PIL import Image
 from packer._version import __version__
 from packer.errors import PackerError
 from packer.formats.base import PreparedSample
+from packer.layout.fields import cell_value, json_value, parse_specs
 from packer.layout.fsutil import fsync_tree, write_atomic
 from packer.layout.manifest import dumps_lossless, file_info
 from packer.layout.partial import PARTIAL_SUFFIX, read_swap
@@ -41,8 +42,8 @@ from packer.write.convert import (
     check_sequential,
     locate_errors,
     source_options,
-    write_error_report,
 )
+from packer.write.finish import write_error_report
 from packer.write.options import ConvertOptions, make_options
 from packer.write.output import check_destination, output_path, swap_into_place
 from packer.write.plan import apply_order, estimate_sample_bytes, make_partial
@@ -96,7 +97,7 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
     out.parent.mkdir(parents=True, exist_ok=True)
     make_partial(out, partial, {"kind": EXPORT_KIND, "source": str(scanned.root), "options": opts.record()})
     try:
-        sink = ShardSink(partial, limit)
+        sink = TarSink(partial, limit)
         errors = _write_samples(scanned, opts, sink, workers, pool or PoolSettings(), on_error, progress)
         return _finish(scanned, partial, out, sink, errors, opts.record(), started)
     except (PackerError, OSError, KeyboardInterrupt) as exc:
@@ -108,7 +109,7 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
         raise
 
 
-def _write_samples(scanned: ScanResult, opts: ConvertOptions, sink: ShardSink, workers: int | None, pool: PoolSettings,
+def _write_samples(scanned: ScanResult, opts: ConvertOptions, sink: TarSink, workers: int | None, pool: PoolSettings,
                    on_error: str, progress: bool) -> list[SourceError]:
     """Every record of ``scanned`` in ``opts.order`` through the pool into ``sink``; the records not exported."""
     ordered = apply_order(scanned, opts.order, opts.seed)
@@ -137,9 +138,10 @@ def _write_samples(scanned: ScanResult, opts: ConvertOptions, sink: ShardSink, w
 
 
 def sample_fields(scan: ScanResult, i: int) -> dict[str, Any]:
-    """Record ``i``'s per-sample fields, its ``<key>.json`` member (empty: none written). Today a list file's
-    other columns; the place where declared per-sample fields join them."""
-    return {name: values[i] for name, values in scan.extras.items()}
+    """Record ``i``'s per-sample fields as JSON holds them (``packer extract``'s sidecar form), its ``<key>.json``
+    member (empty: none written)."""
+    specs = parse_specs(scan.field_specs)
+    return {name: json_value(cell_value(specs[name], cells[i], name)) for name, cells in scan.fields.items()}
 
 
 def sample_members(key: str, sample: PreparedSample, fields: Mapping[str, Any]) -> list[tuple[str, bytes]]:
@@ -168,7 +170,7 @@ def image_extension(rel: str, data: bytes) -> str:
     return next((ext for magic, ext in _MAGIC if data.startswith(magic)), "bin")
 
 
-class ShardSink:
+class TarSink:
     """Writes samples into ``shard-%06d.tar`` files of at most ``limit`` bytes each, padding included (a sample
     larger than that gets a shard of its own). Members are plain files with fixed metadata: same bytes every run."""
 
@@ -210,12 +212,12 @@ def closed_size(used: int) -> int:
     return -(-(used + 2 * _BLOCK) // _RECORD) * _RECORD
 
 
-def _finish(scanned: ScanResult, partial: Path, out: Path, sink: ShardSink, errors: list[SourceError],
+def _finish(scanned: ScanResult, partial: Path, out: Path, sink: TarSink, errors: list[SourceError],
             options: dict[str, Any], started: float) -> ConvertResult:
     """classes.txt, errors.json, then the index (last), fsync, and the move into place."""
     if scanned.classes:
         write_atomic(partial / CLASSES_NAME, "".join(f"{c}\n" for c in scanned.classes))
-    write_error_report(partial, errors, scanned)
+    write_error_report(partial, errors, scanned.ignored, len(scanned))
     shards = [{**asdict(file_info(partial, name)), "num_samples": n} for name, n in zip(sink.names, sink.counts)]
     num_samples = sum(sink.counts)
     index = {"kind": EXPORT_KIND, "version": 1, "num_samples": num_samples, "num_errors": len(errors),

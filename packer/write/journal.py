@@ -145,13 +145,7 @@ def load_done_shards(partial: Path, num_shards: int, scan: ScanResult) -> dict[i
         result = ShardResult.from_json(entry.read_text(encoding="utf-8"), str(entry))
         stale = changed_sources(reader, locs, result)
         changed += stale
-        intact = not stale and all(
-            (partial / f.name).is_file()
-            and (partial / f.name).stat().st_size == f.num_bytes
-            and sha256_file(partial / f.name) == f.sha256
-            for f in result.shard.files
-        )
-        if intact:
+        if not stale and intact_files(partial, result):
             done[shard_id] = result
         else:
             entry.unlink()
@@ -159,6 +153,22 @@ def load_done_shards(partial: Path, num_shards: int, scan: ScanResult) -> dict[i
         shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
         print(f"packer: {len(changed)} source file(s) changed since the interrupted run ({shown}): "
               "packing their shards again", file=sys.stderr)
+    remove_unkept(partial, done)
+    return done
+
+
+def intact_files(partial: Path, result: ShardResult) -> bool:
+    """Whether the journaled shard's files are all there with their recorded sizes and checksums."""
+    return all(
+        (partial / f.name).is_file()
+        and (partial / f.name).stat().st_size == f.num_bytes
+        and sha256_file(partial / f.name) == f.sha256
+        for f in result.shard.files
+    )
+
+
+def remove_unkept(partial: Path, done: dict[int, ShardResult]) -> None:
+    """Remove every file of ``partial`` outside the journal that no ``done`` shard lists (and emptied folders)."""
     keep = {f.name for r in done.values() for f in r.shard.files}
     for dirpath, _dirnames, filenames in os.walk(partial, topdown=False):
         rel_dir = Path(dirpath).relative_to(partial)
@@ -169,7 +179,6 @@ def load_done_shards(partial: Path, num_shards: int, scan: ScanResult) -> dict[i
                 os.remove(os.path.join(dirpath, name))
         if rel_dir != Path(".") and not os.listdir(dirpath):
             os.rmdir(dirpath)
-    return done
 
 
 def changed_sources(reader: SourceReader, locs: dict[str, Any], result: ShardResult) -> list[str]:

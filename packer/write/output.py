@@ -52,6 +52,11 @@ def check_destination(src: str | os.PathLike, out: Path, overwrite: bool) -> Non
         raise PackerError(f"{out}: holds the source folder {src}; choose an --output that does not contain it")
     if target.is_relative_to(source):
         raise PackerError(f"{out}: lies inside the source folder {src}; choose an --output outside it")
+    check_replaceable(out, overwrite)
+
+
+def check_replaceable(out: Path, overwrite: bool) -> None:
+    """``out`` is free, or a packer dataset and ``overwrite`` is given: anything else is refused."""
     if not os.path.lexists(out):
         return
     if not (holds_dataset(out) or holds_wds_export(out)):

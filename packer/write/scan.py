@@ -79,7 +79,8 @@ class ScanResult:
     not_images: Counter = field(default_factory=Counter)  # files ignored as "not an image", by suffix (".txt")
     reader: SourceReader | None = None  # None: files below root (a folder)
     locs: list[Any] | None = None  # per record, what the reader needs beside its key (None: the key alone)
-    extras: dict[str, list[str]] = field(default_factory=dict)  # per record, a list file's other columns
+    field_specs: dict[str, str] = field(default_factory=dict)  # per-sample fields the records carry: name -> spec
+    fields: dict[str, list[Any]] = field(default_factory=dict)  # name -> per record, its cell (layout/fields.py)
     source_type: str = "folder"
 
     def __len__(self) -> int:
@@ -103,7 +104,7 @@ class ScanResult:
         return replace(self, rel_paths=[self.rel_paths[i] for i in pick],
                        labels=self.labels[np.asarray(pick, dtype=np.int64)],
                        locs=None if self.locs is None else [self.locs[i] for i in pick],
-                       extras={k: [v[i] for i in pick] for k, v in self.extras.items()})
+                       fields={k: [v[i] for i in pick] for k, v in self.fields.items()})
 
     def locator_of(self) -> dict[str, Any]:
         """key -> locator (for resume checks and error locations after the shards are written)."""

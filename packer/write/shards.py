@@ -28,7 +28,8 @@ from packer.write.options import ConvertOptions
 from packer.write.scan import ScanResult, SourceError
 from packer.write.sources.base import RecordError, SourceReader, read_source
 
-__all__ = ["BuildJob", "ShardBuilder", "ShardWriteError", "prepare", "read_source", "write_shard"]
+__all__ = ["BuildJob", "ShardBuilder", "ShardSink", "ShardWriteError", "make_payload", "prepare", "read_source",
+           "write_shard"]
 
 
 @dataclass
@@ -73,6 +74,13 @@ def prepare(reader: SourceReader, rel: str, label: int, options: ConvertOptions,
         data, source_stat = reader.read(rel, loc)
     except RecordError as exc:
         return SourceError(rel, str(exc))
+    return make_payload(rel, label, data, source_stat, options)
+
+
+def make_payload(rel: str, label: int, data: bytes | np.ndarray, source_stat: list[int] | None,
+                 options: ConvertOptions) -> PreparedSample | SourceError:
+    """The payload of one record's bytes (validated per ``options.validate``, decoded for raw payloads) or
+    pixels (an HWC uint8 array: raw payloads only); a problem is a SourceError, no exception."""
     if isinstance(data, np.ndarray):  # pixels from a packed source of raw payloads: nothing to decode
         return _from_pixels(rel, label, data, source_stat, options)
     if not data:
@@ -110,53 +118,74 @@ class ShardWriteError(PackerError):
     """Writing a shard failed (disk full, I/O error): the conversion can be resumed."""
 
 
+class ShardSink:
+    """One shard being written: ``add`` each prepared sample (or the error of one that failed) in order, then
+    ``close``; ``abort`` on failure. ``planned``: the samples offered to it (the format may size by it)."""
+
+    def __init__(self, partial: Path, shard_id: int, planned: int, fmt: Format, options: ConvertOptions,
+                 on_error: str, root: Path) -> None:
+        self.partial, self.shard_id, self.on_error, self.root = partial, shard_id, on_error, root
+        self.result = ShardResult(shard_id, Shard(num_samples=0, files=[]))
+        try:
+            self.writer = fmt.Writer(partial, shard_id, planned, options.payload, options.record())
+        except PackerError:
+            raise
+        except Exception as exc:  # ENOSPC, EIO, the storage engine's own errors (lmdb.DiskError is no OSError)
+            raise ShardWriteError(f"cannot create shard {shard_id} ({exc})") from exc
+
+    def add(self, res: PreparedSample | SourceError) -> None:
+        result = self.result
+        if isinstance(res, SourceError):
+            if self.on_error == "raise":
+                raise PackerError(f"{self.root / res.path}: {res.reason}")
+            result.errors.append(res)
+            return
+        res.index = len(result.rel_paths)  # position inside the shard
+        try:
+            self.writer.add(res)
+        except PackerError:
+            raise
+        except Exception as exc:  # ENOSPC, EIO, the storage engine's own errors
+            raise ShardWriteError(_write_failure(self.partial, self.shard_id, exc)) from exc
+        result.rel_paths.append(res.rel_path)
+        result.labels.append(res.label)
+        result.heights.append(res.height)
+        result.widths.append(res.width)
+        result.nbytes.append(res.nbytes)
+        result.stats.append(res.source_stat)
+
+    def close(self) -> tuple[ShardResult, list[str]]:
+        """Finish the shard's files: its metadata and file names."""
+        try:
+            names, facts = self.writer.close()
+        except PackerError:
+            raise
+        except Exception as exc:
+            raise ShardWriteError(_write_failure(self.partial, self.shard_id, exc)) from exc
+        self.result.shard.num_samples = len(self.result.rel_paths)
+        self.result.shard.facts = facts
+        return self.result, names
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
 def write_shard(
     partial: Path, shard_id: int, planned: int, samples: Iterable[PreparedSample | SourceError],
     fmt: Format, options: ConvertOptions, on_error: str, root: Path,
     on_each: Callable[[PreparedSample | SourceError], None] | None = None,
 ) -> tuple[ShardResult, list[str]]:
     """Write one shard from its prepared samples (in order); returns its metadata and file names."""
-    result = ShardResult(shard_id, Shard(num_samples=0, files=[]))
-    try:
-        writer = fmt.Writer(partial, shard_id, planned, options.payload, options.record())
-    except PackerError:
-        raise
-    except Exception as exc:  # ENOSPC, EIO, the storage engine's own errors (lmdb.DiskError is no OSError)
-        raise ShardWriteError(f"cannot create shard {shard_id} ({exc})") from exc
+    sink = ShardSink(partial, shard_id, planned, fmt, options, on_error, root)
     try:
         for res in samples:
             if on_each is not None:
                 on_each(res)
-            if isinstance(res, SourceError):
-                if on_error == "raise":
-                    raise PackerError(f"{root / res.path}: {res.reason}")
-                result.errors.append(res)
-                continue
-            res.index = len(result.rel_paths)  # position inside the shard
-            try:
-                writer.add(res)
-            except PackerError:
-                raise
-            except Exception as exc:  # ENOSPC, EIO, the storage engine's own errors
-                raise ShardWriteError(_write_failure(partial, shard_id, exc)) from exc
-            result.rel_paths.append(res.rel_path)
-            result.labels.append(res.label)
-            result.heights.append(res.height)
-            result.widths.append(res.width)
-            result.nbytes.append(res.nbytes)
-            result.stats.append(res.source_stat)
-        try:
-            names, facts = writer.close()
-        except PackerError:
-            raise
-        except Exception as exc:
-            raise ShardWriteError(_write_failure(partial, shard_id, exc)) from exc
+            sink.add(res)
+        return sink.close()
     except BaseException:
-        writer.abort()
+        sink.abort()
         raise
-    result.shard.num_samples = len(result.rel_paths)
-    result.shard.facts = facts
-    return result, names
 
 
 def _write_failure(partial: Path, shard_id: int, exc: Exception) -> str:

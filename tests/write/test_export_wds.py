@@ -225,3 +225,17 @@ def test_a_source_without_labels_has_no_cls_and_no_classes(tmp_path):
     assert r.returncode == 0, r.stderr
     back = open_dataset(tmp_path / "back.lmdb")
     assert back.classes == [] and set(back.targets) == {-1}
+
+
+def test_writer_fields_become_the_json_member_in_extracts_form(tmp_path):
+    """Every field kind of a Writer dataset: ``<key>.json`` holds what ``packer extract``'s sidecar holds."""
+    from support.fielded import SPECS, write_fielded
+
+    from packer.layout.fields import json_value
+
+    samples = write_fielded(tmp_path / "f.lmdb")
+    got = read_wds(export_wds(tmp_path / "f.lmdb", tmp_path / "out", workers=0, progress=False).output)
+    assert sorted(got) == list(range(len(samples)))
+    for i, want in enumerate(samples):
+        assert got[i]["jpg"] == want["image"] and int(got[i]["cls"]) == want["label"]
+        assert json.loads(got[i]["json"]) == {k: json.loads(json.dumps(json_value(want[k]))) for k in SPECS}

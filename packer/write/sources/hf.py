@@ -4,7 +4,8 @@ One record per row: the image is the ``--image-column`` (default ``image``) stru
 kept as they are (the encoded file); a row with only a ``path`` is read from ``--root`` when given,
 else an error. The label is the ``--label-column`` (default ``label``; without that column and
 without the option: -1, like a flat folder), an integer or ``ClassLabel`` column; ``classes`` are
-the ClassLabel's names, else ``--classes-file``, else ``0..max``. A record's key is
+the ClassLabel's names, else ``--classes-file``, else ``0..max``. Other scalar columns (numbers, booleans,
+text) become per-sample fields (``scalar_fields``). A record's key is
 ``<file>/<row>`` (row within the file) plus the image path's extension when it has one; errors
 name file and row. Rows are read a batch at a time (a Parquet row group, an Arrow record batch),
 in each worker the batch last used stays cached, so memory is bounded by the largest batch.
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from packer.errors import PackerError
+from packer.layout.fields import as_field_name, encode_cell, parse_spec
 from packer.perprocess import PerProcess
 from packer.write.scan import ClassMapper, ScanResult, SourceError, is_image_name
 from packer.write.sources.base import Facts, FileReader, Payload, RecordError, Source, SourceReader
@@ -151,7 +153,12 @@ class HFSource(Source):
             rows.label_col = label_col
             if label_col:
                 names = class_names(schema_features(table.schema, files.features), label_col)
-            for k, (first, batch) in enumerate(table.batches([image_col] + ([label_col] if label_col else []))):
+            if not f:
+                rows.scalars = scalar_columns(table.schema, (image_col, label_col))
+            elif missing := sorted(set(rows.scalars) - set(table.schema.names)):
+                raise PackerError(f"{files.root / name}: no column {missing[0]!r}, unlike {files.names[0]}")
+            columns = [image_col] + ([label_col] if label_col else []) + rows.scalars
+            for k, (first, batch) in enumerate(table.batches(columns)):
                 rows.add_batch(f, name, k, first, batch, root)
         labels = np.asarray(rows.labels, dtype=np.int64)
         if rows.label_col is None:
@@ -161,9 +168,11 @@ class HFSource(Source):
             keep = keep_in_range(rows.keys, labels, classes, rows.where, rows.errors).tolist()
         if not len(keep) and not rows.errors:
             raise PackerError(f"{self.path}: no rows")
+        specs, cells = scalar_fields({c: [rows.values[c][i] for i in keep] for c in rows.scalars})
         return ScanResult(root=files.root, classes=classes, rel_paths=[rows.keys[i] for i in keep],
                           labels=labels[keep], ignored=Counter(), errors=rows.errors,
-                          reader=RowReader(files, image_col, root), locs=[rows.locs[i] for i in keep])
+                          reader=RowReader(files, image_col, root), locs=[rows.locs[i] for i in keep],
+                          field_specs=specs, fields=cells)
 
 
 class _Rows:
@@ -176,6 +185,8 @@ class _Rows:
         self.where: list[str] = []
         self.errors: list[SourceError] = []
         self.label_col: str | None = None
+        self.scalars: list[str] = []  # the other scalar columns: per-sample fields
+        self.values: dict[str, list[Any]] = {}  # per scalar column, its value in each kept row
 
     def add_batch(self, f: int, name: str, k: int, first: int, batch: Any, root: Path | None) -> None:
         column = whole(batch.column(0))
@@ -185,6 +196,8 @@ class _Rows:
         has_path = pa.types.is_struct(column.type) and column.type.get_field_index("path") >= 0
         paths = column.field("path").to_pylist() if has_path else [None] * len(column)
         labels = batch.column(1).to_pylist() if self.label_col else [-1] * len(column)
+        skip = 2 if self.label_col else 1
+        scalars = {c: batch.column(skip + j).to_pylist() for j, c in enumerate(self.scalars)}
         for r in range(len(column)):
             row, path = first + r, paths[r]
             suffix = PurePosixPath(path).suffix.lower() if isinstance(path, str) and is_image_name(path) else ""
@@ -204,6 +217,8 @@ class _Rows:
                 why = f"only a path ({path!r}): give --root to read it from there" if path else "no image"
                 self.errors.append(SourceError(key, why, where))
                 continue
+            for c, values in scalars.items():
+                self.values.setdefault(c, []).append(values[r])
             self.keys.append(key)
             self.labels.append(int(labels[r]))
             self.locs.append(loc)
@@ -215,3 +230,30 @@ def _lengths(data: Any) -> list[int]:
     import pyarrow.compute as pc
 
     return [n or 0 for n in pc.call_function("binary_length", [data]).to_pylist()]
+
+
+def scalar_columns(schema: Any, taken: tuple[str | None, ...]) -> list[str]:
+    """The columns besides the image and the label holding numbers, booleans or text: they become fields."""
+    pa = pyarrow_modules()[0]
+    kinds = (pa.types.is_integer, pa.types.is_floating, pa.types.is_boolean, pa.types.is_string,
+             pa.types.is_large_string)
+    return [n for n in schema.names if n not in taken and any(k(schema.field(n).type) for k in kinds)]
+
+
+def scalar_fields(columns: dict[str, list[Any]]) -> tuple[dict[str, str], dict[str, list]]:
+    """Scalar columns as fields: int, float, str; a column with nulls or booleans (or ints beyond 64 bits) as
+    json, so nothing is changed."""
+    specs: dict[str, str] = {}
+    cells: dict[str, list] = {}
+    for column, values in columns.items():
+        name = as_field_name(column, specs)
+        present = [v for v in values if v is not None]
+        if len(present) < len(values) or any(isinstance(v, bool) for v in present) or \
+                any(isinstance(v, int) and not -(1 << 63) <= v < (1 << 63) for v in present):
+            kind = "json"
+        else:
+            kind = "str" if any(isinstance(v, str) for v in present) else \
+                "float" if any(isinstance(v, float) for v in present) else "int"
+        spec = parse_spec(kind)
+        specs[name], cells[name] = kind, [encode_cell(spec, v, f"column {column!r}") for v in values]
+    return specs, cells

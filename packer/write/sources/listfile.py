@@ -6,7 +6,8 @@ Labels are integers (kept as they are; ``classes`` from ``--classes-file`` or ``
 names (``classes`` = the sorted names, as ImageFolder numbers folders; with ``--classes-file``, line i
 is class i). Records keep the file's order. A bad row never aborts: a path leaving ``--root``, a
 duplicate, a bad label or a short row is an errors.json entry naming its line; a missing file is
-found when read (its entry names the line too). Other columns are kept per record (``scan.extras``).
+found when read (its entry names the line too). Other columns become per-sample fields (docs/fields.md):
+``int`` or ``float`` where every value parses so, else ``str``; names made identifiers (``bbox x`` -> ``bbox_x``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from packer.errors import PackerError
+from packer.layout.fields import as_field_name
 from packer.write.scan import ClassMapper, ScanResult, SourceError
 from packer.write.sources.base import FileReader, Source
 
@@ -66,9 +68,10 @@ class ListSource(Source):
         if not rows.paths:
             raise PackerError(f"{path}: no usable rows ({len(rows.errors)} refused"
                               + "".join(f"; {e.location}: {e.reason}" for e in rows.errors[:3]) + ")")
+        specs, cells = columns_as_fields(rows.extras)
         return ScanResult(root=root, classes=classes, rel_paths=rows.paths, labels=labels, errors=rows.errors,
                           ignored=Counter(), reader=FileReader(root, path.name), locs=list(rows.lines),
-                          extras=rows.extras)
+                          field_specs=specs, fields=cells)
 
     def _columns(self) -> tuple[str, str]:
         return self.options.path_column or "path", self.options.label_column or "label"
@@ -224,3 +227,28 @@ def _add_row(rows: _Rows, seen: dict[str, int], name: str, line: int, rel: str, 
         rows.lines.append(line)
         for k, v in extras.items():
             rows.extras.setdefault(k, []).append(v)
+
+
+def columns_as_fields(columns: dict[str, list[str]]) -> tuple[dict[str, str], dict[str, list]]:
+    """A list's other columns as fields: (name -> spec, name -> cells), ``int``/``float`` where every value parses."""
+    specs: dict[str, str] = {}
+    cells: dict[str, list] = {}
+    for column, values in columns.items():
+        name = as_field_name(column, specs)
+        for kind, parse in (("int", _int64), ("float", float)):
+            try:
+                cells[name] = [parse(v) for v in values]
+            except ValueError:
+                continue
+            specs[name] = kind
+            break
+        else:
+            specs[name], cells[name] = "str", [v.encode("utf-8") for v in values]
+    return specs, cells
+
+
+def _int64(text: str) -> int:
+    value = int(text)
+    if not -(1 << 63) <= value < (1 << 63):
+        raise ValueError(f"{text} does not fit in 64 bits")
+    return value

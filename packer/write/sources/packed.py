@@ -2,7 +2,8 @@
 
 Records are the dataset's samples in its ImageFolder order (record i is ``ds[i]``, wherever it is stored);
 keys are its relative paths (so ``ds.samples``, ``extract`` and ``verify`` speak of the original files);
-labels and classes as it stores them.
+labels, classes and per-sample fields as it stores them (fields as their stored
+cells, so they stay byte-identical).
 Encoded payloads move as the stored bytes, never re-encoded (``--payload raw`` decodes them);
 raw payloads move as pixels and can only stay raw. Reads go through the format's own ``Reader``
 (one per shard, opened per process), each checked against the size the index records.
@@ -19,6 +20,7 @@ import numpy as np
 from packer.errors import PackerError
 from packer.formats import check_recorded_options, get_format
 from packer.formats.base import ShardReader
+from packer.layout.fields import load_fields
 from packer.layout.index import Index, shard_starts
 from packer.layout.manifest import MANIFEST_NAME, Manifest, holds_dataset, read_manifest
 from packer.layout.trust import reading
@@ -42,10 +44,11 @@ class PackedSource(Source):
         manifest.check_files(root)
         check_recorded_options(manifest.format, manifest.options, root / MANIFEST_NAME)
         index = Index.load(root, manifest.num_samples, files=manifest.meta_files, num_classes=len(manifest.classes))
+        store = load_fields(root, manifest)  # carried as stored cells: the same bytes in the new dataset
         locs = list(zip(range(len(index)), index.nbytes.tolist(), index.heights.tolist(), index.widths.tolist()))
         stored = ScanResult(root=root, classes=list(manifest.classes), rel_paths=index.rel_paths(),
                             labels=np.asarray(index.labels, dtype=np.int64), reader=PackedReader(root, manifest),
-                            locs=locs)
+                            locs=locs, field_specs=store.texts, fields={k: store.cells(k) for k in store.specs})
         return stored if index.position is None else stored.take(index.position)  # ds[i] is record i
 
 

@@ -26,7 +26,7 @@ from packer.write.sources.archive_common import forget_headers
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")  # the image of a sample: exactly one of these
 LABEL_EXTENSIONS = ("cls", "json")  # read while listing: a label is in one of them
-MAX_LABEL_MEMBER = 1 << 20  # a cls or json member larger than this holds no label
+MAX_LABEL_MEMBER = 1 << 20  # a non-image member larger than this holds no label and is kept as no field
 _RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?$|^([A-Za-z])\.\.([A-Za-z])$")
 _KEY_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext
 _META = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta
@@ -146,7 +146,7 @@ class TarSample:
     key: str
     members: dict[str, Member] = field(default_factory=dict)
     problem: str | None = None  # why the sample can't be packed as it is (a repeated extension)
-    small: dict[str, bytes | None] = field(default_factory=dict)  # cls/json members' bytes (None: too large)
+    small: dict[str, bytes | None] = field(default_factory=dict)  # non-image members' bytes (None: too large)
 
 
 @dataclass
@@ -194,8 +194,8 @@ def _bad_name(name: str) -> bool:
 
 
 def list_shard(path: Path) -> ShardListing:
-    """The samples of a tar shard, grouped as WebDataset groups them: headers only (and the small ``cls``/``json``
-    members), read in place for a ``.tar``, streamed once for a ``.tar.gz``."""
+    """The samples of a tar shard, grouped as WebDataset groups them: headers only (and the small non-image
+    members: labels, fields), read in place for a ``.tar``, streamed once for a ``.tar.gz``."""
     listing = ShardListing()
     compressed = is_compressed(path)
     try:
@@ -243,7 +243,7 @@ def _group(tf: tarfile.TarFile, size: int | None, listing: ShardListing) -> None
         if ext in current.members:
             current.problem = f"two members with extension .{ext}"
         current.members.setdefault(ext, m)
-        if ext in LABEL_EXTENSIONS and ext not in current.small:
+        if ext not in IMAGE_EXTENSIONS and ext not in current.small:  # a label, or a per-sample field
             fh = tf.extractfile(info)
             current.small[ext] = fh.read() if fh is not None and m.size <= MAX_LABEL_MEMBER else None
 

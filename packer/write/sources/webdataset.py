@@ -7,7 +7,8 @@ Each sample (members grouped by key, see ``wdstar``) gives one record: its image
 -1 labels (like a flat folder); once a shard has labels, a sample without one is an error.
 ``classes``: the lines of ``--classes-file``, else those of the ``classes.txt`` beside the shards of a
 packer export (``--to wds``), else ``0..max`` (as text), else none. Other members
-(``txt``, ``json``...) are not kept yet: the summary counts them by extension. A record's key is
+become per-sample fields named by extension (``member_fields``: txt -> str, json -> json, others -> bytes;
+over 1 MB: not kept, counted in the summary). A record's key is
 ``<shard name>/<sample key>.<image extension>``; its locator the image's offset and size in the
 shard, read with one ``pread`` (uncompressed shards only: members are read in place, memory stays
 flat whatever the shard's size).
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from packer.errors import PackerError
+from packer.layout.fields import as_field_name
 from packer.layout.wdsexport import export_classes_file, holds_wds_export
 from packer.perprocess import PerProcess
 from packer.write.scan import ClassMapper, ScanResult, SourceError
@@ -195,8 +197,10 @@ class WebDatasetSource(Source):
         if not keep and not found.errors:
             raise PackerError(f"{self.path}: no samples with an image in {len(shards)} shard(s)")
         reader = (StreamedShardReader if any(is_compressed(p) for p in shards) else ShardReader)(shards)
+        specs, cells = member_fields([found.fields[i] for i in keep])
         return ScanResult(root=root, classes=classes, rel_paths=[found.keys[i] for i in keep], labels=labels[keep],
-                          ignored=found.ignored, errors=found.errors, reader=reader, locs=[found.locs[i] for i in keep])
+                          ignored=found.ignored, errors=found.errors, reader=reader, locs=[found.locs[i] for i in keep],
+                          field_specs=specs, fields=cells)
 
 
 class _Found:
@@ -209,6 +213,7 @@ class _Found:
         self.where: list[str] = []
         self.errors: list[SourceError] = []
         self.ignored: Counter = Counter()
+        self.fields: list[dict[str, bytes]] = []  # per sample, its other members' bytes by extension
 
     def add(self, n: int, shard: str, sample: TarSample, label_key: str | None) -> None:
         """Add ``sample`` of shard ``n``, or an error naming shard and key."""
@@ -223,10 +228,53 @@ class _Found:
         except RecordError as exc:
             self.errors.append(SourceError(f"{shard}/{sample.key}.{ext}", str(exc), where))
             return
+        fields: dict[str, bytes] = {}
         for other in sample.members:
-            if other != ext and other != ("cls" if label_key is None else "json"):
-                self.ignored[f"webdataset members not kept (per-sample fields): .{other}"] += 1
+            if other == ext or other == ("cls" if label_key is None else "json"):
+                continue
+            data = sample.small.get(other)
+            if data is None:
+                self.ignored[f"webdataset members not kept (over {MAX_LABEL_MEMBER >> 20} MB): .{other}"] += 1
+            elif other.endswith("json") and not _is_json(data):
+                self.errors.append(SourceError(f"{shard}/{sample.key}.{other}", "not valid JSON", where))
+                return
+            else:
+                fields[other] = data
+        self.fields.append(fields)
         self.keys.append(f"{shard}/{sample.key}.{ext}")
         self.labels.append(label)
         self.locs.append((n, member.offset, member.size))
         self.where.append(where)
+
+
+def member_fields(members: list[dict[str, bytes]]) -> tuple[dict[str, str], dict[str, list]]:
+    """The samples' other members as fields: (name -> spec, name -> cells). ``txt`` -> str (bytes where one is
+    not UTF-8), ``json`` -> json (the member's text as it is), others -> bytes; a sample without the member gets
+    an empty value (json: null)."""
+    exts = sorted({ext for m in members for ext in m})
+    specs: dict[str, str] = {}
+    cells: dict[str, list] = {}
+    for ext in exts:
+        name = as_field_name(ext, specs)
+        values = [m.get(ext) for m in members]
+        kind = "json" if ext.endswith("json") else "str" if ext.endswith("txt") and all(
+            v is None or _is_utf8(v) for v in values) else "bytes"
+        specs[name] = kind
+        cells[name] = [(b"null" if kind == "json" else b"") if v is None else v for v in values]
+    return specs, cells
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _is_json(data: bytes) -> bool:
+    try:
+        json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return True

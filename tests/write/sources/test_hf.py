@@ -95,3 +95,32 @@ def test_without_pyarrow_the_error_names_the_extra(hf, tmp_path):
             f"convert({str(hf[1])!r}, {str(tmp_path / 'o.lmdb')!r}, workers=0, progress=False)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert "PackerError" in res.stderr and "packer-images[hf]" in res.stderr
+
+
+@pytest.mark.parametrize("layout", ["save_to_disk", "parquet"])
+def test_other_scalar_columns_become_fields(tmp_path, layout):
+    import datasets
+
+    rows = ITEMS[:6]
+    ds = datasets.Dataset.from_dict({
+        "image": [{"bytes": it.image, "path": f"{it.key}.jpg"} for it in rows], "label": [it.label for it in rows],
+        "caption": [f"photo {i}" for i in range(6)], "score": [i / 8 for i in range(6)],
+        "count": [i * 7 for i in range(6)], "maybe": [None if i == 3 else i for i in range(6)],
+        "flag": [i % 2 == 0 for i in range(6)], "tags": [["a"] * i for i in range(6)],  # a list: not a scalar
+    }, features=datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=NAMES),
+                                   "caption": datasets.Value("string"), "score": datasets.Value("float32"),
+                                   "count": datasets.Value("int64"), "maybe": datasets.Value("int32"),
+                                   "flag": datasets.Value("bool"),
+                                   "tags": datasets.Sequence(datasets.Value("string"))}))
+    src = tmp_path / "saved" if layout == "save_to_disk" else tmp_path / "d.parquet"
+    if layout == "save_to_disk":
+        ds.save_to_disk(str(src))
+    else:
+        ds.to_parquet(str(src), batch_size=4)
+    out = tmp_path / "o.lmdb"
+    assert convert_ok(src, out)["num_errors"] == 0
+    got = open_dataset(out)
+    assert got.field_specs == {"caption": "str", "score": "float", "count": "int", "maybe": "json", "flag": "json"}
+    for i in range(6):
+        assert (got.field("caption", i), got.field("score", i), got.field("count", i)) == (f"photo {i}", i / 8, i * 7)
+        assert got.field("maybe", i) == (None if i == 3 else i) and got.field("flag", i) is (i % 2 == 0)

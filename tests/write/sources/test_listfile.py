@@ -42,7 +42,7 @@ def test_csv_with_class_names_converts_and_verifies(imgs, tmp_path):
     assert ds.manifest.source_type == "list" and ds.manifest.source_options["root"] == str(imgs)
     assert verify(res.output, against=listing).ok  # the recorded --root is used
     scan = scan_source(listing, SourceOptions(root=str(imgs)))
-    assert scan.extras["caption"][:2] == ["cap 0", "cap 1"] and scan.locs[:2] == [2, 3]
+    assert scan.fields["caption"][:2] == [b"cap 0", b"cap 1"] and scan.locs[:2] == [2, 3]
 
 
 def test_caffe_list_with_integer_labels_and_a_classes_file(imgs, tmp_path):
@@ -172,3 +172,18 @@ def test_mxnet_lst_bad_lines_are_errors_with_their_line(imgs, tmp_path):
     assert sorted((e["location"], e["reason"]) for e in _errors(res.output)) == [
         ("train.lst line 2", "label '2.500000': not an integer from 0 to 1"),
         ("train.lst line 3", "2 labels: packer keeps one label per image")]
+def test_extra_columns_become_typed_fields(imgs, tmp_path):
+    files = sorted(imgs.rglob("*.jpg"))
+    rows = ["path,label,caption,bbox x,score,1st"] + [
+        f"{p.relative_to(imgs).as_posix()},{i % 3},cap {i},{i * 10},{i / 4},{'n/a' if i == 2 else i}"
+        for i, p in enumerate(files)]
+    listing = tmp_path / "labels.csv"
+    listing.write_text("\n".join(rows) + "\n")
+    res = convert(listing, tmp_path / "f.lmdb", root=imgs, workers=0, progress=False)  # stored shuffled
+    ds = open_dataset(res.output)
+    assert ds.field_specs == {"caption": "str", "bbox_x": "int", "score": "float", "c_1st": "str"}
+    for i, p in enumerate(files):
+        k = ds.index_of(p.relative_to(imgs).as_posix())
+        assert (ds.field("caption", k), ds.field("bbox_x", k), ds.field("score", k)) == (f"cap {i}", i * 10, i / 4)
+        assert ds.field("c_1st", k) == ("n/a" if i == 2 else str(i))
+    assert verify(res.output, against=listing).ok  # the fields too, byte for byte

@@ -38,8 +38,10 @@ def test_brace_pattern_converts_every_sample_with_its_bytes_label_and_verifies(s
     out = tmp_path / "out.lmdb"
     report = convert_ok(pattern(shards), out)
     assert report["num_errors"] == 0
-    assert report["ignored"] == {"webdataset members not kept (per-sample fields): .txt": len(ITEMS)}
+    assert report["ignored"] == {}
     ds = open_dataset(out, image="numpy")
+    assert ds.field_specs == {"txt": "str"}  # the other members become fields
+    assert [ds.field("txt", i) for i in range(len(ds))] == [f"caption {it.key}" for it in ITEMS]
     assert [Path(r).name for r in ds.index.rel_paths()] == [f"{it.key}.jpg" for it in ITEMS]
     assert [bytes(ds.read_payload(i)) for i in range(len(ds))] == [it.image for it in ITEMS]
     assert ds.targets == [it.label for it in ITEMS] and ds.classes == ["0", "1", "2"]
@@ -169,3 +171,24 @@ def test_compressed_shards_are_streamed_in_order_with_the_same_records(shards, t
     assert ds.targets == [it.label for it in ITEMS] and ds.index.rel_path(0) == "shards-000000.tar.gz/s0000.jpg"
     res = run_cli("verify", out, "--against", src)
     assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_other_members_become_fields_json_and_bytes_too(tmp_path):
+    import webdataset as wds
+
+    path = tmp_path / "w" / "shards-000000.tar"
+    path.parent.mkdir()
+    with wds.TarWriter(str(path)) as sink:
+        for i, it in enumerate(ITEMS[:4]):
+            sample = {"__key__": it.key, "jpg": it.image, "cls": it.label, "json": {"box": [i, 2 * i]},
+                      "seg.bin": bytes([i]) * 3}
+            if i != 2:
+                sample["txt"] = f"caption {i}"
+            sink.write(sample)
+    out = tmp_path / "o.lmdb"
+    assert convert_ok(path.parent, out)["num_errors"] == 0
+    ds = open_dataset(out)
+    assert ds.field_specs == {"json": "json", "seg_bin": "bytes", "txt": "str"}
+    assert [ds.field("json", i) for i in range(4)] == [{"box": [i, 2 * i]} for i in range(4)]
+    assert [ds.field("seg_bin", i) for i in range(4)] == [bytes([i]) * 3 for i in range(4)]
+    assert [ds.field("txt", i) for i in range(4)] == ["caption 0", "caption 1", "", "caption 3"]  # absent: empty

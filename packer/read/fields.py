@@ -1,0 +1,43 @@
+"""What a sample is made of when a dataset has fields: ``open_dataset(p, fields=...)``.
+
+``None`` (the default): ``(image, label)`` as ImageFolder. A sequence of names (``("image", "label",
+"boxes")``): a tuple in that order. ``"all"``: a dict of the image, the label and every field.
+Field values come from ``layout.fields.FieldStore`` (int, float, str, parsed JSON, bytes, numpy arrays);
+ragged arrays differ in shape from sample to sample, so batch them with ``packer.collate`` (a list).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from packer.errors import PackerError
+from packer.layout.fields import RESERVED, FieldStore
+
+FieldsArg = Sequence[str] | Literal["all"] | None
+
+
+class FieldSelection:
+    """The names a sample holds and how it is shaped (tuple, or dict for ``"all"``)."""
+
+    def __init__(self, fields: FieldsArg, store: FieldStore, where: object) -> None:
+        self.as_dict = fields == "all"
+        if fields is None:
+            self.names: tuple[str, ...] | None = None
+        elif isinstance(fields, str) and fields != "all":
+            raise PackerError(f"fields={fields!r}: expected 'all' or a sequence of names such as ('image', 'label')")
+        else:
+            names = ("image", "label", *store.specs) if fields == "all" else tuple(fields)
+            for name in names:
+                if name not in RESERVED and name not in store.specs:
+                    known = ", ".join(("image", "label", *store.specs))
+                    raise PackerError(f"{where}: no field {name!r} (this dataset has {known})")
+            self.names = names
+
+    def sample(self, store: FieldStore, pos: int, image: Any, target: Any, where: str) -> Any:
+        """The sample at storage position ``pos`` as this selection shapes it."""
+        if self.names is None:
+            return image, target
+        values = [image if n == "image" else target if n == "label" else store.value(n, pos, where)
+                  for n in self.names]
+        return dict(zip(self.names, values)) if self.as_dict else tuple(values)

@@ -1,0 +1,71 @@
+"""The end of every write (``convert`` and ``Writer``): meta files, errors.json, the manifest (last), fsync, swap.
+
+Until the manifest is written the output is only ``<out>.partial``; the swap into place is journaled
+(write.output), so a kill between the renames is finished by a resumed run.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from packer.layout.fields import FieldSpec, save_fields
+from packer.layout.fsutil import fsync_tree, write_atomic
+from packer.layout.index import Index
+from packer.layout.manifest import Manifest, dumps_lossless, file_info, write_manifest
+from packer.write.journal import ShardResult
+from packer.write.output import ERRORS_NAME, swap_into_place
+from packer.write.scan import SourceError
+
+
+def stored_index(shards: list[ShardResult], source_order: list[str] | None) -> Index:
+    """The index of the samples the shards hold, in storage order; ``source_order``: every record's key in
+    ImageFolder's order (for ``position``)."""
+    def cat(name: str) -> list:
+        return [v for r in shards for v in getattr(r, name)]
+
+    return Index.build(cat("rel_paths"), cat("labels"), cat("heights"), cat("widths"), cat("nbytes"),
+                       source_order=source_order)
+
+
+def in_storage_order(index: Index, keys: list[str], columns: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:
+    """Per-record ``columns`` (in the order of ``keys``) reordered to the samples ``index`` stores."""
+    if not columns:
+        return {}
+    rank = {key: k for k, key in enumerate(keys)}
+    order = [rank[p] for p in index.rel_paths()]
+    return {name: [values[k] for k in order] for name, values in columns.items()}
+
+
+def seal(partial: Path, out: Path, index: Index, errors: list[SourceError], ignored: Mapping[str, int],
+         manifest: Manifest, specs: Mapping[str, FieldSpec] | None = None,
+         columns: Mapping[str, Sequence[Any]] | None = None, offered: int | None = None) -> None:
+    """Write ``index`` and the field ``columns`` (storage order) under meta/, errors.json, then ``manifest``
+    (its meta_files, num_samples, num_errors and fields filled in here) last; fsync, and swap into place."""
+    specs = dict(specs or {})
+    names = index.save(partial) + save_fields(partial, specs, columns or {})
+    manifest.meta_files = [file_info(partial, n) for n in names]
+    manifest.num_samples, manifest.num_errors = len(index), len(errors)
+    manifest.fields = {k: s.text for k, s in specs.items()}
+    write_error_report(partial, errors, ignored, len(index) + len(errors) if offered is None else offered)
+    fsync_tree(partial)
+    write_manifest(partial, manifest)
+    swap_into_place(partial, out)
+
+
+def write_error_report(partial: Path, errors: list[SourceError], ignored: Mapping[str, int], offered: int) -> None:
+    """``errors.json`` (every record not packed, with reason and location; what the scan ignored) and the
+    first ten on stderr; ``offered``: the records there were."""
+    write_atomic(partial / ERRORS_NAME, dumps_lossless(
+        {"num_errors": len(errors), "ignored": dict(ignored),
+         "errors": [e.to_json() for e in sorted(errors, key=lambda e: e.path)]},
+        indent=1,
+    ))
+    if errors:
+        print(f"packer: {len(errors)} of {offered} files not packed, see {ERRORS_NAME}:", file=sys.stderr)
+        for e in errors[:10]:
+            print(f"  {e.path}: {e.reason}", file=sys.stderr)
+        if len(errors) > 10:
+            print(f"  ... and {len(errors) - 10} more", file=sys.stderr)

@@ -1,0 +1,285 @@
+"""The public ``Writer``: your own samples (encoded images or HWC arrays, a label, per-sample fields) into a dataset.
+
+```python
+with Writer("boxes.lmdb", format="lmdb", fields={"boxes": "float32[:,4]", "caption": "str"}) as w:
+    w.add(image=jpeg_bytes, label=3, boxes=np.zeros((2, 4)), caption="a dog")
+```
+
+The same files, checks and finish as ``convert``: each image validated (``validate``) and stored through the
+format's ``ShardWriter`` (write.shards), shards journaled in ``<out>.partial`` (write.journal), and
+index, fields, errors.json and the manifest written last before the swap into place (write.finish).
+Samples are named by their number (``"000000007"``), stored in the order added. A shard's field values
+are spooled beside its journal entry (``journal/shard-NNNNN.fields/``), so ``resume=True``, given the same
+samples again in the same order, skips the journaled shards and keeps their fields.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from packer._version import __version__
+from packer.errors import PackerError
+from packer.formats import get_format
+from packer.formats.base import PreparedSample
+from packer.layout.fields import FieldStore, encode_cell, parse_specs, save_fields
+from packer.layout.fsutil import fsync_file
+from packer.layout.manifest import Manifest
+from packer.layout.partial import JOURNAL_DIR, PARTIAL_SUFFIX, read_swap
+from packer.write.finish import seal, stored_index
+from packer.write.journal import (
+    ShardResult,
+    intact_files,
+    read_plan,
+    record_shard,
+    remove_unkept,
+    shard_entry,
+)
+from packer.write.options import ConvertOptions, make_options
+from packer.write.output import check_replaceable, swap_into_place
+from packer.write.plan import make_partial, shard_multiple
+from packer.write.scan import SourceError
+from packer.write.shards import ShardSink, make_payload
+
+WRITER_SHARD_BYTES = 256 << 20  # at most this much of a shard is held in memory before it is written
+SOURCE_TYPE = "writer"  # the manifest's source_type: samples are named by number, not source paths
+
+
+class Writer:
+    """Writes samples into a new packer dataset at ``path`` (see the module docstring); use as a context manager.
+
+    ``fields``: name -> spec (docs/fields.md). ``classes``: class names (default: ``"0"`` .. the largest
+    label). ``on_error``: ``"raise"`` a PackerError naming the sample, or ``"skip"`` it into errors.json.
+    ``options``: as for ``convert`` (``payload``, ``validate``, ``shard_bytes``, ``compression``, the format's
+    own); ``payload`` defaults to raw when the first image is an array (packer never encodes pixels).
+    """
+
+    def __init__(self, path: str | os.PathLike, format: str = "lmdb", fields: dict[str, str] | None = None, *,
+                 classes: Sequence[str] | None = None, on_error: str = "raise", resume: bool = False,
+                 overwrite: bool = False, **options: Any) -> None:
+        self.out = Path(os.path.abspath(path))
+        self.partial = self.out.with_name(self.out.name + PARTIAL_SUFFIX)
+        self.fmt = get_format(format)
+        self.specs = parse_specs(fields, "Writer fields")
+        self.classes = None if classes is None else [str(c) for c in classes]
+        if self.classes is not None and len(set(self.classes)) != len(self.classes):
+            raise PackerError("Writer: class names repeat")
+        if on_error not in ("skip", "raise"):
+            raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
+        if options.setdefault("order", "source") != "source":
+            raise PackerError("Writer: samples are stored in the order added (order='source'); shuffle when adding")
+        self.on_error, self.given = on_error, options
+        self._make_options(None).check()  # unknown or bad options fail now, not at the first sample
+        check_replaceable(self.out, overwrite)
+        self.opts: ConvertOptions | None = None
+        self.count = 0  # samples offered so far
+        self.done: list[ShardResult] = []  # shards written (journaled), in order
+        self.skip = 0  # samples a resumed run finds in journaled shards
+        self.complete = False  # a resumed run found the dataset finished, only its move into place left
+        self.closed = False
+        self._pending: list[PreparedSample | SourceError] = []
+        self._cells: dict[str, list[Any]] = {k: [] for k in self.specs}
+        self._bytes = self._stored = 0  # the pending samples' payload bytes, and how many will be stored
+        if os.path.lexists(self.partial):
+            self._resume(resume)
+
+    # ------------------------------------------------------------ adding
+
+    def add(self, image: bytes | bytearray | memoryview | np.ndarray, label: int = -1, **fields: Any) -> None:
+        """Add one sample: encoded image bytes (JPEG, PNG, ...) or an HWC uint8 RGB array, its class index and
+        every declared field. A bad sample raises a PackerError naming its number (``on_error="skip"``: listed
+        in errors.json instead)."""
+        if self.closed:
+            raise PackerError(f"{self.out}: the Writer is closed")
+        n = self.count
+        if set(fields) != set(self.specs):
+            missing, unknown = sorted(set(self.specs) - set(fields)), sorted(set(fields) - set(self.specs))
+            raise PackerError(f"{self.out}: sample {n}: " + "; ".join(
+                [f"missing field(s) {', '.join(missing)}"] * bool(missing)
+                + [f"undeclared field(s) {', '.join(unknown)} (declare them in fields=)"] * bool(unknown)))
+        self.count += 1
+        if n < self.skip or self.complete:
+            return  # a resumed run: this sample is in a journaled shard already
+        key = f"{n:09d}"
+        res, cells = self._prepare(key, image, label, fields)
+        if isinstance(res, SourceError) and self.on_error == "raise":
+            raise PackerError(f"{self.out}: sample {n}: {res.reason}")
+        self._pending.append(res)
+        if isinstance(res, PreparedSample):
+            for name, cell in cells.items():
+                self._cells[name].append(cell)
+            self._bytes += res.nbytes
+            self._stored += 1
+            opts = self._options_for(res.payload)
+            if self._bytes >= (opts.shard_bytes or WRITER_SHARD_BYTES) and self._stored % shard_multiple(opts) == 0:
+                self._flush()
+
+    def _prepare(self, key: str, image: Any, label: Any, fields: dict[str, Any]
+                 ) -> tuple[PreparedSample | SourceError, dict[str, Any]]:
+        """The sample's payload and field cells, or a SourceError saying what is wrong with it."""
+        try:
+            cells = {name: encode_cell(spec, fields[name], f"field {name!r}") for name, spec in self.specs.items()}
+        except PackerError as exc:
+            return SourceError(key, str(exc)), {}
+        if isinstance(label, (bool, np.bool_)) or not isinstance(label, (int, np.integer)) or label < -1 \
+                or (self.classes is not None and label >= len(self.classes)):
+            classes = "" if self.classes is None else f" (0 .. {len(self.classes) - 1} for the classes given)"
+            return SourceError(key, f"label {label!r}: expected a class index >= -1{classes}"), {}
+        if isinstance(image, np.ndarray):
+            if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+                why = f"image array {image.dtype} {image.shape}: expected HWC uint8 RGB (H, W, 3)"
+                return SourceError(key, why), {}
+            data: bytes | np.ndarray = image
+        elif isinstance(image, (bytes, bytearray, memoryview)):
+            data = bytes(image)
+        else:
+            return SourceError(key, f"image: expected encoded bytes or an HWC uint8 array, "
+                                    f"found {type(image).__name__}"), {}
+        opts = self._options_for(data)
+        if isinstance(data, np.ndarray) and opts.payload != "raw":
+            raise PackerError(f"{self.out}: sample {key}: an array of pixels needs payload='raw' (this dataset "
+                              "stores encoded images, and packer never encodes pixels)")
+        return make_payload(key, int(label), data, None, opts), cells
+
+    def _options_for(self, data: Any) -> ConvertOptions:
+        """The options, made at the first sample (its kind decides the payload when none was given)."""
+        if self.opts is None:
+            opts = self._make_options(data)
+            opts.check()
+            opts.shard_bytes = opts.shard_bytes or min(self.fmt.default_shard_bytes or WRITER_SHARD_BYTES,
+                                                       WRITER_SHARD_BYTES)
+            self.opts = opts
+            self._start()
+        return self.opts
+
+    def _make_options(self, data: Any) -> ConvertOptions:
+        """Options from the keywords given; without ``payload``: raw for pixels (an array, or ``resize`` or
+        ``compression``, which apply to pixels only), else the format's default."""
+        given = dict(self.given)
+        if given.get("payload") is None and (isinstance(data, np.ndarray) or given.get("resize") is not None
+                                             or given.get("compression") is not None):
+            given["payload"] = "raw"
+        return make_options(self.fmt.name, **given)
+
+    # ------------------------------------------------------------ shards and journal
+
+    def _plan(self) -> dict[str, Any]:
+        assert self.opts is not None
+        return {"writer": 1, "options": self.opts.record(), "fields": {k: s.text for k, s in self.specs.items()},
+                "classes": self.classes, "source": SOURCE_TYPE}
+
+    def _start(self) -> None:
+        """Create ``<out>.partial`` with the plan, or check a resumed one's plan against these options."""
+        if not os.path.lexists(self.partial):
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            make_partial(self.out, self.partial, self._plan())
+        elif read_plan(self.partial) != self._plan():
+            raise PackerError(f"{self.partial}: written with other options, fields or classes, so it can't be "
+                              f"resumed; remove it (rm -r '{self.partial}') and write again")
+
+    def _resume(self, resume: bool) -> None:
+        """Go on with an interrupted Writer's ``<out>.partial``: its journaled shards count as written."""
+        plan = read_plan(self.partial)
+        if plan is None or plan.get("writer") != 1:
+            raise PackerError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
+        if not resume:
+            raise PackerError(f"{self.partial}: left over from an interrupted Writer: pass resume=True and add the "
+                              f"same samples again in the same order, or remove it (rm -r '{self.partial}')")
+        if self.given.get("payload") is None:  # decided by the first sample of the interrupted run
+            self.given["payload"] = plan.get("options", {}).get("payload")
+        if read_swap(self.partial, self.out)[0]:
+            self.complete = True
+            return
+        done: dict[int, ShardResult] = {}
+        while shard_entry(self.partial, len(done)).is_file():
+            entry = shard_entry(self.partial, len(done))
+            result = ShardResult.from_json(entry.read_text(encoding="utf-8"), str(entry))
+            if not intact_files(self.partial, result) or not self._spool(len(done)).is_dir():
+                break
+            done[len(done)] = result
+        for extra in (self.partial / JOURNAL_DIR).glob("shard-*"):
+            if extra.name.split(".")[0] not in {shard_entry(self.partial, i).stem for i in done}:
+                if extra.is_dir():
+                    shutil.rmtree(extra)
+                else:
+                    extra.unlink()
+        remove_unkept(self.partial, done)
+        self.done = [done[i] for i in range(len(done))]
+        self.skip = sum(r.shard.num_samples + len(r.errors) for r in self.done)
+
+    def _spool(self, shard_id: int) -> Path:
+        """Where a shard's field values wait for the finish (beside its journal entry)."""
+        return self.partial / JOURNAL_DIR / f"shard-{shard_id:05d}.fields"
+
+    def _flush(self) -> None:
+        """Write the pending samples as the next shard; spool its fields, then journal it."""
+        assert self.opts is not None
+        sid = len(self.done)
+        planned = self._stored
+        if not self._pending:
+            return
+        sink = ShardSink(self.partial, sid, planned, self.fmt, self.opts, self.on_error, self.out)
+        try:
+            for res in self._pending:
+                sink.add(res)
+            result, names = sink.close()
+        except BaseException:
+            sink.abort()
+            raise
+        spool = self._spool(sid)
+        shutil.rmtree(spool, ignore_errors=True)
+        spool_tmp = spool.with_name(spool.name + ".tmp")
+        shutil.rmtree(spool_tmp, ignore_errors=True)
+        for name in save_fields(spool_tmp, self.specs, self._cells) if self.specs else []:
+            fsync_file(spool_tmp / name)
+        spool_tmp.mkdir(exist_ok=True)
+        os.rename(spool_tmp, spool)
+        self.done.append(record_shard(self.partial, result, names))
+        self._pending, self._cells, self._bytes, self._stored = [], {k: [] for k in self.specs}, 0, 0
+
+    # ------------------------------------------------------------ finishing
+
+    def close(self) -> Path:
+        """Write the last shard, the index, fields, errors.json and the manifest; move the dataset into place."""
+        if self.closed:
+            return self.out
+        self.closed = True
+        if self.complete:
+            swap_into_place(self.partial, self.out)
+            return self.out
+        self._options_for(b"")
+        self._flush()
+        index = stored_index(self.done, [k for r in self.done for k in r.rel_paths])  # stored in the order added
+        columns: dict[str, list[Any]] = {k: [] for k in self.specs}
+        for sid, result in enumerate(self.done):
+            store = FieldStore.load(self._spool(sid), {k: s.text for k, s in self.specs.items()},
+                                    result.shard.num_samples, lambda rel, d=self._spool(sid): d / rel)
+            for name in self.specs:
+                columns[name] += store.cells(name)
+        labels = index.labels
+        classes = self.classes if self.classes is not None else \
+            [str(c) for c in range(int(labels.max()) + 1 if len(labels) else 0)]
+        assert self.opts is not None
+        manifest = Manifest(format=self.fmt.name, payload=self.opts.payload, num_samples=len(index), classes=classes,
+                            shards=[r.shard for r in self.done], options=self.opts.record(),
+                            source_type=SOURCE_TYPE, created_by=f"packer {__version__}",
+                            created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        errors = [e for r in self.done for e in r.errors]
+        seal(self.partial, self.out, index, errors, {}, manifest, self.specs, columns, offered=self.count)
+        return self.out
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.closed = True  # the journaled shards stay in <out>.partial: resume=True goes on from them
