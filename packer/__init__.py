@@ -13,9 +13,8 @@ from packer._version import __version__ as __version__
 
 # public name -> the module that defines it
 _PUBLIC = {
-    "convert": "packer.write.convert", "ConvertResult": "packer.write.convert",
-    "export_wds": "packer.write.export_wds",
     "convert": "packer.write.convert", "ConvertResult": "packer.write.convert", "Writer": "packer.write.writer",
+    "export_wds": "packer.write.export_wds",
     "open_dataset": "packer.read.dataset", "PackedDataset": "packer.read.dataset",
     "DATASET_CLASSES": "packer.read.dataset",
     "PackerError": "packer.errors", "FORMATS": "packer.formats",

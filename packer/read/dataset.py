@@ -32,8 +32,8 @@ from packer.layout.manifest import read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
 from packer.perprocess import PerProcess
 from packer.read import batch, readahead
-from packer.read.hints import Ahead, aheads_of
 from packer.read.fields import FieldsArg, FieldSelection
+from packer.read.hints import Ahead, aheads_of
 from packer.read.indexing import IndexMap
 from packer.read.store import Access, ShardStore
 from packer.read.surface import FolderSurface
