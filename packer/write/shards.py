@@ -22,7 +22,7 @@ from packer.errors import PackerError
 from packer.formats.base import Format, PreparedSample
 from packer.images.decode import DecodeError, check_pixels, decode
 from packer.images.headers import image_size
-from packer.layout.manifest import Shard
+from packer.layout.manifest import FileInfo, Shard
 from packer.write.journal import ShardResult
 from packer.write.options import ConvertOptions
 from packer.write.scan import ScanResult, SourceError
@@ -156,6 +156,8 @@ def write_shard(
         raise
     result.shard.num_samples = len(result.rel_paths)
     result.shard.facts = facts
+    # checksums the writer took while writing: the journal reads back only the other files
+    result.shard.files = [FileInfo(n, (partial / n).stat().st_size, s) for n, s in writer.digests().items()]
     return result, names
 
 
