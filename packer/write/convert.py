@@ -25,7 +25,7 @@ from typing import Any, Literal
 from packer._version import __version__
 from packer.errors import PackerError, ResumableError
 from packer.formats import get_format
-from packer.layout.fsutil import fsync_tree, write_atomic
+from packer.layout.fsutil import fsync_tree, write_plain
 from packer.layout.index import Index
 from packer.layout.manifest import (
     Manifest,
@@ -236,7 +236,9 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
                         source_order=scan.rel_paths)
     errors: list[SourceError] = locate_errors(scan, cat("errors")) + scan.errors
     meta_files = [file_info(partial, n) for n in index.save(partial)]
-    write_atomic(partial / ERRORS_NAME, dumps_lossless(
+    # a plain write: fsync_tree below flushes it with the index (one journal commit), and --resume rewrites
+    # whatever an interrupted finish left, so it needs no atomic write of its own
+    write_plain(partial / ERRORS_NAME, dumps_lossless(
         {"num_errors": len(errors), "ignored": dict(scan.ignored),
          "errors": [e.to_json() for e in sorted(errors, key=lambda e: e.path)]},
         indent=1,
