@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import resource
 import shutil
 import statistics
 import tempfile
@@ -79,6 +80,12 @@ def evict(paths: list[str]) -> None:
             os.close(fd)
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (the pools are joined when a run ends)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("source", type=Path)
@@ -100,6 +107,7 @@ def main() -> None:
         for fmt in formats:
             runs[(fmt, validate)] = lambda f=fmt, v=validate: packed(args.source, f, v, args.workers, scratch)
     rates: dict[tuple[str, str, str], list[float]] = {}
+    cpus: dict[tuple[str, str, str], list[float]] = {}
     for _ in range(args.repeats):
         for cache in caches:
             for (what, validate), fn in runs.items():
@@ -107,11 +115,16 @@ def main() -> None:
                     evict(paths)
                 else:
                     _copy_chunk(paths, "header")  # warm: every source file in the page cache
+                before = cpu_seconds()
                 rates.setdefault((what, validate, cache), []).append(fn())
+                cpus.setdefault((what, validate, cache), []).append(cpu_seconds() - before)
     med = {k: statistics.median(v) for k, v in rates.items()}
-    print(f"{len(paths)} files, {args.workers} workers, median of {args.repeats} (files/s; min-max)")
+    cpu = {k: statistics.median(v) for k, v in cpus.items()}
+    print(f"{len(paths)} files, {args.workers} workers, median of {args.repeats} (files/s; min-max; CPU seconds of "
+          f"all processes), load average {os.getloadavg()[0]:.1f}")
     for (what, validate, cache), v in rates.items():
-        print(f"  {cache:<4} {validate:<6} {what:<8} {med[what, validate, cache]:7.0f}  ({min(v):.0f}-{max(v):.0f})")
+        print(f"  {cache:<4} {validate:<6} {what:<8} {med[what, validate, cache]:7.0f}  ({min(v):.0f}-{max(v):.0f})"
+              f"  {cpu[what, validate, cache]:6.2f} s CPU")
     print("\nconversion / plain copy (issue #17: header >= 90 %, full >= 85 %, cold and warm)")
     cols = [(v, c) for v in ("header", "full") for c in caches]
     print(f"  {'format':<8}" + "".join(f"{v + ' ' + c:>14}" for v, c in cols))
@@ -121,6 +134,9 @@ def main() -> None:
             ratio = med[fmt, v, c] / med["floor", v, c]
             cells.append(f"{ratio:>10.0%}{' ok ' if ratio >= TARGETS[v] else ' -- '}")
         print(f"  {fmt:<8}" + "".join(cells))
+    print("\nplain copy's CPU seconds / conversion's (the rate ratio where the cores are the limit)")
+    for fmt in formats:
+        print(f"  {fmt:<8}" + "".join(f"{cpu['floor', v, c] / cpu[fmt, v, c]:>14.0%}" for v, c in cols))
 
 
 if __name__ == "__main__":
