@@ -63,6 +63,11 @@ class ShardWriter(ABC):
     def abort(self) -> None:
         """Release what the writer holds after a failure (the caller removes the shard's files)."""
 
+    def digests(self) -> dict[str, str]:
+        """After ``close``: the sha256 of files it hashed as it wrote them (``layout.digest.StreamDigest``); the
+        journal reads back the others. Default: none."""
+        return {}
+
 
 class ShardReader(ABC):
     """Reads one shard's payloads; opens nothing until its first read in the current process."""

@@ -52,6 +52,7 @@ from packer.formats.base import (
     fixed_shape,
     shard_layout,
 )
+from packer.layout.digest import StreamDigest
 from packer.layout.manifest import Shard
 from packer.layout.trust import npy_header
 from packer.perprocess import PerProcess
@@ -85,13 +86,23 @@ class Writer(ShardWriter):
         self.index = BlobIndex(self.path, num_samples, payload, self.shape)
         # OSError (disk full, I/O) propagates: the driver reports it and keeps finished shards for --resume.
         self._fh = open(self.path, "wb")
+        self._digest = StreamDigest()  # the data file is written front to back: hashed as it goes
+        self._digests: dict[str, str] = {}
         if self.shape is not None:
-            self._fh.write(self._header)
+            try:
+                self._write(self._header)
+            except BaseException:
+                self.abort()
+                raise
+
+    def _write(self, data: bytes | memoryview) -> None:
+        self._fh.write(data)
+        self._digest.update(data)
 
     def add(self, sample: PreparedSample) -> None:
         self.index.add(sample)
         data = sample.payload
-        self._fh.write(data if isinstance(data, bytes) else data.data)  # a C-contiguous uint8 array: no copy
+        self._write(data if isinstance(data, bytes) else data.data)  # a C-contiguous uint8 array: no copy
 
     def close(self) -> tuple[list[str], dict]:
         n = self.index.count
@@ -101,6 +112,9 @@ class Writer(ShardWriter):
                 raise PackerError(f"{self.path}: .npy header changed length ({len(self._header)} -> {len(header)})")
             self._fh.seek(0)
             self._fh.write(header)
+            self._digest.cancel()  # rewritten: the journal reads the file back instead
+        else:
+            self._digests[self.names[0]] = self._digest.hexdigest()
         self._fh.close()
         if self.shape is None:
             np.save(self.directory / self.names[1], self.index.offsets[: n + 1])
@@ -109,7 +123,11 @@ class Writer(ShardWriter):
         facts: dict = {"layout": "fixed", "shape": list(self.shape)} if self.shape else {"layout": "blob"}
         return list(self.names), facts
 
+    def digests(self) -> dict[str, str]:
+        return self._digests
+
     def abort(self) -> None:
+        self._digest.cancel()
         try:
             self._fh.close()
         except OSError:

@@ -121,6 +121,12 @@ def write_atomic(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
+def write_plain(path: Path, text: str) -> None:
+    """Write ``path`` with no flush of its own (a caller's ``fsync_tree`` follows); the ``OSError`` names ``path``."""
+    with naming(path), open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
 def fsync_tree(directory: Path) -> None:
     """Flush every file below ``directory`` and the folders themselves to disk."""
     for dirpath, _dirnames, filenames in os.walk(directory):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.layout.fields import FieldSpec, save_fields
-from packer.layout.fsutil import fsync_tree, write_atomic
+from packer.layout.fsutil import fsync_tree, write_plain
 from packer.layout.index import Index
 from packer.layout.manifest import Manifest, dumps_lossless, file_info, write_manifest
 from packer.write.journal import ShardResult
@@ -58,7 +58,9 @@ def seal(partial: Path, out: Path, index: Index, errors: list[SourceError], igno
 def write_error_report(partial: Path, errors: list[SourceError], ignored: Mapping[str, int], offered: int) -> None:
     """``errors.json`` (every record not packed, with reason and location; what the scan ignored) and the
     first ten on stderr; ``offered``: the records there were."""
-    write_atomic(partial / ERRORS_NAME, dumps_lossless(
+    # a plain write: fsync_tree flushes it with the index (one journal commit), and --resume rewrites whatever
+    # an interrupted finish left, so it needs no atomic write of its own
+    write_plain(partial / ERRORS_NAME, dumps_lossless(
         {"num_errors": len(errors), "ignored": dict(ignored),
          "errors": [e.to_json() for e in sorted(errors, key=lambda e: e.path)]},
         indent=1,

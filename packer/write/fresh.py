@@ -22,9 +22,10 @@ def source_digest(scan: ScanResult) -> str:
     h = hashlib.sha256(scan_digest(scan).encode())
     for e in scan.errors:
         h.update(f"{e.path}\0{e.reason}\n".encode("utf-8", "surrogateescape"))
+    root = os.fspath(scan.root)
     for rel in scan.rel_paths:
         try:
-            st = os.stat(scan.root / rel)
+            st = os.stat(os.path.join(root, rel))  # not pathlib: one stat per file, before the work starts
             h.update(f"{st.st_size} {st.st_mtime_ns}\n".encode())
         except OSError as exc:
             h.update(f"{exc.errno}\n".encode())

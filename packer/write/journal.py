@@ -117,12 +117,17 @@ def shard_entry(partial: Path, shard_id: int) -> Path:
 
 
 def record_shard(partial: Path, result: ShardResult, names: list[str]) -> ShardResult:
-    """Flush the shard's files and checksum them (at once: both take a while), then journal the shard as done."""
+    """Flush the shard's files and checksum them (at once: both take a while), then journal the shard as done.
+
+    ``result.shard.files`` may already hold files the writer checksummed as it wrote them: those are not read back.
+    """
+    known = {f.name: f for f in result.shard.files}
     with ThreadPoolExecutor(max_workers=1) as hasher:
-        sums = [hasher.submit(sha256_file, partial / n) for n in names]
+        sums = {n: hasher.submit(sha256_file, partial / n) for n in names if n not in known}
         for name in names:
             fsync_file(partial / name)
-        result.shard.files = [FileInfo(n, (partial / n).stat().st_size, s.result()) for n, s in zip(names, sums)]
+        result.shard.files = [known[n] if n in known else FileInfo(n, (partial / n).stat().st_size, sums[n].result())
+                              for n in names]
     write_atomic(shard_entry(partial, result.shard_id), result.to_json())
     return result
 

@@ -77,7 +77,7 @@ class LocalPool:
         try:
             for sid, a, b in todo:
                 result, names = write_shard(job.partial, sid, b - a, itertools.islice(prepared, b - a), fmt,
-                                            job.options, job.on_error, scan.root, on_each)
+                                            job.options, job.on_error, scan.root, on_each if job.progress else None)
                 pending[sid] = journaler.submit(record_shard, job.partial, result, names)
             prepared.close()  # the pool winds down while the last shard is checksummed
             for sid, future in pending.items():

@@ -22,7 +22,7 @@ from packer.errors import PackerError
 from packer.formats.base import Format, PreparedSample
 from packer.images.decode import DecodeError, check_pixels, decode
 from packer.images.headers import image_size
-from packer.layout.manifest import Shard
+from packer.layout.manifest import FileInfo, Shard
 from packer.write.journal import ShardResult
 from packer.write.options import ConvertOptions
 from packer.write.scan import ScanResult, SourceError
@@ -164,6 +164,9 @@ class ShardSink:
             raise ShardWriteError(_write_failure(self.partial, self.shard_id, exc)) from exc
         self.result.shard.num_samples = len(self.result.rel_paths)
         self.result.shard.facts = facts
+        # checksums the writer took while writing: the journal reads back only the other files
+        self.result.shard.files = [FileInfo(n, (self.partial / n).stat().st_size, s)
+                                   for n, s in self.writer.digests().items()]
         return self.result, names
 
     def abort(self) -> None:

@@ -48,6 +48,12 @@ def test_read_only_destination_is_refused_in_one_line(source, tmp_path, sub):
 
 # (the file being written when the disk fills, the exit code): the plan is written before the
 # conversion starts (nothing to resume: refused, 2); later, the work is kept for --resume (1)
+def opened_name(step: str) -> str:
+    """The file name opened when ``step`` is written: JSON goes through a temporary file, except errors.json
+    (written plainly before the flush of the whole folder)."""
+    return os.path.basename(step) + (".tmp" if step.endswith(".json") and step != "errors.json" else "")
+
+
 STEPS = [("journal/plan.json", 2), ("journal/shard-00000.json", 1), ("meta/labels.npy", 1),
          ("errors.json", 1), ("manifest.json", 1), ("journal/swap.json", 1)]
 
@@ -58,7 +64,7 @@ def test_disk_full_at_each_step_is_one_line_then_resumes(source, tmp_path, step,
         out, filler = fs / "o.lmdb", tmp_path / "fs" / "filler"
         # one shard: once the disk is full, nothing else is being written that could fail first
         cmd = ["convert", source, "-o", out, "--workers", "0", "-q"]
-        target = os.path.basename(step) + (".tmp" if step.endswith(".json") else "")
+        target = opened_name(step)
         res = run_cli_at(cmd, ENV, "open", target, f"fill:{filler}")
         line = one_line(res.stderr)
         assert res.returncode == code, res.stderr
@@ -93,7 +99,7 @@ def test_disk_full_while_shards_are_written_and_journaled_is_one_line(source, tm
 def test_ctrl_c_says_interrupted_once_with_the_way_on(source, tmp_path, step):
     out = tmp_path / "o.lmdb"
     cmd = ["convert", source, "-o", out, "--workers", "0", "--shard-size", "2000", "-q"]
-    target = os.path.basename(step) + (".tmp" if step.endswith(".json") else "")
+    target = opened_name(step)
     res = run_cli_at(cmd, ENV, "open", target, "int")
     line = one_line(res.stderr)
     assert res.returncode == 130 and line.startswith("packer: interrupted") and "--resume" in line

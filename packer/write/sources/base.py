@@ -86,11 +86,11 @@ class FileReader(SourceReader):
         self.root, self.listing = root, listing
 
     def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
-        path = self.root / rel
+        path = os.path.join(self.root, rel)  # not pathlib: this runs once per file, in the workers
         try:
             data, facts = read_source(path)
         except OSError as exc:
-            if not path.exists() and path.is_symlink():
+            if not os.path.exists(path) and os.path.islink(path):
                 raise RecordError("broken symbolic link") from None
             raise RecordError(f"cannot read: {exc.strerror or exc}") from None
         return data, facts
@@ -115,7 +115,7 @@ class FileReader(SourceReader):
         return None if self.root.is_dir() else f"cannot see the source folder {self.root}"
 
 
-def read_source(path: Path) -> tuple[bytes, list[int]]:
+def read_source(path: str | os.PathLike) -> tuple[bytes, list[int]]:
     """The whole file and its [size, mtime_ns] as read; OSError for a special file or one that changes meanwhile.
 
     Opened by ``open_regular`` (a FIFO would block forever); a change of size or mtime during the
@@ -123,8 +123,7 @@ def read_source(path: Path) -> tuple[bytes, list[int]]:
     """
     fd, st = open_regular(path)
     try:
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = fh.read()
+        data = _read_all(fd, st.st_size)
         after = os.fstat(fd)
     finally:
         os.close(fd)
@@ -133,6 +132,19 @@ def read_source(path: Path) -> tuple[bytes, list[int]]:
     if (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
         raise OSError(errno.EAGAIN, "changed while being read (modified meanwhile)")
     return data, [st.st_size, st.st_mtime_ns]
+
+
+def _read_all(fd: int, size: int) -> bytes:
+    """Up to ``size + 1`` bytes of ``fd`` (one more than stat said shows a file that grew) in as few ``read``
+    calls as the kernel allows; everything up to EOF where stat says 0 (files of /proc and the like)."""
+    parts, got = [], 0
+    want = size + 1 if size else 1 << 20
+    while chunk := os.read(fd, want - got if size else want):
+        parts.append(chunk)
+        got += len(chunk)
+        if size and got >= want:
+            break
+    return parts[0] if len(parts) == 1 else b"".join(parts)  # b"" for an empty file
 
 
 class InlineReader(SourceReader):
