@@ -88,6 +88,12 @@ class StagedDataset(Dataset, ABC):
         """Per sample (storage positions), a tensor in one shared block to decode into; None: each its own array."""
         return None
 
+    def decode_block(self, idx: Sequence[int], pin_memory: bool = False
+                     ) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
+        """A batch to decode into in this process: (the stacked NHWC batch or None, one slot per sample);
+        None: each sample its own array (``packer.ThreadLoader`` then collates)."""
+        return None
+
     def block_boundaries(self) -> np.ndarray | None:
         """Storage positions where the dataset's natural blocks start, then len(self); None: blocks by bytes."""
         return None
