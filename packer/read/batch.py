@@ -4,7 +4,7 @@ batch tensors read in bulk where the format allows (``get_batch``), and datasets
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -50,22 +50,24 @@ def batch_slots(ds: PackedDataset, indices: Sequence[int], max_bytes: int = BATC
     return _views(_new_batch((sum(h * w * 3 for h, w in shapes),), shared=True), shapes)
 
 
-def decode_block(ds: PackedDataset, indices: Sequence[int], pin_memory: bool = False,
+def decode_block(ds: PackedDataset, indices: Sequence[int], alloc: Callable[[int], torch.Tensor] | None = None,
                  max_bytes: int = BATCH_BLOCK_MAX) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
     """A batch to decode into in this process (``packer.ThreadLoader``): ``(stacked, slots)``.
 
     One shape (fused crops, fixed-size datasets): ``stacked`` is an (N, H, W, 3) tensor and ``slots``
     its rows, so the decoded batch needs no stacking copy. Several shapes: ``stacked`` is None and
     ``slots`` are views of one flat block. None where ``batch_slots`` would not decode into slots.
+    ``alloc(nbytes)``: the flat uint8 memory (default a new tensor).
     """
     shapes = _slot_shapes(ds, indices, max_bytes)
     if shapes is None:
         return None
+    total = sum(h * w * 3 for h, w in shapes)
+    block = torch.empty(total, dtype=torch.uint8) if alloc is None else alloc(total)
     if len(set(shapes)) <= 1:
         h, w = shapes[0] if shapes else (0, 0)
-        stacked = torch.empty((len(shapes), h, w, 3), dtype=torch.uint8, pin_memory=pin_memory)
+        stacked = block.view(len(shapes), h, w, 3)
         return stacked, list(stacked.unbind(0))
-    block = torch.empty(sum(h * w * 3 for h, w in shapes), dtype=torch.uint8, pin_memory=pin_memory)
     return None, _views(block, shapes)
 
 

@@ -107,10 +107,11 @@ class PackedDataset(FolderSurface):
         (sorted by storage position, ``sorted(ds.positions(indices))``) is in memory. Formats of one
         file per sample (bmp) have the kernel read them all at once instead.
         """
-        return self.start_reads(self.positions(indices))
+        return self.start_reads(self.positions(indices), skip_cached=False)
 
-    def start_reads(self, idx: np.ndarray) -> readahead.Pending:
-        """``read_ahead`` of storage positions (the staged-reading hook ``load_batch`` calls)."""
+    def start_reads(self, idx: np.ndarray, skip_cached: bool = True) -> readahead.Pending:
+        """``read_ahead`` of storage positions (the staged-reading hook ``load_batch`` calls); ``skip_cached``:
+        not the shards whose bytes for ``idx`` are all in the page cache (reading them ahead would only copy)."""
         ordered = idx[np.argsort(idx, kind="stable")]
         shard_of = np.searchsorted(self.store.starts, ordered, side="right") - 1
         requests: list = []
@@ -118,7 +119,7 @@ class PackedDataset(FolderSurface):
             reader = self.store.readers[shard]
             positions = (ordered[shard_of == shard] - self.store.starts[shard]).tolist()
             with reading(self.store.where(shard)):
-                if reader.in_page_cache(positions):  # warm: reading ahead would only copy the bytes again
+                if skip_cached and reader.in_page_cache(positions):
                     requests.extend([] for _ in positions)
                     continue
                 reader.will_need(positions)  # formats of one file per sample: the kernel reads them all at once
@@ -263,10 +264,10 @@ class PackedDataset(FolderSurface):
         """One shared block for a worker's batch of mixed sizes (storage positions; ``read.batch.batch_slots``)."""
         return batch.batch_slots(self, indices)
 
-    def decode_block(self, indices: Sequence[int], pin_memory: bool = False
+    def decode_block(self, indices: Sequence[int], alloc: Callable[[int], torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
         """A batch of slots to decode into in this process (storage positions; ``read.batch.decode_block``)."""
-        return batch.decode_block(self, indices, pin_memory)
+        return batch.decode_block(self, indices, alloc)
 
     def get_batch(
         self, indices: Sequence[int], layout: Literal["NHWC", "NCHW"] = "NHWC", sort: bool = False,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -88,7 +88,7 @@ class StagedDataset(Dataset, ABC):
         """Per sample (storage positions), a tensor in one shared block to decode into; None: each its own array."""
         return None
 
-    def decode_block(self, idx: Sequence[int], pin_memory: bool = False
+    def decode_block(self, idx: Sequence[int], alloc: Callable[[int], torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
         """A batch to decode into in this process: (the stacked NHWC batch or None, one slot per sample);
         None: each sample its own array (``packer.ThreadLoader`` then collates)."""
