@@ -85,7 +85,7 @@ def main() -> None:
         epochs = {("bare libjpeg-turbo, 1 thread", "-"): lambda p=payloads: bare_epoch(p, a.batch_size),
                   **loader_epochs(path, cores, a.batch_size)}
         runs: dict = {key: [] for key in epochs}
-        for key, epoch in epochs.items():
+        for epoch in epochs.values():
             next(iter(epoch()), None)  # warm-up: imports, page cache
         for _ in range(a.rounds):  # interleaved: each round measures every loader once
             for key, epoch in epochs.items():

@@ -1,10 +1,10 @@
 """``packer bench``: throughput of loose folders vs packed datasets, against the machine's ceilings.
 
 For each dataset, level (``read``: bytes only; ``decode``: samples as training receives them;
-``loader``: through a DataLoader; ``thread``: packed datasets through ``packer.ThreadLoader`` with as many
-decode threads as the setting's workers, the folder through the loader level's DataLoader; ``train``: a DataLoader of RandomResizedCrop(224) + flip uint8
-batches, the folder through Pillow as torchvision does it, packed datasets in the fused ``crop`` mode),
-order (``bench_sources.BENCH_ORDERS``) and page-cache state
+``loader``: through a DataLoader; ``thread``: packed datasets through ``packer.ThreadLoader``, as many
+threads as the setting's workers (the folder: the loader level's DataLoader); ``train``: a DataLoader of
+RandomResizedCrop(224) + flip uint8 batches, the folder through Pillow as torchvision does it, packed
+datasets in the fused ``crop`` mode), order (``bench_sources.BENCH_ORDERS``) and page-cache state
 (``cold``: every file of the dataset evicted before each repeat, checked with mincore; ``warm``:
 after a full pass), it times ``repeats`` passes and reports the median with min-max, the speed-up
 over the loose folder in the same setting, and the fraction of the relevant ceiling measured in
@@ -136,6 +136,7 @@ def _loader_pass(src: Source, order: BenchOrder, workers: int, batch_size: int, 
     from packer.read.threaded import ThreadLoader
 
     t0 = time.perf_counter()
+    loader: Any = None
     if src.kind == "folder":
         dataset, indices = (FolderTrain if train else FolderSamples)(src.paths, src.labels), order.indices
     else:
@@ -143,12 +144,13 @@ def _loader_pass(src: Source, order: BenchOrder, workers: int, batch_size: int, 
         packed = handle.setdefault("tds", src.open("tensor", crop=crop))
         packed.read_ahead_blocks(order.blocks)
         dataset, indices = packed, packed.index_map.public_many(order.indices)  # the order is of storage positions
-    stacked = train or one_shape(dataset)
-    loader: Any = DataLoader(dataset, batch_size=batch_size, sampler=indices.tolist(), num_workers=workers,
-                             collate_fn=None if stacked else list_collate, pin_memory=pin)
-    if threads and src.kind != "folder":
-        loader = ThreadLoader(dataset, batch_size=batch_size, sampler=indices.tolist(), num_threads=max(workers, 1),
-                              pin_memory=pin)
+        if threads:
+            loader = ThreadLoader(packed, batch_size=batch_size, sampler=indices.tolist(),
+                                  num_threads=max(workers, 1), pin_memory=pin)
+    if loader is None:
+        stacked = train or one_shape(dataset)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=indices.tolist(), num_workers=workers,
+                            collate_fn=None if stacked else list_collate, pin_memory=pin)
     first, count = None, 0
     for images, _labels in loader:
         if first is None:

@@ -14,7 +14,7 @@ import queue
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -60,7 +60,7 @@ def _produce(it: Iterator, out: queue.Queue, stop: threading.Event, loader: Stat
 
 
 def prefetched(it: Iterator, depth: int, stateful: Stateful | None = None, join_timeout: float = 60.0,
-               name: str = "packer-prefetch") -> Iterator[tuple[Any, Any]]:
+               name: str = "packer-prefetch") -> Generator[tuple[Any, Any], None, None]:
     """``(item, state)`` for each item of ``it``, pulled up to ``depth`` ahead by a thread of its own.
 
     ``state``: ``stateful.state_dict()`` taken right after the item was pulled (None without one). The

@@ -7,11 +7,11 @@ import threading
 import numpy as np
 import pytest
 import torch
+from support.imagesets import make_imagefolder
 from torch.utils.data import DataLoader
 
 import packer
 from packer import PackerError, ThreadLoader, convert, open_dataset
-from support.imagesets import make_imagefolder
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +135,21 @@ def test_arguments_are_checked(packed):
             ThreadLoader(ds, **kwargs)
     with pytest.raises(PackerError, match="packer datasets"):
         ThreadLoader(torch.utils.data.TensorDataset(torch.zeros(3)))  # type: ignore[arg-type]
+
+
+def test_batch_memory_is_used_again_only_once_nothing_holds_it():
+    from packer.read.threaded import BlockPool
+
+    pool = BlockPool(keep=3)
+    first = pool.take(100)
+    where = first.data_ptr()
+    del first
+    again = pool.take(50)
+    assert again.data_ptr() == where  # free: used again
+    view = again[:10].view(2, 5)
+    array = view.numpy()
+    del again, view
+    assert pool.take(10).data_ptr() != where  # a numpy view of a view still holds it
+    del array
+    assert pool.take(10).data_ptr() == where
+    assert len(pool.blocks) <= 3
