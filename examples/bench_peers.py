@@ -77,18 +77,24 @@ def folder_epochs(folder: Path, workers: int, batch: int) -> dict[tuple[str, str
     return out
 
 
-def packer_epochs(path: Path, workers: int, batch: int) -> dict[tuple[str, str], Epoch]:
+def packer_epochs(path: Path, workers: int, batch: int, threads: bool = False) -> dict[tuple[str, str], Epoch]:
+    """packer through a DataLoader with ``workers`` processes, or (``threads``) a ThreadLoader with as many threads."""
     out: dict[tuple[str, str], Epoch] = {}
+
+    def loader(d, c, sampler=None):
+        if threads:
+            return packer.ThreadLoader(d, batch_size=batch, sampler=sampler, num_threads=workers)
+        return DataLoader(d, batch_size=batch, sampler=sampler, num_workers=workers, collate_fn=c)
+
     for setting in SETTINGS:
         crop = packer.RandomResizedCropDecode(224) if setting == "train224" else None
         ds = packer.open_dataset(path, image="tensor", crop=crop)
         collate = list_collate if crop is None else None
-        out[(setting, "stored")] = lambda d=ds, c=collate: _count(
-            DataLoader(d, batch_size=batch, num_workers=workers, collate_fn=c))
+        out[(setting, "stored")] = lambda d=ds, c=collate: _count(loader(d, c))
 
         def training(d=ds, c=collate):
             sampler = packer.BlockShuffleSampler(d, batch_size=batch, seed=0)  # its indices carry their blocks
-            yield from _count(DataLoader(d, batch_size=batch, sampler=sampler, num_workers=workers, collate_fn=c))
+            yield from _count(loader(d, c, sampler))
         out[(setting, "training")] = training
     return out
 
@@ -214,6 +220,7 @@ def run(folder: Path, work: Path, epochs: int = 3, workers: int = 2, batch: int 
         if not out.exists():
             packer.convert(folder, out, to=fmt, progress=False)
         tools[f"packer {fmt}"] = lambda o=out: packer_epochs(o, workers, batch)
+        tools[f"packer {fmt}, ThreadLoader"] = lambda o=out: packer_epochs(o, workers, batch, threads=True)
     makers = {"dali": ("NVIDIA DALI CPU", lambda: dali_epochs(folder, workers, batch)),
               "ffcv": ("FFCV", lambda: ffcv_epochs(folder, work, workers, batch)),
               "litdata": ("LitData", lambda: litdata_epochs(folder, work, workers, batch))}

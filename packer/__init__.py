@@ -21,6 +21,7 @@ _PUBLIC = {
     "CachedDataset": "packer.read.cache",
     "instrument": "packer.diagnose.profile", "profile": "packer.diagnose.profile",
     "BackgroundLoader": "packer.read.loaders", "CUDAPrefetcher": "packer.read.loaders",
+    "ThreadLoader": "packer.read.threaded",
     "BlockShuffleSampler": "packer.read.sampler", "BlockBatchSampler": "packer.read.sampler",
     "block_order": "packer.read.sampler",
     "collate": "packer.read.collate",

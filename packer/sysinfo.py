@@ -48,3 +48,11 @@ def process_start_time(pid: int) -> int | None:
     except (IndexError, ValueError):
         return None
 
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which containers and ``taskset`` narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

@@ -330,7 +330,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--seconds", type=float_in(0.0, 600.0, above=True), default=2.0,
                    help="--decoders: CPU seconds per measurement (default 2)")
     p.add_argument("--levels", type=csv_of(str), default=("read", "decode", "loader"), metavar="L,..",
-                   help="any of read, decode, loader, train (RandomResizedCrop(224) batches) (default: all but train)")
+                   help="any of read, decode, loader, thread (packer.ThreadLoader, --workers threads), train "
+                   "(RandomResizedCrop(224) batches) (default: read, decode, loader)")
     p.add_argument("--orders", type=csv_of(str), default=("sequential", "shuffle", "block"), metavar="O,..",
                    help="any of sequential, shuffle, block (default all)")
     cache = p.add_mutually_exclusive_group()

@@ -1,9 +1,10 @@
 """``packer bench``: throughput of loose folders vs packed datasets, against the machine's ceilings.
 
 For each dataset, level (``read``: bytes only; ``decode``: samples as training receives them;
-``loader``: through a DataLoader; ``train``: a DataLoader of RandomResizedCrop(224) + flip uint8
-batches, the folder through Pillow as torchvision does it, packed datasets in the fused ``crop`` mode),
-order (``bench_sources.BENCH_ORDERS``) and page-cache state
+``loader``: through a DataLoader; ``thread``: packed datasets through ``packer.ThreadLoader``, as many
+threads as the setting's workers (the folder: the loader level's DataLoader); ``train``: a DataLoader of
+RandomResizedCrop(224) + flip uint8 batches, the folder through Pillow as torchvision does it, packed
+datasets in the fused ``crop`` mode), order (``bench_sources.BENCH_ORDERS``) and page-cache state
 (``cold``: every file of the dataset evicted before each repeat, checked with mincore; ``warm``:
 after a full pass), it times ``repeats`` passes and reports the median with min-max, the speed-up
 over the loose folder in the same setting, and the fraction of the relevant ceiling measured in
@@ -42,8 +43,8 @@ from packer.errors import PackerError
 from packer.images.decode import pil_loader
 from packer.read.hints import aheads_of, hinted_order
 
-BENCH_LEVELS = ("read", "decode", "loader", "train")
-LOADER_LEVELS = ("loader", "train")  # through a DataLoader, with workers
+BENCH_LEVELS = ("read", "decode", "loader", "thread", "train")
+LOADER_LEVELS = ("loader", "thread", "train")  # through a loader, with workers (thread: decode threads)
 CACHE_STATES = ("cold", "warm")
 WARMUP_SAMPLES = 32
 BENCH_VERSION = 1
@@ -137,20 +138,27 @@ def _packed_pass(src: Source, level: str, order: BenchOrder, handle: dict) -> tu
 
 
 def _loader_pass(src: Source, order: BenchOrder, workers: int, batch_size: int, pin: bool,
-                 handle: dict, train: bool = False) -> tuple[int, float | None]:
-    """Through a DataLoader (``train``: fused RandomResizedCrop batches): (samples, seconds to the first batch)."""
+                 handle: dict, train: bool = False, threads: bool = False) -> tuple[int, float | None]:
+    """Through a DataLoader (``train``: fused RandomResizedCrop batches; ``threads``: packed datasets through
+    a ThreadLoader of ``workers`` threads): (samples, seconds to the first batch)."""
     from packer.images.crop import RandomResizedCropDecode
+    from packer.read.threaded import ThreadLoader
 
     t0 = time.perf_counter()
+    loader: Any = None
     if src.kind == "folder":
         dataset, indices = (FolderTrain if train else FolderSamples)(src.paths, src.labels), order.indices.tolist()
     else:
         crop = RandomResizedCropDecode(TRAIN_SIZE) if train else None
         packed = handle.setdefault("tds", src.open("tensor", crop=crop))
         dataset, indices = packed, _yielded(packed, order)  # the order is of storage positions
-    stacked = train or one_shape(dataset)
-    loader = DataLoader(dataset, batch_size=batch_size, sampler=indices, num_workers=workers,
-                        collate_fn=None if stacked else list_collate, pin_memory=pin)
+        if threads:
+            loader = ThreadLoader(packed, batch_size=batch_size, sampler=indices, num_threads=max(workers, 1),
+                                  pin_memory=pin)
+    if loader is None:
+        stacked = train or one_shape(dataset)
+        loader = DataLoader(dataset, batch_size=batch_size, sampler=indices, num_workers=workers,
+                            collate_fn=None if stacked else list_collate, pin_memory=pin)
     first, count = None, 0
     for images, _labels in loader:
         if first is None:
@@ -165,7 +173,8 @@ def run_pass(src: Source, level: str, order: BenchOrder, workers: int, batch_siz
     t0 = time.perf_counter()
     first = None
     if level in LOADER_LEVELS:
-        count, first = _loader_pass(src, order, workers, batch_size, pin, handle, train=level == "train")
+        count, first = _loader_pass(src, order, workers, batch_size, pin, handle, train=level == "train",
+                                    threads=level == "thread")
         nbytes = int(src.nbytes[order.indices].sum())
     elif level in ("read", "decode"):
         if src.kind == "folder":

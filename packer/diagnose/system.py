@@ -18,13 +18,7 @@ NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "9p",
 PARALLEL_FS = {"lustre", "gpfs", "beegfs", "fuse.lustre"}
 MEMORY_FS = {"tmpfs", "ramfs"}
 
-
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity, which containers and ``taskset`` narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+usable_cores = sysinfo.usable_cores  # cores this process may run on (its CPU affinity)
 
 
 def fs_kind(fstype: str | None) -> str:

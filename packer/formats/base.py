@@ -99,6 +99,11 @@ class ShardReader(ABC):
         """
         return [[] for _ in positions]
 
+    def in_page_cache(self, positions: Sequence[int]) -> bool:
+        """True when every byte reading ``positions`` touches is in the page cache (read-ahead would only copy
+        it again); default False: not known."""
+        return False
+
     def will_need(self, positions: Sequence[int]) -> None:
         """Ask the kernel for these samples' files at once (formats of one file per sample); default nothing."""
 

@@ -55,6 +55,7 @@ from packer.formats.base import (
 from packer.layout.digest import StreamDigest
 from packer.layout.manifest import Shard
 from packer.layout.trust import npy_header
+from packer.pagecache import PageCache
 from packer.perprocess import PerProcess
 
 
@@ -204,6 +205,7 @@ class Reader(ShardReader):
         if len(self.paths) != (1 if self.fixed_shape else 2 + (payload == "raw")):
             raise PackerError(f"{directory}: a memmap shard of this layout has other files than {self.paths}")
         self._maps: PerProcess[_Maps] = PerProcess()
+        self._cache: PerProcess[PageCache] = PerProcess(inherited=PageCache.close)
 
     def _open(self) -> _Maps:
         files: list = []
@@ -271,6 +273,17 @@ class Reader(ShardReader):
             return [[(path, m.start + p * size, m.start + (p + 1) * size)] for p in positions]
         return [[(path, int(m.offsets[p]), int(m.offsets[p + 1]))] for p in positions]
 
+    def _page_cache(self) -> PageCache:
+        return PageCache(self.paths[0])
+
+    def in_page_cache(self, positions: list[int]) -> bool:
+        m = self._get()
+        pos = np.asarray(positions, dtype=np.int64)
+        if m.offsets is None:
+            size = m.data[0].nbytes if len(m.data) else 0
+            return self._cache.get(self._page_cache).resident(m.start + pos * size, m.start + (pos + 1) * size)
+        return self._cache.get(self._page_cache).resident(m.offsets[pos], m.offsets[pos + 1])
+
     def read_into(self, positions: list[int], out: np.ndarray) -> None:
         """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``, one copy per run."""
         if self.fixed_shape is None:
@@ -278,6 +291,7 @@ class Reader(ShardReader):
         copy_runs(self._get().data, positions, out)
 
     def close(self) -> None:
+        self._cache.close(PageCache.close)
         self._maps.close(lambda m: [fh.close() for fh in m.files])  # the mappings go with their last view
 
 

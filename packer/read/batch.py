@@ -4,7 +4,7 @@ batch tensors read in bulk where the format allows (``get_batch``), and datasets
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -37,17 +37,51 @@ def batch_slots(ds: PackedDataset, indices: Sequence[int], max_bytes: int = BATC
     """
     if in_worker is None:
         in_worker = get_worker_info() is not None
-    if ds.image != "tensor" or ds.transform is not None or ds.decode_size or not in_worker:
+    if not in_worker:
+        return None
+    shapes = _slot_shapes(ds, indices, max_bytes)
+    if shapes is None:
         return None
     if ds.crop is not None:  # fused crops: every output has crop.size, decoded straight into one block
         return list(_new_batch((len(indices), *ds.crop.size, 3), shared=True).unbind(0))
+    if len(set(shapes)) <= 1:
+        # One shape: a collate function stacks them into shared memory itself; a block here would be
+        # one more copy (default_collate over 224x224 mosaic tiles: ~20 % fewer tiles/s with it).
+        return None
+    return _views(_new_batch((sum(h * w * 3 for h, w in shapes),), shared=True), shapes)
+
+
+def decode_block(ds: PackedDataset, indices: Sequence[int], alloc: Callable[[int], torch.Tensor] | None = None,
+                 max_bytes: int = BATCH_BLOCK_MAX) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
+    """A batch to decode into in this process (``packer.ThreadLoader``): ``(stacked, slots)``.
+
+    One shape (fused crops, fixed-size datasets): ``stacked`` is an (N, H, W, 3) tensor and ``slots``
+    its rows, so the decoded batch needs no stacking copy. Several shapes: ``stacked`` is None and
+    ``slots`` are views of one flat block. None where ``batch_slots`` would not decode into slots.
+    ``alloc(nbytes)``: the flat uint8 memory (default a new tensor).
+    """
+    shapes = _slot_shapes(ds, indices, max_bytes)
+    if shapes is None:
+        return None
+    total = sum(h * w * 3 for h, w in shapes)
+    block = torch.empty(total, dtype=torch.uint8) if alloc is None else alloc(total)
+    if len(set(shapes)) <= 1:
+        h, w = shapes[0] if shapes else (0, 0)
+        stacked = block.view(len(shapes), h, w, 3)
+        return stacked, list(stacked.unbind(0))
+    return None, _views(block, shapes)
+
+
+def _slot_shapes(ds: PackedDataset, indices: Sequence[int], max_bytes: int) -> list[tuple[int, int]] | None:
+    """(h, w) of each sample's slot (storage positions); None where slots don't apply: other image kinds,
+    transforms, ``decode_size``, sizes the index lacks or that the per-sample path would refuse, too large."""
+    if ds.image != "tensor" or ds.transform is not None or ds.decode_size:
+        return None
+    if ds.crop is not None:
+        return [tuple(ds.crop.size)] * len(indices)  # type: ignore[list-item]
     idx = np.asarray(indices, dtype=np.int64)
     h, w = ds.index.heights[idx].astype(np.int64), ds.index.widths[idx].astype(np.int64)
     if not len(h) or np.any(h <= 0) or np.any(w <= 0):
-        return None
-    if np.all(h == h[0]) and np.all(w == w[0]):
-        # One shape: a collate function stacks them into shared memory itself; a block here would be
-        # one more copy (default_collate over 224x224 mosaic tiles: ~20 % fewer tiles/s with it).
         return None
     # Sizes come from metadata: allocate only what the per-sample path would accept (it names the problem)
     if ds.manifest.payload == "encoded":
@@ -56,11 +90,18 @@ def batch_slots(ds: PackedDataset, indices: Sequence[int], max_bytes: int = BATC
             return None
     elif np.any(ds.index.nbytes[idx] != h * w * 3):
         return None
-    ends = np.cumsum(h * w * 3)
-    if ends[-1] > max_bytes:
+    if int((h * w * 3).sum()) > max_bytes:
         return None  # nothing checked the sizes yet: don't map more than this on their word
-    block = _new_batch((int(ends[-1]),), shared=in_worker)
-    return [block[int(e) - int(hh * ww * 3):int(e)].view(int(hh), int(ww), 3) for e, hh, ww in zip(ends, h, w)]
+    return list(zip(h.tolist(), w.tolist()))
+
+
+def _views(block: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """HWC views of consecutive pieces of the flat ``block``, one per shape."""
+    out, start = [], 0
+    for h, w in shapes:
+        out.append(block[start:start + h * w * 3].view(h, w, 3))
+        start += h * w * 3
+    return out
 
 
 def get_batch(

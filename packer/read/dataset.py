@@ -48,11 +48,6 @@ FILE_SOURCES = ("", "folder", "list")  # source types whose records are files be
 BLOCKS_REMEMBERED = 64  # hinted ranges a process remembers having read ahead (~1 GB at the sampler's 16 MB)
 
 
-def _file_order(idx: Sequence[int]) -> list[int]:
-    """Positions of ``idx`` sorted by sample index (file order; ties keep their order), as prefetch plans them."""
-    return sorted(range(len(idx)), key=idx.__getitem__)
-
-
 class PackedDataset(FolderSurface):
     """A packed dataset of any format, read as ``(image, label)`` pairs like ImageFolder."""
 
@@ -118,10 +113,11 @@ class PackedDataset(FolderSurface):
         file per sample (bmp) have the kernel read them all at once instead. Indices a block sampler
         yielded (packer.read.hints) also have the rest of their blocks read, in the background.
         """
-        return self.start_reads(self.positions(indices), aheads_of(indices))
+        return self.start_reads(self.positions(indices), aheads_of(indices), skip_cached=False)
 
-    def start_reads(self, idx: np.ndarray, ahead: Sequence[Ahead] = ()) -> readahead.Pending:
-        """``read_ahead`` of storage positions (the staged-reading hook ``load_batch`` calls)."""
+    def start_reads(self, idx: np.ndarray, ahead: Sequence[Ahead] = (), skip_cached: bool = True) -> readahead.Pending:
+        """``read_ahead`` of storage positions (the staged-reading hook ``load_batch`` calls); ``skip_cached``:
+        not the shards whose bytes for ``idx`` are all in the page cache (reading them ahead would only copy)."""
         ordered = idx[np.argsort(idx, kind="stable")]
         shard_of = np.searchsorted(self.store.starts, ordered, side="right") - 1
         requests: list = []
@@ -129,6 +125,9 @@ class PackedDataset(FolderSurface):
             reader = self.store.readers[shard]
             positions = (ordered[shard_of == shard] - self.store.starts[shard]).tolist()
             with reading(self.store.where(shard)):
+                if skip_cached and reader.in_page_cache(positions):
+                    requests.extend([] for _ in positions)
+                    continue
                 reader.will_need(positions)  # formats of one file per sample: the kernel reads them all at once
                 requests.extend(reader.file_spans(positions))  # the others: byte ranges for the read-ahead thread
         return readahead.start(requests, later=self._new_ranges(ahead))
@@ -175,31 +174,27 @@ class PackedDataset(FolderSurface):
     def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = ()) -> list:
         """Payloads at these storage positions, read ahead in file order, returned in the order asked.
 
-        Runs of neighbours in a shard are read with one ``read_many`` call each, as soon as the
-        read-ahead has brought in the run's last sample (``ahead``: as for ``start_reads``).
+        Each shard's samples are read with one ``read_many`` call in file order, once the read-ahead
+        has brought in its last one, and checked against the index together: the Python work per
+        sample is one view or copy (warm reads at the loose folder's rate or above; docs/results.md).
+        ``ahead``: as for ``start_reads``.
         """
         idx = np.asarray(stored, dtype=np.int64)
         pending = self.start_reads(idx, ahead)
-        order = np.asarray(_file_order(idx.tolist()), dtype=np.int64)
+        order = np.argsort(idx, kind="stable")
+        ordered = idx[order]
         out: list = [None] * len(idx)
-        shard_of = np.searchsorted(self.store.starts, idx[order], side="right") - 1
-        k = 0
-        while k < len(order):
-            shard = int(shard_of[k])
-            stop = k + 1
-            while stop < len(order) and shard_of[stop] == shard and idx[order[stop]] <= idx[order[stop - 1]] + 1:
-                stop += 1
-            pending.wait(stop - 1)
-            where = order[k:stop]
-            positions = (idx[where] - self.store.starts[shard]).tolist()
+        shard_of = np.searchsorted(self.store.starts, ordered, side="right") - 1
+        bounds = np.flatnonzero(np.diff(shard_of)) + 1
+        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(ordered)]):
+            shard = int(shard_of[lo])
+            pending.wait(max(range(lo, hi), key=pending.need.__getitem__))  # the last to arrive
+            positions = ordered[lo:hi] - self.store.starts[shard]
             with reading(self.store.where(shard)):
-                bufs = self.store.readers[shard].read_many(positions)
-            if len(bufs) != len(positions):
-                raise PackerError(f"{self.store.where(shard)}: {len(bufs)} samples read, {len(positions)} asked")
-            for j, buf in zip(where.tolist(), bufs):
-                self.store.check_read(shard, int(idx[j]), buf)
+                bufs = self.store.readers[shard].read_many(positions.tolist())
+            self.store.check_reads(shard, ordered[lo:hi], bufs)
+            for j, buf in zip(order[lo:hi].tolist(), bufs):
                 out[j] = buf
-            k = stop
         return out
 
     def pixels_at(self, i: int, payload=None, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
@@ -263,6 +258,11 @@ class PackedDataset(FolderSurface):
     def batch_slots(self, indices: Sequence[int]) -> list[torch.Tensor] | None:
         """One shared block for a worker's batch of mixed sizes (storage positions; ``read.batch.batch_slots``)."""
         return batch.batch_slots(self, indices)
+
+    def decode_block(self, indices: Sequence[int], alloc: Callable[[int], torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
+        """A batch of slots to decode into in this process (storage positions; ``read.batch.decode_block``)."""
+        return batch.decode_block(self, indices, alloc)
 
     def get_batch(
         self, indices: Sequence[int], layout: Literal["NHWC", "NCHW"] = "NHWC", sort: bool = False,

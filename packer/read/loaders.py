@@ -14,7 +14,7 @@ import queue
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any, cast
 
 import torch
@@ -59,6 +59,41 @@ def _produce(it: Iterator, out: queue.Queue, stop: threading.Event, loader: Stat
         del it  # drop the loader's iterator in this thread (DataLoader workers shut down with it)
 
 
+def prefetched(it: Iterator, depth: int, stateful: Stateful | None = None, join_timeout: float = 60.0,
+               name: str = "packer-prefetch") -> Generator[tuple[Any, Any], None, None]:
+    """``(item, state)`` for each item of ``it``, pulled up to ``depth`` ahead by a thread of its own.
+
+    ``state``: ``stateful.state_dict()`` taken right after the item was pulled (None without one). The
+    thread stops and is joined when ``it`` ends or raises (raised again here, with its traceback), and
+    when this generator is closed or collected (the consumer broke out or raised).
+    """
+    out: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    thread = threading.Thread(target=_produce, args=(it, out, stop, stateful), name=name, daemon=True)
+    del it
+    thread.start()
+    try:
+        while True:
+            item, state = out.get()
+            if item is _END:
+                return
+            if isinstance(item, _Raised):
+                raise item.exc
+            yield item, state
+    finally:
+        stop.set()
+        while True:  # unblock a producer waiting on a full queue
+            try:
+                out.get_nowait()
+            except queue.Empty:
+                break
+        thread.join(join_timeout)
+        if thread.is_alive():
+            warnings.warn(
+                f"{name}: the loader did not return a batch within {join_timeout:.0f} s "
+                "of being stopped; its thread is left to finish that batch", RuntimeWarning, stacklevel=2)
+
+
 class BackgroundLoader:
     """Iterate ``loader`` in a background thread that keeps up to ``depth`` batches ready.
 
@@ -88,37 +123,14 @@ class BackgroundLoader:
         return gen
 
     def _iterate(self) -> Iterator:
-        out: queue.Queue = queue.Queue(maxsize=self.depth)
-        stop = threading.Event()
-        it = iter(self.loader)  # created here: DataLoader workers are started from the caller's thread
         stateful = self.loader if isinstance(self.loader, Stateful) else None
         if stateful is not None:
             self._state = copy.deepcopy(stateful.state_dict())  # where this iteration starts (a loaded state)
-        thread = threading.Thread(target=_produce, args=(it, out, stop, stateful), name="packer-BackgroundLoader",
-                                  daemon=True)
-        del it
-        thread.start()
-        try:
-            while True:
-                item, state = out.get()
-                if item is _END:
-                    return
-                if isinstance(item, _Raised):
-                    raise item.exc
-                self._state = state
-                yield item
-        finally:
-            stop.set()
-            while True:  # unblock a producer waiting on a full queue
-                try:
-                    out.get_nowait()
-                except queue.Empty:
-                    break
-            thread.join(self.join_timeout)
-            if thread.is_alive():
-                warnings.warn(
-                    f"BackgroundLoader: the loader did not return a batch within {self.join_timeout:.0f} s "
-                    "of being stopped; its thread is left to finish that batch", RuntimeWarning, stacklevel=2)
+        # iter() here, in the caller's thread (DataLoader workers are started from it); no reference kept
+        for item, state in prefetched(iter(self.loader), self.depth, stateful, self.join_timeout,
+                                      "packer-BackgroundLoader"):
+            self._state = state
+            yield item
 
     def close(self) -> None:
         """Stop every iteration still running (their threads are joined)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -90,6 +90,12 @@ class StagedDataset(Dataset, ABC):
 
     def batch_slots(self, idx: Sequence[int]) -> list[torch.Tensor] | None:
         """Per sample (storage positions), a tensor in one shared block to decode into; None: each its own array."""
+        return None
+
+    def decode_block(self, idx: Sequence[int], alloc: Callable[[int], torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
+        """A batch to decode into in this process: (the stacked NHWC batch or None, one slot per sample);
+        None: each sample its own array (``packer.ThreadLoader`` then collates)."""
         return None
 
     def block_boundaries(self) -> np.ndarray | None:

@@ -82,6 +82,19 @@ class ShardStore:
             raise PackerError(f"{self.where(shard, i)}: {size} bytes read, the index says "
                               f"{int(self.index.nbytes[i])} (damaged dataset)")
 
+    def check_reads(self, shard: int, positions: np.ndarray, bufs: list) -> None:
+        """``check_read`` of many payloads of one shard (dataset positions ``positions``), at once."""
+        if len(bufs) != len(positions):
+            raise PackerError(f"{self.where(shard)}: {len(bufs)} samples read, {len(positions)} asked")
+        self.check_same_files(shard)
+        sizes = np.fromiter((b.nbytes if isinstance(b, (np.ndarray, memoryview)) else len(b) for b in bufs),
+                            dtype=np.int64, count=len(bufs))
+        bad = np.flatnonzero(sizes != self.index.nbytes[positions])
+        if len(bad):
+            i = int(positions[bad[0]])
+            raise PackerError(f"{self.where(shard, i)}: {int(sizes[bad[0]])} bytes read, the index says "
+                              f"{int(self.index.nbytes[i])} (damaged dataset)")
+
     def check_same_files(self, shard: int) -> None:
         """Once per process and shard, after its reader opened: the files are those this dataset was opened on."""
         checked = self._checked.get()

@@ -1,0 +1,112 @@
+"""Full decode through packer.ThreadLoader and through a DataLoader, against bare libjpeg-turbo, in one run.
+
+    python examples/measure_threads.py DATASET.lmdb DATASET.memmap --rounds 3 --json threads.json
+
+For each dataset and order (stored; BlockShuffleSampler's), whole epochs of ``image="tensor"`` batches of 64
+through ``DataLoader(num_workers=N, collate_fn=packer.collate)`` and ``ThreadLoader(num_threads=N)`` (N: the
+usable cores), interleaved round by round with bare libjpeg-turbo (PyTurboJPEG, one thread, new arrays) on the
+same bytes in memory. Reported per loader: images/s (median of the rounds), CPU ms per image of every process
+(this one and the workers), the fraction of N x the bare per-core rate, and the CPU efficiency (bare CPU per
+image / the loader's): on a machine shared with other work the wall-clock fraction falls with the load, the CPU
+efficiency much less. Results and the command: docs/results.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+import packer
+from packer import sysinfo
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its reaped children (DataLoader workers end with their epoch)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def timed(epoch: Callable[[], Iterable[int]]) -> tuple[float, float]:
+    """(images/s, CPU ms per image) of one whole epoch."""
+    c0, t0, n = cpu_seconds(), time.perf_counter(), 0
+    for count in epoch():
+        n += count
+    return n / (time.perf_counter() - t0), (cpu_seconds() - c0) / max(n, 1) * 1e3
+
+
+def bare_epoch(payloads: list[bytes], batch: int) -> Iterable[int]:
+    from turbojpeg import TJPF_RGB, TurboJPEG
+
+    tj = TurboJPEG()
+    for k in range(0, len(payloads), batch):
+        yield len([tj.decode(b, pixel_format=TJPF_RGB) for b in payloads[k:k + batch]])
+
+
+def loader_epochs(path: Path, cores: int, batch: int) -> dict[tuple[str, str], Callable[[], Iterable[int]]]:
+    ds = packer.open_dataset(path, image="tensor")
+
+    def epoch(kind: str, order: str) -> Iterable[int]:
+        sampler = packer.BlockShuffleSampler(ds, batch_size=batch, seed=0) if order == "block" else None
+        try:
+            if kind == "ThreadLoader":
+                loader: Iterable = packer.ThreadLoader(ds, batch_size=batch, sampler=sampler, num_threads=cores)
+            else:
+                loader = DataLoader(ds, batch_size=batch, sampler=sampler, num_workers=cores, collate_fn=packer.collate)
+            for images, _labels in loader:
+                yield len(images)
+        finally:
+            ds.read_ahead_blocks(None)
+
+    return {(kind, order): (lambda k=kind, o=order: epoch(k, o))
+            for order in ("stored", "block") for kind in ("DataLoader", "ThreadLoader")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("datasets", nargs="+", type=Path)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    cores = sysinfo.usable_cores()
+    report: dict = {"cores": cores, "rounds": a.rounds, "batch_size": a.batch_size, "datasets": {}}
+    for path in a.datasets:
+        payloads = [bytes(b) for b in packer.open_dataset(path).read_payloads(range(len(packer.open_dataset(path))))]
+        epochs = {("bare libjpeg-turbo, 1 thread", "-"): lambda p=payloads: bare_epoch(p, a.batch_size),
+                  **loader_epochs(path, cores, a.batch_size)}
+        runs: dict = {key: [] for key in epochs}
+        for epoch in epochs.values():
+            next(iter(epoch()), None)  # warm-up: imports, page cache
+        for _ in range(a.rounds):  # interleaved: each round measures every loader once
+            for key, epoch in epochs.items():
+                runs[key].append(timed(epoch))
+        bare_rate = statistics.median(r for r, _ in runs[("bare libjpeg-turbo, 1 thread", "-")])
+        bare_cpu = statistics.median(c for _, c in runs[("bare libjpeg-turbo, 1 thread", "-")])
+        rows = report["datasets"][str(path)] = []
+        print(f"\n{path} ({len(payloads)} images, {cores} cores; bare libjpeg-turbo {bare_rate:,.0f} img/s per core, "
+              f"{bare_cpu:.2f} CPU ms/img)")
+        for (kind, order), got in runs.items():
+            rate, cpu = statistics.median(r for r, _ in got), statistics.median(c for _, c in got)
+            row = {"loader": kind, "order": order, "images_per_s": rate, "runs": [r for r, _ in got],
+                   "cpu_ms_per_image": cpu, "of_decode_limit": rate / (cores * bare_rate),
+                   "cpu_efficiency": bare_cpu / cpu}
+            rows.append(row)
+            print(f"  {kind:<30} {order:<7} {rate:8,.0f} img/s  {cpu:5.2f} CPU ms/img  "
+                  f"{row['of_decode_limit']:5.0%} of {cores} x bare  CPU efficiency {row['cpu_efficiency']:4.0%}")
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()

@@ -1,0 +1,102 @@
+"""Is a file's byte range in the page cache already? (``mincore`` on a mapping that is never touched.)
+
+Read-ahead of bytes already cached only copies them once more through another thread; asking the
+kernel first costs one system call per batch and shard. Any failure to ask answers False (not known
+to be cached), so callers read ahead as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+GAP_PAGES = 64  # ranges closer than this are asked about in one call
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+
+
+class PageCache:
+    """Asks the kernel which pages of ``path`` are cached, through a read-only mapping of it.
+
+    The mapping is made on first use and never read from, so it faults nothing in and keeps nothing
+    mapped; ``close`` drops it. Not for sharing across fork: make one per process (``PerProcess``).
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = os.fspath(path)
+        self._map: mmap.mmap | None = None
+        self._base = 0  # the mapping's address
+        self._size = 0
+        self._vec = np.zeros(0, dtype=np.uint8)  # mincore's answer, reused
+        self._failed = _LIBC is None
+
+    def _open(self) -> bool:
+        try:
+            with open(self.path, "rb") as fh:
+                size = os.fstat(fh.fileno()).st_size
+                if size == 0:
+                    return False
+                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            self._failed = True
+            return False
+        self._size = size
+        self._base = np.frombuffer(self._map, dtype=np.uint8).ctypes.data  # the address; no page touched
+        return True
+
+    def resident(self, starts: np.ndarray, ends: np.ndarray) -> bool:
+        """True when every byte of every range [starts[k], ends[k]) of the file is in the page cache."""
+        libc = _LIBC
+        if libc is None or self._failed or not len(starts) or (self._map is None and not self._open()):
+            return False
+        starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
+        keep = ends > starts
+        starts, ends = starts[keep], ends[keep]
+        if not len(starts):
+            return True
+        lo, hi = starts // PAGE, (ends - 1) // PAGE + 1  # pages [lo, hi) of each range
+        if int(hi.max()) * PAGE > self._size + PAGE - 1:
+            return False  # past the end of the file as mapped: the reader's own checks will say why
+        order = np.argsort(lo, kind="stable")
+        lo, hi = lo[order], hi[order]
+        reach = np.maximum.accumulate(hi)
+        # ranges within GAP_PAGES of the ones before share one call over their hull (its extra pages are cheap)
+        cuts = (np.flatnonzero(lo[1:] > reach[:-1] + GAP_PAGES) + 1).tolist()
+        for a, b in zip([0, *cuts], [*cuts, len(lo)]):
+            first, last = int(lo[a]), int(reach[b - 1])
+            if last - first > len(self._vec):
+                self._vec = np.zeros(last - first, dtype=np.uint8)
+            vec = self._vec[:last - first]
+            if libc.mincore(self._base + first * PAGE, (last - first) * PAGE, vec.ctypes.data) != 0:
+                return False
+            if b - a == 1:
+                if not np.all(vec & 1):
+                    return False
+                continue
+            cached = np.concatenate(([0], np.cumsum(vec & 1)))
+            if not np.all(cached[hi[a:b] - first] - cached[lo[a:b] - first] == hi[a:b] - lo[a:b]):
+                return False
+        return True
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view still exported (never here: the address was taken from a temporary)
+                pass
+            self._map = None

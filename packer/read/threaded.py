@@ -1,0 +1,226 @@
+"""``packer.ThreadLoader``: DataLoader's surface, each batch decoded by threads of this process.
+
+libjpeg-turbo (through ctypes) and Pillow release the GIL while they decode, so N threads of one
+process decode N images at once, with no worker processes to start, no batch pickled or copied
+between processes, and no main process competing with the workers for a core. A thread of its own
+draws each batch's indices from the sampler and reads its payloads (read-ahead included), then
+hands the batch to the decode threads in a few chunks; batches come out in the sampler's order.
+Where samples are uint8 tensors without a transform (``image="tensor"``), they are decoded straight
+into the batch's memory: one (N, 3, H, W) tensor when they share a size (fused crops, fixed-size
+datasets), else a list of (3, h, w) views of one block. Figures: docs/results.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data._utils.collate import default_collate
+
+from packer import sysinfo
+from packer.errors import PackerError
+from packer.read.collate import collate as packer_collate
+from packer.read.hints import aheads_of
+from packer.read.loaders import map_tensors, prefetched
+from packer.read.resume import Stateful
+from packer.read.staged import StagedDataset, pixels_in_slot
+
+CHUNKS_PER_THREAD = 2  # a batch is cut into threads x this many chunks: enough to balance, few to hand over
+
+
+class BlockPool:
+    """Batch memory used again once nothing holds a batch made from it.
+
+    Fresh memory costs a page fault per 4 KiB page on first touch (decoding 64 photos of 500x375 into
+    a new block: ~25 % more CPU than into memory touched before; docs/results.md). A block is a numpy
+    array that every tensor made from it keeps alive (``torch.from_numpy``): when only this pool still
+    refers to it, no batch, view or copy-free conversion of one is left, and it is handed out again.
+    """
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep  # blocks remembered; beyond them new blocks are left to the garbage collector
+        self.blocks: list[np.ndarray] = []
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 tensor of ``nbytes``, in a free block where one is large enough."""
+        for k in range(len(self.blocks)):
+            # references: the list's, and getrefcount's argument
+            if self.blocks[k].nbytes >= nbytes and sys.getrefcount(self.blocks[k]) == 2:
+                return torch.from_numpy(self.blocks[k])[:nbytes]
+        block = np.empty(max([nbytes, *(b.nbytes for b in self.blocks)]), dtype=np.uint8)
+        free = [k for k in range(len(self.blocks)) if sys.getrefcount(self.blocks[k]) == 2]
+        if len(self.blocks) < self.keep:
+            self.blocks.append(block)
+        elif free:
+            self.blocks[free[0]] = block  # a free one too small: replaced by the larger one
+        return torch.from_numpy(block)[:nbytes]
+
+
+class _Batch:
+    """One batch on its way: its decode chunks, and where its samples land."""
+
+    def __init__(self, futures: list[Future], stacked: torch.Tensor | None, fast: bool) -> None:
+        self.futures = futures
+        self.stacked = stacked  # the (N, H, W, 3) batch the slots are rows of, or None
+        self.fast = fast  # decoded into slots of our own block, no collate_fn: the batch is that block
+
+    def result(self, collate_fn: Callable[[list], Any], pin: bool) -> Any:
+        items: list = []
+        in_slots = True
+        for f in self.futures:
+            chunk, all_in = f.result()
+            items.extend(chunk)
+            in_slots = in_slots and all_in
+        if self.fast and in_slots:
+            images = self.stacked.permute(0, 3, 1, 2) if self.stacked is not None else [img for img, _ in items]
+            return [images, default_collate([target for _, target in items])]
+        batch = collate_fn(items)
+        return map_tensors(batch, lambda t: t.pin_memory()) if pin else batch
+
+
+def _decode(ds: StagedDataset, positions: list[int], payloads: list, slots: Sequence[torch.Tensor | None]
+            ) -> tuple[list, bool]:
+    """Decode thread body: the samples as the dataset hands them out, and whether each went into its slot."""
+    out, all_in = [], True
+    for i, payload, slot in zip(positions, payloads, slots, strict=True):
+        arr, tensor = pixels_in_slot(ds, i, payload, slot)
+        all_in = all_in and tensor is not None
+        out.append(ds.present_at(i, arr, tensor))
+    return out, all_in
+
+
+class ThreadLoader:
+    """Batches of ``dataset`` decoded by ``num_threads`` threads in this process, in the sampler's order.
+
+    Arguments as DataLoader's (``batch_size``, ``shuffle``, ``sampler``, ``batch_sampler``,
+    ``drop_last``, ``collate_fn``, ``pin_memory``, ``generator``); ``num_threads`` replaces
+    ``num_workers`` (default: the cores this process may use) and ``prefetch_batches`` says how many
+    batches are read and decoded ahead of the one handed out. Batches equal those of
+    ``DataLoader(dataset, ..., collate_fn=packer.collate)``, except that a stacked image batch is a
+    channels-last view (``images.permute(0, 3, 1, 2)`` of an NHWC block; ``.contiguous()`` makes it
+    NCHW). Call ``set_epoch`` on the sampler as with a DataLoader. ``state_dict()`` works over a
+    sampler or batch sampler that has one (``BlockShuffleSampler``, ``BlockBatchSampler``): the
+    position after the last batch handed out, not after those read ahead.
+    """
+
+    def __init__(
+        self, dataset: StagedDataset, batch_size: int = 1, shuffle: bool = False,
+        sampler: Sampler | Iterable[int] | None = None, batch_sampler: Iterable[Sequence[int]] | None = None,
+        num_threads: int | None = None, collate_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
+        drop_last: bool = False, prefetch_batches: int = 2, generator: torch.Generator | None = None,
+    ) -> None:
+        if not isinstance(dataset, StagedDataset):
+            raise PackerError(f"ThreadLoader reads packer datasets (open_dataset), not a {type(dataset).__name__}")
+        if num_threads is not None and num_threads < 1:
+            raise PackerError(f"num_threads must be at least 1, got {num_threads}")
+        if prefetch_batches < 1:
+            raise PackerError(f"prefetch_batches must be at least 1, got {prefetch_batches}")
+        if batch_sampler is not None and (batch_size != 1 or shuffle or sampler is not None or drop_last):
+            raise PackerError("batch_sampler is mutually exclusive with batch_size, shuffle, sampler and drop_last")
+        if shuffle and sampler is not None:
+            raise PackerError("sampler is mutually exclusive with shuffle")
+        if batch_sampler is None and batch_size < 1:
+            raise PackerError(f"batch_size must be at least 1, got {batch_size}")
+        self.dataset = dataset
+        if batch_sampler is None:
+            if sampler is None:
+                sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+            batch_sampler = BatchSampler(sampler, batch_size, drop_last)  # type: ignore[arg-type]
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self.num_threads = num_threads or sysinfo.usable_cores()
+        self.collate_fn = collate_fn
+        self.pin_memory = pin_memory and torch.cuda.is_available()
+        if pin_memory and not self.pin_memory:
+            warnings.warn("ThreadLoader: pin_memory=True, but no CUDA device here: not pinning", stacklevel=2)
+        self.prefetch_batches = prefetch_batches
+        self.generator = generator
+        self._live: weakref.WeakSet = weakref.WeakSet()
+        self._state: dict[str, Any] | None = None  # the sampler's state after the last batch handed out
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator:
+        gen = self._iterate()
+        self._live.add(gen)
+        return gen
+
+    def _iterate(self) -> Iterator:
+        stateful = self._stateful_or_none()
+        if stateful is not None:
+            self._state = copy.deepcopy(stateful.state_dict())  # where this iteration starts (a loaded state)
+        # DataLoader draws a seed for its workers first: drawn here too, a shuffle's order is DataLoader's
+        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+        pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="packer-decode")
+        feed = prefetched(self._start_batches(pool), self.prefetch_batches, stateful, name="packer-ThreadLoader")
+        collate_fn = self.collate_fn or packer_collate
+        try:
+            for job, state in feed:
+                batch = job.result(collate_fn, self.pin_memory)
+                self._state = state
+                yield batch
+        finally:
+            feed.close()  # stops the thread drawing batches (no new chunks after this)
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _start_batches(self, pool: ThreadPoolExecutor) -> Iterator[_Batch]:
+        """Feeder thread body: per batch, read its payloads and queue its decode chunks."""
+        ds = self.dataset
+        blocks = BlockPool(self.prefetch_batches + 3)  # those in flight, the one handed out, one the caller keeps
+        alloc = (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True)) if self.pin_memory else blocks.take
+        for indices in self.batch_sampler:
+            idx = ds.positions(list(indices))
+            positions = idx.tolist()
+            block = ds.decode_block(positions, alloc)
+            stacked, slots = (None, [None] * len(positions)) if block is None else block
+            payloads = ds.payloads_at(idx, aheads_of(indices))  # a block sampler's indices carry their blocks
+            cuts = np.linspace(0, len(positions), min(len(positions), self.num_threads * CHUNKS_PER_THREAD) + 1)
+            bounds = np.unique(cuts.astype(np.int64)).tolist()
+            futures = [pool.submit(_decode, ds, positions[a:b], payloads[a:b], slots[a:b])
+                       for a, b in zip(bounds[:-1], bounds[1:])]
+            yield _Batch(futures, stacked, fast=block is not None and self.collate_fn is None)
+
+    def close(self) -> None:
+        """Stop every iteration still running (their threads are joined)."""
+        for gen in list(self._live):
+            gen.close()
+
+    def _stateful_or_none(self) -> Stateful | None:
+        for obj in (self.batch_sampler, self.sampler):
+            if isinstance(obj, Stateful):
+                return obj
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's position after the last batch this loader handed out."""
+        stateful = self._stateful()
+        return {"sampler": copy.deepcopy(stateful.state_dict() if self._state is None else self._state)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume the next iteration after the last batch handed out when ``state_dict`` was saved."""
+        if not isinstance(state_dict, dict) or "sampler" not in state_dict:
+            raise PackerError("not a ThreadLoader state: expected a dict with the key 'sampler'")
+        self._stateful().load_state_dict(state_dict["sampler"])
+        self._state = copy.deepcopy(state_dict["sampler"])
+
+    def _stateful(self) -> Stateful:
+        stateful = self._stateful_or_none()
+        if stateful is None:
+            raise PackerError(f"ThreadLoader over a {type(self.sampler or self.batch_sampler).__name__} cannot save "
+                              "its position: use a sampler with state_dict(), e.g. packer.BlockShuffleSampler")
+        return stateful
+
+    def __enter__(self) -> ThreadLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

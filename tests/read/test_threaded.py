@@ -1,0 +1,155 @@
+"""packer.ThreadLoader: the same samples, order and pixels as a DataLoader; errors and shutdown."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from support.imagesets import make_imagefolder
+from torch.utils.data import DataLoader
+
+import packer
+from packer import PackerError, ThreadLoader, convert, open_dataset
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """The same JPEGs of varied sizes (plus a PNG and a grayscale JPEG) as lmdb and memmap."""
+    from packer.tools.sample import photo_like
+
+    root = tmp_path_factory.mktemp("threaded")
+    src = make_imagefolder(root / "src", classes=3, per_class=9, size=(30, 40))
+    rng = np.random.default_rng(3)
+    photo_like(rng, 27, 35, 1).save(src / "class_1" / "png.png", format="PNG")
+    photo_like(rng, 33, 31, 2).convert("L").save(src / "class_2" / "gray.jpg", format="JPEG")
+    return {fmt: convert(src, root / f"ds.{fmt}", to=fmt, workers=0, progress=False).output
+            for fmt in ("lmdb", "memmap")}
+
+
+def loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(("packer-decode", "packer-ThreadLoader"))]
+
+
+def same_batches(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for (imgs, labels), (ref_imgs, ref_labels) in zip(got, want, strict=True):
+        assert torch.equal(labels, ref_labels)
+        if isinstance(ref_imgs, torch.Tensor):
+            assert isinstance(imgs, torch.Tensor) and torch.equal(imgs, ref_imgs)
+        else:
+            assert len(imgs) == len(ref_imgs)
+            assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(imgs, ref_imgs, strict=True))
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "memmap"])
+@pytest.mark.parametrize("order", ["stored", "block"])
+def test_batches_equal_the_dataloaders(packed, fmt, order):
+    ds = open_dataset(packed[fmt], image="tensor")
+    sampler = packer.BlockShuffleSampler(ds, batch_size=4, seed=1, block_bytes=2000) if order == "block" else None
+    want = list(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=0, collate_fn=packer.collate))
+    loader = ThreadLoader(ds, batch_size=4, sampler=sampler, num_threads=3)
+    assert len(loader) == len(want)
+    got = list(loader)
+    same_batches(got, want)
+    mixed = [imgs for imgs, _ in got if isinstance(imgs, list)]
+    assert mixed and all(len({img.untyped_storage().data_ptr() for img in imgs}) == 1 for imgs in mixed)
+    assert loader_threads() == []
+
+
+def test_fused_crops_come_stacked_and_equal(packed):
+    ds = open_dataset(packed["lmdb"], image="tensor", crop=packer.RandomResizedCropDecode(16, seed=4))
+    want = list(DataLoader(ds, batch_size=5, num_workers=0))
+    got = list(ThreadLoader(ds, batch_size=5, num_threads=2))
+    same_batches(got, want)
+    assert got[0][0].shape == (5, 3, 16, 16)
+
+
+def test_pil_images_and_a_transform_go_through_the_collate_function(packed):
+    ds = open_dataset(packed["memmap"], transform=lambda im: torch.from_numpy(np.array(im.resize((8, 6)))))
+    want = list(DataLoader(ds, batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(2)))
+    got = list(ThreadLoader(ds, batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(2),
+                            collate_fn=torch.utils.data.default_collate, drop_last=False))
+    same_batches(got, want)
+    assert len(list(ThreadLoader(ds, batch_size=6, drop_last=True))) == len(ds) // 6
+
+
+def test_a_damaged_sample_is_one_error_naming_it_and_no_thread_stays(packed, tmp_path):
+    import shutil
+
+    path = shutil.copytree(packed["memmap"], tmp_path / "bad.memmap")
+    ds = open_dataset(path, image="tensor")
+    bad = 13
+    pos = ds.position(bad)
+    offsets = np.load(path / "shard-00000.offsets.npy")
+    with open(path / "shard-00000.files.bin", "r+b") as fh:  # the JPEG's markers gone, its size kept
+        fh.seek(int(offsets[pos]))
+        fh.write(b"\0" * 16)
+    with pytest.raises(PackerError) as err:
+        for _ in ThreadLoader(open_dataset(path, image="tensor"), batch_size=4, num_threads=2):
+            pass
+    assert f"sample {bad}" in str(err.value) and "\n" not in str(err.value)
+    assert loader_threads() == []
+
+
+def test_breaking_out_and_close_stop_every_thread(packed):
+    ds = open_dataset(packed["lmdb"], image="tensor")
+    loader = ThreadLoader(ds, batch_size=2, num_threads=2, prefetch_batches=3)
+    for k, _ in enumerate(loader):
+        if k == 1:
+            break
+    it = iter(loader)
+    next(it)
+    loader.close()
+    with ThreadLoader(ds, batch_size=2) as again:
+        next(iter(again))
+    assert loader_threads() == []
+
+
+def test_state_dict_resumes_after_the_last_batch_handed_out(packed):
+    ds = open_dataset(packed["lmdb"], image="tensor")
+
+    def make():
+        return ThreadLoader(ds, batch_sampler=packer.BlockBatchSampler(ds, 3, seed=5, block_bytes=3000),
+                            num_threads=2, prefetch_batches=4)
+
+    full = list(make())
+    loader = make()
+    it = iter(loader)
+    head = [next(it) for _ in range(3)]
+    state = loader.state_dict()
+    it.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    same_batches(head + list(resumed), full)
+    with pytest.raises(PackerError, match="cannot save its position"):
+        ThreadLoader(ds, batch_size=2).state_dict()
+
+
+def test_arguments_are_checked(packed):
+    ds = open_dataset(packed["lmdb"])
+    for kwargs in ({"num_threads": 0}, {"prefetch_batches": 0}, {"batch_size": 0},
+                   {"batch_sampler": [[0, 1]], "batch_size": 2}, {"shuffle": True, "sampler": [0, 1]}):
+        with pytest.raises(PackerError):
+            ThreadLoader(ds, **kwargs)
+    with pytest.raises(PackerError, match="packer datasets"):
+        ThreadLoader(torch.utils.data.TensorDataset(torch.zeros(3)))  # type: ignore[arg-type]
+
+
+def test_batch_memory_is_used_again_only_once_nothing_holds_it():
+    from packer.read.threaded import BlockPool
+
+    pool = BlockPool(keep=3)
+    first = pool.take(100)
+    where = first.data_ptr()
+    del first
+    again = pool.take(50)
+    assert again.data_ptr() == where  # free: used again
+    view = again[:10].view(2, 5)
+    array = view.numpy()
+    del again, view
+    assert pool.take(10).data_ptr() != where  # a numpy view of a view still holds it
+    del array
+    assert pool.take(10).data_ptr() == where
+    assert len(pool.blocks) <= 3

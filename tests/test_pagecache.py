@@ -1,0 +1,52 @@
+"""packer.pagecache and the readers' in_page_cache: read-ahead is skipped only for bytes the kernel holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from support.imagesets import make_imagefolder
+
+from packer import convert, open_dataset
+from packer.diagnose.measure import evict
+from packer.pagecache import PAGE, PageCache
+
+
+def test_a_file_read_is_resident_and_an_evicted_one_is_not(tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(np.random.default_rng(0).bytes(64 * PAGE))
+    path.read_bytes()
+    cache = PageCache(path)
+    assert cache.resident(np.array([0, 10 * PAGE + 5]), np.array([PAGE, 40 * PAGE]))
+    assert cache.resident(np.array([], dtype=np.int64), np.array([], dtype=np.int64)) is False  # nothing asked
+    assert not cache.resident(np.array([0]), np.array([65 * PAGE]))  # past the end: not known
+    cache.close()
+    if evict([path]).fraction != 0.0:
+        pytest.skip("this filesystem keeps the pages (tmpfs?): eviction cannot be shown")
+    cache = PageCache(path)
+    assert not cache.resident(np.array([3 * PAGE]), np.array([3 * PAGE + 10]))
+    with open(path, "rb") as fh:  # one page read back: that page only
+        fh.seek(3 * PAGE)
+        fh.read(10)
+    assert cache.resident(np.array([3 * PAGE]), np.array([3 * PAGE + 10]))
+    assert not cache.resident(np.array([3 * PAGE, 50 * PAGE]), np.array([3 * PAGE + 10, 50 * PAGE + 1]))
+    cache.close()
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "memmap"])
+def test_read_ahead_is_skipped_for_cached_bytes_only(tmp_path, fmt):
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(64, 64))
+    ds = open_dataset(convert(src, tmp_path / f"ds.{fmt}", to=fmt, workers=0, progress=False).output)
+    idx = np.array([1, 7, 30])
+    expected = [bytes(p) for p in ds.payloads_at(idx)]  # read once: cached
+    reader = ds.store.readers[0]
+    assert reader.in_page_cache(idx.tolist())
+    assert not ds.start_reads(idx).spans  # warm: nothing read ahead
+    assert ds.read_ahead(idx.tolist()).spans  # asked for explicitly: planned all the same
+    ds.close()
+    files = [p for p in ds.root.iterdir() if p.is_file()]
+    if evict(files).fraction != 0.0:
+        pytest.skip("this filesystem keeps the pages (tmpfs?): eviction cannot be shown")
+    ds = open_dataset(ds.root)
+    assert not ds.store.readers[0].in_page_cache(idx.tolist())
+    assert ds.start_reads(idx).spans  # cold: read ahead
+    assert [bytes(p) for p in ds.payloads_at(idx)] == expected
