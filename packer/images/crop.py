@@ -21,6 +21,7 @@ from PIL import Image
 from packer._random import raw_draws
 from packer.errors import PackerError
 from packer.images.decode import SCALE_DENOMINATORS, check_pixels, decode, sniff
+from packer.images.jpegregion import decode_region, notice_missing, region_decode_available
 from packer.perprocess import PerProcess
 
 ATTEMPTS = 10  # torchvision's RandomResizedCrop.get_params tries 10 crops, then falls back to a central one
@@ -223,11 +224,45 @@ def resize_window(pixels: np.ndarray, window: Window, size: tuple[int, int], d: 
     return out
 
 
+def _region(box: tuple[float, float, float, float], size: tuple[int, int], height: int,
+            width: int) -> tuple[int, int, int, int]:
+    """(top, left, bottom, right) of the whole pixels the resize of ``box`` reads: the box rounded out, plus the
+    bilinear filter's reach past its edges (one output pixel's worth of source, and one more), inside the image."""
+    top, left, bottom, right = box
+    reach = math.ceil(max((bottom - top) / size[0], (right - left) / size[1], 1.0)) + 1
+    return (max(math.floor(top) - reach, 0), max(math.floor(left) - reach, 0),
+            min(math.ceil(bottom) + reach, height), min(math.ceil(right) + reach, width))
+
+
+def _decode_region(data: bytes | memoryview, window: Window, size: tuple[int, int], d: int, height: int,
+                   width: int, strict: bool, out: np.ndarray | None) -> np.ndarray | None:
+    """``decode_window`` decoding only the rows and columns the window's resize reads (None: CMYK/YCCK, decode
+    whole). The same pixels as the whole decode's path: the region decode is exact and the box is shifted."""
+    hs, ws = -(-height // d), -(-width // d)
+    box = _box(window, d, hs, ws)
+    y0, x0, y1, x1 = _region(box, size, hs, ws)
+    pixels = decode_region(data, d, y0, x0, y1 - y0, x1 - x0, (height, width), strict)
+    if pixels is None:
+        return None
+    top, left, bottom, right = box[0] - y0, box[1] - x0, box[2] - y0, box[3] - x0
+    shifted = Window(top * d, left * d, (bottom - top) * d, (right - left) * d, window.flip)
+    return resize_window(pixels, shifted, size, d, out)
+
+
 def decode_window(data: bytes | memoryview, window: Window, size: tuple[int, int], height: int, width: int,
                   backend: str = "auto", strict: bool = True, out: np.ndarray | None = None) -> np.ndarray:
     """Encoded image bytes (``height`` x ``width`` per their header) decoded at the smallest DCT scale the
-    window allows (JPEG; other formats at full size), then ``resize_window``."""
-    d = window_scale(window, size) if sniff(data) == "jpeg" else 1
+    window allows (JPEG; other formats at full size), then ``resize_window``. A JPEG decodes only the window's
+    region where the compiled region decoder is built (packer.images.jpegregion) and ``backend`` is not "pil"."""
+    jpeg = sniff(data) == "jpeg"
+    d = window_scale(window, size) if jpeg else 1
+    if jpeg and backend != "pil":
+        if region_decode_available():
+            result = _decode_region(data, window, size, d, height, width, strict, out)
+            if result is not None:
+                return result
+        else:
+            notice_missing()
     # decode()'s min_size picks the largest d whose short side stays >= min_size: ceil(short / d) gives this d
     short = min(height, width)
     pixels = decode(data, backend, strict=strict, min_size=-(-short // d) if d > 1 else None)
