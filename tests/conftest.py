@@ -8,7 +8,7 @@ def pytest_addoption(parser):
     parser.addoption("--require-turbojpeg", action="store_true",
                      help="fail (not skip) when libturbojpeg does not load")
     parser.addoption("--require-jpegregion", action="store_true",
-                     help="fail (not skip) when the compiled JPEG region decoder (packer.images._jpegregion) is not built")
+                     help="fail (not skip) when the JPEG region decoder (packer.images._jpegregion) isn't built")
     parser.addoption("--fuzz-cases", type=int, default=120,
                      help="mutated datasets tried per format and payload in tests/test_fuzz.py (make fuzz: 5000)")
 
