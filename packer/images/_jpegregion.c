@@ -87,7 +87,8 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
     cinfo.scale_num = 1;
     cinfo.scale_denom = (unsigned int)denom;
     jpeg_calc_output_dimensions(&cinfo);
-    if (height == 0 || width == 0 || top + height > cinfo.output_height || left + width > cinfo.output_width) {
+    if (height == 0 || width == 0 || top >= cinfo.output_height || height > cinfo.output_height - top ||
+        left >= cinfo.output_width || width > cinfo.output_width - left) {
         snprintf(message, JMSG_LENGTH_MAX, "region %ux%u at (%u, %u) outside the %ux%u image at 1/%d",
                  height, width, top, left, cinfo.output_height, cinfo.output_width, denom);
         jpeg_destroy_decompress(&cinfo);

@@ -102,11 +102,12 @@ def test_corrupt_data_is_a_decode_error_not_a_crash(jpegregion):
     assert loose is not None and loose.shape == (40, 320, 3)
     assert decode_region(half, 1, 0, 0, 16, 320, (240, 320)) is not None  # the rows read are all there
     garbled = data[:600] + bytes(range(256)) * 8 + data[600 + 2048:]
-    for bad in (garbled, data[:300], b"\xff\xd8\xff" + b"\x00" * 100):
+    for bad in (garbled, data[:300], b"\xff\xd8\xff" + b"\x00" * 100, b""):
         with pytest.raises(DecodeError):
             decode_region(bad, 1, 0, 0, 240, 320, (240, 320))
-    with pytest.raises(DecodeError, match="outside"):
-        decode_region(data, 2, 100, 0, 30, 10, (240, 320))  # 1/2 scale: 120 rows
+    for top, left, h, w in ((100, 0, 30, 10), (0, 150, 10, 20), (2**32 - 1, 0, 2, 10)):  # 1/2 scale: 120 x 160
+        with pytest.raises(DecodeError, match="outside"):
+            decode_region(data, 2, top, left, h, w, (240, 320))
 
 
 def test_pixel_limit_is_checked_before_decoding(jpegregion, monkeypatch):
