@@ -252,7 +252,8 @@ def _region(box: tuple[float, float, float, float], size: tuple[int, int], heigh
 def _decode_region(data: bytes | memoryview, window: Window, size: tuple[int, int], d: int, height: int,
                    width: int, strict: bool, out: np.ndarray | None) -> np.ndarray | None:
     """``decode_window`` decoding only the rows and columns the window's resize reads (None: CMYK/YCCK, decode
-    whole). The same pixels as the whole decode's path: the region decode is exact and the box is shifted."""
+    whole). The region decode is exact, so the output is the whole-decode path's for a box on whole pixels and
+    within 1 of it otherwise (PIL places its filter on the shifted box with different float rounding)."""
     hs, ws = -(-height // d), -(-width // d)
     box = _box(window, d, hs, ws)
     y0, x0, y1, x1 = _region(box, size, hs, ws)
