@@ -14,7 +14,7 @@ DEMO_COUNT ?= 2000
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/test.txt requirements/test-no-deps.txt
+$(STAMP): pyproject.toml setup.py packer/images/_jpegregion.c requirements/test.txt requirements/test-no-deps.txt
 	@$(MAKE) --no-print-directory system-deps
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -28,6 +28,8 @@ $(STAMP): pyproject.toml requirements/test.txt requirements/test-no-deps.txt
 
 # libturbojpeg (libjpeg-turbo's TurboJPEG API) for fast JPEG decoding. Optional: without it
 # packer decodes with Pillow and says so once.
+# libjpeg's headers (libjpeg62-turbo-dev) let `pip install -e .` build the JPEG region decoder
+# (packer/images/_jpegregion.c, setup.py). Optional too: without them crops decode the whole image.
 system-deps:
 	@if ldconfig -p 2>/dev/null | grep -q 'libturbojpeg\.so'; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -36,14 +38,24 @@ system-deps:
 	  || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libturbojpeg0 >/dev/null 2>&1; } \
 	  || echo "packer: could not install libturbojpeg0; JPEG decoding will use Pillow"; \
 	else echo "packer: libturbojpeg not found and not installable here (see README: Install); JPEG decoding will use Pillow"; fi
+	@if [ -f /usr/include/jpeglib.h ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing libjpeg62-turbo-dev with apt-get"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q libjpeg62-turbo-dev >/dev/null 2>&1 \
+	  || { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libjpeg62-turbo-dev >/dev/null 2>&1; } \
+	  || echo "packer: could not install libjpeg62-turbo-dev; crops will decode whole JPEGs"; \
+	else echo "packer: libjpeg headers not found and not installable here; crops will decode whole JPEGs"; fi
 
 # In CI, and wherever ldconfig lists libturbojpeg, the suite must run the libjpeg-turbo path:
 # --require-turbojpeg makes tests fail (not skip) when the library does not load.
 # (Expanded when the recipe runs, i.e. after system-deps has installed what it could.)
 REQUIRE_TURBOJPEG = $(if $(CI),--require-turbojpeg,$(shell ldconfig -p 2>/dev/null | grep -q 'libturbojpeg\.so' && echo --require-turbojpeg))
 
+# Likewise the compiled JPEG region decoder, wherever libjpeg's headers are there to build it.
+REQUIRE_JPEGREGION = $(if $(CI),--require-jpegregion,$(shell test -f /usr/include/jpeglib.h && echo --require-jpegregion))
+
 test: install
-	$(BIN)/python -m pytest -q $(REQUIRE_TURBOJPEG)
+	$(BIN)/python -m pytest -q $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION)
 
 # The seeded fuzz test of tests/test_fuzz.py with many more cases (make test runs 120 per format and payload).
 FUZZ_CASES ?= 5000

@@ -38,11 +38,19 @@ Epoch = Callable[[], Iterable[int]]  # one epoch: yields each batch's sample cou
 # ------------------------------------------------------------------ timing
 
 
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and its finished children (DataLoader workers are joined each epoch)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 def time_epochs(epoch: Epoch, epochs: int) -> dict:
-    """Median images/s over whole epochs (start-up included) and the steady rate from the first batch."""
-    rates, steady, samples = [], [], 0
+    """Median images/s over whole epochs (start-up included), the steady rate from the first batch, and images
+    per CPU-second (this process and its workers): the figure that a machine shared with other work does not
+    bend much (on an idle machine with c cores the rate is at most c times it)."""
+    rates, steady, cpu_rates, samples = [], [], [], 0
     for _ in range(epochs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu_seconds()
         first_at, first_n, samples = None, 0, 0
         for n in epoch():
             samples += n
@@ -50,10 +58,12 @@ def time_epochs(epoch: Epoch, epochs: int) -> dict:
                 first_at, first_n = time.perf_counter(), n
         end = time.perf_counter()
         rates.append(samples / (end - t0))
+        cpu_rates.append(samples / max(_cpu_seconds() - c0, 1e-9))
         if first_at is not None and samples > first_n:
             steady.append((samples - first_n) / max(end - first_at, 1e-9))
     return {"samples": samples, "images_per_s": statistics.median(rates), "runs": rates,
-            "steady_images_per_s": statistics.median(steady) if steady else None}
+            "steady_images_per_s": statistics.median(steady) if steady else None,
+            "images_per_cpu_s": statistics.median(cpu_rates)}
 
 
 def _count(loader) -> Iterable[int]:
@@ -77,8 +87,10 @@ def folder_epochs(folder: Path, workers: int, batch: int) -> dict[tuple[str, str
     return out
 
 
-def packer_epochs(path: Path, workers: int, batch: int, threads: bool = False) -> dict[tuple[str, str], Epoch]:
-    """packer through a DataLoader with ``workers`` processes, or (``threads``) a ThreadLoader with as many threads."""
+def packer_epochs(path: Path, workers: int, batch: int, threads: bool = False, region: bool = True,
+                  settings: Iterable[str] = SETTINGS) -> dict[tuple[str, str], Epoch]:
+    """packer through a DataLoader with ``workers`` processes, or (``threads``) a ThreadLoader with as many threads;
+    ``region=False``: train224 decodes whole JPEGs, then crops (the path without the compiled region decoder)."""
     out: dict[tuple[str, str], Epoch] = {}
 
     def loader(d, c, sampler=None):
@@ -86,8 +98,8 @@ def packer_epochs(path: Path, workers: int, batch: int, threads: bool = False) -
             return packer.ThreadLoader(d, batch_size=batch, sampler=sampler, num_threads=workers)
         return DataLoader(d, batch_size=batch, sampler=sampler, num_workers=workers, collate_fn=c)
 
-    for setting in SETTINGS:
-        crop = packer.RandomResizedCropDecode(224) if setting == "train224" else None
+    for setting in settings:
+        crop = packer.RandomResizedCropDecode(224, region=region) if setting == "train224" else None
         ds = packer.open_dataset(path, image="tensor", crop=crop)
         collate = list_collate if crop is None else None
         out[(setting, "stored")] = lambda d=ds, c=collate: _count(loader(d, c))
@@ -211,9 +223,10 @@ def decode_limit(folder: Path, cores: int) -> float:
 
 def run(folder: Path, work: Path, epochs: int = 3, workers: int = 2, batch: int = 64,
         peers: Iterable[str] = ("dali", "ffcv", "litdata"), log: Callable[[str], None] = print,
-        warmup: bool = True) -> dict:
-    """Every tool's settings on ``folder`` (packed copies made under ``work`` once); the report as a dict."""
+        warmup: bool = True, settings: Iterable[str] = SETTINGS, orders: Iterable[str] = ORDERS) -> dict:
+    """Every tool's ``settings`` in ``orders`` on ``folder`` (packed copies made under ``work`` once); the report."""
     work.mkdir(parents=True, exist_ok=True)
+    settings, orders = tuple(settings), tuple(orders)
     tools: dict[str, Callable[[], dict]] = {"loose folder + Pillow": lambda: folder_epochs(folder, workers, batch)}
     for fmt in ("memmap", "lmdb"):
         out = work / f"photos.{fmt}"
@@ -221,6 +234,9 @@ def run(folder: Path, work: Path, epochs: int = 3, workers: int = 2, batch: int 
             packer.convert(folder, out, to=fmt, progress=False)
         tools[f"packer {fmt}"] = lambda o=out: packer_epochs(o, workers, batch)
         tools[f"packer {fmt}, ThreadLoader"] = lambda o=out: packer_epochs(o, workers, batch, threads=True)
+        if fmt == "memmap":  # the fused crop without the region decoder: what it gains, in the same run
+            tools["packer memmap, whole decode then crop"] = lambda o=out: packer_epochs(o, workers, batch, False, False,
+                                                                                          ("train224",))
     makers = {"dali": ("NVIDIA DALI CPU", lambda: dali_epochs(folder, workers, batch)),
               "ffcv": ("FFCV", lambda: ffcv_epochs(folder, work, workers, batch)),
               "litdata": ("LitData", lambda: litdata_epochs(folder, work, workers, batch))}
@@ -232,7 +248,7 @@ def run(folder: Path, work: Path, epochs: int = 3, workers: int = 2, batch: int 
         tools[label] = make
     for label, make in tools.items():
         try:
-            settings = make()
+            make_settings = make()
         except ImportError as exc:
             report["skipped"][label] = f"does not import: {exc}"
             log(f"{label}: skipped ({exc})")
@@ -242,12 +258,15 @@ def run(folder: Path, work: Path, epochs: int = 3, workers: int = 2, batch: int 
             log(f"{label}: failed to set up ({type(exc).__name__}: {exc})")
             continue
         row = report["rows"].setdefault(label, {})
-        for (setting, order), epoch in settings.items():
+        for (setting, order), epoch in make_settings.items():
+            if setting not in settings or order not in orders:
+                continue
             try:
                 if warmup:
                     next(iter(epoch()), None)  # imports, JIT, page cache
                 row[f"{setting}/{order}"] = r = time_epochs(epoch, epochs)
-                log(f"{label:<24} {setting:<8} {order:<8} {r['images_per_s']:8,.0f} img/s")
+                log(f"{label:<24} {setting:<8} {order:<8} {r['images_per_s']:8,.0f} img/s "
+                    f"{r['images_per_cpu_s']:8,.0f} img/CPU-s")
             except Exception as exc:
                 row[f"{setting}/{order}"] = {"error": f"{type(exc).__name__}: {exc}"}
                 log(f"{label:<24} {setting:<8} {order:<8} failed: {type(exc).__name__}: {exc}")
@@ -277,6 +296,11 @@ def markdown(report: dict) -> str:
     lines.append(f"| bare libjpeg-turbo x {min(report['workers'], report['cores'])} cores (decode limit) | "
                  + " | ".join(f"{report['decode_limit_images_per_s']:,.0f}" if s == "full" else "-" for s, _ in cols)
                  + " |")
+    lines += ["", f"| images per CPU-second (this process and its workers) | {head} |", "|---|" + "---:|" * len(cols)]
+    for label, row in report["rows"].items():
+        cells = [f"{row[k]['images_per_cpu_s']:,.0f}" if "images_per_cpu_s" in row.get(k, {}) else "-"
+                 for k in (f"{s}/{o}" for s, o in cols)]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for label, why in report["skipped"].items():
         lines.append(f"\n{label}: {why}")
     return "\n".join(lines) + "\n"
@@ -290,12 +314,15 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--peers", default="dali,ffcv,litdata")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="any of " + ", ".join(SETTINGS))
+    ap.add_argument("--orders", default=",".join(ORDERS), help="any of " + ", ".join(ORDERS))
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     a = ap.parse_args()
     torch.set_num_threads(1)
     np.seterr(all="ignore")
-    report = run(a.folder, a.work, a.epochs, a.workers, a.batch_size, [p for p in a.peers.split(",") if p])
+    report = run(a.folder, a.work, a.epochs, a.workers, a.batch_size, [p for p in a.peers.split(",") if p],
+                 settings=a.settings.split(","), orders=a.orders.split(","))
     table = markdown(report)
     print(table)
     if a.json:

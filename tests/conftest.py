@@ -7,6 +7,8 @@ def pytest_addoption(parser):
     # path must then really run, so tests that need it fail instead of skipping.
     parser.addoption("--require-turbojpeg", action="store_true",
                      help="fail (not skip) when libturbojpeg does not load")
+    parser.addoption("--require-jpegregion", action="store_true",
+                     help="fail (not skip) when the JPEG region decoder (packer.images._jpegregion) isn't built")
     parser.addoption("--fuzz-cases", type=int, default=120,
                      help="mutated datasets tried per format and payload in tests/test_fuzz.py (make fuzz: 5000)")
 
@@ -28,6 +30,19 @@ def turbojpeg_or_skip(required: bool):
 def turbojpeg(request):
     """Tests that exercise libjpeg-turbo take this fixture (see --require-turbojpeg)."""
     return turbojpeg_or_skip(request.config.getoption("--require-turbojpeg"))
+
+
+@pytest.fixture
+def jpegregion(request):
+    """Tests of the compiled region decoder take this fixture (see --require-jpegregion)."""
+    from packer.images.jpegregion import region_decode_available, region_decode_missing_reason
+
+    if not region_decode_available():
+        reason = (f"the JPEG region decoder is not built ({region_decode_missing_reason()}): "
+                  "python setup.py build_ext --inplace")
+        if request.config.getoption("--require-jpegregion"):
+            pytest.fail(reason + " (--require-jpegregion)")
+        pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ from PIL import Image
 from packer._random import raw_draws
 from packer.errors import PackerError
 from packer.images.decode import SCALE_DENOMINATORS, check_pixels, decode, sniff
+from packer.images.jpegregion import decode_region, notice_missing, region_decode_available
 from packer.perprocess import PerProcess
 
 ATTEMPTS = 10  # torchvision's RandomResizedCrop.get_params tries 10 crops, then falls back to a central one
@@ -50,6 +51,7 @@ class CropDecode(ABC):
     """How a dataset turns each image into a fixed-size output: ``window`` per sample, ``size`` for all."""
 
     size: tuple[int, int]  # (height, width) of every output
+    region: bool = True  # decode only the window's region where the compiled decoder is built; False: whole
 
     @abstractmethod
     def window(self, height: int, width: int, index: int) -> Window:
@@ -58,7 +60,8 @@ class CropDecode(ABC):
     def from_bytes(self, data: bytes | memoryview, index: int, height: int, width: int, backend: str = "auto",
                strict: bool = True, out: np.ndarray | None = None) -> np.ndarray:
         """Sample ``index``'s encoded bytes (``height`` x ``width`` per their header) as its output."""
-        return decode_window(data, self.window(height, width, index), self.size, height, width, backend, strict, out)
+        return decode_window(data, self.window(height, width, index), self.size, height, width, backend, strict, out,
+                             self.region)
 
     def from_pixels(self, pixels: np.ndarray, index: int, out: np.ndarray | None = None) -> np.ndarray:
         """Sample ``index``'s full-resolution HWC uint8 pixels (a raw payload) as its output."""
@@ -112,11 +115,13 @@ class RandomResizedCropDecode(CropDecode):
     with decoding. ``seed=None``: draws from a per-process stream seeded by ``torch.initial_seed()``, like
     torchvision (different per worker and epoch; reproducible under ``torch.manual_seed``). ``seed=S``: each
     sample's draws depend only on (S, epoch, index); call ``set_epoch`` each epoch (before the loader's
-    iterator is made: persistent workers keep the epoch they started with)."""
+    iterator is made: persistent workers keep the epoch they started with). ``region=False``: decode the whole
+    JPEG, then crop (the path without the compiled region decoder; for comparisons)."""
 
     def __init__(self, size: int | tuple[int, int] = 224, scale: tuple[float, float] = (0.08, 1.0),
-                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = True, seed: int | None = None) -> None:
-        self.size = _size_pair(size)
+                 ratio: tuple[float, float] = (3 / 4, 4 / 3), flip: bool = True, seed: int | None = None,
+                 region: bool = True) -> None:
+        self.size, self.region = _size_pair(size), bool(region)
         if not 0 < scale[0] <= scale[1]:
             raise PackerError(f"crop scale {scale!r}: expected 0 < low <= high")
         if not 0 < ratio[0] <= ratio[1]:
@@ -130,7 +135,7 @@ class RandomResizedCropDecode(CropDecode):
 
     def __repr__(self) -> str:
         return (f"RandomResizedCropDecode(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
-                f"flip={self.flip}, seed={self.seed})")
+                f"flip={self.flip}, seed={self.seed}, region={self.region})")
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch that, with ``seed`` and the sample index, decides the crops (``seed=S`` only)."""
@@ -152,16 +157,16 @@ class RandomResizedCropDecode(CropDecode):
 
 class CenterCropDecode(CropDecode):
     """torchvision's ``Resize(resize)`` + ``CenterCrop(size)`` (the evaluation transform), fused with decoding:
-    the window is the centre crop's rectangle mapped back to the source."""
+    the window is the centre crop's rectangle mapped back to the source. ``region``: as RandomResizedCropDecode's."""
 
-    def __init__(self, size: int | tuple[int, int] = 224, resize: int = 256) -> None:
-        self.size = _size_pair(size)
+    def __init__(self, size: int | tuple[int, int] = 224, resize: int = 256, region: bool = True) -> None:
+        self.size, self.region = _size_pair(size), bool(region)
         if isinstance(resize, bool) or not isinstance(resize, int) or resize < max(self.size):
             raise PackerError(f"resize {resize!r}: expected an int >= the crop size {max(self.size)}")
         self.resize = resize
 
     def __repr__(self) -> str:
-        return f"CenterCropDecode(size={self.size}, resize={self.resize})"
+        return f"CenterCropDecode(size={self.size}, resize={self.resize}, region={self.region})"
 
     def window(self, height: int, width: int, index: int) -> Window:
         # torchvision's Resize(int): the short side to `resize`, the long one truncated, int(resize * long / short)
@@ -205,29 +210,77 @@ def resize_window(pixels: np.ndarray, window: Window, size: tuple[int, int], d: 
     if all(float(v).is_integer() for v in (top, left, bottom, right)):
         region = pixels[int(top):int(bottom), int(left):int(right)]
         if (region.shape[0], region.shape[1]) == size:
-            resized = region
-        else:
-            if not region.flags.writeable:
-                region = region.copy()  # torch wants writable memory (raw payloads are read-only views)
-            src = torch.from_numpy(region).permute(2, 0, 1)[None]  # channels-last strides: torch's fast uint8 path
-            resized = F.interpolate(src, size=size, mode="bilinear", antialias=True)[0].permute(1, 2, 0).numpy()
-    else:
-        img = Image.fromarray(pixels).resize((size[1], size[0]), Image.Resampling.BILINEAR,
-                                             box=(left, top, right, bottom))
-        resized = np.asarray(img)
-    if window.flip:
-        resized = resized[:, ::-1]
+            return _write(region, False, window.flip, size, out)
+        if not region.flags.writeable:
+            region = region.copy()  # torch wants writable memory (raw payloads are read-only views)
+        src = torch.from_numpy(region).permute(2, 0, 1)[None]  # channels-last strides: torch's fast uint8 path
+        planes = F.interpolate(src, size=size, mode="bilinear", antialias=True)[0].numpy()  # CHW: torch's output
+        return _write(planes, True, window.flip, size, out)
+    img = Image.fromarray(pixels).resize((size[1], size[0]), Image.Resampling.BILINEAR,
+                                         box=(left, top, right, bottom))
+    return _write(np.asarray(img), False, window.flip, size, out)
+
+
+def _write(resized: np.ndarray, planar: bool, flip: bool, size: tuple[int, int],
+           out: np.ndarray | None) -> np.ndarray:
+    """``resized`` (HWC, or CHW when ``planar``) as HWC, flipped when asked, in ``out`` where it has the shape,
+    else in a new array (never a view that keeps a whole decoded image alive). CHW goes channel by channel:
+    one strided CHW -> HWC copy costs ~4x more."""
     if out is None or out.shape != (*size, 3):
-        return np.array(resized)  # a copy: never a view that keeps the whole decoded image alive
-    np.copyto(out, resized)
+        out = np.empty((*size, 3), np.uint8)
+    if not planar:
+        np.copyto(out, resized[:, ::-1] if flip else resized)
+        return out
+    for c in range(3):
+        np.copyto(out[..., c], resized[c, :, ::-1] if flip else resized[c])
     return out
 
 
+def _region(box: tuple[float, float, float, float], size: tuple[int, int], height: int,
+            width: int) -> tuple[int, int, int, int]:
+    """(top, left, bottom, right) of the whole pixels the resize of ``box`` reads: a box on whole pixels itself
+    (``resize_window`` cuts it out), else the box rounded out plus PIL's bilinear filter's reach past its edges
+    (one output pixel's worth of source, and one more), inside the image."""
+    top, left, bottom, right = box
+    if all(float(v).is_integer() for v in box):
+        return int(top), int(left), int(bottom), int(right)
+    reach = math.ceil(max((bottom - top) / size[0], (right - left) / size[1], 1.0)) + 1
+    return (max(math.floor(top) - reach, 0), max(math.floor(left) - reach, 0),
+            min(math.ceil(bottom) + reach, height), min(math.ceil(right) + reach, width))
+
+
+def _decode_region(data: bytes | memoryview, window: Window, size: tuple[int, int], d: int, height: int,
+                   width: int, strict: bool, out: np.ndarray | None) -> np.ndarray | None:
+    """``decode_window`` decoding only the rows and columns the window's resize reads (None: CMYK/YCCK, decode
+    whole). The region decode is exact, so the output is the whole-decode path's for a box on whole pixels and
+    within 1 of it otherwise (PIL places its filter on the shifted box with different float rounding)."""
+    hs, ws = -(-height // d), -(-width // d)
+    box = _box(window, d, hs, ws)
+    y0, x0, y1, x1 = _region(box, size, hs, ws)
+    pixels = decode_region(data, d, y0, x0, y1 - y0, x1 - x0, (height, width), strict)
+    if pixels is None:
+        return None
+    top, left, bottom, right = box[0] - y0, box[1] - x0, box[2] - y0, box[3] - x0
+    shifted = Window(top * d, left * d, (bottom - top) * d, (right - left) * d, window.flip)
+    return resize_window(pixels, shifted, size, d, out)
+
+
 def decode_window(data: bytes | memoryview, window: Window, size: tuple[int, int], height: int, width: int,
-                  backend: str = "auto", strict: bool = True, out: np.ndarray | None = None) -> np.ndarray:
+                  backend: str = "auto", strict: bool = True, out: np.ndarray | None = None,
+                  region: bool = True) -> np.ndarray:
     """Encoded image bytes (``height`` x ``width`` per their header) decoded at the smallest DCT scale the
-    window allows (JPEG; other formats at full size), then ``resize_window``."""
-    d = window_scale(window, size) if sniff(data) == "jpeg" else 1
+    window allows (JPEG; other formats at full size), then ``resize_window``. A JPEG decodes only the window's
+    region where the compiled region decoder is built (packer.images.jpegregion), ``backend`` is not "pil" and
+    ``region`` is True."""
+    jpeg = sniff(data) == "jpeg"
+    d = window_scale(window, size) if jpeg else 1
+    if jpeg and backend != "pil" and region:
+        if region_decode_available():
+            result = _decode_region(data, window, size, d, height, width, strict, out)
+            if result is not None:
+                return result
+        else:
+            notice_missing()
     # decode()'s min_size picks the largest d whose short side stays >= min_size: ceil(short / d) gives this d
     short = min(height, width)
     pixels = decode(data, backend, strict=strict, min_size=-(-short // d) if d > 1 else None)

@@ -1,0 +1,62 @@
+"""JPEG region decode: only the rows and columns a crop needs, at a DCT scale, into a given buffer.
+
+The work is done by the optional compiled extension ``packer.images._jpegregion`` (libjpeg's
+``jpeg_crop_scanline`` + ``jpeg_skip_scanlines``; built by setup.py where libjpeg's headers are). Without it
+:func:`region_decode_available` is False and callers decode the whole image instead (one notice per process).
+Pixels are identical to the same rows and columns of a whole decode at that scale (docs/decoding.md).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from packer.images.decode import DecodeError, check_pixels, pixel_limit
+
+try:
+    from packer.images import _jpegregion
+except ImportError as exc:  # not built: no compiler or no libjpeg headers when packer was installed
+    _jpegregion, _MISSING = None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+else:
+    _MISSING = None
+
+_notice_shown = False
+
+
+def region_decode_available() -> bool:
+    """Whether the compiled region decoder loaded."""
+    return _jpegregion is not None
+
+
+def region_decode_missing_reason() -> str | None:
+    return _MISSING
+
+
+def notice_missing() -> None:
+    """Say once per process that crops decode the whole JPEG, and how to build the region decoder."""
+    global _notice_shown
+    if not _notice_shown:
+        _notice_shown = True
+        print(f"packer: the JPEG region decoder is not built ({_MISSING}); crops decode the whole image, slower "
+              "(docs/decoding.md). Build it: apt-get install libjpeg62-turbo-dev, then pip install -e . again",
+              file=sys.stderr)
+
+
+def decode_region(data: bytes | memoryview, d: int, top: int, left: int, height: int, width: int,
+                  image_size: tuple[int, int], strict: bool = True, out: np.ndarray | None = None) -> np.ndarray | None:
+    """Rows ``top:top+height``, columns ``left:left+width`` of a JPEG (``image_size`` = (height, width) per its
+    header) decoded at 1/``d``, as HWC uint8 RGB, into ``out`` when it has that shape. None for a CMYK/YCCK JPEG
+    (decode it whole), or when the extension is missing. ``strict``: libjpeg's warnings (truncated or corrupt
+    data within the rows read) are a DecodeError; rows below the region are never read."""
+    if _jpegregion is None:
+        return None
+    check_pixels(*image_size)
+    shape = (height, width, 3)
+    fits = out is not None and out.shape == shape and out.dtype == np.uint8 and out.flags.c_contiguous
+    target = out if fits and out is not None else np.empty(shape, np.uint8)
+    try:
+        done = _jpegregion.decode_region(data, d, top, left, target, strict, pixel_limit() or 0)
+    except ValueError as exc:
+        raise DecodeError(f"cannot decode JPEG: {exc}") from None
+    return target if done else None

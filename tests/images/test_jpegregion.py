@@ -1,0 +1,177 @@
+"""The compiled JPEG region decoder (packer.images.jpegregion): the same pixels as a whole decode's rows and
+columns at every DCT scale and JPEG kind, errors as DecodeError (never a crash), the pixel limit, and the fused
+crop through it against the whole-decode path (docs/decoding.md states these bounds)."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from PIL import Image
+from support.imagesets import jpeg_bytes
+
+from packer import CenterCropDecode, RandomResizedCropDecode
+from packer.images.crop import decode_window, resize_window, window_scale
+from packer.images.decode import DecodeError, decode
+from packer.images.jpegregion import decode_region
+from packer.tools.sample import photo_like
+
+# The fused crop through the region decoder against the same crop through a whole decode: identical for a
+# window on whole pixels (RandomResizedCrop at full scale: both cut the same pixels); within 1 for a
+# fractional box (a DCT scale, the eval crop): PIL's filter placed on the box shifted to the region's origin
+# rounds its float positions differently.
+MAX_DIFF_WHOLE_PIXELS, MAX_DIFF_FRACTIONAL = 0, 1
+
+KINDS = {  # Pillow save options: the JPEG kinds the region decoder must give whole-decode pixels for
+    "420": {"subsampling": 2},
+    "422": {"subsampling": 1},
+    "444": {"subsampling": 0},
+    "progressive": {"progressive": True},
+    "restart-markers": {"restart_marker_blocks": 3},
+}
+
+
+def whole(data: bytes, d: int, shape: tuple[int, int]) -> np.ndarray:
+    """The whole image decoded at 1/d (the decoder's min_size that gives this d): libjpeg-turbo, Pillow for CMYK."""
+    pixels = decode(data, min_size=-(-min(shape) // d) if d > 1 else None)
+    assert pixels.shape[:2] == (-(-shape[0] // d), -(-shape[1] // d))
+    return pixels
+
+
+def regions(rng: np.random.Generator, h: int, w: int, n: int) -> list[tuple[int, int, int, int]]:
+    """Corners and edges first (whole image, one pixel at each end), then random rectangles."""
+    out = [(0, 0, h, w), (0, 0, 1, 1), (h - 1, w - 1, 1, 1), (h // 2, 0, 1, w), (0, w // 2, h, 1)]
+    for _ in range(n):
+        top, left = int(rng.integers(0, h)), int(rng.integers(0, w))
+        out.append((top, left, int(rng.integers(1, h - top + 1)), int(rng.integers(1, w - left + 1))))
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("shape", [(375, 500), (61, 97)])
+def test_region_is_the_whole_decodes_rows_and_columns(jpegregion, turbojpeg, kind, shape):
+    rng = np.random.default_rng(0)
+    data = jpeg_bytes(rng, *shape, **KINDS[kind])
+    for d in (1, 2, 4, 8):
+        full = whole(data, d, shape)
+        for top, left, h, w in regions(rng, *full.shape[:2], 12):
+            got = decode_region(data, d, top, left, h, w, shape)
+            assert got is not None and np.array_equal(got, full[top:top + h, left:left + w]), (d, top, left, h, w)
+
+
+def test_grayscale_comes_back_as_rgb(jpegregion, turbojpeg):
+    buf = io.BytesIO()
+    photo_like(np.random.default_rng(1), 200, 300).convert("L").save(buf, "JPEG", quality=90)
+    data = buf.getvalue()
+    full = whole(data, 1, (200, 300))
+    got = decode_region(data, 1, 17, 33, 100, 150, (200, 300))
+    assert got is not None and np.array_equal(got, full[17:117, 33:183])
+    assert np.array_equal(got[..., 0], got[..., 2])
+
+
+def test_cmyk_is_left_to_the_whole_decode(jpegregion):
+    buf = io.BytesIO()
+    photo_like(np.random.default_rng(2), 80, 120).convert("CMYK").save(buf, "JPEG", quality=90)
+    data = buf.getvalue()
+    assert decode_region(data, 1, 0, 0, 10, 10, (80, 120)) is None
+    spec = CenterCropDecode(32, resize=40)
+    win = spec.window(80, 120, 0)
+    d = window_scale(win, spec.size)
+    want = resize_window(whole(data, d, (80, 120)), win, spec.size, d)  # Pillow's CMYK conversion
+    assert d == 2 and np.array_equal(decode_window(data, win, spec.size, 80, 120), want)
+
+
+def test_writes_into_out_when_it_fits(jpegregion):
+    data = jpeg_bytes(np.random.default_rng(3), 120, 160)
+    out = np.zeros((40, 50, 3), np.uint8)
+    assert decode_region(data, 1, 10, 20, 40, 50, (120, 160), out=out) is out
+    other = decode_region(data, 1, 10, 20, 40, 50, (120, 160), out=np.zeros((4, 5, 3), np.uint8))
+    assert other is not None and np.array_equal(other, out) and out.any()
+
+
+def test_corrupt_data_is_a_decode_error_not_a_crash(jpegregion):
+    data = jpeg_bytes(np.random.default_rng(4), 240, 320)
+    half = data[:len(data) // 2]
+    with pytest.raises(DecodeError, match="cannot decode JPEG"):
+        decode_region(half, 1, 200, 0, 40, 320, (240, 320))  # rows past the truncation, strict
+    loose = decode_region(half, 1, 200, 0, 40, 320, (240, 320), strict=False)  # libjpeg fills what is missing
+    assert loose is not None and loose.shape == (40, 320, 3)
+    assert decode_region(half, 1, 0, 0, 16, 320, (240, 320)) is not None  # the rows read are all there
+    garbled = data[:600] + bytes(range(256)) * 8 + data[600 + 2048:]
+    for bad in (garbled, data[:300], b"\xff\xd8\xff" + b"\x00" * 100, b""):
+        with pytest.raises(DecodeError):
+            decode_region(bad, 1, 0, 0, 240, 320, (240, 320))
+    for top, left, h, w in ((100, 0, 30, 10), (0, 150, 10, 20), (2**32 - 1, 0, 2, 10)):  # 1/2 scale: 120 x 160
+        with pytest.raises(DecodeError, match="outside"):
+            decode_region(data, 2, top, left, h, w, (240, 320))
+
+
+def test_pixel_limit_is_checked_before_decoding(jpegregion, monkeypatch):
+    data = jpeg_bytes(np.random.default_rng(5), 100, 100)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 4000)  # the limit: 2 x 4000 pixels
+    with pytest.raises(DecodeError, match="pixel limit"):
+        decode_region(data, 1, 0, 0, 10, 10, (100, 100))
+    with pytest.raises(DecodeError, match="pixel limit"):  # the header's own size, whatever the caller says
+        decode_region(data, 1, 0, 0, 10, 10, (10, 10))
+
+
+def test_threads_decode_together(jpegregion, turbojpeg):
+    rng = np.random.default_rng(6)
+    datas = [jpeg_bytes(rng, 150, 200) for _ in range(4)]
+    want = [whole(d, 1, (150, 200))[20:120, 30:180] for d in datas]
+    results: list[bool] = []
+
+    def work() -> None:
+        for _ in range(20):
+            results.extend(np.array_equal(decode_region(d, 1, 20, 30, 100, 150, (150, 200)), w)
+                           for d, w in zip(datas, want))
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 240 and all(results)
+
+
+@pytest.mark.parametrize("shape", [(375, 500), (900, 1200), (1500, 2000)])
+def test_fused_crop_matches_the_whole_decode_path(jpegregion, turbojpeg, shape):
+    rng = np.random.default_rng(7)
+    data = jpeg_bytes(rng, *shape)
+    for spec in (RandomResizedCropDecode(224, seed=1), CenterCropDecode(224, resize=256)):
+        for i in range(10):
+            win = spec.window(*shape, i)
+            d = window_scale(win, spec.size)
+            want = resize_window(whole(data, d, shape), win, spec.size, d)  # the path without the region decoder
+            got = decode_window(data, win, spec.size, *shape)
+            on_whole_pixels = all(float(v).is_integer() for v in (win.top, win.left, win.height, win.width))
+            bound = MAX_DIFF_WHOLE_PIXELS if on_whole_pixels and d == 1 else MAX_DIFF_FRACTIONAL
+            assert np.abs(got.astype(np.int16) - want).max() <= bound, (type(spec).__name__, i, d)
+
+
+def test_packer_works_without_the_extension(tmp_path):
+    """Importing packer and the fused crop work when the .so is missing: one notice, the whole-decode path."""
+    data = jpeg_bytes(np.random.default_rng(8), 120, 160)
+    (tmp_path / "x.jpg").write_bytes(data)
+    script = (
+        "import sys; sys.modules['packer.images._jpegregion'] = None\n"  # an import of it now fails
+        "import numpy as np, packer\n"
+        "from packer.images.crop import decode_window, resize_window\n"
+        "from packer.images.decode import decode\n"
+        "from packer.images.jpegregion import region_decode_available\n"
+        "assert not region_decode_available()\n"
+        f"data = open({str(tmp_path / 'x.jpg')!r}, 'rb').read()\n"
+        "spec = packer.RandomResizedCropDecode(64, seed=0)\n"
+        "for i in range(3):\n"
+        "    w = spec.window(120, 160, i)\n"
+        "    want = resize_window(decode(data), w, spec.size)\n"
+        "    assert np.array_equal(decode_window(data, w, spec.size, 120, 160), want)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    notices = [line for line in run.stderr.splitlines() if "region decoder is not built" in line]
+    assert len(notices) == 1 and "libjpeg62-turbo-dev" in notices[0]
