@@ -235,8 +235,8 @@ def run(folder: Path, work: Path, epochs: int = 3, workers: int = 2, batch: int 
         tools[f"packer {fmt}"] = lambda o=out: packer_epochs(o, workers, batch)
         tools[f"packer {fmt}, ThreadLoader"] = lambda o=out: packer_epochs(o, workers, batch, threads=True)
         if fmt == "memmap":  # the fused crop without the region decoder: what it gains, in the same run
-            tools["packer memmap, whole decode then crop"] = lambda o=out: packer_epochs(o, workers, batch, False, False,
-                                                                                          ("train224",))
+            tools["packer memmap, whole decode then crop"] = lambda o=out: packer_epochs(
+                o, workers, batch, region=False, settings=("train224",))
     makers = {"dali": ("NVIDIA DALI CPU", lambda: dali_epochs(folder, workers, batch)),
               "ffcv": ("FFCV", lambda: ffcv_epochs(folder, work, workers, batch)),
               "litdata": ("LitData", lambda: litdata_epochs(folder, work, workers, batch))}

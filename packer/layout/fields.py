@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import warnings
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +46,7 @@ BLOBS = frozenset({"str", "json", "bytes"})
 DTYPES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
           "float16", "float32", "float64")
 MAX_DIMS, MAX_NAME = 8, 64
+_DIM = re.compile(r"[0-9]+")  # ASCII digits only: str.isdigit also takes "²", which int() refuses
 _ARRAY = re.compile(r"^([a-z0-9]+)\[([^\]]*)\]$")
 
 
@@ -85,9 +87,9 @@ def parse_spec(text: object, where: str = "field") -> FieldSpec:
     dims = [d for d in m.group(2).split(",")] if m.group(2) else []
     ragged = bool(dims) and dims[0] == ":"
     rest = dims[1:] if ragged else dims
-    if len(dims) > MAX_DIMS or not all(d.isdigit() and 0 < int(d) < (1 << 31) for d in rest):
-        raise PackerError(f"{where}: field spec {text!r:.80}: dimensions must be positive numbers (the first may "
-                          f"be ':'), at most {MAX_DIMS}")
+    if not dims or len(dims) > MAX_DIMS or not all(_DIM.fullmatch(d) and 0 < int(d) < (1 << 31) for d in rest):
+        raise PackerError(f"{where}: field spec {text!r:.80}: dimensions must be 1 to {MAX_DIMS} positive numbers "
+                          f"(0-9; the first may be ':'); a single number is int or float")
     shape = tuple(int(d) for d in rest)
     if int(np.prod(shape, dtype=object)) >= (1 << 31):
         raise PackerError(f"{where}: field spec {text!r:.80}: a sample's array is implausibly large")
@@ -134,7 +136,10 @@ def encode_cell(spec: FieldSpec, value: Any, where: str) -> Any:
     if kind == "float":
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
             raise PackerError(f"{where}: expected a float, found {type(value).__name__}")
-        return np.float64(value)
+        try:
+            return np.float64(value)
+        except OverflowError:
+            raise PackerError(f"{where}: {value} is too large for a float") from None
     if kind == "str":
         if not isinstance(value, str):
             raise PackerError(f"{where}: expected a str, found {type(value).__name__}")
@@ -155,16 +160,20 @@ def encode_cell(spec: FieldSpec, value: Any, where: str) -> Any:
 
 
 def _array_cell(spec: FieldSpec, value: Any, where: str) -> np.ndarray:
-    """An array of the declared dtype and shape: same-kind casts (float64 -> float32) allowed, others only exact."""
+    """An array of the declared dtype and shape: integers only where every value is kept, floats may round
+    (float64 -> float32) but not overflow to inf, other casts only exact."""
     try:
         arr = np.asarray(value)
         if arr.dtype.hasobject:
             raise ValueError("holds Python objects")
-        cast = arr.astype(spec.dtype)
+        with np.errstate(all="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a lossy cast is refused below, with the field's name
+            cast = arr.astype(spec.dtype)
     except (TypeError, ValueError, OverflowError) as exc:
         raise PackerError(f"{where}: not an array of {spec.text} ({exc})") from None
-    if not np.can_cast(arr.dtype, cast.dtype, "same_kind") and not np.array_equal(cast, arr, equal_nan=False):
-        raise PackerError(f"{where}: {arr.dtype} values do not fit {np.dtype(spec.dtype).name} exactly")
+    if not _kept(arr, cast):
+        raise PackerError(f"{where}: {arr.dtype} values do not fit {np.dtype(spec.dtype).name} "
+                          f"({'they overflow' if cast.dtype.kind == 'f' else 'not every value is kept'})")
     if spec.ragged and cast.size == 0 and cast.ndim == 1:
         cast = cast.reshape((0, *spec.shape))  # np.array([]): no rows
     want = ("rows", *spec.shape) if spec.ragged else spec.shape
@@ -172,6 +181,15 @@ def _array_cell(spec: FieldSpec, value: Any, where: str) -> np.ndarray:
     if (spec.ragged and cast.ndim != len(spec.shape) + 1) or got != spec.shape:
         raise PackerError(f"{where}: shape {arr.shape}, expected ({', '.join(map(str, want))}) for {spec.text}")
     return np.ascontiguousarray(cast)
+
+
+def _kept(arr: np.ndarray, cast: np.ndarray) -> bool:
+    """Whether ``cast`` holds ``arr``'s values: exactly, or for float targets rounded but finite where they were."""
+    if cast.dtype.kind == "f" and arr.dtype.kind in "biuf":
+        with np.errstate(all="ignore"):
+            return not bool(np.any(np.isfinite(arr) & ~np.isfinite(cast)))
+    with np.errstate(all="ignore"):
+        return bool(np.array_equal(cast, arr))
 
 
 def encode_column(spec: FieldSpec, cells: Sequence[Any]) -> dict[str, np.ndarray]:

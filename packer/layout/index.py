@@ -28,6 +28,7 @@ Arrays, not lists of dicts: forked DataLoader workers share them without copying
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -204,8 +205,12 @@ def shard_starts(counts: list[int]) -> np.ndarray:
 
 
 def normalize_index(i: int, n: int) -> int:
-    """``i`` as a position in ``range(n)``, negative counting from the end, like a list; else IndexError."""
-    i = int(i)
+    """``i`` as a position in ``range(n)``, negative counting from the end, like a list; else IndexError
+    (TypeError for what a list refuses as an index: floats, strings, slices)."""
+    try:
+        i = operator.index(i)
+    except TypeError:
+        raise TypeError(f"sample indices must be integers, not {type(i).__name__}") from None
     if i < 0:
         i += n
     if not 0 <= i < n:

@@ -52,6 +52,8 @@ WRITER_SHARD_BYTES = 256 << 20  # at most this much of a shard is held in memory
 SOURCE_TYPE = "writer"  # the manifest's source_type: samples are named by number, not source paths
 
 
+MAX_IMPLICIT_CLASSES = 1 << 20  # without classes=, labels name classes 0..max: a larger one is a mistake
+
 class Writer:
     """Writes samples into a new packer dataset at ``path`` (see the module docstring); use as a context manager.
 
@@ -128,14 +130,17 @@ class Writer:
             cells = {name: encode_cell(spec, fields[name], f"field {name!r}") for name, spec in self.specs.items()}
         except PackerError as exc:
             return SourceError(key, str(exc)), {}
-        if isinstance(label, (bool, np.bool_)) or not isinstance(label, (int, np.integer)) or label < -1 \
-                or (self.classes is not None and label >= len(self.classes)):
-            classes = "" if self.classes is None else f" (0 .. {len(self.classes) - 1} for the classes given)"
+        top = MAX_IMPLICIT_CLASSES if self.classes is None else len(self.classes)
+        if isinstance(label, (bool, np.bool_)) or not isinstance(label, (int, np.integer)) or not -1 <= label < top:
+            classes = (f" below {top:,} (pass classes= to name more)" if self.classes is None
+                       else f" (0 .. {len(self.classes) - 1} for the classes given)")
             return SourceError(key, f"label {label!r}: expected a class index >= -1{classes}"), {}
         if isinstance(image, np.ndarray):
             if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
                 why = f"image array {image.dtype} {image.shape}: expected HWC uint8 RGB (H, W, 3)"
                 return SourceError(key, why), {}
+            if image.shape[0] == 0 or image.shape[1] == 0:
+                return SourceError(key, f"image array {image.shape}: an empty image"), {}
             data: bytes | np.ndarray = image
         elif isinstance(image, (bytes, bytearray, memoryview)):
             data = bytes(image)

@@ -72,6 +72,42 @@ def test_a_bad_sample_names_its_number_or_goes_to_errors_json(tmp_path):
     assert "field 'n'" in report["errors"][1]["reason"]
 
 
+@pytest.mark.parametrize("spec", ["uint8[\u00b2,3]", "uint8[\u0662]", "uint8[]", "float32[:]x", "uint8[0,3]"])
+def test_odd_array_specs_are_refused_in_one_line(tmp_path, spec):
+    with pytest.raises(PackerError, match="field spec|unknown field spec"):
+        Writer(tmp_path / "x.lmdb", fields={"m": spec})
+
+
+def test_values_that_would_change_or_overflow_are_bad_samples(tmp_path):
+    """Nothing is stored other than what was given: no wrapped integers, no float overflow to inf, no label past
+    what the dataset can name; each is the sample's error (here: skipped into errors.json), never a crash."""
+    good = jpeg_bytes(np.random.default_rng(4), 16, 16)
+    bad = [({"i8": np.array([300, 1000])}, "not every value is kept"),
+           ({"i64": np.array([2**64 - 1], np.uint64)}, "not every value is kept"),
+           ({"f16": np.array([1e300])}, "overflow"),
+           ({"f": 10**400}, "too large for a float"),
+           ({"label": 2**63}, "label"),
+           ({"label": np.uint64(2**64 - 1)}, "label"),
+           ({"label": 3_000_000}, "pass classes="),
+           ({"image": np.zeros((0, 0, 3), np.uint8)}, "an empty image")]
+    ok = {"image": good, "label": 1, "i8": np.array([1, -2]), "i64": np.array([5]), "f16": np.array([0.5]), "f": 1.5}
+    specs = {"i8": "int8[2]", "i64": "int64[1]", "f16": "float16[1]", "f": "float"}
+    with Writer(tmp_path / "s.lmdb", fields=specs, on_error="skip", payload="raw") as w:
+        w.add(**{**ok, "image": np.full((4, 5, 3), 9, np.uint8)})
+        for change, _ in bad:
+            w.add(**{**ok, "image": np.full((4, 5, 3), 9, np.uint8), **change})
+    report = json.loads((tmp_path / "s.lmdb" / "errors.json").read_text())
+    assert len(report["errors"]) == len(bad)
+    for e, (_, why) in zip(report["errors"], bad):
+        assert why in e["reason"], (e, why)
+    ds = open_dataset(tmp_path / "s.lmdb", fields="all")
+    assert len(ds) == 1 and ds.classes == ["0", "1"] and ds.field("i8", 0).tolist() == [1, -2]
+    with pytest.raises(TypeError, match="integers"):
+        ds.field("f", 0.0)
+    with pytest.raises(TypeError, match="integers"):
+        ds["0"]
+
+
 def test_fields_must_be_declared_and_given(tmp_path):
     with pytest.raises(PackerError, match="not an identifier"):
         Writer(tmp_path / "x.lmdb", fields={"../x": "int"})
