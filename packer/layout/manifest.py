@@ -18,7 +18,7 @@ from typing import Any
 from packer.errors import PackerError
 from packer.layout.fsutil import write_atomic
 from packer.layout.partial import unfinished_note
-from packer.layout.trust import check_inner_name, inside, open_regular, read_inside
+from packer.layout.trust import check_inner_name, inside, json_kind, read_inside
 
 KIND = "packer-dataset"
 VERSION = 1
@@ -259,20 +259,7 @@ def holds_dataset(directory: str | os.PathLike) -> bool:
     Only the manifest's ``kind`` is looked at, so a damaged dataset still counts; any other
     ``manifest.json`` (a photo collection's own) does not.
     """
-    try:
-        fd, st = open_regular(os.path.join(directory, MANIFEST_NAME))
-    except OSError:
-        return False
-    try:
-        if st.st_size > _MAX_MANIFEST_BYTES:
-            return False
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = json.loads(fh.read())
-    except (OSError, ValueError, RecursionError):
-        return False
-    finally:
-        os.close(fd)
-    return isinstance(data, dict) and data.get("kind") == KIND
+    return json_kind(os.path.join(directory, MANIFEST_NAME), _MAX_MANIFEST_BYTES) == KIND
 
 
 def sha256_file(path: Path, block: int = 4 << 20) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import stat
 import struct
@@ -88,6 +89,25 @@ def inside(root: Path, name: str, where: str | None = None, must_exist: bool = T
         if not stat.S_ISREG(mode):
             raise PackerError(f"{path}: not a regular file")
     return path
+
+
+def json_kind(path: str | os.PathLike, max_bytes: int) -> object:
+    """The ``kind`` entry of the small JSON object at ``path`` (None: missing, special, larger than ``max_bytes``,
+    not JSON or not an object): how a folder is recognised as packer's (a dataset, an export) without trusting it."""
+    try:
+        fd, st = open_regular(path)
+    except OSError:
+        return None
+    try:
+        if st.st_size > max_bytes:
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            data = json.loads(fh.read())
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+    return data.get("kind") if isinstance(data, dict) else None
 
 
 def open_regular(path: str | os.PathLike) -> tuple[int, os.stat_result]:

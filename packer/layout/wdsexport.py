@@ -14,11 +14,10 @@ A folder without ``packer-wds.json`` (an interrupted export is still ``<out>.par
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-from packer.layout.trust import open_regular
+from packer.layout.trust import json_kind
 
 EXPORT_NAME = "packer-wds.json"
 EXPORT_KIND = "packer-webdataset-export"
@@ -29,20 +28,7 @@ _MAX_EXPORT_BYTES = 64 << 20
 
 def holds_wds_export(directory: str | os.PathLike) -> bool:
     """Whether ``directory`` holds a finished WebDataset export made by packer (only the ``kind`` is looked at)."""
-    try:
-        fd, st = open_regular(os.path.join(directory, EXPORT_NAME))
-    except OSError:
-        return False
-    try:
-        if st.st_size > _MAX_EXPORT_BYTES:
-            return False
-        with os.fdopen(fd, "rb", closefd=False) as fh:
-            data = json.loads(fh.read())
-    except (OSError, ValueError, RecursionError):
-        return False
-    finally:
-        os.close(fd)
-    return isinstance(data, dict) and data.get("kind") == EXPORT_KIND
+    return json_kind(os.path.join(directory, EXPORT_NAME), _MAX_EXPORT_BYTES) == EXPORT_KIND
 
 
 def export_classes_file(directory: Path) -> str | None:
