@@ -89,7 +89,8 @@ class ShardReader(ABC):
         return [self.read(p) for p in positions]
 
     def read_into(self, positions: Sequence[int], out: np.ndarray) -> None:
-        """Copy the payloads of ascending ``positions`` into ``out`` (only where ``fixed_shape`` is set)."""
+        """Copy the payloads of ``positions`` (any order; runs of ascending neighbours copy fastest) into ``out``
+        (only where ``fixed_shape`` is set)."""
         raise PackerError(f"{type(self).__name__} has no fixed shape to copy batches into")
 
     def file_spans(self, positions: Sequence[int]) -> list[list[Span]]:

@@ -14,7 +14,9 @@ same samples in the same order give the same file, byte for byte (LMDB's page al
 deterministic and ``meminit`` zeroes unused bytes).
 
 Readers open with ``readonly=True, lock=False`` (safe on read-only and network filesystems:
-nothing is written, not even a lock file). ``readahead`` decides whether the kernel reads
+nothing is written, not even a lock file). Where the spans file exists, payloads are zero-copy
+read-only views of the reader's own read-only map of the file (``lmdb_values``: the spans are
+checked against the B-tree first), else py-lmdb's copies. ``readahead`` decides whether the kernel reads
 ahead around each page fault: on for sequential and block-shuffled passes (measured here a
 cold sequential pass is ~26x faster with it: docs/results.md), off for uniform random access on datasets
 larger than RAM, where read-ahead only evicts useful pages.
@@ -23,6 +25,7 @@ larger than RAM, where read-ahead only evicts useful pages.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import lmdb
@@ -34,21 +37,20 @@ from packer.formats.base import (
     PreparedSample,
     ShardReader,
     ShardWriter,
+    check_addition,
     check_size,
     contiguous_runs,
+    fixed_shape,
     mapping_base,
+    shard_layout,
 )
+from packer.formats.lmdb_values import MappedValues, check_against_btree, key, load_spans
 from packer.layout.manifest import Shard
-from packer.layout.trust import load_npy
 from packer.pagecache import PageCache
 from packer.perprocess import PerProcess
 
 _BATCH_BYTES = 4 << 20  # commit about every 4 MB: measured ~30% faster than 16 MB here (dirty pages stay cache-hot)
 _INITIAL_MAP = 64 << 20
-
-
-def key(pos: int) -> bytes:
-    return b"%010d" % pos
 
 
 def shard_name(shard_id: int) -> str:
@@ -59,6 +61,8 @@ class Writer(ShardWriter):
     def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
         self.name = shard_name(shard_id)
         self.path = directory / self.name
+        self.planned = num_samples
+        self.shape = fixed_shape(payload, options)  # raw payloads of one shape: the manifest says so (read_into)
         self._map_size = _INITIAL_MAP
         self._env = self._open(self.path)
         self._batch: list[tuple[bytes, bytes]] = []
@@ -72,6 +76,7 @@ class Writer(ShardWriter):
         )
 
     def add(self, sample: PreparedSample) -> None:
+        check_addition(self.path, self._count, self.planned, sample, self.shape)
         value = sample.payload if isinstance(sample.payload, bytes) else sample.payload.tobytes()
         self._batch.append((key(self._count), value))
         self._batch_bytes += len(value)
@@ -95,8 +100,11 @@ class Writer(ShardWriter):
     def close(self) -> tuple[list[str], dict]:
         self._commit()
         self._env.close()
-        np.save(self.path.with_name(spans_name(self.name)), _value_spans(self.path, self._count), allow_pickle=False)
-        return [self.name, spans_name(self.name)], {"map_size": self._map_size}
+        np.save(self.path.with_name(spans_name(self.name)), value_spans(self.path, self._count), allow_pickle=False)
+        facts: dict = {"map_size": self._map_size}
+        if self.shape is not None:
+            facts.update(layout="fixed", shape=list(self.shape))
+        return [self.name, spans_name(self.name)], facts
 
     def abort(self) -> None:
         self._env.close()
@@ -108,7 +116,7 @@ def spans_name(shard_file: str) -> str:
     return shard_file.removesuffix(".lmdb") + ".spans.npy"
 
 
-def _value_spans(path: Path, count: int) -> np.ndarray:
+def value_spans(path: Path, count: int) -> np.ndarray:
     """[count, 3] int64: each sample's leaf page offset and value start/end in the file, found by one
     cursor walk of the just-written file (in the page cache). Read-ahead needs them without
     touching the file: LMDB reads a value's first page just to return its address."""
@@ -184,12 +192,24 @@ def _release_env(ident: tuple) -> None:
             del envs[ident]
 
 
-class Reader(ShardReader):
-    """Reads one shard; opens the environment lazily in each process.
+@dataclass
+class _Handle:
+    """What a reader holds open in one process."""
 
-    LMDB maps the file itself and trusts it: a page past the end of a file truncated in place
-    kills the process with SIGBUS. So the reader keeps its own descriptor of the file and checks
-    its size against the manifest before each read (``base.check_size``).
+    env: lmdb.Environment | None  # py-lmdb's, where values come through it (None: released once checked)
+    fd: int  # our own descriptor of the file, for the size checks
+    psize: int
+    spans: np.ndarray | None  # [N, 3] leaf page, value start, value end; None: no spans file
+    values: MappedValues | None  # the values as views of our map (where spans exist)
+
+
+class Reader(ShardReader):
+    """Reads one shard; opens lazily in each process.
+
+    With the shard's spans file (every dataset written since it exists) values are zero-copy read-only
+    views of the reader's own map of the file (``lmdb_values``); without it, py-lmdb's copies. Either way
+    the mapped file is seen to have the manifest's size before each read (``base.check_size``): a page past
+    the end of a file truncated in place would kill the process with SIGBUS.
     """
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
@@ -198,48 +218,76 @@ class Reader(ShardReader):
         self.spans_path = directory / shard.files[1].name if len(shard.files) > 1 else None  # older datasets: none
         self.num_samples = shard.num_samples
         self.readahead = access != "random"
-        self._env: PerProcess[tuple[lmdb.Environment, int]] = PerProcess()  # (environment, our descriptor)
-        self._spans: PerProcess[np.ndarray | None] = PerProcess()  # [N, 3] leaf page, value start, end
-        self._psize = 4096
+        if "layout" in shard.facts:  # raw payloads of one shape (--resize HxW): read_into copies batches
+            self.fixed_shape = shard_layout(shard.facts, self.path)
+            if payload != "raw":
+                raise PackerError(f"{self.path}: manifest gives a fixed shape to {payload} payloads")
+        self._handle: PerProcess[_Handle] = PerProcess()
         self._cache: PerProcess[PageCache] = PerProcess(inherited=PageCache.close)
 
-    def _open(self) -> tuple[lmdb.Environment, int]:
-        env, self._ident = _shared_env(self.path, self.readahead)
+    def _open(self) -> _Handle:
+        # With spans, py-lmdb's map only serves the checks on open (a few leaf pages): no read-ahead around them
+        env, self._ident = _shared_env(self.path, self.readahead and self.spans_path is None)
         fd = -1
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) != self._ident[1:]:
-                raise OSError(f"{self.path.name} was replaced while being opened")
-            stat, info = env.stat(), env.info()
-            # LMDB maps the file and trusts its own page numbers: pages past the end of a truncated
-            # file would fault (SIGBUS). Its pages must all lie inside the file.
-            needed = (info["last_pgno"] + 1) * stat["psize"]
-            problem = (None if stat["entries"] == self.num_samples
-                       else f"holds {stat['entries']} samples, the manifest says {self.num_samples}")
-            if needed > st.st_size:
-                problem = f"truncated: LMDB records {needed} bytes of pages, the file holds {st.st_size}"
+            return self._checked(env, fd)
         except (lmdb.Error, OSError) as exc:
             problem = f"damaged LMDB shard ({exc})"
-        if problem:
-            if fd >= 0:
-                os.close(fd)
-            _release_env(self._ident)
-            raise PackerError(f"{self.path}: {problem}")
-        return env, fd
+        except BaseException:
+            self._drop(fd)
+            raise
+        self._drop(fd)
+        raise PackerError(f"{self.path}: {problem}")
 
-    def _get(self) -> lmdb.Environment:
-        """The environment, its file seen to have the manifest's size (LMDB would fault on a shorter one)."""
-        env, fd = self._env.get(self._open)
-        check_size(fd, self.num_bytes, self.path)
-        return env
+    def _drop(self, fd: int) -> None:
+        if fd >= 0:
+            os.close(fd)
+        _release_env(self._ident)
+
+    def _checked(self, env: lmdb.Environment, fd: int) -> _Handle:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != self._ident[1:]:
+            raise OSError(f"{self.path.name} was replaced while being opened")
+        stat, info = env.stat(), env.info()
+        # LMDB maps the file and trusts its own page numbers: pages past the end of a truncated
+        # file would fault (SIGBUS). Its pages must all lie inside the file.
+        needed = (info["last_pgno"] + 1) * stat["psize"]
+        if needed > st.st_size:
+            raise PackerError(f"{self.path}: truncated: LMDB records {needed} bytes of pages, the file holds "
+                              f"{st.st_size}")
+        if stat["entries"] != self.num_samples:
+            raise PackerError(f"{self.path}: holds {stat['entries']} samples, the manifest says {self.num_samples}")
+        psize = int(stat["psize"])
+        if self.spans_path is None:
+            return _Handle(env, fd, psize, None, None)
+        spans = load_spans(self.spans_path, self.num_samples, st.st_size, psize)
+        if spans is None:
+            return _Handle(env, fd, psize, None, None)
+        check_size(fd, self.num_bytes, self.path)  # mapped at the manifest's size, or not at all
+        check_against_btree(env, spans, self.path, self.spans_path)
+        values = MappedValues(fd, self.path, spans, random=not self.readahead)
+        _release_env(self._ident)  # py-lmdb's map of the whole file is no longer needed: only ours stays
+        return _Handle(None, fd, psize, spans, values)
+
+    def _get(self) -> _Handle:
+        """What this process holds open, the file seen to have the manifest's size (a map would fault on a
+        shorter one)."""
+        h = self._handle.get(self._open)
+        check_size(h.fd, self.num_bytes, self.path)
+        return h
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def read(self, pos: int) -> bytes:
+    def read(self, pos: int) -> bytes | memoryview:
+        """A read-only view of the value in the file (py-lmdb's copy where the shard has no spans)."""
+        h = self._get()
+        if h.values is not None:
+            return h.values.read(pos)
+        assert h.env is not None  # kept wherever values are not mapped
         try:
-            with self._get().begin() as txn:
+            with h.env.begin() as txn:
                 value = txn.get(key(pos))
         except lmdb.Error as exc:
             raise PackerError(f"{self.path}: damaged LMDB shard, reading sample {pos} ({exc})") from exc
@@ -247,16 +295,20 @@ class Reader(ShardReader):
             raise PackerError(f"{self.path}: sample {pos} is missing from the shard")
         return value
 
-    def read_many(self, positions: list[int]) -> list[bytes]:
-        """Runs of neighbouring positions are read with one cursor walk (sequential pages)."""
+    def read_many(self, positions: list[int]) -> list[bytes] | list[memoryview]:
+        """One slice of the map per sample; without spans, runs of neighbours read with one cursor walk."""
+        h = self._get()
+        if h.values is not None:
+            return h.values.read_many(positions)
+        assert h.env is not None
         try:
-            return self._read_runs(positions)
+            return self._read_runs(h.env, positions)
         except lmdb.Error as exc:
             raise PackerError(f"{self.path}: damaged LMDB shard ({exc})") from exc
 
-    def _read_runs(self, positions: list[int]) -> list[bytes]:
+    def _read_runs(self, env: lmdb.Environment, positions: list[int]) -> list[bytes]:
         out: list[bytes] = []
-        with self._get().begin() as txn, txn.cursor() as cur:
+        with env.begin() as txn, txn.cursor() as cur:
             for start, stop in contiguous_runs(list(positions)):
                 if not cur.set_key(key(start)):
                     raise PackerError(f"{self.path}: sample {start} is missing from the shard")
@@ -268,53 +320,57 @@ class Reader(ShardReader):
                     cur.next()
         return out
 
-    def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
-        """Per position, the file spans reading it touches: its leaf page and its value (see packer.read.readahead).
+    def read_into(self, positions: list[int], out: np.ndarray) -> None:
+        """Fixed shape only: copy the samples at ``positions`` into ``out[0:len]`` (one gather from the map)."""
+        if self.fixed_shape is None:
+            raise PackerError(f"{self.path}: read_into needs a fixed-shape shard")
+        h = self._get()
+        if h.values is not None:
+            h.values.read_into(list(positions), out)
+            return
+        for k, value in enumerate(self.read_many(list(positions))):
+            if len(value) != out[k].nbytes:
+                raise PackerError(f"{self.path}: sample {positions[k]} holds {len(value)} bytes, not "
+                                  f"{out[k].nbytes} (damaged dataset)")
+            out[k] = np.frombuffer(value, dtype=np.uint8).reshape(out[k].shape)
 
-        From the shard's ``.spans.npy``, written with it; datasets written before it existed
-        get no read-ahead: looking a value up reads its first page.
+    def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
+        """Per position, the file spans reading it touches (see packer.read.readahead): its value, and where
+        values come through py-lmdb its leaf page too. From the shard's ``.spans.npy``, written with it;
+        datasets written before it existed get no read-ahead: looking a value up reads its first page.
         """
-        spans = self._spans.get(self._load_spans)
-        if spans is None:
+        h = self._get()
+        if h.spans is None:
             return [[] for _ in positions]
-        path, psize = str(self.path), self._psize
-        return [[(path, int(spans[p, 0]), int(spans[p, 0]) + psize), (path, int(spans[p, 1]), int(spans[p, 2]))]
-                for p in positions]
+        path, rows = str(self.path), h.spans[np.asarray(positions, dtype=np.int64)].tolist()
+        if h.values is not None:
+            return [[(path, a, b)] for _leaf, a, b in rows]
+        return [[(path, leaf, leaf + h.psize), (path, a, b)] for leaf, a, b in rows]
 
     def _page_cache(self) -> PageCache:
         return PageCache(self.path)
 
     def in_page_cache(self, positions: list[int]) -> bool:
-        """From the same spans as ``file_spans``: each sample's leaf page and value."""
-        spans = self._spans.get(self._load_spans)
-        if spans is None:
+        """From the same spans as ``file_spans``."""
+        h = self._get()
+        if h.spans is None:
             return False
-        rows = spans[np.asarray(positions, dtype=np.int64)]
-        return self._cache.get(self._page_cache).resident(np.concatenate([rows[:, 0], rows[:, 1]]),
-                                          np.concatenate([rows[:, 0] + self._psize, rows[:, 2]]))
-
-    def _load_spans(self) -> np.ndarray | None:
-        if self.spans_path is None:
-            return None
-        env = self._get()
-        self._psize = int(env.stat()["psize"])
-        spans = load_npy(self.spans_path, "<i8", ndim=2, max_items=3 * self.num_samples)
-        size = os.stat(self.path).st_size
-        if spans.shape == (0, 3):
-            return None
-        if (spans.shape != (self.num_samples, 3) or np.any(spans < 0) or np.any(spans[:, 1] > spans[:, 2])
-                or np.any(spans[:, 2] > size) or np.any(spans[:, 0] % self._psize) or np.any(spans[:, 0] >= size)):
-            raise PackerError(f"{self.spans_path}: spans do not describe the samples of {self.path.name}")
-        return spans
+        rows = h.spans[np.asarray(positions, dtype=np.int64)]
+        cache = self._cache.get(self._page_cache)
+        if h.values is not None:
+            return cache.resident(rows[:, 1], rows[:, 2])
+        return cache.resident(np.concatenate([rows[:, 0], rows[:, 1]]), np.concatenate([rows[:, 0] + h.psize,
+                                                                                           rows[:, 2]]))
 
     def close(self) -> None:
+        """Forget this process's handles; views handed out keep the map (not the file descriptor) alive."""
         self._cache.close(PageCache.close)
-        self._spans.close()
-        self._env.close(self._close_env)
+        self._handle.close(self._close_handle)
 
-    def _close_env(self, handle: tuple[lmdb.Environment, int]) -> None:
-        os.close(handle[1])
-        _release_env(self._ident)
+    def _close_handle(self, h: _Handle) -> None:
+        os.close(h.fd)
+        if h.env is not None:
+            _release_env(self._ident)
 
 
 FORMAT = Format(

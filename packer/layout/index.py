@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import operator
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -216,3 +217,17 @@ def normalize_index(i: int, n: int) -> int:
     if not 0 <= i < n:
         raise IndexError(f"sample index {i} out of range for a dataset of {n}")
     return i
+
+
+def normalize_indices(indices: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
+    """``normalize_index`` of each (int64), in one vectorized step where they are integers already (a list of
+    ints, an integer array or tensor): per index, that check costs as much as reading a warm sample."""
+    arr = np.asarray(indices)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu" or (arr.dtype.kind == "u" and arr.size and arr.max() >= n):
+        return np.fromiter((normalize_index(i, n) for i in indices), dtype=np.int64, count=len(indices))
+    out = arr.astype(np.int64)
+    out[out < 0] += n
+    bad = np.flatnonzero((out < 0) | (out >= n))
+    if len(bad):
+        raise IndexError(f"sample index {int(out[bad[0]])} out of range for a dataset of {n}")
+    return out

@@ -110,8 +110,9 @@ def get_batch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Samples ``indices`` as one uint8 image tensor and an int64 label tensor; no transforms.
 
-    Fixed-shape raw datasets (``--payload raw --resize HxW`` in hdf5 or memmap) are read
-    shard by shard in storage order straight into the batch (memmap: one memory copy in all).
+    Fixed-shape raw datasets (``--payload raw --resize HxW`` in hdf5, memmap or lmdb) are read
+    straight into the batch, in the order asked where one shard holds them all, else shard by shard
+    in storage order and then put in order (memmap, lmdb: one memory copy in all for one shard).
     ``sort=True`` returns the samples in storage order (labels follow), which saves the copy
     that puts them back in the order asked. Other datasets decode each sample; all must
     share one shape. ``layout="NCHW"`` is a zero-copy channels-last view of the NHWC batch.
@@ -145,9 +146,12 @@ def get_batch(
         for k, p in enumerate(pixels):
             arr[k] = p
     else:
+        shard_of = np.searchsorted(ds.store.starts, idx, side="right") - 1
+        if len(idx) and not in_order and shard_of.min() == shard_of.max():
+            in_order, order = True, np.arange(len(idx))  # one shard: read in the order asked, straight into the batch
         ordered = idx if in_order else idx[order]
         buf = arr if in_order else np.empty_like(arr)
-        shard_of = np.searchsorted(ds.store.starts, ordered, side="right") - 1
+        shard_of = shard_of if in_order else shard_of[order]
         bounds = np.searchsorted(shard_of, np.arange(len(ds.store.readers) + 1))
         for shard, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
             if hi > lo:

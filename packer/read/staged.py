@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from packer.layout.index import normalize_index
+from packer.layout.index import normalize_index, normalize_indices
 from packer.read.hints import aheads_of
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class StagedDataset(Dataset, ABC):
         return self.index_map.stored(self.check_index(i))
 
     def positions(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-        return self.index_map.stored_many([self.check_index(i) for i in indices])
+        return self.index_map.stored_many(normalize_indices(indices, len(self)))
 
     @property
     def indexing(self) -> str:

@@ -18,6 +18,7 @@ from support.fuzzing import craft_rel_path
 
 from packer import PackerError, convert, open_dataset
 from packer.cli import main
+from packer.formats.lmdb import spans_name, value_spans
 from packer.images.decode import DecodeError
 from packer.layout.trust import load_npy
 from packer.tools.extract import extract
@@ -64,7 +65,9 @@ def put_value(ds: Path, sample: int, value: bytes) -> None:
     env = lmdb.open(str(ds / name), subdir=False, lock=False)
     with env.begin(write=True) as txn:
         txn.put(b"%010d" % pos, value)
+        count = txn.stat()["entries"]
     env.close()
+    np.save(ds / spans_name(name), value_spans(ds / name, count))  # the value moved: a crafter would say where
     nbytes = np.load(ds / "meta/nbytes.npy")
     nbytes[stored] = len(value)
     np.save(ds / "meta/nbytes.npy", nbytes)

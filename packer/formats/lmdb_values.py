@@ -1,0 +1,140 @@
+"""An LMDB shard's values read straight from one read-only map of its file, where its ``.spans.npy`` says they lie.
+
+py-lmdb copies every value out of its map into a new ``bytes`` (and walks a cursor per run of
+neighbours); with the spans written at conversion (``lmdb.value_spans``) a value is a slice of a
+memoryview, a batch of fixed-size values one gather. Nothing here trusts the spans file: ``load_spans``
+checks its shape and bounds, ``check_against_btree`` that no two values overlap and that a spread of
+samples (first, last, between) lies exactly where LMDB's own B-tree puts them; the payload sizes are
+checked against the index on every read (``read.store.ShardStore.check_reads``) and the file's size
+against the manifest before each (the reader's ``check_size``: a map never reads past a truncated end).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+import lmdb
+import numpy as np
+
+from packer.errors import PackerError
+from packer.layout.trust import load_npy
+
+SAMPLES_CHECKED = 8  # samples per shard whose spans are compared with the B-tree on open (a leaf page read each)
+GATHER_BYTES = 1 << 20  # read_into gathers about this much at a time (its temporary stays in the CPU cache)
+
+
+def key(pos: int) -> bytes:
+    return b"%010d" % pos
+
+
+def load_spans(path: Path, num_samples: int, file_size: int, psize: int) -> np.ndarray | None:
+    """[N, 3] int64 (leaf page, value start, value end) from ``path``, each inside the file; None: none written
+    (a file of shape (0, 3): conversion ran where /proc could not locate the values)."""
+    spans = load_npy(path, "<i8", ndim=2, max_items=3 * num_samples)
+    if spans.shape == (0, 3):
+        return None
+    if (spans.shape != (num_samples, 3) or np.any(spans < 0) or np.any(spans[:, 1] > spans[:, 2])
+            or np.any(spans[:, 2] > file_size) or np.any(spans[:, 0] % psize) or np.any(spans[:, 0] >= file_size)):
+        raise PackerError(f"{path}: spans do not describe the samples of {path.name.removesuffix('.spans.npy')}.lmdb")
+    return spans
+
+
+def check_against_btree(env: lmdb.Environment, spans: np.ndarray, path: Path, spans_path: Path) -> None:
+    """Refuse spans that disagree with the shard: values that overlap, or a spread of samples whose leaf page
+    and value are not where LMDB's B-tree puts them in the file (compared by address where /proc tells where
+    its map lies, else by content)."""
+    where = f"{spans_path}: spans disagree with the LMDB B-tree of {path.name}"
+    order = np.argsort(spans[:, 1], kind="stable")
+    if np.any(spans[order[1:], 1] < spans[order[:-1], 2]):
+        raise PackerError(f"{where} (two values overlap)")
+    psize = int(env.stat()["psize"])
+    ino = os.stat(path).st_ino
+    with open(path, "rb") as fh, env.begin(buffers=True) as txn, txn.cursor() as cur:
+        for pos in np.unique(np.linspace(0, len(spans) - 1, min(SAMPLES_CHECKED, len(spans))).astype(int)).tolist():
+            if not cur.set_key(key(pos)):
+                raise PackerError(f"{where} (sample {pos} is missing)")
+            k, v = cur.item()
+            start, end = int(spans[pos, 1]), int(spans[pos, 2])
+            if end - start != len(v):
+                raise PackerError(f"{where} (sample {pos}: {end - start} bytes, LMDB holds {len(v)})")
+            if not len(v):
+                continue
+            found = _file_offsets([_address(k), _address(v)], ino)
+            if found is None:  # no /proc: the bytes the spans point at must be the value's
+                fh.seek(start)
+                if fh.read(end - start) != bytes(v):
+                    raise PackerError(f"{where} (sample {pos}'s bytes differ)")
+            elif (found[0] // psize * psize, found[1]) != (int(spans[pos, 0]), start):
+                raise PackerError(f"{where} (sample {pos} lies at byte {found[1]}, not {start})")
+
+
+def _address(buf) -> int:
+    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
+
+
+def _file_offsets(addresses: list[int], ino: int) -> list[int] | None:
+    """Each address's offset in the file with inode ``ino`` mapped there (Linux /proc/self/maps); None where
+    not found."""
+    found: list[int | None] = [None] * len(addresses)
+    try:
+        with open("/proc/self/maps") as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) < 6 or fields[4] != str(ino):
+                    continue
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                for j, a in enumerate(addresses):
+                    if lo <= a < hi:
+                        found[j] = int(fields[2], 16) + a - lo
+    except (OSError, ValueError):
+        return None
+    return None if None in found else found  # type: ignore[return-value]
+
+
+class MappedValues:
+    """A shard's values as zero-copy read-only views of this process's read-only map of the file.
+
+    A view keeps the map alive: a payload held after the dataset closed still reads the bytes it was
+    given (``close`` only forgets the map; it goes with its last view), as memmap's payloads do.
+    """
+
+    def __init__(self, fd: int, path: Path, spans: np.ndarray, random: bool) -> None:
+        try:
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:
+            raise PackerError(f"{path}: cannot map ({exc})") from exc
+        if len(mm) < int(spans[:, 2].max(initial=0)):
+            raise PackerError(f"{path}: shorter than its spans say (truncated?)")
+        if random:
+            mm.madvise(mmap.MADV_RANDOM)  # no read-ahead: uniform random reads would only evict pages
+        self.view = memoryview(mm)
+        self.array = np.frombuffer(mm, dtype=np.uint8)
+        self.spans = spans
+        self.path = path
+
+    def read(self, pos: int) -> memoryview:
+        return self.view[int(self.spans[pos, 1]) : int(self.spans[pos, 2])]
+
+    def read_many(self, positions: list[int]) -> list[memoryview]:
+        view = self.view
+        return [view[a:b] for a, b in self.spans[positions, 1:].tolist()]
+
+    def read_into(self, positions: list[int], out: np.ndarray) -> None:
+        """Copy the values at ``positions`` (each ``out[0].nbytes`` long, any order) into ``out[0:len]``: a gather
+        from a view whose rows start at every byte of the file, a cache-sized piece at a time."""
+        n = len(positions)
+        size = int(np.prod(out.shape[1:]))
+        starts = self.spans[positions, 1]
+        if np.any(self.spans[positions, 2] - starts != size):
+            raise PackerError(f"{self.path}: {np.sum(self.spans[positions, 2] - starts != size)} of the samples "
+                              f"asked are not {size} bytes long (damaged dataset)")
+        if not n or not size:
+            return
+        rows = np.lib.stride_tricks.as_strided(self.array, shape=(len(self.array) - size + 1, size),
+                                               strides=(1, 1), writeable=False)
+        flat = out[:n].reshape(n, size)
+        step = max(1, GATHER_BYTES // size)
+        for k in range(0, n, step):
+            flat[k : k + step] = rows[starts[k : k + step]]
