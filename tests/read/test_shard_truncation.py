@@ -21,6 +21,7 @@ from packer import PackerError, convert, open_dataset
 CASES = {
     "lmdb": {"to": "lmdb"},
     "lmdb-raw": {"to": "lmdb", "payload": "raw"},
+    "lmdb-fixed": {"to": "lmdb", "payload": "raw", "resize": "16x16"},
     "memmap": {"to": "memmap"},
     "memmap-fixed": {"to": "memmap", "payload": "raw", "resize": "16x16"},
     "hdf5": {"to": "hdf5"},

@@ -1,0 +1,176 @@
+"""LMDB values as views of the reader's own map (packer.formats.lmdb_values): the same bytes py-lmdb returns,
+spans files that disagree with the shard refused in one line, fork and spawn workers, shards without spans."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import lmdb
+import numpy as np
+import pytest
+from support.fuzzing import _rewrite_checksums as recompute_checksums
+from support.imagesets import make_imagefolder
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+from packer import PackerError, convert, open_dataset
+from packer.formats.lmdb_values import SAMPLES_CHECKED
+
+CASES = {"encoded": {}, "raw": {"payload": "raw"}, "fixed": {"payload": "raw", "resize": "16x12"}}
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lmdbviews")
+    src = make_imagefolder(root / "src", classes=3, per_class=8, size=(24, 32))
+    for name, options in CASES.items():  # small shards: several per dataset
+        convert(src, root / name, to="lmdb", shard_bytes=4_000, workers=0, progress=False, **options)
+    return root
+
+
+@pytest.fixture
+def copy(bases, tmp_path):
+    def make(name: str) -> Path:
+        shutil.copytree(bases / name, tmp_path / name)
+        return tmp_path / name
+    return make
+
+
+def lmdb_values(path: Path) -> list[bytes]:
+    """Every value of every shard, in storage order, as py-lmdb returns them (its environments closed after)."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    out = []
+    for shard in manifest["shards"]:
+        env = lmdb.open(str(path / shard["files"][0]["name"]), subdir=False, readonly=True, lock=False)
+        with env.begin() as txn:
+            out += [txn.get(b"%010d" % i) for i in range(shard["num_samples"])]
+        env.close()
+    return out
+
+
+def read_first(path: Path) -> None:
+    open_dataset(path).payloads_at([0])  # the sample stored first: shard 0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_views_equal_py_lmdb_values(bases, name):
+    expected = lmdb_values(bases / name)
+    ds = open_dataset(bases / name)
+    assert len(ds.manifest.shards) > 2
+    n = len(ds)
+    got = ds.payloads_at(np.arange(n))
+    assert all(isinstance(p, memoryview) and p.readonly for p in got)
+    assert [bytes(p) for p in got] == expected
+    assert [bytes(ds.payload_at(i)) for i in range(n)] == expected
+    shuffled = np.random.default_rng(0).permutation(n)
+    assert [bytes(p) for p in ds.payloads_at(shuffled)] == [expected[i] for i in shuffled]
+
+
+def test_fixed_shape_batches_copy_the_stored_pixels(bases):
+    ds = open_dataset(bases / "fixed", image="tensor")
+    expected = [np.frombuffer(v, np.uint8).reshape(16, 12, 3) for v in lmdb_values(bases / "fixed")]
+    assert ds.fixed_shape == (16, 12, 3) and ds.manifest.shards[0].facts["shape"] == [16, 12, 3]
+    for order in (list(range(len(ds))), np.random.default_rng(1).permutation(len(ds)).tolist(), [5, 5, 0]):
+        images, labels = ds.get_batch(order)
+        assert np.array_equal(images.numpy(), np.stack([expected[ds.position(i)] for i in order]))
+        assert labels.tolist() == [ds.targets[i] for i in order]
+    reader = ds.store.readers[0]
+    out = np.zeros((3, 16, 12, 3), np.uint8)
+    reader.read_into([2, 0, 1], out)  # any order
+    assert all(np.array_equal(out[k], expected[p]) for k, p in enumerate([2, 0, 1]))
+    with pytest.raises(PackerError, match="not 288 bytes long"):
+        reader.read_into([0], np.zeros((1, 8, 12, 3), np.uint8))
+
+
+@pytest.mark.parametrize("craft, message", [
+    ("shifted", "spans disagree with the LMDB B-tree"),  # every value one byte early, sizes right
+    ("swapped", "spans disagree with the LMDB B-tree"),  # first and last swapped (same sizes in the fixed case)
+    ("overlap", "two values overlap"),
+    ("past-end", "spans do not describe"),
+    ("negative", "spans do not describe"),
+    ("shape", "spans do not describe"),
+    ("rows", "spans do not describe"),
+])
+def test_crafted_spans_are_refused_in_one_line(copy, craft, message):
+    path = copy("fixed")
+    spans_file = path / "shard-00001.spans.npy"
+    spans = np.load(spans_file)
+    if craft == "shifted":
+        spans[:, 1:] -= 1
+    elif craft == "swapped":
+        spans[[0, -1]] = spans[[-1, 0]]
+    elif craft == "overlap":
+        spans[1, 1:] = spans[0, 1:] - 8
+    elif craft == "past-end":
+        spans[-1, 1:] += (path / "shard-00001.lmdb").stat().st_size
+    elif craft == "negative":
+        spans[0, 1] = -1
+    elif craft == "shape":
+        spans = spans[:, :2].copy()
+    else:
+        spans = spans[:-1]
+    np.save(spans_file, spans)
+    recompute_checksums(path)
+    ds = open_dataset(path)
+    first = ds.index_map.public(int(ds.store.starts[1]))  # a sample of shard 1
+    for read in (lambda: ds[first], lambda: ds.read_payloads([first]), lambda: ds.get_batch([first])):
+        with pytest.raises(PackerError, match=message) as err:
+            read()
+        assert "\n" not in str(err.value) and "shard-00001" in str(err.value)
+    ds[ds.index_map.public(0)]  # the other shards still read
+
+
+def test_a_middle_sample_is_compared_with_the_btree(copy):
+    path = copy("encoded")
+    spans_file = path / "shard-00000.spans.npy"
+    spans = np.load(spans_file)
+    assert len(spans) <= SAMPLES_CHECKED  # every sample of this small shard is compared
+    spans[len(spans) // 2, 1:] -= 1  # one value, one byte early
+    np.save(spans_file, spans)
+    recompute_checksums(path)
+    with pytest.raises(PackerError, match=f"sample {len(spans) // 2} lies at byte"):
+        read_first(path)
+
+
+def test_a_dataset_without_spans_reads_through_py_lmdb(copy):
+    path = copy("fixed")
+    expected = lmdb_values(path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        (path / shard["files"][1]["name"]).unlink()
+        shard["files"] = shard["files"][:1]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    recompute_checksums(path)
+    ds = open_dataset(path, image="tensor")
+    got = ds.payloads_at(np.arange(len(ds)))
+    assert all(isinstance(p, bytes) for p in got) and got == expected
+    images, _ = ds.get_batch([3, 0, 20])
+    assert np.array_equal(images.numpy(), np.stack([np.frombuffer(expected[ds.position(i)], np.uint8)
+                                                    .reshape(16, 12, 3) for i in (3, 0, 20)]))
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "memmap"])
+def test_a_payload_held_after_close_still_reads_its_bytes(tmp_path, fmt):
+    """Views keep their map alive: closing the dataset forgets the map, a payload held still reads the bytes
+    it was given (not a crash), and the dataset reopens on its next read."""
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=3)
+    path = convert(src, tmp_path / f"ds.{fmt}", to=fmt, workers=0, progress=False).output
+    ds = open_dataset(path)
+    held, expected = ds.read_payload(2), Path(src / ds.index.rel_path(ds.position(2))).read_bytes()
+    many = ds.read_payloads([0, 1])
+    ds.close()
+    assert bytes(held) == expected and len(bytes(many[0])) == ds.index.nbytes[ds.position(0)]
+    assert bytes(ds.read_payload(2)) == expected
+
+
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_dataloader_workers_read_views(bases, start_method):
+    ds = open_dataset(bases / "fixed", image="tensor")
+    expected = np.stack([np.frombuffer(v, np.uint8).reshape(16, 12, 3) for v in lmdb_values(bases / "fixed")])
+    ds.read_payload(0)  # the parent has the shards open: forked workers must open their own
+    batches = list(BatchSampler(SequentialSampler(range(len(ds))), batch_size=5, drop_last=False))
+    loader = DataLoader(ds.batched(), sampler=batches, batch_size=None, num_workers=2,
+                        multiprocessing_context=start_method)
+    for batch, (images, _labels) in zip(batches, loader, strict=True):  # each batch in storage order
+        assert np.array_equal(images.numpy(), expected[np.sort(ds.positions(batch))])
