@@ -9,7 +9,8 @@ Everything is read once first (warm page cache); what is timed is memory work. T
   (BlockShuffleSampler's) orders, one byte of each 4 KiB page of each payload touched (zero-copy
   views are read only then), as ``packer bench``'s read level does; ``--folder``: ImageFolder's open +
   read per file in the same orders. Median of ``--repeats`` passes.
-- ``batch``: MB/s of whole batches of 256 (``--batch``): ``read_payloads`` (its payloads joined into one
+- ``batch``: MB per CPU-second (this process, all threads: what a shared machine's load bends least) of
+  whole batches of 256 (``--batch``): ``read_payloads`` (its payloads joined into one
   ``bytes``: views are read only when used, py-lmdb's copies were read already); for fixed-shape raw
   datasets ``get_batch`` (a new uint8 tensor each time) and ``get_batch(out=)`` (a batch tensor reused,
   as a training loop with pinned memory would); for raw ones ``__getitems__`` with ``image="tensor"``
@@ -34,7 +35,6 @@ import torch
 
 import packer
 from packer.diagnose.bench_sources import make_order
-from packer.diagnose.measure import memory_copy_ceiling
 from packer.read.hints import aheads_of, hinted_order
 from packer.write.scan import scan_folder
 
@@ -101,9 +101,16 @@ def packed_cpu(ds, kind: str, batch: int, repeats: int) -> float:
     return median_of(packed_pass, repeats, time.process_time) / len(ds) * 1e6
 
 
+def copy_ceiling(repeats: int) -> float:
+    """MB per CPU-second of ``packer bench``'s memory-copy ceiling (a 128 MiB numpy copy, one core)."""
+    src = np.random.default_rng(0).integers(0, 255, 128 << 20, dtype=np.uint8)
+    dst = np.empty_like(src)
+    return src.nbytes / median_of(lambda: np.copyto(dst, src), repeats, time.process_time) / 1e6
+
+
 def batch_table(paths: list[Path], batch: int, repeats: int) -> None:
-    ceiling = memory_copy_ceiling().value
-    print(f"\nMB/s of whole batches of {batch}, warm (median of {repeats}); memory-copy ceiling "
+    ceiling = copy_ceiling(repeats)
+    print(f"\nMB per CPU-second of whole batches of {batch}, warm (median of {repeats}); memory-copy ceiling "
           f"(128 MiB, one core): {ceiling:,.0f} MB/s; % = of np.copyto of the same bytes")
     print(f"{'dataset':<22}{'order':<12}{'path':<16}{'MB/s':>10}{'copy MB/s':>11}{'%':>6}{'% ceiling':>10}")
     for path in paths:
@@ -122,7 +129,7 @@ def batch_rows(ds, head: str, batches: list[list[int]], repeats: int, ceiling: f
     nbytes = int(sum(int(ds.index.nbytes[ds.positions(b)].sum()) for b in batches))
     src = np.frombuffer(np.random.default_rng(1).bytes(nbytes // len(batches)), np.uint8).copy()
     dst = np.empty_like(src)
-    copy_s = median_of(lambda: [np.copyto(dst, src) for _ in batches], repeats, time.perf_counter)
+    copy_s = median_of(lambda: [np.copyto(dst, src) for _ in batches], repeats, time.process_time)
     runs: dict[str, Callable[[], object]] = {
         "read_payloads": lambda: [b"".join(ds.read_payloads(b)) for b in batches]}
     if ds.fixed_shape is not None:
@@ -132,7 +139,7 @@ def batch_rows(ds, head: str, batches: list[list[int]], repeats: int, ceiling: f
     if ds.manifest.payload == "raw":
         runs["__getitems__"] = lambda: [ds.__getitems__(b) for b in batches]
     for name, fn in runs.items():
-        secs = median_of(fn, repeats, time.perf_counter)
+        secs = median_of(fn, repeats, time.process_time)
         mbs = nbytes / secs / 1e6
         print(f"{head}{name:<16}{mbs:>10,.0f}{nbytes / copy_s / 1e6:>11,.0f}{100 * copy_s / secs:>6.0f}"
               f"{100 * mbs / ceiling:>10.0f}")
