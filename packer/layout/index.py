@@ -222,7 +222,10 @@ def normalize_index(i: int, n: int) -> int:
 def normalize_indices(indices: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
     """``normalize_index`` of each (int64), in one vectorized step where they are integers already (a list of
     ints, an integer array or tensor): per index, that check costs as much as reading a warm sample."""
-    arr = np.asarray(indices)
+    try:
+        arr = np.asarray(indices)
+    except (TypeError, ValueError, RuntimeError):  # e.g. a CUDA tensor: each index on its own, as a list does
+        arr = np.asarray(None)
     if arr.ndim != 1 or arr.dtype.kind not in "iu" or (arr.dtype.kind == "u" and arr.size and arr.max() >= n):
         return np.fromiter((normalize_index(i, n) for i in indices), dtype=np.int64, count=len(indices))
     out = arr.astype(np.int64)

@@ -213,3 +213,23 @@ def test_verify_against_checks_the_indexing(packed, source, tmp_path):
     _rewrite_checksums(crafted)
     report = verify(crafted, against=source)
     assert any("ImageFolder's sample 0" in p for p in report.problems), report.problems
+
+
+def test_positions_of_many_indices_check_each_as_a_list_does(tmp_path):
+    """``positions`` checks integer sequences in one vectorized step: same answers and errors as index by index."""
+    import torch
+
+    src = make_source(tmp_path / "src")
+    ds = open_dataset(convert(src, tmp_path / "ds.lmdb", workers=0, progress=False).output)
+    n = len(ds)
+    want = [ds.position(i) for i in (0, 5, -1, -n)]
+    for given in ([0, 5, -1, -n], np.array([0, 5, -1, -n], np.int32), torch.tensor([0, 5, -1, -n])):
+        assert ds.positions(given).tolist() == want
+    assert ds.positions(np.array([3, 0], np.uint8)).tolist() == [ds.position(3), ds.position(0)]
+    assert ds.positions([]).tolist() == []
+    for bad in ([n], [-n - 1], np.array([0, n]), np.array([2**64 - 1], np.uint64), [2**70]):
+        with pytest.raises(IndexError, match="out of range"):
+            ds.positions(bad)
+    for bad in ([1.0], ["0"], [[0]], np.array([0.0])):
+        with pytest.raises(TypeError, match="integers"):
+            ds.positions(bad)
