@@ -9,16 +9,14 @@ import shutil
 import struct
 from pathlib import Path
 
-import lmdb
 import numpy as np
 import pytest
 from PIL import Image
 from support.fuzzing import _rewrite_checksums as recompute_checksums
-from support.fuzzing import craft_rel_path
+from support.fuzzing import craft_rel_path, put_lmdb_value
 
 from packer import PackerError, convert, open_dataset
 from packer.cli import main
-from packer.formats.lmdb import spans_name, value_spans
 from packer.images.decode import DecodeError
 from packer.layout.trust import load_npy
 from packer.tools.extract import extract
@@ -62,12 +60,7 @@ def put_value(ds: Path, sample: int, value: bytes) -> None:
     shard, pos = d.locate(sample)
     d.close()
     name = d.manifest.shards[shard].files[0].name
-    env = lmdb.open(str(ds / name), subdir=False, lock=False)
-    with env.begin(write=True) as txn:
-        txn.put(b"%010d" % pos, value)
-        count = txn.stat()["entries"]
-    env.close()
-    np.save(ds / spans_name(name), value_spans(ds / name, count))  # the value moved: a crafter would say where
+    put_lmdb_value(ds / name, pos, value)
     nbytes = np.load(ds / "meta/nbytes.npy")
     nbytes[stored] = len(value)
     np.save(ds / "meta/nbytes.npy", nbytes)

@@ -13,11 +13,10 @@ import struct
 import zlib
 from pathlib import Path
 
-import lmdb
 import numpy as np
 import pytest
 from PIL import Image
-from support.fuzzing import _rewrite_checksums
+from support.fuzzing import _rewrite_checksums, put_lmdb_value
 from support.imagesets import jpeg_bytes
 from support.memlimit import limited_call
 
@@ -164,10 +163,7 @@ def crafted(imagefolder, tmp_path, bombs):
     shard, pos = ds.locate(3)
     stored = ds.position(3)  # meta/ is in storage order
     ds.close()
-    env = lmdb.open(str(ds_path / ds.manifest.shards[shard].files[0].name), subdir=False, lock=False)
-    with env.begin(write=True) as txn:
-        txn.put(b"%010d" % pos, bombs["jpg"])
-    env.close()
+    put_lmdb_value(ds_path / ds.manifest.shards[shard].files[0].name, pos, bombs["jpg"])
     for name, value in (("heights", SIDE), ("widths", SIDE), ("nbytes", len(bombs["jpg"]))):
         arr = np.load(ds_path / f"meta/{name}.npy")
         arr[stored] = value

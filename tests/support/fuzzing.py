@@ -66,6 +66,21 @@ def _files(ds: Path) -> list[Path]:
     return sorted(p for p in ds.rglob("*") if p.is_file() and not p.is_symlink())
 
 
+def put_lmdb_value(shard: Path, pos: int, value: bytes) -> None:
+    """What a crafter does to an LMDB shard: replace the value at ``pos``, and write the shard's spans file
+    again (the value moved). The manifest's checksums are left to ``_rewrite_checksums``."""
+    import lmdb
+
+    from packer.formats.lmdb import spans_name, value_spans
+
+    env = lmdb.open(str(shard), subdir=False, lock=False)
+    with env.begin(write=True) as txn:
+        txn.put(b"%010d" % pos, value)
+        count = txn.stat()["entries"]
+    env.close()
+    np.save(shard.with_name(spans_name(shard.name)), value_spans(shard, count))
+
+
 def _rewrite_checksums(ds: Path) -> None:
     """What a crafter does: make the manifest's sizes and sha256 agree with the files again."""
     path = ds / "manifest.json"
