@@ -6,7 +6,11 @@
 |                      | the sample's position in the shard (ASCII), value the payload:      |
 |                      | encoded file bytes, or raw HWC uint8 RGB bytes (shape in ``meta/``) |
 | shard-00000.spans.npy| [N, 3] int64: each sample's leaf page offset and value start/end in |
-|                      | the file, for read-ahead without touching the file (packer.read.readahead)|
+|                      | the file: readers slice values from their own map of the file with   |
+|                      | them (``lmdb_values``), read-ahead plans with them (packer.read.readahead)|
+
+Raw payloads resized to one shape (``--resize HxW``) are recorded as such in the manifest (shard
+facts ``layout: fixed``, ``shape``): ``get_batch`` then copies whole batches (``read_into``).
 
 Written with ``append=True`` (keys arrive sorted: pages fill completely, no splits), committed
 in batches, the map grown on ``MapFullError`` instead of reserving a huge map up front. The
