@@ -115,9 +115,12 @@ class PackedDataset(FolderSurface):
         """
         return self.start_reads(self.positions(indices), aheads_of(indices), skip_cached=False)
 
-    def start_reads(self, idx: np.ndarray, ahead: Sequence[Ahead] = (), skip_cached: bool = True) -> readahead.Pending:
+    def start_reads(self, idx: np.ndarray, ahead: Sequence[Ahead] = (), skip_cached: bool = True,
+                    background: bool = True) -> readahead.Pending:
         """``read_ahead`` of storage positions (the staged-reading hook ``load_batch`` calls); ``skip_cached``:
-        not the shards whose bytes for ``idx`` are all in the page cache (reading them ahead would only copy)."""
+        not the shards whose bytes for ``idx`` are all in the page cache (reading them ahead would only copy).
+        The ``ahead`` ranges' blocks bound how far a span may be widened to whole device requests, and with
+        ``background`` the blocks not read ahead yet in this process are read in the background."""
         ordered = idx[np.argsort(idx, kind="stable")]
         shard_of = np.searchsorted(self.store.starts, ordered, side="right") - 1
         requests: list = []
@@ -130,32 +133,41 @@ class PackedDataset(FolderSurface):
                     continue
                 reader.will_need(positions)  # formats of one file per sample: the kernel reads them all at once
                 requests.extend(reader.file_spans(positions))  # the others: byte ranges for the read-ahead thread
-        return readahead.start(requests, later=self._new_ranges(ahead))
+        hulls = self._hulls(ahead)
+        later = self._new(hulls) if background else []
+        return readahead.start(requests, later=later, within=[hull for _hint, hull in hulls])
 
     def block_boundaries(self) -> np.ndarray | None:
         """Storage positions where the format's natural blocks start (mosaic: one per mosaic), then len(self);
         None for formats without any (the block sampler then makes blocks by bytes)."""
         return get_format(self.manifest.format).block_boundaries(self.manifest)
 
-    def _new_ranges(self, ahead: Sequence[Ahead]) -> list:
-        """Background reads for the hinted ranges this process has not read ahead yet: each range's byte hull
-        (its first sample's start to its last one's end, in one file; a range across shards is skipped)."""
-        if not ahead:
-            return []
-        seen = self._ahead_read.get()
+    def _hulls(self, ahead: Sequence[Ahead]) -> list[tuple[Ahead, tuple[str, int, int]]]:
+        """Each hinted range with its byte hull (its first sample's start to its last one's end, in one file;
+        a range across shards, or out of range, is left out)."""
         out = []
         for hint in ahead:
-            if hint in seen or not 0 <= hint.first < hint.stop <= len(self):
+            if not 0 <= hint.first < hint.stop <= len(self):
                 continue
-            seen[hint] = None
-            if len(seen) > BLOCKS_REMEMBERED:
-                seen.popitem(last=False)
             shard, a = self.store.locate(hint.first)
             if self.store.locate(hint.stop - 1)[0] != shard:
                 continue
             ends = [r[-1] for r in self.store.readers[shard].file_spans([a, a + hint.stop - 1 - hint.first]) if r]
             if len(ends) == 2 and ends[0][0] == ends[1][0]:  # the payload's range is the last of a sample's
-                out.append((ends[0][0], min(ends[0][1], ends[1][1]), max(ends[0][2], ends[1][2])))
+                out.append((hint, (ends[0][0], min(ends[0][1], ends[1][1]), max(ends[0][2], ends[1][2]))))
+        return out
+
+    def _new(self, hulls: list[tuple[Ahead, tuple[str, int, int]]]) -> list:
+        """The hulls of the hinted ranges this process has not read ahead yet (now remembered as read)."""
+        seen = self._ahead_read.get()
+        out = []
+        for hint, hull in hulls:
+            if hint in seen:
+                continue
+            seen[hint] = None
+            if len(seen) > BLOCKS_REMEMBERED:
+                seen.popitem(last=False)
+            out.append(hull)
         return out
 
     def __repr__(self) -> str:
@@ -171,16 +183,17 @@ class PackedDataset(FolderSurface):
         """The stored payload at storage position ``pos``: encoded bytes, or raw pixel bytes/array."""
         return self.store.read(pos)
 
-    def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = ()) -> list:
+    def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = (),
+                    pending: readahead.Pending | None = None) -> list:
         """Payloads at these storage positions, read ahead in file order, returned in the order asked.
 
         Each shard's samples are read with one ``read_many`` call in file order, once the read-ahead
         has brought in its last one, and checked against the index together: the Python work per
         sample is one view or copy (warm reads at the loose folder's rate or above; docs/results.md).
-        ``ahead``: as for ``start_reads``.
+        ``ahead``: as for ``start_reads``; ``pending``: its result for these positions, started earlier.
         """
         idx = np.asarray(stored, dtype=np.int64)
-        pending = self.start_reads(idx, ahead)
+        pending = self.start_reads(idx, ahead) if pending is None else pending
         order = np.argsort(idx, kind="stable")
         ordered = idx[order]
         out: list = [None] * len(idx)

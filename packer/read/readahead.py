@@ -1,23 +1,26 @@
 """Read-ahead of a batch's bytes by a background thread, so IO overlaps decoding and requests stay large.
 
 A batch is read in file order by one thread per process (each DataLoader worker has its own):
-each span of neighbouring samples is read with sequential ``pread`` calls of ``PIECE`` bytes
-into a scratch buffer, which puts it into the page cache; the caller waits for each sample's
-bytes only (``Pending.wait``) and decodes it while the thread reads the next ones.
+each span of neighbouring samples is read with sequential ``pread`` calls of up to ``PIECE``
+bytes into a scratch buffer, which puts it into the page cache; the caller waits for each
+sample's bytes only (``Pending.wait``) and decodes it while the thread reads the next ones.
+Batches queued together are read in the order queued (``packer.ThreadLoader`` queues several
+ahead of the one it decodes), so the device reads what is needed next, in the order it is needed.
 
-Why a thread and plain reads rather than ``posix_fadvise(WILLNEED)`` and page faults: measured
-under the emulated hard disk (``packer bench --emulate hdd``, 150 IOPS), fadvise-then-fault
-splits a batch into requests of ~600 KB on average, varying run to run, while sequential
-preads let the kernel's own read-ahead build requests of 1 MB and more (device reads per
-196 MB: ~190 instead of 250-310). The thread reads the spans asked for (the kernel may read a
-little beyond, as for any sequential read) and, in the background whenever no batch waits, the
-``later`` ranges a caller adds (the rest of a block, in block order), through files opened
-for them alone: the kernel keeps read-ahead state per open file, and interleaving the two
-streams on one file made it take both for random reads (mosaic, block order: 810 KB per
-device read on one file, 880 KB on two). Neighbouring ranges are read as one span even when
-they come in descending file order (rows of a bottom-up BMP mosaic), which brought mosaic to
-1.1-1.2 MB per device read. A read error here is ignored, since the caller's own read reports
-it with the file and the sample.
+The thread's files are opened with ``POSIX_FADV_RANDOM``: the kernel reads exactly the pieces
+asked for, each as one large request, and nothing beyond them. Measured under the emulated hard
+disk (``packer bench --emulate hdd``, 150 IOPS, 150 MB/s, cold, ThreadLoader in block order,
+docs/results.md): with the kernel's own read-ahead (8 MB here) each sequential piece started
+asynchronous reads of megabytes the batch did not need, queued ahead of the next batch's bytes;
+the device ran at its ceiling while decoding waited for bytes read in the wrong order. Pieces of
+1 MB or more then make requests of ~1 MB (``examples/`` in docs/results.md), as large as the
+kernel's read-ahead built them.
+
+``later`` ranges a caller adds (the rest of a block, in block order) are read in the background,
+one device request at a time and only when no batch waits, through files opened for them alone,
+so a batch's bytes wait behind at most one such piece. Neighbouring ranges are read as one span
+even when they come in descending file order (rows of a bottom-up BMP mosaic). A read error here
+is ignored, since the caller's own read reports it with the file and the sample.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-PIECE = 256 << 10  # one pread: the kernel's sequential read-ahead turns a run of these into >= 1 MB requests
+PIECE = 4 << 20  # at most one pread of a batch's span: the device request is as large as the kernel allows
+DEFAULT_REQUEST = 254 * 4096  # device request size where /sys does not say (see request_bytes)
 GAP = 256 << 10  # spans closer than this are read as one (reading the gap beats another request)
 _MAX_OPEN = 32
 LOOKBACK = 4  # spans a new range may join (see plan)
@@ -44,6 +48,7 @@ class Pending:
     spans: list[Range]
     need: list[tuple[int, int]]  # item -> (span index, end offset) to wait for; (-1, 0) = nothing
     later: list[Range] = field(default_factory=list)  # read in the background once no batch waits
+    reads: list[tuple[int, int]] = field(default_factory=list)  # per span, the bytes read: the span, maybe widened
     _done: int = 0  # spans finished
     _offset: int = 0  # bytes of span _done read up to here
     _cond: threading.Condition = field(default_factory=threading.Condition)
@@ -128,9 +133,9 @@ class _Reader:
             if job is not None:
                 try:
                     for k, (path, start, end) in enumerate(job.spans):
-                        offset = start
-                        while offset < end:
-                            got = _piece(fds, path, offset, end, view)
+                        offset, stop = job.reads[k] if job.reads else (start, end)
+                        while offset < stop:
+                            got = _piece(fds, path, offset, stop, view)
                             if got <= 0:
                                 break  # past the end or unreadable: the caller's own read will say so
                             offset += got
@@ -153,20 +158,53 @@ class _Reader:
 
 
 def _piece(fds: dict[str, int], path: str, offset: int, end: int, view: memoryview) -> int:
-    """Read the next ``PIECE`` bytes of [offset, end) of ``path``: bytes read, 0 or -1.
-
-    Pieces start at the span's start, unaligned: a read that does not follow the previous one on
-    its file is read exactly as asked, so a short first piece would cost a device request of
-    its own (and a small sample split in two would start the kernel's read-ahead for nothing).
-    """
+    """Read the next bytes of [offset, end) of ``path``, at most ``request_bytes(path)``: bytes read, 0 or -1.
+    The files are read exactly as asked (``POSIX_FADV_RANDOM``), so each piece is one device request."""
     fd = _fd(fds, path)
     if fd is None:
         return -1
-    n = min(end - offset, PIECE)
+    n = min(end - offset, request_bytes(path), len(view))
     try:
         return os.preadv(fd, [view[:n]], offset)
     except OSError:
         return -1
+
+
+_REQUEST: dict[int, int] = {}  # st_dev -> request bytes
+
+
+def request_bytes(path: str) -> int:
+    """The largest read the device holding ``path`` takes as one request from page-cache pages.
+
+    Pages read into the cache this way are single pages, so a request holds at most
+    ``max_segments`` of them (and at most ``max_sectors_kb``): 254 pages on this machine's virtio
+    disk. A 1 MB read became a 1,016 KB request and an 8 KB one, and an IO-limited device (the
+    emulated hard disk counts requests) charged both; reads on this grid are one request each
+    (docs/results.md). Without /sys (network filesystems, other systems): 254 pages.
+    """
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return DEFAULT_REQUEST
+    got = _REQUEST.get(dev)
+    if got is None:
+        got = _REQUEST[dev] = _device_request(dev)
+    return got
+
+
+def _device_request(dev: int) -> int:
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    for q in (f"{base}/queue", f"{base}/../queue"):  # a partition's queue is its disk's
+        try:
+            with open(f"{q}/max_segments") as fh:
+                segments = int(fh.read())
+            with open(f"{q}/max_sectors_kb") as fh:
+                sectors = int(fh.read()) << 10
+        except (OSError, ValueError):
+            continue
+        return max(page, min(segments * page, sectors, 256 * page, PIECE))  # 256 pages: the most one bio holds
+    return DEFAULT_REQUEST
 
 
 def _fd(fds: dict[str, int], path: str) -> int | None:
@@ -175,9 +213,11 @@ def _fd(fds: dict[str, int], path: str) -> int | None:
         if len(fds) >= _MAX_OPEN:
             os.close(fds.pop(next(iter(fds))))
         try:
-            fd = fds[path] = os.open(path, os.O_RDONLY)
+            fd = fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # exactly the pieces asked for (see the module's text)
     return fd
 
 
@@ -209,16 +249,29 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
 
 
-def start(requests: Sequence[Sequence[Range]], later: Sequence[Range] = (), gap: int = GAP) -> Pending:
+def start(requests: Sequence[Sequence[Range]], later: Sequence[Range] = (), gap: int = GAP,
+          within: Sequence[Range] = ()) -> Pending:
     """Queue the read-ahead of ``requests`` (per item, its byte ranges) and return at once.
 
     ``later``: ranges nobody waits for yet (e.g. the rest of a block), read in the background,
-    piece by piece, whenever no batch's own bytes are waiting to be read.
+    piece by piece, whenever no batch's own bytes are waiting to be read. ``within``: ranges the
+    order being iterated reads whole soon (its blocks): a span inside one is widened to whole device
+    requests (``request_bytes``), clipped to it, rather than read with a short request at each end.
     """
     job = plan(requests, gap)
     job.later = [r for r in later if r[2] > r[1]]
+    job.reads = [_widened(span, within) for span in job.spans]
     if job.spans or job.later:
         _reader().jobs.put(job)
     else:
         job._finish()
     return job
+
+
+def _widened(span: Range, within: Sequence[Range]) -> tuple[int, int]:
+    path, start, end = span
+    for p, a, b in within:
+        if p == path and a <= start and end <= b:
+            grid = request_bytes(path)
+            return max(a, start - start % grid), min(b, -(-end // grid) * grid)
+    return start, end

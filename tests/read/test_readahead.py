@@ -61,27 +61,49 @@ def test_forked_child_closes_the_files_its_parent_thread_held(tmp_path):
         os.close(fd)
 
 
-def test_spans_are_read_in_pieces_from_their_start(tmp_path, monkeypatch):
-    """The first pread of a span is a whole piece, not a stub up to an aligned offset: a read that
-    follows no other is read as asked, so a stub would cost a device request of its own."""
+G = 1 << 16  # the device request size these tests pretend
+
+
+@pytest.mark.parametrize("within, want", [
+    ((), [(1000, 1000 + G), (1000 + G, 1000 + 2 * G), (1000 + 2 * G, 2 * G + 1007)]),  # exact, from its start
+    ([(0, 4 * G)], [(0, G), (G, 2 * G), (2 * G, 3 * G)]),  # inside a block: widened to the request grid
+    ([(500, 2 * G + 2000)], [(500, 500 + G), (500 + G, 500 + 2 * G), (500 + 2 * G, 2 * G + 2000)]),  # not past it
+])
+def test_spans_are_read_in_whole_device_requests(tmp_path, monkeypatch, within, want):
+    """Each pread is at most one device request (none split in two), from the span's start; a span inside a
+    block the order reads whole is widened to the request grid, never beyond the block."""
     path = tmp_path / "f.bin"
-    path.write_bytes(os.urandom(4 * readahead.PIECE))
+    path.write_bytes(os.urandom(4 * G))
     calls = []
     real = os.preadv
 
     def spy(fd, buffers, offset):
         if os.readlink(f"/proc/self/fd/{fd}") == str(path):
-            calls.append((offset, sum(len(b) for b in buffers)))
+            calls.append((offset, offset + sum(len(b) for b in buffers)))
         return real(fd, buffers, offset)
 
     if not os.path.isdir("/proc/self/fd"):
         pytest.skip("needs /proc")
     monkeypatch.setattr(os, "preadv", spy)
-    start, end = 1000, 1000 + 2 * readahead.PIECE + 7
-    job = readahead.start([[(str(path), start, end)]])
+    monkeypatch.setattr(readahead, "request_bytes", lambda p: G)
+    job = readahead.start([[(str(path), 1000, 2 * G + 1007)]], within=[(str(path), a, b) for a, b in within])
     job.wait(0, timeout=10)
-    assert calls == [(start, readahead.PIECE), (start + readahead.PIECE, readahead.PIECE),
-                     (start + 2 * readahead.PIECE, 7)]
+    assert calls == want
+
+
+def test_request_bytes_follows_the_device_queue(tmp_path):
+    """As many pages as one request takes (max_segments, max_sectors_kb, one bio's 256 pages); 254 pages where
+    /sys says nothing (not a block device)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert readahead.request_bytes("/proc/self/status") == readahead.DEFAULT_REQUEST == 254 * 4096
+    dev = os.stat(tmp_path).st_dev
+    queue = next((q for q in (f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/queue",
+                              f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/../queue") if os.path.isdir(q)), None)
+    if queue is None:
+        pytest.skip("no block device queue for the test directory")
+    with open(f"{queue}/max_segments") as a, open(f"{queue}/max_sectors_kb") as b:
+        want = min(int(a.read()) * page, int(b.read()) << 10, 256 * page, readahead.PIECE)
+    assert readahead.request_bytes(str(tmp_path)) == max(page, want)
 
 
 def test_mosaic_run_of_tiles_is_one_span(tmp_path):
@@ -387,3 +409,22 @@ def test_batch_is_decoded_in_the_order_its_bytes_arrive(tmp_path, monkeypatch):
     batch = ds.__getitems__(list(range(40)))
     assert sorted(waited) == list(range(40)) and waited[:16] == list(range(24, 40))  # row 2 first
     assert all(np.array_equal(img, ds[i][0]) for i, (img, _label) in enumerate(batch))
+
+
+def test_a_hinted_block_widens_reads_inside_it_only(tmp_path, monkeypatch):
+    """A block sampler's hint lets a sample's read grow to whole device requests within its block's bytes;
+    an unhinted read (uniform shuffle) stays exact."""
+    from packer.read.hints import Ahead, Hinted
+
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
+    ds = open_dataset(convert(src, tmp_path / "ds.memmap", to="memmap", workers=0, progress=False,
+                              order="source").output)  # sample indices are storage positions
+    monkeypatch.setattr(readahead, "request_bytes", lambda p: 4096)
+    offsets = np.concatenate([[0], np.cumsum(ds.index.nbytes)])
+    block = (int(offsets[10]), int(offsets[30]))
+    job = ds.read_ahead([Hinted(20, (Ahead(10, 30, tag=1),))])
+    (path, a, b), = job.spans
+    assert (a, b) == (offsets[20], offsets[21])
+    assert job.reads == [(max(block[0], a - a % 4096), min(block[1], -(-b // 4096) * 4096))]
+    assert job.reads[0] != (a, b)  # widened: the sample does not happen to lie on the grid
+    assert ds.read_ahead([20]).reads == [(a, b)]
