@@ -116,9 +116,9 @@ def _folder_pass(src: Source, level: str, order: BenchOrder) -> tuple[int, int]:
 
 def _yielded(ds: Any, order: BenchOrder) -> Sequence[int]:
     """The order's public indices as a sampler yields them: in block order hinted with their blocks, as
-    BlockShuffleSampler's are (packer.read.hints; a new iteration each time, so each pass reads blocks ahead)."""
+    BlockShuffleSampler's are (packer.read.hints)."""
     public = ds.index_map.public_many(order.indices).tolist()
-    return public if order.blocks is None else hinted_order(public, order.indices, order.blocks, order.window)
+    return public if order.blocks is None else hinted_order(public, order.indices, order.blocks)
 
 
 def _packed_pass(src: Source, level: str, order: BenchOrder, handle: dict) -> tuple[int, int]:

@@ -1,26 +1,30 @@
 """Read-ahead of a batch's bytes by a background thread, so IO overlaps decoding and requests stay large.
 
 A batch is read in file order by one thread per process (each DataLoader worker has its own):
-each span of neighbouring samples is read with sequential ``pread`` calls of up to ``PIECE``
-bytes into a scratch buffer, which puts it into the page cache; the caller waits for each
-sample's bytes only (``Pending.wait``) and decodes it while the thread reads the next ones.
-Batches queued together are read in the order queued (``packer.ThreadLoader`` queues several
-ahead of the one it decodes), so the device reads what is needed next, in the order it is needed.
+each span of neighbouring samples is read with sequential ``pread`` calls into a scratch buffer,
+which puts it into the page cache; the caller waits for each sample's bytes only
+(``Pending.wait``) and decodes it while the thread reads the next ones. Batches queued together
+are read in the order queued (``packer.ThreadLoader`` queues several ahead of the one it decodes).
 
-The thread's files are opened with ``POSIX_FADV_RANDOM``: the kernel reads exactly the pieces
-asked for, each as one large request, and nothing beyond them. Measured under the emulated hard
-disk (``packer bench --emulate hdd``, 150 IOPS, 150 MB/s, cold, ThreadLoader in block order,
-docs/results.md): with the kernel's own read-ahead (8 MB here) each sequential piece started
-asynchronous reads of megabytes the batch did not need, queued ahead of the next batch's bytes;
-the device ran at its ceiling while decoding waited for bytes read in the wrong order. Pieces of
-1 MB or more then make requests of ~1 MB (``examples/`` in docs/results.md), as large as the
-kernel's read-ahead built them.
+Two ways to read a span, measured under the emulated hard disk (``packer bench --emulate hdd``,
+150 IOPS, 150 MB/s; docs/bench.md, docs/results.md):
 
-``later`` ranges a caller adds (the rest of a block, in block order) are read in the background,
-one device request at a time and only when no batch waits, through files opened for them alone,
-so a batch's bytes wait behind at most one such piece. Neighbouring ranges are read as one span
-even when they come in descending file order (rows of a bottom-up BMP mosaic). A read error here
-is ignored, since the caller's own read reports it with the file and the sample.
+- a span inside a block the order reads whole (a block sampler's hint, ``within``) is widened to
+  the device's request grid (``request_bytes``, clipped to the block) and read exactly as asked
+  (``POSIX_FADV_RANDOM``), one request per ``pread``. With the kernel's read-ahead instead, each
+  span started megabytes of reads the next batches did not need, queued ahead of their bytes, and
+  1 MB reads became a 1,016 KB and an 8 KB request (ThreadLoader, block order, decoding replaced
+  by a sleep at the decode limit: ~1,050 img/s, 134-270 requests per 147 MB; exact, on the grid:
+  ~1,300 img/s, 145-158 requests);
+- any other span (uniform shuffle, stored order) is read in ``PIECE`` pieces that let the kernel's
+  own read-ahead see a stream and build requests of 1-4 MB.
+
+Nothing is read that no batch asked for: whole blocks read in the background, between batches'
+own reads, delayed the bytes decoded next (packer.read.hints).
+
+Neighbouring ranges are read as one span even when they come in descending file order (rows of a
+bottom-up BMP mosaic). A read error here is ignored, since the caller's own read reports it with
+the file and the sample.
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-PIECE = 4 << 20  # at most one pread of a batch's span: the device request is as large as the kernel allows
+PIECE = 256 << 10  # one pread of a stream: the kernel's read-ahead turns a run of these into >= 1 MB requests
 DEFAULT_REQUEST = 254 * 4096  # device request size where /sys does not say (see request_bytes)
+MAX_REQUEST = 4 << 20
 GAP = 256 << 10  # spans closer than this are read as one (reading the gap beats another request)
 _MAX_OPEN = 32
 LOOKBACK = 4  # spans a new range may join (see plan)
@@ -47,8 +51,7 @@ class Pending:
 
     spans: list[Range]
     need: list[tuple[int, int]]  # item -> (span index, end offset) to wait for; (-1, 0) = nothing
-    later: list[Range] = field(default_factory=list)  # read in the background once no batch waits
-    reads: list[tuple[int, int]] = field(default_factory=list)  # per span, the bytes read: the span, maybe widened
+    reads: list[tuple[int, int, bool]] = field(default_factory=list)  # per span: bytes read, exactly (widened)?
     _done: int = 0  # spans finished
     _offset: int = 0  # bytes of span _done read up to here
     _cond: threading.Condition = field(default_factory=threading.Condition)
@@ -114,58 +117,50 @@ class _Reader:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.fds: dict[str, int] = {}  # batch reads
-        self.bg_fds: dict[str, int] = {}  # background reads on their own open files: own kernel read-ahead state
+        self.fds: dict[str, int] = {}  # batch reads, the kernel reading ahead
+        self.exact_fds: dict[str, int] = {}  # batch reads inside a block: exactly as asked (POSIX_FADV_RANDOM)
         self.jobs: queue.SimpleQueue[Pending] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="packer-readahead", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        buf = bytearray(PIECE)
-        view = memoryview(buf)
-        fds, bg_fds = self.fds, self.bg_fds
-        later: deque[list] = deque()  # background spans [path, offset, end]: read when no batch waits
+        view = memoryview(bytearray(MAX_REQUEST))
+        fds, exact_fds = self.fds, self.exact_fds
         while True:
+            job = self.jobs.get()
             try:
-                job = self.jobs.get(block=not later)
-            except queue.Empty:
-                job = None
-            if job is not None:
-                try:
-                    for k, (path, start, end) in enumerate(job.spans):
-                        offset, stop = job.reads[k] if job.reads else (start, end)
-                        while offset < stop:
-                            got = _piece(fds, path, offset, stop, view)
-                            if got <= 0:
-                                break  # past the end or unreadable: the caller's own read will say so
-                            offset += got
-                            job._advance(k, offset)
-                        job._advance(k + 1, 0)
-                finally:
-                    job._finish()
-                later.extend([p, a, b] for p, a, b in job.later)
-            elif later:  # one piece, then look for a waiting batch again
-                span = later[0]
-                got = _piece(bg_fds, span[0], span[1], span[2], view)
-                span[1] += max(got, 0)
-                if got <= 0 or span[1] >= span[2]:
-                    later.popleft()
-            if not later and self.jobs.empty():  # idle: hold no files open (deleted outputs free their space)
-                for table in (fds, bg_fds):
+                for k, (path, start, end) in enumerate(job.spans):
+                    offset, stop, exact = job.reads[k] if job.reads else (start, end, False)
+                    while offset < stop:
+                        got = (_piece(exact_fds, path, offset, stop, view[:request_bytes(path)], True) if exact
+                               else _piece(fds, path, offset, stop, view[:PIECE], False))
+                        if got <= 0:
+                            break  # past the end or unreadable: the caller's own read will say so
+                        offset += got
+                        job._advance(k, offset)
+                    job._advance(k + 1, 0)
+            finally:
+                job._finish()
+            if self.jobs.empty():  # idle: hold no files open (deleted outputs free their space)
+                for table in (fds, exact_fds):
                     for fd in table.values():
                         os.close(fd)
                     table.clear()
 
 
-def _piece(fds: dict[str, int], path: str, offset: int, end: int, view: memoryview) -> int:
-    """Read the next bytes of [offset, end) of ``path``, at most ``request_bytes(path)``: bytes read, 0 or -1.
-    The files are read exactly as asked (``POSIX_FADV_RANDOM``), so each piece is one device request."""
-    fd = _fd(fds, path)
+def _piece(fds: dict[str, int], path: str, offset: int, end: int, view: memoryview, exact: bool) -> int:
+    """Read the next ``len(view)`` bytes of [offset, end) of ``path``: bytes read, 0 or -1. ``exact``: through
+    files opened with ``POSIX_FADV_RANDOM`` (each piece one device request, nothing read beyond it).
+
+    Pieces start at the span's start, unaligned: a read that does not follow the previous one on
+    its file is read exactly as asked, so a short first piece would cost a device request of
+    its own (and a small sample split in two would start the kernel's read-ahead for nothing).
+    """
+    fd = _fd(fds, path, exact)
     if fd is None:
         return -1
-    n = min(end - offset, request_bytes(path), len(view))
     try:
-        return os.preadv(fd, [view[:n]], offset)
+        return os.preadv(fd, [view[: min(end - offset, len(view))]], offset)
     except OSError:
         return -1
 
@@ -203,11 +198,11 @@ def _device_request(dev: int) -> int:
                 sectors = int(fh.read()) << 10
         except (OSError, ValueError):
             continue
-        return max(page, min(segments * page, sectors, 256 * page, PIECE))  # 256 pages: the most one bio holds
+        return max(page, min(segments * page, sectors, 256 * page, MAX_REQUEST))  # 256 pages: one bio's most
     return DEFAULT_REQUEST
 
 
-def _fd(fds: dict[str, int], path: str) -> int | None:
+def _fd(fds: dict[str, int], path: str, exact: bool) -> int | None:
     fd = fds.get(path)
     if fd is None:
         if len(fds) >= _MAX_OPEN:
@@ -216,8 +211,8 @@ def _fd(fds: dict[str, int], path: str) -> int | None:
             fd = fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # exactly the pieces asked for (see the module's text)
+        if exact and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     return fd
 
 
@@ -236,7 +231,7 @@ def _reader() -> _Reader:
 def _after_fork() -> None:
     global _READER, _LOCK
     if _READER is not None:  # its thread did not come along: close the copies of the files it held open
-        for table in (_READER.fds, _READER.bg_fds):
+        for table in (_READER.fds, _READER.exact_fds):
             for fd in list(table.values()):
                 try:
                     os.close(fd)
@@ -249,29 +244,25 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
 
 
-def start(requests: Sequence[Sequence[Range]], later: Sequence[Range] = (), gap: int = GAP,
-          within: Sequence[Range] = ()) -> Pending:
-    """Queue the read-ahead of ``requests`` (per item, its byte ranges) and return at once.
-
-    ``later``: ranges nobody waits for yet (e.g. the rest of a block), read in the background,
-    piece by piece, whenever no batch's own bytes are waiting to be read. ``within``: ranges the
-    order being iterated reads whole soon (its blocks): a span inside one is widened to whole device
-    requests (``request_bytes``), clipped to it, rather than read with a short request at each end.
-    """
+def start(requests: Sequence[Sequence[Range]], gap: int = GAP, within: Sequence[Range] = ()) -> Pending:
+    """Queue the read-ahead of ``requests`` (per item, its byte ranges) and return at once. ``within``: ranges the
+    order being iterated reads whole (its blocks): a span inside one is widened to whole device requests
+    (``request_bytes``), clipped to it, and read exactly, rather than with a short request at each end."""
     job = plan(requests, gap)
-    job.later = [r for r in later if r[2] > r[1]]
     job.reads = [_widened(span, within) for span in job.spans]
-    if job.spans or job.later:
+    if job.spans:
         _reader().jobs.put(job)
     else:
         job._finish()
     return job
 
 
-def _widened(span: Range, within: Sequence[Range]) -> tuple[int, int]:
+def _widened(span: Range, within: Sequence[Range]) -> tuple[int, int, bool]:
+    """The bytes to read for ``span``: inside a block the order reads whole, widened to the device's request
+    grid (clipped to the block) and read exactly; elsewhere the span, the kernel reading ahead as it sees fit."""
     path, start, end = span
     for p, a, b in within:
         if p == path and a <= start and end <= b:
             grid = request_bytes(path)
-            return max(a, start - start % grid), min(b, -(-end // grid) * grid)
-    return start, end
+            return max(a, start - start % grid), min(b, -(-end // grid) * grid), True
+    return start, end, False

@@ -85,10 +85,9 @@ class StagedDataset(Dataset, ABC):
         (a dataset written before packer recorded the map)."""
         return self.index_map.kind
 
-    def start_reads(self, idx: np.ndarray, ahead: Sequence[Ahead] = (), background: bool = True) -> Pending | None:
-        """Start reading these storage positions' bytes in the background, then (``background``) the ``ahead``
-        ranges the order being iterated reads soon (its indices' hints, packer.read.hints); None: nothing to read
-        ahead."""
+    def start_reads(self, idx: np.ndarray, ahead: Sequence[Ahead] = ()) -> Pending | None:
+        """Start reading these storage positions' bytes in the background (``ahead``: the blocks the order being
+        iterated reads, its indices' hints, packer.read.hints); None: nothing to read ahead."""
         return None
 
     def batch_slots(self, idx: Sequence[int]) -> list[torch.Tensor] | None:

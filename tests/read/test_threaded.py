@@ -136,9 +136,9 @@ def test_reads_are_queued_batches_ahead_in_the_order_decoded(packed, monkeypatch
     events: list = []
     real_start, real_payloads = ds.start_reads, ds.payloads_at
 
-    def start_reads(idx, ahead=(), skip_cached=True, background=True):
-        pending = real_start(idx, ahead, skip_cached, background)
-        events.append(("start", idx.tolist(), pending, background))
+    def start_reads(idx, ahead=(), skip_cached=True):
+        pending = real_start(idx, ahead, skip_cached)
+        events.append(("start", idx.tolist(), pending))
         return pending
 
     def payloads_at(stored, ahead=(), pending=None):
@@ -156,7 +156,6 @@ def test_reads_are_queued_batches_ahead_in_the_order_decoded(packed, monkeypatch
     assert [e[1] for e in starts] == [e[1] for e in takes] == [ds.positions(b).tolist() for b in
                                                              torch.utils.data.BatchSampler(sampler, 2, False)]
     assert all(s[2] is t[2] is not None for s, t in zip(starts, takes, strict=True))  # the same reads
-    assert not any(s[3] for s in starts)  # what is decoded next, not whole blocks read in between
     ahead = threaded.READ_AHEAD_BATCHES
     assert [e[0] for e in events[: ahead + 2]] == ["start"] * (ahead + 1) + ["take"]
 
