@@ -331,7 +331,8 @@ def _add_bench(sub) -> None:
                    help="--decoders: CPU seconds per measurement (default 2)")
     p.add_argument("--levels", type=csv_of(str), default=("read", "decode", "loader"), metavar="L,..",
                    help="any of read, decode, loader, thread (packer.ThreadLoader, --workers threads), train "
-                   "(RandomResizedCrop(224) batches) (default: read, decode, loader)")
+                   "(RandomResizedCrop(224) batches), thread-train (those through packer.ThreadLoader) "
+                   "(default: read, decode, loader)")
     p.add_argument("--orders", type=csv_of(str), default=("sequential", "shuffle", "block"), metavar="O,..",
                    help="any of sequential, shuffle, block (default all)")
     cache = p.add_mutually_exclusive_group()

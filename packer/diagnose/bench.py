@@ -4,7 +4,8 @@ For each dataset, level (``read``: bytes only; ``decode``: samples as training r
 ``loader``: through a DataLoader; ``thread``: packed datasets through ``packer.ThreadLoader``, as many
 threads as the setting's workers (the folder: the loader level's DataLoader); ``train``: a DataLoader of
 RandomResizedCrop(224) + flip uint8 batches, the folder through Pillow as torchvision does it, packed
-datasets in the fused ``crop`` mode), order (``bench_sources.BENCH_ORDERS``) and page-cache state
+datasets in the fused ``crop`` mode; ``thread-train``: the same batches, packed datasets through a
+ThreadLoader), order (``bench_sources.BENCH_ORDERS``) and page-cache state
 (``cold``: every file of the dataset evicted before each repeat, checked with mincore; ``warm``:
 after a full pass), it times ``repeats`` passes and reports the median with min-max, the speed-up
 over the loose folder in the same setting, and the fraction of the relevant ceiling measured in
@@ -43,8 +44,8 @@ from packer.errors import PackerError
 from packer.images.decode import pil_loader
 from packer.read.hints import aheads_of, hinted_order
 
-BENCH_LEVELS = ("read", "decode", "loader", "thread", "train")
-LOADER_LEVELS = ("loader", "thread", "train")  # through a loader, with workers (thread: decode threads)
+BENCH_LEVELS = ("read", "decode", "loader", "thread", "train", "thread-train")
+LOADER_LEVELS = ("loader", "thread", "train", "thread-train")  # through a loader, with workers (thread: threads)
 CACHE_STATES = ("cold", "warm")
 WARMUP_SAMPLES = 32
 BENCH_VERSION = 1
@@ -115,9 +116,9 @@ def _folder_pass(src: Source, level: str, order: BenchOrder) -> tuple[int, int]:
 
 def _yielded(ds: Any, order: BenchOrder) -> Sequence[int]:
     """The order's public indices as a sampler yields them: in block order hinted with their blocks, as
-    BlockShuffleSampler's are (packer.read.hints; a new iteration each time, so each pass reads blocks ahead)."""
+    BlockShuffleSampler's are (packer.read.hints)."""
     public = ds.index_map.public_many(order.indices).tolist()
-    return public if order.blocks is None else hinted_order(public, order.indices, order.blocks, order.window)
+    return public if order.blocks is None else hinted_order(public, order.indices, order.blocks)
 
 
 def _packed_pass(src: Source, level: str, order: BenchOrder, handle: dict) -> tuple[int, int]:
@@ -173,8 +174,8 @@ def run_pass(src: Source, level: str, order: BenchOrder, workers: int, batch_siz
     t0 = time.perf_counter()
     first = None
     if level in LOADER_LEVELS:
-        count, first = _loader_pass(src, order, workers, batch_size, pin, handle, train=level == "train",
-                                    threads=level == "thread")
+        count, first = _loader_pass(src, order, workers, batch_size, pin, handle, train=level.endswith("train"),
+                                    threads=level.startswith("thread"))
         nbytes = int(src.nbytes[order.indices].sum())
     elif level in ("read", "decode"):
         if src.kind == "folder":

@@ -30,12 +30,11 @@ class BenchOrder:
     kind: str
     indices: np.ndarray
     chunks: list[np.ndarray]
-    blocks: np.ndarray | None = None  # block order: the blocks, for whole-block read-ahead
-    window: int = 0  # block order: samples per window (the sampler's), for reading the next window ahead
+    blocks: np.ndarray | None = None  # block order: the blocks, its indices' read hints
 
     def head(self, k: int) -> BenchOrder:
         first = self.indices[:k]
-        return BenchOrder(self.kind, first, [first], self.blocks, self.window)
+        return BenchOrder(self.kind, first, [first], self.blocks)
 
 
 def make_order(kind: str, nbytes: np.ndarray, seed: int, block_bytes: int | None = None,
@@ -48,7 +47,7 @@ def make_order(kind: str, nbytes: np.ndarray, seed: int, block_bytes: int | None
     from packer.read import sampler
 
     n = len(nbytes)
-    bounds, window = None, 0
+    bounds = None
     if kind == "sequential":
         idx = np.arange(n, dtype=np.int64)
     elif kind == "shuffle":
@@ -58,11 +57,10 @@ def make_order(kind: str, nbytes: np.ndarray, seed: int, block_bytes: int | None
                   sampler.block_boundaries(np.asarray(nbytes), block_bytes or sampler.DEFAULT_BLOCK_BYTES, cuts))
         idx = sampler.rank_order(bounds, 0, seed, open_blocks=open_blocks or sampler.DEFAULT_OPEN_BLOCKS,
                                  run=run or sampler.DEFAULT_RUN, batch_size=batch_size)
-        window = sampler.window_samples(n, len(bounds) - 1, open_blocks or sampler.DEFAULT_OPEN_BLOCKS, batch_size)
     else:
         raise PackerError(f"unknown order {kind!r} (choose {', '.join(BENCH_ORDERS)})")
     step = max(batch_size, 1)
-    return BenchOrder(kind, idx, [idx[s:s + step] for s in range(0, n, step)], bounds, window)
+    return BenchOrder(kind, idx, [idx[s:s + step] for s in range(0, n, step)], bounds)
 
 
 # ------------------------------------------------------------------ sources

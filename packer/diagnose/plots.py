@@ -86,7 +86,8 @@ def _bench_panel(ax, rows: list[dict], names: list[str], workers: list, colours,
 LEVEL_TITLES = {"read": "read: stored bytes only (the IO term)", "decode": "decode: images as training gets them",
                 "loader": "DataLoader: batches, no transform",
                 "thread": "packer.ThreadLoader (folder: DataLoader): batches, no transform",
-                "train": "train: DataLoader batches of RandomResizedCrop(224) + flip"}
+                "train": "train: DataLoader batches of RandomResizedCrop(224) + flip",
+                "thread-train": "thread-train: the same through packer.ThreadLoader (folder: DataLoader)"}
 
 
 def plot_bench(report: dict, path: str | os.PathLike) -> None:

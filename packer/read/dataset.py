@@ -12,7 +12,6 @@ runs of neighbouring samples read together.
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,7 +29,6 @@ from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_int
 from packer.images.headers import check_size, image_size
 from packer.layout.manifest import read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
-from packer.perprocess import PerProcess
 from packer.read import batch, readahead
 from packer.read.fields import FieldsArg, FieldSelection
 from packer.read.hints import Ahead, aheads_of
@@ -45,7 +43,6 @@ ImageKind = Literal["pil", "numpy", "tensor"]
 
 
 FILE_SOURCES = ("", "folder", "list")  # source types whose records are files below the recorded source folder
-BLOCKS_REMEMBERED = 64  # hinted ranges a process remembers having read ahead (~1 GB at the sampler's 16 MB)
 
 
 class PackedDataset(FolderSurface):
@@ -100,7 +97,6 @@ class PackedDataset(FolderSurface):
         self.crop = check_crop(crop, self.decode_size)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
-        self._ahead_read: PerProcess[OrderedDict] = PerProcess(OrderedDict)  # hinted ranges read in this process
 
     def __len__(self) -> int:
         return self.manifest.num_samples
@@ -111,13 +107,14 @@ class PackedDataset(FolderSurface):
         Returns at once; ``wait(k)`` on the result returns when the ``k``-th sample in file order
         (sorted by storage position, ``sorted(ds.positions(indices))``) is in memory. Formats of one
         file per sample (bmp) have the kernel read them all at once instead. Indices a block sampler
-        yielded (packer.read.hints) also have the rest of their blocks read, in the background.
+        yielded (packer.read.hints) may have their reads widened to whole device requests inside their blocks.
         """
         return self.start_reads(self.positions(indices), aheads_of(indices), skip_cached=False)
 
     def start_reads(self, idx: np.ndarray, ahead: Sequence[Ahead] = (), skip_cached: bool = True) -> readahead.Pending:
         """``read_ahead`` of storage positions (the staged-reading hook ``load_batch`` calls); ``skip_cached``:
-        not the shards whose bytes for ``idx`` are all in the page cache (reading them ahead would only copy)."""
+        not the shards whose bytes for ``idx`` are all in the page cache (reading them ahead would only copy).
+        The ``ahead`` ranges (the blocks being read) bound how far a read may be widened to whole device requests."""
         ordered = idx[np.argsort(idx, kind="stable")]
         shard_of = np.searchsorted(self.store.starts, ordered, side="right") - 1
         requests: list = []
@@ -130,26 +127,20 @@ class PackedDataset(FolderSurface):
                     continue
                 reader.will_need(positions)  # formats of one file per sample: the kernel reads them all at once
                 requests.extend(reader.file_spans(positions))  # the others: byte ranges for the read-ahead thread
-        return readahead.start(requests, later=self._new_ranges(ahead))
+        return readahead.start(requests, within=self._hulls(ahead))
 
     def block_boundaries(self) -> np.ndarray | None:
         """Storage positions where the format's natural blocks start (mosaic: one per mosaic), then len(self);
         None for formats without any (the block sampler then makes blocks by bytes)."""
         return get_format(self.manifest.format).block_boundaries(self.manifest)
 
-    def _new_ranges(self, ahead: Sequence[Ahead]) -> list:
-        """Background reads for the hinted ranges this process has not read ahead yet: each range's byte hull
-        (its first sample's start to its last one's end, in one file; a range across shards is skipped)."""
-        if not ahead:
-            return []
-        seen = self._ahead_read.get()
+    def _hulls(self, ahead: Sequence[Ahead]) -> list[tuple[str, int, int]]:
+        """Each hinted range's byte hull (its first sample's start to its last one's end, in one file; a range
+        across shards, or out of range, is left out)."""
         out = []
         for hint in ahead:
-            if hint in seen or not 0 <= hint.first < hint.stop <= len(self):
+            if not 0 <= hint.first < hint.stop <= len(self):
                 continue
-            seen[hint] = None
-            if len(seen) > BLOCKS_REMEMBERED:
-                seen.popitem(last=False)
             shard, a = self.store.locate(hint.first)
             if self.store.locate(hint.stop - 1)[0] != shard:
                 continue
@@ -171,16 +162,17 @@ class PackedDataset(FolderSurface):
         """The stored payload at storage position ``pos``: encoded bytes, or raw pixel bytes/array."""
         return self.store.read(pos)
 
-    def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = ()) -> list:
+    def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = (),
+                    pending: readahead.Pending | None = None) -> list:
         """Payloads at these storage positions, read ahead in file order, returned in the order asked.
 
         Each shard's samples are read with one ``read_many`` call in file order, once the read-ahead
         has brought in its last one, and checked against the index together: the Python work per
         sample is one view or copy (warm reads at the loose folder's rate or above; docs/results.md).
-        ``ahead``: as for ``start_reads``.
+        ``ahead``: as for ``start_reads``; ``pending``: its result for these positions, started earlier.
         """
         idx = np.asarray(stored, dtype=np.int64)
-        pending = self.start_reads(idx, ahead)
+        pending = self.start_reads(idx, ahead) if pending is None else pending
         order = np.argsort(idx, kind="stable")
         ordered = idx[order]
         out: list = [None] * len(idx)

@@ -1,23 +1,30 @@
 """Read-ahead of a batch's bytes by a background thread, so IO overlaps decoding and requests stay large.
 
 A batch is read in file order by one thread per process (each DataLoader worker has its own):
-each span of neighbouring samples is read with sequential ``pread`` calls of ``PIECE`` bytes
-into a scratch buffer, which puts it into the page cache; the caller waits for each sample's
-bytes only (``Pending.wait``) and decodes it while the thread reads the next ones.
+each span of neighbouring samples is read with sequential ``pread`` calls into a scratch buffer,
+which puts it into the page cache; the caller waits for each sample's bytes only
+(``Pending.wait``) and decodes it while the thread reads the next ones. Batches queued together
+are read in the order queued (``packer.ThreadLoader`` queues several ahead of the one it decodes).
 
-Why a thread and plain reads rather than ``posix_fadvise(WILLNEED)`` and page faults: measured
-under the emulated hard disk (``packer bench --emulate hdd``, 150 IOPS), fadvise-then-fault
-splits a batch into requests of ~600 KB on average, varying run to run, while sequential
-preads let the kernel's own read-ahead build requests of 1 MB and more (device reads per
-196 MB: ~190 instead of 250-310). The thread reads the spans asked for (the kernel may read a
-little beyond, as for any sequential read) and, in the background whenever no batch waits, the
-``later`` ranges a caller adds (the rest of a block, in block order), through files opened
-for them alone: the kernel keeps read-ahead state per open file, and interleaving the two
-streams on one file made it take both for random reads (mosaic, block order: 810 KB per
-device read on one file, 880 KB on two). Neighbouring ranges are read as one span even when
-they come in descending file order (rows of a bottom-up BMP mosaic), which brought mosaic to
-1.1-1.2 MB per device read. A read error here is ignored, since the caller's own read reports
-it with the file and the sample.
+Two ways to read a span, measured under the emulated hard disk (``packer bench --emulate hdd``,
+150 IOPS, 150 MB/s; docs/bench.md, docs/results.md):
+
+- a span inside a block the order reads whole (a block sampler's hint, ``within``) is widened to
+  the device's request grid (``request_bytes``, clipped to the block) and read exactly as asked
+  (``POSIX_FADV_RANDOM``), one request per ``pread``. With the kernel's read-ahead instead, each
+  span started megabytes of reads the next batches did not need, queued ahead of their bytes, and
+  1 MB reads became a 1,016 KB and an 8 KB request (ThreadLoader, block order, decoding replaced
+  by a sleep at the decode limit: ~1,050 img/s, 134-270 requests per 147 MB; exact, on the grid:
+  ~1,300 img/s, 145-158 requests);
+- any other span (uniform shuffle, stored order) is read in ``PIECE`` pieces that let the kernel's
+  own read-ahead see a stream and build requests of 1-4 MB.
+
+Nothing is read that no batch asked for: whole blocks read in the background, between batches'
+own reads, delayed the bytes decoded next (packer.read.hints).
+
+Neighbouring ranges are read as one span even when they come in descending file order (rows of a
+bottom-up BMP mosaic). A read error here is ignored, since the caller's own read reports it with
+the file and the sample.
 """
 
 from __future__ import annotations
@@ -25,11 +32,12 @@ from __future__ import annotations
 import os
 import queue
 import threading
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-PIECE = 256 << 10  # one pread: the kernel's sequential read-ahead turns a run of these into >= 1 MB requests
+PIECE = 256 << 10  # one pread of a stream: the kernel's read-ahead turns a run of these into >= 1 MB requests
+DEFAULT_REQUEST = 254 * 4096  # device request size where /sys does not say (see request_bytes)
+MAX_REQUEST = 4 << 20
 GAP = 256 << 10  # spans closer than this are read as one (reading the gap beats another request)
 _MAX_OPEN = 32
 LOOKBACK = 4  # spans a new range may join (see plan)
@@ -43,7 +51,7 @@ class Pending:
 
     spans: list[Range]
     need: list[tuple[int, int]]  # item -> (span index, end offset) to wait for; (-1, 0) = nothing
-    later: list[Range] = field(default_factory=list)  # read in the background once no batch waits
+    reads: list[tuple[int, int, bool]] = field(default_factory=list)  # per span: bytes read, exactly (widened)?
     _done: int = 0  # spans finished
     _offset: int = 0  # bytes of span _done read up to here
     _cond: threading.Condition = field(default_factory=threading.Condition)
@@ -109,75 +117,102 @@ class _Reader:
 
     def __init__(self) -> None:
         self.pid = os.getpid()
-        self.fds: dict[str, int] = {}  # batch reads
-        self.bg_fds: dict[str, int] = {}  # background reads on their own open files: own kernel read-ahead state
+        self.fds: dict[str, int] = {}  # batch reads, the kernel reading ahead
+        self.exact_fds: dict[str, int] = {}  # batch reads inside a block: exactly as asked (POSIX_FADV_RANDOM)
         self.jobs: queue.SimpleQueue[Pending] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="packer-readahead", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        buf = bytearray(PIECE)
-        view = memoryview(buf)
-        fds, bg_fds = self.fds, self.bg_fds
-        later: deque[list] = deque()  # background spans [path, offset, end]: read when no batch waits
+        view = memoryview(bytearray(MAX_REQUEST))
+        fds, exact_fds = self.fds, self.exact_fds
         while True:
+            job = self.jobs.get()
             try:
-                job = self.jobs.get(block=not later)
-            except queue.Empty:
-                job = None
-            if job is not None:
-                try:
-                    for k, (path, start, end) in enumerate(job.spans):
-                        offset = start
-                        while offset < end:
-                            got = _piece(fds, path, offset, end, view)
-                            if got <= 0:
-                                break  # past the end or unreadable: the caller's own read will say so
-                            offset += got
-                            job._advance(k, offset)
-                        job._advance(k + 1, 0)
-                finally:
-                    job._finish()
-                later.extend([p, a, b] for p, a, b in job.later)
-            elif later:  # one piece, then look for a waiting batch again
-                span = later[0]
-                got = _piece(bg_fds, span[0], span[1], span[2], view)
-                span[1] += max(got, 0)
-                if got <= 0 or span[1] >= span[2]:
-                    later.popleft()
-            if not later and self.jobs.empty():  # idle: hold no files open (deleted outputs free their space)
-                for table in (fds, bg_fds):
+                for k, (path, start, end) in enumerate(job.spans):
+                    offset, stop, exact = job.reads[k] if job.reads else (start, end, False)
+                    while offset < stop:
+                        got = (_piece(exact_fds, path, offset, stop, view[:request_bytes(path)], True) if exact
+                               else _piece(fds, path, offset, stop, view[:PIECE], False))
+                        if got <= 0:
+                            break  # past the end or unreadable: the caller's own read will say so
+                        offset += got
+                        job._advance(k, offset)
+                    job._advance(k + 1, 0)
+            finally:
+                job._finish()
+            if self.jobs.empty():  # idle: hold no files open (deleted outputs free their space)
+                for table in (fds, exact_fds):
                     for fd in table.values():
                         os.close(fd)
                     table.clear()
 
 
-def _piece(fds: dict[str, int], path: str, offset: int, end: int, view: memoryview) -> int:
-    """Read the next ``PIECE`` bytes of [offset, end) of ``path``: bytes read, 0 or -1.
+def _piece(fds: dict[str, int], path: str, offset: int, end: int, view: memoryview, exact: bool) -> int:
+    """Read the next ``len(view)`` bytes of [offset, end) of ``path``: bytes read, 0 or -1. ``exact``: through
+    files opened with ``POSIX_FADV_RANDOM`` (each piece one device request, nothing read beyond it).
 
     Pieces start at the span's start, unaligned: a read that does not follow the previous one on
     its file is read exactly as asked, so a short first piece would cost a device request of
     its own (and a small sample split in two would start the kernel's read-ahead for nothing).
     """
-    fd = _fd(fds, path)
+    fd = _fd(fds, path, exact)
     if fd is None:
         return -1
-    n = min(end - offset, PIECE)
     try:
-        return os.preadv(fd, [view[:n]], offset)
+        return os.preadv(fd, [view[: min(end - offset, len(view))]], offset)
     except OSError:
         return -1
 
 
-def _fd(fds: dict[str, int], path: str) -> int | None:
+_REQUEST: dict[int, int] = {}  # st_dev -> request bytes
+
+
+def request_bytes(path: str) -> int:
+    """The largest read the device holding ``path`` takes as one request from page-cache pages.
+
+    Pages read into the cache this way are single pages, so a request holds at most
+    ``max_segments`` of them (and at most ``max_sectors_kb``): 254 pages on this machine's virtio
+    disk. A 1 MB read became a 1,016 KB request and an 8 KB one, and an IO-limited device (the
+    emulated hard disk counts requests) charged both; reads on this grid are one request each
+    (docs/results.md). Without /sys (network filesystems, other systems): 254 pages.
+    """
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return DEFAULT_REQUEST
+    got = _REQUEST.get(dev)
+    if got is None:
+        got = _REQUEST[dev] = _device_request(dev)
+    return got
+
+
+def _device_request(dev: int) -> int:
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+    for q in (f"{base}/queue", f"{base}/../queue"):  # a partition's queue is its disk's
+        try:
+            with open(f"{q}/max_segments") as fh:
+                segments = int(fh.read())
+            with open(f"{q}/max_sectors_kb") as fh:
+                sectors = int(fh.read()) << 10
+        except (OSError, ValueError):
+            continue
+        return max(page, min(segments * page, sectors, 256 * page, MAX_REQUEST))  # 256 pages: one bio's most
+    return DEFAULT_REQUEST
+
+
+def _fd(fds: dict[str, int], path: str, exact: bool) -> int | None:
     fd = fds.get(path)
     if fd is None:
         if len(fds) >= _MAX_OPEN:
             os.close(fds.pop(next(iter(fds))))
         try:
-            fd = fds[path] = os.open(path, os.O_RDONLY)
+            fd = fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
+        if exact and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     return fd
 
 
@@ -196,7 +231,7 @@ def _reader() -> _Reader:
 def _after_fork() -> None:
     global _READER, _LOCK
     if _READER is not None:  # its thread did not come along: close the copies of the files it held open
-        for table in (_READER.fds, _READER.bg_fds):
+        for table in (_READER.fds, _READER.exact_fds):
             for fd in list(table.values()):
                 try:
                     os.close(fd)
@@ -209,16 +244,25 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
 
 
-def start(requests: Sequence[Sequence[Range]], later: Sequence[Range] = (), gap: int = GAP) -> Pending:
-    """Queue the read-ahead of ``requests`` (per item, its byte ranges) and return at once.
-
-    ``later``: ranges nobody waits for yet (e.g. the rest of a block), read in the background,
-    piece by piece, whenever no batch's own bytes are waiting to be read.
-    """
+def start(requests: Sequence[Sequence[Range]], gap: int = GAP, within: Sequence[Range] = ()) -> Pending:
+    """Queue the read-ahead of ``requests`` (per item, its byte ranges) and return at once. ``within``: ranges the
+    order being iterated reads whole (its blocks): a span inside one is widened to whole device requests
+    (``request_bytes``), clipped to it, and read exactly, rather than with a short request at each end."""
     job = plan(requests, gap)
-    job.later = [r for r in later if r[2] > r[1]]
-    if job.spans or job.later:
+    job.reads = [_widened(span, within) for span in job.spans]
+    if job.spans:
         _reader().jobs.put(job)
     else:
         job._finish()
     return job
+
+
+def _widened(span: Range, within: Sequence[Range]) -> tuple[int, int, bool]:
+    """The bytes to read for ``span``: inside a block the order reads whole, widened to the device's request
+    grid (clipped to the block) and read exactly; elsewhere the span, the kernel reading ahead as it sees fit."""
+    path, start, end = span
+    for p, a, b in within:
+        if p == path and a <= start and end <= b:
+            grid = request_bytes(path)
+            return max(a, start - start % grid), min(b, -(-end // grid) * grid), True
+    return start, end, False

@@ -280,13 +280,11 @@ class BlockShuffleSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         """This rank's indices, each carrying its block's range (packer.read.hints): the worker reading a
-        batch reads the rest of the batch's blocks ahead, for as long as this order is iterated."""
+        batch may widen its reads to whole device requests inside those blocks, while this order is iterated."""
         if self._replicas == (None, None):
             warn_if_accelerate(self.num_replicas)
         stored = self.stored_order()
-        window = window_samples(self.num_samples_total, self.num_blocks, self.open_blocks, self.batch_size)
-        return self.position.iterate(hinted_order(self.index_map.public_many(stored).tolist(), stored, self.bounds,
-                                                  window))
+        return self.position.iterate(hinted_order(self.index_map.public_many(stored).tolist(), stored, self.bounds))
 
     def __len__(self) -> int:
         n, r = self.num_samples_total, self.num_replicas

@@ -62,8 +62,10 @@ class StagedDataset(Dataset, ABC):
         """(image as the dataset hands it out, target), transforms applied, plus any fields asked for
         (packer.read.fields); ``tensor`` holds ``arr`` already."""
 
-    def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = ()) -> list:
-        """Payloads at these storage positions, in the order given (``ahead``: as for ``start_reads``)."""
+    def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = (),
+                    pending: Pending | None = None) -> list:
+        """Payloads at these storage positions, in the order given (``ahead``: as for ``start_reads``;
+        ``pending``: what ``start_reads`` of the same positions returned earlier, instead of starting them now)."""
         return [self.payload_at(int(p)) for p in stored]
 
     def check_index(self, i: int) -> int:
@@ -84,8 +86,8 @@ class StagedDataset(Dataset, ABC):
         return self.index_map.kind
 
     def start_reads(self, idx: np.ndarray, ahead: Sequence[Ahead] = ()) -> Pending | None:
-        """Start reading these storage positions' bytes in the background, then the ``ahead`` ranges the order
-        being iterated reads soon (its indices' hints, packer.read.hints); None: nothing to read ahead."""
+        """Start reading these storage positions' bytes in the background (``ahead``: the blocks the order being
+        iterated reads, its indices' hints, packer.read.hints); None: nothing to read ahead."""
         return None
 
     def batch_slots(self, idx: Sequence[int]) -> list[torch.Tensor] | None:

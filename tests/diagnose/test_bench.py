@@ -105,23 +105,25 @@ def test_loader_level_with_workers(data):
     assert all(r["ceiling"]["samples_per_s"] > 0 for r in report["results"])
 
 
-def test_thread_level_runs_the_packed_dataset_through_a_thread_loader(data, monkeypatch):
+@pytest.mark.parametrize("level", ["thread", "thread-train"])
+def test_thread_levels_run_the_packed_dataset_through_a_thread_loader(data, monkeypatch, level):
     from packer.read import threaded
 
     made = []
     real = threaded.ThreadLoader.__init__
 
-    def spy(self, *args, **kwargs):
-        made.append(kwargs["num_threads"])
-        real(self, *args, **kwargs)
+    def spy(self, dataset, *args, **kwargs):
+        made.append((kwargs["num_threads"], dataset.crop is not None))
+        real(self, dataset, *args, **kwargs)
 
     monkeypatch.setattr(threaded.ThreadLoader, "__init__", spy)
     folder, packed = data
-    opts = BenchOptions(levels=("thread",), orders=("block",), caches=("warm",), workers=(2,), repeats=1,
+    opts = BenchOptions(levels=(level,), orders=("block",), caches=("warm",), workers=(2,), repeats=1,
                         ceiling_bytes=4 << 20, ceiling_seconds=0.2, batch_size=3)
     rows = run_bench([folder, packed], opts)["results"]
-    assert sorted((r["kind"], r["level"]) for r in rows) == [("folder", "thread"), ("lmdb", "thread")]
-    assert all(r["samples"] == 10 for r in rows) and made and set(made) == {2}  # the packed rows only
+    assert sorted((r["kind"], r["level"]) for r in rows) == [("folder", level), ("lmdb", level)]
+    # the packed rows only; the fused crop for thread-train
+    assert all(r["samples"] == 10 for r in rows) and made and set(made) == {(2, level == "thread-train")}
 
 
 def test_train_level_gives_crop_batches_for_folder_and_packed(data):

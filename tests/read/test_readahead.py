@@ -45,7 +45,7 @@ def test_forked_child_closes_the_files_its_parent_thread_held(tmp_path):
     path.write_bytes(b"h" * 100)
     reader = readahead._reader()
     fd = os.open(path, os.O_RDONLY)
-    reader.bg_fds[str(path)] = fd  # as if a background read were under way
+    reader.exact_fds[str(path)] = fd  # as if a read were under way
     try:
         pid = os.fork()
         if pid == 0:
@@ -57,7 +57,7 @@ def test_forked_child_closes_the_files_its_parent_thread_held(tmp_path):
         _pid, status = os.waitpid(pid, 0)
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     finally:
-        reader.bg_fds.pop(str(path), None)
+        reader.exact_fds.pop(str(path), None)
         os.close(fd)
 
 
@@ -82,6 +82,51 @@ def test_spans_are_read_in_pieces_from_their_start(tmp_path, monkeypatch):
     job.wait(0, timeout=10)
     assert calls == [(start, readahead.PIECE), (start + readahead.PIECE, readahead.PIECE),
                      (start + 2 * readahead.PIECE, 7)]
+
+
+G = 1 << 16  # the device request size these tests pretend
+
+
+@pytest.mark.parametrize("within, want", [
+    ((), [(1000, 2 * G + 1007)]),  # not in a block: as asked, in PIECE pieces (the test above)
+    ([(0, 4 * G)], [(0, G), (G, 2 * G), (2 * G, 3 * G)]),  # inside a block: widened to the request grid
+    ([(500, 2 * G + 2000)], [(500, 500 + G), (500 + G, 500 + 2 * G), (500 + 2 * G, 2 * G + 2000)]),  # not past it
+])
+def test_spans_are_read_in_whole_device_requests(tmp_path, monkeypatch, within, want):
+    """A span inside a block the order reads whole is widened to the device's request grid, never beyond the
+    block, and read one request per pread (none split in two)."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(4 * G))
+    calls = []
+    real = os.preadv
+
+    def spy(fd, buffers, offset):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(path):
+            calls.append((offset, offset + sum(len(b) for b in buffers)))
+        return real(fd, buffers, offset)
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc")
+    monkeypatch.setattr(os, "preadv", spy)
+    monkeypatch.setattr(readahead, "request_bytes", lambda p: G)
+    job = readahead.start([[(str(path), 1000, 2 * G + 1007)]], within=[(str(path), a, b) for a, b in within])
+    job.wait(0, timeout=10)
+    assert calls == want
+
+
+def test_request_bytes_follows_the_device_queue(tmp_path):
+    """As many pages as one request takes (max_segments, max_sectors_kb, one bio's 256 pages); 254 pages where
+    /sys says nothing (not a block device)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    assert readahead.request_bytes("/proc/self/status") == readahead.DEFAULT_REQUEST == 254 * 4096
+    dev = os.stat(tmp_path).st_dev
+    queue = next((q for q in (f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/queue",
+                              f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/../queue") if os.path.isdir(q)), None)
+    if queue is None:
+        pytest.skip("no block device queue for the test directory")
+    with open(f"{queue}/max_segments") as a, open(f"{queue}/max_sectors_kb") as b:
+        want = min(int(a.read()) * page, int(b.read()) << 10, 256 * page, readahead.MAX_REQUEST)
+    assert readahead.request_bytes(str(tmp_path)) == max(page, want)
 
 
 def test_mosaic_run_of_tiles_is_one_span(tmp_path):
@@ -267,38 +312,12 @@ def _settled(path, seconds: float = 10.0) -> int:
     return last
 
 
-@pytest.mark.parametrize("fmt", ["memmap", "lmdb"])
-def test_block_sampler_indices_have_whole_blocks_read_ahead(tmp_path, fmt):
-    """Indices the block sampler yields carry their block: the first batch to touch a block has the rest of
-    it read in the background, once per iteration; the same samples as plain ints read only themselves."""
-    src = make_imagefolder(tmp_path / "src", classes=2, per_class=40, size=(96, 128))
-    out = convert(src, tmp_path / f"ds.{fmt}", to=fmt, workers=0, progress=False, order="source").output
-    ds = open_dataset(out)  # stored in ImageFolder's order: sample indices are storage positions here
-    sampler = BlockShuffleSampler(ds, block_bytes=int(ds.index.nbytes[:40].sum()), batch_size=8, warn=False)
-    assert sampler.num_blocks == 2
-    second = [i for i in sampler if i >= 40]  # the second block's samples, as this iteration yields them
-    assert all(isinstance(i, Hinted) and i.aheads[0][:2] == (40, 80) for i in second)
-    shard = out / ds.manifest.shards[0].files[0].name
-    ds.read_payload(0)
-    if evict([shard]).verified is False:
-        pytest.skip("page-cache residency can't be checked here (no mincore)")
-    assert not ds.read_ahead([int(i) for i in second[:2]]).later  # plain ints: no block read-ahead
-    pending = ds.read_ahead(second[:2])
-    assert len(pending.later) == 1  # the rest of that block, in the background
-    block_bytes = int(ds.index.nbytes[40:].sum())
-    resident = _settled(shard)
-    assert resident >= 0.9 * block_bytes, f"{resident} bytes in, the block holds {block_bytes}"
-    again = ds.read_ahead(second[2:3])  # this iteration's block was read ahead already
-    assert len(again.spans) <= 2 and not again.later
-    assert ds.read_ahead([i for i in sampler if i >= 40][:1]).later  # a new iteration reads it again
-
-
 def test_hints_survive_pickling_and_follow_the_rank_and_resume():
     """Indices reach spawn workers pickled; each rank's hints cover its own share of a block; a resumed
     iteration still yields hinted indices."""
-    h = Hinted(7, (Ahead(3, 9, 1), Ahead(20, 30, 1)))
+    h = Hinted(7, (Ahead(3, 9), Ahead(20, 30)))
     back = pickle.loads(pickle.dumps([h, 8]))
-    assert back == [7, 8] and isinstance(back[0], Hinted) and back[0].aheads == ((3, 9, 1), (20, 30, 1))
+    assert back == [7, 8] and isinstance(back[0], Hinted) and back[0].aheads == ((3, 9), (20, 30))
     assert aheads_of(back + [h]) == list(h.aheads)
     for rank in (0, 1):  # 4 blocks; ranks 0 and 1 split the second or third block in the epoch's order
         s = BlockShuffleSampler(list(range(100)), blocks=[0, 30, 60, 90, 100], num_replicas=2, rank=rank, warn=False)
@@ -310,20 +329,6 @@ def test_hints_survive_pickling_and_follow_the_rank_and_resume():
         s.load_state_dict(state)
         rest = list(s)
         assert [int(i) for i in rest] == [int(i) for i in got[10:]] and all(isinstance(i, Hinted) for i in rest)
-
-
-def test_second_half_of_a_window_carries_the_next_windows_blocks():
-    """A worker holding a batch late in a window starts reading the next window's blocks (first needed first)."""
-    s = BlockShuffleSampler(list(range(400)), blocks=list(range(0, 401, 20)), open_blocks=4, batch_size=8,
-                            num_replicas=1, rank=0, warn=False)
-    got, window = list(s), 80  # 4 blocks of 20 samples a window
-    block_of = [int(i) // 20 for i in got]
-    for k, i in enumerate(got):
-        assert i.aheads[0][:2] == (block_of[k] * 20, block_of[k] * 20 + 20)
-        w = k // window
-        nxt = list(dict.fromkeys(block_of[(w + 1) * window:(w + 2) * window]))
-        late = k % window >= window // 2
-        assert [a.first // 20 for a in i.aheads[1:]] == (nxt if late else []), k
 
 
 @pytest.mark.parametrize("fmt", ["memmap", "lmdb"])
@@ -361,18 +366,6 @@ def test_uniform_shuffle_reads_no_whole_blocks(tmp_path):
     assert [b - a for _p, a, b in job.spans] == [int(ds.index.nbytes[3:31].sum())]
 
 
-def test_background_ranges_yield_to_a_waiting_batch(tmp_path):
-    """A batch queued behind a long background read is served, and both finish (no timing asserted)."""
-    big = tmp_path / "big.bin"
-    big.write_bytes(os.urandom(64 * readahead.PIECE))
-    small = tmp_path / "small.bin"
-    small.write_bytes(b"z" * 1000)
-    first = readahead.start([], later=[(str(big), 0, 64 * readahead.PIECE)])
-    job = readahead.start([[(str(small), 0, 1000)]])
-    job.wait(0, timeout=10)
-    assert job.done() and first.done()
-
-
 def test_batch_is_decoded_in_the_order_its_bytes_arrive(tmp_path, monkeypatch):
     """Bottom-up mosaic: the second row's band is read first, so its tiles are consumed first."""
     src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
@@ -389,3 +382,22 @@ def test_batch_is_decoded_in_the_order_its_bytes_arrive(tmp_path, monkeypatch):
     batch = ds.__getitems__(list(range(40)))
     assert sorted(waited) == list(range(40)) and waited[:16] == list(range(24, 40))  # row 2 first
     assert all(np.array_equal(img, ds[i][0]) for i, (img, _label) in enumerate(batch))
+
+
+def test_a_hinted_block_widens_reads_inside_it_only(tmp_path, monkeypatch):
+    """A block sampler's hint lets a sample's read grow to whole device requests within its block's bytes;
+    an unhinted read (uniform shuffle) stays exact."""
+    from packer.read.hints import Ahead, Hinted
+
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
+    ds = open_dataset(convert(src, tmp_path / "ds.memmap", to="memmap", workers=0, progress=False,
+                              order="source").output)  # sample indices are storage positions
+    monkeypatch.setattr(readahead, "request_bytes", lambda p: 4096)
+    offsets = np.concatenate([[0], np.cumsum(ds.index.nbytes)])
+    block = (int(offsets[10]), int(offsets[30]))
+    job = ds.read_ahead([Hinted(20, (Ahead(10, 30),))])
+    (path, a, b), = job.spans
+    assert (a, b) == (offsets[20], offsets[21])
+    assert job.reads == [(max(block[0], a - a % 4096), min(block[1], -(-b // 4096) * 4096), True)]
+    assert job.reads[0][:2] != (a, b)  # widened: the sample does not happen to lie on the grid
+    assert ds.read_ahead([20]).reads == [(a, b, False)]

@@ -127,6 +127,62 @@ def test_state_dict_resumes_after_the_last_batch_handed_out(packed):
         ThreadLoader(ds, batch_size=2).state_dict()
 
 
+def test_reads_are_queued_batches_ahead_in_the_order_decoded(packed, monkeypatch):
+    """Each batch's reads start READ_AHEAD_BATCHES batches before it is decoded, in batch order, and its
+    payloads come from those very reads (not read again)."""
+    from packer.read import threaded
+
+    ds = open_dataset(packed["memmap"], image="tensor")
+    events: list = []
+    real_start, real_payloads = ds.start_reads, ds.payloads_at
+
+    def start_reads(idx, ahead=(), skip_cached=True):
+        pending = real_start(idx, ahead, skip_cached)
+        events.append(("start", idx.tolist(), pending))
+        return pending
+
+    def payloads_at(stored, ahead=(), pending=None):
+        events.append(("take", np.asarray(stored).tolist(), pending))
+        return real_payloads(stored, ahead, pending)
+
+    monkeypatch.setattr(ds, "start_reads", start_reads)
+    monkeypatch.setattr(ds, "payloads_at", payloads_at)
+    sampler = packer.BlockShuffleSampler(ds, batch_size=2, seed=3, block_bytes=2000)
+    want = list(DataLoader(ds, batch_size=2, sampler=sampler, num_workers=0, collate_fn=packer.collate))
+    events.clear()
+    same_batches(list(ThreadLoader(ds, batch_size=2, sampler=sampler, num_threads=2)), want)
+    starts = [e for e in events if e[0] == "start"]
+    takes = [e for e in events if e[0] == "take"]
+    assert [e[1] for e in starts] == [e[1] for e in takes] == [ds.positions(b).tolist() for b in
+                                                             torch.utils.data.BatchSampler(sampler, 2, False)]
+    assert all(s[2] is t[2] is not None for s, t in zip(starts, takes, strict=True))  # the same reads
+    ahead = threaded.READ_AHEAD_BATCHES
+    assert [e[0] for e in events[: ahead + 2]] == ["start"] * (ahead + 1) + ["take"]
+
+
+def test_an_error_drawing_a_batch_comes_after_the_batches_before_it(packed):
+    """Reads are queued ahead, yet a sampler that fails at its fourth batch (or an index out of range)
+    fails the fourth batch, after three good ones, as a DataLoader does."""
+    ds = open_dataset(packed["memmap"], image="tensor")
+
+    def failing():
+        yield from ([0, 1], [2, 3], [4, 5])
+        raise ValueError("sampler broke")
+
+    def out_of_range():
+        yield from ([0, 1], [2, 3], [4, 5], [len(ds)], [6, 7])
+
+    for batches, error in ((failing, ValueError), (out_of_range, IndexError)):
+        for loader in (DataLoader(ds, batch_sampler=batches(), collate_fn=packer.collate),
+                       ThreadLoader(ds, batch_sampler=batches(), num_threads=2)):
+            it, got = iter(loader), 0
+            with pytest.raises(error):
+                for _ in it:
+                    got += 1
+            assert got == 3, type(loader).__name__
+    assert loader_threads() == []
+
+
 def test_arguments_are_checked(packed):
     ds = open_dataset(packed["lmdb"])
     for kwargs in ({"num_threads": 0}, {"prefetch_batches": 0}, {"batch_size": 0},
