@@ -139,7 +139,8 @@ class PackedDataset(FolderSurface):
 
     def _new_ranges(self, ahead: Sequence[Ahead]) -> list:
         """Background reads for the hinted ranges this process has not read ahead yet: each range's byte hull
-        (its first sample's start to its last one's end, in one file; a range across shards is skipped)."""
+        (its first sample's start to its last one's end, in one file; a range across shards, or one whose bytes
+        are all in the page cache already, is skipped)."""
         if not ahead:
             return []
         seen = self._ahead_read.get()
@@ -153,7 +154,11 @@ class PackedDataset(FolderSurface):
             shard, a = self.store.locate(hint.first)
             if self.store.locate(hint.stop - 1)[0] != shard:
                 continue
-            ends = [r[-1] for r in self.store.readers[shard].file_spans([a, a + hint.stop - 1 - hint.first]) if r]
+            reader = self.store.readers[shard]
+            with reading(self.store.where(shard)):
+                if reader.in_page_cache(list(range(a, a + hint.stop - hint.first))):
+                    continue  # warm: reading it again would only copy it (a whole dataset per epoch)
+            ends = [r[-1] for r in reader.file_spans([a, a + hint.stop - 1 - hint.first]) if r]
             if len(ends) == 2 and ends[0][0] == ends[1][0]:  # the payload's range is the last of a sample's
                 out.append((ends[0][0], min(ends[0][1], ends[1][1]), max(ends[0][2], ends[1][2])))
         return out
