@@ -153,3 +153,21 @@ def test_batch_memory_is_used_again_only_once_nothing_holds_it():
     del array
     assert pool.take(10).data_ptr() == where
     assert len(pool.blocks) <= 3
+
+
+def test_batch_memory_is_used_again_across_epochs_and_loaders(packed):
+    """A dataset's ThreadLoaders share its batch memory: a new epoch, or a new loader, decodes into blocks an
+    earlier one made (fresh memory costs a page fault per page), and two iterations at once get apart blocks."""
+    from packer.read.threaded import pool_of
+
+    ds = open_dataset(packed["memmap"], image="tensor", crop=packer.RandomResizedCropDecode(16, seed=0))
+    loader = ThreadLoader(ds, batch_size=8, num_threads=2)
+    first = {imgs.untyped_storage().data_ptr() for imgs, _ in loader}
+    blocks = [id(b) for b in pool_of(ds, 1).blocks]
+    assert blocks and {b.ctypes.data for b in pool_of(ds, 1).blocks} == first
+    for again in (loader, ThreadLoader(ds, batch_size=8, num_threads=3, prefetch_batches=1)):
+        assert {imgs.untyped_storage().data_ptr() for imgs, _ in again} <= first
+        assert [id(b) for b in pool_of(ds, 1).blocks] == blocks
+    a, b = iter(ThreadLoader(ds, batch_size=8)), iter(ThreadLoader(ds, batch_size=8))
+    held = [next(a)[0], next(b)[0], next(a)[0], next(b)[0]]
+    assert len({imgs.untyped_storage().data_ptr() for imgs in held}) == 4
