@@ -76,22 +76,20 @@ class PageCache:
         lo, hi = lo[order], hi[order]
         reach = np.maximum.accumulate(hi)
         # ranges within GAP_PAGES of the ones before share one call over their hull (its extra pages are cheap)
-        cuts = (np.flatnonzero(lo[1:] > reach[:-1] + GAP_PAGES) + 1).tolist()
-        for a, b in zip([0, *cuts], [*cuts, len(lo)]):
-            first, last = int(lo[a]), int(reach[b - 1])
-            if last - first > len(self._vec):
-                self._vec = np.zeros(last - first, dtype=np.uint8)
-            vec = self._vec[:last - first]
-            if libc.mincore(self._base + first * PAGE, (last - first) * PAGE, vec.ctypes.data) != 0:
+        heads = np.concatenate(([0], np.flatnonzero(lo[1:] > reach[:-1] + GAP_PAGES) + 1))
+        tails = np.concatenate((heads[1:], [len(lo)]))
+        first, last = lo[heads], reach[tails - 1]
+        at = np.concatenate(([0], np.cumsum(last - first)))  # each hull's answer at vec[at[k]:at[k + 1]]
+        if int(at[-1]) > len(self._vec):
+            self._vec = np.zeros(int(at[-1]), dtype=np.uint8)
+        addr = self._vec.ctypes.data
+        for f, n, a in zip(first.tolist(), (last - first).tolist(), at[:-1].tolist()):
+            if libc.mincore(self._base + f * PAGE, n * PAGE, addr + a) != 0:
                 return False
-            if b - a == 1:
-                if not np.all(vec & 1):
-                    return False
-                continue
-            cached = np.concatenate(([0], np.cumsum(vec & 1)))
-            if not np.all(cached[hi[a:b] - first] - cached[lo[a:b] - first] == hi[a:b] - lo[a:b]):
-                return False
-        return True
+        # one check for all ranges: each range's pages, placed in its hull's answer, all cached
+        cached = np.concatenate(([0], np.cumsum(self._vec[:int(at[-1])] & 1)))
+        shift = np.repeat(at[:-1] - first, tails - heads)
+        return bool(np.all(cached[hi + shift] - cached[lo + shift] == hi - lo))
 
     def close(self) -> None:
         if self._map is not None:
