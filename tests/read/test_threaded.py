@@ -171,3 +171,26 @@ def test_batch_memory_is_used_again_across_epochs_and_loaders(packed):
     a, b = iter(ThreadLoader(ds, batch_size=8)), iter(ThreadLoader(ds, batch_size=8))
     held = [next(a)[0], next(b)[0], next(a)[0], next(b)[0]]
     assert len({imgs.untyped_storage().data_ptr() for imgs in held}) == 4
+
+
+@pytest.mark.parametrize("fields", [("image", "label", "score"), ("label", "image"), "all"])
+def test_samples_with_fields_are_collated_as_the_dataloader_does(tmp_path, fields):
+    """Samples of other shapes than (image, label) (``fields=``) come out as packer.collate makes them."""
+    from packer import Writer
+    from packer.tools.sample import photo_like
+
+    rng = np.random.default_rng(5)
+    with Writer(tmp_path / "f.memmap", format="memmap", fields={"score": "float"}) as w:
+        for i in range(10):
+            w.add(image=np.asarray(photo_like(rng, 20 + i, 30)), label=i % 2, score=float(i))
+    ds = open_dataset(tmp_path / "f.memmap", image="tensor", fields=fields)
+    want = list(DataLoader(ds, batch_size=4, num_workers=0, collate_fn=packer.collate))
+    got = list(ThreadLoader(ds, batch_size=4, num_threads=2))
+    assert len(got) == len(want) == 3
+    for g, r in zip(got, want, strict=True):
+        pairs = zip(g.values(), r.values(), strict=True) if isinstance(r, dict) else zip(g, r, strict=True)
+        for a, b in pairs:
+            if isinstance(b, list):
+                assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+            else:
+                assert torch.equal(a, b)
