@@ -131,7 +131,8 @@ class ThreadLoader:
     channels-last view (``images.permute(0, 3, 1, 2)`` of an NHWC block; ``.contiguous()`` makes it
     NCHW). Call ``set_epoch`` on the sampler as with a DataLoader. ``state_dict()`` works over a
     sampler or batch sampler that has one (``BlockShuffleSampler``, ``BlockBatchSampler``): the
-    position after the last batch handed out, not after those read ahead.
+    position after the last batch handed out, not after those read ahead. The batch memory (up to
+    ``prefetch_batches + 3`` batches) stays with the dataset for its next epoch and its other ThreadLoaders.
     """
 
     def __init__(
