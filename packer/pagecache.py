@@ -1,8 +1,10 @@
 """Is a file's byte range in the page cache already? (``mincore`` on a mapping that is never touched.)
 
 Read-ahead of bytes already cached only copies them once more through another thread; asking the
-kernel first costs one system call per batch and shard. Any failure to ask answers False (not known
-to be cached), so callers read ahead as before.
+kernel first costs one system call per batch and shard, and less for a file of up to a GiB seen whole
+in the cache (``WHOLE_FILE_PAGES``): that answer is kept for a second, checked against each question's
+first range (an evicted file is noticed at once; a partly evicted one, within the second). Any failure
+to ask answers False (not known to be cached), so callers read ahead as before.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import time
 
 import numpy as np
 
 PAGE = mmap.PAGESIZE
 GAP_PAGES = 64  # ranges closer than this are asked about in one call
+WHOLE_FILE_PAGES = 1 << 18  # files up to this many pages (1 GiB) are asked about whole, now and then
+WHOLE_FILE_SECONDS = 1.0  # a whole-file answer is kept this long, or 200x what asking took if longer
 
 
 def _libc() -> ctypes.CDLL | None:
@@ -44,6 +49,8 @@ class PageCache:
         self._size = 0
         self._vec = np.zeros(0, dtype=np.uint8)  # mincore's answer, reused
         self._failed = _LIBC is None
+        self._whole = False  # the whole file was resident when last asked
+        self._whole_until = -1.0  # time.monotonic() until which that answer stands
 
     def _open(self) -> bool:
         try:
@@ -72,26 +79,48 @@ class PageCache:
         lo, hi = starts // PAGE, (ends - 1) // PAGE + 1  # pages [lo, hi) of each range
         if int(hi.max()) * PAGE > self._size + PAGE - 1:
             return False  # past the end of the file as mapped: the reader's own checks will say why
+        if self._whole_file_resident(int(lo[0]), int(hi[0])):
+            return True
         order = np.argsort(lo, kind="stable")
         lo, hi = lo[order], hi[order]
         reach = np.maximum.accumulate(hi)
         # ranges within GAP_PAGES of the ones before share one call over their hull (its extra pages are cheap)
-        cuts = (np.flatnonzero(lo[1:] > reach[:-1] + GAP_PAGES) + 1).tolist()
-        for a, b in zip([0, *cuts], [*cuts, len(lo)]):
-            first, last = int(lo[a]), int(reach[b - 1])
-            if last - first > len(self._vec):
-                self._vec = np.zeros(last - first, dtype=np.uint8)
-            vec = self._vec[:last - first]
-            if libc.mincore(self._base + first * PAGE, (last - first) * PAGE, vec.ctypes.data) != 0:
+        heads = np.concatenate(([0], np.flatnonzero(lo[1:] > reach[:-1] + GAP_PAGES) + 1))
+        tails = np.concatenate((heads[1:], [len(lo)]))
+        first, last = lo[heads], reach[tails - 1]
+        at = np.concatenate(([0], np.cumsum(last - first)))  # each hull's answer at vec[at[k]:at[k + 1]]
+        if int(at[-1]) > len(self._vec):
+            self._vec = np.zeros(int(at[-1]), dtype=np.uint8)
+        addr = self._vec.ctypes.data
+        for f, n, a in zip(first.tolist(), (last - first).tolist(), at[:-1].tolist()):
+            if libc.mincore(self._base + f * PAGE, n * PAGE, addr + a) != 0:
                 return False
-            if b - a == 1:
-                if not np.all(vec & 1):
-                    return False
-                continue
-            cached = np.concatenate(([0], np.cumsum(vec & 1)))
-            if not np.all(cached[hi[a:b] - first] - cached[lo[a:b] - first] == hi[a:b] - lo[a:b]):
-                return False
-        return True
+        # one check for all ranges: each range's pages, placed in its hull's answer, all cached
+        cached = np.concatenate(([0], np.cumsum(self._vec[:int(at[-1])] & 1)))
+        shift = np.repeat(at[:-1] - first, tails - heads)
+        return bool(np.all(cached[hi + shift] - cached[lo + shift] == hi - lo))
+
+    def _whole_file_resident(self, lo: int, hi: int) -> bool:
+        """Whether the whole file was in the cache when last asked (asked again once that answer is old, for
+        files of up to WHOLE_FILE_PAGES) and pages [lo, hi) still are (a cheap check that catches an eviction)."""
+        pages = -(-self._size // PAGE)
+        if pages > WHOLE_FILE_PAGES or _LIBC is None:
+            return False
+        now = time.monotonic()
+        if now >= self._whole_until:
+            self._whole = self._all_cached(0, pages)
+            self._whole_until = time.monotonic() + max(WHOLE_FILE_SECONDS, 200 * (time.monotonic() - now))
+        if self._whole and not self._all_cached(lo, hi):
+            self._whole, self._whole_until = False, now + WHOLE_FILE_SECONDS  # evicted since: ask range by range
+        return self._whole
+
+    def _all_cached(self, lo: int, hi: int) -> bool:
+        """One mincore call: pages [lo, hi) of the file all resident."""
+        if hi - lo > len(self._vec):
+            self._vec = np.zeros(hi - lo, dtype=np.uint8)
+        vec = self._vec[:hi - lo]
+        return _LIBC is not None and _LIBC.mincore(self._base + lo * PAGE, (hi - lo) * PAGE, vec.ctypes.data) == 0 \
+            and bool(np.all(vec & 1))
 
     def close(self) -> None:
         if self._map is not None:

@@ -50,3 +50,21 @@ def test_read_ahead_is_skipped_for_cached_bytes_only(tmp_path, fmt):
     assert not ds.store.readers[0].in_page_cache(idx.tolist())
     assert ds.start_reads(idx).spans  # cold: read ahead
     assert [bytes(p) for p in ds.payloads_at(idx)] == expected
+
+
+def test_a_whole_file_seen_cached_is_asked_about_again_once_evicted(tmp_path):
+    """A file seen whole in the cache answers from that for a while, but an eviction is noticed at once."""
+    path = tmp_path / "data.bin"
+    path.write_bytes(np.random.default_rng(1).bytes(32 * PAGE))
+    path.read_bytes()
+    cache = PageCache(path)
+    assert cache.resident(np.array([0]), np.array([PAGE]))
+    assert cache.resident(np.array([5 * PAGE, 20 * PAGE]), np.array([9 * PAGE, 32 * PAGE]))
+    if evict([path]).fraction != 0.0:
+        pytest.skip("this filesystem keeps the pages (tmpfs?): eviction cannot be shown")
+    assert not cache.resident(np.array([7 * PAGE]), np.array([7 * PAGE + 1]))
+    with open(path, "rb") as fh:  # one page read back: that page only, not the file
+        fh.seek(3 * PAGE)
+        fh.read(10)
+    assert not cache.resident(np.array([3 * PAGE, 20 * PAGE]), np.array([3 * PAGE + 10, 20 * PAGE + 1]))
+    cache.close()

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 
 from packer._random import raw_draws
@@ -203,37 +202,38 @@ def _box(window: Window, d: int, height: int, width: int) -> tuple[float, float,
 def resize_window(pixels: np.ndarray, window: Window, size: tuple[int, int], d: int = 1,
                   out: np.ndarray | None = None) -> np.ndarray:
     """``window`` (full-resolution pixels) of HWC uint8 ``pixels`` decoded at 1/d, resized to ``size`` with
-    antialiased bilinear and flipped as the window says. A window on whole pixels is cut out and resized by
+    antialiased bilinear and flipped as the window says, into ``out`` where it has the shape (else a new array,
+    never a view that keeps a whole decoded image alive). A window on whole pixels is cut out and resized by
     torch (torchvision's ``resized_crop`` on uint8 tensors, ~2x faster than PIL); a fractional one (a DCT
     scale, the eval window) by PIL's BILINEAR with that exact box (torchvision's PIL path, within 1 of it)."""
+    if out is None or out.shape != (*size, 3) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        out = np.empty((*size, 3), np.uint8)
     top, left, bottom, right = _box(window, d, pixels.shape[0], pixels.shape[1])
     if all(float(v).is_integer() for v in (top, left, bottom, right)):
         region = pixels[int(top):int(bottom), int(left):int(right)]
         if (region.shape[0], region.shape[1]) == size:
-            return _write(region, False, window.flip, size, out)
+            np.copyto(out, region[:, ::-1] if window.flip else region)
+            return out
         if not region.flags.writeable:
             region = region.copy()  # torch wants writable memory (raw payloads are read-only views)
-        src = torch.from_numpy(region).permute(2, 0, 1)[None]  # channels-last strides: torch's fast uint8 path
-        planes = F.interpolate(src, size=size, mode="bilinear", antialias=True)[0].numpy()  # CHW: torch's output
-        return _write(planes, True, window.flip, size, out)
-    img = Image.fromarray(pixels).resize((size[1], size[0]), Image.Resampling.BILINEAR,
-                                         box=(left, top, right, bottom))
-    return _write(np.asarray(img), False, window.flip, size, out)
-
-
-def _write(resized: np.ndarray, planar: bool, flip: bool, size: tuple[int, int],
-           out: np.ndarray | None) -> np.ndarray:
-    """``resized`` (HWC, or CHW when ``planar``) as HWC, flipped when asked, in ``out`` where it has the shape,
-    else in a new array (never a view that keeps a whole decoded image alive). CHW goes channel by channel:
-    one strided CHW -> HWC copy costs ~4x more."""
-    if out is None or out.shape != (*size, 3):
-        out = np.empty((*size, 3), np.uint8)
-    if not planar:
-        np.copyto(out, resized[:, ::-1] if flip else resized)
-        return out
-    for c in range(3):
-        np.copyto(out[..., c], resized[c, :, ::-1] if flip else resized[c])
+        _resize_into(region, out)
+    else:
+        img = Image.fromarray(pixels).resize((size[1], size[0]), Image.Resampling.BILINEAR,
+                                             box=(left, top, right, bottom))
+        np.copyto(out, np.asarray(img))
+    if window.flip:
+        flipped = torch.from_numpy(out)
+        flipped.copy_(flipped.flip(1))  # torch's flip of HWC rows: ~10x numpy's out[:, ::-1] copy
     return out
+
+
+def _resize_into(region: np.ndarray, out: np.ndarray) -> None:
+    """HWC uint8 ``region`` resized into HWC ``out`` by torch's antialiased bilinear (``F.interpolate``'s kernel,
+    the same pixels). Given as channels-last tensors, torch's uint8 kernel reads and writes them in place; through
+    ``F.interpolate`` it returns NCHW, a conversion plus a CHW -> HWC copy (~40 % of the resize)."""
+    src = torch.from_numpy(region).permute(2, 0, 1)[None]
+    dst = torch.from_numpy(out).permute(2, 0, 1)[None]
+    torch.ops.aten._upsample_bilinear2d_aa.out(src, list(out.shape[:2]), False, None, None, out=dst)
 
 
 def _region(box: tuple[float, float, float, float], size: tuple[int, int], height: int,

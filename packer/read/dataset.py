@@ -253,7 +253,10 @@ class PackedDataset(FolderSurface):
 
     def decode_block(self, indices: Sequence[int], alloc: Callable[[int], torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
-        """A batch of slots to decode into in this process (storage positions; ``read.batch.decode_block``)."""
+        """A batch of slots to decode into in this process (storage positions; ``read.batch.decode_block``); None
+        where samples are not ``(image, label)`` pairs (``fields=``): ThreadLoader's batch of slots assumes them."""
+        if self.selection.names is not None:
+            return None
         return batch.decode_block(self, indices, alloc)
 
     def get_batch(

@@ -209,3 +209,45 @@ def test_batch_memory_is_used_again_only_once_nothing_holds_it():
     del array
     assert pool.take(10).data_ptr() == where
     assert len(pool.blocks) <= 3
+
+
+def test_batch_memory_is_used_again_across_epochs_and_loaders(packed):
+    """A dataset's ThreadLoaders share its batch memory: a new epoch, or a new loader, decodes into blocks an
+    earlier one made (fresh memory costs a page fault per page), and two iterations at once get apart blocks."""
+    from packer.read.threaded import pool_of
+
+    ds = open_dataset(packed["memmap"], image="tensor", crop=packer.RandomResizedCropDecode(16, seed=0))
+    loader = ThreadLoader(ds, batch_size=8, num_threads=2)
+    first = {imgs.untyped_storage().data_ptr() for imgs, _ in loader}
+    blocks = [id(b) for b in pool_of(ds, 1).blocks]
+    assert blocks and {b.ctypes.data for b in pool_of(ds, 1).blocks} == first
+    for again in (loader, ThreadLoader(ds, batch_size=8, num_threads=3, prefetch_batches=1)):
+        # batches decoded into the first epoch's blocks (one more may be made while all are still held)
+        assert {imgs.untyped_storage().data_ptr() for imgs, _ in again} & first
+        assert set(blocks) <= {id(b) for b in pool_of(ds, 1).blocks}  # kept, not replaced
+    a, b = iter(ThreadLoader(ds, batch_size=8)), iter(ThreadLoader(ds, batch_size=8))
+    held = [next(a)[0], next(b)[0], next(a)[0], next(b)[0]]
+    assert len({imgs.untyped_storage().data_ptr() for imgs in held}) == 4
+
+
+@pytest.mark.parametrize("fields", [("image", "label", "score"), ("label", "image"), "all"])
+def test_samples_with_fields_are_collated_as_the_dataloader_does(tmp_path, fields):
+    """Samples of other shapes than (image, label) (``fields=``) come out as packer.collate makes them."""
+    from packer import Writer
+    from packer.tools.sample import photo_like
+
+    rng = np.random.default_rng(5)
+    with Writer(tmp_path / "f.memmap", format="memmap", fields={"score": "float"}) as w:
+        for i in range(10):
+            w.add(image=np.asarray(photo_like(rng, 20 + i, 30)), label=i % 2, score=float(i))
+    ds = open_dataset(tmp_path / "f.memmap", image="tensor", fields=fields)
+    want = list(DataLoader(ds, batch_size=4, num_workers=0, collate_fn=packer.collate))
+    got = list(ThreadLoader(ds, batch_size=4, num_threads=2))
+    assert len(got) == len(want) == 3
+    for g, r in zip(got, want, strict=True):
+        pairs = zip(g.values(), r.values(), strict=True) if isinstance(r, dict) else zip(g, r, strict=True)
+        for a, b in pairs:
+            if isinstance(b, list):
+                assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+            else:
+                assert torch.equal(a, b)
