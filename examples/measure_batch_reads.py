@@ -89,7 +89,7 @@ def packed_cpu(ds, kind: str, batch: int, repeats: int) -> float:
                        blocks=ds.block_boundaries())
     public = ds.index_map.public_many(order.indices).tolist()
     if order.blocks is not None:  # hinted as BlockShuffleSampler's indices are (read-ahead of the next window)
-        public = hinted_order(public, order.indices, order.blocks, order.window)
+        public = hinted_order(public, order.indices, order.blocks)
 
     def packed_pass() -> None:
         k = 0

@@ -11,6 +11,7 @@ against the manifest before each (the reader's ``check_size``: a map never reads
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import struct
@@ -46,32 +47,31 @@ def check_against_btree(env: lmdb.Environment, spans: np.ndarray, path: Path, sp
     """Refuse spans that disagree with the shard: values that overlap, or a spread of samples whose leaf page
     and value are not where LMDB's B-tree puts them in the file.
 
-    Only leaf pages are read: py-lmdb reads a whole value to hand it out, and 8 values of 100 KB cost a cold
-    open 190 device reads (1.2 s under the emulated hard disk). So each sample's leaf node is read from the
-    file where /proc says py-lmdb's key lies, and decoded as LMDB lays it out (``_node_value``); without /proc,
-    the bytes the spans point at are compared with the value itself.
+    Only leaf pages are read, never a value: py-lmdb reads a whole value to hand it out (8 values of 100 KB
+    cost a cold open 190 device reads, 1.2 s, under the emulated hard disk), and a crafted overflow page
+    number may point past the end of the file (a fault, SIGBUS). So each sample's leaf node is found where
+    py-lmdb's key lies, its page's number read from the page's own header (leaf pages lie inside the file:
+    the reader checked LMDB's last page against the file's size), and the node decoded as LMDB lays it out.
     """
     where = f"{spans_path}: spans disagree with the LMDB B-tree of {path.name}"
     order = np.argsort(spans[:, 1], kind="stable")
     if np.any(spans[order[1:], 1] < spans[order[:-1], 2]):
         raise PackerError(f"{where} (two values overlap)")
     psize = int(env.stat()["psize"])
-    ino = os.stat(path).st_ino
+    size = os.stat(path).st_size
     with open(path, "rb", buffering=0) as fh, env.begin(buffers=True) as txn, txn.cursor() as cur:
         for pos in np.unique(np.linspace(0, len(spans) - 1, min(SAMPLES_CHECKED, len(spans))).astype(int)).tolist():
             if not cur.set_key(key(pos)):
                 raise PackerError(f"{where} (sample {pos} is missing)")
             start, end = int(spans[pos, 1]), int(spans[pos, 2])
-            found = _file_offsets([_address(cur.key())], ino)
-            if found is None:  # no /proc: the bytes the spans point at must be the value's
-                v = cur.value()
-                fh.seek(start)
-                if end - start != len(v) or fh.read(end - start) != bytes(v):
-                    raise PackerError(f"{where} (sample {pos}'s bytes differ)")
-                continue
-            page, (at, size) = found[0] // psize * psize, _node_value(fh, found[0], psize)
-            if size != end - start:
-                raise PackerError(f"{where} (sample {pos}: {end - start} bytes, LMDB holds {size})")
+            address = _address(cur.key())
+            in_page = address % psize
+            page = int.from_bytes(ctypes.string_at(address - in_page, 8), "little") * psize  # the page header's number
+            if not 0 <= page <= size - psize:
+                raise PackerError(f"{where} (sample {pos}'s leaf page {page // psize} lies outside the file)")
+            at, nbytes = _node_value(fh, page + in_page, psize)
+            if nbytes != end - start:
+                raise PackerError(f"{where} (sample {pos}: {end - start} bytes, LMDB holds {nbytes})")
             if (page, at) != (int(spans[pos, 0]), start):
                 raise PackerError(f"{where} (sample {pos} lies at byte {at}, not {start})")
 
@@ -82,35 +82,19 @@ PAGE_HEADER = 16  # an overflow page's header (page number, padding, flags, over
 
 
 def _node_value(fh, key_offset: int, psize: int) -> tuple[int, int]:
-    """(file offset, size) of the value of the leaf node whose key starts at ``key_offset``."""
-    lo, hi, flags, ksize = NODE_HEADER.unpack(os.pread(fh.fileno(), NODE_HEADER.size, key_offset - NODE_HEADER.size))
-    size = lo | hi << 16
-    if flags & BIGDATA:  # exactly these bytes, in the leaf page just read: a buffered read would start read-ahead
-        return int.from_bytes(os.pread(fh.fileno(), 8, key_offset + ksize), "little") * psize + PAGE_HEADER, size
-    return key_offset + ksize, size
+    """(file offset, size) of the value of the leaf node whose key starts at ``key_offset`` (read with exact
+    preads: a buffered read would start the kernel's read-ahead)."""
+    head = os.pread(fh.fileno(), NODE_HEADER.size, key_offset - NODE_HEADER.size)
+    lo, hi, flags, ksize = NODE_HEADER.unpack(head.ljust(NODE_HEADER.size, b"\0"))
+    nbytes = lo | hi << 16
+    if flags & BIGDATA:
+        pgno = int.from_bytes(os.pread(fh.fileno(), 8, key_offset + ksize).ljust(8, b"\0"), "little")
+        return pgno * psize + PAGE_HEADER, nbytes
+    return key_offset + ksize, nbytes
 
 
 def _address(buf) -> int:
     return np.frombuffer(buf, dtype=np.uint8).ctypes.data
-
-
-def _file_offsets(addresses: list[int], ino: int) -> list[int] | None:
-    """Each address's offset in the file with inode ``ino`` mapped there (Linux /proc/self/maps); None where
-    not found."""
-    found: list[int | None] = [None] * len(addresses)
-    try:
-        with open("/proc/self/maps") as fh:
-            for line in fh:
-                fields = line.split()
-                if len(fields) < 6 or fields[4] != str(ino):
-                    continue
-                lo, hi = (int(x, 16) for x in fields[0].split("-"))
-                for j, a in enumerate(addresses):
-                    if lo <= a < hi:
-                        found[j] = int(fields[2], 16) + a - lo
-    except (OSError, ValueError):
-        return None
-    return None if None in found else found  # type: ignore[return-value]
 
 
 class MappedValues:

@@ -11,6 +11,7 @@ runs of neighbouring samples read together.
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -139,12 +140,16 @@ class PackedDataset(FolderSurface):
         across shards, or out of range, is left out)."""
         out = []
         for hint in ahead:
-            if not 0 <= hint.first < hint.stop <= len(self):
+            try:
+                first, stop = operator.index(hint.first), operator.index(hint.stop)
+            except (TypeError, AttributeError):
+                raise PackerError(f"{self.root}: a read hint must hold integer sample positions, got {hint!r}") from None
+            if not 0 <= first < stop <= len(self):
                 continue
-            shard, a = self.store.locate(hint.first)
-            if self.store.locate(hint.stop - 1)[0] != shard:
+            shard, a = self.store.locate(first)
+            if self.store.locate(stop - 1)[0] != shard:
                 continue
-            ends = [r[-1] for r in self.store.readers[shard].file_spans([a, a + hint.stop - 1 - hint.first]) if r]
+            ends = [r[-1] for r in self.store.readers[shard].file_spans([a, a + stop - 1 - first]) if r]
             if len(ends) == 2 and ends[0][0] == ends[1][0]:  # the payload's range is the last of a sample's
                 out.append((ends[0][0], min(ends[0][1], ends[1][1]), max(ends[0][2], ends[1][2])))
         return out

@@ -56,6 +56,7 @@ class Pending:
     _offset: int = 0  # bytes of span _done read up to here
     _cond: threading.Condition = field(default_factory=threading.Condition)
     _over: bool = False
+    cancelled: bool = False  # nobody will wait for these bytes any more: the reader stops at its next piece
 
     def wait(self, k: int, timeout: float = 60.0) -> None:
         span, end = self.need[k]
@@ -71,6 +72,10 @@ class Pending:
     def done(self) -> bool:
         with self._cond:
             return self._over
+
+    def cancel(self) -> None:
+        """Stop reading what is still queued (a loader that stopped early): later jobs need not wait behind it."""
+        self.cancelled = True
 
     def _advance(self, span: int, offset: int) -> None:
         with self._cond:
@@ -129,16 +134,9 @@ class _Reader:
         while True:
             job = self.jobs.get()
             try:
-                for k, (path, start, end) in enumerate(job.spans):
-                    offset, stop, exact = job.reads[k] if job.reads else (start, end, False)
-                    while offset < stop:
-                        got = (_piece(exact_fds, path, offset, stop, view[:request_bytes(path)], True) if exact
-                               else _piece(fds, path, offset, stop, view[:PIECE], False))
-                        if got <= 0:
-                            break  # past the end or unreadable: the caller's own read will say so
-                        offset += got
-                        job._advance(k, offset)
-                    job._advance(k + 1, 0)
+                _read_job(job, fds, exact_fds, view)
+            except Exception:  # noqa: BLE001 - the caller's own read reports any problem; this thread must live on
+                pass
             finally:
                 job._finish()
             if self.jobs.empty():  # idle: hold no files open (deleted outputs free their space)
@@ -146,6 +144,20 @@ class _Reader:
                     for fd in table.values():
                         os.close(fd)
                     table.clear()
+
+
+def _read_job(job: Pending, fds: dict[str, int], exact_fds: dict[str, int], view: memoryview) -> None:
+    """Read a job's spans in order, telling waiters how far each has come; stop early once it is cancelled."""
+    for k, (path, start, end) in enumerate(job.spans):
+        offset, stop, exact = job.reads[k] if job.reads else (start, end, False)
+        piece = view[:request_bytes(path)] if exact else view[:PIECE]
+        while offset < stop and not job.cancelled:
+            got = _piece(exact_fds if exact else fds, path, offset, stop, piece, exact)
+            if got <= 0:
+                break  # past the end or unreadable: the caller's own read will say so
+            offset += got
+            job._advance(k, offset)
+        job._advance(k + 1, 0)
 
 
 def _piece(fds: dict[str, int], path: str, offset: int, end: int, view: memoryview, exact: bool) -> int:
@@ -212,7 +224,10 @@ def _fd(fds: dict[str, int], path: str, exact: bool) -> int | None:
         except OSError:
             return None
         if exact and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            except OSError:
+                pass  # read with the kernel's read-ahead, as any other span
     return fd
 
 
@@ -223,8 +238,8 @@ _LOCK = threading.Lock()
 def _reader() -> _Reader:
     global _READER
     with _LOCK:
-        if _READER is None or _READER.pid != os.getpid():
-            _READER = _Reader()  # first use in this process (a forked worker inherits no thread)
+        if _READER is None or _READER.pid != os.getpid() or not _READER.thread.is_alive():
+            _READER = _Reader()  # first use in this process (a forked worker inherits no thread), or after a crash
         return _READER
 
 

@@ -33,6 +33,7 @@ from packer.errors import PackerError
 from packer.read.collate import collate as packer_collate
 from packer.read.hints import aheads_of
 from packer.read.loaders import map_tensors, prefetched
+from packer.read.readahead import Pending
 from packer.read.resume import Stateful
 from packer.read.staged import StagedDataset, pixels_in_slot
 
@@ -141,22 +142,28 @@ def _reads_queued(ds: StagedDataset, drawn: Iterator[tuple[Sequence[int], Any]]
     order, decoding replaced by a sleep at the decode limit: ~1,300 img/s, ~1,050 reading each batch when
     its turn came; docs/results.md)."""
     queued: deque = deque()
-    while True:
-        try:
-            indices, state = next(drawn)
-            idx = ds.positions(list(indices))
-            queued.append((idx, ds.start_reads(idx, aheads_of(indices)), state))
-        except StopIteration:
-            break
-        except Exception as exc:  # noqa: BLE001 - raised in its turn, below
-            queued.append(exc)
-            break
-        if len(queued) > READ_AHEAD_BATCHES:
-            yield queued.popleft()
-    for entry in queued:
-        if isinstance(entry, Exception):
-            raise entry
-        yield entry
+    try:
+        while True:
+            try:
+                indices, state = next(drawn)
+                idx = ds.positions(list(indices))
+                queued.append((idx, ds.start_reads(idx, aheads_of(indices)), state))
+            except StopIteration:
+                break
+            except Exception as exc:  # noqa: BLE001 - raised in its turn, below
+                queued.append(exc)
+                break
+            if len(queued) > READ_AHEAD_BATCHES:
+                yield queued.popleft()
+        while queued:
+            entry = queued.popleft()
+            if isinstance(entry, Exception):
+                raise entry
+            yield entry
+    finally:  # stopped early: the reads nobody will use no longer hold up the next iteration's
+        for entry in queued:
+            if isinstance(entry, tuple) and isinstance(entry[1], Pending):
+                entry[1].cancel()
 
 
 class ThreadLoader:

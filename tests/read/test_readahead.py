@@ -401,3 +401,28 @@ def test_a_hinted_block_widens_reads_inside_it_only(tmp_path, monkeypatch):
     assert job.reads == [(max(block[0], a - a % 4096), min(block[1], -(-b // 4096) * 4096), True)]
     assert job.reads[0][:2] != (a, b)  # widened: the sample does not happen to lie on the grid
     assert ds.read_ahead([20]).reads == [(a, b, False)]
+
+
+def test_the_reader_thread_outlives_an_error_in_one_job(tmp_path, monkeypatch):
+    """An error inside the read-ahead thread (here fadvise refused) neither ends it nor hangs a later batch."""
+    f = tmp_path / "data"
+    f.write_bytes(bytes(1 << 20))
+    monkeypatch.setattr(readahead, "_READER", None)  # a thread of this test's own (the original comes back after)
+    real = os.posix_fadvise
+    calls = []
+
+    def failing_once(*args):  # e.g. EINVAL/ESPIPE from a filesystem that refuses the advice
+        calls.append(args)
+        if len(calls) == 1:
+            raise OSError(22, "Invalid argument")
+        return real(*args)
+
+    monkeypatch.setattr(os, "posix_fadvise", failing_once)
+    span = [[(str(f), 4096, 8192)]]
+    first = readahead.start(span, within=[(str(f), 0, 1 << 20)])  # inside a block: read exactly (fadvise)
+    first.wait(0, timeout=5)
+    assert first.done()
+    second = readahead.start([[(str(f), 65536, 69632)]])
+    second.wait(0, timeout=5)
+    alive = readahead._READER is not None and readahead._READER.thread.is_alive()
+    assert second.done() and alive, f"second job done={second.done()}, reader thread alive={alive}"

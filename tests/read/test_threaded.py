@@ -251,3 +251,19 @@ def test_samples_with_fields_are_collated_as_the_dataloader_does(tmp_path, field
                 assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
             else:
                 assert torch.equal(a, b)
+
+
+def test_breaking_out_cancels_the_reads_queued_ahead(packed, monkeypatch):
+    """Reads queued for batches nobody will take are cancelled, so the next iteration's reads do not wait behind."""
+    from packer.read import readahead, threaded
+
+    cancelled = []
+    real = readahead.Pending.cancel
+    monkeypatch.setattr(readahead.Pending, "cancel", lambda self: (cancelled.append(self), real(self)))
+    ds = open_dataset(packed["memmap"], image="tensor")
+    loader = ThreadLoader(ds, batch_size=2, num_threads=2)
+    for _ in loader:
+        break
+    loader.close()
+    assert len(cancelled) == threaded.READ_AHEAD_BATCHES and all(p.cancelled for p in cancelled)
+    assert loader_threads() == []

@@ -1,0 +1,73 @@
+"""Crafted LMDB files against values read as views: a PackerError in one line, never SIGBUS.
+
+Each read runs in a child process: a SIGBUS there is a failed test, not a dead test run.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import lmdb
+import pytest
+from support.fuzzing import _rewrite_checksums
+from support.imagesets import make_imagefolder
+
+from packer import convert
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory):
+    """An LMDB dataset of 8 values of ~40 KB (overflow pages, as photos are): one shard."""
+    root = tmp_path_factory.mktemp("lmdbattack")
+    src = make_imagefolder(root / "src", classes=2, per_class=4, size=(24, 32))
+    for k, jpg in enumerate(sorted(src.rglob("*.jpg"))):
+        jpg.write_bytes(jpg.read_bytes() + bytes([k % 251]) * 40_000)  # bytes after the JPEG's end are ignored
+    return convert(src, root / "base", to="lmdb", workers=0, progress=False).output
+
+
+def overflow_past_the_end(base: Path, out: Path, pos: int) -> Path:
+    """A copy whose sample ``pos`` (a BIGDATA node) names the file's last page as its first overflow page: a
+    valid page number, but the value's ~40 KB run past the end of the file (LMDB maps beyond it)."""
+    shutil.copytree(base, out)
+    shard = out / "shard-00000.lmdb"
+    env = lmdb.open(str(shard), subdir=False, readonly=True, lock=False)
+    last = env.info()["last_pgno"]
+    env.close()
+    data = bytearray(shard.read_bytes())
+    k = bytes(data).index(b"%010d" % pos)
+    _lo, _hi, flags, ksize = struct.unpack_from("<HHHH", data, k - 8)
+    assert flags & 1, "the value is not in overflow pages"
+    struct.pack_into("<Q", data, k + ksize, last)
+    shard.write_bytes(bytes(data))
+    _rewrite_checksums(out)
+    return out
+
+
+def read_in_child(path: Path, pos: int, prelude: str = "") -> subprocess.CompletedProcess:
+    code = (f"{prelude}\nfrom packer import PackerError, open_dataset\n"
+            f"try:\n    open_dataset({str(path)!r}).payloads_at([{pos}])\nexcept PackerError as e:\n    print(e)\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_an_overflow_value_past_the_end_is_refused_without_touching_it(big, tmp_path):
+    """A checked sample whose overflow page runs past the end of the file: the spans check decodes its leaf node
+    and refuses the shard in one line, without /proc (opening /proc/self/maps fails in the child) and without
+    touching the value (py-lmdb would fault on it: SIGBUS, rc -7)."""
+    path = overflow_past_the_end(big, tmp_path / "ds", pos=7)
+    no_proc = ("import builtins; _open = builtins.open\n"
+               "def guarded(f, *a, **k):\n"
+               "    if str(f).startswith('/proc'): raise OSError('no /proc here')\n"
+               "    return _open(f, *a, **k)\n"
+               "builtins.open = guarded")
+    for prelude in ("", no_proc):
+        got = read_in_child(path, 0, prelude)
+        assert got.returncode == 0 and "spans disagree" in got.stdout and "shard-00000" in got.stdout, (
+            got.returncode, got.stdout, got.stderr[-300:])
