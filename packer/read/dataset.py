@@ -143,7 +143,7 @@ class PackedDataset(FolderSurface):
             try:
                 first, stop = operator.index(hint.first), operator.index(hint.stop)
             except (TypeError, AttributeError):
-                raise PackerError(f"{self.root}: a read hint must hold integer sample positions, got {hint!r}") from None
+                raise PackerError(f"{self.root}: a read hint must hold integer positions, got {hint!r}") from None
             if not 0 <= first < stop <= len(self):
                 continue
             shard, a = self.store.locate(first)
