@@ -242,20 +242,6 @@ def copy_runs(source, positions: list[int], out: np.ndarray) -> None:
         k += stop - start
 
 
-def mapping_base(path: str) -> int | None:
-    """Start address of this process's memory mapping of ``path`` (Linux /proc), else None."""
-    try:
-        with open("/proc/self/maps") as fh:
-            for line in fh:
-                if line.rstrip("\n").endswith(" " + path):
-                    fields = line.split()
-                    if fields[2] == "00000000":  # the mapping that starts at file offset 0
-                        return int(fields[0].split("-")[0], 16)
-    except OSError:
-        pass
-    return None
-
-
 def shard_layout(facts: dict, where: object) -> tuple[int, int, int] | None:
     """The shard's (H, W, 3) from its manifest facts for the ``fixed`` layout, None for ``blob``."""
     layout = facts.get("layout")

@@ -18,10 +18,11 @@ same samples in the same order give the same file, byte for byte (LMDB's page al
 deterministic and ``meminit`` zeroes unused bytes).
 
 Readers open with ``readonly=True, lock=False`` (safe on read-only and network filesystems:
-nothing is written, not even a lock file). Where the spans file exists, payloads are zero-copy
-read-only views of the reader's own read-only map of the file (``lmdb_values``: the spans are
-checked against the B-tree first), else py-lmdb's copies. ``readahead`` decides whether the kernel reads
-ahead around each page fault: on for sequential and block-shuffled passes (measured here a
+nothing is written, not even a lock file). Payloads are zero-copy read-only views of the reader's
+own read-only map of the file (``lmdb_values``), where the spans file says they lie (checked against
+the B-tree first) or, for shards written without one, where one walk of the B-tree's leaf pages finds
+them; py-lmdb's own map serves only those checks. ``access`` decides whether the kernel reads
+ahead around each page fault of that map: on for sequential and block-shuffled passes (measured here a
 cold sequential pass is ~26x faster with it: docs/results.md), off for uniform random access on datasets
 larger than RAM, where read-ahead only evicts useful pages.
 """
@@ -43,12 +44,10 @@ from packer.formats.base import (
     ShardWriter,
     check_addition,
     check_size,
-    contiguous_runs,
     fixed_shape,
-    mapping_base,
     shard_layout,
 )
-from packer.formats.lmdb_values import MappedValues, check_against_btree, key, load_spans
+from packer.formats.lmdb_values import MappedValues, check_against_btree, key, load_spans, spans_from_btree
 from packer.layout.manifest import Shard
 from packer.pagecache import PageCache
 from packer.perprocess import PerProcess
@@ -121,24 +120,11 @@ def spans_name(shard_file: str) -> str:
 
 
 def value_spans(path: Path, count: int) -> np.ndarray:
-    """[count, 3] int64: each sample's leaf page offset and value start/end in the file, found by one
-    cursor walk of the just-written file (in the page cache). Read-ahead needs them without
-    touching the file: LMDB reads a value's first page just to return its address."""
-    env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, readahead=True, meminit=False, max_dbs=0)
+    """[count, 3] int64: each sample's leaf page offset and value start/end in the file, found by one walk of
+    the just-written file's leaf pages (``lmdb_values.spans_from_btree``): readers map values with them."""
+    env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, readahead=False, meminit=False, max_dbs=0)
     try:
-        base = mapping_base(str(path.resolve()))
-        psize = env.stat()["psize"]
-        out = np.zeros((count, 3), dtype=np.int64)
-        if base is None:
-            return out[:0]  # no /proc: readers fall back to looking values up
-        with env.begin(buffers=True) as txn, txn.cursor() as cur:
-            for i, (k, v) in enumerate(cur):
-                if i >= count:
-                    break
-                kaddr = np.frombuffer(k, np.uint8).ctypes.data - base
-                vaddr = np.frombuffer(v, np.uint8).ctypes.data - base
-                out[i] = (kaddr // psize * psize, vaddr, vaddr + len(v))
-        return out
+        return spans_from_btree(env, path, count)
     finally:
         env.close()
 
@@ -155,7 +141,7 @@ def _close_inherited(envs: dict[tuple, list]) -> None:
 _ENVS: PerProcess[dict[tuple, list]] = PerProcess(dict, inherited=_close_inherited)
 
 
-def _shared_env(path: Path, readahead: bool) -> tuple[lmdb.Environment, tuple]:
+def _shared_env(path: Path) -> tuple[lmdb.Environment, tuple]:
     """The process's environment for the file now at ``path`` (keyed by inode: a replaced file is a new one)."""
     for attempt in range(3):
         try:
@@ -168,7 +154,7 @@ def _shared_env(path: Path, readahead: bool) -> tuple[lmdb.Environment, tuple]:
         if entry is None:
             try:
                 env = lmdb.open(
-                    str(path), subdir=False, readonly=True, lock=False, readahead=readahead,
+                    str(path), subdir=False, readonly=True, lock=False, readahead=False,
                     meminit=False, max_readers=2048, max_dbs=0,
                 )
             except lmdb.InvalidError as exc:
@@ -200,20 +186,20 @@ def _release_env(ident: tuple) -> None:
 class _Handle:
     """What a reader holds open in one process."""
 
-    env: lmdb.Environment | None  # py-lmdb's, where values come through it (None: released once checked)
     fd: int  # our own descriptor of the file, for the size checks
     psize: int
-    spans: np.ndarray | None  # [N, 3] leaf page, value start, value end; None: no spans file
-    values: MappedValues | None  # the values as views of our map (where spans exist)
+    spans: np.ndarray  # [N, 3] leaf page, value start, value end
+    values: MappedValues  # the values as views of our map
 
 
 class Reader(ShardReader):
     """Reads one shard; opens lazily in each process.
 
-    With the shard's spans file (every dataset written since it exists) values are zero-copy read-only
-    views of the reader's own map of the file (``lmdb_values``); without it, py-lmdb's copies. Either way
-    the mapped file is seen to have the manifest's size before each read (``base.check_size``): a page past
-    the end of a file truncated in place would kill the process with SIGBUS.
+    Values are zero-copy read-only views of the reader's own map of the file (``lmdb_values``), where the
+    shard's spans file says they lie (checked against the B-tree on open), or where one walk of the B-tree's
+    leaf pages finds them for a shard written without one. The mapped file is seen to have the manifest's
+    size before each read (``base.check_size``): a page past the end of a file truncated in place would kill
+    the process with SIGBUS, and no value is handed out that lies past the end.
     """
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
@@ -230,8 +216,8 @@ class Reader(ShardReader):
         self._cache: PerProcess[PageCache] = PerProcess(inherited=PageCache.close)
 
     def _open(self) -> _Handle:
-        # With spans, py-lmdb's map only serves the checks on open (a few leaf pages): no read-ahead around them
-        env, self._ident = _shared_env(self.path, self.readahead and self.spans_path is None)
+        # py-lmdb's map only serves the checks on open (leaf pages): no read-ahead around them
+        env, self._ident = _shared_env(self.path)
         fd = -1
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -263,16 +249,15 @@ class Reader(ShardReader):
         if stat["entries"] != self.num_samples:
             raise PackerError(f"{self.path}: holds {stat['entries']} samples, the manifest says {self.num_samples}")
         psize = int(stat["psize"])
-        if self.spans_path is None:
-            return _Handle(env, fd, psize, None, None)
-        spans = load_spans(self.spans_path, self.num_samples, st.st_size, psize)
-        if spans is None:
-            return _Handle(env, fd, psize, None, None)
         check_size(fd, self.num_bytes, self.path)  # mapped at the manifest's size, or not at all
-        check_against_btree(env, spans, self.path, self.spans_path)
+        spans = None if self.spans_path is None else load_spans(self.spans_path, self.num_samples, st.st_size, psize)
+        if spans is not None and self.spans_path is not None:
+            check_against_btree(env, spans, self.path, self.spans_path)
+        else:  # written before spans files existed (or where /proc was missing)
+            spans = spans_from_btree(env, self.path, self.num_samples)
         values = MappedValues(fd, self.path, spans, random=not self.readahead)
         _release_env(self._ident)  # py-lmdb's map of the whole file is no longer needed: only ours stays
-        return _Handle(None, fd, psize, spans, values)
+        return _Handle(fd, psize, spans, values)
 
     def _get(self) -> _Handle:
         """What this process holds open, the file seen to have the manifest's size (a map would fault on a
@@ -284,87 +269,32 @@ class Reader(ShardReader):
     def __len__(self) -> int:
         return self.num_samples
 
-    def read(self, pos: int) -> bytes | memoryview:
-        """A read-only view of the value in the file (py-lmdb's copy where the shard has no spans)."""
-        h = self._get()
-        if h.values is not None:
-            return h.values.read(pos)
-        assert h.env is not None  # kept wherever values are not mapped
-        try:
-            with h.env.begin() as txn:
-                value = txn.get(key(pos))
-        except lmdb.Error as exc:
-            raise PackerError(f"{self.path}: damaged LMDB shard, reading sample {pos} ({exc})") from exc
-        if value is None:
-            raise PackerError(f"{self.path}: sample {pos} is missing from the shard")
-        return value
+    def read(self, pos: int) -> memoryview:
+        """A read-only view of the value in the file."""
+        return self._get().values.read(pos)
 
-    def read_many(self, positions: list[int]) -> list[bytes] | list[memoryview]:
-        """One slice of the map per sample; without spans, runs of neighbours read with one cursor walk."""
-        h = self._get()
-        if h.values is not None:
-            return h.values.read_many(positions)
-        assert h.env is not None
-        try:
-            return self._read_runs(h.env, positions)
-        except lmdb.Error as exc:
-            raise PackerError(f"{self.path}: damaged LMDB shard ({exc})") from exc
-
-    def _read_runs(self, env: lmdb.Environment, positions: list[int]) -> list[bytes]:
-        out: list[bytes] = []
-        with env.begin() as txn, txn.cursor() as cur:
-            for start, stop in contiguous_runs(list(positions)):
-                if not cur.set_key(key(start)):
-                    raise PackerError(f"{self.path}: sample {start} is missing from the shard")
-                for pos in range(start, stop):
-                    k, v = cur.item()
-                    if k != key(pos):
-                        raise PackerError(f"{self.path}: sample {pos} is missing from the shard")
-                    out.append(v)
-                    cur.next()
-        return out
+    def read_many(self, positions: list[int]) -> list[memoryview]:
+        """One slice of the map per sample."""
+        return self._get().values.read_many(positions)
 
     def read_into(self, positions: list[int], out: np.ndarray) -> None:
         """Fixed shape only: copy the samples at ``positions`` into ``out[0:len]`` (one gather from the map)."""
         if self.fixed_shape is None:
             raise PackerError(f"{self.path}: read_into needs a fixed-shape shard")
-        h = self._get()
-        if h.values is not None:
-            h.values.read_into(list(positions), out)
-            return
-        for k, value in enumerate(self.read_many(list(positions))):
-            if len(value) != out[k].nbytes:
-                raise PackerError(f"{self.path}: sample {positions[k]} holds {len(value)} bytes, not "
-                                  f"{out[k].nbytes} (damaged dataset)")
-            out[k] = np.frombuffer(value, dtype=np.uint8).reshape(out[k].shape)
+        self._get().values.read_into(list(positions), out)
 
     def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
-        """Per position, the file spans reading it touches (see packer.read.readahead): its value, and where
-        values come through py-lmdb its leaf page too. From the shard's ``.spans.npy``, written with it;
-        datasets written before it existed get no read-ahead: looking a value up reads its first page.
-        """
-        h = self._get()
-        if h.spans is None:
-            return [[] for _ in positions]
-        path, rows = str(self.path), h.spans[np.asarray(positions, dtype=np.int64)].tolist()
-        if h.values is not None:
-            return [[(path, a, b)] for _leaf, a, b in rows]
-        return [[(path, leaf, leaf + h.psize), (path, a, b)] for leaf, a, b in rows]
+        """Per position, the file span reading it touches: its value (see packer.read.readahead)."""
+        path, rows = str(self.path), self._get().spans[np.asarray(positions, dtype=np.int64)].tolist()
+        return [[(path, a, b)] for _leaf, a, b in rows]
 
     def _page_cache(self) -> PageCache:
         return PageCache(self.path)
 
     def in_page_cache(self, positions: list[int]) -> bool:
         """From the same spans as ``file_spans``."""
-        h = self._get()
-        if h.spans is None:
-            return False
-        rows = h.spans[np.asarray(positions, dtype=np.int64)]
-        cache = self._cache.get(self._page_cache)
-        if h.values is not None:
-            return cache.resident(rows[:, 1], rows[:, 2])
-        return cache.resident(np.concatenate([rows[:, 0], rows[:, 1]]), np.concatenate([rows[:, 0] + h.psize,
-                                                                                           rows[:, 2]]))
+        rows = self._get().spans[np.asarray(positions, dtype=np.int64)]
+        return self._cache.get(self._page_cache).resident(rows[:, 1], rows[:, 2])
 
     def close(self) -> None:
         """Forget this process's handles; views handed out keep the map (not the file descriptor) alive."""
@@ -373,8 +303,6 @@ class Reader(ShardReader):
 
     def _close_handle(self, h: _Handle) -> None:
         os.close(h.fd)
-        if h.env is not None:
-            _release_env(self._ident)
 
 
 FORMAT = Format(

@@ -45,35 +45,43 @@ def load_spans(path: Path, num_samples: int, file_size: int, psize: int) -> np.n
 
 def check_against_btree(env: lmdb.Environment, spans: np.ndarray, path: Path, spans_path: Path) -> None:
     """Refuse spans that disagree with the shard: values that overlap, or a spread of samples whose leaf page
-    and value are not where LMDB's B-tree puts them in the file.
-
-    Only leaf pages are read, never a value: py-lmdb reads a whole value to hand it out (8 values of 100 KB
-    cost a cold open 190 device reads, 1.2 s, under the emulated hard disk), and a crafted overflow page
-    number may point past the end of the file (a fault, SIGBUS). So each sample's leaf node is found where
-    py-lmdb's key lies, its page's number read from the page's own header (leaf pages lie inside the file:
-    the reader checked LMDB's last page against the file's size), and the node decoded as LMDB lays it out.
-    """
+    and value are not where LMDB's B-tree puts them in the file (``_leaf_node``: leaf pages only, never a value:
+    py-lmdb reads a whole value to hand it out, 8 values of 100 KB were 190 device reads, 1.2 s, on a cold
+    open under the emulated hard disk)."""
     where = f"{spans_path}: spans disagree with the LMDB B-tree of {path.name}"
     order = np.argsort(spans[:, 1], kind="stable")
     if np.any(spans[order[1:], 1] < spans[order[:-1], 2]):
         raise PackerError(f"{where} (two values overlap)")
-    psize = int(env.stat()["psize"])
-    size = os.stat(path).st_size
-    with open(path, "rb", buffering=0) as fh, env.begin(buffers=True) as txn, txn.cursor() as cur:
+    psize, size = int(env.stat()["psize"]), os.stat(path).st_size
+    with env.begin(buffers=True) as txn, txn.cursor() as cur:
         for pos in np.unique(np.linspace(0, len(spans) - 1, min(SAMPLES_CHECKED, len(spans))).astype(int)).tolist():
             if not cur.set_key(key(pos)):
                 raise PackerError(f"{where} (sample {pos} is missing)")
+            page, at, nbytes = _leaf_node(cur.key(), psize, size, f"{where} (sample {pos}")
             start, end = int(spans[pos, 1]), int(spans[pos, 2])
-            address = _address(cur.key())
-            in_page = address % psize
-            page = int.from_bytes(ctypes.string_at(address - in_page, 8), "little") * psize  # the page header's number
-            if not 0 <= page <= size - psize:
-                raise PackerError(f"{where} (sample {pos}'s leaf page {page // psize} lies outside the file)")
-            at, nbytes = _node_value(fh, page + in_page, psize)
             if nbytes != end - start:
                 raise PackerError(f"{where} (sample {pos}: {end - start} bytes, LMDB holds {nbytes})")
             if (page, at) != (int(spans[pos, 0]), start):
                 raise PackerError(f"{where} (sample {pos} lies at byte {at}, not {start})")
+
+
+def spans_from_btree(env: lmdb.Environment, path: Path, count: int) -> np.ndarray:
+    """[count, 3] int64 (leaf page, value start, value end) of every sample, from one walk of the B-tree's leaf
+    pages (values are never touched): how the writer makes the spans file, and how a reader serves a shard
+    written without one. A value that would lie outside the file is refused in one line."""
+    psize, size = int(env.stat()["psize"]), os.stat(path).st_size
+    out = np.zeros((count, 3), dtype=np.int64)
+    with env.begin(buffers=True) as txn, txn.cursor() as cur:
+        found = cur.first()
+        for pos in range(count):
+            if not found or bytes(cur.key()) != key(pos):
+                raise PackerError(f"{path}: damaged LMDB shard: sample {pos} is missing")
+            page, start, nbytes = _leaf_node(cur.key(), psize, size, f"{path}: damaged LMDB shard (sample {pos}")
+            if start + nbytes > size:
+                raise PackerError(f"{path}: damaged LMDB shard (sample {pos}'s value runs past the end of the file)")
+            out[pos] = (page, start, start + nbytes)
+            found = cur.next()
+    return out
 
 
 NODE_HEADER = struct.Struct("<HHHH")  # LMDB's MDB_node: data size (low, high 16 bits), flags, key size
@@ -81,16 +89,24 @@ BIGDATA = 0x01  # F_BIGDATA: the value lies in overflow pages, the node holds th
 PAGE_HEADER = 16  # an overflow page's header (page number, padding, flags, overflow count)
 
 
-def _node_value(fh, key_offset: int, psize: int) -> tuple[int, int]:
-    """(file offset, size) of the value of the leaf node whose key starts at ``key_offset`` (read with exact
-    preads: a buffered read would start the kernel's read-ahead)."""
-    head = os.pread(fh.fileno(), NODE_HEADER.size, key_offset - NODE_HEADER.size)
-    lo, hi, flags, ksize = NODE_HEADER.unpack(head.ljust(NODE_HEADER.size, b"\0"))
+def _leaf_node(key_buffer, psize: int, file_size: int, where: str) -> tuple[int, int, int]:
+    """(leaf page offset, value offset, value size) in the file of the leaf node holding ``key_buffer`` (py-lmdb's
+    zero-copy key, inside its map of the file), decoded as LMDB lays a node out.
+
+    The page's own header gives its number, hence its place in the file (leaf pages lie inside the file: the
+    reader checked LMDB's last page against the file's size), and only bytes of that page are read: the node's
+    header before the key, an overflow page number after it."""
+    address = _address(key_buffer)
+    in_page = address % psize
+    page = int.from_bytes(ctypes.string_at(address - in_page, 8), "little") * psize
+    lo, hi, flags, ksize = NODE_HEADER.unpack(ctypes.string_at(address - NODE_HEADER.size, NODE_HEADER.size))
     nbytes = lo | hi << 16
+    inline = 8 if flags & BIGDATA else nbytes  # bytes after the key, in this page
+    if not 0 <= page <= file_size - psize or ksize != len(key_buffer) or in_page + ksize + inline > psize:
+        raise PackerError(f"{where}'s leaf node is not LMDB's)")
     if flags & BIGDATA:
-        pgno = int.from_bytes(os.pread(fh.fileno(), 8, key_offset + ksize).ljust(8, b"\0"), "little")
-        return pgno * psize + PAGE_HEADER, nbytes
-    return key_offset + ksize, nbytes
+        return page, int.from_bytes(ctypes.string_at(address + ksize, 8), "little") * psize + PAGE_HEADER, nbytes
+    return page, page + in_page + ksize, nbytes
 
 
 def _address(buf) -> int:

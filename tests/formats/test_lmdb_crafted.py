@@ -5,6 +5,7 @@ Each read runs in a child process: a SIGBUS there is a failed test, not a dead t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import struct
@@ -71,3 +72,22 @@ def test_an_overflow_value_past_the_end_is_refused_without_touching_it(big, tmp_
         got = read_in_child(path, 0, prelude)
         assert got.returncode == 0 and "spans disagree" in got.stdout and "shard-00000" in got.stdout, (
             got.returncode, got.stdout, got.stderr[-300:])
+
+
+def drop_spans(path: Path) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        (path / shard["files"][1]["name"]).unlink()
+        shard["files"] = shard["files"][:1]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    _rewrite_checksums(path)
+
+
+def test_a_shard_without_spans_refuses_an_overflow_value_past_the_end(big, tmp_path):
+    """Written before spans files existed: the walk of the leaf pages that finds the values refuses the one past
+    the end of the file in one line (py-lmdb, which served such shards before, faulted on it: SIGBUS)."""
+    path = overflow_past_the_end(big, tmp_path / "ds", pos=7)
+    drop_spans(path)
+    got = read_in_child(path, 0)
+    assert got.returncode == 0 and "sample 7's value runs past the end" in got.stdout, (
+        got.returncode, got.stdout, got.stderr[-300:])

@@ -133,9 +133,12 @@ def test_a_middle_sample_is_compared_with_the_btree(copy):
         read_first(path)
 
 
-def test_a_dataset_without_spans_reads_through_py_lmdb(copy):
+def test_a_dataset_without_spans_reads_views_found_by_walking_the_btree(copy):
+    """Shards written before spans files existed: one walk of the leaf pages finds the same spans."""
     path = copy("fixed")
     expected = lmdb_values(path)
+    written = [np.load(path / shard["files"][1]["name"])
+               for shard in json.loads((path / "manifest.json").read_text())["shards"]]
     manifest = json.loads((path / "manifest.json").read_text())
     for shard in manifest["shards"]:
         (path / shard["files"][1]["name"]).unlink()
@@ -144,7 +147,9 @@ def test_a_dataset_without_spans_reads_through_py_lmdb(copy):
     recompute_checksums(path)
     ds = open_dataset(path, image="tensor")
     got = ds.payloads_at(np.arange(len(ds)))
-    assert all(isinstance(p, bytes) for p in got) and got == expected
+    assert all(isinstance(p, memoryview) for p in got) and [bytes(p) for p in got] == expected
+    assert all(np.array_equal(r.file_spans(list(range(len(r))))[0][0][1:], spans[0, 1:]) and
+               np.array_equal(r._get().spans, spans) for r, spans in zip(ds.store.readers, written, strict=True))
     images, _ = ds.get_batch([3, 0, 20])
     assert np.array_equal(images.numpy(), np.stack([np.frombuffer(expected[ds.position(i)], np.uint8)
                                                     .reshape(16, 12, 3) for i in (3, 0, 20)]))

@@ -273,8 +273,9 @@ def test_lmdb_spans_file_says_where_each_value_lies(tmp_path):
         assert leaf % 4096 == 0 and (a, b) == tuple(spans[i, 1:]) and b"%010d" % i in blob[leaf:leaf + 4096]
 
 
-def test_lmdb_without_spans_file_reads_without_read_ahead(tmp_path):
-    """Datasets written before the spans file existed still read, batch path included."""
+def test_lmdb_without_spans_file_reads_with_read_ahead(tmp_path):
+    """Datasets written before the spans file existed still read, batch path included, and read ahead (the
+    spans are found by walking the B-tree's leaf pages)."""
     import json
 
     out = _lmdb(tmp_path)
@@ -282,9 +283,11 @@ def test_lmdb_without_spans_file_reads_without_read_ahead(tmp_path):
     m = json.loads((out / "manifest.json").read_text())
     m["shards"][0]["files"] = m["shards"][0]["files"][:1]
     (out / "manifest.json").write_text(json.dumps(m))
-    (out / "shard-00000.spans.npy").unlink()
+    (out / "shard-00000.spans.npy").rename(tmp_path / "spans.npy")
+    spans = np.load(tmp_path / "spans.npy")
     ds = open_dataset(out)
-    assert ds.store.readers[0].file_spans([0, 5]) == [[], []]
+    assert ds.store.readers[0].file_spans([0, 5]) == [[(str(out / "shard-00000.lmdb"), *spans[p, 1:].tolist())]
+                                                      for p in (0, 5)]
     assert [bytes(p) for p in ds.read_payloads(list(range(29, -1, -1)))] == expected[::-1]
 
 
