@@ -139,8 +139,7 @@ def _reads_queued(ds: StagedDataset, drawn: Iterator[tuple[Sequence[int], Any]]
     comes, after the batches before it, as a DataLoader would.
 
     Knowing the next batches, the device reads what is decoded next, in that order (emulated hard disk, block
-    order, decoding replaced by a sleep at the decode limit: ~1,300 img/s, ~1,050 reading each batch when
-    its turn came; docs/results.md)."""
+    order: docs/results.md, "Reads in the order decoding needs them")."""
     queued: deque = deque()
     try:
         while True:
