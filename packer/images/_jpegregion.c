@@ -1,16 +1,17 @@
 /* Region decode of a JPEG through libjpeg's API (libjpeg-turbo >= 1.5): decode only the rows and columns a
  * crop needs, at a DCT scale, straight into a caller's RGB buffer. Used by packer.images.jpegregion.
  *
- * decode_region(data, denom, top, left, out, strict, max_pixels) -> bool
+ * decode_region(data, denom, top, left, out, strict, max_pixels, whole=False) -> bool
  *   data: the JPEG bytes (any buffer); denom: 1, 2, 4 or 8 (the DCT scale 1/denom); top, left: the region's
  *   corner on the 1/denom grid; out: a writable C-contiguous uint8 buffer of shape (h, w, 3): the region's
- *   size. Returns False (nothing written) for CMYK/YCCK JPEGs, which the caller decodes another way.
+ *   size; whole: out must be the whole image at 1/denom (top, left 0). Returns False (nothing written) for
+ *   CMYK/YCCK JPEGs, which the caller decodes another way, and (whole) when out is not the image's size.
  *   Raises ValueError for corrupt data (and, when strict, for libjpeg's warnings such as truncated data),
  *   for an image above max_pixels (0: no limit) and for a region outside the scaled image.
  *
  * Columns: jpeg_crop_scanline (widened to iMCU boundaries by libjpeg, and by one pixel each side here so
  * that fancy upsampling sees the same neighbours as a full decode). Rows: jpeg_skip_scanlines above, stop
- * after the last one needed. libjpeg's error_exit longjmps back here, never exits the process. The GIL is
+ * after the last one needed. Rows as wide as the region (a whole image) are decoded straight into out. libjpeg's error_exit longjmps back here, never exits the process. The GIL is
  * released while libjpeg runs.
  */
 #define PY_SSIZE_T_CLEAN
@@ -48,10 +49,11 @@ static void on_message(j_common_ptr cinfo, int level) {
 
 static void on_output(j_common_ptr cinfo) { (void)cinfo; } /* never print to stderr */
 
-/* The decode itself, without the GIL. Returns 1 done, 0 unsupported colour space, -1 error (message set). */
+/* The decode itself, without the GIL. Returns 1 done, 0 unsupported colour space or (whole) not the image's
+ * size, -1 error (message set). */
 static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION top, JDIMENSION left,
                   JDIMENSION height, JDIMENSION width, unsigned char *out, int strict, unsigned long long max_pixels,
-                  char *message) {
+                  int whole, char *message) {
     struct jpeg_decompress_struct cinfo;
     struct region_error err;
     unsigned char *volatile row = NULL;
@@ -87,6 +89,10 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
     cinfo.scale_num = 1;
     cinfo.scale_denom = (unsigned int)denom;
     jpeg_calc_output_dimensions(&cinfo);
+    if (whole && (top != 0 || left != 0 || height != cinfo.output_height || width != cinfo.output_width)) {
+        jpeg_destroy_decompress(&cinfo);
+        return 0;
+    }
     if (height == 0 || width == 0 || top >= cinfo.output_height || height > cinfo.output_height - top ||
         left >= cinfo.output_width || width > cinfo.output_width - left) {
         snprintf(message, JMSG_LENGTH_MAX, "region %ux%u at (%u, %u) outside the %ux%u image at 1/%d",
@@ -112,14 +118,33 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
             snprintf(message, JMSG_LENGTH_MAX, "could not skip %u rows", top);
             goto done;
         }
-        for (y = 0; y < height; y++) {
-            JSAMPROW rows[1] = {row};
-            if (jpeg_read_scanlines(&cinfo, rows, 1) != 1) {
-                snprintf(message, JMSG_LENGTH_MAX, "no row %u", top + y);
-                goto done;
+        if (xoffset == left && cinfo.output_width == width) {
+            /* the rows decoded are the region's own (e.g. the whole image): straight into out, no copy */
+            JSAMPROW rows[8];
+            for (y = 0; y < height;) {
+                JDIMENSION n = height - y, k, got;
+                if (n > (JDIMENSION)cinfo.rec_outbuf_height) n = (JDIMENSION)cinfo.rec_outbuf_height;
+                if (n > 8) n = 8;
+                for (k = 0; k < n; k++) rows[k] = out + (size_t)(y + k) * width * 3;
+                got = jpeg_read_scanlines(&cinfo, rows, n);
+                if (got == 0) {
+                    snprintf(message, JMSG_LENGTH_MAX, "no row %u", top + y);
+                    goto done;
+                }
+                y += got;
             }
-            memcpy(out + (size_t)y * width * 3, row + (size_t)(left - xoffset) * 3, (size_t)width * 3);
+        } else {
+            for (y = 0; y < height; y++) {
+                JSAMPROW rows[1] = {row};
+                if (jpeg_read_scanlines(&cinfo, rows, 1) != 1) {
+                    snprintf(message, JMSG_LENGTH_MAX, "no row %u", top + y);
+                    goto done;
+                }
+                memcpy(out + (size_t)y * width * 3, row + (size_t)(left - xoffset) * 3, (size_t)width * 3);
+            }
         }
+        if (strict && top + height == cinfo.output_height)
+            jpeg_finish_decompress(&cinfo); /* reads to the end: warnings there (e.g. truncated data) count */
         if (strict && cinfo.err->num_warnings > 0) {
             snprintf(message, JMSG_LENGTH_MAX, "corrupt JPEG data");
             goto done;
@@ -135,7 +160,7 @@ done:
 static PyObject *decode_region(PyObject *self, PyObject *args) {
     Py_buffer data, out;
     PyObject *out_obj;
-    int denom, strict;
+    int denom, strict, whole = 0;
     unsigned int top, left;
     unsigned long long max_pixels;
     Py_ssize_t height, width;
@@ -143,7 +168,8 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
     int result;
     (void)self;
 
-    if (!PyArg_ParseTuple(args, "y*iIIOpK", &data, &denom, &top, &left, &out_obj, &strict, &max_pixels))
+    if (!PyArg_ParseTuple(args, "y*iIIOpK|p", &data, &denom, &top, &left, &out_obj, &strict, &max_pixels,
+                          &whole))
         return NULL;
     if (PyObject_GetBuffer(out_obj, &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         PyBuffer_Release(&data);
@@ -166,7 +192,7 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
     message[0] = '\0';
     Py_BEGIN_ALLOW_THREADS
     result = decode((const unsigned char *)data.buf, (size_t)data.len, denom, top, left, (JDIMENSION)height,
-                    (JDIMENSION)width, (unsigned char *)out.buf, strict, max_pixels, message);
+                    (JDIMENSION)width, (unsigned char *)out.buf, strict, max_pixels, whole, message);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&data);
     PyBuffer_Release(&out);
@@ -183,7 +209,8 @@ fail:
 
 static PyMethodDef methods[] = {
     {"decode_region", decode_region, METH_VARARGS,
-     "decode_region(data, denom, top, left, out, strict, max_pixels) -> bool: decode a JPEG region into out."},
+     "decode_region(data, denom, top, left, out, strict, max_pixels, whole=False) -> bool: decode a JPEG region "
+     "into out."},
     {NULL, NULL, 0, NULL},
 };
 

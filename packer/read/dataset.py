@@ -26,7 +26,7 @@ from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import Format
 from packer.images.crop import CropDecode, check_crop
-from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
+from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode, decode_into
 from packer.images.headers import check_size, image_size
 from packer.layout.manifest import read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
@@ -215,6 +215,10 @@ class PackedDataset(FolderSurface):
         decoder allocate an image far larger than the one that was packed; the decoder then
         refuses any image above the pixel limit (``packer.images.decode.check_pixels``), whatever the index says.
         """
+        if self.crop is None and self.decode_size is None and out is not None:
+            with _sample_errors(self, i):  # checks the header's size against out's, the index's, first
+                if decode_into(buf, self.decoder, strict, out) is not None:
+                    return out
         self.check_header(i, buf)
         with _sample_errors(self, i):
             if self.crop is not None:  # its random crop is drawn per (seed, epoch, ImageFolder index)

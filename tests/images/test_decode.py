@@ -10,17 +10,19 @@ import io
 import json
 import os
 import struct
+import warnings
 import zlib
 
 import numpy as np
 import pytest
 from PIL import Image
+from support.imagesets import jpeg_bytes
 
 import packer.images.decode as dec
 from packer import convert, open_dataset
 from packer.cli import main as cli_main
 from packer.errors import PackerError
-from packer.images.decode import DecodeError, decode, decode_pil, scale_denominator, scaled_shape, sniff
+from packer.images.decode import DecodeError, decode, decode_into, decode_pil, scale_denominator, scaled_shape, sniff
 from packer.perprocess import PerProcess
 from packer.tools.sample import photo_like
 
@@ -401,7 +403,8 @@ def test_decode_into_a_given_array(fmt, mode):
 
 
 def test_libjpeg_turbo_writes_into_out_itself(turbojpeg, monkeypatch):
-    """No copy for JPEGs: libjpeg-turbo is handed ``out`` as its destination."""
+    """No copy for JPEGs: without the compiled extension, PyTurboJPEG is handed ``out`` as its destination."""
+    monkeypatch.setattr(dec, "_native", None)
     buf = io.BytesIO()
     photo_like(np.random.default_rng(4), 21, 34, 2).save(buf, format="JPEG")
     given = []
@@ -415,3 +418,69 @@ def test_libjpeg_turbo_writes_into_out_itself(turbojpeg, monkeypatch):
     out = np.zeros((21, 34, 3), dtype=np.uint8)
     assert decode(buf.getvalue(), out=out) is out
     assert len(given) == 1 and given[0] is out
+
+
+JPEG_KINDS = {"420": {"subsampling": 2}, "422": {"subsampling": 1}, "444": {"subsampling": 0},
+              "progressive": {"progressive": True}, "restart-markers": {"restart_marker_blocks": 3}}
+
+
+@pytest.mark.parametrize("kind", sorted(JPEG_KINDS) + ["grayscale"])
+@pytest.mark.parametrize("shape", [(375, 500), (61, 97), (1, 1)])
+def test_whole_decode_into_out_is_pillows_pixels(jpegregion, turbojpeg, monkeypatch, kind, shape):
+    """The compiled extension decodes whole JPEGs into ``out`` without PyTurboJPEG (a spy sees no call): the
+    pixels are Pillow's and PyTurboJPEG's, for every JPEG kind."""
+    img = photo_like(np.random.default_rng(len(kind) + shape[0]), *shape, 3)
+    buf = io.BytesIO()
+    (img.convert("L") if kind == "grayscale" else img).save(buf, format="JPEG", quality=90, **JPEG_KINDS.get(kind, {}))
+    data = buf.getvalue()
+    want = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    assert np.array_equal(decode(data), want)  # PyTurboJPEG into a new array
+    calls = []
+    monkeypatch.setattr(turbojpeg, "decode", lambda *a, **k: calls.append(1))
+    out = np.zeros((*shape, 3), np.uint8)
+    assert decode_into(data, "auto", True, out) is out and np.array_equal(out, want)
+    out[:] = 0
+    assert decode(data, out=out) is out and np.array_equal(out, want) and not calls
+
+
+def test_whole_decode_into_leaves_what_it_cannot_to_the_other_paths(jpegregion, turbojpeg):
+    rng = np.random.default_rng(9)
+    data = jpeg_bytes(rng, 40, 60)
+    want = decode(data)
+    assert decode_into(data, "pil", True, np.zeros((40, 60, 3), np.uint8)) is None  # the backend asked for
+    for out in (np.zeros((40, 59, 3), np.uint8), np.zeros((40, 60, 3), np.uint8)[:, ::-1],
+                np.zeros((40, 60, 4), np.uint8), np.zeros((40, 60, 3), np.int16)):
+        assert decode_into(data, "auto", True, out) is None and not out.any()  # not the image's shape or layout
+    readonly = np.zeros((40, 60, 3), np.uint8)
+    readonly.flags.writeable = False
+    assert decode_into(data, "auto", True, readonly) is None
+    png = io.BytesIO()
+    Image.fromarray(want).save(png, format="PNG")
+    assert decode_into(png.getvalue(), "auto", True, np.zeros((40, 60, 3), np.uint8)) is None
+    cmyk = io.BytesIO()
+    Image.fromarray(want).convert("CMYK").save(cmyk, format="JPEG")
+    out = np.zeros((40, 60, 3), np.uint8)
+    assert decode_into(cmyk.getvalue(), "auto", True, out) is None
+    assert decode(cmyk.getvalue(), out=out) is out  # Pillow's conversion, as before
+    assert np.array_equal(out, np.asarray(Image.open(io.BytesIO(cmyk.getvalue())).convert("RGB")))
+
+
+def test_whole_decode_into_out_strict_and_damaged(jpegregion, turbojpeg, monkeypatch):
+    """Truncated bytes: an error when strict, else what PyTurboJPEG gives (libjpeg fills the missing rows); a
+    header above the pixel limit is refused before decoding."""
+    data = jpeg_bytes(np.random.default_rng(10), 240, 320)
+    half = data[:len(data) // 2]
+    out = np.zeros((240, 320, 3), np.uint8)
+    with pytest.raises(DecodeError, match="cannot decode JPEG"):
+        decode(half, strict=True, out=out)
+    with pytest.raises(DecodeError, match="cannot decode JPEG"):
+        decode(data[:-2], strict=True, out=out)  # all rows there, no end marker: a warning at the end
+    loose = decode(half, strict=False, out=out)
+    monkeypatch.setattr(dec, "_native", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert loose is out and np.array_equal(out, decode(half, strict=False))
+    monkeypatch.undo()
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 4000)
+    with pytest.raises(DecodeError, match="pixel limit"):
+        decode(data, out=out)
