@@ -3,8 +3,10 @@
 Read-ahead of bytes already cached only copies them once more through another thread; asking the
 kernel first costs one system call per batch and shard, and less for a file of up to a GiB seen whole
 in the cache (``WHOLE_FILE_PAGES``): that answer is kept for a second, checked against each question's
-first range (an evicted file is noticed at once; a partly evicted one, within the second). Any failure
-to ask answers False (not known to be cached), so callers read ahead as before.
+first range (an evicted file is noticed at once; a partly evicted one, within the second). "Whole" means
+the pages that hold samples where the reader says which (``holding``): an LMDB file's B-tree pages are
+never read once its values are located, so they stay out of the cache. Any failure to ask answers False
+(not known to be cached), so callers read ahead as before.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ class PageCache:
     mapped; ``close`` drops it. Not for sharing across fork: make one per process (``PerProcess``).
     """
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, holding: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         self.path = os.fspath(path)
+        self._holding = holding  # (starts, ends) of the byte ranges that hold samples; None: the whole file
+        self._mask: np.ndarray | None = None  # per page of the file: does it hold sample bytes (from _holding)
         self._map: mmap.mmap | None = None
         self._base = 0  # the mapping's address
         self._size = 0
@@ -108,19 +112,33 @@ class PageCache:
             return False
         now = time.monotonic()
         if now >= self._whole_until:
-            self._whole = self._all_cached(0, pages)
+            self._whole = self._all_cached(0, pages, self._holding_mask(pages))
             self._whole_until = time.monotonic() + max(WHOLE_FILE_SECONDS, 200 * (time.monotonic() - now))
         if self._whole and not self._all_cached(lo, hi):
             self._whole, self._whole_until = False, now + WHOLE_FILE_SECONDS  # evicted since: ask range by range
         return self._whole
 
-    def _all_cached(self, lo: int, hi: int) -> bool:
-        """One mincore call: pages [lo, hi) of the file all resident."""
+    def _all_cached(self, lo: int, hi: int, mask: np.ndarray | None = None) -> bool:
+        """One mincore call: pages [lo, hi) of the file all resident (only those ``mask`` marks, where given)."""
         if hi - lo > len(self._vec):
             self._vec = np.zeros(hi - lo, dtype=np.uint8)
         vec = self._vec[:hi - lo]
-        return _LIBC is not None and _LIBC.mincore(self._base + lo * PAGE, (hi - lo) * PAGE, vec.ctypes.data) == 0 \
-            and bool(np.all(vec & 1))
+        if _LIBC is None or _LIBC.mincore(self._base + lo * PAGE, (hi - lo) * PAGE, vec.ctypes.data) != 0:
+            return False
+        return bool(np.all(vec & 1)) if mask is None else bool(np.all(vec[mask] & 1))
+
+    def _holding_mask(self, pages: int) -> np.ndarray | None:
+        """Which of the file's ``pages`` hold sample bytes (made once from ``holding``); None: all of them."""
+        if self._holding is None:
+            return None
+        if self._mask is None or len(self._mask) != pages:
+            starts, ends = (np.asarray(a, dtype=np.int64) for a in self._holding)
+            keep = ends > starts
+            edges = np.zeros(pages + 1, dtype=np.int64)
+            np.add.at(edges, np.minimum(starts[keep] // PAGE, pages), 1)
+            np.add.at(edges, np.minimum((ends[keep] - 1) // PAGE + 1, pages), -1)
+            self._mask = np.cumsum(edges[:-1]) > 0
+        return self._mask
 
     def close(self) -> None:
         if self._map is not None:

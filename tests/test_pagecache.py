@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from support.imagesets import make_imagefolder
@@ -68,3 +70,31 @@ def test_a_whole_file_seen_cached_is_asked_about_again_once_evicted(tmp_path):
         fh.read(10)
     assert not cache.resident(np.array([3 * PAGE, 20 * PAGE]), np.array([3 * PAGE + 10, 20 * PAGE + 1]))
     cache.close()
+
+
+def test_whole_file_means_the_pages_that_hold_samples(tmp_path):
+    """With ``holding`` (an LMDB file's values), pages outside it (B-tree pages, never read once the values
+    are located) do not keep the file from counting as cached whole; a holding page evicted does."""
+    path = tmp_path / "data.bin"
+    path.write_bytes(np.random.default_rng(1).bytes(32 * PAGE))
+    if evict([path]).fraction != 0.0:
+        pytest.skip("this filesystem keeps the pages (tmpfs?): eviction cannot be shown")
+    starts, ends = np.array([PAGE + 16, 9 * PAGE]), np.array([8 * PAGE, 20 * PAGE - 7])  # pages 1-7, 9-19
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # these pages only, no read-ahead around them
+        for a, b in zip(starts.tolist(), ends.tolist()):
+            os.pread(fd, b - a, a)
+    finally:
+        os.close(fd)
+    first = (np.array([2 * PAGE]), np.array([3 * PAGE]))
+    held = PageCache(path, holding=(starts, ends))
+    assert held.resident(*first) and held._whole  # answered from the whole-file check
+    plain = PageCache(path)
+    assert plain.resident(*first) and not plain._whole  # page 0, 8 and 20-31 never read: range by range
+    held.close()
+    plain.close()
+    evict([path])
+    held = PageCache(path, holding=(starts, ends))
+    assert not held.resident(*first) and not held._whole
+    held.close()

@@ -289,7 +289,8 @@ class Reader(ShardReader):
         return [[(path, a, b)] for _leaf, a, b in rows]
 
     def _page_cache(self) -> PageCache:
-        return PageCache(self.path)
+        spans = self._get().spans
+        return PageCache(self.path, holding=(spans[:, 1], spans[:, 2]))  # the values: leaf pages are never read
 
     def in_page_cache(self, positions: list[int]) -> bool:
         """From the same spans as ``file_spans``."""

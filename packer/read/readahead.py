@@ -263,6 +263,10 @@ def start(requests: Sequence[Sequence[Range]], gap: int = GAP, within: Sequence[
     """Queue the read-ahead of ``requests`` (per item, its byte ranges) and return at once. ``within``: ranges the
     order being iterated reads whole (its blocks): a span inside one is widened to whole device requests
     (``request_bytes``), clipped to it, and read exactly, rather than with a short request at each end."""
+    if not any(requests):  # all in the page cache already (or nothing asked): nothing to plan or read
+        job = Pending([], [(-1, 0)] * len(requests))
+        job._finish()
+        return job
     job = plan(requests, gap)
     job.reads = [_widened(span, within) for span in job.spans]
     if job.spans:
