@@ -235,7 +235,8 @@ def decode_into(data: bytes | memoryview, backend: Backend | str, strict: bool, 
     C-contiguous uint8 array of the header's (height, width, 3). The header's size is checked against ``out``
     (and the pixel limit) before any pixel is decoded. Same library and settings as PyTurboJPEG's decode: the
     same pixels."""
-    fits = out.dtype == np.uint8 and out.ndim == 3 and out.shape[2] == 3 and out.flags.c_contiguous
+    fits = (out.dtype == np.uint8 and out.ndim == 3 and out.shape[2] == 3 and out.flags.c_contiguous
+            and max(out.shape[:2]) <= 0xFFFF)  # JPEG's own limit on a side: a larger out is no JPEG's shape
     if (backend == "pil" or _native is None or not (fits and out.flags.writeable)
             or bytes(data[:3]) != _JPEG_MAGIC or turbojpeg_handle() is None):
         return None

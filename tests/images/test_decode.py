@@ -449,7 +449,7 @@ def test_whole_decode_into_leaves_what_it_cannot_to_the_other_paths(jpegregion, 
     want = decode(data)
     assert decode_into(data, "pil", True, np.zeros((40, 60, 3), np.uint8)) is None  # the backend asked for
     for out in (np.zeros((40, 59, 3), np.uint8), np.zeros((40, 60, 3), np.uint8)[:, ::-1],
-                np.zeros((40, 60, 4), np.uint8), np.zeros((40, 60, 3), np.int16)):
+                np.zeros((40, 60, 4), np.uint8), np.zeros((40, 60, 3), np.int16), np.zeros((1, 70000, 3), np.uint8)):
         assert decode_into(data, "auto", True, out) is None and not out.any()  # not the image's shape or layout
     readonly = np.zeros((40, 60, 3), np.uint8)
     readonly.flags.writeable = False
