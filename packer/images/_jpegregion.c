@@ -143,8 +143,9 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
                 memcpy(out + (size_t)y * width * 3, row + (size_t)(left - xoffset) * 3, (size_t)width * 3);
             }
         }
-        if (strict && top + height == cinfo.output_height)
-            jpeg_finish_decompress(&cinfo); /* reads to the end: warnings there (e.g. truncated data) count */
+        if (top + height == cinfo.output_height)
+            jpeg_finish_decompress(&cinfo); /* reads to the end marker, as a whole decode does: errors there count
+                                               (and, when strict, warnings such as truncated data) */
         if (strict && cinfo.err->num_warnings > 0) {
             snprintf(message, JMSG_LENGTH_MAX, "corrupt JPEG data");
             goto done;

@@ -232,16 +232,19 @@ def decode_into(data: bytes | memoryview, backend: Backend | str, strict: bool, 
     ThreadLoader's decode threads, docs/results.md). Returns ``out``;
     None where it can't and another path decodes: the ``pil`` backend, not a JPEG, no libjpeg-turbo (the
     extension or PyTurboJPEG's library missing: ``decode`` says so), CMYK/YCCK, or ``out`` not a writable
-    C-contiguous uint8 array of the header's (height, width, 3). The header's size is checked against ``out``
-    (and the pixel limit) before any pixel is decoded. Same library and settings as PyTurboJPEG's decode: the
-    same pixels."""
+    C-contiguous uint8 array (within the pixel limit) of the header's (height, width, 3): the header's size is
+    checked against ``out`` before any pixel is decoded. Same library and settings as PyTurboJPEG's decode
+    (read to the end marker: an error there is one): the same pixels and errors."""
     fits = (out.dtype == np.uint8 and out.ndim == 3 and out.shape[2] == 3 and out.flags.c_contiguous
             and max(out.shape[:2]) <= 0xFFFF)  # JPEG's own limit on a side: a larger out is no JPEG's shape
+    limit = pixel_limit()
     if (backend == "pil" or _native is None or not (fits and out.flags.writeable)
+            or (limit is not None and out.shape[0] * out.shape[1] > limit)
             or bytes(data[:3]) != _JPEG_MAGIC or turbojpeg_handle() is None):
-        return None
+        return None  # (a header above the limit or unlike out: the other path refuses it with its own words)
     try:
-        done = _native.decode_region(data, 1, 0, 0, out, strict, pixel_limit() or 0, True)
+        # out's size is within the limit and the header must equal it (else 0: the other path says what is wrong)
+        done = _native.decode_region(data, 1, 0, 0, out, strict, 0, True)
     except ValueError as exc:
         raise DecodeError(f"cannot decode JPEG: {exc}") from None
     return out if done else None

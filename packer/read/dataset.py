@@ -215,12 +215,11 @@ class PackedDataset(FolderSurface):
         decoder allocate an image far larger than the one that was packed; the decoder then
         refuses any image above the pixel limit (``packer.images.decode.check_pixels``), whatever the index says.
         """
-        if self.crop is None and self.decode_size is None and out is not None:
-            with _sample_errors(self, i):  # checks the header's size against out's, the index's, first
-                if decode_into(buf, self.decoder, strict, out) is not None:
-                    return out
         self.check_header(i, buf)
         with _sample_errors(self, i):
+            if self.crop is None and self.decode_size is None and out is not None \
+                    and decode_into(buf, self.decoder, strict, out) is not None:
+                return out
             if self.crop is not None:  # its random crop is drawn per (seed, epoch, ImageFolder index)
                 hh, ww = image_size(buf)
                 return self.crop.from_bytes(buf, self.index_map.public(i), hh, ww, self.decoder, strict, out)

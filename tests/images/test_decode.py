@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import struct
 import warnings
 import zlib
@@ -482,5 +483,45 @@ def test_whole_decode_into_out_strict_and_damaged(jpegregion, turbojpeg, monkeyp
         assert loose is out and np.array_equal(out, decode(half, strict=False))
     monkeypatch.undo()
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 4000)
-    with pytest.raises(DecodeError, match="pixel limit"):
-        decode(data, out=out)
+    with pytest.raises(DecodeError, match="pixel limit of 8000 .2 x PIL.Image.MAX_IMAGE_PIXELS"):
+        decode(data, out=out)  # the same words as every other decode path
+
+
+def test_whole_decode_into_out_reads_to_the_end_marker(jpegregion, turbojpeg, monkeypatch):
+    """An error after the last row (a marker damaged after the scan) is an error even when not strict, as in a
+    whole decode through PyTurboJPEG, and with the same words."""
+    good = jpeg_bytes(np.random.default_rng(11), 48, 64)
+    good = good[:-2] + b"\xff\xfe\x00\x10a comment here" + good[-2:]  # a COM segment after the scan: valid
+    bad = good.replace(b"\xff\xfe\x00\x10", b"\xff\xc0\x00\x10")  # that marker damaged into a second SOF
+    out = np.zeros((48, 64, 3), np.uint8)
+    assert decode(good, strict=False, out=out) is out
+    with pytest.raises(DecodeError, match="two SOF markers") as new:
+        decode(bad, strict=False, out=out)
+    monkeypatch.setattr(dec, "_native", None)
+    with pytest.raises(DecodeError) as old, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        decode(bad, strict=False, out=out)
+    assert str(new.value) == str(old.value)
+
+
+@pytest.mark.parametrize("height", [b"\xff\xff", b"\xfb\xb8"])  # beyond libjpeg's 65500; above the pixel limit
+def test_damaged_header_size_is_named_as_such_before_any_decoder(tmp_path, height, jpegregion):
+    """A packed sample whose header's height was damaged on disk: the index's check words it, whichever decoder
+    would run next (the compiled one reads the header itself, with other words)."""
+    import packer
+
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    data = jpeg_bytes(np.random.default_rng(12), 48, 3000)
+    (tmp_path / "src" / "a" / "x.jpg").write_bytes(data)
+    convert(tmp_path / "src", tmp_path / "ds", to="memmap", workers=0, progress=False)
+    shard = next((tmp_path / "ds").glob("shard-*.bin"))
+    blob = bytearray(shard.read_bytes())
+    at = blob.find(data) + data.find(b"\xff\xc0") + 5  # the SOF's height
+    blob[at:at + 2] = height
+    shard.write_bytes(bytes(blob))
+    ds = open_dataset(tmp_path / "ds", image="tensor")
+    want = f"image header says {int.from_bytes(height, 'big')}x3000, the index says 48x3000 (damaged)"
+    with pytest.raises(DecodeError, match=re.escape(want)):
+        ds.pixels(0, out=np.zeros((48, 3000, 3), np.uint8))
+    with pytest.raises(DecodeError, match=re.escape(want)):
+        next(iter(packer.ThreadLoader(ds, batch_size=1, num_threads=1)))
