@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import struct
 import sys
 import warnings
 from typing import Any, Literal
@@ -114,6 +115,43 @@ def check_min_size(min_size: int | None) -> int | None:
     if isinstance(min_size, bool) or not isinstance(min_size, (int, np.integer)) or min_size < 1:
         raise PackerError(f"decode size must be a positive number of pixels or None, not {min_size!r}")
     return int(min_size)
+
+
+# ------------------------------------------------------------------ JPEG header (packer.images.headers for others)
+
+# Start-of-frame markers (baseline, extended, progressive, lossless, arithmetic); not DHT/JPG/DAC.
+_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
+_STANDALONE = {0x01, *range(0xD0, 0xD8)}  # TEM, RSTn: no length field
+
+
+def jpeg_size(data: bytes | memoryview) -> tuple[int, int]:
+    """(height, width) from a JPEG's SOF segment."""
+    n = len(data)
+    pos = 2
+    while pos + 4 <= n:
+        if data[pos] != 0xFF:
+            raise DecodeError(f"corrupt JPEG header (no marker at byte {pos})")
+        marker = data[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker in _STANDALONE:
+            pos += 2
+            continue
+        if marker in (0xD9, 0xDA):  # EOI or start of scan before any frame header
+            break
+        (length,) = struct.unpack_from(">H", data, pos + 2)
+        if length < 2:
+            raise DecodeError(f"corrupt JPEG header (segment length {length} at byte {pos})")
+        if marker in _SOF:
+            if pos + 9 > n:
+                break
+            height, width = struct.unpack_from(">HH", data, pos + 5)
+            if height == 0 or width == 0:
+                raise DecodeError(f"JPEG header gives an empty image ({width}x{height})")
+            return height, width
+        pos += 2 + length
+    raise DecodeError("JPEG header has no frame header (truncated or not a JPEG)")
 
 
 # ------------------------------------------------------------------ libjpeg-turbo handle
@@ -250,6 +288,19 @@ def decode_into(data: bytes | memoryview, backend: Backend | str, strict: bool, 
     return out if done else None
 
 
+def _header_shaped(data: bytes | memoryview) -> np.ndarray | None:
+    """An empty (height, width, 3) array as the JPEG header says, for the extension to decode into; None where
+    the header can't be read here or is above the pixel limit (the other path then says what is wrong).
+    PyTurboJPEG's own array is no better: it handed back uninitialised memory for some corrupt data when not
+    strict, where libjpeg (through the extension) and Pillow refuse it."""
+    try:
+        height, width = jpeg_size(data)
+    except DecodeError:
+        return None
+    limit = pixel_limit()
+    return None if limit is not None and height * width > limit else np.empty((height, width, 3), np.uint8)
+
+
 def decode(
     data: bytes | memoryview, backend: Backend | str = "auto", strict: bool = True, min_size: int | None = None,
     out: np.ndarray | None = None,
@@ -264,8 +315,10 @@ def decode(
     if backend not in BACKENDS:
         raise PackerError(f"unknown decoder {backend!r} (choose from {', '.join(BACKENDS)})")
     if backend != "pil" and bytes(data[:3]) == _JPEG_MAGIC:
-        if out is not None and min_size is None and decode_into(data, backend, strict, out) is not None:
-            return out
+        if min_size is None and _native is not None:
+            target = out if out is not None else _header_shaped(data)
+            if target is not None and decode_into(data, backend, strict, target) is not None:
+                return copy_into(target, out)
         pixels = decode_turbojpeg(data, strict=strict, min_size=min_size, out=out)
         if pixels is not None:
             return copy_into(pixels, out)

@@ -1,4 +1,5 @@
-"""Image size from the header bytes alone: JPEG and PNG parsed directly, others through Pillow.
+"""Image size from the header bytes alone: JPEG (packer.images.decode.jpeg_size) and PNG parsed directly, others
+through Pillow.
 
 ``--validate header`` runs this once per file, so it must cost far less than reading the
 file: walking JPEG markers to the frame header takes microseconds, ``Image.open`` about ten
@@ -9,41 +10,7 @@ from __future__ import annotations
 
 import struct
 
-from packer.images.decode import DecodeError, check_pixels, read_header, sniff
-
-# Start-of-frame markers (baseline, extended, progressive, lossless, arithmetic); not DHT/JPG/DAC.
-_SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF}
-_STANDALONE = {0x01, *range(0xD0, 0xD8)}  # TEM, RSTn: no length field
-
-
-def jpeg_size(data: bytes | memoryview) -> tuple[int, int]:
-    """(height, width) from a JPEG's SOF segment."""
-    n = len(data)
-    pos = 2
-    while pos + 4 <= n:
-        if data[pos] != 0xFF:
-            raise DecodeError(f"corrupt JPEG header (no marker at byte {pos})")
-        marker = data[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
-            continue
-        if marker in _STANDALONE:
-            pos += 2
-            continue
-        if marker in (0xD9, 0xDA):  # EOI or start of scan before any frame header
-            break
-        (length,) = struct.unpack_from(">H", data, pos + 2)
-        if length < 2:
-            raise DecodeError(f"corrupt JPEG header (segment length {length} at byte {pos})")
-        if marker in _SOF:
-            if pos + 9 > n:
-                break
-            height, width = struct.unpack_from(">HH", data, pos + 5)
-            if height == 0 or width == 0:
-                raise DecodeError(f"JPEG header gives an empty image ({width}x{height})")
-            return height, width
-        pos += 2 + length
-    raise DecodeError("JPEG header has no frame header (truncated or not a JPEG)")
+from packer.images.decode import DecodeError, check_pixels, jpeg_size, read_header, sniff
 
 
 def png_size(data: bytes | memoryview) -> tuple[int, int]:

@@ -6,6 +6,7 @@ YCCK), generated here at odd sizes so partial MCUs at the edges are covered.
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -525,3 +526,27 @@ def test_damaged_header_size_is_named_as_such_before_any_decoder(tmp_path, heigh
         ds.pixels(0, out=np.zeros((48, 3000, 3), np.uint8))
     with pytest.raises(DecodeError, match=re.escape(want)):
         next(iter(packer.ThreadLoader(ds, batch_size=1, num_threads=1)))
+
+
+# A fuzzed 74x27 JPEG (a marker's length damaged): PyTurboJPEG, not strict, handed back uninitialised memory for it
+# (different pixels on each call); libjpeg through the extension and Pillow refuse it.
+BOGUS_MARKER_LENGTH = base64.b64decode(
+    "/9j/4AAQSkZJRgABAQAAAQABAAD/2wBDAAMCAgMCAgMDAwMEAwMEBQgFBQQEBQoHBwYIDAoMDAsKCwsNDhIQDQ4RDgsLEBYQERMU"
+    "FRUVDA8XGBYUGBIUFRT/2wBDAQMEBAUEBQkFBQkUDQsNFBQUFBQUFBQUFBRUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQUFBQU"
+    "FBQUFBQUFBT/wgARCABKABsDASIAAhEBAxEB/8QAFwABAQEBAAAAAAAAAAAAAAAABgcEBf/EABcBAAMBAAAAAAAAAAAAAAAAAAQF"
+    "Bgf/2gAMAwEAAhADEAAAAS6OhKQI0FtrPQfah//EABwQAAIBBQEAAAAAAAAAAAAAAAECAAMEBhEhFv/aAAgAAQABBQKhjnbXGgZR"
+    "xvc84ktUWW6gygNo3D//xAAaEQACAgMAAAAAAAAAAAAAAAABBAAFAhEx/9oACAEDAQE/Aa2/ZB1FL1oYdn//xAAbEQACAQUAAAAA"
+    "AAAAAAAAAAAABAMBAgURMf/aAAgBAgEBPwFZqXXRfIS0tP/EACEQAAECBAcAAAAAAAAAAAAAAAABAhESISIDEDEycpHw/9oACAEB"
+    "AAY/Aki202doRll9qVwq8hbUGUG5f//EAB8QAQABBAIDAQAAAAAAAAAAAAERACExQVFhcYHw8f/aAAgBAQABPyHUgRIMvP34aE5G"
+    "Vl1RNU5JLFr7UruwwKH2eKmCFjKeaCQDk9VchY6r/9oADAMBAAIAAwAAABA8b//EABsRAAICAwEAAAAAAAAAAAAAAAERAEExUWGR"
+    "/9oACAEDAQE/EAQbBOdOo0N6eT//xAAaEQACAgMAAAAAAAAAAAAAAAABEaHwACFR/9oACAECAQE/EA0FKxzbcDOf/8QAHhABAQEB"
+    "AAICAwAAAAAAAAAAAREhAGFxMUFRgaH/2gAIAQEAAT8Qg0Dt66D9/QRdnHaz9AHCYO6kGXzF2BXcNagSn4sLCV5cWAEmIIZCYGQ6"
+    "pCV1Du52u/YF48qfOl9PXjmvdrMFdf73/9k=")
+
+
+def test_corrupt_jpeg_is_an_error_not_uninitialised_pixels(jpegregion, turbojpeg):
+    with pytest.raises(OSError):
+        Image.open(io.BytesIO(BOGUS_MARKER_LENGTH)).convert("RGB")
+    for out in (None, np.zeros((74, 27, 3), np.uint8)):
+        with pytest.raises(DecodeError, match="Bogus marker length"):
+            decode(BOGUS_MARKER_LENGTH, strict=False, out=out)
