@@ -315,8 +315,10 @@ def decode(
     if backend not in BACKENDS:
         raise PackerError(f"unknown decoder {backend!r} (choose from {', '.join(BACKENDS)})")
     if backend != "pil" and bytes(data[:3]) == _JPEG_MAGIC:
-        if min_size is None and _native is not None:
-            target = out if out is not None else _header_shaped(data)
+        if min_size is None and _native is not None:  # the compiled extension: into out, else an array of its own
+            if out is not None and decode_into(data, backend, strict, out) is not None:
+                return out
+            target = _header_shaped(data)
             if target is not None and decode_into(data, backend, strict, target) is not None:
                 return copy_into(target, out)
         pixels = decode_turbojpeg(data, strict=strict, min_size=min_size, out=out)

@@ -26,7 +26,7 @@ from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import Format
 from packer.images.crop import CropDecode, check_crop
-from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode, decode_into
+from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
 from packer.images.headers import check_size, image_size
 from packer.layout.manifest import read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
@@ -217,9 +217,6 @@ class PackedDataset(FolderSurface):
         """
         self.check_header(i, buf)
         with _sample_errors(self, i):
-            if self.crop is None and self.decode_size is None and out is not None \
-                    and decode_into(buf, self.decoder, strict, out) is not None:
-                return out
             if self.crop is not None:  # its random crop is drawn per (seed, epoch, ImageFolder index)
                 hh, ww = image_size(buf)
                 return self.crop.from_bytes(buf, self.index_map.public(i), hh, ww, self.decoder, strict, out)

@@ -547,6 +547,6 @@ BOGUS_MARKER_LENGTH = base64.b64decode(
 def test_corrupt_jpeg_is_an_error_not_uninitialised_pixels(jpegregion, turbojpeg):
     with pytest.raises(OSError):
         Image.open(io.BytesIO(BOGUS_MARKER_LENGTH)).convert("RGB")
-    for out in (None, np.zeros((74, 27, 3), np.uint8)):
+    for out in (None, np.zeros((74, 27, 3), np.uint8), np.zeros((10, 10, 3), np.uint8)):  # the last: not its shape
         with pytest.raises(DecodeError, match="Bogus marker length"):
             decode(BOGUS_MARKER_LENGTH, strict=False, out=out)
