@@ -258,8 +258,11 @@ def decode_turbojpeg(data: bytes | memoryview, strict: bool = True, min_size: in
             if colorspace not in TURBO_SAFE_COLORSPACES:
                 return None
             d = scale_denominator(height, width, min_size) if min_size else 1
-            return tj.decode(data, pixel_format=_TJPF_RGB, scaling_factor=(1, d) if d > 1 else None,
-                             dst=out if out is not None and out.flags.c_contiguous else None)
+            shape = (-(-height // d), -(-width // d), 3)
+            fits = out is not None and out.shape == shape and out.dtype == np.uint8 and out.flags.c_contiguous
+            # PyTurboJPEG's own array is np.empty: for some corrupt data, not strict, it came back unwritten
+            dst = out if fits else np.zeros(shape, np.uint8)
+            return tj.decode(data, pixel_format=_TJPF_RGB, scaling_factor=(1, d) if d > 1 else None, dst=dst)
     except (OSError, UserWarning) as exc:
         raise DecodeError(f"cannot decode JPEG: {exc}") from exc
 

@@ -550,3 +550,15 @@ def test_corrupt_jpeg_is_an_error_not_uninitialised_pixels(jpegregion, turbojpeg
     for out in (None, np.zeros((74, 27, 3), np.uint8), np.zeros((10, 10, 3), np.uint8)):  # the last: not its shape
         with pytest.raises(DecodeError, match="Bogus marker length"):
             decode(BOGUS_MARKER_LENGTH, strict=False, out=out)
+
+
+def test_without_the_extension_corrupt_pixels_are_never_uninitialised(turbojpeg, monkeypatch):
+    """PyTurboJPEG (the path without the extension) lets this corrupt JPEG through when not strict: what it did
+    not write is zeros, the same on every call, never memory left over from elsewhere."""
+    monkeypatch.setattr(dec, "_native", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = decode(BOGUS_MARKER_LENGTH, strict=False)
+        np.full(first.nbytes * 64, 255, np.uint8)  # memory freed with content, for a careless allocation to reuse
+        again = [decode(BOGUS_MARKER_LENGTH, strict=False) for _ in range(5)]
+    assert all(np.array_equal(first, a) for a in again)
