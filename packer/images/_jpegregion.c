@@ -11,8 +11,8 @@
  *
  * Columns: jpeg_crop_scanline (widened to iMCU boundaries by libjpeg, and by one pixel each side here so
  * that fancy upsampling sees the same neighbours as a full decode). Rows: jpeg_skip_scanlines above, stop
- * after the last one needed. Rows as wide as the region (a whole image) are decoded straight into out. libjpeg's error_exit longjmps back here, never exits the process. The GIL is
- * released while libjpeg runs.
+ * after the last one needed. Rows as wide as the region (a whole image) are decoded straight into out.
+ * libjpeg's error_exit longjmps back here, never exits the process. The GIL is released while libjpeg runs.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -108,12 +108,6 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
         JDIMENSION xoffset = x0, xwidth = x1 - x0, y;
         if (xoffset > 0 || xwidth < cinfo.output_width)
             jpeg_crop_scanline(&cinfo, &xoffset, &xwidth); /* widened to iMCU boundaries */
-        row = malloc((size_t)cinfo.output_width * 3);
-        if (row == NULL) {
-            snprintf(message, JMSG_LENGTH_MAX, "out of memory");
-            jpeg_destroy_decompress(&cinfo);
-            return -1;
-        }
         if (top > 0 && jpeg_skip_scanlines(&cinfo, top) != top) {
             snprintf(message, JMSG_LENGTH_MAX, "could not skip %u rows", top);
             goto done;
@@ -134,6 +128,11 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
                 y += got;
             }
         } else {
+            row = malloc((size_t)cinfo.output_width * 3); /* a decoded row, wider than the region */
+            if (row == NULL) {
+                snprintf(message, JMSG_LENGTH_MAX, "out of memory");
+                goto done;
+            }
             for (y = 0; y < height; y++) {
                 JSAMPROW rows[1] = {row};
                 if (jpeg_read_scanlines(&cinfo, rows, 1) != 1) {

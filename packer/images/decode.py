@@ -318,7 +318,8 @@ def decode(
     if backend not in BACKENDS:
         raise PackerError(f"unknown decoder {backend!r} (choose from {', '.join(BACKENDS)})")
     if backend != "pil" and bytes(data[:3]) == _JPEG_MAGIC:
-        if min_size is None and _native is not None:  # the compiled extension: into out, else an array of its own
+        if min_size is None and _native is not None and turbojpeg_handle() is not None:  # the compiled extension:
+            # into out, else into an array of its own (without libturbojpeg, Pillow and its notice, as before)
             if out is not None and decode_into(data, backend, strict, out) is not None:
                 return out
             target = _header_shaped(data)
