@@ -32,6 +32,7 @@ from packer import sysinfo
 from packer.errors import PackerError
 from packer.read.collate import collate as packer_collate
 from packer.read.hints import aheads_of
+from packer.read.intraop import serial_ops
 from packer.read.loaders import map_tensors, prefetched
 from packer.read.readahead import Pending
 from packer.read.resume import Stateful
@@ -231,7 +232,8 @@ class ThreadLoader:
             self._state = copy.deepcopy(stateful.state_dict())  # where this iteration starts (a loaded state)
         # DataLoader draws a seed for its workers first: drawn here too, a shuffle's order is DataLoader's
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-        pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="packer-decode")
+        # torch ops in a decode thread (the fused crop's resize) run on that thread alone: no OpenMP team per op
+        pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="packer-decode", initializer=serial_ops)
         feed = prefetched(self._start_batches(pool, stateful), self.prefetch_batches, name="packer-ThreadLoader")
         collate_fn = self.collate_fn or packer_collate
         try:

@@ -1,5 +1,5 @@
-"""examples/measure_whole_decode.py and examples/measure_residency_check.py run end to end on small datasets and
-print a figure per round and path."""
+"""examples/measure_whole_decode.py, measure_residency_check.py and measure_intraop.py run end to end on small
+datasets and print a figure per round and path."""
 
 from __future__ import annotations
 
@@ -36,3 +36,11 @@ def test_measure_residency_check_smoke(tmp_path):
     packed = convert(src, tmp_path / "p.lmdb", to="lmdb", workers=0, progress=False).output
     lines = run("measure_residency_check.py", str(packed), "--rounds", "1")
     assert len(lines) == 1 and "values only (holding)" in lines[0] and "whole file" in lines[0], lines
+
+
+def test_measure_intraop_smoke(tmp_path):
+    src = make_imagefolder(tmp_path / "imgs", classes=2, per_class=40, size=(240, 260))
+    packed = convert(src, tmp_path / "p.lmdb", to="lmdb", workers=0, progress=False).output
+    lines = run("measure_intraop.py", str(packed), "--rounds", "1")
+    assert [line.split(":")[1].strip() for line in lines] == ["serial", "team"], lines
+    assert all("img/s" in line and "decode threads" in line for line in lines)

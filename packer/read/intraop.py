@@ -1,0 +1,61 @@
+"""torch's ops on the calling thread alone, for packer's decode threads.
+
+torch runs an op such as the fused crop's resize on an OpenMP team whose size is a per-thread setting,
+taken from ``torch.set_num_threads`` (default: all cores) the first time a thread uses it. Two decode
+threads on 2 cores then start a team each per resize, and the teams' threads spin waiting for work
+beside the decoders: train224 through a ThreadLoader, 2 threads, ~10 % fewer images/s and ~7 % more CPU
+per image (docs/results.md). DataLoader workers avoid it by calling ``torch.set_num_threads(1)``, which
+would change the setting of the whole process here; ``serial_ops`` changes only the calling thread's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+_RUNTIMES = ("libgomp", "libomp", "libiomp5")  # the OpenMP runtimes torch builds link
+_lock = threading.Lock()
+_setter: list[Callable[[int], None] | None] = []  # resolved once: [the runtime's omp_set_num_threads or None]
+
+
+def _loaded_runtime() -> str | None:
+    """Path of the OpenMP runtime loaded in this process (torch's own copy), None where none is."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+        if path.startswith("/") and Path(path).name.split(".so")[0] in _RUNTIMES:
+            return path
+    return None
+
+
+def _omp_set_num_threads() -> Callable[[int], None] | None:
+    with _lock:
+        if not _setter:
+            fn = None
+            path = _loaded_runtime() if torch.backends.openmp.is_available() else None
+            if path is not None:
+                try:
+                    fn = ctypes.CDLL(path).omp_set_num_threads  # the loaded copy: dlopen returns its handle
+                    fn.argtypes, fn.restype = [ctypes.c_int], None
+                except (OSError, AttributeError):
+                    fn = None
+            _setter.append(fn)
+        return _setter[0]
+
+
+def serial_ops() -> bool:
+    """Make torch's ops called from this thread run on it alone; the rest of the process keeps its setting.
+    False where torch's parallel backend is not an OpenMP runtime found here (nothing changed)."""
+    setter = _omp_set_num_threads()
+    if setter is None:
+        return False
+    torch.get_num_threads()  # torch sets this thread's team size on its first use: ours must come after
+    setter(1)
+    return torch.get_num_threads() == 1
