@@ -207,10 +207,86 @@ fail:
     return NULL;
 }
 
+/* decode_many(datas, outs, strict, max_pixels) -> bytes: whole JPEGs, datas[k] into outs[k] (writable
+ * C-contiguous uint8 buffers of shape (h, w, 3)), all in one call without the GIL. Per item one byte: 1 done,
+ * 0 not done (not a JPEG, CMYK/YCCK, out not the header's size or not such a buffer, out above max_pixels),
+ * 2 an error (corrupt data, a header above max_pixels). The caller decodes items not done one by one, a path
+ * that says what is wrong; out may then hold some rows already. */
+static PyObject *decode_many(PyObject *self, PyObject *args) {
+    PyObject *datas_obj, *outs_obj, *datas = NULL, *outs = NULL, *status = NULL;
+    Py_buffer *bufs = NULL, *dsts = NULL;
+    unsigned char *ok = NULL;
+    int strict;
+    unsigned long long max_pixels;
+    Py_ssize_t n = 0, k, got_bufs = 0, got_dsts = 0;
+    char message[JMSG_LENGTH_MAX];
+    (void)self;
+
+    if (!PyArg_ParseTuple(args, "OOpK", &datas_obj, &outs_obj, &strict, &max_pixels))
+        return NULL;
+    datas = PySequence_Fast(datas_obj, "datas: expected a sequence of buffers");
+    outs = datas == NULL ? NULL : PySequence_Fast(outs_obj, "outs: expected a sequence of buffers");
+    if (outs == NULL)
+        goto done;
+    n = PySequence_Fast_GET_SIZE(datas);
+    if (PySequence_Fast_GET_SIZE(outs) != n) {
+        PyErr_SetString(PyExc_ValueError, "datas and outs differ in length");
+        goto done;
+    }
+    bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    dsts = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    ok = PyMem_Calloc((size_t)(n ? n : 1), 1);
+    if (bufs == NULL || dsts == NULL || ok == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (k = 0; k < n; k++, got_bufs++)
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(datas, k), &bufs[k], PyBUF_SIMPLE) < 0)
+            goto done;
+    for (k = 0; k < n; k++, got_dsts++) {
+        Py_buffer *d = &dsts[k];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(outs, k), d, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS |
+                               PyBUF_FORMAT) < 0) {
+            PyErr_Clear(); /* read-only, strided or no buffer: not done here (released as empty below) */
+            memset(d, 0, sizeof(*d));
+            continue;
+        }
+        /* usable: (h, w, 3) uint8 within JPEG's limit on a side and max_pixels; else left to the caller */
+        ok[k] = d->ndim == 3 && d->shape[2] == 3 && d->itemsize == 1 && strcmp(d->format, "B") == 0 &&
+                d->shape[0] > 0 && d->shape[1] > 0 && d->shape[0] <= 0xFFFF && d->shape[1] <= 0xFFFF &&
+                (!max_pixels || (unsigned long long)d->shape[0] * (unsigned long long)d->shape[1] <= max_pixels) &&
+                bufs[k].len >= 3 && memcmp(bufs[k].buf, "\xff\xd8\xff", 3) == 0;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (k = 0; k < n; k++) {
+        int r;
+        if (!ok[k])
+            continue;
+        r = decode((const unsigned char *)bufs[k].buf, (size_t)bufs[k].len, 1, 0, 0, (JDIMENSION)dsts[k].shape[0],
+                   (JDIMENSION)dsts[k].shape[1], (unsigned char *)dsts[k].buf, strict, max_pixels, 1, message);
+        ok[k] = r > 0 ? 1 : r == 0 ? 0 : 2;
+    }
+    Py_END_ALLOW_THREADS
+    status = PyBytes_FromStringAndSize((const char *)ok, n);
+done:
+    for (k = 0; k < got_bufs; k++)
+        PyBuffer_Release(&bufs[k]);
+    for (k = 0; k < got_dsts; k++)
+        PyBuffer_Release(&dsts[k]);
+    PyMem_Free(bufs);
+    PyMem_Free(dsts);
+    PyMem_Free(ok);
+    Py_XDECREF(datas);
+    Py_XDECREF(outs);
+    return status;
+}
+
 static PyMethodDef methods[] = {
     {"decode_region", decode_region, METH_VARARGS,
      "decode_region(data, denom, top, left, out, strict, max_pixels, whole=False) -> bool: decode a JPEG region "
      "into out."},
+    {"decode_many", decode_many, METH_VARARGS,
+     "decode_many(datas, outs, strict, max_pixels) -> bytes: whole JPEGs into outs, per item 1 done, 0 not, 2 error."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -26,7 +26,7 @@ from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import Format
 from packer.images.crop import CropDecode, check_crop
-from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
+from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode, decode_many
 from packer.images.headers import check_size, image_size
 from packer.layout.manifest import read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
@@ -249,6 +249,22 @@ class PackedDataset(FolderSurface):
         if self.target_transform is not None:
             target = self.target_transform(target)
         return self.selection.sample(self.field_store, i, img, target, str(self.root))
+
+    def samples_in_slots(self, idx: Sequence[int], payloads: Sequence, slots: Sequence[torch.Tensor]
+                         ) -> list | None:
+        """Whole JPEGs decoded into their slots by one call of the compiled extension (``decode_many``), as
+        ``present_at`` would hand them out: ``(image, label)`` with ``image="tensor"``, no transform, crop,
+        ``decode_size`` or fields. A sample it leaves (another format, a header unlike the index, damage) is None."""
+        if (self.manifest.payload != "encoded" or self.image != "tensor" or self.transform is not None
+                or self.target_transform is not None or self.crop is not None or self.decode_size
+                or self.selection.names is not None):
+            return None
+        done = decode_many(payloads, [slot.numpy() for slot in slots], self.decoder, strict=False)
+        if done is None:
+            return None
+        labels = self.index.labels[np.asarray(idx, dtype=np.int64)].tolist()
+        return [(slot.permute(2, 0, 1), label) if ok == 1 else None
+                for slot, label, ok in zip(slots, labels, done, strict=True)]
 
     # ------------------------------------------------------------ whole batches (packer.read.batch)
 

@@ -100,6 +100,12 @@ class StagedDataset(Dataset, ABC):
         None: each sample its own array (``packer.ThreadLoader`` then collates)."""
         return None
 
+    def samples_in_slots(self, idx: Sequence[int], payloads: Sequence, slots: Sequence[torch.Tensor]
+                         ) -> list | None:
+        """Samples at these storage positions as ``present_at`` hands them out, decoded straight into their slots
+        in one call, None for each it did not decode (decode those one by one); None: no such bulk path here."""
+        return None
+
     def block_boundaries(self) -> np.ndarray | None:
         """Storage positions where the dataset's natural blocks start, then len(self); None: blocks by bytes."""
         return None

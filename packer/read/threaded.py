@@ -118,9 +118,15 @@ class _Batch:
 
 def _decode(ds: StagedDataset, positions: list[int], payloads: list, slots: Sequence[torch.Tensor | None]
             ) -> tuple[list, bool]:
-    """Decode thread body: the samples as the dataset hands them out, and whether each went into its slot."""
+    """Decode thread body: the samples as the dataset hands them out, and whether each went into its slot.
+    Those the dataset decodes in bulk come from one call (``samples_in_slots``), the rest one by one."""
+    filled = [slot for slot in slots if slot is not None]  # every slot, or none (no batch block)
+    bulk = ds.samples_in_slots(positions, payloads, filled) if filled and len(filled) == len(slots) else None
     out, all_in = [], True
-    for i, payload, slot in zip(positions, payloads, slots, strict=True):
+    for k, (i, payload, slot) in enumerate(zip(positions, payloads, slots, strict=True)):
+        if bulk is not None and bulk[k] is not None:
+            out.append(bulk[k])
+            continue
         arr, tensor = pixels_in_slot(ds, i, payload, slot)
         all_in = all_in and tensor is not None
         out.append(ds.present_at(i, arr, tensor))

@@ -28,7 +28,9 @@ def test_measure_whole_decode_smoke(tmp_path, turbojpeg, jpegregion):
     lines = run("measure_whole_decode.py", str(src), str(packed), "--rounds", "1")
     assert any("extension" in line and " us" in line for line in lines if "PyTurboJPEG decode(dst=)" in line)
     assert [line.split(":")[1].strip() for line in lines if "ThreadLoader" in line] == [
-        "ThreadLoader, extension", "ThreadLoader, PyTurboJPEG"]
+        "ThreadLoader, extension, chunks in one call", "ThreadLoader, extension, one call per image",
+        "ThreadLoader, PyTurboJPEG"]
+    assert any(line.startswith("decode limit: ") for line in lines)
 
 
 def test_measure_residency_check_smoke(tmp_path):

@@ -562,3 +562,50 @@ def test_without_the_extension_corrupt_pixels_are_never_uninitialised(turbojpeg,
         np.full(first.nbytes * 64, 255, np.uint8)  # memory freed with content, for a careless allocation to reuse
         again = [decode(BOGUS_MARKER_LENGTH, strict=False) for _ in range(5)]
     assert all(np.array_equal(first, a) for a in again)
+
+
+def test_decode_many_equals_decode_item_by_item(jpegregion, turbojpeg):
+    """One call for many whole JPEGs (a ThreadLoader's chunk): the pixels of ``decode``, and per item whether it
+    was done; what it leaves (another format, CMYK, a shape or buffer unlike the header's, damage) is untouched
+    or left to ``decode``, which says what is wrong."""
+    rng = np.random.default_rng(13)
+    kinds = [jpeg_bytes(rng, 40, 60), jpeg_bytes(rng, 33, 17)]
+    gray = io.BytesIO()
+    photo_like(rng, 21, 30, 1).convert("L").save(gray, format="JPEG")
+    cmyk, pngb = io.BytesIO(), io.BytesIO()
+    photo_like(rng, 20, 20, 2).convert("CMYK").save(cmyk, format="JPEG")
+    photo_like(rng, 20, 20, 3).save(pngb, format="PNG")
+    datas = [*kinds, gray.getvalue(), cmyk.getvalue(), pngb.getvalue(), kinds[0], kinds[0][: len(kinds[0]) // 2],
+             BOGUS_MARKER_LENGTH, memoryview(kinds[1])]
+    outs = [np.zeros((40, 60, 3), np.uint8), np.zeros((33, 17, 3), np.uint8), np.zeros((21, 30, 3), np.uint8),
+            np.zeros((20, 20, 3), np.uint8), np.zeros((20, 20, 3), np.uint8), np.zeros((40, 59, 3), np.uint8),
+            np.zeros((40, 60, 3), np.uint8), np.zeros((74, 27, 3), np.uint8), np.zeros((33, 17, 3), np.uint8)]
+    done = dec.decode_many(datas, outs, "auto", strict=True)
+    assert list(done) == [1, 1, 1, 0, 0, 0, 2, 2, 1]
+    for data, out, ok in zip(datas, outs, done, strict=True):
+        if ok == 1:
+            assert np.array_equal(out, decode(data)) and np.array_equal(out, pillow_rgb(bytes(data)))
+        elif ok == 0:
+            assert not out.any()
+    assert list(dec.decode_many(datas[6:7], outs[6:7], "auto", strict=False)) == [1]  # truncated: filled in
+    assert np.array_equal(outs[6], decode(datas[6], strict=False))
+    assert dec.decode_many(datas, outs, "pil", strict=True) is None
+    assert dec.decode_many([], [], "auto", strict=True) == b""
+    odd = [np.zeros((40, 60, 3), np.uint8)[:, ::-1], np.zeros((40, 60, 4), np.uint8), np.zeros((40, 60, 3), np.int16),
+           np.zeros((1, 70000, 3), np.uint8)]
+    assert list(dec.decode_many([kinds[0]] * 4, odd, "auto", strict=True)) == [0, 0, 0, 0]
+    assert not any(o.any() for o in odd)
+    readonly = np.zeros((40, 60, 3), np.uint8)
+    readonly.flags.writeable = False
+    assert list(dec.decode_many([kinds[0], kinds[0]], [readonly, b"not writable"], "auto", strict=True)) == [0, 0]
+    with pytest.raises(ValueError, match="differ in length"):
+        dec.decode_many(datas, outs[:2], "auto", strict=True)
+
+
+def test_decode_many_keeps_the_pixel_limit(jpegregion, turbojpeg, monkeypatch):
+    data = jpeg_bytes(np.random.default_rng(14), 100, 100)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 4000)  # limit 8000 pixels: the image and out are above it
+    out = np.zeros((100, 100, 3), np.uint8)
+    assert list(dec.decode_many([data], [out], "auto", strict=True)) == [0] and not out.any()
+    with pytest.raises(DecodeError, match="pixel limit of 8000"):
+        decode(data, out=out)

@@ -289,3 +289,48 @@ def test_torch_ops_in_decode_threads_run_on_that_thread_alone(packed):
     finally:
         torch.set_num_threads(before)
     assert len(seen) == len(ds) and set(seen) == {1}
+
+
+def test_whole_jpegs_are_decoded_in_bulk_and_the_rest_one_by_one(packed, monkeypatch, jpegregion, turbojpeg):
+    """A decode thread hands its chunk's JPEGs to the extension in one call (``decode_many``); the PNG is left to
+    the per-sample path; the batches are the DataLoader's."""
+    import packer.read.dataset as dataset_mod
+
+    ds = open_dataset(packed["memmap"], image="tensor")
+    counts = {"calls": 0, "done": 0, "left": 0}
+    real = dataset_mod.decode_many
+
+    def spy(datas, outs, backend, strict):
+        status = real(datas, outs, backend, strict)
+        counts["calls"] += 1
+        counts["done"] += status.count(1)
+        counts["left"] += len(status) - status.count(1)
+        return status
+
+    monkeypatch.setattr(dataset_mod, "decode_many", spy)
+    want = list(DataLoader(ds, batch_size=8, num_workers=0, collate_fn=packer.collate))
+    counts.update(calls=0, done=0, left=0)  # the DataLoader's path decodes one by one
+    same_batches(list(ThreadLoader(ds, batch_size=8, num_threads=2)), want)
+    assert counts["done"] == len(ds) - 1 and counts["left"] == 1  # the PNG
+    assert counts["calls"] >= len(ds) // 8
+
+
+def test_a_sample_damaged_after_its_header_has_the_per_sample_error(packed, tmp_path, jpegregion, turbojpeg):
+    import shutil
+
+    path = shutil.copytree(packed["memmap"], tmp_path / "scan.memmap")
+    ds = open_dataset(path, image="tensor")
+    bad = 5
+    pos = ds.position(bad)
+    offsets = np.load(path / "shard-00000.offsets.npy")
+    size = len(ds.read_payload(bad))
+    with open(path / "shard-00000.files.bin", "r+b") as fh:  # the scan's last bytes become a second frame header
+        fh.seek(int(offsets[pos]) + size - 6)
+        fh.write(b"\xff\xc0\x00\x02")
+    ds = open_dataset(path, image="tensor")
+    with pytest.raises(PackerError) as single:
+        ds[bad]
+    with pytest.raises(PackerError) as threaded:
+        for _ in ThreadLoader(ds, batch_size=4, num_threads=2):
+            pass
+    assert str(threaded.value) == str(single.value) and f"sample {bad}" in str(single.value)
