@@ -295,7 +295,7 @@ def decode_into(data: bytes | memoryview, backend: Backend | str, strict: bool, 
 def decode_many(datas: Sequence[bytes | memoryview], outs: Sequence[np.ndarray], backend: Backend | str,
                 strict: bool) -> bytes | None:
     """Whole JPEGs decoded at full size by the compiled extension, ``datas[k]`` into ``outs[k]``, in one call without
-    the GIL (a ThreadLoader's decode thread: ~20 us less Python per image than ``decode_into`` each, docs/results.md).
+    the GIL (a ThreadLoader's decode thread: 10-45 us less CPU per image than ``decode_into`` each, docs/results.md).
     Per item one byte, 1: done, the same pixels and settings as ``decode_into``; else not done (not a JPEG, CMYK,
     an ``out`` not of the header's size, an error): decode it with ``decode`` then, which says what is wrong.
     None where the extension does not decode here (``decode_into``'s reasons)."""

@@ -2,9 +2,9 @@
 
 torch runs an op such as the fused crop's resize on an OpenMP team whose size is a per-thread setting,
 taken from ``torch.set_num_threads`` (default: all cores) the first time a thread uses it. Two decode
-threads on 2 cores then start a team each per resize, and the teams' threads spin waiting for work
-beside the decoders: train224 through a ThreadLoader, 2 threads, ~10 % fewer images/s and ~7 % more CPU
-per image (docs/results.md). DataLoader workers avoid it by calling ``torch.set_num_threads(1)``, which
+threads on 2 cores then start a team each per resize, whose threads wait at the op's barrier while the
+other decoder holds the core: train224 through a ThreadLoader, 2 threads, 2-12 % fewer images/s (median 3 %,
+docs/results.md). DataLoader workers avoid it by calling ``torch.set_num_threads(1)``, which
 would change the setting of the whole process here; ``serial_ops`` changes only the calling thread's.
 """
 
@@ -29,9 +29,9 @@ def _loaded_runtime() -> str | None:
     except OSError:
         return None
     for line in lines:
-        path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-        if path.startswith("/") and Path(path).name.split(".so")[0] in _RUNTIMES:
-            return path
+        fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode, then the path of a mapped file
+        if len(fields) == 6 and fields[5].startswith("/") and Path(fields[5]).name.split(".so")[0] in _RUNTIMES:
+            return fields[5]
     return None
 
 

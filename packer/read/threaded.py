@@ -8,7 +8,8 @@ ahead of the one it hands to the decode threads (in a few chunks), so on a slow 
 reads, in order, the bytes decoded next while this batch decodes; batches come out in the sampler's order.
 Where samples are uint8 tensors without a transform (``image="tensor"``), they are decoded straight
 into the batch's memory: one (N, 3, H, W) tensor when they share a size (fused crops, fixed-size
-datasets), else a list of (3, h, w) views of one block. Figures: docs/results.md.
+datasets), else a list of (3, h, w) views of one block; a decode thread hands its chunk's whole JPEGs to the
+compiled extension in one call. Figures: docs/results.md.
 """
 
 from __future__ import annotations
