@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from support.imagesets import make_imagefolder
 
 from packer import convert, open_dataset
 from packer.diagnose.measure import evict
-from packer.pagecache import PAGE, PageCache
+from packer.pagecache import PAGE, PageCache, SpanResidency
 
 
 def test_a_file_read_is_resident_and_an_evicted_one_is_not(tmp_path):
@@ -34,8 +35,9 @@ def test_a_file_read_is_resident_and_an_evicted_one_is_not(tmp_path):
     cache.close()
 
 
-@pytest.mark.parametrize("fmt", ["lmdb", "memmap"])
+@pytest.mark.parametrize("fmt", ["lmdb", "memmap", "hdf5", "recordio", "n5", "pth", "safetensors"])
 def test_read_ahead_is_skipped_for_cached_bytes_only(tmp_path, fmt):
+    """lmdb and memmap ask about their samples' bytes their own way; the others through ``file_spans``."""
     src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(64, 64))
     ds = open_dataset(convert(src, tmp_path / f"ds.{fmt}", to=fmt, workers=0, progress=False).output)
     idx = np.array([1, 7, 30])
@@ -45,7 +47,7 @@ def test_read_ahead_is_skipped_for_cached_bytes_only(tmp_path, fmt):
     assert not ds.start_reads(idx).spans  # warm: nothing read ahead
     assert ds.read_ahead(idx.tolist()).spans  # asked for explicitly: planned all the same
     ds.close()
-    files = [p for p in ds.root.iterdir() if p.is_file()]
+    files = [p for p in ds.root.rglob("*") if p.is_file()]  # n5: block files in subfolders
     if evict(files).fraction != 0.0:
         pytest.skip("this filesystem keeps the pages (tmpfs?): eviction cannot be shown")
     ds = open_dataset(ds.root)
@@ -98,3 +100,25 @@ def test_whole_file_means_the_pages_that_hold_samples(tmp_path):
     held = PageCache(path, holding=(starts, ends))
     assert not held.resident(*first) and not held._whole
     held.close()
+
+
+def test_span_residency_keeps_a_bounded_number_of_files_mapped(tmp_path):
+    paths = []
+    for k in range(5):
+        paths.append(tmp_path / f"f{k}.bin")
+        paths[-1].write_bytes(bytes(4 * PAGE))
+        paths[-1].read_bytes()
+    res = SpanResidency(keep=2)
+    for p in paths:
+        assert res.resident([[(str(p), 0, PAGE)], [(str(p), 2 * PAGE, 3 * PAGE + 1)]])
+    files = res._files.get()
+    assert list(files.caches) == [str(paths[3]), str(paths[4])]  # the two asked last
+    assert res.resident([]) is True  # nothing asked: nothing missing
+    assert not res.resident([[(str(paths[0]), 0, PAGE)], []])  # a sample whose bytes are not known
+    restored = pickle.loads(pickle.dumps(res))  # a spawned worker's copy: empty, works on its own
+    assert restored._files.peek() is None and restored.resident([[(str(paths[1]), 0, 10)]])
+    res.close()
+    assert res._files.peek() is None
+    if evict([paths[1]]).fraction != 0.0:
+        pytest.skip("this filesystem keeps the pages (tmpfs?): eviction cannot be shown")
+    assert not restored.resident([[(str(paths[1]), 0, 10)], [(str(paths[2]), 0, 10)]])

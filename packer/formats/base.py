@@ -8,6 +8,7 @@ through one. Hooks have defaults, so nothing ever probes a format with ``getattr
 
 from __future__ import annotations
 
+import mmap
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +20,7 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.images.resize import ResizeSpec
+from packer.pagecache import SpanResidency
 
 if TYPE_CHECKING:
     from packer.layout.manifest import Manifest, Shard
@@ -73,6 +75,7 @@ class ShardReader(ABC):
     """Reads one shard's payloads; opens nothing until its first read in the current process."""
 
     fixed_shape: tuple[int, int, int] | None = None  # (H, W, 3) when ``read_into`` can copy a batch in bulk
+    _residency: SpanResidency | None = None  # made by the first ``in_page_cache`` (the default one)
 
     @abstractmethod
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None: ...
@@ -102,14 +105,19 @@ class ShardReader(ABC):
 
     def in_page_cache(self, positions: Sequence[int]) -> bool:
         """True when every byte reading ``positions`` touches is in the page cache (read-ahead would only copy
-        it again); default False: not known."""
-        return False
+        it again). The default asks the kernel about the ranges ``file_spans`` gives (False where it gives none);
+        formats that know a cheaper question override it."""
+        if self._residency is None:
+            self._residency = SpanResidency()
+        return self._residency.resident(self.file_spans(positions))
 
     def will_need(self, positions: Sequence[int]) -> None:
         """Ask the kernel for these samples' files at once (formats of one file per sample); default nothing."""
 
     def close(self) -> None:
-        """Drop this process's open files and maps."""
+        """Drop this process's open files and maps (overrides call this too)."""
+        if self._residency is not None:
+            self._residency.close()
 
 
 @dataclass(frozen=True)
@@ -196,6 +204,19 @@ def check_size(fd: int, expected: int, path: object) -> None:
     if size != expected:
         raise PackerError(f"{path}: shard changed size since it was opened ({expected} bytes in the manifest, "
                           f"{size} now: rewritten in place?); reopen the dataset")
+
+
+def map_readonly(path: object, fd: int, access: str) -> mmap.mmap:
+    """The open file ``fd`` (at ``path``) mapped read-only, for zero-copy views of its bytes; ``access="random"``
+    turns the kernel's read-ahead off for it. Readers ``check_size`` before reading: a page past the end of a
+    file truncated in place would kill the process (SIGBUS)."""
+    try:
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
+        raise PackerError(f"{path}: cannot map ({exc})") from exc
+    if access == "random" and hasattr(mmap, "MADV_RANDOM"):
+        mm.madvise(mmap.MADV_RANDOM)  # no read-ahead: uniform random reads would only evict pages
+    return mm
 
 
 def contiguous_runs(positions: list[int]) -> list[tuple[int, int]]:

@@ -122,9 +122,6 @@ class Reader(ShardReader):
             finally:
                 os.close(fd)
 
-    def close(self) -> None:
-        pass
-
 
 FORMAT = Format(
     name="bmp", dataset_class="BMPDataset", payloads=frozenset({"raw"}), Writer=Writer, Reader=Reader,

@@ -425,6 +425,7 @@ class Reader(ShardReader):
 
     def close(self) -> None:
         self._h.close(lambda h: h.file.close())
+        super().close()
 
 
 FORMAT = Format(

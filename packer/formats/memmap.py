@@ -31,7 +31,6 @@ dataset is then exactly one ``(N, H, W, 3)`` array for anyone with numpy. Use
 from __future__ import annotations
 
 import io
-import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +49,7 @@ from packer.formats.base import (
     check_size,
     copy_runs,
     fixed_shape,
+    map_readonly,
     shard_layout,
 )
 from packer.layout.digest import StreamDigest
@@ -140,17 +140,6 @@ class Writer(ShardWriter):
 # ---------------------------------------------------------------- reading
 
 
-def _map(path: Path, access: str, fh) -> mmap.mmap:
-    """``fh`` (open on ``path``) mapped read-only."""
-    try:
-        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
-        raise PackerError(f"{path}: cannot map ({exc})") from exc
-    if access == "random" and hasattr(mmap, "MADV_RANDOM"):
-        mm.madvise(mmap.MADV_RANDOM)  # no read-ahead: uniform random reads would only evict pages
-    return mm
-
-
 def _open_file(path: Path, files: list) -> BinaryIO:
     """``path`` opened for reading and added to ``files`` (which the caller closes)."""
     try:
@@ -173,7 +162,7 @@ def load_npy(path: Path, dtype: str, access: str = "sequential", files: list | N
     opened: list = [] if files is None else files
     fh = _open_file(path, opened)
     try:
-        return np.ndarray(shape, dtype=dtype, buffer=_map(path, access, fh), offset=offset)
+        return np.ndarray(shape, dtype=dtype, buffer=map_readonly(path, fh.fileno(), access), offset=offset)
     finally:
         if files is None:
             fh.close()
@@ -229,8 +218,8 @@ class Reader(ShardReader):
         check_offsets(offsets, n, size, self.paths[1])
         data = np.zeros(0, np.uint8)
         if size:
-            data = np.ndarray((size,), np.uint8, buffer=_map(self.paths[0], self.access,
-                                                               _open_file(self.paths[0], files)))
+            fh = _open_file(self.paths[0], files)
+            data = np.ndarray((size,), np.uint8, buffer=map_readonly(self.paths[0], fh.fileno(), self.access))
         shapes = None
         if self.payload == "raw":
             shapes = load_npy(self.paths[2], "<i8", files=files)

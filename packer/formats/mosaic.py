@@ -364,6 +364,7 @@ class Reader(ShardReader):
 
     def close(self) -> None:
         self._state.close(_Caches.close)
+        super().close()
 
 
 class MosaicFormat(Format):

@@ -412,6 +412,7 @@ class Reader(ShardReader):
                 os.close(fd)
 
         self._h.close(closer)
+        super().close()
 
 
 FORMAT = N5Format(

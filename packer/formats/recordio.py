@@ -59,7 +59,8 @@ from packer.formats.base import (
     ShardWriter,
     Span,
     check_addition,
-    contiguous_runs,
+    check_size,
+    map_readonly,
 )
 from packer.layout.manifest import Shard
 from packer.perprocess import PerProcess
@@ -322,10 +323,12 @@ def read_record(rec_path: str | os.PathLike, info: RecordInfo) -> bytes:
 class _Open:
     fd: int
     offsets: np.ndarray  # N+1: record starts, then the .rec's size
+    data: memoryview  # the .rec mapped read-only (empty for an empty file)
 
 
 class Reader(ShardReader):
-    """Reads one shard's records with ``pread``; the index is parsed and checked on first use in each process."""
+    """Reads one shard's records as views of the mapped ``.rec`` (no copy: ~40 us less CPU per 98 KB photo than a
+    ``pread``, docs/results.md); the index is parsed and checked on first use in each process."""
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
         if len(shard.files) != 2:
@@ -333,57 +336,55 @@ class Reader(ShardReader):
                               f"{len(shard.files)}")
         self.path = directory / shard.files[0].name
         self.idx_path = directory / shard.files[1].name
+        self.num_bytes = shard.files[0].num_bytes
         self.num_samples = shard.num_samples
         self.access = access
         self._h: PerProcess[_Open] = PerProcess()
 
     def _open(self) -> _Open:
         try:
-            size = os.stat(self.path).st_size
-            keys, offsets = read_index(self.idx_path, size, self.num_samples)
-        except OSError as exc:
-            raise PackerError(f"{self.idx_path}: cannot read ({exc.strerror or exc})") from exc
-        if keys != [str(i) for i in range(self.num_samples)] or (len(offsets) and offsets[0] != 0):
-            raise PackerError(f"{self.idx_path}: keys are not 0..{self.num_samples - 1} in record order from byte 0")
-        if not len(offsets) and size:
-            raise PackerError(f"{self.path}: {size} bytes, but the index lists no records")
-        try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError as exc:
             raise PackerError(f"{self.path}: cannot open ({exc.strerror or exc})") from exc
-        if self.access == "random" and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        return _Open(fd, np.append(offsets, size))
+        try:
+            check_size(fd, self.num_bytes, self.path)  # the map below then covers every record the index may name
+            try:
+                keys, offsets = read_index(self.idx_path, self.num_bytes, self.num_samples)
+            except OSError as exc:
+                raise PackerError(f"{self.idx_path}: cannot read ({exc.strerror or exc})") from exc
+            if keys != [str(i) for i in range(self.num_samples)] or (len(offsets) and offsets[0] != 0):
+                raise PackerError(f"{self.idx_path}: keys are not 0..{self.num_samples - 1} in record order "
+                                  "from byte 0")
+            if not len(offsets) and self.num_bytes:
+                raise PackerError(f"{self.path}: {self.num_bytes} bytes, but the index lists no records")
+            data = memoryview(map_readonly(self.path, fd, self.access)) if self.num_bytes else memoryview(b"")
+        except BaseException:
+            os.close(fd)
+            raise
+        return _Open(fd, np.append(offsets, self.num_bytes), data)
+
+    def _get(self) -> _Open:
+        """The open shard, its file seen to have kept the manifest's size (a truncated map would fault)."""
+        h = self._h.get(self._open)
+        check_size(h.fd, self.num_bytes, self.path)
+        return h
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def _image(self, buf: memoryview, pos: int) -> memoryview:
+    def _image(self, h: _Open, pos: int) -> memoryview:
         where = f"{self.path}: record {pos}"
-        return unpack_header(decode_record(buf, where), where)[3]
-
-    def _pread(self, h: _Open, start: int, stop: int) -> memoryview:
-        a, b = int(h.offsets[start]), int(h.offsets[stop])
-        buf = os.pread(h.fd, b - a, a)
-        if len(buf) != b - a:
-            raise PackerError(f"{self.path}: ends at byte {a + len(buf)}, record {stop - 1} ends at {b} (truncated)")
-        return memoryview(buf)
+        record = h.data[int(h.offsets[pos]) : int(h.offsets[pos + 1])]
+        return unpack_header(decode_record(record, where), where)[3]
 
     def read(self, pos: int) -> memoryview:
-        """The image bytes of record ``pos`` (a view of one ``pread`` of the record)."""
-        h = self._h.get(self._open)
-        return self._image(self._pread(h, pos, pos + 1), pos)
+        """The image bytes of record ``pos``: a read-only view of the mapped file (a copy for a record in parts)."""
+        return self._image(self._get(), pos)
 
     def read_many(self, positions: Sequence[int]) -> list[memoryview]:
-        """One ``pread`` per run of neighbouring records."""
-        h = self._h.get(self._open)
-        out = []
-        for start, stop in contiguous_runs(list(positions)):
-            buf = self._pread(h, start, stop)
-            base = int(h.offsets[start])
-            for p in range(start, stop):
-                out.append(self._image(buf[int(h.offsets[p]) - base : int(h.offsets[p + 1]) - base], p))
-        return out
+        """``read`` of each position, after one size check."""
+        h = self._get()
+        return [self._image(h, p) for p in positions]
 
     def file_spans(self, positions: Sequence[int]) -> list[list[Span]]:
         """Per position, its record's bytes in the .rec (see packer.read.readahead)."""
@@ -392,7 +393,9 @@ class Reader(ShardReader):
         return [[(path, int(h.offsets[p]), int(h.offsets[p + 1]))] for p in positions]
 
     def close(self) -> None:
+        """Forget this process's file; views handed out keep the map alive."""
         self._h.close(lambda h: os.close(h.fd))
+        super().close()
 
 
 FORMAT = Format(

@@ -27,7 +27,6 @@ views of the map, as with memmap. Nothing to unpickle, so nothing to refuse.
 from __future__ import annotations
 
 import json
-import mmap
 import struct
 from math import prod
 from pathlib import Path
@@ -35,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from packer.errors import PackerError
-from packer.formats.base import Format
+from packer.formats.base import Format, map_readonly
 from packer.formats.tensorfile import ArrayShardReader, ArrayShardWriter, file_size
 
 _MAX_HEADER = 100_000_000  # the reference implementation's limit
@@ -121,11 +120,9 @@ class Reader(ArrayShardReader):
         if file_size(self.path) > data_start:
             try:
                 with open(self.path, "rb") as fh:
-                    mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as exc:
-                raise PackerError(f"{self.path}: cannot map ({exc})") from exc
-            if self.access == "random" and hasattr(mmap, "MADV_RANDOM"):
-                mm.madvise(mmap.MADV_RANDOM)
+                    mm = map_readonly(self.path, fh.fileno(), self.access)
+            except OSError as exc:
+                raise PackerError(f"{self.path}: cannot open ({exc.strerror or exc})") from exc
             if len(mm) != data_start + sum(prod(s) * d.itemsize for d, s, _ in entries.values()):
                 raise PackerError(f"{self.path}: changed size while being opened")
         arrays = {name: np.ndarray(shape, dtype, buffer=mm, offset=start) if prod(shape) else np.zeros(shape, dtype)

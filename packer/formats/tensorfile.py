@@ -36,6 +36,7 @@ from packer.formats.base import (
     ShardWriter,
     Span,
     check_offsets,
+    check_size,
     copy_runs,
     fixed_shape,
     shard_layout,
@@ -115,6 +116,7 @@ class _Open:
     offsets: np.ndarray | None
     shapes: np.ndarray | None
     images_at: int | None  # where the images' bytes start in the file (None: unknown, no read-ahead)
+    fd: int  # the file, kept open to see that it keeps its size (its arrays are maps of it)
 
 
 class ArrayShardReader(ShardReader):
@@ -124,6 +126,7 @@ class ArrayShardReader(ShardReader):
         if len(shard.files) != 1:
             raise PackerError(f"{directory}: a shard of this format is one file, the manifest lists {len(shard.files)}")
         self.path = Path(directory) / shard.files[0].name
+        self.num_bytes = shard.files[0].num_bytes
         self.num_samples = shard.num_samples
         self.payload = payload
         self.access = access
@@ -135,6 +138,24 @@ class ArrayShardReader(ShardReader):
         """The file's arrays, read-only, without reading their bytes (maps); and the images' offset in the file."""
 
     def _open(self) -> _Open:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError as exc:
+            raise PackerError(f"{self.path}: cannot open ({exc.strerror or exc})") from exc
+        try:
+            check_size(fd, self.num_bytes, self.path)
+            return self._arrays(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _get(self) -> _Open:
+        """The open file's arrays, the file seen to have kept the manifest's size (a truncated map would fault)."""
+        h = self._h.get(self._open)
+        check_size(h.fd, self.num_bytes, self.path)
+        return h
+
+    def _arrays(self, fd: int) -> _Open:
         arrays, images_at = self.load_file()
         want = expected_arrays(self.payload, self.fixed_shape, self.num_samples)
         if sorted(arrays) != sorted(want):
@@ -151,14 +172,21 @@ class ArrayShardReader(ShardReader):
         if shapes is not None and (offsets is None or np.any(shapes < 0) or np.any(shapes[:, 2] != 3)
                                    or not np.array_equal(shapes.prod(axis=1), np.diff(offsets))):
             raise PackerError(f"{self.path}: shapes do not match the offsets")
-        return _Open(images, offsets, shapes, images_at)
+        return _Open(images, offsets, shapes, images_at, fd)
 
     def __len__(self) -> int:
         return self.num_samples
 
     def read(self, pos: int) -> np.ndarray | memoryview:
         """Zero-copy, read-only: (H, W, 3) pixels for raw, a memoryview of the bytes for encoded."""
-        h = self._h.get(self._open)
+        return self._view(self._get(), pos)
+
+    def read_many(self, positions: Sequence[int]) -> list:
+        h = self._get()  # one size check for the batch
+        return [self._view(h, p) for p in positions]
+
+    @staticmethod
+    def _view(h: _Open, pos: int) -> np.ndarray | memoryview:
         if h.offsets is None:
             return h.images[pos]
         view = h.images[h.offsets[pos] : h.offsets[pos + 1]]
@@ -168,11 +196,11 @@ class ArrayShardReader(ShardReader):
         """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``, one copy per run."""
         if self.fixed_shape is None:
             raise PackerError(f"{self.path}: read_into needs a fixed-shape shard")
-        copy_runs(self._h.get(self._open).images, list(positions), out)
+        copy_runs(self._get().images, list(positions), out)
 
     def file_spans(self, positions: Sequence[int]) -> list[list[Span]]:
         """Per position, the byte range of the file it is read from (see packer.read.readahead)."""
-        h = self._h.get(self._open)
+        h = self._get()  # the offsets are read from the map too
         if h.images_at is None:
             return [[] for _ in positions]
         path, at = str(self.path), h.images_at
@@ -182,7 +210,8 @@ class ArrayShardReader(ShardReader):
         return [[(path, at + int(h.offsets[p]), at + int(h.offsets[p + 1]))] for p in positions]
 
     def close(self) -> None:
-        self._h.close()  # the maps go when the last view of them does
+        self._h.close(lambda h: os.close(h.fd))  # the maps go when the last view of them does
+        super().close()
 
 
 def file_size(path: Path) -> int:

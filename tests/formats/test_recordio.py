@@ -122,7 +122,8 @@ def test_records_holding_the_magic_are_split_as_dmlc_does_and_read_back_whole(tm
     assert [r[6] for r in records] == [2, 2, 1, 2, 3, 1, 1]  # aligned magics split; "12"+M is unaligned
     from packer.layout.manifest import FileInfo, Shard
 
-    shard = Shard(len(TRICKY), [FileInfo(rec.name, 0, "0" * 64), FileInfo(idx.name, 0, "0" * 64)])
+    shard = Shard(len(TRICKY), [FileInfo(rec.name, rec.stat().st_size, "0" * 64),
+                                FileInfo(idx.name, idx.stat().st_size, "0" * 64)])
     reader = recordio.Reader(tmp_path, shard, "encoded")
     assert [bytes(reader.read(i)) for i in range(len(TRICKY))] == TRICKY
     assert [bytes(b) for b in reader.read_many([3, 4, 5, 0])] == [TRICKY[i] for i in (3, 4, 5, 0)]

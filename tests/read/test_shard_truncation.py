@@ -29,6 +29,9 @@ CASES = {
     "mosaic": {"to": "mosaic", "tile": "16x16", "grid": "4x4"},
     "mosaic-jpeg": {"to": "mosaic", "tile": "16x16", "grid": "4x4", "codec": "jpeg"},
     "bmp": {"to": "bmp"},
+    "recordio": {"to": "recordio"},
+    "pth": {"to": "pth"},
+    "safetensors": {"to": "safetensors"},
 }
 
 
