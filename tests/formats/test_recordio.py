@@ -132,6 +132,18 @@ def test_records_holding_the_magic_are_split_as_dmlc_does_and_read_back_whole(tm
     assert [recordio.read_record(rec, i) for i in infos] == TRICKY and {i.label for i in infos} == {1.0}
 
 
+def test_records_are_views_of_the_mapped_rec_not_copies(packed):
+    """Whole records are read without a copy: each payload is a view into its shard's one map of the .rec."""
+    import mmap
+
+    ds = open_dataset(packed)
+    payloads = ds.read_payloads(list(range(len(ds))))
+    assert all(isinstance(p, memoryview) and isinstance(p.obj, mmap.mmap) for p in payloads)
+    assert len({id(p.obj) for p in payloads}) == len(ds.manifest.shards)
+    rec = b"".join((packed / s.files[0].name).read_bytes() for s in ds.manifest.shards)
+    assert all(bytes(p) in rec for p in payloads[:5])
+
+
 def test_file_spans_hold_each_record(packed):
     ds = open_dataset(packed)
     for i in range(len(ds)):
