@@ -13,22 +13,17 @@ Every dataset has a ``description`` attribute, the file has ``packer_format``, `
 ``layout`` (``fixed`` or ``blob``), ``num_samples`` and ``description``. Never variable-length
 (vlen) datasets: one heap lookup per element, and no compression.
 
-Chunks. Blobs are chunked 1 MiB (``_BLOB_CHUNK``, 256 KiB when compressed): readers of
-uncompressed files set the chunk cache to 0, so HDF5 reads exactly the bytes of the asked
-image straight into the result (one ``pread`` per chunk touched, about 1.1 for a 100 KB JPEG)
-and the chunk index stays small (1,000 entries per GB). Compressed chunks must be inflated
-whole, so they are smaller (a random read inflates at most about one 256-px image more than
-it needs) and read through a 4 MiB cache that keeps neighbours' shared chunks. Fixed-shape
-raw datasets have one image per chunk: a sample is one chunk, compressed or not.
-``--compression lzf|gzip`` (raw payloads only: JPEG/PNG bytes don't compress) runs in the
-writing process. gzip is built into every HDF5 library; lzf is faster but h5py's own filter
-(h5py reads it everywhere, C tools need the LZF plugin). Files are checked readable by
-HDF5 1.10's ``h5ls``/``h5dump``.
-
-Reads return fresh arrays that HDF5 filled from the file (an (H, W, 3) array for raw, a
-``memoryview`` of the bytes for encoded), so torch wraps them without another copy; a
-batch (``read_into``) costs one more copy into the batch tensor. Runs of neighbours are one
-read; ``file_spans`` tells packer.read.readahead which chunks a batch will need.
+Chunks. Blobs are chunked 1 MiB (``_BLOB_CHUNK``, 256 KiB when compressed), so the chunk
+index stays small (1,000 entries per GB). Uncompressed shards are read as views of the mapped
+file (``hdf5_chunks.MappedChunks``: zero-copy but for a sample across a chunk boundary).
+Compressed chunks must be inflated whole, so they are smaller (a random read inflates at most
+about one 256-px image more than it needs) and read through h5py with a 4 MiB cache that keeps
+neighbours' shared chunks: fresh arrays, one read per run of neighbours. Fixed-shape raw
+datasets have one image per chunk. ``--compression lzf|gzip`` (raw payloads only: JPEG/PNG
+bytes don't compress) runs in the writing process; gzip is in every HDF5 library, lzf is
+faster but h5py's own filter (C tools need the LZF plugin). Files are checked readable by
+HDF5 1.10's ``h5ls``/``h5dump``; ``file_spans`` tells packer.read.readahead which chunks a
+batch will need.
 
 Readers open the file lazily in each process (h5py handles cross neither fork nor pickle)
 with ``locking=False``: HDF5's file locks fail on many NFS mounts and a read-only reader
@@ -67,6 +62,7 @@ from packer.formats.base import (
     fixed_shape,
     shard_layout,
 )
+from packer.formats.hdf5_chunks import MappedChunks
 from packer.images.decode import check_pixels, pixel_limit
 from packer.layout.manifest import Shard
 from packer.perprocess import PerProcess
@@ -205,7 +201,8 @@ class _Open:
     images: h5py.Dataset
     offsets: np.ndarray | None  # in memory: N+1 int64
     shapes: np.ndarray | None
-    fd: int  # HDF5's own descriptor of the file, for the size check after each read
+    fd: int  # HDF5's own descriptor of the file, for the size check with each read
+    mapped: MappedChunks | None = None  # uncompressed: /images read as views of the mapped file
 
 
 _FILTERS = {None: [], "gzip": [h5py.h5z.FILTER_DEFLATE], "lzf": [h5py.h5z.FILTER_LZF]}  # what the writer uses
@@ -326,8 +323,11 @@ class Reader(ShardReader):
             if self.access == "random" and hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             images, offsets_ds, shapes_ds = self._parts(f)
+            h = _Open(f, images, None, None, fd)
+            if not self.compressed:
+                h.mapped = MappedChunks(self.path, images, fd, self.num_bytes, self.access)
             if offsets_ds is None:
-                return _Open(f, images, None, None, fd)
+                return h
             offsets = np.asarray(offsets_ds[()], dtype=np.int64)
             check_offsets(offsets, n, images.shape[0], f"{self.path}:/offsets")
             shapes = None
@@ -339,13 +339,24 @@ class Reader(ShardReader):
                 limit = pixel_limit()
                 if limit is not None and np.any(shapes[:, 0] * shapes[:, 1] > limit):
                     raise PackerError(f"{self.path}: /shapes hold images above the pixel limit of {limit}")
-            return _Open(f, images, offsets, shapes, fd)
+            h.offsets, h.shapes = offsets, shapes
+            return h
         except BaseException:
             f.close()
             raise
 
     def _get(self) -> _Open:
-        return self._h.get(self._open)
+        """The open file; mapped ones seen to have kept their size (a page past a new end kills with SIGBUS)."""
+        h = self._h.get(self._open)
+        if h.mapped is not None:
+            check_size(h.fd, self.num_bytes, self.path)
+        return h
+
+    def _mapped_sample(self, m: MappedChunks, h: _Open, pos: int) -> np.ndarray | memoryview:
+        if h.offsets is None:  # fixed shape: one sample per chunk
+            return m.flat(pos * m.chunk_bytes, (pos + 1) * m.chunk_bytes).reshape(cast(tuple, self.fixed_shape))
+        view = m.flat(int(h.offsets[pos]), int(h.offsets[pos + 1]))
+        return view.data if h.shapes is None else view.reshape(h.shapes[pos])
 
     def _checked(self, h: _Open, read: Callable[[], Any]) -> Any:
         """``read()``, once the file is seen to have kept its size after it: past its end HDF5 reads
@@ -373,15 +384,20 @@ class Reader(ShardReader):
         return out
 
     def read(self, pos: int) -> np.ndarray | memoryview:
-        """A fresh array: (H, W, 3) pixels for raw, a memoryview of the file's bytes for encoded."""
+        """(H, W, 3) pixels for raw, a memoryview of the file's bytes for encoded: read-only views of the mapped
+        file when uncompressed, fresh arrays from h5py when compressed."""
         h = self._get()
+        if h.mapped is not None:
+            return self._mapped_sample(h.mapped, h, pos)
         if h.offsets is None:
             return self._checked(h, lambda: h.images[pos])
         return self._checked(h, lambda: self._split(h, self._blob(h, pos, pos + 1), pos, pos + 1)[0])
 
     def read_many(self, positions: list[int]) -> list:
-        """One HDF5 read per run of neighbouring positions."""
+        """Views of the map (uncompressed; one size check for the batch), else one HDF5 read per run of neighbours."""
         h = self._get()
+        if h.mapped is not None:
+            return [self._mapped_sample(h.mapped, h, p) for p in positions]
         return self._checked(h, lambda: self._read_runs(h, positions))
 
     def _read_runs(self, h: _Open, positions: list[int]) -> list:
@@ -397,30 +413,29 @@ class Reader(ShardReader):
         """Per position, the byte ranges of the file its chunks occupy (see packer.read.readahead)."""
         h = self._get()
         dsid, path, out = h.images.id, str(self.path), []
-        if h.offsets is None:
-            for p in positions:
-                info = dsid.get_chunk_info_by_coord((p, 0, 0, 0))
-                out.append([(path, info.byte_offset, info.byte_offset + info.size)])
-            return out
-        chunk = cast(tuple, h.images.chunks)[0]
         for p in positions:
-            a, b = int(h.offsets[p]), int(h.offsets[p + 1])
-            ranges = []
-            for c in range(a // chunk * chunk, b, chunk):
-                info = dsid.get_chunk_info_by_coord((c,))
-                if self.compressed:  # inflated whole
-                    ranges.append((path, info.byte_offset, info.byte_offset + info.size))
-                else:  # just the sample's bytes in this chunk
-                    ranges.append((path, info.byte_offset + max(a, c) - c, info.byte_offset + min(b, c + chunk) - c))
-            out.append(ranges)
+            if h.mapped is not None:  # uncompressed: just the sample's bytes in each chunk
+                size = h.mapped.chunk_bytes
+                a, b = (p * size, (p + 1) * size) if h.offsets is None else (int(h.offsets[p]), int(h.offsets[p + 1]))
+                out.append([(path, start, stop) for start, stop in h.mapped.spans(a, b)])
+                continue
+            chunk = cast(tuple, h.images.chunks)[0]  # compressed chunks are inflated whole
+            coords = [(p, 0, 0, 0)] if h.offsets is None else [
+                (c,) for c in range(int(h.offsets[p]) // chunk * chunk, int(h.offsets[p + 1]), chunk)]
+            infos = [dsid.get_chunk_info_by_coord(c) for c in coords]
+            out.append([(path, i.byte_offset, i.byte_offset + i.size) for i in infos])
         return out
 
     def read_into(self, positions: list[int], out: np.ndarray) -> None:
         """Fixed shape only: read samples at ascending ``positions`` into ``out[0:len]``."""
         if self.fixed_shape is None:
             raise PackerError(f"{self.path}: read_into needs a fixed-shape shard")
-        # A slice read per run beats read_direct per run (~5x) and h5py's fancy indexing (~300x).
         h = self._get()
+        if h.mapped is not None:
+            for k, p in enumerate(positions):
+                out[k] = self._mapped_sample(h.mapped, h, p)
+            return
+        # A slice read per run beats read_direct per run (~5x) and h5py's fancy indexing (~300x).
         self._checked(h, lambda: copy_runs(h.images, positions, out))
 
     def close(self) -> None:

@@ -24,6 +24,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from packer import PackerError, convert, open_dataset
 from packer.cli import main as cli_main
+from packer.formats import hdf5
 from packer.images.resize import ResizeSpec
 from packer.tools.sample import photo_like
 
@@ -395,3 +396,27 @@ def test_disk_full_mid_write_is_a_clear_resumable_error(src, tmp_path, fmt, kw, 
         assert not list(small.glob("**/manifest.json"))
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+@pytest.mark.parametrize("options", [{}, {"payload": "raw", "resize": "20"}, {"payload": "raw", "resize": "32x48"}],
+                         ids=["encoded", "raw-mixed", "raw-fixed"])
+def test_uncompressed_hdf5_reads_are_views_of_the_mapped_file(src, tmp_path, options, monkeypatch):
+    """Samples within one chunk are zero-copy views of the shard's map; one across a chunk boundary is joined."""
+    monkeypatch.setattr(hdf5, "_BLOB_CHUNK", 4096)  # small chunks: many samples cross a boundary
+    ds = pack(src, tmp_path, "hdf5", **options)
+    reader = ds.store.readers[0]
+    h = reader._get()
+    with h5py.File(ds.root / "shard-00000.h5", "r", locking=False) as f:  # the flags packer opened it with
+        fixed = "offsets" not in f
+        o = None if fixed else f["offsets"][()]
+        wants = [f["images"][i] if fixed else f["images"][o[i] : o[i + 1]] for i in range(len(ds))]
+    crossing = 0
+    for i, got in enumerate(reader.read_many(list(range(len(ds))))):
+        arr = np.asarray(got)
+        assert arr.size and np.array_equal(arr.reshape(-1), wants[i].reshape(-1))
+        if h.offsets is not None and int(h.offsets[i]) // 4096 != (int(h.offsets[i + 1]) - 1) // 4096:
+            crossing += 1
+            assert arr.flags.writeable and not np.shares_memory(arr, h.mapped.data)  # joined from its pieces
+        else:
+            assert not arr.flags.writeable and np.shares_memory(arr, h.mapped.data)
+    assert (crossing > 0) == (not fixed)

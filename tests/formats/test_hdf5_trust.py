@@ -209,3 +209,21 @@ def test_fixed_shape_beyond_the_pixel_limit_is_refused(bases, tmp_path):
     kind, message = limited_call(_read_all, ds, limit=1 << 30)
     assert kind in ("PackerError", "DecodeError") and "pixel limit" in message, (kind, message)
 
+
+
+# ------------------------------------------------------------------ chunks the mapped reader cannot view
+
+
+def test_images_chunk_never_written_is_refused_on_read(bases, tmp_path):
+    """Uncompressed chunks are read as views of the mapped file at the offsets HDF5's chunk index gives; a chunk
+    never written has none (h5py would read it as zeros): the read names the shard and the chunk."""
+    def edit(f, outside):
+        data = _blob(f)  # the deleted dataset's bytes stay in the file, so its size still admits the new one
+        f.create_dataset("images", shape=data.shape, maxshape=(None,), dtype="u1", chunks=(1 << 20,))
+    ds = crafted(bases, tmp_path, "encoded", edit)
+    opened = open_dataset(ds)  # the structure is as the writer makes it
+    with pytest.raises(PackerError, match="chunk 0 is 0 bytes") as info:
+        opened.read_payload(0)
+    assert SHARD in str(info.value)
+    report = verify(ds, deep=True)
+    assert not report.ok and any(SHARD in p and "chunk 0" in p for p in report.problems), report.problems
