@@ -22,11 +22,14 @@ each.
 Reading checks each block's header against the dataset's attributes (and those against the
 manifest) before it allocates: an uncompressed block must be exactly header + elements long,
 a compressed one is inflated with the block's size as the cap (no gzip bomb), and only the
-block files the manifest lists are ever opened. Uncompressed samples are one ``pread`` of
-their bytes per block they touch. A compressed block is inflated only as far as the samples
-read from it need, and the last few blocks are kept partly inflated: a sequential pass
-inflates each block once, a random read inflates the start of its block up to its sample
-(half a block on average; ``--n5-block`` smaller for random access to gzip blocks).
+block files the manifest lists are ever opened. Uncompressed blocks are mapped (the last 64
+per process) and samples returned as read-only views of them, the block's size checked with
+each read (a page past the end of a file truncated in place would kill the reader with
+SIGBUS); only a sample across a block boundary is joined from its pieces. A compressed block
+is inflated only as far as the samples read from it need, and the last few blocks are kept
+partly inflated: a sequential pass inflates each block once, a random read inflates the
+start of its block up to its sample (half a block on average; ``--n5-block`` smaller for
+random access to gzip blocks).
 
 One shard by default: a shard is a directory of block files, so it never is one huge file.
 """
@@ -39,6 +42,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -53,8 +57,9 @@ from packer.formats.base import (
     ShardWriter,
     Span,
     check_offsets,
-    contiguous_runs,
+    check_size,
     fixed_shape,
+    map_readonly,
     shard_layout,
 )
 from packer.formats.n5blocks import (
@@ -74,10 +79,11 @@ from packer.formats.n5blocks import (
     write_json,
 )
 from packer.layout.manifest import Shard
+from packer.pagecache import mapped_files_limit
 from packer.perprocess import PerProcess
 from packer.units import parse_bytes
 
-_OPEN_FILES = 64  # block files a reader keeps open per process
+_MAPPED_BLOCKS = mapped_files_limit()  # uncompressed block files a reader keeps mapped per process
 _DECODED_BLOCKS = 4  # compressed blocks a reader keeps (partly) inflated per process
 
 
@@ -188,8 +194,7 @@ class _Open:
     block_sizes: list[int]  # their sizes, as the manifest records them
     offsets: np.ndarray | None  # N+1 (blob layouts)
     shapes: np.ndarray | None  # N x 3 (raw, mixed shapes)
-    fds: OrderedDict = field(default_factory=OrderedDict)  # block number -> open descriptor (LRU)
-    checked: set = field(default_factory=set)  # raw blocks whose header and size were checked
+    maps: OrderedDict = field(default_factory=OrderedDict)  # block number -> (its map, its elements) (LRU)
     decoded: OrderedDict = field(default_factory=OrderedDict)  # block number -> its Inflater (LRU)
 
 
@@ -304,23 +309,38 @@ class Reader(ShardReader):
 
     # ------------------------------------------------------------ the images' bytes
 
-    def _fd(self, h: _Open, j: int) -> int:
-        fd = h.fds.pop(j, None)
-        if fd is None:
-            path = h.blocks[j]
+    def _mapped(self, h: _Open, j: int) -> np.ndarray:
+        """Uncompressed block ``j``'s elements: a view of its mapped file, whose header was checked when mapped and
+        whose size (the manifest's, header + elements) is checked with every read."""
+        entry = h.maps.pop(j, None)
+        path = h.blocks[j]
+        if entry is None:
+            arr = h.images
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as exc:
                 raise PackerError(f"{path}: cannot open N5 block ({exc.strerror or exc})") from exc
-            if self.access == "random" and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            while len(h.fds) >= _OPEN_FILES:
-                os.close(h.fds.popitem(last=False)[1])
-        h.fds[j] = fd
-        return fd
+            try:
+                hb = arr.header_bytes()
+                count = check_block_header(os.pread(fd, hb, 0), arr, j, path)
+                size = os.fstat(fd).st_size
+                if size != hb + count:
+                    raise PackerError(f"{path}: N5 block of {size - hb} bytes, its header says {count}")
+                check_size(fd, h.block_sizes[j], path)
+                mm = map_readonly(path, fd, self.access)
+            finally:
+                os.close(fd)  # the map keeps its own
+            entry = (mm, np.frombuffer(mm, dtype=np.uint8)[hb:])
+            while len(h.maps) >= _MAPPED_BLOCKS:
+                h.maps.popitem(last=False)  # unmapped with its last view
+        elif entry[0].size() != h.block_sizes[j]:
+            raise PackerError(f"{path}: shard changed size since it was opened ({h.block_sizes[j]} bytes in the "
+                              f"manifest, {entry[0].size()} now: rewritten in place?); reopen the dataset")
+        h.maps[j] = entry
+        return entry[1]
 
-    def _range(self, h: _Open, j: int, a: int, b: int) -> bytes:
-        """Bytes [a, b) of block ``j``'s elements."""
+    def _range(self, h: _Open, j: int, a: int, b: int) -> np.ndarray | bytes:
+        """Bytes [a, b) of block ``j``'s elements: a view of the map, or inflated."""
         arr = h.images
         if arr.compression == "gzip":
             block = h.decoded.pop(j, None)
@@ -330,26 +350,16 @@ class Reader(ShardReader):
                     h.decoded.popitem(last=False)
             h.decoded[j] = block
             return bytes(block.upto(b)[a:b])
-        fd, where = self._fd(h, j), h.blocks[j]
-        hb = arr.header_bytes()
-        if j not in h.checked:
-            count = check_block_header(os.pread(fd, hb, 0), arr, j, where)
-            if os.fstat(fd).st_size != hb + count:
-                raise PackerError(f"{where}: N5 block of {os.fstat(fd).st_size - hb} bytes, its header says {count}")
-            h.checked.add(j)
-        data = os.pread(fd, b - a, hb + a)
-        if len(data) != b - a:
-            raise PackerError(f"{where}: truncated while reading")
-        return data
+        return self._mapped(h, j)[a:b]
 
-    def _bytes(self, h: _Open, a: int, b: int) -> bytes:
-        """Bytes [a, b) of the images dataset, flat in C order, from the blocks they lie in."""
+    def _bytes(self, h: _Open, a: int, b: int) -> np.ndarray:
+        """Bytes [a, b) of the images dataset, flat in C order, from the blocks they lie in (joined if several)."""
         if a == b:
-            return b""
+            return np.zeros(0, np.uint8)
         step = h.images.rows * h.images.row_bytes
-        parts = [self._range(h, j, max(a, j * step) - j * step, min(b, (j + 1) * step) - j * step)
-                 for j in range(a // step, -(-b // step))]
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        parts = [np.frombuffer(self._range(h, j, max(a, j * step) - j * step, min(b, (j + 1) * step) - j * step),
+                               dtype=np.uint8) for j in range(a // step, -(-b // step))]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def _span(self, h: _Open, pos: int) -> tuple[int, int]:
         if h.offsets is None:
@@ -357,29 +367,20 @@ class Reader(ShardReader):
             return pos * size, (pos + 1) * size
         return int(h.offsets[pos]), int(h.offsets[pos + 1])
 
-    def _split(self, h: _Open, data: bytes, start: int, stop: int) -> list:
-        base, out = self._span(h, start)[0], []
-        view = np.frombuffer(data, dtype=np.uint8)
-        for pos in range(start, stop):
-            a, b = self._span(h, pos)
-            part = view[a - base : b - base]
-            if h.offsets is None:
-                out.append(part.reshape(self.fixed_shape))
-            else:
-                out.append(part.data if h.shapes is None else part.reshape(h.shapes[pos]))
-        return out
+    def _sample(self, h: _Open, pos: int) -> np.ndarray | memoryview:
+        view = self._bytes(h, *self._span(h, pos))
+        if h.offsets is None:
+            return view.reshape(cast(tuple, self.fixed_shape))
+        return view.data if h.shapes is None else view.reshape(h.shapes[pos])
 
     def read(self, pos: int) -> np.ndarray | memoryview:
         """Read-only: (H, W, 3) pixels for raw, a memoryview of the file's bytes for encoded."""
         return self.read_many([pos])[0]
 
     def read_many(self, positions: Sequence[int]) -> list:
-        """One read per block touched by each run of neighbouring positions."""
+        """Views of the mapped blocks (uncompressed), bytes inflated once per block and kept (gzip)."""
         h = self._h.get(self._open)
-        out: list = []
-        for start, stop in contiguous_runs(list(positions)):
-            out += self._split(h, self._bytes(h, self._span(h, start)[0], self._span(h, stop - 1)[1]), start, stop)
-        return out
+        return [self._sample(h, p) for p in positions]
 
     def read_into(self, positions: Sequence[int], out: np.ndarray) -> None:
         """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``."""
@@ -407,11 +408,7 @@ class Reader(ShardReader):
         return out
 
     def close(self) -> None:
-        def closer(h: _Open) -> None:
-            for fd in h.fds.values():
-                os.close(fd)
-
-        self._h.close(closer)
+        self._h.close(lambda h: h.maps.clear())  # each map goes with its last view
         super().close()
 
 
