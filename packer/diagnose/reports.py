@@ -136,7 +136,8 @@ def takeaway(report: dict) -> str:
     """One line with what the run shows, computed from its figures: what bounds the loose folder here, and
     how much faster than the folder the packed datasets of encoded images and of stored pixels are."""
     results = report["results"]
-    level = next((lv for lv in ("loader", "decode", "read") if any(r["level"] == lv for r in results)), None)
+    levels = ("loader", "thread", "train", "thread-train", "decode", "read")  # the first one run speaks
+    level = next((lv for lv in levels if any(r["level"] == lv for r in results)), None)
     if level is None:
         return "no measurements"
     rows = [r for r in results if r["level"] == level]
@@ -155,4 +156,10 @@ def takeaway(report: dict) -> str:
                and payload.get(r["name"], ("", ""))[1] == kind and payload[r["name"]][0] != "folder"]
         if ups:
             parts.append(f"{words} {_span(ups)} the folder")
+    if not parts:  # no folder in the run: how near the packed datasets come to their ceilings
+        near = [r for r in rows if r.get("fraction_of_ceiling") is not None]
+        if near:
+            lo, hi = (f"{100 * f(r['fraction_of_ceiling'] for r in near):.0f}" for f in (min, max))
+            names = sorted({r["ceiling"]["name"] for r in near})
+            parts.append(f"{lo if lo == hi else f'{lo}-{hi}'} % of the ceiling ({', '.join(names)})")
     return (f"{level} level: " if level != "decode" else "") + "; ".join(parts) if parts else f"{level} level"

@@ -43,6 +43,18 @@ def test_takeaway_is_computed_from_the_figures():
     assert bench_table(_report(5000)).splitlines()[-1] == f"in short: {fast}"
 
 
+def test_takeaway_of_a_run_without_the_folder_gives_the_fraction_of_the_ceiling():
+    """``--levels thread`` on packed datasets only: no folder to compare with, so how near the ceiling they come."""
+    report = _report(5000)
+    report["results"] = [_row("imgs.lmdb", "thread", "warm", 1900, None, 2000),
+                         _row("imgs.memmap", "thread", "warm", 1800, None, 2000)]
+    assert takeaway(report) == "thread level: 90-95 % of the ceiling (c)"
+    report["results"] = report["results"][:1]
+    assert takeaway(report) == "thread level: 95 % of the ceiling (c)"
+    report["results"] = []
+    assert takeaway(report) == "no measurements"
+
+
 @pytest.mark.parametrize("repeats", [(None,), (0.9, 1.1)])
 def test_chart_caption_factors_and_error_bars(tmp_path, repeats):
     pytest.importorskip("matplotlib")
