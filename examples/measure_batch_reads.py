@@ -10,8 +10,9 @@ Everything is read once first (warm page cache); what is timed is memory work. T
   views are read only then), as ``packer bench``'s read level does; ``--folder``: ImageFolder's open +
   read per file in the same orders. Median of ``--repeats`` passes.
 - ``batch``: MB per CPU-second (this process, all threads: what a shared machine's load bends least) of
-  whole batches of 256 (``--batch``): ``read_payloads`` (its payloads joined into one
-  ``bytes``: views are read only when used, py-lmdb's copies were read already); for fixed-shape raw
+  whole batches of 256 (``--batch``): ``read_payloads`` (its payloads joined into one new
+  ``bytes``: views are read only when used) and ``read_payloads out`` (copied into one buffer reused
+  batch after batch, like the reference copy); for fixed-shape raw
   datasets ``get_batch`` (a new uint8 tensor each time) and ``get_batch(out=)`` (a batch tensor reused,
   as a training loop with pinned memory would); for raw ones ``__getitems__`` with ``image="tensor"``
   (per sample, for comparison). Against ``np.copyto`` of the same number of bytes (source and
@@ -130,8 +131,10 @@ def batch_rows(ds, head: str, batches: list[list[int]], repeats: int, ceiling: f
     src = np.frombuffer(np.random.default_rng(1).bytes(nbytes // len(batches)), np.uint8).copy()
     dst = np.empty_like(src)
     copy_s = median_of(lambda: [np.copyto(dst, src) for _ in batches], repeats, time.process_time)
+    reused = np.empty(max(int(ds.index.nbytes[ds.positions(b)].sum()) for b in batches), np.uint8)
     runs: dict[str, Callable[[], object]] = {
-        "read_payloads": lambda: [b"".join(ds.read_payloads(b)) for b in batches]}
+        "read_payloads": lambda: [b"".join(ds.read_payloads(b)) for b in batches],
+        "read_payloads out": lambda: [gather(ds.read_payloads(b), reused) for b in batches]}
     if ds.fixed_shape is not None:
         out = torch.empty((len(batches[0]), *ds.fixed_shape), dtype=torch.uint8)
         runs["get_batch"] = lambda: [ds.get_batch(b) for b in batches]
@@ -143,6 +146,17 @@ def batch_rows(ds, head: str, batches: list[list[int]], repeats: int, ceiling: f
         mbs = nbytes / secs / 1e6
         print(f"{head}{name:<16}{mbs:>10,.0f}{nbytes / copy_s / 1e6:>11,.0f}{100 * copy_s / secs:>6.0f}"
               f"{100 * mbs / ceiling:>10.0f}")
+
+
+def gather(payloads: list, out: np.ndarray) -> np.ndarray:
+    """The payloads' bytes copied back to back into ``out`` (memory reused batch after batch, as ``np.copyto``'s
+    reference copy reuses its destination; a fresh ``bytes`` per batch pays a page fault per 4 KiB)."""
+    k = 0
+    for p in payloads:
+        b = np.frombuffer(p, np.uint8) if not isinstance(p, np.ndarray) else p.reshape(-1)
+        out[k : k + len(b)] = b
+        k += len(b)
+    return out[:k]
 
 
 def main() -> None:
