@@ -30,3 +30,18 @@ def test_measure_batch_reads_smoke(tmp_path):
         assert len([line for line in lines if line.startswith(name)]) >= 2, out.stdout
     for name in ("r.lmdb", "r.memmap"):
         assert any(line.startswith(name) and "get_batch out=" in line for line in lines), out.stdout
+    for name in ("enc.lmdb", "r.lmdb", "r.memmap"):
+        assert any(line.startswith(name) and "read_payloads out" in line for line in lines), out.stdout
+
+
+def test_gather_copies_the_payloads_back_to_back(tmp_path):
+    """The reused-buffer row copies exactly what the joined row joins (views and arrays alike)."""
+    import importlib.util
+
+    import numpy as np
+    spec = importlib.util.spec_from_file_location("mbr", ROOT / "examples" / "measure_batch_reads.py")
+    mbr = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mbr)
+    payloads = [memoryview(b"abc"), np.arange(6, dtype=np.uint8).reshape(1, 2, 3), memoryview(b"")]
+    out = np.zeros(20, np.uint8)
+    assert mbr.gather(payloads, out).tobytes() == b"".join(bytes(p) for p in payloads)
