@@ -122,3 +122,14 @@ def test_span_residency_keeps_a_bounded_number_of_files_mapped(tmp_path):
     if evict([paths[1]]).fraction != 0.0:
         pytest.skip("this filesystem keeps the pages (tmpfs?): eviction cannot be shown")
     assert not restored.resident([[(str(paths[1]), 0, 10)], [(str(paths[2]), 0, 10)]])
+
+
+@pytest.mark.parametrize("soft, keep", [(256, 64), (1024, 64), (4096, 256), (20000, 1024), (None, 1024)])
+def test_files_kept_mapped_follow_the_open_file_limit(monkeypatch, soft, keep):
+    """Each map holds a descriptor: a sixteenth of the soft limit, at least 64, at most 1,024 (also unlimited)."""
+    import resource
+
+    from packer import pagecache
+    value = resource.RLIM_INFINITY if soft is None else soft
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (value, value))
+    assert pagecache.mapped_files_limit() == keep

@@ -22,14 +22,14 @@ each.
 Reading checks each block's header against the dataset's attributes (and those against the
 manifest) before it allocates: an uncompressed block must be exactly header + elements long,
 a compressed one is inflated with the block's size as the cap (no gzip bomb), and only the
-block files the manifest lists are ever opened. Uncompressed blocks are mapped (the last 64
-per process) and samples returned as read-only views of them, the block's size checked with
-each read (a page past the end of a file truncated in place would kill the reader with
-SIGBUS); only a sample across a block boundary is joined from its pieces. A compressed block
-is inflated only as far as the samples read from it need, and the last few blocks are kept
-partly inflated: a sequential pass inflates each block once, a random read inflates the
-start of its block up to its sample (half a block on average; ``--n5-block`` smaller for
-random access to gzip blocks).
+block files the manifest lists are ever opened. Uncompressed blocks are mapped (the last
+``pagecache.mapped_files_limit()`` per process) and samples returned as read-only views of
+them, the block's size checked with each read (a page past the end of a file truncated in
+place would kill the reader with SIGBUS); only a sample across a block boundary is joined
+from its pieces. A compressed block is inflated only as far as the samples read from it
+need, and the last few blocks are kept partly inflated: a sequential pass inflates each
+block once, a random read inflates the start of its block up to its sample (half a block
+on average; ``--n5-block`` smaller for random access to gzip blocks).
 
 One shard by default: a shard is a directory of block files, so it never is one huge file.
 """
