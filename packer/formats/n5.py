@@ -37,6 +37,7 @@ One shard by default: a shard is a directory of block files, so it never is one 
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -59,9 +60,9 @@ from packer.formats.base import (
     check_offsets,
     check_size,
     fixed_shape,
-    map_readonly,
     shard_layout,
 )
+from packer.formats.filemap import map_array
 from packer.formats.n5blocks import (
     ATTRIBUTES,
     BLOCK_BYTES,
@@ -194,8 +195,9 @@ class _Open:
     block_sizes: list[int]  # their sizes, as the manifest records them
     offsets: np.ndarray | None  # N+1 (blob layouts)
     shapes: np.ndarray | None  # N x 3 (raw, mixed shapes)
-    maps: OrderedDict = field(default_factory=OrderedDict)  # block number -> (its map, its elements) (LRU)
+    maps: OrderedDict = field(default_factory=OrderedDict)  # block number -> (descriptor, its elements) (LRU)
     decoded: OrderedDict = field(default_factory=OrderedDict)  # block number -> its Inflater (LRU)
+    lock: threading.Lock = field(default_factory=threading.Lock)  # over maps and decoded
 
 
 class Reader(ShardReader):
@@ -311,13 +313,16 @@ class Reader(ShardReader):
 
     def _mapped(self, h: _Open, j: int) -> np.ndarray:
         """Uncompressed block ``j``'s elements: a view of its mapped file, whose header was checked when mapped and
-        whose size (the manifest's, header + elements) is checked with every read."""
+        whose size (the manifest's, header + elements) is checked with every read. Call with ``h.lock`` held.
+
+        The LRU holds each block's descriptor, for that size check; the maps hold none (``filemap``), so samples
+        a user keeps cost no descriptor once their block has left the LRU."""
         entry = h.maps.pop(j, None)
         path = h.blocks[j]
         if entry is None:
             arr = h.images
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as exc:
                 raise PackerError(f"{path}: cannot open N5 block ({exc.strerror or exc})") from exc
             try:
@@ -327,30 +332,30 @@ class Reader(ShardReader):
                 if size != hb + count:
                     raise PackerError(f"{path}: N5 block of {size - hb} bytes, its header says {count}")
                 check_size(fd, h.block_sizes[j], path)
-                mm = map_readonly(path, fd, self.access)
-            finally:
-                os.close(fd)  # the map keeps its own
-            entry = (mm, np.frombuffer(mm, dtype=np.uint8)[hb:])
+                entry = (fd, map_array(path, fd, self.access)[hb:])
+            except BaseException:
+                os.close(fd)
+                raise
             while len(h.maps) >= _MAPPED_BLOCKS:
-                h.maps.popitem(last=False)  # unmapped with its last view
-        elif entry[0].size() != h.block_sizes[j]:
-            raise PackerError(f"{path}: shard changed size since it was opened ({h.block_sizes[j]} bytes in the "
-                              f"manifest, {entry[0].size()} now: rewritten in place?); reopen the dataset")
+                os.close(h.maps.popitem(last=False)[1][0])  # its map goes with its last view
+        else:
+            check_size(entry[0], h.block_sizes[j], path)
         h.maps[j] = entry
         return entry[1]
 
     def _range(self, h: _Open, j: int, a: int, b: int) -> np.ndarray | bytes:
         """Bytes [a, b) of block ``j``'s elements: a view of the map, or inflated."""
         arr = h.images
-        if arr.compression == "gzip":
-            block = h.decoded.pop(j, None)
-            if block is None:
-                block = self._inflater(arr, j)
-                while len(h.decoded) >= _DECODED_BLOCKS:
-                    h.decoded.popitem(last=False)
-            h.decoded[j] = block
-            return bytes(block.upto(b)[a:b])
-        return self._mapped(h, j)[a:b]
+        with h.lock:  # readers share one LRU (and inflaters) per process, threads included
+            if arr.compression == "gzip":
+                block = h.decoded.pop(j, None)
+                if block is None:
+                    block = self._inflater(arr, j)
+                    while len(h.decoded) >= _DECODED_BLOCKS:
+                        h.decoded.popitem(last=False)
+                h.decoded[j] = block
+                return bytes(block.upto(b)[a:b])
+            return self._mapped(h, j)[a:b]
 
     def _bytes(self, h: _Open, a: int, b: int) -> np.ndarray:
         """Bytes [a, b) of the images dataset, flat in C order, from the blocks they lie in (joined if several)."""
@@ -408,7 +413,13 @@ class Reader(ShardReader):
         return out
 
     def close(self) -> None:
-        self._h.close(lambda h: h.maps.clear())  # each map goes with its last view
+        def closer(h: _Open) -> None:
+            with h.lock:
+                for fd, _ in h.maps.values():
+                    os.close(fd)
+                h.maps.clear()  # each map goes with its last view
+
+        self._h.close(closer)
         super().close()
 
 

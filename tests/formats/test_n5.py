@@ -9,11 +9,13 @@ tensorstore writes (full-size edge blocks) must read back too. Crafted blocks an
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 import subprocess
 import sys
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -248,6 +250,45 @@ def test_uncompressed_samples_are_views_of_the_mapped_blocks(packed, case):
                 joined += 1
                 assert not any(np.shares_memory(arr, m) for m in mapped)
     assert joined > 0 or case == "raw-24x32"  # whole images per block in the fixed layout
+
+
+def test_samples_kept_hold_no_descriptors_beyond_the_lru(packed, monkeypatch):
+    """Views outlive their block's place in the LRU: the maps hold no descriptor, so keeping every sample of a
+    many-block dataset costs only the LRU's descriptors (a Python mmap each would run out of them)."""
+    monkeypatch.setattr(n5, "_MAPPED_BLOCKS", 2)
+    ds = open_dataset(packed["raw"], image="numpy")
+    assert sum(len(r._h.get(r._open).blocks) for r in ds.store.readers) > 8
+    before = len(os.listdir("/proc/self/fd"))
+    kept = [ds[i][0] for i in range(len(ds))]
+    assert len(os.listdir("/proc/self/fd")) - before <= 2 * len(ds.store.readers)
+    ds.close()
+    assert len(os.listdir("/proc/self/fd")) <= before
+    fresh = open_dataset(packed["raw"], image="numpy")
+    assert all(np.array_equal(a, fresh[i][0]) for i, a in enumerate(kept))  # still readable after close
+
+
+@pytest.mark.parametrize("case", ["raw", "raw-24x32-gzip"])
+def test_threads_share_a_reader_and_its_lru(packed, monkeypatch, case):
+    """Several threads reading one dataset while blocks leave and re-enter a small LRU get every sample right."""
+    monkeypatch.setattr(n5, "_MAPPED_BLOCKS", 2)
+    monkeypatch.setattr(n5, "_DECODED_BLOCKS", 1)
+    expected = [np.array(x) for x, _ in open_dataset(packed[case], image="numpy")]
+    ds = open_dataset(packed[case], image="numpy")
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often, inside the LRU's bookkeeping too
+
+    def work(seed: int) -> int:
+        rng, wrong = np.random.default_rng(seed), 0
+        for _ in range(300):
+            i = int(rng.integers(len(ds)))
+            wrong += not np.array_equal(ds[i][0], expected[i])
+        return wrong
+
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            assert sum(pool.map(work, range(8))) == 0
+    finally:
+        sys.setswitchinterval(switch)
 
 
 def test_the_cli_takes_compression_for_raw_only(imagefolder, tmp_path, capsys):
