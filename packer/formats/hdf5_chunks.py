@@ -50,7 +50,7 @@ class MappedChunks:
         return offset
 
     def flat(self, a: int, b: int) -> np.ndarray:
-        """Bytes [a, b) of the dataset, flat in C order: a read-only view when they lie in one chunk, else joined."""
+        """Bytes [a, b) of the dataset, flat in C order, read-only: a view when they lie in one chunk, else joined."""
         if a >= b:
             return self.data[:0]
         size = self.chunk_bytes
@@ -58,7 +58,9 @@ class MappedChunks:
         if first == last:
             start = self.chunk(first) + a - first * size
             return self.data[start : start + b - a]
-        return np.concatenate([self.data[start : stop] for start, stop in self.spans(a, b)])
+        joined = np.concatenate([self.data[start : stop] for start, stop in self.spans(a, b)])
+        joined.flags.writeable = False  # read-only like every other sample
+        return joined
 
     def spans(self, a: int, b: int) -> list[tuple[int, int]]:
         """The file's byte ranges holding bytes [a, b) of the dataset, one per chunk touched."""

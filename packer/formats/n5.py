@@ -364,7 +364,11 @@ class Reader(ShardReader):
         step = h.images.rows * h.images.row_bytes
         parts = [np.frombuffer(self._range(h, j, max(a, j * step) - j * step, min(b, (j + 1) * step) - j * step),
                                dtype=np.uint8) for j in range(a // step, -(-b // step))]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if len(parts) == 1:
+            return parts[0]
+        joined = np.concatenate(parts)
+        joined.flags.writeable = False  # read-only like every other sample
+        return joined
 
     def _span(self, h: _Open, pos: int) -> tuple[int, int]:
         if h.offsets is None:
