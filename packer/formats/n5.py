@@ -339,7 +339,11 @@ class Reader(ShardReader):
             while len(h.maps) >= _MAPPED_BLOCKS:
                 os.close(h.maps.popitem(last=False)[1][0])  # its map goes with its last view
         else:
-            check_size(entry[0], h.block_sizes[j], path)
+            try:
+                check_size(entry[0], h.block_sizes[j], path)
+            except BaseException:
+                os.close(entry[0])  # out of the LRU already: a changed block is mapped afresh, or refused, next time
+                raise
         h.maps[j] = entry
         return entry[1]
 

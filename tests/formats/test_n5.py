@@ -291,6 +291,21 @@ def test_threads_share_a_reader_and_its_lru(packed, monkeypatch, case):
         sys.setswitchinterval(switch)
 
 
+def test_a_block_truncated_while_open_is_refused_without_leaking_its_descriptor(copy):
+    root = copy("raw")
+    ds = open_dataset(root, image="numpy")
+    ds[0]
+    block = next(p for p in sorted(root.rglob("images/*")) if p.is_file() and p.name == "0")
+    before = len(os.listdir("/proc/self/fd"))
+    os.truncate(block, 20)
+    with pytest.raises(PackerError, match="changed size"):  # the block as mapped
+        ds[0]
+    for _ in range(2):
+        with pytest.raises(PackerError, match="N5 block of 12 bytes"):  # mapped afresh: its header disagrees
+            ds[0]
+    assert len(os.listdir("/proc/self/fd")) < before  # the block's descriptor went with its LRU entry
+
+
 def test_the_cli_takes_compression_for_raw_only(imagefolder, tmp_path, capsys):
     out = tmp_path / "c.n5"
     assert cli_main(["convert", str(imagefolder), "--to", "n5", "--payload", "raw", "--resize", "24x32",
