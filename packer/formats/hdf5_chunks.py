@@ -2,7 +2,7 @@
 
 HDF5 stores an uncompressed chunk as its plain bytes, whole, at an offset its chunk index gives
 (``H5Dget_chunk_info_by_coord``). Mapping the file and slicing there returns what h5py would copy
-out, without the copy (4-9 % of the decode rate for 100 KB photos, docs/results.md). Each chunk's
+out, without the copy (decoding 100 KB photos: 91-92 % -> 93-94 % of the cores' limit, docs/results.md). Each chunk's
 offset is looked up once, on first use, and refused unless the chunk lies whole inside the file
 the manifest describes; a range across chunks is joined from its pieces (a copy).
 """
