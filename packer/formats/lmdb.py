@@ -21,10 +21,10 @@ Readers open with ``readonly=True, lock=False`` (safe on read-only and network f
 nothing is written, not even a lock file). Payloads are zero-copy read-only views of the reader's
 own read-only map of the file (``lmdb_values``), where the spans file says they lie (checked against
 the B-tree first) or, for shards written without one, where one walk of the B-tree's leaf pages finds
-them; py-lmdb's own map serves only those checks. ``access`` decides whether the kernel reads
-ahead around each page fault of that map: on for sequential and block-shuffled passes (measured here a
-cold sequential pass is ~26x faster with it: docs/results.md), off for uniform random access on datasets
-larger than RAM, where read-ahead only evicts useful pages.
+them (``lmdb_pages`` reads those pages; py-lmdb only checks the header and counts). ``access`` decides
+whether the kernel reads ahead around each page fault of that map: on for sequential and block-shuffled
+passes (measured here a cold sequential pass is ~26x faster with it: docs/results.md), off for uniform
+random access on datasets larger than RAM, where read-ahead only evicts useful pages.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from packer.formats.base import (
     fixed_shape,
     shard_layout,
 )
+from packer.formats.lmdb_pages import Tree
 from packer.formats.lmdb_values import MappedValues, check_against_btree, key, load_spans, spans_from_btree
 from packer.layout.manifest import Shard
 from packer.pagecache import PageCache
@@ -123,9 +124,11 @@ def value_spans(path: Path, count: int) -> np.ndarray:
     """[count, 3] int64: each sample's leaf page offset and value start/end in the file, found by one walk of
     the just-written file's leaf pages (``lmdb_values.spans_from_btree``): readers map values with them."""
     env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, readahead=False, meminit=False, max_dbs=0)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        return spans_from_btree(env, path, count)
+        return spans_from_btree(Tree(fd, path, int(env.stat()["psize"]), int(env.info()["last_txnid"])), count)
     finally:
+        os.close(fd)
         env.close()
 
 
@@ -216,7 +219,7 @@ class Reader(ShardReader):
         self._cache: PerProcess[PageCache] = PerProcess(inherited=PageCache.close)
 
     def _open(self) -> _Handle:
-        # py-lmdb's map only serves the checks on open (leaf pages): no read-ahead around them
+        # py-lmdb checks the file's header and counts (its map: no read-ahead); the B-tree is read with pread
         env, self._ident = _shared_env(self.path)
         fd = -1
         try:
@@ -251,10 +254,11 @@ class Reader(ShardReader):
         psize = int(stat["psize"])
         check_size(fd, self.num_bytes, self.path)  # mapped at the manifest's size, or not at all
         spans = None if self.spans_path is None else load_spans(self.spans_path, self.num_samples, st.st_size, psize)
+        tree = Tree(fd, self.path, psize, int(info["last_txnid"]))  # pages read with pread: no read-ahead
         if spans is not None and self.spans_path is not None:
-            check_against_btree(env, spans, self.path, self.spans_path)
+            check_against_btree(tree, spans, self.path, self.spans_path)
         else:  # written before spans files existed (or where /proc was missing)
-            spans = spans_from_btree(env, self.path, self.num_samples)
+            spans = spans_from_btree(tree, self.num_samples)
         values = MappedValues(fd, self.path, spans, random=not self.readahead)
         _release_env(self._ident)  # py-lmdb's map of the whole file is no longer needed: only ours stays
         return _Handle(fd, psize, spans, values)

@@ -3,27 +3,23 @@
 py-lmdb copies every value out of its map into a new ``bytes`` (and walks a cursor per run of
 neighbours); with the spans written at conversion (``lmdb.value_spans``) a value is a slice of a
 memoryview, a batch of fixed-size values one gather. Nothing here trusts the spans file: ``load_spans``
-checks its shape and bounds, ``check_against_btree`` that no two values overlap and that a spread of
-samples (first, last, between) lies exactly where LMDB's own B-tree puts them; the payload sizes are
+checks its shape and bounds, ``check_against_btree`` that no two values overlap and that every sample of
+the first, middle and last leaf pages lies exactly where LMDB's own B-tree puts it; the payload sizes are
 checked against the index on every read (``read.store.ShardStore.check_reads``) and the file's size
 against the manifest before each (the reader's ``check_size``: a map never reads past a truncated end).
 """
 
 from __future__ import annotations
 
-import ctypes
 import mmap
-import os
-import struct
 from pathlib import Path
 
-import lmdb
 import numpy as np
 
 from packer.errors import PackerError
+from packer.formats.lmdb_pages import Tree
 from packer.layout.trust import load_npy
 
-SAMPLES_CHECKED = 8  # samples per shard whose spans are compared with the B-tree on open (a leaf page read each)
 GATHER_BYTES = 1 << 20  # read_into gathers about this much at a time (its temporary stays in the CPU cache)
 
 
@@ -43,74 +39,50 @@ def load_spans(path: Path, num_samples: int, file_size: int, psize: int) -> np.n
     return spans
 
 
-def check_against_btree(env: lmdb.Environment, spans: np.ndarray, path: Path, spans_path: Path) -> None:
-    """Refuse spans that disagree with the shard: values that overlap, or a spread of samples whose leaf page
-    and value are not where LMDB's B-tree puts them in the file (``_leaf_node``: leaf pages only, never a value:
-    py-lmdb reads a whole value to hand it out, 8 values of 100 KB were 190 device reads, 1.2 s, on a cold
-    open under the emulated hard disk)."""
+def check_against_btree(tree: Tree, spans: np.ndarray, path: Path, spans_path: Path) -> None:
+    """Refuse spans that disagree with the shard: values that overlap, or any sample of the first, middle and
+    last leaf pages whose leaf page or value is not where LMDB's B-tree puts it in the file (``lmdb_pages``:
+    the root, branch and leaf pages only, never a value)."""
     where = f"{spans_path}: spans disagree with the LMDB B-tree of {path.name}"
     order = np.argsort(spans[:, 1], kind="stable")
     if np.any(spans[order[1:], 1] < spans[order[:-1], 2]):
         raise PackerError(f"{where} (two values overlap)")
-    psize, size = int(env.stat()["psize"]), os.stat(path).st_size
-    with env.begin(buffers=True) as txn, txn.cursor() as cur:
-        for pos in np.unique(np.linspace(0, len(spans) - 1, min(SAMPLES_CHECKED, len(spans))).astype(int)).tolist():
-            if not cur.set_key(key(pos)):
+    for target in sorted({0, len(spans) // 2, len(spans) - 1} if len(spans) else ()):
+        pgno = tree.leaf_of(key(target))
+        nodes = tree.leaf(pgno)
+        first = _position(nodes[0].key, len(spans))
+        if first is None or not first <= target < first + len(nodes):
+            raise PackerError(f"{where} (sample {target} is missing)")
+        for pos, node in enumerate(nodes, start=first):
+            if pos >= len(spans) or node.key != key(pos):
                 raise PackerError(f"{where} (sample {pos} is missing)")
-            page, at, nbytes = _leaf_node(cur.key(), psize, size, f"{where} (sample {pos}")
             start, end = int(spans[pos, 1]), int(spans[pos, 2])
-            if nbytes != end - start:
-                raise PackerError(f"{where} (sample {pos}: {end - start} bytes, LMDB holds {nbytes})")
-            if (page, at) != (int(spans[pos, 0]), start):
-                raise PackerError(f"{where} (sample {pos} lies at byte {at}, not {start})")
+            if node.nbytes != end - start:
+                raise PackerError(f"{where} (sample {pos}: {end - start} bytes, LMDB holds {node.nbytes})")
+            if (pgno * tree.psize, node.start) != (int(spans[pos, 0]), start):
+                raise PackerError(f"{where} (sample {pos} lies at byte {node.start}, not {start})")
 
 
-def spans_from_btree(env: lmdb.Environment, path: Path, count: int) -> np.ndarray:
+def _position(k: bytes, count: int) -> int | None:
+    """The sample position a key names (``key``'s ten digits), or None."""
+    return int(k) if len(k) == 10 and k.isdigit() and int(k) < count else None
+
+
+def spans_from_btree(tree: Tree, count: int) -> np.ndarray:
     """[count, 3] int64 (leaf page, value start, value end) of every sample, from one walk of the B-tree's leaf
     pages (values are never touched): how the writer makes the spans file, and how a reader serves a shard
     written without one. A value that would lie outside the file is refused in one line."""
-    psize, size = int(env.stat()["psize"]), os.stat(path).st_size
     out = np.zeros((count, 3), dtype=np.int64)
-    with env.begin(buffers=True) as txn, txn.cursor() as cur:
-        found = cur.first()
-        for pos in range(count):
-            if not found or bytes(cur.key()) != key(pos):
-                raise PackerError(f"{path}: damaged LMDB shard: sample {pos} is missing")
-            page, start, nbytes = _leaf_node(cur.key(), psize, size, f"{path}: damaged LMDB shard (sample {pos}")
-            if start + nbytes > size:
-                raise PackerError(f"{path}: damaged LMDB shard (sample {pos}'s value runs past the end of the file)")
-            out[pos] = (page, start, start + nbytes)
-            found = cur.next()
+    pos = 0
+    for pgno, nodes in tree.leaves():
+        for node in nodes:
+            if pos >= count or node.key != key(pos):
+                raise PackerError(f"{tree.path}: damaged LMDB shard: sample {min(pos, count)} is missing")
+            out[pos] = (pgno * tree.psize, node.start, node.start + node.nbytes)
+            pos += 1
+    if pos != count:
+        raise PackerError(f"{tree.path}: damaged LMDB shard: sample {pos} is missing")
     return out
-
-
-NODE_HEADER = struct.Struct("<HHHH")  # LMDB's MDB_node: data size (low, high 16 bits), flags, key size
-BIGDATA = 0x01  # F_BIGDATA: the value lies in overflow pages, the node holds their first page number
-PAGE_HEADER = 16  # an overflow page's header (page number, padding, flags, overflow count)
-
-
-def _leaf_node(key_buffer, psize: int, file_size: int, where: str) -> tuple[int, int, int]:
-    """(leaf page offset, value offset, value size) in the file of the leaf node holding ``key_buffer`` (py-lmdb's
-    zero-copy key, inside its map of the file), decoded as LMDB lays a node out.
-
-    The page's own header gives its number, hence its place in the file (leaf pages lie inside the file: the
-    reader checked LMDB's last page against the file's size), and only bytes of that page are read: the node's
-    header before the key, an overflow page number after it."""
-    address = _address(key_buffer)
-    in_page = address % psize
-    page = int.from_bytes(ctypes.string_at(address - in_page, 8), "little") * psize
-    lo, hi, flags, ksize = NODE_HEADER.unpack(ctypes.string_at(address - NODE_HEADER.size, NODE_HEADER.size))
-    nbytes = lo | hi << 16
-    inline = 8 if flags & BIGDATA else nbytes  # bytes after the key, in this page
-    if not 0 <= page <= file_size - psize or ksize != len(key_buffer) or in_page + ksize + inline > psize:
-        raise PackerError(f"{where}'s leaf node is not LMDB's)")
-    if flags & BIGDATA:
-        return page, int.from_bytes(ctypes.string_at(address + ksize, 8), "little") * psize + PAGE_HEADER, nbytes
-    return page, page + in_page + ksize, nbytes
-
-
-def _address(buf) -> int:
-    return np.frombuffer(buf, dtype=np.uint8).ctypes.data
 
 
 class MappedValues:

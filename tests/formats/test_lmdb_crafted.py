@@ -60,8 +60,8 @@ def read_in_child(path: Path, pos: int, prelude: str = "") -> subprocess.Complet
 
 def test_an_overflow_value_past_the_end_is_refused_without_touching_it(big, tmp_path):
     """A checked sample whose overflow page runs past the end of the file: the spans check decodes its leaf node
-    and refuses the shard in one line, without /proc (opening /proc/self/maps fails in the child) and without
-    touching the value (py-lmdb would fault on it: SIGBUS, rc -7)."""
+    (packer.formats.lmdb_pages) and refuses the shard in one line, without /proc (opening /proc/self/maps
+    fails in the child) and without touching the value (py-lmdb would fault on it: SIGBUS, rc -7)."""
     path = overflow_past_the_end(big, tmp_path / "ds", pos=7)
     no_proc = ("import builtins; _open = builtins.open\n"
                "def guarded(f, *a, **k):\n"
@@ -70,7 +70,8 @@ def test_an_overflow_value_past_the_end_is_refused_without_touching_it(big, tmp_
                "builtins.open = guarded")
     for prelude in ("", no_proc):
         got = read_in_child(path, 0, prelude)
-        assert got.returncode == 0 and "spans disagree" in got.stdout and "shard-00000" in got.stdout, (
+        assert got.returncode == 0 and "value of key 0000000007 runs past the end" in got.stdout and (
+            "shard-00000" in got.stdout), (
             got.returncode, got.stdout, got.stderr[-300:])
 
 
@@ -89,5 +90,33 @@ def test_a_shard_without_spans_refuses_an_overflow_value_past_the_end(big, tmp_p
     path = overflow_past_the_end(big, tmp_path / "ds", pos=7)
     drop_spans(path)
     got = read_in_child(path, 0)
-    assert got.returncode == 0 and "sample 7's value runs past the end" in got.stdout, (
+    assert got.returncode == 0 and "value of key 0000000007 runs past the end" in got.stdout, (
         got.returncode, got.stdout, got.stderr[-300:])
+
+
+@pytest.mark.parametrize("craft, message", [
+    ("root past the end", "lies past the end of the file"),
+    ("root on a value page", "is not an LMDB leaf page"),
+    ("too deep", "levels deep"),
+])
+def test_a_crafted_btree_is_refused_in_one_line(big, tmp_path, craft, message):
+    """The meta pages' main tree (read by packer.formats.lmdb_pages with pread, not through a map) made to point
+    past the file, at a value's page, or 40 levels deep: one line naming the shard, never a crash or a hang."""
+    out = tmp_path / "ds"
+    shutil.copytree(big, out)
+    shard = out / "shard-00000.lmdb"
+    data = bytearray(shard.read_bytes())
+    psize = 4096
+    value_page = struct.unpack_from("<Q", data, bytes(data).index(b"%010d" % 3) + 10)[0]
+    for meta in (0, psize):  # both meta pages: whichever LMDB picks
+        if craft == "too deep":
+            struct.pack_into("<H", data, meta + 94, 40)
+        else:
+            struct.pack_into("<Q", data, meta + 128, len(data) // psize + 10 if craft == "root past the end"
+                             else value_page)
+    shard.write_bytes(bytes(data))
+    _rewrite_checksums(out)
+    got = read_in_child(out, 0)
+    assert got.returncode == 0 and message in got.stdout and "shard-00000" in got.stdout, (
+        got.returncode, got.stdout, got.stderr[-300:])
+    assert got.stdout.count("\n") == 1

@@ -4,6 +4,7 @@ spans files that disagree with the shard refused in one line, fork and spawn wor
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -14,8 +15,9 @@ from support.fuzzing import _rewrite_checksums as recompute_checksums
 from support.imagesets import make_imagefolder
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
-from packer import PackerError, convert, open_dataset
-from packer.formats.lmdb_values import SAMPLES_CHECKED
+from packer import PackerError, Writer, convert, open_dataset
+from packer.formats.lmdb_pages import Tree
+from packer.formats.lmdb_values import check_against_btree, key, spans_from_btree
 
 CASES = {"encoded": {}, "raw": {"payload": "raw"}, "fixed": {"payload": "raw", "resize": "16x12"}}
 
@@ -121,16 +123,78 @@ def test_crafted_spans_are_refused_in_one_line(copy, craft, message):
     ds[ds.index_map.public(0)]  # the other shards still read
 
 
+def shard_tree(path: Path) -> tuple[Tree, int]:
+    """The B-tree of ``path`` as the reader reads it, and its descriptor (the caller closes it)."""
+    env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=0)
+    psize, txnid = env.stat()["psize"], env.info()["last_txnid"]
+    env.close()
+    fd = os.open(path, os.O_RDONLY)
+    return Tree(fd, path, psize, txnid), fd
+
+
 def test_a_middle_sample_is_compared_with_the_btree(copy):
     path = copy("encoded")
     spans_file = path / "shard-00000.spans.npy"
     spans = np.load(spans_file)
-    assert len(spans) <= SAMPLES_CHECKED  # every sample of this small shard is compared
+    tree, fd = shard_tree(path / "shard-00000.lmdb")
+    os.close(fd)
+    assert tree.depth == 1  # one leaf page: every sample of this small shard is compared
     spans[len(spans) // 2, 1:] -= 1  # one value, one byte early
     np.save(spans_file, spans)
     recompute_checksums(path)
     with pytest.raises(PackerError, match=f"sample {len(spans) // 2} lies at byte"):
         read_first(path)
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    """One shard of 3,000 raw samples, every third 2,100 bytes (in overflow pages, as photos are), the rest
+    3 bytes (in the leaf pages): a B-tree of a root over ~16 leaf pages."""
+    root = tmp_path_factory.mktemp("lmdbdeep")
+    with Writer(root / "ds", format="lmdb") as w:
+        for i in range(3000):
+            w.add(np.full((1, 700 if i % 3 == 0 else 1, 3), i % 251, np.uint8), label=0)
+    return root / "ds"
+
+
+def test_the_btree_walk_finds_what_py_lmdb_finds_and_the_check_reads_no_value(deep, monkeypatch):
+    """Walked page by page (``lmdb_pages``), every sample's value lies where py-lmdb's cursor finds it; the
+    check on open reads the root and three leaves only, never a page of a value."""
+    path = deep / "shard-00000.lmdb"
+    tree, fd = shard_tree(path)
+    try:
+        assert tree.depth == 2 and tree.entries == 3000
+        spans = spans_from_btree(tree, 3000)
+        env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=0)
+        with env.begin(buffers=True) as txn:
+            addr = [np.frombuffer(txn.get(key(p)), np.uint8) for p in (0, 1234, 1235, 2999)]
+            base = np.frombuffer(txn.get(key(0)), np.uint8).ctypes.data - spans[0, 1]
+            assert [a.ctypes.data - base for a in addr] == spans[[0, 1234, 1235, 2999], 1].tolist()
+        env.close()
+        assert np.array_equal(spans, np.load(deep / "shard-00000.spans.npy"))
+        assert len(np.unique(spans[:, 0])) > 10
+        read: list[int] = []
+        real = Tree._read
+        monkeypatch.setattr(Tree, "_read", lambda self, pgno: read.append(pgno) or real(self, pgno))
+        check_against_btree(tree, spans, path, deep / "shard-00000.spans.npy")
+        leaves = {int(spans[p, 0]) // tree.psize for p in (0, 1500, 2999)}
+        assert set(read) == leaves | {tree.root} and len(read) == 3 + len(leaves)  # a root per descent
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("pos", [0, 1500, 2999])
+def test_every_sample_of_the_first_middle_and_last_leaf_is_compared(deep, tmp_path, pos):
+    path = tmp_path / "ds"
+    shutil.copytree(deep, path)
+    spans = np.load(path / "shard-00000.spans.npy")
+    leaf = np.flatnonzero(spans[:, 0] == spans[pos, 0])
+    wrong = int(leaf[-1] if pos < 2999 else leaf[0])  # the other end of that leaf page
+    spans[wrong, 1:] += 1
+    np.save(path / "shard-00000.spans.npy", spans)
+    recompute_checksums(path)
+    with pytest.raises(PackerError, match=f"sample {wrong} lies at byte"):
+        open_dataset(path).read_payload(0)
 
 
 def test_a_dataset_without_spans_reads_views_found_by_walking_the_btree(copy):
