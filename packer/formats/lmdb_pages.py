@@ -135,12 +135,12 @@ class Tree:
 
     def leaves(self) -> Iterator[tuple[int, list[Node]]]:
         """Every leaf page (number, nodes), in key order: a depth-first walk of at most the pages the meta
-        page counts."""
-        stack, seen = [(self.root, 1)] if self.depth else [], 0
+        page counts and the file holds (a crafted loop of branch pages ends there)."""
+        stack, seen, limit = [(self.root, 1)] if self.depth else [], 0, min(self.pages, self.file_size // self.psize)
         while stack:
             pgno, level = stack.pop()
             seen += 1
-            if seen > self.pages:
+            if seen > limit:
                 raise self._damaged("its B-tree holds more pages than its meta page counts")
             if level == self.depth:
                 yield pgno, self.leaf(pgno)

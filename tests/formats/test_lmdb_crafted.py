@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 
 import lmdb
+import numpy as np
 import pytest
 from support.fuzzing import _rewrite_checksums
 from support.imagesets import make_imagefolder
 
-from packer import convert
+from packer import Writer, convert
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -120,3 +121,36 @@ def test_a_crafted_btree_is_refused_in_one_line(big, tmp_path, craft, message):
     assert got.returncode == 0 and message in got.stdout and "shard-00000" in got.stdout, (
         got.returncode, got.stdout, got.stderr[-300:])
     assert got.stdout.count("\n") == 1
+
+
+def test_a_loop_of_branch_pages_ends_in_one_line(tmp_path):
+    """A root branch page whose every child is its first leaf, the meta pages claiming 2**40 pages: the walk of
+    the leaves (a shard without spans) ends in one line, never a walk of 2**40 pages."""
+    src = tmp_path / "src"
+    with Writer(src, format="lmdb") as w:
+        for i in range(400):
+            w.add(np.full((1, 1, 3), i % 251, np.uint8), label=0)
+    env = lmdb.open(str(src / "shard-00000.lmdb"), subdir=False, readonly=True, lock=False)
+    assert env.stat()["depth"] == 2
+    env.close()
+    drop_spans(src)
+    shard = src / "shard-00000.lmdb"
+    data = bytearray(shard.read_bytes())
+    psize = 4096
+    root = struct.unpack_from("<Q", data, 128)[0]
+    if struct.unpack_from("<Q", data, psize + 144)[0] > struct.unpack_from("<Q", data, 144)[0]:
+        root = struct.unpack_from("<Q", data, psize + 128)[0]
+    page = root * psize
+    lower = struct.unpack_from("<H", data, page + 12)[0]
+    first = page + struct.unpack_from("<H", data, page + 16)[0]
+    leaf = data[first : first + 6]
+    for k in range(1, (lower - 16) // 2):  # every child of the root: its first leaf
+        at = page + struct.unpack_from("<H", data, page + 16 + 2 * k)[0]
+        data[at : at + 6] = leaf
+    for meta in (0, psize):
+        struct.pack_into("<QQ", data, meta + 96, 1 << 40, 1 << 40)  # branch and leaf page counts
+    shard.write_bytes(bytes(data))
+    _rewrite_checksums(src)
+    got = read_in_child(src, 0)
+    assert got.returncode == 0 and "shard-00000" in got.stdout and got.stdout.count("\n") == 1, (
+        got.returncode, got.stdout, got.stderr[-300:])
