@@ -11,7 +11,8 @@ Two ways to read a span, measured under the emulated hard disk (``packer bench -
 
 - a span inside a block the order reads whole (a block sampler's hint, ``within``) is widened to
   the device's request grid (``request_bytes``, clipped to the block) and read exactly as asked
-  (``POSIX_FADV_RANDOM``), one request per ``pread``. With the kernel's read-ahead instead, each
+  (``POSIX_FADV_RANDOM``), one request per piece (``_piece``: asked with ``POSIX_FADV_WILLNEED``, not
+  copied). With the kernel's read-ahead instead, each
   span started megabytes of reads the next batches did not need, queued ahead of their bytes, and
   1 MB reads became a 1,016 KB and an 8 KB request (ThreadLoader, block order, decoding replaced
   by a sleep at the decode limit: ~1,050 img/s, 134-270 requests per 147 MB; exact, on the grid:
@@ -161,8 +162,12 @@ def _read_job(job: Pending, fds: dict[str, int], exact_fds: dict[str, int], view
 
 
 def _piece(fds: dict[str, int], path: str, offset: int, end: int, view: memoryview, exact: bool) -> int:
-    """Read the next ``len(view)`` bytes of [offset, end) of ``path``: bytes read, 0 or -1. ``exact``: through
-    files opened with ``POSIX_FADV_RANDOM`` (each piece one device request, nothing read beyond it).
+    """Read the next ``len(view)`` bytes of [offset, end) of ``path`` into the page cache: bytes read, 0 or -1.
+    ``exact``: through files opened with ``POSIX_FADV_RANDOM`` (each piece one device request, nothing read
+    beyond it), asked with ``POSIX_FADV_WILLNEED`` (the request a ``pread`` would make, its bytes copied
+    nowhere) and waited for by reading its last byte: the read-ahead thread's CPU per photo halved (60 to
+    30 us, emulated hard disk, block order; docs/results.md). Waiting on the last byte is a hint, not a
+    promise: a byte still in flight is waited for by whoever maps or reads it.
 
     Pieces start at the span's start, unaligned: a read that does not follow the previous one on
     its file is read exactly as asked, so a short first piece would cost a device request of
@@ -171,10 +176,17 @@ def _piece(fds: dict[str, int], path: str, offset: int, end: int, view: memoryvi
     fd = _fd(fds, path, exact)
     if fd is None:
         return -1
+    n = min(end - offset, len(view))
     try:
-        return os.preadv(fd, [view[: min(end - offset, len(view))]], offset)
+        if exact and _ADVISE:
+            os.posix_fadvise(fd, offset, n, os.POSIX_FADV_WILLNEED)
+            return n if os.preadv(fd, [view[:1]], offset + n - 1) == 1 else -1
+        return os.preadv(fd, [view[:n]], offset)
     except OSError:
         return -1
+
+
+_ADVISE = hasattr(os, "posix_fadvise")
 
 
 _REQUEST: dict[int, int] = {}  # st_dev -> request bytes

@@ -14,6 +14,7 @@ from support.imagesets import make_imagefolder
 
 from packer import convert, open_dataset
 from packer.diagnose.measure import evict, resident_pages
+from packer.pagecache import PageCache
 from packer.read import readahead
 from packer.read.hints import Ahead, Hinted, aheads_of
 from packer.read.sampler import BlockShuffleSampler
@@ -94,24 +95,39 @@ G = 1 << 16  # the device request size these tests pretend
 ])
 def test_spans_are_read_in_whole_device_requests(tmp_path, monkeypatch, within, want):
     """A span inside a block the order reads whole is widened to the device's request grid, never beyond the
-    block, and read one request per pread (none split in two)."""
+    block, and read one request per piece (none split in two): asked of the kernel (``POSIX_FADV_WILLNEED``,
+    nothing copied) and waited for by a one-byte read of its last byte; the bytes end up in the page cache."""
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(4 * G))
-    calls = []
-    real = os.preadv
+    evict([path])
+    calls, waits = [], []
+    real_read, real_advise = os.preadv, os.posix_fadvise
 
-    def spy(fd, buffers, offset):
-        if os.readlink(f"/proc/self/fd/{fd}") == str(path):
-            calls.append((offset, offset + sum(len(b) for b in buffers)))
-        return real(fd, buffers, offset)
+    def ours(fd):
+        return os.readlink(f"/proc/self/fd/{fd}") == str(path)
+
+    def read_spy(fd, buffers, offset):
+        size = sum(len(b) for b in buffers)
+        if ours(fd):
+            (waits if within else calls).append((offset, offset + size))
+        return real_read(fd, buffers, offset)
+
+    def advise_spy(fd, offset, size, advice):
+        if ours(fd) and advice == os.POSIX_FADV_WILLNEED:
+            calls.append((offset, offset + size))
+        return real_advise(fd, offset, size, advice)
 
     if not os.path.isdir("/proc/self/fd"):
         pytest.skip("needs /proc")
-    monkeypatch.setattr(os, "preadv", spy)
+    monkeypatch.setattr(os, "preadv", read_spy)
+    monkeypatch.setattr(os, "posix_fadvise", advise_spy)
     monkeypatch.setattr(readahead, "request_bytes", lambda p: G)
     job = readahead.start([[(str(path), 1000, 2 * G + 1007)]], within=[(str(path), a, b) for a, b in within])
     job.wait(0, timeout=10)
     assert calls == want
+    if within:
+        assert waits == [(b - 1, b) for _a, b in want]  # each request waited for by its last byte
+        assert PageCache(str(path)).resident(np.array([want[0][0]]), np.array([want[-1][1]]))
 
 
 def test_request_bytes_follows_the_device_queue(tmp_path):
