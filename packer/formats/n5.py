@@ -15,9 +15,9 @@ Each dataset directory holds ``attributes.json`` (``dimensions``, ``blockSize``,
 dimension order). N5 lists dimensions fastest-varying first (F order), the reverse of numpy's
 C order: an N5 ``[3, W, H, N]`` array is numpy's ``(N, H, W, 3)`` with the same bytes, which is
 how tensorstore presents it. Images are blocked along N only (``images/0/0/0/<j>``, whole
-images, about 1 MiB of pixels per block: a few images per file) and blobs in 1 MiB blocks
-(``images/<j>``); ``--n5-block SIZE`` sets another size. The small int64 arrays are one block
-each.
+images, about 960 KiB of pixels per block: a few images per file) and blobs in 960 KiB blocks
+(``images/<j>``; ``n5blocks.BLOCK_BYTES``: one device request per block file); ``--n5-block SIZE`` sets
+another size. The small int64 arrays are one block each.
 
 Reading checks each block's header against the dataset's attributes (and those against the
 manifest) before it allocates: an uncompressed block must be exactly header + elements long,
@@ -435,6 +435,6 @@ FORMAT = N5Format(
     name="n5", dataset_class="N5Dataset", payloads=frozenset({"encoded", "raw"}), Writer=Writer, Reader=Reader,
     default_shard_bytes=None,
     compressions=frozenset({"gzip"}),
-    options=(Option("n5_block", "n5: bytes of images per block file (default 1MiB); "
+    options=(Option("n5_block", "n5: bytes of images per block file (default 960KiB); "
                     "whole images with --resize HxW", metavar="SIZE", type=size_arg),),
 )

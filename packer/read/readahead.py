@@ -30,12 +30,14 @@ the file and the sample.
 
 from __future__ import annotations
 
+import mmap
 import os
 import queue
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+PAGE = mmap.PAGESIZE
 PIECE = 256 << 10  # one pread of a stream: the kernel's read-ahead turns a run of these into >= 1 MB requests
 DEFAULT_REQUEST = 254 * 4096  # device request size where /sys does not say (see request_bytes)
 MAX_REQUEST = 4 << 20
@@ -280,7 +282,10 @@ def start(requests: Sequence[Sequence[Range]], gap: int = GAP, within: Sequence[
         job._finish()
         return job
     job = plan(requests, gap)
-    job.reads = [_widened(span, within) for span in job.spans]
+    blocks: dict[str, list[tuple[int, int]]] = {}
+    for path, a, b in within:
+        blocks.setdefault(path, []).append((a, b))
+    job.reads = [_widened(span, blocks.get(span[0], ())) for span in job.spans]
     if job.spans:
         _reader().jobs.put(job)
     else:
@@ -288,12 +293,13 @@ def start(requests: Sequence[Sequence[Range]], gap: int = GAP, within: Sequence[
     return job
 
 
-def _widened(span: Range, within: Sequence[Range]) -> tuple[int, int, bool]:
-    """The bytes to read for ``span``: inside a block the order reads whole, widened to the device's request
-    grid (clipped to the block) and read exactly; elsewhere the span, the kernel reading ahead as it sees fit."""
+def _widened(span: Range, within: Sequence[tuple[int, int]]) -> tuple[int, int, bool]:
+    """The bytes to read for ``span``: inside a block the order reads whole (``within``: the blocks' byte ranges
+    in the span's file), widened to the device's request grid (clipped to the block, from the page its first byte
+    lies in) and read exactly; elsewhere the span, the kernel reading ahead as it sees fit."""
     path, start, end = span
-    for p, a, b in within:
-        if p == path and a <= start and end <= b:
+    for a, b in within:
+        if a <= start and end <= b:
             grid = request_bytes(path)
-            return max(a, start - start % grid), min(b, -(-end // grid) * grid), True
+            return max(a - a % PAGE, start - start % grid), min(b, -(-end // grid) * grid), True
     return start, end, False

@@ -91,12 +91,14 @@ G = 1 << 16  # the device request size these tests pretend
 @pytest.mark.parametrize("within, want", [
     ((), [(1000, 2 * G + 1007)]),  # not in a block: as asked, in PIECE pieces (the test above)
     ([(0, 4 * G)], [(0, G), (G, 2 * G), (2 * G, 3 * G)]),  # inside a block: widened to the request grid
-    ([(500, 2 * G + 2000)], [(500, 500 + G), (500 + G, 500 + 2 * G), (500 + 2 * G, 2 * G + 2000)]),  # not past it
+    # not past it, but from the page its first byte lies in (read whole anyway): requests stay page-aligned
+    ([(500, 2 * G + 2000)], [(0, G), (G, 2 * G), (2 * G, 2 * G + 2000)]),
 ])
 def test_spans_are_read_in_whole_device_requests(tmp_path, monkeypatch, within, want):
     """A span inside a block the order reads whole is widened to the device's request grid, never beyond the
-    block, and read one request per piece (none split in two): asked of the kernel (``POSIX_FADV_WILLNEED``,
-    nothing copied) and waited for by a one-byte read of its last byte; the bytes end up in the page cache."""
+    block (nor before the page it starts in), and read one request per piece (none split in two): asked of the
+    kernel (``POSIX_FADV_WILLNEED``, nothing copied) and waited for by a one-byte read of its last byte; the
+    bytes end up in the page cache."""
     path = tmp_path / "f.bin"
     path.write_bytes(os.urandom(4 * G))
     evict([path])
@@ -446,3 +448,25 @@ def test_the_reader_thread_outlives_an_error_in_one_job(tmp_path, monkeypatch):
     second.wait(0, timeout=5)
     alive = readahead._READER is not None and readahead._READER.thread.is_alive()
     assert second.done() and alive, f"second job done={second.done()}, reader thread alive={alive}"
+
+
+def test_a_block_over_several_files_is_widened_in_each(tmp_path):
+    """n5 keeps its samples in block files of their own, so a block sampler's block covers several: its byte
+    hull is worked out per file, and reads inside every one of them are widened and exact (the hull of a block's
+    first and last sample alone, two files, was dropped: each file was then read in kernel read-ahead pieces,
+    2-3 device requests per 1 MiB file under the emulated hard disk)."""
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
+    ds = open_dataset(convert(src, tmp_path / "ds.n5", to="n5", n5_block=3000, workers=0, progress=False).output)
+    sampler = BlockShuffleSampler(ds, block_bytes=int(ds.index.nbytes.sum()) // 2, seed=0)
+    batch = list(sampler)[:6]
+    (ahead,) = aheads_of(batch)[:1]
+    hulls = ds._hulls([ahead])
+    files = {path for path, _a, _b in hulls}
+    assert len(files) == len(hulls) > 2  # one hull per block file of the block
+    positions = np.arange(ahead.first, ahead.stop)
+    spans = [r for rs in ds.store.readers[0].file_spans(positions.tolist()) for r in rs]
+    assert all(any(p == path and a <= lo and hi <= b for path, a, b in hulls) for p, lo, hi in spans)
+    job = ds.read_ahead(batch)
+    job.wait(len(batch) - 1, timeout=10)
+    assert job.reads and all(exact for _start, _stop, exact in job.reads)
+    assert ds._hull_memo[ahead.first, ahead.stop] == hulls  # worked out once per block
