@@ -347,29 +347,35 @@ class Reader(ShardReader):
         h.maps[j] = entry
         return entry[1]
 
-    def _range(self, h: _Open, j: int, a: int, b: int) -> np.ndarray | bytes:
-        """Bytes [a, b) of block ``j``'s elements: a view of the map, or inflated."""
-        arr = h.images
-        with h.lock:  # readers share one LRU (and inflaters) per process, threads included
-            if arr.compression == "gzip":
+    def _range(self, h: _Open, j: int, a: int, b: int, used: dict) -> np.ndarray | bytes:
+        """Bytes [a, b) of block ``j``'s elements: a view of the map, or inflated. Call with ``h.lock`` held;
+        ``used``: the blocks this call has already found (one LRU step and one size check per block and call)."""
+        block = used.get(j)
+        if block is None:
+            if h.images.compression == "gzip":
                 block = h.decoded.pop(j, None)
                 if block is None:
-                    block = self._inflater(arr, j)
+                    block = self._inflater(h.images, j)
                     while len(h.decoded) >= _DECODED_BLOCKS:
                         h.decoded.popitem(last=False)
                 h.decoded[j] = block
-                return bytes(block.upto(b)[a:b])
-            return self._mapped(h, j)[a:b]
+            else:
+                block = self._mapped(h, j)
+            used[j] = block
+        if isinstance(block, Inflater):
+            return bytes(block.upto(b)[a:b])
+        return block[a:b]
 
-    def _bytes(self, h: _Open, a: int, b: int) -> np.ndarray:
+    def _bytes(self, h: _Open, a: int, b: int, used: dict) -> np.ndarray:
         """Bytes [a, b) of the images dataset, flat in C order, from the blocks they lie in (joined if several)."""
         if a == b:
             return np.zeros(0, np.uint8)
         step = h.images.rows * h.images.row_bytes
-        parts = [np.frombuffer(self._range(h, j, max(a, j * step) - j * step, min(b, (j + 1) * step) - j * step),
-                               dtype=np.uint8) for j in range(a // step, -(-b // step))]
-        if len(parts) == 1:
-            return parts[0]
+        if a // step == (b - 1) // step:  # one block: a view of it (most samples)
+            part = self._range(h, a // step, a % step, b - a // step * step, used)
+            return part if isinstance(part, np.ndarray) else np.frombuffer(part, dtype=np.uint8)
+        parts = [np.frombuffer(self._range(h, j, max(a, j * step) - j * step, min(b, (j + 1) * step) - j * step,
+                                           used), dtype=np.uint8) for j in range(a // step, -(-b // step))]
         joined = np.concatenate(parts)
         joined.flags.writeable = False  # read-only like every other sample
         return joined
@@ -380,8 +386,8 @@ class Reader(ShardReader):
             return pos * size, (pos + 1) * size
         return int(h.offsets[pos]), int(h.offsets[pos + 1])
 
-    def _sample(self, h: _Open, pos: int) -> np.ndarray | memoryview:
-        view = self._bytes(h, *self._span(h, pos))
+    def _sample(self, h: _Open, pos: int, used: dict) -> np.ndarray | memoryview:
+        view = self._bytes(h, *self._span(h, pos), used)
         if h.offsets is None:
             return view.reshape(cast(tuple, self.fixed_shape))
         return view.data if h.shapes is None else view.reshape(h.shapes[pos])
@@ -393,7 +399,9 @@ class Reader(ShardReader):
     def read_many(self, positions: Sequence[int]) -> list:
         """Views of the mapped blocks (uncompressed), bytes inflated once per block and kept (gzip)."""
         h = self._h.get(self._open)
-        return [self._sample(h, p) for p in positions]
+        used: dict = {}  # block number -> its map or inflater, for this call
+        with h.lock:  # readers share one LRU (and inflaters) per process, threads included
+            return [self._sample(h, p, used) for p in positions]
 
     def read_into(self, positions: Sequence[int], out: np.ndarray) -> None:
         """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``."""
