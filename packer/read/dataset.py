@@ -44,7 +44,6 @@ ImageKind = Literal["pil", "numpy", "tensor"]
 
 
 FILE_SOURCES = ("", "folder", "list")  # source types whose records are files below the recorded source folder
-HULLS_KEPT = 4096  # hinted ranges whose byte hulls a dataset remembers (blocks of an epoch, and ranks' shares)
 
 
 class PackedDataset(FolderSurface):
@@ -74,7 +73,6 @@ class PackedDataset(FolderSurface):
         self.store = ShardStore(self.root, access)
         self.manifest, self.index, self.access = self.store.manifest, self.store.index, self.store.access
         self.index_map = IndexMap.of(self.index)
-        self._hull_memo: dict[tuple[int, int], list[tuple[str, int, int]]] = {}  # _hulls, per hinted range
         self.field_store = self.store.fields
         self.selection = FieldSelection(fields, self.field_store, self.root)
         # samples are file paths where the source was files below a folder (a folder, a list file's --root);
@@ -138,8 +136,8 @@ class PackedDataset(FolderSurface):
         return get_format(self.manifest.format).block_boundaries(self.manifest)
 
     def _hulls(self, ahead: Sequence[Ahead]) -> list[tuple[str, int, int]]:
-        """Each hinted range's byte hull in every file its samples lie in (a range across shards, or out of range,
-        is left out), worked out once per range: a block sampler hints the same blocks batch after batch."""
+        """Each hinted range's byte hull in every file its samples lie in (``ShardStore.byte_hulls``; a range
+        across shards, or out of range, is left out)."""
         out = []
         for hint in ahead:
             try:
@@ -148,26 +146,8 @@ class PackedDataset(FolderSurface):
                 raise PackerError(f"{self.root}: a read hint must hold integer positions, got {hint!r}") from None
             if not 0 <= first < stop <= len(self):
                 continue
-            hulls = self._hull_memo.get((first, stop))
-            if hulls is None:
-                if len(self._hull_memo) >= HULLS_KEPT:
-                    self._hull_memo.clear()
-                hulls = self._hull_memo[first, stop] = self._hulls_of(first, stop)
-            out.extend(hulls)
+            out.extend(self.store.byte_hulls(first, stop))
         return out
-
-    def _hulls_of(self, first: int, stop: int) -> list[tuple[str, int, int]]:
-        """Per file, the first byte to the last of storage positions [first, stop)'s ranges there: one file for
-        most formats, each block file a range covers for n5 (whose blocks are files of their own)."""
-        shard, a = self.store.locate(first)
-        if self.store.locate(stop - 1)[0] != shard:
-            return []
-        hull: dict[str, tuple[int, int]] = {}
-        for ranges in self.store.readers[shard].file_spans(list(range(a, a + stop - first))):
-            for path, lo, hi in ranges:
-                was = hull.get(path)
-                hull[path] = (lo, hi) if was is None else (min(was[0], lo), max(was[1], hi))
-        return [(path, lo, hi) for path, (lo, hi) in hull.items()]
 
     def __repr__(self) -> str:
         m = self.manifest

@@ -41,6 +41,9 @@ def resolve_access(access: Access, manifest: Manifest) -> str:
     return "random" if available is not None and size > available // 2 else "sequential"
 
 
+HULLS_KEPT = 4096  # ranges whose byte hulls a store remembers (an epoch's blocks, and ranks' shares of them)
+
+
 class ShardStore:
     """The shards of the dataset at ``root`` (an absolute path), opened consistently; reads checked."""
 
@@ -55,6 +58,29 @@ class ShardStore:
                             for s in self.manifest.shards]
         self.starts = shard_starts([s.num_samples for s in self.manifest.shards])
         self._checked: PerProcess[set[int]] = PerProcess(set)  # shards whose files this process checked
+        self.hulls: dict[tuple[int, int], list[tuple[str, int, int]]] = {}  # byte_hulls, per range asked
+
+    def byte_hulls(self, first: int, stop: int) -> list[tuple[str, int, int]]:
+        """Per file, the first byte to the last of the ranges storage positions [first, stop) are read from (one
+        file for most formats, each block file the range covers for n5); [] for a range across shards. Worked
+        out once per range: a block sampler hints the same blocks batch after batch."""
+        got = self.hulls.get((first, stop))
+        if got is None:
+            if len(self.hulls) >= HULLS_KEPT:
+                self.hulls.clear()
+            got = self.hulls[first, stop] = self._byte_hulls(first, stop)
+        return got
+
+    def _byte_hulls(self, first: int, stop: int) -> list[tuple[str, int, int]]:
+        shard, a = self.locate(first)
+        if self.locate(stop - 1)[0] != shard:
+            return []
+        hull: dict[str, tuple[int, int]] = {}
+        for ranges in self.readers[shard].file_spans(list(range(a, a + stop - first))):
+            for path, lo, hi in ranges:
+                was = hull.get(path)
+                hull[path] = (lo, hi) if was is None else (min(was[0], lo), max(was[1], hi))
+        return [(path, lo, hi) for path, (lo, hi) in hull.items()]
 
     def locate(self, i: int) -> tuple[int, int]:
         """(shard number, position inside that shard) of sample ``i``."""

@@ -469,4 +469,4 @@ def test_a_block_over_several_files_is_widened_in_each(tmp_path):
     job = ds.read_ahead(batch)
     job.wait(len(batch) - 1, timeout=10)
     assert job.reads and all(exact for _start, _stop, exact in job.reads)
-    assert ds._hull_memo[ahead.first, ahead.stop] == hulls  # worked out once per block
+    assert ds.store.hulls[ahead.first, ahead.stop] == hulls  # worked out once per block
