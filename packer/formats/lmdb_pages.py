@@ -117,7 +117,7 @@ class Tree:
                     raise self._damaged(f"page {pgno} holds a value past its end")
                 start = pgno * self.psize + data
             if not 0 <= start <= self.file_size - nbytes:
-                raise self._damaged(f"the value of key {k.decode('ascii', 'replace')} runs past the end of the file")
+                raise self._damaged(f"the value of key {_shown(k)} runs past the end of the file")
             nodes.append(Node(k, start, nbytes))
         return nodes
 
@@ -146,3 +146,8 @@ class Tree:
                 yield pgno, self.leaf(pgno)
             else:
                 stack.extend((child, level + 1) for _k, child in reversed(self._children(pgno)))
+
+
+def _shown(key: bytes) -> str:
+    """A key for a one-line message: packer's ten digits as they are, anything else escaped (and cut short)."""
+    return key.decode() if key.isdigit() and len(key) <= 20 else repr(key[:40])

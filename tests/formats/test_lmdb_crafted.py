@@ -154,3 +154,18 @@ def test_a_loop_of_branch_pages_ends_in_one_line(tmp_path):
     got = read_in_child(src, 0)
     assert got.returncode == 0 and "shard-00000" in got.stdout and got.stdout.count("\n") == 1, (
         got.returncode, got.stdout, got.stderr[-300:])
+
+
+def test_a_crafted_key_stays_on_one_line(big, tmp_path):
+    """A value past the end under a key holding a newline: the message shows the key escaped, on one line."""
+    path = overflow_past_the_end(big, tmp_path / "ds", pos=7)
+    shard = path / "shard-00000.lmdb"
+    data = bytearray(shard.read_bytes())
+    k = bytes(data).index(b"%010d" % 7)
+    data[k + 9] = ord("\n")
+    shard.write_bytes(bytes(data))
+    _rewrite_checksums(path)
+    got = read_in_child(path, 0)
+    assert got.returncode == 0 and "value of key b'000000000\\n' runs past the end" in got.stdout, (
+        got.returncode, got.stdout, got.stderr[-300:])
+    assert got.stdout.count("\n") == 1
