@@ -44,8 +44,9 @@ class Tree:
     def __init__(self, fd: int, path: Path, psize: int, txnid: int) -> None:
         self.fd, self.path, self.psize = fd, path, psize
         self.file_size = os.fstat(fd).st_size
-        metas = [self._meta(n) for n in (0, 1)]
-        txn, depth, pages, entries, root = max(metas)  # LMDB picks the meta with the larger transaction id
+        first, second = self._meta(0), self._meta(1)
+        # LMDB reads the meta with the larger transaction id, meta page 0 on a tie
+        txn, depth, pages, entries, root = second if second[0] > first[0] else first
         if txn != txnid:
             raise self._damaged(f"its newest meta page is transaction {txn}, LMDB reads {txnid}")
         if not 0 < depth <= MAX_DEPTH and (depth, entries) != (0, 0):  # an empty tree has no root page

@@ -5,6 +5,7 @@ Each read runs in a child process: a SIGBUS there is a failed test, not a dead t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -169,3 +170,30 @@ def test_a_crafted_key_stays_on_one_line(big, tmp_path):
     assert got.returncode == 0 and "value of key b'000000000\\n' runs past the end" in got.stdout, (
         got.returncode, got.stdout, got.stderr[-300:])
     assert got.stdout.count("\n") == 1
+
+
+def test_meta_pages_of_one_transaction_are_read_as_lmdb_reads_them(big, tmp_path):
+    """Both meta pages claiming the same transaction, the second naming a root past the end: LMDB reads the
+    first, and so does packer (taking the larger of the two whole records picked the second)."""
+    out = tmp_path / "ds"
+    shutil.copytree(big, out)
+    shard = out / "shard-00000.lmdb"
+    data = bytearray(shard.read_bytes())
+    psize = 4096
+    newer = 0 if struct.unpack_from("<Q", data, 144)[0] >= struct.unpack_from("<Q", data, psize + 144)[0] else 1
+    page = bytes(data[newer * psize : (newer + 1) * psize])
+    data[0:psize], data[psize : 2 * psize] = page, page
+    struct.pack_into("<Q", data, 0, 0)
+    struct.pack_into("<Q", data, psize, 1)  # each meta page's own number
+    struct.pack_into("<Q", data, psize + 128, len(data) // psize + 10)  # the second's root: past the end
+    shard.write_bytes(bytes(data))
+    _rewrite_checksums(out)
+    env = lmdb.open(str(shard), subdir=False, readonly=True, lock=False)
+    with env.begin() as txn:
+        expected = txn.get(b"%010d" % 5)
+    env.close()
+    code = (f"import hashlib\nfrom packer import open_dataset\nds = open_dataset({str(out)!r})\n"
+            f"print(hashlib.sha256(ds.payloads_at([5])[0]).hexdigest() == {hashlib.sha256(expected).hexdigest()!r})")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert got.returncode == 0 and got.stdout.strip() == "True", (got.stdout, got.stderr[-300:])
