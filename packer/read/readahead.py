@@ -1,9 +1,10 @@
 """Read-ahead of a batch's bytes by a background thread, so IO overlaps decoding and requests stay large.
 
 A batch is read in file order by one thread per process (each DataLoader worker has its own):
-each span of neighbouring samples is read with sequential ``pread`` calls into a scratch buffer,
-which puts it into the page cache; the caller waits for each sample's bytes only
-(``Pending.wait``) and decodes it while the thread reads the next ones. Batches queued together
+each span of neighbouring samples is read with sequential ``pread`` calls into a scratch buffer, or
+inside a block asked of the kernel one device request at a time, which puts it into the page cache;
+the caller waits for each sample's bytes only (``Pending.wait``) and decodes it while the thread reads
+the next ones. Batches queued together
 are read in the order queued (``packer.ThreadLoader`` queues several ahead of the one it decodes).
 
 Two ways to read a span, measured under the emulated hard disk (``packer bench --emulate hdd``,
@@ -38,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 PAGE = mmap.PAGESIZE
+_ADVISE = hasattr(os, "posix_fadvise")  # exact pieces asked with POSIX_FADV_WILLNEED (see _piece)
 PIECE = 256 << 10  # one pread of a stream: the kernel's read-ahead turns a run of these into >= 1 MB requests
 DEFAULT_REQUEST = 254 * 4096  # device request size where /sys does not say (see request_bytes)
 MAX_REQUEST = 4 << 20
@@ -186,9 +188,6 @@ def _piece(fds: dict[str, int], path: str, offset: int, end: int, view: memoryvi
         return os.preadv(fd, [view[:n]], offset)
     except OSError:
         return -1
-
-
-_ADVISE = hasattr(os, "posix_fadvise")
 
 
 _REQUEST: dict[int, int] = {}  # st_dev -> request bytes
