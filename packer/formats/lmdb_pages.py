@@ -28,6 +28,7 @@ META = struct.Struct("<II")  # at PAGE_HEADER: magic, version
 MAIN_DB = struct.Struct("<IHHQQQQQ")  # at 88: pad, flags, depth, branch/leaf/overflow pages, entries, root
 MAIN_DB_AT, TXNID_AT = 88, 144
 MAX_DEPTH = 32  # LMDB's own cursor stack (CURSOR_STACK)
+MIN_PAGE = 256  # smaller pages cannot hold a meta record (152 bytes); LMDB itself accepts a crafted 16
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class Tree:
     def __init__(self, fd: int, path: Path, psize: int, txnid: int) -> None:
         self.fd, self.path, self.psize = fd, path, psize
         self.file_size = os.fstat(fd).st_size
+        if psize < MIN_PAGE or psize & (psize - 1):  # a meta page must hold the fields read below
+            raise self._damaged(f"a page size of {psize} bytes")
         first, second = self._meta(0), self._meta(1)
         # LMDB reads the meta with the larger transaction id, meta page 0 on a tie
         txn, depth, pages, entries, root = second if second[0] > first[0] else first

@@ -197,3 +197,19 @@ def test_meta_pages_of_one_transaction_are_read_as_lmdb_reads_them(big, tmp_path
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert got.returncode == 0 and got.stdout.strip() == "True", (got.stdout, got.stderr[-300:])
+
+
+def test_a_tiny_page_size_is_refused_by_name(big, tmp_path):
+    """A newest meta page claiming 16-byte pages (py-lmdb opens it): refused as such, in one line."""
+    out = tmp_path / "ds"
+    shutil.copytree(big, out)
+    shard = out / "shard-00000.lmdb"
+    data = bytearray(shard.read_bytes())
+    struct.pack_into("<I", data, 4096 + 40, 16)  # meta page 1's mm_psize (the free database's md_pad)
+    struct.pack_into("<Q", data, 120, 8)  # meta page 0's entry count: py-lmdb then opens the file
+    shard.write_bytes(bytes(data))
+    _rewrite_checksums(out)
+    got = read_in_child(out, 0)
+    assert got.returncode == 0 and got.stdout.count("\n") == 1 and "shard-00000" in got.stdout, (
+        got.returncode, got.stdout, got.stderr[-300:])
+    assert "page size of 16 bytes" in got.stdout, got.stdout
