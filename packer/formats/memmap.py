@@ -50,6 +50,8 @@ from packer.formats.base import (
     copy_runs,
     fixed_shape,
     map_readonly,
+    sample_view,
+    sample_views,
     shard_layout,
 )
 from packer.layout.digest import StreamDigest
@@ -240,18 +242,12 @@ class Reader(ShardReader):
 
     def read(self, pos: int) -> np.ndarray | memoryview:
         """Zero-copy, read-only: (H, W, 3) pixels for raw, a memoryview of the bytes for encoded."""
-        return self._view(self._get(), pos)
-
-    @staticmethod
-    def _view(m: _Maps, pos: int) -> np.ndarray | memoryview:
-        if m.offsets is None:
-            return m.data[pos]
-        view = m.data[m.offsets[pos] : m.offsets[pos + 1]]
-        return view.data if m.shapes is None else view.reshape(m.shapes[pos])
+        m = self._get()
+        return sample_view(m.data, m.offsets, m.shapes, pos)
 
     def read_many(self, positions: list[int]) -> list:
         m = self._get()  # one size check for the batch
-        return [self._view(m, p) for p in positions]
+        return sample_views(m.data, m.offsets, m.shapes, positions)
 
     def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
         """Per position, the byte range of the data file it is read from (see packer.read.readahead)."""

@@ -39,6 +39,8 @@ from packer.formats.base import (
     check_size,
     copy_runs,
     fixed_shape,
+    sample_view,
+    sample_views,
     shard_layout,
 )
 from packer.layout.manifest import Shard
@@ -179,18 +181,12 @@ class ArrayShardReader(ShardReader):
 
     def read(self, pos: int) -> np.ndarray | memoryview:
         """Zero-copy, read-only: (H, W, 3) pixels for raw, a memoryview of the bytes for encoded."""
-        return self._view(self._get(), pos)
+        h = self._get()
+        return sample_view(h.images, h.offsets, h.shapes, pos)
 
     def read_many(self, positions: Sequence[int]) -> list:
         h = self._get()  # one size check for the batch
-        return [self._view(h, p) for p in positions]
-
-    @staticmethod
-    def _view(h: _Open, pos: int) -> np.ndarray | memoryview:
-        if h.offsets is None:
-            return h.images[pos]
-        view = h.images[h.offsets[pos] : h.offsets[pos + 1]]
-        return view.data if h.shapes is None else view.reshape(h.shapes[pos])
+        return sample_views(h.images, h.offsets, h.shapes, positions)
 
     def read_into(self, positions: Sequence[int], out: np.ndarray) -> None:
         """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``, one copy per run."""

@@ -8,6 +8,7 @@ each read: the payload has the size the index records, and the files are the one
 
 from __future__ import annotations
 
+import operator
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +58,7 @@ class ShardStore:
             self.readers = [fmt.Reader(root, s, self.manifest.payload, access=self.access)
                             for s in self.manifest.shards]
         self.starts = shard_starts([s.num_samples for s in self.manifest.shards])
+        self._names = [f"{root / s.files[0].name}" for s in self.manifest.shards]  # where(): once, not per read
         self._checked: PerProcess[set[int]] = PerProcess(set)  # shards whose files this process checked
         self.hulls: dict[tuple[int, int], list[tuple[str, int, int]]] = {}  # byte_hulls, per range asked
 
@@ -96,8 +98,7 @@ class ShardStore:
         return buf
 
     def where(self, shard: int, i: int | None = None) -> str:
-        name = self.root / self.manifest.shards[shard].files[0].name
-        return f"{name}" if i is None else f"{name}: sample {i}"
+        return self._names[shard] if i is None else f"{self._names[shard]}: sample {i}"
 
     def check_read(self, shard: int, i: int, buf) -> None:
         """Checks every read passes, whatever the format: the payload has the size the index
@@ -113,8 +114,7 @@ class ShardStore:
         if len(bufs) != len(positions):
             raise PackerError(f"{self.where(shard)}: {len(bufs)} samples read, {len(positions)} asked")
         self.check_same_files(shard)
-        sizes = np.fromiter((b.nbytes if isinstance(b, (np.ndarray, memoryview)) else len(b) for b in bufs),
-                            dtype=np.int64, count=len(bufs))
+        sizes = _sizes(bufs)
         bad = np.flatnonzero(sizes != self.index.nbytes[positions])
         if len(bad):
             i = int(positions[bad[0]])
@@ -140,6 +140,18 @@ class ShardStore:
     def close(self) -> None:
         for r in self.readers:
             r.close()
+
+
+def _sizes(bufs: list) -> np.ndarray:
+    """Bytes of each payload: views and arrays say ``nbytes`` (one C-level pass), ``bytes`` their length."""
+    try:
+        return np.fromiter(map(_NBYTES, bufs), dtype=np.int64, count=len(bufs))
+    except AttributeError:  # some are bytes
+        return np.fromiter((b.nbytes if isinstance(b, (np.ndarray, memoryview)) else len(b) for b in bufs),
+                           dtype=np.int64, count=len(bufs))
+
+
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def _open_consistent(root: Path) -> tuple[Manifest, Index, FieldStore, list[list[tuple[int, int]]]]:
