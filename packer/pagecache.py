@@ -28,6 +28,7 @@ from packer.perprocess import PerProcess
 PAGE = mmap.PAGESIZE
 GAP_PAGES = 64  # ranges closer than this are asked about in one call
 WHOLE_FILE_PAGES = 1 << 18  # files up to this many pages (1 GiB) are asked about whole, now and then
+HULL_BYTES = 1 << 20  # a file's ranges within this hull are asked about in one call (an N5 block's samples)
 WHOLE_FILE_SECONDS = 1.0  # a whole-file answer is kept this long, or 200x what asking took if longer
 
 
@@ -58,6 +59,7 @@ class PageCache:
         self._base = 0  # the mapping's address
         self._size = 0
         self._vec = np.zeros(0, dtype=np.uint8)  # mincore's answer, reused
+        self._vec_at = 0  # its address (asking numpy for it costs more than a small mincore call)
         self._failed = _LIBC is None
         self._whole = False  # the whole file was resident when last asked
         self._whole_until = -1.0  # time.monotonic() until which that answer stands
@@ -99,9 +101,7 @@ class PageCache:
         tails = np.concatenate((heads[1:], [len(lo)]))
         first, last = lo[heads], reach[tails - 1]
         at = np.concatenate(([0], np.cumsum(last - first)))  # each hull's answer at vec[at[k]:at[k + 1]]
-        if int(at[-1]) > len(self._vec):
-            self._vec = np.zeros(int(at[-1]), dtype=np.uint8)
-        addr = self._vec.ctypes.data
+        addr = self._answer(int(at[-1]))
         for f, n, a in zip(first.tolist(), (last - first).tolist(), at[:-1].tolist()):
             if libc.mincore(self._base + f * PAGE, n * PAGE, addr + a) != 0:
                 return False
@@ -109,6 +109,16 @@ class PageCache:
         cached = np.concatenate(([0], np.cumsum(self._vec[:int(at[-1])] & 1)))
         shift = np.repeat(at[:-1] - first, tails - heads)
         return bool(np.all(cached[hi + shift] - cached[lo + shift] == hi - lo))
+
+    def hull_resident(self, start: int, end: int) -> bool:
+        """True when every page of bytes [start, end) is cached: one ``mincore`` call over the hull of a small
+        group of ranges (an N5 block's samples), without ``resident``'s per-range planning."""
+        if _LIBC is None or self._failed or (self._map is None and not self._open()):
+            return False
+        if end <= start:
+            return True
+        lo, hi = start // PAGE, (end - 1) // PAGE + 1
+        return hi * PAGE <= self._size + PAGE - 1 and self._all_cached(lo, hi)
 
     def _whole_file_resident(self, lo: int, hi: int) -> bool:
         """Whether the whole file was in the cache when last asked (asked again once that answer is old, for
@@ -126,12 +136,18 @@ class PageCache:
 
     def _all_cached(self, lo: int, hi: int, mask: np.ndarray | None = None) -> bool:
         """One mincore call: pages [lo, hi) of the file all resident (only those ``mask`` marks, where given)."""
-        if hi - lo > len(self._vec):
-            self._vec = np.zeros(hi - lo, dtype=np.uint8)
-        vec = self._vec[:hi - lo]
-        if _LIBC is None or _LIBC.mincore(self._base + lo * PAGE, (hi - lo) * PAGE, vec.ctypes.data) != 0:
+        addr = self._answer(hi - lo)
+        if _LIBC is None or _LIBC.mincore(self._base + lo * PAGE, (hi - lo) * PAGE, addr) != 0:
             return False
-        return bool(np.all(vec & 1)) if mask is None else bool(np.all(vec[mask] & 1))
+        vec = self._vec[:hi - lo]
+        return bool((vec & 1).all()) if mask is None else bool((vec[mask] & 1).all())
+
+    def _answer(self, pages: int) -> int:
+        """The address of an answer vector of at least ``pages`` bytes (``self._vec``, grown when needed)."""
+        if pages > len(self._vec) or not self._vec_at:
+            self._vec = np.zeros(max(pages, 1), dtype=np.uint8)
+            self._vec_at = self._vec.ctypes.data
+        return self._vec_at
 
     def _holding_mask(self, pages: int) -> np.ndarray | None:
         """Which of the file's ``pages`` hold sample bytes (made once from ``holding``); None: all of them."""
@@ -214,7 +230,9 @@ class SpanResidency:
                 files.caches[path] = cache  # now the most recently asked
                 while len(files.caches) > self.keep:
                     files.caches.popitem(last=False)[1].close()
-                if not cache.resident(np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)):
+                lo, hi = min(starts), max(ends)
+                if not (cache.hull_resident(lo, hi) if hi - lo <= HULL_BYTES else
+                        cache.resident(np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))):
                     return False
         return True
 

@@ -127,6 +127,31 @@ def test_span_residency_keeps_a_bounded_number_of_files_mapped(tmp_path):
     assert not restored.resident([[(str(paths[1]), 0, 10)], [(str(paths[2]), 0, 10)]])
 
 
+def test_span_residency_asks_a_small_hull_in_one_call_and_a_large_file_range_by_range(tmp_path):
+    """Ranges within HULL_BYTES (an N5 block's samples) are asked about as one hull; farther ones exactly, so a
+    page evicted between two ranges a MiB apart does not make them look uncached."""
+    from packer import pagecache
+
+    small, large = tmp_path / "block", tmp_path / "big"
+    small.write_bytes(np.random.default_rng(0).bytes(64 * PAGE))
+    large.write_bytes(np.random.default_rng(1).bytes(pagecache.HULL_BYTES + 64 * PAGE))
+    res = SpanResidency()
+    near = [[(str(small), 0, PAGE)], [(str(small), 40 * PAGE, 41 * PAGE)]]
+    far = [[(str(large), 0, PAGE)], [(str(large), pagecache.HULL_BYTES + 40 * PAGE, pagecache.HULL_BYTES + 41 * PAGE)]]
+    evict([small, large])  # read back below: cached in read-ahead's folios, not in the writes' larger ones
+    small.read_bytes(), large.read_bytes()
+    assert res.resident(near) and res.resident(far)
+    for path, first in ((small, 32), (large, 16)):  # small: pages asked about; large: pages between the ranges
+        with open(path, "rb") as fh:  # 16 aligned pages: a single one may share a large folio that stays
+            os.posix_fadvise(fh.fileno(), first * PAGE, 16 * PAGE, os.POSIX_FADV_DONTNEED)
+    if any(PageCache(path).resident(np.array([page * PAGE]), np.array([page * PAGE + 1]))
+           for path, page in ((small, 40), (large, 20))):
+        pytest.skip("this filesystem keeps the pages (tmpfs?): eviction cannot be shown")
+    assert not res.resident(near)  # the asked page is gone: the hull's single call says so
+    assert res.resident(far)  # only pages outside both ranges are gone (their hull would have said no)
+    res.close()
+
+
 @pytest.mark.parametrize("soft, keep", [(256, 64), (1024, 64), (4096, 256), (20000, 1024), (None, 1024)])
 def test_files_kept_mapped_follow_the_open_file_limit(monkeypatch, soft, keep):
     """Each map holds a descriptor: a sixteenth of the soft limit, at least 64, at most 1,024 (also unlimited)."""

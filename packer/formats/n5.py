@@ -401,7 +401,33 @@ class Reader(ShardReader):
         h = self._h.get(self._open)
         used: dict = {}  # block number -> its map or inflater, for this call
         with h.lock:  # readers share one LRU (and inflaters) per process, threads included
-            return [self._sample(h, p, used) for p in positions]
+            if h.images.compression == "gzip" or h.offsets is None or h.shapes is not None:
+                return [self._sample(h, p, used) for p in positions]
+            return self._encoded_views(h, positions, used)
+
+    def _encoded_views(self, h: _Open, positions: Sequence[int], used: dict) -> list:
+        """``read_many`` of encoded samples in uncompressed blocks: bounds looked up for the batch at once, each
+        sample a slice of its block's memoryview (16 -> ~3 us per sample, docs/results.md); one across blocks is
+        joined by ``_sample``. Call with ``h.lock`` held."""
+        pos = np.asarray(positions, dtype=np.int64)
+        offsets = cast(np.ndarray, h.offsets)
+        step = h.images.rows * h.images.row_bytes
+        starts, ends = offsets[pos].tolist(), offsets[pos + 1].tolist()
+        views: dict[int, memoryview] = {}
+        out: list = []
+        for p, a, b in zip(positions, starts, ends, strict=True):
+            j = a // step
+            if a == b or (b - 1) // step != j:
+                out.append(self._sample(h, p, used))
+                continue
+            view = views.get(j)
+            if view is None:
+                block = used.get(j)
+                if block is None:
+                    block = used[j] = self._mapped(h, j)
+                view = views[j] = block.data
+            out.append(view[a - j * step : b - j * step])
+        return out
 
     def read_into(self, positions: Sequence[int], out: np.ndarray) -> None:
         """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``."""
