@@ -441,9 +441,17 @@ class Reader(ShardReader):
         h = self._h.get(self._open)
         arr = h.images
         step, hb = arr.rows * arr.row_bytes, arr.header_bytes()
+        pos = np.asarray(positions, dtype=np.int64)
+        if h.offsets is None:
+            starts, ends = pos * arr.row_bytes, (pos + 1) * arr.row_bytes
+        else:
+            starts, ends = h.offsets[pos], h.offsets[pos + 1]
         out = []
-        for p in positions:
-            a, b = self._span(h, p)
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            j = a // step
+            if arr.compression != "gzip" and b > a and (b - 1) // step == j:  # most samples: inside one block
+                out.append([(h.blocks[j], hb + a - j * step, hb + b - j * step)])
+                continue
             spans = []
             for j in range(a // step, -(-b // step)):
                 if arr.compression == "gzip":  # inflated whole
