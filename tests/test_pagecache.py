@@ -127,9 +127,11 @@ def test_span_residency_keeps_a_bounded_number_of_files_mapped(tmp_path):
     assert not restored.resident([[(str(paths[1]), 0, 10)], [(str(paths[2]), 0, 10)]])
 
 
-def test_span_residency_asks_a_small_hull_in_one_call_and_a_large_file_range_by_range(tmp_path):
+def test_span_residency_asks_a_small_hull_in_one_call_and_a_large_file_range_by_range(tmp_path, monkeypatch):
     """Ranges within HULL_BYTES (an N5 block's samples) are asked about as one hull; farther ones exactly, so a
-    page evicted between two ranges a MiB apart does not make them look uncached."""
+    page evicted between two ranges a MiB apart does not make them look uncached. A file seen whole in the cache
+    has only a hull's first page asked about for WHOLE_FILE_SECONDS: an eviction there is noticed at once, one
+    further in once the answer is old."""
     from packer import pagecache
 
     small, large = tmp_path / "block", tmp_path / "big"
@@ -147,7 +149,9 @@ def test_span_residency_asks_a_small_hull_in_one_call_and_a_large_file_range_by_
     if any(PageCache(path).resident(np.array([page * PAGE]), np.array([page * PAGE + 1]))
            for path, page in ((small, 40), (large, 20))):
         pytest.skip("this filesystem keeps the pages (tmpfs?): eviction cannot be shown")
-    assert not res.resident(near)  # the asked page is gone: the hull's single call says so
+    assert not res.resident([[(str(small), 40 * PAGE, 41 * PAGE)], [(str(small), 44 * PAGE, 45 * PAGE)]])
+    monkeypatch.setattr(pagecache, "WHOLE_FILE_SECONDS", 0.0)  # whole-file answers asked again every time
+    assert not res.resident(near)  # an asked page is gone: the hull's single call says so
     assert res.resident(far)  # only pages outside both ranges are gone (their hull would have said no)
     res.close()
 
