@@ -128,7 +128,8 @@ class PackedDataset(FolderSurface):
                     continue
                 reader.will_need(positions)  # formats of one file per sample: the kernel reads them all at once
                 requests.extend(reader.file_spans(positions))  # the others: byte ranges for the read-ahead thread
-        return readahead.start(requests, within=self._hulls(ahead))
+        # whole device requests at block edges where the data fits in memory (access "sequential": resolve_access)
+        return readahead.start(requests, within=self._hulls(ahead), whole_cells=self.store.access == "sequential")
 
     def block_boundaries(self) -> np.ndarray | None:
         """Storage positions where the format's natural blocks start (mosaic: one per mosaic), then len(self);

@@ -11,7 +11,10 @@ Two ways to read a span, measured under the emulated hard disk (``packer bench -
 150 IOPS, 150 MB/s; docs/bench.md, docs/results.md):
 
 - a span inside a block the order reads whole (a block sampler's hint, ``within``) is widened to
-  the device's request grid (``request_bytes``, clipped to the block) and read exactly as asked
+  the device's request grid (``request_bytes``; clipped to the block, except where the data fits in
+  memory: then a block's edge request is read whole, its neighbour's part cached for that block's turn,
+  one request for the two, not two short ones: 162 -> 152 requests per 147 MB of memmap, 174 -> 164 for
+  lmdb) and read exactly as asked
   (``POSIX_FADV_RANDOM``), one request per piece (``_piece``: asked with ``POSIX_FADV_WILLNEED``, not
   copied). With the kernel's read-ahead instead, each
   span started megabytes of reads the next batches did not need, queued ahead of their bytes, and
@@ -21,8 +24,8 @@ Two ways to read a span, measured under the emulated hard disk (``packer bench -
 - any other span (uniform shuffle, stored order) is read in ``PIECE`` pieces that let the kernel's
   own read-ahead see a stream and build requests of 1-4 MB.
 
-Nothing is read that no batch asked for: whole blocks read in the background, between batches'
-own reads, delayed the bytes decoded next (packer.read.hints).
+Beyond those edge requests, nothing is read that no batch asked for: whole blocks read in the background,
+between batches' own reads, delayed the bytes decoded next (packer.read.hints).
 
 Neighbouring ranges are read as one span even when they come in descending file order (rows of a
 bottom-up BMP mosaic). A read error here is ignored, since the caller's own read reports it with
@@ -77,6 +80,13 @@ class Pending:
     def done(self) -> bool:
         with self._cond:
             return self._over
+
+    @classmethod
+    def ready(cls, n: int) -> Pending:
+        """A finished read-ahead of ``n`` items with nothing to read (bytes in the cache, or waited for already)."""
+        job = cls([], [(-1, 0)] * n)
+        job._finish()
+        return job
 
     def cancel(self) -> None:
         """Stop reading what is still queued (a loader that stopped early): later jobs need not wait behind it."""
@@ -272,19 +282,20 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork)
 
 
-def start(requests: Sequence[Sequence[Range]], gap: int = GAP, within: Sequence[Range] = ()) -> Pending:
+def start(requests: Sequence[Sequence[Range]], gap: int = GAP, within: Sequence[Range] = (),
+          whole_cells: bool = False) -> Pending:
     """Queue the read-ahead of ``requests`` (per item, its byte ranges) and return at once. ``within``: ranges the
     order being iterated reads whole (its blocks): a span inside one is widened to whole device requests
-    (``request_bytes``), clipped to it, and read exactly, rather than with a short request at each end."""
+    (``request_bytes``) and read exactly, rather than with a short request at each end; clipped to the block,
+    or, with ``whole_cells`` (the data stays in the page cache until the neighbouring blocks are read: it fits in
+    memory), the whole request at a block's edge, so that two neighbouring blocks share one request, not two."""
     if not any(requests):  # all in the page cache already (or nothing asked): nothing to plan or read
-        job = Pending([], [(-1, 0)] * len(requests))
-        job._finish()
-        return job
+        return Pending.ready(len(requests))
     job = plan(requests, gap)
     blocks: dict[str, list[tuple[int, int]]] = {}
     for path, a, b in within:
         blocks.setdefault(path, []).append((a, b))
-    job.reads = [_widened(span, blocks.get(span[0], ())) for span in job.spans]
+    job.reads = [_widened(span, blocks.get(span[0], ()), whole_cells) for span in job.spans]
     if job.spans:
         _reader().jobs.put(job)
     else:
@@ -292,13 +303,14 @@ def start(requests: Sequence[Sequence[Range]], gap: int = GAP, within: Sequence[
     return job
 
 
-def _widened(span: Range, within: Sequence[tuple[int, int]]) -> tuple[int, int, bool]:
+def _widened(span: Range, within: Sequence[tuple[int, int]], whole_cells: bool = False) -> tuple[int, int, bool]:
     """The bytes to read for ``span``: inside a block the order reads whole (``within``: the blocks' byte ranges
-    in the span's file), widened to the device's request grid (clipped to the block, from the page its first byte
-    lies in) and read exactly; elsewhere the span, the kernel reading ahead as it sees fit."""
+    in the span's file), widened to the device's request grid (clipped to the block from the page its first byte
+    lies in, unless ``whole_cells``) and read exactly; elsewhere the span, the kernel reading ahead as it sees fit."""
     path, start, end = span
     for a, b in within:
         if a <= start and end <= b:
             grid = request_bytes(path)
-            return max(a - a % PAGE, start - start % grid), min(b, -(-end // grid) * grid), True
+            lo, hi = start - start % grid, -(-end // grid) * grid
+            return (lo, hi, True) if whole_cells else (max(a - a % PAGE, lo), min(b, hi), True)
     return start, end, False

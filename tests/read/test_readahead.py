@@ -88,13 +88,14 @@ def test_spans_are_read_in_pieces_from_their_start(tmp_path, monkeypatch):
 G = 1 << 16  # the device request size these tests pretend
 
 
-@pytest.mark.parametrize("within, want", [
-    ((), [(1000, 2 * G + 1007)]),  # not in a block: as asked, in PIECE pieces (the test above)
-    ([(0, 4 * G)], [(0, G), (G, 2 * G), (2 * G, 3 * G)]),  # inside a block: widened to the request grid
+@pytest.mark.parametrize("within, whole, want", [
+    ((), False, [(1000, 2 * G + 1007)]),  # not in a block: as asked, in PIECE pieces (the test above)
+    ([(0, 4 * G)], False, [(0, G), (G, 2 * G), (2 * G, 3 * G)]),  # inside a block: widened to the request grid
     # not past it, but from the page its first byte lies in (read whole anyway): requests stay page-aligned
-    ([(500, 2 * G + 2000)], [(0, G), (G, 2 * G), (2 * G, 2 * G + 2000)]),
+    ([(500, 2 * G + 2000)], False, [(0, G), (G, 2 * G), (2 * G, 2 * G + 2000)]),
+    ([(500, 2 * G + 2000)], True, [(0, G), (G, 2 * G), (2 * G, 3 * G)]),  # whole_cells: the edge request whole
 ])
-def test_spans_are_read_in_whole_device_requests(tmp_path, monkeypatch, within, want):
+def test_spans_are_read_in_whole_device_requests(tmp_path, monkeypatch, within, whole, want):
     """A span inside a block the order reads whole is widened to the device's request grid, never beyond the
     block (nor before the page it starts in), and read one request per piece (none split in two): asked of the
     kernel (``POSIX_FADV_WILLNEED``, nothing copied) and waited for by a one-byte read of its last byte; the
@@ -124,7 +125,8 @@ def test_spans_are_read_in_whole_device_requests(tmp_path, monkeypatch, within, 
     monkeypatch.setattr(os, "preadv", read_spy)
     monkeypatch.setattr(os, "posix_fadvise", advise_spy)
     monkeypatch.setattr(readahead, "request_bytes", lambda p: G)
-    job = readahead.start([[(str(path), 1000, 2 * G + 1007)]], within=[(str(path), a, b) for a, b in within])
+    job = readahead.start([[(str(path), 1000, 2 * G + 1007)]], within=[(str(path), a, b) for a, b in within],
+                          whole_cells=whole)
     job.wait(0, timeout=10)
     assert calls == want
     if within:
@@ -406,23 +408,29 @@ def test_batch_is_decoded_in_the_order_its_bytes_arrive(tmp_path, monkeypatch):
     assert all(np.array_equal(img, ds[i][0]) for i, (img, _label) in enumerate(batch))
 
 
-def test_a_hinted_block_widens_reads_inside_it_only(tmp_path, monkeypatch):
-    """A block sampler's hint lets a sample's read grow to whole device requests within its block's bytes;
-    an unhinted read (uniform shuffle) stays exact."""
+@pytest.mark.parametrize("access", ["random", "sequential"])
+def test_a_hinted_block_widens_reads_inside_it_only(tmp_path, monkeypatch, access):
+    """A block sampler's hint lets a sample's read grow to whole device requests within its block's bytes (access
+    "random": data larger than memory), or to the whole request at the block's edge (access "sequential": the
+    neighbour's part stays cached for its turn); an unhinted read (uniform shuffle) stays exact."""
     from packer.read.hints import Ahead, Hinted
 
     src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
-    ds = open_dataset(convert(src, tmp_path / "ds.memmap", to="memmap", workers=0, progress=False,
-                              order="source").output)  # sample indices are storage positions
+    out = convert(src, tmp_path / "ds.memmap", to="memmap", workers=0, progress=False, order="source").output
+    ds = open_dataset(out, access=access)  # sample indices are storage positions
     monkeypatch.setattr(readahead, "request_bytes", lambda p: 4096)
     offsets = np.concatenate([[0], np.cumsum(ds.index.nbytes)])
     block = (int(offsets[10]), int(offsets[30]))
-    job = ds.read_ahead([Hinted(20, (Ahead(10, 30),))])
-    (path, a, b), = job.spans
-    assert (a, b) == (offsets[20], offsets[21])
-    assert job.reads == [(max(block[0], a - a % 4096), min(block[1], -(-b // 4096) * 4096), True)]
-    assert job.reads[0][:2] != (a, b)  # widened: the sample does not happen to lie on the grid
-    assert ds.read_ahead([20]).reads == [(a, b, False)]
+    assert block[1] % 4096  # the block ends inside a request: clipping shows
+    for i in (20, 29):  # inside the block, and its last sample
+        job = ds.read_ahead([Hinted(i, (Ahead(10, 30),))])
+        (path, a, b), = job.spans
+        assert (a, b) == (offsets[i], offsets[i + 1])
+        lo, hi = a - a % 4096, -(-b // 4096) * 4096
+        want = (lo, hi) if access == "sequential" else (max(block[0] - block[0] % 4096, lo), min(block[1], hi))
+        assert job.reads == [(*want, True)] and want != (a, b)  # widened: samples do not lie on the grid
+        assert ds.read_ahead([i]).reads == [(a, b, False)]
+    assert (job.reads[0][1] > block[1]) == (access == "sequential")
 
 
 def test_the_reader_thread_outlives_an_error_in_one_job(tmp_path, monkeypatch):
