@@ -4,7 +4,8 @@ libjpeg-turbo (through ctypes) and Pillow release the GIL while they decode, so 
 process decode N images at once, with no worker processes to start, no batch pickled or copied
 between processes, and no main process competing with the workers for a core. A thread of its own
 draws each batch's indices from the sampler and queues its reads ``READ_AHEAD_BATCHES`` batches
-ahead of the one it hands to the decode threads (in a few chunks), so on a slow disk the device
+ahead of the one it hands to the decode threads (in a few chunks, in the order their bytes arrive, each
+once its bytes are in: a cold batch's first chunk decodes while the rest is read), so on a slow disk the device
 reads, in order, the bytes decoded next while this batch decodes; batches come out in the sampler's order.
 Where samples are uint8 tensors without a transform (``image="tensor"``), they are decoded straight
 into the batch's memory: one (N, 3, H, W) tensor when they share a size (fused crops, fixed-size
@@ -96,19 +97,22 @@ def pool_of(ds: StagedDataset, keep: int) -> BlockPool:
 
 
 class _Batch:
-    """One batch on its way: its decode chunks, and where its samples land."""
+    """One batch on its way: its decode chunks, the batch places of each chunk's samples, and where they land."""
 
-    def __init__(self, futures: list[Future], stacked: torch.Tensor | None, fast: bool) -> None:
+    def __init__(self, futures: list[Future], places: list[list[int]], stacked: torch.Tensor | None,
+                 fast: bool) -> None:
         self.futures = futures
+        self.places = places  # per chunk, the places in the batch of its samples (chunks go in arrival order)
         self.stacked = stacked  # the (N, H, W, 3) batch the slots are rows of, or None
         self.fast = fast  # decoded into slots of our own block, no collate_fn: the batch is that block
 
     def result(self, collate_fn: Callable[[list], Any], pin: bool) -> Any:
-        items: list = []
+        items: list = [None] * sum(map(len, self.places))
         in_slots = True
-        for f in self.futures:
+        for f, places in zip(self.futures, self.places, strict=True):
             chunk, all_in = f.result()
-            items.extend(chunk)
+            for k, item in zip(places, chunk, strict=True):
+                items[k] = item
             in_slots = in_slots and all_in
         if self.fast and in_slots:
             images = self.stacked.permute(0, 3, 1, 2) if self.stacked is not None else [img for img, _ in items]
@@ -261,12 +265,22 @@ class ThreadLoader:
             positions = idx.tolist()
             block = ds.decode_block(positions, alloc)
             stacked, slots = (None, [None] * len(positions)) if block is None else block
-            payloads = ds.payloads_at(idx, pending=pending)
+            # Chunks of the batch in the order its bytes arrive, each handed to a decode thread once they are in
+            # (a cold batch's first chunk decodes while the rest is read; docs/results.md)
+            file_order = np.argsort(idx, kind="stable")
+            waits = list(range(len(idx))) if pending is None else pending.arrival_order()
+            arrival = file_order[waits] if len(waits) else file_order
             cuts = np.linspace(0, len(positions), min(len(positions), self.num_threads * CHUNKS_PER_THREAD) + 1)
             bounds = np.unique(cuts.astype(np.int64)).tolist()
-            futures = [pool.submit(_decode, ds, positions[a:b], payloads[a:b], slots[a:b])
-                       for a, b in zip(bounds[:-1], bounds[1:])]
-            yield _Batch(futures, stacked, fast=block is not None and self.collate_fn is None), state
+            futures, places = [], []
+            for a, b in zip(bounds[:-1], bounds[1:]):
+                if pending is not None:
+                    pending.wait(max(waits[a:b], key=pending.need.__getitem__))
+                chunk = arrival[a:b]
+                payloads = ds.payloads_at(idx[chunk], pending=Pending.ready(len(chunk)))
+                futures.append(pool.submit(_decode, ds, idx[chunk].tolist(), payloads, [slots[k] for k in chunk]))
+                places.append(chunk.tolist())
+            yield _Batch(futures, places, stacked, fast=block is not None and self.collate_fn is None), state
 
     def close(self) -> None:
         """Stop every iteration still running (their threads are joined)."""

@@ -128,8 +128,8 @@ def test_state_dict_resumes_after_the_last_batch_handed_out(packed):
 
 
 def test_reads_are_queued_batches_ahead_in_the_order_decoded(packed, monkeypatch):
-    """Each batch's reads start READ_AHEAD_BATCHES batches before it is decoded, in batch order, and its
-    payloads come from those very reads (not read again)."""
+    """Each batch's reads start READ_AHEAD_BATCHES batches before it is decoded, in batch order; its chunks are
+    taken in the order their bytes arrive, each once its bytes are in, from those very reads (not read again)."""
     from packer.read import threaded
 
     ds = open_dataset(packed["memmap"], image="tensor")
@@ -147,17 +147,23 @@ def test_reads_are_queued_batches_ahead_in_the_order_decoded(packed, monkeypatch
 
     monkeypatch.setattr(ds, "start_reads", start_reads)
     monkeypatch.setattr(ds, "payloads_at", payloads_at)
-    sampler = packer.BlockShuffleSampler(ds, batch_size=2, seed=3, block_bytes=2000)
-    want = list(DataLoader(ds, batch_size=2, sampler=sampler, num_workers=0, collate_fn=packer.collate))
+    sampler = packer.BlockShuffleSampler(ds, batch_size=4, seed=3, block_bytes=2000)
+    want = list(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=0, collate_fn=packer.collate))
     events.clear()
-    same_batches(list(ThreadLoader(ds, batch_size=2, sampler=sampler, num_threads=2)), want)
+    same_batches(list(ThreadLoader(ds, batch_size=4, sampler=sampler, num_threads=2)), want)
+    batches = [ds.positions(b).tolist() for b in torch.utils.data.BatchSampler(sampler, 4, False)]
     starts = [e for e in events if e[0] == "start"]
+    assert [e[1] for e in starts] == batches and all(e[2] is not None for e in starts)
     takes = [e for e in events if e[0] == "take"]
-    assert [e[1] for e in starts] == [e[1] for e in takes] == [ds.positions(b).tolist() for b in
-                                                             torch.utils.data.BatchSampler(sampler, 2, False)]
-    assert all(s[2] is t[2] is not None for s, t in zip(starts, takes, strict=True))  # the same reads
-    ahead = threaded.READ_AHEAD_BATCHES
-    assert [e[0] for e in events[: ahead + 2]] == ["start"] * (ahead + 1) + ["take"]
+    k = 0
+    for batch in batches:  # each batch's chunks (threads x CHUNKS_PER_THREAD), in file order here
+        chunks = takes[k : k + min(len(batch), 2 * threaded.CHUNKS_PER_THREAD)]
+        k += len(chunks)
+        assert sum((c[1] for c in chunks), []) == sorted(batch)
+        assert all(c[2].done() and not c[2].spans for c in chunks)  # waited for already: nothing read again
+    assert k == len(takes)
+    ahead = min(threaded.READ_AHEAD_BATCHES + 1, len(batches))
+    assert len(batches) > ahead and [e[0] for e in events[: ahead + 1]] == ["start"] * ahead + ["take"]
 
 
 def test_an_error_drawing_a_batch_comes_after_the_batches_before_it(packed):
