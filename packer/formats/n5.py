@@ -37,15 +37,9 @@ One shard by default: a shard is a directory of block files, so it never is one 
 from __future__ import annotations
 
 import os
-import threading
-from collections import OrderedDict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from math import prod
 from pathlib import Path
-from typing import cast
-
-import numpy as np
 
 from packer.argtypes import size_arg
 from packer.errors import PackerError
@@ -54,39 +48,22 @@ from packer.formats.base import (
     Format,
     Option,
     PreparedSample,
-    ShardReader,
     ShardWriter,
-    Span,
-    check_offsets,
-    check_size,
     fixed_shape,
-    shard_layout,
 )
-from packer.formats.filemap import map_array
 from packer.formats.n5blocks import (
     ATTRIBUTES,
     BLOCK_BYTES,
-    DTYPES,
     MAX_BLOCK_BYTES,
     N5_VERSION,
     Array,
-    Inflater,
-    check_block_header,
-    inflate,
-    read_attributes,
     shard_dir,
     write_block,
     write_dataset,
     write_json,
 )
-from packer.layout.manifest import Shard
-from packer.pagecache import mapped_files_limit
-from packer.perprocess import PerProcess
+from packer.formats.n5read import Reader
 from packer.units import parse_bytes
-
-_MAPPED_BLOCKS = mapped_files_limit()  # uncompressed block files a reader keeps mapped per process
-_DECODED_BLOCKS = 4  # compressed blocks a reader keeps (partly) inflated per process
-
 
 # ---------------------------------------------------------------- writing
 
@@ -183,294 +160,6 @@ _DESCRIBE = {
     "reshaped to shapes[i] (height, width, 3)",
     ("raw", "fixed"): "decoded RGB pixels: images is (N, height, width, 3) uint8 in numpy order",
 }
-
-
-# ---------------------------------------------------------------- reading
-
-
-@dataclass
-class _Open:
-    images: Array
-    blocks: list[str]  # path of each images block (files the manifest lists)
-    block_sizes: list[int]  # their sizes, as the manifest records them
-    offsets: np.ndarray | None  # N+1 (blob layouts)
-    shapes: np.ndarray | None  # N x 3 (raw, mixed shapes)
-    maps: OrderedDict = field(default_factory=OrderedDict)  # block number -> (descriptor, its elements) (LRU)
-    decoded: OrderedDict = field(default_factory=OrderedDict)  # block number -> its Inflater (LRU)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # over maps and decoded
-
-
-class Reader(ShardReader):
-    """Reads one shard container; attributes and small arrays are read and checked on first use in each process."""
-
-    def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
-        self.directory = Path(directory)
-        self.files = [f.name for f in shard.files]
-        self.sizes = {f.name: f.num_bytes for f in shard.files}
-        self.root_name = self.files[0].removesuffix("/" + ATTRIBUTES)
-        if "/" in self.root_name or self.files[0] != f"{self.root_name}/{ATTRIBUTES}":
-            raise PackerError(f"{self.directory / self.files[0]}: an n5 shard's first file is <shard>.n5/{ATTRIBUTES}")
-        self.num_samples = shard.num_samples
-        self.payload = payload
-        self.access = access
-        self.facts = shard.facts
-        self.fixed_shape = shard_layout(shard.facts, self.directory / self.files[0])
-        self._h: PerProcess[_Open] = PerProcess()
-
-    def _path(self, rel: str) -> Path:
-        """The path of a file of this shard; only files the manifest lists (it checked they stay inside)."""
-        if f"{self.root_name}/{rel}" not in self.sizes:
-            raise PackerError(f"{self.directory / self.root_name / rel}: needed, but the manifest does not list it")
-        return self.directory / self.root_name / rel
-
-    def _where(self, rel: str) -> Path:
-        return self.directory / self.root_name / rel
-
-    def _dataset(self, name: str) -> tuple[Array, list[str]]:
-        path = self._path(f"{name}/{ATTRIBUTES}")
-        arr = Array.from_attributes(read_attributes(path), path)
-        if arr.num_blocks >= len(self.files):
-            raise PackerError(f"{path}: {arr.num_blocks} blocks, the manifest lists {len(self.files)} files")
-        return arr, [f"{name}/{ATTRIBUTES}"] + [f"{name}/{arr.block_name(j)}" for j in range(arr.num_blocks)]
-
-    def _small(self, arr: Array, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """A one-block int64 dataset of exactly ``shape``, read whole."""
-        if arr.shape != shape or arr.dtype != "int64" or arr.num_blocks > 1:
-            raise PackerError(f"{self._where(name)}: {arr.shape} {arr.dtype} in {arr.num_blocks} blocks, "
-                              f"expected {shape} int64")
-        if not arr.num_blocks:
-            return np.zeros(shape, dtype=np.int64)
-        return np.frombuffer(self._block(arr, 0, name), dtype=">i8").astype(np.int64).reshape(shape)
-
-    def _read_block(self, arr: Array, j: int, name: str) -> tuple[memoryview, int, Path]:
-        """Block ``j``'s file read whole: (its data after the header, the size the checked header gives, path)."""
-        path = self._path(f"{name}/{arr.block_name(j)}")
-        try:
-            with open(path, "rb") as fh:
-                data = fh.read(self.sizes[f"{self.root_name}/{name}/{arr.block_name(j)}"] + 1)
-        except OSError as exc:
-            raise PackerError(f"{path}: cannot read N5 block ({exc.strerror or exc})") from exc
-        count = check_block_header(data, arr, j, path)
-        return memoryview(data)[arr.header_bytes():], count * DTYPES[arr.dtype].itemsize, path
-
-    def _block(self, arr: Array, j: int, name: str) -> bytes:
-        """Block ``j`` of a dataset, its needed rows (header checked, inflated no further than its size)."""
-        body, size, path = self._read_block(arr, j, name)
-        need = arr.block_rows(j) * arr.row_bytes
-        if arr.compression == "gzip":
-            return inflate(arr, bytes(body), size, path)[:need]
-        if len(body) != size:
-            raise PackerError(f"{path}: N5 block holds {len(body)} bytes of data, its header says {size}")
-        return bytes(body[:need])
-
-    def _inflater(self, arr: Array, j: int) -> Inflater:
-        body, size, path = self._read_block(arr, j, "images")
-        return Inflater(arr, bytes(body), size, path)
-
-    def _open(self) -> _Open:
-        n, shape = self.num_samples, self.fixed_shape
-        root = read_attributes(self._path(ATTRIBUTES))
-        if not str(root.get("n5", "")).startswith("2."):
-            raise PackerError(f"{self._path(ATTRIBUTES)}: not an N5 2.x container (n5: {root.get('n5')!r:.40})")
-        images, names = self._dataset("images")
-        gzip = "gzip" if images.compression == "gzip" else None
-        if images.dtype != "uint8" or gzip != self.facts.get("compression") or images.rows != self.facts.get("rows"):
-            raise PackerError(f"{self._where('images')}: {images} disagrees with the manifest ({self.facts})")
-        offsets = shapes = None
-        if shape is not None:
-            if images.shape != (n, *shape):
-                raise PackerError(f"{self._where('images')}: shape {images.shape}, the manifest says {(n, *shape)}")
-        else:
-            if len(images.shape) != 1:
-                raise PackerError(f"{self._where('images')}: shape {images.shape}, expected a 1-D blob")
-            arr, more = self._dataset("offsets")
-            names += more
-            offsets = self._small(arr, "offsets", (n + 1,))
-            check_offsets(offsets, n, images.shape[0], self._where("offsets"))
-            if self.payload == "raw":
-                arr, more = self._dataset("shapes")
-                names += more
-                shapes = self._small(arr, "shapes", (n, 3))
-                if np.any(shapes < 0) or np.any(shapes[:, 2] != 3) or not np.array_equal(
-                        shapes.prod(axis=1), np.diff(offsets)):
-                    raise PackerError(f"{self._where('shapes')}: shapes do not match the offsets")
-        arr, more = self._dataset("labels")
-        if arr.shape != (n,) or arr.dtype != "int64":
-            raise PackerError(f"{self._where('labels')}: shape {arr.shape} {arr.dtype}, expected ({n},) int64")
-        names += more
-        # Only files the manifest lists are ever opened: the attributes must name exactly those.
-        if [f"{self.root_name}/{x}" for x in [ATTRIBUTES, *names]] != self.files:
-            raise PackerError(f"{self.directory / self.root_name}: the N5 attributes describe other files "
-                              "than the manifest lists")
-        rels = [f"images/{images.block_name(j)}" for j in range(images.num_blocks)]
-        return _Open(images, [str(self._path(r)) for r in rels], [self.sizes[f"{self.root_name}/{r}"] for r in rels],
-                     offsets, shapes)
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    # ------------------------------------------------------------ the images' bytes
-
-    def _mapped(self, h: _Open, j: int) -> np.ndarray:
-        """Uncompressed block ``j``'s elements: a view of its mapped file, whose header was checked when mapped and
-        whose size (the manifest's, header + elements) is checked with every read. Call with ``h.lock`` held.
-
-        The LRU holds each block's descriptor, for that size check; the maps hold none (``filemap``), so samples
-        a user keeps cost no descriptor once their block has left the LRU."""
-        entry = h.maps.pop(j, None)
-        path = h.blocks[j]
-        if entry is None:
-            arr = h.images
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as exc:
-                raise PackerError(f"{path}: cannot open N5 block ({exc.strerror or exc})") from exc
-            try:
-                hb = arr.header_bytes()
-                count = check_block_header(os.pread(fd, hb, 0), arr, j, path)
-                size = os.fstat(fd).st_size
-                if size != hb + count:
-                    raise PackerError(f"{path}: N5 block of {size - hb} bytes, its header says {count}")
-                check_size(fd, h.block_sizes[j], path)
-                entry = (fd, map_array(path, fd, self.access)[hb:])
-            except BaseException:
-                os.close(fd)
-                raise
-            while len(h.maps) >= _MAPPED_BLOCKS:
-                os.close(h.maps.popitem(last=False)[1][0])  # its map goes with its last view
-        else:
-            try:
-                check_size(entry[0], h.block_sizes[j], path)
-            except BaseException:
-                os.close(entry[0])  # out of the LRU already: a changed block is mapped afresh, or refused, next time
-                raise
-        h.maps[j] = entry
-        return entry[1]
-
-    def _range(self, h: _Open, j: int, a: int, b: int, used: dict) -> np.ndarray | bytes:
-        """Bytes [a, b) of block ``j``'s elements: a view of the map, or inflated. Call with ``h.lock`` held;
-        ``used``: the blocks this call has already found (one LRU step and one size check per block and call)."""
-        block = used.get(j)
-        if block is None:
-            if h.images.compression == "gzip":
-                block = h.decoded.pop(j, None)
-                if block is None:
-                    block = self._inflater(h.images, j)
-                    while len(h.decoded) >= _DECODED_BLOCKS:
-                        h.decoded.popitem(last=False)
-                h.decoded[j] = block
-            else:
-                block = self._mapped(h, j)
-            used[j] = block
-        if isinstance(block, Inflater):
-            return bytes(block.upto(b)[a:b])
-        return block[a:b]
-
-    def _bytes(self, h: _Open, a: int, b: int, used: dict) -> np.ndarray:
-        """Bytes [a, b) of the images dataset, flat in C order, from the blocks they lie in (joined if several)."""
-        if a == b:
-            return np.zeros(0, np.uint8)
-        step = h.images.rows * h.images.row_bytes
-        if a // step == (b - 1) // step:  # one block: a view of it (most samples)
-            part = self._range(h, a // step, a % step, b - a // step * step, used)
-            return part if isinstance(part, np.ndarray) else np.frombuffer(part, dtype=np.uint8)
-        parts = [np.frombuffer(self._range(h, j, max(a, j * step) - j * step, min(b, (j + 1) * step) - j * step,
-                                           used), dtype=np.uint8) for j in range(a // step, -(-b // step))]
-        joined = np.concatenate(parts)
-        joined.flags.writeable = False  # read-only like every other sample
-        return joined
-
-    def _span(self, h: _Open, pos: int) -> tuple[int, int]:
-        if h.offsets is None:
-            size = h.images.row_bytes
-            return pos * size, (pos + 1) * size
-        return int(h.offsets[pos]), int(h.offsets[pos + 1])
-
-    def _sample(self, h: _Open, pos: int, used: dict) -> np.ndarray | memoryview:
-        view = self._bytes(h, *self._span(h, pos), used)
-        if h.offsets is None:
-            return view.reshape(cast(tuple, self.fixed_shape))
-        return view.data if h.shapes is None else view.reshape(h.shapes[pos])
-
-    def read(self, pos: int) -> np.ndarray | memoryview:
-        """Read-only: (H, W, 3) pixels for raw, a memoryview of the file's bytes for encoded."""
-        return self.read_many([pos])[0]
-
-    def read_many(self, positions: Sequence[int]) -> list:
-        """Views of the mapped blocks (uncompressed), bytes inflated once per block and kept (gzip)."""
-        h = self._h.get(self._open)
-        used: dict = {}  # block number -> its map or inflater, for this call
-        with h.lock:  # readers share one LRU (and inflaters) per process, threads included
-            if h.images.compression == "gzip" or h.offsets is None or h.shapes is not None:
-                return [self._sample(h, p, used) for p in positions]
-            return self._encoded_views(h, positions, used)
-
-    def _encoded_views(self, h: _Open, positions: Sequence[int], used: dict) -> list:
-        """``read_many`` of encoded samples in uncompressed blocks: bounds looked up for the batch at once, each
-        sample a slice of its block's memoryview (16 -> ~3 us per sample, docs/results.md); one across blocks is
-        joined by ``_sample``. Call with ``h.lock`` held."""
-        pos = np.asarray(positions, dtype=np.int64)
-        offsets = cast(np.ndarray, h.offsets)
-        step = h.images.rows * h.images.row_bytes
-        starts, ends = offsets[pos].tolist(), offsets[pos + 1].tolist()
-        views: dict[int, memoryview] = {}
-        out: list = []
-        for p, a, b in zip(positions, starts, ends, strict=True):
-            j = a // step
-            if a == b or (b - 1) // step != j:
-                out.append(self._sample(h, p, used))
-                continue
-            view = views.get(j)
-            if view is None:
-                block = used.get(j)
-                if block is None:
-                    block = used[j] = self._mapped(h, j)
-                view = views[j] = block.data
-            out.append(view[a - j * step : b - j * step])
-        return out
-
-    def read_into(self, positions: Sequence[int], out: np.ndarray) -> None:
-        """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``."""
-        if self.fixed_shape is None:
-            raise PackerError(f"{self.directory / self.root_name}: read_into needs a fixed-shape shard")
-        for k, arr in enumerate(self.read_many(positions)):
-            out[k] = arr
-
-    def file_spans(self, positions: Sequence[int]) -> list[list[Span]]:
-        """Per position, the byte ranges of the block files it is read from (see packer.read.readahead)."""
-        h = self._h.get(self._open)
-        arr = h.images
-        step, hb = arr.rows * arr.row_bytes, arr.header_bytes()
-        pos = np.asarray(positions, dtype=np.int64)
-        if h.offsets is None:
-            starts, ends = pos * arr.row_bytes, (pos + 1) * arr.row_bytes
-        else:
-            starts, ends = h.offsets[pos], h.offsets[pos + 1]
-        out = []
-        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
-            j = a // step
-            if arr.compression != "gzip" and b > a and (b - 1) // step == j:  # most samples: inside one block
-                out.append([(h.blocks[j], hb + a - j * step, hb + b - j * step)])
-                continue
-            spans = []
-            for j in range(a // step, -(-b // step)):
-                if arr.compression == "gzip":  # inflated whole
-                    spans.append((h.blocks[j], 0, h.block_sizes[j]))
-                else:
-                    lo, hi = max(a, j * step) - j * step, min(b, (j + 1) * step) - j * step
-                    spans.append((h.blocks[j], hb + lo, hb + hi))
-            out.append(spans)
-        return out
-
-    def close(self) -> None:
-        def closer(h: _Open) -> None:
-            with h.lock:
-                for fd, _ in h.maps.values():
-                    os.close(fd)
-                h.maps.clear()  # each map goes with its last view
-
-        self._h.close(closer)
-        super().close()
 
 
 FORMAT = N5Format(

@@ -24,7 +24,7 @@ from support.fuzzing import _rewrite_checksums as recompute_checksums
 
 from packer import PackerError, convert, open_dataset
 from packer.cli import main as cli_main
-from packer.formats import n5
+from packer.formats import n5, n5blocks, n5read
 
 ts = pytest.importorskip("tensorstore")
 
@@ -255,7 +255,7 @@ def test_uncompressed_samples_are_views_of_the_mapped_blocks(packed, case):
 def test_samples_kept_hold_no_descriptors_beyond_the_lru(packed, monkeypatch):
     """Views outlive their block's place in the LRU: the maps hold no descriptor, so keeping every sample of a
     many-block dataset costs only the LRU's descriptors (a Python mmap each would run out of them)."""
-    monkeypatch.setattr(n5, "_MAPPED_BLOCKS", 2)
+    monkeypatch.setattr(n5read, "_MAPPED_BLOCKS", 2)
     ds = open_dataset(packed["raw"], image="numpy")
     assert sum(len(r._h.get(r._open).blocks) for r in ds.store.readers) > 8
     before = len(os.listdir("/proc/self/fd"))
@@ -270,8 +270,8 @@ def test_samples_kept_hold_no_descriptors_beyond_the_lru(packed, monkeypatch):
 @pytest.mark.parametrize("case", ["raw", "raw-24x32-gzip"])
 def test_threads_share_a_reader_and_its_lru(packed, monkeypatch, case):
     """Several threads reading one dataset while blocks leave and re-enter a small LRU get every sample right."""
-    monkeypatch.setattr(n5, "_MAPPED_BLOCKS", 2)
-    monkeypatch.setattr(n5, "_DECODED_BLOCKS", 1)
+    monkeypatch.setattr(n5read, "_MAPPED_BLOCKS", 2)
+    monkeypatch.setattr(n5read, "_DECODED_BLOCKS", 1)
     expected = [np.array(x) for x, _ in open_dataset(packed[case], image="numpy")]
     ds = open_dataset(packed[case], image="numpy")
     switch = sys.getswitchinterval()
@@ -331,7 +331,7 @@ def test_array_blocks_round_trip_through_the_module(tmp_path):
     assert names == ["x/attributes.json", "x/0/0", "x/0/1", "x/0/2"]
     assert np.array_equal(ts_read(tmp_path, "x"), data)
     last = (tmp_path / "x/0/2").read_bytes()
-    assert n5.check_block_header(last, arr, 2, "x") == 2 * 3  # the edge block is cut to 2 rows
+    assert n5blocks.check_block_header(last, arr, 2, "x") == 2 * 3  # the edge block is cut to 2 rows
 
 
 @pytest.mark.parametrize("case", ["raw-24x32-gzip", "raw-gzip", "encoded"])
@@ -351,18 +351,18 @@ def test_an_inflater_goes_only_as_far_as_asked_and_checks_the_end():
     arr = n5.Array((8,), 8, "uint8", "gzip")
     comp = zlib.compressobj(-1, zlib.DEFLATED, 31)
     good = comp.compress(bytes(range(8))) + comp.flush()
-    inflater = n5.Inflater(arr, good, 8, "b")
+    inflater = n5blocks.Inflater(arr, good, 8, "b")
     assert bytes(inflater.upto(3)[:3]) == bytes(range(3)) and len(inflater.out) < 8 + (1 << 16)
     assert bytes(inflater.upto(8)) == bytes(range(8)) and inflater.d.eof
     with pytest.raises(PackerError, match="inflates to other than"):
-        n5.Inflater(arr, good[:-12], 8, "b").upto(8)  # stream cut short
+        n5blocks.Inflater(arr, good[:-12], 8, "b").upto(8)  # stream cut short
     with pytest.raises(PackerError, match="inflates to other than"):
-        n5.Inflater(arr, good, 9, "b").upto(9)  # ends before the block's size
+        n5blocks.Inflater(arr, good, 9, "b").upto(9)  # ends before the block's size
     comp = zlib.compressobj(-1, zlib.DEFLATED, 31)
     big, more = n5.Array((1 << 20,), 1 << 20, "uint8", "gzip"), comp.compress(bytes((1 << 20) + 1)) + comp.flush()
-    inflater = n5.Inflater(big, more, 1 << 20, "b")
+    inflater = n5blocks.Inflater(big, more, 1 << 20, "b")
     assert len(inflater.upto(10)) == 1 << 16  # a prefix reads, in 64 KiB steps ...
     with pytest.raises(PackerError, match="inflates to more than"):
         inflater.upto(1 << 20)  # ... and the end is checked once reached
     with pytest.raises(PackerError, match="damaged gzip"):
-        n5.Inflater(arr, b"\x1f\x8b" + bytes(30), 8, "b").upto(8)
+        n5blocks.Inflater(arr, b"\x1f\x8b" + bytes(30), 8, "b").upto(8)
