@@ -60,6 +60,7 @@ class PageCache:
         self._size = 0
         self._vec = np.zeros(0, dtype=np.uint8)  # mincore's answer, reused
         self._vec_at = 0  # its address (asking numpy for it costs more than a small mincore call)
+        self._lock = threading.Lock()  # one answer vector: two loaders' feeder threads may ask at once
         self._failed = _LIBC is None
         self._whole = False  # the whole file was resident when last asked
         self._whole_until = -1.0  # time.monotonic() until which that answer stands
@@ -80,6 +81,10 @@ class PageCache:
 
     def resident(self, starts: np.ndarray, ends: np.ndarray) -> bool:
         """True when every byte of every range [starts[k], ends[k]) of the file is in the page cache."""
+        with self._lock:
+            return self._resident(starts, ends)
+
+    def _resident(self, starts: np.ndarray, ends: np.ndarray) -> bool:
         libc = _LIBC
         if libc is None or self._failed or not len(starts) or (self._map is None and not self._open()):
             return False
@@ -114,14 +119,15 @@ class PageCache:
         """True when every page of bytes [start, end) is cached: one ``mincore`` call over the hull of a small
         group of ranges (an N5 block's samples), without ``resident``'s per-range planning; a file seen whole in
         the cache within the second only has the hull's first page asked about (241 pages: 17 us, one: 3 us)."""
-        if _LIBC is None or self._failed or (self._map is None and not self._open()):
-            return False
-        if end <= start:
-            return True
-        lo, hi = start // PAGE, (end - 1) // PAGE + 1
-        if hi * PAGE > self._size + PAGE - 1:
-            return False
-        return self._whole_file_resident(lo, lo + 1) or self._all_cached(lo, hi)
+        with self._lock:
+            if _LIBC is None or self._failed or (self._map is None and not self._open()):
+                return False
+            if end <= start:
+                return True
+            lo, hi = start // PAGE, (end - 1) // PAGE + 1
+            if hi * PAGE > self._size + PAGE - 1:
+                return False
+            return self._whole_file_resident(lo, lo + 1) or self._all_cached(lo, hi)
 
     def _whole_file_resident(self, lo: int, hi: int) -> bool:
         """Whether the whole file was in the cache when last asked (asked again once that answer is old, for

@@ -128,8 +128,8 @@ class PackedDataset(FolderSurface):
                     continue
                 reader.will_need(positions)  # formats of one file per sample: the kernel reads them all at once
                 requests.extend(reader.file_spans(positions))  # the others: byte ranges for the read-ahead thread
-        # whole device requests at block edges where the data fits in memory (access "sequential": resolve_access)
-        return readahead.start(requests, within=self._hulls(ahead), whole_cells=self.store.access == "sequential")
+        # whole device requests at block edges where the data fits in memory (the neighbour's part stays cached)
+        return readahead.start(requests, within=self._hulls(ahead), whole_cells=self.store.fits_in_memory)
 
     def block_boundaries(self) -> np.ndarray | None:
         """Storage positions where the format's natural blocks start (mosaic: one per mosaic), then len(self);
@@ -173,6 +173,8 @@ class PackedDataset(FolderSurface):
         ``ahead``: as for ``start_reads``; ``pending``: its result for these positions, started earlier.
         """
         idx = np.asarray(stored, dtype=np.int64)
+        if not len(idx):
+            return []
         pending = self.start_reads(idx, ahead) if pending is None else pending
         order = np.argsort(idx, kind="stable")
         ordered = idx[order]

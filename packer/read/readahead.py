@@ -203,6 +203,14 @@ def _piece(fds: dict[str, int], path: str, offset: int, end: int, view: memoryvi
 _REQUEST: dict[int, int] = {}  # st_dev -> request bytes
 
 
+def _size(path: str) -> int:
+    """The file's size now (0 where it can't be asked: the span is then read as asked)."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
 def request_bytes(path: str) -> int:
     """The largest read the device holding ``path`` takes as one request from page-cache pages.
 
@@ -312,5 +320,7 @@ def _widened(span: Range, within: Sequence[tuple[int, int]], whole_cells: bool =
         if a <= start and end <= b:
             grid = request_bytes(path)
             lo, hi = start - start % grid, -(-end // grid) * grid
-            return (lo, hi, True) if whole_cells else (max(a - a % PAGE, lo), min(b, hi), True)
+            if not whole_cells:
+                return max(a - a % PAGE, lo), min(b, hi), True
+            return lo, min(hi, max(_size(path), end)), True  # not past the file's end: its last byte is waited for
     return start, end, False

@@ -37,9 +37,15 @@ def resolve_access(access: Access, manifest: Manifest) -> str:
         raise PackerError(f"unknown access pattern {access!r} (choose auto, sequential or random)")
     if access != "auto":
         return access
+    return "sequential" if fits_in_memory(manifest) else "random"
+
+
+def fits_in_memory(manifest: Manifest) -> bool:
+    """The dataset's files take at most half the memory available now (unknown: True), so pages read ahead stay
+    cached until the pass needs them."""
     size = sum(f.num_bytes for s in manifest.shards for f in s.files)
     available = sysinfo.memory_available()
-    return "random" if available is not None and size > available // 2 else "sequential"
+    return available is None or size <= available // 2
 
 
 HULLS_KEPT = 4096  # ranges whose byte hulls a store remembers (an epoch's blocks, and ranks' shares of them)
@@ -54,6 +60,7 @@ class ShardStore:
         fmt = get_format(self.manifest.format)
         check_recorded_options(fmt.name, self.manifest.options, root / MANIFEST_NAME)
         self.access = resolve_access(access, self.manifest)
+        self.fits_in_memory = fits_in_memory(self.manifest)  # read-ahead may read a block's edge request whole
         with reading(f"{root}: opening shards"):
             self.readers = [fmt.Reader(root, s, self.manifest.payload, access=self.access)
                             for s in self.manifest.shards]
@@ -143,15 +150,16 @@ class ShardStore:
 
 
 def _sizes(bufs: list) -> np.ndarray:
-    """Bytes of each payload: views and arrays say ``nbytes`` (one C-level pass), ``bytes`` their length."""
-    try:
+    """Bytes of each payload: views and arrays say ``nbytes`` (one C-level pass where all are), others (``bytes``)
+    their length."""
+    if set(map(type, bufs)) <= _VIEWS:
         return np.fromiter(map(_NBYTES, bufs), dtype=np.int64, count=len(bufs))
-    except AttributeError:  # some are bytes
-        return np.fromiter((b.nbytes if isinstance(b, (np.ndarray, memoryview)) else len(b) for b in bufs),
-                           dtype=np.int64, count=len(bufs))
+    return np.fromiter((b.nbytes if isinstance(b, (np.ndarray, memoryview)) else len(b) for b in bufs),
+                       dtype=np.int64, count=len(bufs))
 
 
 _NBYTES = operator.attrgetter("nbytes")
+_VIEWS = {np.ndarray, memoryview}
 
 
 def _open_consistent(root: Path) -> tuple[Manifest, Index, FieldStore, list[list[tuple[int, int]]]]:

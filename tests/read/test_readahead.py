@@ -134,6 +134,26 @@ def test_spans_are_read_in_whole_device_requests(tmp_path, monkeypatch, within, 
         assert PageCache(str(path)).resident(np.array([want[0][0]]), np.array([want[-1][1]]))
 
 
+def test_a_whole_edge_request_stops_at_the_end_of_the_file(tmp_path):
+    """Widened to the request grid past a block's end, a read still stops at the file's end, so its last byte
+    exists and waiting for it waits for the bytes (past the end, the wait returned before they were read)."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(900_000))
+    evict([path])
+    grid = readahead.request_bytes(str(path))
+    assert 900_000 % grid  # the file ends inside a request
+    job = readahead.start([[(str(path), 800_000, 850_000)]], within=[(str(path), 0, 900_000)], whole_cells=True)
+    assert job.reads == [(800_000 - 800_000 % grid, 900_000, True)]
+    job.wait(0, timeout=10)
+    assert PageCache(str(path)).resident(np.array([800_000]), np.array([850_000]))
+
+
+def test_payloads_of_no_samples_are_none(tmp_path):
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=3, size=(16, 16))
+    ds = open_dataset(convert(src, tmp_path / "ds.lmdb", to="lmdb", workers=0, progress=False).output)
+    assert ds.read_payloads([]) == [] and ds.payloads_at([]) == []
+
+
 def test_request_bytes_follows_the_device_queue(tmp_path):
     """As many pages as one request takes (max_segments, max_sectors_kb, one bio's 256 pages); 254 pages where
     /sys says nothing (not a block device)."""
@@ -408,16 +428,19 @@ def test_batch_is_decoded_in_the_order_its_bytes_arrive(tmp_path, monkeypatch):
     assert all(np.array_equal(img, ds[i][0]) for i, (img, _label) in enumerate(batch))
 
 
-@pytest.mark.parametrize("access", ["random", "sequential"])
-def test_a_hinted_block_widens_reads_inside_it_only(tmp_path, monkeypatch, access):
-    """A block sampler's hint lets a sample's read grow to whole device requests within its block's bytes (access
-    "random": data larger than memory), or to the whole request at the block's edge (access "sequential": the
-    neighbour's part stays cached for its turn); an unhinted read (uniform shuffle) stays exact."""
+@pytest.mark.parametrize("fits", [False, True])
+def test_a_hinted_block_widens_reads_inside_it_only(tmp_path, monkeypatch, fits):
+    """A block sampler's hint lets a sample's read grow to whole device requests within its block's bytes (data
+    larger than half the free memory), or to the whole request at the block's edge (data that fits: the
+    neighbour's part stays cached for its turn), whatever the access asked; an unhinted read stays exact."""
+    from packer import sysinfo
     from packer.read.hints import Ahead, Hinted
 
     src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
     out = convert(src, tmp_path / "ds.memmap", to="memmap", workers=0, progress=False, order="source").output
-    ds = open_dataset(out, access=access)  # sample indices are storage positions
+    monkeypatch.setattr(sysinfo, "memory_available", lambda: None if fits else 4096)
+    ds = open_dataset(out, access="sequential")  # sample indices are storage positions
+    assert ds.store.fits_in_memory == fits
     monkeypatch.setattr(readahead, "request_bytes", lambda p: 4096)
     offsets = np.concatenate([[0], np.cumsum(ds.index.nbytes)])
     block = (int(offsets[10]), int(offsets[30]))
@@ -427,10 +450,10 @@ def test_a_hinted_block_widens_reads_inside_it_only(tmp_path, monkeypatch, acces
         (path, a, b), = job.spans
         assert (a, b) == (offsets[i], offsets[i + 1])
         lo, hi = a - a % 4096, -(-b // 4096) * 4096
-        want = (lo, hi) if access == "sequential" else (max(block[0] - block[0] % 4096, lo), min(block[1], hi))
+        want = (lo, hi) if fits else (max(block[0] - block[0] % 4096, lo), min(block[1], hi))
         assert job.reads == [(*want, True)] and want != (a, b)  # widened: samples do not lie on the grid
         assert ds.read_ahead([i]).reads == [(a, b, False)]
-    assert (job.reads[0][1] > block[1]) == (access == "sequential")
+    assert (job.reads[0][1] > block[1]) == fits
 
 
 def test_the_reader_thread_outlives_an_error_in_one_job(tmp_path, monkeypatch):

@@ -85,3 +85,16 @@ def test_memmap_index_files_truncated_while_open(imagefolder, tmp_path, file):
     kind, outcomes = limited_call(_truncate_while_open, tmp_path / "ds", 0.0, file)
     assert kind == "ok", (kind, outcomes)
     assert all("changed size since it was opened" in o for o in outcomes), outcomes
+
+
+def test_payload_sizes_are_counted_alike_whatever_else_the_batch_holds():
+    """Views and arrays count their bytes (one C-level pass when all are); anything else its length, as before."""
+    import numpy as np
+    import torch
+
+    from packer.read.store import _sizes
+
+    arr, view, tensor = np.zeros((4, 5, 3), np.uint8), memoryview(b"abcdef"), torch.zeros((4, 5, 3), dtype=torch.uint8)
+    assert _sizes([arr, view]).tolist() == [60, 6] == _sizes([arr, view, b"xy"]).tolist()[:2]
+    assert _sizes([tensor]).tolist() == [4] == _sizes([tensor, b"xy"]).tolist()[:1]
+    assert _sizes([]).tolist() == []
