@@ -153,7 +153,7 @@ def main() -> int:
            "cache state and worker count. *of ceiling*: fraction of the relevant ceiling measured in the same run "
            "(cold sequential read or memory copy for `read`; per-core decode rate x processes, or the IO ceiling "
            "when lower, for `decode` and `loader`). Loader figures include starting the workers, as every epoch does "
-           "(the JSON also has the steady rate without it). "
+           "(*steady*: the rate after the first batch, without the start, and its fraction of the ceiling). "
            f"This run took {main_minutes:.1f} min.", "",
            "## Local disk (as is)", "", "![bench](bench.png)", "",
            markdown_table(report), ""]

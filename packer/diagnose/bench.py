@@ -336,6 +336,8 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
         src = next(s for s in sources if str(s.path) == row["dataset"])
         row["ceiling"] = _ceiling_for(src, row["level"], row["cache"], row["workers"], report["ceilings"], cores)
         row["fraction_of_ceiling"] = row["samples_per_s"]["median"] / row["ceiling"]["samples_per_s"]
+        if "steady_samples_per_s" in row:
+            row["steady_fraction_of_ceiling"] = row["steady_samples_per_s"]["median"] / row["ceiling"]["samples_per_s"]
     _add_speedups(report["results"])
     report["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return report

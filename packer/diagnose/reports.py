@@ -28,7 +28,14 @@ def _cells(r: dict) -> dict:
     return {"workers": "" if r["workers"] is None else str(r["workers"]), "rate": fmt_rate(s["median"]),
             "range": f"({fmt_rate(s['min'])}-{fmt_rate(s['max'])})", "mbs": fmt_rate(r["mb_per_s"]["median"]),
             "speedup": "" if r["speedup_vs_folder"] is None else f"{r['speedup_vs_folder']:.2f}x",
-            "eviction": None if r["eviction"] in (None, "verified") else f"eviction {r['eviction']}"}
+            "eviction": None if r["eviction"] in (None, "verified") else f"eviction {r['eviction']}",
+            "steady": _steady(r)}
+
+
+def _steady(r: dict) -> str:
+    """Loader levels: the rate after the first batch (start-up left out) and its fraction of the ceiling."""
+    st, frac = r.get("steady_samples_per_s"), r.get("steady_fraction_of_ceiling")
+    return "" if st is None or frac is None else f"{fmt_rate(st['median'])} {frac:.0%}"
 
 
 def ceiling_summary(ceilings: dict, ranges: bool = False) -> str:
@@ -58,7 +65,7 @@ def bench_table(report: dict) -> str:
                      f"{(e['read_bps'] or 0) / 1e6:.0f} MB/s, kernel block-IO throttle on {', '.join(e['devices'])}")
     lines.append("  ceilings: " + ceiling_summary(report["ceilings"]))
     head = (f"{'dataset':<16} {'level':<6} {'order':<10} {'cache':<5} {'wkr':>3} {'samples/s':>9} {'(min-max)':<15} "
-            f"{'MB/s':>7} {'x folder':>8} {'of ceiling':>10}  ceiling")
+            f"{'MB/s':>7} {'x folder':>8} {'of ceiling':>10} {'steady':>12}  ceiling")
     lines += ["", head, "-" * len(head)]
     prev = None
     for r in report["results"]:
@@ -68,10 +75,11 @@ def bench_table(report: dict) -> str:
         c = _cells(r)
         lines.append(
             f"{r['name'][:16]:<16} {r['level']:<6} {r['order']:<10} {r['cache']:<5} {c['workers']:>3} {c['rate']:>9} "
-            f"{c['range']:<15} {c['mbs']:>7} {c['speedup']:>8} {r['fraction_of_ceiling']:>10.0%}  "
+            f"{c['range']:<15} {c['mbs']:>7} {c['speedup']:>8} {r['fraction_of_ceiling']:>10.0%} {c['steady']:>12}  "
             f"{r['ceiling']['name']}" + (f"  [{c['eviction']}]" if c["eviction"] else ""))
     lines.append("")
-    lines.append(f"median of {report['options']['repeats']} repeats (min-max); samples per pass: "
+    lines.append(f"median of {report['options']['repeats']} repeats (min-max); steady: loader levels after their first "
+                 "batch (start-up left out); samples per pass: "
                  + ", ".join(f"{Path(d['path']).name} {d['samples']}" for d in report["datasets"]))
     lines.append(f"in short: {takeaway(report)}")
     return "\n".join(lines)
@@ -85,8 +93,8 @@ def print_progress(line: str) -> None:
 def markdown_table(report: dict, levels: Sequence[str] | None = None) -> str:
     """The results as a Markdown table (for reports and the README)."""
     out = ["| dataset | level | order | cache | workers | samples/s (min-max) | MB/s | x folder | of ceiling "
-           "| ceiling |",
-           "|---|---|---|---|---:|---:|---:|---:|---:|---|"]
+           "| steady (of ceiling) | ceiling |",
+           "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in report["results"]:
         if levels and r["level"] not in levels:
             continue
@@ -94,7 +102,7 @@ def markdown_table(report: dict, levels: Sequence[str] | None = None) -> str:
         ev = f" ({c['eviction']})" if c["eviction"] else ""
         out.append(f"| {r['name']} | {r['level']} | {r['order']} | {r['cache']}{ev} | {c['workers']} "
                    f"| {c['rate']} {c['range']} | {c['mbs']} | {c['speedup']} | {r['fraction_of_ceiling']:.0%} "
-                   f"| {r['ceiling']['name']} |")
+                   f"| {c['steady']} | {r['ceiling']['name']} |")
     return "\n".join(out)
 
 

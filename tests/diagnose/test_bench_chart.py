@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from packer.diagnose.reports import bench_table, takeaway
+from packer.diagnose.reports import bench_table, markdown_table, takeaway
 
 
 def _row(name, level, cache, rate, speedup, ceiling, repeats=(None,)):
@@ -32,6 +32,24 @@ def _report(folder_cold_read: float, repeats=(None,)) -> dict:
                                              for n, k, p in datasets],
             "machine": {"cpu": "cpu", "cores_usable": 2, "os": "linux"}, "storage": {}, "emulation": None,
             "ceilings": ceilings, "options": {"repeats": 1}}
+
+
+def test_loader_rows_show_their_steady_rate_and_its_fraction_of_the_ceiling():
+    """The goals are stated in steady state: loader levels print the rate after the first batch beside the
+    whole-pass one (terminal and Markdown); other levels leave the cell empty."""
+    report = _report(5000)
+    loader = _row("imgs.lmdb", "thread", "cold", 1200, None, 1500)
+    loader.update(steady_samples_per_s={"median": 1410.0, "min": 1400.0, "max": 1420.0},
+                  steady_fraction_of_ceiling=1410 / 1500)
+    report["results"].append(loader)
+    table = bench_table(report).splitlines()
+    head = next(line for line in table if line.startswith("dataset"))
+    row = next(line for line in table if " thread " in line)
+    assert "steady" in head and "1,410 94%" in row and "80%" in row
+    decode = [line for line in table if line.startswith("imgs") and " decode " in line]
+    assert decode and all(line.endswith("%" + " " * 15 + "c") for line in decode)  # no steady cell
+    md = markdown_table(report).splitlines()
+    assert "| steady (of ceiling) |" in md[0] and "| 1,410 94% |" in md[-1] and "|  |" in md[2]
 
 
 def test_takeaway_is_computed_from_the_figures():
