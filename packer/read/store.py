@@ -27,8 +27,9 @@ from packer.perprocess import PerProcess
 Access = Literal["auto", "sequential", "random"]
 
 
-def resolve_access(access: Access, manifest: Manifest) -> str:
-    """``auto``: sequential-friendly (read-ahead on) unless the dataset is larger than half the free RAM.
+def resolve_access(access: Access, fits: bool) -> str:
+    """``auto``: sequential-friendly (read-ahead on) unless the dataset is larger than half the free RAM (``fits``:
+    ``fits_in_memory``).
 
     Read-ahead makes sequential and block-shuffled passes many times faster; it only hurts
     uniform random access over data that can't stay in the page cache.
@@ -37,7 +38,7 @@ def resolve_access(access: Access, manifest: Manifest) -> str:
         raise PackerError(f"unknown access pattern {access!r} (choose auto, sequential or random)")
     if access != "auto":
         return access
-    return "sequential" if fits_in_memory(manifest) else "random"
+    return "sequential" if fits else "random"
 
 
 def fits_in_memory(manifest: Manifest) -> bool:
@@ -59,8 +60,8 @@ class ShardStore:
         self.manifest, self.index, self.fields, self._file_ids = _open_consistent(root)
         fmt = get_format(self.manifest.format)
         check_recorded_options(fmt.name, self.manifest.options, root / MANIFEST_NAME)
-        self.access = resolve_access(access, self.manifest)
         self.fits_in_memory = fits_in_memory(self.manifest)  # read-ahead may read a block's edge request whole
+        self.access = resolve_access(access, self.fits_in_memory)
         with reading(f"{root}: opening shards"):
             self.readers = [fmt.Reader(root, s, self.manifest.payload, access=self.access)
                             for s in self.manifest.shards]
