@@ -224,6 +224,15 @@ class Reader(ShardReader):
             return pos * size, (pos + 1) * size
         return int(h.offsets[pos]), int(h.offsets[pos + 1])
 
+    @staticmethod
+    def _bounds(h: _Open, positions: Sequence[int]) -> tuple[list[int], list[int]]:
+        """``_span`` of many positions at once: their first bytes and their ends in the images dataset."""
+        pos = np.asarray(positions, dtype=np.int64)
+        if h.offsets is None:
+            size = h.images.row_bytes
+            return (pos * size).tolist(), ((pos + 1) * size).tolist()
+        return h.offsets[pos].tolist(), h.offsets[pos + 1].tolist()
+
     def _sample(self, h: _Open, pos: int, used: dict) -> np.ndarray | memoryview:
         view = self._bytes(h, *self._span(h, pos), used)
         if h.offsets is None:
@@ -247,10 +256,8 @@ class Reader(ShardReader):
         """``read_many`` of encoded samples in uncompressed blocks: bounds looked up for the batch at once, each
         sample a slice of its block's memoryview (16 -> ~3 us per sample, docs/results.md); one across blocks is
         joined by ``_sample``. Call with ``h.lock`` held."""
-        pos = np.asarray(positions, dtype=np.int64)
-        offsets = cast(np.ndarray, h.offsets)
         step = h.images.rows * h.images.row_bytes
-        starts, ends = offsets[pos].tolist(), offsets[pos + 1].tolist()
+        starts, ends = self._bounds(h, positions)
         views: dict[int, memoryview] = {}
         out: list = []
         for p, a, b in zip(positions, starts, ends, strict=True):
@@ -279,13 +286,8 @@ class Reader(ShardReader):
         h = self._h.get(self._open)
         arr = h.images
         step, hb = arr.rows * arr.row_bytes, arr.header_bytes()
-        pos = np.asarray(positions, dtype=np.int64)
-        if h.offsets is None:
-            starts, ends = pos * arr.row_bytes, (pos + 1) * arr.row_bytes
-        else:
-            starts, ends = h.offsets[pos], h.offsets[pos + 1]
         out = []
-        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+        for a, b in zip(*self._bounds(h, positions), strict=True):
             j = a // step
             if arr.compression != "gzip" and b > a and (b - 1) // step == j:  # most samples: inside one block
                 out.append([(h.blocks[j], hb + a - j * step, hb + b - j * step)])
