@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader
 import packer
 from packer.diagnose import measure
 from packer.diagnose.bench_sources import FolderSamples, FolderTrain, list_collate
+from packer.images.jpegregion import region_decode_available
 from packer.write.scan import scan_folder
 
 SETTINGS = ("full", "train224")
@@ -237,6 +238,12 @@ def run(folder: Path, work: Path, epochs: int = 3, workers: int = 2, batch: int 
         if fmt == "memmap":  # the fused crop without the region decoder: what it gains, in the same run
             tools["packer memmap, whole decode then crop"] = lambda o=out: packer_epochs(
                 o, workers, batch, region=False, settings=("train224",))
+    if region_decode_available():  # convert --jpeg-restarts: a crop decodes only its own MCUs (docs/decoding.md)
+        out = work / "photos-restarts.lmdb"
+        if not out.exists():
+            packer.convert(folder, out, to="lmdb", jpeg_restarts=True, progress=False)
+        tools["packer lmdb --jpeg-restarts, ThreadLoader"] = lambda o=out: packer_epochs(o, workers, batch,
+                                                                                         threads=True)
     makers = {"dali": ("NVIDIA DALI CPU", lambda: dali_epochs(folder, workers, batch)),
               "ffcv": ("FFCV", lambda: ffcv_epochs(folder, work, workers, batch)),
               "litdata": ("LitData", lambda: litdata_epochs(folder, work, workers, batch))}

@@ -45,6 +45,7 @@ def cmd_convert(args) -> int:
             compression=args.compression, **{o.name: vars(args)[o.name] for o in format_options(FORMATS)},
             overwrite=args.overwrite, resume=args.resume, if_changed=args.if_changed, progress=not args.quiet,
             order=args.order, seed=args.seed, skip_hidden=args.skip_hidden, allow_empty=args.allow_empty,
+            jpeg_restarts=args.jpeg_restarts,
             client=client, source_type=args.source_type, root=args.root, path_column=args.path_column,
             label_column=args.label_column, classes_file=args.classes_file, classes=args.classes,
             label_key=args.label_key, image_column=args.image_column,

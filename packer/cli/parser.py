@@ -77,6 +77,7 @@ def _add_convert(sub) -> None:
         packer convert imgs/ --to lmdb --resume       # go on after Ctrl-C, a kill or a full disk
         packer convert imgs/ --to lmdb --if-changed --overwrite   # in a pipeline: reuse an up-to-date output
         packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
+        packer convert imgs/ --to lmdb --jpeg-restarts     # lossless rewrite: training crops decode ~1.3x faster
         packer convert imgs/ --to bmp --resize 256          # one uncompressed BMP per image, no decoding in training
         packer convert imgs/ --to mosaic --tile 224x224     # 224x224 tiles on ~16 MB BMP mosaics
         packer convert imgs/ --to mosaic --tile 224x224 --grid 16x16 --codec jpeg --quality 95   # lossy, small
@@ -94,10 +95,7 @@ def _add_convert(sub) -> None:
     p.add_argument("--to", dest="format", default="lmdb", choices=[*sorted(FORMATS), "wds"], help="output format "
                    "(default lmdb); wds: WebDataset shards, bytes as stored (decoded pixels as lossless PNG)")
     p.add_argument("-o", "--output", help="output directory (default: <source>.<format> beside the source)")
-    p.add_argument("--payload", choices=("encoded", "raw"), default=None,
-                   help="encoded: the original file bytes (lossless, smallest; default where the format stores "
-                   "it); raw: decoded RGB pixels (no decoding in training, 5-10x larger; the only payload of bmp "
-                   "and mosaic)")
+    _add_payload_arguments(p)
     p.add_argument("--validate", choices=("full", "header", "none"), default="full",
                    help="full: decode every image (default, catches truncated files); header: read headers only; "
                    "none: pack bytes unchecked")
@@ -108,13 +106,6 @@ def _add_convert(sub) -> None:
     p.add_argument("--shard-size", type=size_arg, default=None, metavar="SIZE",
                    help="approximate shard size, e.g. 512MB (default: the format's: 1GB for lmdb, one file for "
                    "hdf5 and memmap; --to wds: at most this per .tar, default 256MB)")
-    p.add_argument("--resize", metavar="S|HxW",
-                   help="raw payloads only, lossy: S = short side to S (aspect kept); HxW = exact shape")
-    p.add_argument("--resize-mode", choices=("stretch", "fit"), default="stretch",
-                   help="for --resize HxW: stretch to the shape (default) or fit inside it and pad with black")
-    p.add_argument("--upscale", action="store_true", help="let --resize enlarge small images (default: never)")
-    p.add_argument("--compression", choices=sorted({c for f in FORMATS.values() for c in f.compressions}),
-                   default=None, help=compression_help(FORMATS))
     p.add_argument("--order", choices=("shuffled", "source"), default="shuffled",
                    help="sample order in the dataset. shuffled (default): a seeded shuffle, so neighbours on disk "
                    "are unrelated and block-shuffled reading (packer.read.sampler) mixes labels in every batch; "
@@ -143,6 +134,29 @@ def _add_convert(sub) -> None:
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print errors only: no progress bar, no summary (the exit code still tells)")
     p.set_defaults(func=commands.cmd_convert)
+
+
+def _add_payload_arguments(p) -> None:
+    """convert's flags that decide what each payload holds (encoded bytes or pixels, resized, compressed)."""
+    from packer.formats import FORMATS
+
+    p.add_argument("--payload", choices=("encoded", "raw"), default=None,
+                   help="encoded: the original file bytes (lossless, smallest; default where the format stores "
+                   "it); raw: decoded RGB pixels (no decoding in training, 5-10x larger; the only payload of bmp "
+                   "and mosaic)")
+    p.add_argument("--resize", metavar="S|HxW",
+                   help="raw payloads only, lossy: S = short side to S (aspect kept); HxW = exact shape")
+    p.add_argument("--resize-mode", choices=("stretch", "fit"), default="stretch",
+                   help="for --resize HxW: stretch to the shape (default) or fit inside it and pad with black")
+    p.add_argument("--upscale", action="store_true", help="let --resize enlarge small images (default: never)")
+    p.add_argument("--compression", choices=sorted({c for f in FORMATS.values() for c in f.compressions}),
+                   default=None, help=compression_help(FORMATS))
+    p.add_argument("--jpeg-restarts", action="store_true",
+                   help="encoded payloads: rewrite each JPEG losslessly with a restart marker per MCU (the same "
+                   "DCT coefficients, so the same pixels; about the same size; recorded in the manifest), so that "
+                   "training crops (RandomResizedCropDecode) decode only the crop's part of the file: the fused "
+                   "crop ~1.45x faster per core, whole decodes ~4 %% slower. The stored bytes are then no longer "
+                   "the source files' (packer extract gives the rewritten ones)")
 
 
 def _add_source_arguments(p) -> None:

@@ -12,7 +12,11 @@
  * Columns: jpeg_crop_scanline (widened to iMCU boundaries by libjpeg, and by one pixel each side here so
  * that fancy upsampling sees the same neighbours as a full decode). Rows: jpeg_skip_scanlines above, stop
  * after the last one needed. Rows as wide as the region (a whole image) are decoded straight into out.
+ * A JPEG with a restart marker after every MCU (restart_transcode's output) decodes from a smaller JPEG of the
+ * region's MCUs instead (build_sub): the entropy-coded data above and beside the region is never read.
  * libjpeg's error_exit longjmps back here, never exits the process. The GIL is released while libjpeg runs.
+ *
+ * restart_transcode(data, max_pixels) -> bytes | None: the JPEG rewritten losslessly with a restart marker per MCU.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -49,6 +53,131 @@ static void on_message(j_common_ptr cinfo, int level) {
 
 static void on_output(j_common_ptr cinfo) { (void)cinfo; } /* never print to stderr */
 
+
+/* Restart-marked JPEGs (a restart marker after every MCU, as packer's --jpeg-restarts writes them): every MCU's
+ * entropy-coded bytes decode on their own (a restart resets the DC predictors), so a region is decoded from a
+ * smaller JPEG made of the header (its frame size patched) and the region's MCUs only, renumbered: neither the
+ * rows above it nor the columns beside it are entropy-decoded. The region is widened by a guard of upsampling
+ * reach and rounded out to MCUs, so its pixels are those of a whole decode (libjpeg's fancy upsampling only
+ * reads neighbours within the guard). */
+
+/* Offsets of the frame header and of the scan; 0 when the header is not a plain one (then no fast path). */
+static int find_header(const unsigned char *data, size_t size, size_t *sof, size_t *scan) {
+    size_t i = 2;
+    *sof = 0;
+    while (i + 4 <= size) {
+        unsigned int marker, length;
+        if (data[i] != 0xFF) return 0;
+        marker = data[i + 1];
+        if (marker == 0xFF) { i++; continue; } /* fill byte */
+        length = ((unsigned int)data[i + 2] << 8) | data[i + 3];
+        if (length < 2) return 0;
+        if (marker == 0xC0 || marker == 0xC1) *sof = i;
+        if (marker == 0xDA) {
+            *scan = i + 2 + length;
+            return *sof != 0 && *scan <= size;
+        }
+        i += 2 + length;
+    }
+    return 0;
+}
+
+/* Where each of the first `need` MCUs' bytes end (ends[k]: the offset of the marker after MCU k; MCU k > 0 starts
+ * at ends[k - 1] + 2). 0 when the data is not one restart interval per MCU, numbered in order, with no fill bytes,
+ * the last (MCU total - 1) followed by the end of image: then no fast path. */
+static int find_ends(const unsigned char *data, size_t size, size_t scan, size_t need, size_t total, size_t *ends) {
+    const unsigned char *p = data + scan, *end = data + size;
+    size_t k = 0;
+    while (k < need) {
+        const unsigned char *ff = memchr(p, 0xFF, (size_t)(end - p));
+        unsigned int m;
+        if (ff == NULL || ff + 1 >= end) return 0;
+        m = ff[1];
+        if (m == 0x00) { p = ff + 2; continue; } /* a stuffed 0xFF data byte */
+        if (m != (k + 1 == total ? 0xD9 : 0xD0 + (unsigned int)(k & 7))) return 0;
+        ends[k++] = (size_t)(ff - data);
+        p = ff + 2;
+    }
+    return 1;
+}
+
+/* A JPEG of the MCUs covering rows top..top+height and columns left..left+width of the image at 1/denom, plus a
+ * guard (*sub, *sub_size: malloc'd; *sub_top, *sub_left: its corner on the 1/denom grid). 0 when the image is not
+ * restart-marked per MCU (or the region needs the whole image): decode the original then. -1: out of memory. */
+static int build_sub(const unsigned char *data, size_t size, j_decompress_ptr cinfo, int denom, JDIMENSION top,
+                     JDIMENSION left, JDIMENSION height, JDIMENSION width, unsigned char **sub, size_t *sub_size,
+                     JDIMENSION *sub_top, JDIMENSION *sub_left) {
+    size_t sof, scan, cols, rows, r0, r1, c0, c1, need, total, r, c, k, n = 0, *ends;
+    size_t H = cinfo->image_height, W = cinfo->image_width, mcu_w = 8, mcu_h = 8, gx, gy, y0, y1, x0, x1;
+    unsigned char *p;
+    if (cinfo->restart_interval != 1 || cinfo->progressive_mode || cinfo->arith_code ||
+        cinfo->comps_in_scan != cinfo->num_components || (cinfo->num_components != 1 && cinfo->num_components != 3))
+        return 0;
+    if (cinfo->num_components == 3) { /* an interleaved scan: an MCU spans the largest sampling factors' blocks */
+        mcu_w = 8 * (size_t)cinfo->max_h_samp_factor;
+        mcu_h = 8 * (size_t)cinfo->max_v_samp_factor;
+    }
+    cols = (W + mcu_w - 1) / mcu_w;
+    rows = (H + mcu_h - 1) / mcu_h;
+    total = cols * rows;
+    /* the guard: two chroma samples at the output scale, past anything fancy upsampling reads */
+    gx = 2 * (size_t)denom * (mcu_w / 8);
+    gy = 2 * (size_t)denom * (mcu_h / 8);
+    y0 = (size_t)top * denom;
+    x0 = (size_t)left * denom;
+    y1 = ((size_t)top + height) * denom + gy;
+    x1 = ((size_t)left + width) * denom + gx;
+    r0 = (y0 > gy ? y0 - gy : 0) / mcu_h;
+    c0 = (x0 > gx ? x0 - gx : 0) / mcu_w;
+    r1 = ((y1 < H ? y1 : H) + mcu_h - 1) / mcu_h;
+    c1 = ((x1 < W ? x1 : W) + mcu_w - 1) / mcu_w;
+    if (r0 == 0 && c0 == 0 && r1 == rows && c1 == cols)
+        return 0;
+    if (!find_header(data, size, &sof, &scan))
+        return 0;
+    need = (r1 - 1) * cols + c1;
+    ends = malloc(need * sizeof(size_t));
+    if (ends == NULL)
+        return -1;
+    if (!find_ends(data, size, scan, need, total, ends)) {
+        free(ends);
+        return 0;
+    }
+    *sub_size = scan + (r1 - r0) * (c1 - c0) * 2;
+    for (r = r0; r < r1; r++)
+        *sub_size += ends[r * cols + c1 - 1] - (r * cols + c0 == 0 ? scan : ends[r * cols + c0 - 1] + 2);
+    *sub = p = malloc(*sub_size);
+    if (p == NULL) {
+        free(ends);
+        return -1;
+    }
+    memcpy(p, data, scan);
+    {
+        size_t sub_h = (r1 * mcu_h < H ? r1 * mcu_h : H) - r0 * mcu_h, sub_w = (c1 * mcu_w < W ? c1 * mcu_w : W) - c0 * mcu_w;
+        p[sof + 5] = (unsigned char)(sub_h >> 8);
+        p[sof + 6] = (unsigned char)sub_h;
+        p[sof + 7] = (unsigned char)(sub_w >> 8);
+        p[sof + 8] = (unsigned char)sub_w;
+    }
+    p += scan;
+    for (r = r0; r < r1; r++)
+        for (c = c0; c < c1; c++) {
+            k = r * cols + c;
+            {
+                size_t start = k == 0 ? scan : ends[k - 1] + 2, len = ends[k] - start;
+                memcpy(p, data + start, len);
+                p += len;
+                *p++ = 0xFF;
+                *p++ = (unsigned char)(r + 1 == r1 && c + 1 == c1 ? 0xD9 : 0xD0 + (n & 7));
+                n++;
+            }
+        }
+    free(ends);
+    *sub_top = (JDIMENSION)(r0 * mcu_h / (size_t)denom);
+    *sub_left = (JDIMENSION)(c0 * mcu_w / (size_t)denom);
+    return 1;
+}
+
 /* The decode itself, without the GIL. Returns 1 done, 0 unsupported colour space or (whole) not the image's
  * size, -1 error (message set). */
 static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION top, JDIMENSION left,
@@ -56,7 +185,7 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
                   int whole, char *message) {
     struct jpeg_decompress_struct cinfo;
     struct region_error err;
-    unsigned char *volatile row = NULL;
+    unsigned char *volatile row = NULL, *volatile sub = NULL;
     int result = -1;
 
     memset(&cinfo, 0, sizeof(cinfo));
@@ -70,6 +199,7 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
         snprintf(message, JMSG_LENGTH_MAX, "%s", err.message[0] ? err.message : "libjpeg error");
         jpeg_destroy_decompress(&cinfo);
         free(row);
+        free(sub);
         return -1;
     }
     jpeg_create_decompress(&cinfo);
@@ -99,6 +229,34 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
                  height, width, top, left, cinfo.output_height, cinfo.output_width, denom);
         jpeg_destroy_decompress(&cinfo);
         return -1;
+    }
+    if (!whole) { /* a restart-marked JPEG: decode a smaller one of the region's MCUs instead */
+        unsigned char *made = NULL;
+        size_t made_size = 0;
+        JDIMENSION sub_top = 0, sub_left = 0;
+        int got = build_sub(data, size, &cinfo, denom, top, left, height, width, &made, &made_size, &sub_top,
+                            &sub_left);
+        if (got < 0) {
+            snprintf(message, JMSG_LENGTH_MAX, "out of memory");
+            jpeg_destroy_decompress(&cinfo);
+            return -1;
+        }
+        if (got > 0) {
+            sub = made;
+            jpeg_abort_decompress(&cinfo);
+            jpeg_mem_src(&cinfo, made, (unsigned long)made_size);
+            jpeg_read_header(&cinfo, TRUE);
+            cinfo.out_color_space = JCS_RGB;
+            cinfo.scale_num = 1;
+            cinfo.scale_denom = (unsigned int)denom;
+            jpeg_calc_output_dimensions(&cinfo);
+            top -= sub_top;
+            left -= sub_left;
+            if (top + height > cinfo.output_height || left + width > cinfo.output_width) {
+                snprintf(message, JMSG_LENGTH_MAX, "region outside its restart intervals");
+                goto done;
+            }
+        }
     }
     jpeg_start_decompress(&cinfo);
     {
@@ -154,6 +312,7 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
 done:
     jpeg_destroy_decompress(&cinfo); /* aborts the rest: rows below the region are never decoded */
     free(row);
+    free(sub);
     return result;
 }
 
@@ -281,12 +440,101 @@ done:
     return status;
 }
 
+/* The same JPEG with a restart marker after every MCU, losslessly (the DCT coefficients, quantization tables and
+ * sampling copied, Huffman tables optimized, APPn/COM markers kept): its pixels are the source's, and a region
+ * decodes from the region's MCUs only (build_sub). 1 done (*out malloc'd by libjpeg), 0 not done: not an 8-bit
+ * YCbCr or grayscale JPEG, corrupt or truncated data (any libjpeg warning), above max_pixels. */
+static int transcode(const unsigned char *data, size_t size, unsigned long long max_pixels, unsigned char **out,
+                     unsigned long *out_size) {
+    struct jpeg_decompress_struct src;
+    struct jpeg_compress_struct dst;
+    struct region_error err;
+    jvirt_barray_ptr *coefs;
+    jpeg_saved_marker_ptr m;
+    volatile int made_dst = 0;
+    int k;
+
+    memset(&src, 0, sizeof(src));
+    memset(&dst, 0, sizeof(dst));
+    src.err = jpeg_std_error(&err.pub);
+    err.pub.error_exit = on_error;
+    err.pub.emit_message = on_message;
+    err.pub.output_message = on_output;
+    err.strict = 1; /* a warning (corrupt data that libjpeg would paper over) stops it: the source is kept */
+    if (setjmp(err.jump)) {
+        if (made_dst)
+            jpeg_destroy_compress(&dst);
+        jpeg_destroy_decompress(&src);
+        free(*out);
+        *out = NULL;
+        return 0;
+    }
+    jpeg_create_decompress(&src);
+    jpeg_mem_src(&src, data, (unsigned long)size);
+    jpeg_save_markers(&src, JPEG_COM, 0xFFFF);
+    for (k = 0; k < 16; k++)
+        jpeg_save_markers(&src, JPEG_APP0 + k, 0xFFFF);
+    jpeg_read_header(&src, TRUE);
+    if ((max_pixels && (unsigned long long)src.image_width * src.image_height > max_pixels) ||
+        src.data_precision != 8 || (src.jpeg_color_space != JCS_YCbCr && src.jpeg_color_space != JCS_GRAYSCALE)) {
+        jpeg_destroy_decompress(&src);
+        return 0;
+    }
+    coefs = jpeg_read_coefficients(&src);
+    dst.err = &err.pub;
+    jpeg_create_compress(&dst);
+    made_dst = 1;
+    jpeg_copy_critical_parameters(&src, &dst);
+    dst.restart_interval = 1;
+    dst.optimize_coding = TRUE;
+    jpeg_mem_dest(&dst, out, out_size);
+    jpeg_write_coefficients(&dst, coefs);
+    for (m = src.marker_list; m != NULL; m = m->next) {
+        /* libjpeg writes its own JFIF (APP0) and Adobe (APP14) markers where the colour space calls for them */
+        if (dst.write_JFIF_header && m->marker == JPEG_APP0 && m->data_length >= 5 && memcmp(m->data, "JFIF", 5) == 0)
+            continue;
+        if (dst.write_Adobe_marker && m->marker == JPEG_APP0 + 14 && m->data_length >= 5 &&
+            memcmp(m->data, "Adobe", 5) == 0)
+            continue;
+        jpeg_write_marker(&dst, m->marker, m->data, m->data_length);
+    }
+    jpeg_finish_compress(&dst);
+    jpeg_finish_decompress(&src);
+    jpeg_destroy_compress(&dst);
+    jpeg_destroy_decompress(&src);
+    return 1;
+}
+
+static PyObject *restart_transcode(PyObject *self, PyObject *args) {
+    Py_buffer data;
+    unsigned long long max_pixels;
+    unsigned char *out = NULL;
+    unsigned long out_size = 0;
+    int done;
+    PyObject *result;
+    (void)self;
+
+    if (!PyArg_ParseTuple(args, "y*K", &data, &max_pixels))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    done = transcode((const unsigned char *)data.buf, (size_t)data.len, max_pixels, &out, &out_size);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&data);
+    if (!done)
+        Py_RETURN_NONE;
+    result = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)out_size);
+    free(out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"decode_region", decode_region, METH_VARARGS,
      "decode_region(data, denom, top, left, out, strict, max_pixels, whole=False) -> bool: decode a JPEG region "
      "into out."},
     {"decode_many", decode_many, METH_VARARGS,
      "decode_many(datas, outs, strict, max_pixels) -> bytes: whole JPEGs into outs, per item 1 done, 0 not, 2 error."},
+    {"restart_transcode", restart_transcode, METH_VARARGS,
+     "restart_transcode(data, max_pixels) -> bytes | None: the JPEG losslessly with a restart marker per MCU."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,4 +1,5 @@
-"""JPEG region decode: only the rows and columns a crop needs, at a DCT scale, into a given buffer.
+"""JPEG region decode: only the rows and columns a crop needs, at a DCT scale, into a given buffer; and the
+lossless rewrite (a restart marker per MCU) that lets a region decode skip the entropy-coded data around it.
 
 The work is done by the optional compiled extension ``packer.images._jpegregion`` (libjpeg's
 ``jpeg_crop_scanline`` + ``jpeg_skip_scanlines``; built by setup.py where libjpeg's headers are). Without it
@@ -60,3 +61,13 @@ def decode_region(data: bytes | memoryview, d: int, top: int, left: int, height:
     except ValueError as exc:
         raise DecodeError(f"cannot decode JPEG: {exc}") from None
     return target if done else None
+
+
+def restart_transcode(data: bytes | memoryview) -> bytes | None:
+    """The JPEG ``data`` rewritten losslessly with a restart marker after every MCU: the same DCT coefficients,
+    quantization and sampling (so the same pixels, any decoder), Huffman tables optimized, APPn/COM markers kept.
+    ``decode_region`` then decodes only the crop's MCUs (docs/decoding.md). None where the bytes stay as they
+    are: not an 8-bit YCbCr or grayscale JPEG, damaged data, above the pixel limit, or the extension not built."""
+    if _jpegregion is None:
+        return None
+    return _jpegregion.restart_transcode(data, pixel_limit() or 0)

@@ -183,7 +183,7 @@ def _count(value: Any, what: str) -> int:
 OPTION_TYPES: dict[str, tuple[type, ...]] = {
     "format": (str,), "payload": (str,), "validate": (str,), "shard_bytes": (int, type(None)),
     "resize": (str, type(None)), "resize_mode": (str,), "upscale": (bool,), "compression": (str, type(None)),
-    "order": (str,), "seed": (int,), "skip_hidden": (bool,), "allow_empty": (bool,),
+    "order": (str,), "seed": (int,), "skip_hidden": (bool,), "allow_empty": (bool,), "jpeg_restarts": (bool,),
 }  # a format's own options (mosaic's tile, quality, ...) are its to check: Format.check_options
 _OPTION_RANGES: dict[str, tuple[int, int]] = {"shard_bytes": (1, _MAX_COUNT), "seed": (0, _MAX_COUNT)}
 

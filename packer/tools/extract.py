@@ -1,7 +1,8 @@
 """``packer extract``: write a packed dataset's samples back as files under their relative paths.
 
-Encoded payloads come back byte-identical to the source files. Raw payloads (decoded pixels)
-are written as PNG, lossless for the stored pixels, with the extension changed to ``.png``
+Encoded payloads come back byte-identical to the source files (a ``--jpeg-restarts`` dataset: the rewritten
+JPEGs, the same pixels). Raw payloads (decoded pixels) are written as PNG, lossless for the stored pixels,
+with the extension changed to ``.png``
 (``a.jpg`` -> ``a.png``); where two samples would then share a name (the source had ``a.jpg``
 and ``a.png``), each renamed one keeps its whole name instead (``a.jpg.png``; ``a.png`` stays).
 The relative paths come from the dataset, which may be crafted, so every target is checked

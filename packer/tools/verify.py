@@ -18,7 +18,7 @@ from packer.read.dataset import open_dataset
 from packer.write.options import ConvertOptions, make_options, scan_rules
 from packer.write.output import ERRORS_NAME
 from packer.write.scan import ScanResult, SourceError
-from packer.write.shards import prepare
+from packer.write.shards import prepare, stored_bytes
 from packer.write.sources.base import InlineReader, RecordError, SourceOptions
 from packer.write.sources.registry import scan_source
 
@@ -215,7 +215,7 @@ def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None
                 if isinstance(expected, SourceError) or not within(ds.pixels_at(i), np.asarray(expected.payload),
                                                                    mean_bound, max_bound):
                     report.problems.append(f"{src / rel}: stored pixels differ from the source's decode")
-            elif isinstance(res[0], np.ndarray) or bytes(ds.payload_at(i)) != res[0]:
+            elif isinstance(res[0], np.ndarray) or bytes(ds.payload_at(i)) != stored_bytes(res[0], options):
                 report.problems.append(f"{src / rel}: stored bytes differ from the source file")
         except PackerError as exc:
             report.problems.append(str(exc))

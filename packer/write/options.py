@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
+from packer.images.jpegregion import region_decode_available, region_decode_missing_reason
 from packer.images.resize import ResizeSpec
 from packer.layout.manifest import PAYLOADS
 
@@ -37,6 +38,7 @@ class ConvertOptions:
     seed: int = 0  # of the shuffled order
     skip_hidden: bool = False  # leave out names starting with "." (ImageFolder keeps them: hidden folders are classes)
     allow_empty: bool = False  # keep class folders without images as classes (ImageFolder's allow_empty)
+    jpeg_restarts: bool = False  # encoded JPEGs rewritten losslessly with a restart marker per MCU (faster crops)
     extra: dict[str, Any] = field(default_factory=dict)  # the format's own options (Format.options), by name
 
     def record(self) -> dict[str, Any]:
@@ -87,9 +89,16 @@ class ConvertOptions:
             raise PackerError(f"unknown sample order {self.order!r} (choose {' or '.join(SAMPLE_ORDERS)})")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise PackerError(f"the order seed must be a non-negative integer, got {self.seed!r}")
-        for name, value in (("skip_hidden", self.skip_hidden), ("allow_empty", self.allow_empty)):
+        for name, value in (("skip_hidden", self.skip_hidden), ("allow_empty", self.allow_empty),
+                            ("jpeg_restarts", self.jpeg_restarts)):
             if not isinstance(value, bool):
                 raise PackerError(f"{name} must be True or False, got {value!r}")
+        if self.jpeg_restarts:
+            if self.payload != "encoded":
+                raise PackerError("--jpeg-restarts rewrites encoded JPEG bytes: it needs --payload encoded")
+            if not region_decode_available():
+                raise PackerError(f"--jpeg-restarts needs the compiled JPEG region decoder, which is not built "
+                                  f"({region_decode_missing_reason()}; docs/decoding.md)")
 
 
 def scan_rules(record: dict[str, Any]) -> tuple[bool, bool]:

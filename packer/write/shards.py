@@ -20,8 +20,9 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.formats.base import Format, PreparedSample
-from packer.images.decode import DecodeError, check_pixels, decode
+from packer.images.decode import DecodeError, check_pixels, decode, sniff
 from packer.images.headers import image_size
+from packer.images.jpegregion import restart_transcode
 from packer.layout.manifest import FileInfo, Shard
 from packer.write.journal import ShardResult
 from packer.write.options import ConvertOptions
@@ -99,7 +100,15 @@ def make_payload(rel: str, label: int, data: bytes | np.ndarray, source_stat: li
         return SourceError(rel, str(exc))
     except Exception as exc:  # a codec crash on hostile bytes must not abort the conversion
         return SourceError(rel, f"cannot decode image: {type(exc).__name__}: {exc}")
-    return PreparedSample(-1, rel, label, data, h, w, source_stat)
+    return PreparedSample(-1, rel, label, stored_bytes(data, options), h, w, source_stat)
+
+
+def stored_bytes(data: bytes, options: ConvertOptions) -> bytes:
+    """The encoded payload of a record's bytes: the bytes themselves, or with ``jpeg_restarts`` a JPEG rewritten
+    with a restart marker per MCU (the same pixels; what can't be rewritten is kept as it is)."""
+    if options.jpeg_restarts and sniff(data) == "jpeg":
+        return restart_transcode(data) or data
+    return data
 
 
 def _from_pixels(rel: str, label: int, pixels: np.ndarray, source_stat: list[int] | None,

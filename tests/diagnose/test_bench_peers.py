@@ -10,6 +10,8 @@ from pathlib import Path
 
 from support.imagesets import make_imagefolder
 
+from packer.images.jpegregion import region_decode_available
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "bench_peers.py"
 
 
@@ -30,6 +32,8 @@ def test_bench_peers_smoke(tmp_path):
     json.dumps(report)
     rows = report["rows"]
     assert {"loose folder + Pillow", "packer memmap", "packer lmdb"} <= set(rows)
+    if region_decode_available():
+        assert "packer lmdb --jpeg-restarts, ThreadLoader" in rows
     if importlib.util.find_spec("nvidia.dali") is not None:
         assert "NVIDIA DALI CPU" in rows
     else:

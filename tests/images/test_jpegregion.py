@@ -32,6 +32,7 @@ KINDS = {  # Pillow save options: the JPEG kinds the region decoder must give wh
     "444": {"subsampling": 0},
     "progressive": {"progressive": True},
     "restart-markers": {"restart_marker_blocks": 3},
+    "restart-per-mcu": {"restart_marker_blocks": 1},  # the fast path: only the region's MCUs are read
 }
 
 
