@@ -153,10 +153,11 @@ def _add_payload_arguments(p) -> None:
                    default=None, help=compression_help(FORMATS))
     p.add_argument("--jpeg-restarts", action="store_true",
                    help="encoded payloads: rewrite each JPEG losslessly with a restart marker per MCU (the same "
-                   "DCT coefficients, so the same pixels; about the same size; recorded in the manifest), so that "
-                   "training crops (RandomResizedCropDecode) decode only the crop's part of the file: the fused "
-                   "crop ~1.45x faster per core, whole decodes ~4 %% slower. The stored bytes are then no longer "
-                   "the source files' (packer extract gives the rewritten ones)")
+                   "DCT coefficients, so the same pixels; photos about the same size, flat or low-quality images "
+                   "larger; recorded in the manifest), so that training crops (RandomResizedCropDecode) decode "
+                   "only the crop's part of the file: the fused crop ~1.45x faster per core, whole decodes ~4 %% "
+                   "slower. The stored bytes are then no longer the source files' (packer extract gives the "
+                   "rewritten ones)")
 
 
 def _add_source_arguments(p) -> None:

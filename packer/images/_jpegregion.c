@@ -26,6 +26,7 @@
 #include <string.h>
 
 #include <jpeglib.h>
+#include <jerror.h>
 
 struct region_error {
     struct jpeg_error_mgr pub;
@@ -70,6 +71,7 @@ static int find_header(const unsigned char *data, size_t size, size_t *sof, size
         if (data[i] != 0xFF) return 0;
         marker = data[i + 1];
         if (marker == 0xFF) { i++; continue; } /* fill byte */
+        if (marker == 0x01 || (marker >= 0xD0 && marker <= 0xD7)) { i += 2; continue; } /* TEM, RSTn: no length */
         length = ((unsigned int)data[i + 2] << 8) | data[i + 3];
         if (length < 2) return 0;
         if (marker == 0xC0 || marker == 0xC1) *sof = i;
@@ -101,12 +103,23 @@ static int find_ends(const unsigned char *data, size_t size, size_t scan, size_t
     return 1;
 }
 
+/* Read a JPEG's header and set the output up: RGB at 1/denom. */
+static void setup(j_decompress_ptr cinfo, const unsigned char *data, size_t size, int denom) {
+    jpeg_mem_src(cinfo, data, (unsigned long)size);
+    jpeg_read_header(cinfo, TRUE);
+    cinfo->out_color_space = JCS_RGB;
+    cinfo->scale_num = 1;
+    cinfo->scale_denom = (unsigned int)denom;
+    jpeg_calc_output_dimensions(cinfo);
+}
+
 /* A JPEG of the MCUs covering rows top..top+height and columns left..left+width of the image at 1/denom, plus a
- * guard (*sub, *sub_size: malloc'd; *sub_top, *sub_left: its corner on the 1/denom grid). 0 when the image is not
+ * guard (*sub, *sub_size: malloc'd; *sub_top, *sub_left: its corner on the 1/denom grid; *sub_height, *sub_width:
+ * its size in full-resolution pixels, as its frame header says). 0 when the image is not
  * restart-marked per MCU (or the region needs the whole image): decode the original then. -1: out of memory. */
 static int build_sub(const unsigned char *data, size_t size, j_decompress_ptr cinfo, int denom, JDIMENSION top,
                      JDIMENSION left, JDIMENSION height, JDIMENSION width, unsigned char **sub, size_t *sub_size,
-                     JDIMENSION *sub_top, JDIMENSION *sub_left) {
+                     JDIMENSION *sub_top, JDIMENSION *sub_left, JDIMENSION *sub_height, JDIMENSION *sub_width) {
     size_t sof, scan, cols, rows, r0, r1, c0, c1, need, total, r, c, k, n = 0, *ends;
     size_t H = cinfo->image_height, W = cinfo->image_width, mcu_w = 8, mcu_h = 8, gx, gy, y0, y1, x0, x1;
     unsigned char *p;
@@ -154,6 +167,8 @@ static int build_sub(const unsigned char *data, size_t size, j_decompress_ptr ci
     memcpy(p, data, scan);
     {
         size_t sub_h = (r1 * mcu_h < H ? r1 * mcu_h : H) - r0 * mcu_h, sub_w = (c1 * mcu_w < W ? c1 * mcu_w : W) - c0 * mcu_w;
+        *sub_height = (JDIMENSION)sub_h;
+        *sub_width = (JDIMENSION)sub_w;
         p[sof + 5] = (unsigned char)(sub_h >> 8);
         p[sof + 6] = (unsigned char)sub_h;
         p[sof + 7] = (unsigned char)(sub_w >> 8);
@@ -233,28 +248,28 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
     if (!whole) { /* a restart-marked JPEG: decode a smaller one of the region's MCUs instead */
         unsigned char *made = NULL;
         size_t made_size = 0;
-        JDIMENSION sub_top = 0, sub_left = 0;
+        JDIMENSION sub_top = 0, sub_left = 0, sub_height = 0, sub_width = 0;
         int got = build_sub(data, size, &cinfo, denom, top, left, height, width, &made, &made_size, &sub_top,
-                            &sub_left);
+                            &sub_left, &sub_height, &sub_width);
         if (got < 0) {
             snprintf(message, JMSG_LENGTH_MAX, "out of memory");
             jpeg_destroy_decompress(&cinfo);
             return -1;
         }
         if (got > 0) {
+            int components = cinfo.num_components;
             sub = made;
             jpeg_abort_decompress(&cinfo);
-            jpeg_mem_src(&cinfo, made, (unsigned long)made_size);
-            jpeg_read_header(&cinfo, TRUE);
-            cinfo.out_color_space = JCS_RGB;
-            cinfo.scale_num = 1;
-            cinfo.scale_denom = (unsigned int)denom;
-            jpeg_calc_output_dimensions(&cinfo);
-            top -= sub_top;
-            left -= sub_left;
-            if (top + height > cinfo.output_height || left + width > cinfo.output_width) {
-                snprintf(message, JMSG_LENGTH_MAX, "region outside its restart intervals");
-                goto done;
+            setup(&cinfo, made, made_size, denom);
+            if (cinfo.image_height != sub_height || cinfo.image_width != sub_width || cinfo.restart_interval != 1 ||
+                cinfo.num_components != components || top < sub_top || left < sub_left ||
+                top - sub_top + height > cinfo.output_height || left - sub_left + width > cinfo.output_width) {
+                /* a header the frame-size patch missed (build_sub's parse is not libjpeg's): the original */
+                jpeg_abort_decompress(&cinfo);
+                setup(&cinfo, data, size, denom);
+            } else {
+                top -= sub_top;
+                left -= sub_left;
             }
         }
     }
@@ -263,7 +278,15 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
         /* one guard pixel each side, so the region's edge columns are upsampled with their real neighbours */
         JDIMENSION x0 = left > 0 ? left - 1 : 0;
         JDIMENSION x1 = left + width < cinfo.output_width ? left + width + 1 : cinfo.output_width;
-        JDIMENSION xoffset = x0, xwidth = x1 - x0, y;
+        /* and at least an iMCU wide: cropped to 2 chroma samples or fewer, libjpeg upsamples them without its
+           fancy filter, unlike a whole decode */
+        JDIMENSION min_w = (JDIMENSION)cinfo.max_h_samp_factor * (JDIMENSION)(8 / denom), xoffset, xwidth, y;
+        if (x1 - x0 < min_w) {
+            x1 = x0 + min_w < cinfo.output_width ? x0 + min_w : cinfo.output_width;
+            x0 = x1 > min_w ? x1 - min_w : 0;
+        }
+        xoffset = x0;
+        xwidth = x1 - x0;
         if (xoffset > 0 || xwidth < cinfo.output_width)
             jpeg_crop_scanline(&cinfo, &xoffset, &xwidth); /* widened to iMCU boundaries */
         if (top > 0 && jpeg_skip_scanlines(&cinfo, top) != top) {
@@ -440,12 +463,42 @@ done:
     return status;
 }
 
+/* A destination that grows its malloc'd buffer (jpeg_mem_dest's frees and replaces it as it grows, so an error
+ * part-way could not tell which buffer to free). Lives in the caller of transcode (setjmp's frame). */
+struct grow_dest {
+    struct jpeg_destination_mgr pub;
+    unsigned char *buf;
+    size_t size;
+};
+
+static void grow_init(j_compress_ptr cinfo) {
+    struct grow_dest *d = (struct grow_dest *)cinfo->dest;
+    d->pub.next_output_byte = d->buf;
+    d->pub.free_in_buffer = d->size;
+}
+
+static boolean grow_empty(j_compress_ptr cinfo) {
+    struct grow_dest *d = (struct grow_dest *)cinfo->dest;
+    size_t size = d->size * 2;
+    unsigned char *buf = realloc(d->buf, size);
+    if (buf == NULL) {
+        cinfo->err->msg_code = JERR_OUT_OF_MEMORY;
+        (*cinfo->err->error_exit)((j_common_ptr)cinfo);
+    }
+    d->pub.next_output_byte = buf + d->size;
+    d->pub.free_in_buffer = size - d->size;
+    d->buf = buf;
+    d->size = size;
+    return TRUE;
+}
+
+static void grow_term(j_compress_ptr cinfo) { (void)cinfo; }
+
 /* The same JPEG with a restart marker after every MCU, losslessly (the DCT coefficients, quantization tables and
  * sampling copied, Huffman tables optimized, APPn/COM markers kept): its pixels are the source's, and a region
  * decodes from the region's MCUs only (build_sub). 1 done (*out malloc'd by libjpeg), 0 not done: not an 8-bit
  * YCbCr or grayscale JPEG, corrupt or truncated data (any libjpeg warning), above max_pixels. */
-static int transcode(const unsigned char *data, size_t size, unsigned long long max_pixels, unsigned char **out,
-                     unsigned long *out_size) {
+static int transcode(const unsigned char *data, size_t size, unsigned long long max_pixels, struct grow_dest *dest) {
     struct jpeg_decompress_struct src;
     struct jpeg_compress_struct dst;
     struct region_error err;
@@ -465,9 +518,7 @@ static int transcode(const unsigned char *data, size_t size, unsigned long long 
         if (made_dst)
             jpeg_destroy_compress(&dst);
         jpeg_destroy_decompress(&src);
-        free(*out);
-        *out = NULL;
-        return 0;
+        return 0; /* the caller frees dest->buf */
     }
     jpeg_create_decompress(&src);
     jpeg_mem_src(&src, data, (unsigned long)size);
@@ -481,13 +532,25 @@ static int transcode(const unsigned char *data, size_t size, unsigned long long 
         return 0;
     }
     coefs = jpeg_read_coefficients(&src);
+    if (src.progressive_mode) { /* scans left unrefined: libjpeg smooths such blocks, a baseline file would not */
+        int c;
+        for (c = 0; c < src.num_components; c++)
+            for (k = 0; k < DCTSIZE2; k++)
+                if (src.coef_bits[c][k] != 0) {
+                    jpeg_destroy_decompress(&src);
+                    return 0;
+                }
+    }
     dst.err = &err.pub;
     jpeg_create_compress(&dst);
     made_dst = 1;
     jpeg_copy_critical_parameters(&src, &dst);
     dst.restart_interval = 1;
     dst.optimize_coding = TRUE;
-    jpeg_mem_dest(&dst, out, out_size);
+    dest->pub.init_destination = grow_init;
+    dest->pub.empty_output_buffer = grow_empty;
+    dest->pub.term_destination = grow_term;
+    dst.dest = &dest->pub;
     jpeg_write_coefficients(&dst, coefs);
     for (m = src.marker_list; m != NULL; m = m->next) {
         /* libjpeg writes its own JFIF (APP0) and Adobe (APP14) markers where the colour space calls for them */
@@ -508,22 +571,27 @@ static int transcode(const unsigned char *data, size_t size, unsigned long long 
 static PyObject *restart_transcode(PyObject *self, PyObject *args) {
     Py_buffer data;
     unsigned long long max_pixels;
-    unsigned char *out = NULL;
-    unsigned long out_size = 0;
+    struct grow_dest dest;
     int done;
     PyObject *result;
     (void)self;
 
     if (!PyArg_ParseTuple(args, "y*K", &data, &max_pixels))
         return NULL;
+    memset(&dest, 0, sizeof(dest));
+    dest.size = (size_t)data.len + 4096; /* about the source's size: rarely grown */
+    dest.buf = malloc(dest.size);
+    if (dest.buf == NULL) {
+        PyBuffer_Release(&data);
+        return PyErr_NoMemory();
+    }
     Py_BEGIN_ALLOW_THREADS
-    done = transcode((const unsigned char *)data.buf, (size_t)data.len, max_pixels, &out, &out_size);
+    done = transcode((const unsigned char *)data.buf, (size_t)data.len, max_pixels, &dest);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&data);
-    if (!done)
-        Py_RETURN_NONE;
-    result = PyBytes_FromStringAndSize((const char *)out, (Py_ssize_t)out_size);
-    free(out);
+    result = done ? PyBytes_FromStringAndSize((const char *)dest.buf, (Py_ssize_t)(dest.size - dest.pub.free_in_buffer))
+                  : Py_NewRef(Py_None);
+    free(dest.buf);
     return result;
 }
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.formats import get_format
+from packer.images.decode import DecodeError, decode
 from packer.layout.fields import same_cell
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from packer.layout.trust import inside, read_inside
@@ -215,7 +216,7 @@ def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None
                 if isinstance(expected, SourceError) or not within(ds.pixels_at(i), np.asarray(expected.payload),
                                                                    mean_bound, max_bound):
                     report.problems.append(f"{src / rel}: stored pixels differ from the source's decode")
-            elif isinstance(res[0], np.ndarray) or bytes(ds.payload_at(i)) != stored_bytes(res[0], options):
+            elif isinstance(res[0], np.ndarray) or not _same_payload(bytes(ds.payload_at(i)), res[0], options):
                 report.problems.append(f"{src / rel}: stored bytes differ from the source file")
         except PackerError as exc:
             report.problems.append(str(exc))
@@ -225,6 +226,19 @@ def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None
     _check_indexing(ds, scan, report)
     _check_fields(ds, scan, packed, report)
     report.checked["source files"] = len(scan)
+
+
+def _same_payload(stored: bytes, source: bytes, options: ConvertOptions) -> bool:
+    """Stored encoded bytes are the source's or, under ``jpeg_restarts``, its rewrite: the bytes this build
+    makes, else (another libjpeg's rewrite) a JPEG whose pixels are the source's."""
+    if stored == source or (options.jpeg_restarts and stored == stored_bytes(source, options)):
+        return True
+    if not options.jpeg_restarts:
+        return False
+    try:
+        return np.array_equal(decode(stored, "pil"), decode(source, "pil"))
+    except DecodeError:
+        return False
 
 
 def _check_fields(ds, scan: ScanResult, packed: dict[str, int], report: Report) -> None:

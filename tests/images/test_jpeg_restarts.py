@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -145,3 +147,93 @@ def test_the_fused_crops_are_the_sources(jpegregion, turbojpeg):
                      CenterCropDecode(16, resize=20)):
             for i in range(20):
                 assert np.array_equal(crop.from_bytes(rewritten, i, *shape), crop.from_bytes(source, i, *shape))
+
+
+# ------------------------------------------------------------------ crafted inputs (a hostile review's findings)
+
+
+def segment(marker: int, payload: bytes) -> bytes:
+    return bytes([0xFF, marker]) + struct.pack(">H", len(payload) + 2) + payload
+
+
+def test_an_error_after_the_output_grew_is_none_not_a_crash(jpegregion):
+    """A DC coefficient wider than 8-bit JPEG allows decodes (libjpeg says nothing) but can't be re-encoded: the
+    encoder's error comes after the 5 KB APP1 grew the output buffer. Run apart: a double free aborts a process."""
+    code = """if True:
+        import struct
+        from packer.images.jpegregion import restart_transcode
+        def seg(m, p): return bytes([0xFF, m]) + struct.pack(">H", len(p) + 2) + p
+        bits = "0" + format(5000, "013b") + "0"  # DC of category 13, then EOB
+        bits += "1" * (-len(bits) % 8)
+        scan = bytes(int(bits[i:i + 8], 2) for i in range(0, len(bits), 8)).replace(b"\\xff", b"\\xff\\x00")
+        jpeg = (b"\\xff\\xd8" + seg(0xE1, b"Exif\\0\\0" + bytes(5000)) + seg(0xDB, b"\\0" + bytes([1] * 64))
+                + seg(0xC0, b"\\x08\\x00\\x08\\x00\\x08\\x01\\x01\\x11\\x00")
+                + seg(0xC4, b"\\x00" + bytes([1] + [0] * 15) + b"\\x0d")
+                + seg(0xC4, b"\\x10" + bytes([1] + [0] * 15) + b"\\x00")
+                + seg(0xDA, b"\\x01\\x01\\x00\\x00\\x3f\\x00") + scan + b"\\xff\\xd9")
+        print(restart_transcode(jpeg))
+    """
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout.strip() == "None", (run.returncode, run.stdout, run.stderr[-500:])
+
+
+def test_a_marker_without_length_in_the_header_keeps_the_region_exact(jpegregion, turbojpeg):
+    """RST0 before an APP5 (libjpeg skips it): a header parse reading it as a segment with a length would land
+    in the APP5's payload, on a fake frame header, and patch that instead of the real one."""
+    buf = io.BytesIO()
+    photo_like(np.random.default_rng(9), 64, 64).save(buf, "JPEG", quality=90, subsampling=0)
+    good = restart_transcode(buf.getvalue())
+    sos = good.index(b"\xff\xda")
+    payload = bytearray(65531)
+    off = 65505
+    payload[off:off + 19] = b"\xff\xc0\x00\x11\x08\x00\x40\x00\x40\x03\x01\x11\x00\x02\x11\x01\x03\x11\x01"
+    rest = 65531 - off - 19
+    payload[off + 19:] = b"\xff\xfe" + struct.pack(">H", rest - 2) + bytes(rest - 4)
+    data = good[:sos] + b"\xff\xd0" + b"\xff\xe5\xff\xfd" + bytes(payload) + good[sos:]
+    full = decode(data)
+    assert np.array_equal(full, decode(good))
+    for top, left, h, w in ((24, 8, 16, 40), (0, 0, 8, 8), (40, 40, 24, 24), (10, 3, 30, 50)):
+        got = decode_region(data, 1, top, left, h, w, (64, 64))
+        assert got is not None and np.array_equal(got, full[top:top + h, left:left + w]), (top, left, h, w)
+
+
+def test_a_progressive_jpeg_with_unrefined_scans_is_kept(jpegregion, turbojpeg):
+    """Without its refinement scans a progressive JPEG still decodes, libjpeg smoothing the unrefined blocks;
+    a baseline rewrite of its coefficients would not be smoothed: other pixels. It stays as it is."""
+    buf = io.BytesIO()
+    photo_like(np.random.default_rng(10), 120, 160).save(buf, "JPEG", quality=90, progressive=True)
+    src = buf.getvalue()
+    out, i = bytearray(src[:2]), 2  # segment by segment, leaving out the scans with Ah != 0 (refinements)
+    while src[i + 1] != 0xD9:
+        end = i + 2 + struct.unpack_from(">H", src, i + 2)[0]
+        if src[i + 1] != 0xDA:
+            out += src[i:end]
+            i = end
+            continue
+        j = end
+        while not (src[j] == 0xFF and src[j + 1] not in (0x00, *range(0xD0, 0xD8))):
+            j += 1
+        ns = src[i + 4]
+        if src[i + 5 + 2 * ns + 2] >> 4 == 0:
+            out += src[i:j]
+        i = j
+    data = bytes(out + b"\xff\xd9")
+    assert len(data) < len(src) and decode(data).shape == (120, 160, 3)
+    assert restart_transcode(data) is None
+
+
+@pytest.mark.parametrize("rewrite", [False, True])
+def test_one_pixel_wide_regions_at_the_edges(jpegregion, turbojpeg, rewrite):
+    """Cropped to one or two columns, 4:2:0 chroma would be 1 sample wide, which libjpeg upsamples without its
+    fancy filter: the crop is kept at least an iMCU wide."""
+    rng = np.random.default_rng(11)
+    for shape in ((64, 90), (50, 33)):
+        data = jpeg_bytes(rng, *shape)
+        data = restart_transcode(data) if rewrite else data
+        full = decode(data)
+        h, w = shape
+        for left in (0, 1, 2, w - 3, w - 2, w - 1):
+            for width in (1, 2):
+                if left + width <= w:
+                    got = decode_region(data, 1, 0, left, h, width, shape)
+                    assert got is not None and np.array_equal(got, full[:, left:left + width]), (shape, left, width)

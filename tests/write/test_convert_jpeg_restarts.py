@@ -17,6 +17,7 @@ from support.imagesets import jpeg_bytes
 from packer import PackerError, convert, open_dataset
 from packer.cli import main
 from packer.images.decode import decode
+from packer.images.jpegregion import restart_transcode
 from packer.tools.sample import photo_like
 from packer.tools.verify import verify
 
@@ -100,3 +101,19 @@ def test_a_packed_dataset_converts_into_a_rewritten_one_and_back_the_same(jpegre
     a, b = open_dataset(again), open_dataset(twice)
     assert [bytes(a.payload_at(i)) for i in range(len(a))] == [bytes(b.payload_at(i)) for i in range(len(b))]
     shutil.rmtree(twice)
+
+
+def test_verify_takes_another_builds_rewrite_by_its_pixels(jpegregion):
+    """Another libjpeg may write the rewrite's bytes differently: verify then compares pixels with the source."""
+    from packer.tools.verify import _same_payload
+    from packer.write.options import make_options
+
+    source = jpeg_bytes(np.random.default_rng(1), 48, 64)
+    rewrite = restart_transcode(source)
+    other = rewrite[:2] + b"\xff\xfe\x00\x07other" + rewrite[2:]  # a comment more: other bytes, same pixels
+    lossy = io.BytesIO()
+    Image.open(io.BytesIO(source)).save(lossy, "JPEG", quality=60)
+    on, off = make_options("lmdb", jpeg_restarts=True), make_options("lmdb")
+    assert _same_payload(source, source, on) and _same_payload(rewrite, source, on)
+    assert _same_payload(other, source, on) and not _same_payload(other, source, off)
+    assert not _same_payload(lossy.getvalue(), source, on) and not _same_payload(b"\xff\xd8junk", source, on)
