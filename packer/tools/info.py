@@ -95,13 +95,20 @@ def order_rows(options: dict[str, Any]) -> list[tuple[str, str]]:
     return [("order", stored), ("scan", rules)]
 
 
-_SHOWN_APART = ("format", "payload", "order", "seed", "skip_hidden", "allow_empty")  # rows of their own
+_SHOWN_APART = ("format", "payload", "order", "seed", "skip_hidden", "allow_empty", "jpeg_restarts")  # own rows
+_PAYLOAD_TEXT = {  # (payload, jpeg_restarts) -> what each sample holds
+    ("encoded", False): " (original file bytes)",
+    ("encoded", True): " (JPEGs rewritten losslessly with a restart marker per MCU, --jpeg-restarts: the source's "
+                       "pixels; other files' original bytes)",
+    ("raw", False): " (HWC uint8 RGB)",
+    ("raw", True): " (HWC uint8 RGB)",
+}
 
 
 def info_rows(path: str | os.PathLike, data: dict[str, Any]) -> list[tuple[str, str]]:
     """Human-readable (label, value) rows for the terminal."""
     classes = data["classes"]
-    payload = data["payload"] + (" (original file bytes)" if data["payload"] == "encoded" else " (HWC uint8 RGB)")
+    payload = data["payload"] + _PAYLOAD_TEXT[data["payload"], bool(data["options"].get("jpeg_restarts"))]
     rows = [
         ("dataset", str(path)),
         ("format", data["format"]),

@@ -105,6 +105,25 @@ def test_verdict_input_bound_names_the_stage_and_workers():
     assert v.figures["workers_needed"] == 2
 
 
+def test_verdict_names_the_datasets_own_way_to_decode_less(lmdb_path, tmp_path, jpegregion):
+    """Decode-bound: a packed dataset without a fused crop is told of it, one with a RandomResizedCrop but without
+    --jpeg-restarts of that option; one converted with it, or a plain torch dataset, gets the general advice only."""
+    stages = StageTotals(seconds={"read": 0.1, "decode": 0.8, "transform": 0.05, "collate": 0.05},
+                         samples=100, batches=12, processes=1)
+    crop = packer.RandomResizedCropDecode(16, seed=0)
+    rewritten = packer.convert(packer.open_dataset(lmdb_path).root, tmp_path / "rst.lmdb", to="lmdb",
+                               jpeg_restarts=True, progress=False, workers=0).output
+    said = {}
+    for name, ds in {"plain": packer.open_dataset(lmdb_path), "crop": packer.open_dataset(lmdb_path, crop=crop),
+                     "rewritten": packer.open_dataset(rewritten, crop=crop), "torch": list(range(4))}.items():
+        said[name] = str(verdict(_stats(wait_ms=30, step_ms=40), stages, workers=1, cores=2, dataset=ds))
+    assert "crop=packer.RandomResizedCropDecode(224)" in said["plain"]
+    assert "converted without --jpeg-restarts" in said["crop"]
+    assert all("for this dataset" not in said[k] for k in ("rewritten", "torch"))
+    fed = str(verdict(_stats(wait_ms=2, step_ms=40), stages, dataset=packer.open_dataset(lmdb_path, crop=crop)))
+    assert "for this dataset" not in fed
+
+
 def test_batch_len():
     assert batch_len([torch.zeros(7, 3), torch.zeros(7)]) == 7
     assert batch_len({"x": torch.zeros(5, 1)}) == 5

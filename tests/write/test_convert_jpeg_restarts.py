@@ -83,6 +83,9 @@ def test_cli_flag_and_refusals(jpegregion, source, tmp_path, capsys):
     assert main(["convert", str(source), "--to", "hdf5", "-o", str(tmp_path / "a.hdf5"), "--jpeg-restarts",
                  "-q", "--workers", "0"]) == 0
     assert json.loads((tmp_path / "a.hdf5" / "manifest.json").read_text())["options"]["jpeg_restarts"] is True
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "a.hdf5")]) == 0
+    assert "JPEGs rewritten losslessly with a restart marker per MCU" in capsys.readouterr().out
     with pytest.raises(PackerError, match="needs --payload encoded"):
         convert(source, tmp_path / "b.lmdb", to="lmdb", payload="raw", jpeg_restarts=True, progress=False)
     with pytest.raises(PackerError, match="jpeg_restarts must be True or False"):
