@@ -155,7 +155,7 @@ def _add_payload_arguments(p) -> None:
                    help="encoded payloads: rewrite each JPEG losslessly with a restart marker per MCU (the same "
                    "DCT coefficients, so the same pixels; photos about the same size, flat or low-quality images "
                    "larger; recorded in the manifest), so that training crops (RandomResizedCropDecode) decode "
-                   "only the crop's part of the file: the fused crop ~1.45x faster per core, whole decodes ~4 %% "
+                   "only the crop's part of the file: the fused crop 1.3-1.45x faster per core, whole decodes 4-9 %% "
                    "slower. The stored bytes are then no longer the source files' (packer extract gives the "
                    "rewritten ones)")
 

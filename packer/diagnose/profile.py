@@ -269,7 +269,7 @@ def decode_advice(dataset: Any) -> str | None:
                 "crop's region (docs/decoding.md)")
     if isinstance(dataset.crop, RandomResizedCropDecode) and not dataset.manifest.options.get("jpeg_restarts"):
         return ("this dataset was converted without --jpeg-restarts: converted with it (the same pixels), a crop "
-                "decodes only its own part of each JPEG, ~1.45x faster per core (docs/decoding.md)")
+                "decodes only its own part of each JPEG, 1.3-1.45x faster per core (docs/decoding.md)")
     return None
 
 
