@@ -75,6 +75,11 @@ def _report_convert(res, quiet: bool) -> int:
         rate = res.bytes_read / 1e6 / max(res.seconds, 1e-9)
         print(f"{packed} into {res.output} in {res.seconds:.1f} s ({res.files_per_second:.0f} files/s, "
               f"{rate:.0f} MB/s)")
+        if res.rewritten is not None:
+            kept = res.num_samples - res.rewritten
+            why = "not 8-bit YCbCr or grayscale JPEGs, or progressive ones missing scans, or damaged"
+            print(f"--jpeg-restarts: {res.rewritten:,} of {res.num_samples:,} samples stored rewritten with a restart "
+                  "marker per MCU (the same pixels)" + (f"; {kept:,} as they were ({why})" if kept else ""))
         left_out = describe_left_out(res.ignored, res.not_images, res.errors)
         if left_out:
             print(f"left out: {left_out}")

@@ -40,6 +40,7 @@ class PreparedSample:
     height: int
     width: int
     source_stat: list[int] | None = None  # [size, mtime_ns] of the source file as read: a resume checks it
+    rewritten: bool = False  # encoded bytes rewritten (--jpeg-restarts), not the source's own
 
     @property
     def nbytes(self) -> int:

@@ -53,6 +53,7 @@ class ConvertResult:
     ignored: dict[str, int] = field(default_factory=dict)  # reason -> count (packer.write.scan)
     not_images: dict[str, int] = field(default_factory=dict)  # the "not an image" files by suffix
     reused: bool = False  # if_changed found the output up to date: nothing was converted
+    rewritten: int | None = None  # --jpeg-restarts: samples stored rewritten (None: not asked, or not converted here)
 
     @property
     def files_per_second(self) -> float:
@@ -245,7 +246,8 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
     seal(partial, out, index, errors, scan.ignored, manifest, parse_specs(scan.field_specs),
          in_storage_order(index, scan.rel_paths, scan.fields), offered=len(scan))
     return ConvertResult(out, len(index), errors, time.perf_counter() - started, int(index.nbytes.sum()),
-                         dict(scan.ignored), dict(scan.not_images))
+                         dict(scan.ignored), dict(scan.not_images),
+                         rewritten=sum(r.rewritten for r in shards) if options.jpeg_restarts else None)
 
 
 def drop_empty_shards(partial: Path, shards: list[ShardResult]) -> list[ShardResult]:

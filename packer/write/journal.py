@@ -53,6 +53,7 @@ class ShardResult:
     nbytes: list[int] = field(default_factory=list)
     stats: list[list[int] | None] = field(default_factory=list)  # [size, mtime_ns] of each source as read
     errors: list[SourceError] = field(default_factory=list)
+    rewritten: int = 0  # samples stored rewritten (--jpeg-restarts), not as their source's bytes
 
     def to_json(self) -> str:
         return dumps_lossless(asdict(self))
@@ -77,6 +78,7 @@ class ShardResult:
                 stats=[None if v is None else [int(v[0]), int(v[1])] for v in data["stats"]],
                 errors=[SourceError(str(e["path"]), str(e["reason"]), str(e.get("location", "")))
                         for e in data["errors"]],
+                rewritten=int(data.get("rewritten", 0)),
             )
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise PackerError(f"{where}: damaged journal entry ({exc})") from exc

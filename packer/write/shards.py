@@ -100,7 +100,8 @@ def make_payload(rel: str, label: int, data: bytes | np.ndarray, source_stat: li
         return SourceError(rel, str(exc))
     except Exception as exc:  # a codec crash on hostile bytes must not abort the conversion
         return SourceError(rel, f"cannot decode image: {type(exc).__name__}: {exc}")
-    return PreparedSample(-1, rel, label, stored_bytes(data, options), h, w, source_stat)
+    stored = stored_bytes(data, options)
+    return PreparedSample(-1, rel, label, stored, h, w, source_stat, rewritten=stored is not data)
 
 
 def stored_bytes(data: bytes, options: ConvertOptions) -> bytes:
@@ -162,6 +163,7 @@ class ShardSink:
         result.widths.append(res.width)
         result.nbytes.append(res.nbytes)
         result.stats.append(res.source_stat)
+        result.rewritten += res.rewritten
 
     def close(self) -> tuple[ShardResult, list[str]]:
         """Finish the shard's files: its metadata and file names."""

@@ -49,7 +49,9 @@ def source(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", ["lmdb", "memmap"])
 def test_jpegs_are_stored_rewritten_with_the_same_pixels(jpegregion, source, tmp_path, fmt):
-    out = convert(source, tmp_path / f"ds.{fmt}", to=fmt, jpeg_restarts=True, workers=0, progress=False).output
+    res = convert(source, tmp_path / f"ds.{fmt}", to=fmt, jpeg_restarts=True, workers=0, progress=False)
+    out = res.output
+    assert res.rewritten == 9 and res.num_samples == 11  # the PNG and the CMYK JPEG kept as they are
     assert json.loads((out / "manifest.json").read_text())["options"]["jpeg_restarts"] is True
     ds = open_dataset(out)
     rewritten = 0
@@ -74,14 +76,18 @@ def test_verify_reads_the_option(jpegregion, source, tmp_path):
     (out / "manifest.json").write_text(json.dumps(manifest))
     problems = verify(out, against=source).problems
     assert len(problems) == 9 and all("stored bytes differ from the source file" in p for p in problems)
-    plain = convert(source, tmp_path / "plain.lmdb", to="lmdb", workers=0, progress=False).output
+    made = convert(source, tmp_path / "plain.lmdb", to="lmdb", workers=2, progress=False)
+    plain = made.output
+    assert made.rewritten is None
     assert json.loads((plain / "manifest.json").read_text())["options"]["jpeg_restarts"] is False
     assert verify(plain, against=source).ok
 
 
 def test_cli_flag_and_refusals(jpegregion, source, tmp_path, capsys):
     assert main(["convert", str(source), "--to", "hdf5", "-o", str(tmp_path / "a.hdf5"), "--jpeg-restarts",
-                 "-q", "--workers", "0"]) == 0
+                 "--workers", "2"]) == 0
+    said = capsys.readouterr().out
+    assert "--jpeg-restarts: 9 of 11 samples stored rewritten" in said and "2 as they were" in said
     assert json.loads((tmp_path / "a.hdf5" / "manifest.json").read_text())["options"]["jpeg_restarts"] is True
     capsys.readouterr()
     assert main(["info", str(tmp_path / "a.hdf5")]) == 0
@@ -120,3 +126,16 @@ def test_verify_takes_another_builds_rewrite_by_its_pixels(jpegregion):
     assert _same_payload(source, source, on) and _same_payload(rewrite, source, on)
     assert _same_payload(other, source, on) and not _same_payload(other, source, off)
     assert not _same_payload(lossy.getvalue(), source, on) and not _same_payload(b"\xff\xd8junk", source, on)
+
+
+def test_the_count_of_rewritten_samples_survives_the_journal():
+    """A resumed conversion counts the samples its journaled shards rewrote; entries written before the count
+    existed read as none."""
+    from packer.layout.manifest import Shard
+    from packer.write.journal import ShardResult
+
+    entry = ShardResult(3, Shard(num_samples=0, files=[]), rewritten=7)
+    assert ShardResult.from_json(entry.to_json(), "journal").rewritten == 7
+    older = json.loads(entry.to_json())
+    del older["rewritten"]
+    assert ShardResult.from_json(json.dumps(older), "journal").rewritten == 0
