@@ -139,3 +139,13 @@ def test_the_count_of_rewritten_samples_survives_the_journal():
     older = json.loads(entry.to_json())
     del older["rewritten"]
     assert ShardResult.from_json(json.dumps(older), "journal").rewritten == 0
+
+
+def test_refused_without_the_extension_naming_why(source, tmp_path, monkeypatch):
+    import packer.write.options as options
+
+    monkeypatch.setattr(options, "region_decode_available", lambda: False)
+    monkeypatch.setattr(options, "region_decode_missing_reason", lambda: "No module named '_jpegregion'")
+    with pytest.raises(PackerError, match="needs the compiled JPEG region decoder.*_jpegregion"):
+        convert(source, tmp_path / "x.lmdb", to="lmdb", jpeg_restarts=True, progress=False)
+    assert not (tmp_path / "x.lmdb").exists()
