@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
-from packer.images.crop import RandomResizedCropDecode
+from packer.images.decode import sniff
 from packer.read.dataset import PackedDataset
 from packer.read.loaders import to_device
 from packer.read.staged import StagedDataset, load_batch
@@ -261,13 +261,17 @@ class Verdict:
 
 
 def decode_advice(dataset: Any) -> str | None:
-    """What a packed dataset of encoded images can do to decode less: a fused crop, or ``--jpeg-restarts`` for it."""
-    if not isinstance(dataset, PackedDataset) or dataset.manifest.payload != "encoded":
+    """What a packed dataset of JPEGs can do to decode less: a fused crop, its region decode, or ``--jpeg-restarts``
+    for it (None where none applies: other payloads or image formats, Pillow as the decoder)."""
+    if (not isinstance(dataset, PackedDataset) or dataset.manifest.payload != "encoded" or len(dataset) == 0
+            or dataset.decoder == "pil" or sniff(dataset.store.read(0)) != "jpeg"):
         return None
     if dataset.crop is None:
         return ("a fused crop (open_dataset(..., crop=packer.RandomResizedCropDecode(224))) decodes only the "
                 "crop's region (docs/decoding.md)")
-    if isinstance(dataset.crop, RandomResizedCropDecode) and not dataset.manifest.options.get("jpeg_restarts"):
+    if not dataset.crop.region:
+        return "this crop decodes whole images (region=False): region=True, the default, decodes only the crop's region"
+    if not dataset.manifest.options.get("jpeg_restarts"):
         return ("this dataset was converted without --jpeg-restarts: converted with it (the same pixels), a crop "
                 "decodes only its own part of each JPEG, 1.3-1.45x faster per core (docs/decoding.md)")
     return None
@@ -408,7 +412,7 @@ class LoopProfiler:
         return self.instrumented.stage_totals() if self.instrumented is not None else None
 
     def verdict(self, cores: int | None = None) -> Verdict:
-        dataset = self.instrumented.dataset if self.instrumented is not None else _find(self.loader, "dataset", Dataset)
+        dataset = self.instrumented.dataset if self.instrumented is not None else None  # stages come from it alone
         return verdict(self.stats, self.stage_totals(), workers=self.num_workers, cores=cores, dataset=dataset)
 
     def summary(self) -> str:

@@ -11,7 +11,8 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.formats import get_format
-from packer.images.decode import DecodeError, decode
+from packer.images.decode import decode, sniff
+from packer.images.headers import jpeg_segments
 from packer.layout.fields import same_cell
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from packer.layout.trust import inside, read_inside
@@ -230,15 +231,30 @@ def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None
 
 def _same_payload(stored: bytes, source: bytes, options: ConvertOptions) -> bool:
     """Stored encoded bytes are the source's or, under ``jpeg_restarts``, its rewrite: the bytes this build
-    makes, else (another libjpeg's rewrite) a JPEG whose pixels are the source's."""
-    if stored == source or (options.jpeg_restarts and stored == stored_bytes(source, options)):
+    makes, else (another libjpeg's rewrite of a JPEG this build rewrites too) a JPEG with a restart marker per
+    MCU, the source's metadata segments and the source's pixels."""
+    if stored == source:
         return True
-    if not options.jpeg_restarts:
+    if not options.jpeg_restarts or sniff(source) != "jpeg" or sniff(stored) != "jpeg":
         return False
-    try:
+    rewrite = stored_bytes(source, options)
+    if rewrite == stored:
+        return True
+    if rewrite is source:  # a JPEG this build stores as it is (CMYK, damaged...): so would any, the bytes differ
+        return False
+    try:  # hostile bytes: any decoder's failure is a difference found, not a crash
+        segments = jpeg_segments(stored)
+        if (0xDD, b"\x00\x01") not in segments or _metadata(segments) != _metadata(jpeg_segments(source)):
+            return False
         return np.array_equal(decode(stored, "pil"), decode(source, "pil"))
-    except DecodeError:
+    except Exception:  # noqa: BLE001
         return False
+
+
+def _metadata(segments: list[tuple[int, bytes]]) -> list[tuple[int, bytes]]:
+    """The APPn and COM segments a rewrite keeps (its encoder writes JFIF and Adobe markers of its own)."""
+    return [(m, p) for m, p in segments if (0xE0 <= m <= 0xEF or m == 0xFE)
+            and not (m == 0xE0 and p.startswith(b"JFIF\0")) and not (m == 0xEE and p.startswith(b"Adobe"))]
 
 
 def _check_fields(ds, scan: ScanResult, packed: dict[str, int], report: Report) -> None:

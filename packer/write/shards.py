@@ -101,7 +101,7 @@ def make_payload(rel: str, label: int, data: bytes | np.ndarray, source_stat: li
     except Exception as exc:  # a codec crash on hostile bytes must not abort the conversion
         return SourceError(rel, f"cannot decode image: {type(exc).__name__}: {exc}")
     stored = stored_bytes(data, options)
-    return PreparedSample(-1, rel, label, stored, h, w, source_stat, rewritten=stored is not data)
+    return PreparedSample(-1, rel, label, stored, h, w, source_stat, rewritten=stored != data)
 
 
 def stored_bytes(data: bytes, options: ConvertOptions) -> bytes:

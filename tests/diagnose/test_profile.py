@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 
+import numpy as np
 import pytest
 import torch
 from support._tiny import make_lmdb
@@ -15,6 +16,7 @@ from packer.diagnose.plots import plot_sweep
 from packer.diagnose.profile import LoopStats, StageTotals, batch_len, instrument, profile, verdict
 from packer.diagnose.sweep import RandomCrop, sweep
 from packer.errors import PackerError
+from packer.tools.sample import photo_like
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +115,24 @@ def test_verdict_names_the_datasets_own_way_to_decode_less(lmdb_path, tmp_path, 
     crop = packer.RandomResizedCropDecode(16, seed=0)
     rewritten = packer.convert(packer.open_dataset(lmdb_path).root, tmp_path / "rst.lmdb", to="lmdb",
                                jpeg_restarts=True, progress=False, workers=0).output
+    pngs = tmp_path / "pngs" / "a"
+    pngs.mkdir(parents=True)
+    for k in range(3):
+        photo_like(np.random.default_rng(k), 20, 30).save(pngs / f"{k}.png")
+    png_ds = packer.convert(pngs.parent, tmp_path / "png.lmdb", to="lmdb", progress=False, workers=0).output
     said = {}
     for name, ds in {"plain": packer.open_dataset(lmdb_path), "crop": packer.open_dataset(lmdb_path, crop=crop),
-                     "rewritten": packer.open_dataset(rewritten, crop=crop), "torch": list(range(4))}.items():
+                     "center": packer.open_dataset(lmdb_path, crop=packer.CenterCropDecode(16, resize=20)),
+                     "whole": packer.open_dataset(lmdb_path, crop=packer.RandomResizedCropDecode(16, region=False)),
+                     "rewritten": packer.open_dataset(rewritten, crop=crop),
+                     "pil": packer.open_dataset(lmdb_path, crop=crop, decoder="pil"),
+                     "png": packer.open_dataset(png_ds, crop=crop), "png, no crop": packer.open_dataset(png_ds),
+                     "torch": list(range(4))}.items():
         said[name] = str(verdict(_stats(wait_ms=30, step_ms=40), stages, workers=1, cores=2, dataset=ds))
     assert "crop=packer.RandomResizedCropDecode(224)" in said["plain"]
-    assert "converted without --jpeg-restarts" in said["crop"]
-    assert all("for this dataset" not in said[k] for k in ("rewritten", "torch"))
+    assert "converted without --jpeg-restarts" in said["crop"] and "converted without --jpeg-restarts" in said["center"]
+    assert "region=True" in said["whole"]
+    assert all("for this dataset" not in said[k] for k in ("rewritten", "pil", "png", "png, no crop", "torch"))
     fed = str(verdict(_stats(wait_ms=2, step_ms=40), stages, dataset=packer.open_dataset(lmdb_path, crop=crop)))
     assert "for this dataset" not in fed
 

@@ -105,27 +105,52 @@ def test_a_packed_dataset_converts_into_a_rewritten_one_and_back_the_same(jpegre
     plain = convert(source, tmp_path / "plain.lmdb", to="lmdb", order="source", workers=0, progress=False).output
     again = convert(plain, tmp_path / "again.memmap", to="memmap", order="source", jpeg_restarts=True, workers=0,
                     progress=False).output
-    twice = convert(again, tmp_path / "twice.lmdb", to="lmdb", order="source", jpeg_restarts=True, workers=0,
-                    progress=False).output
+    twice_result = convert(again, tmp_path / "twice.lmdb", to="lmdb", order="source", jpeg_restarts=True,
+                           workers=0, progress=False)
+    twice = twice_result.output
+    assert twice_result.rewritten == 0  # rewritten again: the same bytes, so none counted as rewritten
     a, b = open_dataset(again), open_dataset(twice)
     assert [bytes(a.payload_at(i)) for i in range(len(a))] == [bytes(b.payload_at(i)) for i in range(len(b))]
     shutil.rmtree(twice)
 
 
-def test_verify_takes_another_builds_rewrite_by_its_pixels(jpegregion):
-    """Another libjpeg may write the rewrite's bytes differently: verify then compares pixels with the source."""
+def test_verify_takes_another_builds_rewrite_by_its_pixels(jpegregion, monkeypatch):
+    """Another libjpeg may lay the rewrite out differently: verify then takes a restart-marked JPEG with the
+    source's metadata and pixels, and nothing else (a PNG of the same pixels, the metadata dropped, a lossy
+    re-encode, damaged bytes, a decoder that fails in its own way)."""
+    import packer.tools.verify as verify_module
     from packer.tools.verify import _same_payload
     from packer.write.options import make_options
 
-    source = jpeg_bytes(np.random.default_rng(1), 48, 64)
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    buf = io.BytesIO()
+    Image.open(io.BytesIO(jpeg_bytes(np.random.default_rng(1), 48, 64))).save(buf, "JPEG", quality=90,
+                                                                             exif=exif.tobytes())
+    source = buf.getvalue()
     rewrite = restart_transcode(source)
-    other = rewrite[:2] + b"\xff\xfe\x00\x07other" + rewrite[2:]  # a comment more: other bytes, same pixels
-    lossy = io.BytesIO()
+    dri = rewrite.index(b"\xff\xdd\x00\x04")
+    moved = rewrite[:2] + rewrite[dri:dri + 6] + rewrite[2:dri] + rewrite[dri + 6:]  # DRI first: other bytes
+    assert moved != rewrite and np.array_equal(decode(moved), decode(source))
+    app1 = rewrite.index(b"\xff\xe1")
+    no_exif = rewrite[:app1] + rewrite[app1 + 2 + struct.unpack_from(">H", rewrite, app1 + 2)[0]:]
+    png, lossy = io.BytesIO(), io.BytesIO()
+    Image.open(io.BytesIO(source)).save(png, "PNG")
     Image.open(io.BytesIO(source)).save(lossy, "JPEG", quality=60)
     on, off = make_options("lmdb", jpeg_restarts=True), make_options("lmdb")
     assert _same_payload(source, source, on) and _same_payload(rewrite, source, on)
-    assert _same_payload(other, source, on) and not _same_payload(other, source, off)
-    assert not _same_payload(lossy.getvalue(), source, on) and not _same_payload(b"\xff\xd8junk", source, on)
+    assert _same_payload(moved, source, on) and not _same_payload(moved, source, off)
+    for stored in (no_exif, png.getvalue(), lossy.getvalue(), b"\xff\xd8junk", rewrite[:len(rewrite) // 2]):
+        assert not _same_payload(stored, source, on)
+    other_png = io.BytesIO()
+    Image.open(png).save(other_png, "PNG", compress_level=0)
+    assert not _same_payload(other_png.getvalue(), png.getvalue(), on)  # never rewritten: the bytes must match
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("a decoder's own failure")
+
+    monkeypatch.setattr(verify_module, "decode", fails)
+    assert not _same_payload(moved, source, on)
 
 
 def test_the_count_of_rewritten_samples_survives_the_journal():
