@@ -149,6 +149,9 @@ static int build_sub(const unsigned char *data, size_t size, j_decompress_ptr ci
     if (!find_header(data, size, &sof, &scan))
         return 0;
     need = (r1 - 1) * cols + c1;
+    if (need > (size - scan) / 3 + 1) /* each MCU takes a byte and a 2-byte marker: the header claims more than the
+                                         data holds, so allocate nothing for it (the original's decode says why) */
+        return 0;
     ends = malloc(need * sizeof(size_t));
     if (ends == NULL)
         return -1;

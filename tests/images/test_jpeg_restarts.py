@@ -237,3 +237,31 @@ def test_one_pixel_wide_regions_at_the_edges(jpegregion, turbojpeg, rewrite):
                 if left + width <= w:
                     got = decode_region(data, 1, 0, left, h, width, shape)
                     assert got is not None and np.array_equal(got, full[:, left:left + width]), (shape, left, width)
+
+
+def test_a_header_claiming_more_mcus_than_the_data_holds_allocates_nothing_for_them(jpegregion):
+    """A 200-byte grayscale JPEG (DRI 1) claiming 13000x13000 pixels, within the pixel limit: 2.6 million MCUs
+    the data can't hold. The region decoder must not allocate for them (8 MB of address space to spare, run
+    apart): the original's decode then says what is wrong."""
+    code = """if True:
+        import resource, struct
+        from packer.images.jpegregion import decode_region
+        def seg(m, p): return bytes([0xFF, m]) + struct.pack(">H", len(p) + 2) + p
+        H = W = 13000
+        jpeg = (b"\\xff\\xd8" + seg(0xDB, b"\\0" + bytes([1] * 64))
+                + seg(0xC0, b"\\x08" + struct.pack(">HH", H, W) + b"\\x01\\x01\\x11\\x00")
+                + seg(0xC4, b"\\x00" + bytes([1] + [0] * 15) + b"\\x00")
+                + seg(0xC4, b"\\x10" + bytes([1] + [0] * 15) + b"\\x00")
+                + seg(0xDD, b"\\x00\\x01") + seg(0xDA, b"\\x01\\x01\\x00\\x00\\x3f\\x00")
+                + b"\\x00\\xff\\xd0\\x00\\xff\\xd9")
+        used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (used + (8 << 20), resource.getrlimit(resource.RLIMIT_AS)[1]))
+        try:
+            decode_region(jpeg, 1, H - 8, W - 8, 8, 8, (H, W))
+            print("decoded")
+        except Exception as exc:
+            print(type(exc).__name__, exc)
+    """
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-500:]
+    assert run.stdout.startswith("DecodeError") and "out of memory" not in run.stdout, run.stdout
