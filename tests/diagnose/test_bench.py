@@ -126,6 +126,28 @@ def test_thread_levels_run_the_packed_dataset_through_a_thread_loader(data, monk
     assert all(r["samples"] == 10 for r in rows) and made and set(made) == {(2, level == "thread-train")}
 
 
+@pytest.mark.parametrize("level", ["read", "decode", "thread", "thread-train"])
+def test_a_packed_dataset_is_opened_once_per_setting_not_in_each_timed_pass(data, monkeypatch, level):
+    # Timed passes reuse the dataset the warm-up opened (a cold pass closes its files only): a cold open in
+    # each pass had cost ~8 small reads under --emulate hdd (7-9 % of a pass) and its result was thrown away.
+    from packer.diagnose import bench_sources
+
+    opened = []
+    real = bench_sources.Source.open
+
+    def counting(self, *args, **kwargs):
+        opened.append(self.kind)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(bench_sources.Source, "open", counting)
+    folder, packed = data
+    opts = BenchOptions(levels=(level,), orders=("block",), caches=("cold", "warm"), workers=(2,), repeats=3,
+                        ceiling_bytes=4 << 20, ceiling_seconds=0.2, batch_size=3)
+    rows = run_bench([packed], opts)["results"]
+    assert len(rows) == 2 and all(len(r["seconds"]) == 3 and r["samples"] == 10 for r in rows)
+    assert opened == ["lmdb", "lmdb"]  # one per setting (cold, warm), in its warm-up
+
+
 def test_train_level_gives_crop_batches_for_folder_and_packed(data):
     folder, packed = data
     opts = BenchOptions(levels=("train",), orders=("shuffle",), caches=("warm",), workers=(2,), repeats=1,
