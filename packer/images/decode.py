@@ -18,7 +18,7 @@ import os
 import struct
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -125,10 +125,12 @@ _SOF = {0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 
 _STANDALONE = {0x01, *range(0xD0, 0xD8)}  # TEM, RSTn: no length field
 
 
-def jpeg_size(data: bytes | memoryview) -> tuple[int, int]:
-    """(height, width) from a JPEG's SOF segment."""
-    n = len(data)
-    pos = 2
+def jpeg_markers(data: bytes | memoryview) -> Iterator[tuple[int, int, int]]:
+    """(offset, marker, length) of each segment of a JPEG's header, in order, through its first SOS; fill bytes
+    and standalone markers (TEM, RSTn) skipped, the walk ending at EOI or where the data does (callers say what
+    they missed). A byte where a marker belongs, or a length below 2, is a DecodeError naming the offset. The one
+    header walker: sizes (``jpeg_size``), metadata (``headers.jpeg_segments``), tiles (``jpegtiles.scan_start``)."""
+    n, pos = len(data), 2
     while pos + 4 <= n:
         if data[pos] != 0xFF:
             raise DecodeError(f"corrupt JPEG header (no marker at byte {pos})")
@@ -139,19 +141,27 @@ def jpeg_size(data: bytes | memoryview) -> tuple[int, int]:
         if marker in _STANDALONE:
             pos += 2
             continue
-        if marker in (0xD9, 0xDA):  # EOI or start of scan before any frame header
-            break
+        if marker == 0xD9:  # EOI
+            return
         (length,) = struct.unpack_from(">H", data, pos + 2)
         if length < 2:
             raise DecodeError(f"corrupt JPEG header (segment length {length} at byte {pos})")
+        yield pos, marker, length
+        if marker == 0xDA:
+            return
+        pos += 2 + length
+
+
+def jpeg_size(data: bytes | memoryview) -> tuple[int, int]:
+    """(height, width) from a JPEG's SOF segment."""
+    for pos, marker, _length in jpeg_markers(data):
+        if marker == 0xDA or (marker in _SOF and pos + 9 > len(data)):
+            break  # a scan before any frame header, or a frame header cut short
         if marker in _SOF:
-            if pos + 9 > n:
-                break
             height, width = struct.unpack_from(">HH", data, pos + 5)
             if height == 0 or width == 0:
                 raise DecodeError(f"JPEG header gives an empty image ({width}x{height})")
             return height, width
-        pos += 2 + length
     raise DecodeError("JPEG header has no frame header (truncated or not a JPEG)")
 
 

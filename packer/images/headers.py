@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import struct
 
-from packer.images.decode import DecodeError, check_pixels, jpeg_size, read_header, sniff
+from packer.images.decode import DecodeError, check_pixels, jpeg_markers, jpeg_size, read_header, sniff
 
 
 def png_size(data: bytes | memoryview) -> tuple[int, int]:
@@ -42,23 +42,15 @@ def image_size(data: bytes | memoryview) -> tuple[int, int]:
 
 
 def jpeg_segments(data: bytes | memoryview) -> list[tuple[int, bytes]]:
-    """(marker, payload) of each segment of a JPEG's header, up to its first scan; standalone markers (RSTn, TEM)
-    and fill bytes skipped. A header that runs past the data or is not made of markers is a DecodeError."""
-    out, i, n = [], 2, len(data)
+    """(marker, payload) of each segment of a JPEG's header, up to its first scan (``decode.jpeg_markers``). A header
+    that runs past the data or is not made of markers is a DecodeError."""
     if bytes(data[:2]) != b"\xff\xd8":
         raise DecodeError("not a JPEG (no SOI marker)")
-    while i + 4 <= n:
-        if data[i] != 0xFF:
-            raise DecodeError(f"damaged JPEG header at byte {i}")
-        marker = data[i + 1]
-        if marker == 0xFF or marker == 0x01 or 0xD0 <= marker <= 0xD7:
-            i += 1 if marker == 0xFF else 2
-            continue
-        (length,) = struct.unpack_from(">H", data, i + 2)
-        if length < 2 or i + 2 + length > n:
-            raise DecodeError(f"damaged JPEG header at byte {i}")
-        out.append((marker, bytes(data[i + 4:i + 2 + length])))
+    out = []
+    for pos, marker, length in jpeg_markers(data):
+        if pos + 2 + length > len(data):
+            raise DecodeError(f"damaged JPEG header at byte {pos}")
+        out.append((marker, bytes(data[pos + 4:pos + 2 + length])))
         if marker == 0xDA:
             return out
-        i += 2 + length
     raise DecodeError("JPEG header ends before its scan")

@@ -20,6 +20,7 @@ import struct
 import numpy as np
 
 from packer.errors import PackerError
+from packer.images.decode import DecodeError, jpeg_markers
 
 _SOF_BASELINE = (0xC0, 0xC1)
 _SOS, _EOI = 0xDA, 0xD9
@@ -27,27 +28,23 @@ _SOS, _EOI = 0xDA, 0xD9
 
 def scan_start(data: bytes | memoryview, where: object) -> tuple[int, int]:
     """(offset of the SOF segment, offset where the entropy-coded scan starts) of a baseline JPEG."""
-    i, sof = 2, -1
     if bytes(data[:2]) != b"\xff\xd8":
         raise PackerError(f"{where}: not a JPEG file")
-    while i + 4 <= len(data):
-        if data[i] != 0xFF:
-            raise PackerError(f"{where}: damaged JPEG header at byte {i}")
-        marker = data[i + 1]
-        (length,) = struct.unpack_from(">H", data, i + 2)
-        if marker in _SOF_BASELINE:
-            if length < 8:
-                raise PackerError(f"{where}: damaged JPEG frame header")
-            sof = i
-        elif 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-            raise PackerError(f"{where}: not a baseline JPEG (SOF marker {marker:#x})")
-        if marker == _SOS:
-            if sof < 0:
-                raise PackerError(f"{where}: JPEG scan without a frame header")
-            return sof, i + 2 + length
-        if length < 2:
-            raise PackerError(f"{where}: damaged JPEG header at byte {i}")
-        i += 2 + length
+    sof = -1
+    try:
+        for pos, marker, length in jpeg_markers(data):
+            if marker in _SOF_BASELINE:
+                if length < 8:
+                    raise PackerError(f"{where}: damaged JPEG frame header")
+                sof = pos
+            elif 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+                raise PackerError(f"{where}: not a baseline JPEG (SOF marker {marker:#x})")
+            if marker == _SOS:
+                if sof < 0:
+                    raise PackerError(f"{where}: JPEG scan without a frame header")
+                return sof, pos + 2 + length
+    except DecodeError as exc:
+        raise PackerError(f"{where}: {exc}") from None
     raise PackerError(f"{where}: JPEG header ends before its scan")
 
 
