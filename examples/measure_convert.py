@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--scratch", type=Path, help="where outputs are written (default: beside the source)")
     args = ap.parse_args()
     scratch = args.scratch or args.source.parent
+    scratch.mkdir(parents=True, exist_ok=True)
     formats = [f for f in args.to.split(",") if f]
     caches = [c for c in args.cache.split(",") if c]
     scan = scan_folder(args.source)

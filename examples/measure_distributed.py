@@ -31,15 +31,15 @@ def _warm_up() -> None:
     import packer.write.convert  # noqa: F401  (the first task of a fresh worker would pay for these imports)
 
 
-def run(src: Path, shard_bytes: int, validate: str, workers: int, client=None) -> tuple[float, list[str]]:
-    """One conversion: (files/s, shard checksums)."""
+def run(src: Path, shard_bytes: int, validate: str, workers: int, client=None) -> tuple[float, list[list[str]]]:
+    """One conversion: (files/s, each shard's files' checksums)."""
     tmp = Path(tempfile.mkdtemp(dir=src.parent, prefix=".measure-"))
     try:
         res = convert(src, tmp / "o.lmdb", shard_bytes=shard_bytes, validate=validate, workers=workers,
                       progress=False, client=client)
         manifest = json.loads((tmp / "o.lmdb" / "manifest.json").read_text())
-        return (res.num_samples + len(res.errors)) / res.seconds, [f["sha256"] for s in manifest["shards"]
-                                                                   for f in s["files"]]
+        return (res.num_samples + len(res.errors)) / res.seconds, [[f["sha256"] for f in s["files"]]
+                                                                   for s in manifest["shards"]]
     finally:
         shutil.rmtree(tmp)
 
@@ -67,7 +67,7 @@ def main() -> None:
             for name, client in configs.items():
                 rate, shards = run(args.source, args.shard_size, args.validate, args.pool_workers, client)
                 rates[name].append(rate)
-                digests.add(tuple(shards))
+                digests.add(tuple(map(tuple, shards)))
     base = statistics.median(rates[next(iter(configs))])
     print(f"{args.source}: --validate {args.validate}, --shard-size {args.shard_size / 1e6:.0f} MB, "
           f"{len(shards)} shards, median of {args.repeats}; outputs byte-identical: {len(digests) == 1}")

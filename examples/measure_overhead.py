@@ -56,10 +56,10 @@ def by_role() -> collections.Counter:
 def timed_feeder(start_batches):
     """ThreadLoader's feeder body, with its thread's CPU time recorded when it ends."""
 
-    def body(self, pool) -> Iterator:
+    def body(self, *args) -> Iterator:
         c0 = time.thread_time()
         try:
-            yield from start_batches(self, pool)
+            yield from start_batches(self, *args)
         finally:
             FEEDER_CPU.append(time.thread_time() - c0)
 

@@ -1,0 +1,51 @@
+"""The examples/ scripts behind docs/results.md's figures run end to end on a tiny dataset (two of them had stopped
+running after internal changes, unnoticed). Those with a test of their own, and those needing a GPU, NVIDIA DALI,
+FFCV or the kernel throttle (root), are not repeated here. Output checks are structural: no timings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.imagesets import make_imagefolder
+
+from packer import convert
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# script, its arguments ({d}: the work folder), a line its output must contain
+CASES = [
+    ("measure_overhead.py", "{d}/imgs.memmap --epochs 1", "train224  training"),
+    ("measure_distributed.py", "{d}/imgs --dask-workers 1 --pool-workers 2 --shard-size 20KB --repeats 1",
+     "outputs byte-identical: True"),
+    ("lmdb_readahead.py", "{d}/imgs.lmdb --repeats 1", "uniform shuffle"),
+    ("shuffle_quality.py", "--dataset {d}/imgs.lmdb --batch 8 --block-mb 1 --epochs 1", "| block"),
+    ("region_decode_speed.py", "{d}/imgs --count 10 --repeats 1", "region / whole"),
+    ("train_example.py", "{d}/imgs.lmdb --epochs 1 --workers 2 --batch-size 8", "per sample (ms)"),
+    ("bmp_mosaic_speed.py", "{d}/imgs --limit 20 --repeats 1 --budget 0.2 --workdir {d}/w_bmp", "jpeg: grid"),
+    ("format_sizes.py", "{d}/imgs --out {d}/w_fmt --workers 2", "mosaic-jpeg-q95-224x224.mosaic"),
+    ("measure_convert.py", "{d}/imgs --to lmdb,memmap --workers 2 --repeats 1 --scratch {d}/scratch", "memmap"),
+]
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("examples")
+    src = make_imagefolder(d / "imgs", classes=2, per_class=12, size=(64, 80))
+    for fmt in ("lmdb", "memmap"):
+        convert(src, d / f"imgs.{fmt}", to=fmt, workers=0, progress=False)
+    return d
+
+
+@pytest.mark.parametrize(("script", "args", "expect"), CASES, ids=[c[0] for c in CASES])
+def test_example_runs(work, script, args, expect):
+    if script == "measure_distributed.py":
+        pytest.importorskip("distributed")
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args.format(d=work).split()],
+                         capture_output=True, text=True, timeout=300, cwd=work,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert expect in out.stdout, out.stdout[-3000:]
