@@ -24,7 +24,7 @@ CASES = [
     ("lmdb_readahead.py", "{d}/imgs.lmdb --repeats 1", "uniform shuffle"),
     ("shuffle_quality.py", "--dataset {d}/imgs.lmdb --batch 8 --block-mb 1 --epochs 1", "| block"),
     ("region_decode_speed.py", "{d}/imgs --count 10 --repeats 1", "region / whole"),
-    ("train_example.py", "{d}/imgs.lmdb --epochs 1 --workers 2 --batch-size 8", "per sample (ms)"),
+    ("train_example.py", "{d}/imgs.lmdb --epochs 1 --workers 2 --batch-size 8", "epoch 0: loss"),
     ("bmp_mosaic_speed.py", "{d}/imgs --limit 20 --repeats 1 --budget 0.2 --workdir {d}/w_bmp", "jpeg: grid"),
     ("format_sizes.py", "{d}/imgs --out {d}/w_fmt --workers 2", "mosaic-jpeg-q95-224x224.mosaic"),
     ("measure_convert.py", "{d}/imgs --to lmdb,memmap --workers 2 --repeats 1 --scratch {d}/scratch", "memmap"),
