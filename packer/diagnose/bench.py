@@ -304,10 +304,11 @@ def _measure_all(sources: list[Source], o: BenchOptions, thr, log: Callable[[str
     for src in sources:
         orders = {k: make_order(k, src.nbytes, o.seed, o.block_bytes, o.open_blocks, o.batch_size, src.cuts, o.run,
                                 src.blocks) for k in o.orders}
-        previous = None
+        previous, handle = None, {}
         for level, order_name, cache, w in _settings(o):
             prewarmed = cache == "warm" and previous == (level, order_name, "cold", w)
-            row = measure_setting(src, level, order_name, orders[order_name], cache, w, o, thr, prewarmed)
+            handle = handle if prewarmed else {}  # a warm row after its cold one: the dataset that one opened
+            row = measure_setting(src, level, order_name, orders[order_name], cache, w, o, thr, prewarmed, handle)
             previous = (level, order_name, cache, w)
             results.append(row)
             log(progress_line(row))
@@ -387,17 +388,18 @@ def _timed_repeats(src: Source, level: str, order: BenchOrder, cache: str, w: in
 
 
 def measure_setting(src: Source, level: str, order_name: str, order: BenchOrder, cache: str, workers: int | None,
-                    o: BenchOptions, thr=None, prewarmed: bool = False) -> dict:
+                    o: BenchOptions, thr=None, prewarmed: bool = False, handle: dict | None = None) -> dict:
     """One row of the report: ``o.repeats`` timed passes of ``src`` at one level, order, cache state and worker
-    count."""
-    handle: dict = {}
+    count. ``handle``: the datasets opened for this setting (``prewarmed``: those its cold setting opened, so no
+    timed pass opens one, its manifest and index evicted by that setting's last pass)."""
+    handle = {} if handle is None else handle
     w = workers or 0
     try:
-        # Warm-up: loads libraries and opens handles (and, for warm passes, fills the page cache).
-        # (A warm measurement right after its cold one starts from the cache that pass filled.)
-        if not prewarmed:
-            run_pass(src, level, order if cache == "warm" else order.head(WARMUP_SAMPLES), w, o.batch_size,
-                     o.pin_memory, handle)
+        # Warm-up: loads libraries and opens handles (and, for warm passes, fills the page cache). A warm
+        # measurement right after its cold one starts from the cache that pass filled: its warm-up is one batch
+        # that pass read last too, which opens the files again (the cold setting closed them) and reads nothing.
+        head = order if cache == "warm" and not prewarmed else order.head(o.batch_size if prewarmed else WARMUP_SAMPLES)
+        run_pass(src, level, head, w, o.batch_size, o.pin_memory, handle)
         t = _timed_repeats(src, level, order, cache, w, o, thr, handle)
     finally:
         _close(handle)
