@@ -19,8 +19,10 @@ import argparse
 import json
 import resource
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -45,32 +47,53 @@ def timed(epoch: Callable[[], Iterable[int]]) -> tuple[float, float]:
     return n / (time.perf_counter() - t0), (cpu_seconds() - c0) / max(n, 1) * 1e3
 
 
-def bare_epoch(payloads: list[bytes], batch: int) -> Iterable[int]:
-    """PyTurboJPEG decoding each image into memory used again (a view of one buffer, as the loaders' batch memory
-    is reused): a new array per image costs a page fault per 4 KiB on this VM (1.4 against 1.0 ms per photo)."""
-    from turbojpeg import TJPF_RGB, TurboJPEG
+class BareDecoder:
+    """PyTurboJPEG decoding into memory used again (a view of one growing buffer, as the loaders' batch memory is
+    reused): a new array per image costs a page fault per 4 KiB on this VM (1.4 against 1.0 ms per photo)."""
 
-    tj = TurboJPEG()
-    buf = np.empty(0, np.uint8)
+    def __init__(self) -> None:
+        from turbojpeg import TurboJPEG
+
+        self.tj = TurboJPEG()
+        self.buf = np.empty(0, np.uint8)
+
+    def decode(self, data: bytes) -> None:
+        from turbojpeg import TJPF_RGB
+
+        width, height = self.tj.decode_header(data)[:2]
+        if self.buf.size < height * width * 3:
+            self.buf = np.empty(height * width * 3, np.uint8)
+        self.tj.decode(data, pixel_format=TJPF_RGB, dst=self.buf[:height * width * 3].reshape(height, width, 3))
+
+
+def bare_epoch(payloads: list[bytes], batch: int) -> Iterable[int]:
+    """Every payload decoded by one thread, a batch at a time."""
+    dec = BareDecoder()
     for k in range(0, len(payloads), batch):
         for b in payloads[k:k + batch]:
-            width, height = tj.decode_header(b)[:2]
-            if buf.size < height * width * 3:
-                buf = np.empty(height * width * 3, np.uint8)
-            tj.decode(b, pixel_format=TJPF_RGB, dst=buf[:height * width * 3].reshape(height, width, 3))
+            dec.decode(b)
         yield len(payloads[k:k + batch])
 
 
 def bare_threads_epoch(payloads: list[bytes], batch: int, threads: int) -> Iterable[int]:
-    """The same bare decodes on ``threads`` threads at once, each a share of the batches: what the cores give
-    two decodes running together (memory and cache shared), the loaders' ceiling in practice."""
-    from concurrent.futures import ThreadPoolExecutor
+    """The same bare decodes on ``threads`` threads at once, each with its own decoder and buffer, taking the next
+    batch as it finishes one: what the cores give decodes running together (memory and caches shared)."""
+    starts = iter(range(0, len(payloads), batch))
+    lock = threading.Lock()
 
-    starts = list(range(0, len(payloads), batch))
+    def work() -> int:
+        dec, done = BareDecoder(), 0
+        while True:
+            with lock:
+                k = next(starts, None)
+            if k is None:
+                return done
+            for b in payloads[k:k + batch]:
+                dec.decode(b)
+            done += len(payloads[k:k + batch])
+
     with ThreadPoolExecutor(threads) as pool:
-        shares = [starts[t::threads] for t in range(threads)]
-        done = pool.map(lambda share: sum(sum(bare_epoch(payloads[k:k + batch], batch)) for k in share), shares)
-        yield sum(done)
+        yield sum(pool.map(lambda _: work(), range(threads)))
 
 
 def loader_epochs(path: Path, cores: int, batch: int) -> dict[tuple[str, str], Callable[[], Iterable[int]]]:

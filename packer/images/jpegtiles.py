@@ -42,6 +42,8 @@ def scan_start(data: bytes | memoryview, where: object) -> tuple[int, int]:
             if marker == _SOS:
                 if sof < 0:
                     raise PackerError(f"{where}: JPEG scan without a frame header")
+                if pos + 2 + length > len(data):
+                    raise PackerError(f"{where}: damaged JPEG header (scan header runs past the data)")
                 return sof, pos + 2 + length
     except DecodeError as exc:
         raise PackerError(f"{where}: {exc}") from None

@@ -42,3 +42,22 @@ def test_bare_epochs_decode_every_image(tmp_path):
     payloads = [p.read_bytes() for p in sorted(src.rglob("*.jpg"))]
     assert sum(mt.bare_epoch(payloads, 3)) == 7
     assert sum(mt.bare_threads_epoch(payloads, 3, 2)) == 7
+
+
+def test_bare_decoder_decodes_into_its_buffer_as_pillow_does(tmp_path):
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    spec = importlib.util.spec_from_file_location("mt", SCRIPT)
+    mt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mt)
+    src = make_imagefolder(tmp_path / "imgs", classes=1, per_class=4, size=(30, 44))
+    dec = mt.BareDecoder()
+    for path in sorted(src.rglob("*.jpg")):  # sizes differ: views of one buffer, grown where needed
+        data = path.read_bytes()
+        dec.decode(data)
+        want = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+        got = dec.buf[:want.size].reshape(want.shape)
+        assert np.array_equal(got, want), path

@@ -81,3 +81,20 @@ def test_walker_damage_is_named_by_each_caller():
     short = data[:2] + b"\xff\xe0\x00\x01" + data[2:]  # a segment length below 2
     with pytest.raises(DecodeError, match="segment length 1"):
         image_size(short)
+
+
+def test_a_frame_header_too_short_and_a_scan_header_past_the_data_are_refused():
+    # review: jpeg_size read a size out of the bytes after a 3-byte SOF, and scan_start returned a scan start
+    # beyond the data for an SOS whose length ran past it
+    from packer.errors import PackerError
+    from packer.images.jpegtiles import scan_start
+
+    short_sof = b"\xff\xd8\xff\xc0\x00\x03\x08\xff\xc4\x00\x10\x00\x20" + b"\x00" * 16
+    with pytest.raises(DecodeError, match="frame header of 3 bytes"):
+        image_size(short_sof)
+    rng = np.random.default_rng(7)
+    data = jpeg_bytes(rng, 16, 16)
+    sof, start = scan_start(data, "t.jpg")
+    sos = data.rindex(b"\xff\xda", 0, start)
+    with pytest.raises(PackerError, match="scan header runs past the data"):
+        scan_start(data[:sos] + b"\xff\xda\xff\xff", "t.jpg")
