@@ -3,13 +3,13 @@
     python examples/measure_threads.py DATASET.lmdb DATASET.memmap --rounds 3 --json threads.json
 
 For each dataset and order (stored; BlockShuffleSampler's), whole epochs of ``image="tensor"`` batches of 64
-through ``DataLoader(num_workers=N, collate_fn=packer.collate)`` and ``ThreadLoader(num_threads=N)`` (N: the
-usable cores), interleaved round by round with bare libjpeg-turbo (PyTurboJPEG, one thread, into reused arrays) on the
-same bytes in memory, and the same bare decodes on N threads at once. Reported per loader: images/s (median of the
-rounds), CPU ms per image of every process (this one and the workers), the fraction of N x the bare per-core rate
-(issue 19's decode limit), the fraction of the N-thread bare rate (what N decodes at once get from this machine's
-shared memory and caches), and the CPU efficiency (bare CPU per
-image / the loader's): on a machine shared with other work the wall-clock fraction falls with the load, the CPU
+through ``DataLoader(num_workers=N, collate_fn=packer.collate)`` and ``ThreadLoader(num_threads=N)`` (N: the usable
+cores; ``--loaders`` picks), interleaved round by round with bare libjpeg-turbo (PyTurboJPEG into reused memory) on
+the same bytes in memory, on one thread and on N threads at once; each after a whole warm-up epoch (steady state).
+Reported per loader: images/s (median of the rounds), CPU ms per image of every process (this one and the
+workers), the fraction of N x the bare per-core rate (issue 19's decode limit), the fraction of the N-thread bare
+rate (what N decodes at once get from this machine's shared memory and caches), and the CPU efficiency (bare CPU
+per image / the loader's): on a machine shared with other work the wall-clock fraction falls with the load, the CPU
 efficiency much less. Results and the command: docs/results.md.
 """
 
@@ -21,7 +21,7 @@ import resource
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -96,7 +96,8 @@ def bare_threads_epoch(payloads: list[bytes], batch: int, threads: int) -> Itera
         yield sum(pool.map(lambda _: work(), range(threads)))
 
 
-def loader_epochs(path: Path, cores: int, batch: int) -> dict[tuple[str, str], Callable[[], Iterable[int]]]:
+def loader_epochs(path: Path, cores: int, batch: int, kinds: Sequence[str]
+                  ) -> dict[tuple[str, str], Callable[[], Iterable[int]]]:
     ds = packer.open_dataset(path, image="tensor")
 
     def epoch(kind: str, order: str) -> Iterable[int]:
@@ -109,7 +110,7 @@ def loader_epochs(path: Path, cores: int, batch: int) -> dict[tuple[str, str], C
             yield len(images)
 
     return {(kind, order): (lambda k=kind, o=order: epoch(k, o))
-            for order in ("stored", "block") for kind in ("DataLoader", "ThreadLoader")}
+            for order in ("stored", "block") for kind in kinds}
 
 
 def main() -> None:
@@ -117,8 +118,12 @@ def main() -> None:
     ap.add_argument("datasets", nargs="+", type=Path)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--loaders", default="DataLoader,ThreadLoader", help="comma-separated: DataLoader, ThreadLoader")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
+    kinds = [k for k in a.loaders.split(",") if k]
+    if not kinds or set(kinds) - {"DataLoader", "ThreadLoader"}:
+        ap.error(f"--loaders {a.loaders!r}: choose from DataLoader, ThreadLoader")
     torch.set_num_threads(1)
     cores = sysinfo.usable_cores()
     report: dict = {"cores": cores, "rounds": a.rounds, "batch_size": a.batch_size, "datasets": {}}
@@ -127,10 +132,11 @@ def main() -> None:
         epochs = {("bare libjpeg-turbo, 1 thread", "-"): lambda p=payloads: bare_epoch(p, a.batch_size),
                   (f"bare libjpeg-turbo, {cores} threads", "-"): lambda p=payloads: bare_threads_epoch(
                       p, a.batch_size, cores),
-                  **loader_epochs(path, cores, a.batch_size)}
+                  **loader_epochs(path, cores, a.batch_size, kinds)}
         runs: dict = {key: [] for key in epochs}
-        for epoch in epochs.values():
-            next(iter(epoch()), None)  # warm-up: imports, page cache
+        for epoch in epochs.values():  # warm-up, a whole epoch each: imports, page cache, a loader's batch memory
+            for _ in epoch():
+                pass
         for _ in range(a.rounds):  # interleaved: each round measures every loader once
             for key, epoch in epochs.items():
                 runs[key].append(timed(epoch))
