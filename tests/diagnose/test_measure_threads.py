@@ -32,6 +32,13 @@ def test_measure_threads_smoke(tmp_path):
         *((kind, order) for kind in ("DataLoader", "ThreadLoader") for order in ("stored", "block"))}
     for r in rows:
         assert r["images_per_s"] > 0 and r["of_decode_limit"] > 0 and r["of_bare_threads"] > 0, r
+    out = subprocess.run([sys.executable, str(SCRIPT), str(packed), "--rounds", "1", "--batch-size", "4",
+                          "--loaders", "ThreadLoader", "--json", str(tmp_path / "t2.json")],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "t2.json").read_text())["datasets"][str(packed)]
+    assert {r["loader"] for r in rows} == {"bare libjpeg-turbo, 1 thread", f"bare libjpeg-turbo, {cores} threads",
+                                          "ThreadLoader"}
 
 
 def test_bare_epochs_decode_every_image(tmp_path):
