@@ -28,6 +28,7 @@ CASES = [
     ("bmp_mosaic_speed.py", "{d}/imgs --limit 20 --repeats 1 --budget 0.2 --workdir {d}/w_bmp", "jpeg: grid"),
     ("format_sizes.py", "{d}/imgs --out {d}/w_fmt --workers 2", "mosaic-jpeg-q95-224x224.mosaic"),
     ("measure_convert.py", "{d}/imgs --to lmdb,memmap --workers 2 --repeats 1 --scratch {d}/scratch", "memmap"),
+    ("measure_sources.py", "--workdir {d}/w_src --count 20 --workers 2 --repeats 1", "nested tar"),
 ]
 
 
