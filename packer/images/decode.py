@@ -155,9 +155,11 @@ def jpeg_markers(data: bytes | memoryview) -> Iterator[tuple[int, int, int]]:
 def jpeg_size(data: bytes | memoryview) -> tuple[int, int]:
     """(height, width) from a JPEG's SOF segment."""
     for pos, marker, length in jpeg_markers(data):
-        if marker == 0xDA or (marker in _SOF and pos + 9 > len(data)):
-            break  # a scan before any frame header, or a frame header cut short
+        if marker == 0xDA:
+            break  # a scan before any frame header
         if marker in _SOF:
+            if pos + 9 > len(data):
+                break  # the frame header cut short
             if length < 8:  # precision, height, width, components: a size read past it would be another segment's
                 raise DecodeError(f"corrupt JPEG header (frame header of {length} bytes at byte {pos})")
             height, width = struct.unpack_from(">HH", data, pos + 5)
