@@ -62,7 +62,7 @@ def main() -> None:
         configs = {f"process pool, {args.pool_workers} workers": None,
                    **{f"Dask LocalCluster, {n} worker{'s' * (n > 1)}": c for n, c in clients.items()}}
         rates: dict[str, list[float]] = {k: [] for k in configs}
-        digests: set[tuple[str, ...]] = set()
+        digests: set[tuple[tuple[str, ...], ...]] = set()
         for _ in range(args.repeats):
             for name, client in configs.items():
                 rate, shards = run(args.source, args.shard_size, args.validate, args.pool_workers, client)
