@@ -196,11 +196,12 @@ static int build_sub(const unsigned char *data, size_t size, j_decompress_ptr ci
     return 1;
 }
 
-/* The decode itself, without the GIL. Returns 1 done, 0 unsupported colour space or (whole) not the image's
- * size, -1 error (message set). */
+/* The decode itself, without the GIL. Returns 1 done, 0 unsupported colour space, (whole) not the image's
+ * size or (image_height > 0) a header saying another size than image_height x image_width, -1 error (message
+ * set). */
 static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION top, JDIMENSION left,
                   JDIMENSION height, JDIMENSION width, unsigned char *out, int strict, unsigned long long max_pixels,
-                  int whole, char *message) {
+                  int whole, JDIMENSION image_height, JDIMENSION image_width, char *message) {
     struct jpeg_decompress_struct cinfo;
     struct region_error err;
     unsigned char *volatile row = NULL, *volatile sub = NULL;
@@ -229,7 +230,8 @@ static int decode(const unsigned char *data, size_t size, int denom, JDIMENSION 
         jpeg_destroy_decompress(&cinfo);
         return -1;
     }
-    if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK) {
+    if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK ||
+        (image_height && (cinfo.image_height != image_height || cinfo.image_width != image_width))) {
         jpeg_destroy_decompress(&cinfo);
         return 0;
     }
@@ -377,7 +379,7 @@ static PyObject *decode_region(PyObject *self, PyObject *args) {
     message[0] = '\0';
     Py_BEGIN_ALLOW_THREADS
     result = decode((const unsigned char *)data.buf, (size_t)data.len, denom, top, left, (JDIMENSION)height,
-                    (JDIMENSION)width, (unsigned char *)out.buf, strict, max_pixels, whole, message);
+                    (JDIMENSION)width, (unsigned char *)out.buf, strict, max_pixels, whole, 0, 0, message);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&data);
     PyBuffer_Release(&out);
@@ -392,14 +394,18 @@ fail:
     return NULL;
 }
 
-/* decode_many(datas, outs, strict, max_pixels) -> bytes: whole JPEGs, datas[k] into outs[k] (writable
- * C-contiguous uint8 buffers of shape (h, w, 3)), all in one call without the GIL. Per item one byte: 1 done,
- * 0 not done (not a JPEG, CMYK/YCCK, out not the header's size or not such a buffer, out above max_pixels),
- * 2 an error (corrupt data, a header above max_pixels). The caller decodes items not done one by one, a path
- * that says what is wrong; out may then hold some rows already. */
+/* decode_many(datas, outs, strict, max_pixels, regions=None) -> bytes: JPEGs, datas[k] into outs[k] (writable
+ * C-contiguous uint8 buffers of shape (h, w, 3)), all in one call without the GIL. Without regions: whole images
+ * at full size. With regions (C-contiguous int64, shape (n, 5): denom, top, left, image height, image width per
+ * item): item k's region (as decode_region's) of a JPEG whose header must say that image size. Per item one byte:
+ * 1 done, 0 not done (not a JPEG, CMYK/YCCK, out not the header's size or not such a buffer, out above
+ * max_pixels, a header unlike the region's image size), 2 an error (corrupt data, a header above max_pixels, a
+ * region outside the image). The caller decodes items not done one by one, a path that says what is wrong; out
+ * may then hold some rows already. */
 static PyObject *decode_many(PyObject *self, PyObject *args) {
-    PyObject *datas_obj, *outs_obj, *datas = NULL, *outs = NULL, *status = NULL;
-    Py_buffer *bufs = NULL, *dsts = NULL;
+    PyObject *datas_obj, *outs_obj, *regions_obj = Py_None, *datas = NULL, *outs = NULL, *status = NULL;
+    Py_buffer *bufs = NULL, *dsts = NULL, regions;
+    const long long *region = NULL;
     unsigned char *ok = NULL;
     int strict;
     unsigned long long max_pixels;
@@ -407,7 +413,8 @@ static PyObject *decode_many(PyObject *self, PyObject *args) {
     char message[JMSG_LENGTH_MAX];
     (void)self;
 
-    if (!PyArg_ParseTuple(args, "OOpK", &datas_obj, &outs_obj, &strict, &max_pixels))
+    memset(&regions, 0, sizeof(regions));
+    if (!PyArg_ParseTuple(args, "OOpK|O", &datas_obj, &outs_obj, &strict, &max_pixels, &regions_obj))
         return NULL;
     datas = PySequence_Fast(datas_obj, "datas: expected a sequence of buffers");
     outs = datas == NULL ? NULL : PySequence_Fast(outs_obj, "outs: expected a sequence of buffers");
@@ -417,6 +424,21 @@ static PyObject *decode_many(PyObject *self, PyObject *args) {
     if (PySequence_Fast_GET_SIZE(outs) != n) {
         PyErr_SetString(PyExc_ValueError, "datas and outs differ in length");
         goto done;
+    }
+    if (regions_obj != Py_None) {
+        if (PyObject_GetBuffer(regions_obj, &regions, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+            goto done;
+        region = (const long long *)regions.buf;
+        if (regions.ndim != 2 || regions.shape[0] != n || regions.shape[1] != 5 || regions.itemsize != 8 ||
+            (strcmp(regions.format, "q") != 0 && strcmp(regions.format, "l") != 0)) {
+            PyErr_SetString(PyExc_ValueError, "regions: expected a C-contiguous int64 array of shape (n, 5)");
+            goto done;
+        }
+        for (k = 0; k < n * 5; k++) /* denominators are checked per item below; the rest must fit a JDIMENSION */
+            if (region[k] < 0 || region[k] > 0xFFFF) {
+                PyErr_SetString(PyExc_ValueError, "regions: values from 0 to 65535 expected");
+                goto done;
+            }
     }
     bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
     dsts = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
@@ -441,14 +463,22 @@ static PyObject *decode_many(PyObject *self, PyObject *args) {
                 d->shape[0] > 0 && d->shape[1] > 0 && d->shape[0] <= 0xFFFF && d->shape[1] <= 0xFFFF &&
                 (!max_pixels || (unsigned long long)d->shape[0] * (unsigned long long)d->shape[1] <= max_pixels) &&
                 bufs[k].len >= 3 && memcmp(bufs[k].buf, "\xff\xd8\xff", 3) == 0;
+        if (region != NULL) { /* a known scale and image size, within max_pixels */
+            const long long *r = region + 5 * k;
+            ok[k] = ok[k] && (r[0] == 1 || r[0] == 2 || r[0] == 4 || r[0] == 8) && r[3] > 0 && r[4] > 0 &&
+                    (!max_pixels || (unsigned long long)r[3] * (unsigned long long)r[4] <= max_pixels);
+        }
     }
     Py_BEGIN_ALLOW_THREADS
     for (k = 0; k < n; k++) {
         int r;
+        const long long *at = region == NULL ? NULL : region + 5 * k;
         if (!ok[k])
             continue;
-        r = decode((const unsigned char *)bufs[k].buf, (size_t)bufs[k].len, 1, 0, 0, (JDIMENSION)dsts[k].shape[0],
-                   (JDIMENSION)dsts[k].shape[1], (unsigned char *)dsts[k].buf, strict, max_pixels, 1, message);
+        r = decode((const unsigned char *)bufs[k].buf, (size_t)bufs[k].len, at ? (int)at[0] : 1,
+                   at ? (JDIMENSION)at[1] : 0, at ? (JDIMENSION)at[2] : 0, (JDIMENSION)dsts[k].shape[0],
+                   (JDIMENSION)dsts[k].shape[1], (unsigned char *)dsts[k].buf, strict, max_pixels, at == NULL,
+                   at ? (JDIMENSION)at[3] : 0, at ? (JDIMENSION)at[4] : 0, message);
         ok[k] = r > 0 ? 1 : r == 0 ? 0 : 2;
     }
     Py_END_ALLOW_THREADS
@@ -458,6 +488,8 @@ done:
         PyBuffer_Release(&bufs[k]);
     for (k = 0; k < got_dsts; k++)
         PyBuffer_Release(&dsts[k]);
+    if (regions.obj != NULL)
+        PyBuffer_Release(&regions);
     PyMem_Free(bufs);
     PyMem_Free(dsts);
     PyMem_Free(ok);
@@ -603,7 +635,8 @@ static PyMethodDef methods[] = {
      "decode_region(data, denom, top, left, out, strict, max_pixels, whole=False) -> bool: decode a JPEG region "
      "into out."},
     {"decode_many", decode_many, METH_VARARGS,
-     "decode_many(datas, outs, strict, max_pixels) -> bytes: whole JPEGs into outs, per item 1 done, 0 not, 2 error."},
+     "decode_many(datas, outs, strict, max_pixels, regions=None) -> bytes: JPEGs (whole, or regions) into outs, "
+     "per item 1 done, 0 not, 2 error."},
     {"restart_transcode", restart_transcode, METH_VARARGS,
      "restart_transcode(data, max_pixels) -> bytes | None: the JPEG losslessly with a restart marker per MCU."},
     {NULL, NULL, 0, NULL},

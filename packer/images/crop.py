@@ -10,7 +10,9 @@ it, into ``out`` where given. Semantics and the pixel bounds: docs/decoding.md.
 from __future__ import annotations
 
 import math
+import threading
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,7 +22,7 @@ from PIL import Image
 from packer._random import raw_draws
 from packer.errors import PackerError
 from packer.images.decode import SCALE_DENOMINATORS, check_pixels, decode, sniff
-from packer.images.jpegregion import decode_region, notice_missing, region_decode_available
+from packer.images.jpegregion import decode_region, decode_regions, notice_missing, region_decode_available
 from packer.perprocess import PerProcess
 
 ATTEMPTS = 10  # torchvision's RandomResizedCrop.get_params tries 10 crops, then falls back to a central one
@@ -56,11 +58,23 @@ class CropDecode(ABC):
     def window(self, height: int, width: int, index: int) -> Window:
         """The source rectangle for sample ``index`` of this full-resolution size."""
 
+    def windows(self, heights: Sequence[int], widths: Sequence[int], indices: Sequence[int]) -> list[Window]:
+        """``window`` for each sample, in order."""
+        return [self.window(h, w, i) for h, w, i in zip(heights, widths, indices, strict=True)]
+
     def from_bytes(self, data: bytes | memoryview, index: int, height: int, width: int, backend: str = "auto",
                strict: bool = True, out: np.ndarray | None = None) -> np.ndarray:
         """Sample ``index``'s encoded bytes (``height`` x ``width`` per their header) as its output."""
         return decode_window(data, self.window(height, width, index), self.size, height, width, backend, strict, out,
                              self.region)
+
+    def from_bytes_many(self, datas: Sequence[bytes | memoryview], indices: Sequence[int], heights: Sequence[int],
+                        widths: Sequence[int], outs: Sequence[np.ndarray], strict: bool = False) -> bytes | None:
+        """``from_bytes`` for many JPEGs into ``outs`` (``decode_windows``): per item 1 where done; None: no bulk
+        path (the region decoder not built, or ``region=False``). Decode the others one by one with ``from_bytes``."""
+        if not self.region:
+            return None
+        return decode_windows(datas, self.windows(heights, widths, indices), self.size, heights, widths, outs, strict)
 
     def from_pixels(self, pixels: np.ndarray, index: int, out: np.ndarray | None = None) -> np.ndarray:
         """Sample ``index``'s full-resolution HWC uint8 pixels (a raw payload) as its output."""
@@ -149,7 +163,16 @@ class RandomResizedCropDecode(CropDecode):
         return _uniforms(raw_draws(self.seed, self.epoch, index, n=DRAWS))
 
     def window(self, height: int, width: int, index: int) -> Window:
-        u = self.draws(index)
+        return self._drawn_window(height, width, self.draws(index))
+
+    def windows(self, heights: Sequence[int], widths: Sequence[int], indices: Sequence[int]) -> list[Window]:
+        if self.seed is not None:
+            return super().windows(heights, widths, indices)
+        # one call for all: the same stream, in the same order, as one ``draws`` per sample
+        u = _uniforms(self._stream.get().random_raw(DRAWS * len(indices))).reshape(len(indices), DRAWS)
+        return [self._drawn_window(h, w, row) for h, w, row in zip(heights, widths, u, strict=True)]
+
+    def _drawn_window(self, height: int, width: int, u: np.ndarray) -> Window:
         top, left, h, w = crop_params(height, width, self.scale, self.ratio, u)
         return Window(top, left, h, w, self.flip and bool(u[DRAWS - 1] < 0.5))
 
@@ -249,20 +272,75 @@ def _region(box: tuple[float, float, float, float], size: tuple[int, int], heigh
             min(math.ceil(bottom) + reach, height), min(math.ceil(right) + reach, width))
 
 
+def _plan(window: Window, size: tuple[int, int], d: int, height: int, width: int
+          ) -> tuple[tuple[int, int, int, int], Window]:
+    """The whole pixels (top, left, bottom, right) on the 1/d grid that the resize of ``window`` reads, and the
+    window moved onto them (what ``resize_window`` is given for the region's pixels)."""
+    hs, ws = -(-height // d), -(-width // d)
+    box = _box(window, d, hs, ws)
+    y0, x0, y1, x1 = _region(box, size, hs, ws)
+    top, left, bottom, right = box[0] - y0, box[1] - x0, box[2] - y0, box[3] - x0
+    return (y0, x0, y1, x1), Window(top * d, left * d, (bottom - top) * d, (right - left) * d, window.flip)
+
+
 def _decode_region(data: bytes | memoryview, window: Window, size: tuple[int, int], d: int, height: int,
                    width: int, strict: bool, out: np.ndarray | None) -> np.ndarray | None:
     """``decode_window`` decoding only the rows and columns the window's resize reads (None: CMYK/YCCK, decode
     whole). The region decode is exact, so the output is the whole-decode path's for a box on whole pixels and
     within 1 of it otherwise (PIL places its filter on the shifted box with different float rounding)."""
-    hs, ws = -(-height // d), -(-width // d)
-    box = _box(window, d, hs, ws)
-    y0, x0, y1, x1 = _region(box, size, hs, ws)
+    (y0, x0, y1, x1), shifted = _plan(window, size, d, height, width)
     pixels = decode_region(data, d, y0, x0, y1 - y0, x1 - x0, (height, width), strict)
     if pixels is None:
         return None
-    top, left, bottom, right = box[0] - y0, box[1] - x0, box[2] - y0, box[3] - x0
-    shifted = Window(top * d, left * d, (bottom - top) * d, (right - left) * d, window.flip)
     return resize_window(pixels, shifted, size, d, out)
+
+
+class _Scratch(threading.local):
+    """Per thread, the memory ``decode_windows`` decodes regions into, kept for its next call (fresh memory costs
+    a page fault per 4 KiB on first touch); up to ``KEEP`` bytes, a larger call's memory is not kept."""
+
+    KEEP = 64 << 20
+    block = np.empty(0, np.uint8)
+
+    def views(self, shapes: list[tuple[int, int]]) -> list[np.ndarray]:
+        total = sum(h * w * 3 for h, w in shapes)
+        block = self.block if self.block.nbytes >= total else np.empty(total, np.uint8)
+        if total <= self.KEEP:
+            self.block = block
+        out, start = [], 0
+        for h, w in shapes:
+            out.append(block[start:start + h * w * 3].reshape(h, w, 3))
+            start += h * w * 3
+        return out
+
+
+_scratch = _Scratch()
+
+
+def decode_windows(datas: Sequence[bytes | memoryview], windows: Sequence[Window], size: tuple[int, int],
+                   heights: Sequence[int], widths: Sequence[int], outs: Sequence[np.ndarray],
+                   strict: bool = False) -> bytes | None:
+    """``decode_window`` for many JPEGs (region decode), each into ``outs[k]`` (``size`` HWC uint8 C-contiguous):
+    every region decoded by one call of the compiled extension without the GIL, then resized one by one, the same
+    pixels. Per item 1 where done; the others (not a JPEG, CMYK, a header unlike ``heights``/``widths``, damaged
+    data) go through ``decode_window`` one by one, which says what is wrong. None: the region decoder not built."""
+    if not region_decode_available():
+        return None
+    plans, regions = [], []
+    for window, height, width in zip(windows, heights, widths, strict=True):
+        d = window_scale(window, size)
+        (y0, x0, y1, x1), shifted = _plan(window, size, d, max(height, 1), max(width, 1))
+        plans.append((d, (y1 - y0, x1 - x0), shifted))
+        regions.append((d, y0, x0, height, width))
+    bufs = _scratch.views([shape for _, shape, _ in plans])
+    status = decode_regions(datas, np.array(regions, dtype=np.int64).reshape(-1, 5), bufs, strict)
+    if status is None:
+        return None
+    done = bytearray(status)
+    for k, (d, _, shifted) in enumerate(plans):
+        if done[k] == 1 and resize_window(bufs[k], shifted, size, d, outs[k]) is not outs[k]:
+            done[k] = 0  # an out it could not write into: the caller's one-by-one path
+    return bytes(done)
 
 
 def decode_window(data: bytes | memoryview, window: Window, size: tuple[int, int], height: int, width: int,

@@ -10,6 +10,7 @@ Pixels are identical to the same rows and columns of a whole decode at that scal
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -61,6 +62,17 @@ def decode_region(data: bytes | memoryview, d: int, top: int, left: int, height:
     except ValueError as exc:
         raise DecodeError(f"cannot decode JPEG: {exc}") from None
     return target if done else None
+
+
+def decode_regions(datas: Sequence[bytes | memoryview], regions: np.ndarray, outs: Sequence[np.ndarray],
+                   strict: bool = False) -> bytes | None:
+    """``decode_region`` for many JPEGs in one call without the GIL (a decode thread's chunk of fused crops).
+    ``regions``: int64 (n, 5) of (d, top, left, image height, image width) per item, the header having to say that
+    size. Per item one byte, 1: done, the pixels ``decode_region`` gives; else not done (not a JPEG, CMYK, a
+    header of another size, an error): ``decode_region`` it then, which says what is wrong. None: not built."""
+    if _jpegregion is None:
+        return None
+    return _jpegregion.decode_many(datas, outs, strict, pixel_limit() or 0, regions)
 
 
 def restart_transcode(data: bytes | memoryview) -> bytes | None:

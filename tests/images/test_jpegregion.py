@@ -4,6 +4,7 @@ crop through it against the whole-decode path (docs/decoding.md states these bou
 
 from __future__ import annotations
 
+import copy
 import io
 import subprocess
 import sys
@@ -15,9 +16,9 @@ from PIL import Image
 from support.imagesets import jpeg_bytes
 
 from packer import CenterCropDecode, RandomResizedCropDecode
-from packer.images.crop import decode_window, resize_window, window_scale
+from packer.images.crop import decode_window, decode_windows, resize_window, window_scale
 from packer.images.decode import DecodeError, decode
-from packer.images.jpegregion import decode_region
+from packer.images.jpegregion import decode_region, decode_regions
 from packer.tools.sample import photo_like
 
 # The fused crop through the region decoder against the same crop through a whole decode: identical for a
@@ -152,6 +153,89 @@ def test_fused_crop_matches_the_whole_decode_path(jpegregion, turbojpeg, shape):
             on_whole_pixels = all(float(v).is_integer() for v in (win.top, win.left, win.height, win.width))
             bound = MAX_DIFF_WHOLE_PIXELS if on_whole_pixels and d == 1 else MAX_DIFF_FRACTIONAL
             assert np.abs(got.astype(np.int16) - want).max() <= bound, (type(spec).__name__, i, d)
+
+
+def test_decode_regions_is_decode_region_item_by_item(jpegregion, turbojpeg):
+    """One call for many: each item done has decode_region's pixels; the others say why by their status (0: leave it
+    to the one-by-one path, 2: an error there) and leave the rest of the call unharmed."""
+    rng = np.random.default_rng(9)
+    datas, rows, want = [], [], []
+    for kind in sorted(KINDS):
+        shape = (int(rng.integers(40, 200)), int(rng.integers(40, 200)))
+        data = jpeg_bytes(rng, *shape, **KINDS[kind])
+        for d in (1, 2, 8):
+            full = whole(data, d, shape)
+            for top, left, h, w in regions(rng, *full.shape[:2], 2):
+                datas.append(data)
+                rows.append((d, top, left, *shape))
+                want.append(full[top:top + h, left:left + w])
+    outs = [np.zeros_like(w) for w in want]
+    status = decode_regions(datas, np.array(rows, dtype=np.int64), outs, strict=True)
+    assert status == b"\x01" * len(datas)
+    assert all(np.array_equal(got, w) for got, w in zip(outs, want))
+
+    data = jpeg_bytes(rng, 120, 160)
+    cmyk = io.BytesIO()
+    photo_like(rng, 80, 120).convert("CMYK").save(cmyk, "JPEG", quality=90)
+    png = io.BytesIO()
+    photo_like(rng, 80, 120).save(png, "PNG")
+    cases = [  # (data, region row, out shape, status)
+        (data, (1, 10, 20, 120, 160), (30, 40), 1),
+        (data, (1, 10, 20, 120, 161), (30, 40), 0),  # the header says another size than the index
+        (png.getvalue(), (1, 0, 0, 80, 120), (10, 10), 0),  # not a JPEG
+        (cmyk.getvalue(), (1, 0, 0, 80, 120), (10, 10), 0),  # CMYK: the whole decode's Pillow path
+        (data, (3, 0, 0, 120, 160), (10, 10), 0),  # no such DCT scale
+        (data, (1, 0, 0, 0, 0), (10, 10), 0),  # no image size known
+        (data, (2, 50, 0, 120, 160), (30, 10), 2),  # rows 50..80 of a 60-row image at 1/2
+        (data[:len(data) // 2], (1, 100, 0, 120, 160), (20, 160), 2),  # truncated within the rows read, strict
+        (b"\xff\xd8\xff" + bytes(100), (1, 0, 0, 120, 160), (10, 10), 2),
+        (data, (1, 0, 0, 120, 160), (120, 160), 1),
+    ]
+    outs = [np.zeros((*shape, 3), np.uint8) for _, _, shape, _ in cases]
+    status = decode_regions([c[0] for c in cases], np.array([c[1] for c in cases], dtype=np.int64), outs, True)
+    assert list(status) == [c[3] for c in cases]
+    full = whole(data, 1, (120, 160))
+    assert np.array_equal(outs[0], full[10:40, 20:60]) and np.array_equal(outs[-1], full)
+    loose = decode_regions([cases[7][0]], np.array([cases[7][1]], dtype=np.int64), [outs[7]], strict=False)
+    assert loose == b"\x01"  # libjpeg fills in what is missing when not strict
+
+    good = np.array([cases[0][1]], dtype=np.int64)
+    for bad in (good.astype(np.int32), good[:, :4].copy(), np.vstack([good, good]), -good, good * 70000):
+        with pytest.raises(ValueError, match="regions"):
+            decode_regions([data], bad, [outs[0]])
+    assert decode_regions([], np.empty((0, 5), np.int64), []) == b""
+
+
+def test_decode_windows_is_decode_window_item_by_item(jpegregion, turbojpeg):
+    """The bulk fused crop (a decode thread's chunk) gives each item decode_window's pixels: whole and fractional
+    windows, DCT scales, flips; an item it leaves (PNG, a header unlike the size given) is 0, the rest still done."""
+    rng = np.random.default_rng(10)
+    shapes = [(375, 500), (500, 375), (900, 1200), (61, 97)]
+    datas = [jpeg_bytes(rng, *shape) for shape in shapes]
+    png = io.BytesIO()
+    photo_like(rng, 80, 120).save(png, "PNG")
+    for spec in (RandomResizedCropDecode(64, seed=3), CenterCropDecode(48, resize=56), RandomResizedCropDecode(224)):
+        items = [(datas[k % 4], shapes[k % 4], k) for k in range(12)] + [(png.getvalue(), (80, 120), 12)]
+        heights, widths = [s[0] for _, s, _ in items], [s[1] for _, s, _ in items]
+        heights[5] += 1  # the index and the header disagree: left to the one-by-one path
+        windows = spec.windows(heights, widths, [i for _, _, i in items])
+        outs = [np.zeros((*spec.size, 3), np.uint8) for _ in items]
+        status = decode_windows([d for d, _, _ in items], windows, spec.size, heights, widths, outs)
+        assert status is not None and list(status) == [1] * 5 + [0] + [1] * 6 + [0]
+        for k, (data, shape, _) in enumerate(items[:12]):
+            if k != 5:
+                assert np.array_equal(outs[k], decode_window(data, windows[k], spec.size, *shape)), (spec, k)
+        assert not outs[5].any() and not outs[12].any()
+
+
+def test_windows_draw_as_window_does_sample_by_sample():
+    """``windows`` for a chunk takes the per-process stream's draws in one call: the crops ``window`` would give."""
+    heights, widths = [375, 500, 90, 1200], [500, 375, 4000, 1300]
+    for spec in (RandomResizedCropDecode(224), RandomResizedCropDecode(32, seed=5), CenterCropDecode(224)):
+        twin = copy.deepcopy(spec)  # the same stream state
+        for start in (0, 4):
+            many = spec.windows(heights, widths, list(range(start, start + 4)))
+            assert many == [twin.window(h, w, start + k) for k, (h, w) in enumerate(zip(heights, widths))]
 
 
 def test_packer_works_without_the_extension(tmp_path):

@@ -58,12 +58,27 @@ def test_batches_equal_the_dataloaders(packed, fmt, order):
     assert loader_threads() == []
 
 
-def test_fused_crops_come_stacked_and_equal(packed):
-    ds = open_dataset(packed["lmdb"], image="tensor", crop=packer.RandomResizedCropDecode(16, seed=4))
+@pytest.mark.parametrize("crop", [packer.RandomResizedCropDecode(16, seed=4), packer.CenterCropDecode(16, resize=20)])
+def test_fused_crops_come_stacked_and_equal(packed, monkeypatch, crop):
+    """Each decode thread's chunk of JPEGs is cropped by one call of the extension (``decode_windows``); the PNG
+    goes one by one; the batches are the DataLoader's."""
+    from packer.images import crop as crops
+
+    done: list[int] = []
+    bulk = crops.decode_regions
+
+    def counted(*args, **kwargs):
+        status = bulk(*args, **kwargs)
+        done.extend(status)
+        return status
+
+    monkeypatch.setattr(crops, "decode_regions", counted)
+    ds = open_dataset(packed["lmdb"], image="tensor", crop=crop)
     want = list(DataLoader(ds, batch_size=5, num_workers=0))
     got = list(ThreadLoader(ds, batch_size=5, num_threads=2))
     same_batches(got, want)
     assert got[0][0].shape == (5, 3, 16, 16)
+    assert len(done) == len(ds) and done.count(1) == len(ds) - 1  # all but the PNG in bulk
 
 
 def test_pil_images_and_a_transform_go_through_the_collate_function(packed):
@@ -75,7 +90,8 @@ def test_pil_images_and_a_transform_go_through_the_collate_function(packed):
     assert len(list(ThreadLoader(ds, batch_size=6, drop_last=True))) == len(ds) // 6
 
 
-def test_a_damaged_sample_is_one_error_naming_it_and_no_thread_stays(packed, tmp_path):
+@pytest.mark.parametrize("crop", [None, packer.RandomResizedCropDecode(16)])
+def test_a_damaged_sample_is_one_error_naming_it_and_no_thread_stays(packed, tmp_path, crop):
     import shutil
 
     path = shutil.copytree(packed["memmap"], tmp_path / "bad.memmap")
@@ -87,7 +103,7 @@ def test_a_damaged_sample_is_one_error_naming_it_and_no_thread_stays(packed, tmp
         fh.seek(int(offsets[pos]))
         fh.write(b"\0" * 16)
     with pytest.raises(PackerError) as err:
-        for _ in ThreadLoader(open_dataset(path, image="tensor"), batch_size=4, num_threads=2):
+        for _ in ThreadLoader(open_dataset(path, image="tensor", crop=crop), batch_size=4, num_threads=2):
             pass
     assert f"sample {bad}" in str(err.value) and "\n" not in str(err.value)
     assert loader_threads() == []
