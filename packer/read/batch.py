@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from packer.errors import PackerError
-from packer.images.decode import pixel_limit
+from packer.images.decode import decode_many, pixel_limit
 from packer.layout.trust import reading
 from packer.read.hints import aheads_of
 
@@ -70,6 +70,32 @@ def decode_block(ds: PackedDataset, indices: Sequence[int], alloc: Callable[[int
         stacked = block.view(len(shapes), h, w, 3)
         return stacked, list(stacked.unbind(0))
     return None, _views(block, shapes)
+
+
+def samples_in_slots(ds: PackedDataset, idx: Sequence[int], payloads: Sequence, slots: Sequence[torch.Tensor]
+                     ) -> list | None:
+    """JPEGs decoded into their slots by one call of the compiled extension, whole (``decode_many``) or as fused
+    crops (``CropDecode.from_bytes_many``), as ``present_at`` would hand them out: ``(image, label)`` with
+    ``image="tensor"``, no transform, ``decode_size`` or fields (storage positions). A sample it leaves (another
+    format, a header unlike the index, damage) is None; None: no bulk path for this dataset."""
+    if (ds.manifest.payload != "encoded" or ds.image != "tensor" or ds.transform is not None
+            or ds.target_transform is not None or ds.decode_size or ds.selection.names is not None):
+        return None
+    pos = np.asarray(idx, dtype=np.int64)
+    views = [slot.numpy() for slot in slots]
+    if ds.crop is None:
+        done = decode_many(payloads, views, ds.decoder, strict=False)
+    else:
+        heights, widths = ds.index.heights[pos], ds.index.widths[pos]
+        if ds.decoder == "pil" or not len(pos) or heights.min() < 1 or widths.min() < 1:
+            return None  # (sizes the index lacks: the per-sample path reads them from each header)
+        done = ds.crop.from_bytes_many(payloads, ds.index_map.public_many(pos).tolist(), heights.tolist(),
+                                       widths.tolist(), views)
+    if done is None:
+        return None
+    labels = ds.index.labels[pos].tolist()
+    return [(slot.permute(2, 0, 1), label) if ok == 1 else None
+            for slot, label, ok in zip(slots, labels, done, strict=True)]
 
 
 def _slot_shapes(ds: PackedDataset, indices: Sequence[int], max_bytes: int) -> list[tuple[int, int]] | None:

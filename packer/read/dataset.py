@@ -26,7 +26,7 @@ from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import Format
 from packer.images.crop import CropDecode, check_crop
-from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode, decode_many
+from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
 from packer.images.headers import check_size, image_size
 from packer.layout.manifest import read_manifest
 from packer.layout.trust import DATA_ERRORS, reading
@@ -253,28 +253,8 @@ class PackedDataset(FolderSurface):
 
     def samples_in_slots(self, idx: Sequence[int], payloads: Sequence, slots: Sequence[torch.Tensor]
                          ) -> list | None:
-        """JPEGs decoded into their slots by one call of the compiled extension, whole (``decode_many``) or as fused
-        crops (``CropDecode.from_bytes_many``), as ``present_at`` would hand them out: ``(image, label)`` with
-        ``image="tensor"``, no transform, ``decode_size`` or fields. A sample it leaves (another format, a header
-        unlike the index, damage) is None."""
-        if (self.manifest.payload != "encoded" or self.image != "tensor" or self.transform is not None
-                or self.target_transform is not None or self.decode_size or self.selection.names is not None):
-            return None
-        pos = np.asarray(idx, dtype=np.int64)
-        views = [slot.numpy() for slot in slots]
-        if self.crop is None:
-            done = decode_many(payloads, views, self.decoder, strict=False)
-        else:
-            heights, widths = self.index.heights[pos], self.index.widths[pos]
-            if self.decoder == "pil" or not len(pos) or heights.min() < 1 or widths.min() < 1:
-                return None  # (sizes the index lacks: the per-sample path reads them from each header)
-            done = self.crop.from_bytes_many(payloads, self.index_map.public_many(pos).tolist(), heights.tolist(),
-                                             widths.tolist(), views)
-        if done is None:
-            return None
-        labels = self.index.labels[pos].tolist()
-        return [(slot.permute(2, 0, 1), label) if ok == 1 else None
-                for slot, label, ok in zip(slots, labels, done, strict=True)]
+        """JPEGs decoded into their slots by one call of the compiled extension (``read.batch.samples_in_slots``)."""
+        return batch.samples_in_slots(self, idx, payloads, slots)
 
     # ------------------------------------------------------------ whole batches (packer.read.batch)
 

@@ -59,7 +59,7 @@ def test_batches_equal_the_dataloaders(packed, fmt, order):
 
 
 @pytest.mark.parametrize("crop", [packer.RandomResizedCropDecode(16, seed=4), packer.CenterCropDecode(16, resize=20)])
-def test_fused_crops_come_stacked_and_equal(packed, monkeypatch, crop):
+def test_fused_crops_come_stacked_and_equal(packed, monkeypatch, jpegregion, crop):
     """Each decode thread's chunk of JPEGs is cropped by one call of the extension (``decode_windows``); the PNG
     goes one by one; the batches are the DataLoader's."""
     from packer.images import crop as crops
@@ -316,11 +316,11 @@ def test_torch_ops_in_decode_threads_run_on_that_thread_alone(packed):
 def test_whole_jpegs_are_decoded_in_bulk_and_the_rest_one_by_one(packed, monkeypatch, jpegregion, turbojpeg):
     """A decode thread hands its chunk's JPEGs to the extension in one call (``decode_many``); the PNG is left to
     the per-sample path; the batches are the DataLoader's."""
-    import packer.read.dataset as dataset_mod
+    import packer.read.batch as batch_mod
 
     ds = open_dataset(packed["memmap"], image="tensor")
     counts = {"calls": 0, "done": 0, "left": 0}
-    real = dataset_mod.decode_many
+    real = batch_mod.decode_many
 
     def spy(datas, outs, backend, strict):
         status = real(datas, outs, backend, strict)
@@ -329,7 +329,7 @@ def test_whole_jpegs_are_decoded_in_bulk_and_the_rest_one_by_one(packed, monkeyp
         counts["left"] += len(status) - status.count(1)
         return status
 
-    monkeypatch.setattr(dataset_mod, "decode_many", spy)
+    monkeypatch.setattr(batch_mod, "decode_many", spy)
     want = list(DataLoader(ds, batch_size=8, num_workers=0, collate_fn=packer.collate))
     counts.update(calls=0, done=0, left=0)  # the DataLoader's path decodes one by one
     same_batches(list(ThreadLoader(ds, batch_size=8, num_threads=2)), want)
