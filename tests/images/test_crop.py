@@ -227,3 +227,29 @@ def test_loader_batches_come_from_shared_slots(photos, tmp_path):
     assert images.shape == (len(ds), 3, 48, 48) and images.dtype == torch.uint8
     single = torch.stack([ds[i][0] for i in range(len(ds))])
     assert torch.equal(images, single)  # seed=S: a worker draws what the main process draws for that index
+
+
+def test_a_worker_batch_crops_in_bulk(photos, tmp_path, monkeypatch, jpegregion):
+    """In a DataLoader worker (``__getitems__`` with shared slots) the batch's JPEGs are cropped a few at a time
+    by one call of the extension: the samples one by one would give the same."""
+    import packer.read.batch as batch_mod
+    from packer.images import crop as crops
+
+    out = convert(photos, tmp_path / "d.memmap", to="memmap", workers=1, progress=False).output
+    ds = open_dataset(out, image="tensor", crop=RandomResizedCropDecode(40, seed=3))
+    calls: list[int] = []
+    real = crops.decode_regions
+
+    def counted(datas, *args, **kwargs):
+        calls.append(len(datas))
+        return real(datas, *args, **kwargs)
+
+    monkeypatch.setattr(crops, "decode_regions", counted)
+    monkeypatch.setattr(batch_mod, "get_worker_info", lambda: object())  # as in a worker: slots in shared memory
+    indices = [5, 0, 11, 3, 15, 8, 1, 9, 14, 2]
+    got = ds.__getitems__(indices)
+    assert calls == [8, 2]
+    want = [ds[i] for i in indices]
+    assert all(torch.equal(g[0], w[0]) and g[1] == w[1] for g, w in zip(got, want, strict=True))
+    assert got[0][0].is_shared() and len({g[0].untyped_storage().data_ptr() for g in got}) == 1
+
