@@ -398,10 +398,10 @@ fail:
  * C-contiguous uint8 buffers of shape (h, w, 3)), all in one call without the GIL. Without regions: whole images
  * at full size. With regions (C-contiguous int64, shape (n, 5): denom, top, left, image height, image width per
  * item): item k's region (as decode_region's) of a JPEG whose header must say that image size. Per item one byte:
- * 1 done, 0 not done (not a JPEG, CMYK/YCCK, out not the header's size or not such a buffer, out above
- * max_pixels, a header unlike the region's image size), 2 an error (corrupt data, a header above max_pixels, a
- * region outside the image). The caller decodes items not done one by one, a path that says what is wrong; out
- * may then hold some rows already. */
+ * 1 done, 0 not done (not a JPEG, CMYK/YCCK, out not such a buffer or above max_pixels, without regions out not
+ * the header's size, with regions a header unlike the item's image size or values no JPEG has), 2 an error
+ * (corrupt data, a header above max_pixels, a region outside the image). The caller decodes items not done one
+ * by one, a path that says what is wrong; out may then hold some rows already. */
 static PyObject *decode_many(PyObject *self, PyObject *args) {
     PyObject *datas_obj, *outs_obj, *regions_obj = Py_None, *datas = NULL, *outs = NULL, *status = NULL;
     Py_buffer *bufs = NULL, *dsts = NULL, regions;
@@ -434,11 +434,6 @@ static PyObject *decode_many(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "regions: expected a C-contiguous int64 array of shape (n, 5)");
             goto done;
         }
-        for (k = 0; k < n * 5; k++) /* denominators are checked per item below; the rest must fit a JDIMENSION */
-            if (region[k] < 0 || region[k] > 0xFFFF) {
-                PyErr_SetString(PyExc_ValueError, "regions: values from 0 to 65535 expected");
-                goto done;
-            }
     }
     bufs = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
     dsts = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
@@ -463,9 +458,10 @@ static PyObject *decode_many(PyObject *self, PyObject *args) {
                 d->shape[0] > 0 && d->shape[1] > 0 && d->shape[0] <= 0xFFFF && d->shape[1] <= 0xFFFF &&
                 (!max_pixels || (unsigned long long)d->shape[0] * (unsigned long long)d->shape[1] <= max_pixels) &&
                 bufs[k].len >= 3 && memcmp(bufs[k].buf, "\xff\xd8\xff", 3) == 0;
-        if (region != NULL) { /* a known scale and image size, within max_pixels */
+        if (region != NULL) { /* a known scale; a corner and image size JPEG can have, within max_pixels */
             const long long *r = region + 5 * k;
-            ok[k] = ok[k] && (r[0] == 1 || r[0] == 2 || r[0] == 4 || r[0] == 8) && r[3] > 0 && r[4] > 0 &&
+            ok[k] = ok[k] && (r[0] == 1 || r[0] == 2 || r[0] == 4 || r[0] == 8) && r[1] >= 0 && r[1] <= 0xFFFF &&
+                    r[2] >= 0 && r[2] <= 0xFFFF && r[3] > 0 && r[3] <= 0xFFFF && r[4] > 0 && r[4] <= 0xFFFF &&
                     (!max_pixels || (unsigned long long)r[3] * (unsigned long long)r[4] <= max_pixels);
         }
     }

@@ -62,6 +62,11 @@ class CropDecode(ABC):
         """``window`` for each sample, in order."""
         return [self.window(h, w, i) for h, w, i in zip(heights, widths, indices, strict=True)]
 
+    def hold(self, height: int, width: int, index: int, window: Window) -> None:
+        """Keep ``window``, drawn in bulk, for sample ``index``'s next ``window`` call in this thread (a sample the
+        bulk path leaves keeps the crop drawn for it in its place). Default: nothing to keep, the crop is the
+        index's alone."""
+
     def from_bytes(self, data: bytes | memoryview, index: int, height: int, width: int, backend: str = "auto",
                strict: bool = True, out: np.ndarray | None = None) -> np.ndarray:
         """Sample ``index``'s encoded bytes (``height`` x ``width`` per their header) as its output."""
@@ -69,12 +74,27 @@ class CropDecode(ABC):
                              self.region)
 
     def from_bytes_many(self, datas: Sequence[bytes | memoryview], indices: Sequence[int], heights: Sequence[int],
-                        widths: Sequence[int], outs: Sequence[np.ndarray], strict: bool = False) -> bytes | None:
-        """``from_bytes`` for many JPEGs into ``outs`` (``decode_windows``): per item 1 where done; None: no bulk
-        path (the region decoder not built, or ``region=False``). Decode the others one by one with ``from_bytes``."""
-        if not self.region:
+                        widths: Sequence[int], outs: Sequence[np.ndarray], checked: Sequence[bool],
+                        strict: bool = True) -> bytes | None:
+        """``from_bytes`` for many samples into ``outs``: every crop drawn in order, the JPEGs whose headers the
+        caller ``checked`` to say ``heights`` x ``widths`` (1 or 3 components) decoded by ``decode_windows``. Per
+        item 1 where done; do the others one by one with ``from_bytes``, which takes the crop drawn here for them
+        (``hold``), so the draws keep the samples' order. None: no bulk path (the region decoder not built, or
+        ``region=False``), nothing drawn."""
+        if not self.region or not region_decode_available():
             return None
-        return decode_windows(datas, self.windows(heights, widths, indices), self.size, heights, widths, outs, strict)
+        windows = self.windows(heights, widths, indices)
+        tried = [k for k, ok in enumerate(checked) if ok]
+        status = decode_windows([datas[k] for k in tried], [windows[k] for k in tried], self.size,
+                                [heights[k] for k in tried], [widths[k] for k in tried], [outs[k] for k in tried],
+                                strict)
+        if status is None:
+            return None
+        done = spread(status, tried, len(windows))
+        for k, ok in enumerate(done):
+            if ok != 1:
+                self.hold(heights[k], widths[k], indices[k], windows[k])
+        return bytes(done)
 
     def from_pixels(self, pixels: np.ndarray, index: int, out: np.ndarray | None = None) -> np.ndarray:
         """Sample ``index``'s full-resolution HWC uint8 pixels (a raw payload) as its output."""
@@ -123,6 +143,13 @@ def _torch_seeded() -> np.random.PCG64:
     return np.random.PCG64(torch.initial_seed())
 
 
+class _Held(threading.local):
+    """Per thread, windows drawn in bulk for samples the bulk path left, by (height, width, index)."""
+
+    def __init__(self) -> None:
+        self.windows: dict[tuple[int, int, int], list[Window]] = {}
+
+
 class RandomResizedCropDecode(CropDecode):
     """torchvision's ``RandomResizedCrop(size, scale, ratio)`` (+ ``RandomHorizontalFlip()`` when ``flip``), fused
     with decoding. ``seed=None``: draws from a per-process stream seeded by ``torch.initial_seed()``, like
@@ -145,6 +172,7 @@ class RandomResizedCropDecode(CropDecode):
         self.ratio = (float(ratio[0]), float(ratio[1]))
         self.flip, self.seed, self.epoch = bool(flip), seed, 0
         self._stream: PerProcess[np.random.PCG64] = PerProcess(_torch_seeded)
+        self._held: PerProcess[_Held] = PerProcess(_Held)
 
     def __repr__(self) -> str:
         return (f"RandomResizedCropDecode(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
@@ -163,14 +191,23 @@ class RandomResizedCropDecode(CropDecode):
         return _uniforms(raw_draws(self.seed, self.epoch, index, n=DRAWS))
 
     def window(self, height: int, width: int, index: int) -> Window:
+        if self.seed is None:
+            held = self._held.get().windows.get((height, width, index))
+            if held:
+                return held.pop(0)
         return self._drawn_window(height, width, self.draws(index))
 
     def windows(self, heights: Sequence[int], widths: Sequence[int], indices: Sequence[int]) -> list[Window]:
         if self.seed is not None:
             return super().windows(heights, widths, indices)
+        self._held.get().windows.clear()  # what an earlier chunk held and left (its sample failed) is dropped
         # one call for all: the same stream, in the same order, as one ``draws`` per sample
         u = _uniforms(self._stream.get().random_raw(DRAWS * len(indices))).reshape(len(indices), DRAWS)
         return [self._drawn_window(h, w, row) for h, w, row in zip(heights, widths, u, strict=True)]
+
+    def hold(self, height: int, width: int, index: int, window: Window) -> None:
+        if self.seed is None:  # a seeded crop is the index's alone: drawn again, the same
+            self._held.get().windows.setdefault((height, width, index), []).append(window)
 
     def _drawn_window(self, height: int, width: int, u: np.ndarray) -> Window:
         top, left, h, w = crop_params(height, width, self.scale, self.ratio, u)
@@ -225,11 +262,12 @@ def _box(window: Window, d: int, height: int, width: int) -> tuple[float, float,
 def resize_window(pixels: np.ndarray, window: Window, size: tuple[int, int], d: int = 1,
                   out: np.ndarray | None = None) -> np.ndarray:
     """``window`` (full-resolution pixels) of HWC uint8 ``pixels`` decoded at 1/d, resized to ``size`` with
-    antialiased bilinear and flipped as the window says, into ``out`` where it has the shape (else a new array,
-    never a view that keeps a whole decoded image alive). A window on whole pixels is cut out and resized by
-    torch (torchvision's ``resized_crop`` on uint8 tensors, ~2x faster than PIL); a fractional one (a DCT
+    antialiased bilinear and flipped as the window says, into ``out`` where it has the shape and is writable (else a
+    new array, never a view that keeps a whole decoded image alive). A window on whole pixels is cut out and resized
+    by torch (torchvision's ``resized_crop`` on uint8 tensors, ~2x faster than PIL); a fractional one (a DCT
     scale, the eval window) by PIL's BILINEAR with that exact box (torchvision's PIL path, within 1 of it)."""
-    if out is None or out.shape != (*size, 3) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+    if (out is None or out.shape != (*size, 3) or out.dtype != np.uint8 or not out.flags.c_contiguous
+            or not out.flags.writeable):
         out = np.empty((*size, 3), np.uint8)
     top, left, bottom, right = _box(window, d, pixels.shape[0], pixels.shape[1])
     if all(float(v).is_integer() for v in (top, left, bottom, right)):
@@ -317,13 +355,22 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
+def spread(status: bytes, tried: Sequence[int], n: int) -> bytes:
+    """Per item of ``n``, the ``status`` of those ``tried`` (the positions ``status`` is of), 0 for the others."""
+    out = bytearray(n)
+    for k, ok in zip(tried, status, strict=True):
+        out[k] = ok
+    return bytes(out)
+
+
 def decode_windows(datas: Sequence[bytes | memoryview], windows: Sequence[Window], size: tuple[int, int],
                    heights: Sequence[int], widths: Sequence[int], outs: Sequence[np.ndarray],
                    strict: bool = False) -> bytes | None:
-    """``decode_window`` for many JPEGs (region decode), each into ``outs[k]`` (``size`` HWC uint8 C-contiguous):
-    every region decoded by one call of the compiled extension without the GIL, then resized one by one, the same
-    pixels. Per item 1 where done; the others (not a JPEG, CMYK, a header unlike ``heights``/``widths``, damaged
-    data) go through ``decode_window`` one by one, which says what is wrong. None: the region decoder not built."""
+    """``decode_window`` for many JPEGs (region decode), each into ``outs[k]`` (``size`` HWC uint8 C-contiguous,
+    writable): every region decoded by one call of the compiled extension without the GIL, then resized one by one,
+    the same pixels. Per item 1 where done; 0 or 2 where not: not a JPEG, CMYK, damaged data (2), a header unlike
+    ``heights``/``widths`` (check headers first: ``decode_window`` itself trusts the size it is given). None: the
+    region decoder not built."""
     if not region_decode_available():
         return None
     plans, regions = [], []
@@ -339,7 +386,7 @@ def decode_windows(datas: Sequence[bytes | memoryview], windows: Sequence[Window
     done = bytearray(status)
     for k, (d, _, shifted) in enumerate(plans):
         if done[k] == 1 and resize_window(bufs[k], shifted, size, d, outs[k]) is not outs[k]:
-            done[k] = 0  # an out it could not write into: the caller's one-by-one path
+            done[k] = 0  # an out it could not write into (shape, type, read-only): the caller's one-by-one path
     return bytes(done)
 
 

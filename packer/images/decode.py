@@ -154,6 +154,11 @@ def jpeg_markers(data: bytes | memoryview) -> Iterator[tuple[int, int, int]]:
 
 def jpeg_size(data: bytes | memoryview) -> tuple[int, int]:
     """(height, width) from a JPEG's SOF segment."""
+    return jpeg_frame(data)[:2]
+
+
+def jpeg_frame(data: bytes | memoryview) -> tuple[int, int, int]:
+    """(height, width, number of components) from a JPEG's SOF segment (4: CMYK or YCCK; 0: the data ends first)."""
     for pos, marker, length in jpeg_markers(data):
         if marker == 0xDA:
             break  # a scan before any frame header
@@ -163,9 +168,10 @@ def jpeg_size(data: bytes | memoryview) -> tuple[int, int]:
             if length < 8:  # precision, height, width, components: a size read past it would be another segment's
                 raise DecodeError(f"corrupt JPEG header (frame header of {length} bytes at byte {pos})")
             height, width = struct.unpack_from(">HH", data, pos + 5)
+            components = data[pos + 9] if pos + 10 <= len(data) else 0  # 0: cut short before it
             if height == 0 or width == 0:
                 raise DecodeError(f"JPEG header gives an empty image ({width}x{height})")
-            return height, width
+            return height, width, components
     raise DecodeError("JPEG header has no frame header (truncated or not a JPEG)")
 
 

@@ -12,7 +12,8 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from packer.errors import PackerError
-from packer.images.decode import decode_many, pixel_limit
+from packer.images.crop import spread
+from packer.images.decode import DecodeError, decode_many, jpeg_frame, pixel_limit
 from packer.layout.trust import reading
 from packer.read.hints import aheads_of
 
@@ -76,26 +77,43 @@ def samples_in_slots(ds: PackedDataset, idx: Sequence[int], payloads: Sequence, 
                      ) -> list | None:
     """JPEGs decoded into their slots by one call of the compiled extension, whole (``decode_many``) or as fused
     crops (``CropDecode.from_bytes_many``), as ``present_at`` would hand them out: ``(image, label)`` with
-    ``image="tensor"``, no transform, ``decode_size`` or fields (storage positions). A sample it leaves (another
-    format, a header unlike the index, damage) is None; None: no bulk path for this dataset."""
+    ``image="tensor"``, no transform, ``decode_size`` or fields (storage positions). A sample it leaves is None:
+    one whose header is not a 3- or 1-component JPEG's of the index's size is not even tried (the one-by-one
+    path's header check says what is wrong), nor is one the extension leaves (CMYK, damage); a fused crop keeps
+    the crop drawn for it here. None: no bulk path for this dataset."""
     if (ds.manifest.payload != "encoded" or ds.image != "tensor" or ds.transform is not None
             or ds.target_transform is not None or ds.decode_size or ds.selection.names is not None):
         return None
+    if ds.crop is not None and ds.decoder == "pil":
+        return None
     pos = np.asarray(idx, dtype=np.int64)
+    heights, widths = ds.index.heights[pos].tolist(), ds.index.widths[pos].tolist()
+    checked = [_plain_jpeg(data, h, w) for data, h, w in zip(payloads, heights, widths, strict=True)]
     views = [slot.numpy() for slot in slots]
     if ds.crop is None:
-        done = decode_many(payloads, views, ds.decoder, strict=False)
+        ready = [k for k, ok in enumerate(checked) if ok]
+        status = decode_many([payloads[k] for k in ready], [views[k] for k in ready], ds.decoder, strict=False)
+        done = None if status is None else spread(status, ready, len(pos))
+    elif min(heights, default=0) < 1 or min(widths, default=0) < 1:
+        return None  # (sizes the index lacks: the per-sample path reads them from each header)
     else:
-        heights, widths = ds.index.heights[pos], ds.index.widths[pos]
-        if ds.decoder == "pil" or not len(pos) or heights.min() < 1 or widths.min() < 1:
-            return None  # (sizes the index lacks: the per-sample path reads them from each header)
-        done = ds.crop.from_bytes_many(payloads, ds.index_map.public_many(pos).tolist(), heights.tolist(),
-                                       widths.tolist(), views)
+        done = ds.crop.from_bytes_many(payloads, ds.index_map.public_many(pos).tolist(), heights, widths, views,
+                                       checked, strict=False)
     if done is None:
         return None
     labels = ds.index.labels[pos].tolist()
     return [(slot.permute(2, 0, 1), label) if ok == 1 else None
             for slot, label, ok in zip(slots, labels, done, strict=True)]
+
+
+def _plain_jpeg(data, height: int, width: int) -> bool:
+    """Whether ``data`` is a JPEG whose frame header says ``height`` x ``width`` (> 0) in 3 or 1 components."""
+    if height < 1 or width < 1 or bytes(data[:3]) != b"\xff\xd8\xff":
+        return False
+    try:
+        return jpeg_frame(data) in ((height, width, 3), (height, width, 1))
+    except DecodeError:
+        return False
 
 
 def _slot_shapes(ds: PackedDataset, indices: Sequence[int], max_bytes: int) -> list[tuple[int, int]] | None:

@@ -253,3 +253,16 @@ def test_a_worker_batch_crops_in_bulk(photos, tmp_path, monkeypatch, jpegregion)
     assert all(torch.equal(g[0], w[0]) and g[1] == w[1] for g, w in zip(got, want, strict=True))
     assert got[0][0].is_shared() and len({g[0].untyped_storage().data_ptr() for g in got}) == 1
 
+
+
+def test_a_read_only_out_is_never_written(turbojpeg):
+    """An ``out`` that is read-only (e.g. a memmap opened for reading) gets a new array back, never written into
+    (torch writes through a read-only numpy array, and into a read-only map that is a crash)."""
+    data = jpeg_bytes(np.random.default_rng(6), 96, 128)
+    spec = RandomResizedCropDecode(32, seed=1, scale=(1.0, 1.0), ratio=(128 / 96, 128 / 96))
+    out = np.zeros((32, 32, 3), np.uint8)
+    out.flags.writeable = False
+    win = spec.window(96, 128, 0)
+    got = decode_window(data, win, spec.size, 96, 128, out=out)
+    assert got is not out and got.any() and not out.any()
+    assert np.array_equal(got, decode_window(data, win, spec.size, 96, 128))

@@ -186,6 +186,8 @@ def test_decode_regions_is_decode_region_item_by_item(jpegregion, turbojpeg):
         (cmyk.getvalue(), (1, 0, 0, 80, 120), (10, 10), 0),  # CMYK: the whole decode's Pillow path
         (data, (3, 0, 0, 120, 160), (10, 10), 0),  # no such DCT scale
         (data, (1, 0, 0, 0, 0), (10, 10), 0),  # no image size known
+        (data, (1, 0, 0, 120, 70000), (10, 10), 0),  # sizes no JPEG has: that item alone left undone
+        (data, (1, -1, 0, 120, 160), (10, 10), 0),
         (data, (2, 50, 0, 120, 160), (30, 10), 2),  # rows 50..80 of a 60-row image at 1/2
         (data[:len(data) // 2], (1, 100, 0, 120, 160), (20, 160), 2),  # truncated within the rows read, strict
         (b"\xff\xd8\xff" + bytes(100), (1, 0, 0, 120, 160), (10, 10), 2),
@@ -196,13 +198,15 @@ def test_decode_regions_is_decode_region_item_by_item(jpegregion, turbojpeg):
     assert list(status) == [c[3] for c in cases]
     full = whole(data, 1, (120, 160))
     assert np.array_equal(outs[0], full[10:40, 20:60]) and np.array_equal(outs[-1], full)
-    loose = decode_regions([cases[7][0]], np.array([cases[7][1]], dtype=np.int64), [outs[7]], strict=False)
+    loose = decode_regions([cases[9][0]], np.array([cases[9][1]], dtype=np.int64), [outs[9]], strict=False)
     assert loose == b"\x01"  # libjpeg fills in what is missing when not strict
 
     good = np.array([cases[0][1]], dtype=np.int64)
-    for bad in (good.astype(np.int32), good[:, :4].copy(), np.vstack([good, good]), -good, good * 70000):
+    for bad in (good.astype(np.int32), good[:, :4].copy(), np.vstack([good, good])):
         with pytest.raises(ValueError, match="regions"):
             decode_regions([data], bad, [outs[0]])
+    with pytest.raises(ValueError, match="contiguous"):
+        decode_regions([data], np.repeat(good, 2, axis=1)[:, ::2], [outs[0]])  # strided
     assert decode_regions([], np.empty((0, 5), np.int64), []) == b""
 
 

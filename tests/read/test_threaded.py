@@ -78,7 +78,7 @@ def test_fused_crops_come_stacked_and_equal(packed, monkeypatch, jpegregion, cro
     got = list(ThreadLoader(ds, batch_size=5, num_threads=2))
     same_batches(got, want)
     assert got[0][0].shape == (5, 3, 16, 16)
-    assert len(done) == len(ds) and done.count(1) == len(ds) - 1  # all but the PNG in bulk
+    assert len(done) == len(ds) - 1 and set(done) == {1}  # all but the PNG in bulk
 
 
 def test_pil_images_and_a_transform_go_through_the_collate_function(packed):
@@ -314,8 +314,8 @@ def test_torch_ops_in_decode_threads_run_on_that_thread_alone(packed):
 
 
 def test_whole_jpegs_are_decoded_in_bulk_and_the_rest_one_by_one(packed, monkeypatch, jpegregion, turbojpeg):
-    """A decode thread hands its chunk's JPEGs to the extension in one call (``decode_many``); the PNG is left to
-    the per-sample path; the batches are the DataLoader's."""
+    """A decode thread hands its chunk's JPEGs to the extension in one call (``decode_many``); the PNG goes to the
+    per-sample path; the batches are the DataLoader's."""
     import packer.read.batch as batch_mod
 
     ds = open_dataset(packed["memmap"], image="tensor")
@@ -333,7 +333,7 @@ def test_whole_jpegs_are_decoded_in_bulk_and_the_rest_one_by_one(packed, monkeyp
     want = list(DataLoader(ds, batch_size=8, num_workers=0, collate_fn=packer.collate))
     counts.update(calls=0, done=0, left=0)  # the DataLoader's path decodes one by one
     same_batches(list(ThreadLoader(ds, batch_size=8, num_threads=2)), want)
-    assert counts["done"] == len(ds) - 1 and counts["left"] == 1  # the PNG
+    assert counts["done"] == len(ds) - 1 and counts["left"] == 0  # the PNG is not even handed over
     assert counts["calls"] >= len(ds) // 8
 
 
@@ -356,3 +356,51 @@ def test_a_sample_damaged_after_its_header_has_the_per_sample_error(packed, tmp_
         for _ in ThreadLoader(ds, batch_size=4, num_threads=2):
             pass
     assert str(threaded.value) == str(single.value) and f"sample {bad}" in str(single.value)
+
+
+@pytest.mark.parametrize("crop", [None, packer.RandomResizedCropDecode(16, seed=1)])
+@pytest.mark.parametrize("damage", ["app0-length", "frame-size"])
+def test_a_damaged_header_has_the_per_sample_error(packed, tmp_path, jpegregion, turbojpeg, crop, damage):
+    """A header the one-by-one path refuses is never handed to the extension in bulk (libjpeg, not strict, would
+    decode past a broken APP0 length): both loaders raise the same one-line error naming the sample."""
+    import shutil
+
+    path = shutil.copytree(packed["memmap"], tmp_path / f"{damage}.memmap")
+    ds = open_dataset(path, image="tensor", crop=crop)
+    bad = 4
+    at = int(np.load(path / "shard-00000.offsets.npy")[ds.position(bad)])
+    assert ds.read_payload(bad)[2:4] == b"\xff\xe0"  # Pillow's JPEGs start with JFIF's APP0
+    with open(path / "shard-00000.files.bin", "r+b") as fh:
+        if damage == "app0-length":
+            fh.seek(at + 4)
+            fh.write(b"\x00\x0e")  # 16 -> 14: the next segment is looked for two bytes early
+        else:
+            sof = bytes(ds.read_payload(bad)).index(b"\xff\xc0")
+            fh.seek(at + sof + 5)
+            fh.write(b"\x00\x07")  # the frame header's height: no longer the index's
+    ds = open_dataset(path, image="tensor", crop=crop)
+    with pytest.raises(PackerError) as single:
+        ds[bad]
+    with pytest.raises(PackerError) as threaded:
+        for _ in ThreadLoader(ds, batch_size=4, num_threads=2):
+            pass
+    assert str(threaded.value) == str(single.value) and f"sample {bad}" in str(single.value)
+    assert "\n" not in str(single.value)
+
+
+def test_unseeded_crops_draw_once_per_sample_with_fallbacks(tmp_path, jpegregion):
+    """seed=None crops come from the per-process stream in sample order: a sample the bulk path leaves (PNG, CMYK)
+    draws its crop once, so one thread gives the crops a DataLoader without workers gives."""
+    from packer.tools.sample import photo_like
+
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=10, size=(40, 50))
+    rng = np.random.default_rng(4)
+    photo_like(rng, 44, 52, 1).save(src / "class_0" / "png.png", format="PNG")
+    photo_like(rng, 41, 57, 2).convert("CMYK").save(src / "class_1" / "cmyk.jpg", format="JPEG")
+    out = convert(src, tmp_path / "d.memmap", to="memmap", workers=0, progress=False).output
+    ds = open_dataset(out, image="tensor", crop=packer.RandomResizedCropDecode(24))
+    torch.manual_seed(0)
+    want = list(DataLoader(ds, batch_size=11, num_workers=0))
+    ds = open_dataset(out, image="tensor", crop=packer.RandomResizedCropDecode(24))
+    torch.manual_seed(0)
+    same_batches(list(ThreadLoader(ds, batch_size=11, num_threads=1)), want)
