@@ -29,6 +29,9 @@ CASES = [
     ("format_sizes.py", "{d}/imgs --out {d}/w_fmt --workers 2", "mosaic-jpeg-q95-224x224.mosaic"),
     ("measure_convert.py", "{d}/imgs --to lmdb,memmap --workers 2 --repeats 1 --scratch {d}/scratch", "memmap"),
     ("measure_sources.py", "--workdir {d}/w_src --count 20 --workers 2 --repeats 1", "nested tar"),
+    ("measure_bulk_crops.py", "warm {d}/imgs.memmap --rounds 2", "one by one"),
+    ("measure_bulk_crops.py", "bench --one-by-one -- {d}/imgs.lmdb --levels thread-train --repeats 1 --warm",
+     "thread-train"),
 ]
 
 
@@ -41,7 +44,10 @@ def work(tmp_path_factory) -> Path:
     return d
 
 
-@pytest.mark.parametrize(("script", "args", "expect"), CASES, ids=[c[0] for c in CASES])
+IDS = [script + ("" if args.startswith(("{", "-")) else "-" + args.split()[0]) for script, args, _ in CASES]
+
+
+@pytest.mark.parametrize(("script", "args", "expect"), CASES, ids=IDS)
 def test_example_runs(work, script, args, expect):
     if script == "measure_distributed.py":
         pytest.importorskip("distributed")
