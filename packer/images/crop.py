@@ -21,7 +21,7 @@ from PIL import Image
 
 from packer._random import raw_draws
 from packer.errors import PackerError
-from packer.images.decode import SCALE_DENOMINATORS, check_pixels, decode, sniff
+from packer.images.decode import SCALE_DENOMINATORS, check_pixels, decode, sniff, writable_as
 from packer.images.jpegregion import decode_region, decode_regions, notice_missing, region_decode_available
 from packer.perprocess import PerProcess
 
@@ -62,43 +62,37 @@ class CropDecode(ABC):
         """``window`` for each sample, in order."""
         return [self.window(h, w, i) for h, w, i in zip(heights, widths, indices, strict=True)]
 
-    def hold(self, height: int, width: int, index: int, window: Window) -> None:
-        """Keep ``window``, drawn in bulk, for sample ``index``'s next ``window`` call in this thread (a sample the
-        bulk path leaves keeps the crop drawn for it in its place). Default: nothing to keep, the crop is the
-        index's alone."""
 
     def from_bytes(self, data: bytes | memoryview, index: int, height: int, width: int, backend: str = "auto",
-               strict: bool = True, out: np.ndarray | None = None) -> np.ndarray:
-        """Sample ``index``'s encoded bytes (``height`` x ``width`` per their header) as its output."""
-        return decode_window(data, self.window(height, width, index), self.size, height, width, backend, strict, out,
-                             self.region)
+               strict: bool = True, out: np.ndarray | None = None, window: Window | None = None) -> np.ndarray:
+        """Sample ``index``'s encoded bytes (``height`` x ``width`` per their header) as its output: through
+        ``window`` where given (drawn with the batch, ``windows``), else the one ``window`` draws now."""
+        if window is None:
+            window = self.window(height, width, index)
+        return decode_window(data, window, self.size, height, width, backend, strict, out, self.region)
 
-    def from_bytes_many(self, datas: Sequence[bytes | memoryview], indices: Sequence[int], heights: Sequence[int],
+    def from_bytes_many(self, datas: Sequence[bytes | memoryview], windows: Sequence[Window], heights: Sequence[int],
                         widths: Sequence[int], outs: Sequence[np.ndarray], checked: Sequence[bool],
                         strict: bool = True) -> bytes | None:
-        """``from_bytes`` for many samples into ``outs``: every crop drawn in order, the JPEGs whose headers the
+        """``from_bytes`` for many samples through their ``windows`` into ``outs``: the JPEGs whose headers the
         caller ``checked`` to say ``heights`` x ``widths`` (1 or 3 components) decoded by ``decode_windows``. Per
-        item 1 where done; do the others one by one with ``from_bytes``, which takes the crop drawn here for them
-        (``hold``), so the draws keep the samples' order. None: no bulk path (the region decoder not built, or
-        ``region=False``), nothing drawn."""
+        item 1 where done; do the others one by one with ``from_bytes`` and the same window. None: no bulk path
+        (the region decoder not built, or ``region=False``)."""
         if not self.region or not region_decode_available():
             return None
-        windows = self.windows(heights, widths, indices)
         tried = [k for k, ok in enumerate(checked) if ok]
         status = decode_windows([datas[k] for k in tried], [windows[k] for k in tried], self.size,
                                 [heights[k] for k in tried], [widths[k] for k in tried], [outs[k] for k in tried],
                                 strict)
-        if status is None:
-            return None
-        done = spread(status, tried, len(windows))
-        for k, ok in enumerate(done):
-            if ok != 1:
-                self.hold(heights[k], widths[k], indices[k], windows[k])
-        return bytes(done)
+        return None if status is None else spread(status, tried, len(windows))
 
-    def from_pixels(self, pixels: np.ndarray, index: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Sample ``index``'s full-resolution HWC uint8 pixels (a raw payload) as its output."""
-        return resize_window(pixels, self.window(pixels.shape[0], pixels.shape[1], index), self.size, out=out)
+    def from_pixels(self, pixels: np.ndarray, index: int, out: np.ndarray | None = None,
+                    window: Window | None = None) -> np.ndarray:
+        """Sample ``index``'s full-resolution HWC uint8 pixels (a raw payload) as its output (``window``: as
+        ``from_bytes``'s)."""
+        if window is None:
+            window = self.window(pixels.shape[0], pixels.shape[1], index)
+        return resize_window(pixels, window, self.size, out=out)
 
 
 def check_crop(crop: CropDecode | None, decode_size: int | None) -> CropDecode | None:
@@ -143,13 +137,6 @@ def _torch_seeded() -> np.random.PCG64:
     return np.random.PCG64(torch.initial_seed())
 
 
-class _Held(threading.local):
-    """Per thread, windows drawn in bulk for samples the bulk path left, by (height, width, index)."""
-
-    def __init__(self) -> None:
-        self.windows: dict[tuple[int, int, int], list[Window]] = {}
-
-
 class RandomResizedCropDecode(CropDecode):
     """torchvision's ``RandomResizedCrop(size, scale, ratio)`` (+ ``RandomHorizontalFlip()`` when ``flip``), fused
     with decoding. ``seed=None``: draws from a per-process stream seeded by ``torch.initial_seed()``, like
@@ -172,7 +159,6 @@ class RandomResizedCropDecode(CropDecode):
         self.ratio = (float(ratio[0]), float(ratio[1]))
         self.flip, self.seed, self.epoch = bool(flip), seed, 0
         self._stream: PerProcess[np.random.PCG64] = PerProcess(_torch_seeded)
-        self._held: PerProcess[_Held] = PerProcess(_Held)
 
     def __repr__(self) -> str:
         return (f"RandomResizedCropDecode(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
@@ -191,23 +177,14 @@ class RandomResizedCropDecode(CropDecode):
         return _uniforms(raw_draws(self.seed, self.epoch, index, n=DRAWS))
 
     def window(self, height: int, width: int, index: int) -> Window:
-        if self.seed is None:
-            held = self._held.get().windows.get((height, width, index))
-            if held:
-                return held.pop(0)
         return self._drawn_window(height, width, self.draws(index))
 
     def windows(self, heights: Sequence[int], widths: Sequence[int], indices: Sequence[int]) -> list[Window]:
         if self.seed is not None:
             return super().windows(heights, widths, indices)
-        self._held.get().windows.clear()  # what an earlier chunk held and left (its sample failed) is dropped
         # one call for all: the same stream, in the same order, as one ``draws`` per sample
         u = _uniforms(self._stream.get().random_raw(DRAWS * len(indices))).reshape(len(indices), DRAWS)
         return [self._drawn_window(h, w, row) for h, w, row in zip(heights, widths, u, strict=True)]
-
-    def hold(self, height: int, width: int, index: int, window: Window) -> None:
-        if self.seed is None:  # a seeded crop is the index's alone: drawn again, the same
-            self._held.get().windows.setdefault((height, width, index), []).append(window)
 
     def _drawn_window(self, height: int, width: int, u: np.ndarray) -> Window:
         top, left, h, w = crop_params(height, width, self.scale, self.ratio, u)
@@ -266,8 +243,7 @@ def resize_window(pixels: np.ndarray, window: Window, size: tuple[int, int], d: 
     new array, never a view that keeps a whole decoded image alive). A window on whole pixels is cut out and resized
     by torch (torchvision's ``resized_crop`` on uint8 tensors, ~2x faster than PIL); a fractional one (a DCT
     scale, the eval window) by PIL's BILINEAR with that exact box (torchvision's PIL path, within 1 of it)."""
-    if (out is None or out.shape != (*size, 3) or out.dtype != np.uint8 or not out.flags.c_contiguous
-            or not out.flags.writeable):
+    if out is None or not writable_as(out, (*size, 3)):
         out = np.empty((*size, 3), np.uint8)
     top, left, bottom, right = _box(window, d, pixels.shape[0], pixels.shape[1])
     if all(float(v).is_integer() for v in (top, left, bottom, right)):

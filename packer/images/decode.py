@@ -280,7 +280,7 @@ def decode_turbojpeg(data: bytes | memoryview, strict: bool = True, min_size: in
                 return None
             d = scale_denominator(height, width, min_size) if min_size else 1
             shape = (-(-height // d), -(-width // d), 3)
-            fits = out is not None and out.shape == shape and out.dtype == np.uint8 and out.flags.c_contiguous
+            fits = writable_as(out, shape)
             # PyTurboJPEG's own array is np.empty: for some corrupt data, not strict, it came back unwritten
             dst = out if fits else np.zeros(shape, np.uint8)
             return tj.decode(data, pixel_format=_TJPF_RGB, scaling_factor=(1, d) if d > 1 else None, dst=dst)
@@ -376,9 +376,17 @@ def pil_loader(path: str | os.PathLike) -> Image.Image:
         return img.convert("RGB")
 
 
+def writable_as(out: np.ndarray | None, shape: tuple[int, ...]) -> bool:
+    """Whether pixels of ``shape`` can be written straight into ``out``: a writable C-contiguous uint8 array of
+    that shape (a decoder writes through a read-only one: a read-only map is a crash)."""
+    return (out is not None and out.shape == shape and out.dtype == np.uint8 and out.flags.c_contiguous
+            and out.flags.writeable)
+
+
 def copy_into(pixels: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """``out`` holding ``pixels`` when the shapes agree (no copy if it already does), else ``pixels``."""
-    if out is None or pixels is out or pixels.shape != out.shape:
+    """``out`` holding ``pixels`` when the shapes agree and it is writable (no copy if it already does), else
+    ``pixels``."""
+    if out is None or pixels is out or pixels.shape != out.shape or not out.flags.writeable:
         return pixels
     np.copyto(out, pixels)
     return out

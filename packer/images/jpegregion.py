@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from packer.images.decode import DecodeError, check_pixels, pixel_limit
+from packer.images.decode import DecodeError, check_pixels, pixel_limit, writable_as
 
 try:
     from packer.images import _jpegregion
@@ -55,8 +55,7 @@ def decode_region(data: bytes | memoryview, d: int, top: int, left: int, height:
         return None
     check_pixels(*image_size)
     shape = (height, width, 3)
-    fits = out is not None and out.shape == shape and out.dtype == np.uint8 and out.flags.c_contiguous
-    target = out if fits and out is not None else np.empty(shape, np.uint8)
+    target = out if out is not None and writable_as(out, shape) else np.empty(shape, np.uint8)
     try:
         done = _jpegregion.decode_region(data, d, top, left, target, strict, pixel_limit() or 0)
     except ValueError as exc:

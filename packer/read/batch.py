@@ -18,6 +18,7 @@ from packer.layout.trust import reading
 from packer.read.hints import aheads_of
 
 if TYPE_CHECKING:
+    from packer.images.crop import Window
     from packer.read.dataset import PackedDataset
 
 BATCH_BLOCK_MAX = 1 << 30  # largest shared block batch_slots maps for one batch (larger: image by image)
@@ -73,18 +74,16 @@ def decode_block(ds: PackedDataset, indices: Sequence[int], alloc: Callable[[int
     return None, _views(block, shapes)
 
 
-def samples_in_slots(ds: PackedDataset, idx: Sequence[int], payloads: Sequence, slots: Sequence[torch.Tensor]
-                     ) -> list | None:
+def samples_in_slots(ds: PackedDataset, idx: Sequence[int], payloads: Sequence, slots: Sequence[torch.Tensor],
+                     windows: Sequence[Window] | None = None) -> list | None:
     """JPEGs decoded into their slots by one call of the compiled extension, whole (``decode_many``) or as fused
-    crops (``CropDecode.from_bytes_many``), as ``present_at`` would hand them out: ``(image, label)`` with
-    ``image="tensor"``, no transform, ``decode_size`` or fields (storage positions). A sample it leaves is None:
-    one whose header is not a 3- or 1-component JPEG's of the index's size is not even tried (the one-by-one
-    path's header check says what is wrong), nor is one the extension leaves (CMYK, damage); a fused crop keeps
-    the crop drawn for it here. None: no bulk path for this dataset."""
+    crops through ``windows`` (``CropDecode.from_bytes_many``), as ``present_at`` would hand them out: ``(image,
+    label)`` with ``image="tensor"``, no transform, ``decode_size`` or fields (storage positions). A sample it
+    leaves is None: one whose header is not a 3- or 1-component JPEG's of the index's size is not even tried (the
+    one-by-one path's header check says what is wrong), nor is one the extension leaves (CMYK, damage). None: no
+    bulk path for this dataset (a fused crop without ``windows`` among them)."""
     if (ds.manifest.payload != "encoded" or ds.image != "tensor" or ds.transform is not None
             or ds.target_transform is not None or ds.decode_size or ds.selection.names is not None):
-        return None
-    if ds.crop is not None and ds.decoder == "pil":
         return None
     pos = np.asarray(idx, dtype=np.int64)
     heights, widths = ds.index.heights[pos].tolist(), ds.index.widths[pos].tolist()
@@ -94,16 +93,28 @@ def samples_in_slots(ds: PackedDataset, idx: Sequence[int], payloads: Sequence, 
         ready = [k for k, ok in enumerate(checked) if ok]
         status = decode_many([payloads[k] for k in ready], [views[k] for k in ready], ds.decoder, strict=False)
         done = None if status is None else spread(status, ready, len(pos))
-    elif min(heights, default=0) < 1 or min(widths, default=0) < 1:
-        return None  # (sizes the index lacks: the per-sample path reads them from each header)
+    elif windows is None or ds.decoder == "pil":
+        return None
     else:
-        done = ds.crop.from_bytes_many(payloads, ds.index_map.public_many(pos).tolist(), heights, widths, views,
-                                       checked, strict=False)
+        done = ds.crop.from_bytes_many(payloads, windows, heights, widths, views, checked, strict=False)
     if done is None:
         return None
     labels = ds.index.labels[pos].tolist()
     return [(slot.permute(2, 0, 1), label) if ok == 1 else None
             for slot, label, ok in zip(slots, labels, done, strict=True)]
+
+
+def crop_windows(ds: PackedDataset, idx: Sequence[int]) -> list[Window] | None:
+    """The fused crop's window of each sample at these storage positions, drawn in this order from the index's
+    sizes: a batch's crops in its order, as a DataLoader's per-sample draws are, whichever sample's bytes come in
+    first. None: no crop, or sizes the index lacks (each sample then draws from its header's size as decoded)."""
+    if ds.crop is None or not len(idx):
+        return None
+    pos = np.asarray(idx, dtype=np.int64)
+    heights, widths = ds.index.heights[pos], ds.index.widths[pos]
+    if heights.min() < 1 or widths.min() < 1:
+        return None
+    return ds.crop.windows(heights.tolist(), widths.tolist(), ds.index_map.public_many(pos).tolist())
 
 
 def _plain_jpeg(data, height: int, width: int) -> bool:

@@ -39,7 +39,7 @@ import weakref
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -54,6 +54,9 @@ from packer.read.indexing import IndexMap
 from packer.read.staged import StagedDataset
 from packer.read.surface import FolderSurface
 from packer.units import human_bytes
+
+if TYPE_CHECKING:
+    from packer.images.crop import Window
 
 CACHE_MODES = ("ram", "ram-decoded")
 PREFIX = "packer-cache-"
@@ -389,11 +392,14 @@ class CachedDataset(FolderSurface):
             return mm[a:b].reshape(tuple(int(v) for v in self._shapes[i]))
         return mm[a:b].tobytes()
 
-    def pixels_at(self, i: int, payload: Any = None, strict: bool = False, out: np.ndarray | None = None
-                  ) -> np.ndarray:
+    def pixels_at(self, i: int, payload: Any = None, strict: bool = False, out: np.ndarray | None = None,
+                  window: Window | None = None) -> np.ndarray:
         if payload is None:
             payload = self.payload_at(i)
-        return copy_into(payload, out) if self.decoded else self.dataset.pixels_at(i, payload, strict, out)
+        return copy_into(payload, out) if self.decoded else self.dataset.pixels_at(i, payload, strict, out, window)
+
+    def crop_windows(self, idx: Sequence[int]) -> list[Window] | None:
+        return None if self.decoded else self.dataset.crop_windows(idx)
 
     def present_at(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> Any:
         return self.dataset.present_at(i, arr, tensor)

@@ -25,7 +25,7 @@ from PIL import Image
 from packer.errors import PackerError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import Format
-from packer.images.crop import CropDecode, check_crop
+from packer.images.crop import CropDecode, Window, check_crop
 from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
 from packer.images.headers import check_size, image_size
 from packer.layout.manifest import read_manifest
@@ -195,21 +195,23 @@ class PackedDataset(FolderSurface):
         place[order] = np.arange(len(order))  # where each asked sample lies in file order
         return list(operator.itemgetter(*place.tolist())(got))  # one C-level gather, not a Python loop
 
-    def pixels_at(self, i: int, payload=None, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    def pixels_at(self, i: int, payload=None, strict: bool = False, out: np.ndarray | None = None,
+                  window: Window | None = None) -> np.ndarray:
         """The sample stored at ``i`` as HWC uint8 RGB, decoding encoded payloads (``strict``: see ``pixels``)."""
         buf = self.store.read(i) if payload is None else payload
         h, w = int(self.index.heights[i]), int(self.index.widths[i])
         if self.manifest.payload == "encoded":
-            return self._decode(i, buf, strict, out)
+            return self._decode(i, buf, strict, out, window)
         arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
         if arr.size != h * w * 3:
             raise PackerError(f"{self.root}: sample {self.index_map.public(i)} holds {arr.size} bytes, "
                               f"expected {h}x{w}x3")
         if self.crop is not None:
-            return self.crop.from_pixels(arr.reshape(h, w, 3), self.index_map.public(i), out)
+            return self.crop.from_pixels(arr.reshape(h, w, 3), self.index_map.public(i), out, window)
         return copy_into(arr.reshape(h, w, 3), out)
 
-    def _decode(self, i: int, buf, strict: bool = False, out: np.ndarray | None = None) -> np.ndarray:
+    def _decode(self, i: int, buf, strict: bool = False, out: np.ndarray | None = None,
+                window: Window | None = None) -> np.ndarray:
         """Decode the sample stored at ``i``; a codec failure on damaged bytes is a DecodeError naming the sample.
 
         The header is checked against the index first, so a damaged header can't make the
@@ -220,7 +222,7 @@ class PackedDataset(FolderSurface):
         with _sample_errors(self, i):
             if self.crop is not None:  # its random crop is drawn per (seed, epoch, ImageFolder index)
                 hh, ww = image_size(buf)
-                return self.crop.from_bytes(buf, self.index_map.public(i), hh, ww, self.decoder, strict, out)
+                return self.crop.from_bytes(buf, self.index_map.public(i), hh, ww, self.decoder, strict, out, window)
             return decode(buf, self.decoder, strict=strict, min_size=self.decode_size, out=out)
 
     def check_header(self, i: int, buf) -> None:
@@ -251,10 +253,14 @@ class PackedDataset(FolderSurface):
             target = self.target_transform(target)
         return self.selection.sample(self.field_store, i, img, target, str(self.root))
 
-    def samples_in_slots(self, idx: Sequence[int], payloads: Sequence, slots: Sequence[torch.Tensor]
-                         ) -> list | None:
+    def samples_in_slots(self, idx: Sequence[int], payloads: Sequence, slots: Sequence[torch.Tensor],
+                         windows: Sequence[Window] | None = None) -> list | None:
         """JPEGs decoded into their slots by one call of the compiled extension (``read.batch.samples_in_slots``)."""
-        return batch.samples_in_slots(self, idx, payloads, slots)
+        return batch.samples_in_slots(self, idx, payloads, slots, windows)
+
+    def crop_windows(self, idx: Sequence[int]) -> list[Window] | None:
+        """Fused crops' windows drawn in this order, from the index's sizes (``read.batch.crop_windows``)."""
+        return batch.crop_windows(self, idx)
 
     # ------------------------------------------------------------ whole batches (packer.read.batch)
 

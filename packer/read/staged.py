@@ -20,6 +20,7 @@ from packer.layout.index import normalize_index, normalize_indices
 from packer.read.hints import aheads_of
 
 if TYPE_CHECKING:
+    from packer.images.crop import Window
     from packer.layout.index import Index
     from packer.layout.manifest import Manifest
     from packer.read.hints import Ahead
@@ -56,9 +57,10 @@ class StagedDataset(Dataset, ABC):
         """The stored payload at storage position ``pos``: encoded bytes, or an HWC uint8 array."""
 
     @abstractmethod
-    def pixels_at(self, pos: int, payload: Any = None, strict: bool = False, out: np.ndarray | None = None
-                  ) -> np.ndarray:
-        """The sample at ``pos`` as HWC uint8 RGB, decoded into ``out`` where given and of the right shape."""
+    def pixels_at(self, pos: int, payload: Any = None, strict: bool = False, out: np.ndarray | None = None,
+                  window: Window | None = None) -> np.ndarray:
+        """The sample at ``pos`` as HWC uint8 RGB, decoded into ``out`` where given and of the right shape;
+        a fused crop (``crop=``) with ``window`` where given (``crop_windows``), else one drawn for it now."""
 
     @abstractmethod
     def present_at(self, pos: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> Any:
@@ -103,10 +105,16 @@ class StagedDataset(Dataset, ABC):
         None: each sample its own array (``packer.ThreadLoader`` then collates)."""
         return None
 
-    def samples_in_slots(self, idx: Sequence[int], payloads: Sequence, slots: Sequence[torch.Tensor]
-                         ) -> list | None:
+    def samples_in_slots(self, idx: Sequence[int], payloads: Sequence, slots: Sequence[torch.Tensor],
+                         windows: Sequence[Window] | None = None) -> list | None:
         """Samples at these storage positions as ``present_at`` hands them out, decoded straight into their slots
-        in one call, None for each it did not decode (decode those one by one); None: no such bulk path here."""
+        in one call (fused crops with ``windows``), None for each it did not decode (decode those one by one);
+        None: no such bulk path here."""
+        return None
+
+    def crop_windows(self, idx: Sequence[int]) -> list[Window] | None:
+        """The fused crop's window of each sample at these storage positions, drawn now in this order (a batch's
+        order, whatever order its samples are decoded in); None: no fused crop, or each sample draws its own."""
         return None
 
     def block_boundaries(self) -> np.ndarray | None:
@@ -148,6 +156,7 @@ def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | No
     idx = ds.positions(indices).tolist()
     pending = ds.start_reads(np.asarray(idx, dtype=np.int64), aheads_of(indices))
     slots = ds.batch_slots(idx)
+    windows = ds.crop_windows(idx)  # in the batch's order: the crops do not depend on which bytes came first
     read, decode, transform = now() - t0, 0.0, 0.0
     if pending is None:
         positions, waits = list(range(len(idx))), None
@@ -164,8 +173,9 @@ def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | No
             pending.wait(waits[lo + len(group) - 1])  # the last of the group to arrive
         payloads = [ds.payload_at(idx[j]) for j in group]
         b = now()
-        bulk = None if slots is None else ds.samples_in_slots([idx[j] for j in group], payloads,
-                                                              [slots[j] for j in group])
+        bulk = None if slots is None else ds.samples_in_slots(
+            [idx[j] for j in group], payloads, [slots[j] for j in group],
+            None if windows is None else [windows[j] for j in group])
         c = now()
         read, decode = read + b - a, decode + c - b
         for k, j in enumerate(group):
@@ -173,7 +183,8 @@ def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | No
                 out[j] = bulk[k]
                 continue
             c = now()
-            arr, tensor = pixels_in_slot(ds, idx[j], payloads[k], None if slots is None else slots[j])
+            arr, tensor = pixels_in_slot(ds, idx[j], payloads[k], None if slots is None else slots[j],
+                                         None if windows is None else windows[j])
             d = now()
             out[j] = ds.present_at(idx[j], arr, tensor)
             decode, transform = decode + d - c, transform + now() - d
@@ -182,12 +193,12 @@ def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | No
     return out
 
 
-def pixels_in_slot(ds: StagedDataset, i: int, payload: Any, slot: torch.Tensor | None
+def pixels_in_slot(ds: StagedDataset, i: int, payload: Any, slot: torch.Tensor | None, window: Window | None = None
                    ) -> tuple[np.ndarray, torch.Tensor | None]:
-    """The pixels at storage position ``i``, decoded into ``slot`` when given: (pixels, the slot holding them, or None
-    where it does not, e.g. no slot or a size other than the index's)."""
+    """The pixels at storage position ``i`` (a fused crop's with ``window`` where given), decoded into ``slot`` when
+    given: (pixels, the slot holding them, or None where it does not, e.g. no slot or a size other than the index's)."""
     if slot is None:
-        return ds.pixels_at(i, payload), None
+        return ds.pixels_at(i, payload, window=window), None
     view = slot.numpy()
-    arr = ds.pixels_at(i, payload, out=view)
+    arr = ds.pixels_at(i, payload, out=view, window=window)
     return arr, slot if arr is view else None

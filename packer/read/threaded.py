@@ -23,7 +23,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ from packer.read.loaders import map_tensors, prefetched
 from packer.read.readahead import Pending
 from packer.read.resume import Stateful
 from packer.read.staged import StagedDataset, pixels_in_slot
+
+if TYPE_CHECKING:
+    from packer.images.crop import Window
 
 CHUNKS_PER_THREAD = 2  # a batch is cut into threads x this many chunks: enough to balance, few to hand over
 # Batches whose reads are queued beyond the one being decoded: enough to keep a slow device busy while a
@@ -121,18 +124,19 @@ class _Batch:
         return map_tensors(batch, lambda t: t.pin_memory()) if pin else batch
 
 
-def _decode(ds: StagedDataset, positions: list[int], payloads: list, slots: Sequence[torch.Tensor | None]
-            ) -> tuple[list, bool]:
-    """Decode thread body: the samples as the dataset hands them out, and whether each went into its slot.
-    Those the dataset decodes in bulk come from one call (``samples_in_slots``), the rest one by one."""
+def _decode(ds: StagedDataset, positions: list[int], payloads: list, slots: Sequence[torch.Tensor | None],
+            windows: Sequence[Window] | None) -> tuple[list, bool]:
+    """Decode thread body: the samples as the dataset hands them out (fused crops through ``windows``, drawn with
+    the batch), and whether each went into its slot. Those the dataset decodes in bulk come from one call
+    (``samples_in_slots``), the rest one by one."""
     filled = [slot for slot in slots if slot is not None]  # every slot, or none (no batch block)
-    bulk = ds.samples_in_slots(positions, payloads, filled) if filled and len(filled) == len(slots) else None
+    bulk = ds.samples_in_slots(positions, payloads, filled, windows) if filled and len(filled) == len(slots) else None
     out, all_in = [], True
     for k, (i, payload, slot) in enumerate(zip(positions, payloads, slots, strict=True)):
         if bulk is not None and bulk[k] is not None:
             out.append(bulk[k])
             continue
-        arr, tensor = pixels_in_slot(ds, i, payload, slot)
+        arr, tensor = pixels_in_slot(ds, i, payload, slot, None if windows is None else windows[k])
         all_in = all_in and tensor is not None
         out.append(ds.present_at(i, arr, tensor))
     return out, all_in
@@ -265,6 +269,7 @@ class ThreadLoader:
             positions = idx.tolist()
             block = ds.decode_block(positions, alloc)
             stacked, slots = (None, [None] * len(positions)) if block is None else block
+            windows = ds.crop_windows(positions)  # in the batch's order, as a DataLoader draws them
             # Chunks of the batch in the order its bytes arrive, each handed to a decode thread once they are in
             # (a cold batch's first chunk decodes while the rest is read; docs/results.md)
             file_order = np.argsort(idx, kind="stable")
@@ -278,7 +283,8 @@ class ThreadLoader:
                     pending.wait(max(waits[a:b], key=pending.need.__getitem__))
                 chunk = arrival[a:b]
                 payloads = ds.payloads_at(idx[chunk], pending=Pending.ready(len(chunk)))
-                futures.append(pool.submit(_decode, ds, idx[chunk].tolist(), payloads, [slots[k] for k in chunk]))
+                futures.append(pool.submit(_decode, ds, idx[chunk].tolist(), payloads, [slots[k] for k in chunk],
+                                           None if windows is None else [windows[k] for k in chunk]))
                 places.append(chunk.tolist())
             yield _Batch(futures, places, stacked, fast=block is not None and self.collate_fn is None), state
 

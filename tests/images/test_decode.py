@@ -609,3 +609,21 @@ def test_decode_many_keeps_the_pixel_limit(jpegregion, turbojpeg, monkeypatch):
     assert list(dec.decode_many([data], [out], "auto", strict=True)) == [0] and not out.any()
     with pytest.raises(DecodeError, match="pixel limit of 8000"):
         decode(data, out=out)
+
+
+@pytest.mark.parametrize("backend", ["auto", "turbojpeg", "pil"])
+@pytest.mark.parametrize("min_size", [None, 20])
+def test_a_read_only_out_is_never_written(turbojpeg, backend, min_size, tmp_path):
+    """A read-only ``out`` of the right shape (a map opened for reading, a view of bytes) gets a new array back,
+    unwritten: libjpeg-turbo writes through a read-only numpy array, and into a read-only map that is a crash."""
+    import mmap
+
+    data = jpeg_bytes(np.random.default_rng(11), 48, 64)
+    want = decode(data, backend, min_size=min_size)
+    (tmp_path / "zeros").write_bytes(bytes(want.nbytes))
+    with open(tmp_path / "zeros", "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for out in (np.frombuffer(mm, np.uint8).reshape(want.shape), np.frombuffer(bytes(want.nbytes), np.uint8)
+                    .reshape(want.shape)):
+            got = decode(data, backend, min_size=min_size, out=out)
+            assert got is not out and np.array_equal(got, want) and not out.any()
+            del out

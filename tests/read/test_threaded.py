@@ -404,3 +404,29 @@ def test_unseeded_crops_draw_once_per_sample_with_fallbacks(tmp_path, jpegregion
     ds = open_dataset(out, image="tensor", crop=packer.RandomResizedCropDecode(24))
     torch.manual_seed(0)
     same_batches(list(ThreadLoader(ds, batch_size=11, num_threads=1)), want)
+
+
+@pytest.mark.parametrize("cache", [None, "ram"])
+def test_unseeded_crops_do_not_depend_on_which_bytes_come_first(packed, monkeypatch, cache):
+    """A batch's seed=None crops are drawn in the batch's order, as DataLoader's per-sample draws are, whatever
+    order its samples are decoded in (bytes in the page cache first, storage order under cache="ram")."""
+    from packer.read.readahead import Pending
+
+    def fresh():  # a new crop's stream starts from torch's seed
+        return open_dataset(packed["memmap"], image="tensor", crop=packer.RandomResizedCropDecode(12), cache=cache)
+
+    torch.manual_seed(0)
+    want = list(DataLoader(fresh(), batch_size=7, num_workers=0))
+    reversed_order = []
+
+    def backwards(self):
+        order = sorted(range(len(self.need)), key=self.need.__getitem__)[::-1]
+        reversed_order.append(len(order))
+        return order
+
+    monkeypatch.setattr(Pending, "arrival_order", backwards)  # the last sample's bytes "arrive" first
+    for loader in (lambda ds: ThreadLoader(ds, batch_size=7, num_threads=1),
+                   lambda ds: DataLoader(ds, batch_size=7, num_workers=0)):
+        torch.manual_seed(0)
+        same_batches(list(loader(fresh())), want)
+    assert cache == "ram" or reversed_order  # the loaders decoded in the reversed order
