@@ -33,7 +33,7 @@ from packer.read.hints import hinted_order
 def _sleeping_decode(seconds: float):
     """``PackedDataset.pixels_at`` that touches the payload's first bytes, sleeps, and returns a 1x1 image."""
 
-    def pixels_at(self, i, payload=None, strict=False, out=None):
+    def pixels_at(self, i, payload=None, strict=False, out=None, window=None):
         buf = self.store.read(i) if payload is None else payload
         bytes(memoryview(buf)[:16])
         time.sleep(seconds)
