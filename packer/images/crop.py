@@ -62,7 +62,6 @@ class CropDecode(ABC):
         """``window`` for each sample, in order."""
         return [self.window(h, w, i) for h, w, i in zip(heights, widths, indices, strict=True)]
 
-
     def from_bytes(self, data: bytes | memoryview, index: int, height: int, width: int, backend: str = "auto",
                strict: bool = True, out: np.ndarray | None = None, window: Window | None = None) -> np.ndarray:
         """Sample ``index``'s encoded bytes (``height`` x ``width`` per their header) as its output: through
