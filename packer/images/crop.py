@@ -21,7 +21,7 @@ from PIL import Image
 
 from packer._random import raw_draws
 from packer.errors import PackerError
-from packer.images.decode import SCALE_DENOMINATORS, check_pixels, decode, sniff, writable_as
+from packer.images.decode import SCALE_DENOMINATORS, check_pixels, decode, pixel_limit, sniff, writable_as
 from packer.images.jpegregion import decode_region, decode_regions, notice_missing, region_decode_available
 from packer.perprocess import PerProcess
 
@@ -77,7 +77,7 @@ class CropDecode(ABC):
         caller ``checked`` to say ``heights`` x ``widths`` (1 or 3 components) decoded by ``decode_windows``. Per
         item 1 where done; do the others one by one with ``from_bytes`` and the same window. None: no bulk path
         (the region decoder not built, or ``region=False``)."""
-        if not self.region or not region_decode_available():
+        if not self.region:
             return None
         tried = [k for k, ok in enumerate(checked) if ok]
         status = decode_windows([datas[k] for k in tried], [windows[k] for k in tried], self.size,
@@ -343,26 +343,30 @@ def decode_windows(datas: Sequence[bytes | memoryview], windows: Sequence[Window
                    strict: bool = False) -> bytes | None:
     """``decode_window`` for many JPEGs (region decode), each into ``outs[k]`` (``size`` HWC uint8 C-contiguous,
     writable): every region decoded by one call of the compiled extension without the GIL, then resized one by one,
-    the same pixels. Per item 1 where done; 0 or 2 where not: not a JPEG, CMYK, damaged data (2), a header unlike
-    ``heights``/``widths`` (check headers first: ``decode_window`` itself trusts the size it is given). None: the
-    region decoder not built."""
+    the same pixels. Per item 1 where done; 0 or 2 where not: not a JPEG, CMYK, damaged data (2), a size above the
+    pixel limit (no memory allocated for it), a header unlike ``heights``/``widths`` (check headers first:
+    ``decode_window`` itself trusts the size it is given). None: the region decoder not built."""
     if not region_decode_available():
         return None
-    plans, regions = [], []
-    for window, height, width in zip(windows, heights, widths, strict=True):
+    limit = pixel_limit()
+    tried, plans, regions = [], [], []
+    for k, (window, height, width) in enumerate(zip(windows, heights, widths, strict=True)):
+        if height < 1 or width < 1 or (limit is not None and height * width > limit):
+            continue  # no region memory on the word of sizes the one-by-one path refuses
         d = window_scale(window, size)
-        (y0, x0, y1, x1), shifted = _plan(window, size, d, max(height, 1), max(width, 1))
+        (y0, x0, y1, x1), shifted = _plan(window, size, d, height, width)
+        tried.append(k)
         plans.append((d, (y1 - y0, x1 - x0), shifted))
         regions.append((d, y0, x0, height, width))
     bufs = _scratch.views([shape for _, shape, _ in plans])
-    status = decode_regions(datas, np.array(regions, dtype=np.int64).reshape(-1, 5), bufs, strict)
+    status = decode_regions([datas[k] for k in tried], np.array(regions, dtype=np.int64).reshape(-1, 5), bufs, strict)
     if status is None:
         return None
     done = bytearray(status)
-    for k, (d, _, shifted) in enumerate(plans):
-        if done[k] == 1 and resize_window(bufs[k], shifted, size, d, outs[k]) is not outs[k]:
-            done[k] = 0  # an out it could not write into (shape, type, read-only): the caller's one-by-one path
-    return bytes(done)
+    for j, (k, (d, _, shifted)) in enumerate(zip(tried, plans, strict=True)):
+        if done[j] == 1 and resize_window(bufs[j], shifted, size, d, outs[k]) is not outs[k]:
+            done[j] = 0  # an out it could not write into (shape, type, read-only): the caller's one-by-one path
+    return spread(bytes(done), tried, len(windows))
 
 
 def decode_window(data: bytes | memoryview, window: Window, size: tuple[int, int], height: int, width: int,

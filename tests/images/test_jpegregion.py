@@ -232,6 +232,43 @@ def test_decode_windows_is_decode_window_item_by_item(jpegregion, turbojpeg):
         assert not outs[5].any() and not outs[12].any()
 
 
+def test_decode_windows_allocates_only_what_the_pixel_limit_allows(jpegregion):
+    """A header (and index) claiming a size above the pixel limit gets no region memory in bulk: a 64x64 JPEG saying
+    40000x40000 would have had 75 MB of scratch per item at 1/8. Scratch above KEEP bytes is not kept."""
+    import tracemalloc
+
+    from packer.images import crop as crops
+
+    data = bytearray(jpeg_bytes(np.random.default_rng(12), 64, 64))
+    sof = data.index(b"\xff\xc0")
+    data[sof + 5:sof + 9] = (40000).to_bytes(2, "big") * 2
+    outs = [np.zeros((224, 224, 3), np.uint8) for _ in range(4)]
+    tracemalloc.start()
+    try:
+        status = decode_windows([bytes(data)] * 4, [crops.Window(0, 0, 40000, 40000)] * 4, (224, 224), [40000] * 4,
+                                [40000] * 4, outs)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert status == bytes(4) and peak < 10 << 20 and not any(o.any() for o in outs)
+
+    def scratch_after(keep: int) -> int:
+        crops._scratch.block = np.empty(0, np.uint8)
+        crops._Scratch.KEEP = keep
+        small = jpeg_bytes(np.random.default_rng(13), 120, 160)
+        done = decode_windows([small], [crops.Window(0, 0, 120, 160)], (60, 80), [120], [160],
+                              [np.zeros((60, 80, 3), np.uint8)])
+        assert done == b"\x01"
+        return crops._scratch.block.nbytes
+
+    keep = crops._Scratch.KEEP
+    try:
+        assert scratch_after(keep) == 60 * 80 * 3  # the region at 1/2, kept for the thread's next call
+        assert scratch_after(1000) == 0  # above KEEP: not kept
+    finally:
+        crops._Scratch.KEEP = keep
+
+
 def test_windows_draw_as_window_does_sample_by_sample():
     """``windows`` for a chunk takes the per-process stream's draws in one call: the crops ``window`` would give."""
     heights, widths = [375, 500, 90, 1200], [500, 375, 4000, 1300]

@@ -337,32 +337,14 @@ def test_whole_jpegs_are_decoded_in_bulk_and_the_rest_one_by_one(packed, monkeyp
     assert counts["calls"] >= len(ds) // 8
 
 
-def test_a_sample_damaged_after_its_header_has_the_per_sample_error(packed, tmp_path, jpegregion, turbojpeg):
-    import shutil
-
-    path = shutil.copytree(packed["memmap"], tmp_path / "scan.memmap")
-    ds = open_dataset(path, image="tensor")
-    bad = 5
-    pos = ds.position(bad)
-    offsets = np.load(path / "shard-00000.offsets.npy")
-    size = len(ds.read_payload(bad))
-    with open(path / "shard-00000.files.bin", "r+b") as fh:  # the scan's last bytes become a second frame header
-        fh.seek(int(offsets[pos]) + size - 6)
-        fh.write(b"\xff\xc0\x00\x02")
-    ds = open_dataset(path, image="tensor")
-    with pytest.raises(PackerError) as single:
-        ds[bad]
-    with pytest.raises(PackerError) as threaded:
-        for _ in ThreadLoader(ds, batch_size=4, num_threads=2):
-            pass
-    assert str(threaded.value) == str(single.value) and f"sample {bad}" in str(single.value)
-
-
-@pytest.mark.parametrize("crop", [None, packer.RandomResizedCropDecode(16, seed=1)])
-@pytest.mark.parametrize("damage", ["app0-length", "frame-size"])
+# (a crop's region decode never reads the rows below it: damage at the end is a whole decode's error only)
+@pytest.mark.parametrize(("crop", "damage"), [
+    (crop, damage) for crop in (None, packer.RandomResizedCropDecode(16, seed=1))
+    for damage in ("app0-length", "frame-size", *(("late-frame-header",) if crop is None else ()))])
 def test_a_damaged_header_has_the_per_sample_error(packed, tmp_path, jpegregion, turbojpeg, crop, damage):
     """A header the one-by-one path refuses is never handed to the extension in bulk (libjpeg, not strict, would
-    decode past a broken APP0 length): both loaders raise the same one-line error naming the sample."""
+    decode past a broken APP0 length), and damage the extension meets after the header is refused there too: both
+    loaders raise the same one-line error naming the sample."""
     import shutil
 
     path = shutil.copytree(packed["memmap"], tmp_path / f"{damage}.memmap")
@@ -374,6 +356,9 @@ def test_a_damaged_header_has_the_per_sample_error(packed, tmp_path, jpegregion,
         if damage == "app0-length":
             fh.seek(at + 4)
             fh.write(b"\x00\x0e")  # 16 -> 14: the next segment is looked for two bytes early
+        elif damage == "late-frame-header":
+            fh.seek(at + len(ds.read_payload(bad)) - 6)
+            fh.write(b"\xff\xc0\x00\x02")  # the scan's last bytes become a second frame header
         else:
             sof = bytes(ds.read_payload(bad)).index(b"\xff\xc0")
             fh.seek(at + sof + 5)
