@@ -126,7 +126,8 @@ def value_spans(path: Path, count: int) -> np.ndarray:
     env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, readahead=False, meminit=False, max_dbs=0)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        return spans_from_btree(Tree(fd, path, int(env.stat()["psize"]), int(env.info()["last_txnid"])), count)
+        with Tree(fd, path, int(env.stat()["psize"]), int(env.info()["last_txnid"])) as tree:
+            return spans_from_btree(tree, count)
     finally:
         os.close(fd)
         env.close()
@@ -219,7 +220,7 @@ class Reader(ShardReader):
         self._cache: PerProcess[PageCache] = PerProcess(inherited=PageCache.close)
 
     def _open(self) -> _Handle:
-        # py-lmdb checks the file's header and counts (its map: no read-ahead); the B-tree is read with pread
+        # py-lmdb checks the file's header and counts (its map: no read-ahead); the B-tree from a map without read-ahead
         env, self._ident = _shared_env(self.path)
         fd = -1
         try:
@@ -254,11 +255,11 @@ class Reader(ShardReader):
         psize = int(stat["psize"])
         check_size(fd, self.num_bytes, self.path)  # mapped at the manifest's size, or not at all
         spans = None if self.spans_path is None else load_spans(self.spans_path, self.num_samples, st.st_size, psize)
-        tree = Tree(fd, self.path, psize, int(info["last_txnid"]))  # pages read with pread: no read-ahead
-        if spans is not None and self.spans_path is not None:
-            check_against_btree(tree, spans, self.path, self.spans_path)
-        else:  # written before spans files existed (or where /proc was missing)
-            spans = spans_from_btree(tree, self.num_samples)
+        with Tree(fd, self.path, psize, int(info["last_txnid"])) as tree:  # its pages alone: no read-ahead
+            if spans is not None and self.spans_path is not None:
+                check_against_btree(tree, spans, self.path, self.spans_path)
+            else:  # written before spans files existed (or where /proc was missing)
+                spans = spans_from_btree(tree, self.num_samples)
         values = MappedValues(fd, self.path, spans, random=not self.readahead)
         _release_env(self._ident)  # py-lmdb's map of the whole file is no longer needed: only ours stays
         return _Handle(fd, psize, spans, values)

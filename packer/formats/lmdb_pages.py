@@ -1,15 +1,20 @@
-"""An LMDB file's B-tree read page by page with ``pread``: the newest meta page's root, branch pages down to
-a key's leaf, and each leaf node's value (where it lies in the file and how long it is).
+"""An LMDB file's B-tree read page by page: the newest meta page's root, branch pages down to a key's leaf,
+and each leaf node's value (where it lies in the file and how long it is).
 
 Positioning py-lmdb's cursor touches the value's first overflow page too: on a cold open under the emulated
 hard disk, checking 8 samples' spans that way cost 21 device reads (a leaf page and a value page each). Read
 here, a check costs the root, the branch pages and the leaves it compares (``packer bench`` measured in
 docs/results.md), and values are never touched. Every number read from the file is checked before use: a
 crafted file gets a one-line ``PackerError``, never a read outside the file or a walk that does not end.
+
+Pages are copied out of a ``MADV_RANDOM`` map: each costs the page alone. ``pread`` read ahead (a cold page
+next to the last one read brought in 5) and, on a page another read had left a read-ahead mark on, read 16
+more whatever the descriptor's advice (Linux 6.18; a flaky CI run saw 64 KB beyond opening's own reads).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from collections.abc import Iterator
@@ -31,6 +36,15 @@ MAX_DEPTH = 32  # LMDB's own cursor stack (CURSOR_STACK)
 MIN_PAGE = 256  # smaller pages cannot hold a meta record (152 bytes); LMDB itself accepts a crafted 16
 
 
+def _random_map(fd: int, path: Path) -> mmap.mmap:
+    try:
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:
+        raise PackerError(f"{path}: cannot map ({exc})") from exc
+    mm.madvise(mmap.MADV_RANDOM)
+    return mm
+
+
 @dataclass(frozen=True)
 class Node:
     key: bytes
@@ -40,11 +54,31 @@ class Node:
 
 class Tree:
     """The main database's B-tree of one LMDB file open at ``fd``, as its newest meta page describes it
-    (the one LMDB itself reads: ``txnid`` must match what py-lmdb reports)."""
+    (the one LMDB itself reads: ``txnid`` must match what py-lmdb reports). Used as a context manager: its map
+    of the file goes at the end (the file must keep its size meanwhile, as for the reader's own map)."""
 
     def __init__(self, fd: int, path: Path, psize: int, txnid: int) -> None:
-        self.fd, self.path, self.psize = fd, path, psize
-        self.file_size = os.fstat(fd).st_size
+        self.path, self.psize = path, psize
+        self._map = _random_map(fd, path) if os.fstat(fd).st_size else None
+        self.file_size = 0 if self._map is None else len(self._map)
+        try:
+            self._root(psize, txnid)
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> Tree:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+
+    def _root(self, psize: int, txnid: int) -> None:
         if psize < MIN_PAGE or psize & (psize - 1):  # a meta page must hold the fields read below
             raise self._damaged(f"a page size of {psize} bytes")
         first, second = self._meta(0), self._meta(1)
@@ -71,7 +105,9 @@ class Tree:
     def _read(self, pgno: int) -> bytes:
         if not 0 <= pgno < self.file_size // self.psize:
             raise self._damaged(f"page {pgno} lies past the end of the file")
-        page = os.pread(self.fd, self.psize, pgno * self.psize)
+        if self._map is None:
+            raise self._damaged("it was closed")  # a caller's bug, not the file's: said, never a crash
+        page = self._map[pgno * self.psize : (pgno + 1) * self.psize]
         if len(page) != self.psize:
             raise self._damaged(f"page {pgno} is short")
         return page

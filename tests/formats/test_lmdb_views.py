@@ -123,11 +123,18 @@ def test_crafted_spans_are_refused_in_one_line(copy, craft, message):
     ds[ds.index_map.public(0)]  # the other shards still read
 
 
+def lmdb_header(path: Path) -> tuple[int, int]:
+    """Page size and newest transaction, as the reader has them from py-lmdb."""
+    env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=0)
+    try:
+        return int(env.stat()["psize"]), int(env.info()["last_txnid"])
+    finally:
+        env.close()
+
+
 def shard_tree(path: Path) -> tuple[Tree, int]:
     """The B-tree of ``path`` as the reader reads it, and its descriptor (the caller closes it)."""
-    env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, max_dbs=0)
-    psize, txnid = env.stat()["psize"], env.info()["last_txnid"]
-    env.close()
+    psize, txnid = lmdb_header(path)
     fd = os.open(path, os.O_RDONLY)
     return Tree(fd, path, psize, txnid), fd
 
@@ -265,3 +272,30 @@ def test_opening_a_shard_reads_its_leaf_pages_not_its_values(tmp_path):
     ds.store.readers[0].in_page_cache([0])  # opens the shard: the spans check runs
     read = (resident_pages(shard)[0] - opening) * 4096
     assert read < 40_000, f"the spans check read {read} bytes of the shard"  # less than one value
+
+
+def test_the_btree_check_brings_in_the_pages_it_reads_and_no_more(deep, monkeypatch):
+    """No read-ahead while the B-tree is read, even on a page another read left a read-ahead mark on (py-lmdb's
+    header read marks meta page 1): ``pread`` there brought in 16 more pages, values too, as CI's runner saw."""
+    from packer.diagnose.measure import evict, resident_pages
+
+    shard = deep / "shard-00000.lmdb"
+    spans = np.load(shard.with_name("shard-00000.spans.npy"))
+    psize, txnid = lmdb_header(shard)
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        if evict([shard]).verified is False:
+            pytest.skip("page-cache residency can't be checked here (no mincore)")
+        other = os.open(shard, os.O_RDONLY)
+        os.pread(other, 4096, 0)  # as py-lmdb's header read: read-ahead, and its mark on a later page
+        os.close(other)
+        before = resident_pages(shard)[0]
+        read: list[int] = []
+        real = Tree._read
+        monkeypatch.setattr(Tree, "_read", lambda self, pgno: read.append(pgno) or real(self, pgno))
+        with Tree(fd, shard, psize, txnid) as tree:
+            check_against_btree(tree, spans, shard, shard.with_name("shard-00000.spans.npy"))
+        assert {0, 1} <= set(read)
+        assert resident_pages(shard)[0] - before <= len(set(read) - {0, 1}) * psize // 4096
+    finally:
+        os.close(fd)

@@ -69,6 +69,15 @@ def lightning_job(path: str, out: Path, block: int) -> None:
     trainer = L.Trainer(strategy="ddp", devices=2, accelerator="cpu", max_epochs=EPOCHS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Model(), loader)  # use_distributed_sampler=True, Lightning's default
+    end_process_group()
+
+
+def end_process_group() -> None:
+    """Lightning and accelerate leave the group up at exit: Gloo's threads then die with the interpreter
+    ("terminate called without an active exception", SIGABRT after the run finished: a flaky CI run; torch
+    PR 179291 describes it). Training scripts should end the group themselves, as these jobs do."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def torchrun_job(path: str, out: Path, block: int) -> None:
@@ -112,6 +121,7 @@ def accelerate_job(path: str, out: Path, block: int) -> None:
         list(accelerator.prepare(DataLoader(Indexed(ds), sampler=implicit, batch_size=BATCH)))
     (out / f"accelerate-warnings-rank{accelerator.process_index}.json").write_text(
         json.dumps([str(w.message) for w in caught]))
+    end_process_group()
 
 
 JOBS = {"lightning": lightning_job, "torchrun": torchrun_job, "accelerate": accelerate_job}
