@@ -39,6 +39,7 @@ from packer.images.decode import sniff
 from packer.read.dataset import PackedDataset
 from packer.read.loaders import to_device
 from packer.read.staged import StagedDataset, load_batch
+from packer.read.threaded import ThreadLoader
 
 # ------------------------------------------------------------------ stage instrumentation
 
@@ -278,9 +279,9 @@ def decode_advice(dataset: Any) -> str | None:
 
 
 def verdict(stats: LoopStats, stages: StageTotals | None = None, workers: int | None = None,
-            cores: int | None = None, dataset: Any = None) -> Verdict:
-    """Judge a profiled pass (steady state): is the step fed, and if not, which stage limits it (``dataset``:
-    the dataset profiled, whose own ways to decode less are named when decoding is the limit)."""
+            cores: int | None = None, dataset: Any = None, threaded: bool = False) -> Verdict:
+    """Judge a profiled pass (steady state): is the step fed, and if not, which stage limits it (``dataset``: its
+    own ways to decode less are named; ``threaded``: a ThreadLoader fed it, whose stages go untimed)."""
     f = stats.figures(steady=True)
     if f["iterations"] == 0:
         return Verdict("unknown", None, ["not enough iterations to judge (profile at least 2 batches)"], f)
@@ -302,8 +303,10 @@ def verdict(stats: LoopStats, stages: StageTotals | None = None, workers: int | 
                      f"{f['samples_per_s']:,.0f} samples/s.")
         limit = max(per_sample, key=lambda k: per_sample[k]) if per_sample else None
         if limit is None:
-            lines.append("wrap the dataset with packer.instrument(dataset) (and collate_fn=ds.collate()) "
-                         "to see which stage (read, decode, transform, collate) is the limit.")
+            lines.append(("a ThreadLoader's stages are not timed: profile the dataset through a DataLoader over "
+                          "packer.instrument(dataset)" if threaded else "wrap the dataset with packer.instrument("
+                          "dataset)") + " (and collate_fn=ds.collate()) to see which stage (read, decode, transform, "
+                         "collate) is the limit.")
         else:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in per_sample.items())
             lines.append(f"per sample (ms): {parts}; the largest is {limit} "
@@ -413,7 +416,8 @@ class LoopProfiler:
 
     def verdict(self, cores: int | None = None) -> Verdict:
         dataset = self.instrumented.dataset if self.instrumented is not None else None  # stages come from it alone
-        return verdict(self.stats, self.stage_totals(), workers=self.num_workers, cores=cores, dataset=dataset)
+        return verdict(self.stats, self.stage_totals(), workers=self.num_workers, cores=cores, dataset=dataset,
+                       threaded=_find(self, "loader", ThreadLoader) is not None)
 
     def summary(self) -> str:
         """A few lines: iterations, wait vs step, throughput, and the stage breakdown when known."""

@@ -14,6 +14,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -61,6 +62,14 @@ class CropDecode(ABC):
     def windows(self, heights: Sequence[int], widths: Sequence[int], indices: Sequence[int]) -> list[Window]:
         """``window`` for each sample, in order."""
         return [self.window(h, w, i) for h, w, i in zip(heights, widths, indices, strict=True)]
+
+    def position(self) -> object | None:
+        """Where this process's stream of random draws stands (None: the windows draw from no stream)."""
+        return None
+
+    def rewind(self, position: object) -> None:
+        """The stream back at ``position``: the windows drawn since are drawn again (a loader that drew them for
+        batches it never handed out gives them back, as a worker-less DataLoader never drew them)."""
 
     def from_bytes(self, data: bytes | memoryview, index: int, height: int, width: int, backend: str = "auto",
                strict: bool = True, out: np.ndarray | None = None, window: Window | None = None) -> np.ndarray:
@@ -184,6 +193,13 @@ class RandomResizedCropDecode(CropDecode):
         # one call for all: the same stream, in the same order, as one ``draws`` per sample
         u = _uniforms(self._stream.get().random_raw(DRAWS * len(indices))).reshape(len(indices), DRAWS)
         return [self._drawn_window(h, w, row) for h, w, row in zip(heights, widths, u, strict=True)]
+
+    def position(self) -> object | None:
+        return self._stream.get().state if self.seed is None else None
+
+    def rewind(self, position: Any) -> None:
+        if self.seed is None:
+            self._stream.get().state = position
 
     def _drawn_window(self, height: int, width: int, u: np.ndarray) -> Window:
         top, left, h, w = crop_params(height, width, self.scale, self.ratio, u)

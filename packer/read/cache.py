@@ -56,7 +56,7 @@ from packer.read.surface import FolderSurface
 from packer.units import human_bytes
 
 if TYPE_CHECKING:
-    from packer.images.crop import Window
+    from packer.images.crop import CropDecode, Window
 
 CACHE_MODES = ("ram", "ram-decoded")
 PREFIX = "packer-cache-"
@@ -400,6 +400,9 @@ class CachedDataset(FolderSurface):
 
     def crop_windows(self, idx: Sequence[int]) -> list[Window] | None:
         return None if self.decoded else self.dataset.crop_windows(idx)
+
+    def crop_stream(self) -> CropDecode | None:
+        return None if self.decoded else self.dataset.crop_stream()
 
     def present_at(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> Any:
         return self.dataset.present_at(i, arr, tensor)

@@ -262,6 +262,9 @@ class PackedDataset(FolderSurface):
         """Fused crops' windows drawn in this order, from the index's sizes (``read.batch.crop_windows``)."""
         return batch.crop_windows(self, idx)
 
+    def crop_stream(self) -> CropDecode | None:
+        return self.crop
+
     # ------------------------------------------------------------ whole batches (packer.read.batch)
 
     def batch_slots(self, indices: Sequence[int]) -> list[torch.Tensor] | None:

@@ -125,7 +125,10 @@ class BackgroundLoader:
     def _iterate(self) -> Iterator:
         stateful = self.loader if isinstance(self.loader, Stateful) else None
         if stateful is not None:
-            self._state = copy.deepcopy(stateful.state_dict())  # where this iteration starts (a loaded state)
+            try:
+                self._state = copy.deepcopy(stateful.state_dict())  # where this iteration starts (a loaded state)
+            except PackerError:  # it cannot save (a ThreadLoader over a plain sampler): iterated without states,
+                stateful = None  # and state_dict() raises its error
         # iter() here, in the caller's thread (DataLoader workers are started from it); no reference kept
         for item, state in prefetched(iter(self.loader), self.depth, stateful, self.join_timeout,
                                       "packer-BackgroundLoader"):

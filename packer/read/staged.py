@@ -20,7 +20,7 @@ from packer.layout.index import normalize_index, normalize_indices
 from packer.read.hints import aheads_of
 
 if TYPE_CHECKING:
-    from packer.images.crop import Window
+    from packer.images.crop import CropDecode, Window
     from packer.layout.index import Index
     from packer.layout.manifest import Manifest
     from packer.read.hints import Ahead
@@ -115,6 +115,10 @@ class StagedDataset(Dataset, ABC):
     def crop_windows(self, idx: Sequence[int]) -> list[Window] | None:
         """The fused crop's window of each sample at these storage positions, drawn now in this order (a batch's
         order, whatever order its samples are decoded in); None: no fused crop, or each sample draws its own."""
+        return None
+
+    def crop_stream(self) -> CropDecode | None:
+        """The fused crop whose stream ``crop_windows`` draws from (None: no fused crop)."""
         return None
 
     def block_boundaries(self) -> np.ndarray | None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data._utils.collate import default_convert
 
 from packer import sysinfo
 from packer.errors import PackerError
@@ -41,7 +41,7 @@ from packer.read.resume import Stateful
 from packer.read.staged import StagedDataset, pixels_in_slot
 
 if TYPE_CHECKING:
-    from packer.images.crop import Window
+    from packer.images.crop import CropDecode, Window
 
 CHUNKS_PER_THREAD = 2  # a batch is cut into threads x this many chunks: enough to balance, few to hand over
 # Batches whose reads are queued beyond the one being decoded: enough to keep a slow device busy while a
@@ -109,7 +109,8 @@ class _Batch:
         self.stacked = stacked  # the (N, H, W, 3) batch the slots are rows of, or None
         self.fast = fast  # decoded into slots of our own block, no collate_fn: the batch is that block
 
-    def result(self, collate_fn: Callable[[list], Any], pin: bool) -> Any:
+    def result(self, collate_fn: Callable[[Any], Any], pin: bool, unbatched: bool) -> Any:
+        """The batch as handed out (``unbatched``: its one sample, as DataLoader's ``batch_size=None`` gives it)."""
         items: list = [None] * sum(map(len, self.places))
         in_slots = True
         for f, places in zip(self.futures, self.places, strict=True):
@@ -117,11 +118,28 @@ class _Batch:
             for k, item in zip(places, chunk, strict=True):
                 items[k] = item
             in_slots = in_slots and all_in
-        if self.fast and in_slots:
+        if unbatched:
+            batch = collate_fn(items[0])
+        elif self.fast and in_slots:  # images already in (pinned, where asked) batch memory; targets as collate's
             images = self.stacked.permute(0, 3, 1, 2) if self.stacked is not None else [img for img, _ in items]
-            return [images, default_collate([target for _, target in items])]
-        batch = collate_fn(items)
-        return map_tensors(batch, lambda t: t.pin_memory()) if pin else batch
+            return [images, _pinned(packer_collate(tuple(target for _, target in items)), pin)]
+        else:
+            batch = collate_fn(items)
+        return _pinned(batch, pin)
+
+
+class _Failed:
+    """A batch that could not be started (its indices, reads or batch memory): raised in its turn."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def result(self, collate_fn: Callable[[Any], Any], pin: bool, unbatched: bool) -> Any:
+        raise self.exc
+
+
+def _pinned(batch: Any, pin: bool) -> Any:
+    return map_tensors(batch, lambda t: t if t.is_pinned() else t.pin_memory()) if pin else batch
 
 
 def _decode(ds: StagedDataset, positions: list[int], payloads: list, slots: Sequence[torch.Tensor | None],
@@ -149,10 +167,11 @@ def _drawn(batches: Iterable[Sequence[int]], stateful: Stateful | None) -> Itera
 
 
 def _reads_queued(ds: StagedDataset, drawn: Iterator[tuple[Sequence[int], Any]]
-                  ) -> Iterator[tuple[np.ndarray, Any, Any]]:
+                  ) -> Iterator[tuple[np.ndarray | Exception, Any, Any]]:
     """(storage positions, their reads, state) per batch, each batch's reads started ``READ_AHEAD_BATCHES``
-    batches before the batch is yielded. An error drawing or starting a batch is raised when that batch's turn
-    comes, after the batches before it, as a DataLoader would.
+    batches before the batch is yielded. As a DataLoader's: a batch whose indices or reads fail is its error
+    in place of the positions, and the next batches go on; a sampler that fails is raised in its turn, after
+    the batches before it, and ends the epoch.
 
     Knowing the next batches, the device reads what is decoded next, in that order (emulated hard disk, block
     order: docs/results.md, "Reads in the order decoding needs them")."""
@@ -161,13 +180,16 @@ def _reads_queued(ds: StagedDataset, drawn: Iterator[tuple[Sequence[int], Any]]
         while True:
             try:
                 indices, state = next(drawn)
-                idx = ds.positions(list(indices))
-                queued.append((idx, ds.start_reads(idx, aheads_of(indices)), state))
             except StopIteration:
                 break
             except Exception as exc:  # noqa: BLE001 - raised in its turn, below
                 queued.append(exc)
                 break
+            try:
+                idx = ds.positions(list(indices))
+                queued.append((idx, ds.start_reads(idx, aheads_of(indices)), state))
+            except Exception as exc:  # noqa: BLE001 - this batch's error, handed out in its turn
+                queued.append((exc, None, state))
             if len(queued) > READ_AHEAD_BATCHES:
                 yield queued.popleft()
         while queued:
@@ -181,23 +203,135 @@ def _reads_queued(ds: StagedDataset, drawn: Iterator[tuple[Sequence[int], Any]]
                 entry[1].cancel()
 
 
+def _start_batch(ds: StagedDataset, idx: np.ndarray, pending: Pending | None, pool: ThreadPoolExecutor,
+                 alloc: Callable[[int], torch.Tensor], threads: int, stacking: bool) -> _Batch:
+    """Queue one batch's decode chunks, in the order its bytes arrive, each handed to a decode thread once they are
+    in (a cold batch's first chunk decodes while the rest is read; docs/results.md). ``stacking``: no collate_fn
+    (a batch in slots of one block is handed out as that block)."""
+    positions = idx.tolist()
+    block = ds.decode_block(positions, alloc)
+    stacked, slots = (None, [None] * len(positions)) if block is None else block
+    windows = ds.crop_windows(positions)  # in the batch's order, as a DataLoader draws them
+    file_order = np.argsort(idx, kind="stable")
+    waits = list(range(len(idx))) if pending is None else pending.arrival_order()
+    arrival = file_order[waits] if len(waits) else file_order
+    cuts = np.linspace(0, len(positions), min(len(positions), threads * CHUNKS_PER_THREAD) + 1)
+    bounds = np.unique(cuts.astype(np.int64)).tolist()
+    futures, places = [], []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if pending is not None:
+            pending.wait(max(waits[a:b], key=pending.need.__getitem__))
+        chunk = arrival[a:b]
+        payloads = ds.payloads_at(idx[chunk], pending=Pending.ready(len(chunk)))
+        futures.append(pool.submit(_decode, ds, idx[chunk].tolist(), payloads, [slots[k] for k in chunk],
+                                   None if windows is None else [windows[k] for k in chunk]))
+        places.append(chunk.tolist())
+    return _Batch(futures, places, stacked, fast=block is not None and stacking)
+
+
+class _Epoch:
+    """One iteration of a ThreadLoader, with a DataLoader iterator's behaviour: the shuffle's seed is drawn when it
+    is made; a batch that fails is raised in its turn and the next call goes on with the next batch (a sampler
+    that fails ends it); stopped early (``close``, or dropped), its threads are joined and the fused crops drawn
+    for batches never handed out are given back, so the next epoch's crops are a worker-less DataLoader's."""
+
+    def __init__(self, loader: ThreadLoader) -> None:
+        self.done, self.feed, self.pool = True, None, None  # until made: nothing to close
+        self.loader = loader
+        self.stateful = loader._stateful_or_none()
+        if self.stateful is not None:
+            loader._state = copy.deepcopy(self.stateful.state_dict())  # where this iteration starts (a loaded state)
+        # DataLoader draws a seed for its workers first: drawn here too, a shuffle's order is DataLoader's
+        torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+        self.crop = loader.dataset.crop_stream()
+        self.marks: list[object] = []  # the crop stream's position before each batch's windows were drawn
+        self.handed = 0
+        self.pool: ThreadPoolExecutor | None = None
+        self.feed: Iterator | None = None
+        self.done = False
+
+    def __iter__(self) -> _Epoch:
+        return self
+
+    def __next__(self) -> Any:
+        if self.done:
+            raise StopIteration
+        if self.feed is None:  # the first batch: the sampler is started in the feeder thread, as late as DataLoader's
+            # torch ops in a decode thread (the fused crop's resize) run on that thread alone: no OpenMP per op
+            self.pool = ThreadPoolExecutor(self.loader.num_threads, thread_name_prefix="packer-decode",
+                                           initializer=serial_ops)
+            self.feed = prefetched(_feed(self.loader, self.pool, self.stateful, self.crop, self.marks),
+                                   self.loader.prefetch_batches, name="packer-ThreadLoader")
+        try:
+            (job, state), _ = next(self.feed)
+        except BaseException:  # the end, or the sampler failed
+            self.close()
+            raise
+        self.handed += 1
+        loader = self.loader
+        loader._state = state
+        try:
+            return job.result(loader.collate_fn or (default_convert if loader.unbatched else packer_collate),
+                              loader.pin_memory, loader.unbatched)
+        except BaseException:
+            # The traceback keeps this frame: without the epoch in it, an epoch the caller let go of (the error
+            # left the for loop) is closed and its threads joined now, not when the error is forgotten.
+            del self, loader
+            raise
+
+    def close(self) -> None:
+        """Stop: the feeder and decode threads joined, the crops drawn for batches not handed out given back."""
+        if self.done:
+            return
+        self.done = True
+        if self.feed is not None:
+            self.feed.close()  # type: ignore[attr-defined]  # joins the feeder: no new chunks, no new draws
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        if self.crop is not None and len(self.marks) > self.handed and self.marks[self.handed] is not None:
+            self.crop.rewind(self.marks[self.handed])
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _feed(loader: ThreadLoader, pool: ThreadPoolExecutor, stateful: Stateful | None, crop: CropDecode | None,
+          marks: list[object]) -> Iterator[tuple[_Batch | _Failed, Any]]:
+    """Feeder thread body: per batch, wait for its payloads and queue its decode chunks (or its error); with the
+    sampler's state right after the batch was drawn (reads are queued further ahead than that)."""
+    ds = loader.dataset
+    alloc = (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True)) if loader.pin_memory else loader._blocks.take
+    for idx, pending, state in _reads_queued(ds, _drawn(loader._batches, stateful)):
+        marks.append(None if crop is None else crop.position())
+        if isinstance(idx, Exception):
+            yield _Failed(idx), state
+            continue
+        try:
+            job: _Batch | _Failed = _start_batch(ds, idx, pending, pool, alloc, loader.num_threads,
+                                                 stacking=loader.collate_fn is None and not loader.unbatched)
+        except Exception as exc:  # noqa: BLE001 - this batch's error, handed out in its turn
+            job = _Failed(exc)
+        yield job, state
+
+
 class ThreadLoader:
     """Batches of ``dataset`` decoded by ``num_threads`` threads in this process, in the sampler's order.
 
-    Arguments as DataLoader's (``batch_size``, ``shuffle``, ``sampler``, ``batch_sampler``,
+    Arguments as DataLoader's (``batch_size``, None included, ``shuffle``, ``sampler``, ``batch_sampler``,
     ``drop_last``, ``collate_fn``, ``pin_memory``, ``generator``); ``num_threads`` replaces
     ``num_workers`` (default: the cores this process may use) and ``prefetch_batches`` says how many
     batches are read and decoded ahead of the one handed out. Batches equal those of
     ``DataLoader(dataset, ..., collate_fn=packer.collate)``, except that a stacked image batch is a
     channels-last view (``images.permute(0, 3, 1, 2)`` of an NHWC block; ``.contiguous()`` makes it
-    NCHW). Call ``set_epoch`` on the sampler as with a DataLoader. ``state_dict()`` works over a
+    NCHW); its iterator behaves as a DataLoader's (``_Epoch``). Call ``set_epoch`` on the sampler as with a
+    DataLoader. ``state_dict()`` works over a
     sampler or batch sampler that has one (``BlockShuffleSampler``, ``BlockBatchSampler``): the
     position after the last batch handed out, not after those read ahead. The batch memory (up to
     ``prefetch_batches + 3`` batches) stays with the dataset for its next epoch and its other ThreadLoaders.
     """
 
     def __init__(
-        self, dataset: StagedDataset, batch_size: int = 1, shuffle: bool = False,
+        self, dataset: StagedDataset, batch_size: int | None = 1, shuffle: bool = False,
         sampler: Sampler | Iterable[int] | None = None, batch_sampler: Iterable[Sequence[int]] | None = None,
         num_threads: int | None = None, collate_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
         drop_last: bool = False, prefetch_batches: int = 2, generator: torch.Generator | None = None,
@@ -212,15 +346,22 @@ class ThreadLoader:
             raise PackerError("batch_sampler is mutually exclusive with batch_size, shuffle, sampler and drop_last")
         if shuffle and sampler is not None:
             raise PackerError("sampler is mutually exclusive with shuffle")
-        if batch_sampler is None and batch_size < 1:
+        if batch_size is None and drop_last:
+            raise PackerError("batch_size=None (one sample at a time, no batches) is mutually exclusive with drop_last")
+        if batch_sampler is None and batch_size is not None and batch_size < 1:
             raise PackerError(f"batch_size must be at least 1, got {batch_size}")
         self.dataset = dataset
-        if batch_sampler is None:
-            if sampler is None:
-                sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
-            batch_sampler = BatchSampler(sampler, batch_size, drop_last)  # type: ignore[arg-type]
+        self.unbatched = batch_sampler is None and batch_size is None  # DataLoader's batch_size=None: samples
+        if batch_sampler is None and sampler is None:
+            sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
         self.sampler = sampler
-        self.batch_sampler = batch_sampler
+        # DataLoader's attributes: batch_size and drop_last None and False with a batch_sampler; batch_sampler
+        # None without batches. What is iterated, one list of indices at a time, is _batches.
+        self.batch_size = None if batch_sampler is not None else batch_size
+        self.drop_last = drop_last
+        self._batches = batch_sampler if batch_sampler is not None else BatchSampler(
+            sampler, batch_size or 1, drop_last)  # type: ignore[arg-type]
+        self.batch_sampler = None if self.unbatched else self._batches
         self.num_threads = num_threads or sysinfo.usable_cores()
         self.collate_fn = collate_fn
         self.pin_memory = pin_memory and torch.cuda.is_available()
@@ -234,59 +375,16 @@ class ThreadLoader:
         self._state: dict[str, Any] | None = None  # the sampler's state after the last batch handed out
 
     def __len__(self) -> int:
-        return len(self.batch_sampler)  # type: ignore[arg-type]
+        return len(self._batches)  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator:
-        gen = self._iterate()
-        self._live.add(gen)
-        return gen
-
-    def _iterate(self) -> Iterator:
-        stateful = self._stateful_or_none()
-        if stateful is not None:
-            self._state = copy.deepcopy(stateful.state_dict())  # where this iteration starts (a loaded state)
-        # DataLoader draws a seed for its workers first: drawn here too, a shuffle's order is DataLoader's
-        torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-        # torch ops in a decode thread (the fused crop's resize) run on that thread alone: no OpenMP team per op
-        pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="packer-decode", initializer=serial_ops)
-        feed = prefetched(self._start_batches(pool, stateful), self.prefetch_batches, name="packer-ThreadLoader")
-        collate_fn = self.collate_fn or packer_collate
-        try:
-            for (job, state), _ in feed:
-                batch = job.result(collate_fn, self.pin_memory)
-                self._state = state
-                yield batch
-        finally:
-            feed.close()  # stops the thread drawing batches (no new chunks after this)
-            pool.shutdown(wait=True, cancel_futures=True)
-
-    def _start_batches(self, pool: ThreadPoolExecutor, stateful: Stateful | None) -> Iterator[tuple[_Batch, Any]]:
-        """Feeder thread body: per batch, wait for its payloads and queue its decode chunks; with the
-        sampler's state right after the batch was drawn (reads are queued further ahead than that)."""
-        ds = self.dataset
-        alloc = (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True)) if self.pin_memory else self._blocks.take
-        for idx, pending, state in _reads_queued(ds, _drawn(self.batch_sampler, stateful)):
-            positions = idx.tolist()
-            block = ds.decode_block(positions, alloc)
-            stacked, slots = (None, [None] * len(positions)) if block is None else block
-            windows = ds.crop_windows(positions)  # in the batch's order, as a DataLoader draws them
-            # Chunks of the batch in the order its bytes arrive, each handed to a decode thread once they are in
-            # (a cold batch's first chunk decodes while the rest is read; docs/results.md)
-            file_order = np.argsort(idx, kind="stable")
-            waits = list(range(len(idx))) if pending is None else pending.arrival_order()
-            arrival = file_order[waits] if len(waits) else file_order
-            cuts = np.linspace(0, len(positions), min(len(positions), self.num_threads * CHUNKS_PER_THREAD) + 1)
-            bounds = np.unique(cuts.astype(np.int64)).tolist()
-            futures, places = [], []
-            for a, b in zip(bounds[:-1], bounds[1:]):
-                if pending is not None:
-                    pending.wait(max(waits[a:b], key=pending.need.__getitem__))
-                chunk = arrival[a:b]
-                payloads = ds.payloads_at(idx[chunk], pending=Pending.ready(len(chunk)))
-                futures.append(pool.submit(_decode, ds, idx[chunk].tolist(), payloads, [slots[k] for k in chunk],
-                                           None if windows is None else [windows[k] for k in chunk]))
-                places.append(chunk.tolist())
-            yield _Batch(futures, places, stacked, fast=block is not None and self.collate_fn is None), state
+        if any(not epoch.done for epoch in self._live):
+            warnings.warn("ThreadLoader: a new iteration while another is still running: their feeder threads draw "
+                          "from the sampler and the fused crops at once, so neither order nor crops are reproducible "
+                          "(a DataLoader's are); finish the other or close() it first", RuntimeWarning, stacklevel=2)
+        epoch = _Epoch(self)
+        self._live.add(epoch)
+        return epoch
 
     def close(self) -> None:
         """Stop every iteration still running (their threads are joined)."""
@@ -294,7 +392,7 @@ class ThreadLoader:
             gen.close()
 
     def _stateful_or_none(self) -> Stateful | None:
-        for obj in (self.batch_sampler, self.sampler):
+        for obj in (self._batches, self.sampler):
             if isinstance(obj, Stateful):
                 return obj
         return None
@@ -314,7 +412,7 @@ class ThreadLoader:
     def _stateful(self) -> Stateful:
         stateful = self._stateful_or_none()
         if stateful is None:
-            raise PackerError(f"ThreadLoader over a {type(self.sampler or self.batch_sampler).__name__} cannot save "
+            raise PackerError(f"ThreadLoader over a {type(self.sampler or self._batches).__name__} cannot save "
                               "its position: use a sampler with state_dict(), e.g. packer.BlockShuffleSampler")
         return stateful
 

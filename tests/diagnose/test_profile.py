@@ -96,6 +96,21 @@ def test_verdict_compute_bound():
     assert v.bound == "compute" and v.limit is None and "compute-bound" in str(v) and "2.0 ms" in str(v)
 
 
+def test_an_input_bound_threadloader_gets_advice_it_can_follow(lmdb_path):
+    """packer.instrument wraps DataLoader datasets (a ThreadLoader refuses one): a ThreadLoader's verdict says how
+    to see the stages instead."""
+    ds = packer.open_dataset(lmdb_path, image="tensor")
+    for loader, advice in ((packer.ThreadLoader(ds, batch_size=4), "a ThreadLoader's stages are not timed"),
+                           (DataLoader(ds, batch_size=4, collate_fn=packer.collate),
+                            "wrap the dataset with packer.instrument(dataset)")):
+        wrapped = profile(packer.BackgroundLoader(loader), progress=False)
+        list(wrapped)
+        wrapped.stats = _stats(wait_ms=30, step_ms=10)
+        assert advice in str(wrapped.verdict())
+    with pytest.raises(PackerError):
+        packer.ThreadLoader(instrument(ds))  # type: ignore[arg-type]
+
+
 def test_verdict_input_bound_names_the_stage_and_workers():
     stages = StageTotals(seconds={"read": 0.1, "decode": 0.8, "transform": 0.05, "collate": 0.05},
                          samples=100, batches=12, processes=1)

@@ -183,8 +183,9 @@ def test_reads_are_queued_batches_ahead_in_the_order_decoded(packed, monkeypatch
 
 
 def test_an_error_drawing_a_batch_comes_after_the_batches_before_it(packed):
-    """Reads are queued ahead, yet a sampler that fails at its fourth batch (or an index out of range)
-    fails the fourth batch, after three good ones, as a DataLoader does."""
+    """Reads are queued ahead, yet a sampler that fails at its fourth batch (or an index out of range) fails the
+    fourth batch, after three good ones, as a DataLoader does; and as a DataLoader's, the iterator then goes on
+    with the next batch (a bad index) or ends (a sampler that failed)."""
     ds = open_dataset(packed["memmap"], image="tensor")
 
     def failing():
@@ -194,7 +195,7 @@ def test_an_error_drawing_a_batch_comes_after_the_batches_before_it(packed):
     def out_of_range():
         yield from ([0, 1], [2, 3], [4, 5], [len(ds)], [6, 7])
 
-    for batches, error in ((failing, ValueError), (out_of_range, IndexError)):
+    for batches, error, after in ((failing, ValueError, []), (out_of_range, IndexError, [[6, 7]])):
         for loader in (DataLoader(ds, batch_sampler=batches(), collate_fn=packer.collate),
                        ThreadLoader(ds, batch_sampler=batches(), num_threads=2)):
             it, got = iter(loader), 0
@@ -202,6 +203,9 @@ def test_an_error_drawing_a_batch_comes_after_the_batches_before_it(packed):
                 for _ in it:
                     got += 1
             assert got == 3, type(loader).__name__
+            rest = list(it)
+            assert [labels.tolist() for _, labels in rest] == [ds.targets[a:b + 1] for a, b in after]
+    del it
     assert loader_threads() == []
 
 

@@ -1,0 +1,171 @@
+"""ThreadLoader behaves as a DataLoader where users step: a batch that fails mid-epoch, an epoch left early, the
+global RNG, ``batch_size=None``, targets, two iterations at once (a hostile review's findings, session 18)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from support.imagesets import make_imagefolder
+from torch.utils.data import DataLoader
+
+import packer
+from packer import PackerError, ThreadLoader, convert, open_dataset
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """26 JPEGs of 30x40 in three classes as memmap, and a copy whose sample 13 lost its JPEG markers."""
+    root = tmp_path_factory.mktemp("dropin")
+    out = convert(make_imagefolder(root / "src", classes=3, per_class=9, size=(30, 40)), root / "ds.memmap",
+                  to="memmap", workers=0, progress=False).output
+    bad = shutil.copytree(out, root / "bad.memmap")
+    ds = open_dataset(bad)
+    offsets = np.load(bad / "shard-00000.offsets.npy")
+    with open(bad / "shard-00000.files.bin", "r+b") as fh:  # the JPEG's markers gone, its size kept
+        fh.seek(int(offsets[ds.position(13)]))
+        fh.write(b"\0" * 16)
+    return {"good": out, "bad": bad}
+
+
+def loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(("packer-decode", "packer-ThreadLoader"))]
+
+
+def outcomes(it) -> list:
+    """Each batch's labels, or the sample its error names, until the iterator ends."""
+    seen = []
+    while True:
+        try:
+            _, labels = next(it)
+            seen.append(labels.tolist())
+        except StopIteration:
+            return seen
+        except PackerError as exc:
+            seen.append([k for k in range(26) if f"sample {k} " in str(exc) or f"sample {k}:" in str(exc)])
+
+
+def test_a_batch_that_fails_is_raised_in_its_turn_and_the_epoch_goes_on(packed):
+    ds = open_dataset(packed["bad"], image="tensor")
+    want = outcomes(iter(DataLoader(ds, batch_size=4, collate_fn=packer.collate)))
+    assert want[3] == [13] and len(want) == 7  # the batch holding sample 13 fails; the others come
+    for threads in (1, 2):
+        it = iter(ThreadLoader(ds, batch_size=4, num_threads=threads))
+        assert outcomes(it) == want
+    del it
+    assert loader_threads() == []
+
+
+def test_an_error_leaving_the_for_loop_stops_the_threads(packed):
+    """The error's traceback does not keep the iteration (nor its threads) alive once the loop is left."""
+    with pytest.raises(PackerError) as err:
+        for _ in ThreadLoader(open_dataset(packed["bad"], image="tensor"), batch_size=4, num_threads=2):
+            pass
+    assert "sample 13" in str(err.value) and loader_threads() == []
+
+
+def test_an_epoch_left_early_gives_back_the_crops_it_drew_ahead(packed):
+    """The feeder draws a batch's crops when it reads the batch, batches ahead of the one handed out; leaving an
+    epoch early (break, next(iter(...))) gives those draws back, so every later crop is a worker-less DataLoader's
+    under torch.manual_seed."""
+
+    def run(make) -> list:
+        torch.manual_seed(0)
+        loader = make(open_dataset(packed["good"], image="tensor", crop=packer.RandomResizedCropDecode(12)))
+        got = []
+        for k, batch in enumerate(loader):
+            got.append(batch)
+            if k == 1:
+                break
+        got.append(next(iter(loader)))
+        return got + list(loader) + list(loader)
+
+    want = run(lambda ds: DataLoader(ds, batch_size=5, shuffle=True))
+    for threads in (1, 2):
+        got = run(lambda ds, n=threads: ThreadLoader(ds, batch_size=5, shuffle=True, num_threads=n))
+        assert len(got) == len(want)
+        for (images, labels), (ref, ref_labels) in zip(got, want, strict=True):
+            assert torch.equal(labels, ref_labels) and torch.equal(images, ref)
+
+
+def test_the_shuffle_seed_is_drawn_when_the_iterator_is_made(packed):
+    """As DataLoader's: iter() draws from the global RNG at once, so what the program draws next is the same."""
+    ds = open_dataset(packed["good"], image="tensor")
+
+    def drawn_after_iter(loader) -> tuple[torch.Tensor, list]:
+        torch.manual_seed(0)
+        it = iter(loader)
+        after = torch.randn(3)
+        return after, next(it)[1].tolist()
+
+    want = drawn_after_iter(DataLoader(ds, batch_size=4, shuffle=True, collate_fn=packer.collate))
+    got = drawn_after_iter(ThreadLoader(ds, batch_size=4, shuffle=True))
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+
+
+@pytest.mark.parametrize("crop", [None, packer.CenterCropDecode(12, resize=14)])
+def test_batch_size_none_hands_out_samples_as_the_dataloader_does(packed, crop):
+    ds = open_dataset(packed["good"], image="tensor", crop=crop)
+    want = list(DataLoader(ds, batch_size=None))
+    loader = ThreadLoader(ds, batch_size=None, num_threads=2)
+    assert (len(loader), loader.batch_size, loader.batch_sampler, loader.drop_last) == (len(ds), None, None, False)
+    got = list(loader)
+    assert len(got) == len(want)
+    for (image, label), (ref, ref_label) in zip(got, want, strict=True):
+        assert torch.equal(image, ref) and type(label) is type(ref_label) and label == ref_label
+    with pytest.raises(PackerError, match="drop_last"):
+        ThreadLoader(ds, batch_size=None, drop_last=True)
+
+
+def test_batch_size_and_drop_last_are_there_as_on_a_dataloader(packed):
+    ds = open_dataset(packed["good"], image="tensor")
+    for kwargs in ({"batch_size": 4, "drop_last": True}, {"batch_size": 3}, {"batch_sampler": [[0, 1], [2]]}):
+        loader, ref = ThreadLoader(ds, **kwargs), DataLoader(ds, **kwargs)
+        assert (loader.batch_size, loader.drop_last, len(loader)) == (ref.batch_size, ref.drop_last, len(ref))
+
+
+def test_targets_come_as_the_dataloader_collates_them(packed):
+    """Batches stacked in the loader's own memory collate their targets as packer.collate does (strings: a
+    tuple), and the images and labels equal a DataLoader's."""
+    ds = open_dataset(packed["good"], image="tensor", crop=packer.CenterCropDecode(12, resize=14),
+                      target_transform=lambda t: f"class {t}")
+    want = list(DataLoader(ds, batch_size=4, collate_fn=packer.collate))
+    got = list(ThreadLoader(ds, batch_size=4, num_threads=2))
+    for (images, targets), (ref, ref_targets) in zip(got, want, strict=True):
+        assert type(targets) is type(ref_targets) is tuple and targets == ref_targets
+        assert torch.equal(images, ref)
+
+
+def test_a_second_iteration_while_one_runs_is_warned_about(packed):
+    loader = ThreadLoader(open_dataset(packed["good"], image="tensor"), batch_size=4)
+    first = iter(loader)
+    next(first)
+    with pytest.warns(RuntimeWarning, match="another is still running"):
+        second = iter(loader)
+    assert len(list(second)) == len(loader) and len(list(first)) == len(loader) - 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(loader)  # the others have ended: no warning
+    del first, second
+    assert loader_threads() == []
+
+
+def test_a_background_loader_over_a_plain_threadloader_iterates_and_says_why_it_cannot_save(packed):
+    ds = open_dataset(packed["good"], image="tensor")
+    background = packer.BackgroundLoader(ThreadLoader(ds, batch_size=4))
+    assert len(list(background)) == 7
+    with pytest.raises(PackerError, match="cannot save its position"):
+        background.state_dict()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("crop", [None, packer.CenterCropDecode(12, resize=14)])
+def test_pin_memory_pins_every_tensor_as_a_dataloader_does(packed, crop):
+    ds = open_dataset(packed["good"], image="tensor", crop=crop)
+    for images, labels in ThreadLoader(ds, batch_size=4, pin_memory=True):
+        assert labels.is_pinned()
+        assert all(img.is_pinned() for img in (images if isinstance(images, list) else [images]))
