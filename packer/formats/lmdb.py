@@ -47,9 +47,10 @@ from packer.formats.base import (
     fixed_shape,
     shard_layout,
 )
-from packer.formats.lmdb_pages import Tree
+from packer.formats.lmdb_pages import Tree, page_reads
 from packer.formats.lmdb_values import MappedValues, check_against_btree, key, load_spans, spans_from_btree
 from packer.layout.manifest import Shard
+from packer.layout.trust import inside, open_regular
 from packer.pagecache import PageCache
 from packer.perprocess import PerProcess
 
@@ -126,8 +127,7 @@ def value_spans(path: Path, count: int) -> np.ndarray:
     env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, readahead=False, meminit=False, max_dbs=0)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        with Tree(fd, path, int(env.stat()["psize"]), int(env.info()["last_txnid"])) as tree:
-            return spans_from_btree(tree, count)
+        return spans_from_btree(Tree(fd, path, int(env.stat()["psize"]), int(env.info()["last_txnid"])), count)
     finally:
         os.close(fd)
         env.close()
@@ -176,6 +176,27 @@ def _shared_env(path: Path) -> tuple[lmdb.Environment, tuple]:
     raise PackerError(f"{path}: replaced while being opened")
 
 
+HEADER_PAGE = 4096  # LMDB's page where the OS page is 4 KiB: its two meta pages open the file
+
+
+def _own_descriptor(path: Path) -> int:
+    """The shard open for this reader, checked again as on opening the dataset (``inside``: a regular file in its
+    directory; a FIFO, a device or a link out put there since is refused, not waited on or followed), its header
+    pages read first without read-ahead, so that py-lmdb's header read leaves no read-ahead mark for the B-tree
+    reads to act on (CI saw 64 KB of values read on open)."""
+    try:
+        fd = open_regular(inside(path.parent, path.name))[0]
+    except OSError as exc:
+        raise PackerError(f"{path}: cannot open LMDB shard ({exc.strerror or exc})") from None
+    try:
+        with page_reads(fd):
+            os.pread(fd, 2 * HEADER_PAGE, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _release_env(ident: tuple) -> None:
     envs = _ENVS.peek()
     entry = None if envs is None else envs.get(ident)
@@ -220,11 +241,12 @@ class Reader(ShardReader):
         self._cache: PerProcess[PageCache] = PerProcess(inherited=PageCache.close)
 
     def _open(self) -> _Handle:
-        # py-lmdb checks the file's header and counts (its map: no read-ahead); the B-tree from a map without read-ahead
-        env, self._ident = _shared_env(self.path)
         fd = -1
+        self._ident = ()
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = _own_descriptor(self.path)
+            # py-lmdb checks the file's header and counts (its map: no read-ahead); the B-tree is read with pread
+            env, self._ident = _shared_env(self.path)
             return self._checked(env, fd)
         except (lmdb.Error, OSError) as exc:
             problem = f"damaged LMDB shard ({exc})"
@@ -255,7 +277,8 @@ class Reader(ShardReader):
         psize = int(stat["psize"])
         check_size(fd, self.num_bytes, self.path)  # mapped at the manifest's size, or not at all
         spans = None if self.spans_path is None else load_spans(self.spans_path, self.num_samples, st.st_size, psize)
-        with Tree(fd, self.path, psize, int(info["last_txnid"])) as tree:  # its pages alone: no read-ahead
+        with page_reads(fd):  # the B-tree's pages alone: read-ahead would bring values in
+            tree = Tree(fd, self.path, psize, int(info["last_txnid"]))
             if spans is not None and self.spans_path is not None:
                 check_against_btree(tree, spans, self.path, self.spans_path)
             else:  # written before spans files existed (or where /proc was missing)

@@ -1,5 +1,5 @@
-"""An LMDB file's B-tree read page by page: the newest meta page's root, branch pages down to a key's leaf,
-and each leaf node's value (where it lies in the file and how long it is).
+"""An LMDB file's B-tree read page by page with ``pread``: the newest meta page's root, branch pages down to
+a key's leaf, and each leaf node's value (where it lies in the file and how long it is).
 
 Positioning py-lmdb's cursor touches the value's first overflow page too: on a cold open under the emulated
 hard disk, checking 8 samples' spans that way cost 21 device reads (a leaf page and a value page each). Read
@@ -7,17 +7,16 @@ here, a check costs the root, the branch pages and the leaves it compares (``pac
 docs/results.md), and values are never touched. Every number read from the file is checked before use: a
 crafted file gets a one-line ``PackerError``, never a read outside the file or a walk that does not end.
 
-Pages are copied out of a ``MADV_RANDOM`` map: each costs the page alone. ``pread`` read ahead (a cold page
-next to the last one read brought in 5) and, on a page another read had left a read-ahead mark on, read 16
-more whatever the descriptor's advice (Linux 6.18; a flaky CI run saw 64 KB beyond opening's own reads).
+Read with ``pread`` (a read error or a file cut short is an error, where a map would kill the process with
+SIGBUS), under ``page_reads``: a cold page next to the last one read brought in 5 without it.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,13 +35,24 @@ MAX_DEPTH = 32  # LMDB's own cursor stack (CURSOR_STACK)
 MIN_PAGE = 256  # smaller pages cannot hold a meta record (152 bytes); LMDB itself accepts a crafted 16
 
 
-def _random_map(fd: int, path: Path) -> mmap.mmap:
+@contextmanager
+def page_reads(fd: int) -> Iterator[None]:
+    """The kernel's read-ahead off for ``fd`` while pages are read one by one, back to normal after. (It still
+    acts on a page another read left a read-ahead mark on: ``Reader`` reads the header pages first for that.)"""
+    _advise(fd, "POSIX_FADV_RANDOM")
     try:
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError) as exc:
-        raise PackerError(f"{path}: cannot map ({exc})") from exc
-    mm.madvise(mmap.MADV_RANDOM)
-    return mm
+        yield
+    finally:
+        _advise(fd, "POSIX_FADV_NORMAL")
+
+
+def _advise(fd: int, advice: str) -> None:
+    """Advice where the OS takes it (none on macOS; a filesystem may refuse it): reads are right either way."""
+    if hasattr(os, advice):
+        try:
+            os.posix_fadvise(fd, 0, 0, getattr(os, advice))
+        except OSError:
+            pass
 
 
 @dataclass(frozen=True)
@@ -54,31 +64,11 @@ class Node:
 
 class Tree:
     """The main database's B-tree of one LMDB file open at ``fd``, as its newest meta page describes it
-    (the one LMDB itself reads: ``txnid`` must match what py-lmdb reports). Used as a context manager: its map
-    of the file goes at the end (the file must keep its size meanwhile, as for the reader's own map)."""
+    (the one LMDB itself reads: ``txnid`` must match what py-lmdb reports)."""
 
     def __init__(self, fd: int, path: Path, psize: int, txnid: int) -> None:
-        self.path, self.psize = path, psize
-        self._map = _random_map(fd, path) if os.fstat(fd).st_size else None
-        self.file_size = 0 if self._map is None else len(self._map)
-        try:
-            self._root(psize, txnid)
-        except BaseException:
-            self.close()
-            raise
-
-    def __enter__(self) -> Tree:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
-
-    def _root(self, psize: int, txnid: int) -> None:
+        self.fd, self.path, self.psize = fd, path, psize
+        self.file_size = os.fstat(fd).st_size
         if psize < MIN_PAGE or psize & (psize - 1):  # a meta page must hold the fields read below
             raise self._damaged(f"a page size of {psize} bytes")
         first, second = self._meta(0), self._meta(1)
@@ -105,9 +95,7 @@ class Tree:
     def _read(self, pgno: int) -> bytes:
         if not 0 <= pgno < self.file_size // self.psize:
             raise self._damaged(f"page {pgno} lies past the end of the file")
-        if self._map is None:
-            raise self._damaged("it was closed")  # a caller's bug, not the file's: said, never a crash
-        page = self._map[pgno * self.psize : (pgno + 1) * self.psize]
+        page = os.pread(self.fd, self.psize, pgno * self.psize)
         if len(page) != self.psize:
             raise self._damaged(f"page {pgno} is short")
         return page
