@@ -53,13 +53,13 @@ def by_role() -> collections.Counter:
     return out
 
 
-def timed_feeder(start_batches):
+def timed_feeder(feed):
     """ThreadLoader's feeder body, with its thread's CPU time recorded when it ends."""
 
-    def body(self, *args) -> Iterator:
+    def body(*args) -> Iterator:
         c0 = time.thread_time()
         try:
-            yield from start_batches(self, *args)
+            yield from feed(*args)
         finally:
             FEEDER_CPU.append(time.thread_time() - c0)
 
@@ -116,7 +116,7 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--settings", default="full,train224")
     args = ap.parse_args()
-    threaded.ThreadLoader._start_batches = timed_feeder(threaded.ThreadLoader._start_batches)  # type: ignore
+    threaded._feed = timed_feeder(threaded._feed)  # type: ignore
     base = packer.open_dataset(args.dataset, image="tensor")
     print(f"bare libjpeg-turbo, 1 thread: {statistics.median(bare_decode(base) for _ in range(3)):.0f} us/img; "
           "feeder alone: " + ", ".join(f"{order} {statistics.median(feeder_alone(base, order) for _ in range(5)):.1f}"
