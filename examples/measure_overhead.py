@@ -27,6 +27,7 @@ from torch.utils.data import BatchSampler, SequentialSampler
 
 import packer
 from packer.read import threaded
+from packer.read.blockpool import BlockPool
 from packer.read.hints import aheads_of
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -89,7 +90,7 @@ def loader_epoch(ds, order: str) -> dict[str, float]:
 
 def feeder_alone(ds, order: str) -> float:
     """CPU us per image of the feeder's body (indices, positions, batch memory, payloads) without decoding."""
-    pool = threaded.BlockPool(5)
+    pool = BlockPool(5)
     sampler = sampler_of(ds, order) or SequentialSampler(ds)
     c0, n = time.thread_time(), 0
     for indices in BatchSampler(sampler, 64, False):

@@ -9,6 +9,7 @@ machine without CUDA it passes batches through unchanged, so one script runs eve
 
 from __future__ import annotations
 
+import atexit
 import copy
 import queue
 import threading
@@ -59,39 +60,91 @@ def _produce(it: Iterator, out: queue.Queue, stop: threading.Event, loader: Stat
         del it  # drop the loader's iterator in this thread (DataLoader workers shut down with it)
 
 
+class Prefetcher:
+    """``(item, state)`` for each item of ``it``, pulled up to ``depth`` ahead by a thread of its own (``state``:
+    ``stateful.state_dict()`` taken right after the item was pulled; None without one).
+
+    ``get`` raises the loader's exception again (with its traceback), and StopIteration at the end or once closed.
+    ``close`` may be called from any thread, the producer's own included (it is not joined then): it stops and
+    joins the thread, and a ``get`` waiting in another thread ends. Live ones are closed at interpreter exit, before
+    the modules they need are torn down.
+    """
+
+    def __init__(self, it: Iterator, depth: int, stateful: Stateful | None = None, join_timeout: float = 60.0,
+                 name: str = "packer-prefetch") -> None:
+        self.out: queue.Queue = queue.Queue(maxsize=depth)
+        self.stop = threading.Event()
+        self.ended = self.closed = False
+        self.name, self.join_timeout = name, join_timeout
+        self.thread = threading.Thread(target=_produce, args=(it, self.out, self.stop, stateful), name=name,
+                                       daemon=True)
+        del it
+        self.thread.start()
+        _PREFETCHERS.add(self)
+
+    def get(self) -> tuple[Any, Any]:
+        if self.ended:
+            raise StopIteration
+        item, state = self.out.get()
+        if item is _END or isinstance(item, _Raised):
+            self.ended = True
+            if item is _END:
+                self.out.put_nowait((_END, None))  # for a get waiting in another thread
+                raise StopIteration
+            raise item.exc
+        return item, state
+
+    def close(self) -> None:
+        if self.closed:  # once: at exit, the generator around it may close it again after the modules are gone
+            return
+        self.closed = True
+        self.stop.set()
+        self._drain()  # unblock a producer waiting on a full queue
+        if self.thread is not threading.current_thread():
+            self.thread.join(self.join_timeout)
+            if self.thread.is_alive():
+                warnings.warn(
+                    f"{self.name}: the loader did not return a batch within {self.join_timeout:.0f} s "
+                    "of being stopped; its thread is left to finish that batch", RuntimeWarning, stacklevel=2)
+        self._drain()
+        try:
+            self.out.put_nowait((_END, None))  # a get waiting in another thread ends
+        except queue.Full:  # the producer still runs (its own thread closed it, or it did not stop in time)
+            pass
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                self.out.get_nowait()
+            except queue.Empty:
+                return
+
+
+_PREFETCHERS: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_prefetchers() -> None:
+    """Live prefetchers (a loop left with its iterator still referenced) stopped while their modules still work."""
+    for prefetcher in list(_PREFETCHERS):
+        prefetcher.close()
+
+
 def prefetched(it: Iterator, depth: int, stateful: Stateful | None = None, join_timeout: float = 60.0,
                name: str = "packer-prefetch") -> Generator[tuple[Any, Any], None, None]:
-    """``(item, state)`` for each item of ``it``, pulled up to ``depth`` ahead by a thread of its own.
-
-    ``state``: ``stateful.state_dict()`` taken right after the item was pulled (None without one). The
-    thread stops and is joined when ``it`` ends or raises (raised again here, with its traceback), and
-    when this generator is closed or collected (the consumer broke out or raised).
-    """
-    out: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    thread = threading.Thread(target=_produce, args=(it, out, stop, stateful), name=name, daemon=True)
+    """``Prefetcher``'s items as a generator: its thread stops and is joined when ``it`` ends or raises (raised
+    again here), and when this generator is closed or collected (the consumer broke out or raised)."""
+    feed = Prefetcher(it, depth, stateful, join_timeout, name)
     del it
-    thread.start()
     try:
         while True:
-            item, state = out.get()
-            if item is _END:
+            try:
+                item, state = feed.get()
+            except StopIteration:
                 return
-            if isinstance(item, _Raised):
-                raise item.exc
             yield item, state
     finally:
-        stop.set()
-        while True:  # unblock a producer waiting on a full queue
-            try:
-                out.get_nowait()
-            except queue.Empty:
-                break
-        thread.join(join_timeout)
-        if thread.is_alive():
-            warnings.warn(
-                f"{name}: the loader did not return a batch within {join_timeout:.0f} s "
-                "of being stopped; its thread is left to finish that batch", RuntimeWarning, stacklevel=2)
+        feed.close()
 
 
 class BackgroundLoader:

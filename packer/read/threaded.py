@@ -15,14 +15,14 @@ compiled extension in one call. Figures: docs/results.md.
 
 from __future__ import annotations
 
+import atexit
 import copy
-import sys
 import threading
 import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,10 +32,11 @@ from torch.utils.data._utils.collate import default_convert
 
 from packer import sysinfo
 from packer.errors import PackerError
+from packer.read.blockpool import pool_of
 from packer.read.collate import collate as packer_collate
 from packer.read.hints import aheads_of
 from packer.read.intraop import serial_ops
-from packer.read.loaders import map_tensors, prefetched
+from packer.read.loaders import Prefetcher, map_tensors
 from packer.read.readahead import Pending
 from packer.read.resume import Stateful
 from packer.read.staged import StagedDataset, pixels_in_slot
@@ -47,56 +48,6 @@ CHUNKS_PER_THREAD = 2  # a batch is cut into threads x this many chunks: enough 
 # Batches whose reads are queued beyond the one being decoded: enough to keep a slow device busy while a
 # batch waits for its turn (emulated hard disk, block order: docs/results.md), few enough to stay in the page cache.
 READ_AHEAD_BATCHES = 4
-
-
-class BlockPool:
-    """Batch memory used again once nothing holds a batch made from it.
-
-    Fresh memory costs a page fault per 4 KiB page on first touch (decoding 64 photos of 500x375 into
-    a new block: ~25 % more CPU than into memory touched before; docs/results.md). A block is a numpy
-    array that every tensor made from it keeps alive (``torch.from_numpy``): when only this pool still
-    refers to it, no batch, view or copy-free conversion of one is left, and it is handed out again.
-    One pool per dataset, for every ThreadLoader over it (``pool_of``): kept across epochs and loaders (a
-    new pool per epoch: ~5 % more CPU on 1,500 photos, docs/results.md), so ``take`` may be called by two
-    feeders at once: it holds a lock.
-    """
-
-    def __init__(self, keep: int) -> None:
-        self.keep = keep  # blocks remembered; beyond them new blocks are left to the garbage collector
-        self.blocks: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A flat uint8 tensor of ``nbytes``, in a free block where one is large enough."""
-        with self._lock:  # a block found free is taken (referred to by the tensor) before another feeder looks
-            return self._take(nbytes)
-
-    def _take(self, nbytes: int) -> torch.Tensor:
-        for k in range(len(self.blocks)):
-            # references: the list's, and getrefcount's argument
-            if self.blocks[k].nbytes >= nbytes and sys.getrefcount(self.blocks[k]) == 2:
-                return torch.from_numpy(self.blocks[k])[:nbytes]
-        block = np.empty(max([nbytes, *(b.nbytes for b in self.blocks)]), dtype=np.uint8)
-        free = [k for k in range(len(self.blocks)) if sys.getrefcount(self.blocks[k]) == 2]
-        if len(self.blocks) < self.keep:
-            self.blocks.append(block)
-        elif free:
-            self.blocks[free[0]] = block  # a free one too small: replaced by the larger one
-        return torch.from_numpy(block)[:nbytes]
-
-
-_POOLS: weakref.WeakKeyDictionary[StagedDataset, BlockPool] = weakref.WeakKeyDictionary()
-_POOLS_LOCK = threading.Lock()
-
-
-def pool_of(ds: StagedDataset, keep: int) -> BlockPool:
-    """The batch memory of ``ds``'s ThreadLoaders (kept while ``ds`` lives), remembering at least ``keep`` blocks."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(ds)
-        if pool is None:
-            pool = _POOLS[ds] = BlockPool(keep)
-        pool.keep = max(pool.keep, keep)
-        return pool
 
 
 class _Batch:
@@ -232,8 +183,9 @@ def _start_batch(ds: StagedDataset, idx: np.ndarray, pending: Pending | None, po
 class _Epoch:
     """One iteration of a ThreadLoader, with a DataLoader iterator's behaviour: the shuffle's seed is drawn when it
     is made; a batch that fails is raised in its turn and the next call goes on with the next batch (a sampler
-    that fails ends it); stopped early (``close``, or dropped), its threads are joined and the fused crops drawn
-    for batches never handed out are given back, so the next epoch's crops are a worker-less DataLoader's."""
+    that fails ends it); stopped early (``close`` from any thread, or dropped), its threads are joined and the fused
+    crops drawn for batches never handed out are given back, so the next epoch's crops are a worker-less
+    DataLoader's."""
 
     def __init__(self, loader: ThreadLoader) -> None:
         self.done, self.feed, self.pool = True, None, None  # until made: nothing to close
@@ -246,9 +198,11 @@ class _Epoch:
         self.crop = loader.dataset.crop_stream()
         self.marks: list[object] = []  # the crop stream's position before each batch's windows were drawn
         self.handed = 0
+        self.threads: set[int] = set()  # the decode threads' idents
         self.pool: ThreadPoolExecutor | None = None
-        self.feed: Iterator | None = None
+        self.feed: Prefetcher | None = None
         self.done = False
+        _EPOCHS.add(self)
 
     def __iter__(self) -> _Epoch:
         return self
@@ -257,13 +211,12 @@ class _Epoch:
         if self.done:
             raise StopIteration
         if self.feed is None:  # the first batch: the sampler is started in the feeder thread, as late as DataLoader's
-            # torch ops in a decode thread (the fused crop's resize) run on that thread alone: no OpenMP per op
             self.pool = ThreadPoolExecutor(self.loader.num_threads, thread_name_prefix="packer-decode",
-                                           initializer=serial_ops)
-            self.feed = prefetched(_feed(self.loader, self.pool, self.stateful, self.crop, self.marks),
+                                           initializer=_decode_thread, initargs=(self.threads,))
+            self.feed = Prefetcher(_feed(self.loader, self.pool, self.stateful, self.crop, self.marks),
                                    self.loader.prefetch_batches, name="packer-ThreadLoader")
         try:
-            (job, state), _ = next(self.feed)
+            (job, state), _ = self.feed.get()
         except BaseException:  # the end, or the sampler failed
             self.close()
             raise
@@ -273,26 +226,59 @@ class _Epoch:
         try:
             return job.result(loader.collate_fn or (default_convert if loader.unbatched else packer_collate),
                               loader.pin_memory, loader.unbatched)
-        except BaseException:
+        except BaseException as exc:
+            closed = self.done and isinstance(exc, CancelledError)  # closed from another thread meanwhile
             # The traceback keeps this frame: without the epoch in it, an epoch the caller let go of (the error
             # left the for loop) is closed and its threads joined now, not when the error is forgotten.
             del self, loader
+            if closed:
+                raise StopIteration from None
             raise
 
     def close(self) -> None:
-        """Stop: the feeder and decode threads joined, the crops drawn for batches not handed out given back."""
+        """Stop, from any thread: the feeder and decode threads joined, the crops drawn for batches not handed out
+        given back. In one of its own threads (a reference cycle collected there), a thread of its own does it."""
         if self.done:
             return
         self.done = True
-        if self.feed is not None:
-            self.feed.close()  # type: ignore[attr-defined]  # joins the feeder: no new chunks, no new draws
-        if self.pool is not None:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-        if self.crop is not None and len(self.marks) > self.handed and self.marks[self.handed] is not None:
-            self.crop.rewind(self.marks[self.handed])
+        here = threading.get_ident()
+        if self.feed is not None and (here == self.feed.thread.ident or here in self.threads):
+            threading.Thread(target=self._stop, name="packer-close", daemon=True).start()
+        else:
+            self._stop()
+
+    def _stop(self) -> None:
+        try:
+            if self.feed is not None:
+                self.feed.close()  # joins the feeder: no new chunks, no new draws
+            if self.pool is not None:
+                self.pool.shutdown(wait=True, cancel_futures=True)
+        finally:
+            feeding = self.feed is not None and self.feed.thread.is_alive()  # it did not stop in time: no rewind
+            if self.crop is not None and not feeding and len(self.marks) > self.handed:
+                mark = self.marks[self.handed]
+                if mark is not None:
+                    self.crop.rewind(mark)
 
     def __del__(self) -> None:
         self.close()
+
+
+_EPOCHS: weakref.WeakSet[_Epoch] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_epochs() -> None:
+    """Live iterations (kept referenced at exit) stopped while their modules still work."""
+    for epoch in list(_EPOCHS):
+        epoch.close()
+
+
+def _decode_thread(idents: set[int]) -> None:
+    """A decode thread's start: known to its epoch (which must not join it from it), torch ops on it alone (the
+    fused crop's resize: no OpenMP team per op)."""
+    idents.add(threading.get_ident())
+    serial_ops()
 
 
 def _feed(loader: ThreadLoader, pool: ThreadPoolExecutor, stateful: Stateful | None, crop: CropDecode | None,

@@ -220,7 +220,7 @@ def test_arguments_are_checked(packed):
 
 
 def test_batch_memory_is_used_again_only_once_nothing_holds_it():
-    from packer.read.threaded import BlockPool
+    from packer.read.blockpool import BlockPool
 
     pool = BlockPool(keep=3)
     first = pool.take(100)
@@ -240,7 +240,7 @@ def test_batch_memory_is_used_again_only_once_nothing_holds_it():
 def test_batch_memory_is_used_again_across_epochs_and_loaders(packed):
     """A dataset's ThreadLoaders share its batch memory: a new epoch, or a new loader, decodes into blocks an
     earlier one made (fresh memory costs a page fault per page), and two iterations at once get apart blocks."""
-    from packer.read.threaded import pool_of
+    from packer.read.blockpool import pool_of
 
     ds = open_dataset(packed["memmap"], image="tensor", crop=packer.RandomResizedCropDecode(16, seed=0))
     loader = ThreadLoader(ds, batch_size=8, num_threads=2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -169,3 +170,94 @@ def test_pin_memory_pins_every_tensor_as_a_dataloader_does(packed, crop):
     for images, labels in ThreadLoader(ds, batch_size=4, pin_memory=True):
         assert labels.is_pinned()
         assert all(img.is_pinned() for img in (images if isinstance(images, list) else [images]))
+
+
+class SlowSampler:
+    """Indices one at a time, slowly: the feeder (and the loop waiting on it) is busy when close() comes."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        for i in range(self.n):
+            time.sleep(0.02)
+            yield i
+
+    def __len__(self) -> int:
+        return self.n
+
+
+@pytest.mark.parametrize("waiting_on", ["feeder", "decoding"])
+def test_close_from_another_thread_ends_the_loop_cleanly(packed, waiting_on):
+    """A watchdog calling loader.close() while the loop waits (on the feeder, or on a batch's decoding): the loop
+    ends as if the epoch were over, no error (it was "generator already executing", or CancelledError)."""
+    slow = waiting_on == "decoding"
+    ds = open_dataset(packed["good"], image="tensor", target_transform=(lambda t: time.sleep(0.5) or t) if slow
+                      else None)
+    loader = ThreadLoader(ds, batch_size=2, num_threads=1, prefetch_batches=1,
+                          sampler=None if slow else SlowSampler(len(ds)))
+    closed: list = []
+    watchdog = threading.Timer(0.3, lambda: closed.append(loader.close()))
+    watchdog.start()
+    got = sum(1 for _ in loader)
+    watchdog.join()
+    assert closed == [None] and got < len(loader)
+    assert loader_threads() == []
+
+
+def test_an_epoch_collected_in_its_own_decode_thread_closes_without_error(packed):
+    """A reference cycle holding an iteration, collected by a GC pass that runs in one of its decode threads: no
+    thread joins itself ("cannot join current thread" was printed, and the crops were not given back)."""
+    import gc
+    import sys
+
+    raised: list = []
+    collect = {"now": False}
+
+    def in_decode_thread(target):
+        if collect["now"] and threading.current_thread().name.startswith("packer-decode"):
+            collect["now"] = False
+            gc.collect()
+        return target
+
+    ds = open_dataset(packed["good"], image="tensor", target_transform=in_decode_thread)
+    hook, sys.unraisablehook = sys.unraisablehook, raised.append
+    gc.disable()
+    try:
+        holder: dict = {}
+        holder["self"], holder["it"] = holder, iter(ThreadLoader(ds, batch_size=4, num_threads=2))
+        next(holder["it"])
+        del holder
+        collect["now"] = True
+        list(ThreadLoader(ds, batch_size=4, num_threads=2))  # its decode threads run the collection
+        deadline = time.monotonic() + 30
+        while loader_threads() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        gc.enable()
+        sys.unraisablehook = hook
+    assert not collect["now"] and raised == [] and loader_threads() == []
+
+
+EXIT = """
+import sys
+import packer
+ds = packer.open_dataset(sys.argv[1], image="tensor")
+kept = iter(packer.ThreadLoader(ds, batch_size=4))
+next(kept)
+cycle = {}
+cycle["self"], cycle["it"] = cycle, iter(packer.BackgroundLoader(packer.ThreadLoader(ds, batch_size=4)))
+next(cycle["it"])
+print("exiting")
+"""
+
+
+def test_exiting_with_live_iterations_is_quiet(packed):
+    """Live iterations at exit are stopped before the modules they need are torn down (it printed "Exception
+    ignored ... 'NoneType' object has no attribute 'Empty'")."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", EXIT, str(packed["good"])], capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout == "exiting\n" and res.stderr == "", res.stderr
