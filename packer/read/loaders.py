@@ -60,6 +60,9 @@ def _produce(it: Iterator, out: queue.Queue, stop: threading.Event, loader: Stat
         del it  # drop the loader's iterator in this thread (DataLoader workers shut down with it)
 
 
+EXIT_JOIN_S = 1.0  # how long a producer is waited for at interpreter exit (its thread is a daemon)
+
+
 class Prefetcher:
     """``(item, state)`` for each item of ``it``, pulled up to ``depth`` ahead by a thread of its own (``state``:
     ``stateful.state_dict()`` taken right after the item was pulled; None without one).
@@ -70,8 +73,11 @@ class Prefetcher:
     the modules they need are torn down.
     """
 
+    exiting = False  # set at interpreter exit: producers are waited for EXIT_JOIN_S at most
+
     def __init__(self, it: Iterator, depth: int, stateful: Stateful | None = None, join_timeout: float = 60.0,
                  name: str = "packer-prefetch") -> None:
+        self.closed = True  # until made: nothing to close
         self.out: queue.Queue = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
         self.ended = self.closed = False
@@ -88,8 +94,8 @@ class Prefetcher:
         item, state = self.out.get()
         if item is _END or isinstance(item, _Raised):
             self.ended = True
+            self.out.put_nowait((_END, None))  # a get waiting in another thread ends (the producer has returned)
             if item is _END:
-                self.out.put_nowait((_END, None))  # for a get waiting in another thread
                 raise StopIteration
             raise item.exc
         return item, state
@@ -101,8 +107,9 @@ class Prefetcher:
         self.stop.set()
         self._drain()  # unblock a producer waiting on a full queue
         if self.thread is not threading.current_thread():
-            self.thread.join(self.join_timeout)
-            if self.thread.is_alive():
+            # at exit, a producer stuck in its loader (a stalled stream) must not hold the interpreter for long
+            self.thread.join(EXIT_JOIN_S if Prefetcher.exiting else self.join_timeout)
+            if self.thread.is_alive() and not Prefetcher.exiting:
                 warnings.warn(
                     f"{self.name}: the loader did not return a batch within {self.join_timeout:.0f} s "
                     "of being stopped; its thread is left to finish that batch", RuntimeWarning, stacklevel=2)
@@ -111,6 +118,9 @@ class Prefetcher:
             self.out.put_nowait((_END, None))  # a get waiting in another thread ends
         except queue.Full:  # the producer still runs (its own thread closed it, or it did not stop in time)
             pass
+
+    def __del__(self) -> None:
+        self.close()
 
     def _drain(self) -> None:
         while True:
@@ -126,6 +136,7 @@ _PREFETCHERS: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
 @atexit.register
 def _close_prefetchers() -> None:
     """Live prefetchers (a loop left with its iterator still referenced) stopped while their modules still work."""
+    Prefetcher.exiting = True
     for prefetcher in list(_PREFETCHERS):
         prefetcher.close()
 

@@ -189,6 +189,7 @@ class _Epoch:
 
     def __init__(self, loader: ThreadLoader) -> None:
         self.done, self.feed, self.pool = True, None, None  # until made: nothing to close
+        self.lock = threading.Lock()  # starting and closing: a close racing the first next() stops what it starts
         self.loader = loader
         self.stateful = loader._stateful_or_none()
         if self.stateful is not None:
@@ -208,39 +209,45 @@ class _Epoch:
         return self
 
     def __next__(self) -> Any:
-        if self.done:
-            raise StopIteration
-        if self.feed is None:  # the first batch: the sampler is started in the feeder thread, as late as DataLoader's
-            self.pool = ThreadPoolExecutor(self.loader.num_threads, thread_name_prefix="packer-decode",
-                                           initializer=_decode_thread, initargs=(self.threads,))
-            self.feed = Prefetcher(_feed(self.loader, self.pool, self.stateful, self.crop, self.marks),
-                                   self.loader.prefetch_batches, name="packer-ThreadLoader")
+        with self.lock:
+            if self.done:
+                raise StopIteration
+            if self.feed is None:  # the first batch: the sampler starts in the feeder thread, as late as DataLoader's
+                self.pool = ThreadPoolExecutor(self.loader.num_threads, thread_name_prefix="packer-decode",
+                                               initializer=_decode_thread, initargs=(self.threads,))
+                self.feed = Prefetcher(_feed(self.loader, self.pool, self.stateful, self.crop, self.marks),
+                                       self.loader.prefetch_batches, name="packer-ThreadLoader")
+            feed = self.feed
         try:
-            (job, state), _ = self.feed.get()
+            (job, state), _ = feed.get()
         except BaseException:  # the end, or the sampler failed
             self.close()
             raise
-        self.handed += 1
         loader = self.loader
-        loader._state = state
         try:
-            return job.result(loader.collate_fn or (default_convert if loader.unbatched else packer_collate),
-                              loader.pin_memory, loader.unbatched)
+            batch = job.result(loader.collate_fn or (default_convert if loader.unbatched else packer_collate),
+                               loader.pin_memory, loader.unbatched)
         except BaseException as exc:
-            closed = self.done and isinstance(exc, CancelledError)  # closed from another thread meanwhile
+            if self.done and isinstance(exc, CancelledError):  # closed from another thread: not handed out
+                del self, loader
+                raise StopIteration from None
+            self.handed += 1  # a batch that fails counts as taken, as a DataLoader's: its state moves on
+            loader._state = state
             # The traceback keeps this frame: without the epoch in it, an epoch the caller let go of (the error
             # left the for loop) is closed and its threads joined now, not when the error is forgotten.
             del self, loader
-            if closed:
-                raise StopIteration from None
             raise
+        self.handed += 1
+        loader._state = state
+        return batch
 
     def close(self) -> None:
         """Stop, from any thread: the feeder and decode threads joined, the crops drawn for batches not handed out
         given back. In one of its own threads (a reference cycle collected there), a thread of its own does it."""
-        if self.done:
-            return
-        self.done = True
+        with self.lock:
+            if self.done:
+                return
+            self.done = True
         here = threading.get_ident()
         if self.feed is not None and (here == self.feed.thread.ident or here in self.threads):
             threading.Thread(target=self._stop, name="packer-close", daemon=True).start()
@@ -270,6 +277,7 @@ _EPOCHS: weakref.WeakSet[_Epoch] = weakref.WeakSet()
 @atexit.register
 def _close_epochs() -> None:
     """Live iterations (kept referenced at exit) stopped while their modules still work."""
+    Prefetcher.exiting = True
     for epoch in list(_EPOCHS):
         epoch.close()
 

@@ -261,3 +261,89 @@ def test_exiting_with_live_iterations_is_quiet(packed):
     res = subprocess.run([sys.executable, "-c", EXIT, str(packed["good"])], capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 0 and res.stdout == "exiting\n" and res.stderr == "", res.stderr
+
+
+def test_a_batch_cancelled_by_close_is_not_counted_as_handed_out(packed):
+    """close() from a watchdog while the first batch decodes: the loop ends, and the saved position is still the
+    epoch's start (it had counted the batch it never handed out: a resumed job would skip it)."""
+    ds = open_dataset(packed["good"], image="tensor", target_transform=lambda t: time.sleep(0.5) or t)
+    sampler = packer.BlockShuffleSampler(ds, batch_size=2, seed=0)
+    loader = ThreadLoader(ds, batch_size=2, sampler=sampler, num_threads=1, prefetch_batches=1)
+    start = loader.state_dict()
+    watchdog = threading.Timer(0.3, loader.close)
+    watchdog.start()
+    assert sum(1 for _ in loader) == 0
+    watchdog.join()
+    assert loader.state_dict() == start and loader_threads() == []
+
+
+def test_close_racing_the_first_next_stops_what_it_starts(packed, monkeypatch):
+    """close() while the first next() is starting the threads: the threads it started stop too."""
+    from packer.read import threaded
+
+    real = threaded.ThreadPoolExecutor
+
+    def slow_to_start(*args, **kwargs):
+        time.sleep(0.3)  # the close comes now
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(threaded, "ThreadPoolExecutor", slow_to_start)
+    loader = ThreadLoader(open_dataset(packed["good"], image="tensor"), batch_size=2)
+    watchdog = threading.Timer(0.1, loader.close)
+    watchdog.start()
+    assert sum(1 for _ in loader) <= 1
+    watchdog.join()
+    assert loader_threads() == []
+
+
+STALLED = """
+import sys, time
+import packer
+
+def stalled():
+    yield 0
+    time.sleep(60)  # a stream that stopped sending
+    yield 1
+
+it = iter(packer.BackgroundLoader(stalled(), depth=1))
+print(next(it))
+"""
+
+
+def test_exit_does_not_wait_long_for_a_stalled_loader():
+    """An iteration kept referenced at exit over a loader that stalls: the interpreter waits a second for it, not
+    the 60 s a training-time close waits."""
+    import subprocess
+    import sys
+
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", STALLED], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout == "0\n" and time.monotonic() - t0 < 30, res.stderr
+
+
+def test_a_prefetcher_ends_every_waiting_consumer_and_stops_when_dropped():
+    from packer.read.loaders import Prefetcher
+
+    def failing():
+        time.sleep(0.2)  # both consumers wait by then
+        raise ValueError("source broke")
+        yield  # a generator
+
+    feed = Prefetcher(failing(), depth=1)
+    outcomes: list = []
+
+    def consume():
+        try:
+            feed.get()
+        except BaseException as exc:  # noqa: BLE001 - recorded
+            outcomes.append(type(exc).__name__)
+
+    consumers = [threading.Thread(target=consume) for _ in range(2)]
+    for c in consumers:
+        c.start()
+    for c in consumers:
+        c.join(10)
+    assert sorted(outcomes) == ["StopIteration", "ValueError"]
+    endless = Prefetcher(iter(range(10**9)), depth=2, name="packer-ThreadLoader")  # dropped without close()
+    del endless
+    assert loader_threads() == []
