@@ -94,7 +94,10 @@ class Prefetcher:
         item, state = self.out.get()
         if item is _END or isinstance(item, _Raised):
             self.ended = True
-            self.out.put_nowait((_END, None))  # a get waiting in another thread ends (the producer has returned)
+            try:
+                self.out.put_nowait((_END, None))  # a get waiting in another thread ends (the producer has returned)
+            except queue.Full:  # close() put one there meanwhile
+                pass
             if item is _END:
                 raise StopIteration
             raise item.exc
