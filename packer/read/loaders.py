@@ -86,7 +86,7 @@ class Prefetcher:
                                        daemon=True)
         del it
         self.thread.start()
-        _PREFETCHERS.add(self)
+        close_at_exit(self)
 
     def get(self) -> tuple[Any, Any]:
         if self.ended:
@@ -133,15 +133,20 @@ class Prefetcher:
                 return
 
 
-_PREFETCHERS: weakref.WeakSet[Prefetcher] = weakref.WeakSet()
+_AT_EXIT: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def close_at_exit(obj: Any) -> None:
+    """``obj.close()`` at interpreter exit if it still lives (a loop left with its iterator still referenced):
+    while the modules its threads need still work, producers waited for ``EXIT_JOIN_S`` at most."""
+    _AT_EXIT.add(obj)
 
 
 @atexit.register
-def _close_prefetchers() -> None:
-    """Live prefetchers (a loop left with its iterator still referenced) stopped while their modules still work."""
+def _close_live() -> None:
     Prefetcher.exiting = True
-    for prefetcher in list(_PREFETCHERS):
-        prefetcher.close()
+    for obj in list(_AT_EXIT):
+        obj.close()
 
 
 def prefetched(it: Iterator, depth: int, stateful: Stateful | None = None, join_timeout: float = 60.0,

@@ -15,7 +15,6 @@ compiled extension in one call. Figures: docs/results.md.
 
 from __future__ import annotations
 
-import atexit
 import copy
 import threading
 import warnings
@@ -36,7 +35,7 @@ from packer.read.blockpool import pool_of
 from packer.read.collate import collate as packer_collate
 from packer.read.hints import aheads_of
 from packer.read.intraop import serial_ops
-from packer.read.loaders import Prefetcher, map_tensors
+from packer.read.loaders import Prefetcher, close_at_exit, map_tensors
 from packer.read.readahead import Pending
 from packer.read.resume import Stateful
 from packer.read.staged import StagedDataset, pixels_in_slot
@@ -188,7 +187,9 @@ class _Epoch:
     DataLoader's."""
 
     def __init__(self, loader: ThreadLoader) -> None:
-        self.done, self.feed, self.pool = True, None, None  # until made: nothing to close
+        self.done = True  # until made: nothing to close
+        self.feed: Prefetcher | None = None
+        self.pool: ThreadPoolExecutor | None = None
         self.lock = threading.Lock()  # starting and closing: a close racing the first next() stops what it starts
         self.loader = loader
         self.stateful = loader._stateful_or_none()
@@ -200,10 +201,8 @@ class _Epoch:
         self.marks: list[object] = []  # the crop stream's position before each batch's windows were drawn
         self.handed = 0
         self.threads: set[int] = set()  # the decode threads' idents
-        self.pool: ThreadPoolExecutor | None = None
-        self.feed: Prefetcher | None = None
         self.done = False
-        _EPOCHS.add(self)
+        close_at_exit(self)
 
     def __iter__(self) -> _Epoch:
         return self
@@ -271,17 +270,6 @@ class _Epoch:
         self.close()
 
 
-_EPOCHS: weakref.WeakSet[_Epoch] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_epochs() -> None:
-    """Live iterations (kept referenced at exit) stopped while their modules still work."""
-    Prefetcher.exiting = True
-    for epoch in list(_EPOCHS):
-        epoch.close()
-
-
 def _decode_thread(idents: set[int]) -> None:
     """A decode thread's start: known to its epoch (which must not join it from it), torch ops on it alone (the
     fused crop's resize: no OpenMP team per op)."""
@@ -318,10 +306,10 @@ class ThreadLoader:
     ``DataLoader(dataset, ..., collate_fn=packer.collate)``, except that a stacked image batch is a
     channels-last view (``images.permute(0, 3, 1, 2)`` of an NHWC block; ``.contiguous()`` makes it
     NCHW); its iterator behaves as a DataLoader's (``_Epoch``). Call ``set_epoch`` on the sampler as with a
-    DataLoader. ``state_dict()`` works over a
-    sampler or batch sampler that has one (``BlockShuffleSampler``, ``BlockBatchSampler``): the
-    position after the last batch handed out, not after those read ahead. The batch memory (up to
-    ``prefetch_batches + 3`` batches) stays with the dataset for its next epoch and its other ThreadLoaders.
+    DataLoader. ``state_dict()`` works over a sampler or batch sampler that has one (``BlockShuffleSampler``,
+    ``BlockBatchSampler``): the position after the last batch handed out, not after those read ahead. The batch
+    memory (up to ``prefetch_batches + 3`` batches) stays with the dataset for its next epoch and its other
+    ThreadLoaders.
     """
 
     def __init__(
