@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import io
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -177,6 +177,7 @@ class _Maps:
     shapes: np.ndarray | None
     start: int  # where the data begin in the file (the .npy header's length)
     files: list  # the mapped files, kept open for the size checks
+    checks: list = field(default_factory=list)  # (fd, manifest size, path) per mapped file, made once
 
 
 class Reader(ShardReader):
@@ -201,7 +202,9 @@ class Reader(ShardReader):
     def _open(self) -> _Maps:
         files: list = []
         try:
-            return self._open_maps(files)
+            m = self._open_maps(files)
+            m.checks = [(fh.fileno(), self.sizes[Path(fh.name)], fh.name) for fh in m.files]
+            return m
         except BaseException:
             for fh in files:
                 fh.close()
@@ -233,8 +236,8 @@ class Reader(ShardReader):
     def _get(self) -> _Maps:
         """The maps, every mapped file seen to have kept the manifest's size."""
         m = self._maps.get(self._open)
-        for fh in m.files:
-            check_size(fh.fileno(), self.sizes[Path(fh.name)], fh.name)
+        for fd, expected, name in m.checks:
+            check_size(fd, expected, name)
         return m
 
     def __len__(self) -> int:

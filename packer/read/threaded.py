@@ -167,12 +167,17 @@ def _start_batch(ds: StagedDataset, idx: np.ndarray, pending: Pending | None, po
     arrival = file_order[waits] if len(waits) else file_order
     cuts = np.linspace(0, len(positions), min(len(positions), threads * CHUNKS_PER_THREAD) + 1)
     bounds = np.unique(cuts.astype(np.int64)).tolist()
+    # bytes all in already (warm, or read ahead in time): read in one call, not one per chunk
+    every = ds.payloads_at(idx[arrival], pending=Pending.ready(len(arrival))) if pending is None or pending.done() \
+        else None
     futures, places = [], []
     for a, b in zip(bounds[:-1], bounds[1:]):
-        if pending is not None:
-            pending.wait(max(waits[a:b], key=pending.need.__getitem__))
         chunk = arrival[a:b]
-        payloads = ds.payloads_at(idx[chunk], pending=Pending.ready(len(chunk)))
+        if every is not None:
+            payloads = every[a:b]
+        else:
+            pending.wait(max(waits[a:b], key=pending.need.__getitem__))  # type: ignore[union-attr]
+            payloads = ds.payloads_at(idx[chunk], pending=Pending.ready(len(chunk)))
         futures.append(pool.submit(_decode, ds, idx[chunk].tolist(), payloads, [slots[k] for k in chunk],
                                    None if windows is None else [windows[k] for k in chunk]))
         places.append(chunk.tolist())

@@ -143,10 +143,17 @@ def test_state_dict_resumes_after_the_last_batch_handed_out(packed):
         ThreadLoader(ds, batch_size=2).state_dict()
 
 
-def test_reads_are_queued_batches_ahead_in_the_order_decoded(packed, monkeypatch):
-    """Each batch's reads start READ_AHEAD_BATCHES batches before it is decoded, in batch order; its chunks are
-    taken in the order their bytes arrive, each once its bytes are in, from those very reads (not read again)."""
+@pytest.mark.parametrize("arrived", [True, False])
+def test_reads_are_queued_batches_ahead_in_the_order_decoded(packed, monkeypatch, arrived):
+    """Each batch's reads start READ_AHEAD_BATCHES batches before it is decoded, in batch order; a batch whose
+    bytes are all in when its turn comes is taken in one call, else (``arrived=False``: reads seen unfinished) its
+    chunks are taken in the order their bytes arrive, each once its bytes are in; from those very reads either way
+    (not read again)."""
     from packer.read import threaded
+    from packer.read.readahead import Pending
+
+    if not arrived:
+        monkeypatch.setattr(Pending, "done", lambda self: False)
 
     ds = open_dataset(packed["memmap"], image="tensor")
     events: list = []
@@ -172,11 +179,11 @@ def test_reads_are_queued_batches_ahead_in_the_order_decoded(packed, monkeypatch
     assert [e[1] for e in starts] == batches and all(e[2] is not None for e in starts)
     takes = [e for e in events if e[0] == "take"]
     k = 0
-    for batch in batches:  # each batch's chunks (threads x CHUNKS_PER_THREAD), in file order here
-        chunks = takes[k : k + min(len(batch), 2 * threaded.CHUNKS_PER_THREAD)]
+    for batch in batches:  # one take, or each chunk's (threads x CHUNKS_PER_THREAD), in file order here
+        chunks = takes[k : k + (1 if arrived else min(len(batch), 2 * threaded.CHUNKS_PER_THREAD))]
         k += len(chunks)
         assert sum((c[1] for c in chunks), []) == sorted(batch)
-        assert all(c[2].done() and not c[2].spans for c in chunks)  # waited for already: nothing read again
+        assert all(not c[2].spans for c in chunks)  # waited for already: nothing read again
     assert k == len(takes)
     ahead = min(threaded.READ_AHEAD_BATCHES + 1, len(batches))
     assert len(batches) > ahead and [e[0] for e in events[: ahead + 1]] == ["start"] * ahead + ["take"]
