@@ -82,22 +82,31 @@ class PageCache:
     def resident(self, starts: np.ndarray, ends: np.ndarray) -> bool:
         """True when every byte of every range [starts[k], ends[k]) of the file is in the page cache."""
         with self._lock:
-            return self._resident(starts, ends)
+            each = self._resident_each(starts, ends)
+        return each is not None and bool(each.all())
 
-    def _resident(self, starts: np.ndarray, ends: np.ndarray) -> bool:
+    def resident_each(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Per range [starts[k], ends[k]) of the file, whether all its bytes are in the page cache (an empty range:
+        yes; where the kernel can't be asked, or a range lies past the end: no)."""
+        with self._lock:
+            each = self._resident_each(starts, ends)
+        return np.zeros(len(starts), dtype=bool) if each is None else each
+
+    def _resident_each(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
+        """Per range, all its pages cached; None: not known (no mincore, no map, nothing asked, past the end)."""
         libc = _LIBC
         if libc is None or self._failed or not len(starts) or (self._map is None and not self._open()):
-            return False
+            return None
         starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
-        keep = ends > starts
-        starts, ends = starts[keep], ends[keep]
-        if not len(starts):
-            return True
-        lo, hi = starts // PAGE, (ends - 1) // PAGE + 1  # pages [lo, hi) of each range
+        out = np.ones(len(starts), dtype=bool)  # an empty range has nothing to read
+        keep = np.flatnonzero(ends > starts)
+        if not len(keep):
+            return out
+        lo, hi = starts[keep] // PAGE, (ends[keep] - 1) // PAGE + 1  # pages [lo, hi) of each range
         if int(hi.max()) * PAGE > self._size + PAGE - 1:
-            return False  # past the end of the file as mapped: the reader's own checks will say why
+            return None  # past the end of the file as mapped: the reader's own checks will say why
         if self._whole_file_resident(int(lo[0]), int(hi[0])):
-            return True
+            return out
         order = np.argsort(lo, kind="stable")
         lo, hi = lo[order], hi[order]
         reach = np.maximum.accumulate(hi)
@@ -109,11 +118,12 @@ class PageCache:
         addr = self._answer(int(at[-1]))
         for f, n, a in zip(first.tolist(), (last - first).tolist(), at[:-1].tolist()):
             if libc.mincore(self._base + f * PAGE, n * PAGE, addr + a) != 0:
-                return False
-        # one check for all ranges: each range's pages, placed in its hull's answer, all cached
+                return None
+        # each range's pages, placed in its hull's answer, all cached: counted at once from a running sum
         cached = np.concatenate(([0], np.cumsum(self._vec[:int(at[-1])] & 1)))
         shift = np.repeat(at[:-1] - first, tails - heads)
-        return bool(np.all(cached[hi + shift] - cached[lo + shift] == hi - lo))
+        out[keep[order]] = cached[hi + shift] - cached[lo + shift] == hi - lo
+        return out
 
     def hull_resident(self, start: int, end: int) -> bool:
         """True when every page of bytes [start, end) is cached: one ``mincore`` call over the hull of a small
@@ -222,28 +232,34 @@ class SpanResidency:
         self.keep = keep
         self._files: PerProcess[_Files] = PerProcess(_Files, inherited=_Files.close)
 
-    def resident(self, spans: Sequence[Sequence[tuple[str, int, int]]]) -> bool:
-        """True when every range of every sample is cached; False when any is not, or a sample's are unknown."""
-        by_path: dict[str, tuple[list[int], list[int]]] = {}
-        for ranges in spans:
-            if not ranges:
-                return False
+    def each(self, spans: Sequence[Sequence[tuple[str, int, int]]]) -> np.ndarray:
+        """Per sample (its ranges, as ``ShardReader.file_spans`` gives them), True when every range is cached; False
+        when any is not, or its ranges are unknown (none given)."""
+        out = np.array([len(ranges) > 0 for ranges in spans], dtype=bool)
+        by_path: dict[str, tuple[list[int], list[int], list[int]]] = {}  # starts, ends, and whose range each is
+        for k, ranges in enumerate(spans):
             for path, start, end in ranges:
-                starts, ends = by_path.setdefault(path, ([], []))
+                starts, ends, owners = by_path.setdefault(path, ([], [], []))
                 starts.append(start)
                 ends.append(end)
+                owners.append(k)
         files = self._files.get()
         with files.lock:
-            for path, (starts, ends) in by_path.items():
-                cache = files.caches.pop(path, None) or PageCache(path)
-                files.caches[path] = cache  # now the most recently asked
-                while len(files.caches) > self.keep:
-                    files.caches.popitem(last=False)[1].close()
-                lo, hi = min(starts), max(ends)
-                if not (cache.hull_resident(lo, hi) if hi - lo <= HULL_BYTES else
-                        cache.resident(np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64))):
-                    return False
-        return True
+            for path, (starts, ends, owners) in by_path.items():
+                ok = self._ranges_each(files, path, np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64))
+                out[np.array(owners, dtype=np.int64)[~ok]] = False
+        return out
+
+    def _ranges_each(self, files: _Files, path: str, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Per range of ``path``, cached; through the file's PageCache, now the most recently asked."""
+        cache = files.caches.pop(path, None) or PageCache(path)
+        files.caches[path] = cache
+        while len(files.caches) > self.keep:
+            files.caches.popitem(last=False)[1].close()
+        lo, hi = int(starts.min()), int(ends.max())
+        if hi - lo <= HULL_BYTES and cache.hull_resident(lo, hi):  # one small call answers most batches
+            return np.ones(len(starts), dtype=bool)
+        return cache.resident_each(starts, ends)
 
     def close(self) -> None:
         """Drop this process's mappings."""

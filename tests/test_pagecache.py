@@ -1,4 +1,4 @@
-"""packer.pagecache and the readers' in_page_cache: read-ahead is skipped only for bytes the kernel holds."""
+"""packer.pagecache and the readers' ``cached``: read-ahead is skipped only for bytes the kernel holds."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_read_ahead_is_skipped_for_cached_bytes_only(tmp_path, fmt):
     idx = np.array([1, 7, 30])
     expected = [bytes(p) for p in ds.payloads_at(idx)]  # read once: cached
     reader = ds.store.readers[0]
-    assert reader.in_page_cache(idx.tolist())
+    assert reader.cached(idx.tolist()).all()
     assert not ds.start_reads(idx).spans  # warm: nothing read ahead
     pending = ds.read_ahead(idx.tolist())
     assert pending.spans  # asked for explicitly: planned all the same
@@ -54,7 +54,7 @@ def test_read_ahead_is_skipped_for_cached_bytes_only(tmp_path, fmt):
     if evict(files).fraction != 0.0:
         pytest.skip("this filesystem keeps the pages (tmpfs?): eviction cannot be shown")
     ds = open_dataset(ds.root)
-    assert not ds.store.readers[0].in_page_cache(idx.tolist())
+    assert not ds.store.readers[0].cached(idx.tolist()).all()
     assert ds.start_reads(idx).spans  # cold: read ahead
     assert [bytes(p) for p in ds.payloads_at(idx)] == expected
 
@@ -113,18 +113,18 @@ def test_span_residency_keeps_a_bounded_number_of_files_mapped(tmp_path):
         paths[-1].read_bytes()
     res = SpanResidency(keep=2)
     for p in paths:
-        assert res.resident([[(str(p), 0, PAGE)], [(str(p), 2 * PAGE, 3 * PAGE + 1)]])
+        assert res.each([[(str(p), 0, PAGE)], [(str(p), 2 * PAGE, 3 * PAGE + 1)]]).all()
     files = res._files.get()
     assert list(files.caches) == [str(paths[3]), str(paths[4])]  # the two asked last
-    assert res.resident([]) is True  # nothing asked: nothing missing
-    assert not res.resident([[(str(paths[0]), 0, PAGE)], []])  # a sample whose bytes are not known
+    assert res.each([]).tolist() == []  # nothing asked
+    assert res.each([[(str(paths[0]), 0, PAGE)], []]).tolist() == [True, False]  # the second's bytes not known
     restored = pickle.loads(pickle.dumps(res))  # a spawned worker's copy: empty, works on its own
-    assert restored._files.peek() is None and restored.resident([[(str(paths[1]), 0, 10)]])
+    assert restored._files.peek() is None and restored.each([[(str(paths[1]), 0, 10)]]).all()
     res.close()
     assert res._files.peek() is None
     if evict([paths[1]]).fraction != 0.0:
         pytest.skip("this filesystem keeps the pages (tmpfs?): eviction cannot be shown")
-    assert not restored.resident([[(str(paths[1]), 0, 10)], [(str(paths[2]), 0, 10)]])
+    assert not restored.each([[(str(paths[1]), 0, 10)], [(str(paths[2]), 0, 10)]]).all()
 
 
 def test_span_residency_asks_a_small_hull_in_one_call_and_a_large_file_range_by_range(tmp_path, monkeypatch):
@@ -142,17 +142,17 @@ def test_span_residency_asks_a_small_hull_in_one_call_and_a_large_file_range_by_
     far = [[(str(large), 0, PAGE)], [(str(large), pagecache.HULL_BYTES + 40 * PAGE, pagecache.HULL_BYTES + 41 * PAGE)]]
     evict([small, large])  # read back below: cached in read-ahead's folios, not in the writes' larger ones
     small.read_bytes(), large.read_bytes()
-    assert res.resident(near) and res.resident(far)
+    assert res.each(near).all() and res.each(far).all()
     for path, first in ((small, 32), (large, 16)):  # small: pages asked about; large: pages between the ranges
         with open(path, "rb") as fh:  # 16 aligned pages: a single one may share a large folio that stays
             os.posix_fadvise(fh.fileno(), first * PAGE, 16 * PAGE, os.POSIX_FADV_DONTNEED)
     if any(PageCache(path).resident(np.array([page * PAGE]), np.array([page * PAGE + 1]))
            for path, page in ((small, 40), (large, 20))):
         pytest.skip("this filesystem keeps the pages (tmpfs?): eviction cannot be shown")
-    assert not res.resident([[(str(small), 40 * PAGE, 41 * PAGE)], [(str(small), 44 * PAGE, 45 * PAGE)]])
+    assert not res.each([[(str(small), 40 * PAGE, 41 * PAGE)], [(str(small), 44 * PAGE, 45 * PAGE)]]).all()
     monkeypatch.setattr(pagecache, "WHOLE_FILE_SECONDS", 0.0)  # whole-file answers asked again every time
-    assert not res.resident(near)  # an asked page is gone: the hull's single call says so
-    assert res.resident(far)  # only pages outside both ranges are gone (their hull would have said no)
+    assert not res.each(near).all()  # an asked page is gone: the hull's single call says so
+    assert res.each(far).all()  # only pages outside both ranges are gone (their hull would have said no)
     res.close()
 
 
@@ -165,3 +165,55 @@ def test_files_kept_mapped_follow_the_open_file_limit(monkeypatch, soft, keep):
     value = resource.RLIM_INFINITY if soft is None else soft
     monkeypatch.setattr(resource, "getrlimit", lambda which: (value, value))
     assert pagecache.mapped_files_limit() == keep
+
+
+def _read_exactly(ranges) -> None:
+    """Bring exactly these (path, start, end) ranges into the page cache: no read-ahead around them."""
+    for path, start, end in ranges:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            os.pread(fd, end - start, start)
+        finally:
+            os.close(fd)
+
+
+def test_resident_each_answers_range_by_range(tmp_path):
+    path = tmp_path / "data.bin"
+    path.write_bytes(np.random.default_rng(2).bytes(64 * PAGE))
+    if evict([path]).fraction != 0.0:
+        pytest.skip("this filesystem keeps the pages (tmpfs?): eviction cannot be shown")
+    _read_exactly([(str(path), 3 * PAGE, 3 * PAGE + 10), (str(path), 40 * PAGE, 42 * PAGE)])
+    cache = PageCache(path)
+    got = cache.resident_each(np.array([3 * PAGE, 10 * PAGE, 5, 40 * PAGE + 1, 41 * PAGE]),
+                              np.array([3 * PAGE + 10, 12 * PAGE, 5, 42 * PAGE, 43 * PAGE]))
+    assert got.tolist() == [True, False, True, True, False]  # an empty range has nothing to read
+    assert cache.resident_each(np.array([0]), np.array([65 * PAGE])).tolist() == [False]  # past the end: not known
+    assert cache.resident_each(np.array([], dtype=np.int64), np.array([], dtype=np.int64)).tolist() == []
+    cache.close()
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "memmap", "hdf5", "recordio", "n5"])
+def test_read_ahead_leaves_out_the_samples_already_cached(tmp_path, fmt):
+    """A batch with some samples in the page cache and some not has only the others read ahead: a page the decoder
+    never touches (an EXIF thumbnail's), evicted, no longer has the whole batch copied again every epoch. The
+    formats' batch-at-a-time answers equal the default one from ``file_spans``."""
+    from packer.formats.base import ShardReader
+
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(160, 160))
+    ds = open_dataset(convert(src, tmp_path / f"ds.{fmt}", to=fmt, workers=0, progress=False).output)
+    positions = ds.positions([1, 17, 33])
+    expected = [bytes(p) for p in ds.payloads_at(positions)]
+    assert min(map(len, expected)) > 3 * PAGE  # each sample has pages of its own
+    ds.close()
+    if evict([p for p in ds.root.rglob("*") if p.is_file()]).fraction != 0.0:
+        pytest.skip("this filesystem keeps the pages (tmpfs?): eviction cannot be shown")
+    ds = open_dataset(ds.root)
+    reader = ds.store.readers[0]
+    positions = positions.tolist()
+    _read_exactly(reader.file_spans([positions[1]])[0])  # the middle sample's bytes only
+    assert reader.cached(positions).tolist() == [False, True, False]
+    assert ShardReader.cached(reader, positions).tolist() == [False, True, False]
+    pending = ds.start_reads(np.array(positions))
+    assert [need != (-1, 0) for need in pending.need] == [True, False, True]  # storage order, here the asked one
+    assert [bytes(p) for p in ds.payloads_at(np.array(positions), pending=pending)] == expected

@@ -76,7 +76,7 @@ class ShardReader(ABC):
     """Reads one shard's payloads; opens nothing until its first read in the current process."""
 
     fixed_shape: tuple[int, int, int] | None = None  # (H, W, 3) when ``read_into`` can copy a batch in bulk
-    _residency: SpanResidency | None = None  # made by the first ``in_page_cache`` (the default one)
+    _residency: SpanResidency | None = None  # made by the first ``cached`` (the default one)
 
     @abstractmethod
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None: ...
@@ -104,13 +104,13 @@ class ShardReader(ABC):
         """
         return [[] for _ in positions]
 
-    def in_page_cache(self, positions: Sequence[int]) -> bool:
-        """True when every byte reading ``positions`` touches is in the page cache (read-ahead would only copy
+    def cached(self, positions: Sequence[int]) -> np.ndarray:
+        """Per position, True when every byte reading it touches is in the page cache (read-ahead would only copy
         it again). The default asks the kernel about the ranges ``file_spans`` gives (False where it gives none);
         formats that know a cheaper question override it."""
         if self._residency is None:
             self._residency = SpanResidency()
-        return self._residency.resident(self.file_spans(positions))
+        return self._residency.each(self.file_spans(positions))
 
     def will_need(self, positions: Sequence[int]) -> None:
         """Ask the kernel for these samples' files at once (formats of one file per sample); default nothing."""

@@ -320,10 +320,10 @@ class Reader(ShardReader):
         spans = self._get().spans
         return PageCache(self.path, holding=(spans[:, 1], spans[:, 2]))  # the values: leaf pages are never read
 
-    def in_page_cache(self, positions: list[int]) -> bool:
+    def cached(self, positions: list[int]) -> np.ndarray:
         """From the same spans as ``file_spans``."""
         rows = self._get().spans[np.asarray(positions, dtype=np.int64)]
-        return self._cache.get(self._page_cache).resident(rows[:, 1], rows[:, 2])
+        return self._cache.get(self._page_cache).resident_each(rows[:, 1], rows[:, 2])
 
     def close(self) -> None:
         """Forget this process's handles; views handed out keep the map (not the file descriptor) alive."""

@@ -264,13 +264,13 @@ class Reader(ShardReader):
     def _page_cache(self) -> PageCache:
         return PageCache(self.paths[0])
 
-    def in_page_cache(self, positions: list[int]) -> bool:
+    def cached(self, positions: list[int]) -> np.ndarray:
         m = self._get()
         pos = np.asarray(positions, dtype=np.int64)
         if m.offsets is None:
             size = m.data[0].nbytes if len(m.data) else 0
-            return self._cache.get(self._page_cache).resident(m.start + pos * size, m.start + (pos + 1) * size)
-        return self._cache.get(self._page_cache).resident(m.offsets[pos], m.offsets[pos + 1])
+            return self._cache.get(self._page_cache).resident_each(m.start + pos * size, m.start + (pos + 1) * size)
+        return self._cache.get(self._page_cache).resident_each(m.offsets[pos], m.offsets[pos + 1])
 
     def read_into(self, positions: list[int], out: np.ndarray) -> None:
         """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``, one copy per run."""

@@ -114,7 +114,8 @@ class PackedDataset(FolderSurface):
 
     def start_reads(self, idx: np.ndarray, ahead: Sequence[Ahead] = (), skip_cached: bool = True) -> readahead.Pending:
         """``read_ahead`` of storage positions (the staged-reading hook ``load_batch`` calls); ``skip_cached``:
-        not the shards whose bytes for ``idx`` are all in the page cache (reading them ahead would only copy).
+        not the samples whose bytes are all in the page cache (reading them ahead would only copy; a page of a
+        file the decoder never touches, an EXIF thumbnail's, once evicted would else have the whole batch read again).
         The ``ahead`` ranges (the blocks being read) bound how far a read may be widened to whole device requests."""
         ordered = idx[np.argsort(idx, kind="stable")]
         shard_of = np.searchsorted(self.store.starts, ordered, side="right") - 1
@@ -123,11 +124,14 @@ class PackedDataset(FolderSurface):
             reader = self.store.readers[shard]
             positions = (ordered[shard_of == shard] - self.store.starts[shard]).tolist()
             with reading(self.store.where(shard)):
-                if skip_cached and reader.in_page_cache(positions):
+                cached = reader.cached(positions).tolist() if skip_cached else [False] * len(positions)
+                todo = [p for p, c in zip(positions, cached, strict=True) if not c]
+                if todo:
+                    reader.will_need(todo)  # formats of one file per sample: the kernel reads them all at once
+                    spans = iter(reader.file_spans(todo))  # the others: byte ranges for the read-ahead thread
+                    requests.extend(() if c else next(spans) for c in cached)
+                else:
                     requests.extend([()] * len(positions))  # nothing to read for any of them
-                    continue
-                reader.will_need(positions)  # formats of one file per sample: the kernel reads them all at once
-                requests.extend(reader.file_spans(positions))  # the others: byte ranges for the read-ahead thread
         # whole device requests at block edges where the data fits in memory (the neighbour's part stays cached)
         return readahead.start(requests, within=self._hulls(ahead), whole_cells=self.store.fits_in_memory)
 

@@ -262,7 +262,7 @@ def test_opening_a_shard_reads_its_leaf_pages_not_its_values(tmp_path, monkeypat
     read: list[int] = []
     real = Tree._read
     monkeypatch.setattr(Tree, "_read", lambda self, pgno: read.append(pgno) or real(self, pgno))
-    ds.store.readers[0].in_page_cache([0])  # opens the shard: the spans check runs
+    ds.store.readers[0].cached([0])  # opens the shard: the spans check runs
     assert {0, 1} <= set(read)
     assert resident_pages(shard)[0] * 4096 <= len(set(read)) * 4096 < 40_000  # less than one value
 

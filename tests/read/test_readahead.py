@@ -422,7 +422,7 @@ def test_batch_is_decoded_in_the_order_its_bytes_arrive(tmp_path, monkeypatch):
         return real(self, k, timeout)
 
     monkeypatch.setattr(readahead.Pending, "wait", spy)
-    monkeypatch.setattr(type(ds.store.readers[0]), "in_page_cache", lambda self, p: False)  # as if cold
+    monkeypatch.setattr(type(ds.store.readers[0]), "cached", lambda self, p: np.zeros(len(p), dtype=bool))  # as if cold
     batch = ds.__getitems__(list(range(40)))
     assert sorted(waited) == list(range(40)) and waited[:16] == list(range(24, 40))  # row 2 first
     assert all(np.array_equal(img, ds[i][0]) for i, (img, _label) in enumerate(batch))
