@@ -30,7 +30,7 @@ CASES = [
     ("measure_convert.py", "{d}/imgs --to lmdb,memmap --workers 2 --repeats 1 --scratch {d}/scratch", "memmap"),
     ("measure_sources.py", "--workdir {d}/w_src --count 20 --workers 2 --repeats 1", "nested tar"),
     ("measure_bulk_crops.py", "warm {d}/imgs.memmap --rounds 2", "one by one"),
-    ("measure_idle_cache.py", "{d}/imgs.lmdb --idle 0 --epochs 1 --batch-size 8", "read ahead"),
+    ("measure_idle_cache.py", "{d}/imgs.lmdb --evict 0.05 --epochs 1 --batch-size 8", "read ahead"),
     ("measure_bulk_crops.py", "bench --one-by-one -- {d}/imgs.lmdb --levels thread-train --repeats 1 --warm",
      "thread-train"),
 ]
