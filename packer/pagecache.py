@@ -1,7 +1,7 @@
 """Is a file's byte range in the page cache already? (``mincore`` on a mapping that is never touched.)
 
 Read-ahead of bytes already cached only copies them once more through another thread; asking the
-kernel first costs one system call per batch and shard, and less for a file of up to a GiB seen whole
+kernel first costs a system call or a few per batch and shard, and less for a file of up to a GiB seen whole
 in the cache (``WHOLE_FILE_PAGES``): that answer is kept for a second, checked against each question's
 first range (an evicted file is noticed at once; a partly evicted one, within the second). "Whole" means
 the pages that hold samples where the reader says which (``holding``): an LMDB file's B-tree pages are
@@ -87,7 +87,7 @@ class PageCache:
 
     def resident_each(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Per range [starts[k], ends[k]) of the file, whether all its bytes are in the page cache (an empty range:
-        yes; where the kernel can't be asked, or a range lies past the end: no)."""
+        yes; where the kernel can't be asked, or any range lies past the end of the file: no, for every range)."""
         with self._lock:
             each = self._resident_each(starts, ends)
         return np.zeros(len(starts), dtype=bool) if each is None else each

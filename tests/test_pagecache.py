@@ -216,4 +216,15 @@ def test_read_ahead_leaves_out_the_samples_already_cached(tmp_path, fmt):
     assert ShardReader.cached(reader, positions).tolist() == [False, True, False]
     pending = ds.start_reads(np.array(positions))
     assert [need != (-1, 0) for need in pending.need] == [True, False, True]  # storage order, here the asked one
+    _path, start, end = reader.file_spans([positions[1]])[0][-1]  # the middle sample's own bytes: not read again
+    assert not any(a < end and start < b for _p, a, b in pending.spans)
     assert [bytes(p) for p in ds.payloads_at(np.array(positions), pending=pending)] == expected
+
+
+def test_a_reader_overriding_the_old_in_page_cache_is_refused_when_defined():
+    """``in_page_cache`` (one answer per batch) became ``cached`` (one per sample): an override under the old name
+    would silently never be called, so defining one fails at once, naming the new hook."""
+    from packer.formats.base import ShardReader
+
+    with pytest.raises(TypeError, match="cached"):
+        type("OldReader", (ShardReader,), {"in_page_cache": lambda self, positions: True})

@@ -78,6 +78,11 @@ class ShardReader(ABC):
     fixed_shape: tuple[int, int, int] | None = None  # (H, W, 3) when ``read_into`` can copy a batch in bulk
     _residency: SpanResidency | None = None  # made by the first ``cached`` (the default one)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "in_page_cache" in vars(cls):  # renamed after 0.1.0: an override under the old name would never be called
+            raise TypeError(f"{cls.__qualname__}.in_page_cache is now cached(positions): a bool per position")
+
     @abstractmethod
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None: ...
 

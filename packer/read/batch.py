@@ -153,8 +153,8 @@ def _slot_shapes(ds: PackedDataset, indices: Sequence[int], max_bytes: int) -> l
 def _views(block: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
     """HWC views of consecutive pieces of the flat, contiguous ``block``, one per shape (one call each: half the
     time of a slice then a view, per batch of 64 in a ThreadLoader's feeder)."""
-    if sum(h * w * 3 for h, w in shapes) > block.numel():
-        raise ValueError(f"a block of {block.numel()} bytes is too small for these shapes")
+    if not block.is_contiguous() or sum(h * w * 3 for h, w in shapes) > block.numel():
+        raise ValueError(f"a block of {block.numel()} bytes is not contiguous or too small for these shapes")
     out, start, view = [], block.storage_offset(), block.as_strided
     for h, w in shapes:
         out.append(view((h, w, 3), (w * 3, 3, 1), start))

@@ -110,18 +110,23 @@ def plan(requests: Sequence[Sequence[Range]], gap: int = GAP) -> Pending:
     of the last ``LOOKBACK`` spans when it overlaps it or lies within ``gap`` of it, before or after
     (an LMDB value after the previous value, its leaf page on a span read before; a bottom-up BMP
     row band below the previous one), else opens a new span; ``Pending.arrival_order`` says in
-    which order the items' bytes then come in.
+    which order the items' bytes then come in. An item with nothing to read (its bytes cached) may
+    lie in such a gap: a later range joins the spans before it only where it overlaps or touches them,
+    so its bytes are not read (copied) again.
     """
     spans: list[list] = []
     need: list[tuple[int, int]] = []
+    floor = 0  # spans from here on may take a range across a gap; those before an item with nothing to read may not
     for ranges in requests:
         last = (-1, 0)
+        if not any(end > start for _path, start, end in ranges):
+            floor = len(spans)
         for path, start, end in sorted(ranges, key=lambda r: (r[0], r[1])):
             if end <= start:
                 continue
             for j in range(len(spans) - 1, max(-1, len(spans) - 1 - LOOKBACK), -1):
-                s = spans[j]
-                if s[0] == path and start <= s[2] + gap and end >= s[1] - gap:  # overlaps or near, either side
+                s, g = spans[j], gap if j >= floor else 0
+                if s[0] == path and start <= s[2] + g and end >= s[1] - g:  # overlaps or near, either side
                     s[1], s[2] = min(s[1], start), max(s[2], end)
                     break
             else:

@@ -30,6 +30,16 @@ def test_plan_merges_neighbours_on_one_file_in_order():
     assert len(far.spans) == 8 and far.need[-1] == (7, 20)  # beyond LOOKBACK spans: a new span
 
 
+def test_plan_reads_no_gap_over_an_item_with_nothing_to_read():
+    """A sample already cached between two that are not: their ranges are not joined over its bytes (read-ahead
+    would copy them again), only where they overlap or touch."""
+    job = readahead.plan([[("a", 0, 100)], [], [("a", 150, 300)], [("a", 320, 400)]], gap=100)
+    assert job.spans == [("a", 0, 100), ("a", 150, 400)]  # after the cached item, gaps are read again
+    assert job.need == [(0, 100), (-1, 0), (1, 300), (1, 400)]
+    assert readahead.plan([[("a", 0, 100)], [], [("a", 100, 120)]], gap=100).spans == [("a", 0, 120)]  # touching
+    assert readahead.plan([[("a", 0, 100)], [("a", 150, 300)]], gap=100).spans == [("a", 0, 300)]  # none between
+
+
 def test_plan_merges_a_range_just_before_a_recent_span():
     """Bottom-up BMP mosaics: the next tiles' rows lie before the previous ones; still one span, read upwards."""
     job = readahead.plan([[("a", 3000, 4000)], [("a", 2000, 3000)], [("a", 1000, 1950)], [("a", 10, 20)]], gap=100)
