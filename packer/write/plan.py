@@ -13,7 +13,7 @@ import numpy as np
 from packer._random import stable_permutation
 from packer.errors import PackerError
 from packer.formats import get_format
-from packer.images.decode import DecodeError
+from packer.images.decode import DecodeError, pixel_limit
 from packer.images.headers import image_size
 from packer.layout.fsutil import fsync_dir
 from packer.layout.partial import JOURNAL_DIR, PLAN_NAME, read_swap
@@ -30,7 +30,8 @@ def estimate_sample_bytes(scan: ScanResult, options: ConvertOptions, probes: int
     """Mean payload size from a deterministic sample of the records (no full stat pass).
 
     Encoded: the records' stored sizes; raw: the pixels their headers promise (a sequential source,
-    read only in order, gives its stored sizes: shards of raw payloads then come out larger).
+    read only in order, gives its stored sizes: shards of raw payloads then come out larger), leaving out
+    images over the pixel limit (refused when converted, never written: a 65000x65000 bomb promised 12 GB).
     """
     n = len(scan)
     reader = scan.source_reader()
@@ -53,6 +54,9 @@ def estimate_sample_bytes(scan: ScanResult, options: ConvertOptions, probes: int
                 continue
             else:
                 h, w = image_size(data[: 1 << 20])
+            limit = pixel_limit()
+            if limit is not None and h * w > limit:
+                continue
             spec = options.resize_spec
             if spec is not None:
                 h, w = spec.output_shape(h, w)

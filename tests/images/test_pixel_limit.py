@@ -141,6 +141,17 @@ def test_conversion_lists_a_bomb_in_errors_json(bomb_folder, tmp_path, options, 
     assert reads == {"a/good.jpg": "ok", "b/good.jpg": "ok"}
 
 
+def test_a_bomb_does_not_count_in_the_space_a_raw_conversion_needs(bomb_folder, turbojpeg):
+    """Images over the pixel limit are refused when converted, never written: the free-space check before a raw
+    conversion leaves them out (two bombs promised 25 GB of pixels: the conversion was refused on a disk with less)."""
+    from packer.write.options import ConvertOptions
+    from packer.write.plan import estimate_sample_bytes
+    from packer.write.scan import scan_folder
+
+    scan = scan_folder(bomb_folder)
+    assert estimate_sample_bytes(scan, ConvertOptions(format="lmdb", payload="raw")) <= 30 * 20 * 3
+
+
 def test_validate_none_packs_a_bomb_unlooked_at_and_readers_refuse_it(bomb_folder, tmp_path, turbojpeg):
     kind, result = limited_call(_convert_and_read, bomb_folder, tmp_path / "out", {"validate": "none"})
     assert kind == "ok", result
