@@ -116,3 +116,19 @@ def test_no_block_beyond_the_budget(tmp_path, mixed):
     assert batch_slots(ds, [0, 1], in_worker=True) is not None  # as inside a worker
     assert batch_slots(ds, [0, 1], max_bytes=1000, in_worker=True) is None
     assert all(torch.equal(a[0], b[0]) for a, b in zip(ds.__getitems__([0, 1]), (ds[0], ds[1])))
+
+
+def test_slot_views_are_pieces_of_the_block_and_refuse_one_they_cannot_be():
+    """``_views`` builds each HWC view with one call at the block's own offset (a pooled block is a slice of a larger
+    one); a block that is not contiguous, or too small for the shapes, is refused rather than viewed wrongly."""
+    from packer.read.batch import _views
+
+    base = torch.arange(200, dtype=torch.int64).to(torch.uint8)
+    block = base[17:]  # a storage offset, as a pooled block has
+    views = _views(block, [(2, 3), (4, 5)])
+    assert [tuple(v.shape) for v in views] == [(2, 3, 3), (4, 5, 3)]
+    assert torch.equal(views[0].reshape(-1), block[:18]) and torch.equal(views[1].reshape(-1), block[18:78])
+    with pytest.raises(ValueError, match="not contiguous or too small"):
+        _views(base[::2], [(2, 3)])
+    with pytest.raises(ValueError, match="not contiguous or too small"):
+        _views(block, [(10, 10)])
