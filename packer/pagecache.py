@@ -235,19 +235,29 @@ class SpanResidency:
     def each(self, spans: Sequence[Sequence[tuple[str, int, int]]]) -> np.ndarray:
         """Per sample (its ranges, as ``ShardReader.file_spans`` gives them), True when every range is cached; False
         when any is not, or its ranges are unknown (none given)."""
-        out = np.array([len(ranges) > 0 for ranges in spans], dtype=bool)
-        by_path: dict[str, tuple[list[int], list[int], list[int]]] = {}  # starts, ends, and whose range each is
+        ids: dict[str, int] = {}
+        file_of, starts, ends, owners = [], [], [], []
         for k, ranges in enumerate(spans):
             for path, start, end in ranges:
-                starts, ends, owners = by_path.setdefault(path, ([], [], []))
+                file_of.append(ids.setdefault(path, len(ids)))
                 starts.append(start)
                 ends.append(end)
                 owners.append(k)
+        ok = self.ranges(list(ids), *(np.array(v, dtype=np.int64) for v in (file_of, starts, ends)))
+        out = np.array([len(ranges) > 0 for ranges in spans], dtype=bool)
+        out[np.array(owners, dtype=np.int64)[~ok]] = False
+        return out
+
+    def ranges(self, paths: Sequence[str], file_of: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Per range, bytes [starts[k], ends[k]) of file ``paths[file_of[k]]``, whether all are cached: each file
+        asked about once, for all its ranges (``each`` for readers that have their ranges as arrays: N5's)."""
+        out = np.ones(len(starts), dtype=bool)
+        order = np.argsort(file_of, kind="stable")
+        groups = np.split(order, np.flatnonzero(np.diff(file_of[order])) + 1) if len(order) else []
         files = self._files.get()
         with files.lock:
-            for path, (starts, ends, owners) in by_path.items():
-                ok = self._ranges_each(files, path, np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64))
-                out[np.array(owners, dtype=np.int64)[~ok]] = False
+            for group in groups:
+                out[group] = self._ranges_each(files, paths[int(file_of[group[0]])], starts[group], ends[group])
         return out
 
     def _ranges_each(self, files: _Files, path: str, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:

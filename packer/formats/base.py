@@ -113,9 +113,13 @@ class ShardReader(ABC):
         """Per position, True when every byte reading it touches is in the page cache (read-ahead would only copy
         it again). The default asks the kernel about the ranges ``file_spans`` gives (False where it gives none);
         formats that know a cheaper question override it."""
+        return self._span_residency().each(self.file_spans(positions))
+
+    def _span_residency(self) -> SpanResidency:
+        """This reader's page-cache questions about ranges of its files, made on first use."""
         if self._residency is None:
             self._residency = SpanResidency()
-        return self._residency.each(self.file_spans(positions))
+        return self._residency
 
     def will_need(self, positions: Sequence[int]) -> None:
         """Ask the kernel for these samples' files at once (formats of one file per sample); default nothing."""
@@ -234,6 +238,19 @@ def contiguous_runs(positions: list[int]) -> list[tuple[int, int]]:
         else:
             runs.append((p, p + 1))
     return runs
+
+
+def split_ranges(a: np.ndarray | Sequence[int], b: np.ndarray | Sequence[int], size: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Byte ranges [a[k], b[k]) cut where blocks of ``size`` bytes meet (HDF5 chunks, N5 blocks), all at once: per
+    piece, its block, its start and end within that block, and its k (an empty range has none), in order."""
+    a, b = np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64)
+    first = a // size
+    counts = np.where(b > a, (b - 1) // size - first + 1, 0)
+    owners = np.repeat(np.arange(len(a)), counts)
+    blocks = first[owners] + np.arange(len(owners)) - np.repeat(np.cumsum(counts) - counts, counts)
+    lo, hi = np.maximum(a[owners], blocks * size) - blocks * size, np.minimum(b[owners], (blocks + 1) * size)
+    return blocks, lo, hi - blocks * size, owners
 
 
 def fixed_shape(payload: str, options: Mapping) -> tuple[int, int, int] | None:

@@ -15,7 +15,7 @@ from typing import cast
 import numpy as np
 
 from packer.errors import PackerError
-from packer.formats.base import ShardReader, Span, check_offsets, check_size, shard_layout
+from packer.formats.base import ShardReader, Span, check_offsets, check_size, shard_layout, split_ranges
 from packer.formats.filemap import map_array
 from packer.formats.n5blocks import ATTRIBUTES, DTYPES, Array, Inflater, check_block_header, inflate, read_attributes
 from packer.layout.manifest import Shard
@@ -285,21 +285,29 @@ class Reader(ShardReader):
         """Per position, the byte ranges of the block files it is read from (see packer.read.readahead)."""
         h = self._h.get(self._open)
         arr = h.images
-        step, hb = arr.rows * arr.row_bytes, arr.header_bytes()
-        out = []
-        for a, b in zip(*self._bounds(h, positions), strict=True):
-            j = a // step
-            if arr.compression != "gzip" and b > a and (b - 1) // step == j:  # most samples: inside one block
-                out.append([(h.blocks[j], hb + a - j * step, hb + b - j * step)])
-                continue
-            spans = []
-            for j in range(a // step, -(-b // step)):
-                if arr.compression == "gzip":  # inflated whole
-                    spans.append((h.blocks[j], 0, h.block_sizes[j]))
-                else:
-                    lo, hi = max(a, j * step) - j * step, min(b, (j + 1) * step) - j * step
-                    spans.append((h.blocks[j], hb + lo, hb + hi))
-            out.append(spans)
+        blocks, lo, hi, owners = split_ranges(*self._bounds(h, positions), arr.rows * arr.row_bytes)
+        out: list[list[Span]] = [[] for _ in positions]
+        if arr.compression == "gzip":  # inflated whole
+            for k, j in zip(owners.tolist(), blocks.tolist(), strict=True):
+                out[k].append((h.blocks[j], 0, h.block_sizes[j]))
+            return out
+        hb = arr.header_bytes()
+        for k, j, a, b in zip(owners.tolist(), blocks.tolist(), (lo + hb).tolist(), (hi + hb).tolist(), strict=True):
+            out[k].append((h.blocks[j], a, b))
+        return out
+
+    def cached(self, positions: Sequence[int]) -> np.ndarray:
+        """Uncompressed: the batch's ranges in each block file asked about together (``SpanResidency.ranges``),
+        without building ``file_spans``' lists (docs/results.md); compressed: the default."""
+        h = self._h.get(self._open)
+        arr = h.images
+        if arr.compression == "gzip":
+            return super().cached(positions)
+        blocks, lo, hi, owners = split_ranges(*self._bounds(h, positions), arr.rows * arr.row_bytes)
+        hb = arr.header_bytes()
+        ok = self._span_residency().ranges(h.blocks, blocks, lo + hb, hi + hb)
+        out = np.ones(len(positions), dtype=bool)
+        out[owners[~ok]] = False
         return out
 
     def close(self) -> None:

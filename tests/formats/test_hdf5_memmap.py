@@ -401,7 +401,8 @@ def test_disk_full_mid_write_is_a_clear_resumable_error(src, tmp_path, fmt, kw, 
 @pytest.mark.parametrize("options", [{}, {"payload": "raw", "resize": "20"}, {"payload": "raw", "resize": "32x48"}],
                          ids=["encoded", "raw-mixed", "raw-fixed"])
 def test_uncompressed_hdf5_reads_are_views_of_the_mapped_file(src, tmp_path, options, monkeypatch):
-    """Samples within one chunk are zero-copy views of the shard's map; one across a chunk boundary is joined."""
+    """Samples within one chunk are zero-copy views of the shard's map; one across a chunk boundary too where its
+    chunks follow each other in the file (as h5py writes them), else it is joined (a read-only copy)."""
     monkeypatch.setattr(hdf5, "_BLOB_CHUNK", 4096)  # small chunks: many samples cross a boundary
     ds = pack(src, tmp_path, "hdf5", **options)
     reader = ds.store.readers[0]
@@ -410,13 +411,62 @@ def test_uncompressed_hdf5_reads_are_views_of_the_mapped_file(src, tmp_path, opt
         fixed = "offsets" not in f
         o = None if fixed else f["offsets"][()]
         wants = [f["images"][i] if fixed else f["images"][o[i] : o[i + 1]] for i in range(len(ds))]
-    crossing = 0
-    for i, got in enumerate(reader.read_many(list(range(len(ds))))):
-        arr = np.asarray(got)
-        assert arr.size and np.array_equal(arr.reshape(-1), wants[i].reshape(-1))
-        if h.offsets is not None and int(h.offsets[i]) // 4096 != (int(h.offsets[i + 1]) - 1) // 4096:
-            crossing += 1
-            assert not arr.flags.writeable and not np.shares_memory(arr, h.mapped.data)  # joined, read-only too
-        else:
-            assert not arr.flags.writeable and np.shares_memory(arr, h.mapped.data)
-    assert (crossing > 0) == (not fixed)
+    crossing, apart = 0, 0
+    for i, (got, alone) in enumerate(zip(reader.read_many(list(range(len(ds)))), map(reader.read, range(len(ds))))):
+        for arr in map(np.asarray, (got, alone)):  # a batch's and a single read's
+            assert arr.size and np.array_equal(arr.reshape(-1), wants[i].reshape(-1))
+            assert not arr.flags.writeable
+            chunks = [] if h.offsets is None else list(range(int(h.offsets[i]) // 4096,
+                                                             (int(h.offsets[i + 1]) - 1) // 4096 + 1))
+            adjacent = all(h.mapped.chunk(c) + 4096 == h.mapped.chunk(c + 1) for c in chunks[:-1])
+            assert np.shares_memory(arr, h.mapped.data) == adjacent  # else joined
+        crossing += len(chunks) > 1
+        apart += not adjacent
+    assert (crossing > apart) == (not fixed)  # most samples across chunks are views
+
+
+@pytest.mark.parametrize("options", [{}, {"payload": "raw", "resize": "20"}, {"payload": "raw", "resize": "32x48"}],
+                         ids=["encoded", "raw-mixed", "raw-fixed"])
+def test_hdf5_batch_ranges_equal_each_samples_spans(src, tmp_path, options, monkeypatch):
+    """``MappedChunks.sample_ranges`` (a batch at once: read-ahead, the page-cache question) gives each sample the
+    pieces ``spans`` gives it alone, across chunk boundaries, in any order, repeats included; an empty range none."""
+    monkeypatch.setattr(hdf5, "_BLOB_CHUNK", 4096)  # small chunks: many samples cross a boundary
+    ds = pack(src, tmp_path, "hdf5", **options)
+    h = ds.store.readers[0]._get()
+    m = h.mapped
+
+    def alone(p: int) -> list[tuple[str, int, int]]:
+        a, b = (p * m.chunk_bytes, (p + 1) * m.chunk_bytes) if h.offsets is None else (h.offsets[p], h.offsets[p + 1])
+        return [(str(m.path), start, stop) for start, stop in m.spans(int(a), int(b))]
+
+    rng = np.random.default_rng(0)
+    for size in (0, 1, 5, len(ds), 3 * len(ds)):
+        positions = rng.integers(0, len(ds), size).tolist()
+        assert m.file_spans(positions, h.offsets) == [alone(p) for p in positions]
+    starts, ends, owners = m._file_ranges(np.array([7, 100]), np.array([7, 5000]))  # the first is empty
+    assert list(zip(starts.tolist(), ends.tolist())) == m.spans(100, 5000) and set(owners.tolist()) == {1}
+    assert int((ends - starts).sum()) == 4900
+
+
+def test_hdf5_samples_across_chunks_apart_in_the_file_are_joined(tmp_path):
+    """Where a sample's chunks do not follow each other in the file (written here out of order), it is read as a
+    read-only joined copy, one range per chunk, in a batch and alone; page-cache answers cover every piece."""
+    from packer.formats.hdf5_chunks import MappedChunks
+
+    path, size = tmp_path / "apart.h5", 4096
+    data = np.random.default_rng(0).integers(0, 256, 3 * size, dtype=np.uint8)
+    with h5py.File(path, "w") as f:
+        dset = f.create_dataset("images", shape=(3 * size,), dtype="u1", chunks=(size,))
+        for c in (1, 0, 2):  # chunk 1 first: chunks 0, 1 and 2 lie as 1, 0, 2 in the file
+            dset[c * size:(c + 1) * size] = data[c * size:(c + 1) * size]
+    with h5py.File(path, "r") as f:
+        m = MappedChunks(path, f["images"], f.id.get_vfd_handle(), path.stat().st_size, "sequential")
+        assert m.chunk(0) + size != m.chunk(1) and m.chunk(1) + size != m.chunk(2)
+        offsets = np.array([0, 4000, 4200, 3 * size])  # sample 1 across chunks 0 and 1, sample 2 across 1 and 2
+        for got in (m.samples([0, 1, 2], offsets), [m.flat(int(a), int(b)) for a, b in zip(offsets[:-1], offsets[1:])]):
+            for k, arr in enumerate(got):
+                assert np.array_equal(arr, data[offsets[k]:offsets[k + 1]]) and not arr.flags.writeable
+            assert np.shares_memory(got[0], m.data) and not np.shares_memory(got[1], m.data)
+        assert [len(s) for s in m.file_spans([0, 1, 2], offsets)] == [1, 2, 2]
+        assert m.cached([0, 1, 2], offsets).all()  # just written
+        m.close()
