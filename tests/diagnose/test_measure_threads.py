@@ -32,6 +32,7 @@ def test_measure_threads_smoke(tmp_path):
         *((kind, order) for kind in ("DataLoader", "ThreadLoader") for order in ("stored", "block"))}
     for r in rows:
         assert r["images_per_s"] > 0 and r["of_decode_limit"] > 0 and r["of_bare_threads"] > 0, r
+        assert r["steady_images_per_s"] > 0 and r["steady_of_decode_limit"] > 0, r
     out = subprocess.run([sys.executable, str(SCRIPT), str(packed), "--rounds", "1", "--batch-size", "4",
                           "--loaders", "ThreadLoader", "--json", str(tmp_path / "t2.json")],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -68,3 +69,20 @@ def test_bare_decoder_decodes_into_its_buffer_as_pillow_does(tmp_path):
         want = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
         got = dec.buf[:want.size].reshape(want.shape)
         assert np.array_equal(got, want), path
+
+
+def test_steady_rate_leaves_out_what_comes_before_the_first_batch(monkeypatch):
+    """Issue 19's steady state: images after the first batch over the time after it (a loader's start and first
+    batch left out); one batch in all: the whole epoch's rate. On a clock the test sets."""
+    import types
+
+    spec = importlib.util.spec_from_file_location("mt", SCRIPT)
+    mt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mt)
+    clock = iter([0.0, 0.2, 0.35])  # start; first batch handed out; end
+    monkeypatch.setattr(mt, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    rate, _cpu, steady = mt.timed(lambda: iter([4, 4, 4, 4]))
+    assert (round(rate, 6), round(steady, 6)) == (round(16 / 0.35, 6), 80.0)
+    clock = iter([0.0, 0.2, 0.25])
+    rate, _cpu, steady = mt.timed(lambda: iter([10]))
+    assert rate == steady == 10 / 0.25
