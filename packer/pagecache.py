@@ -19,13 +19,14 @@ import resource
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from packer.perprocess import PerProcess
 
 PAGE = mmap.PAGESIZE
+Ranges = tuple[np.ndarray, np.ndarray]  # (starts, ends) of byte ranges of a file
 GAP_PAGES = 64  # ranges closer than this are asked about in one call
 WHOLE_FILE_PAGES = 1 << 18  # files up to this many pages (1 GiB) are asked about whole, now and then
 HULL_BYTES = 1 << 20  # a file's ranges within this hull are asked about in one call (an N5 block's samples)
@@ -51,9 +52,11 @@ class PageCache:
     mapped; ``close`` drops it. Not for sharing across fork: make one per process (``PerProcess``).
     """
 
-    def __init__(self, path: str | os.PathLike, holding: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, holding: Ranges | Callable[[], Ranges] | None = None) -> None:
         self.path = os.fspath(path)
-        self._holding = holding  # (starts, ends) of the byte ranges that hold samples; None: the whole file
+        # (starts, ends) of the byte ranges that hold samples, or what makes them (called only for a file asked about
+        # whole, up to WHOLE_FILE_PAGES: HDF5 looks up every chunk for them); None: the whole file
+        self._holding = holding
         self._mask: np.ndarray | None = None  # per page of the file: does it hold sample bytes (from _holding)
         self._map: mmap.mmap | None = None
         self._base = 0  # the mapping's address
@@ -173,7 +176,8 @@ class PageCache:
         if self._holding is None:
             return None
         if self._mask is None or len(self._mask) != pages:
-            starts, ends = (np.asarray(a, dtype=np.int64) for a in self._holding)
+            holding = self._holding() if callable(self._holding) else self._holding
+            starts, ends = (np.asarray(a, dtype=np.int64) for a in holding)
             keep = ends > starts
             edges = np.zeros(pages + 1, dtype=np.int64)
             np.add.at(edges, np.minimum(starts[keep] // PAGE, pages), 1)

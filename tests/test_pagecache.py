@@ -126,6 +126,31 @@ def test_an_hdf5_shard_counts_as_cached_whole_without_its_metadata_pages(tmp_pat
     ds.close()
 
 
+def test_holding_ranges_are_made_only_for_a_file_asked_about_whole(tmp_path, monkeypatch):
+    """``holding`` may be what makes the ranges (HDF5 looks up every chunk for them: 10 us each, a second per
+    100 GB shard): called once, and never for a file too large to be asked about whole."""
+    import packer.pagecache as pagecache
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(np.random.default_rng(3).bytes(16 * PAGE))
+    path.read_bytes()
+    calls = []
+
+    def holding():
+        calls.append(1)
+        return np.array([0]), np.array([16 * PAGE])
+
+    for limit, made in ((8, 0), (16, 1)):  # pages asked about whole at most
+        monkeypatch.setattr(pagecache, "WHOLE_FILE_PAGES", limit)
+        calls.clear()
+        cache = PageCache(path, holding=holding)
+        for k in range(3):
+            assert cache.resident(np.array([k * PAGE]), np.array([(k + 2) * PAGE]))
+            cache._whole_until = -1.0  # the whole-file answer asked again each time
+        assert len(calls) == made
+        cache.close()
+
+
 def test_span_residency_keeps_a_bounded_number_of_files_mapped(tmp_path):
     paths = []
     for k in range(5):

@@ -470,3 +470,21 @@ def test_hdf5_samples_across_chunks_apart_in_the_file_are_joined(tmp_path):
         assert [len(s) for s in m.file_spans([0, 1, 2], offsets)] == [1, 2, 2]
         assert m.cached([0, 1, 2], offsets).all()  # just written
         m.close()
+
+
+def test_hdf5_mapped_chunks_go_with_their_reader_without_the_garbage_collector(src, tmp_path):
+    """The page-cache question refers back to the mapped chunks weakly: no reference cycle keeps the data's map
+    alive after ``close`` (its pages mapped, they could not be evicted, nor the map's memory given back)."""
+    import weakref
+
+    ds = pack(src, tmp_path, "hdf5")
+    reader = ds.store.readers[0]
+    assert reader.cached([0, 1]).all()  # just written: cached, the whole file asked about, holding ranges made
+    ref = weakref.ref(reader._get().mapped)
+    assert ref()._residency._mask is not None
+    gc.disable()
+    try:
+        ds.close()
+        assert ref() is None
+    finally:
+        gc.enable()
