@@ -161,6 +161,8 @@ class PageCache:
         addr = self._answer(hi - lo)
         if _LIBC is None or _LIBC.mincore(self._base + lo * PAGE, (hi - lo) * PAGE, addr) != 0:
             return False
+        if hi - lo == 1 and mask is None:  # one page (a file seen whole): no array operations
+            return bool(self._vec[0] & 1)
         vec = self._vec[:hi - lo]
         return bool((vec & 1).all()) if mask is None else bool((vec[mask] & 1).all())
 
@@ -254,26 +256,32 @@ class SpanResidency:
 
     def ranges(self, paths: Sequence[str], file_of: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Per range, bytes [starts[k], ends[k]) of file ``paths[file_of[k]]``, whether all are cached: each file
-        asked about once, for all its ranges (``each`` for readers that have their ranges as arrays: N5's)."""
+        asked about once, for all its ranges (``each`` for readers that have their ranges as arrays: N5's), each
+        file's hull found for all at once."""
         out = np.ones(len(starts), dtype=bool)
+        if not len(starts):
+            return out
         order = np.argsort(file_of, kind="stable")
-        groups = np.split(order, np.flatnonzero(np.diff(file_of[order])) + 1) if len(order) else []
+        of, lo, hi = file_of[order], starts[order], ends[order]
+        heads = np.concatenate(([0], np.flatnonzero(np.diff(of)) + 1))
+        tails = np.concatenate((heads[1:], [len(order)])).tolist()
+        firsts, lasts = np.minimum.reduceat(lo, heads).tolist(), np.maximum.reduceat(hi, heads).tolist()
+        hulls = zip(of[heads].tolist(), firsts, lasts, strict=True)
         files = self._files.get()
         with files.lock:
-            for group in groups:
-                out[group] = self._ranges_each(files, paths[int(file_of[group[0]])], starts[group], ends[group])
+            for a, b, (f, first, last) in zip(heads.tolist(), tails, hulls, strict=True):
+                cache = self._cache(files, paths[int(f)])
+                if last - first > HULL_BYTES or not cache.hull_resident(first, last):  # one small call answers most
+                    out[order[a:b]] = cache.resident_each(lo[a:b], hi[a:b])
         return out
 
-    def _ranges_each(self, files: _Files, path: str, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-        """Per range of ``path``, cached; through the file's PageCache, now the most recently asked."""
+    def _cache(self, files: _Files, path: str) -> PageCache:
+        """The PageCache of ``path``, now the most recently asked (the oldest beyond ``keep`` closed)."""
         cache = files.caches.pop(path, None) or PageCache(path)
         files.caches[path] = cache
         while len(files.caches) > self.keep:
             files.caches.popitem(last=False)[1].close()
-        lo, hi = int(starts.min()), int(ends.max())
-        if hi - lo <= HULL_BYTES and cache.hull_resident(lo, hi):  # one small call answers most batches
-            return np.ones(len(starts), dtype=bool)
-        return cache.resident_each(starts, ends)
+        return cache
 
     def close(self) -> None:
         """Drop this process's mappings."""
