@@ -52,10 +52,10 @@ class PageCache:
     mapped; ``close`` drops it. Not for sharing across fork: make one per process (``PerProcess``).
     """
 
-    def __init__(self, path: str | os.PathLike, holding: Ranges | Callable[[], Ranges] | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, holding: Ranges | Callable[[], Ranges | None] | None = None) -> None:
         self.path = os.fspath(path)
-        # (starts, ends) of the byte ranges that hold samples, or what makes them (called only for a file asked about
-        # whole, up to WHOLE_FILE_PAGES: HDF5 looks up every chunk for them); None: the whole file
+        # (starts, ends) of the byte ranges that hold samples, or what makes them (called once, only for a file asked
+        # about whole, up to WHOLE_FILE_PAGES: HDF5 looks up every chunk for them); None: the whole file
         self._holding = holding
         self._mask: np.ndarray | None = None  # per page of the file: does it hold sample bytes (from _holding)
         self._map: mmap.mmap | None = None
@@ -179,6 +179,9 @@ class PageCache:
             return None
         if self._mask is None or len(self._mask) != pages:
             holding = self._holding() if callable(self._holding) else self._holding
+            if holding is None:  # not known after all: every page
+                self._holding = None
+                return None
             starts, ends = (np.asarray(a, dtype=np.int64) for a in holding)
             keep = ends > starts
             edges = np.zeros(pages + 1, dtype=np.int64)

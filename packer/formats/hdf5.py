@@ -376,7 +376,7 @@ class Reader(ShardReader):
         return h.images[int(offsets[start]) : int(offsets[stop])]
 
     def _split(self, h: _Open, buf: np.ndarray, start: int, stop: int) -> list:
-        bounds = (cast(np.ndarray, h.offsets)[start:stop + 1] - cast(np.ndarray, h.offsets)[start]).tolist()
+        bounds = (cast(np.ndarray, h.offsets)[np.arange(start, stop + 1)] - cast(np.ndarray, h.offsets)[start]).tolist()
         return self._shaped(h, [buf[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)], range(start, stop))
 
     def read(self, pos: int) -> np.ndarray | memoryview:
@@ -384,8 +384,8 @@ class Reader(ShardReader):
         file when uncompressed, fresh arrays from h5py when compressed."""
         h = self._get()
         if h.mapped is not None:
-            m = h.mapped
-            a, b = (pos * m.chunk_bytes, (pos + 1) * m.chunk_bytes) if h.offsets is None else h.offsets[pos:pos + 2]
+            m, pos = h.mapped, int(pos)  # a numpy int32 times a chunk's bytes would overflow
+            a, b = (pos * m.chunk_bytes, (pos + 1) * m.chunk_bytes) if h.offsets is None else h.offsets[[pos, pos + 1]]
             return self._shaped(h, [m.flat(int(a), int(b))], [pos])[0]
         if h.offsets is None:
             return self._checked(h, lambda: h.images[pos])

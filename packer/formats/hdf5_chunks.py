@@ -21,6 +21,8 @@ from packer.errors import PackerError
 from packer.formats.base import check_size, map_readonly, split_ranges
 from packer.pagecache import PageCache
 
+INDEX_AT_ONCE = 1 << 17  # shards of up to this many chunks have them all looked up at the first one (~330 ms)
+
 
 class MappedChunks:
     """The bytes of ``dataset`` (uncompressed, chunked along its first axis) as views of the mapped file.
@@ -38,11 +40,15 @@ class MappedChunks:
         self.chunk_bytes = int(np.prod(dataset.chunks or (1,)))
         self.size = int(np.prod(dataset.shape, dtype=object))  # the dataset's bytes
         self._offsets = np.full(-(-self.size // self.chunk_bytes), -1, dtype=np.int64)  # -1: not looked up yet
+        self._indexed = False  # every chunk looked up at once (``_index``)
         self._residency: PageCache | None = None
 
     def chunk(self, c: int) -> int:
         """File offset of chunk ``c`` (the ``c``-th along the first axis), refused unless stored whole in the file."""
         offset = int(self._offsets[c])
+        if offset < 0 and not self._indexed and len(self._offsets) <= INDEX_AT_ONCE:
+            self._index()
+            offset = int(self._offsets[c])
         if offset < 0:
             coord = (c * self.chunk_bytes,) if self.dataset.ndim == 1 else (c,) + (0,) * (self.dataset.ndim - 1)
             info = self.dataset.id.get_chunk_info_by_coord(coord)
@@ -53,6 +59,24 @@ class MappedChunks:
                                   f"({self.chunk_bytes} bytes) inside the file")
             offset = self._offsets[c] = info.byte_offset
         return offset
+
+    def _index(self) -> None:
+        """Every chunk's offset from one pass over HDF5's chunk index (``H5Dchunk_iter``: 126 ms for 50,000 chunks,
+        where looking each up by its coordinate cost up to 2 ms, more the further it lies), keeping those stored
+        whole inside the file; any other is looked up, and refused, when read (``chunk``)."""
+        self._indexed, found = True, []
+        try:
+            self.dataset.id.chunk_iter(lambda i: found.append((i.chunk_offset[0], i.byte_offset, i.size)))
+        except (AttributeError, NotImplementedError, RuntimeError, ValueError):  # an HDF5 library without it
+            return
+        if not found:
+            return
+        coord, offset, size = np.array([row for row in found if row[1] is not None], dtype=np.int64).reshape(-1, 3).T
+        step = int((self.dataset.chunks or (1,))[0])
+        c = coord // step
+        whole = (coord % step == 0) & (c < len(self._offsets)) & (size == self.chunk_bytes) & (offset >= 0) & (
+            offset + size <= self.num_bytes)
+        self._offsets[c[whole]] = offset[whole]
 
     def flat(self, a: int, b: int) -> np.ndarray:
         """Bytes [a, b) of the dataset, flat in C order, read-only: a view when they lie in one chunk, else joined."""
@@ -126,16 +150,23 @@ class MappedChunks:
         """Per sample, whether every file page holding it is in the page cache. The file's whole-file answer
         (``PageCache``) counts only the pages holding the dataset: HDF5's own metadata, read at open, may be dropped
         from the cache since, and counted, every batch was asked about range by range (370 against 55 us per batch
-        of 64 photos; docs/results.md). Those pages are found (every chunk looked up: 10 us each) only for a file
-        asked about whole."""
+        of 64 photos; docs/results.md). Those pages are found only for a file asked about whole."""
         if self._residency is None:
-            me, whole = weakref.ref(self), (np.array([0], dtype=np.int64), np.array([self.size], dtype=np.int64))
-            # no cycle through the question: the data's map (and its pages) goes with the last reference to it
-            self._residency = PageCache(self.path, holding=lambda: cast(MappedChunks, me())._file_ranges(*whole)[:2])
+            me = weakref.ref(self)  # no cycle through the question: the data's map goes with its last reference
+            self._residency = PageCache(self.path, holding=lambda: cast(MappedChunks, me())._holding())
         starts, ends, owners = self.sample_ranges(positions, offsets)
         out = np.ones(len(positions), dtype=bool)
         out[owners[~self._residency.resident_each(starts, ends)]] = False
         return out
+
+    def _holding(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The file's ranges holding the dataset's bytes (every chunk looked up at once); None, the whole file, where
+        a chunk is not stored whole (reading it says so, not this question)."""
+        if not self._indexed:
+            self._index()
+        if (self._offsets < 0).any():
+            return None
+        return self._file_ranges(np.array([0], dtype=np.int64), np.array([self.size], dtype=np.int64))[:2]
 
     def close(self) -> None:
         """Drop the page-cache question's own mapping (the data's goes with its last view)."""

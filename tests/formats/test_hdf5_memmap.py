@@ -488,3 +488,81 @@ def test_hdf5_mapped_chunks_go_with_their_reader_without_the_garbage_collector(s
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_hdf5_a_chunk_not_stored_fails_only_the_samples_in_it(src, tmp_path, monkeypatch):
+    """A shard with one /images chunk never written (damaged or crafted, padded to its recorded size): the other
+    samples read and are asked about as before; one in that chunk is refused, naming the chunk."""
+    monkeypatch.setattr(hdf5, "_BLOB_CHUNK", 4096)
+    ds = pack(src, tmp_path, "hdf5")
+    shard = ds.root / "shard-00000.h5"
+    size, want = shard.stat().st_size, [bytes(p) for p in ds.read_payloads(range(len(ds)))]
+    ds.close()
+    with h5py.File(shard, "r") as f:
+        parts = {name: (f[name][()], dict(f[name].attrs)) for name in f}
+        attrs, offsets = dict(f.attrs), f["offsets"][()]
+    with h5py.File(shard, "w", libver=hdf5._LIBVER) as f:
+        f.attrs.update(attrs)
+        for name, (data, dattrs) in parts.items():
+            if name == "images":
+                dset = f.create_dataset(name, shape=data.shape, maxshape=(None,), dtype="u1", chunks=(4096,))
+                for c in range(-(-len(data) // 4096)):
+                    if c != 2:  # chunk 2 never written
+                        dset[c * 4096:(c + 1) * 4096] = data[c * 4096:(c + 1) * 4096]
+            else:
+                dset = f.create_dataset(name, data=data)
+            dset.attrs.update(dattrs)
+    assert shard.stat().st_size <= size
+    os.truncate(shard, size)
+    ds = open_dataset(ds.root, image="numpy")
+    hit = [i for i in range(len(ds)) if offsets[i] // 4096 <= 2 <= (offsets[i + 1] - 1) // 4096]
+    others = [i for i in range(len(ds)) if i not in hit]
+    assert hit and others
+    assert ds.store.readers[0].cached(others).all()  # just written: cached
+    assert [bytes(p) for p in ds.read_payloads(others)] == [want[i] for i in others]
+    with pytest.raises(PackerError, match="chunk 2 is"):
+        ds.read_payload(hit[0])
+
+
+def test_hdf5_chunks_are_found_in_one_pass_of_the_index(tmp_path):
+    """Every chunk's offset comes from one pass over HDF5's chunk index (looked up one by one, a chunk far into a
+    50,000-chunk shard cost 2 ms): reading and asking the page cache look none up by coordinate, and the offsets
+    are those the coordinates give."""
+    from packer.formats.hdf5_chunks import MappedChunks
+
+    path = tmp_path / "fixed.h5"
+    with h5py.File(path, "w", libver=hdf5._LIBVER) as f:  # as the writer makes a fixed-shape shard
+        dset = f.create_dataset("images", shape=(3000, 4, 4, 3), maxshape=(None, 4, 4, 3), dtype="u1",
+                                chunks=(1, 4, 4, 3))
+        dset[...] = np.random.default_rng(0).integers(0, 256, dset.shape, dtype=np.uint8)
+        want = dset[()]
+
+    class Counting:  # the dataset, with lookups by coordinate counted
+        def __init__(self, dset):
+            self.dset, self.lookups = dset, 0
+            outer = self
+
+            class Id:
+                def get_chunk_info_by_coord(self, coord):
+                    outer.lookups += 1
+                    return dset.id.get_chunk_info_by_coord(coord)
+
+                def chunk_iter(self, callback):
+                    return dset.id.chunk_iter(callback)
+
+            self.id = Id()
+
+        def __getattr__(self, name):
+            return getattr(self.dset, name)
+
+    with h5py.File(path, "r") as f:
+        counted = Counting(f["images"])
+        m = MappedChunks(path, counted, f.id.get_vfd_handle(), path.stat().st_size, "sequential")
+        positions = [2999, 5, 1500, 5]
+        assert [a.reshape(4, 4, 3).tolist() for a in m.samples(positions, None)] == want[positions].tolist()
+        assert m.cached(list(range(64)), None).all()  # just written
+        assert counted.lookups == 0 and (m._offsets >= 0).all()
+        one_by_one = MappedChunks(path, f["images"], f.id.get_vfd_handle(), path.stat().st_size, "sequential")
+        one_by_one._indexed = True
+        assert [one_by_one.chunk(c) for c in range(3000)] == m._offsets.tolist()
+        m.close()
