@@ -2,10 +2,11 @@
 
 HDF5 stores an uncompressed chunk as its plain bytes, whole, at an offset its chunk index gives
 (``H5Dget_chunk_info_by_coord``). Mapping the file and slicing there returns what h5py would copy
-out, without the copy (decoding 100 KB photos: 91-92 % -> 93-94 % of the cores' limit, docs/results.md). Each chunk's
-offset is looked up once, on first use, and refused unless the chunk lies whole inside the file
-the manifest describes; a range across chunks is one view where they follow each other in the file (as h5py
-writes them), else joined from its pieces (a copy).
+out, without the copy (decoding 100 KB photos: 91-92 % -> 93-94 % of the cores' limit, docs/results.md). Chunks'
+offsets are found at the first use, all in one pass of the chunk index (up to ``INDEX_AT_ONCE`` chunks; else one by
+one), and a chunk is refused, when read, unless it lies whole inside the file the manifest describes; a range
+across chunks is one view where they follow each other in the file (as h5py writes them), else joined from its
+pieces (a copy).
 """
 
 from __future__ import annotations
