@@ -3,10 +3,10 @@
 HDF5 stores an uncompressed chunk as its plain bytes, whole, at an offset its chunk index gives
 (``H5Dget_chunk_info_by_coord``). Mapping the file and slicing there returns what h5py would copy
 out, without the copy (decoding 100 KB photos: 91-92 % -> 93-94 % of the cores' limit, docs/results.md). Chunks'
-offsets are found at the first use, all in one pass of the chunk index (up to ``INDEX_AT_ONCE`` chunks; else one by
-one), and a chunk is refused, when read, unless it lies whole inside the file the manifest describes; a range
-across chunks is one view where they follow each other in the file (as h5py writes them), else joined from its
-pieces (a copy).
+offsets are found in one pass of the chunk index, at the first use (up to ``INDEX_AT_ONCE`` chunks) or once a few
+were looked up one by one, and a chunk is refused, when read, unless it lies whole inside the file the manifest
+describes; a range across chunks is one view where they follow each other in the file (as h5py writes them), else
+joined from its pieces (a copy).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from packer.formats.base import check_size, map_readonly, split_ranges
 from packer.pagecache import PageCache
 
 INDEX_AT_ONCE = 1 << 17  # shards of up to this many chunks have them all looked up at the first one (~330 ms)
+LOOKUPS_BEFORE_INDEX = 64  # larger ones after this many one by one (each costs more the further its chunk lies)
 
 
 class MappedChunks:
@@ -42,15 +43,18 @@ class MappedChunks:
         self.size = int(np.prod(dataset.shape, dtype=object))  # the dataset's bytes
         self._offsets = np.full(-(-self.size // self.chunk_bytes), -1, dtype=np.int64)  # -1: not looked up yet
         self._indexed = False  # every chunk looked up at once (``_index``)
+        self._lookups = 0  # chunks looked up one by one
         self._residency: PageCache | None = None
 
     def chunk(self, c: int) -> int:
         """File offset of chunk ``c`` (the ``c``-th along the first axis), refused unless stored whole in the file."""
         offset = int(self._offsets[c])
-        if offset < 0 and not self._indexed and len(self._offsets) <= INDEX_AT_ONCE:
+        if offset < 0 and not self._indexed and (len(self._offsets) <= INDEX_AT_ONCE
+                                                 or self._lookups >= LOOKUPS_BEFORE_INDEX):
             self._index()
             offset = int(self._offsets[c])
         if offset < 0:
+            self._lookups += 1
             coord = (c * self.chunk_bytes,) if self.dataset.ndim == 1 else (c,) + (0,) * (self.dataset.ndim - 1)
             info = self.dataset.id.get_chunk_info_by_coord(coord)
             if info.byte_offset is None or info.size != self.chunk_bytes or \
@@ -65,18 +69,26 @@ class MappedChunks:
         """Every chunk's offset from one pass over HDF5's chunk index (``H5Dchunk_iter``: 126 ms for 50,000 chunks,
         where looking each up by its coordinate cost up to 2 ms, more the further it lies), keeping those stored
         whole inside the file; any other is looked up, and refused, when read (``chunk``)."""
-        self._indexed, found = True, []
+        self._indexed = True
+        n = len(self._offsets)
+        coord, offset, size = (np.full(n, -1, dtype=np.int64) for _ in range(3))  # no more than the shape's chunks
+        seen = [0]
+
+        def visit(info) -> None:  # into arrays, not a tuple per chunk (a million chunks: ~150 MB of tuples)
+            k = seen[0]
+            if k < n and info.byte_offset is not None:
+                coord[k], offset[k], size[k] = info.chunk_offset[0], info.byte_offset, info.size
+                seen[0] = k + 1
+
         try:
-            self.dataset.id.chunk_iter(lambda i: found.append((i.chunk_offset[0], i.byte_offset, i.size)))
+            self.dataset.id.chunk_iter(visit)
         except (AttributeError, NotImplementedError, RuntimeError, ValueError):  # an HDF5 library without it
             return
-        if not found:
-            return
-        coord, offset, size = np.array([row for row in found if row[1] is not None], dtype=np.int64).reshape(-1, 3).T
+        coord, offset, size = coord[:seen[0]], offset[:seen[0]], size[:seen[0]]
         step = int((self.dataset.chunks or (1,))[0])
         c = coord // step
-        whole = (coord % step == 0) & (c < len(self._offsets)) & (size == self.chunk_bytes) & (offset >= 0) & (
-            offset + size <= self.num_bytes)
+        whole = (coord % step == 0) & (c >= 0) & (c < len(self._offsets)) & (size == self.chunk_bytes) & (
+            offset >= 0) & (offset + size <= self.num_bytes)
         self._offsets[c[whole]] = offset[whole]
 
     def flat(self, a: int, b: int) -> np.ndarray:

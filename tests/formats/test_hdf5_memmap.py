@@ -524,10 +524,11 @@ def test_hdf5_a_chunk_not_stored_fails_only_the_samples_in_it(src, tmp_path, mon
         ds.read_payload(hit[0])
 
 
-def test_hdf5_chunks_are_found_in_one_pass_of_the_index(tmp_path):
+def test_hdf5_chunks_are_found_in_one_pass_of_the_index(tmp_path, monkeypatch):
     """Every chunk's offset comes from one pass over HDF5's chunk index (looked up one by one, a chunk far into a
     50,000-chunk shard cost 2 ms): reading and asking the page cache look none up by coordinate, and the offsets
-    are those the coordinates give."""
+    are those the coordinates give. A shard of more chunks has a few looked up one by one first."""
+    from packer.formats import hdf5_chunks
     from packer.formats.hdf5_chunks import MappedChunks
 
     path = tmp_path / "fixed.h5"
@@ -566,3 +567,12 @@ def test_hdf5_chunks_are_found_in_one_pass_of_the_index(tmp_path):
         one_by_one._indexed = True
         assert [one_by_one.chunk(c) for c in range(3000)] == m._offsets.tolist()
         m.close()
+        # a shard of more chunks than are looked up at once: one by one for a few reads, then in one pass
+        monkeypatch.setattr(hdf5_chunks, "INDEX_AT_ONCE", 100)
+        monkeypatch.setattr(hdf5_chunks, "LOOKUPS_BEFORE_INDEX", 5)
+        counted = Counting(f["images"])
+        m = MappedChunks(path, counted, f.id.get_vfd_handle(), path.stat().st_size, "sequential")
+        for k, p in enumerate(range(0, 3000, 97)):
+            assert np.array_equal(m.flat(p * 48, (p + 1) * 48).reshape(4, 4, 3), want[p])
+            assert counted.lookups == min(k + 1, hdf5_chunks.LOOKUPS_BEFORE_INDEX)
+        assert (m._offsets >= 0).all()
