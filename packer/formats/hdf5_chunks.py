@@ -70,26 +70,18 @@ class MappedChunks:
         where looking each up by its coordinate cost up to 2 ms, more the further it lies), keeping those stored
         whole inside the file; any other is looked up, and refused, when read (``chunk``)."""
         self._indexed = True
-        n = len(self._offsets)
-        coord, offset, size = (np.full(n, -1, dtype=np.int64) for _ in range(3))  # no more than the shape's chunks
-        seen = [0]
+        offsets, step = self._offsets, int((self.dataset.chunks or (1,))[0])
+        size, last = self.chunk_bytes, self.num_bytes - self.chunk_bytes  # the last offset a whole chunk may have
 
-        def visit(info) -> None:  # into arrays, not a tuple per chunk (a million chunks: ~150 MB of tuples)
-            k = seen[0]
-            if k < n and info.byte_offset is not None:
-                coord[k], offset[k], size[k] = info.chunk_offset[0], info.byte_offset, info.size
-                seen[0] = k + 1
+        def visit(info) -> None:  # straight into the offsets: nothing allocated per chunk
+            (c, rest), off = divmod(int(info.chunk_offset[0]), step), info.byte_offset
+            if off is not None and rest == 0 and 0 <= c < len(offsets) and info.size == size and 0 <= off <= last:
+                offsets[c] = off
 
         try:
             self.dataset.id.chunk_iter(visit)
         except (AttributeError, NotImplementedError, RuntimeError, ValueError):  # an HDF5 library without it
             return
-        coord, offset, size = coord[:seen[0]], offset[:seen[0]], size[:seen[0]]
-        step = int((self.dataset.chunks or (1,))[0])
-        c = coord // step
-        whole = (coord % step == 0) & (c >= 0) & (c < len(self._offsets)) & (size == self.chunk_bytes) & (
-            offset >= 0) & (offset + size <= self.num_bytes)
-        self._offsets[c[whole]] = offset[whole]
 
     def flat(self, a: int, b: int) -> np.ndarray:
         """Bytes [a, b) of the dataset, flat in C order, read-only: a view when they lie in one chunk, else joined."""
@@ -100,7 +92,8 @@ class MappedChunks:
         if first == last:
             start = self.chunk(first) + a - first * size
             return self.data[start : start + b - a]
-        pieces = [self.data[start : stop] for start, stop in self.spans(a, b)]
+        starts, ends, _ = self._file_ranges(np.array([a], dtype=np.int64), np.array([b], dtype=np.int64))
+        pieces = [self.data[start : stop] for start, stop in zip(starts.tolist(), ends.tolist(), strict=True)]
         return pieces[0] if len(pieces) == 1 else _joined(pieces)
 
     def samples(self, positions: list[int], offsets: np.ndarray | None) -> list[np.ndarray]:
@@ -116,23 +109,10 @@ class MappedChunks:
             at += count
         return out
 
-    def spans(self, a: int, b: int) -> list[tuple[int, int]]:
-        """The file's byte ranges holding bytes [a, b) of the dataset: one per chunk touched, or fewer where chunks
-        lie one after the other in the file, as h5py writes them (``sample_ranges`` of one range, without numpy's
-        per-call cost: ``flat`` reads a sample across chunks with it)."""
-        size, out = self.chunk_bytes, []
-        for c in range(a // size, -(-b // size)):
-            start, stop = self.chunk(c) + max(a, c * size) - c * size, self.chunk(c) + min(b, (c + 1) * size) - c * size
-            if out and out[-1][1] == start:
-                out[-1] = (out[-1][0], stop)  # this chunk follows the one before it in the file
-            else:
-                out.append((start, stop))
-        return out
-
     def sample_ranges(self, positions: list[int], offsets: np.ndarray | None
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``spans`` of many samples at once (``offsets``: a blob's, else one sample per chunk): the file's (starts,
-        ends) holding them, one per chunk touched, and the position's place in ``positions`` each belongs to."""
+        """The file's (starts, ends) holding many samples (``offsets``: a blob's, else one sample per chunk), one per
+        chunk touched or fewer where chunks follow each other in the file, and each one's place in ``positions``."""
         pos, size = np.asarray(positions, dtype=np.int64), self.chunk_bytes
         a, b = (pos * size, (pos + 1) * size) if offsets is None else (offsets[pos], offsets[pos + 1])
         return self._file_ranges(a, b)
