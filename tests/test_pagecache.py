@@ -258,6 +258,38 @@ def test_span_residency_answers_ranges_of_several_files_at_once(tmp_path):
     assert SpanResidency().ranges([], *(np.array([], dtype=np.int64),) * 3).tolist() == []
 
 
+def test_hull_each_answers_as_resident_each_from_one_call(tmp_path, monkeypatch):
+    """``PageCache.hull_each`` (ranges within a small hull, N5's block files) gives ``resident_each``'s answers
+    with the hull's pages all cached, none cached (a cold batch: answered without working out each range's pages)
+    and some cached; empty ranges (one at the hull's page-aligned end) are cached, a hull past the end is not
+    known."""
+    from packer import pagecache
+
+    monkeypatch.setattr(pagecache, "WHOLE_FILE_SECONDS", 0.0)  # no whole-file answer kept between the states
+    path = tmp_path / "block.bin"
+    path.write_bytes(np.random.default_rng(3).bytes(48 * PAGE))
+    rng = np.random.default_rng(4)
+    starts = rng.integers(0, 40, 30) * PAGE + rng.integers(0, PAGE, 30)
+    ends = np.minimum(starts + rng.integers(0, 4 * PAGE, 30), 40 * PAGE)
+    starts, ends = np.append(starts, 40 * PAGE), np.append(ends, 40 * PAGE)  # empty, at the hull's end
+    first, last = int(starts.min()), int(ends.max())
+    cache = PageCache(path)
+    states = []
+    for k, prepare in enumerate((lambda: path.read_bytes(), lambda: None, lambda: _read_exactly(
+            [(str(path), 5 * PAGE, 9 * PAGE), (str(path), 20 * PAGE, 31 * PAGE)]))):
+        if k:
+            _evict_or_skip([path])
+        prepare()
+        want = cache.resident_each(starts, ends)
+        assert cache.hull_each(starts, ends, first, last).tolist() == want.tolist()
+        states.append(int(want.sum()))
+    assert states[0] == len(starts) and states[1] == int((ends <= starts).sum())
+    assert 0 < states[1] < states[2] < len(starts)
+    past = cache.hull_each(np.array([0]), np.array([49 * PAGE]), 0, 49 * PAGE)
+    assert past.tolist() == [False]  # past the end: not known
+    cache.close()
+
+
 def test_resident_each_answers_range_by_range(tmp_path):
     path = tmp_path / "data.bin"
     path.write_bytes(np.random.default_rng(2).bytes(64 * PAGE))
