@@ -39,7 +39,7 @@ from packer.diagnose.bench_sources import (
     one_shape,
     open_source,
 )
-from packer.diagnose.reports import progress_line
+from packer.diagnose.reports import emulation_note, progress_line
 from packer.errors import PackerError
 from packer.images.decode import pil_loader
 from packer.read.hints import aheads_of, hinted_order
@@ -348,6 +348,9 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
         if "steady_samples_per_s" in row:
             row["steady_fraction_of_ceiling"] = row["steady_samples_per_s"]["median"] / row["ceiling"]["samples_per_s"]
     _add_speedups(report["results"])
+    note = emulation_note(report)
+    if note:
+        report["notes"].append(note)
     report["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return report
 

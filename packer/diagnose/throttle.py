@@ -37,6 +37,10 @@ from pathlib import Path
 from packer.diagnose.system import block_device_of
 from packer.errors import PackerError
 
+# The kernel's block-IO throttle meters each cgroup in slices of HZ/10 (blk-throttle's ``throtl_slice``): a pass may
+# run up to a slice's budget ahead of the limit (at a slice's start) or wait up to a slice behind it.
+SLICE_SECONDS = 0.1
+
 
 @dataclass(frozen=True)
 class Preset:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from packer.diagnose.reports import bench_table, markdown_table, takeaway
+from packer.diagnose.reports import bench_table, emulation_note, markdown_table, takeaway
 
 
 def _row(name, level, cache, rate, speedup, ceiling, repeats=(None,)):
@@ -71,6 +71,25 @@ def test_takeaway_of_a_run_without_the_folder_gives_the_fraction_of_the_ceiling(
     assert takeaway(report) == "thread level: 95 % of the ceiling (c)"
     report["results"] = []
     assert takeaway(report) == "no measurements"
+
+
+def test_short_emulated_cold_passes_get_a_note_on_the_throttle_slice():
+    """The kernel's throttle meters in 100 ms slices: under emulation, cold passes of a second move by ~10 % from
+    repeat to repeat, and the table says so (and by how much, from the shortest pass); long passes, warm ones and
+    runs without emulation get no note."""
+    report = _report(5000)
+    for row, secs in zip(report["results"], ([1.0, 1.1, 0.9], [1.3], [4.0], [4.2], [0.5]), strict=True):
+        row["seconds"] = secs
+    report["results"][-1]["cache"] = "warm"  # a warm pass of 0.5 s: the throttle reads nothing there
+    assert emulation_note(report) is None and not bench_table(report).splitlines()[-2].startswith("note:")
+    report["emulation"] = {"description": "hdd", "read_iops": 150, "read_bps": 150e6, "devices": ["254:0 (vda)"]}
+    note = emulation_note(report)
+    assert note is not None and "100 ms slices" in note and "cold passes of 1.0-1.3 s" in note
+    assert "up to 10 % from repeat to repeat" in note
+    assert bench_table(report).splitlines()[-2] == f"note: {note}"
+    for row in report["results"]:
+        row["seconds"] = [2.5]  # 25 slices: a slice is 4 %
+    assert emulation_note(report) is None
 
 
 @pytest.mark.parametrize("repeats", [(None,), (0.9, 1.1)])
