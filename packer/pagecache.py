@@ -140,8 +140,9 @@ class PageCache:
             if last <= first:
                 return np.ones(n, dtype=bool)
             lo, hi = first // PAGE, (last - 1) // PAGE + 1
-            if hi * PAGE > self._size + PAGE - 1:
-                return np.zeros(n, dtype=bool)  # past the end of the file as mapped: not known
+            if hi * PAGE > self._size + PAGE - 1:  # past the end: not known, unless only empty ranges reach there
+                each = self._resident_each(starts, ends)
+                return np.zeros(n, dtype=bool) if each is None else each
             if self._whole_file_resident(lo, lo + 1):
                 return np.ones(n, dtype=bool)
             if _LIBC.mincore(self._base + lo * PAGE, (hi - lo) * PAGE, self._answer(hi - lo)) != 0:

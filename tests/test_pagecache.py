@@ -287,6 +287,12 @@ def test_hull_each_answers_as_resident_each_from_one_call(tmp_path, monkeypatch)
     assert 0 < states[1] < states[2] < len(starts)
     past = cache.hull_each(np.array([0]), np.array([49 * PAGE]), 0, 49 * PAGE)
     assert past.tolist() == [False]  # past the end: not known
+    path.read_bytes()  # an empty range past the end has nothing to read: it leaves the others' answers alone
+    for s_, e_ in (([0, 60 * PAGE], [PAGE, 60 * PAGE]), ([0, 60 * PAGE], [PAGE, 50 * PAGE])):
+        starts, ends = np.array(s_), np.array(e_)
+        want = cache.resident_each(starts, ends)
+        assert want.tolist() == [True, True]
+        assert cache.hull_each(starts, ends, int(starts.min()), int(ends.max())).tolist() == want.tolist()
     cache.close()
 
 

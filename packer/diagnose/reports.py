@@ -103,10 +103,18 @@ def emulation_note(report: dict) -> str | None:
     if not short:
         return None
     lo, hi = min(short), max(short)
-    span = f"{lo:.1f} s" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}-{hi:.1f} s"
-    return (f"the emulated disk's kernel throttle meters reads in {SLICE_SECONDS * 1e3:.0f} ms slices, and a pass may "
-            f"run up to a slice ahead of its limit or wait up to one behind it: cold passes of {span} move by up to "
-            f"{100 * SLICE_SECONDS / lo:.0f} % from repeat to repeat; more samples per pass give tighter figures")
+    slices = f"the emulated disk's kernel throttle meters reads in {SLICE_SECONDS * 1e3:.0f} ms slices"
+    if lo < SLICE_SECONDS:
+        return (f"{slices}, and cold passes here last {_seconds(lo)} and more: a pass shorter than a slice says more "
+                "about the throttle than about the reader; give each pass more samples")
+    span = _seconds(lo) if _seconds(lo) == _seconds(hi) else f"{_seconds(lo)[:-2]}-{_seconds(hi)}"
+    return (f"{slices}, and a pass may run up to a slice ahead of its limit or wait up to one behind it: the rate "
+            f"of a cold pass of {span} can be off by up to {100 * SLICE_SECONDS / lo:.0f} % either way; more "
+            "samples per pass give tighter figures")
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.1f} s" if x >= 0.1 else f"{x * 1e3:.0f} ms"
 
 
 def print_progress(line: str) -> None:
