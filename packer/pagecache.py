@@ -45,6 +45,13 @@ def _libc() -> ctypes.CDLL | None:
 _LIBC = _libc()
 
 
+def all_of_each(ok: np.ndarray, owners: np.ndarray, n: int) -> np.ndarray:
+    """Per sample k < n, whether every piece it owns (``owners``: each piece's sample) has ``ok`` True."""
+    out = np.ones(n, dtype=bool)
+    out[owners[~ok]] = False
+    return out
+
+
 class PageCache:
     """Asks the kernel which pages of ``path`` are cached, through a read-only mapping of it.
 
@@ -268,9 +275,8 @@ class SpanResidency:
                 ends.append(end)
                 owners.append(k)
         ok = self.ranges(list(ids), *(np.array(v, dtype=np.int64) for v in (file_of, starts, ends)))
-        out = np.array([len(ranges) > 0 for ranges in spans], dtype=bool)
-        out[np.array(owners, dtype=np.int64)[~ok]] = False
-        return out
+        has = np.array([len(ranges) > 0 for ranges in spans], dtype=bool)
+        return has & all_of_each(ok, np.array(owners, dtype=np.int64), len(spans))
 
     def ranges(self, paths: Sequence[str], file_of: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Per range, bytes [starts[k], ends[k]) of file ``paths[file_of[k]]``, whether all are cached: each file

@@ -253,6 +253,13 @@ def split_ranges(a: np.ndarray | Sequence[int], b: np.ndarray | Sequence[int], s
     return blocks, lo, hi - blocks * size, owners
 
 
+def joined(pieces: Sequence[np.ndarray]) -> np.ndarray:
+    """A sample's pieces from several chunks or block files, joined into a copy read-only like every other sample."""
+    out = np.concatenate(pieces)
+    out.flags.writeable = False
+    return out
+
+
 def fixed_shape(payload: str, options: Mapping) -> tuple[int, int, int] | None:
     """(H, W, 3) every sample of a raw payload will have, known before writing; else None.
 

@@ -376,7 +376,7 @@ class Reader(ShardReader):
         return h.images[int(offsets[start]) : int(offsets[stop])]
 
     def _split(self, h: _Open, buf: np.ndarray, start: int, stop: int) -> list:
-        bounds = (cast(np.ndarray, h.offsets)[np.arange(start, stop + 1)] - cast(np.ndarray, h.offsets)[start]).tolist()
+        bounds = (cast(np.ndarray, h.offsets)[start : stop + 1] - cast(np.ndarray, h.offsets)[start]).tolist()
         return self._shaped(h, [buf[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)], range(start, stop))
 
     def read(self, pos: int) -> np.ndarray | memoryview:

@@ -19,8 +19,8 @@ import h5py
 import numpy as np
 
 from packer.errors import PackerError
-from packer.formats.base import check_size, map_readonly, split_ranges
-from packer.pagecache import PageCache
+from packer.formats.base import check_size, joined, map_readonly, split_ranges
+from packer.pagecache import PageCache, all_of_each
 
 INDEX_AT_ONCE = 1 << 17  # shards of up to this many chunks have them all looked up at the first one (~330 ms)
 LOOKUPS_BEFORE_INDEX = 64  # larger ones after this many one by one (each costs more the further its chunk lies)
@@ -94,7 +94,7 @@ class MappedChunks:
             return self.data[start : start + b - a]
         starts, ends, _ = self._file_ranges(np.array([a], dtype=np.int64), np.array([b], dtype=np.int64))
         pieces = [self.data[start : stop] for start, stop in zip(starts.tolist(), ends.tolist(), strict=True)]
-        return pieces[0] if len(pieces) == 1 else _joined(pieces)
+        return pieces[0] if len(pieces) == 1 else joined(pieces)
 
     def samples(self, positions: list[int], offsets: np.ndarray | None) -> list[np.ndarray]:
         """``flat`` of many samples (``offsets``: a blob's, else one sample per chunk), their pieces found at once
@@ -105,7 +105,7 @@ class MappedChunks:
             return views  # each sample in one chunk: a view each
         out, at = [], 0
         for count in np.bincount(owners, minlength=len(positions)).tolist():
-            out.append(self.data[:0] if count == 0 else views[at] if count == 1 else _joined(views[at:at + count]))
+            out.append(self.data[:0] if count == 0 else views[at] if count == 1 else joined(views[at:at + count]))
             at += count
         return out
 
@@ -148,9 +148,7 @@ class MappedChunks:
             me = weakref.ref(self)  # no cycle through the question: the data's map goes with its last reference
             self._residency = PageCache(self.path, holding=lambda: cast(MappedChunks, me())._holding())
         starts, ends, owners = self.sample_ranges(positions, offsets)
-        out = np.ones(len(positions), dtype=bool)
-        out[owners[~self._residency.resident_each(starts, ends)]] = False
-        return out
+        return all_of_each(self._residency.resident_each(starts, ends), owners, len(positions))
 
     def _holding(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The file's ranges holding the dataset's bytes (every chunk looked up at once); None, the whole file, where
@@ -165,10 +163,3 @@ class MappedChunks:
         """Drop the page-cache question's own mapping (the data's goes with its last view)."""
         if self._residency is not None:
             self._residency.close()
-
-
-def _joined(pieces: list[np.ndarray]) -> np.ndarray:
-    """A sample's pieces in several chunks, joined into a copy read-only like every other sample."""
-    joined = np.concatenate(pieces)
-    joined.flags.writeable = False
-    return joined

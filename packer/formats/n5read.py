@@ -15,11 +15,19 @@ from typing import cast
 import numpy as np
 
 from packer.errors import PackerError
-from packer.formats.base import ShardReader, Span, check_offsets, check_size, shard_layout, split_ranges
+from packer.formats.base import (
+    ShardReader,
+    Span,
+    check_offsets,
+    check_size,
+    joined,
+    shard_layout,
+    split_ranges,
+)
 from packer.formats.filemap import map_array
 from packer.formats.n5blocks import ATTRIBUTES, DTYPES, Array, Inflater, check_block_header, inflate, read_attributes
 from packer.layout.manifest import Shard
-from packer.pagecache import mapped_files_limit
+from packer.pagecache import all_of_each, mapped_files_limit
 from packer.perprocess import PerProcess
 
 _MAPPED_BLOCKS = mapped_files_limit()  # uncompressed block files a reader keeps mapped per process
@@ -214,9 +222,7 @@ class Reader(ShardReader):
             return part if isinstance(part, np.ndarray) else np.frombuffer(part, dtype=np.uint8)
         parts = [np.frombuffer(self._range(h, j, max(a, j * step) - j * step, min(b, (j + 1) * step) - j * step,
                                            used), dtype=np.uint8) for j in range(a // step, -(-b // step))]
-        joined = np.concatenate(parts)
-        joined.flags.writeable = False  # read-only like every other sample
-        return joined
+        return joined(parts)
 
     def _span(self, h: _Open, pos: int) -> tuple[int, int]:
         if h.offsets is None:
@@ -305,10 +311,7 @@ class Reader(ShardReader):
             return super().cached(positions)
         blocks, lo, hi, owners = split_ranges(*self._bounds(h, positions), arr.rows * arr.row_bytes)
         hb = arr.header_bytes()
-        ok = self._span_residency().ranges(h.blocks, blocks, lo + hb, hi + hb)
-        out = np.ones(len(positions), dtype=bool)
-        out[owners[~ok]] = False
-        return out
+        return all_of_each(self._span_residency().ranges(h.blocks, blocks, lo + hb, hi + hb), owners, len(positions))
 
     def close(self) -> None:
         def closer(h: _Open) -> None:
