@@ -57,10 +57,10 @@ REQUIRE_JPEGREGION = $(if $(CI),--require-jpegregion,$(shell test -f /usr/includ
 test: install
 	$(BIN)/python -m pytest -q $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION)
 
-# The seeded fuzz test of tests/test_fuzz.py with many more cases (make test runs 120 per format and payload).
+# The seeded fuzz test of tests/formats/test_fuzz.py with many more cases (make test runs 120 per format and payload).
 FUZZ_CASES ?= 5000
 fuzz: install
-	$(BIN)/python -m pytest -q -s tests/test_fuzz.py --fuzz-cases $(FUZZ_CASES)
+	$(BIN)/python -m pytest -q -s tests/formats/test_fuzz.py --fuzz-cases $(FUZZ_CASES)
 
 # ruff (line length 120, E501 on) on everything; pyright in basic mode on packer/ (settings in pyproject.toml),
 # against this virtualenv's packages.
