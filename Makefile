@@ -68,7 +68,7 @@ lint: install
 	$(BIN)/ruff check packer tests examples
 	$(BIN)/pyright --pythonpath $(BIN)/python
 
-# Sample data -> every format -> verify -> benchmark. Outputs land in $(DEMO)/ (about 1.6 GB).
+# Sample data -> five of the formats (DEMO_SETS) -> verify -> benchmark. Outputs land in $(DEMO)/ (about 1.6 GB).
 # A second run reuses the sample set, every dataset whose source and options did not change
 # (--if-changed; it says "reused ...") and the benchmark when no dataset was converted again.
 DEMO_SETS := $(foreach f,lmdb hdf5 memmap bmp mosaic,$(DEMO)/imgs.$(f))
