@@ -57,10 +57,10 @@ REQUIRE_JPEGREGION = $(if $(CI),--require-jpegregion,$(shell test -f /usr/includ
 test: install
 	$(BIN)/python -m pytest -q $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION)
 
-# The seeded fuzz test of tests/test_fuzz.py with many more cases (make test runs 120 per format and payload).
+# The seeded fuzz test of tests/formats/test_fuzz.py with many more cases (make test runs 120 per format and payload).
 FUZZ_CASES ?= 5000
 fuzz: install
-	$(BIN)/python -m pytest -q -s tests/test_fuzz.py --fuzz-cases $(FUZZ_CASES)
+	$(BIN)/python -m pytest -q -s tests/formats/test_fuzz.py --fuzz-cases $(FUZZ_CASES)
 
 # ruff (line length 120, E501 on) on everything; pyright in basic mode on packer/ (settings in pyproject.toml),
 # against this virtualenv's packages.
@@ -68,7 +68,7 @@ lint: install
 	$(BIN)/ruff check packer tests examples
 	$(BIN)/pyright --pythonpath $(BIN)/python
 
-# Sample data -> every format -> verify -> benchmark. Outputs land in $(DEMO)/ (about 1.6 GB).
+# Sample data -> five of the formats (DEMO_SETS) -> verify -> benchmark. Outputs land in $(DEMO)/ (about 1.6 GB).
 # A second run reuses the sample set, every dataset whose source and options did not change
 # (--if-changed; it says "reused ...") and the benchmark when no dataset was converted again.
 DEMO_SETS := $(foreach f,lmdb hdf5 memmap bmp mosaic,$(DEMO)/imgs.$(f))

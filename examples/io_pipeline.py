@@ -9,7 +9,8 @@ come from the throttle's cgroup counters.
     python examples/io_pipeline.py photos.memmap --loader thread --decode-rate 1600 --repeats 3
     python examples/io_pipeline.py photos.lmdb --loader dataloader --workers 2
 
-Issue 19 goal 3 and docs/results.md quote it. Not part of the test suite (needs root and cgroups).
+docs/results.md quotes it for goal 3 there (>= 90 % of min(device, decode rate) in block order).
+Not part of the test suite (needs root and cgroups).
 """
 
 from __future__ import annotations

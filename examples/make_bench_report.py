@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from packer.diagnose.reports import describe_setup, markdown_table  # noqa: E402
+from packer.diagnose.reports import describe_setup, markdown_table, table_notes  # noqa: E402
 from packer.formats import FORMATS  # noqa: E402
 
 RAW_FORMAT_OPTIONS = {"mosaic": ["--tile", "224x224"]}
@@ -156,14 +156,14 @@ def main() -> int:
            "(*steady*: the rate after the first batch, without the start, and its fraction of the ceiling). "
            f"This run took {main_minutes:.1f} min.", "",
            "## Local disk (as is)", "", "![bench](bench.png)", "",
-           markdown_table(report), ""]
+           markdown_table(report), "", *(f"Note: {n}\n" for n in table_notes(report))]
     md += ["## Emulated hard disk (`--emulate hdd`)", ""]
     if hdd_error:
         md += [f"Not run here: `{hdd_error}`", ""]
     else:
         rep_hdd = json.loads((out / "bench_hdd.json").read_text())
         md += [describe_setup(rep_hdd), "", *hdd_summary(rep_hdd), "", "![bench under emulated hdd](bench_hdd.png)", "",
-               markdown_table(rep_hdd), "",
+               markdown_table(rep_hdd), "", *(f"Note: {n}\n" for n in table_notes(rep_hdd)),
                f"This run took {hdd_minutes:.1f} min. The throttle counts every block IO the kernel submits, "
                "sequential or not, where a real disk streams sequential IOs without seeking: reads that reach "
                "the disk in small IOs pay the IOPS limit in full here. The device-reads figures (table above, "

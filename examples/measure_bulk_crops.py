@@ -9,7 +9,8 @@ BlockShuffleSampler) with the bulk path and without it, interleaved round by rou
 round), then a DataLoader worker's batches (``__getitems__`` with shared slots, in this process) the same way.
 Reported: medians of images/s and of process CPU microseconds per image. ``bench``: ``packer bench`` with the
 arguments after ``--``, and with ``--one-by-one`` the bulk path switched off (what packer did before it): run
-both, alternated, for an A/B under the emulated hard disk. Figures: docs/results.md, "Session 17".
+both, alternated, for an A/B under the emulated hard disk. Figures: docs/results.md, "A chunk's fused crops in
+one call of the extension".
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from packer.images.crop import CropDecode
 
 
 def one_by_one(crop: CropDecode) -> CropDecode:
-    """``crop`` with its bulk path off: every sample goes through ``from_bytes`` (packer before session 17)."""
+    """``crop`` with its bulk path off: every sample goes through ``from_bytes`` (packer before the bulk path)."""
     crop.from_bytes_many = lambda *args, **kwargs: None  # type: ignore[method-assign]
     return crop
 

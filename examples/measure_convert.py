@@ -2,7 +2,7 @@
 
 The floor of any converter is *plain copy*: the same pool reads (or reads and decodes) the files,
 this process writes every byte into one file beside the outputs, fsyncs it and takes its sha256.
-Issue #17's targets: ``--validate header`` at >= 90 % of plain copy (read), full validation at
+The targets: ``--validate header`` at >= 90 % of plain copy (read), full validation at
 >= 85 % of plain copy (decode), cold and warm. Each figure is the median of ``--repeats`` runs;
 within a repeat every run of a cache state is interleaved, so load drifts hit all alike.
 
@@ -126,7 +126,7 @@ def main() -> None:
     for (what, validate, cache), v in rates.items():
         print(f"  {cache:<4} {validate:<6} {what:<8} {med[what, validate, cache]:7.0f}  ({min(v):.0f}-{max(v):.0f})"
               f"  {cpu[what, validate, cache]:6.2f} s CPU")
-    print("\nconversion / plain copy (issue #17: header >= 90 %, full >= 85 %, cold and warm)")
+    print("\nconversion / plain copy (targets: header >= 90 %, full >= 85 %, cold and warm)")
     cols = [(v, c) for v in ("header", "full") for c in caches]
     print(f"  {'format':<8}" + "".join(f"{v + ' ' + c:>14}" for v, c in cols))
     for fmt in formats:

@@ -7,8 +7,8 @@ through ``DataLoader(num_workers=N, collate_fn=packer.collate)`` and ``ThreadLoa
 cores; ``--loaders`` picks), interleaved round by round with bare libjpeg-turbo (PyTurboJPEG into reused memory) on
 the same bytes in memory, on one thread and on N threads at once; each after a whole warm-up epoch (steady state).
 Reported per loader: images/s (median of the rounds), CPU ms per image of every process (this one and the
-workers), the fraction of N x the bare per-core rate (issue 19's decode limit; in brackets the steady rate's, from
-the first batch handed out to the last, as the issue defines its goal), the fraction of the N-thread bare
+workers), the fraction of N x the bare per-core rate (the decode limit; in brackets the steady rate's, from
+the first batch handed out to the last, as docs/results.md's goal 1 is stated), the fraction of the N-thread bare
 rate (what N decodes at once get from this machine's shared memory and caches), and the CPU efficiency (bare CPU
 per image / the loader's): on a machine shared with other work the wall-clock fraction falls with the load, the CPU
 efficiency much less. Results and the command: docs/results.md.
@@ -42,8 +42,8 @@ def cpu_seconds() -> float:
 
 def timed(epoch: Callable[[], Iterable[int]]) -> tuple[float, float, float]:
     """(images/s, CPU ms per image, steady images/s) of one whole epoch; steady: from the first batch handed out
-    to the last (issue 19's "steady state": a loader's start, threads and first batch, left out), or the whole
-    epoch's rate where it hands out one batch."""
+    to the last (the "steady state" of docs/results.md's goals: a loader's start, threads and first batch, left
+    out), or the whole epoch's rate where it hands out one batch."""
     c0, t0, n, first = cpu_seconds(), time.perf_counter(), 0, None
     for count in epoch():
         n += count

@@ -70,6 +70,8 @@ def _report_convert(res, quiet: bool) -> int:
 
     if res.reused and not quiet:
         print(f"reused {res.output}: up to date (same options, same source files, sizes and times)")
+    elif res.nothing_to_resume and not quiet:
+        print(f"nothing to resume: {res.output} is complete ({res.nothing_to_resume}); nothing was done")
     elif not quiet:
         packed = conversion_summary(res.num_samples, res.ignored, res.errors)
         rate = res.bytes_read / 1e6 / max(res.seconds, 1e-9)

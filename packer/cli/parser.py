@@ -47,11 +47,12 @@ def compression_help(formats: Mapping[str, Format]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from packer._version import __version__
+    from packer.formats import FORMATS
 
     parser = argparse.ArgumentParser(
         prog="packer",
-        description="Pack loose image folders into few large files (LMDB, HDF5, numpy memmap, BMP, mosaic) "
-        "and read them back fast with PyTorch.",
+        description=f"Pack loose image folders into few large files, in any of {len(FORMATS)} formats "
+        f"({', '.join(FORMATS)}), and read them back fast with PyTorch.",
         epilog="Run 'packer COMMAND --help' for the options and examples of each command.\n\n" + EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -39,7 +39,7 @@ from packer.diagnose.bench_sources import (
     one_shape,
     open_source,
 )
-from packer.diagnose.reports import emulation_note, progress_line
+from packer.diagnose.reports import ceiling_summary, progress_line, table_notes
 from packer.errors import PackerError
 from packer.images.decode import pil_loader
 from packer.read.hints import aheads_of, hinted_order
@@ -341,6 +341,7 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
         report["results"] = _measure_all(sources, o, thr, log)
         # Other load on the machine lowers a ceiling measured once: measure the CPU ones again, keep the best.
         report["ceilings"].update(_best_of(report["ceilings"], cpu_ceilings(sources, o.ceiling_seconds)))
+        log("ceilings, the higher of before and after the passes (the table's): " + ceiling_summary(report["ceilings"]))
     for row in report["results"]:
         src = next(s for s in sources if str(s.path) == row["dataset"])
         row["ceiling"] = _ceiling_for(src, row["level"], row["cache"], row["workers"], report["ceilings"], cores)
@@ -348,9 +349,7 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
         if "steady_samples_per_s" in row:
             row["steady_fraction_of_ceiling"] = row["steady_samples_per_s"]["median"] / row["ceiling"]["samples_per_s"]
     _add_speedups(report["results"])
-    note = emulation_note(report)
-    if note:
-        report["notes"].append(note)
+    report["notes"] += table_notes(report)  # the notes under the table: decoders, rates above a ceiling, emulation
     report["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     return report
 
@@ -372,7 +371,7 @@ def _eviction(cache: str, resident: list[float | None]) -> str | None:
 def _timed_repeats(src: Source, level: str, order: BenchOrder, cache: str, w: int, o: BenchOptions, thr,
                    handle: dict) -> dict:
     """``o.repeats`` passes, each from the page-cache state asked for; their figures, lists per repeat."""
-    out: dict[str, Any] = {"seconds": [], "firsts": [], "resident": [], "device": []}
+    out: dict[str, Any] = {"seconds": [], "firsts": [], "resident": [], "device": [], "cpu": []}
     for _ in range(o.repeats):
         if cache == "cold":
             _close(handle)
@@ -380,8 +379,10 @@ def _timed_repeats(src: Source, level: str, order: BenchOrder, cache: str, w: in
         else:
             res = measure.residency(src.files)
         out["resident"].append(res.fraction)
-        before = thr.read_counters() if thr is not None else None
+        before, cpu = thr.read_counters() if thr is not None else None, measure.thread_cpu()
         out["count"], out["nbytes"], sec, first = run_pass(src, level, order, w, o.batch_size, o.pin_memory, handle)
+        if cpu is not None and level not in LOADER_LEVELS and (now := measure.thread_cpu()) is not None:
+            out["cpu"].append({"on_cpu": now[0] - cpu[0], "waiting_for_cpu": now[1] - cpu[1]})  # this thread's
         if thr is not None and before is not None:
             after = thr.read_counters()
             out["device"].append({"ios": after[0] - before[0], "bytes": after[1] - before[1]})
@@ -424,6 +425,8 @@ def measure_setting(src: Source, level: str, order_name: str, order: BenchOrder,
                                               for s, f in zip(seconds, t["firsts"], strict=True)])
     if t["device"]:
         row["device_reads"] = t["device"]
+    if t["cpu"]:
+        row["thread_cpu_seconds"] = t["cpu"]  # the passing thread's time on a CPU and waiting for one, per repeat
     return row
 
 

@@ -1,7 +1,8 @@
 """Measurement primitives of ``packer bench``, ``packer doctor`` and ``packer bench --decoders``: one of each.
 
 - page cache: residency by ``mincore``, eviction by fsync + ``posix_fadvise(DONTNEED)``, checked;
-- the timer (``timed``: a wall or CPU clock) and the rate made of repeated timings (``Rate``);
+- the timer (``timed``: a wall or CPU clock), the rate made of repeated timings (``Rate``), and a thread's time
+  on a CPU and waiting for one (``thread_cpu``);
 - the cold reader (``cold_read``: evict, then read files in large reads, bounded in bytes and time);
 - the ceilings: cold sequential read of a scratch file on the data's filesystem, memory copy;
 - the decode rate (``decode_rate``: one core, in-memory samples, any decoder) and the decoders;
@@ -183,6 +184,18 @@ def timed(fn: Callable[[], float], seconds: float = 0.0, clock: str = "wall", mi
         items += fn()
         passes += 1
     return Timing(items, time.process_time() - c0, time.perf_counter() - w0)
+
+
+def thread_cpu() -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of the calling thread so far, from the
+    scheduler's own count (``/proc/thread-self/schedstat``); None where the kernel does not give it. The rest of
+    a pass's wall time the thread was blocked: on the disk, for a cold read. The wait says the machine was busy."""
+    try:
+        with open("/proc/thread-self/schedstat") as fh:
+            on_cpu, waiting = fh.read().split()[:2]
+        return int(on_cpu) / 1e9, int(waiting) / 1e9
+    except (OSError, ValueError):
+        return None
 
 
 @dataclass

@@ -27,7 +27,8 @@ from packer.errors import PackerError
 N5_VERSION = "2.0.0"
 ATTRIBUTES = "attributes.json"
 BLOCK_BYTES = 960 << 10  # a block file of 241 pages: one device request where a queue takes 254 (virtio), two
-# for 1 MiB (257 pages); never more requests than 1 MiB on smaller queues (docs/results.md, session 13)
+# for 1 MiB (257 pages); never more requests than 1 MiB on smaller queues (docs/results.md, "LMDB's open-time
+# check, no copies in the read-ahead thread, n5's block files")
 MAX_BLOCK_BYTES = 256 << 20  # refuse attributes promising larger blocks (a crafted file must not allocate more)
 _MAX_ATTRIBUTES_BYTES = 1 << 20
 DTYPES = {"uint8": np.dtype("u1"), "int64": np.dtype(">i8")}  # N5 stores big-endian

@@ -33,7 +33,7 @@ from packer.write.finish import in_storage_order, seal, stored_index
 from packer.write.fresh import source_digest, stale_reason
 from packer.write.journal import ShardResult, SourceError, load_done_shards
 from packer.write.options import ConvertOptions, make_options
-from packer.write.output import ERRORS_NAME, check_destination, output_path, swap_into_place
+from packer.write.output import ERRORS_NAME, check_destination, check_replaceable, output_path, swap_into_place
 from packer.write.plan import apply_order, load_or_make_plan
 from packer.write.pool import LocalPool, PoolSettings
 from packer.write.scan import IMG_EXTENSIONS, ScanResult
@@ -53,6 +53,7 @@ class ConvertResult:
     ignored: dict[str, int] = field(default_factory=dict)  # reason -> count (packer.write.scan)
     not_images: dict[str, int] = field(default_factory=dict)  # the "not an image" files by suffix
     reused: bool = False  # if_changed found the output up to date: nothing was converted
+    nothing_to_resume: str = ""  # resume found this conversion finished already (how it knows): nothing was done
     rewritten: int | None = None  # --jpeg-restarts: samples stored rewritten (None: not asked, or not converted here)
 
     @property
@@ -156,7 +157,7 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
         raise PackerError(f"workers {workers!r}: expected a count >= 0 (0: in this process; None: all cores)")
     workers = os.cpu_count() or 1 if workers is None else workers
-    check_destination(src, out, overwrite or if_changed)  # if_changed: an existing dataset is looked at first
+    check_destination(src, out, overwrite or if_changed or resume)  # those look at an existing dataset first
 
     started = time.perf_counter()
     hidden, empty = opts.skip_hidden, opts.allow_empty
@@ -172,8 +173,12 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
             return _reused(scanned, out, started)
         if not overwrite:
             raise PackerError(f"{out}: out of date ({why}); add --overwrite to replace it")
-    scan = apply_order(scanned, opts.order, opts.seed)
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
+    if resume and not (overwrite or if_changed) and os.path.lexists(out):
+        if holds_dataset(out) and not os.path.lexists(partial):  # finished: nothing was interrupted
+            return _nothing_to_resume(scanned, out, opts, digest, started)
+        check_replaceable(out, overwrite=False)  # refused, as without --resume
+    scan = apply_order(scanned, opts.order, opts.seed)
     plan = load_or_make_plan(scan, out, partial, opts, resume)
     try:
         if read_swap(partial, out)[0]:  # a finished conversion whose move into place was interrupted
@@ -292,6 +297,20 @@ def _reused(scan: ScanResult, out: Path, started: float) -> ConvertResult:
     """The result for an output ``if_changed`` found up to date: its own counts, nothing converted."""
     return ConvertResult(out, read_manifest(out).num_samples, _recorded_errors(out), time.perf_counter() - started,
                          0, dict(scan.ignored), dict(scan.not_images), reused=True)
+
+
+def _nothing_to_resume(scan: ScanResult, out: Path, options: ConvertOptions, digest: str,
+                       started: float) -> ConvertResult:
+    """``resume`` where the conversion finished: nothing is done, and the result says so (``nothing_to_resume``);
+    a dataset of other options or other source files is refused, naming the difference."""
+    why = stale_reason(out, options, digest, sources_too=bool(digest))
+    if why is not None:
+        raise PackerError(f"{out}: a complete dataset, so there is nothing to resume, and it is not this "
+                          f"conversion's ({why}): add --overwrite to convert again")
+    result = _reused(scan, out, started)
+    result.reused = False
+    result.nothing_to_resume = "the same options" + (", the same source files, sizes and times" if digest else "")
+    return result
 
 
 def _recorded_errors(directory: Path) -> list[SourceError]:

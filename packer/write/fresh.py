@@ -32,9 +32,10 @@ def source_digest(scan: ScanResult) -> str:
     return h.hexdigest()
 
 
-def stale_reason(out: Path, options: ConvertOptions, digest: str) -> str | None:
+def stale_reason(out: Path, options: ConvertOptions, digest: str, sources_too: bool = True) -> str | None:
     """None when dataset ``out`` holds a conversion with exactly ``options`` of a source with ``digest``
-    (and its files are all there, at their recorded sizes); else why it must be converted again."""
+    (and its files are all there, at their recorded sizes); else why it must be converted again.
+    ``sources_too=False``: the options and files only (a source that records no fingerprint can't be compared)."""
     try:
         manifest = read_manifest(out)
         manifest.check_files(out)
@@ -45,6 +46,8 @@ def stale_reason(out: Path, options: ConvertOptions, digest: str) -> str | None:
                      if recorded.get(k) != manifest.options.get(k))
     if changed:
         return "other options: " + ", ".join(f"{k} {manifest.options.get(k)} -> {recorded.get(k)}" for k in changed)
+    if not sources_too:
+        return None
     if not manifest.source_digest:
         return "made by a packer that did not record its source's files"
     if manifest.source_digest != digest:

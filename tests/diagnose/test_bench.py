@@ -21,7 +21,7 @@ from PIL import Image
 from packer.cli import main
 from packer.diagnose import measure, system, throttle
 from packer.diagnose.bench import BenchOptions, make_order, run_bench
-from packer.diagnose.reports import bench_table
+from packer.diagnose.reports import bench_table, ceiling_summary
 from packer.errors import PackerError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,6 +92,50 @@ def test_read_and_decode_levels_json_consistent(data):
     assert len(combos) == 2 * 2 * 3 * 2  # kinds x levels x orders x caches
     assert {d["samples"] for d in report["datasets"]} == {10}
     assert "imgs.lmdb" in bench_table(report)
+
+
+def test_stderr_ends_with_the_ceilings_the_table_uses(data):
+    """The CPU ceilings are measured before and after the passes and the higher kept: the last ceiling line on
+    stderr gives the values the table's header gives, not the first measurement's."""
+    folder, packed = data
+    said: list[str] = []
+    report = run_bench([folder, packed], BenchOptions(levels=("read",), orders=("sequential",), caches=("warm",),
+                                                      repeats=1, ceiling_bytes=4 << 20, ceiling_seconds=0.2),
+                       log=said.append)
+    header = next(line for line in bench_table(report).splitlines() if line.startswith("  ceilings"))
+    final = [line for line in said if line.startswith("ceiling")][-1]
+    assert final.split(": ", 1)[1] == header.split(": ", 1)[1] == ceiling_summary(report["ceilings"])
+    assert header.startswith("  ceilings (the higher of before and after the passes): ")
+    assert [f"memory copy {v:,.0f} MB/s" in final for v in report["ceilings"]["memory_copy"]["runs"]].count(True) >= 1
+
+
+def test_in_process_passes_record_their_threads_time_on_and_waiting_for_a_cpu(data):
+    """Read and decode passes record the passing thread's time on a CPU and waiting for one (the scheduler's
+    count), from which the summary tells a busy CPU from a slow disk; loader levels run elsewhere and record none."""
+    folder, packed = data
+    if measure.thread_cpu() is None:
+        pytest.skip("no /proc/thread-self/schedstat here")
+    report = run_bench([folder, packed], BenchOptions(levels=("decode", "loader"), orders=("sequential",),
+                                                      caches=("warm",), workers=(0,), repeats=2,
+                                                      ceiling_bytes=4 << 20, ceiling_seconds=0.2))
+    for r in report["results"]:
+        if r["level"] == "decode":
+            assert len(r["thread_cpu_seconds"]) == 2
+            for c, s in zip(r["thread_cpu_seconds"], r["seconds"], strict=True):  # the scheduler counts in ticks
+                assert c["on_cpu"] >= 0 and c["waiting_for_cpu"] >= 0 and c["on_cpu"] + c["waiting_for_cpu"] < s + 0.05
+        else:
+            assert "thread_cpu_seconds" not in r
+
+
+def test_thread_cpu_counts_this_threads_work():
+    before = measure.thread_cpu()
+    if before is None:
+        pytest.skip("no /proc/thread-self/schedstat here")
+    start = time.thread_time()
+    while time.thread_time() - start < 0.05:  # 50 ms of this thread's own CPU time, however busy the machine is
+        sum(range(1000))
+    after = measure.thread_cpu()
+    assert after is not None and after[0] - before[0] >= 0.04 and after[1] >= before[1]
 
 
 def test_loader_level_with_workers(data):

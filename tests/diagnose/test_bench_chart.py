@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from packer.diagnose.reports import bench_table, emulation_note, markdown_table, takeaway
+from packer.diagnose.reports import (
+    bench_table,
+    ceiling_note,
+    decoder_note,
+    emulation_note,
+    markdown_table,
+    takeaway,
+)
 
 
 def _row(name, level, cache, rate, speedup, ceiling, repeats=(None,)):
@@ -128,3 +135,97 @@ def test_chart_caption_factors_and_error_bars(tmp_path, repeats):
     boxes = [t.get_window_extent() for t in ax.texts]
     assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1:])
     real_close(fig)
+
+
+def _columns(head: str) -> dict[str, tuple[int, int]]:
+    """Each header word's (start, end) in the table's header line."""
+    return {word: (head.index(word), head.index(word) + len(word))
+            for word in ("dataset", "level", "order", "cache", "samples/s", "MB/s", "x folder", "of ceiling")}
+
+
+def test_every_level_and_name_lines_up_with_the_header():
+    """``thread-train`` (12 letters) and names longer than 16 once pushed their rows' cells to the right."""
+    report = _report(5000)
+    for level in ("thread", "thread-train", "train"):
+        report["results"].append(_row("safetensors-raw-224x224", level, "warm", 1234, 2.0, 1500))
+    table = bench_table(report).splitlines()
+    head = next(line for line in table if line.startswith("dataset"))
+    cols = _columns(head)
+    rows = [line for line in table if line.startswith(("imgs", "safetensors"))]
+    assert {line.split()[1] for line in rows} >= {"read", "decode", "thread", "thread-train", "train"}
+    for line in rows:
+        name, level, order, cache = line.split()[:4]
+        for word, value in (("dataset", name), ("level", level), ("order", order), ("cache", cache)):
+            start = cols[word][0]
+            assert line[start:start + len(value)] == value, (word, line)  # left-aligned under its header
+        rate, mbs = line.split()[4], line.split()[6]
+        for word, value in (("samples/s", rate), ("MB/s", mbs)):
+            end = cols[word][1]
+            assert line[end - len(value):end] == value, (word, line)  # right-aligned under its header
+
+
+def _with_decoders(report: dict, turbo: str = "loaded") -> dict:
+    for d in report["datasets"]:
+        d["decoder"] = "pil" if d["kind"] == "folder" else "auto"
+    report["machine"]["versions"] = {"libturbojpeg": turbo}
+    report["ceilings"]["decode"] = {"auto": {"value": 1100.0}, "pil": {"value": 900.0}}
+    return report
+
+
+def test_x_folder_says_when_it_compares_decoders_too():
+    """The folder decodes with Pillow as ImageFolder does, packed datasets with libjpeg-turbo: the gain is container
+    + decoder, and the table says so with the decoders' own ratio from the run's ceilings."""
+    report = _with_decoders(_report(5000))
+    note = decoder_note(report)
+    assert note is not None and "the folder decodes with Pillow" in note and "libjpeg-turbo" in note
+    assert "1.22x Pillow's rate per core" in note
+    assert f"note: {note}" in bench_table(report).splitlines()
+    assert "packed encoded images 0.9-1.1x the folder (container + decoder)" in takeaway(report)
+    assert takeaway(report).count("container + decoder") == 1  # stored pixels are not decoded
+    same = _with_decoders(_report(5000), turbo="missing")  # auto falls back to Pillow: the same decoder
+    assert decoder_note(same) is None and "container + decoder" not in takeaway(same)
+    reads = _with_decoders(_report(5000))
+    reads["results"] = [r for r in reads["results"] if r["level"] == "read"]
+    assert decoder_note(reads) is None  # reading bytes decodes nothing
+
+
+def test_a_rate_above_its_ceiling_is_marked_and_explained():
+    report = _report(5000)
+    report["results"].append(_row("imgs.memmap", "read", "warm", 23800, 1.3, 20000))
+    report["results"][-1]["ceiling"]["name"] = "memory copy"
+    table = bench_table(report).splitlines()
+    assert any(line.startswith("imgs.memmap") and " 119%* " in line for line in table)
+    assert not any("%*" in line for line in table if line.startswith("imgs.lmdb"))
+    note = ceiling_note(report)
+    assert note is not None and f"note: {note}" in table
+    assert "memory copy: one 128 MiB copy through main memory" in note and "decode:" not in note
+    assert ceiling_note(_report(5000)) is None  # nothing above 100 %: no note
+
+
+def _cpu(report: dict, name: str, level: str, on_cpu: float, waiting: float) -> None:
+    row = next(r for r in report["results"] if r["name"] == name and r["level"] == level)
+    row["seconds"] = [1.0, 1.0]
+    row["thread_cpu_seconds"] = [{"on_cpu": on_cpu, "waiting_for_cpu": waiting}] * 2
+
+
+def test_under_load_the_summary_says_the_cpu_not_the_disk_was_the_limit():
+    """The folder's cold reads (150 files/s) are slower than its cores decode: IO-bound, unless those reads were on
+    a CPU or waiting for one most of the time (other load on the machine); the busy machine is said either way."""
+    loaded = _report(folder_cold_read=150)
+    _cpu(loaded, "imgs", "read", on_cpu=0.2, waiting=0.6)
+    said = takeaway(loaded)
+    assert said.startswith("CPU-bound here, not IO-bound") and "80% of the time, held up by the disk 20%" in said
+    assert said.endswith("the machine was busy (the read and decode passes waited for a CPU 60% of their time): every "
+                         "rate is lower than on a quiet machine")
+    disk = _report(folder_cold_read=150)
+    _cpu(disk, "imgs", "read", on_cpu=0.05, waiting=0.05)  # blocked 90 % of the time: on the disk
+    assert takeaway(disk).startswith("IO-bound here") and "busy" not in takeaway(disk)
+    unknown = _report(folder_cold_read=150)  # no scheduler figures: the load at the start, as packer doctor says it
+    unknown["machine"]["load_average"] = [3.5, 2.0, 1.0]
+    assert takeaway(unknown).startswith("IO-bound here")
+    assert takeaway(unknown).endswith("the machine was busy (load 3.5 on 2 cores at the start): every rate is lower "
+                                      "than on a quiet machine")
+    quiet = _report(folder_cold_read=5000)
+    quiet["machine"]["load_average"] = [3.5, 2.0, 1.0]  # the conversions just before, say: the passes waited little
+    _cpu(quiet, "imgs", "decode", on_cpu=0.95, waiting=0.02)
+    assert takeaway(quiet).startswith("decode-bound here") and "busy" not in takeaway(quiet)

@@ -195,14 +195,20 @@ def test_random_situations_change_nothing_but_the_output(tmp_path, templates):
         src, out, kw, partial = _case(root, rng, target, templates)
         may = target in ("new", "dataset") and (target == "new" or kw["overwrite"]) and \
             (partial is None or (partial == "packer partial" and kw["resume"]))
+        # --resume of the finished conversion the dataset there is (the same source files and options): nothing to do
+        done = target == "dataset" and kw["resume"] and not kw["overwrite"] and partial is None
         before = tree_state(root)
         where = f"case {n}: -o {target}, {kw}, .partial {partial}"
         try:
             convert(src, out, workers=0, progress=False, **kw)
         except PackerError as exc:
-            assert not may, f"{where}: refused ({exc})"
+            assert not (may or done), f"{where}: refused ({exc})"
             assert tree_state(root) == before, f"{where}: a refusal changed something"
             outcomes.append("refused")
+            continue
+        if done:
+            assert tree_state(root) == before, f"{where}: nothing to resume, yet something changed"
+            outcomes.append("nothing to resume")
             continue
         assert may, f"{where}: succeeded"
         assert len(open_dataset(out)) == 4 and verify(out, against=src).ok, where

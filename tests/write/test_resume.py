@@ -72,6 +72,30 @@ def test_resume_after_sigkill_is_byte_identical(tmp_path):
     assert tree_digest(source) == before  # the source is never modified
 
 
+def test_resume_of_a_finished_conversion_says_so_and_does_nothing(source, tmp_path):
+    """``--resume`` pasted after a run that finished (the README's Converting block does it): exit 0 with one line
+    saying the dataset is complete and nothing was done, the dataset untouched; it once said only "already exists
+    (use --overwrite ...)" and exited 2."""
+    out = tmp_path / "done.lmdb"
+    convert(source, out, workers=0, shard_bytes=40_000, progress=False)
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "packer", "convert", str(source), "-o", str(out), "--shard-size", "40000", "--resume"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.stdout == (f"nothing to resume: {out} is complete (the same options, the same source files, sizes and "
+                          "times); nothing was done\n")
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()} == before
+    assert not (tmp_path / "done.lmdb.partial").exists()
+    result = convert(source, out, shard_bytes=40_000, resume=True, progress=False)
+    assert result.nothing_to_resume and not result.reused and result.num_samples == 180
+    # another conversion's dataset (other options, or the source changed since): refused, naming the difference
+    res = subprocess.run(cmd + ["--validate", "header"], env=env, capture_output=True, text=True)
+    assert res.returncode == 2 and "nothing to resume" in res.stderr and "validate full -> header" in res.stderr
+    assert "--overwrite" in res.stderr and "Traceback" not in res.stderr
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in out.iterdir()} == before
+
+
 def test_resume_refuses_a_changed_source(source, tmp_path):
     import shutil
 
