@@ -63,8 +63,10 @@ class FaultPlan:
         return self
 
     def clear(self) -> None:
+        """Forget every rule and what was applied."""
         with self._lock:
             self._rules.clear()
+            self.applied.clear()
 
     def take(self, method: str, key: str) -> Fault | None:
         with self._lock:

@@ -1,9 +1,9 @@
 """What can go wrong talking to object storage, as packer's errors: each names the (redacted) URL and the cause.
 
-``classify`` turns a client library's exception into ``(retry, error)``: whether one more try may help (a body cut
-mid-way, a short body, a reset the library did not retry) and the PackerError to raise once the tries are spent.
-Statuses the library already retried with backoff (5xx, 503 SlowDown, timeouts, refused connections) are final
-when they reach here.
+``classify`` turns a client library's exception into ``(retry, error)``: whether one more try may help (a complete
+response with a body shorter than asked, which the library accepts) and the PackerError to raise once the tries
+are spent. What the library already retried with backoff (5xx, 503 SlowDown, resets, timeouts, bodies cut mid-way)
+is final when it reaches here.
 """
 
 from __future__ import annotations
@@ -63,16 +63,18 @@ class RetryPolicy:
 
 
 _STATUS = re.compile(r"status(?: code)?:? (\d{3})")
-# body and connection failures reqwest/hyper report while reading a response the library had accepted
-_TRANSIENT = ("error decoding response body", "connection closed before message completed", "connection reset",
-              "broken pipe", "unexpected eof", "incomplete", "end of file before message length reached",
-              "error reading a body", "request or response body error")
+_HTTP_KIND = re.compile(r"HttpError \{\s*kind: (\w+)")
+_KINDS = {"Timeout": "timed out", "Interrupted": "the connection was cut mid-body", "Connect": "could not connect",
+          "Request": "the request failed", "Decode": "the body could not be decoded"}
 
 
 def _cause(exc: BaseException) -> str:
     """The library's message, first line, secrets redacted, without its debug dump."""
     text = str(exc).split("\n\nDebug source:", 1)[0].strip()
     first = text.splitlines()[0] if text else type(exc).__name__
+    kind = _HTTP_KIND.search(str(exc))
+    if kind:
+        first = f"{_KINDS.get(kind.group(1), kind.group(1))}: {first}"
     return redact_text(first)[:400]
 
 
@@ -85,18 +87,14 @@ def classify(exc: BaseException, url: str) -> tuple[bool, StorageError]:
     where = redact_text(url)
     if name == "NotFoundError" or isinstance(exc, FileNotFoundError):
         return False, ObjectNotFound(f"{where}: no such object (404)")
-    if name in ("PermissionDeniedError", "UnauthenticatedError"):
-        return False, AccessDenied(f"{where}: access denied ({cause}); check the credentials (environment, "
+    status = _STATUS.search(str(exc))
+    code = int(status.group(1)) if status else None
+    if name in ("PermissionDeniedError", "UnauthenticatedError") or code in (401, 403):
+        return False, AccessDenied(f"{where}: access denied ({code or name}); check the credentials (environment, "
                                    "~/.aws, instance role or storage_options=)")
     if name == "PreconditionError":
         return False, ObjectChanged(f"{where}: the object changed since it was opened (its ETag no longer "
                                     "matches); open the dataset again")
-    status = _STATUS.search(str(exc))
-    code = int(status.group(1)) if status else None
-    low = str(exc).lower()
-    if code is not None and code in (401, 403):
-        return False, AccessDenied(f"{where}: access denied ({cause})")
     if code == 404:
         return False, ObjectNotFound(f"{where}: no such object (404)")
-    transient = code is None and any(t in low for t in _TRANSIENT)
-    return transient, StorageError(f"{where}: {cause}")
+    return False, StorageError(f"{where}: {cause}")
