@@ -24,7 +24,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -143,30 +143,41 @@ class RangeCache:
         self.stats.hits += 1
         return data
 
-    @contextlib.contextmanager
-    def claim(self, name: str, block: bool = True):
-        """Hold the entry's download lock (node-wide); yields False instead of waiting when ``block`` is False and
-        another process or thread holds it."""
-        slot = 1 + int(name[:15], 16)
-        local = self._local.get().lock_for(name)
-        if not local.acquire(blocking=block):
-            self._local.get().done(name)
-            yield False
-            return
+    def acquire(self, name: str, block: bool = True) -> bool:
+        """Take the entry's download lock (node-wide: other processes and this one's threads); False instead of
+        waiting when ``block`` is False and it is held. Any thread of this process may ``release`` it."""
+        local = self._local.get()
+        lock = local.lock_for(name)
+        if not lock.acquire(blocking=block):
+            local.done(name)
+            return False
         try:
-            fd = self._fd.get()
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB), 1, slot)
-            except BlockingIOError:
-                yield False
-                return
-            try:
-                yield True
-            finally:
-                fcntl.lockf(fd, fcntl.LOCK_UN, 1, slot)
+            fcntl.lockf(self._fd.get(), fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB), 1, _slot(name))
+        except BlockingIOError:
+            lock.release()
+            local.done(name)
+            return False
+        except BaseException:
+            lock.release()
+            local.done(name)
+            raise
+        return True
+
+    def release(self, name: str) -> None:
+        local = self._local.get()
+        fcntl.lockf(self._fd.get(), fcntl.LOCK_UN, 1, _slot(name))
+        local.held(name).release()
+        local.done(name)
+
+    @contextlib.contextmanager
+    def claim(self, name: str, block: bool = True) -> Iterator[bool]:
+        """``acquire`` ... ``release`` around a block; yields whether the lock is held."""
+        mine = self.acquire(name, block)
+        try:
+            yield mine
         finally:
-            local.release()
-            self._local.get().done(name)
+            if mine:
+                self.release(name)
 
     def store(self, name: str, data: bytes | memoryview) -> None:
         """Write an entry (call while holding its claim): room is made first, then a temporary file is renamed
@@ -278,6 +289,11 @@ class RangeCache:
         self._fd.close(os.close)
 
 
+def _slot(name: str) -> int:
+    """The lock file byte that stands for entry ``name`` (byte 0 is the eviction lock's)."""
+    return 1 + int(name[:15], 16)
+
+
 def _stale_temp(name: str, mtime: float, now: float) -> bool:
     """A temporary entry left by a writer that is gone (no such pid, a minute on) or over an hour old (a pid
     from another container sharing the folder)."""
@@ -305,6 +321,10 @@ class _Local:
             lock, users = self._locks.get(name, (threading.Lock(), 0))
             self._locks[name] = (lock, users + 1)
             return lock
+
+    def held(self, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks[name][0]
 
     def done(self, name: str) -> None:
         with self._guard:

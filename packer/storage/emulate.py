@@ -92,12 +92,23 @@ class ServerStats:
     paced_bytes: int = 0
     paced_seconds: float = 0.0  # link time those bytes were given: paced_bytes / bandwidth
     connections: int = 0
+    active: int = 0  # object requests being answered now
+    max_active: int = 0  # the most at once
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **counts: float) -> None:
         with self.lock:
             for name, value in counts.items():
                 setattr(self, name, getattr(self, name) + value)
+
+    def enter(self) -> None:
+        with self.lock:
+            self.active += 1
+            self.max_active = max(self.max_active, self.active)
+
+    def leave(self) -> None:
+        with self.lock:
+            self.active -= 1
 
     def snapshot(self) -> dict[str, float]:
         with self.lock:
@@ -194,6 +205,13 @@ class _Handler(BaseHTTPRequestHandler):
             self._object("GET")
 
     def _object(self, method: str) -> None:
+        self.server.store.stats.enter()
+        try:
+            self._answer(method)
+        finally:
+            self.server.store.stats.leave()
+
+    def _answer(self, method: str) -> None:
         store = self.server.store
         bucket, key, _ = self._target()
         self._first_byte()
