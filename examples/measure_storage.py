@@ -186,30 +186,37 @@ def shared_by_threads(client: str, endpoint: str, size: int, data: bytes) -> str
 
 
 def interrupt_blocking(client: str, endpoint: str) -> str:
-    """SIGINT 0.5 s into a blocking read (the library's sync call in the main thread) of a slow body (1 KB/s):
-    seconds from the signal until KeyboardInterrupt, or until the read finished regardless."""
+    """Ctrl-C (SIGINT from outside, 0.5 s in) during a blocking read (the library's sync call in the main thread)
+    of a slow body (1 KB/s, 30 s in all): seconds from the signal until KeyboardInterrupt, or until the read
+    finished regardless."""
     call = ("import obstore as obs; obs.get_range(store, KEY, start=0, end=30_000)" if client != "s3fs" else
             "store.cat_file('packer/' + KEY, start=0, end=30_000)")
     code = f"""
-import os, signal, threading, time, sys
+import time, sys
 sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 from measure_storage import make, KEY
 store = make({client!r}, {endpoint!r})
-threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+print("reading", flush=True)
 t = time.perf_counter()
 try:
     {call}
-    print("finished", time.perf_counter() - t)
+    print("finished", time.perf_counter() - t - 0.5, flush=True)
 except KeyboardInterrupt:
-    print("interrupted", time.perf_counter() - t - 0.5)
+    print("interrupted", time.perf_counter() - t - 0.5, flush=True)
 """
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
     try:
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        out, _ = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
+        proc.kill()
         return "not interrupted within 60 s"
-    words = (out.stdout.split() or ["error", "0"])
-    return f"{words[0]} after {float(words[1]):.2f} s" if len(words) > 1 else out.stderr[-200:]
+    words = out.split()
+    return f"{words[0]} {float(words[1]):.2f} s after the signal" if len(words) > 1 else f"exit {proc.returncode}"
 
 
 def cancel_async(endpoint: str) -> str:

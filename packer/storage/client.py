@@ -74,7 +74,10 @@ def _location(url: str) -> Location:
 
 def build_store(spec: StoreSpec) -> Any:
     """The obstore store for ``spec``'s root (its key the prefix of every request)."""
-    from obstore.store import LocalStore, from_url
+    try:
+        from obstore.store import LocalStore, from_url
+    except ImportError as exc:
+        raise PackerError(f"object storage needs obstore ({exc}): pip install 'packer-images[remote]'") from None
 
     loc = _location(spec.url)
     policy = spec.policy
@@ -88,8 +91,10 @@ def build_store(spec: StoreSpec) -> Any:
     config: dict[str, Any] = {}
     for key, value in spec.options.items():
         (client if key in _CLIENT_KEYS else config)[key] = value
-    endpoint = str(config.get("endpoint", config.get("aws_endpoint", "")))
-    if loc.scheme == "http" or endpoint.startswith("http://"):
+    endpoint = str(config.get("endpoint") or config.get("aws_endpoint") or
+                   (os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT", "") if loc.scheme == "s3"
+                    else ""))
+    if loc.scheme == "http" or endpoint.startswith("http://"):  # an http endpoint given on purpose (a local server)
         client.setdefault("allow_http", True)
     root = f"{loc.scheme}://{loc.bucket}/{loc.key}".rstrip("/")
     if loc.scheme in ("http", "https"):

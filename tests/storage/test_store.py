@@ -190,6 +190,15 @@ def test_credentials_never_appear_in_repr_or_errors(emulated):
     store.close()
 
 
+def test_credentials_and_endpoint_from_the_environment(emulated, monkeypatch):
+    emulated.write("env/a.bin", DATA)
+    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key", "AWS_REGION": "us-east-1",
+                        "AWS_ENDPOINT_URL": emulated.server.endpoint}.items():
+        monkeypatch.setenv(name, value)
+    with ObjectStore("s3://bucket/env", policy=FAST_POLICY) as store:
+        assert store.get_range("a.bin", 0, 10) == DATA[:10]
+
+
 # ---- one client per process: fork and spawn ----
 
 def _child_reads(store: ObjectStore, key: str, queue) -> None:
