@@ -153,7 +153,7 @@ class LoopClient:
             if etag:
                 options["if_match"] = etag
             result = await obs.get_async(store, key, options=options)  # type: ignore[arg-type]
-            data = bytes(await result.bytes_async())
+            data = memoryview(await result.bytes_async())  # obstore's buffer, not copied: the caller copies once
             info = _info(key, result.meta)
             if etag and info.etag and info.etag != etag:
                 raise ObjectChanged(f"{self._root.join(key)}: the object changed since it was opened (ETag "
@@ -194,7 +194,7 @@ class LoopClient:
 
 # ---- the helper process: same client, over a pipe ----
 
-def _send(stream, lock: threading.Lock, header: dict[str, Any], payload: bytes = b"") -> None:
+def _send(stream, lock: threading.Lock, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
     head = json.dumps({**header, "n": len(payload)}).encode()
     with lock:
         stream.write(struct.pack(">I", len(head)) + head)
@@ -212,7 +212,7 @@ def _receive(stream) -> tuple[dict[str, Any], bytes] | None:
     return header, payload
 
 
-def _encode(op: str, result: Any) -> tuple[Any, bytes]:
+def _encode(op: str, result: Any) -> tuple[Any, bytes | memoryview]:
     if op == "get":
         return asdict(result[1]), result[0]
     if op == "list":

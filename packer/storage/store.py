@@ -60,18 +60,19 @@ class ObjectStore:
 
     def submit_get(self, key: str, start: int | None = None, end: int | None = None,
                    etag: str | None = None) -> concurrent.futures.Future:
-        """Start a GET of ``[start, end)`` (the whole object when None); the future gives ``(bytes, ObjectInfo)``.
-        With ``etag`` the read is conditional (If-Match) and the returned ETag checked: ``ObjectChanged`` if the
-        object was replaced, never bytes of another version."""
+        """Start a GET of ``[start, end)`` (the whole object when None); the future gives ``(data, ObjectInfo)``,
+        ``data`` bytes-like (a memoryview of the client's buffer: copy what you keep). With ``etag`` the read is
+        conditional (If-Match) and the returned ETag checked: ``ObjectChanged`` if the object was replaced, never
+        bytes of another version."""
         return self.client.submit("get", key, start=start, end=end, etag=etag)
 
     def get_range(self, key: str, start: int, end: int, etag: str | None = None) -> bytes:
         if not 0 <= start < end:
             raise ValueError(f"range [{start}, {end}) of {self.location(key)}: 0 <= start < end expected")
-        return wait(self.submit_get(key, start, end, etag))[0]
+        return bytes(wait(self.submit_get(key, start, end, etag))[0])
 
     def get(self, key: str, etag: str | None = None) -> bytes:
-        return wait(self.submit_get(key, etag=etag))[0]
+        return bytes(wait(self.submit_get(key, etag=etag))[0])
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
         """Every object whose key starts with ``prefix`` (all pages), keys relative to the root."""
