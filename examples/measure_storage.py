@@ -1,6 +1,7 @@
 """Choose the object-storage library by measuring: obstore (Rust object_store) vs fsspec + s3fs (aiobotocore).
 
-    python examples/measure_storage.py --json storage.json          # about 2 minutes on 2 cores
+    pip install s3fs        # the measured alternative; obstore and moto[server] come with requirements/test.txt
+    python examples/measure_storage.py --json examples/measure_storage.json   # about 7 minutes on 2 cores
 
 Both servers run in their own process, so each side's CPU is its own: moto's ThreadedMotoServer (pure Python,
 what the tests use) and packer's emulated store (packer/storage/emulate.py: sendfile, path-style S3), first
