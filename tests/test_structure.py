@@ -16,8 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "packer"
 LAYERS = {
     "packer._version": 0, "packer._random": 0, "packer.argtypes": 0, "packer.perprocess": 0, "packer.errors": 0,
     "packer.units": 0, "packer.sysinfo": 0, "packer.pagecache": 0,
-    "packer.layout": 1, "packer.images": 2, "packer.formats": 3, "packer.write": 4, "packer.read": 4,
-    "packer.tools": 5, "packer.dali": 5, "packer.diagnose": 6, "packer.cli": 7, "packer.__main__": 7,
+    "packer.storage": 1, "packer.layout": 2, "packer.images": 3, "packer.formats": 4, "packer.write": 5,
+    "packer.read": 5, "packer.tools": 6, "packer.dali": 6, "packer.diagnose": 7, "packer.cli": 8, "packer.__main__": 8,
 }
 PEERS = {("packer.write", "packer.read"), ("packer.read", "packer.write")}
 

@@ -90,8 +90,10 @@ def _report_convert(res, quiet: bool) -> int:
 
 def cmd_info(args) -> int:
     from packer.layout.manifest import dataset_directory
+    from packer.storage.url import refuse_url
     from packer.tools.info import dataset_info, info_rows
 
+    refuse_url(args.dataset, "packer info")
     dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
     with under_way():
         data = dataset_info(args.dataset)
@@ -107,8 +109,10 @@ def cmd_info(args) -> int:
 
 def cmd_verify(args) -> int:
     from packer.layout.manifest import dataset_directory
+    from packer.storage.url import refuse_urls
     from packer.tools.verify import verify
 
+    refuse_urls("packer verify", args.dataset, args.against)
     dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
     report = verify(args.dataset, against=args.against, progress=not args.quiet, deep=args.deep)
     checked = ", ".join(f"{v} {k}" for k, v in report.checked.items())
@@ -162,7 +166,9 @@ def cmd_profile(args) -> int:
             raise PackerError(f"--pin-memory {args.pin_memory!r}: expected off, on or off,on")
         pins.append(v.strip() == "on")
     from packer.layout.manifest import dataset_directory
+    from packer.storage.url import refuse_url
 
+    refuse_url(args.dataset, "packer profile")
     dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
     with under_way():
         fused = args.train_crop and args.crop

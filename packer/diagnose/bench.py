@@ -43,6 +43,7 @@ from packer.diagnose.reports import ceiling_summary, progress_line, table_notes
 from packer.errors import PackerError
 from packer.images.decode import pil_loader
 from packer.read.hints import aheads_of, hinted_order
+from packer.storage.url import refuse_urls
 
 BENCH_LEVELS = ("read", "decode", "loader", "thread", "train", "thread-train")
 LOADER_LEVELS = ("loader", "thread", "train", "thread-train")  # through a loader, with workers (thread: threads)
@@ -325,6 +326,7 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
     log = log or (lambda s: None)
     if not paths:
         raise PackerError("give at least one folder or packed dataset to benchmark")
+    refuse_urls("packer bench", *paths)
     sources = [open_source(p, o.limit) for p in paths]
     emulating = bool(o.emulate or o.read_iops or o.read_bps)
     iops, bps, desc = resolve_limits(o.emulate, o.read_iops, o.read_bps)

@@ -245,7 +245,10 @@ def probe_data(ds: Any, files: list[str], count: int, complete: bool) -> dict:
 def diagnose(path: str | os.PathLike | None = None, seconds: float = 1.0, progress: bool = True) -> dict:
     """Measure this machine (and the storage and data under ``path``) and judge; a JSON-ready dict."""
     from packer.errors import PackerError
+    from packer.storage.url import refuse_url
 
+    if path is not None:
+        refuse_url(path, "packer doctor")
     log = (lambda msg: print(f"doctor: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     if not 0 < float(seconds) < float("inf"):
         raise PackerError(f"seconds {seconds!r}: expected a positive time budget")

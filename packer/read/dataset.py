@@ -36,6 +36,7 @@ from packer.read.hints import Ahead, aheads_of
 from packer.read.indexing import IndexMap
 from packer.read.store import Access, ShardStore
 from packer.read.surface import FolderSurface
+from packer.storage.url import refuse_url
 
 if TYPE_CHECKING:
     from packer.read.cache import CachedDataset
@@ -357,6 +358,7 @@ def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_option
     """
     if cache == "ram-decoded" and kwargs.get("crop") is not None:
         raise PackerError("crop= with cache='ram-decoded' would keep one crop per sample for ever: use cache='ram'")
+    refuse_url(path, "open_dataset")
     path = Path(path).absolute()
     manifest = read_manifest(path)
     ds = dataset_class(manifest.format, path)(path, **kwargs)

@@ -31,6 +31,7 @@ from packer.layout.fsutil import create_temp, destination_dir, nearest_existing
 from packer.layout.manifest import dataset_directory
 from packer.layout.trust import check_inner_name
 from packer.read.dataset import open_dataset
+from packer.storage.url import refuse_urls
 
 
 @dataclass
@@ -62,6 +63,7 @@ def extract(path: str | os.PathLike, dest: str | os.PathLike, overwrite: bool = 
     Refusals before anything is written raise PackerError; a dataset that fails to read, or a
     write failing part-way (disk full), raises RunError (the command line's exit 1).
     """
+    refuse_urls("packer extract", path, dest)
     dataset_directory(path)
     with under_way():
         ds = open_dataset(path, image="numpy")

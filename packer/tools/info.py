@@ -12,11 +12,13 @@ import numpy as np
 from packer.layout.index import Index
 from packer.layout.manifest import read_manifest
 from packer.read.indexing import IMAGEFOLDER, IndexMap
+from packer.storage.url import refuse_url
 from packer.units import human_bytes
 
 
 def dataset_info(path: str | os.PathLike) -> dict[str, Any]:
     """The manifest as a dict, with totals and label/shape/size statistics from ``meta/``."""
+    refuse_url(path, "packer info")
     root = Path(path)
     manifest = read_manifest(root)
     data = asdict(manifest)

@@ -17,6 +17,7 @@ from packer.layout.fields import same_cell
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from packer.layout.trust import inside, read_inside
 from packer.read.dataset import open_dataset
+from packer.storage.url import refuse_urls
 from packer.write.options import ConvertOptions, make_options, scan_rules
 from packer.write.output import ERRORS_NAME
 from packer.write.scan import ScanResult, SourceError
@@ -45,6 +46,7 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
     ``deep``: also decode every sample (strictly, as conversion's full validation does) and
     check its shape against the stored heights and widths.
     """
+    refuse_urls("packer verify", path, against)
     root = Path(path)
     report = Report()
     try:

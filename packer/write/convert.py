@@ -28,6 +28,7 @@ from packer.formats import get_format
 from packer.layout.fields import parse_specs
 from packer.layout.manifest import Manifest, holds_dataset, read_manifest
 from packer.layout.partial import PARTIAL_SUFFIX, made_by_packer, read_swap
+from packer.storage.url import refuse_urls
 from packer.write.cluster import DaskCluster, class_mapper
 from packer.write.finish import in_storage_order, seal, stored_index
 from packer.write.fresh import source_digest, stale_reason
@@ -101,6 +102,7 @@ def convert(
     converted with the same options from the same source files (sizes, mtimes) is reused, not converted
     again (``write.fresh``); a stale one is replaced only with ``overwrite``.
     """
+    refuse_urls("packer convert", src, output)
     source = source_options(source_type, root, path_column, label_column, classes_file, classes, label_key,
                             image_column)
     return _convert(src, output_path(src, output, to), source, to, on_error, workers, overwrite, resume, progress,
@@ -111,6 +113,7 @@ def convert_split(src: str | os.PathLike, output: str | os.PathLike | None = Non
                   **kwargs: Any) -> tuple[ConvertResult, ConvertResult]:
     """``convert`` into ``<output>-train`` and ``<output>-val``: per class, a seeded ``split`` fraction
     (``seed``, as for the order) goes to train, the rest to val (write/sources/select.py)."""
+    refuse_urls("packer convert", src, output)
     out = output_path(src, output, to)
     names = ("source_type", "root", "path_column", "label_column", "classes_file", "classes", "label_key",
              "image_column")

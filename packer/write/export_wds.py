@@ -37,6 +37,7 @@ from packer.layout.fsutil import fsync_tree, write_atomic
 from packer.layout.manifest import dumps_lossless, file_info
 from packer.layout.partial import PARTIAL_SUFFIX, read_swap
 from packer.layout.wdsexport import CLASSES_NAME, EXPORT_KIND, EXPORT_NAME, SHARD_PATTERN
+from packer.storage.url import refuse_urls
 from packer.write.convert import (
     ConvertResult,
     check_sequential,
@@ -72,6 +73,7 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
     samples in the shards (keys are the source's numbers either way). ``resume`` only finishes a move into
     place that a killed run journaled; anything else left in ``<out>.partial`` is refused, naming it.
     """
+    refuse_urls("packer convert --to wds", src, output)
     given = {k: others.pop(k) for k in _SOURCE_KEYWORDS if k in others}
     unsupported = sorted(k for k, v in others.items() if v is not None and v is not False)
     if unsupported:

@@ -33,6 +33,7 @@ from packer.layout.fields import FieldStore, encode_cell, parse_specs, save_fiel
 from packer.layout.fsutil import fsync_file
 from packer.layout.manifest import Manifest
 from packer.layout.partial import JOURNAL_DIR, PARTIAL_SUFFIX, read_swap
+from packer.storage.url import refuse_url
 from packer.write.finish import seal, stored_index
 from packer.write.journal import (
     ShardResult,
@@ -66,6 +67,7 @@ class Writer:
     def __init__(self, path: str | os.PathLike, format: str = "lmdb", fields: dict[str, str] | None = None, *,
                  classes: Sequence[str] | None = None, on_error: str = "raise", resume: bool = False,
                  overwrite: bool = False, **options: Any) -> None:
+        refuse_url(path, "packer.Writer")
         self.out = Path(os.path.abspath(path))
         self.partial = self.out.with_name(self.out.name + PARTIAL_SUFFIX)
         self.fmt = get_format(format)

@@ -1,0 +1,335 @@
+"""The node-wide cache of object ranges under ``cache_dir``, shared by every process and thread on the node.
+
+Entries are keyed by URL + ETag + range, so a replaced object never serves old bytes for new. Processes coordinate
+through the directory alone:
+
+- one byte-range lock (``fcntl.lockf``) per entry in ``locks``, taken while its bytes are downloaded, so two
+  processes never fetch the same range at once (the second waits, then reads the entry); a crashed downloader's
+  lock goes with it;
+- an entry is written as ``<name>.tmp-<pid>-<random>`` and renamed into place complete: a partial entry never has
+  an entry's name (leftover temporaries of dead processes are swept);
+- ``usage`` (bytes, updated under the eviction lock) bounds the disk used by ``cache_limit``; when over, the entries
+  are listed and an ``EvictionPolicy`` (default ``LRU``; ``KeepNeeded`` drops first what the epoch will not read
+  again) chooses what goes, down to 90 % of the limit;
+- a checksum per range given by the caller is checked before the bytes are used, on download and on every hit.
+
+Layout: ``<cache_dir>/packer-cache-v1/{locks,usage,entries/<2 hex>/<64 hex>}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from packer.errors import PackerError
+from packer.perprocess import PerProcess
+from packer.storage.faults import StorageError
+from packer.storage.url import redact
+from packer.units import parse_bytes
+
+Checksum = tuple[str, str]  # (hashlib algorithm, hex digest), e.g. ("sha256", "ab12...")
+_EVICT_SLOT = 0  # byte of the lock file that guards usage and eviction; entries lock bytes 1..2**62
+STALE_TEMP_SECONDS = 3600.0
+
+
+class ChecksumMismatch(StorageError):
+    """Bytes read from object storage are not the ones the dataset recorded (corrupt or another version)."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One cached range, as an eviction policy sees it."""
+
+    name: str
+    size: int
+    last_used: float  # mtime: set when written and at every hit
+
+
+class EvictionPolicy(Protocol):
+    def victims(self, entries: list[Entry], to_free: int) -> Iterable[Entry]:
+        """Entries to delete, in order, until ``to_free`` bytes are freed (the cache stops when it has enough)."""
+        ...
+
+
+class LRU:
+    """Least recently used first."""
+
+    def victims(self, entries: list[Entry], to_free: int) -> Iterable[Entry]:
+        return sorted(entries, key=lambda e: e.last_used)
+
+
+@dataclass
+class KeepNeeded:
+    """What the reader still needs this epoch (entry names, ``RangeCache.name``) is evicted last; among the rest and
+    then among those, least recently used first."""
+
+    needed: set[str] = field(default_factory=set)
+
+    def victims(self, entries: list[Entry], to_free: int) -> Iterable[Entry]:
+        return sorted(entries, key=lambda e: (e.name in self.needed, e.last_used))
+
+
+def check(data: bytes | memoryview, checksum: Checksum | None, what: str) -> None:
+    """Raise ``ChecksumMismatch`` naming ``what`` unless ``data`` has ``checksum``."""
+    if checksum is None:
+        return
+    algorithm, expected = checksum
+    got = hashlib.new(algorithm, data).hexdigest()
+    if got != expected.lower():
+        raise ChecksumMismatch(f"{what}: {algorithm} {got[:16]}... of the {len(data)} bytes read is not the "
+                               f"recorded {expected[:16]}...: the object is damaged or another version")
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    waits: int = 0  # misses another process or thread was already downloading
+    fetched_bytes: int = 0
+    evicted: int = 0
+
+
+class RangeCache:
+    """Ranges of objects on local disk under ``cache_dir``, at most ``cache_limit`` bytes ("20GB" or an int)."""
+
+    def __init__(self, cache_dir: str | os.PathLike, cache_limit: int | str,
+                 policy: EvictionPolicy | None = None) -> None:
+        limit = parse_bytes(cache_limit) if isinstance(cache_limit, str) else int(cache_limit)
+        if limit <= 0:
+            raise PackerError(f"cache_limit {cache_limit!r}: a positive size expected (e.g. 20GB)")
+        self.root = Path(cache_dir).absolute() / "packer-cache-v1"
+        self.entries = self.root / "entries"
+        self.entries.mkdir(parents=True, exist_ok=True)
+        (self.root / "locks").touch()
+        self.limit, self.policy = limit, policy or LRU()
+        self.stats = CacheStats()
+        self._fd: PerProcess[int] = PerProcess(self._open_locks)
+        self._local = PerProcess(_Local)
+
+    def _open_locks(self) -> int:
+        return os.open(self.root / "locks", os.O_RDWR)
+
+    @staticmethod
+    def name(url: str, etag: str | None, start: int, end: int) -> str:
+        """The entry name of ``[start, end)`` of ``url`` at version ``etag`` (what ``KeepNeeded`` holds)."""
+        return hashlib.sha256(f"{url}\0{etag or ''}\0{start}\0{end}".encode()).hexdigest()
+
+    def path(self, name: str) -> Path:
+        return self.entries / name[:2] / name
+
+    def read(self, name: str, checksum: Checksum | None = None, what: str = "") -> bytes | None:
+        """The entry's bytes (checked), or None; a damaged entry is deleted and reads as missing."""
+        path = self.path(name)
+        try:
+            with open(path, "rb") as fh:
+                data = fh.read()
+            os.utime(path)  # last use, for LRU
+        except FileNotFoundError:
+            return None
+        try:
+            check(data, checksum, what or name)
+        except ChecksumMismatch:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            return None
+        self.stats.hits += 1
+        return data
+
+    def acquire(self, name: str, block: bool = True) -> bool:
+        """Take the entry's download lock (node-wide: other processes and this one's threads); False instead of
+        waiting when ``block`` is False and it is held. Any thread of this process may ``release`` it."""
+        local = self._local.get()
+        lock = local.lock_for(name)
+        if not lock.acquire(blocking=block):
+            local.done(name)
+            return False
+        try:
+            fcntl.lockf(self._fd.get(), fcntl.LOCK_EX | (0 if block else fcntl.LOCK_NB), 1, _slot(name))
+        except BlockingIOError:
+            lock.release()
+            local.done(name)
+            return False
+        except BaseException:
+            lock.release()
+            local.done(name)
+            raise
+        return True
+
+    def release(self, name: str) -> None:
+        local = self._local.get()
+        fcntl.lockf(self._fd.get(), fcntl.LOCK_UN, 1, _slot(name))
+        local.held(name).release()
+        local.done(name)
+
+    @contextlib.contextmanager
+    def claim(self, name: str, block: bool = True) -> Iterator[bool]:
+        """``acquire`` ... ``release`` around a block; yields whether the lock is held."""
+        mine = self.acquire(name, block)
+        try:
+            yield mine
+        finally:
+            if mine:
+                self.release(name)
+
+    def store(self, name: str, data: bytes | memoryview) -> None:
+        """Write an entry (call while holding its claim): room is made first, then a temporary file is renamed
+        into place."""
+        self._make_room(len(data))
+        path = self.path(name)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_name(f"{name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+        try:
+            with open(tmp, "wb") as fh:
+                fh.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self._add_usage(-len(data))
+            raise
+
+    def get(self, url: str, etag: str | None, start: int, end: int, fetch: Callable[[], bytes],
+            checksum: Checksum | None = None) -> bytes:
+        """The bytes of ``[start, end)`` of ``url``: from the cache, else ``fetch()``ed once on the node, checked
+        against ``checksum`` before anything uses or caches them."""
+        name = self.name(url, etag, start, end)
+        what = f"{redact(url)} bytes {start}-{end}"
+        hit = self.read(name, checksum, what)
+        if hit is not None:
+            return hit
+        with self.claim(name, block=False) as mine:
+            if not mine:
+                self.stats.waits += 1
+        with self.claim(name):
+            hit = self.read(name, checksum, what)  # another process may have fetched it meanwhile
+            if hit is not None:
+                return hit
+            data = fetch()
+            check(data, checksum, what)
+            self.stats.misses += 1
+            self.stats.fetched_bytes += len(data)
+            self.store(name, data)
+            return data
+
+    # ---- usage and eviction, under the eviction lock ----
+
+    @contextlib.contextmanager
+    def _evict_lock(self):
+        with self._local.get().evict:
+            fd = self._fd.get()
+            fcntl.lockf(fd, fcntl.LOCK_EX, 1, _EVICT_SLOT)
+            try:
+                yield
+            finally:
+                fcntl.lockf(fd, fcntl.LOCK_UN, 1, _EVICT_SLOT)
+
+    def _read_usage(self) -> int:
+        try:
+            return int((self.root / "usage").read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return self.usage(rescan=True)
+
+    def _write_usage(self, value: int) -> None:
+        tmp = self.root / f"usage.tmp-{os.getpid()}"
+        tmp.write_text(str(max(0, value)))
+        os.replace(tmp, self.root / "usage")
+
+    def _add_usage(self, delta: int) -> None:
+        with self._evict_lock():
+            self._write_usage(self._read_usage() + delta)
+
+    def usage(self, rescan: bool = False) -> int:
+        """Bytes in entries: the recorded figure, or counted on disk with ``rescan``."""
+        if not rescan:
+            with self._evict_lock():
+                return self._read_usage()
+        return sum(e.size for e in self._list())
+
+    def _list(self) -> list[Entry]:
+        out = []
+        now = time.time()
+        for sub in self.entries.iterdir() if self.entries.exists() else ():
+            for item in os.scandir(sub):
+                with contextlib.suppress(FileNotFoundError):
+                    st = item.stat()
+                    if ".tmp-" not in item.name:
+                        out.append(Entry(item.name, st.st_size, st.st_mtime))
+                    elif _stale_temp(item.name, st.st_mtime, now):
+                        os.unlink(item.path)
+        return out
+
+    def _make_room(self, nbytes: int) -> None:
+        if nbytes > self.limit:
+            raise PackerError(f"cache_limit {self.limit} bytes is smaller than one range of {nbytes} bytes: "
+                              "raise cache_limit")
+        with self._evict_lock():
+            used = self._read_usage() + nbytes
+            if used > self.limit:
+                entries = self._list()
+                used = sum(e.size for e in entries) + nbytes
+                target = int(self.limit * 0.9)
+                for entry in self.policy.victims(entries, used - target):
+                    if used <= target:
+                        break
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path(entry.name))
+                        used -= entry.size
+                        self.stats.evicted += 1
+            self._write_usage(used)
+
+    def close(self) -> None:
+        self._fd.close(os.close)
+
+
+def _slot(name: str) -> int:
+    """The lock file byte that stands for entry ``name`` (byte 0 is the eviction lock's)."""
+    return 1 + int(name[:15], 16)
+
+
+def _stale_temp(name: str, mtime: float, now: float) -> bool:
+    """A temporary entry left by a writer that is gone (no such pid, a minute on) or over an hour old (a pid
+    from another container sharing the folder)."""
+    if now - mtime > STALE_TEMP_SECONDS:
+        return True
+    try:
+        os.kill(int(name.split(".tmp-", 1)[1].split("-", 1)[0]), 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return now - mtime > 60
+    except PermissionError:
+        pass
+    return False
+
+
+class _Local:
+    """This process's share of the locking: fcntl locks do not exclude threads of one process, these do."""
+
+    def __init__(self) -> None:
+        self.evict = threading.Lock()
+        self._guard = threading.Lock()
+        self._locks: dict[str, tuple[threading.Lock, int]] = {}
+
+    def lock_for(self, name: str) -> threading.Lock:
+        with self._guard:
+            lock, users = self._locks.get(name, (threading.Lock(), 0))
+            self._locks[name] = (lock, users + 1)
+            return lock
+
+    def held(self, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks[name][0]
+
+    def done(self, name: str) -> None:
+        with self._guard:
+            lock, users = self._locks[name]
+            if users <= 1:
+                del self._locks[name]
+            else:
+                self._locks[name] = (lock, users - 1)

@@ -1,0 +1,326 @@
+"""The connection to object storage in one process: obstore's client driven by an event loop on one thread.
+
+obstore (Rust ``object_store`` on a tokio runtime) is not fork-safe: once a process has made a request, a forked
+child's requests hang, even on a client made in the child (docs/remote.md, measured). DataLoader workers are
+forked. So ``open_client`` gives a process an in-process ``LoopClient`` unless an ancestor started the runtime
+before forking it; such a child gets a ``HelperClient``: the same loop in a helper process started by exec
+(``python -m packer.storage.client``, which dies with its parent's pipe), requests and bytes over a pipe.
+``ObjectStore`` keeps one client per process in a ``PerProcess``. Every request has a timeout and retries
+(``RetryPolicy``); ``submit`` returns a future that ``cancel()`` really cancels (the request is dropped).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from packer.errors import PackerError
+from packer.storage.faults import (
+    AccessDenied,
+    ObjectChanged,
+    ObjectNotFound,
+    RetryPolicy,
+    ShortRead,
+    StorageError,
+    classify,
+)
+from packer.storage.url import Location
+
+_CLIENT_KEYS = frozenset({"allow_http", "allow_invalid_certificates", "proxy_url", "user_agent", "default_headers"})
+_ERRORS = {c.__name__: c for c in (StorageError, ObjectNotFound, AccessDenied, ObjectChanged, ShortRead)}
+_RUNTIME_PID: int | None = None  # the process that started obstore's runtime (its forked children must not use it)
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What HEAD or a listing says of an object: its key below the store's root, size and ETag/generation."""
+
+    key: str
+    size: int
+    etag: str | None = None
+    version: str | None = None
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Everything needed to open a client in any process (picklable, JSON-able). ``options`` may hold
+    credentials: its values never appear in ``repr``."""
+
+    url: str  # the root URL (no credentials in it: parse() refuses them for s3/gs/az)
+    options: dict[str, Any] = field(default_factory=dict)
+    policy: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def __repr__(self) -> str:
+        return f"StoreSpec({str(_location(self.url))!r}, options={sorted(self.options)}, {self.policy})"
+
+
+def _location(url: str) -> Location:
+    from packer.storage.url import parse
+
+    return parse(url)
+
+
+def build_store(spec: StoreSpec) -> Any:
+    """The obstore store for ``spec``'s root (its key the prefix of every request)."""
+    try:
+        from obstore.store import LocalStore, from_url
+    except ImportError as exc:
+        raise PackerError(f"object storage needs obstore ({exc}): pip install 'packer-images[remote]'") from None
+
+    loc = _location(spec.url)
+    policy = spec.policy
+    retry = {"max_retries": policy.retries, "retry_timeout": timedelta(seconds=policy.retry_timeout),
+             "backoff": {"init_backoff": timedelta(seconds=policy.backoff),
+                         "max_backoff": timedelta(seconds=policy.max_backoff), "base": 2}}
+    if loc.is_local:
+        return LocalStore(prefix=Path(loc.key))
+    client: dict[str, Any] = {"timeout": timedelta(seconds=policy.timeout),
+                              "connect_timeout": timedelta(seconds=policy.connect_timeout)}
+    config: dict[str, Any] = {}
+    for key, value in spec.options.items():
+        (client if key in _CLIENT_KEYS else config)[key] = value
+    endpoint = str(config.get("endpoint") or config.get("aws_endpoint") or
+                   (os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT", "") if loc.scheme == "s3"
+                    else ""))
+    if loc.scheme == "http" or endpoint.startswith("http://"):  # an http endpoint given on purpose (a local server)
+        client.setdefault("allow_http", True)
+    root = f"{loc.scheme}://{loc.bucket}/{loc.key}".rstrip("/")
+    if loc.scheme in ("http", "https"):
+        if loc.query or loc.userinfo:
+            raise PackerError(f"{loc}: signed or credentialed http(s) URLs are not supported by the store yet")
+        return from_url(root, client_options=client, retry_config=retry)  # type: ignore[arg-type]
+    return from_url(root, config=config or None, client_options=client, retry_config=retry)  # type: ignore[arg-type]
+
+
+def _info(key: str, meta: Any) -> ObjectInfo:
+    return ObjectInfo(key, int(meta["size"]), meta.get("e_tag"), meta.get("version"))
+
+
+class LoopClient:
+    """obstore's async API on one event-loop thread of this process."""
+
+    def __init__(self, spec: StoreSpec) -> None:
+        global _RUNTIME_PID
+        self.spec = spec
+        self._root = _location(spec.url)
+        self._store = build_store(spec)
+        _RUNTIME_PID = os.getpid()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="packer-storage-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, op: str, key: str, **kw: Any) -> concurrent.futures.Future:
+        """Run ``op`` ("head", "get", "list", "put", "delete") on ``key`` in the loop; its future."""
+        return asyncio.run_coroutine_threadsafe(self._with_retries(op, key, kw), self._loop)
+
+    async def _with_retries(self, op: str, key: str, kw: dict[str, Any]) -> Any:
+        attempt = 0
+        while True:
+            try:
+                return await self._once(op, key, kw)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                retry, error = classify(exc, self._root.join(key).url if key else self._root.url)
+                attempt += 1
+                if not retry or attempt > self.spec.policy.retries:
+                    raise error from None
+                await asyncio.sleep(self.spec.policy.delay(attempt))
+
+    async def _once(self, op: str, key: str, kw: dict[str, Any]) -> Any:
+        import obstore as obs
+
+        store = self._store
+        if op == "head":
+            return _info(key, await obs.head_async(store, key))
+        if op == "get":
+            start, end, etag = kw.get("start"), kw.get("end"), kw.get("etag")
+            options: dict[str, Any] = {}
+            if start is not None:
+                options["range"] = (start, end)
+            if etag:
+                options["if_match"] = etag
+            result = await obs.get_async(store, key, options=options)  # type: ignore[arg-type]
+            data = memoryview(await result.bytes_async())  # obstore's buffer, not copied: the caller copies once
+            info = _info(key, result.meta)
+            if etag and info.etag and info.etag != etag:
+                raise ObjectChanged(f"{self._root.join(key)}: the object changed since it was opened (ETag "
+                                           f"{info.etag} instead of {etag}); open the dataset again")
+            want = (min(end, info.size) - start) if start is not None and end is not None else info.size
+            if len(data) != want:
+                raise ShortRead(f"{self._root.join(key)}: {len(data)} bytes received of the {want} asked for "
+                                f"(range {start}-{end}); the body was cut or truncated")
+            return data, info
+        if op == "list":
+            out = []
+            async for batch in obs.list(store, kw.get("prefix") or None, chunk_size=1000):
+                out.extend(_info(m["path"], m) for m in batch)
+            return out
+        if op == "put":  # multipart above chunk_size, parts uploaded concurrently; all or nothing is visible
+            source = Path(kw["path"]) if "path" in kw else kw["data"]
+            size = source.stat().st_size if isinstance(source, Path) else len(source)
+            res = await obs.put_async(store, key, source, chunk_size=kw.get("chunk_size", 8 << 20))
+            return ObjectInfo(key, size, res.get("e_tag"), res.get("version"))
+        if op == "delete":
+            return await obs.delete_async(store, key)
+        raise ValueError(f"unknown storage operation {op!r}")
+
+    def close(self) -> None:
+        """Cancel what is in flight and stop the loop thread (joined: nothing is left running)."""
+        if self._loop.is_closed():
+            return
+
+        def stop() -> None:
+            for task in asyncio.all_tasks(self._loop):
+                task.cancel()
+            self._loop.call_soon(self._loop.stop)
+
+        self._loop.call_soon_threadsafe(stop)
+        self._thread.join()
+        self._loop.close()
+
+
+# ---- the helper process: same client, over a pipe ----
+
+def _send(stream, lock: threading.Lock, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+    head = json.dumps({**header, "n": len(payload)}).encode()
+    with lock:
+        stream.write(struct.pack(">I", len(head)) + head)
+        if payload:
+            stream.write(payload)
+        stream.flush()
+
+
+def _receive(stream) -> tuple[dict[str, Any], bytes] | None:
+    raw = stream.read(4)
+    if len(raw) < 4:
+        return None
+    header = json.loads(stream.read(struct.unpack(">I", raw)[0]))
+    payload = stream.read(header["n"]) if header["n"] else b""
+    return header, payload
+
+
+def _encode(op: str, result: Any) -> tuple[Any, bytes | memoryview]:
+    if op == "get":
+        return asdict(result[1]), result[0]
+    if op == "list":
+        return [asdict(i) for i in result], b""
+    return (asdict(result) if isinstance(result, ObjectInfo) else None), b""
+
+
+def _decode(op: str, result: Any, payload: bytes) -> Any:
+    if op == "get":
+        return payload, ObjectInfo(**result)
+    if op == "list":
+        return [ObjectInfo(**i) for i in result]
+    return ObjectInfo(**result) if result is not None else None
+
+
+def serve_helper() -> None:
+    """The helper process: one spec, then requests until stdin closes (its parent went away)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C stops
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    first = _receive(stdin)
+    if first is None:
+        return
+    spec = StoreSpec(first[0]["url"], first[0]["options"], RetryPolicy(**first[0]["policy"]))
+    client, lock = LoopClient(spec), threading.Lock()
+
+    def reply(rid: int, op: str, fut: concurrent.futures.Future) -> None:
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            try:
+                result, payload = _encode(op, fut.result())
+                _send(stdout, lock, {"id": rid, "ok": True, "result": result}, payload)
+            except StorageError as exc:
+                _send(stdout, lock, {"id": rid, "ok": False, "kind": type(exc).__name__, "message": str(exc)})
+            except Exception as exc:  # a bug, reported as one line
+                _send(stdout, lock, {"id": rid, "ok": False, "kind": "StorageError", "message": f"{exc!r}"})
+
+    while (msg := _receive(stdin)) is not None:
+        header, payload = msg
+        kw = header["kw"] | ({"data": payload} if header["op"] == "put" else {})
+        fut = client.submit(header["op"], header["key"], **kw)
+        fut.add_done_callback(lambda f, rid=header["id"], op=header["op"]: reply(rid, op, f))
+    client.close()
+
+
+class HelperClient:
+    """``LoopClient``'s interface, served by a helper process (for forked children of a process using obstore)."""
+
+    def __init__(self, spec: StoreSpec) -> None:
+        self.spec = spec
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                            os.environ.get("PYTHONPATH", "")])}
+        self._proc = subprocess.Popen([sys.executable, "-m", "packer.storage.client"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=env, start_new_session=True)
+        self._lock, self._futures, self._next = threading.Lock(), {}, 0
+        _send(self._proc.stdin, self._lock, {"url": spec.url, "options": spec.options, "policy": asdict(spec.policy)})
+        self._reader = threading.Thread(target=self._read, name="packer-storage-helper", daemon=True)
+        self._reader.start()
+
+    def submit(self, op: str, key: str, **kw: Any) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        data = kw.pop("data", b"")
+        with self._lock:
+            rid, self._next = self._next, self._next + 1
+            self._futures[rid] = (op, fut)
+        try:
+            _send(self._proc.stdin, self._lock, {"id": rid, "op": op, "key": key, "kw": kw}, bytes(data))
+        except (BrokenPipeError, ValueError):
+            fut.set_exception(StorageError(f"the storage helper process ended (exit {self._proc.poll()})"))
+        return fut
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        while (msg := _receive(self._proc.stdout)) is not None:
+            header, payload = msg
+            with self._lock:
+                op, fut = self._futures.pop(header["id"])
+            if fut.set_running_or_notify_cancel():
+                if header["ok"]:
+                    fut.set_result(_decode(op, header["result"], payload))
+                else:
+                    fut.set_exception(_ERRORS.get(header["kind"], StorageError)(header["message"]))
+        with self._lock:
+            pending, self._futures = list(self._futures.values()), {}
+        for _, fut in pending:
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(StorageError(f"the storage helper process ended (exit {self._proc.poll()})"))
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+        try:
+            self._proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._reader.join()
+
+
+Client = LoopClient | HelperClient
+
+
+def open_client(spec: StoreSpec) -> Client:
+    """This process's client: in-process, unless obstore's runtime was started by the process this one was forked
+    from (then a helper process)."""
+    if _RUNTIME_PID is not None and _RUNTIME_PID != os.getpid():
+        return HelperClient(spec)
+    return LoopClient(spec)
+
+
+if __name__ == "__main__":
+    serve_helper()

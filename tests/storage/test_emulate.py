@@ -1,0 +1,100 @@
+"""The emulated object store (packer/storage/emulate.py): boto3, an independent S3 client, reads it as S3 (HEAD,
+ranged GET, conditional GET, ListObjectsV2 pages); latency and bandwidth are checked by the server's own
+accounting and the link's schedule, never by the wall clock."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from support.storage_servers import Emulated
+
+from packer.storage.emulate import CHUNK, Link
+
+DATA = bytes(range(256)) * 2000
+
+
+@pytest.fixture
+def s3(tmp_path):
+    import boto3
+
+    root = tmp_path / "root"
+    (root / "train" / "cat").mkdir(parents=True)
+    (root / "train" / "dog").mkdir(parents=True)
+    (root / "train" / "cat" / "1.jpg").write_bytes(DATA)
+    (root / "train" / "cat" / "2.jpg").write_bytes(b"two")
+    (root / "train" / "dog" / "3.jpg").write_bytes(b"three")
+    (tmp_path / "secret.txt").write_text("outside the served folder")
+    srv = Emulated(root, page_size=2, latency=0.001, bandwidth=50e6)
+    client = boto3.client("s3", endpoint_url=srv.server.endpoint, region_name="us-east-1",
+                          aws_access_key_id="x", aws_secret_access_key="y")
+    yield srv, client
+    srv.stop()
+
+
+def test_boto3_reads_it_as_s3(s3):
+    srv, client = s3
+    head = client.head_object(Bucket="bucket", Key="train/cat/1.jpg")
+    assert head["ContentLength"] == len(DATA) and head["ETag"]
+    part = client.get_object(Bucket="bucket", Key="train/cat/1.jpg", Range="bytes=1000-1999")
+    assert part["Body"].read() == DATA[1000:2000] and part["ContentRange"] == f"bytes 1000-1999/{len(DATA)}"
+    assert client.get_object(Bucket="bucket", Key="train/cat/1.jpg", Range="bytes=-10")["Body"].read() == DATA[-10:]
+    same = client.get_object(Bucket="bucket", Key="train/cat/1.jpg", IfMatch=head["ETag"])
+    assert same["Body"].read() == DATA
+    from botocore.exceptions import ClientError
+
+    with pytest.raises(ClientError, match="412|PreconditionFailed"):
+        client.get_object(Bucket="bucket", Key="train/cat/1.jpg", IfMatch='"another"')
+    with pytest.raises(ClientError, match="InvalidRange|416"):
+        client.get_object(Bucket="bucket", Key="train/cat/2.jpg", Range="bytes=10-20")
+    for outside in ("../secret.txt", "train/../../secret.txt", "%2e%2e/secret.txt"):
+        with pytest.raises(ClientError, match="NoSuchKey|404"):
+            client.get_object(Bucket="bucket", Key=outside)
+
+
+def test_listing_is_paginated_with_prefixes_and_delimiters(s3):
+    srv, client = s3
+    pages = list(client.get_paginator("list_objects_v2").paginate(Bucket="bucket", Prefix="train/"))
+    keys = [o["Key"] for p in pages for o in p.get("Contents", [])]
+    assert keys == ["train/cat/1.jpg", "train/cat/2.jpg", "train/dog/3.jpg"] and len(pages) == 2
+    top = client.list_objects_v2(Bucket="bucket", Prefix="train/", Delimiter="/")
+    assert [p["Prefix"] for p in top["CommonPrefixes"]] == ["train/cat/", "train/dog/"]
+    assert srv.server.stats.lists == 3
+
+
+def test_every_request_is_delayed_and_every_body_byte_paced(s3):
+    srv, client = s3
+    for i in range(5):
+        part = client.get_object(Bucket="bucket", Key="train/cat/1.jpg", Range=f"bytes={i * 100}-{i * 100 + 99}")
+        part["Body"].read()
+    client.head_object(Bucket="bucket", Key="train/cat/2.jpg")
+    client.get_object(Bucket="bucket", Key="train/cat/1.jpg")["Body"].read()
+    st = srv.server.stats.snapshot()
+    assert st["requests"] == st["latency_delays"] == 7 and st["latency_seconds"] == pytest.approx(7 * 0.001)
+    assert st["body_bytes"] == st["paced_bytes"] == 5 * 100 + len(DATA)
+    assert st["paced_seconds"] == pytest.approx(st["paced_bytes"] / 50e6)
+
+
+def test_the_link_gives_each_chunk_its_own_slot_whatever_the_concurrency():
+    """Chunks reserved from 8 threads at once are scheduled one after another at the link's rate."""
+    link = Link(bandwidth=100e6)
+    starts: list[float] = []
+    lock = threading.Lock()
+
+    def book() -> None:
+        for _ in range(20):
+            at = link.reserve(CHUNK)
+            with lock:
+                starts.append(at)
+
+    threads = [threading.Thread(target=book) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    starts.sort()
+    slot = CHUNK / 100e6
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert len(starts) == 160 and min(gaps) >= slot * (1 - 1e-9)
+    assert starts[-1] - starts[0] >= 159 * slot * (1 - 1e-9)  # 160 chunks take the link 160 slots
+    assert Link(None).reserve(CHUNK) == 0.0  # unlimited: nothing is booked

@@ -1,0 +1,227 @@
+"""ObjectStore against real servers on localhost (moto's S3 server, the emulated store as S3 and as plain HTTP),
+one test per fault kind injected at the server, and the per-process client under fork and spawn."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+
+import pytest
+from support.storage_servers import FAST_POLICY, Emulated, s3_store
+
+from packer.errors import PackerError
+from packer.storage.emulate import Fault
+from packer.storage.faults import AccessDenied, ObjectChanged, ObjectNotFound, RetryPolicy, StorageError
+from packer.storage.store import ObjectStore
+
+DATA = bytes(range(256)) * 4096  # 1 MiB, every range distinguishable
+
+
+def test_put_get_head_list_delete_on_moto(moto_endpoint, bucket):
+    store = s3_store(moto_endpoint, f"s3://{bucket}/ds.lmdb")
+    info = store.put("shard-00000.mdb", DATA)
+    assert info.size == len(DATA) and info.etag
+    store.put("meta/labels.npy", b"labels")
+    head = store.head("shard-00000.mdb")
+    assert (head.key, head.size, head.etag) == ("shard-00000.mdb", len(DATA), info.etag)
+    assert store.get_range("shard-00000.mdb", 1000, 5000, etag=head.etag) == DATA[1000:5000]
+    assert store.get_range("shard-00000.mdb", len(DATA) - 10, len(DATA) + 100) == DATA[-10:]  # clipped at the end
+    assert store.get("meta/labels.npy") == b"labels"
+    assert [i.key for i in store.list()] == ["meta/labels.npy", "shard-00000.mdb"]
+    assert [i.key for i in store.list("meta/")] == ["meta/labels.npy"]
+    store.delete("meta/labels.npy")
+    with pytest.raises(ObjectNotFound) as err:
+        store.head("meta/labels.npy")
+    assert isinstance(err.value, FileNotFoundError) and isinstance(err.value, PackerError)
+    assert f"s3://{bucket}/ds.lmdb/meta/labels.npy" in str(err.value)
+    store.close()
+
+
+def test_a_large_file_goes_up_in_parts_and_comes_back_whole(moto_endpoint, bucket, tmp_path):
+    import boto3
+
+    big = os.urandom(11 << 20)
+    (tmp_path / "big.bin").write_bytes(big)
+    store = s3_store(moto_endpoint, f"s3://{bucket}/x")
+    store.put("big.bin", tmp_path / "big.bin", chunk_size=5 << 20)
+    s3 = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                      aws_secret_access_key="testing")
+    etag = s3.head_object(Bucket=bucket, Key="x/big.bin")["ETag"]
+    assert etag.strip('"').endswith("-3"), etag  # S3's multipart ETag: 3 parts
+    assert store.get("big.bin") == big
+    store.close()
+
+
+def test_listing_follows_every_page(tmp_path):
+    root = tmp_path / "root"
+    for i in range(7):
+        (root / "p" / f"{i:02d}").mkdir(parents=True)
+        (root / "p" / f"{i:02d}" / "x.jpg").write_bytes(b"x" * i)
+    server = Emulated(root, page_size=2)
+    try:
+        store = server.store("p")
+        infos = store.list()
+        assert [i.key for i in infos] == [f"{i:02d}/x.jpg" for i in range(7)]
+        assert [i.size for i in infos] == list(range(7))
+        assert server.server.stats.lists == 4  # 7 keys, 2 a page
+        store.close()
+    finally:
+        server.stop()
+
+
+def test_http_range_reads(emulated):
+    emulated.write("web/a.bin", DATA)
+    store = emulated.http("web")
+    assert store.get_range("a.bin", 10, 20) == DATA[10:20]
+    assert store.head("a.bin").size == len(DATA)
+    with pytest.raises(ObjectNotFound):
+        store.get("missing.bin")
+    store.close()
+
+
+def test_local_paths_and_file_urls(tmp_path):
+    (tmp_path / "a.bin").write_bytes(DATA)
+    for root in (str(tmp_path), f"file://{tmp_path}"):
+        with ObjectStore(root) as store:
+            assert store.get_range("a.bin", 5, 9) == DATA[5:9]
+            assert store.head("a.bin").etag
+
+
+# ---- faults, injected at the server; each retried then given up on with one clear error ----
+
+def _store(emulated, key="f/obj.bin"):
+    emulated.write(key, DATA)
+    return emulated.store("f"), key.split("/", 1)[1]
+
+
+@pytest.mark.parametrize("status,code", [(500, "InternalError"), (503, "SlowDown")])
+def test_5xx_and_throttling_are_retried_then_one_error(emulated, status, code):
+    store, key = _store(emulated)
+    emulated.faults.add(Fault("status", status, code), times=2)
+    assert store.get_range(key, 0, 100) == DATA[:100]
+    assert len(emulated.faults.applied) == 2
+    emulated.faults.add(Fault("status", status, code), times=-1)
+    with pytest.raises(StorageError) as err:
+        store.get_range(key, 0, 100)
+    msg = str(err.value)
+    assert "s3://bucket/f/obj.bin" in msg and str(status) in msg and "\n" not in msg
+    assert len(emulated.faults.applied) == 2 + FAST_POLICY.retries + 1  # every try reached the server
+    store.close()
+
+
+def test_a_connection_cut_mid_body_is_retried_then_one_error(emulated):
+    store, key = _store(emulated)
+    emulated.faults.add(Fault("cut", after=1000), times=1)
+    assert store.get_range(key, 0, 500_000) == DATA[:500_000]
+    emulated.faults.add(Fault("cut", after=1000), times=-1)
+    with pytest.raises(StorageError, match="s3://bucket/f/obj.bin: the connection was cut mid-body"):
+        store.get_range(key, 0, 500_000)
+    assert len(emulated.faults.applied) >= 1 + FAST_POLICY.retries + 1
+    store.close()
+
+
+def test_a_truncated_body_is_never_returned(emulated):
+    """A complete HTTP response whose body is shorter than the range asked: the length check catches it."""
+    store, key = _store(emulated)
+    emulated.faults.add(Fault("short", after=100), times=1)
+    assert store.get_range(key, 1000, 9000) == DATA[1000:9000]
+    emulated.faults.add(Fault("short", after=100), times=-1)
+    with pytest.raises(StorageError, match=r"s3://bucket/f/obj.bin: 7900 bytes received of the 8000 asked for"):
+        store.get_range(key, 1000, 9000)
+    store.close()
+
+
+def test_a_slow_body_times_out_into_one_error(emulated):
+    emulated.write("f/slow.bin", DATA)
+    policy = RetryPolicy(retries=1, backoff=0.01, max_backoff=0.01, retry_timeout=10, timeout=0.5, connect_timeout=1)
+    store = emulated.store("f", policy)
+    emulated.faults.add(Fault("slow", rate=2000), times=-1)
+    with pytest.raises(StorageError) as err:
+        store.get_range("slow.bin", 0, 100_000)  # 50 s at 2 KB/s; the timeout is 0.5 s a try
+    assert "s3://bucket/f/slow.bin: timed out" in str(err.value)
+    assert len(emulated.faults.applied) == 2  # the first try and one retry
+    store.close()
+
+
+def test_a_reset_connection_is_retried(emulated):
+    store, key = _store(emulated)
+    emulated.faults.add(Fault("reset"), times=2)
+    assert store.get_range(key, 0, 10) == DATA[:10]
+    assert len(emulated.faults.applied) == 2
+    store.close()
+
+
+def test_an_object_replaced_between_two_reads_is_detected_never_mixed(emulated):
+    store, key = _store(emulated)
+    etag = store.head(key).etag
+    assert store.get_range(key, 0, 10, etag=etag) == DATA[:10]
+    emulated.write("f/obj.bin", DATA[::-1])
+    with pytest.raises(ObjectChanged, match="s3://bucket/f/obj.bin: the object changed since it was opened"):
+        store.get_range(key, 10, 20, etag=etag)
+    store.close()
+
+
+def test_403_is_clear_and_not_retried(emulated):
+    store, key = _store(emulated)
+    emulated.faults.add(Fault("status", 403, "AccessDenied"), times=-1, method="*")
+    with pytest.raises(AccessDenied, match="s3://bucket/f/obj.bin: access denied") as err:
+        store.head(key)
+    assert isinstance(err.value, PermissionError) and len(emulated.faults.applied) == 1
+    store.close()
+
+
+def test_404_is_a_file_not_found(emulated):
+    store, _ = _store(emulated)
+    with pytest.raises(FileNotFoundError, match="s3://bucket/f/nothing.bin: no such object"):
+        store.get_range("nothing.bin", 0, 10)
+    store.close()
+
+
+def test_credentials_never_appear_in_repr_or_errors(emulated):
+    secret = "SECRETKEY-DO-NOT-PRINT"
+    store = ObjectStore("s3://bucket/f", {"aws_access_key_id": "id", "aws_secret_access_key": secret,
+                                          "endpoint": emulated.server.endpoint, "region": "us-east-1"}, FAST_POLICY)
+    emulated.faults.add(Fault("status", 403, "AccessDenied"), times=-1, method="*")
+    with pytest.raises(AccessDenied) as err:
+        store.head("x")
+    for shown in (repr(store), repr(store.spec), str(err.value), repr(err.value)):
+        assert secret not in shown
+    store.close()
+
+
+def test_credentials_and_endpoint_from_the_environment(emulated, monkeypatch):
+    emulated.write("env/a.bin", DATA)
+    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key", "AWS_REGION": "us-east-1",
+                        "AWS_ENDPOINT_URL": emulated.server.endpoint}.items():
+        monkeypatch.setenv(name, value)
+    with ObjectStore("s3://bucket/env", policy=FAST_POLICY) as store:
+        assert store.get_range("a.bin", 0, 10) == DATA[:10]
+
+
+# ---- one client per process: fork and spawn ----
+
+def _child_reads(store: ObjectStore, key: str, queue) -> None:
+    try:
+        queue.put((store.get_range(key, 100, 200), type(store.client).__name__))
+    except BaseException as exc:
+        queue.put((repr(exc), ""))
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_store_used_before_fork_or_pickled_to_spawn_reads_in_the_child(emulated, method):
+    """obstore hangs in a forked child once the parent has made a request: the child gets a helper process."""
+    store, key = _store(emulated)
+    assert store.get_range(key, 0, 10) == DATA[:10]  # the parent's client is running
+    ctx = mp.get_context(method)
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child_reads, args=(store, key, queue))
+    proc.start()
+    got, client = queue.get(timeout=60)
+    proc.join(60)
+    assert got == DATA[100:200] and proc.exitcode == 0
+    assert client == ("HelperClient" if method == "fork" else "LoopClient")
+    assert pickle.loads(pickle.dumps(store)).get_range(key, 0, 5) == DATA[:5]
+    store.close()

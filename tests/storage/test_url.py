@@ -1,0 +1,151 @@
+"""Locations (packer/storage/url.py): parsing, joining, redaction; and every entry point refusing a URL until its
+scheme is supported end to end (one line naming the command, never a local folder named ``s3:``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from support.imagesets import make_imagefolder
+
+from packer.cli import main
+from packer.errors import PackerError
+from packer.storage.url import Location, is_url, parse, redact, redact_text, refuse_url
+
+SECRET = "SECRETVALUE123"
+SIGNED = [
+    f"https://bucket.s3.amazonaws.com/k.lmdb?X-Amz-Algorithm=AWS4&X-Amz-Credential={SECRET}&X-Amz-Signature={SECRET}",
+    f"https://acct.blob.core.windows.net/c/x?sv=2022-11-02&se=2030&sp=r&sig={SECRET}",
+    f"https://storage.googleapis.com/b/o?X-Goog-Signature={SECRET}&X-Goog-Date=1",
+    f"https://user:{SECRET}@host:8080/a/b",
+    f"https://{SECRET}@host/a",
+    f"http://host/x?token={SECRET}&part=1",
+]
+
+
+def test_paths_and_urls_are_told_apart():
+    assert is_url("s3://b/k") and is_url("gs://b") and is_url("weird+scheme://x")
+    assert not is_url("s3:") and not is_url("s3:/b") and not is_url("rel/x") and not is_url("/abs")
+    from pathlib import Path
+
+    assert not is_url(Path("s3://b"))  # a Path collapses '//' and is a local path by construction
+
+
+def test_parsing_gives_scheme_bucket_and_key():
+    loc = parse("s3://bucket/a/b.lmdb")
+    assert (loc.scheme, loc.bucket, loc.key, loc.name) == ("s3", "bucket", "a/b.lmdb", "b.lmdb")
+    assert parse("gs://b").key == "" and parse("az://container/x").bucket == "container"
+    http = parse("http://127.0.0.1:9000/b/k%20x?versionId=3")
+    assert (http.bucket, http.key, http.query) == ("127.0.0.1:9000", "b/k x", "versionId=3")
+    assert http.url == "http://127.0.0.1:9000/b/k%20x?versionId=3"
+    local = parse("file:///tmp/ds")
+    assert local.is_local and str(local.path) == "/tmp/ds"
+    assert parse("rel/ds").path == parse(os.path.abspath("rel/ds")).path
+
+
+@pytest.mark.parametrize("bad", ["ftp://host/x", "s3://", "file://otherhost/x", "s3://b/k?sig=1",
+                                 "s3://user:pw@b/k", "https://h/x#frag"])
+def test_bad_urls_are_one_clear_error(bad):
+    with pytest.raises(PackerError) as err:
+        parse(bad)
+    assert "\n" not in str(err.value) and "pw" not in str(err.value)
+
+
+def test_join_stays_inside():
+    root = parse("s3://b/data/ds.lmdb")
+    assert root.join("meta/labels.npy").url == "s3://b/data/ds.lmdb/meta/labels.npy"
+    assert root.join("a", "b/c").key == "data/ds.lmdb/a/b/c"
+    for bad in ("../x", "/etc/passwd", "a/../../x", "a\\b"):
+        with pytest.raises(PackerError):
+            root.join(bad)
+    signed = parse(SIGNED[0])
+    assert signed.join("x").query == ""  # a signature is for one object
+
+
+@pytest.mark.parametrize("url", SIGNED)
+def test_secrets_never_appear_in_str_repr_or_messages(url):
+    loc = parse(url)
+    for shown in (str(loc), repr(loc), redact(url), redact_text(f"GET {url}: 403 Forbidden"), f"{loc}", str([loc])):
+        assert SECRET not in shown, shown
+        assert "REDACTED" in shown
+    assert SECRET in loc.url  # the client still gets the real URL
+    with pytest.raises(PackerError) as err:
+        refuse_url(url, "packer info")
+    assert SECRET not in str(err.value)
+
+
+def test_redaction_keeps_what_is_not_secret():
+    assert redact("s3://b/k") == "s3://b/k"
+    assert redact("http://h/x?part=1&X-Amz-Date=2") == "http://h/x?part=1&X-Amz-Date=2"
+    assert redact_text("failed (https://h/x?sig=abc).") == "failed (https://h/x?sig=REDACTED)."
+    assert Location("", "", "/tmp/x").url == "/tmp/x"
+
+
+# ---- entry points: a URL is refused with one line, nothing is written locally ----
+
+URL = "s3://bucket/x.lmdb"
+MESSAGE = "object storage is not supported yet by {by}: " + URL
+
+
+@pytest.fixture
+def imgs(tmp_path):
+    return make_imagefolder(tmp_path / "imgs", classes=2, per_class=2)
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    assert not (tmp_path / "s3:").exists(), "a URL was taken as a local path"
+
+
+@pytest.mark.parametrize("argv,by", [
+    (["convert", "{imgs}", "--to", "lmdb", "-o", URL], "packer convert"),
+    (["convert", URL, "--to", "lmdb", "-o", "out.lmdb"], "packer convert"),
+    (["convert", "{imgs}", "--to", "lmdb", "-o", URL, "--split", "0.5"], "packer convert"),
+    (["convert", "{imgs}", "--to", "wds", "-o", URL], "packer convert --to wds"),
+    (["info", URL], "packer info"),
+    (["verify", URL], "packer verify"),
+    (["verify", "{ds}", "--against", URL], "packer verify"),
+    (["extract", URL, "outdir"], "packer extract"),
+    (["extract", "{ds}", URL], "packer extract"),
+    (["bench", URL, "-q"], "packer bench"),
+    (["doctor", URL, "--json"], "packer doctor"),
+    (["profile", URL], "packer profile"),
+])
+def test_every_command_refuses_a_url_in_one_line(argv, by, imgs, in_tmp, capsys):
+    ds = in_tmp / "d.lmdb"
+    if any("{ds}" in a for a in argv):
+        assert main(["convert", str(imgs), "--to", "lmdb", "-o", str(ds), "-q", "--workers", "0"]) == 0
+    capsys.readouterr()
+    assert main([a.format(imgs=imgs, ds=ds) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "packer: error: " + MESSAGE.format(by=by)
+    assert not (in_tmp / "outdir").exists()
+
+
+def test_the_python_entry_points_refuse_a_url(imgs, in_tmp):
+    from packer import Writer, convert, open_dataset
+    from packer.diagnose.bench import run_bench
+    from packer.diagnose.doctor import diagnose
+    from packer.tools.extract import extract
+    from packer.tools.info import dataset_info
+    from packer.tools.verify import verify
+
+    calls = {
+        "open_dataset": lambda: open_dataset(URL),
+        "packer.Writer": lambda: Writer(URL, format="lmdb"),
+        "packer convert": lambda: convert(imgs, URL, to="lmdb", progress=False),
+        "packer info": lambda: dataset_info(URL),
+        "packer verify": lambda: verify(URL),
+        "packer extract": lambda: extract(URL, "outdir"),
+        "packer bench": lambda: run_bench([URL]),
+        "packer doctor": lambda: diagnose(URL, progress=False),
+    }
+    for by, call in calls.items():
+        with pytest.raises(PackerError) as err:
+            call()
+        assert str(err.value) == MESSAGE.format(by=by)
+    for scheme in ("gs://b/x", "az://c/x", "https://h/x", "file:///tmp/x"):
+        with pytest.raises(PackerError, match="not supported yet by open_dataset"):
+            open_dataset(scheme)
