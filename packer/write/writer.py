@@ -33,6 +33,7 @@ from packer.layout.fields import FieldStore, encode_cell, parse_specs, save_fiel
 from packer.layout.fsutil import fsync_file
 from packer.layout.manifest import Manifest
 from packer.layout.partial import JOURNAL_DIR, PARTIAL_SUFFIX, read_swap
+from packer.layout.trust import check_class_name
 from packer.write.finish import seal, stored_index
 from packer.write.journal import (
     ShardResult,
@@ -47,12 +48,11 @@ from packer.write.output import check_replaceable, swap_into_place
 from packer.write.plan import make_partial, shard_multiple
 from packer.write.scan import SourceError
 from packer.write.shards import ShardSink, make_payload
+from packer.write.sources.labels import integer_classes, label_problem
 
 WRITER_SHARD_BYTES = 256 << 20  # at most this much of a shard is held in memory before it is written
 SOURCE_TYPE = "writer"  # the manifest's source_type: samples are named by number, not source paths
 
-
-MAX_IMPLICIT_CLASSES = 1 << 20  # without classes=, labels name classes 0..max: a larger one is a mistake
 
 class Writer:
     """Writes samples into a new packer dataset at ``path`` (see the module docstring); use as a context manager.
@@ -73,6 +73,8 @@ class Writer:
         self.classes = None if classes is None else [str(c) for c in classes]
         if self.classes is not None and len(set(self.classes)) != len(self.classes):
             raise PackerError("Writer: class names repeat")
+        for k, name in enumerate(self.classes or []):  # packer extract makes a folder of each
+            check_class_name(name, f"Writer: classes[{k}]")
         if on_error not in ("skip", "raise"):
             raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
         if options.setdefault("order", "source") != "source":
@@ -130,11 +132,12 @@ class Writer:
             cells = {name: encode_cell(spec, fields[name], f"field {name!r}") for name, spec in self.specs.items()}
         except PackerError as exc:
             return SourceError(key, str(exc)), {}
-        top = MAX_IMPLICIT_CLASSES if self.classes is None else len(self.classes)
-        if isinstance(label, (bool, np.bool_)) or not isinstance(label, (int, np.integer)) or not -1 <= label < top:
-            classes = (f" below {top:,} (pass classes= to name more)" if self.classes is None
-                       else f" (0 .. {len(self.classes) - 1} for the classes given)")
-            return SourceError(key, f"label {label!r}: expected a class index >= -1{classes}"), {}
+        if isinstance(label, (bool, np.bool_)) or not isinstance(label, (int, np.integer)):
+            return SourceError(key, f"label {label!r}: expected a class index (an integer; -1: no class)"), {}
+        why = None if label == -1 else label_problem(int(label), None if self.classes is None else len(self.classes),
+                                                       hint="pass classes=")
+        if why is not None:
+            return SourceError(key, why), {}
         if isinstance(image, np.ndarray):
             if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
                 why = f"image array {image.dtype} {image.shape}: expected HWC uint8 RGB (H, W, 3)"
@@ -268,9 +271,7 @@ class Writer:
                                     result.shard.num_samples, lambda rel, d=self._spool(sid): d / rel)
             for name in self.specs:
                 columns[name] += store.cells(name)
-        labels = index.labels
-        classes = self.classes if self.classes is not None else \
-            [str(c) for c in range(int(labels.max()) + 1 if len(labels) else 0)]
+        classes = integer_classes(index.labels.tolist(), self.classes)
         assert self.opts is not None
         manifest = Manifest(format=self.fmt.name, payload=self.opts.payload, num_samples=len(index), classes=classes,
                             shards=[r.shard for r in self.done], options=self.opts.record(),

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from packer.errors import PackerError
+from packer.layout.trust import check_class_name
 from packer.write.scan import ClassMapper, ScanResult
 from packer.write.sources.archive import ArchiveSource
 from packer.write.sources.base import Source, SourceOptions
@@ -59,4 +60,6 @@ def scan_source(src: str | os.PathLike, options: SourceOptions = SourceOptions()
     source = open_source(src, options)
     scan = source.scan(map_classes, skip_hidden=skip_hidden, allow_empty=allow_empty)
     scan.source_type = source.type
+    for k, name in enumerate(scan.classes):  # packer extract makes a folder of each: refused now, not then
+        check_class_name(name, f"{src}: class {k}")
     return select(scan, options)
