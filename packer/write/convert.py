@@ -39,7 +39,7 @@ from packer.write.pool import LocalPool, PoolSettings
 from packer.write.scan import IMG_EXTENSIONS, ScanResult
 from packer.write.shards import BuildJob, ShardBuilder, ShardWriteError
 from packer.write.sources.base import SourceOptions
-from packer.write.sources.registry import scan_source
+from packer.write.sources.registry import open_source, scan_opened
 from packer.write.sources.select import PARTS
 
 
@@ -160,7 +160,9 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
 
     started = time.perf_counter()
     hidden, empty = opts.skip_hidden, opts.allow_empty
-    scanned = scan_source(src, source, None if client is None else class_mapper(client, hidden),
+    opened = open_source(src, source)
+    check_order(opened.sequential(), opened.path, opts.order, client)  # before a scan that would inflate it all
+    scanned = scan_opened(opened, None if client is None else class_mapper(client, hidden),
                           skip_hidden=hidden, allow_empty=empty)
     check_sequential(scanned, opts, client)
     # before any file is read: a change meanwhile makes the output stale. Folders only: other sources record
@@ -196,13 +198,19 @@ def check_sequential(scan: ScanResult, options: ConvertOptions, client: Any) -> 
     if scan.source_reader().gives_pixels and options.payload != "raw":
         raise PackerError(f"{scan.root}: holds decoded pixels (raw payloads), which packer never re-encodes: "
                           "convert it with --payload raw (or convert the original images)")
-    if not scan.source_reader().sequential:
+    check_order(scan.source_reader().sequential, scan.root, options.order, client)
+
+
+def check_order(sequential: bool, root: Path, order: str, client: Any) -> None:
+    """Refuse an order (or a cluster) a source read only in its stored order can't give: asked of the source
+    before its scan, which streams the whole archive, and of its reader after."""
+    if not sequential:
         return
-    if options.order != "source":
-        raise PackerError(f"{scan.root}: a compressed archive can only be read in its stored order: add --order "
+    if order != "source":
+        raise PackerError(f"{root}: a compressed archive can only be read in its stored order: add --order "
                           "source (or decompress it to a .tar, which is read in place in any order)")
     if client is not None:
-        raise PackerError(f"{scan.root}: a compressed archive can only be read in order, by one process: convert "
+        raise PackerError(f"{root}: a compressed archive can only be read in order, by one process: convert "
                           "it without --scheduler (or decompress it to a .tar)")
 
 

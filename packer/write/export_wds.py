@@ -39,6 +39,7 @@ from packer.layout.partial import PARTIAL_SUFFIX, read_swap
 from packer.layout.wdsexport import CLASSES_NAME, EXPORT_KIND, EXPORT_NAME, SHARD_PATTERN
 from packer.write.convert import (
     ConvertResult,
+    check_order,
     check_sequential,
     locate_errors,
     source_options,
@@ -50,7 +51,7 @@ from packer.write.plan import apply_order, estimate_sample_bytes, make_partial
 from packer.write.pool import PoolSettings, ordered_results
 from packer.write.scan import ScanResult, SourceError
 from packer.write.shards import progress_bar
-from packer.write.sources.registry import scan_source
+from packer.write.sources.registry import open_source, scan_opened
 
 DEFAULT_SHARD_BYTES = 256 << 20
 _BLOCK, _RECORD = tarfile.BLOCKSIZE, tarfile.RECORDSIZE  # a member's header; what the whole tar is padded to
@@ -85,7 +86,9 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
     out = output_path(src, output, "wds")
     check_destination(src, out, overwrite)
     started = time.perf_counter()
-    scanned = scan_source(src, source_options(**given), skip_hidden=skip_hidden, allow_empty=allow_empty)
+    opened = open_source(src, source_options(**given))
+    check_order(opened.sequential(), opened.path, order, None)  # before a scan that would inflate it all
+    scanned = scan_opened(opened, skip_hidden=skip_hidden, allow_empty=allow_empty)
     # prepare() reads and validates each record exactly as convert does; "lmdb" only carries the common options
     opts = make_options("lmdb", payload="raw" if scanned.source_reader().gives_pixels else "encoded",
                         validate=validate, order=order, seed=seed, decoder=decoder)

@@ -15,7 +15,8 @@ name), so memory follows the number of members, never their bytes.
 | .tar.gz      | streams once (decompressing everything) | streams again, in order, in one process    |
 
 Links, devices, names with ``..`` or absolute, duplicates, data past the end of a truncated tar,
-a zip member compressed more than ``MAX_RATIO`` to 1: each is an errors.json entry naming the member.
+a zip or .tar.gz member compressed more than ``MAX_RATIO`` to 1, a .tar.gz image member declaring more
+bytes than an image within the pixel limit: each is an errors.json entry naming the member.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class ArchiveSource(Source):
     @classmethod
     def claims(cls, path: Path) -> bool:
         return path.is_file() and archive_kind(path) is not None
+
+    def sequential(self) -> bool:
+        return archive_kind(self.path) == "tgz"
 
     def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
              allow_empty: bool = False) -> ScanResult:

@@ -223,6 +223,11 @@ class Source(ABC):
     def claims(cls, path: Path) -> bool:
         """Whether SRC at ``path`` is this kind of source (checked in registry order, without --source-type)."""
 
+    def sequential(self) -> bool:
+        """Whether the records can only be read in stored order (a compressed tar), known before the scan (which
+        would inflate the whole archive), so that an order the source can't give is refused first."""
+        return False
+
     @abstractmethod
     def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
              allow_empty: bool = False) -> ScanResult:

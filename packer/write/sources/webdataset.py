@@ -169,6 +169,9 @@ class WebDatasetSource(Source):
         names = [p for p in path.iterdir() if not p.name.startswith(".")]
         return bool(names) and all(p.name.endswith((".tar", ".tar.gz", ".tgz")) and p.is_file() for p in names)
 
+    def sequential(self) -> bool:
+        return any(is_compressed(p) for p in shard_paths(self.path))
+
     def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
              allow_empty: bool = False) -> ScanResult:
         shards = shard_paths(self.path)

@@ -9,6 +9,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from support.archives import zero_bomb_tgz
 from support.cli import run_cli
 from support.foreign import items, make_wds
 from support.memlimit import limited_convert
@@ -235,3 +236,26 @@ def test_json_labels_are_checked_the_same_way(tmp_path):
         "k1.json: label 1000000000000000000000000000000 above 1,048,575: give --classes-file to name its classes",
         "k2.json: label -2: negative, not a class index"]
     assert sorted(open_dataset(tmp_path / "out.lmdb").targets) == [0, 2]
+
+
+def test_a_compressed_shard_member_inflating_like_a_bomb_stops_the_shard_there(tmp_path):
+    """A ``.tar.gz`` shard's image member of 640 MiB of zeros (~1 MB compressed): its sample is an error, and so is
+    the rest of the shard (unreachable without inflating it); the samples before it convert, in 512 MiB."""
+    folder = tmp_path / "w"
+    folder.mkdir()
+    before = [("k0.jpg", ITEMS[0].image), ("k0.cls", b"0")]
+    zero_bomb_tgz(folder / "s-0.tar.gz", before, "k1.png", 640, [("k1.cls", b"1"), ("k2.jpg", ITEMS[2].image)])
+    status, report = limited_convert(str(folder / "s-{0..0}.tar.gz"), tmp_path / "o.lmdb", limit=512 << 20,
+                                     order="source")
+    assert status == "ok", report
+    errors = {e["path"]: e["reason"] for e in report["errors"]}
+    assert set(errors) == {"s-0.tar.gz/k1", "s-0.tar.gz/"}
+    assert errors["s-0.tar.gz/k1"].startswith("k1.png: inflates more than 200:1")
+    assert errors["s-0.tar.gz/"].startswith("not read: member k1.png before it inflates more than 200:1")
+    assert open_dataset(tmp_path / "o.lmdb").relpaths == ["s-0.tar.gz/k0.jpg"]
+
+
+def test_compressed_shards_without_order_source_are_refused_before_they_are_read(tmp_path):
+    (tmp_path / "s-0.tar.gz").write_bytes(b"not gzip" * 100)
+    res = run_cli("convert", tmp_path / "s-{0..0}.tar.gz", "-o", tmp_path / "o.lmdb", "-q")
+    assert res.returncode == 2 and "add --order source" in res.stderr and res.stderr.count("\n") == 1, res.stderr
