@@ -252,7 +252,7 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
         created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
     seal(partial, out, index, errors, scan.ignored, manifest, parse_specs(scan.field_specs),
-         in_storage_order(index, scan.rel_paths, scan.fields), offered=len(scan))
+         in_storage_order(index, scan.rel_paths, scan.fields))
     return ConvertResult(out, len(index), errors, time.perf_counter() - started, int(index.nbytes.sum()),
                          dict(scan.ignored), dict(scan.not_images),
                          rewritten=sum(r.rewritten for r in shards) if options.jpeg_restarts else None)
@@ -307,7 +307,7 @@ def _recorded_errors(directory: Path) -> list[SourceError]:
     path = directory / ERRORS_NAME
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
-        return [SourceError(str(e["path"]), str(e["reason"]), str(e.get("location", ""))) for e in report["errors"]]
+        return [SourceError.from_json(e) for e in report["errors"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise PackerError(f"{path}: damaged error report ({exc}); move {directory} away and convert again") from exc
 

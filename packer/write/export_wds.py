@@ -220,9 +220,9 @@ def _finish(scanned: ScanResult, partial: Path, out: Path, sink: TarSink, errors
     """classes.txt, errors.json, then the index (last), fsync, and the move into place."""
     if scanned.classes:
         write_atomic(partial / CLASSES_NAME, "".join(f"{c}\n" for c in scanned.classes))
-    write_error_report(partial, errors, scanned.ignored, len(scanned))
-    shards = [{**asdict(file_info(partial, name)), "num_samples": n} for name, n in zip(sink.names, sink.counts)]
     num_samples = sum(sink.counts)
+    write_error_report(partial, errors, scanned.ignored, num_samples)
+    shards = [{**asdict(file_info(partial, name)), "num_samples": n} for name, n in zip(sink.names, sink.counts)]
     index = {"kind": EXPORT_KIND, "version": 1, "num_samples": num_samples, "num_errors": len(errors),
              "num_classes": len(scanned.classes), "shards": shards, "source": os.path.abspath(scanned.root),
              "source_type": scanned.source_type, "options": options, "created_by": f"packer {__version__}",

@@ -278,7 +278,7 @@ class Writer:
                             source_type=SOURCE_TYPE, created_by=f"packer {__version__}",
                             created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         errors = [e for r in self.done for e in r.errors]
-        seal(self.partial, self.out, index, errors, {}, manifest, self.specs, columns, offered=self.count)
+        seal(self.partial, self.out, index, errors, {}, manifest, self.specs, columns)
         return self.out
 
     def __enter__(self) -> Writer:

@@ -104,7 +104,7 @@ def _headers(fileobj: Any, where: str, members: Members, prefix: str = "", base:
             info = tf.next()
         except (tarfile.TarError, EOFError, OSError) as exc:
             members.refuse(f"{prefix}(after {count} members)", f"truncated or damaged archive ({exc}): the rest "
-                           "of it can't be read, and is neither packed nor counted")
+                           "of it can't be read, and is neither packed nor counted", record=False)
             break
         if info is None:
             break
@@ -152,7 +152,7 @@ def _nested(fd: int, path: Path, rel: str, offset: int, size: int, members: Memb
     try:
         inner = _headers(_Window(fd, offset, size), f"{path}: member {rel}", members, f"{rel}/", offset, total)
     except PackerError as exc:
-        members.refuse(rel, str(exc).split(": ", 2)[-1])
+        members.refuse(rel, str(exc).split(": ", 2)[-1], record=False)
         return
     for name, data_offset, data_size in inner:
         members.add(f"{cls}/{name}", (data_offset, data_size), f"{rel}/{name}")

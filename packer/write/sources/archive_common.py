@@ -79,8 +79,10 @@ class Members:
     errors: list[SourceError] = field(default_factory=list)
     ignored: Counter = field(default_factory=Counter)
 
-    def refuse(self, rel: str, reason: str, member: str | None = None) -> None:
-        self.errors.append(SourceError(rel, reason, f"{self.where}: member {member or rel}"))
+    def refuse(self, rel: str, reason: str, member: str | None = None, record: bool = True) -> None:
+        """A member not packed (``record``: False for a part of the archive that holds records: a class tar, the
+        rest of a damaged archive)."""
+        self.errors.append(SourceError(rel, reason, f"{self.where}: member {member or rel}", record))
 
     def add(self, rel: str, loc: Any, member: str | None = None) -> None:
         """A regular file's member: kept when an image name, not hidden and not seen before."""

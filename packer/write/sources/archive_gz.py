@@ -138,12 +138,12 @@ def scan_tgz(path: Path) -> ScanResult:
                     if members.found and members.found[-1][1] == (n, info.size):  # kept above: refused instead
                         members.found.pop()
                         members.refuse(rel, bomb, info.name)
-                    members.refuse(f"(after {count} members)", rest_not_read(info.name))
+                    members.refuse(f"(after {count} members)", rest_not_read(info.name), record=False)
     except STREAM_ERRORS as exc:
         if count == 0:
             raise PackerError(f"{path}: not a readable .tar.gz archive ({exc})") from None
         members.refuse(f"(after {count} members)", f"truncated or damaged archive ({exc}): the rest of "
-                       "it can't be read, and is neither packed nor counted")
+                       "it can't be read, and is neither packed nor counted", record=False)
     return records_of(path, members, GzTarReader(path, mtime), ordered=False)
 
 

@@ -109,7 +109,8 @@ class RecordIOSource(Source):
         try:
             names, starts, ends, problem = record_spans(rec, fd, idx if idx.is_file() else None)
             if problem:
-                errors.append(SourceError(f"{rec.name}/", f"{problem}: the rest of the file is not read", rec.name))
+                errors.append(SourceError(f"{rec.name}/", f"{problem}: the rest of the file is not read", rec.name,
+                                          record=False))
             for name, start, end in zip(names, starts.tolist(), ends.tolist()):
                 at = f"{rec.name}: record at byte {start}"
                 try:

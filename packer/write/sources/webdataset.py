@@ -182,12 +182,13 @@ class WebDatasetSource(Source):
             name = shard.relative_to(root).as_posix()
             if not shard.is_file():
                 found.errors.append(SourceError(name + "/", "shard missing: its samples are neither packed nor "
-                                                "counted", name))
+                                                "counted", name, record=False))
                 continue
             listing = list_shard(shard)
             found.ignored.update(listing.ignored)
             for member, reason in listing.problems:
-                found.errors.append(SourceError(f"{name}/{member}", reason, f"{name}: member {member or '-'}"))
+                found.errors.append(SourceError(f"{name}/{member}", reason, f"{name}: member {member or '-'}",
+                                                record=bool(member)))  # "": the shard from there on
             for sample in listing.samples:
                 found.add(n, name, sample, self.options.label_key)
         labelled = any(v is not None for v in found.labels)
