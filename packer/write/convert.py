@@ -176,20 +176,22 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
             raise PackerError(f"{out}: out of date ({why}); add --overwrite to replace it")
     scan = apply_order(scanned, opts.order, opts.seed)
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
-    plan = load_or_make_plan(scan, out, partial, opts, resume)
-    try:
-        if read_swap(partial, out)[0]:  # a finished conversion whose move into place was interrupted
-            return complete_swap(scan, partial, out, started)
-        ranges = [(int(a), int(b)) for a, b in plan["shards"]]
-        job = BuildJob(scan, partial, ranges, load_done_shards(partial, len(ranges), scan), opts, on_error,
-                       progress, float(plan.get("mean_bytes", 0.0)))
-        backend: ShardBuilder = LocalPool(workers, pool or PoolSettings()) if client is None else DaskCluster(client)
-        shards = _build_shards(backend, job, out)
-        return finish(scanned, partial, out, shards, opts, started, digest, source)
-    except OSError as exc:  # the journal, meta/*.npy, errors.json, the manifest or the renames
-        raise _failed_midway(f"{exc.filename or out}: {exc.strerror or exc}", partial) from exc
-    except KeyboardInterrupt:
-        raise KeyboardInterrupt(_interrupted(partial)) from None
+    plan, lock = load_or_make_plan(scan, out, partial, opts, resume)
+    with lock:  # held until the dataset is in place (or the run ends): a second run is refused, naming this one
+        try:
+            if read_swap(partial, out)[0]:  # a finished conversion whose move into place was interrupted
+                return complete_swap(scan, partial, out, started)
+            ranges = [(int(a), int(b)) for a, b in plan["shards"]]
+            job = BuildJob(scan, partial, ranges, load_done_shards(partial, len(ranges), scan), opts, on_error,
+                           progress, float(plan.get("mean_bytes", 0.0)))
+            backend: ShardBuilder = (LocalPool(workers, pool or PoolSettings()) if client is None
+                                     else DaskCluster(client))
+            shards = _build_shards(backend, job, out)
+            return finish(scanned, partial, out, shards, opts, started, digest, source)
+        except OSError as exc:  # the journal, meta/*.npy, errors.json, the manifest or the renames
+            raise _failed_midway(f"{exc.filename or out}: {exc.strerror or exc}", partial) from exc
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(_interrupted(partial)) from None
 
 
 def check_sequential(scan: ScanResult, options: ConvertOptions, client: Any) -> None:

@@ -43,6 +43,7 @@ from packer.write.journal import (
     remove_unkept,
     shard_entry,
 )
+from packer.write.lock import OutputLock, check_free
 from packer.write.options import ConvertOptions, make_options
 from packer.write.output import check_replaceable, swap_into_place
 from packer.write.plan import make_partial, shard_multiple
@@ -91,8 +92,13 @@ class Writer:
         self._pending: list[PreparedSample | SourceError] = []
         self._cells: dict[str, list[Any]] = {k: [] for k in self.specs}
         self._bytes = self._stored = 0  # the pending samples' payload bytes, and how many will be stored
+        self.lock: OutputLock | None = None  # on <out>.partial from its making (or finding) to the end
         if os.path.lexists(self.partial):
-            self._resume(resume)
+            try:
+                self._resume(resume)
+            except BaseException:
+                self._release()
+                raise
 
     # ------------------------------------------------------------ adding
 
@@ -187,7 +193,7 @@ class Writer:
         """Create ``<out>.partial`` with the plan, or check a resumed one's plan against these options."""
         if not os.path.lexists(self.partial):
             self.out.parent.mkdir(parents=True, exist_ok=True)
-            make_partial(self.out, self.partial, self._plan())
+            self.lock = make_partial(self.out, self.partial, self._plan())
         elif read_plan(self.partial) != self._plan():
             raise PackerError(f"{self.partial}: written with other options, fields or classes, so it can't be "
                               f"resumed; remove it (rm -r '{self.partial}') and write again")
@@ -195,11 +201,15 @@ class Writer:
     def _resume(self, resume: bool) -> None:
         """Go on with an interrupted Writer's ``<out>.partial``: its journaled shards count as written."""
         plan = read_plan(self.partial)
-        if plan is None or plan.get("writer") != 1:
+        if plan is None:
+            raise PackerError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
+        check_free(self.partial, self.out)  # a live run's is in use, not left over
+        if plan.get("writer") != 1:
             raise PackerError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
         if not resume:
             raise PackerError(f"{self.partial}: left over from an interrupted Writer: pass resume=True and add the "
                               f"same samples again in the same order, or remove it (rm -r '{self.partial}')")
+        self.lock = OutputLock.take(self.partial, self.out)
         if self.given.get("payload") is None:  # decided by the first sample of the interrupted run
             self.given["payload"] = plan.get("options", {}).get("payload")
         if read_swap(self.partial, self.out)[0]:
@@ -259,9 +269,21 @@ class Writer:
         if self.closed:
             return self.out
         self.closed = True
+        try:
+            self._finish()
+        finally:
+            self._release()
+        return self.out
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _finish(self) -> None:
         if self.complete:
             swap_into_place(self.partial, self.out)
-            return self.out
+            return
         self._options_for(b"")
         self._flush()
         index = stored_index(self.done, [k for r in self.done for k in r.rel_paths])  # stored in the order added
@@ -279,7 +301,6 @@ class Writer:
                             created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         errors = [e for r in self.done for e in r.errors]
         seal(self.partial, self.out, index, errors, {}, manifest, self.specs, columns)
-        return self.out
 
     def __enter__(self) -> Writer:
         return self
@@ -289,3 +310,4 @@ class Writer:
             self.close()
         else:
             self.closed = True  # the journaled shards stay in <out>.partial: resume=True goes on from them
+            self._release()
