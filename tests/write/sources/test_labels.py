@@ -31,6 +31,7 @@ def test_label_problem_and_classes():
     assert label_problem(2**100, None) == f"label {2**100} {ABOVE}"
     assert label_problem(10**5000, None) == f"label of 16610 bits {ABOVE}"  # str() would raise
     assert label_problem(3, None, hint="pass classes=") is None
-    assert label_problem(MAX_IMPLICIT_CLASSES, None, hint="pass classes=").endswith("pass classes= to name its classes")
+    assert label_problem(MAX_IMPLICIT_CLASSES, None, hint="pass classes=") == \
+        "label 1048576 above 1,048,575: pass classes= to name its classes"
     assert integer_classes([2, 0], None) == ["0", "1", "2"] and integer_classes([], None) == []
     assert integer_classes([5], ["a", "b"]) == ["a", "b"]
