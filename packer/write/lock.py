@@ -7,6 +7,8 @@ holder ends, SIGKILL included, so the ``.partial`` of a killed run can be resume
 taken in the fresh folder a ``.partial`` is made in, before it is renamed into place: no run ever sees
 a ``.partial`` of a live run unlocked. A run that finds a ``.partial`` asks ``check_free`` first, which
 writes nothing (a refusal changes nothing on disk), and takes the lock only once it goes on with it.
+A forked child (a pool worker) closes its copies of the held locks at once (``os.register_at_fork``):
+the lock is the run's, and goes with it even while workers it forked live on.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import weakref
 from pathlib import Path
 from types import TracebackType
 
@@ -28,6 +31,7 @@ class OutputLock:
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
+        _HELD.add(self)
 
     @classmethod
     def take(cls, partial: Path, out: Path) -> OutputLock:
@@ -72,6 +76,24 @@ class OutputLock:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.release()
+
+
+_HELD: weakref.WeakSet[OutputLock] = weakref.WeakSet()  # the locks this process holds (for a forked child)
+
+
+def _close_in_child() -> None:
+    """In a forked child: close the copies of the parent's locks, never unlocking them (LOCK_UN on a copy would
+    release the parent's lock too); the lock then lasts as long as the parent holds it, not its children."""
+    for lock in list(_HELD):
+        if lock.fd >= 0:
+            try:
+                os.close(lock.fd)
+            except OSError:
+                pass
+            lock.fd = -1
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 def check_free(partial: Path, out: Path) -> None:

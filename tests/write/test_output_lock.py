@@ -18,6 +18,7 @@ from support.interrupt import stopped_at
 from packer import open_dataset
 from packer.errors import PackerError
 from packer.tools.verify import verify
+from packer.write.lock import check_free
 from packer.write.writer import Writer
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -120,3 +121,39 @@ def test_a_killed_runs_partial_is_free_at_once(src, tmp_path):
     res = run_cli(*cmd, "--resume")
     assert res.returncode == 0, res.stderr
     assert verify(out, against=src).ok
+
+
+_FORKS = r"""
+import os, sys, time
+from pathlib import Path
+from packer.write.lock import OutputLock
+
+lock = OutputLock.take(Path(sys.argv[1]), Path(sys.argv[2]))
+child = os.fork()  # a pool worker, forked while the lock is held
+if child == 0:
+    time.sleep(120)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_worker_forked_by_a_killed_run_does_not_keep_its_lock(tmp_path):
+    """A run SIGKILLed while a worker it forked lives on: the lock goes with the run (the child closed its copy
+    at fork), so --resume can go on at once, as it could before the lock (test_resume_after_sigkill_...)."""
+    partial, out = tmp_path / "o.lmdb.partial", tmp_path / "o.lmdb"
+    (partial / "journal").mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-c", _FORKS, str(partial), str(out)], env=ENV, stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    child = int(proc.stdout.readline())
+    try:
+        with pytest.raises(PackerError, match=f"in use by pid {proc.pid}"):
+            check_free(partial, out)
+        proc.kill()
+        proc.wait()
+        os.kill(child, 0)  # the forked child lives on
+        check_free(partial, out)  # and the lock is free
+    finally:
+        proc.kill()
+        os.kill(child, signal.SIGKILL)
