@@ -44,7 +44,7 @@ class GzTar:
     """
 
     def __init__(self, path: Path) -> None:
-        self.raw = open(path, "rb")  # noqa: SIM115  # closed by close()
+        self.raw = open(path, "rb")  # closed by close()
         try:
             self.tf = tarfile.open(fileobj=self.raw, mode="r|gz")
         except BaseException:
