@@ -372,10 +372,10 @@ class MosaicFormat(Format):
 
     def check_options(self, options: Mapping) -> None:
         tile, resize = options.get("tile"), options.get("resize")
-        tile_spec, resize_spec = ResizeSpec.parse(tile), ResizeSpec.parse(resize)
+        geometry(options)  # --tile and --grid, named as given
+        tile_spec, resize_spec = ResizeSpec.parse(tile, option="--tile"), ResizeSpec.parse(resize)
         if tile_spec is not None and resize_spec is not None and tile_spec.fixed_shape != resize_spec.fixed_shape:
             raise PackerError(f"--tile {tile} already sets the size; drop --resize {resize}")
-        geometry(options)
 
     def implied_resize(self, options: Mapping) -> str | None:
         return options.get("tile")

@@ -54,11 +54,11 @@ class Geometry:
         return math.ceil(count / self.cols) * self.tile_h, self.cols * self.tile_w, 3
 
 
-def parse_hw(text: str, what: str) -> tuple[int, int]:
-    """'224x224' -> (224, 224)."""
+def parse_hw(text: str, what: str, form: str = "HxW", example: str = "224x224") -> tuple[int, int]:
+    """'224x224' -> (224, 224); ``what``: the option given (--tile), ``form``/``example``: its shape in messages."""
     m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise PackerError(f"{what} {text!r}: expected HxW of positive integers, e.g. 224x224")
+        raise PackerError(f"{what} {text!r}: expected {form} of positive integers, e.g. {example}")
     return int(m.group(1)), int(m.group(2))
 
 
@@ -75,7 +75,7 @@ def geometry(options: Mapping) -> Geometry:
     if not tile or (not options.get("tile") and "x" not in str(tile).lower()):
         raise PackerError("--to mosaic needs --tile HxW, the size every image is resized to (e.g. --tile 224x224)")
     th, tw = parse_hw(tile, "--tile" if options.get("tile") else "--resize")
-    rows, cols = parse_hw(options["grid"], "--grid") if options.get("grid") else default_grid(th, tw)
+    rows, cols = parse_hw(options["grid"], "--grid", "RxC", "11x10") if options.get("grid") else default_grid(th, tw)
     codec = options.get("codec") or DEFAULT_CODEC
     if codec not in CODECS:
         raise PackerError(f"unknown mosaic codec {codec!r} (choose from {', '.join(CODECS)})")

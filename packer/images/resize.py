@@ -29,7 +29,9 @@ class ResizeSpec:
     upscale: bool = False
 
     @classmethod
-    def parse(cls, text: str | None, mode: str = "stretch", upscale: bool = False) -> ResizeSpec | None:
+    def parse(cls, text: str | None, mode: str = "stretch", upscale: bool = False,
+              option: str = "--resize") -> ResizeSpec | None:
+        """The spec ``text`` gives (None for none); ``option``: the option the user gave it as, for messages."""
         if text is None or str(text).strip() == "":
             return None
         if mode not in RESIZE_MODES:
@@ -40,9 +42,9 @@ class ResizeSpec:
         elif m := re.fullmatch(r"(\d+)x(\d+)", text):
             spec = cls(height=int(m.group(1)), width=int(m.group(2)), mode=mode, upscale=upscale)
         else:
-            raise PackerError(f"--resize {text!r}: expected S (short side) or HxW, e.g. 256 or 224x224")
+            raise PackerError(f"{option} {text!r}: expected S (short side) or HxW, e.g. 256 or 224x224")
         if min(v for v in (spec.short_side, spec.height, spec.width) if v is not None) < 1:
-            raise PackerError(f"--resize {text!r}: sizes must be at least 1")
+            raise PackerError(f"{option} {text!r}: sizes must be at least 1")
         return spec
 
     def __str__(self) -> str:

@@ -63,6 +63,27 @@ def check_inner_name(name: object, where: str) -> str:
     return name
 
 
+def check_class_name(name: object, where: str) -> str:
+    """A class name that is one plain folder name (``packer extract`` makes a folder of it under DIR): a non-empty
+    string, not ``.`` or ``..``, without ``/``, ``\\`` or NUL; else a PackerError naming the class and ``where``."""
+    why = class_name_problem(name)
+    if why is not None or not isinstance(name, str):
+        raise PackerError(f"{where}: class name {name!r} {why}: a class name must be one plain folder name")
+    return name
+
+
+def class_name_problem(name: object) -> str | None:
+    """Why ``name`` can't be a class name ("holds a path separator '/'"), or None."""
+    if not isinstance(name, str):
+        return "is not a string"
+    if not name:
+        return "is empty"
+    for bad, why in (("\x00", "holds a NUL byte"), ("/", "holds a path separator '/'"), ("\\", "holds a backslash")):
+        if bad in name:
+            return why
+    return "names the folder itself or the one above" if name in (".", "..") else None
+
+
 def inside(root: Path, name: str, where: str | None = None, must_exist: bool = True) -> Path:
     """``root/name``, refusing a name or a symlink that leads out of ``root`` and anything but a regular file.
 

@@ -29,7 +29,7 @@ from packer.errors import PackerError, RunError, under_way
 from packer.layout.fields import json_value
 from packer.layout.fsutil import create_temp, destination_dir, nearest_existing
 from packer.layout.manifest import dataset_directory
-from packer.layout.trust import check_inner_name
+from packer.layout.trust import check_class_name, check_inner_name
 from packer.read.dataset import open_dataset
 from packer.storage.url import refuse_urls
 
@@ -106,9 +106,8 @@ def _checked(name: str, where) -> str:
 
 def _check_names(where, dest: Path, rels: list[str], names: list[str], classes: Sequence[str]) -> None:
     """Refuse, before writing anything: two samples on one name, a name both file and folder, names too long."""
-    for c in classes:
-        if "/" in _checked(c, where):
-            raise PackerError(f"{where}: class name {c!r} is not a single folder name")
+    for k, c in enumerate(classes):  # one folder each under dest
+        check_class_name(c, f"{where}: class {k}")
     first: dict[str, str] = {}
     for rel, name in zip(rels, names, strict=True):
         if name in first:

@@ -40,7 +40,7 @@ from packer.write.pool import LocalPool, PoolSettings
 from packer.write.scan import IMG_EXTENSIONS, ScanResult
 from packer.write.shards import BuildJob, ShardBuilder, ShardWriteError
 from packer.write.sources.base import SourceOptions
-from packer.write.sources.registry import scan_source
+from packer.write.sources.registry import open_source, scan_opened
 from packer.write.sources.select import PARTS
 
 
@@ -164,7 +164,9 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
 
     started = time.perf_counter()
     hidden, empty = opts.skip_hidden, opts.allow_empty
-    scanned = scan_source(src, source, None if client is None else class_mapper(client, hidden),
+    opened = open_source(src, source)
+    check_order(opened.sequential(), opened.path, opts.order, client)  # before a scan that would inflate it all
+    scanned = scan_opened(opened, None if client is None else class_mapper(client, hidden),
                           skip_hidden=hidden, allow_empty=empty)
     check_sequential(scanned, opts, client)
     # before any file is read: a change meanwhile makes the output stale. Folders only: other sources record
@@ -182,20 +184,22 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
             return _nothing_to_resume(scanned, out, opts, digest, started)
         check_replaceable(out, overwrite=False)  # refused, as without --resume
     scan = apply_order(scanned, opts.order, opts.seed)
-    plan = load_or_make_plan(scan, out, partial, opts, resume)
-    try:
-        if read_swap(partial, out)[0]:  # a finished conversion whose move into place was interrupted
-            return complete_swap(scan, partial, out, started)
-        ranges = [(int(a), int(b)) for a, b in plan["shards"]]
-        job = BuildJob(scan, partial, ranges, load_done_shards(partial, len(ranges), scan), opts, on_error,
-                       progress, float(plan.get("mean_bytes", 0.0)))
-        backend: ShardBuilder = LocalPool(workers, pool or PoolSettings()) if client is None else DaskCluster(client)
-        shards = _build_shards(backend, job, out)
-        return finish(scanned, partial, out, shards, opts, started, digest, source)
-    except OSError as exc:  # the journal, meta/*.npy, errors.json, the manifest or the renames
-        raise _failed_midway(f"{exc.filename or out}: {exc.strerror or exc}", partial) from exc
-    except KeyboardInterrupt:
-        raise KeyboardInterrupt(_interrupted(partial)) from None
+    plan, lock = load_or_make_plan(scan, out, partial, opts, resume)
+    with lock:  # held until the dataset is in place (or the run ends): a second run is refused, naming this one
+        try:
+            if read_swap(partial, out)[0]:  # a finished conversion whose move into place was interrupted
+                return complete_swap(scan, partial, out, started)
+            ranges = [(int(a), int(b)) for a, b in plan["shards"]]
+            job = BuildJob(scan, partial, ranges, load_done_shards(partial, len(ranges), scan), opts, on_error,
+                           progress, float(plan.get("mean_bytes", 0.0)))
+            backend: ShardBuilder = (LocalPool(workers, pool or PoolSettings()) if client is None
+                                     else DaskCluster(client))
+            shards = _build_shards(backend, job, out)
+            return finish(scanned, partial, out, shards, opts, started, digest, source)
+        except OSError as exc:  # the journal, meta/*.npy, errors.json, the manifest or the renames
+            raise _failed_midway(f"{exc.filename or out}: {exc.strerror or exc}", partial) from exc
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(_interrupted(partial)) from None
 
 
 def check_sequential(scan: ScanResult, options: ConvertOptions, client: Any) -> None:
@@ -204,13 +208,19 @@ def check_sequential(scan: ScanResult, options: ConvertOptions, client: Any) -> 
     if scan.source_reader().gives_pixels and options.payload != "raw":
         raise PackerError(f"{scan.root}: holds decoded pixels (raw payloads), which packer never re-encodes: "
                           "convert it with --payload raw (or convert the original images)")
-    if not scan.source_reader().sequential:
+    check_order(scan.source_reader().sequential, scan.root, options.order, client)
+
+
+def check_order(sequential: bool, root: Path, order: str, client: Any) -> None:
+    """Refuse an order (or a cluster) a source read only in its stored order can't give: asked of the source
+    before its scan, which streams the whole archive, and of its reader after."""
+    if not sequential:
         return
-    if options.order != "source":
-        raise PackerError(f"{scan.root}: a compressed archive can only be read in its stored order: add --order "
+    if order != "source":
+        raise PackerError(f"{root}: a compressed archive can only be read in its stored order: add --order "
                           "source (or decompress it to a .tar, which is read in place in any order)")
     if client is not None:
-        raise PackerError(f"{scan.root}: a compressed archive can only be read in order, by one process: convert "
+        raise PackerError(f"{root}: a compressed archive can only be read in order, by one process: convert "
                           "it without --scheduler (or decompress it to a .tar)")
 
 
@@ -252,7 +262,7 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
         created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
     seal(partial, out, index, errors, scan.ignored, manifest, parse_specs(scan.field_specs),
-         in_storage_order(index, scan.rel_paths, scan.fields), offered=len(scan))
+         in_storage_order(index, scan.rel_paths, scan.fields))
     return ConvertResult(out, len(index), errors, time.perf_counter() - started, int(index.nbytes.sum()),
                          dict(scan.ignored), dict(scan.not_images),
                          rewritten=sum(r.rewritten for r in shards) if options.jpeg_restarts else None)
@@ -321,7 +331,7 @@ def _recorded_errors(directory: Path) -> list[SourceError]:
     path = directory / ERRORS_NAME
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
-        return [SourceError(str(e["path"]), str(e["reason"]), str(e.get("location", ""))) for e in report["errors"]]
+        return [SourceError.from_json(e) for e in report["errors"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise PackerError(f"{path}: damaged error report ({exc}); move {directory} away and convert again") from exc
 

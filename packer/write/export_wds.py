@@ -35,23 +35,25 @@ from packer.formats.base import PreparedSample
 from packer.layout.fields import cell_value, json_value, parse_specs
 from packer.layout.fsutil import fsync_tree, write_atomic
 from packer.layout.manifest import dumps_lossless, file_info
-from packer.layout.partial import PARTIAL_SUFFIX, read_swap
+from packer.layout.partial import PARTIAL_SUFFIX, made_by_packer, read_swap
 from packer.layout.wdsexport import CLASSES_NAME, EXPORT_KIND, EXPORT_NAME, SHARD_PATTERN
 from packer.storage.url import refuse_urls
 from packer.write.convert import (
     ConvertResult,
+    check_order,
     check_sequential,
     locate_errors,
     source_options,
 )
 from packer.write.finish import write_error_report
+from packer.write.lock import OutputLock, check_free
 from packer.write.options import ConvertOptions, make_options
 from packer.write.output import check_destination, output_path, swap_into_place
 from packer.write.plan import apply_order, estimate_sample_bytes, make_partial
 from packer.write.pool import PoolSettings, ordered_results
 from packer.write.scan import ScanResult, SourceError
 from packer.write.shards import progress_bar
-from packer.write.sources.registry import scan_source
+from packer.write.sources.registry import open_source, scan_opened
 
 DEFAULT_SHARD_BYTES = 256 << 20
 _BLOCK, _RECORD = tarfile.BLOCKSIZE, tarfile.RECORDSIZE  # a member's header; what the whole tar is padded to
@@ -87,7 +89,9 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
     out = output_path(src, output, "wds")
     check_destination(src, out, overwrite)
     started = time.perf_counter()
-    scanned = scan_source(src, source_options(**given), skip_hidden=skip_hidden, allow_empty=allow_empty)
+    opened = open_source(src, source_options(**given))
+    check_order(opened.sequential(), opened.path, order, None)  # before a scan that would inflate it all
+    scanned = scan_opened(opened, skip_hidden=skip_hidden, allow_empty=allow_empty)
     # prepare() reads and validates each record exactly as convert does; "lmdb" only carries the common options
     opts = make_options("lmdb", payload="raw" if scanned.source_reader().gives_pixels else "encoded",
                         validate=validate, order=order, seed=seed, decoder=decoder)
@@ -97,18 +101,19 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
     if os.path.lexists(partial):
         return _leftover(scanned, partial, out, resume, started)
     out.parent.mkdir(parents=True, exist_ok=True)
-    make_partial(out, partial, {"kind": EXPORT_KIND, "source": str(scanned.root), "options": opts.record()})
-    try:
-        sink = TarSink(partial, limit)
-        errors = _write_samples(scanned, opts, sink, workers, pool or PoolSettings(), on_error, progress)
-        return _finish(scanned, partial, out, sink, errors, opts.record(), started)
-    except (PackerError, OSError, KeyboardInterrupt) as exc:
-        shutil.rmtree(partial, ignore_errors=True)  # ours (made above) and not resumable: nothing half-done stays
-        if isinstance(exc, OSError):
-            raise PackerError(f"{exc.filename or out}: {exc.strerror or exc}; nothing was exported") from exc
-        if isinstance(exc, KeyboardInterrupt):
-            raise KeyboardInterrupt("interrupted; nothing was exported") from None
-        raise
+    lock = make_partial(out, partial, {"kind": EXPORT_KIND, "source": str(scanned.root), "options": opts.record()})
+    with lock:  # held until the export is in place: a second run is refused, naming this one
+        try:
+            sink = TarSink(partial, limit)
+            errors = _write_samples(scanned, opts, sink, workers, pool or PoolSettings(), on_error, progress)
+            return _finish(scanned, partial, out, sink, errors, opts.record(), started)
+        except (PackerError, OSError, KeyboardInterrupt) as exc:
+            shutil.rmtree(partial, ignore_errors=True)  # ours (made above), not resumable: nothing half-done stays
+            if isinstance(exc, OSError):
+                raise PackerError(f"{exc.filename or out}: {exc.strerror or exc}; nothing was exported") from exc
+            if isinstance(exc, KeyboardInterrupt):
+                raise KeyboardInterrupt("interrupted; nothing was exported") from None
+            raise
 
 
 def _write_samples(scanned: ScanResult, opts: ConvertOptions, sink: TarSink, workers: int | None, pool: PoolSettings,
@@ -219,9 +224,9 @@ def _finish(scanned: ScanResult, partial: Path, out: Path, sink: TarSink, errors
     """classes.txt, errors.json, then the index (last), fsync, and the move into place."""
     if scanned.classes:
         write_atomic(partial / CLASSES_NAME, "".join(f"{c}\n" for c in scanned.classes))
-    write_error_report(partial, errors, scanned.ignored, len(scanned))
-    shards = [{**asdict(file_info(partial, name)), "num_samples": n} for name, n in zip(sink.names, sink.counts)]
     num_samples = sum(sink.counts)
+    write_error_report(partial, errors, scanned.ignored, num_samples)
+    shards = [{**asdict(file_info(partial, name)), "num_samples": n} for name, n in zip(sink.names, sink.counts)]
     index = {"kind": EXPORT_KIND, "version": 1, "num_samples": num_samples, "num_errors": len(errors),
              "num_classes": len(scanned.classes), "shards": shards, "source": os.path.abspath(scanned.root),
              "source_type": scanned.source_type, "options": options, "created_by": f"packer {__version__}",
@@ -235,10 +240,13 @@ def _finish(scanned: ScanResult, partial: Path, out: Path, sink: TarSink, errors
 
 def _leftover(scanned: ScanResult, partial: Path, out: Path, resume: bool, started: float) -> ConvertResult:
     """A ``<out>.partial`` already there: a finished export being moved into place (``resume`` finishes that),
-    else refused, naming it."""
+    else refused, naming it (or the live run writing it)."""
+    if made_by_packer(partial):
+        check_free(partial, out)
     swapping = read_swap(partial, out)[0]
     if swapping and resume and (partial / EXPORT_NAME).is_file():
-        swap_into_place(partial, out)
+        with OutputLock.take(partial, out):
+            swap_into_place(partial, out)
         return ConvertResult(out, int(_read_index(out)["num_samples"]), [], time.perf_counter() - started, 0,
                              dict(scanned.ignored), dict(scanned.not_images))
     if swapping:

@@ -18,6 +18,7 @@ from packer.layout.manifest import Manifest, dumps_lossless, file_info, write_ma
 from packer.write.journal import ShardResult
 from packer.write.output import ERRORS_NAME, swap_into_place
 from packer.write.scan import SourceError
+from packer.write.summary import not_packed_line
 
 
 def stored_index(shards: list[ShardResult], source_order: list[str] | None) -> Index:
@@ -41,7 +42,7 @@ def in_storage_order(index: Index, keys: list[str], columns: Mapping[str, Sequen
 
 def seal(partial: Path, out: Path, index: Index, errors: list[SourceError], ignored: Mapping[str, int],
          manifest: Manifest, specs: Mapping[str, FieldSpec] | None = None,
-         columns: Mapping[str, Sequence[Any]] | None = None, offered: int | None = None) -> None:
+         columns: Mapping[str, Sequence[Any]] | None = None) -> None:
     """Write ``index`` and the field ``columns`` (storage order) under meta/, errors.json, then ``manifest``
     (its meta_files, num_samples, num_errors and fields filled in here) last; fsync, and swap into place."""
     specs = dict(specs or {})
@@ -49,15 +50,15 @@ def seal(partial: Path, out: Path, index: Index, errors: list[SourceError], igno
     manifest.meta_files = [file_info(partial, n) for n in names]
     manifest.num_samples, manifest.num_errors = len(index), len(errors)
     manifest.fields = {k: s.text for k, s in specs.items()}
-    write_error_report(partial, errors, ignored, len(index) + len(errors) if offered is None else offered)
+    write_error_report(partial, errors, ignored, len(index))
     fsync_tree(partial)
     write_manifest(partial, manifest)
     swap_into_place(partial, out)
 
 
-def write_error_report(partial: Path, errors: list[SourceError], ignored: Mapping[str, int], offered: int) -> None:
+def write_error_report(partial: Path, errors: list[SourceError], ignored: Mapping[str, int], packed: int) -> None:
     """``errors.json`` (every record not packed, with reason and location; what the scan ignored) and the
-    first ten on stderr; ``offered``: the records there were."""
+    first ten on stderr; ``packed``: the records that were (``summary.not_packed_line`` counts them)."""
     # a plain write: fsync_tree flushes it with the index (one journal commit), and --resume rewrites whatever
     # an interrupted finish left, so it needs no atomic write of its own
     write_plain(partial / ERRORS_NAME, dumps_lossless(
@@ -66,7 +67,7 @@ def write_error_report(partial: Path, errors: list[SourceError], ignored: Mappin
         indent=1,
     ))
     if errors:
-        print(f"packer: {len(errors)} of {offered} files not packed, see {ERRORS_NAME}:", file=sys.stderr)
+        print(f"packer: {not_packed_line(packed, errors)}, see {ERRORS_NAME}:", file=sys.stderr)
         for e in errors[:10]:
             print(f"  {e.path}: {e.reason}", file=sys.stderr)
         if len(errors) > 10:

@@ -76,8 +76,7 @@ class ShardResult:
                 widths=[int(v) for v in data["widths"]],
                 nbytes=[int(v) for v in data["nbytes"]],
                 stats=[None if v is None else [int(v[0]), int(v[1])] for v in data["stats"]],
-                errors=[SourceError(str(e["path"]), str(e["reason"]), str(e.get("location", "")))
-                        for e in data["errors"]],
+                errors=[SourceError.from_json(e) for e in data["errors"]],
                 rewritten=int(data.get("rewritten", 0)),
             )
         except (ValueError, KeyError, TypeError, IndexError) as exc:

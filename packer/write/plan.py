@@ -4,6 +4,7 @@ and the plan journaled in ``<out>.partial`` before any shard is written (a resum
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -18,6 +19,7 @@ from packer.images.headers import image_size
 from packer.layout.fsutil import fsync_dir
 from packer.layout.partial import JOURNAL_DIR, PLAN_NAME, read_swap
 from packer.write.journal import read_plan, scan_digest, write_plan
+from packer.write.lock import OutputLock, check_free
 from packer.write.options import ConvertOptions
 from packer.write.output import fresh_name
 from packer.write.scan import ScanResult
@@ -105,11 +107,13 @@ def check_free_space(directory: Path, needed: float) -> None:
         )
 
 
-def load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: ConvertOptions, resume: bool) -> dict:
-    """The shard plan: the journaled one when resuming, else a new one (written before any shard).
+def load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: ConvertOptions,
+                      resume: bool) -> tuple[dict, OutputLock]:
+    """The shard plan: the journaled one when resuming, else a new one (written before any shard); and the
+    lock on ``partial`` the run then holds (``write.lock``).
 
     An existing ``partial`` is used only when its journal shows packer made it, and never
-    deleted here: one that packer did not make is refused, naming it.
+    deleted here: one that packer did not make is refused, naming it; one a live run holds, naming its pid.
     """
     recorded = options.record()
     digest = scan_digest(scan)
@@ -118,6 +122,7 @@ def load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: Conve
         if plan is None:
             raise PackerError(f"{partial}: exists but was not made by packer (it holds no {JOURNAL_DIR}/{PLAN_NAME}), "
                               f"so packer leaves it alone: move it away, or choose another --output")
+        check_free(partial, out)  # before anything is said of it: a live run's is in use, not left over
         if not resume:
             raise PackerError(_leftover(partial, out))
         if plan.get("options") != recorded or plan.get("digest") != digest:
@@ -125,7 +130,7 @@ def load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: Conve
                 f"{partial}: the source files or the options changed since the interrupted run, so it "
                 f"can't be resumed; remove it (rm -r '{partial}') and convert again"
             )
-        return plan
+        return plan, OutputLock.take(partial, out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -136,8 +141,7 @@ def load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: Conve
     plan = {"options": recorded, "digest": digest, "source": str(scan.root), "num_files": len(scan),
             "shards": plan_shards(len(scan), mean_bytes, options.shard_bytes, shard_multiple(options)),
             "mean_bytes": mean_bytes}
-    make_partial(out, partial, plan)
-    return plan
+    return plan, make_partial(out, partial, plan)
 
 
 def _leftover(partial: Path, out: Path) -> str:
@@ -153,18 +157,29 @@ def _leftover(partial: Path, out: Path) -> str:
             f"({where}); run the same command with --resume to finish that (nothing is converted again)")
 
 
-def make_partial(out: Path, partial: Path, plan: dict) -> None:
-    """Create ``partial`` holding ``plan``: made under a fresh name and renamed once the plan is on disk,
-    so a ``.partial`` without a plan is never one of packer's."""
+def make_partial(out: Path, partial: Path, plan: dict) -> OutputLock:
+    """Create ``partial`` holding ``plan``, locked (the lock returned): made under a fresh name and renamed once
+    the plan is on disk and the lock taken, so a ``.partial`` without a plan is never one of packer's, and one
+    of a live run is never seen unlocked."""
     tmp = fresh_name(out, NEW_TAG)
+    lock: OutputLock | None = None
     try:
         os.mkdir(tmp)
         try:
             write_plan(tmp, plan)
+            lock = OutputLock.take(tmp, out)
             os.rename(tmp, partial)
         except BaseException:
+            if lock is not None:
+                lock.release()
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         fsync_dir(out.parent)
     except OSError as exc:
+        if lock is not None:
+            lock.release()
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) and read_plan(partial) is not None:
+            check_free(partial, out)  # another run made it meanwhile: "in use by pid N" while it lives
+            raise PackerError(_leftover(partial, out)) from None
         raise PackerError(f"{exc.filename or partial}: cannot create the output ({exc.strerror or exc})") from exc
+    return lock

@@ -37,14 +37,25 @@ NOT_SCANNED = "not scanned"  # ignored[f"not scanned: {folder}/ (why)"]: a packe
 
 @dataclass
 class SourceError:
-    """A source file or folder that was not packed, and why: one entry of errors.json."""
+    """A source record that was not packed, or a part of the source that could not be read, and why: one entry
+    of errors.json. Summaries count records only (``record``): a folder, a link loop that is no image file or the
+    unread rest of an archive is listed, never counted as a file."""
 
     path: str  # relative to the source folder; a folder's ends with "/"
     reason: str
     location: str = ""  # where in the source when the path does not say it ("labels.csv line 12"); "": left out
+    record: bool = True  # False: stands for no one record (a folder, a link loop, the rest of an archive)
 
-    def to_json(self) -> dict[str, str]:
-        return {"path": self.path, "reason": self.reason, **({"location": self.location} if self.location else {})}
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "reason": self.reason, **({"location": self.location} if self.location else {}),
+                **({} if self.record else {"record": False})}
+
+    @classmethod
+    def from_json(cls, entry: dict[str, Any]) -> SourceError:
+        """An entry of errors.json or a journal; one written before ``record`` existed: a folder ("/") is none."""
+        path = str(entry["path"])
+        record = entry.get("record", not path.endswith("/"))
+        return cls(path, str(entry["reason"]), str(entry.get("location", "")), record is not False)
 
 
 @dataclass
@@ -155,10 +166,11 @@ def _subfolder(entry: os.DirEntry, rel: str, above: frozenset, found: Walk) -> t
     try:
         key = _identity(entry.stat())
     except OSError as exc:
-        found.errors.append(SourceError(rel, _stat_failure(exc)))
+        found.errors.append(SourceError(rel, _stat_failure(exc), record=False))
         return None
     if key in above:
-        found.errors.append(SourceError(rel, "leads back to a folder above it (a link loop): not followed"))
+        found.errors.append(SourceError(rel, "leads back to a folder above it (a link loop): not followed",
+                                        record=False))
         return None
     if entry.name.endswith(PARTIAL_SUFFIX):
         found.ignored[f"{NOT_SCANNED}: {rel} (unfinished packer output)"] += 1
@@ -172,7 +184,7 @@ def _subfolder(entry: os.DirEntry, rel: str, above: frozenset, found: Walk) -> t
 def _unlisted(found: Walk, rel: str, exc: OSError) -> None:
     rel = rel or "./"
     found.errors.append(SourceError(rel, f"cannot list folder ({exc.strerror or exc}): "
-                                         "the images in it are neither packed nor counted"))
+                                         "the images in it are neither packed nor counted", record=False))
     found.unlisted.append(rel)
 
 
@@ -202,7 +214,8 @@ def _walk(top: str, rel_top: str, found: Walk, above: frozenset = frozenset(), s
             try:
                 is_dir = entry.is_dir()  # follows symlinks, like os.walk(followlinks=True); uses d_type
             except OSError as exc:  # a link loop (a.jpg -> a.jpg), a link into a folder we may not search
-                found.errors.append(SourceError(rel + name, _stat_failure(exc)))
+                # os.walk takes it for a file: ImageFolder lists it when it has an image name (a record)
+                found.errors.append(SourceError(rel + name, _stat_failure(exc), record=is_image_name(name)))
                 continue
             if skip_hidden and name.startswith("."):
                 found.ignored[HIDDEN_FOLDER if is_dir else HIDDEN] += 1
@@ -260,8 +273,8 @@ def scan_folder(root: str | os.PathLike, map_classes: ClassMapper | None = None,
     for e in entries:
         try:
             is_dir = e.is_dir()
-        except OSError as exc:
-            found.errors.append(SourceError(e.name, _stat_failure(exc)))
+        except OSError as exc:  # no class folder, and a file here is outside the classes: no record
+            found.errors.append(SourceError(e.name, _stat_failure(exc), record=False))
             continue
         if skip_hidden and e.name.startswith("."):
             found.ignored[HIDDEN_FOLDER if is_dir else HIDDEN] += 1

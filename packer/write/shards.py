@@ -114,9 +114,14 @@ def stored_bytes(data: bytes, options: ConvertOptions) -> bytes:
 
 def _from_pixels(rel: str, label: int, pixels: np.ndarray, source_stat: list[int] | None,
                  options: ConvertOptions) -> PreparedSample | SourceError:
-    """A raw payload from decoded pixels, resized when asked."""
+    """A raw payload from decoded pixels, resized when asked. Pixels above the pixel limit are refused before
+    anything is copied (a zero-stride view of 3 bytes may stand for gigabytes)."""
     if options.payload != "raw":
         return SourceError(rel, "the source holds decoded pixels: only --payload raw can store them (never re-encoded)")
+    try:
+        check_pixels(pixels.shape[0], pixels.shape[1], "image array is")
+    except DecodeError as exc:
+        return SourceError(rel, str(exc))
     spec = options.resize_spec
     if spec is not None:
         pixels = spec.apply(pixels)

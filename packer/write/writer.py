@@ -33,6 +33,7 @@ from packer.layout.fields import FieldStore, encode_cell, parse_specs, save_fiel
 from packer.layout.fsutil import fsync_file
 from packer.layout.manifest import Manifest
 from packer.layout.partial import JOURNAL_DIR, PARTIAL_SUFFIX, read_swap
+from packer.layout.trust import check_class_name
 from packer.storage.url import refuse_url
 from packer.write.finish import seal, stored_index
 from packer.write.journal import (
@@ -43,17 +44,17 @@ from packer.write.journal import (
     remove_unkept,
     shard_entry,
 )
+from packer.write.lock import OutputLock, check_free
 from packer.write.options import ConvertOptions, make_options
 from packer.write.output import check_replaceable, swap_into_place
 from packer.write.plan import make_partial, shard_multiple
 from packer.write.scan import SourceError
 from packer.write.shards import ShardSink, make_payload
+from packer.write.sources.labels import integer_classes, label_problem
 
 WRITER_SHARD_BYTES = 256 << 20  # at most this much of a shard is held in memory before it is written
 SOURCE_TYPE = "writer"  # the manifest's source_type: samples are named by number, not source paths
 
-
-MAX_IMPLICIT_CLASSES = 1 << 20  # without classes=, labels name classes 0..max: a larger one is a mistake
 
 class Writer:
     """Writes samples into a new packer dataset at ``path`` (see the module docstring); use as a context manager.
@@ -75,6 +76,8 @@ class Writer:
         self.classes = None if classes is None else [str(c) for c in classes]
         if self.classes is not None and len(set(self.classes)) != len(self.classes):
             raise PackerError("Writer: class names repeat")
+        for k, name in enumerate(self.classes or []):  # packer extract makes a folder of each
+            check_class_name(name, f"Writer: classes[{k}]")
         if on_error not in ("skip", "raise"):
             raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
         if options.setdefault("order", "source") != "source":
@@ -91,8 +94,13 @@ class Writer:
         self._pending: list[PreparedSample | SourceError] = []
         self._cells: dict[str, list[Any]] = {k: [] for k in self.specs}
         self._bytes = self._stored = 0  # the pending samples' payload bytes, and how many will be stored
+        self.lock: OutputLock | None = None  # on <out>.partial from its making (or finding) to the end
         if os.path.lexists(self.partial):
-            self._resume(resume)
+            try:
+                self._resume(resume)
+            except BaseException:
+                self._release()
+                raise
 
     # ------------------------------------------------------------ adding
 
@@ -132,11 +140,12 @@ class Writer:
             cells = {name: encode_cell(spec, fields[name], f"field {name!r}") for name, spec in self.specs.items()}
         except PackerError as exc:
             return SourceError(key, str(exc)), {}
-        top = MAX_IMPLICIT_CLASSES if self.classes is None else len(self.classes)
-        if isinstance(label, (bool, np.bool_)) or not isinstance(label, (int, np.integer)) or not -1 <= label < top:
-            classes = (f" below {top:,} (pass classes= to name more)" if self.classes is None
-                       else f" (0 .. {len(self.classes) - 1} for the classes given)")
-            return SourceError(key, f"label {label!r}: expected a class index >= -1{classes}"), {}
+        if isinstance(label, (bool, np.bool_)) or not isinstance(label, (int, np.integer)):
+            return SourceError(key, f"label {label!r}: expected a class index (an integer; -1: no class)"), {}
+        why = None if label == -1 else label_problem(int(label), None if self.classes is None else len(self.classes),
+                                                       hint="pass classes=")
+        if why is not None:
+            return SourceError(key, why), {}
         if isinstance(image, np.ndarray):
             if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
                 why = f"image array {image.dtype} {image.shape}: expected HWC uint8 RGB (H, W, 3)"
@@ -186,7 +195,7 @@ class Writer:
         """Create ``<out>.partial`` with the plan, or check a resumed one's plan against these options."""
         if not os.path.lexists(self.partial):
             self.out.parent.mkdir(parents=True, exist_ok=True)
-            make_partial(self.out, self.partial, self._plan())
+            self.lock = make_partial(self.out, self.partial, self._plan())
         elif read_plan(self.partial) != self._plan():
             raise PackerError(f"{self.partial}: written with other options, fields or classes, so it can't be "
                               f"resumed; remove it (rm -r '{self.partial}') and write again")
@@ -194,11 +203,15 @@ class Writer:
     def _resume(self, resume: bool) -> None:
         """Go on with an interrupted Writer's ``<out>.partial``: its journaled shards count as written."""
         plan = read_plan(self.partial)
-        if plan is None or plan.get("writer") != 1:
+        if plan is None:
+            raise PackerError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
+        check_free(self.partial, self.out)  # a live run's is in use, not left over
+        if plan.get("writer") != 1:
             raise PackerError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
         if not resume:
             raise PackerError(f"{self.partial}: left over from an interrupted Writer: pass resume=True and add the "
                               f"same samples again in the same order, or remove it (rm -r '{self.partial}')")
+        self.lock = OutputLock.take(self.partial, self.out)
         if self.given.get("payload") is None:  # decided by the first sample of the interrupted run
             self.given["payload"] = plan.get("options", {}).get("payload")
         if read_swap(self.partial, self.out)[0]:
@@ -258,9 +271,21 @@ class Writer:
         if self.closed:
             return self.out
         self.closed = True
+        try:
+            self._finish()
+        finally:
+            self._release()
+        return self.out
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+    def _finish(self) -> None:
         if self.complete:
             swap_into_place(self.partial, self.out)
-            return self.out
+            return
         self._options_for(b"")
         self._flush()
         index = stored_index(self.done, [k for r in self.done for k in r.rel_paths])  # stored in the order added
@@ -270,17 +295,14 @@ class Writer:
                                     result.shard.num_samples, lambda rel, d=self._spool(sid): d / rel)
             for name in self.specs:
                 columns[name] += store.cells(name)
-        labels = index.labels
-        classes = self.classes if self.classes is not None else \
-            [str(c) for c in range(int(labels.max()) + 1 if len(labels) else 0)]
+        classes = integer_classes(index.labels.tolist(), self.classes)
         assert self.opts is not None
         manifest = Manifest(format=self.fmt.name, payload=self.opts.payload, num_samples=len(index), classes=classes,
                             shards=[r.shard for r in self.done], options=self.opts.record(),
                             source_type=SOURCE_TYPE, created_by=f"packer {__version__}",
                             created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         errors = [e for r in self.done for e in r.errors]
-        seal(self.partial, self.out, index, errors, {}, manifest, self.specs, columns, offered=self.count)
-        return self.out
+        seal(self.partial, self.out, index, errors, {}, manifest, self.specs, columns)
 
     def __enter__(self) -> Writer:
         return self
@@ -290,3 +312,4 @@ class Writer:
             self.close()
         else:
             self.closed = True  # the journaled shards stay in <out>.partial: resume=True goes on from them
+            self._release()

@@ -44,16 +44,22 @@ def fill(path):
 
 
 def hook(name, args):
-    if not armed[0] or name != event or not isinstance(args[0], (str, bytes, os.PathLike)):
+    to = event == "os.rename-to"  # a rename whose destination is target
+    if not armed[0] or name != ("os.rename" if to else event):
+        return
+    path = args[1] if to else args[0]
+    if not isinstance(path, (str, bytes, os.PathLike)):
         return
     if name == "open" and not (args[2] or 0) & (os.O_WRONLY | os.O_RDWR):
         return
-    if os.fsdecode(os.fspath(args[0])).endswith(target):
+    if os.fsdecode(os.fspath(path)).endswith(target):
         armed[0] = False
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "int":
             os.kill(os.getpid(), signal.SIGINT)
+        elif action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
         else:
             fill(action.removeprefix("fill:"))
 
@@ -67,10 +73,27 @@ sys.exit(main(argv))
 
 def run_cli_at(argv: list[str], env: dict, event: str, target: str, action: str,
                timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``packer *argv``; the first ``event`` ("open" for writing, or "os.rename") on a path ending in
-    ``target`` makes the child ``action``: "kill" (SIGKILL itself), "int" (SIGINT, a Ctrl-C) or
-    "fill:PATH" (fill the filesystem holding PATH, a new file: the write that follows gets ENOSPC)."""
+    """Run ``packer *argv``; the first ``event`` ("open" for writing, "os.rename" of a path, "os.rename-to" a
+    path) on a path ending in ``target`` makes the child ``action``: "kill" (SIGKILL itself), "int" (SIGINT, a
+    Ctrl-C), "stop" (SIGSTOP: see ``stopped_at``) or "fill:PATH" (fill the filesystem holding PATH, a new file:
+    the write that follows gets ENOSPC)."""
     import sys
 
     return subprocess.run([sys.executable, "-c", _HOOKED_CLI, event, target, action, *map(str, argv)],
                           env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def stopped_at(argv: list[str], env: dict, event: str, target: str) -> subprocess.Popen:
+    """``packer *argv`` started, and stopped (SIGSTOP) at the first ``event`` on ``target`` as ``run_cli_at`` finds
+    it; returned once stopped: ``proc.send_signal(signal.SIGCONT)`` lets it go on. Fails if it ends first."""
+    import os
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _HOOKED_CLI, event, target, "stop", *map(str, argv)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _, status = os.waitpid(proc.pid, os.WUNTRACED)  # returns once it stops (or ends)
+    if not os.WIFSTOPPED(status):
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        raise AssertionError(f"packer {' '.join(map(str, argv))} ended ({proc.returncode}) before stopping at "
+                             f"{event} {target}: {proc.communicate()}")
+    return proc

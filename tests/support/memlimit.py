@@ -12,6 +12,7 @@ import os
 import resource
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 from support.fuzzing import _vm_size
 
@@ -47,3 +48,18 @@ def limited_call(fn: Callable, *args, limit: int = 2 * GIB, timeout: float = 300
         proc.kill()
     proc.join()
     return result
+
+
+def _convert_report(src, out, options: dict) -> dict:
+    import json
+
+    from packer import convert
+
+    res = convert(src, out, workers=0, progress=False, **options)
+    return json.loads((res.output / "errors.json").read_text())
+
+
+def limited_convert(src, out, limit: int = GIB, **options) -> tuple[str, Any]:
+    """``packer.convert(src, out, workers=0, **options)`` in a child allowed ``limit`` more bytes of address
+    space: ``("ok", its errors.json)``, or what ``limited_call`` says went wrong."""
+    return limited_call(_convert_report, src, out, options, limit=limit)

@@ -5,6 +5,7 @@ datasets whose source had one name with two extensions."""
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 from pathlib import Path
 
@@ -140,6 +141,20 @@ def test_a_name_both_file_and_folder_is_refused_before_writing(packed, tmp_path)
     with pytest.raises(PackerError, match="both a file and a folder"):
         extract(ds, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["../evil", "/abs", "a/b", ".."])
+def test_a_crafted_class_name_is_refused_naming_the_class(packed, tmp_path, capsys, name):
+    """Conversion refuses such names; a dataset edited to hold one (the manifest has no checksum) is refused by
+    extract before anything is written, naming the class, not as some sample's path."""
+    ds = tmp_path / "ds"
+    subprocess.run(["cp", "-r", str(packed["encoded"]), str(ds)], check=True)
+    manifest = json.loads((ds / "manifest.json").read_text())
+    manifest["classes"][1] = name
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["extract", str(ds), str(tmp_path / "out"), "-q"]) == 2
+    one_line_error(capsys, f"class 1: class name {name!r}", "one plain folder name")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "evil").exists()
 
 
 def test_a_folder_in_the_way_is_refused_before_writing_even_with_overwrite(packed, tmp_path):

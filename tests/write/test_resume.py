@@ -108,7 +108,9 @@ def test_resume_refuses_a_changed_source(source, tmp_path):
     from packer.write.plan import load_or_make_plan
     from packer.write.scan import scan_folder
 
-    load_or_make_plan(scan_folder(src), tmp_path / "o.lmdb", partial, ConvertOptions(shard_bytes=40_000), False)
+    _, lock = load_or_make_plan(scan_folder(src), tmp_path / "o.lmdb", partial, ConvertOptions(shard_bytes=40_000),
+                                False)
+    lock.release()  # the interrupted run ends
     (src / "class_0" / "img_000.jpg").unlink()
     with pytest.raises(PackerError, match="changed since the interrupted run"):
         convert(src, tmp_path / "o.lmdb", shard_bytes=40_000, resume=True, progress=False)

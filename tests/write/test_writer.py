@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from support.fielded import SPECS, same_value, write_fielded
 from support.imagesets import jpeg_bytes
+from support.memlimit import GIB, limited_call
 
 from packer.errors import PackerError
 from packer.formats import FORMATS
@@ -89,6 +90,7 @@ def test_values_that_would_change_or_overflow_are_bad_samples(tmp_path):
            ({"label": 2**63}, "label"),
            ({"label": np.uint64(2**64 - 1)}, "label"),
            ({"label": 3_000_000}, "pass classes="),
+           ({"label": 10**5000}, "label of 16610 bits above 1,048,575: pass classes="),  # repr() would raise
            ({"image": np.zeros((0, 0, 3), np.uint8)}, "an empty image")]
     ok = {"image": good, "label": 1, "i8": np.array([1, -2]), "i64": np.array([5]), "f16": np.array([0.5]), "f": 1.5}
     specs = {"i8": "int8[2]", "i64": "int64[1]", "f16": "float16[1]", "f": "float"}
@@ -106,6 +108,36 @@ def test_values_that_would_change_or_overflow_are_bad_samples(tmp_path):
         ds.field("f", 0.0)
     with pytest.raises(TypeError, match="integers"):
         ds["0"]
+
+
+def _add_array(out: Path, kind: str) -> str:
+    """Add one 20000x20000x3 array (400 M pixels, above the limit of 2 x Pillow's 179 M) to a new Writer."""
+    shape = (20000, 20000, 3)
+    image = np.broadcast_to(np.zeros(3, np.uint8), shape) if kind == "zero-stride" else np.zeros(shape, np.uint8)
+    try:
+        with Writer(out, format="lmdb") as w:
+            w.add(image, label=0)
+    except PackerError as exc:
+        return str(exc)
+    return "added"
+
+
+@pytest.mark.parametrize(("kind", "limit"), [("zero-stride", GIB // 2), ("whole", 3 * GIB // 2)])
+def test_an_array_above_the_pixel_limit_is_refused_before_any_copy(tmp_path, kind, limit):
+    """A 1.2 GB array (or a view of 3 bytes standing for one) was copied whole and OOM-killed the caller: the
+    pixel limit applies to arrays too, before any copy. The child may grow by less than a copy would need."""
+    status, message = limited_call(_add_array, tmp_path / "a.lmdb", kind, limit=limit)
+    assert status == "ok", message
+    assert "sample 0: image array is 20000x20000 (400000000 pixels), above the pixel limit" in str(message)
+    assert not (tmp_path / "a.lmdb").exists()
+
+
+@pytest.mark.parametrize("name", ["../evil", "/abs", "a/b", "nul\x00", "..", ".", "", "back\\slash"])
+def test_class_names_that_are_no_folder_name_are_refused_naming_them(tmp_path, name):
+    """``packer extract`` makes a folder per class: a name it can't use is refused when the Writer is made."""
+    with pytest.raises(PackerError, match=r"Writer: classes\[1\]: class name .* a class name must be one plain"):
+        Writer(tmp_path / "x.lmdb", classes=["ok", name])
+    assert not any(tmp_path.iterdir())
 
 
 def test_fields_must_be_declared_and_given(tmp_path):

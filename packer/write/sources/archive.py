@@ -15,7 +15,8 @@ name), so memory follows the number of members, never their bytes.
 | .tar.gz      | streams once (decompressing everything) | streams again, in order, in one process    |
 
 Links, devices, names with ``..`` or absolute, duplicates, data past the end of a truncated tar,
-a zip member compressed more than ``MAX_RATIO`` to 1: each is an errors.json entry naming the member.
+a zip or .tar.gz member compressed more than ``MAX_RATIO`` to 1, a .tar.gz image member declaring more
+bytes than an image within the pixel limit: each is an errors.json entry naming the member.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ class ArchiveSource(Source):
     @classmethod
     def claims(cls, path: Path) -> bool:
         return path.is_file() and archive_kind(path) is not None
+
+    def sequential(self) -> bool:
+        return archive_kind(self.path) == "tgz"
 
     def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
              allow_empty: bool = False) -> ScanResult:
@@ -100,7 +104,7 @@ def _headers(fileobj: Any, where: str, members: Members, prefix: str = "", base:
             info = tf.next()
         except (tarfile.TarError, EOFError, OSError) as exc:
             members.refuse(f"{prefix}(after {count} members)", f"truncated or damaged archive ({exc}): the rest "
-                           "of it can't be read, and is neither packed nor counted")
+                           "of it can't be read, and is neither packed nor counted", record=False)
             break
         if info is None:
             break
@@ -148,7 +152,7 @@ def _nested(fd: int, path: Path, rel: str, offset: int, size: int, members: Memb
     try:
         inner = _headers(_Window(fd, offset, size), f"{path}: member {rel}", members, f"{rel}/", offset, total)
     except PackerError as exc:
-        members.refuse(rel, str(exc).split(": ", 2)[-1])
+        members.refuse(rel, str(exc).split(": ", 2)[-1], record=False)
         return
     for name, data_offset, data_size in inner:
         members.add(f"{cls}/{name}", (data_offset, data_size), f"{rel}/{name}")

@@ -12,12 +12,41 @@ from typing import Any
 import numpy as np
 
 from packer.errors import PackerError
+from packer.images.decode import pixel_limit
 from packer.write.scan import ScanResult, SourceError, imagefolder_key, is_image_name
 from packer.write.sources.base import SourceReader
 
 TAR_SUFFIXES = (".tar",)
 GZ_SUFFIXES = (".tar.gz", ".tgz")
 ZIP_SUFFIXES = (".zip",)
+MAX_RATIO = 200  # JPEG/PNG hardly compress: a member inflating more than this (beyond 1 MiB) is a bomb
+_RATIO_FROM = 1 << 20  # members up to this size are never refused for their ratio
+_HEADERS = 1 << 20  # room for an image file's headers and metadata beside its pixels
+
+
+def member_limit() -> int | None:
+    """The most bytes an image member may declare: an uncompressed RGBA image (4 bytes a pixel) at the pixel
+    limit (``images.decode.pixel_limit``: 2 x PIL.Image.MAX_IMAGE_PIXELS) plus 1 MiB; None without a pixel limit."""
+    limit = pixel_limit()
+    return None if limit is None else 4 * limit + _HEADERS
+
+
+def declared_problem(size: int) -> str | None:
+    """Why a member declaring ``size`` bytes is not read (None: it may be): more than any image within the pixel
+    limit takes. Judged from the header, before a byte is read or inflated."""
+    limit = member_limit()
+    if limit is None or size <= limit:
+        return None
+    return (f"declares {size:,} bytes, more than an image within the pixel limit can take ({limit:,}: 4 bytes a "
+            "pixel of 2 x PIL.Image.MAX_IMAGE_PIXELS): not read")
+
+
+def inflation_problem(inflated: int, compressed: int) -> str | None:
+    """Why a member that gave ``inflated`` bytes from ``compressed`` is a decompression bomb (None: it is not)."""
+    if inflated <= _RATIO_FROM or inflated <= MAX_RATIO * max(compressed, 1):
+        return None
+    return (f"inflates more than {MAX_RATIO}:1 ({inflated:,} bytes from {compressed:,} compressed so far, a "
+            "decompression bomb?): not read")
 
 
 def archive_kind(path: Path) -> str | None:
@@ -50,8 +79,10 @@ class Members:
     errors: list[SourceError] = field(default_factory=list)
     ignored: Counter = field(default_factory=Counter)
 
-    def refuse(self, rel: str, reason: str, member: str | None = None) -> None:
-        self.errors.append(SourceError(rel, reason, f"{self.where}: member {member or rel}"))
+    def refuse(self, rel: str, reason: str, member: str | None = None, record: bool = True) -> None:
+        """A member not packed (``record``: False for a part of the archive that holds records: a class tar, the
+        rest of a damaged archive)."""
+        self.errors.append(SourceError(rel, reason, f"{self.where}: member {member or rel}", record))
 
     def add(self, rel: str, loc: Any, member: str | None = None) -> None:
         """A regular file's member: kept when an image name, not hidden and not seen before."""

@@ -17,10 +17,9 @@ from typing import Any
 from packer.errors import PackerError
 from packer.perprocess import PerProcess
 from packer.write.scan import ScanResult
-from packer.write.sources.archive_common import Members, clean_member, records_of
+from packer.write.sources.archive_common import MAX_RATIO, Members, clean_member, records_of
 from packer.write.sources.base import Facts, Payload, RecordError, SourceReader
 
-MAX_RATIO = 200  # JPEG/PNG hardly compress: a member inflating more than this is refused as a zip bomb
 MAX_MEMBER_BYTES = 1 << 30  # no image file is larger
 
 

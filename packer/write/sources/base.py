@@ -147,6 +147,23 @@ def _read_all(fd: int, size: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)  # b"" for an empty file
 
 
+MAX_LIST_BYTES = 4 << 30  # a list of ~50 million rows; beyond that it is not a list file
+
+
+def read_list_text(path: Path) -> str:
+    """A list file or a ``--classes-file`` as text (UTF-8, a BOM dropped); a PackerError naming it when it is
+    too large, not text or unreadable."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_LIST_BYTES:
+            raise PackerError(f"{path}: {size} bytes is too large for a list file")
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise PackerError(f"{path}: not UTF-8 text (byte {exc.start}): not a list file") from None
+    except OSError as exc:
+        raise PackerError(f"{path}: cannot read ({exc.strerror or exc})") from None
+
+
 class InlineReader(SourceReader):
     """Records whose locator carries what a sequential reader read in the driver: ``(payload, facts, error)``."""
 
@@ -205,6 +222,11 @@ class Source(ABC):
     @abstractmethod
     def claims(cls, path: Path) -> bool:
         """Whether SRC at ``path`` is this kind of source (checked in registry order, without --source-type)."""
+
+    def sequential(self) -> bool:
+        """Whether the records can only be read in stored order (a compressed tar), known before the scan (which
+        would inflate the whole archive), so that an order the source can't give is refused first."""
+        return False
 
     @abstractmethod
     def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,

@@ -27,7 +27,7 @@ from packer.perprocess import PerProcess
 from packer.write.scan import ClassMapper, ScanResult, SourceError, is_image_name
 from packer.write.sources.base import Facts, FileReader, Payload, RecordError, Source, SourceReader
 from packer.write.sources.hfarrow import HFFiles, TableFile, class_names, find_files, pyarrow_modules, schema_features
-from packer.write.sources.labels import inside_root, integer_classes, keep_in_range
+from packer.write.sources.labels import inside_root, integer_classes, label_problem, named_classes
 
 
 @dataclass
@@ -143,7 +143,8 @@ class HFSource(Source):
         image_col = self.options.image_column or "image"
         root = Path(self.options.root) if self.options.root else None
         rows = _Rows()
-        names: list[str] | None = None
+        from_file = named_classes(self.options.classes_file)
+        names: list[str] | None = from_file
         for f, name in enumerate(files.names):
             table = TableFile(files.root / name, files.kind)
             label_col = self.options.label_column or ("label" if "label" in table.schema.names else None)
@@ -152,26 +153,22 @@ class HFSource(Source):
                 raise PackerError(f"{files.root / name}: no column {rows.label_col!r}, unlike {files.names[0]}")
             rows.label_col = label_col
             if label_col:
-                names = class_names(schema_features(table.schema, files.features), label_col)
+                label_names = class_names(schema_features(table.schema, files.features), label_col)
+                names = label_names if label_names is not None else from_file
             if not f:
                 rows.scalars = scalar_columns(table.schema, (image_col, label_col))
             elif missing := sorted(set(rows.scalars) - set(table.schema.names)):
                 raise PackerError(f"{files.root / name}: no column {missing[0]!r}, unlike {files.names[0]}")
             columns = [image_col] + ([label_col] if label_col else []) + rows.scalars
             for k, (first, batch) in enumerate(table.batches(columns)):
-                rows.add_batch(f, name, k, first, batch, root)
+                rows.add_batch(f, name, k, first, batch, root, None if names is None else len(names))
         labels = np.asarray(rows.labels, dtype=np.int64)
-        if rows.label_col is None:
-            keep, classes = np.arange(len(labels)), []
-        else:
-            classes = names if names is not None else integer_classes(labels, self.options.classes_file)
-            keep = keep_in_range(rows.keys, labels, classes, rows.where, rows.errors).tolist()
-        if not len(keep) and not rows.errors:
+        classes = [] if rows.label_col is None else integer_classes(rows.labels, names)
+        if not len(labels) and not rows.errors:
             raise PackerError(f"{self.path}: no rows")
-        specs, cells = scalar_fields({c: [rows.values[c][i] for i in keep] for c in rows.scalars})
-        return ScanResult(root=files.root, classes=classes, rel_paths=[rows.keys[i] for i in keep],
-                          labels=labels[keep], ignored=Counter(), errors=rows.errors,
-                          reader=RowReader(files, image_col, root), locs=[rows.locs[i] for i in keep],
+        specs, cells = scalar_fields({c: rows.values.get(c, []) for c in rows.scalars})
+        return ScanResult(root=files.root, classes=classes, rel_paths=rows.keys, labels=labels, ignored=Counter(),
+                          errors=rows.errors, reader=RowReader(files, image_col, root), locs=rows.locs,
                           field_specs=specs, fields=cells)
 
 
@@ -188,7 +185,9 @@ class _Rows:
         self.scalars: list[str] = []  # the other scalar columns: per-sample fields
         self.values: dict[str, list[Any]] = {}  # per scalar column, its value in each kept row
 
-    def add_batch(self, f: int, name: str, k: int, first: int, batch: Any, root: Path | None) -> None:
+    def add_batch(self, f: int, name: str, k: int, first: int, batch: Any, root: Path | None,
+                  named: int | None) -> None:
+        """Add the rows of one batch; ``named``: how many classes are named (``labels.label_problem``)."""
         column = whole(batch.column(0))
         data = image_bytes_child(column)
         lengths = _lengths(data)
@@ -204,6 +203,9 @@ class _Rows:
             key, where = f"{name}/{row}{suffix}", f"{name}: row {row}"
             if labels[r] is None:
                 self.errors.append(SourceError(key, f"no label (null in column {self.label_col!r})", where))
+                continue
+            if self.label_col and (why := label_problem(labels[r], named)) is not None:
+                self.errors.append(SourceError(key, why, where))
                 continue
             if lengths[r] > 0:
                 loc: Any = (f, k, r, lengths[r])

@@ -22,11 +22,12 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.layout.fields import as_field_name
+from packer.layout.trust import class_name_problem
 from packer.write.scan import ClassMapper, ScanResult, SourceError
-from packer.write.sources.base import FileReader, Source
+from packer.write.sources.base import FileReader, Source, read_list_text
+from packer.write.sources.labels import integer_classes, is_integer_text, named_classes, parse_label
 
 LIST_SUFFIXES = (".csv", ".tsv", ".txt", ".lst")
-_MAX_LIST_BYTES = 4 << 30  # a list of ~50 million rows; beyond that it is not a list file
 
 
 @dataclass
@@ -56,7 +57,7 @@ class ListSource(Source):
         root = Path(opts.root) if opts.root is not None else path.parent
         if not root.is_dir():
             raise PackerError(f"{root}: not a folder (--root names the folder the list's paths are relative to)")
-        text = _read_text(path)
+        text = read_list_text(path)
         tabular = path.suffix.lower() in (".csv", ".tsv")
         if not tabular and (opts.path_column is not None or opts.label_column is not None):
             raise PackerError(f"{path}: --path-column/--label-column apply to .csv/.tsv lists with a header")
@@ -75,18 +76,6 @@ class ListSource(Source):
 
     def _columns(self) -> tuple[str, str]:
         return self.options.path_column or "path", self.options.label_column or "label"
-
-
-def _read_text(path: Path) -> str:
-    try:
-        size = path.stat().st_size
-        if size > _MAX_LIST_BYTES:
-            raise PackerError(f"{path}: {size} bytes is too large for a list file")
-        return path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise PackerError(f"{path}: not UTF-8 text (byte {exc.start}): not a list file") from None
-    except OSError as exc:
-        raise PackerError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
 def _csv_rows(path: Path, text: str, columns: tuple[str, str]) -> _Rows:
@@ -172,39 +161,38 @@ def _integral(text: str) -> str:
 
 
 def _labels(path: Path, rows: _Rows, classes_file: str | None) -> tuple[list[str], np.ndarray]:
-    """The classes and each kept row's label index; rows with a bad label move to the errors."""
-    named = read_classes(Path(classes_file)) if classes_file is not None else None
-    ints = sum(t.isdigit() for t in rows.labels)
-    numeric = ints * 2 > len(rows.labels)  # mostly integers: the others are bad labels, not class names
+    """The classes and each kept row's label index; rows with a bad label move to the errors.
+
+    Mostly integers: each is checked by ``labels.parse_label`` (the others are bad labels, not class names);
+    else the labels are class names.
+    """
+    named = named_classes(classes_file)
+    numeric = sum(is_integer_text(t) for t in rows.labels) * 2 > len(rows.labels)
     if numeric:
-        top = max((int(t) for t in rows.labels if t.isdigit()), default=-1)
-        classes = named if named is not None else [str(i) for i in range(top + 1)]
-        index = {str(i): i for i in range(len(classes))}
-        index.update({t: int(t) for t in rows.labels if t.isdigit() and int(t) < len(classes)})
-    else:
-        classes = named if named is not None else sorted(set(rows.labels) - {""})
+        values = [parse_label(t, None if named is None else len(named)) for t in rows.labels]
+        classes = integer_classes((v for v in values if isinstance(v, int)), named)
+    else:  # a name that can't be a folder name is an error for its rows, as a bad label is
+        classes = named if named is not None else sorted({t for t in rows.labels if not class_name_problem(t)})
         index = {c: i for i, c in enumerate(classes)}
-    keep = [i for i, t in enumerate(rows.labels) if t in index]
-    for i, t in enumerate(rows.labels):
-        if t not in index:
-            why = "empty label" if not t else (f"label {t!r}: not an integer from 0 to {len(classes) - 1}" if numeric
-                                               else f"label {t!r}: not a class of --classes-file")
-            rows.errors.append(SourceError(rows.paths[i], why, f"{path.name} line {rows.lines[i]}"))
-    labels = np.asarray([index[rows.labels[i]] for i in keep], dtype=np.int64)
+        values = [index[t] if t in index else _name_problem(t, named is not None) for t in rows.labels]
+    keep = [i for i, v in enumerate(values) if isinstance(v, int)]
+    for i, v in enumerate(values):
+        if isinstance(v, str):
+            rows.errors.append(SourceError(rows.paths[i], v, f"{path.name} line {rows.lines[i]}"))
+    labels = np.asarray([values[i] for i in keep], dtype=np.int64)
     rows.paths = [rows.paths[i] for i in keep]
     rows.lines = [rows.lines[i] for i in keep]
     rows.extras = {k: [v[i] for i in keep] for k, v in rows.extras.items()}
     return classes, labels
 
 
-def read_classes(path: Path) -> list[str]:
-    """``--classes-file``: one class name per line (line i names label i), no blank or repeated names."""
-    names = [n.strip() for n in _read_text(path).splitlines()]
-    while names and not names[-1]:
-        names.pop()
-    if not names or "" in names or len(set(names)) != len(names):
-        raise PackerError(f"{path}: a classes file holds one distinct, non-empty class name per line")
-    return names
+def _name_problem(label: str, named: bool) -> str:
+    """Why a label naming a class names none of ``classes``."""
+    if not label:
+        return "empty label"
+    if named:
+        return f"label {label!r}: not a class of --classes-file"
+    return f"class name {label!r} {class_name_problem(label)}: a class name must be one plain folder name"
 
 
 def _add_row(rows: _Rows, seen: dict[str, int], name: str, line: int, rel: str, label: str,

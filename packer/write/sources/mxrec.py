@@ -24,7 +24,7 @@ from packer.formats.recordio import decode_record, peek_header, record_spans, un
 from packer.perprocess import PerProcess
 from packer.write.scan import ClassMapper, ScanResult, SourceError
 from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader
-from packer.write.sources.labels import integer_classes, keep_in_range
+from packer.write.sources.labels import integer_classes, label_problem, named_classes
 
 
 class RecReader(SourceReader):
@@ -72,8 +72,9 @@ class RecReader(SourceReader):
         self._fd.close(lambda h: os.close(h[0]))
 
 
-def integer_label(label: float | tuple[float, ...]) -> int | str:
-    """The class index a record's IRHeader label stands for, or why it stands for none."""
+def integer_label(label: float | tuple[float, ...], named: int | None) -> int | str:
+    """The class index a record's IRHeader label stands for, or why it stands for none (``labels.label_problem``;
+    ``named``: how many classes are named, None for "0".."max"); -1 stands for itself (packer's flat output)."""
     if isinstance(label, tuple):
         if len(label) != 1:
             return (f"a label vector of {len(label)} values: packer keeps one class label per sample "
@@ -81,7 +82,8 @@ def integer_label(label: float | tuple[float, ...]) -> int | str:
         label = label[0]
     if not math.isfinite(label) or label != int(label):
         return f"label {label} is not an integer class index"
-    return int(label)
+    value = int(label)
+    return value if value == -1 else label_problem(value, named) or value
 
 
 class RecordIOSource(Source):
@@ -103,10 +105,12 @@ class RecordIOSource(Source):
             raise PackerError(f"{rec}: cannot open ({exc.strerror or exc})") from None
         errors: list[SourceError] = []
         keys, labels, locs, where = [], [], [], []
+        named = named_classes(self.options.classes_file)
         try:
             names, starts, ends, problem = record_spans(rec, fd, idx if idx.is_file() else None)
             if problem:
-                errors.append(SourceError(f"{rec.name}/", f"{problem}: the rest of the file is not read", rec.name))
+                errors.append(SourceError(f"{rec.name}/", f"{problem}: the rest of the file is not read", rec.name,
+                                          record=False))
             for name, start, end in zip(names, starts.tolist(), ends.tolist()):
                 at = f"{rec.name}: record at byte {start}"
                 try:
@@ -115,7 +119,7 @@ class RecordIOSource(Source):
                     errors.append(SourceError(f"{rec.name}/{name}", str(exc), at))
                     continue
                 key = f"{rec.name}/{name if idx.is_file() else id_}"
-                value = integer_label(label)
+                value = integer_label(label, None if named is None else len(named))
                 if isinstance(value, str):
                     errors.append(SourceError(key, value, at))
                     continue
@@ -125,11 +129,11 @@ class RecordIOSource(Source):
                 where.append(at)
         finally:
             os.close(fd)
-        return self._records(keys, np.asarray(labels, dtype=np.int64), locs, where, errors)
+        return self._records(keys, np.asarray(labels, dtype=np.int64), locs, where, errors, named)
 
     def _records(self, keys: list[str], labels: np.ndarray, locs: list, where: list[str],
-                 errors: list[SourceError]) -> ScanResult:
-        """The scan's records: duplicate keys and labels outside the classes become errors."""
+                 errors: list[SourceError], named: list[str] | None) -> ScanResult:
+        """The scan's records: duplicate keys become errors, and -1 labels unless every label is -1."""
         seen: set[str] = set()
         unique = []
         for i, key in enumerate(keys):
@@ -140,11 +144,13 @@ class RecordIOSource(Source):
                 unique.append(i)
         labels = labels[unique]
         keys, locs, where = [keys[i] for i in unique], [locs[i] for i in unique], [where[i] for i in unique]
-        if len(labels) and np.all(labels == -1) and not self.options.classes_file:
+        if len(labels) and np.all(labels == -1) and named is None:
             classes, keep = [], list(range(len(keys)))  # a flat folder's records, as packer writes them
         else:
-            classes = integer_classes(labels, self.options.classes_file)
-            keep = keep_in_range(keys, labels, classes, where, errors).tolist()
+            keep = [i for i, v in enumerate(labels.tolist()) if v != -1]
+            unlabelled = label_problem(-1, None) or ""  # -1 among other labels: no class index
+            errors += [SourceError(keys[i], unlabelled, where[i]) for i in np.flatnonzero(labels == -1).tolist()]
+            classes = integer_classes(labels[keep].tolist(), named)
         if not keep and not errors:
             raise PackerError(f"{self.path}: no records")
         return ScanResult(root=self.path.parent, classes=classes, rel_paths=[keys[i] for i in keep],

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from packer.errors import PackerError
+from packer.layout.trust import check_class_name
 from packer.write.scan import ClassMapper, ScanResult
 from packer.write.sources.archive import ArchiveSource
 from packer.write.sources.base import Source, SourceOptions
@@ -56,7 +57,15 @@ def scan_source(src: str | os.PathLike, options: SourceOptions = SourceOptions()
                 allow_empty: bool = False) -> ScanResult:
     """The records of ``src`` as ``options`` read and select them (``--classes``, ``--split``); ``skip_hidden``
     and ``allow_empty``: the folder rules (``write.scan.scan_folder``), for sources that are folders."""
-    source = open_source(src, options)
+    return scan_opened(open_source(src, options), map_classes, skip_hidden=skip_hidden, allow_empty=allow_empty)
+
+
+def scan_opened(source: Source, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
+                allow_empty: bool = False) -> ScanResult:
+    """``scan_source`` of a source already opened (``open_source``): asked first, e.g. whether it is sequential."""
+    src, options = source.path, source.options
     scan = source.scan(map_classes, skip_hidden=skip_hidden, allow_empty=allow_empty)
     scan.source_type = source.type
+    for k, name in enumerate(scan.classes):  # packer extract makes a folder of each: refused now, not then
+        check_class_name(name, f"{src}: class {k}")
     return select(scan, options)

@@ -17,12 +17,13 @@ import re
 import tarfile
 import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from packer.errors import PackerError
-from packer.write.sources.archive_common import forget_headers
+from packer.write.sources.archive_common import declared_problem, forget_headers
+from packer.write.sources.archive_gz import GzTar, rest_not_read
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")  # the image of a sample: exactly one of these
 LABEL_EXTENSIONS = ("cls", "json")  # read while listing: a label is in one of them
@@ -162,17 +163,20 @@ def is_compressed(path: Path) -> bool:
     return path.name.endswith((".tar.gz", ".tgz"))
 
 
-def _members(tf: tarfile.TarFile, size: int | None,
+def _in_place(tf: tarfile.TarFile) -> Iterator[tuple[int, tarfile.TarInfo]]:
+    """(number, header) of each member of an uncompressed shard, read in place (seeking past the data)."""
+    number = 0
+    while (info := tf.next()) is not None:
+        forget_headers(tf)  # memory must not grow with the shard
+        yield number, info
+        number += 1
+
+
+def _members(headers: Iterable[tuple[int, tarfile.TarInfo]], size: int | None,
              listing: ShardListing) -> Iterator[tuple[Member, tarfile.TarInfo]]:
     """The shard's regular files with data inside it (``size``: the shard's; None: a compressed stream, where
     a member is numbered instead); the rest goes to ``listing`` as ignored or a problem."""
-    number = -1
-    while True:
-        info = tf.next()
-        number += 1
-        if info is None:
-            return
-        forget_headers(tf)  # memory must not grow with the shard
+    for number, info in headers:
         name = info.name
         if info.isdir():
             listing.ignored["tar folders"] += 1
@@ -195,37 +199,58 @@ def _bad_name(name: str) -> bool:
 
 def list_shard(path: Path) -> ShardListing:
     """The samples of a tar shard, grouped as WebDataset groups them: headers only (and the small non-image
-    members: labels, fields), read in place for a ``.tar``, streamed once for a ``.tar.gz``."""
+    members: labels, fields), read in place for a ``.tar``, streamed once for a ``.tar.gz`` (``GzTar``: a
+    member inflating like a bomb ends the listing there, as a problem)."""
     listing = ShardListing()
     compressed = is_compressed(path)
     try:
         size = os.stat(path).st_size
-        tf = tarfile.open(path, "r|gz" if compressed else "r:")
+        opened: GzTar | tarfile.TarFile = GzTar(path) if compressed else tarfile.open(path, "r:")
     except FileNotFoundError:
         raise PackerError(f"{path}: no such shard") from None
     except (OSError, EOFError, zlib.error, tarfile.TarError) as exc:
         raise PackerError(f"{path}: not a readable tar{'.gz' if compressed else ''} file ({exc})") from None
-    with tf:
+    with opened:
+        tf = opened.tf if isinstance(opened, GzTar) else opened
         try:
-            _group(tf, None if compressed else size, listing)
+            if isinstance(opened, GzTar):
+                _group(opened.members(), None, listing, lambda info, gz=opened: gz.data(info, keep=True))
+            else:
+                _group(_in_place(tf), size, listing, lambda info: _small(tf, info))
         except (OSError, EOFError, zlib.error, tarfile.TarError) as exc:
             listing.problems.append(("", f"damaged after byte {tf.offset}: {exc}; the rest of the shard is not read"))
             return listing
+        if isinstance(opened, GzTar):
+            if opened.stopped is not None:  # its sample is not packed, nor is anything after it
+                name, why = opened.stopped
+                if listing.samples and any(m.name == name for m in listing.samples[-1].members.values()):
+                    listing.samples[-1].problem = f"{name}: {why}"
+                else:
+                    listing.problems.append((name, why))
+                listing.problems.append(("", rest_not_read(name)))
+            return listing
         end = tf.offset
-    if not compressed:
-        with open(path, "rb") as fh:
-            tail = os.pread(fh.fileno(), 1024, end)
-        if tail != bytes(1024):  # tar ends with two zero blocks; tarfile stops silently at a bad header
-            listing.problems.append(("", f"truncated or damaged after byte {end} (no end-of-archive blocks): "
-                                         "members after it, if any, are not read"))
+    with open(path, "rb") as fh:
+        tail = os.pread(fh.fileno(), 1024, end)
+    if tail != bytes(1024):  # tar ends with two zero blocks; tarfile stops silently at a bad header
+        listing.problems.append(("", f"truncated or damaged after byte {end} (no end-of-archive blocks): "
+                                     "members after it, if any, are not read"))
     return listing
 
 
-def _group(tf: tarfile.TarFile, size: int | None, listing: ShardListing) -> None:
-    """Group the members of ``tf`` into ``listing.samples`` (consecutive members sharing a key)."""
+def _small(tf: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
+    fh = tf.extractfile(info)
+    return fh.read() if fh is not None else b""
+
+
+def _group(headers: Iterable[tuple[int, tarfile.TarInfo]], size: int | None, listing: ShardListing,
+           read: Callable[[tarfile.TarInfo], bytes | str]) -> None:
+    """Group the members into ``listing.samples`` (consecutive members sharing a key); ``read``: a small member's
+    bytes (a str: why it could not be read). An image member declaring more bytes than any image within the
+    pixel limit makes its sample a problem (``archive_common.declared_problem``)."""
     seen: set[str] = set()
     current: TarSample | None = None
-    for m, info in _members(tf, size, listing):
+    for m, info in _members(headers, size, listing):
         split = split_name(m.name)
         if split is None:
             listing.ignored["members without an extension"] += 1
@@ -243,9 +268,11 @@ def _group(tf: tarfile.TarFile, size: int | None, listing: ShardListing) -> None
         if ext in current.members:
             current.problem = f"two members with extension .{ext}"
         current.members.setdefault(ext, m)
-        if ext not in IMAGE_EXTENSIONS and ext not in current.small:  # a label, or a per-sample field
-            fh = tf.extractfile(info)
-            current.small[ext] = fh.read() if fh is not None and m.size <= MAX_LABEL_MEMBER else None
+        if ext in IMAGE_EXTENSIONS and (why := declared_problem(m.size)) is not None:
+            current.problem = f"{m.name}: {why}"
+        elif ext not in IMAGE_EXTENSIONS and ext not in current.small:  # a label, or a per-sample field
+            data = read(info) if m.size <= MAX_LABEL_MEMBER else None
+            current.small[ext] = data if isinstance(data, bytes) else None
 
 
 def image_member(sample: TarSample) -> tuple[str, Member] | str:

@@ -33,7 +33,7 @@ from packer.perprocess import PerProcess
 from packer.write.scan import ClassMapper, ScanResult, SourceError
 from packer.write.sources.archive_gz import GzTarReader
 from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader, read_one_in_order
-from packer.write.sources.labels import integer_classes, keep_in_range
+from packer.write.sources.labels import integer_classes, label_problem, named_classes, parse_label
 from packer.write.sources.wdstar import (
     MAX_LABEL_MEMBER,
     TarSample,
@@ -95,8 +95,9 @@ class ShardReader(SourceReader):
         self._fds.close(lambda fds: [os.close(fd) for fd, _ in fds.values()])
 
 
-def sample_label(sample: TarSample, label_key: str | None) -> int | None:
-    """The sample's label from ``cls`` (or ``json[label_key]``); None when it has none; RecordError when bad."""
+def sample_label(sample: TarSample, label_key: str | None, named: int | None) -> int | None:
+    """The sample's label from ``cls`` (or ``json[label_key]``); None when it has none; RecordError when it names
+    no class (``labels.label_problem``; ``named``: how many classes are named, None for "0".."max")."""
     ext = "cls" if label_key is None else "json"
     if ext not in sample.members:
         return None
@@ -104,10 +105,10 @@ def sample_label(sample: TarSample, label_key: str | None) -> int | None:
     if raw is None:
         raise RecordError(f"{name}: more than {MAX_LABEL_MEMBER} bytes, too large to hold a label")
     if label_key is None:
-        text = raw.strip()
-        if not text.lstrip(b"-").isdigit():
-            raise RecordError(f"{name}: {text[:40]!r} is not an integer label")
-        return int(text)
+        value = parse_label(raw, named)
+        if isinstance(value, str):
+            raise RecordError(f"{name}: {value}")
+        return value
     try:
         value = json.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -116,7 +117,10 @@ def sample_label(sample: TarSample, label_key: str | None) -> int | None:
         raise RecordError(f"{name}: no field {label_key!r} (--label-key)")
     label = value[label_key]
     if isinstance(label, bool) or not isinstance(label, int):
-        raise RecordError(f"{name}: field {label_key!r} is {label!r}, not an integer label")
+        raise RecordError(f"{name}: field {label_key!r} is {str(label)[:40]!r}, not an integer label")
+    why = label_problem(label, named)
+    if why is not None:
+        raise RecordError(f"{name}: {why}")
     return label
 
 
@@ -165,21 +169,26 @@ class WebDatasetSource(Source):
         names = [p for p in path.iterdir() if not p.name.startswith(".")]
         return bool(names) and all(p.name.endswith((".tar", ".tar.gz", ".tgz")) and p.is_file() for p in names)
 
+    def sequential(self) -> bool:
+        return any(is_compressed(p) for p in shard_paths(self.path))
+
     def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
              allow_empty: bool = False) -> ScanResult:
         shards = shard_paths(self.path)
         root = Path(os.path.commonpath([p.parent for p in shards]))
-        found = _Found()
+        named = named_classes(self.options.classes_file or export_classes_file(self.path))
+        found = _Found(None if named is None else len(named))
         for n, shard in enumerate(shards):
             name = shard.relative_to(root).as_posix()
             if not shard.is_file():
                 found.errors.append(SourceError(name + "/", "shard missing: its samples are neither packed nor "
-                                                "counted", name))
+                                                "counted", name, record=False))
                 continue
             listing = list_shard(shard)
             found.ignored.update(listing.ignored)
             for member, reason in listing.problems:
-                found.errors.append(SourceError(f"{name}/{member}", reason, f"{name}: member {member or '-'}"))
+                found.errors.append(SourceError(f"{name}/{member}", reason, f"{name}: member {member or '-'}",
+                                                record=bool(member)))  # "": the shard from there on
             for sample in listing.samples:
                 found.add(n, name, sample, self.options.label_key)
         labelled = any(v is not None for v in found.labels)
@@ -190,10 +199,7 @@ class WebDatasetSource(Source):
             for i in sorted(set(range(len(labels))) - set(keep)):
                 found.errors.append(SourceError(found.keys[i], "no label (other samples have one: a cls member, "
                                                 "or a json member's --label-key field)", found.where[i]))
-            classes = integer_classes(labels[keep], self.options.classes_file or export_classes_file(self.path))
-            ok = keep_in_range([found.keys[i] for i in keep], labels[keep], classes, [found.where[i] for i in keep],
-                               found.errors)
-            keep = [keep[j] for j in ok.tolist()]
+            classes = integer_classes(labels[keep].tolist(), named)
         if not keep and not found.errors:
             raise PackerError(f"{self.path}: no samples with an image in {len(shards)} shard(s)")
         reader = (StreamedShardReader if any(is_compressed(p) for p in shards) else ShardReader)(shards)
@@ -206,7 +212,8 @@ class WebDatasetSource(Source):
 class _Found:
     """The samples found so far (key, label or None, locator, location) and what was left out."""
 
-    def __init__(self) -> None:
+    def __init__(self, named: int | None) -> None:
+        self.named = named  # how many classes are named (labels.label_problem)
         self.keys: list[str] = []
         self.labels: list[int | None] = []
         self.locs: list[tuple[int, int, int]] = []
@@ -224,7 +231,7 @@ class _Found:
             return
         ext, member = found
         try:
-            label = sample_label(sample, label_key)
+            label = sample_label(sample, label_key, self.named)
         except RecordError as exc:
             self.errors.append(SourceError(f"{shard}/{sample.key}.{ext}", str(exc), where))
             return

@@ -14,8 +14,10 @@ import pytest
 from packer import PackerError, convert, open_dataset
 from packer.tools.verify import verify
 from packer.write.scan import scan_folder
+from tests.support.archives import lying_tgz, zero_bomb_tgz
 from tests.support.cli import run_cli
 from tests.support.imagesets import make_imagefolder
+from tests.support.memlimit import limited_convert
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +173,46 @@ def test_nested_tar_cli_and_verify(imgs, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert run_cli("verify", tmp_path / "o.hdf5", "--against", archive, "-q").returncode == 0
     assert np.array_equal(np.bincount(open_dataset(tmp_path / "o.hdf5").targets), [4, 5, 4])
+
+
+@pytest.mark.parametrize(("mib", "why"), [(640, "inflates more than 200:1"), (2048, "declares 2,147,483,648 bytes")],
+                         ids=["ratio", "declared"])
+def test_a_tar_gz_member_inflating_like_a_bomb_is_refused_unread(imgs, tmp_path, mib, why):
+    """A ~2 MB .tar.gz whose member inflates to 2 GiB of zeros was read whole (OOM-killed at 1, 3 and 5 GB), and
+    its scan inflated it for minutes. An image member declaring more than an image within the pixel limit
+    takes is refused from its header; one inflating more than 200:1 stops the stream there (nothing after it
+    can be reached without inflating it). All in a child allowed 512 MiB, less than the member."""
+    a, b = (imgs / "class_0" / "img_000.jpg").read_bytes(), (imgs / "class_1" / "img_000.jpg").read_bytes()
+    src = zero_bomb_tgz(tmp_path / "bomb.tar.gz", [("cat/a.jpg", a)], "cat/bomb.png", mib, [("cat/b.jpg", b)])
+    assert src.stat().st_size < (3 << 20)
+    status, report = limited_convert(src, tmp_path / "o.lmdb", limit=512 << 20, order="source")
+    assert status == "ok", report
+    errors = {e["path"]: e["reason"] for e in report["errors"]}
+    assert set(errors) == {"cat/bomb.png", "(after 2 members)"}
+    assert errors["cat/bomb.png"].startswith(why) and errors["cat/bomb.png"].endswith("not read")
+    assert errors["(after 2 members)"].startswith("not read: member cat/bomb.png before it inflates more than 200:1")
+    ds = open_dataset(tmp_path / "o.lmdb")
+    assert ds.relpaths == ["cat/a.jpg"] and bytes(ds.read_payload(0)) == a
+
+
+def test_a_tar_gz_member_lying_about_its_size_is_refused_from_its_header(imgs, tmp_path):
+    """A header declaring 2 GiB with a few KB behind it: refused by its declared size, never read."""
+    a = (imgs / "class_0" / "img_000.jpg").read_bytes()
+    src = lying_tgz(tmp_path / "liar.tar.gz", [("cat/a.jpg", a)], "cat/liar.jpg", 2 << 30, a)
+    status, report = limited_convert(src, tmp_path / "o.lmdb", limit=512 << 20, order="source")
+    assert status == "ok", report
+    errors = {e["path"]: e["reason"] for e in report["errors"]}
+    assert errors["cat/liar.jpg"].startswith("declares 2,147,483,648 bytes, more than an image within the pixel "
+                                             "limit can take")
+    assert set(errors) == {"cat/liar.jpg", "(after 2 members)"} and "truncated" in errors["(after 2 members)"]
+    assert open_dataset(tmp_path / "o.lmdb").relpaths == ["cat/a.jpg"]
+
+
+def test_a_tar_gz_without_order_source_is_refused_before_it_is_read(tmp_path):
+    """The usage error comes before the scan (which once inflated a 2 GiB member for 38 s first): a file that
+    is no gzip at all still gets it, so nothing of it was read."""
+    bad = tmp_path / "x.tar.gz"
+    bad.write_bytes(b"not gzip" * 100)
+    proc = run_cli("convert", bad, "-o", tmp_path / "o.lmdb", "-q")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert "can only be read in its stored order: add --order source" in proc.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from support.cli import REPO, run_cli
 from support.foreign import items, make_hf
+from support.memlimit import limited_convert
 
 from packer import open_dataset
 
@@ -124,3 +125,53 @@ def test_other_scalar_columns_become_fields(tmp_path, layout):
     for i in range(6):
         assert (got.field("caption", i), got.field("score", i), got.field("count", i)) == (f"photo {i}", i / 8, i * 7)
         assert got.field("maybe", i) == (None if i == 3 else i) and got.field("flag", i) is (i % 2 == 0)
+
+
+def _label_table(path: Path, labels: list[int], label_type: str) -> None:
+    """A Parquet file of Image structs and an integer label column (no ClassLabel: classes are 0..max)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    image = pa.array([{"bytes": ITEMS[i].image, "path": f"{ITEMS[i].key}.jpg"} for i in range(len(labels))],
+                     pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    pq.write_table(pa.table({"image": image, "label": pa.array(labels, getattr(pa, label_type)())}), path)
+
+
+@pytest.mark.parametrize("label_type", ["int64", "uint64"])
+def test_huge_and_negative_labels_are_row_errors_in_bounded_memory(tmp_path, label_type):
+    """A label column holding 100000000 once built 100 million class names, 2**64-1 an OverflowError: each is
+    now its row's error (file and row), the rest converts, in a child allowed 1 GiB."""
+    big = 2**64 - 1 if label_type == "uint64" else 2**63 - 1
+    labels = [0, 100_000_000, big, 1] + ([-4] if label_type == "int64" else [])
+    _label_table(tmp_path / "p.parquet", labels, label_type)
+    status, report = limited_convert(tmp_path / "p.parquet", tmp_path / "o.lmdb")
+    assert status == "ok", report
+    reasons = {e["location"]: e["reason"] for e in report["errors"]}
+    assert reasons["p.parquet: row 1"] == "label 100000000 above 1,048,575: give --classes-file to name its classes"
+    assert reasons["p.parquet: row 2"] == f"label {big} above 1,048,575: give --classes-file to name its classes"
+    assert len(reasons) == len(labels) - 2
+    if label_type == "int64":
+        assert reasons["p.parquet: row 4"] == "label -4: negative, not a class index"
+    ds = open_dataset(tmp_path / "o.lmdb")
+    assert ds.targets == [0, 1] and ds.classes == ["0", "1"]
+
+
+def test_class_label_names_that_are_no_folder_name_are_refused_naming_the_class(tmp_path):
+    """``packer extract`` makes a folder per class: a ClassLabel naming ``../evil`` is refused before anything
+    is written, naming the class; a label past the ClassLabel's names is its row's error."""
+    import datasets
+
+    for names, refused in ((["cat", "../evil"], "class 1: class name '../evil'"),
+                           (["cat", "/abs"], "class 1: class name '/abs'"), (["cat", "ok"], None)):
+        ds = datasets.Dataset.from_dict({"image": [{"bytes": it.image, "path": None} for it in ITEMS[:3]],
+                                         "label": [0, 1, 0]},
+                                        features=datasets.Features({"image": datasets.Image(),
+                                                                    "label": datasets.ClassLabel(names=names)}))
+        src, out = tmp_path / f"{len(names)}{refused is None}.parquet", tmp_path / f"{names[1][-3:]}.lmdb"
+        ds.to_parquet(str(src))
+        res = run_cli("convert", src, "--to", "lmdb", "-o", out, "--workers", "0")
+        if refused is None:
+            assert res.returncode == 0 and open_dataset(out).classes == names
+            continue
+        assert res.returncode == 2 and "Traceback" not in res.stderr and res.stderr.count("\n") == 1, res.stderr
+        assert refused in res.stderr and "one plain folder name" in res.stderr and not out.exists()

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.memlimit import limited_convert
 
-from packer import convert, open_dataset
+from packer import PackerError, convert, open_dataset
 from packer.tools.verify import verify
 from packer.write.convert import convert_split
 from packer.write.sources.base import SourceOptions
@@ -170,7 +171,7 @@ def test_mxnet_lst_bad_lines_are_errors_with_their_line(imgs, tmp_path):
     res = convert(listing, tmp_path / "o.lmdb", root=imgs, workers=0, progress=False)
     assert open_dataset(res.output).relpaths == ["class_1/img_000.jpg", "class_0/img_001.jpg"]
     assert sorted((e["location"], e["reason"]) for e in _errors(res.output)) == [
-        ("train.lst line 2", "label '2.500000': not an integer from 0 to 1"),
+        ("train.lst line 2", "label '2.500000': not an integer"),
         ("train.lst line 3", "2 labels: packer keeps one label per image")]
 def test_extra_columns_become_typed_fields(imgs, tmp_path):
     files = sorted(imgs.rglob("*.jpg"))
@@ -187,3 +188,58 @@ def test_extra_columns_become_typed_fields(imgs, tmp_path):
         assert (ds.field("caption", k), ds.field("bbox_x", k), ds.field("score", k)) == (f"cap {i}", i * 10, i / 4)
         assert ds.field("c_1st", k) == ("n/a" if i == 2 else str(i))
     assert verify(res.output, against=listing).ok  # the fields too, byte for byte
+
+
+@pytest.mark.parametrize("suffix", [".csv", ".tsv", ".txt"])
+def test_huge_negative_and_non_integer_labels_are_row_errors_in_bounded_memory(imgs, tmp_path, suffix):
+    """One label of 100 million once built 100 million class names (OOM-killed); one of 20 digits gave a
+    MemoryError. Each bad label is now its row's error, the rest converts, all in a child allowed 1 GiB."""
+    files = [p.relative_to(imgs).as_posix() for p in sorted(imgs.rglob("*.jpg"))][:8]
+    labels = ["0", "100000000", "99999999999999999999", "-3", "1.5", "7" * 5000, "\u00b2", "2"]
+    sep = {".csv": ",", ".tsv": "\t", ".txt": " "}[suffix]
+    head = [] if suffix == ".txt" else [f"path{sep}label"]
+    listing = tmp_path / f"big{suffix}"
+    listing.write_text("\n".join(head + [f"{f}{sep}{t}" for f, t in zip(files, labels)]) + "\n")
+    status, report = limited_convert(listing, tmp_path / "o.lmdb", root=imgs)
+    assert status == "ok", report
+    first = 1 if head else 0
+    where = {int(e["location"].rsplit(" ", 1)[1]) - first - 1: e["reason"] for e in report["errors"]}
+    assert sorted(where) == [1, 2, 3, 4, 5, 6]
+    assert where[1] == "label 100000000 above 1,048,575: give --classes-file to name its classes"
+    assert "above 1,048,575: give --classes-file" in where[2] and "99999999999999999999" in where[2]
+    assert "above 1,048,575" in where[5] and "(5000 characters)" in where[5]  # shown cut, never converted
+    assert "negative" in where[3] and "not an integer" in where[4] and "not an integer" in where[6]
+    ds = open_dataset(tmp_path / "o.lmdb")
+    assert ds.classes == ["0", "1", "2"] and sorted(ds.targets) == [0, 2]
+
+
+def test_a_classes_file_names_labels_above_the_bound(imgs, tmp_path):
+    """With --classes-file, a label is checked against its classes, whatever their number."""
+    files = [p.relative_to(imgs).as_posix() for p in sorted(imgs.rglob("*.jpg"))][:3]
+    names = tmp_path / "names.txt"
+    names.write_text("".join(f"c{i}\n" for i in range((1 << 20) + 2)))
+    listing = tmp_path / "l.csv"
+    listing.write_text(f"path,label\n{files[0]},{1 << 20}\n{files[1]},{(1 << 20) + 2}\n{files[2]},0\n")
+    res = convert(listing, tmp_path / "o.lmdb", root=imgs, classes_file=names, workers=0, progress=False)
+    assert [e.reason for e in res.errors] == [f"label {(1 << 20) + 2} is not one of the {(1 << 20) + 2} classes "
+                                              f"(0..{(1 << 20) + 1})"]
+    assert sorted(open_dataset(res.output).targets) == [0, 1 << 20]
+
+
+def test_class_names_that_are_no_folder_name_are_row_errors_or_refused(imgs, tmp_path):
+    """``packer extract`` makes a folder per class: a list naming a class ``../evil`` or ``/abs`` has those rows
+    refused (their line in errors.json); a --classes-file holding one is refused whole, naming the line."""
+    files = [p.relative_to(imgs).as_posix() for p in sorted(imgs.rglob("*.jpg"))][:5]
+    listing = tmp_path / "l.csv"
+    listing.write_text("path,label\n" + "".join(f"{f},{c}\n" for f, c in zip(files, ["cat", "../evil", "/abs",
+                                                                                      "..", "dog"])))
+    res = convert(listing, tmp_path / "o.lmdb", root=imgs, workers=0, progress=False)
+    assert open_dataset(res.output).classes == ["cat", "dog"]
+    why = {e.location: e.reason for e in res.errors}
+    assert set(why) == {"l.csv line 3", "l.csv line 4", "l.csv line 5"}
+    assert why["l.csv line 3"].startswith("class name '../evil' holds a path separator")
+    names = tmp_path / "names.txt"
+    names.write_text("cat\nbad\x00name\n")
+    with pytest.raises(PackerError, match=r"names.txt line 2: class name 'bad\\x00name' holds a NUL byte"):
+        convert(listing, tmp_path / "n.lmdb", root=imgs, classes_file=names, workers=0, progress=False)
+    assert not (tmp_path / "n.lmdb").exists()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from support.cli import run_cli
 from support.foreign import items, write_mxnet_rec
+from support.memlimit import limited_convert
 
 from packer import convert, open_dataset
 
@@ -89,3 +90,32 @@ def test_crafted_record_lengths_become_errors_or_one_clear_line(tmp_path):
     res = run_cli("convert", rec, "--to", "lmdb", "-o", tmp_path / "bad.lmdb")
     assert res.returncode == 2 and "Traceback" not in res.stderr and "data.idx: offsets" in res.stderr
 
+
+
+def test_huge_and_negative_labels_are_record_errors_in_bounded_memory(tmp_path):
+    """An IRHeader label of 1e8 once built 100 million class names, one of 3e38 an OverflowError: each is now
+    its record's error (key and byte offset), the rest converts, in a child allowed 1 GiB."""
+    rec = tmp_path / "data.rec"
+    labels = [0.0, 1e8, 3e38, -2.0, [5e9], 1.0]
+    offsets = write_mxnet_rec(rec, [(ITEMS[i].image, lab, i) for i, lab in enumerate(labels)])
+    status, report = limited_convert(rec, tmp_path / "out.lmdb", order="source")
+    assert status == "ok", report
+    reasons = {e["path"]: (e["reason"], e["location"]) for e in report["errors"]}
+    assert set(reasons) == {"data.rec/1", "data.rec/2", "data.rec/3", "data.rec/4"}
+    assert reasons["data.rec/1"] == ("label 100000000 above 1,048,575: give --classes-file to name its classes",
+                                     f"data.rec: record at byte {offsets[1]}")
+    assert "above 1,048,575" in reasons["data.rec/2"][0] and "above 1,048,575" in reasons["data.rec/4"][0]
+    assert reasons["data.rec/3"][0] == "label -2: negative, not a class index"
+    ds = open_dataset(tmp_path / "out.lmdb")
+    assert ds.targets == [0, 1] and ds.classes == ["0", "1"]
+
+
+def test_minus_one_labels_are_flat_only_when_every_label_is(tmp_path):
+    rec = tmp_path / "data.rec"
+    write_mxnet_rec(rec, [(ITEMS[i].image, lab, i) for i, lab in enumerate([-1.0, 2.0, -1.0])])
+    res = convert(rec, tmp_path / "o.lmdb", workers=0, progress=False)
+    assert [(e.path, e.reason) for e in res.errors] == [("data.rec/0", "label -1: negative, not a class index"),
+                                                        ("data.rec/2", "label -1: negative, not a class index")]
+    write_mxnet_rec(rec, [(ITEMS[i].image, -1.0, i) for i in range(3)])
+    ds = open_dataset(convert(rec, tmp_path / "f.lmdb", workers=0, progress=False).output)
+    assert ds.targets == [-1, -1, -1] and ds.classes == []

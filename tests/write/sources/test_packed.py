@@ -98,3 +98,18 @@ def test_cli_split_and_classes(src, tmp_path):
     tr, va = open_dataset(tmp_path / "o-train"), open_dataset(tmp_path / "o-val")
     assert tr.classes == va.classes == ["class_0", "class_2"] and (len(tr), len(va)) == (8, 2)
     assert run_cli("verify", tmp_path / "o-val", "--against", src, "-q").returncode == 0
+
+
+def test_a_crafted_class_name_is_refused_when_re_packed(src, tmp_path):
+    """A dataset edited to name a class ``../evil`` (the manifest has no checksum) is no source: refused before
+    anything is written, naming the class."""
+    import shutil
+
+    ds = tmp_path / "ds.lmdb"
+    shutil.copytree(src, ds)
+    manifest = json.loads((ds / "manifest.json").read_text())
+    manifest["classes"][2] = "../evil"
+    (ds / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackerError, match=r"class 2: class name '\.\./evil' holds a path separator"):
+        convert(ds, tmp_path / "out.hdf5", to="hdf5", workers=0, progress=False)
+    assert not (tmp_path / "out.hdf5").exists() and not (tmp_path / "out.hdf5.partial").exists()

@@ -9,8 +9,10 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from support.archives import zero_bomb_tgz
 from support.cli import run_cli
 from support.foreign import items, make_wds
+from support.memlimit import limited_convert
 
 from packer import open_dataset
 from packer.write.sources.wdstar import expand_braces, list_shard, split_name
@@ -103,7 +105,7 @@ def test_bad_samples_and_a_truncated_shard_are_errors_naming_shard_and_key(tmp_p
     reasons = {e["path"]: e["reason"] for e in report["errors"]}
     assert "no image member" in reasons["s-0.tar/noimage"]
     assert "2 image members" in reasons["s-0.tar/two"]
-    assert "not an integer label" in reasons["s-0.tar/badlabel.jpg"]
+    assert "not an integer" in reasons["s-0.tar/badlabel.jpg"]
     assert "no label" in reasons["s-0.tar/nolabel.jpg"]
     assert "key seen earlier" in reasons["s-0.tar/good"]
     assert "truncated" in reasons["s-1.tar/cut.jpg"]
@@ -192,3 +194,68 @@ def test_other_members_become_fields_json_and_bytes_too(tmp_path):
     assert [ds.field("json", i) for i in range(4)] == [{"box": [i, 2 * i]} for i in range(4)]
     assert [ds.field("seg_bin", i) for i in range(4)] == [bytes([i]) * 3 for i in range(4)]
     assert [ds.field("txt", i) for i in range(4)] == ["caption 0", "caption 1", "", "caption 3"]  # absent: empty
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["tar", "tar.gz"])
+def test_huge_negative_and_non_integer_cls_labels_are_errors_in_bounded_memory(tmp_path, compressed):
+    """A ``.cls`` of 20 digits gave an OverflowError traceback and nothing converted; one of 100 million built
+    100 million class names. Each is now its sample's error (shard and key), the rest converts, in 1 GiB."""
+    folder = tmp_path / "w"
+    folder.mkdir()
+    labels = [b"0", b"100000000", b"99999999999999999999", b"-1", b"2.0", b"9" * 100_000, b"1"]
+    name = folder / ("s-0.tar.gz" if compressed else "s-0.tar")
+    with tarfile.open(name, "w:gz" if compressed else "w", format=tarfile.GNU_FORMAT) as tf:
+        for k, label in enumerate(labels):
+            add(tf, f"k{k}.jpg", ITEMS[k].image)
+            add(tf, f"k{k}.cls", label)
+    status, report = limited_convert(str(folder / f"s-{{0..0}}{name.name[3:]}"), tmp_path / "out.lmdb",
+                                     order="source")
+    assert status == "ok", report
+    reasons = {e["path"]: e["reason"] for e in report["errors"]}
+    assert {e["location"] for e in report["errors"]} == {f"s-0.tar{'.gz' * compressed}: key k{k}"
+                                                         for k in range(1, 6)}
+    assert reasons["s-0.tar.gz/k1.jpg" if compressed else "s-0.tar/k1.jpg"] == \
+        "k1.cls: label 100000000 above 1,048,575: give --classes-file to name its classes"
+    text = " ".join(reasons.values())
+    assert "label 99999999999999999999 above" in text and "label -1: negative" in text
+    assert "'2.0': not an integer" in text and "(100000 characters) above 1,048,575" in text
+    ds = open_dataset(tmp_path / "out.lmdb")
+    assert ds.targets == [0, 1] and ds.classes == ["0", "1"]
+
+
+def test_json_labels_are_checked_the_same_way(tmp_path):
+    folder = tmp_path / "w"
+    folder.mkdir()
+    with tarfile.open(folder / "s-0.tar", "w", format=tarfile.GNU_FORMAT) as tf:
+        for k, label in enumerate([0, 10**30, -2, 2]):
+            add(tf, f"k{k}.jpg", ITEMS[k].image)
+            add(tf, f"k{k}.json", json.dumps({"label": label}).encode())
+    status, report = limited_convert(str(folder / "s-{0..0}.tar"), tmp_path / "out.lmdb", label_key="label")
+    assert status == "ok", report
+    assert sorted(e["reason"] for e in report["errors"]) == [
+        "k1.json: label 1000000000000000000000000000000 above 1,048,575: give --classes-file to name its classes",
+        "k2.json: label -2: negative, not a class index"]
+    assert sorted(open_dataset(tmp_path / "out.lmdb").targets) == [0, 2]
+
+
+def test_a_compressed_shard_member_inflating_like_a_bomb_stops_the_shard_there(tmp_path):
+    """A ``.tar.gz`` shard's image member of 640 MiB of zeros (~1 MB compressed): its sample is an error, and so is
+    the rest of the shard (unreachable without inflating it); the samples before it convert, in 512 MiB."""
+    folder = tmp_path / "w"
+    folder.mkdir()
+    before = [("k0.jpg", ITEMS[0].image), ("k0.cls", b"0")]
+    zero_bomb_tgz(folder / "s-0.tar.gz", before, "k1.png", 640, [("k1.cls", b"1"), ("k2.jpg", ITEMS[2].image)])
+    status, report = limited_convert(str(folder / "s-{0..0}.tar.gz"), tmp_path / "o.lmdb", limit=512 << 20,
+                                     order="source")
+    assert status == "ok", report
+    errors = {e["path"]: e["reason"] for e in report["errors"]}
+    assert set(errors) == {"s-0.tar.gz/k1", "s-0.tar.gz/"}
+    assert errors["s-0.tar.gz/k1"].startswith("k1.png: inflates more than 200:1")
+    assert errors["s-0.tar.gz/"].startswith("not read: member k1.png before it inflates more than 200:1")
+    assert open_dataset(tmp_path / "o.lmdb").relpaths == ["s-0.tar.gz/k0.jpg"]
+
+
+def test_compressed_shards_without_order_source_are_refused_before_they_are_read(tmp_path):
+    (tmp_path / "s-0.tar.gz").write_bytes(b"not gzip" * 100)
+    res = run_cli("convert", tmp_path / "s-{0..0}.tar.gz", "-o", tmp_path / "o.lmdb", "-q")
+    assert res.returncode == 2 and "add --order source" in res.stderr and res.stderr.count("\n") == 1, res.stderr
