@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import torch
@@ -47,7 +47,36 @@ FILE_SOURCES = ("", "folder", "list")  # source types whose records are files be
 
 
 class PackedDataset(FolderSurface):
-    """A packed dataset of any format, read as ``(image, label)`` pairs like ImageFolder."""
+    """A packed dataset of any format, read as ``(image, label)`` pairs like ImageFolder.
+
+    ``ds[i]`` is ImageFolder's sample ``i`` of the converted source, whatever order the samples are
+    stored in; ``classes``, ``class_to_idx``, ``targets`` and ``samples`` are ImageFolder's too.
+
+    Args:
+        path: the dataset directory ``packer convert`` or ``packer.Writer`` made.
+        transform: called on each image (as ``image`` gives it), as ImageFolder's ``transform``.
+        target_transform: called on each label (an int), as ImageFolder's ``target_transform``.
+        image: what an image is: ``"pil"`` (a PIL RGB image, ImageFolder's), ``"numpy"`` (an HWC uint8
+            array) or ``"tensor"`` (a CHW uint8 tensor; batch mixed sizes with ``collate_fn=packer.collate``).
+        decoder: the JPEG decoder: ``"auto"`` (libjpeg-turbo where it loads, else Pillow), ``"turbojpeg"``
+            or ``"pil"``.
+        access: ``"sequential"`` reads ahead in file order (sequential and block-shuffled passes),
+            ``"random"`` does not (uniform shuffles over data larger than RAM); ``"auto"``: sequential
+            unless the dataset's files exceed half the free memory.
+        decode_size: decode JPEGs at the smallest DCT scale that keeps the short side >= this many pixels
+            (lossy, faster; 224 does nothing on 500x375 photos); None: full size.
+        source_root: where the converted folder is now (``samples`` join it with each relative path);
+            None: the folder the manifest records.
+        crop: a fused decode + crop + resize (``packer.RandomResizedCropDecode``, ``packer.CenterCropDecode``;
+            docs/decoding.md): only the pixels the crop keeps are decoded.
+        fields: what a sample holds (docs/fields.md): None for ``(image, label)``, a sequence of names for
+            a tuple in that order (e.g. ``("image", "label", "boxes")``), ``"all"`` for a dict of every field.
+
+    Raises:
+        DatasetNotFoundError: ``path`` is not a packed dataset (a ``FileNotFoundError``).
+        DatasetError: the dataset fails its checks (damaged or replaced files).
+        OptionError: an argument out of its choices (a ``ValueError``).
+    """
 
     FORMAT: str | None = None  # set by the per-format subclasses (LMDBDataset, ...)
 
@@ -64,11 +93,7 @@ class PackedDataset(FolderSurface):
         crop: CropDecode | None = None,
         fields: FieldsArg = None,
     ) -> None:
-        """``decode_size=S``: JPEGs decoded at the smallest DCT scale keeping the short side >= S (lossy; 224 does
-        nothing on 500x375 photos). ``crop``: a fused decode + crop + resize (packer.images.crop, docs/decoding.md).
-        ``source_root``: the converted folder, where it is now (``samples`` join it with each relative
-        path); default: the one the manifest records. ``fields``: what a sample holds (packer.read.fields):
-        None for ``(image, label)``, names for a tuple in that order, ``"all"`` for a dict."""
+        """Open the dataset at ``path`` (its arguments: see the class docstring); no shard file is opened yet."""
         self.root = Path(path).absolute()  # not relative: a later os.chdir, a worker or an unpickling elsewhere
         self.store = ShardStore(self.root, access)
         self.manifest, self.index, self.access = self.store.manifest, self.store.index, self.store.access
@@ -346,22 +371,70 @@ def dataset_class(name: str, where: object = "dataset") -> type[PackedDataset]:
     return cls
 
 
-def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_options: dict | None = None,
-                 **kwargs: Any) -> PackedDataset | CachedDataset:
-    """Open a packed dataset of any format; keyword arguments as for ``PackedDataset`` (``source_root=``
-    where the converted folder moved). ``with open_dataset(p) as ds:`` closes its shards at the end.
+CacheMode = Literal["ram", "ram-decoded"]
 
-    ``cache="ram"`` (stored payloads) or ``"ram-decoded"`` (decoded pixels) returns a
-    ``packer.read.cache.CachedDataset`` (``cache_options`` go to it): one copy in shared memory
-    for all DataLoader workers.
+
+@overload
+def open_dataset(path: str | os.PathLike, cache: None = None, cache_options: Mapping[str, Any] | None = None, *,
+                 transform: Callable | None = None, target_transform: Callable | None = None, image: ImageKind = "pil",
+                 decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
+                 source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
+                 fields: FieldsArg = None) -> PackedDataset: ...
+
+
+@overload
+def open_dataset(path: str | os.PathLike, cache: CacheMode, cache_options: Mapping[str, Any] | None = None, *,
+                 transform: Callable | None = None, target_transform: Callable | None = None, image: ImageKind = "pil",
+                 decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
+                 source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
+                 fields: FieldsArg = None) -> CachedDataset: ...
+
+
+def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
+                 cache_options: Mapping[str, Any] | None = None, *,
+                 transform: Callable | None = None, target_transform: Callable | None = None, image: ImageKind = "pil",
+                 decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
+                 source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
+                 fields: FieldsArg = None) -> PackedDataset | CachedDataset:
+    """Open a packed dataset of any format as a map-style PyTorch dataset (ImageFolder's samples and indices).
+
+    ``with open_dataset(p) as ds:`` closes its shard files at the end.
+
+    Args:
+        path: the dataset directory (made by ``packer convert`` or ``packer.Writer``).
+        cache: None reads the shard files; ``"ram"`` (the stored payloads) or ``"ram-decoded"`` (decoded
+            pixels) returns a ``packer.CachedDataset``: one copy in shared memory for all DataLoader workers.
+        cache_options: keyword arguments of ``packer.CachedDataset`` (``workers``, ``progress``, ``shm_dir``).
+        transform: called on each image, as ImageFolder's ``transform``.
+        target_transform: called on each label, as ImageFolder's ``target_transform``.
+        image: ``"pil"`` (PIL images, ImageFolder's), ``"numpy"`` (HWC uint8 arrays) or ``"tensor"`` (CHW
+            uint8 tensors).
+        decoder: the JPEG decoder: ``"auto"`` (libjpeg-turbo where it loads, else Pillow), ``"turbojpeg"``, ``"pil"``.
+        access: ``"sequential"`` (read ahead in file order), ``"random"`` (no read-ahead) or ``"auto"``
+            (sequential unless the files exceed half the free memory).
+        decode_size: decode JPEGs at the smallest DCT scale that keeps the short side >= this (lossy); None: full.
+        source_root: where the converted folder is now, for ``samples``; None: the one the manifest records.
+        crop: a fused decode + crop + resize (``packer.RandomResizedCropDecode``, ``packer.CenterCropDecode``).
+        fields: what a sample holds: None for ``(image, label)``, names for a tuple, ``"all"`` for a dict
+            (docs/fields.md).
+
+    Returns:
+        The format's ``PackedDataset`` subclass (``LMDBDataset``, ...), or a ``CachedDataset`` with ``cache``.
+
+    Raises:
+        DatasetNotFoundError: ``path`` is not a packed dataset (a ``FileNotFoundError``).
+        DatasetError: the dataset fails its checks.
+        OptionError: an argument out of its choices (a ``ValueError``).
     """
-    if cache == "ram-decoded" and kwargs.get("crop") is not None:
+    if cache == "ram-decoded" and crop is not None:
         raise PackerError("crop= with cache='ram-decoded' would keep one crop per sample for ever: use cache='ram'")
     path = Path(path).absolute()
     manifest = read_manifest(path)
-    ds = dataset_class(manifest.format, path)(path, **kwargs)
+    ds = dataset_class(manifest.format, path)(path, transform=transform, target_transform=target_transform,
+                                              image=image, decoder=decoder, access=access, decode_size=decode_size,
+                                              source_root=source_root, crop=crop, fields=fields)
     if cache is None:
         return ds
     from packer.read.cache import CachedDataset
 
-    return CachedDataset(ds, cache, **(cache_options or {}))
+    return CachedDataset(ds, cache, **dict(cache_options or {}))
