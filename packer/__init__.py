@@ -16,7 +16,14 @@ if TYPE_CHECKING:  # what a type checker sees; at run time the names below load 
     from packer import dali as dali
     from packer.diagnose.profile import instrument as instrument
     from packer.diagnose.profile import profile as profile
+    from packer.errors import DatasetError as DatasetError
+    from packer.errors import InputNotFoundError as InputNotFoundError
+    from packer.errors import MissingPackageError as MissingPackageError
+    from packer.errors import OptionError as OptionError
+    from packer.errors import OutputExistsError as OutputExistsError
     from packer.errors import PackerError as PackerError
+    from packer.errors import ResumableError as ResumableError
+    from packer.errors import RunError as RunError
     from packer.formats import FORMATS as FORMATS
     from packer.images.crop import CenterCropDecode as CenterCropDecode
     from packer.images.crop import RandomResizedCropDecode as RandomResizedCropDecode
@@ -53,7 +60,10 @@ _PUBLIC = {
     "export_wds": "packer.write.export_wds",
     "open_dataset": "packer.read.dataset", "PackedDataset": "packer.read.dataset",
     "DATASET_CLASSES": "packer.read.dataset",
-    "PackerError": "packer.errors", "FORMATS": "packer.formats",
+    "PackerError": "packer.errors", "InputNotFoundError": "packer.errors", "OutputExistsError": "packer.errors",
+    "OptionError": "packer.errors", "DatasetError": "packer.errors", "MissingPackageError": "packer.errors",
+    "RunError": "packer.errors", "ResumableError": "packer.errors",
+    "FORMATS": "packer.formats",
     "CachedDataset": "packer.read.cache",
     "instrument": "packer.diagnose.profile", "profile": "packer.diagnose.profile",
     "BackgroundLoader": "packer.read.loaders", "CUDAPrefetcher": "packer.read.loaders",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import sys
 
 from packer.cli.parser import EXIT_CODES, build_parser
-from packer.errors import PackerError, RunError
+from packer.errors import Interrupted, PackerError, RunError
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
 
@@ -24,8 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except PackerError as exc:
-        print(f"packer: error: {exc}", file=sys.stderr)
+        print(f"packer: error: {exc.cli_message()}", file=sys.stderr)
         return 1 if isinstance(exc, RunError) else 2  # ResumableError is a RunError
     except KeyboardInterrupt as exc:  # convert's says what it kept and how to go on
-        print(f"packer: {str(exc) or 'interrupted'}", file=sys.stderr)
+        message = exc.cli_message() if isinstance(exc, Interrupted) else str(exc)
+        print(f"packer: {message or 'interrupted'}", file=sys.stderr)
         return 130

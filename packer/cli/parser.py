@@ -127,8 +127,8 @@ def _add_convert(sub) -> None:
                    help="go on with an interrupted conversion of the same source and options (its finished "
                    "shards are checked and kept; the result is identical to an uninterrupted run)")
     p.add_argument("--scheduler", metavar="tcp://HOST:PORT|local:N",
-                   help="convert on a Dask cluster (pip install 'packer-images[dask]'): the address of a running "
-                   "scheduler, or local:N to start N local worker processes. Workers scan the class folders "
+                   help="convert on a Dask cluster (pip install -e '.[dask]' in packer's checkout): the address of "
+                   "a running scheduler, or local:N to start N local worker processes. Workers scan the class folders "
                    "and write one shard per task; source and output must be on storage they all share. "
                    "Same bytes as a local conversion; --workers is then ignored")
     p.add_argument("-q", "--quiet", action="store_true",
@@ -372,7 +372,7 @@ def _add_bench(sub) -> None:
                    help="size of the scratch file for the sequential-read ceiling (default 256MiB)")
     _add_throttle(p)
     p.add_argument("--json", metavar="FILE", help="write every figure and the machine/setup as JSON ('-': stdout)")
-    p.add_argument("--plot", metavar="PNG", help="write a chart (needs matplotlib: pip install 'packer-images[plot]')")
+    p.add_argument("--plot", metavar="PNG", help="write a chart (needs matplotlib: pip install matplotlib)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=commands.cmd_bench)
 

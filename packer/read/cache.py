@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from packer import sysinfo
-from packer.errors import PackerError
+from packer.errors import DatasetError, OptionError, PackerError
 from packer.images.decode import copy_into
 from packer.layout.fields import FieldStore
 from packer.layout.index import Index
@@ -166,7 +166,7 @@ def _release(path: str, owner_pid: int, janitor: subprocess.Popen | None) -> Non
 def _sizes(ds: Any, decoded: bool) -> tuple[np.ndarray, np.ndarray]:
     """Bytes and (h, w, c) shape of each sample as it will be cached, from the dataset's index."""
     if not isinstance(ds, StagedDataset):
-        raise PackerError(f"the RAM cache works on packer datasets (open_dataset), not {type(ds).__name__}")
+        raise OptionError(f"the RAM cache works on packer datasets (open_dataset), not {type(ds).__name__}")
     index = ds.index
     h, w = index.heights.astype(np.int64), index.widths.astype(np.int64)
     shapes = np.stack([h, w, np.full_like(h, 3)], axis=1)
@@ -192,8 +192,8 @@ def _fill_range(ds: Any, path: str, base: int, offsets: np.ndarray, start: int, 
                     buf = np.frombuffer(item, dtype=np.uint8)
                 lo, hi = base + int(offsets[k]), base + int(offsets[k + 1])
                 if buf.size != hi - lo:
-                    raise PackerError(f"{ds.root}: sample {i} has {buf.size} bytes, the index says {hi - lo} "
-                                      "(decode-time resizing can't be cached decoded; use cache='ram')")
+                    raise DatasetError(f"{ds.root}: sample {i} has {buf.size} bytes, the index says {hi - lo} "
+                                       "(decode-time resizing can't be cached decoded; use cache='ram')")
                 mm[lo:hi] = buf
         mm.flush()
     finally:
@@ -213,7 +213,7 @@ class CachedDataset(FolderSurface):
     def __init__(self, dataset: Any, mode: str = "ram", *, workers: int | None = None, progress: bool = True,
                  shm_dir: str | os.PathLike = sysinfo.SHM_DIR) -> None:
         if mode not in CACHE_MODES:
-            raise PackerError(f"unknown cache {mode!r} (choose {' or '.join(CACHE_MODES)})")
+            raise OptionError(f"unknown cache {mode!r} (choose {' or '.join(CACHE_MODES)})")
         self.dataset = dataset
         self.mode = mode
         self.decoded = mode == "ram-decoded"

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, OptionError, PackerError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import Format
 from packer.images.crop import CropDecode, Window, check_crop
@@ -107,14 +107,14 @@ class PackedDataset(FolderSurface):
         self._warned_relative = not files  # keys are not paths to warn about
         self.source_root = os.path.abspath(source_root) if source_root is not None else recorded
         if self.FORMAT is not None and self.manifest.format != self.FORMAT:
-            raise PackerError(
+            raise OptionError(
                 f"{self.root}: holds format {self.manifest.format!r}, not {self.FORMAT!r} "
                 f"(use packer.open_dataset to open any format)"
             )
         if image not in ("pil", "numpy", "tensor"):
-            raise PackerError(f"unknown image kind {image!r} (choose pil, numpy or tensor)")
+            raise OptionError(f"unknown image kind {image!r} (choose pil, numpy or tensor)")
         if decoder not in BACKENDS:
-            raise PackerError(f"unknown decoder {decoder!r} (choose from {', '.join(BACKENDS)})")
+            raise OptionError(f"unknown decoder {decoder!r} (choose from {', '.join(BACKENDS)})")
         self.transform = transform
         self.target_transform = target_transform
         self.image = image
@@ -233,8 +233,8 @@ class PackedDataset(FolderSurface):
             return self._decode(i, buf, strict, out, window)
         arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
         if arr.size != h * w * 3:
-            raise PackerError(f"{self.root}: sample {self.index_map.public(i)} holds {arr.size} bytes, "
-                              f"expected {h}x{w}x3")
+            raise DatasetError(f"{self.root}: sample {self.index_map.public(i)} holds {arr.size} bytes, "
+                               f"expected {h}x{w}x3")
         if self.crop is not None:
             return self.crop.from_pixels(arr.reshape(h, w, 3), self.index_map.public(i), out, window)
         return copy_into(arr.reshape(h, w, 3), out)
@@ -365,7 +365,7 @@ def dataset_class(name: str, where: object = "dataset") -> type[PackedDataset]:
     cls = DATASET_CLASSES.get(name)
     if cls is None:
         if name not in FORMATS:
-            raise PackerError(f"{where}: format {name!r} is unknown to this packer ({', '.join(FORMATS)})")
+            raise DatasetError(f"{where}: format {name!r} is unknown to this packer ({', '.join(FORMATS)})")
         cls = DATASET_CLASSES[name] = _format_dataset_class(FORMATS[name])
         globals()[cls.__name__] = cls
     return cls
@@ -427,7 +427,7 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
         OptionError: an argument out of its choices (a ``ValueError``).
     """
     if cache == "ram-decoded" and crop is not None:
-        raise PackerError("crop= with cache='ram-decoded' would keep one crop per sample for ever: use cache='ram'")
+        raise OptionError("crop= with cache='ram-decoded' would keep one crop per sample for ever: use cache='ram'")
     path = Path(path).absolute()
     manifest = read_manifest(path)
     ds = dataset_class(manifest.format, path)(path, transform=transform, target_transform=target_transform,

@@ -46,7 +46,7 @@ import numpy as np
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
 from packer._random import raw_draws, stable_permutation
-from packer.errors import PackerError
+from packer.errors import OptionError
 from packer.layout.index import shard_starts
 from packer.read.hints import hinted_order
 from packer.read.indexing import IndexMap
@@ -73,7 +73,7 @@ def block_boundaries(nbytes: np.ndarray, block_bytes: int, cuts: Sequence[int] |
     two files).
     """
     if block_bytes <= 0:
-        raise PackerError(f"block size must be positive, got {block_bytes}")
+        raise OptionError(f"block size must be positive, got {block_bytes}")
     nbytes = np.asarray(nbytes, dtype=np.int64)
     n = len(nbytes)
     bounds = [0]
@@ -93,7 +93,7 @@ def check_boundaries(blocks: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
     """Explicit block boundaries: increasing, from 0 to ``n`` (len = number of blocks + 1)."""
     b = np.asarray(blocks, dtype=np.int64)
     if b.ndim != 1 or len(b) < 2 or b[0] != 0 or b[-1] != n or np.any(np.diff(b) <= 0):
-        raise PackerError(
+        raise OptionError(
             f"blocks must be strictly increasing sample indices from 0 to the dataset length {n} "
             f"(block i is samples blocks[i]..blocks[i+1]-1); got {len(b)} values"
             + (f" from {b[0]} to {b[-1]}" if b.ndim == 1 and len(b) else "")
@@ -109,7 +109,7 @@ def dataset_boundaries(dataset: Any, block_bytes: int | None = None,
     if blocks is not None:
         return check_boundaries(blocks, n)
     if not isinstance(dataset, StagedDataset):
-        raise PackerError(f"{type(dataset).__name__} is not a packer dataset, so it has no per-sample sizes: "
+        raise OptionError(f"{type(dataset).__name__} is not a packer dataset, so it has no per-sample sizes: "
                           "pass blocks= explicitly")
     bounds = dataset.block_boundaries() if block_bytes is None else None
     if bounds is not None:
@@ -211,11 +211,11 @@ class BlockShuffleSampler(DistributedSampler):
         if num_replicas is not None and rank is not None:
             check_rank(rank, num_replicas)  # else checked when used
         if open_blocks < 1:
-            raise PackerError(f"open_blocks must be at least 1, got {open_blocks}")
+            raise OptionError(f"open_blocks must be at least 1, got {open_blocks}")
         if run < 1:
-            raise PackerError(f"run must be at least 1, got {run}")
+            raise OptionError(f"run must be at least 1, got {run}")
         if batch_size is not None and batch_size < 1:
-            raise PackerError(f"batch_size must be positive, got {batch_size}")
+            raise OptionError(f"batch_size must be positive, got {batch_size}")
         self.dataset = dataset
         self.bounds = dataset_boundaries(dataset, block_bytes, blocks)
         self.index_map = dataset.index_map if isinstance(dataset, StagedDataset) else IndexMap(None)
@@ -327,7 +327,7 @@ class BlockBatchSampler(BatchSampler):
 
     def __init__(self, dataset: Any, batch_size: int, drop_last_batch: bool = False, **kwargs: Any) -> None:
         if isinstance(dataset, Sampler):
-            raise PackerError(
+            raise OptionError(
                 f"BlockBatchSampler got a {type(dataset).__name__} where a dataset belongs: Lightning rebuilds a "
                 "batch_sampler around its DistributedSampler under DDP, which would undo the block order. Use "
                 "DataLoader(ds, sampler=BlockShuffleSampler(ds, batch_size=B), batch_size=B), which Lightning keeps")

@@ -25,7 +25,7 @@ from pathlib import Path, PurePosixPath
 
 from PIL import Image
 
-from packer.errors import PackerError, RunError, under_way
+from packer.errors import DatasetError, OutputExistsError, PackerError, RunError, arg, under_way
 from packer.layout.fields import json_value
 from packer.layout.fsutil import create_temp, destination_dir, nearest_existing
 from packer.layout.manifest import dataset_directory
@@ -98,7 +98,7 @@ def fields_lines(ds, names: list[str]) -> bytes:
 def _checked(name: str, where) -> str:
     check_inner_name(name, f"{where}: sample path")
     if name.startswith("/") or name in (".", "") or any(p in (".", "") for p in name.split("/")):
-        raise PackerError(f"{where}: sample path {name!r} is not a plain relative path")
+        raise DatasetError(f"{where}: sample path {name!r} is not a plain relative path")
     return name
 
 
@@ -106,16 +106,16 @@ def _check_names(where, dest: Path, rels: list[str], names: list[str], classes: 
     """Refuse, before writing anything: two samples on one name, a name both file and folder, names too long."""
     for c in classes:
         if "/" in _checked(c, where):
-            raise PackerError(f"{where}: class name {c!r} is not a single folder name")
+            raise DatasetError(f"{where}: class name {c!r} is not a single folder name")
     first: dict[str, str] = {}
     for rel, name in zip(rels, names, strict=True):
         if name in first:
-            raise PackerError(f"{where}: samples {first[name]!r} and {rel!r} would both be written to {name!r}")
+            raise DatasetError(f"{where}: samples {first[name]!r} and {rel!r} would both be written to {name!r}")
         first[name] = rel
     folders = set(classes) | {str(p) for n in names for p in PurePosixPath(n).parents if str(p) != "."}
     clash = next((n for n in names if n in folders), None)
     if clash is not None:
-        raise PackerError(f"{where}: {clash!r} would be both a file and a folder under {dest}")
+        raise DatasetError(f"{where}: {clash!r} would be both a file and a folder under {dest}")
     base = Path(os.path.abspath(dest))
     probe = nearest_existing(base)
     name_max, path_max = _limit(probe, "PC_NAME_MAX", 255), _limit(probe, "PC_PATH_MAX", 4096)
@@ -148,14 +148,14 @@ def _check_existing(dest: Path, targets: list[Path], class_dirs: list[Path], ove
     """Refuse targets that exist (unless ``overwrite``) or are folders, and files where folders are needed."""
     for d in {p for t in targets for p in t.parents if dest in p.parents} | set(class_dirs):
         if os.path.lexists(d) and not d.is_dir():
-            raise PackerError(f"{d}: exists and is not a folder, but files are to be extracted into it")
+            raise OutputExistsError(f"{d}: exists and is not a folder, but files are to be extracted into it")
     existing = [t for t in targets if os.path.lexists(t)]
     folder = next((t for t in existing if t.is_dir() and not t.is_symlink()), None)
     if folder is not None:
-        raise PackerError(f"{folder}: a folder is in the way of a file to extract")
+        raise OutputExistsError(f"{folder}: a folder is in the way of a file to extract")
     if existing and not overwrite:
-        raise PackerError(f"{dest}: {len(existing)} of the files to extract exist already, e.g. {existing[0]} "
-                          "(use --overwrite to replace them)")
+        raise OutputExistsError(f"{dest}: {len(existing)} of the files to extract exist already, e.g. {existing[0]} "
+                                f"(use {arg('overwrite', True)} to replace them)")
 
 
 def _write_all(ds, real_dest: Path, dest: Path, names: list[str], raw: bool, overwrite: bool, progress: bool) -> int:

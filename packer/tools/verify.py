@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, PackerError
 from packer.formats import get_format
 from packer.images.decode import decode, sniff
 from packer.images.headers import jpeg_segments
@@ -145,9 +145,9 @@ def reported_errors(root: Path) -> set[str]:
         errors = json.loads(raw.decode("utf-8"))["errors"]
         paths = {e["path"] for e in errors}
     except (UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as exc:
-        raise PackerError(f"{where}: not a packer error report ({type(exc).__name__}: {exc})") from None
+        raise DatasetError(f"{where}: not a packer error report ({type(exc).__name__}: {exc})") from None
     if not all(isinstance(p, str) for p in paths):
-        raise PackerError(f"{where}: not a packer error report (a path is not a string)")
+        raise DatasetError(f"{where}: not a packer error report (a path is not a string)")
     return paths
 
 
@@ -158,7 +158,7 @@ def reference_options(manifest: Manifest, where: str = MANIFEST_NAME) -> Convert
         options = make_options(manifest.format, **{**recorded, "decoder": "pil"})
         options.check()
     except PackerError as exc:
-        raise PackerError(f"{where}: the recorded conversion options are not valid ({exc})") from None
+        raise DatasetError(f"{where}: the recorded conversion options are not valid ({exc})") from None
     return options
 
 

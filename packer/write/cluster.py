@@ -8,7 +8,7 @@ folder, never a half shard under the real names; Dask runs the task again elsewh
 next ``load_done_shards`` (or the end of the run) clears the leftovers. The driver checks each
 returned shard against the plan and finishes (index, errors.json, manifest) like a local run.
 
-Dask is an optional extra (``pip install 'packer-images[dask]'``), imported only here and only when used.
+Dask is an optional extra (``pip install -e '.[dask]'`` in packer's checkout), imported only here and only when used.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packer._version import DISTRIBUTION, __version__
-from packer.errors import PackerError
+from packer._version import __version__
+from packer.errors import MissingPackageError, OptionError, PackerError, arg, install_hint
 from packer.formats import get_format
 from packer.write.journal import ShardResult, record_shard
 from packer.write.options import ConvertOptions
@@ -43,9 +43,9 @@ def _require_dask():
     try:
         import distributed
     except ImportError as exc:
-        raise PackerError(
-            f"--scheduler needs Dask distributed, which is not installed: pip install '{DISTRIBUTION}[dask]' "
-            "(or pip install 'dask[distributed]')"
+        raise MissingPackageError(
+            f"a Dask cluster ({arg('scheduler')}) needs Dask distributed, which is not installed: "
+            f"{install_hint('dask')} (or pip install 'dask[distributed]')"
         ) from exc
     return distributed
 
@@ -63,7 +63,8 @@ def open_client(scheduler: str) -> Iterator[Any]:
         except ValueError:
             n = 0
         if n <= 0:
-            raise PackerError(f"--scheduler {scheduler!r}: local:N needs a positive number of workers, e.g. local:4")
+            raise OptionError(f"{arg('scheduler', scheduler)}: local:N needs a positive number of workers, "
+                              "e.g. local:4")
         import logging
 
         # dashboard_address=None would still bind the scheduler's HTTP server to *:8787 (and clash
@@ -80,7 +81,7 @@ def open_client(scheduler: str) -> Iterator[Any]:
         client = distributed.Client(scheduler, timeout="30s")
     except (OSError, TimeoutError) as exc:
         raise PackerError(
-            f"--scheduler {scheduler!r}: cannot reach the Dask scheduler ({exc}); start one with "
+            f"{arg('scheduler', scheduler)}: cannot reach the Dask scheduler ({exc}); start one with "
             f"'dask scheduler' and workers with 'dask worker {scheduler}', or use local:N"
         ) from exc
     with client:
@@ -169,9 +170,9 @@ def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str,
         try:
             result, names = write_shard(staging, shard_id, len(items), samples, fmt, opts, on_error, src)
         except ShardWriteError as exc:
-            return {"kind": "write", "error": str(exc)}
+            return {"kind": "write", "error": exc.message}
         except PackerError as exc:  # a bad source under --on-error raise
-            return {"kind": "input", "error": str(exc)}
+            return {"kind": "input", "error": exc.message}
         _move_into_place(staging, part, names)
         record_shard(part, result, names)
     finally:

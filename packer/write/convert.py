@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from packer._version import __version__
-from packer.errors import PackerError, ResumableError
+from packer.errors import DatasetError, Interrupted, OptionError, OutputExistsError, PackerError, ResumableError, arg
 from packer.formats import get_format
 from packer.layout.fields import parse_specs
 from packer.layout.manifest import Manifest, holds_dataset, read_manifest
@@ -149,12 +149,12 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
     opts = make_options(to, **options)
     opts.check()
     if on_error not in ("skip", "raise"):
-        raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
+        raise OptionError(f"unknown error policy {on_error!r} (choose skip or raise)")
     fmt = get_format(to)
     if opts.shard_bytes is None:
         opts.shard_bytes = fmt.default_shard_bytes
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
-        raise PackerError(f"workers {workers!r}: expected a count >= 0 (0: in this process; None: all cores)")
+        raise OptionError(f"workers {workers!r}: expected a count >= 0 (0: in this process; None: all cores)")
     workers = os.cpu_count() or 1 if workers is None else workers
     check_destination(src, out, overwrite or if_changed)  # if_changed: an existing dataset is looked at first
 
@@ -171,7 +171,7 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
         if why is None:
             return _reused(scanned, out, started)
         if not overwrite:
-            raise PackerError(f"{out}: out of date ({why}); add --overwrite to replace it")
+            raise OutputExistsError(f"{out}: out of date ({why}); add {arg('overwrite', True)} to replace it")
     scan = apply_order(scanned, opts.order, opts.seed)
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     plan = load_or_make_plan(scan, out, partial, opts, resume)
@@ -184,26 +184,28 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
         backend: ShardBuilder = LocalPool(workers, pool or PoolSettings()) if client is None else DaskCluster(client)
         shards = _build_shards(backend, job, out)
         return finish(scanned, partial, out, shards, opts, started, digest, source)
+    except PackerError:  # explained already (some kinds are OSErrors: an output that appeared meanwhile)
+        raise
     except OSError as exc:  # the journal, meta/*.npy, errors.json, the manifest or the renames
         raise _failed_midway(f"{exc.filename or out}: {exc.strerror or exc}", partial) from exc
     except KeyboardInterrupt:
-        raise KeyboardInterrupt(_interrupted(partial)) from None
+        raise Interrupted(_interrupted(partial)) from None
 
 
 def check_sequential(scan: ScanResult, options: ConvertOptions, client: Any) -> None:
     """A source read only in order (a compressed tar) can't be shuffled or spread over a cluster; pixels are
     never re-encoded."""
     if scan.source_reader().gives_pixels and options.payload != "raw":
-        raise PackerError(f"{scan.root}: holds decoded pixels (raw payloads), which packer never re-encodes: "
-                          "convert it with --payload raw (or convert the original images)")
+        raise OptionError(f"{scan.root}: holds decoded pixels (raw payloads), which packer never re-encodes: "
+                          f"convert it with {arg('payload', 'raw')} (or convert the original images)")
     if not scan.source_reader().sequential:
         return
     if options.order != "source":
-        raise PackerError(f"{scan.root}: a compressed archive can only be read in its stored order: add --order "
-                          "source (or decompress it to a .tar, which is read in place in any order)")
+        raise OptionError(f"{scan.root}: a compressed archive can only be read in its stored order: add "
+                          f"{arg('order', 'source')} (or decompress it to a .tar, which is read in place in any order)")
     if client is not None:
-        raise PackerError(f"{scan.root}: a compressed archive can only be read in order, by one process: convert "
-                          "it without --scheduler (or decompress it to a .tar)")
+        raise OptionError(f"{scan.root}: a compressed archive can only be read in order, by one process: convert "
+                          f"it without {arg('client', cli='scheduler')} (or decompress it to a .tar)")
 
 
 def _build_shards(backend: ShardBuilder, job: BuildJob, out: Path) -> list[ShardResult]:
@@ -301,7 +303,7 @@ def _recorded_errors(directory: Path) -> list[SourceError]:
         report = json.loads(path.read_text(encoding="utf-8"))
         return [SourceError(str(e["path"]), str(e["reason"]), str(e.get("location", ""))) for e in report["errors"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise PackerError(f"{path}: damaged error report ({exc}); move {directory} away and convert again") from exc
+        raise DatasetError(f"{path}: damaged error report ({exc}); move {directory} away and convert again") from exc
 
 
 def _failed_midway(message: str, partial: Path) -> PackerError:
@@ -309,12 +311,12 @@ def _failed_midway(message: str, partial: Path) -> PackerError:
     if not made_by_packer(partial):
         return PackerError(message)
     return ResumableError(f"{message}; the work done so far is kept in {partial}: free space (or fix the "
-                          f"problem), then run the same command with --resume")
+                          f"problem), then run the same command with {arg('resume', True)}")
 
 
 def _interrupted(partial: Path) -> str:
     """What a Ctrl-C leaves: the message the CLI prints (once) as ``packer: ...``."""
     if not made_by_packer(partial):
         return "interrupted"
-    return (f"interrupted; the work done so far is kept in {partial}: run the same command with --resume "
-            f"to go on, or remove it")
+    return (f"interrupted; the work done so far is kept in {partial}: run the same command with "
+            f"{arg('resume', True)} to go on, or remove it")

@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 from packer._version import __version__
-from packer.errors import PackerError
+from packer.errors import OptionError, OutputExistsError, PackerError, arg
 from packer.formats.base import PreparedSample
 from packer.layout.fields import cell_value, json_value, parse_specs
 from packer.layout.fsutil import fsync_tree, write_atomic
@@ -75,13 +75,13 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
     given = {k: others.pop(k) for k in _SOURCE_KEYWORDS if k in others}
     unsupported = sorted(k for k, v in others.items() if v is not None and v is not False)
     if unsupported:
-        raise PackerError(f"--{unsupported[0].replace('_', '-')}: not an option of --to wds (it stores the source's "
+        raise OptionError(f"{arg(unsupported[0])}: not an option of {arg('to', 'wds')} (it stores the source's "
                           "encoded bytes as they are; decoded pixels as lossless PNG)")
     if on_error not in ("skip", "raise"):
-        raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
+        raise OptionError(f"unknown error policy {on_error!r} (choose skip or raise)")
     limit = DEFAULT_SHARD_BYTES if shard_bytes is None else int(shard_bytes)
     if limit <= 0:
-        raise PackerError("shard size must be positive")
+        raise OptionError(f"{arg('shard_bytes', shard_bytes, cli='shard-size')}: must be positive")
     out = output_path(src, output, "wds")
     check_destination(src, out, overwrite)
     started = time.perf_counter()
@@ -102,7 +102,7 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
         return _finish(scanned, partial, out, sink, errors, opts.record(), started)
     except (PackerError, OSError, KeyboardInterrupt) as exc:
         shutil.rmtree(partial, ignore_errors=True)  # ours (made above) and not resumable: nothing half-done stays
-        if isinstance(exc, OSError):
+        if isinstance(exc, OSError) and not isinstance(exc, PackerError):  # some kinds are OSErrors too
             raise PackerError(f"{exc.filename or out}: {exc.strerror or exc}; nothing was exported") from exc
         if isinstance(exc, KeyboardInterrupt):
             raise KeyboardInterrupt("interrupted; nothing was exported") from None
@@ -240,11 +240,11 @@ def _leftover(scanned: ScanResult, partial: Path, out: Path, resume: bool, start
         return ConvertResult(out, int(_read_index(out)["num_samples"]), [], time.perf_counter() - started, 0,
                              dict(scanned.ignored), dict(scanned.not_images))
     if swapping:
-        raise PackerError(f"{partial}: holds a finished export that was being moved into place; run the same "
-                          f"command with --resume to finish that")
-    raise PackerError(f"{partial}: exists (left over from an interrupted run, or not packer's); a WebDataset export "
-                      f"is not resumed and packer leaves that folder alone: remove it (rm -r '{partial}') or choose "
-                      f"another --output")
+        raise OutputExistsError(f"{partial}: holds a finished export that was being moved into place; run the same "
+                                f"command with {arg('resume', True)} to finish that")
+    raise OutputExistsError(f"{partial}: exists (left over from an interrupted run, or not packer's); a WebDataset "
+                            f"export is not resumed and packer leaves that folder alone: remove it (rm -r '{partial}') "
+                            f"or choose another {arg('output')}")
 
 
 def _read_index(out: Path) -> dict[str, Any]:

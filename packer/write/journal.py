@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packer.errors import PackerError
+from packer.errors import DatasetError
 from packer.layout.fsutil import fsync_file, write_atomic
 from packer.layout.manifest import FileInfo, Shard, dumps_lossless, sha256_file
 from packer.layout.partial import JOURNAL_DIR, PLAN_NAME, SWAP_NAME, made_by_packer
@@ -81,11 +81,11 @@ class ShardResult:
                 rewritten=int(data.get("rewritten", 0)),
             )
         except (ValueError, KeyError, TypeError, IndexError) as exc:
-            raise PackerError(f"{where}: damaged journal entry ({exc})") from exc
+            raise DatasetError(f"{where}: damaged journal entry ({exc})") from exc
         n = result.shard.num_samples
         if not all(len(v) == n for v in (result.rel_paths, result.labels, result.heights, result.widths, result.nbytes,
                                          result.stats)):
-            raise PackerError(f"{where}: damaged journal entry (lengths disagree)")
+            raise DatasetError(f"{where}: damaged journal entry (lengths disagree)")
         return result
 
 
@@ -111,7 +111,7 @@ def read_plan(partial: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise PackerError(f"{path}: damaged conversion plan ({exc}); remove {partial} and convert again") from exc
+        raise DatasetError(f"{path}: damaged conversion plan ({exc}); remove {partial} and convert again") from exc
 
 
 def shard_entry(partial: Path, shard_id: int) -> Path:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from packer._version import __version__
-from packer.errors import PackerError
+from packer.errors import OptionError, OutputExistsError, PackerError
 from packer.formats import get_format
 from packer.formats.base import PreparedSample
 from packer.layout.fields import FieldStore, encode_cell, parse_specs, save_fields
@@ -72,11 +72,11 @@ class Writer:
         self.specs = parse_specs(fields, "Writer fields")
         self.classes = None if classes is None else [str(c) for c in classes]
         if self.classes is not None and len(set(self.classes)) != len(self.classes):
-            raise PackerError("Writer: class names repeat")
+            raise OptionError("Writer: class names repeat")
         if on_error not in ("skip", "raise"):
-            raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
+            raise OptionError(f"unknown error policy {on_error!r} (choose skip or raise)")
         if options.setdefault("order", "source") != "source":
-            raise PackerError("Writer: samples are stored in the order added (order='source'); shuffle when adding")
+            raise OptionError("Writer: samples are stored in the order added (order='source'); shuffle when adding")
         self.on_error, self.given = on_error, options
         self._make_options(None).check()  # unknown or bad options fail now, not at the first sample
         check_replaceable(self.out, overwrite)
@@ -149,7 +149,7 @@ class Writer:
                                     f"found {type(image).__name__}"), {}
         opts = self._options_for(data)
         if isinstance(data, np.ndarray) and opts.payload != "raw":
-            raise PackerError(f"{self.out}: sample {key}: an array of pixels needs payload='raw' (this dataset "
+            raise OptionError(f"{self.out}: sample {key}: an array of pixels needs payload='raw' (this dataset "
                               "stores encoded images, and packer never encodes pixels)")
         return make_payload(key, int(label), data, None, opts), cells
 
@@ -186,17 +186,17 @@ class Writer:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             make_partial(self.out, self.partial, self._plan())
         elif read_plan(self.partial) != self._plan():
-            raise PackerError(f"{self.partial}: written with other options, fields or classes, so it can't be "
-                              f"resumed; remove it (rm -r '{self.partial}') and write again")
+            raise OutputExistsError(f"{self.partial}: written with other options, fields or classes, so it can't be "
+                                    f"resumed; remove it (rm -r '{self.partial}') and write again")
 
     def _resume(self, resume: bool) -> None:
         """Go on with an interrupted Writer's ``<out>.partial``: its journaled shards count as written."""
         plan = read_plan(self.partial)
         if plan is None or plan.get("writer") != 1:
-            raise PackerError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
+            raise OutputExistsError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
         if not resume:
-            raise PackerError(f"{self.partial}: left over from an interrupted Writer: pass resume=True and add the "
-                              f"same samples again in the same order, or remove it (rm -r '{self.partial}')")
+            raise OutputExistsError(f"{self.partial}: left over from an interrupted Writer: pass resume=True and add "
+                                    f"the same samples again in the same order, or remove it (rm -r '{self.partial}')")
         if self.given.get("payload") is None:  # decided by the first sample of the interrupted run
             self.given["payload"] = plan.get("options", {}).get("payload")
         if read_swap(self.partial, self.out)[0]:

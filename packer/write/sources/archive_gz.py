@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, PackerError
 from packer.write.scan import ScanResult
 from packer.write.sources.archive_common import Members, clean_member, forget_headers, records_of
 from packer.write.sources.base import Facts, Payload, RecordError, SourceReader, read_one_in_order
@@ -43,7 +43,7 @@ def scan_tgz(path: Path) -> ScanResult:
                 item = next(stream, None)
             except _STREAM_ERRORS as exc:
                 if count == 0:
-                    raise PackerError(f"{path}: not a readable .tar.gz archive ({exc})") from None
+                    raise DatasetError(f"{path}: not a readable .tar.gz archive ({exc})") from None
                 members.refuse(f"(after {count} members)", f"truncated or damaged archive ({exc}): the rest of "
                                "it can't be read, and is neither packed nor counted")
                 break

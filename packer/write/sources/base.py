@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError
 from packer.layout.trust import open_regular
 
 if TYPE_CHECKING:
@@ -186,7 +186,7 @@ class SourceOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(record) - known)
         if unknown:
-            raise PackerError(f"{where}: unknown source option(s) {', '.join(unknown)}")
+            raise DatasetError(f"{where}: unknown source option(s) {', '.join(unknown)}")
         given = dict(record)
         if given.get("classes") is not None:
             given["classes"] = tuple(str(c) for c in given["classes"])
