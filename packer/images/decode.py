@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import struct
-import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
@@ -26,6 +26,8 @@ from PIL import Image
 
 from packer.errors import DatasetError, MissingPackageError, OptionError
 from packer.perprocess import PerProcess
+
+log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 try:  # the compiled region decoder (packer.images.jpegregion); here it decodes whole JPEGs into a given buffer
     from packer.images import _jpegregion as _native
@@ -220,11 +222,10 @@ def _notice_fallback() -> None:
     global _notice_shown
     if not _notice_shown:
         _notice_shown = True
-        print(
-            f"packer: libjpeg-turbo not found ({turbojpeg_missing_reason()}); decoding JPEG with Pillow, "
-            "about 1.15-1.3x slower (docs/decoding.md). "
+        log.warning(
+            "libjpeg-turbo not found (%s); decoding JPEG with Pillow, about 1.15-1.3x slower (docs/decoding.md). "
             "Install it: apt-get install libturbojpeg0 | conda install libjpeg-turbo | brew install jpeg-turbo",
-            file=sys.stderr,
+            turbojpeg_missing_reason(),
         )
 
 

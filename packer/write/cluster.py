@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import shutil
 import socket
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +33,8 @@ from packer.write.options import ConvertOptions
 from packer.write.scan import ClassMapper, ScanResult, Walk, scan_folder, walk_class
 from packer.write.shards import BuildJob, ShardWriteError, prepare, progress_bar, write_shard
 from packer.write.sources.base import FileReader, SourceReader
+
+log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 STAGING_DIR = ".staging"
 _RETRIES = 2  # re-runs after an exception in a task (a lost worker is re-run by the scheduler anyway)
@@ -91,8 +93,8 @@ def open_client(scheduler: str) -> Iterator[Any]:
 def _worker_threads(client: Any) -> int:
     """Worker threads of the cluster; with none yet, say so and wait for the first worker to join."""
     if not client.nthreads():
-        print(f"packer: no Dask workers at {client.scheduler.address} yet; waiting for one to join "
-              f"(dask worker {client.scheduler.address} --nthreads 1)", file=sys.stderr)
+        log.warning("no Dask workers at %s yet; waiting for one to join (dask worker %s --nthreads 1)",
+                    client.scheduler.address, client.scheduler.address)
         client.wait_for_workers(1)
     return max(1, sum(client.nthreads().values()))
 
@@ -214,8 +216,8 @@ class DaskCluster:
         threads = _worker_threads(client)
         in_flight = 2 * threads  # a bounded queue: the scheduler never holds every path list
         if len(ranges) < threads:
-            print(f"packer: {len(ranges)} shard(s) for {threads} Dask worker threads: a task writes one shard, so "
-                  f"most workers will idle; choose a smaller --shard-size", file=sys.stderr)
+            log.warning("%d shard(s) for %d Dask worker threads: a task writes one shard, so most workers will "
+                        "idle; choose a smaller shard size (--shard-size, shard_bytes=)", len(ranges), threads)
 
         def submit(sid: int):
             a, b = ranges[sid]

@@ -13,9 +13,9 @@ only when its journal shows packer made it (``write.plan``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -41,6 +41,8 @@ from packer.write.shards import BuildJob, ShardBuilder, ShardWriteError
 from packer.write.sources.base import SourceOptions
 from packer.write.sources.registry import scan_source
 from packer.write.sources.select import PARTS
+
+log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 
 @dataclass
@@ -284,7 +286,7 @@ def complete_swap(scan: ScanResult, partial: Path, out: Path, started: float) ->
     """Finish the move into place that a killed run journaled: its output is complete, nothing is converted."""
     num_samples = read_manifest(partial).num_samples
     errors = _recorded_errors(partial)
-    print(f"packer: {partial} holds a finished conversion; moving it into place", file=sys.stderr)
+    log.info("%s holds a finished conversion; moving it into place", partial)
     swap_into_place(partial, out)
     return ConvertResult(out, num_samples, errors, time.perf_counter() - started, 0, dict(scan.ignored),
                          dict(scan.not_images))

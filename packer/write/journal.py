@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +38,8 @@ from packer.layout.manifest import FileInfo, Shard, dumps_lossless, sha256_file
 from packer.layout.partial import JOURNAL_DIR, PLAN_NAME, SWAP_NAME, made_by_packer
 from packer.write.scan import ScanResult, SourceError
 from packer.write.sources.base import SourceReader
+
+log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 
 @dataclass
@@ -158,8 +160,8 @@ def load_done_shards(partial: Path, num_shards: int, scan: ScanResult) -> dict[i
             entry.unlink()
     if changed:
         shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-        print(f"packer: {len(changed)} source file(s) changed since the interrupted run ({shown}): "
-              "packing their shards again", file=sys.stderr)
+        log.info("%d source file(s) changed since the interrupted run (%s): packing their shards again", len(changed),
+                 shown)
     remove_unkept(partial, done)
     return done
 

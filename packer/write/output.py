@@ -8,10 +8,10 @@ Nothing the run did not make is deleted: the output may not be, hold or lie insi
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
-import sys
 from pathlib import Path
 
 from packer.errors import OptionError, OutputExistsError, arg
@@ -20,6 +20,8 @@ from packer.layout.manifest import MANIFEST_NAME, holds_dataset
 from packer.layout.partial import JOURNAL_DIR, OLD_TAG, read_swap
 from packer.layout.wdsexport import holds_wds_export
 from packer.write.journal import write_swap
+
+log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 ERRORS_NAME = "errors.json"  # the report of the source files not packed, beside the manifest
 
@@ -123,12 +125,12 @@ def _remove_leftovers(out: Path, trash: Path | None) -> None:
         if set(os.listdir(trash)) <= {out.name}:
             leftovers.insert(0, trash)
         else:
-            print(f"packer: warning: {trash} holds more than the old {out.name}; left alone", file=sys.stderr)
+            log.warning("warning: %s holds more than the old %s; left alone", trash, out.name)
     for path in leftovers:
         try:
             shutil.rmtree(path)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            print(f"packer: warning: {out} is in place, but {exc.filename or path} could not be removed "
-                  f"({exc.strerror or exc}); remove it yourself", file=sys.stderr)
+            log.warning("warning: %s is in place, but %s could not be removed (%s); remove it yourself", out,
+                        exc.filename or path, exc.strerror or exc)
