@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "packer"
 # Lower layers never import higher ones; write/ and read/ are peers that never import each other.
 LAYERS = {
     "packer._version": 0, "packer._random": 0, "packer.argtypes": 0, "packer.perprocess": 0, "packer.errors": 0,
-    "packer.units": 0, "packer.sysinfo": 0, "packer.pagecache": 0,
+    "packer.units": 0, "packer.sysinfo": 0, "packer.pagecache": 0, "packer.progress": 0,
     "packer.layout": 1, "packer.images": 2, "packer.formats": 3, "packer.write": 4, "packer.read": 4,
     "packer.tools": 5, "packer.dali": 5, "packer.diagnose": 6, "packer.cli": 7, "packer.__main__": 7,
 }

@@ -16,6 +16,11 @@ if TYPE_CHECKING:
     from packer.formats.base import Format, Option
 
 
+def bar_unless_quiet(args) -> bool | None:
+    """``progress=`` of a command's call: none with ``-q``, else a bar on a terminal only (packer.progress)."""
+    return False if args.quiet else None
+
+
 def format_options(formats: Mapping[str, Format]) -> list[Option]:
     """Every format's own conversion options, once each by name, in registry order."""
     seen: dict[str, Option] = {}
@@ -43,7 +48,7 @@ def cmd_convert(args) -> int:
             on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
             resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
             compression=args.compression, **{o.name: vars(args)[o.name] for o in format_options(FORMATS)},
-            overwrite=args.overwrite, resume=args.resume, if_changed=args.if_changed, progress=not args.quiet,
+            overwrite=args.overwrite, resume=args.resume, if_changed=args.if_changed, progress=bar_unless_quiet(args),
             order=args.order, seed=args.seed, skip_hidden=args.skip_hidden, allow_empty=args.allow_empty,
             jpeg_restarts=args.jpeg_restarts,
             client=client, source_type=args.source_type, root=args.root, path_column=args.path_column,
@@ -108,7 +113,7 @@ def cmd_verify(args) -> int:
     from packer.tools.verify import verify
 
     dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
-    report = verify(args.dataset, against=args.against, progress=not args.quiet, deep=args.deep)
+    report = verify(args.dataset, against=args.against, progress=bar_unless_quiet(args), deep=args.deep)
     checked = ", ".join(f"{v} {k}" for k, v in report.checked.items())
     if report.ok:
         print(f"ok: {args.dataset} ({checked})")
@@ -124,7 +129,7 @@ def cmd_verify(args) -> int:
 def cmd_extract(args) -> int:
     from packer.tools.extract import extract
 
-    res = extract(args.dataset, args.dir, overwrite=args.overwrite, progress=not args.quiet)
+    res = extract(args.dataset, args.dir, overwrite=args.overwrite, progress=bar_unless_quiet(args))
     print(f"wrote {res.num_files} files ({human_bytes(res.num_bytes)}) to {res.output}")
     if res.as_png:
         print("raw payload: images written as PNG (the stored pixels, losslessly); names end in .png "
@@ -139,7 +144,7 @@ def cmd_sample(args) -> int:
     from packer.tools.sample import make_sample
 
     total = make_sample(args.output, count=args.count, classes=args.classes, size=args.size, seed=args.seed,
-                        quality=args.quality, progress=not args.quiet)
+                        quality=args.quality, progress=bar_unless_quiet(args))
     print(f"wrote {args.count} images ({human_bytes(total)}) to {args.output}")
     return 0
 
@@ -170,10 +175,10 @@ def cmd_profile(args) -> int:
     if args.cache:
         from packer.read.cache import CachedDataset
 
-        ds = CachedDataset(ds, args.cache, progress=not args.quiet)
+        ds = CachedDataset(ds, args.cache, progress=bar_unless_quiet(args))
     res = sweep(ds, workers=workers, batch_sizes=batch_sizes, pin_memory=pins, step_ms=args.step_ms,
-                batches=args.batches, device=args.device, start_method=args.start_method, progress=not args.quiet,
-                collate=None if args.crop else list)
+                batches=args.batches, device=args.device, start_method=args.start_method,
+                progress=bar_unless_quiet(args), collate=None if args.crop else list)
     if args.plot:
         plot_sweep(res, args.plot)
     if args.json == "-":

@@ -50,6 +50,7 @@ from packer.images.decode import copy_into
 from packer.layout.fields import FieldStore
 from packer.layout.index import Index
 from packer.layout.manifest import Manifest
+from packer.progress import bar as progress_bar
 from packer.read.indexing import IndexMap
 from packer.read.staged import StagedDataset
 from packer.read.surface import FolderSurface
@@ -210,7 +211,7 @@ class CachedDataset(FolderSurface):
     ``workers`` processes decode while filling a decoded cache (default: all cores).
     """
 
-    def __init__(self, dataset: Any, mode: str = "ram", *, workers: int | None = None, progress: bool = True,
+    def __init__(self, dataset: Any, mode: str = "ram", *, workers: int | None = None, progress: bool | None = None,
                  shm_dir: str | os.PathLike = sysinfo.SHM_DIR) -> None:
         if mode not in CACHE_MODES:
             raise OptionError(f"unknown cache {mode!r} (choose {' or '.join(CACHE_MODES)})")
@@ -280,7 +281,8 @@ class CachedDataset(FolderSurface):
         self._mm = None
         return self
 
-    def _fill(self, fd: int, offsets: np.ndarray, shapes: np.ndarray, workers: int | None, progress: bool) -> None:
+    def _fill(self, fd: int, offsets: np.ndarray, shapes: np.ndarray, workers: int | None,
+              progress: bool | None) -> None:
         n, data_at = self.num_samples, self.data_at
         head = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(data_at,))
         head[_HEADER_BYTES:_HEADER_BYTES + 8 * (n + 1)] = offsets.view(np.uint8)
@@ -295,26 +297,19 @@ class CachedDataset(FolderSurface):
         procs = workers if workers is not None else (os.cpu_count() or 1)
         step = min(1024, max(16, -(-n // (4 * procs))))
         ranges = [(a, min(n, a + step)) for a in range(0, n, step)]
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=n, desc=f"caching in RAM ({human_bytes(self.total_bytes)})", unit="img", file=sys.stderr)
+        bar = progress_bar(total=n, desc=f"caching in RAM ({human_bytes(self.total_bytes)})", progress=progress)
         jobs = [(src, str(self.path), data_at + int(offsets[a]), offsets[a:b + 1] - offsets[a], a, self.decoded)
                 for a, b in ranges]
         if self.decoded and procs > 1 and len(ranges) > 1:  # decoding is CPU work: spread it
             with ProcessPoolExecutor(min(procs, len(ranges))) as pool:
                 for (a, b), fut in zip(ranges, [pool.submit(_fill_range, *job) for job in jobs], strict=True):
                     fut.result()
-                    if bar is not None:
-                        bar.update(b - a)
+                    bar.update(b - a)
         else:  # stored bytes: one sequential pass reads fastest
             for (a, b), job in zip(ranges, jobs, strict=True):
                 _fill_range(*job)
-                if bar is not None:
-                    bar.update(b - a)
-        if bar is not None:
-            bar.close()
+                bar.update(b - a)
+        bar.close()
         os.pwrite(fd, _HEADER.pack(_MAGIC, int(self.decoded), n, data_at, 1), 0)
 
     # ------------------------------------------------------------ reading (any process)

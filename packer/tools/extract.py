@@ -30,6 +30,7 @@ from packer.layout.fields import json_value
 from packer.layout.fsutil import create_temp, destination_dir, nearest_existing
 from packer.layout.manifest import dataset_directory
 from packer.layout.trust import check_inner_name
+from packer.progress import bar
 from packer.read.dataset import open_dataset
 
 
@@ -56,7 +57,7 @@ def target_names(rel_paths: Sequence[str], raw: bool) -> list[str]:
 
 
 def extract(path: str | os.PathLike, dest: str | os.PathLike, overwrite: bool = False,
-            progress: bool = False) -> ExtractResult:
+            progress: bool | None = None) -> ExtractResult:
     """Write every sample of the dataset at ``path`` under ``dest``; every target is checked before writing.
 
     Refusals before anything is written raise PackerError; a dataset that fails to read, or a
@@ -158,14 +159,13 @@ def _check_existing(dest: Path, targets: list[Path], class_dirs: list[Path], ove
                                 f"(use {arg('overwrite', True)} to replace them)")
 
 
-def _write_all(ds, real_dest: Path, dest: Path, names: list[str], raw: bool, overwrite: bool, progress: bool) -> int:
+def _write_all(ds, real_dest: Path, dest: Path, names: list[str], raw: bool, overwrite: bool,
+               progress: bool | None) -> int:
     """Write every sample (class folders too, even empty ones, so ImageFolder finds the same classes)."""
-    from tqdm import tqdm
-
     for c in ds.classes:
         _mkdir(_target(real_dest, dest, c))
     total = 0
-    for i in tqdm(range(len(ds)), unit="img", desc="extracting", disable=not progress):  # storage order: sequential
+    for i in bar(range(len(ds)), desc="extracting", progress=progress):  # storage order: sequential
         if raw:
             buf = io.BytesIO()
             Image.fromarray(ds.pixels_at(i)).save(buf, format="PNG")

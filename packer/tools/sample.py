@@ -17,6 +17,7 @@ from PIL import Image, ImageDraw, ImageFilter
 
 from packer.errors import OptionError, OutputExistsError, RunError, arg, under_way
 from packer.layout.fsutil import destination_dir
+from packer.progress import bar
 
 
 def _noise_field(rng: np.random.Generator, h: int, w: int, cells: int) -> np.ndarray:
@@ -99,7 +100,7 @@ def make_sample(
     seed: int = 0,
     quality: int = 90,
     workers: int | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> int:
     """Write ``count`` JPEGs into ``out/class_XX/img_XXXXXX.jpg``; returns bytes written.
 
@@ -121,15 +122,12 @@ def make_sample(
         h = max(1, int(size[0] * rng.uniform(0.9, 1.1)))
         w = max(1, int(size[1] * rng.uniform(0.9, 1.1)))
         jobs.append((str(folder / f"img_{i:06d}.jpg"), seed * 1_000_003 + i, cls, h, w, quality))
-    from tqdm import tqdm
-
     total = 0
     with under_way():
         for cls in range(min(classes, count)):
             _mkdir(out / f"class_{cls:02d}")
         with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-            for n in tqdm(pool.map(_write_one, jobs, chunksize=8), total=count, unit="img",
-                          desc="generating", disable=not progress):
+            for n in bar(pool.map(_write_one, jobs, chunksize=8), total=count, desc="generating", progress=progress):
                 total += n
     return total
 

@@ -16,6 +16,7 @@ from packer.images.headers import jpeg_segments
 from packer.layout.fields import same_cell
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from packer.layout.trust import inside, read_inside
+from packer.progress import bar
 from packer.read.dataset import open_dataset
 from packer.write.options import ConvertOptions, make_options, scan_rules
 from packer.write.output import ERRORS_NAME
@@ -35,7 +36,7 @@ class Report:
         return not self.problems
 
 
-def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, progress: bool = False,
+def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, progress: bool | None = None,
            deep: bool = False, source: SourceOptions | None = None) -> Report:
     """Every check ``packer verify`` runs; problems are collected, not raised (a missing or empty
     ``against`` source is refused up front with a PackerError: nothing to compare with).
@@ -88,12 +89,10 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
     return report
 
 
-def _check_deep(ds, report: Report, progress: bool) -> None:
+def _check_deep(ds, report: Report, progress: bool | None) -> None:
     """Decode every sample (in storage order: a sequential pass); its shape must be the one the index records."""
-    from tqdm import tqdm
-
     unknown = 0
-    for i in tqdm(range(len(ds)), unit="img", desc="decoding", disable=not progress):
+    for i in bar(range(len(ds)), desc="decoding", progress=progress):
         try:
             arr = ds.pixels_at(i, strict=True)
         except PackerError as exc:
@@ -173,11 +172,9 @@ def recorded_source(root: Path) -> SourceOptions:
     return options
 
 
-def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None:
+def _check_against(ds, scan: ScanResult, report: Report, progress: bool | None) -> None:
     """Every source file is packed identically (bytes, or Pillow's pixels for raw) or listed as an error, and
     ``ds[i]`` is ImageFolder's sample i (among those packed) where the dataset records that indexing."""
-    from tqdm import tqdm
-
     src = scan.root
     try:
         reported = reported_errors(ds.root)
@@ -200,8 +197,7 @@ def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None
     reader = scan.source_reader()
     wanted = [(rel, label, loc) for rel, label, loc in scan.records() if rel in packed or rel not in reported]
     got = reader.read_in_order((rel, loc) for rel, _, loc in wanted)  # in scan order: sequential readers stream
-    for (rel, label, _), res in tqdm(zip(wanted, got), total=len(wanted), unit="img", desc="verifying",
-                                     disable=not progress):
+    for (rel, label, _), res in bar(zip(wanted, got), total=len(wanted), desc="verifying", progress=progress):
         i = packed.get(rel)
         if i is None:
             report.problems.append(f"{src / rel}: neither packed nor reported as an error")

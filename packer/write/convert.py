@@ -28,6 +28,7 @@ from packer.formats import get_format
 from packer.layout.fields import parse_specs
 from packer.layout.manifest import Manifest, holds_dataset, read_manifest
 from packer.layout.partial import PARTIAL_SUFFIX, made_by_packer, read_swap
+from packer.progress import progress_wanted
 from packer.write.cluster import DaskCluster, class_mapper
 from packer.write.finish import in_storage_order, seal, stored_index
 from packer.write.fresh import source_digest, stale_reason
@@ -72,7 +73,7 @@ def convert(
     overwrite: bool = False,
     resume: bool = False,
     if_changed: bool = False,
-    progress: bool = True,
+    progress: bool | None = None,
     client: Any = None,
     pool: PoolSettings | None = None,
     source_type: str | None = None,
@@ -119,7 +120,7 @@ def convert_split(src: str | os.PathLike, output: str | os.PathLike | None = Non
     base = source_options(**given)
     common = ("on_error", "workers", "overwrite", "resume", "progress", "client", "pool", "if_changed")
     defaults: dict[str, Any] = {"on_error": "skip", "workers": None, "overwrite": False, "resume": False,
-                                "progress": True, "client": None, "pool": None, "if_changed": False}
+                                "progress": None, "client": None, "pool": None, "if_changed": False}
     run = {k: kwargs.pop(k, defaults[k]) for k in common}
     seed = int(kwargs.get("seed", 0))
     parts = []
@@ -146,10 +147,11 @@ def source_options(source_type: str | None = None, root: str | os.PathLike | Non
 
 
 def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, on_error: str, workers: int | None,
-             overwrite: bool, resume: bool, progress: bool, client: Any, pool: PoolSettings | None,
+             overwrite: bool, resume: bool, progress: bool | None, client: Any, pool: PoolSettings | None,
              options: dict[str, Any], if_changed: bool = False) -> ConvertResult:
     opts = make_options(to, **options)
     opts.check()
+    progress = progress_wanted(progress)  # decided here, where the bar is drawn (not in the workers)
     if on_error not in ("skip", "raise"):
         raise OptionError(f"unknown error policy {on_error!r} (choose skip or raise)")
     fmt = get_format(to)

@@ -61,7 +61,7 @@ _MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG\r\n\x1a\n", "png"), (b"BM", "bmp"
 
 def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, *,
                on_error: Literal["skip", "raise"] = "skip", workers: int | None = None, overwrite: bool = False,
-               resume: bool = False, progress: bool = True, pool: PoolSettings | None = None,
+               resume: bool = False, progress: bool | None = None, pool: PoolSettings | None = None,
                validate: str = "full", shard_bytes: int | None = None, order: str = "shuffled", seed: int = 0,
                skip_hidden: bool = False, allow_empty: bool = False, decoder: str = "auto",
                **others: Any) -> ConvertResult:
@@ -110,7 +110,7 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
 
 
 def _write_samples(scanned: ScanResult, opts: ConvertOptions, sink: TarSink, workers: int | None, pool: PoolSettings,
-                   on_error: str, progress: bool) -> list[SourceError]:
+                   on_error: str, progress: bool | None) -> list[SourceError]:
     """Every record of ``scanned`` in ``opts.order`` through the pool into ``sink``; the records not exported."""
     ordered = apply_order(scanned, opts.order, opts.seed)
     number = {rel: i for i, rel in enumerate(scanned.rel_paths)}
