@@ -12,6 +12,7 @@ import logging
 import sys
 from collections.abc import Iterator
 
+from packer.cli.commands import json_document, wants_json
 from packer.cli.parser import EXIT_CODES, build_parser
 from packer.errors import Interrupted, PackerError, RunError
 
@@ -49,8 +50,15 @@ def main(argv: list[str] | None = None) -> int:
             return args.func(args)
     except PackerError as exc:
         print(f"packer: error: {exc.cli_message()}", file=sys.stderr)
-        return 1 if isinstance(exc, RunError) else 2  # ResumableError is a RunError
+        return _failed(args, 1 if isinstance(exc, RunError) else 2, exc.cli_message())  # ResumableError: a RunError
     except KeyboardInterrupt as exc:  # convert's says what it kept and how to go on
-        message = exc.cli_message() if isinstance(exc, Interrupted) else str(exc)
-        print(f"packer: {message or 'interrupted'}", file=sys.stderr)
-        return 130
+        message = (exc.cli_message() if isinstance(exc, Interrupted) else str(exc)) or "interrupted"
+        print(f"packer: {message}", file=sys.stderr)
+        return _failed(args, 130, message)
+
+
+def _failed(args, code: int, message: str) -> int:
+    """With ``--json``, a run that failed still prints its document: the envelope and the error (docs/library.md)."""
+    if wants_json(args):
+        print(json_document(args.command, code, {"error": message}))
+    return code

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from PIL import Image
 
@@ -36,12 +37,20 @@ from packer.read.dataset import open_dataset
 
 @dataclass
 class ExtractResult:
+    """What ``extract`` wrote: where, how many files and bytes, and how raw payloads were named."""
+
     output: Path
     num_files: int
     num_bytes: int
     as_png: bool  # raw payload: written as PNG, names end in .png
     kept_extension: int = 0  # raw payload: PNGs named <original name>.png because of a name clash
     fields_file: Path | None = None  # the per-sample fields, one JSON line per sample (datasets with fields)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON values (``packer extract --json``, docs/library.md)."""
+        return {"output": str(self.output), "num_files": self.num_files, "num_bytes": self.num_bytes,
+                "as_png": self.as_png, "kept_extension": self.kept_extension,
+                "fields_file": None if self.fields_file is None else str(self.fields_file)}
 
 
 FIELDS_NAME = "packer-fields.jsonl"  # beside the extracted files: {"path": name, field: value, ...} per sample

@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,12 +29,18 @@ from packer.write.sources.registry import scan_source
 
 @dataclass
 class Report:
+    """What ``verify`` found: every problem in words (none: the dataset is sound) and how much of each was checked."""
+
     problems: list[str] = field(default_factory=list)
     checked: dict[str, int] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON values (``packer verify --json``, docs/library.md)."""
+        return {"checked": dict(self.checked), "num_problems": len(self.problems), "problems": list(self.problems)}
 
 
 def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, progress: bool | None = None,

@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)  # under "packer": the command line prints it,
 
 @dataclass
 class ConvertResult:
+    """What a conversion did (``convert``, ``export_wds``): the output, what was packed, what was left out and why."""
+
     output: Path
     num_samples: int
     errors: list[SourceError]
@@ -61,6 +63,13 @@ class ConvertResult:
     @property
     def files_per_second(self) -> float:
         return (self.num_samples + len(self.errors)) / max(self.seconds, 1e-9)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON values (``packer convert --json``'s entries, docs/library.md)."""
+        return {"output": str(self.output), "num_samples": self.num_samples, "num_errors": len(self.errors),
+                "errors": [e.to_json() for e in self.errors], "ignored": dict(self.ignored),
+                "not_images": dict(self.not_images), "seconds": self.seconds, "bytes_read": self.bytes_read,
+                "reused": self.reused, "rewritten": self.rewritten}
 
 
 def convert(
