@@ -62,16 +62,18 @@ class _Rendered(BaseException):
     """An exception whose message may name arguments (``arg``): shown as the API or the command line names them."""
 
     def __str__(self) -> str:
-        return render(self.message)
+        return render(self.template)
 
     @property
-    def message(self) -> str:
-        """The message as raised, ``arg`` marks included (to build another message from this one)."""
+    def template(self) -> str:
+        """The message as raised, ``arg`` marks included (to build another message from this one). Not called
+        ``message``: torch re-raises a DataLoader worker's exception as ``type(message=...)`` when the class has
+        an attribute of that name."""
         return str(self.args[0]) if len(self.args) == 1 else BaseException.__str__(self)
 
     def cli_message(self) -> str:
         """The message with arguments named as the command line's flags."""
-        return render(self.message, cli=True)
+        return render(self.template, cli=True)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self)!r})"
@@ -152,7 +154,7 @@ def under_way() -> Iterator[None]:
     except RunError:
         raise
     except PackerError as exc:
-        raise run_error_of(type(exc))(exc.message) from exc
+        raise run_error_of(type(exc))(exc.template) from exc
 
 
 def install_hint(extra: str) -> str:

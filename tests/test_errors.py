@@ -9,6 +9,7 @@ import shutil
 import pytest
 from support.cli import run_cli
 from support.imagesets import make_imagefolder
+from torch.utils.data import DataLoader, Dataset
 
 import packer
 from packer import convert, open_dataset
@@ -149,3 +150,23 @@ def test_the_kinds_cross_process_boundaries(kind):
     for exc in (kind(f"x: {arg('resume', True)}"), run_error_of(kind)(f"x: {arg('resume', True)}")):
         back = pickle.loads(pickle.dumps(exc))
         assert type(back) is type(exc) and back.cli_message() == "x: --resume" and str(back) == "x: resume=True"
+
+
+class _Refuses(Dataset):
+    """A dataset whose every sample raises one of packer's kinds, as a damaged dataset's would."""
+
+    def __init__(self, kind: type[PackerError]) -> None:
+        self.kind = kind
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int):
+        raise self.kind(f"sample {i}: {arg('resume', True)}")
+
+
+@pytest.mark.parametrize("kind", [DatasetError, OptionError, InputNotFoundError])
+def test_a_worker_process_error_reaches_the_loop_as_its_kind(kind):
+    """torch re-raises a worker's exception by its type and message: packer's kinds survive it."""
+    with pytest.raises(kind, match="sample 0"):
+        next(iter(DataLoader(_Refuses(kind), num_workers=1, batch_size=None)))

@@ -100,7 +100,7 @@ def geometry(options: Mapping) -> Geometry:
             check_pixels(rows * th, cols * tw,
                          what=f"{arg('grid', f'{rows}x{cols}')} of {th}x{tw} tiles makes png mosaics of")
         except PackerError as exc:
-            raise OptionError(f"{exc.message}; use a smaller {arg('grid')} or {arg('codec', 'bmp')}") from None
+            raise OptionError(f"{exc.template}; use a smaller {arg('grid')} or {arg('codec', 'bmp')}") from None
     return Geometry(th, tw, rows, cols, codec, quality)
 
 

@@ -252,7 +252,7 @@ class FieldStore:
         try:
             parsed = parse_specs(specs, f"{directory}: manifest fields")
         except OptionError as exc:  # a spec a Writer would refuse: the manifest is damaged, not an argument
-            raise DatasetError(exc.message) from None
+            raise DatasetError(exc.template) from None
         arrays: dict[str, dict[str, np.ndarray]] = {}
         for name, spec in parsed.items():
             if not spec.variable:

@@ -55,7 +55,7 @@ def unfinished_note(out: Path) -> str:
     try:
         swapping, trash = read_swap(partial, out)
     except PackerError as exc:
-        return f" ({exc.message})"
+        return f" ({exc.template})"
     if swapping:
         old = ""
         if trash and os.path.lexists(out.with_name(trash) / out.name):

@@ -172,9 +172,9 @@ def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str,
         try:
             result, names = write_shard(staging, shard_id, len(items), samples, fmt, opts, on_error, src)
         except ShardWriteError as exc:
-            return {"kind": "write", "error": exc.message}
+            return {"kind": "write", "error": exc.template}
         except PackerError as exc:  # a bad source under --on-error raise
-            return {"kind": "input", "error": exc.message}
+            return {"kind": "input", "error": exc.template}
         _move_into_place(staging, part, names)
         record_shard(part, result, names)
     finally:
