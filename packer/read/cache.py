@@ -205,10 +205,16 @@ def _fill_range(ds: Any, path: str, base: int, offsets: np.ndarray, start: int, 
 
 class CachedDataset(FolderSurface):
     """``dataset`` served from one shared-memory copy (see the module docstring), in storage order; its
-    indices, ``samples`` and ImageFolder surface are the wrapped dataset's.
+    indices, ``samples`` and ImageFolder surface are the wrapped dataset's. ``open_dataset(p, cache=...)``
+    makes one.
 
-    ``mode``: ``"ram"`` caches the stored payloads, ``"ram-decoded"`` the decoded pixels.
-    ``workers`` processes decode while filling a decoded cache (default: all cores).
+    Args:
+        dataset: a packer dataset (``open_dataset``): its transforms, image kind and decoder stay in use.
+        mode: ``"ram"`` caches the stored payloads (no more IO, still decoded per sample), ``"ram-decoded"``
+            the decoded pixels (no decoding either, several times larger).
+        workers: processes that decode while filling a ``"ram-decoded"`` cache (default: all cores).
+        progress: a progress bar while filling: None (default) when stderr is a terminal, True, False.
+        shm_dir: the shared-memory folder (a tmpfs; default ``/dev/shm``): it must hold the whole copy.
     """
 
     def __init__(self, dataset: Any, mode: str = "ram", *, workers: int | None = None, progress: bool | None = None,

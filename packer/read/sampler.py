@@ -188,6 +188,23 @@ class BlockShuffleSampler(DistributedSampler):
     included) are runs of storage positions; the indices yielded are the dataset's (ImageFolder's).
     ``state_dict()``/``load_state_dict()`` save and restore the position inside an epoch
     (torchdata's ``StatefulDataLoader`` calls them).
+
+    Args:
+        dataset: a packer dataset (``open_dataset``), whose per-sample sizes make the blocks; any other
+            map-style dataset with ``blocks=``.
+        block_bytes: payload bytes per block (default 16 MB: a seek costs about 8 % of reading one on a hard
+            disk); blocks never cross a shard. Ignored with ``blocks``.
+        blocks: explicit block boundaries instead: strictly increasing storage positions from 0 to
+            ``len(dataset)`` (block ``i`` is ``blocks[i]`` .. ``blocks[i+1] - 1``).
+        open_blocks: blocks shuffled together in a window (default 8): more mixes better, touches more at once.
+        run: neighbours read together (default 16; 1 shuffles single samples): the size of each read.
+        batch_size: the DataLoader's batch size, so that windows hold whole batches and no batch straddles two.
+        num_replicas: ranks sharing the epoch (default: the ``torch.distributed`` world size when used, else 1).
+        rank: this process's rank (default: the process group's when used, else 0).
+        shuffle: False yields the storage order (split over ranks), as ``DistributedSampler(shuffle=False)``.
+        seed: the seed of every epoch's order (the same on every rank).
+        drop_last: drop the tail so that ranks get equal counts without padding (as ``DistributedSampler``).
+        warn: warn when most blocks hold a single label (a class-sorted dataset: batches would hold few classes).
     """
 
     def __init__(
@@ -319,10 +336,16 @@ class BlockShuffleSampler(DistributedSampler):
 class BlockBatchSampler(BatchSampler):
     """Batches of a ``BlockShuffleSampler``: ``DataLoader(ds, batch_sampler=BlockBatchSampler(ds, 256))``.
 
-    Keyword arguments go to ``BlockShuffleSampler``; ``drop_last`` here drops a short last
-    batch of each rank (ranks already hold equal sample counts, so they have equal batch counts).
     Lightning cannot leave a ``batch_sampler`` alone under DDP (it rebuilds it around its own
     sampler): there, pass ``sampler=BlockShuffleSampler(ds, batch_size=B), batch_size=B`` instead.
+
+    Args:
+        dataset: a packer dataset (``open_dataset``), as for ``BlockShuffleSampler``.
+        batch_size: samples per batch (also the block sampler's ``batch_size``: windows of whole batches).
+        drop_last_batch: drop a short last batch of each rank (ranks hold equal sample counts already, so they
+            have equal batch counts).
+        **kwargs: the other arguments of ``BlockShuffleSampler`` (``block_bytes``, ``blocks``, ``open_blocks``,
+            ``run``, ``num_replicas``, ``rank``, ``shuffle``, ``seed``, ``drop_last``, ``warn``).
     """
 
     def __init__(self, dataset: Any, batch_size: int, drop_last_batch: bool = False, **kwargs: Any) -> None:

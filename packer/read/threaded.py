@@ -315,6 +315,21 @@ class ThreadLoader:
     ``BlockBatchSampler``): the position after the last batch handed out, not after those read ahead. The batch
     memory (up to ``prefetch_batches + 3`` batches) stays with the dataset for its next epoch and its other
     ThreadLoaders.
+
+    Args:
+        dataset: a packer dataset (``open_dataset``, or a ``CachedDataset``).
+        batch_size: samples per batch (default 1); None hands out single samples, unbatched, as DataLoader.
+        shuffle: a new uniform shuffle each epoch (``RandomSampler`` with ``generator``).
+        sampler: the order of samples (e.g. ``BlockShuffleSampler``); excludes ``shuffle``.
+        batch_sampler: the batches' indices (e.g. ``BlockBatchSampler``); excludes ``batch_size``,
+            ``shuffle``, ``sampler`` and ``drop_last``.
+        num_threads: decoding threads, in place of DataLoader's ``num_workers`` (default: the cores this
+            process may use).
+        collate_fn: merges a batch's samples (default: images of one shape stacked, as ``packer.collate``).
+        pin_memory: batches in pinned memory, for fast copies to CUDA (ignored, with a warning, without CUDA).
+        drop_last: drop a short last batch.
+        prefetch_batches: batches read and decoded ahead of the one handed out (default 2).
+        generator: the random generator of ``shuffle``.
     """
 
     def __init__(

@@ -95,22 +95,63 @@ def convert(
     image_column: str | None = None,
     **options: Any,
 ) -> ConvertResult:
-    """Pack the records of source ``src`` into a dataset of format ``to``; see ``packer convert --help``.
+    """Pack the records of ``src`` into a new dataset of format ``to`` (what ``packer convert`` runs).
 
-    ``src`` is a folder of images, a list file, an archive or a packer dataset, chosen by what it is
-    or by ``source_type`` (write/sources/registry.py); ``root``, ``path_column``, ``label_column`` and
-    ``classes_file`` read list files (``label_key``: WebDataset's json label field; ``image_column``:
-    a Hugging Face dataset's image column); ``classes`` keeps those classes only (renumbered in sorted order).
-    ``options`` are the fields of ``ConvertOptions`` (``payload``, ``validate``, ``shard_bytes``,
-    ``resize``, ``order``, ``tile``, ...): everything that decides the output's bytes, recorded in
-    the manifest. ``payload`` defaults to ``encoded`` where the format stores it, else ``raw``
-    (bmp, mosaic). With a Dask ``client`` the class folders are scanned and the shards written by
-    the cluster's workers (packer.write.cluster; source and output on storage they share); the
-    bytes are the same. ``pool`` tunes the local process pool (``write.pool.PoolSettings``; the
-    defaults suit every run). ``overwrite`` replaces an existing packer dataset (nothing else);
-    ``resume`` goes on with an interrupted run's ``<out>.partial``. ``if_changed``: an existing output
-    converted with the same options from the same source files (sizes, mtimes) is reused, not converted
-    again (``write.fresh``); a stale one is replaced only with ``overwrite``.
+    Everything is written into ``<output>.partial`` and renamed into place at the end, so an interrupted run
+    never leaves an output that looks complete; every source record is packed or listed, with its reason, in
+    the output's ``errors.json``. The output depends only on the source and the options, never on ``workers``.
+
+    Args:
+        src: what to pack: a folder of images (ImageFolder's ``root/<class>/<image>``, or flat), a list file
+            (``.csv``, ``.tsv``, ``.txt``, ``.lst``), an archive (``.tar``, ``.tar.gz``, ``.zip``), WebDataset
+            shards, a Hugging Face dataset (a ``save_to_disk`` folder or Parquet), an MXNet ``.rec`` or a packer
+            dataset, told apart by what it is (or by ``source_type``; docs/sources.md).
+        output: the dataset directory to create; None: ``<src>.<to>`` beside the source.
+        to: the format: ``lmdb``, ``hdf5``, ``memmap``, ``bmp``, ``mosaic``, ``recordio``, ``n5``, ``pth`` or
+            ``safetensors`` (``packer.FORMATS``; docs/formats-*.md).
+        on_error: ``"skip"`` lists a record that cannot be packed in errors.json and goes on; ``"raise"`` stops
+            at the first (nothing is kept).
+        workers: processes that read and validate the sources (None: all cores; 0: this process).
+        overwrite: replace an existing packer dataset at ``output``, once the new one is complete (anything else
+            there is refused).
+        resume: go on with an interrupted run of the same source and options (its finished shards are checked
+            and kept; the result is identical to an uninterrupted run).
+        if_changed: reuse an existing output converted with the same options from the same source files (names,
+            sizes, modification times) instead of converting again; a stale one is replaced only with
+            ``overwrite``.
+        progress: a progress bar on stderr: None (default) when stderr is a terminal, True always, False never.
+        client: a ``dask.distributed.Client``: the cluster's workers scan the class folders and write the shards
+            (source and output on storage they all share); the bytes are the same as a local run's.
+        pool: settings of the local process pool (``packer.write.pool.PoolSettings``); the defaults suit every
+            run.
+        source_type: the kind of ``src`` when what it is does not say: ``folder``, ``list``, ``archive``,
+            ``webdataset``, ``hf``, ``recordio`` or ``packed`` (docs/sources.md).
+        root: a list file's folder: the paths it lists are relative to it.
+        path_column: a ``.csv``/``.tsv`` list's column of paths (default ``path``).
+        label_column: a list's or a Hugging Face dataset's column of labels (default ``label``).
+        classes_file: class names, one per line, in label order, for a list of integer labels.
+        classes: keep these classes only (names, or one comma-separated string), renumbered in sorted order.
+        label_key: a WebDataset source's field of its ``.json`` member that holds the label.
+        image_column: a Hugging Face dataset's image column (default ``image``).
+        **options: what decides the output's bytes, recorded in the manifest: ``payload`` (``"encoded"``, the
+            source files' bytes, the default where the format stores them; ``"raw"``, decoded RGB pixels),
+            ``validate`` (``"full"`` decodes every image, the default; ``"header"``; ``"none"``), ``shard_bytes``
+            (about this many bytes per shard; default the format's), ``resize`` (``"S"`` short side or ``"HxW"``,
+            raw payloads only, lossy), ``resize_mode`` (``"stretch"`` or ``"fit"`` for HxW), ``upscale``,
+            ``compression`` (raw payloads, a codec the format offers), ``order`` (``"shuffled"``, the default, or
+            ``"source"``: ImageFolder's order on disk), ``seed`` (of the shuffled order), ``skip_hidden``,
+            ``allow_empty`` (as ImageFolder's), ``jpeg_restarts`` (a lossless JPEG rewrite for faster crops),
+            ``decoder``, and the format's own (mosaic: ``tile``, ``grid``, ``codec``, ``quality``; n5:
+            ``n5_block``). ``packer convert --help`` explains each as its flag.
+
+    Returns:
+        A ``ConvertResult``: the output, the samples packed, every record left out with its reason, timings.
+
+    Raises:
+        InputNotFoundError: ``src`` does not exist (a ``FileNotFoundError``).
+        OutputExistsError: ``output`` holds something packer won't replace (a ``FileExistsError``).
+        OptionError: an option out of its range, or options that do not go together (a ``ValueError``).
+        ResumableError: a failure part-way (a full disk); the work is kept for ``resume=True``.
     """
     source = source_options(source_type, root, path_column, label_column, classes_file, classes, label_key,
                             image_column)

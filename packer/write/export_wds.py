@@ -65,12 +65,38 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
                validate: str = "full", shard_bytes: int | None = None, order: str = "shuffled", seed: int = 0,
                skip_hidden: bool = False, allow_empty: bool = False, decoder: str = "auto",
                **others: Any) -> ConvertResult:
-    """Write the records of ``src`` as WebDataset shards of at most ``shard_bytes`` (default 256 MB) into ``output``.
+    """Write the records of ``src`` as WebDataset ``.tar`` shards into ``output`` (``packer convert --to wds``).
 
-    ``others``: ``convert``'s source keywords (``root``, ``classes``, ...); its other options (``payload``,
-    ``resize``, ...) are refused unless unset: the export keeps the source's bytes. ``order``: the order of
-    samples in the shards (keys are the source's numbers either way). ``resume`` only finishes a move into
-    place that a killed run journaled; anything else left in ``<out>.partial`` is refused, naming it.
+    A sink, not a packer format: each sample keeps its source's encoded bytes (decoded pixels as lossless PNG),
+    its label and fields; the shards are read back by ``webdataset`` or by ``convert`` (a WebDataset source).
+
+    Args:
+        src: what to export: any source ``convert`` reads (a folder, a list file, an archive, a packer
+            dataset, ...).
+        output: the folder of shards to create; None: ``<src>.wds`` beside the source.
+        on_error: ``"skip"`` lists a record that cannot be read in the export's errors.json and goes on;
+            ``"raise"`` stops at the first (nothing is kept).
+        workers: processes that read and validate the sources (None: all cores; 0: this process).
+        overwrite: replace an existing export or packer dataset at ``output`` (anything else is refused).
+        resume: finish the move into place that a killed run journaled (an export is not resumed part-way:
+            anything else left in ``<output>.partial`` is refused, naming it).
+        progress: a progress bar on stderr: None (default) when stderr is a terminal, True always, False never.
+        pool: settings of the local process pool (``packer.write.pool.PoolSettings``).
+        validate: ``"full"`` decodes every image (default), ``"header"`` reads headers only, ``"none"`` checks
+            nothing, as for ``convert``.
+        shard_bytes: at most this many bytes per ``.tar`` (default 256 MB).
+        order: the order of samples in the shards: ``"shuffled"`` (seeded; default) or ``"source"``; keys are
+            the source's sample numbers either way.
+        seed: the seed of the shuffled order.
+        skip_hidden: leave out names starting with ``.`` (ImageFolder keeps them).
+        allow_empty: keep class folders without images as classes (ImageFolder's ``allow_empty``).
+        decoder: the JPEG decoder that validates (``"auto"``, ``"turbojpeg"``, ``"pil"``).
+        **others: ``convert``'s source keywords (``source_type``, ``root``, ``path_column``, ``label_column``,
+            ``classes_file``, ``classes``, ``label_key``, ``image_column``); its other options (``payload``,
+            ``resize``, ...) are refused unless unset: an export keeps the source's bytes.
+
+    Returns:
+        A ``ConvertResult`` for the export (its ``output`` the folder of shards).
     """
     given = {k: others.pop(k) for k in _SOURCE_KEYWORDS if k in others}
     unsupported = sorted(k for k, v in others.items() if v is not None and v is not False)

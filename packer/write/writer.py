@@ -55,12 +55,30 @@ SOURCE_TYPE = "writer"  # the manifest's source_type: samples are named by numbe
 MAX_IMPLICIT_CLASSES = 1 << 20  # without classes=, labels name classes 0..max: a larger one is a mistake
 
 class Writer:
-    """Writes samples into a new packer dataset at ``path`` (see the module docstring); use as a context manager.
+    """Writes your own samples into a new packer dataset at ``path``; use as a context manager.
 
-    ``fields``: name -> spec (docs/fields.md). ``classes``: class names (default: ``"0"`` .. the largest
-    label). ``on_error``: ``"raise"`` a PackerError naming the sample, or ``"skip"`` it into errors.json.
-    ``options``: as for ``convert`` (``payload``, ``validate``, ``shard_bytes``, ``compression``, the format's
-    own); ``payload`` defaults to raw when the first image is an array (packer never encodes pixels).
+    ``add`` one sample at a time, in the order they are to be stored; leaving the ``with`` block finishes the
+    dataset (index, fields, errors.json, manifest) and moves it into place, as ``convert`` does.
+
+    Args:
+        path: the dataset directory to create.
+        format: the format: ``lmdb`` (default), ``hdf5``, ``memmap``, ``bmp``, ``mosaic``, ``recordio``, ``n5``,
+            ``pth`` or ``safetensors``.
+        fields: per-sample fields beside the image and label: name -> spec (``int``, ``float``, ``str``, ``json``,
+            ``bytes``, or an array such as ``float32[:,4]``; docs/fields.md).
+        classes: the class names, label ``i`` being ``classes[i]`` (default: ``"0"`` .. the largest label).
+        on_error: ``"raise"`` (default) a PackerError naming a sample that cannot be stored, or ``"skip"`` it
+            into errors.json.
+        resume: go on with an interrupted Writer's ``<path>.partial``: ``add`` the same samples again in the
+            same order, the journaled shards are skipped.
+        overwrite: replace an existing packer dataset at ``path`` (anything else there is refused).
+        **options: as for ``convert``: ``payload``, ``validate``, ``shard_bytes``, ``compression``, ``decoder``
+            and the format's own; ``payload`` defaults to ``raw`` when the first image is an array (packer never
+            encodes pixels). Samples are stored in the order added (``order="source"``).
+
+    Raises:
+        OutputExistsError: ``path`` holds something packer won't replace (a ``FileExistsError``).
+        OptionError: an option out of its range (a ``ValueError``).
     """
 
     def __init__(self, path: str | os.PathLike, format: str = "lmdb", fields: dict[str, str] | None = None, *,
