@@ -47,36 +47,9 @@ FILE_SOURCES = ("", "folder", "list")  # source types whose records are files be
 
 
 class PackedDataset(FolderSurface):
-    """A packed dataset of any format, read as ``(image, label)`` pairs like ImageFolder.
-
-    ``ds[i]`` is ImageFolder's sample ``i`` of the converted source, whatever order the samples are
-    stored in; ``classes``, ``class_to_idx``, ``targets`` and ``samples`` are ImageFolder's too.
-
-    Args:
-        path: the dataset directory ``packer convert`` or ``packer.Writer`` made.
-        transform: called on each image (as ``image`` gives it), as ImageFolder's ``transform``.
-        target_transform: called on each label (an int), as ImageFolder's ``target_transform``.
-        image: what an image is: ``"pil"`` (a PIL RGB image, ImageFolder's), ``"numpy"`` (an HWC uint8
-            array) or ``"tensor"`` (a CHW uint8 tensor; batch mixed sizes with ``collate_fn=packer.collate``).
-        decoder: the JPEG decoder: ``"auto"`` (libjpeg-turbo where it loads, else Pillow), ``"turbojpeg"``
-            or ``"pil"``.
-        access: ``"sequential"`` reads ahead in file order (sequential and block-shuffled passes),
-            ``"random"`` does not (uniform shuffles over data larger than RAM); ``"auto"``: sequential
-            unless the dataset's files exceed half the free memory.
-        decode_size: decode JPEGs at the smallest DCT scale that keeps the short side >= this many pixels
-            (lossy, faster; 224 does nothing on 500x375 photos); None: full size.
-        source_root: where the converted folder is now (``samples`` join it with each relative path);
-            None: the folder the manifest records.
-        crop: a fused decode + crop + resize (``packer.RandomResizedCropDecode``, ``packer.CenterCropDecode``;
-            docs/decoding.md): only the pixels the crop keeps are decoded.
-        fields: what a sample holds (docs/fields.md): None for ``(image, label)``, a sequence of names for
-            a tuple in that order (e.g. ``("image", "label", "boxes")``), ``"all"`` for a dict of every field.
-
-    Raises:
-        DatasetNotFoundError: ``path`` is not a packed dataset (a ``FileNotFoundError``).
-        DatasetError: the dataset fails its checks (damaged or replaced files).
-        OptionError: an argument out of its choices (a ``ValueError``).
-    """
+    """A packed dataset of any format, read as ``(image, label)`` pairs like ImageFolder: ``ds[i]`` is ImageFolder's
+    sample ``i`` of the converted source, whatever order the samples are stored in; ``classes``, ``class_to_idx``,
+    ``targets`` and ``samples`` are ImageFolder's too. Its arguments are ``open_dataset``'s keywords."""
 
     FORMAT: str | None = None  # set by the per-format subclasses (LMDBDataset, ...)
 
@@ -332,6 +305,38 @@ class PackedDataset(FolderSurface):
         self.store.close()
 
 
+
+# help()'s explanation of every argument, kept outside the class body (tests/test_sizes.py bounds the class's lines,
+# docstrings included, to keep its code small)
+PackedDataset.__doc__ = f"""{PackedDataset.__doc__}
+
+    Args:
+        path: the dataset directory ``packer convert`` or ``packer.Writer`` made.
+        transform: called on each image (as ``image`` gives it), as ImageFolder's ``transform``.
+        target_transform: called on each label (an int), as ImageFolder's ``target_transform``.
+        image: what an image is: ``"pil"`` (a PIL RGB image, ImageFolder's), ``"numpy"`` (an HWC uint8
+            array) or ``"tensor"`` (a CHW uint8 tensor; batch mixed sizes with ``collate_fn=packer.collate``).
+        decoder: the JPEG decoder: ``"auto"`` (libjpeg-turbo where it loads, else Pillow), ``"turbojpeg"``
+            or ``"pil"``.
+        access: ``"sequential"`` reads ahead in file order (sequential and block-shuffled passes),
+            ``"random"`` does not (uniform shuffles over data larger than RAM); ``"auto"``: sequential
+            unless the dataset's files exceed half the free memory.
+        decode_size: decode JPEGs at the smallest DCT scale that keeps the short side >= this many pixels
+            (lossy, faster; 224 does nothing on 500x375 photos); None: full size.
+        source_root: where the converted folder is now (``samples`` join it with each relative path);
+            None: the folder the manifest records.
+        crop: a fused decode + crop + resize (``packer.RandomResizedCropDecode``, ``packer.CenterCropDecode``;
+            docs/decoding.md): only the pixels the crop keeps are decoded.
+        fields: what a sample holds (docs/fields.md): None for ``(image, label)``, a sequence of names for
+            a tuple in that order (e.g. ``("image", "label", "boxes")``), ``"all"`` for a dict of every field.
+
+    Raises:
+        InputNotFoundError: ``path`` is not a packed dataset (a ``FileNotFoundError``).
+        DatasetError: the dataset fails its checks (damaged or replaced files).
+        OptionError: an argument out of its choices (a ``ValueError``).
+"""
+
+
 @contextmanager
 def _sample_errors(ds: PackedDataset, i: int) -> Iterator[None]:
     """Any failure of a codec on the (damaged) bytes stored at ``i`` as a DecodeError naming the sample."""
@@ -422,7 +427,7 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
         The format's ``PackedDataset`` subclass (``LMDBDataset``, ...), or a ``CachedDataset`` with ``cache``.
 
     Raises:
-        DatasetNotFoundError: ``path`` is not a packed dataset (a ``FileNotFoundError``).
+        InputNotFoundError: ``path`` is not a packed dataset (a ``FileNotFoundError``).
         DatasetError: the dataset fails its checks.
         OptionError: an argument out of its choices (a ``ValueError``).
     """

@@ -59,9 +59,6 @@ DEFAULT_OPEN_BLOCKS = 8  # window of 128 MB per rank: mixing across blocks at no
 DEFAULT_RUN = 16  # neighbours read together: ~1.8 MB reads of ImageNet JPEGs; see docs/sampling.md
 
 
-# ------------------------------------------------------------------ random numbers
-
-
 # ------------------------------------------------------------------ blocks
 
 
@@ -178,32 +175,22 @@ def window_samples(n: int, num_blocks: int, open_blocks: int, batch_size: int | 
 class BlockShuffleSampler(DistributedSampler):
     """Quasi-random order that reads few blocks at a time; rank-aware like ``DistributedSampler``.
 
-    ``DataLoader(ds, sampler=s, batch_size=s.batch_size, num_workers=8)``, and
-    ``s.set_epoch(epoch)`` before each epoch for a new order. ``num_replicas``/``rank``
-    default to the ``torch.distributed`` process group initialised when the sampler is used
-    (iterated or measured), else a single process. It is a ``DistributedSampler``, so Lightning
-    and Fabric leave it as it is (they wrap any other sampler, splitting its ranks again).
-    Every rank yields ``len(s)`` samples: ``drop_last=False`` pads by repeating a few samples,
-    ``True`` leaves out up to ``num_replicas - 1`` (different ones each epoch). Blocks (``blocks=``
-    included) are runs of storage positions; the indices yielded are the dataset's (ImageFolder's).
-    ``state_dict()``/``load_state_dict()`` save and restore the position inside an epoch
-    (torchdata's ``StatefulDataLoader`` calls them).
+    ``DataLoader(ds, sampler=s, batch_size=s.batch_size)``; ``s.set_epoch(epoch)`` before each epoch. A
+    ``DistributedSampler``, so Lightning and Fabric keep it; every rank yields ``len(s)`` of the dataset's
+    (ImageFolder's) indices; ``state_dict()`` saves the position inside an epoch (torchdata's ``StatefulDataLoader``).
 
     Args:
-        dataset: a packer dataset (``open_dataset``), whose per-sample sizes make the blocks; any other
-            map-style dataset with ``blocks=``.
-        block_bytes: payload bytes per block (default 16 MB: a seek costs about 8 % of reading one on a hard
-            disk); blocks never cross a shard. Ignored with ``blocks``.
-        blocks: explicit block boundaries instead: strictly increasing storage positions from 0 to
-            ``len(dataset)`` (block ``i`` is ``blocks[i]`` .. ``blocks[i+1] - 1``).
+        dataset: a packer dataset (``open_dataset``): its sample sizes make the blocks; others need ``blocks``.
+        block_bytes: payload bytes per block (default 16 MB); blocks never cross a shard; ignored with ``blocks``.
+        blocks: explicit block boundaries: strictly increasing storage positions from 0 to ``len(dataset)``.
         open_blocks: blocks shuffled together in a window (default 8): more mixes better, touches more at once.
         run: neighbours read together (default 16; 1 shuffles single samples): the size of each read.
         batch_size: the DataLoader's batch size, so that windows hold whole batches and no batch straddles two.
         num_replicas: ranks sharing the epoch (default: the ``torch.distributed`` world size when used, else 1).
-        rank: this process's rank (default: the process group's when used, else 0).
+        rank: this process's rank (default: the process group's when the sampler is used, else 0).
         shuffle: False yields the storage order (split over ranks), as ``DistributedSampler(shuffle=False)``.
         seed: the seed of every epoch's order (the same on every rank).
-        drop_last: drop the tail so that ranks get equal counts without padding (as ``DistributedSampler``).
+        drop_last: leave out up to ``num_replicas - 1`` samples instead of padding ranks to equal counts.
         warn: warn when most blocks hold a single label (a class-sorted dataset: batches would hold few classes).
     """
 
@@ -334,18 +321,14 @@ class BlockShuffleSampler(DistributedSampler):
 
 
 class BlockBatchSampler(BatchSampler):
-    """Batches of a ``BlockShuffleSampler``: ``DataLoader(ds, batch_sampler=BlockBatchSampler(ds, 256))``.
-
-    Lightning cannot leave a ``batch_sampler`` alone under DDP (it rebuilds it around its own
-    sampler): there, pass ``sampler=BlockShuffleSampler(ds, batch_size=B), batch_size=B`` instead.
+    """Batches of a ``BlockShuffleSampler``: ``DataLoader(ds, batch_sampler=BlockBatchSampler(ds, 256))``. Lightning
+    rebuilds a batch_sampler under DDP: there, pass ``sampler=BlockShuffleSampler(ds, batch_size=B), batch_size=B``.
 
     Args:
         dataset: a packer dataset (``open_dataset``), as for ``BlockShuffleSampler``.
         batch_size: samples per batch (also the block sampler's ``batch_size``: windows of whole batches).
-        drop_last_batch: drop a short last batch of each rank (ranks hold equal sample counts already, so they
-            have equal batch counts).
-        **kwargs: the other arguments of ``BlockShuffleSampler`` (``block_bytes``, ``blocks``, ``open_blocks``,
-            ``run``, ``num_replicas``, ``rank``, ``shuffle``, ``seed``, ``drop_last``, ``warn``).
+        drop_last_batch: drop a short last batch of each rank (ranks hold equal sample counts, so equal batches).
+        **kwargs: ``BlockShuffleSampler``'s other arguments (``block_bytes``, ``open_blocks``, ``run``, ``seed``, ...).
     """
 
     def __init__(self, dataset: Any, batch_size: int, drop_last_batch: bool = False, **kwargs: Any) -> None:

@@ -73,26 +73,12 @@ class ConvertResult:
 
 
 def convert(
-    src: str | os.PathLike,
-    output: str | os.PathLike | None = None,
-    *,
-    to: str = "lmdb",
-    on_error: Literal["skip", "raise"] = "skip",
-    workers: int | None = None,
-    overwrite: bool = False,
-    resume: bool = False,
-    if_changed: bool = False,
-    progress: bool | None = None,
-    client: Any = None,
-    pool: PoolSettings | None = None,
-    source_type: str | None = None,
-    root: str | os.PathLike | None = None,
-    path_column: str | None = None,
-    label_column: str | None = None,
-    classes_file: str | os.PathLike | None = None,
-    classes: Sequence[str] | None = None,
-    label_key: str | None = None,
-    image_column: str | None = None,
+    src: str | os.PathLike, output: str | os.PathLike | None = None, *, to: str = "lmdb",
+    on_error: Literal["skip", "raise"] = "skip", workers: int | None = None, overwrite: bool = False,
+    resume: bool = False, if_changed: bool = False, progress: bool | None = None, client: Any = None,
+    pool: PoolSettings | None = None, source_type: str | None = None, root: str | os.PathLike | None = None,
+    path_column: str | None = None, label_column: str | None = None, classes_file: str | os.PathLike | None = None,
+    classes: Sequence[str] | None = None, label_key: str | None = None, image_column: str | None = None,
     **options: Any,
 ) -> ConvertResult:
     """Pack the records of ``src`` into a new dataset of format ``to`` (what ``packer convert`` runs).
