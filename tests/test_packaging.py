@@ -13,6 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from support.typecheck import USER_SCRIPT, check_real_types, run_pyright
 
 from packer.formats import FORMATS
 
@@ -74,6 +75,18 @@ def test_a_wheel_built_without_the_extension_is_pure_python(tmp_path):
     assert wheel.name.endswith("-py3-none-any.whl") and "Root-Is-Purelib: true" in tags
     assert not [n for n in names if n.startswith("packer/images/_jpegregion.") and not n.endswith((".c", ".pyi"))]
     _check_metadata(names, meta)
+
+
+def test_pyright_sees_the_types_of_the_installed_wheel(tmp_path):
+    """A user's script checked against packer installed from its wheel (py.typed and all), not the checkout."""
+    wheel = _wheel(tmp_path, {"CC": "false"})
+    site = tmp_path / "site"
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target",
+                          str(site), str(wheel)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and (site / "packer" / "py.typed").is_file(), res.stderr
+    user = tmp_path / "user"
+    user.mkdir()
+    check_real_types(run_pyright(user, USER_SCRIPT, packer_at=site))
 
 
 def test_a_wheel_with_the_extension_is_tagged_for_this_platform(tmp_path, request):

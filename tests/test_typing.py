@@ -4,58 +4,18 @@ it sees the same as those that load at run time, and the PEP 561 marker."""
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.typecheck import USER_SCRIPT, check_real_types, run_pyright
 
 import packer
 
 ROOT = Path(__file__).resolve().parent.parent
-PYRIGHT = Path(sys.executable).parent / "pyright"  # the dev extra installs it beside the interpreter
-
-USER_SCRIPT = '''\
-import packer
-
-ds = packer.open_dataset("imgs.lmdb", image="numpy")
-reveal_type(ds)
-reveal_type(packer.open_dataset("imgs.lmdb", cache="ram"))
-reveal_type(packer.BlockShuffleSampler(ds, batch_size=64))
-reveal_type(packer.convert("imgs", "imgs.lmdb", to="hdf5"))
-reveal_type(packer.LMDBDataset)
-count: str = packer.convert("imgs").num_samples  # a deliberate mistake: an int
-packer.open_dataset("imgs.lmdb", image="jpeg")  # another: not one of pil, numpy, tensor
-'''
-
-
-def run_pyright(tmp_path: Path, script: str) -> list[dict]:
-    """pyright's diagnostics on ``script`` as a user's file outside the repository, packer found on its path."""
-    assert PYRIGHT.exists(), f"{PYRIGHT}: pyright is missing (pip install -e '.[dev]')"
-    (tmp_path / "user.py").write_text(script)
-    (tmp_path / "pyrightconfig.json").write_text(json.dumps(
-        {"extraPaths": [str(ROOT)], "pythonVersion": "3.11", "typeCheckingMode": "basic"}))
-    res = subprocess.run([str(PYRIGHT), "--outputjson", "--pythonpath", sys.executable, "user.py"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
-    return json.loads(res.stdout)["generalDiagnostics"]
 
 
 def test_pyright_sees_the_real_types_of_the_public_api(tmp_path):
-    diags = run_pyright(tmp_path, USER_SCRIPT)
-    by_line: dict[int, list[dict]] = {}
-    for d in diags:
-        by_line.setdefault(d["range"]["start"]["line"] + 1, []).append(d)
-    revealed = {n: d["message"] for n, ds in by_line.items() for d in ds if d["message"].startswith("Type of")}
-    assert revealed[4].endswith('is "PackedDataset"'), revealed
-    assert revealed[5].endswith('is "CachedDataset"'), revealed
-    assert revealed[6].endswith('is "BlockShuffleSampler"'), revealed
-    assert revealed[7].endswith('is "ConvertResult"'), revealed
-    assert revealed[8].endswith('is "type[PackedDataset]"'), revealed
-    errors = {n: [d["message"] for d in ds if d["severity"] == "error"] for n, ds in by_line.items()}
-    assert any('"int" is not assignable to "str"' in m for m in errors.get(9, [])), diags
-    assert any("Literal['jpeg']" in m and '"image"' in m for m in errors.get(10, [])), diags
-    assert not [m for n, ms in errors.items() if n not in (9, 10) for m in ms], diags  # nothing else, no Unknown import
+    check_real_types(run_pyright(tmp_path, USER_SCRIPT))
 
 
 def type_checking_names() -> set[str]:
