@@ -88,7 +88,7 @@ def test_jpeg_mosaic_with_an_edited_quality(imagefolder, tmp_path):
     assert verify(out, against=imagefolder).ok
     edit_options(out, quality="abc")
     report = verify(out, against=imagefolder)
-    assert not report.ok and "--quality 'abc': expected an integer from 1 to 100" in report.problems[0]
+    assert not report.ok and "quality='abc': expected an integer from 1 to 100" in report.problems[0]  # as recorded
 
 
 def test_missing_against_folder_is_refused_before_any_work(ds, tmp_path, capsys):
