@@ -74,7 +74,7 @@ def test_extracting_over_files_is_a_file_exists_error(packed, tmp_path):
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda ds, tmp: open_dataset(ds, image="jpeg"), "unknown image kind 'jpeg'"),
+    (lambda ds, tmp: open_dataset(ds, image="jpeg"), "unknown image kind 'jpeg'"),  # pyright: ignore[reportArgumentType]
     (lambda ds, tmp: convert(ds.parent / "imgs", tmp / "o.h5", to="hdf5", payload="encoded", resize=64),
      r"resize changes pixels, so it needs payload='raw'"),
     (lambda ds, tmp: convert(ds.parent / "imgs", tmp / "o", to="mosaic", tile="16x16", codec="jpeg", quality=0),

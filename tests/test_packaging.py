@@ -59,13 +59,19 @@ def _metadata(wheel: Path) -> tuple[list[str], str, str]:
     return names, meta, tags
 
 
+def _field(meta: str, name: str) -> str:
+    found = re.search(rf"^{name}: (.*)$", meta, re.M)
+    assert found, f"no {name} in the METADATA"
+    return found.group(1)
+
+
 def _check_metadata(names: list[str], meta: str) -> None:
     assert "packer/py.typed" in names and "packer/images/_jpegregion.pyi" in names
-    summary = re.search(r"^Summary: (.*)$", meta, re.M).group(1).lower()
+    summary = _field(meta, "Summary").lower()
     assert not [f for f in FORMATS if f not in summary], summary  # every format, by name
     classifiers = re.findall(r"^Classifier: (.*)$", meta, re.M)
     assert "Typing :: Typed" in classifiers and any(c.startswith("Development Status") for c in classifiers)
-    assert "lmdb" in re.search(r"^Keywords: (.*)$", meta, re.M).group(1)
+    assert "lmdb" in _field(meta, "Keywords")
     assert "Project-URL" not in meta  # none until packer has a public home (pyproject.toml says so)
 
 
