@@ -1,15 +1,58 @@
 """packer: pack loose image folders into few large files and read them back fast in PyTorch.
 
 The public names load lazily (module ``__getattr__``), so ``packer --help`` and ``packer info``
-start without importing torch.
+start without importing torch. Type checkers read the same names from the ``TYPE_CHECKING`` imports
+below (a test checks that the two lists agree).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packer._version import __version__ as __version__
+
+if TYPE_CHECKING:  # what a type checker sees; at run time the names below load on first use (_PUBLIC)
+    from packer import dali as dali
+    from packer.diagnose.profile import instrument as instrument
+    from packer.diagnose.profile import profile as profile
+    from packer.errors import DatasetError as DatasetError
+    from packer.errors import InputNotFoundError as InputNotFoundError
+    from packer.errors import MissingPackageError as MissingPackageError
+    from packer.errors import OptionError as OptionError
+    from packer.errors import OutputExistsError as OutputExistsError
+    from packer.errors import PackerError as PackerError
+    from packer.errors import ResumableError as ResumableError
+    from packer.errors import RunError as RunError
+    from packer.formats import FORMATS as FORMATS
+    from packer.images.crop import CenterCropDecode as CenterCropDecode
+    from packer.images.crop import RandomResizedCropDecode as RandomResizedCropDecode
+    from packer.read.cache import CachedDataset as CachedDataset
+    from packer.read.collate import collate as collate
+    from packer.read.dataset import DATASET_CLASSES as DATASET_CLASSES
+    from packer.read.dataset import PackedDataset as PackedDataset
+    from packer.read.dataset import open_dataset as open_dataset
+    from packer.read.loaders import BackgroundLoader as BackgroundLoader
+    from packer.read.loaders import CUDAPrefetcher as CUDAPrefetcher
+    from packer.read.sampler import BlockBatchSampler as BlockBatchSampler
+    from packer.read.sampler import BlockShuffleSampler as BlockShuffleSampler
+    from packer.read.sampler import block_order as block_order
+    from packer.read.threaded import ThreadLoader as ThreadLoader
+    from packer.write.convert import ConvertResult as ConvertResult
+    from packer.write.convert import convert as convert
+    from packer.write.export_wds import export_wds as export_wds
+    from packer.write.writer import Writer as Writer
+
+    # the built-in formats' dataset classes, made at run time from the registry (packer.read.dataset)
+    BMPDataset: type[PackedDataset]
+    HDF5Dataset: type[PackedDataset]
+    LMDBDataset: type[PackedDataset]
+    MemmapDataset: type[PackedDataset]
+    MosaicDataset: type[PackedDataset]
+    N5Dataset: type[PackedDataset]
+    PthDataset: type[PackedDataset]
+    RecordIODataset: type[PackedDataset]
+    SafetensorsDataset: type[PackedDataset]
 
 # public name -> the module that defines it
 _PUBLIC = {
@@ -17,7 +60,10 @@ _PUBLIC = {
     "export_wds": "packer.write.export_wds",
     "open_dataset": "packer.read.dataset", "PackedDataset": "packer.read.dataset",
     "DATASET_CLASSES": "packer.read.dataset",
-    "PackerError": "packer.errors", "FORMATS": "packer.formats",
+    "PackerError": "packer.errors", "InputNotFoundError": "packer.errors", "OutputExistsError": "packer.errors",
+    "OptionError": "packer.errors", "DatasetError": "packer.errors", "MissingPackageError": "packer.errors",
+    "RunError": "packer.errors", "ResumableError": "packer.errors",
+    "FORMATS": "packer.formats",
     "CachedDataset": "packer.read.cache",
     "instrument": "packer.diagnose.profile", "profile": "packer.diagnose.profile",
     "BackgroundLoader": "packer.read.loaders", "CUDAPrefetcher": "packer.read.loaders",

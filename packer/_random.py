@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import OptionError
 
 
 def raw_draws(seed: int, *keys: int, n: int) -> np.ndarray:
     """``n`` uint64 draws from PCG64 seeded by (seed, *keys): stable across numpy versions."""
     if seed < 0 or any(k < 0 for k in keys):
-        raise PackerError(f"seed and epoch must be non-negative integers, got seed={seed}, {keys}")
+        raise OptionError(f"seed and epoch must be non-negative integers, got seed={seed}, {keys}")
     return np.random.PCG64(np.random.SeedSequence([int(seed), *map(int, keys)])).random_raw(n)
 
 

@@ -1,6 +1,6 @@
 """NVIDIA DALI fed by packer (``from packer.dali import pipeline, loader``): see packer.read.dali and docs/dali.md.
 
-Importing this needs no DALI; building a pipeline does (``pip install 'packer-images[dali]'``).
+Importing this needs no DALI; building a pipeline does (``pip install -e '.[dali]'`` in packer's checkout).
 """
 
 from __future__ import annotations

@@ -7,12 +7,36 @@ type (out of range: a usage error, exit 2) before any work starts.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import sys
+from collections.abc import Iterator
 
+from packer.cli.commands import json_document, wants_json
 from packer.cli.parser import EXIT_CODES, build_parser
-from packer.errors import PackerError, RunError
+from packer.errors import Interrupted, PackerError, RunError
 
-__all__ = ["EXIT_CODES", "build_parser", "main"]
+__all__ = ["EXIT_CODES", "build_parser", "main", "notices_on_stderr"]
+
+
+@contextlib.contextmanager
+def notices_on_stderr() -> Iterator[None]:
+    """The library's notices (``logging.getLogger("packer")``, INFO and up) on stderr as ``packer: <message>``, as
+    the command line has always printed them; the logger is left as it was afterwards (``main`` may run in a
+    process that uses packer as a library too)."""
+    logger = logging.getLogger("packer")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("packer: %(message)s"))
+    level, propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # printed once, here, whatever handlers the root logger has
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,10 +46,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.func(args)
+        with notices_on_stderr():
+            return args.func(args)
     except PackerError as exc:
-        print(f"packer: error: {exc}", file=sys.stderr)
-        return 1 if isinstance(exc, RunError) else 2  # ResumableError is a RunError
+        print(f"packer: error: {exc.cli_message()}", file=sys.stderr)
+        return _failed(args, 1 if isinstance(exc, RunError) else 2, exc.cli_message())  # ResumableError: a RunError
     except KeyboardInterrupt as exc:  # convert's says what it kept and how to go on
-        print(f"packer: {str(exc) or 'interrupted'}", file=sys.stderr)
-        return 130
+        message = (exc.cli_message() if isinstance(exc, Interrupted) else str(exc)) or "interrupted"
+        print(f"packer: {message}", file=sys.stderr)
+        return _failed(args, 130, message)
+
+
+def _failed(args, code: int, message: str) -> int:
+    """With ``--json``, a run that failed still prints its document: the envelope and the error (docs/library.md)."""
+    if wants_json(args):
+        print(json_document(args.command, code, {"error": message}))
+    return code

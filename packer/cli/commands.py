@@ -16,6 +16,30 @@ if TYPE_CHECKING:
     from packer.formats.base import Format, Option
 
 
+JSON_SCHEMA = 1  # of the --json documents (docs/library.md): raised when a field changes meaning or goes away
+JSON_COMMANDS = ("info", "convert", "verify", "extract", "sample")  # those that print the envelope below
+
+
+def json_document(command: str, exit_code: int, fields: Mapping[str, Any]) -> str:
+    """The one JSON document ``packer COMMAND --json`` prints on stdout: the envelope every command shares
+    (docs/library.md), then the command's own fields."""
+    from packer._version import __version__
+
+    envelope = {"command": command, "packer_version": __version__, "schema": JSON_SCHEMA, "ok": exit_code == 0,
+                "exit_code": exit_code}
+    return json.dumps({**envelope, **fields}, indent=1)
+
+
+def wants_json(args) -> bool:
+    """``--json`` given to a command that prints the envelope (profile and bench take a file name instead)."""
+    return args.command in JSON_COMMANDS and bool(args.json)
+
+
+def bar_unless_quiet(args) -> bool | None:
+    """``progress=`` of a command's call: none with ``-q``, else a bar on a terminal only (packer.progress)."""
+    return False if args.quiet else None
+
+
 def format_options(formats: Mapping[str, Format]) -> list[Option]:
     """Every format's own conversion options, once each by name, in registry order."""
     seen: dict[str, Option] = {}
@@ -43,7 +67,7 @@ def cmd_convert(args) -> int:
             on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
             resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
             compression=args.compression, **{o.name: vars(args)[o.name] for o in format_options(FORMATS)},
-            overwrite=args.overwrite, resume=args.resume, if_changed=args.if_changed, progress=not args.quiet,
+            overwrite=args.overwrite, resume=args.resume, if_changed=args.if_changed, progress=bar_unless_quiet(args),
             order=args.order, seed=args.seed, skip_hidden=args.skip_hidden, allow_empty=args.allow_empty,
             jpeg_restarts=args.jpeg_restarts,
             client=client, source_type=args.source_type, root=args.root, path_column=args.path_column,
@@ -60,12 +84,17 @@ def cmd_convert(args) -> int:
             results = [convert(args.source, args.output, **kwargs)]
         else:
             results = list(convert_split(args.source, args.output, split=args.split, **kwargs))
-    return max(_report_convert(res, args.quiet) for res in results)
+    code = max(int(bool(res.errors)) for res in results)  # 1: some records were not packed (errors.json)
+    if args.json:
+        print(json_document("convert", code, {"outputs": [res.to_json() for res in results]}))
+        return code
+    for res in results:
+        _report_convert(res, args.quiet)
+    return code
 
 
-def _report_convert(res, quiet: bool) -> int:
-    """Print what one conversion did (``quiet``: nothing, the errors went to stderr); 1 when some records were
-    not packed."""
+def _report_convert(res, quiet: bool) -> None:
+    """Print what one conversion did (``quiet``: nothing, the errors went to stderr)."""
     from packer.write.summary import conversion_summary, describe_left_out
 
     if res.reused and not quiet:
@@ -85,7 +114,6 @@ def _report_convert(res, quiet: bool) -> int:
         left_out = describe_left_out(res.ignored, res.not_images, res.errors)
         if left_out:
             print(f"left out: {left_out}")
-    return 1 if res.errors else 0
 
 
 def cmd_info(args) -> int:
@@ -98,7 +126,7 @@ def cmd_info(args) -> int:
     with under_way():
         data = dataset_info(args.dataset)
     if args.json:
-        print(json.dumps(data, indent=1, ensure_ascii=False))
+        print(json_document("info", 0, data))
         return 0
     rows = info_rows(args.dataset, data)
     width = max(len(k) for k, _ in rows)
@@ -114,7 +142,10 @@ def cmd_verify(args) -> int:
 
     refuse_urls("packer verify", args.dataset, args.against)
     dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
-    report = verify(args.dataset, against=args.against, progress=not args.quiet, deep=args.deep)
+    report = verify(args.dataset, against=args.against, progress=bar_unless_quiet(args), deep=args.deep)
+    if args.json:
+        print(json_document("verify", 0 if report.ok else 1, {"dataset": str(args.dataset), **report.to_json()}))
+        return 0 if report.ok else 1
     checked = ", ".join(f"{v} {k}" for k, v in report.checked.items())
     if report.ok:
         print(f"ok: {args.dataset} ({checked})")
@@ -130,7 +161,10 @@ def cmd_verify(args) -> int:
 def cmd_extract(args) -> int:
     from packer.tools.extract import extract
 
-    res = extract(args.dataset, args.dir, overwrite=args.overwrite, progress=not args.quiet)
+    res = extract(args.dataset, args.dir, overwrite=args.overwrite, progress=bar_unless_quiet(args))
+    if args.json:
+        print(json_document("extract", 0, {"dataset": str(args.dataset), **res.to_json()}))
+        return 0
     print(f"wrote {res.num_files} files ({human_bytes(res.num_bytes)}) to {res.output}")
     if res.as_png:
         print("raw payload: images written as PNG (the stored pixels, losslessly); names end in .png "
@@ -145,7 +179,11 @@ def cmd_sample(args) -> int:
     from packer.tools.sample import make_sample
 
     total = make_sample(args.output, count=args.count, classes=args.classes, size=args.size, seed=args.seed,
-                        quality=args.quality, progress=not args.quiet)
+                        quality=args.quality, progress=bar_unless_quiet(args))
+    if args.json:
+        print(json_document("sample", 0, {"output": str(args.output), "count": args.count, "classes": args.classes,
+                                          "num_bytes": total}))
+        return 0
     print(f"wrote {args.count} images ({human_bytes(total)}) to {args.output}")
     return 0
 
@@ -178,10 +216,10 @@ def cmd_profile(args) -> int:
     if args.cache:
         from packer.read.cache import CachedDataset
 
-        ds = CachedDataset(ds, args.cache, progress=not args.quiet)
+        ds = CachedDataset(ds, args.cache, progress=bar_unless_quiet(args))
     res = sweep(ds, workers=workers, batch_sizes=batch_sizes, pin_memory=pins, step_ms=args.step_ms,
-                batches=args.batches, device=args.device, start_method=args.start_method, progress=not args.quiet,
-                collate=None if args.crop else list)
+                batches=args.batches, device=args.device, start_method=args.start_method,
+                progress=bar_unless_quiet(args), collate=None if args.crop else list)
     if args.plot:
         plot_sweep(res, args.plot)
     if args.json == "-":

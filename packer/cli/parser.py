@@ -37,6 +37,14 @@ def _parser(sub, name: str, help: str, examples: str, description: str = "") -> 
 
 
 
+def _add_json(p: argparse.ArgumentParser, what: str) -> None:
+    """``--json`` of the commands that print one JSON document (the shared envelope: docs/library.md)."""
+    p.add_argument("--json", action="store_true",
+                   help=f"print one JSON document on stdout instead of text: {what}, after the envelope every "
+                   "command shares (command, packer_version, schema, ok, exit_code; docs/library.md). A failed run "
+                   "prints it too, with 'error'. Progress and notices stay on stderr")
+
+
 def compression_help(formats: Mapping[str, Format]) -> str:
     """``--compression``'s help, from what each format offers (``Format.compressions``)."""
     offers = "; ".join(f"{name}: {', '.join(sorted(fmt.compressions))}"
@@ -128,12 +136,13 @@ def _add_convert(sub) -> None:
                    help="go on with an interrupted conversion of the same source and options (its finished "
                    "shards are checked and kept; the result is identical to an uninterrupted run)")
     p.add_argument("--scheduler", metavar="tcp://HOST:PORT|local:N",
-                   help="convert on a Dask cluster (pip install 'packer-images[dask]'): the address of a running "
-                   "scheduler, or local:N to start N local worker processes. Workers scan the class folders "
+                   help="convert on a Dask cluster (pip install -e '.[dask]' in packer's checkout): the address of "
+                   "a running scheduler, or local:N to start N local worker processes. Workers scan the class folders "
                    "and write one shard per task; source and output must be on storage they all share. "
                    "Same bytes as a local conversion; --workers is then ignored")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print errors only: no progress bar, no summary (the exit code still tells)")
+    _add_json(p, "what was packed into each output and every record left out, with its reason")
     p.set_defaults(func=commands.cmd_convert)
 
 
@@ -203,7 +212,7 @@ def _add_info(sub) -> None:
         packer info imgs.lmdb --json | jq .num_samples
         """)
     p.add_argument("dataset")
-    p.add_argument("--json", action="store_true", help="print the manifest and summary as JSON")
+    _add_json(p, "the manifest and the statistics of the per-sample metadata")
     p.set_defaults(func=commands.cmd_info)
 
 
@@ -219,6 +228,7 @@ def _add_verify(sub) -> None:
     p.add_argument("--against", metavar="SRC", help="the source to compare with (read as the dataset's manifest "
                    "records it was read: its kind, a list file's --root and columns, --classes, its --split part)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_json(p, "every problem found and what was checked")
     p.set_defaults(func=commands.cmd_verify)
 
 
@@ -237,6 +247,7 @@ def _add_extract(sub) -> None:
     p.add_argument("dir", help="destination folder (created if missing)")
     p.add_argument("--overwrite", action="store_true", help="replace files that exist already")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_json(p, "where the files went, how many and how large")
     p.set_defaults(func=commands.cmd_extract)
 
 
@@ -256,7 +267,8 @@ def _add_sample(sub) -> None:
                    help=f"around which sizes vary by 10%% (default 375x500; sides 1 to {MAX_SIDE})")
     p.add_argument("--quality", type=int_in(1, 100), default=90, help="JPEG quality 1-100 (default 90)")
     p.add_argument("--seed", type=int_in(0), default=0)
-    p.add_argument("-q", "--quiet", action="store_true")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    _add_json(p, "where the images went and how large they are")
     p.set_defaults(func=commands.cmd_sample)
 
 
@@ -373,7 +385,7 @@ def _add_bench(sub) -> None:
                    help="size of the scratch file for the sequential-read ceiling (default 256MiB)")
     _add_throttle(p)
     p.add_argument("--json", metavar="FILE", help="write every figure and the machine/setup as JSON ('-': stdout)")
-    p.add_argument("--plot", metavar="PNG", help="write a chart (needs matplotlib: pip install 'packer-images[plot]')")
+    p.add_argument("--plot", metavar="PNG", help="write a chart (needs matplotlib: pip install matplotlib)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=commands.cmd_bench)
 

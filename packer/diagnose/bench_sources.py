@@ -7,6 +7,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -141,7 +142,7 @@ class Source:
     def name(self) -> str:
         return self.path.name
 
-    def open(self, image: str = "numpy", crop=None):
+    def open(self, image: Literal["pil", "numpy", "tensor"] = "numpy", crop=None):
         from packer.read.dataset import open_dataset
 
         return open_dataset(self.path, image=image, decoder=self.decoder, crop=crop)

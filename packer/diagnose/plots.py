@@ -1,6 +1,6 @@
 """The charts of ``packer bench --plot`` (samples/s per dataset against the ceilings) and ``packer profile --plot``.
 
-matplotlib is optional (``pip install 'packer-images[plot]'``); without it the commands say so and stop
+matplotlib is optional (``pip install -e '.[plot]'`` in packer's checkout); without it the commands say so and stop
 before measuring anything (``require_matplotlib``).
 """
 
@@ -11,9 +11,8 @@ import os
 import textwrap
 from typing import TYPE_CHECKING
 
-from packer._version import DISTRIBUTION
 from packer.diagnose.reports import ceiling_summary, fmt_rate, takeaway
-from packer.errors import PackerError
+from packer.errors import MissingPackageError, install_hint
 
 if TYPE_CHECKING:
     from packer.diagnose.sweep import SweepPoint, SweepResult
@@ -27,9 +26,9 @@ def require_matplotlib():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PackerError(
+        raise MissingPackageError(
             "--plot needs matplotlib, which is not installed: pip install matplotlib "
-            f"(or pip install '{DISTRIBUTION}[plot]'); or drop --plot"
+            f"(or {install_hint('plot')}); or drop --plot"
         ) from None
     return plt
 

@@ -24,7 +24,6 @@ times exactly what training runs (read-ahead counts as read); any other dataset 
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from torch.utils.data import Dataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
 from packer.images.decode import sniff
+from packer.progress import bar as progress_bar
 from packer.read.dataset import PackedDataset
 from packer.read.loaders import to_device
 from packer.read.staged import StagedDataset, load_batch
@@ -347,7 +347,7 @@ class LoopProfiler:
     """Iterate a loader, timing the wait for each batch and the step that follows (see module doc)."""
 
     def __init__(self, loader: Iterable, *, warmup: int = 1, device: torch.device | str | None = None,
-                 sync: bool | None = None, progress: bool = True, desc: str = "profile",
+                 sync: bool | None = None, progress: bool | None = None, desc: str = "profile",
                  instrumented: InstrumentedDataset | None = None) -> None:
         self.loader = loader
         self.device = torch.device(device) if device is not None else None
@@ -370,12 +370,9 @@ class LoopProfiler:
         st = self.stats = LoopStats(warmup=self.stats.warmup)
         if self.instrumented is not None:
             self.instrumented.reset()
-        bar = None
-        if self.progress:
-            from tqdm import tqdm
-
-            total = len(self.loader) if isinstance(self.loader, Sized) else None
-            bar = tqdm(total=total, desc=self.desc, unit="batch", file=sys.stderr, mininterval=0.5, leave=True)
+        total = len(self.loader) if isinstance(self.loader, Sized) else None
+        bar = progress_bar(total=total, desc=self.desc, unit="batch", progress=self.progress, mininterval=0.5,
+                           leave=True)
         clock = time.perf_counter
         start = mark = clock()
         it = iter(self.loader)
@@ -401,15 +398,14 @@ class LoopProfiler:
                 st.samples.append(batch_len(batch))
                 st.total_s = end - start
                 mark = end
-                if bar is not None:
+                if not bar.disable:
                     f = st.figures(steady=True)
                     bar.set_postfix_str(f"wait {100 * f['wait_over_step']:.0f}% of step, "
                                         f"{f['samples_per_s']:,.0f} samples/s", refresh=False)
                     bar.update(1)
         finally:
             del it
-            if bar is not None:
-                bar.close()
+            bar.close()
 
     def stage_totals(self) -> StageTotals | None:
         return self.instrumented.stage_totals() if self.instrumented is not None else None

@@ -108,7 +108,7 @@ class SweepResult:
 
 def measure_point(ds: InstrumentedDataset, workers: int, batch_size: int, pin_memory: bool, step_s: float,
                   batches: int, warmup: int, device: torch.device | None = None, start_method: str | None = None,
-                  seed: int = 0, progress: bool = False, collate: Callable | None = None) -> SweepPoint:
+                  seed: int = 0, progress: bool | None = False, collate: Callable | None = None) -> SweepPoint:
     """One setting: a DataLoader over ``ds`` while the loop sleeps ``step_s`` per batch; ``warmup`` batches left out."""
     total = warmup + batches
     gen = torch.Generator().manual_seed(seed)
@@ -147,7 +147,7 @@ def sweep(
     device: torch.device | str | None = None,
     start_method: str | None = None,
     seed: int = 0,
-    progress: bool = True,
+    progress: bool | None = None,
     collate: Callable | None = None,
 ) -> SweepResult:
     """Measure every (batch size, pin_memory, workers) setting, then pick and word the result (``word_sweep``).

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, OptionError, PackerError, arg
 from packer.formats import bmp, hdf5, lmdb, memmap, mosaic, n5, pth, recordio, safetensors
 from packer.formats.base import Format
 from packer.layout.manifest import OPTION_TYPES
@@ -22,7 +22,7 @@ def get_format(name: str) -> Format:
     try:
         return FORMATS[name]
     except KeyError:
-        raise PackerError(f"unknown format {name!r} (choose from {', '.join(FORMATS)})") from None
+        raise OptionError(f"unknown format {name!r} (choose from {', '.join(FORMATS)})") from None
 
 
 def register(fmt: Format) -> None:
@@ -44,8 +44,8 @@ def check_recorded_options(name: str, options: Mapping[str, Any], where: object)
             if key in OPTION_TYPES or key in own or value is None:
                 continue
             if key in others:
-                raise PackerError(f"--{key} is an option of --to {others[key]} only")
-            raise PackerError(f"unknown conversion option {key!r} for --to {name}")
+                raise OptionError(f"{arg(key)} is an option of {arg('to', others[key])} only")
+            raise OptionError(f"unknown conversion option {key!r} for {arg('to', name)}")
         fmt.check_options(options)
-    except PackerError as exc:
-        raise PackerError(f"{where}: the recorded conversion options are not valid ({exc})") from None
+    except PackerError as exc:  # named as the manifest records them (as convert's keywords): str(exc)
+        raise DatasetError(f"{where}: the recorded conversion options are not valid ({exc})") from None

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, PackerError
 from packer.images.resize import ResizeSpec
 from packer.pagecache import SpanResidency
 
@@ -212,8 +212,8 @@ def check_size(fd: int, expected: int, path: object) -> None:
     """
     size = os.fstat(fd).st_size
     if size != expected:
-        raise PackerError(f"{path}: shard changed size since it was opened ({expected} bytes in the manifest, "
-                          f"{size} now: rewritten in place?); reopen the dataset")
+        raise DatasetError(f"{path}: shard changed size since it was opened ({expected} bytes in the manifest, "
+                           f"{size} now: rewritten in place?); reopen the dataset")
 
 
 def map_readonly(path: object, fd: int, access: str) -> mmap.mmap:
@@ -223,7 +223,7 @@ def map_readonly(path: object, fd: int, access: str) -> mmap.mmap:
     try:
         mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
     except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
-        raise PackerError(f"{path}: cannot map ({exc})") from exc
+        raise DatasetError(f"{path}: cannot map ({exc})") from exc
     if access == "random" and hasattr(mmap, "MADV_RANDOM"):
         mm.madvise(mmap.MADV_RANDOM)  # no read-ahead: uniform random reads would only evict pages
     return mm
@@ -276,9 +276,9 @@ def fixed_shape(payload: str, options: Mapping) -> tuple[int, int, int] | None:
 def check_offsets(offsets: np.ndarray, num_samples: int, total: int, where: object) -> None:
     """Offsets ``[N+1]`` must start at 0, never decrease and end at the blob's size."""
     if offsets.ndim != 1 or len(offsets) != num_samples + 1:
-        raise PackerError(f"{where}: {len(offsets)} offsets for {num_samples} samples (expected N+1)")
+        raise DatasetError(f"{where}: {len(offsets)} offsets for {num_samples} samples (expected N+1)")
     if offsets[0] != 0 or offsets[-1] != total or np.any(np.diff(offsets) < 0):
-        raise PackerError(f"{where}: offsets do not describe the {total} bytes of image data")
+        raise DatasetError(f"{where}: offsets do not describe the {total} bytes of image data")
 
 
 def sample_view(data: np.ndarray, offsets: np.ndarray | None, shapes: np.ndarray | None, pos: int
@@ -326,5 +326,5 @@ def shard_layout(facts: dict, where: object) -> tuple[int, int, int] | None:
     shape = facts.get("shape")
     if layout != "fixed" or not isinstance(shape, list) or len(shape) != 3 or shape[2] != 3 or not all(
             isinstance(v, int) and v > 0 for v in shape):
-        raise PackerError(f"{where}: manifest describes an unknown shard layout {layout!r} (shape {shape!r})")
+        raise DatasetError(f"{where}: manifest describes an unknown shard layout {layout!r} (shape {shape!r})")
     return (shape[0], shape[1], 3)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, OptionError, PackerError, arg
 from packer.formats.base import Format, PreparedSample, ShardReader, ShardWriter
 from packer.images import bmp as bmpfile
 from packer.layout.manifest import Shard
@@ -56,7 +56,7 @@ def bmp_name(rel_path: str) -> str:
 class Writer(ShardWriter):
     def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
         if payload != "raw":
-            raise PackerError("the bmp format stores decoded pixels: use --payload raw")
+            raise OptionError(f"the bmp format stores decoded pixels: use {arg('payload', 'raw')}")
         self.directory = Path(directory)
         self._names: list[str] = []
         self._made: set[Path] = set()
@@ -96,7 +96,8 @@ class Reader(ShardReader):
         self.directory = Path(directory)
         self.names = [f.name for f in shard.files]
         if len(self.names) != shard.num_samples:
-            raise PackerError(f"{directory}: a bmp shard lists {len(self.names)} files for {shard.num_samples} samples")
+            raise DatasetError(f"{directory}: a bmp shard lists {len(self.names)} files for {shard.num_samples} "
+                               "samples")
 
     def __len__(self) -> int:
         return len(self.names)

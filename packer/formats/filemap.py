@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError
 from packer.formats.base import map_readonly
 
 
@@ -56,11 +56,11 @@ def map_array(path: object, fd: int, access: str) -> np.ndarray:
         return np.frombuffer(map_readonly(path, fd, access), dtype=np.uint8)
     size = os.fstat(fd).st_size
     if size == 0:
-        raise PackerError(f"{path}: cannot map (an empty file)")
+        raise DatasetError(f"{path}: cannot map (an empty file)")
     addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
     if addr is None or addr == _FAILED:
         err = ctypes.get_errno()
-        raise PackerError(f"{path}: cannot map ({os.strerror(err)})")
+        raise DatasetError(f"{path}: cannot map ({os.strerror(err)})")
     owner = _Mapping(libc, addr, size)
     if access == "random" and hasattr(mmap, "MADV_RANDOM"):
         libc.madvise(addr, size, mmap.MADV_RANDOM)  # no read-ahead: uniform random reads would only evict pages

@@ -48,7 +48,7 @@ import h5py
 import numpy as np
 
 from packer._version import __version__
-from packer.errors import PackerError
+from packer.errors import DatasetError, PackerError
 from packer.formats.base import (
     BlobIndex,
     Format,
@@ -230,8 +230,8 @@ class Reader(ShardReader):
         self.compression = shard.facts.get("compression")
         self.compressed = bool(self.compression)
         if self.compression not in _FILTERS or (self.compressed and payload != "raw"):
-            raise PackerError(f"{self.path}: manifest names compression {self.compression!r} for {payload} "
-                              "payloads, which the writer never makes")
+            raise DatasetError(f"{self.path}: manifest names compression {self.compression!r} for {payload} "
+                               "payloads, which the writer never makes")
         self.access = access
         self._h: PerProcess[_Open] = PerProcess()
         f = self._open_file()
@@ -254,30 +254,30 @@ class Reader(ShardReader):
                 # h5py.File): HDF5 shares that open file and insists the flags match, so use its.
                 return h5py.File(self.path, "r", **kw)
         except (OSError, ValueError) as exc:
-            raise PackerError(f"{self.path}: cannot open HDF5 shard ({exc})") from exc
+            raise DatasetError(f"{self.path}: cannot open HDF5 shard ({exc})") from exc
 
     def _dataset(self, f: h5py.File, name: str, layout: int) -> h5py.Dataset:
         """``/name``, refused unless it is a dataset stored inside this file with the writer's ``layout``."""
         link = f.get(name, getlink=True)
         if link is None:
-            raise PackerError(f"{self.path}: missing HDF5 dataset /{name}")
+            raise DatasetError(f"{self.path}: missing HDF5 dataset /{name}")
         if not isinstance(link, h5py.HardLink):  # resolving an external link would open another file
             target = f" to {link.filename}:{link.path}" if isinstance(link, h5py.ExternalLink) else ""
-            raise PackerError(f"{self.path}: /{name} is a {type(link).__name__}{target}, not a dataset of this "
-                              "file; packer reads nothing outside the dataset")
+            raise DatasetError(f"{self.path}: /{name} is a {type(link).__name__}{target}, not a dataset of this "
+                               "file; packer reads nothing outside the dataset")
         dset = f.get(name)
         if not isinstance(dset, h5py.Dataset):
-            raise PackerError(f"{self.path}: /{name} is a {type(dset).__name__}, expected a dataset")
+            raise DatasetError(f"{self.path}: /{name} is a {type(dset).__name__}, expected a dataset")
         plist = dset.id.get_create_plist()
         found = plist.get_layout()
         if found == h5py.h5d.VIRTUAL:
-            raise PackerError(f"{self.path}: /{name} is a virtual dataset (its data lie in other files); refusing it")
+            raise DatasetError(f"{self.path}: /{name} is a virtual dataset (its data lie in other files); refusing it")
         if plist.get_external_count():
-            raise PackerError(f"{self.path}: /{name} keeps its data in external files; refusing it")
+            raise DatasetError(f"{self.path}: /{name} keeps its data in external files; refusing it")
         if found != layout:
             names = {h5py.h5d.COMPACT: "compact", h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.CHUNKED: "chunked"}
-            raise PackerError(f"{self.path}: /{name} has storage layout {names.get(found, found)}, the writer "
-                              f"makes {names[layout]}")
+            raise DatasetError(f"{self.path}: /{name} has storage layout {names.get(found, found)}, the writer "
+                               f"makes {names[layout]}")
         return dset
 
     def _parts(self, f: h5py.File) -> tuple[h5py.Dataset, h5py.Dataset | None, h5py.Dataset | None]:
@@ -285,34 +285,34 @@ class Reader(ShardReader):
         n = self.num_samples
         images = self._dataset(f, "images", h5py.h5d.CHUNKED)
         if images.dtype != np.uint8:
-            raise PackerError(f"{self.path}: /images is {images.dtype}, expected uint8")
+            raise DatasetError(f"{self.path}: /images is {images.dtype}, expected uint8")
         if self.fixed_shape is not None:
             if images.shape != (n, *self.fixed_shape):
-                raise PackerError(f"{self.path}: /images is {images.shape}, manifest says {(n, *self.fixed_shape)}")
+                raise DatasetError(f"{self.path}: /images is {images.shape}, manifest says {(n, *self.fixed_shape)}")
             check_pixels(*self.fixed_shape[:2], what=f"{self.path}: images of")
             chunk = (1, *self.fixed_shape)
         elif images.ndim != 1:
-            raise PackerError(f"{self.path}: /images is {images.shape}, expected a 1-D blob")
+            raise DatasetError(f"{self.path}: /images is {images.shape}, expected a 1-D blob")
         else:
             chunk = (_BLOB_CHUNK_COMPRESSED if self.compressed else _BLOB_CHUNK,)
         plist = images.id.get_create_plist()
         filters = [plist.get_filter(k)[0] for k in range(plist.get_nfilters())]
         if images.chunks != chunk or filters != _FILTERS[self.compression]:
-            raise PackerError(f"{self.path}: /images has chunks {images.chunks} and filters {filters}; the writer "
-                              f"makes {chunk} and {_FILTERS[self.compression]} ({self.compression or 'uncompressed'})")
+            raise DatasetError(f"{self.path}: /images has chunks {images.chunks} and filters {filters}; the writer "
+                               f"makes {chunk} and {_FILTERS[self.compression]} ({self.compression or 'uncompressed'})")
         size = int(np.prod(images.shape, dtype=object))
         if not self.compressed and size > self.num_bytes:
             # Chunks never written read as zeros: a huge dataset could take no room in the file.
-            raise PackerError(f"{self.path}: /images of shape {images.shape} needs {size} bytes, the file has "
-                              f"{self.num_bytes}")
+            raise DatasetError(f"{self.path}: /images of shape {images.shape} needs {size} bytes, the file has "
+                               f"{self.num_bytes}")
         if self.fixed_shape is not None:
             return images, None, None
         offsets = self._dataset(f, "offsets", h5py.h5d.CONTIGUOUS)
         shapes = self._dataset(f, "shapes", h5py.h5d.CONTIGUOUS) if self.payload == "raw" else None
         if offsets.shape != (n + 1,) or (shapes is not None and shapes.shape != (n, 3)):
-            raise PackerError(f"{self.path}: /offsets or /shapes do not have one entry per sample ({n})")
+            raise DatasetError(f"{self.path}: /offsets or /shapes do not have one entry per sample ({n})")
         if offsets.dtype != np.dtype("<i8") or (shapes is not None and shapes.dtype != np.dtype("<i8")):
-            raise PackerError(f"{self.path}: /offsets or /shapes are not little-endian int64")
+            raise DatasetError(f"{self.path}: /offsets or /shapes are not little-endian int64")
         return images, offsets, shapes
 
     def _open(self) -> _Open:
@@ -335,10 +335,10 @@ class Reader(ShardReader):
                 shapes = np.asarray(shapes_ds[()], dtype=np.int64)
                 if shapes.shape != (n, 3) or np.any(shapes < 0) or not np.array_equal(
                         shapes.prod(axis=1), np.diff(offsets)):
-                    raise PackerError(f"{self.path}: /shapes do not match /offsets")
+                    raise DatasetError(f"{self.path}: /shapes do not match /offsets")
                 limit = pixel_limit()
                 if limit is not None and np.any(shapes[:, 0] * shapes[:, 1] > limit):
-                    raise PackerError(f"{self.path}: /shapes hold images above the pixel limit of {limit}")
+                    raise DatasetError(f"{self.path}: /shapes hold images above the pixel limit of {limit}")
             h.offsets, h.shapes = offsets, shapes
             return h
         except BaseException:

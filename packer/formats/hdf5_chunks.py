@@ -18,7 +18,7 @@ from typing import cast
 import h5py
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError
 from packer.formats.base import check_size, joined, map_readonly, split_ranges
 from packer.pagecache import PageCache, all_of_each
 
@@ -59,9 +59,9 @@ class MappedChunks:
             info = self.dataset.id.get_chunk_info_by_coord(coord)
             if info.byte_offset is None or info.size != self.chunk_bytes or \
                     info.byte_offset + info.size > self.num_bytes:
-                raise PackerError(f"{self.path}: {self.dataset.name} chunk {c} is {info.size} bytes at "
-                                  f"offset {info.byte_offset}; the writer stores every chunk whole "
-                                  f"({self.chunk_bytes} bytes) inside the file")
+                raise DatasetError(f"{self.path}: {self.dataset.name} chunk {c} is {info.size} bytes at "
+                                   f"offset {info.byte_offset}; the writer stores every chunk whole "
+                                   f"({self.chunk_bytes} bytes) inside the file")
             offset = self._offsets[c] = info.byte_offset
         return offset
 

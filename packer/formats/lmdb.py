@@ -36,7 +36,7 @@ from pathlib import Path
 import lmdb
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, PackerError
 from packer.formats.base import (
     Format,
     PreparedSample,
@@ -151,7 +151,7 @@ def _shared_env(path: Path) -> tuple[lmdb.Environment, tuple]:
         try:
             st = os.stat(path)
         except OSError as exc:
-            raise PackerError(f"{path}: cannot open LMDB shard ({exc.strerror or exc})") from None
+            raise DatasetError(f"{path}: cannot open LMDB shard ({exc.strerror or exc})") from None
         ident = (str(path), st.st_dev, st.st_ino)
         envs = _ENVS.get()
         entry = envs.get(ident)
@@ -162,18 +162,18 @@ def _shared_env(path: Path) -> tuple[lmdb.Environment, tuple]:
                     meminit=False, max_readers=2048, max_dbs=0,
                 )
             except lmdb.InvalidError as exc:
-                raise PackerError(f"{path}: damaged, not a valid LMDB file (MDB_INVALID: its header pages are "
-                                  "not LMDB's)") from exc
+                raise DatasetError(f"{path}: damaged, not a valid LMDB file (MDB_INVALID: its header pages are "
+                                   "not LMDB's)") from exc
             except lmdb.Error as exc:
                 if "already open" in str(exc):
                     if attempt < 2:
                         continue  # the file was replaced between stat and open by one this process has open
-                    raise PackerError(f"{path}: cannot open LMDB shard (replaced while opening? {exc})") from exc
-                raise PackerError(f"{path}: cannot open LMDB shard ({exc})") from exc
+                    raise DatasetError(f"{path}: cannot open LMDB shard (replaced while opening? {exc})") from exc
+                raise DatasetError(f"{path}: cannot open LMDB shard ({exc})") from exc
             entry = envs[ident] = [env, 0]
         entry[1] += 1
         return entry[0], ident
-    raise PackerError(f"{path}: replaced while being opened")
+    raise DatasetError(f"{path}: replaced while being opened")
 
 
 HEADER_PAGE = 4096  # LMDB's page where the OS page is 4 KiB: its two meta pages open the file
@@ -187,7 +187,7 @@ def _own_descriptor(path: Path) -> int:
     try:
         fd = open_regular(inside(path.parent, path.name))[0]
     except OSError as exc:
-        raise PackerError(f"{path}: cannot open LMDB shard ({exc.strerror or exc})") from None
+        raise DatasetError(f"{path}: cannot open LMDB shard ({exc.strerror or exc})") from None
     try:
         with page_reads(fd):
             os.pread(fd, 2 * HEADER_PAGE, 0)
@@ -236,7 +236,7 @@ class Reader(ShardReader):
         if "layout" in shard.facts:  # raw payloads of one shape (--resize HxW): read_into copies batches
             self.fixed_shape = shard_layout(shard.facts, self.path)
             if payload != "raw":
-                raise PackerError(f"{self.path}: manifest gives a fixed shape to {payload} payloads")
+                raise DatasetError(f"{self.path}: manifest gives a fixed shape to {payload} payloads")
         self._handle: PerProcess[_Handle] = PerProcess()
         self._cache: PerProcess[PageCache] = PerProcess(inherited=PageCache.close)
 
@@ -254,7 +254,7 @@ class Reader(ShardReader):
             self._drop(fd)
             raise
         self._drop(fd)
-        raise PackerError(f"{self.path}: {problem}")
+        raise DatasetError(f"{self.path}: {problem}")
 
     def _drop(self, fd: int) -> None:
         if fd >= 0:
@@ -270,10 +270,10 @@ class Reader(ShardReader):
         # file would fault (SIGBUS). Its pages must all lie inside the file.
         needed = (info["last_pgno"] + 1) * stat["psize"]
         if needed > st.st_size:
-            raise PackerError(f"{self.path}: truncated: LMDB records {needed} bytes of pages, the file holds "
-                              f"{st.st_size}")
+            raise DatasetError(f"{self.path}: truncated: LMDB records {needed} bytes of pages, the file holds "
+                               f"{st.st_size}")
         if stat["entries"] != self.num_samples:
-            raise PackerError(f"{self.path}: holds {stat['entries']} samples, the manifest says {self.num_samples}")
+            raise DatasetError(f"{self.path}: holds {stat['entries']} samples, the manifest says {self.num_samples}")
         psize = int(stat["psize"])
         check_size(fd, self.num_bytes, self.path)  # mapped at the manifest's size, or not at all
         spans = None if self.spans_path is None else load_spans(self.spans_path, self.num_samples, st.st_size, psize)

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, PackerError
 
 PAGE_HEADER = 16  # MDB_page: page number, pad, flags, lower, upper (64-bit builds)
 PAGE_FLAGS = struct.Struct("<8xHHHH")  # pad, flags, lower (end of the node offsets), upper
@@ -81,7 +81,7 @@ class Tree:
         self.depth, self.pages, self.entries, self.root = depth, pages, entries, root
 
     def _damaged(self, why: str) -> PackerError:
-        return PackerError(f"{self.path}: damaged LMDB shard ({why})")
+        return DatasetError(f"{self.path}: damaged LMDB shard ({why})")
 
     def _meta(self, n: int) -> tuple[int, int, int, int, int]:
         page = self._read(n)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError
 from packer.formats.lmdb_pages import Tree
 from packer.layout.trust import load_npy
 
@@ -35,7 +35,7 @@ def load_spans(path: Path, num_samples: int, file_size: int, psize: int) -> np.n
         return None
     if (spans.shape != (num_samples, 3) or np.any(spans < 0) or np.any(spans[:, 1] > spans[:, 2])
             or np.any(spans[:, 2] > file_size) or np.any(spans[:, 0] % psize) or np.any(spans[:, 0] >= file_size)):
-        raise PackerError(f"{path}: spans do not describe the samples of {path.name.removesuffix('.spans.npy')}.lmdb")
+        raise DatasetError(f"{path}: spans do not describe the samples of {path.name.removesuffix('.spans.npy')}.lmdb")
     return spans
 
 
@@ -46,21 +46,21 @@ def check_against_btree(tree: Tree, spans: np.ndarray, path: Path, spans_path: P
     where = f"{spans_path}: spans disagree with the LMDB B-tree of {path.name}"
     order = np.argsort(spans[:, 1], kind="stable")
     if np.any(spans[order[1:], 1] < spans[order[:-1], 2]):
-        raise PackerError(f"{where} (two values overlap)")
+        raise DatasetError(f"{where} (two values overlap)")
     for target in sorted({0, len(spans) // 2, len(spans) - 1} if len(spans) else ()):
         pgno = tree.leaf_of(key(target))
         nodes = tree.leaf(pgno)
         first = _position(nodes[0].key, len(spans))
         if first is None or not first <= target < first + len(nodes):
-            raise PackerError(f"{where} (sample {target} is missing)")
+            raise DatasetError(f"{where} (sample {target} is missing)")
         for pos, node in enumerate(nodes, start=first):
             if pos >= len(spans) or node.key != key(pos):
-                raise PackerError(f"{where} (sample {pos} is missing)")
+                raise DatasetError(f"{where} (sample {pos} is missing)")
             start, end = int(spans[pos, 1]), int(spans[pos, 2])
             if node.nbytes != end - start:
-                raise PackerError(f"{where} (sample {pos}: {end - start} bytes, LMDB holds {node.nbytes})")
+                raise DatasetError(f"{where} (sample {pos}: {end - start} bytes, LMDB holds {node.nbytes})")
             if (pgno * tree.psize, node.start) != (int(spans[pos, 0]), start):
-                raise PackerError(f"{where} (sample {pos} lies at byte {node.start}, not {start})")
+                raise DatasetError(f"{where} (sample {pos} lies at byte {node.start}, not {start})")
 
 
 def _position(k: bytes, count: int) -> int | None:
@@ -77,11 +77,11 @@ def spans_from_btree(tree: Tree, count: int) -> np.ndarray:
     for pgno, nodes in tree.leaves():
         for node in nodes:
             if pos >= count or node.key != key(pos):
-                raise PackerError(f"{tree.path}: damaged LMDB shard: sample {min(pos, count)} is missing")
+                raise DatasetError(f"{tree.path}: damaged LMDB shard: sample {min(pos, count)} is missing")
             out[pos] = (pgno * tree.psize, node.start, node.start + node.nbytes)
             pos += 1
     if pos != count:
-        raise PackerError(f"{tree.path}: damaged LMDB shard: sample {pos} is missing")
+        raise DatasetError(f"{tree.path}: damaged LMDB shard: sample {pos} is missing")
     return out
 
 
@@ -96,9 +96,9 @@ class MappedValues:
         try:
             mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError) as exc:
-            raise PackerError(f"{path}: cannot map ({exc})") from exc
+            raise DatasetError(f"{path}: cannot map ({exc})") from exc
         if len(mm) < int(spans[:, 2].max(initial=0)):
-            raise PackerError(f"{path}: shorter than its spans say (truncated?)")
+            raise DatasetError(f"{path}: shorter than its spans say (truncated?)")
         if random:
             mm.madvise(mmap.MADV_RANDOM)  # no read-ahead: uniform random reads would only evict pages
         self.view = memoryview(mm)
@@ -120,8 +120,8 @@ class MappedValues:
         size = int(np.prod(out.shape[1:]))
         starts = self.spans[positions, 1]
         if np.any(self.spans[positions, 2] - starts != size):
-            raise PackerError(f"{self.path}: {np.sum(self.spans[positions, 2] - starts != size)} of the samples "
-                              f"asked are not {size} bytes long (damaged dataset)")
+            raise DatasetError(f"{self.path}: {np.sum(self.spans[positions, 2] - starts != size)} of the samples "
+                               f"asked are not {size} bytes long (damaged dataset)")
         if not n or not size:
             return
         rows = np.lib.stride_tricks.as_strided(self.array, shape=(len(self.array) - size + 1, size),

@@ -38,7 +38,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, PackerError
 from packer.formats.base import (
     BlobIndex,
     Format,
@@ -147,7 +147,7 @@ def _open_file(path: Path, files: list) -> BinaryIO:
     try:
         fh = open(path, "rb")
     except OSError as exc:
-        raise PackerError(f"{path}: cannot open ({exc.strerror or exc})") from exc
+        raise DatasetError(f"{path}: cannot open ({exc.strerror or exc})") from exc
     files.append(fh)
     return fh
 
@@ -195,7 +195,7 @@ class Reader(ShardReader):
         self.access = access
         self.fixed_shape = shard_layout(shard.facts, self.paths[0] if self.paths else directory)
         if len(self.paths) != (1 if self.fixed_shape else 2 + (payload == "raw")):
-            raise PackerError(f"{directory}: a memmap shard of this layout has other files than {self.paths}")
+            raise DatasetError(f"{directory}: a memmap shard of this layout has other files than {self.paths}")
         self._maps: PerProcess[_Maps] = PerProcess()
         self._cache: PerProcess[PageCache] = PerProcess(inherited=PageCache.close)
 
@@ -215,7 +215,7 @@ class Reader(ShardReader):
         if self.fixed_shape is not None:
             data = load_npy(self.paths[0], "|u1", self.access, files)
             if data.shape != (n, *self.fixed_shape):
-                raise PackerError(f"{self.paths[0]}: shape {data.shape}, manifest says {(n, *self.fixed_shape)}")
+                raise DatasetError(f"{self.paths[0]}: shape {data.shape}, manifest says {(n, *self.fixed_shape)}")
             start = os.path.getsize(self.paths[0]) - data.nbytes
             return _Maps(data, None, None, start, files)
         offsets = load_npy(self.paths[1], "<i8", files=files)
@@ -230,7 +230,7 @@ class Reader(ShardReader):
             shapes = load_npy(self.paths[2], "<i8", files=files)
             if shapes.shape != (n, 3) or np.any(shapes[:, 2] != 3) or np.any(shapes < 0) or not np.array_equal(
                     shapes.prod(axis=1), np.diff(offsets)):
-                raise PackerError(f"{self.paths[2]}: shapes do not match the offsets")
+                raise DatasetError(f"{self.paths[2]}: shapes do not match the offsets")
         return _Maps(data, offsets, shapes, 0, files)
 
     def _get(self) -> _Maps:

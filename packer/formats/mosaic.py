@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from packer.argtypes import int_in
-from packer.errors import PackerError
+from packer.errors import DatasetError, OptionError, PackerError, arg
 from packer.formats.base import Format, Option, PreparedSample, ShardReader, ShardWriter, check_size
 from packer.formats.mosaic_geometry import (
     CODECS,
@@ -66,7 +66,7 @@ class Writer(ShardWriter):
 
     def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
         if payload != "raw":
-            raise PackerError("the mosaic format stores decoded pixels: use --payload raw")
+            raise OptionError(f"the mosaic format stores decoded pixels: use {arg('payload', 'raw')}")
         self.directory = Path(directory)
         self.shard_id = shard_id
         self.geom = geometry(options)
@@ -134,15 +134,15 @@ def _geometry_from_facts(shard: Shard, where: Path) -> Geometry:
         geom = Geometry(int(th), int(tw), int(rows), int(cols), str(f["codec"]), int(f["quality"]))
         counts = [int(c) for c in f["samples_per_mosaic"]]
     except (KeyError, TypeError, ValueError) as exc:
-        raise PackerError(f"{where}: mosaic shard facts are malformed ({type(exc).__name__}: {exc})") from None
+        raise DatasetError(f"{where}: mosaic shard facts are malformed ({type(exc).__name__}: {exc})") from None
     if min(geom.tile_h, geom.tile_w, geom.rows, geom.cols) < 1 or geom.codec not in CODECS or (
             geom.codec == "jpeg" and (geom.tile_h % JPEG_MCU or geom.tile_w % JPEG_MCU)):
-        raise PackerError(f"{where}: mosaic shard facts are malformed ({f.get('tile')}, {f.get('grid')})")
+        raise DatasetError(f"{where}: mosaic shard facts are malformed ({f.get('tile')}, {f.get('grid')})")
     per_mosaic = 2 if geom.codec == "jpeg" else 1  # jpeg: mosaics, then their interval indexes
     if len(counts) * per_mosaic != len(shard.files) or sum(counts) != shard.num_samples or any(not 1 <= c <= geom.cells
                                                                                    for c in counts):
-        raise PackerError(f"{where}: mosaic counts {counts[:8]} do not match {len(shard.files)} files and "
-                          f"{shard.num_samples} samples")
+        raise DatasetError(f"{where}: mosaic counts {counts[:8]} do not match {len(shard.files)} files and "
+                           f"{shard.num_samples} samples")
     return geom
 
 
@@ -185,7 +185,7 @@ class Reader(ShardReader):
         if tile_read == "auto":  # the path that serves any order well; full decodes only pay off in block order
             tile_read = allowed[0]
         if tile_read not in allowed:
-            raise PackerError(f"tile_read={tile_read!r} does not suit {self.geom.codec} mosaics ({', '.join(allowed)})")
+            raise OptionError(f"tile_read={tile_read!r} does not suit {self.geom.codec} mosaics ({', '.join(allowed)})")
         self.tile_read = tile_read
         self.cache_bytes = cache_bytes
         self._state: PerProcess[_Caches] = PerProcess(_Caches)  # a forked worker starts with empty caches
@@ -204,7 +204,7 @@ class Reader(ShardReader):
     def locate(self, pos: int) -> tuple[int, int]:
         """(mosaic number, cell inside it) of position ``pos``."""
         if not 0 <= pos < len(self):
-            raise PackerError(f"{self.directory}: sample {pos} is not in this shard of {len(self)}")
+            raise DatasetError(f"{self.directory}: sample {pos} is not in this shard of {len(self)}")
         m = int(np.searchsorted(self.starts, pos, side="right")) - 1
         return m, pos - int(self.starts[m])
 
@@ -225,7 +225,7 @@ class Reader(ShardReader):
             try:
                 data = turbo.crop(self._read_file(m, checked=True), left, top, g.tile_w, g.tile_h)
             except OSError as exc:
-                raise PackerError(f"{self.paths[m]}: cannot cut tile {cell} out of the mosaic ({exc})") from exc
+                raise DatasetError(f"{self.paths[m]}: cannot cut tile {cell} out of the mosaic ({exc})") from exc
             return self._decode_tile(data, m, cell)
         return self._mosaic(m)[top : top + g.tile_h, left : left + g.tile_w].copy()
 
@@ -263,7 +263,7 @@ class Reader(ShardReader):
         try:
             tile = decode(data, "auto", strict=True)
         except PackerError as exc:
-            raise PackerError(f"{self.paths[m]}: cannot decode tile {cell} of the mosaic ({exc})") from exc
+            raise DatasetError(f"{self.paths[m]}: cannot decode tile {cell} of the mosaic ({exc})") from exc
         return self._checked(tile, (self.geom.tile_h, self.geom.tile_w, 3), m)
 
     def _read_file(self, m: int, checked: bool = False) -> bytes:
@@ -272,7 +272,7 @@ class Reader(ShardReader):
             with open(self.paths[m], "rb") as fh:
                 data = fh.read()
         except OSError as exc:
-            raise PackerError(f"{self.paths[m]}: cannot read mosaic ({exc.strerror or exc})") from exc
+            raise DatasetError(f"{self.paths[m]}: cannot read mosaic ({exc.strerror or exc})") from exc
         if checked:
             self._check_header(m, data)
         return data
@@ -283,14 +283,14 @@ class Reader(ShardReader):
         try:
             h, w = image_size(data)
         except PackerError as exc:
-            raise PackerError(f"{self.paths[m]}: cannot decode mosaic ({exc})") from exc
+            raise DatasetError(f"{self.paths[m]}: cannot decode mosaic ({exc})") from exc
         want = self.geom.shape(self.counts[m])
         if (h, w) != want[:2]:
-            raise PackerError(f"{self.paths[m]}: image header says {h}x{w}, the manifest says {want[0]}x{want[1]}")
+            raise DatasetError(f"{self.paths[m]}: image header says {h}x{w}, the manifest says {want[0]}x{want[1]}")
 
     def _checked(self, pixels: np.ndarray, shape: tuple, m: int) -> np.ndarray:
         if pixels.shape != shape:
-            raise PackerError(f"{self.paths[m]}: decoded to {pixels.shape}, the manifest says {shape}")
+            raise DatasetError(f"{self.paths[m]}: decoded to {pixels.shape}, the manifest says {shape}")
         return pixels
 
     def _mapped(self, m: int) -> tuple:
@@ -312,7 +312,7 @@ class Reader(ShardReader):
         try:
             fh = open(path, "rb")
         except OSError as exc:
-            raise PackerError(f"{path}: cannot read mosaic ({exc.strerror or exc})") from exc
+            raise DatasetError(f"{path}: cannot read mosaic ({exc.strerror or exc})") from exc
         try:
             check_size(fh.fileno(), self.sizes[m], path)
             buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if self.sizes[m] else b""
@@ -322,13 +322,13 @@ class Reader(ShardReader):
             if self.geom.codec == "bmp":
                 info = bmpfile.parse_header(head, self.sizes[m], path)
                 if (info.height, info.width, 3) != shape:
-                    raise PackerError(f"{path}: a {info.height}x{info.width} BMP, the manifest says {shape}")
+                    raise DatasetError(f"{path}: a {info.height}x{info.width} BMP, the manifest says {shape}")
             else:
                 info = self._load_index(m, self.sizes[m])
                 self._check_header(m, buf)
         except OSError as exc:
             fh.close()
-            raise PackerError(f"{path}: cannot read mosaic ({exc.strerror or exc})") from exc
+            raise DatasetError(f"{path}: cannot read mosaic ({exc.strerror or exc})") from exc
         except BaseException:
             fh.close()
             raise
@@ -344,8 +344,8 @@ class Reader(ShardReader):
         index = load_npy(path, "<i8", ndim=2, max_items=2 * n)  # its header checked against the file first
         if index.shape != (n, 2) or (n and (
                 index.min() < 0 or index.max() > size or np.any(index[:, 0] > index[:, 1]))):
-            raise PackerError(f"{path}: tile index does not describe {self.paths[m].name} "
-                              f"({index.dtype} {index.shape}, expected <i8 ({n}, 2) within {size} bytes)")
+            raise DatasetError(f"{path}: tile index does not describe {self.paths[m].name} "
+                               f"({index.dtype} {index.shape}, expected <i8 ({n}, 2) within {size} bytes)")
         return index
 
     def _mosaic(self, m: int) -> np.ndarray:
@@ -356,7 +356,7 @@ class Reader(ShardReader):
         try:
             pixels = decode(data, "auto", strict=True)
         except PackerError as exc:
-            raise PackerError(f"{self.paths[m]}: cannot decode mosaic ({exc})") from exc
+            raise DatasetError(f"{self.paths[m]}: cannot decode mosaic ({exc})") from exc
         self._cache[m] = self._checked(pixels, self.geom.shape(self.counts[m]), m)
         while len(self._cache) > 1 and sum(a.nbytes for a in self._cache.values()) > self.cache_bytes:
             self._cache.popitem(last=False)
@@ -373,9 +373,9 @@ class MosaicFormat(Format):
     def check_options(self, options: Mapping) -> None:
         tile, resize = options.get("tile"), options.get("resize")
         geometry(options)  # --tile and --grid, named as given
-        tile_spec, resize_spec = ResizeSpec.parse(tile, option="--tile"), ResizeSpec.parse(resize)
+        tile_spec, resize_spec = ResizeSpec.parse(tile, option="tile"), ResizeSpec.parse(resize)
         if tile_spec is not None and resize_spec is not None and tile_spec.fixed_shape != resize_spec.fixed_shape:
-            raise PackerError(f"--tile {tile} already sets the size; drop --resize {resize}")
+            raise OptionError(f"{arg('tile', tile)} already sets the size; drop {arg('resize', resize)}")
 
     def implied_resize(self, options: Mapping) -> str | None:
         return options.get("tile")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from packer.errors import PackerError
+from packer.errors import OptionError, PackerError, arg
 from packer.images import bmp as bmpfile
 from packer.images.decode import check_pixels
 from packer.layout.manifest import Manifest, Shard
@@ -55,10 +55,11 @@ class Geometry:
 
 
 def parse_hw(text: str, what: str, form: str = "HxW", example: str = "224x224") -> tuple[int, int]:
-    """'224x224' -> (224, 224); ``what``: the option given (--tile), ``form``/``example``: its shape in messages."""
+    """'224x224' -> (224, 224); ``what``: the option given (its keyword: tile), ``form``/``example``: its shape in
+    messages."""
     m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", str(text))
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
-        raise PackerError(f"{what} {text!r}: expected {form} of positive integers, e.g. {example}")
+        raise OptionError(f"{arg(what, text)}: expected {form} of positive integers, e.g. {example}")
     return int(m.group(1)), int(m.group(2))
 
 
@@ -73,31 +74,34 @@ def geometry(options: Mapping) -> Geometry:
     """The mosaic layout asked for by convert options (``tile``, ``grid``, ``codec``, ``quality``), checked."""
     tile = options.get("tile") or options.get("resize")  # a fixed --resize HxW is the tile size too
     if not tile or (not options.get("tile") and "x" not in str(tile).lower()):
-        raise PackerError("--to mosaic needs --tile HxW, the size every image is resized to (e.g. --tile 224x224)")
-    th, tw = parse_hw(tile, "--tile" if options.get("tile") else "--resize")
-    rows, cols = parse_hw(options["grid"], "--grid", "RxC", "11x10") if options.get("grid") else default_grid(th, tw)
+        raise OptionError(f"{arg('to', 'mosaic')} needs {arg('tile', 'HxW')}, the size every image is resized to "
+                          f"(e.g. {arg('tile', '224x224')})")
+    th, tw = parse_hw(tile, "tile" if options.get("tile") else "resize")
+    rows, cols = parse_hw(options["grid"], "grid", "RxC", "11x10") if options.get("grid") else default_grid(th, tw)
     codec = options.get("codec") or DEFAULT_CODEC
     if codec not in CODECS:
-        raise PackerError(f"unknown mosaic codec {codec!r} (choose from {', '.join(CODECS)})")
+        raise OptionError(f"unknown mosaic codec {codec!r} (choose from {', '.join(CODECS)})")
     if options.get("quality") is not None and codec != "jpeg":
-        raise PackerError(f"--quality is for --codec jpeg only ({codec} is lossless)")
+        raise OptionError(f"{arg('quality')} is for {arg('codec', 'jpeg')} only ({codec} is lossless)")
     quality = jpeg_quality(options)
     if codec == "jpeg":
         if th % JPEG_MCU or tw % JPEG_MCU:
             def near(v: int) -> str:
                 lo = max(JPEG_MCU, v // JPEG_MCU * JPEG_MCU)
                 return f"{lo}" if lo == v else f"{lo} or {lo + JPEG_MCU}"
-            raise PackerError(
-                f"--tile {th}x{tw}: with --codec jpeg tiles must be multiples of {JPEG_MCU} px so each tile "
-                f"can be cut out losslessly (height {near(th)}, width {near(tw)}), or use a lossless codec"
+            raise OptionError(
+                f"{arg('tile', f'{th}x{tw}')}: with {arg('codec', 'jpeg')} tiles must be multiples of {JPEG_MCU} px "
+                f"so each tile can be cut out losslessly (height {near(th)}, width {near(tw)}), or use a lossless codec"
             )
         if rows * th > JPEG_MAX_SIDE or cols * tw > JPEG_MAX_SIDE:
-            raise PackerError(f"--grid {rows}x{cols} of {th}x{tw} tiles exceeds JPEG's {JPEG_MAX_SIDE} px limit")
+            raise OptionError(f"{arg('grid', f'{rows}x{cols}')} of {th}x{tw} tiles exceeds JPEG's {JPEG_MAX_SIDE} px "
+                              "limit")
     if codec == "png":  # read by decoding whole mosaics: one must stay within the pixel limit
         try:
-            check_pixels(rows * th, cols * tw, what=f"--grid {rows}x{cols} of {th}x{tw} tiles makes png mosaics of")
+            check_pixels(rows * th, cols * tw,
+                         what=f"{arg('grid', f'{rows}x{cols}')} of {th}x{tw} tiles makes png mosaics of")
         except PackerError as exc:
-            raise PackerError(f"{exc}; use a smaller --grid or --codec bmp") from None
+            raise OptionError(f"{exc.template}; use a smaller {arg('grid')} or {arg('codec', 'bmp')}") from None
     return Geometry(th, tw, rows, cols, codec, quality)
 
 
@@ -107,7 +111,7 @@ def jpeg_quality(options: Mapping) -> int:
     if quality is None:
         return DEFAULT_QUALITY
     if isinstance(quality, bool) or not isinstance(quality, int) or not 1 <= quality <= 100:
-        raise PackerError(f"--quality {quality!r}: expected an integer from 1 to 100")
+        raise OptionError(f"{arg('quality', quality)}: expected an integer from 1 to 100")
     return quality
 
 

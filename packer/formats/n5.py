@@ -42,7 +42,7 @@ from math import prod
 from pathlib import Path
 
 from packer.argtypes import size_arg
-from packer.errors import PackerError
+from packer.errors import OptionError, arg
 from packer.formats.base import (
     BlobIndex,
     Format,
@@ -76,9 +76,9 @@ def block_bytes(options: Mapping) -> int | None:
     try:
         size = value if type(value) is int else parse_bytes(str(value))
     except ValueError as exc:  # argparse.ArgumentTypeError is a ValueError
-        raise PackerError(f"--n5-block {value!r}: {exc}") from None
+        raise OptionError(f"{arg('n5_block', value)}: {exc}") from None
     if not 1 <= size <= MAX_BLOCK_BYTES:
-        raise PackerError(f"--n5-block {value}: must be between 1 byte and {MAX_BLOCK_BYTES >> 20} MiB")
+        raise OptionError(f"{arg('n5_block', value)}: must be between 1 byte and {MAX_BLOCK_BYTES >> 20} MiB")
     return size
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError
 
 N5_VERSION = "2.0.0"
 ATTRIBUTES = "attributes.json"
@@ -76,22 +76,22 @@ class Array:
     def from_attributes(cls, data: object, where: object) -> Array:
         """Check a dataset's attributes: plain integers, a known type and codec, whole rows, bounded blocks."""
         if not isinstance(data, dict):
-            raise PackerError(f"{where}: N5 attributes are not a JSON object")
+            raise DatasetError(f"{where}: N5 attributes are not a JSON object")
         dims, block, dtype, comp = (data.get(k) for k in ("dimensions", "blockSize", "dataType", "compression"))
         if not (isinstance(dims, list) and isinstance(block, list) and dims and len(dims) == len(block)
                 and all(type(v) is int and v >= 0 for v in dims) and all(type(v) is int and v > 0 for v in block)):
-            raise PackerError(f"{where}: N5 dimensions {dims!r:.80} / blockSize {block!r:.80} are not valid")
+            raise DatasetError(f"{where}: N5 dimensions {dims!r:.80} / blockSize {block!r:.80} are not valid")
         if dtype not in DTYPES:
-            raise PackerError(f"{where}: N5 dataType {dtype!r:.40}, expected one of {', '.join(DTYPES)}")
+            raise DatasetError(f"{where}: N5 dataType {dtype!r:.40}, expected one of {', '.join(DTYPES)}")
         kind, use_zlib = (comp.get("type"), comp.get("useZlib", False)) if isinstance(comp, dict) else (None, None)
         if kind not in ("raw", "gzip") or not isinstance(use_zlib, bool):
-            raise PackerError(f"{where}: N5 compression {comp!r:.80} (packer reads raw and gzip)")
+            raise DatasetError(f"{where}: N5 compression {comp!r:.80} (packer reads raw and gzip)")
         shape = tuple(reversed(dims))
         if list(reversed(block[:-1])) != list(shape[1:]):
-            raise PackerError(f"{where}: blocks split more than the slowest dimension (blockSize {block})")
+            raise DatasetError(f"{where}: blocks split more than the slowest dimension (blockSize {block})")
         arr = cls(shape, block[-1], dtype, kind, use_zlib)
         if arr.rows * arr.row_bytes > MAX_BLOCK_BYTES:
-            raise PackerError(f"{where}: blocks of {arr.rows * arr.row_bytes} bytes (at most {MAX_BLOCK_BYTES})")
+            raise DatasetError(f"{where}: blocks of {arr.rows * arr.row_bytes} bytes (at most {MAX_BLOCK_BYTES})")
         return arr
 
 
@@ -135,13 +135,13 @@ def read_attributes(path: Path) -> dict:
     try:
         size = os.stat(path).st_size
         if size > _MAX_ATTRIBUTES_BYTES:
-            raise PackerError(f"{path}: {size} bytes of attributes (at most {_MAX_ATTRIBUTES_BYTES})")
+            raise DatasetError(f"{path}: {size} bytes of attributes (at most {_MAX_ATTRIBUTES_BYTES})")
         with open(path, "rb") as fh:
             data = json.loads(fh.read(size + 1))
     except (OSError, ValueError, RecursionError) as exc:
-        raise PackerError(f"{path}: cannot read N5 attributes ({type(exc).__name__}: {exc})") from exc
+        raise DatasetError(f"{path}: cannot read N5 attributes ({type(exc).__name__}: {exc})") from exc
     if not isinstance(data, dict):
-        raise PackerError(f"{path}: N5 attributes are not a JSON object")
+        raise DatasetError(f"{path}: N5 attributes are not a JSON object")
     return data
 
 
@@ -153,14 +153,14 @@ def check_block_header(head: bytes, arr: Array, j: int, where: object) -> int:
     """
     ndim = len(arr.shape)
     if len(head) < arr.header_bytes():
-        raise PackerError(f"{where}: N5 block shorter than its header")
+        raise DatasetError(f"{where}: N5 block shorter than its header")
     mode, nd = struct.unpack_from(">HH", head)
     if mode != 0 or nd != ndim:
-        raise PackerError(f"{where}: N5 block header mode {mode}, {nd} dimensions (expected mode 0, {ndim})")
+        raise DatasetError(f"{where}: N5 block header mode {mode}, {nd} dimensions (expected mode 0, {ndim})")
     dims = struct.unpack_from(f">{ndim}I", head, 4)
     expected = [*reversed(arr.shape[1:]), arr.block_rows(j)]
     if list(dims) != expected and list(dims) != [*expected[:-1], arr.rows]:
-        raise PackerError(f"{where}: N5 block of sizes {list(dims)}, the attributes make it {expected}")
+        raise DatasetError(f"{where}: N5 block of sizes {list(dims)}, the attributes make it {expected}")
     return prod(dims)
 
 
@@ -174,7 +174,7 @@ class Inflater:
 
     def __init__(self, arr: Array, data: bytes, size: int, where: object) -> None:
         if size <= 0:  # zlib reads a limit of 0 as "no limit"
-            raise PackerError(f"{where}: empty N5 block")
+            raise DatasetError(f"{where}: empty N5 block")
         self.d = zlib.decompressobj(15 if arr.use_zlib else 31)
         self.tail, self.size, self.where = data, size, where
         self.out = bytearray()
@@ -190,11 +190,11 @@ class Inflater:
                 if not chunk and len(self.tail) == before:
                     break  # no input left before the stream's end
             if len(self.out) == self.size and not self.d.eof and self.d.decompress(self.tail, 1):
-                raise PackerError(f"{self.where}: gzip block inflates to more than its {self.size} bytes")
+                raise DatasetError(f"{self.where}: gzip block inflates to more than its {self.size} bytes")
         except zlib.error as exc:
-            raise PackerError(f"{self.where}: damaged gzip block ({exc})") from exc
+            raise DatasetError(f"{self.where}: damaged gzip block ({exc})") from exc
         if len(self.out) < stop or (len(self.out) == self.size and not self.d.eof):
-            raise PackerError(f"{self.where}: gzip block inflates to other than its {self.size} bytes")
+            raise DatasetError(f"{self.where}: gzip block inflates to other than its {self.size} bytes")
         return self.out
 
 

@@ -14,7 +14,7 @@ from typing import cast
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, PackerError
 from packer.formats.base import (
     ShardReader,
     Span,
@@ -55,7 +55,7 @@ class Reader(ShardReader):
         self.sizes = {f.name: f.num_bytes for f in shard.files}
         self.root_name = self.files[0].removesuffix("/" + ATTRIBUTES)
         if "/" in self.root_name or self.files[0] != f"{self.root_name}/{ATTRIBUTES}":
-            raise PackerError(f"{self.directory / self.files[0]}: an n5 shard's first file is <shard>.n5/{ATTRIBUTES}")
+            raise DatasetError(f"{self.directory / self.files[0]}: an n5 shard's first file is <shard>.n5/{ATTRIBUTES}")
         self.num_samples = shard.num_samples
         self.payload = payload
         self.access = access
@@ -66,7 +66,7 @@ class Reader(ShardReader):
     def _path(self, rel: str) -> Path:
         """The path of a file of this shard; only files the manifest lists (it checked they stay inside)."""
         if f"{self.root_name}/{rel}" not in self.sizes:
-            raise PackerError(f"{self.directory / self.root_name / rel}: needed, but the manifest does not list it")
+            raise DatasetError(f"{self.directory / self.root_name / rel}: needed, but the manifest does not list it")
         return self.directory / self.root_name / rel
 
     def _where(self, rel: str) -> Path:
@@ -76,14 +76,14 @@ class Reader(ShardReader):
         path = self._path(f"{name}/{ATTRIBUTES}")
         arr = Array.from_attributes(read_attributes(path), path)
         if arr.num_blocks >= len(self.files):
-            raise PackerError(f"{path}: {arr.num_blocks} blocks, the manifest lists {len(self.files)} files")
+            raise DatasetError(f"{path}: {arr.num_blocks} blocks, the manifest lists {len(self.files)} files")
         return arr, [f"{name}/{ATTRIBUTES}"] + [f"{name}/{arr.block_name(j)}" for j in range(arr.num_blocks)]
 
     def _small(self, arr: Array, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A one-block int64 dataset of exactly ``shape``, read whole."""
         if arr.shape != shape or arr.dtype != "int64" or arr.num_blocks > 1:
-            raise PackerError(f"{self._where(name)}: {arr.shape} {arr.dtype} in {arr.num_blocks} blocks, "
-                              f"expected {shape} int64")
+            raise DatasetError(f"{self._where(name)}: {arr.shape} {arr.dtype} in {arr.num_blocks} blocks, "
+                               f"expected {shape} int64")
         if not arr.num_blocks:
             return np.zeros(shape, dtype=np.int64)
         return np.frombuffer(self._block(arr, 0, name), dtype=">i8").astype(np.int64).reshape(shape)
@@ -95,7 +95,7 @@ class Reader(ShardReader):
             with open(path, "rb") as fh:
                 data = fh.read(self.sizes[f"{self.root_name}/{name}/{arr.block_name(j)}"] + 1)
         except OSError as exc:
-            raise PackerError(f"{path}: cannot read N5 block ({exc.strerror or exc})") from exc
+            raise DatasetError(f"{path}: cannot read N5 block ({exc.strerror or exc})") from exc
         count = check_block_header(data, arr, j, path)
         return memoryview(data)[arr.header_bytes():], count * DTYPES[arr.dtype].itemsize, path
 
@@ -106,7 +106,7 @@ class Reader(ShardReader):
         if arr.compression == "gzip":
             return inflate(arr, bytes(body), size, path)[:need]
         if len(body) != size:
-            raise PackerError(f"{path}: N5 block holds {len(body)} bytes of data, its header says {size}")
+            raise DatasetError(f"{path}: N5 block holds {len(body)} bytes of data, its header says {size}")
         return bytes(body[:need])
 
     def _inflater(self, arr: Array, j: int) -> Inflater:
@@ -117,18 +117,18 @@ class Reader(ShardReader):
         n, shape = self.num_samples, self.fixed_shape
         root = read_attributes(self._path(ATTRIBUTES))
         if not str(root.get("n5", "")).startswith("2."):
-            raise PackerError(f"{self._path(ATTRIBUTES)}: not an N5 2.x container (n5: {root.get('n5')!r:.40})")
+            raise DatasetError(f"{self._path(ATTRIBUTES)}: not an N5 2.x container (n5: {root.get('n5')!r:.40})")
         images, names = self._dataset("images")
         gzip = "gzip" if images.compression == "gzip" else None
         if images.dtype != "uint8" or gzip != self.facts.get("compression") or images.rows != self.facts.get("rows"):
-            raise PackerError(f"{self._where('images')}: {images} disagrees with the manifest ({self.facts})")
+            raise DatasetError(f"{self._where('images')}: {images} disagrees with the manifest ({self.facts})")
         offsets = shapes = None
         if shape is not None:
             if images.shape != (n, *shape):
-                raise PackerError(f"{self._where('images')}: shape {images.shape}, the manifest says {(n, *shape)}")
+                raise DatasetError(f"{self._where('images')}: shape {images.shape}, the manifest says {(n, *shape)}")
         else:
             if len(images.shape) != 1:
-                raise PackerError(f"{self._where('images')}: shape {images.shape}, expected a 1-D blob")
+                raise DatasetError(f"{self._where('images')}: shape {images.shape}, expected a 1-D blob")
             arr, more = self._dataset("offsets")
             names += more
             offsets = self._small(arr, "offsets", (n + 1,))
@@ -139,15 +139,15 @@ class Reader(ShardReader):
                 shapes = self._small(arr, "shapes", (n, 3))
                 if np.any(shapes < 0) or np.any(shapes[:, 2] != 3) or not np.array_equal(
                         shapes.prod(axis=1), np.diff(offsets)):
-                    raise PackerError(f"{self._where('shapes')}: shapes do not match the offsets")
+                    raise DatasetError(f"{self._where('shapes')}: shapes do not match the offsets")
         arr, more = self._dataset("labels")
         if arr.shape != (n,) or arr.dtype != "int64":
-            raise PackerError(f"{self._where('labels')}: shape {arr.shape} {arr.dtype}, expected ({n},) int64")
+            raise DatasetError(f"{self._where('labels')}: shape {arr.shape} {arr.dtype}, expected ({n},) int64")
         names += more
         # Only files the manifest lists are ever opened: the attributes must name exactly those.
         if [f"{self.root_name}/{x}" for x in [ATTRIBUTES, *names]] != self.files:
-            raise PackerError(f"{self.directory / self.root_name}: the N5 attributes describe other files "
-                              "than the manifest lists")
+            raise DatasetError(f"{self.directory / self.root_name}: the N5 attributes describe other files "
+                               "than the manifest lists")
         rels = [f"images/{images.block_name(j)}" for j in range(images.num_blocks)]
         return _Open(images, [str(self._path(r)) for r in rels], [self.sizes[f"{self.root_name}/{r}"] for r in rels],
                      offsets, shapes)
@@ -170,13 +170,13 @@ class Reader(ShardReader):
             try:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as exc:
-                raise PackerError(f"{path}: cannot open N5 block ({exc.strerror or exc})") from exc
+                raise DatasetError(f"{path}: cannot open N5 block ({exc.strerror or exc})") from exc
             try:
                 hb = arr.header_bytes()
                 count = check_block_header(os.pread(fd, hb, 0), arr, j, path)
                 size = os.fstat(fd).st_size
                 if size != hb + count:
-                    raise PackerError(f"{path}: N5 block of {size - hb} bytes, its header says {count}")
+                    raise DatasetError(f"{path}: N5 block of {size - hb} bytes, its header says {count}")
                 check_size(fd, h.block_sizes[j], path)
                 entry = (fd, map_array(path, fd, self.access)[hb:])
             except BaseException:

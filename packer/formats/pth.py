@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError
 from packer.formats.base import Format
 from packer.formats.tensorfile import ArrayShardReader, ArrayShardWriter, file_size
 
@@ -60,27 +60,27 @@ def check_archive(path: Path) -> dict[str, tuple[int, int]]:
         with open(path, "rb") as fh, zipfile.ZipFile(fh) as archive:
             infos = archive.infolist()
             if len(infos) > _MAX_RECORDS:
-                raise PackerError(f"{path}: {len(infos)} records in the archive (a packer shard has fewer than "
-                                  f"{_MAX_RECORDS})")
+                raise DatasetError(f"{path}: {len(infos)} records in the archive (a packer shard has fewer than "
+                                   f"{_MAX_RECORDS})")
             for info in infos:
                 stored = info.compress_type == zipfile.ZIP_STORED and info.compress_size == info.file_size
                 if not stored or info.flag_bits & 0x1:
-                    raise PackerError(f"{path}: record {info.filename!r:.80} is compressed or encrypted")
+                    raise DatasetError(f"{path}: record {info.filename!r:.80} is compressed or encrypted")
                 fh.seek(info.header_offset)
                 local = fh.read(30)
                 if len(local) != 30 or local[:4] != _ZIP_LOCAL:
-                    raise PackerError(f"{path}: record {info.filename!r:.80} has no local header where the "
-                                      "directory says")
+                    raise DatasetError(f"{path}: record {info.filename!r:.80} has no local header where the "
+                                       "directory says")
                 name_len, extra_len = struct.unpack_from("<HH", local, 26)
                 start = info.header_offset + 30 + name_len + extra_len
                 if start + info.file_size > size:
-                    raise PackerError(f"{path}: record {info.filename!r:.80} runs past the end of the file")
+                    raise DatasetError(f"{path}: record {info.filename!r:.80} runs past the end of the file")
                 out[info.filename] = (start, info.file_size)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, struct.error) as exc:
-        raise PackerError(f"{path}: not a torch.save archive ({type(exc).__name__}: {exc})") from exc
+        raise DatasetError(f"{path}: not a torch.save archive ({type(exc).__name__}: {exc})") from exc
     pickles = [name for name in out if name.endswith("/data.pkl")]
     if len(pickles) != 1 or out[pickles[0]][1] > _MAX_PICKLE:
-        raise PackerError(f"{path}: expected one data.pkl of at most {_MAX_PICKLE} bytes in the archive")
+        raise DatasetError(f"{path}: expected one data.pkl of at most {_MAX_PICKLE} bytes in the archive")
     return out
 
 
@@ -101,13 +101,13 @@ class Reader(ArrayShardReader):
         try:
             obj = torch.load(self.path, weights_only=True, mmap=True, map_location="cpu")
         except Exception as exc:  # the restricted unpickler's refusals, torch's own checks: never a crash
-            raise PackerError(f"{self.path}: refused or damaged torch.save file ({type(exc).__name__}: "
-                              f"{str(exc)[:300]})") from exc
+            raise DatasetError(f"{self.path}: refused or damaged torch.save file ({type(exc).__name__}: "
+                               f"{str(exc)[:300]})") from exc
         kinds = {torch.uint8: "u1", torch.int64: "<i8"}
         if type(obj) is not dict or not all(
                 type(k) is str and isinstance(v, torch.Tensor) and v.dtype in kinds and v.device.type == "cpu"
                 and v.layout == torch.strided and v.is_contiguous() for k, v in obj.items()):
-            raise PackerError(f"{self.path}: not a dict of contiguous uint8/int64 CPU tensors")
+            raise DatasetError(f"{self.path}: not a dict of contiguous uint8/int64 CPU tensors")
         arrays = {k: v.detach().numpy() for k, v in obj.items()}
         return arrays, _data_offset(obj, records, "images")
 

@@ -51,7 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, OptionError, PackerError
 from packer.formats.base import (
     Format,
     PreparedSample,
@@ -111,22 +111,22 @@ def decode_record(buf: bytes | memoryview, where: object) -> memoryview:
     pos, expect_more = 0, False
     while True:
         if pos + 8 > len(view):
-            raise PackerError(f"{where}: record ends inside a part header")
+            raise DatasetError(f"{where}: record ends inside a part header")
         magic, lrec = struct.unpack_from("<II", view, pos)
         cflag, length = lrec >> 29, lrec & MAX_LENGTH
         if magic != MAGIC:
-            raise PackerError(f"{where}: bad RecordIO magic {magic:#010x} at byte {pos} of the record")
+            raise DatasetError(f"{where}: bad RecordIO magic {magic:#010x} at byte {pos} of the record")
         if cflag > 3 or (cflag in (0, 1)) == expect_more:
-            raise PackerError(f"{where}: RecordIO part flag {cflag} out of sequence")
+            raise DatasetError(f"{where}: RecordIO part flag {cflag} out of sequence")
         end = pos + 8 + length
         if end + (_pad(length) if cflag in (0, 3) else 0) > len(view):
-            raise PackerError(f"{where}: RecordIO part of {length} bytes runs past the record's end")
+            raise DatasetError(f"{where}: RecordIO part of {length} bytes runs past the record's end")
         parts.append(view[pos + 8 : end])
         pos, expect_more = end, cflag in (1, 2)
         if not expect_more:
             break
     if pos + _pad(length) != len(view):
-        raise PackerError(f"{where}: {len(view) - pos} bytes between the record's end and the next record")
+        raise DatasetError(f"{where}: {len(view) - pos} bytes between the record's end and the next record")
     if len(parts) == 1:
         return parts[0]
     return memoryview(_MAGIC_BYTES.join(bytes(p) for p in parts))
@@ -140,12 +140,12 @@ def pack_header(label: float, id: int, id2: int = 0) -> bytes:
 def unpack_header(data: memoryview, where: object) -> tuple[float | tuple[float, ...], int, int, memoryview]:
     """(label or labels, id, id2, the image bytes) of a record's data, as ``mxnet.recordio.unpack``."""
     if len(data) < IR_SIZE:
-        raise PackerError(f"{where}: record of {len(data)} bytes is shorter than its {IR_SIZE}-byte header")
+        raise DatasetError(f"{where}: record of {len(data)} bytes is shorter than its {IR_SIZE}-byte header")
     flag, label, id_, id2 = struct.unpack_from(IR_FORMAT, data)
     if flag == 0:
         return label, id_, id2, data[IR_SIZE:]
     if IR_SIZE + 4 * flag > len(data):
-        raise PackerError(f"{where}: header announces {flag} labels, more than the record holds")
+        raise DatasetError(f"{where}: header announces {flag} labels, more than the record holds")
     labels = tuple(np.frombuffer(data, "<f4", count=flag, offset=IR_SIZE).tolist())
     return labels, id_, id2, data[IR_SIZE + 4 * flag :]
 
@@ -154,7 +154,7 @@ class Writer(ShardWriter):
     def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: Mapping) -> None:
         super().__init__(directory, shard_id, num_samples, payload, options)
         if payload != "encoded":
-            raise PackerError("the recordio format stores encoded image files (MXNet and DALI decode them)")
+            raise OptionError("the recordio format stores encoded image files (MXNet and DALI decode them)")
         stem = shard_stem(shard_id)
         self.names = [f"{stem}.rec", f"{stem}.idx"]
         self.path = self.directory / self.names[0]
@@ -197,7 +197,7 @@ def read_index(idx_path: str | os.PathLike, rec_size: int,
     size = os.stat(idx_path).st_size
     limit = _IDX_LINE_MAX * (max_records if max_records is not None else max(rec_size // 8, 1))
     if size > limit:
-        raise PackerError(f"{idx_path}: {size} bytes is more than an index of this .rec can hold")
+        raise DatasetError(f"{idx_path}: {size} bytes is more than an index of this .rec can hold")
     with open(idx_path, "rb") as fh:
         text = fh.read(size + 1)
     lines = text.split(b"\n")
@@ -207,16 +207,16 @@ def read_index(idx_path: str | os.PathLike, rec_size: int,
     for n, line in enumerate(lines):
         fields = line.split(b"\t")
         if len(fields) != 2 or not fields[1].isdigit() or not fields[0] or len(line) > _IDX_LINE_MAX:
-            raise PackerError(f"{idx_path}: line {n + 1} is not 'key<TAB>offset'")
+            raise DatasetError(f"{idx_path}: line {n + 1} is not 'key<TAB>offset'")
         keys.append(fields[0].decode("ascii", "replace"))
         offsets.append(int(fields[1]))
     if max_records is not None and len(keys) != max_records:
-        raise PackerError(f"{idx_path}: lists {len(keys)} records, the manifest says {max_records}")
+        raise DatasetError(f"{idx_path}: lists {len(keys)} records, the manifest says {max_records}")
     arr = np.asarray(offsets, dtype=np.int64)
     order = np.argsort(arr, kind="stable")
     arr, keys = arr[order], [keys[i] for i in order.tolist()]
     if len(arr) and (arr[-1] >= rec_size or np.any(np.diff(arr) <= 0) or np.any(arr % 4)):
-        raise PackerError(f"{idx_path}: offsets repeat, are not 4-byte aligned or lie past the end of the .rec")
+        raise DatasetError(f"{idx_path}: offsets repeat, are not 4-byte aligned or lie past the end of the .rec")
     return keys, arr
 
 
@@ -303,7 +303,7 @@ def list_records(rec_path: str | os.PathLike, idx_path: str | os.PathLike | None
     with open(rec_path, "rb") as fh:
         keys, offsets, ends, problem = record_spans(rec_path, fh.fileno(), None if idx_path is None else Path(idx_path))
         if problem:
-            raise PackerError(problem)
+            raise DatasetError(problem)
         for key, start, end in zip(keys, offsets.tolist(), ends.tolist()):
             where = f"{rec_path}: record {key} at byte {start}"
             data = decode_record(os.pread(fh.fileno(), end - start, start), where)
@@ -332,8 +332,8 @@ class Reader(ShardReader):
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
         if len(shard.files) != 2:
-            raise PackerError(f"{directory}: a recordio shard has a .rec and an .idx, the manifest lists "
-                              f"{len(shard.files)}")
+            raise DatasetError(f"{directory}: a recordio shard has a .rec and an .idx, the manifest lists "
+                               f"{len(shard.files)}")
         self.path = directory / shard.files[0].name
         self.idx_path = directory / shard.files[1].name
         self.num_bytes = shard.files[0].num_bytes
@@ -345,18 +345,18 @@ class Reader(ShardReader):
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError as exc:
-            raise PackerError(f"{self.path}: cannot open ({exc.strerror or exc})") from exc
+            raise DatasetError(f"{self.path}: cannot open ({exc.strerror or exc})") from exc
         try:
             check_size(fd, self.num_bytes, self.path)  # the map below then covers every record the index may name
             try:
                 keys, offsets = read_index(self.idx_path, self.num_bytes, self.num_samples)
             except OSError as exc:
-                raise PackerError(f"{self.idx_path}: cannot read ({exc.strerror or exc})") from exc
+                raise DatasetError(f"{self.idx_path}: cannot read ({exc.strerror or exc})") from exc
             if keys != [str(i) for i in range(self.num_samples)] or (len(offsets) and offsets[0] != 0):
-                raise PackerError(f"{self.idx_path}: keys are not 0..{self.num_samples - 1} in record order "
-                                  "from byte 0")
+                raise DatasetError(f"{self.idx_path}: keys are not 0..{self.num_samples - 1} in record order "
+                                   "from byte 0")
             if not len(offsets) and self.num_bytes:
-                raise PackerError(f"{self.path}: {self.num_bytes} bytes, but the index lists no records")
+                raise DatasetError(f"{self.path}: {self.num_bytes} bytes, but the index lists no records")
             data = memoryview(map_readonly(self.path, fd, self.access)) if self.num_bytes else memoryview(b"")
         except BaseException:
             os.close(fd)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError
 from packer.formats.base import Format, map_readonly
 from packer.formats.tensorfile import ArrayShardReader, ArrayShardWriter, file_size
 
@@ -64,15 +64,15 @@ def parse_header(path: Path) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...],
             head = fh.read(8)
             (length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
             if not 0 < length <= min(_MAX_HEADER, size - 8):
-                raise PackerError(f"{path}: safetensors header of {length} bytes in a file of {size}")
+                raise DatasetError(f"{path}: safetensors header of {length} bytes in a file of {size}")
             header = json.loads(fh.read(length))
     except (OSError, ValueError, RecursionError) as exc:
-        raise PackerError(f"{path}: not a safetensors file ({type(exc).__name__}: {exc})") from exc
+        raise DatasetError(f"{path}: not a safetensors file ({type(exc).__name__}: {exc})") from exc
     if not isinstance(header, dict):
-        raise PackerError(f"{path}: safetensors header is not a JSON object")
+        raise DatasetError(f"{path}: safetensors header is not a JSON object")
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise PackerError(f"{path}: __metadata__ must map names to strings")
+        raise DatasetError(f"{path}: __metadata__ must map names to strings")
     data_start = 8 + length
     entries, ranges = {}, []
     for name, entry in header.items():
@@ -83,20 +83,20 @@ def parse_header(path: Path) -> tuple[dict[str, tuple[np.dtype, tuple[int, ...],
             if not all(type(v) is int and v >= 0 for v in (*shape, begin, end)) or len(entry) != 3:
                 raise ValueError("fields")
         except (KeyError, TypeError, ValueError):
-            raise PackerError(f"{path}: safetensors entry {name!r:.60} is not a U8/I64 tensor description") from None
+            raise DatasetError(f"{path}: safetensors entry {name!r:.60} is not a U8/I64 tensor description") from None
         if end - begin != prod(shape) * dtype.itemsize:
-            raise PackerError(f"{path}: {name!r:.60} covers {end - begin} bytes, its shape {shape} needs "
-                              f"{prod(shape) * dtype.itemsize}")
+            raise DatasetError(f"{path}: {name!r:.60} covers {end - begin} bytes, its shape {shape} needs "
+                               f"{prod(shape) * dtype.itemsize}")
         entries[name] = (dtype, shape, data_start + begin)
         ranges.append((begin, end))
     ranges.sort()
     at = 0
     for begin, end in ranges:
         if begin != at:
-            raise PackerError(f"{path}: safetensors byte ranges overlap or leave gaps")
+            raise DatasetError(f"{path}: safetensors byte ranges overlap or leave gaps")
         at = end
     if data_start + at != size:
-        raise PackerError(f"{path}: the tensors cover {at} bytes, the file holds {size - data_start} after the header")
+        raise DatasetError(f"{path}: the tensors cover {at} bytes, the file holds {size - data_start} after the header")
     return entries, metadata, data_start
 
 
@@ -122,9 +122,9 @@ class Reader(ArrayShardReader):
                 with open(self.path, "rb") as fh:
                     mm = map_readonly(self.path, fh.fileno(), self.access)
             except OSError as exc:
-                raise PackerError(f"{self.path}: cannot open ({exc.strerror or exc})") from exc
+                raise DatasetError(f"{self.path}: cannot open ({exc.strerror or exc})") from exc
             if len(mm) != data_start + sum(prod(s) * d.itemsize for d, s, _ in entries.values()):
-                raise PackerError(f"{self.path}: changed size while being opened")
+                raise DatasetError(f"{self.path}: changed size while being opened")
         arrays = {name: np.ndarray(shape, dtype, buffer=mm, offset=start) if prod(shape) else np.zeros(shape, dtype)
                   for name, (dtype, shape, start) in entries.items()}
         return arrays, entries["images"][2] if "images" in entries else None

@@ -28,7 +28,7 @@ from typing import ClassVar, cast
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, PackerError
 from packer.formats.base import (
     BlobIndex,
     PreparedSample,
@@ -126,7 +126,8 @@ class ArrayShardReader(ShardReader):
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
         if len(shard.files) != 1:
-            raise PackerError(f"{directory}: a shard of this format is one file, the manifest lists {len(shard.files)}")
+            raise DatasetError(f"{directory}: a shard of this format is one file, the manifest lists "
+                               f"{len(shard.files)}")
         self.path = Path(directory) / shard.files[0].name
         self.num_bytes = shard.files[0].num_bytes
         self.num_samples = shard.num_samples
@@ -143,7 +144,7 @@ class ArrayShardReader(ShardReader):
         try:
             fd = os.open(self.path, os.O_RDONLY)
         except OSError as exc:
-            raise PackerError(f"{self.path}: cannot open ({exc.strerror or exc})") from exc
+            raise DatasetError(f"{self.path}: cannot open ({exc.strerror or exc})") from exc
         try:
             check_size(fd, self.num_bytes, self.path)
             return self._arrays(fd)
@@ -161,19 +162,19 @@ class ArrayShardReader(ShardReader):
         arrays, images_at = self.load_file()
         want = expected_arrays(self.payload, self.fixed_shape, self.num_samples)
         if sorted(arrays) != sorted(want):
-            raise PackerError(f"{self.path}: holds arrays {sorted(arrays)!r:.200}, expected {list(want)}")
+            raise DatasetError(f"{self.path}: holds arrays {sorted(arrays)!r:.200}, expected {list(want)}")
         for name, (dtype, shape) in want.items():
             arr = arrays[name]
             if arr.dtype != np.dtype(dtype) or (shape is not None and arr.shape != shape) or (
                     shape is None and arr.ndim != 1):
-                raise PackerError(f"{self.path}: {name} is {arr.dtype} {arr.shape}, expected {dtype} {shape or '[B]'}")
+                raise DatasetError(f"{self.path}: {name} is {arr.dtype} {arr.shape}, expected {dtype} {shape or '[B]'}")
             arr.flags.writeable = False  # views handed out must never change what later reads see
         images, offsets, shapes = arrays["images"], arrays.get("offsets"), arrays.get("shapes")
         if offsets is not None:
             check_offsets(offsets, self.num_samples, len(images), f"{self.path}: offsets")
         if shapes is not None and (offsets is None or np.any(shapes < 0) or np.any(shapes[:, 2] != 3)
                                    or not np.array_equal(shapes.prod(axis=1), np.diff(offsets))):
-            raise PackerError(f"{self.path}: shapes do not match the offsets")
+            raise DatasetError(f"{self.path}: shapes do not match the offsets")
         return _Open(images, offsets, shapes, images_at, fd)
 
     def __len__(self) -> int:
@@ -214,4 +215,4 @@ def file_size(path: Path) -> int:
     try:
         return os.stat(path).st_size
     except OSError as exc:
-        raise PackerError(f"{path}: cannot stat ({exc.strerror or exc})") from exc
+        raise DatasetError(f"{path}: cannot stat ({exc.strerror or exc})") from exc

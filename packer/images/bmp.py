@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, PackerError
 from packer.images.decode import check_pixels
 
 _FILE_HEADER = struct.Struct("<2sIHHI")  # 14 bytes
@@ -68,7 +68,7 @@ def parse_header(head: bytes | memoryview, file_size: int, where: object) -> Bmp
     """Validate the first bytes of a BMP file of ``file_size`` bytes; ``where`` names it in errors."""
 
     def bad(reason: str) -> PackerError:
-        return PackerError(f"{where}: damaged BMP file: {reason}")
+        return DatasetError(f"{where}: damaged BMP file: {reason}")
 
     if len(head) < HEADER_BYTES or file_size < HEADER_BYTES:
         raise bad(f"{min(len(head), file_size)} bytes, too short for the 54-byte header")

@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from packer._random import raw_draws
-from packer.errors import PackerError
+from packer.errors import OptionError
 from packer.images.decode import SCALE_DENOMINATORS, check_pixels, decode, pixel_limit, sniff, writable_as
 from packer.images.jpegregion import decode_region, decode_regions, notice_missing, region_decode_available
 from packer.perprocess import PerProcess
@@ -44,7 +44,7 @@ class Window:
 def _size_pair(size: int | tuple[int, int]) -> tuple[int, int]:
     pair = (size, size) if isinstance(size, (int, np.integer)) else tuple(size)
     if len(pair) != 2 or any(isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1 for v in pair):
-        raise PackerError(f"crop size {size!r}: expected a positive int or (height, width)")
+        raise OptionError(f"crop size {size!r}: expected a positive int or (height, width)")
     check_pixels(int(pair[0]), int(pair[1]), what="crop output")
     return int(pair[0]), int(pair[1])
 
@@ -106,7 +106,7 @@ class CropDecode(ABC):
 def check_crop(crop: CropDecode | None, decode_size: int | None) -> CropDecode | None:
     """A dataset's ``crop`` argument, checked: a CropDecode, and no ``decode_size`` beside it (it picks the scale)."""
     if crop is not None and (decode_size or not isinstance(crop, CropDecode)):
-        raise PackerError(f"crop={crop!r}: expected a packer CropDecode, and no decode_size (the crop picks the scale)")
+        raise OptionError(f"crop={crop!r}: expected a packer CropDecode, and no decode_size (the crop picks the scale)")
     return crop
 
 
@@ -158,11 +158,11 @@ class RandomResizedCropDecode(CropDecode):
                  region: bool = True) -> None:
         self.size, self.region = _size_pair(size), bool(region)
         if not 0 < scale[0] <= scale[1]:
-            raise PackerError(f"crop scale {scale!r}: expected 0 < low <= high")
+            raise OptionError(f"crop scale {scale!r}: expected 0 < low <= high")
         if not 0 < ratio[0] <= ratio[1]:
-            raise PackerError(f"crop ratio {ratio!r}: expected 0 < low <= high")
+            raise OptionError(f"crop ratio {ratio!r}: expected 0 < low <= high")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise PackerError(f"crop seed {seed!r}: expected None or an integer >= 0")
+            raise OptionError(f"crop seed {seed!r}: expected None or an integer >= 0")
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
         self.flip, self.seed, self.epoch = bool(flip), seed, 0
@@ -175,7 +175,7 @@ class RandomResizedCropDecode(CropDecode):
     def set_epoch(self, epoch: int) -> None:
         """The epoch that, with ``seed`` and the sample index, decides the crops (``seed=S`` only)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise PackerError(f"epoch {epoch!r}: expected an integer >= 0")
+            raise OptionError(f"epoch {epoch!r}: expected an integer >= 0")
         self.epoch = epoch
 
     def draws(self, index: int) -> np.ndarray:
@@ -213,7 +213,7 @@ class CenterCropDecode(CropDecode):
     def __init__(self, size: int | tuple[int, int] = 224, resize: int = 256, region: bool = True) -> None:
         self.size, self.region = _size_pair(size), bool(region)
         if isinstance(resize, bool) or not isinstance(resize, int) or resize < max(self.size):
-            raise PackerError(f"resize {resize!r}: expected an int >= the crop size {max(self.size)}")
+            raise OptionError(f"resize {resize!r}: expected an int >= the crop size {max(self.size)}")
         self.resize = resize
 
     def __repr__(self) -> str:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import os
 import struct
-import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
@@ -24,8 +24,10 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, MissingPackageError, OptionError
 from packer.perprocess import PerProcess
+
+log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 try:  # the compiled region decoder (packer.images.jpegregion); here it decodes whole JPEGs into a given buffer
     from packer.images import _jpegregion as _native
@@ -49,8 +51,8 @@ _MAGIC = (
 _JPEG_MAGIC = b"\xff\xd8\xff"
 
 
-class DecodeError(PackerError):
-    """The bytes are not a complete, decodable image."""
+class DecodeError(DatasetError):
+    """The bytes are not a complete, decodable image (damaged data: a DatasetError)."""
 
 
 # ------------------------------------------------------------------ the pixel limit
@@ -114,7 +116,7 @@ def check_min_size(min_size: int | None) -> int | None:
     if min_size is None:
         return None
     if isinstance(min_size, bool) or not isinstance(min_size, (int, np.integer)) or min_size < 1:
-        raise PackerError(f"decode size must be a positive number of pixels or None, not {min_size!r}")
+        raise OptionError(f"decode size must be a positive number of pixels or None, not {min_size!r}")
     return int(min_size)
 
 
@@ -220,11 +222,10 @@ def _notice_fallback() -> None:
     global _notice_shown
     if not _notice_shown:
         _notice_shown = True
-        print(
-            f"packer: libjpeg-turbo not found ({turbojpeg_missing_reason()}); decoding JPEG with Pillow, "
-            "about 1.15-1.3x slower (docs/decoding.md). "
+        log.warning(
+            "libjpeg-turbo not found (%s); decoding JPEG with Pillow, about 1.15-1.3x slower (docs/decoding.md). "
             "Install it: apt-get install libturbojpeg0 | conda install libjpeg-turbo | brew install jpeg-turbo",
-            file=sys.stderr,
+            turbojpeg_missing_reason(),
         )
 
 
@@ -349,7 +350,7 @@ def decode(
     image has its shape, else the pixels come back in a new array.
     """
     if backend not in BACKENDS:
-        raise PackerError(f"unknown decoder {backend!r} (choose from {', '.join(BACKENDS)})")
+        raise OptionError(f"unknown decoder {backend!r} (choose from {', '.join(BACKENDS)})")
     if backend != "pil" and bytes(data[:3]) == _JPEG_MAGIC:
         if min_size is None and _native is not None and turbojpeg_handle() is not None:  # the compiled extension:
             # into out, else into an array of its own (without libturbojpeg, Pillow and its notice, as before)
@@ -363,8 +364,8 @@ def decode(
             return copy_into(pixels, out)
         if turbojpeg_handle() is None:
             if backend == "turbojpeg":
-                raise PackerError("decoder 'turbojpeg' asked for, but libturbojpeg is missing "
-                                  f"({turbojpeg_missing_reason()})")
+                raise MissingPackageError("decoder 'turbojpeg' asked for, but libturbojpeg is missing "
+                                          f"({turbojpeg_missing_reason()})")
             _notice_fallback()
     return copy_into(decode_pil(data, min_size=min_size), out)
 

@@ -9,12 +9,14 @@ Pixels are identical to the same rows and columns of a whole decode at that scal
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Sequence
 
 import numpy as np
 
 from packer.images.decode import DecodeError, check_pixels, pixel_limit, writable_as
+
+log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 try:
     from packer.images import _jpegregion
@@ -40,9 +42,10 @@ def notice_missing() -> None:
     global _notice_shown
     if not _notice_shown:
         _notice_shown = True
-        print(f"packer: the JPEG region decoder is not built ({_MISSING}); crops decode the whole image, slower "
-              "(docs/decoding.md). Build it: apt-get install libjpeg62-turbo-dev, then pip install -e . again",
-              file=sys.stderr)
+        log.warning("the JPEG region decoder is not built (%s); crops decode the whole image, slower "
+                    "(docs/decoding.md). Build it: apt-get install libjpeg62-turbo-dev, then install packer again "
+                    "from its source checkout (pip install -e . there; a wheel built without it is py3-none-any)",
+                    _MISSING)
 
 
 def decode_region(data: bytes | memoryview, d: int, top: int, left: int, height: int, width: int,

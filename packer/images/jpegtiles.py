@@ -19,7 +19,7 @@ import struct
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError
 from packer.images.decode import DecodeError, jpeg_markers
 
 _SOF_BASELINE = (0xC0, 0xC1)
@@ -29,25 +29,25 @@ _SOS, _EOI = 0xDA, 0xD9
 def scan_start(data: bytes | memoryview, where: object) -> tuple[int, int]:
     """(offset of the SOF segment, offset where the entropy-coded scan starts) of a baseline JPEG."""
     if bytes(data[:2]) != b"\xff\xd8":
-        raise PackerError(f"{where}: not a JPEG file")
+        raise DatasetError(f"{where}: not a JPEG file")
     sof = -1
     try:
         for pos, marker, length in jpeg_markers(data):
             if marker in _SOF_BASELINE:
                 if length < 8:
-                    raise PackerError(f"{where}: damaged JPEG frame header")
+                    raise DatasetError(f"{where}: damaged JPEG frame header")
                 sof = pos
             elif 0xC2 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
-                raise PackerError(f"{where}: not a baseline JPEG (SOF marker {marker:#x})")
+                raise DatasetError(f"{where}: not a baseline JPEG (SOF marker {marker:#x})")
             if marker == _SOS:
                 if sof < 0:
-                    raise PackerError(f"{where}: JPEG scan without a frame header")
+                    raise DatasetError(f"{where}: JPEG scan without a frame header")
                 if pos + 2 + length > len(data):
-                    raise PackerError(f"{where}: damaged JPEG header (scan header runs past the data)")
+                    raise DatasetError(f"{where}: damaged JPEG header (scan header runs past the data)")
                 return sof, pos + 2 + length
     except DecodeError as exc:
-        raise PackerError(f"{where}: {exc}") from None
-    raise PackerError(f"{where}: JPEG header ends before its scan")
+        raise DatasetError(f"{where}: {exc}") from None
+    raise DatasetError(f"{where}: JPEG header ends before its scan")
 
 
 def restart_index(data: bytes, where: object) -> np.ndarray:
@@ -57,7 +57,7 @@ def restart_index(data: bytes, where: object) -> np.ndarray:
     scan = buf[start:]
     marks = np.flatnonzero((scan[:-1] == 0xFF) & (scan[1:] >= 0xD0) & (scan[1:] <= 0xD7)) + start
     if len(data) < 2 or data[-2] != 0xFF or data[-1] != _EOI:
-        raise PackerError(f"{where}: JPEG does not end with EOI")
+        raise DatasetError(f"{where}: JPEG does not end with EOI")
     starts = np.concatenate([[start], marks + 2])
     stops = np.concatenate([marks, [len(data) - 2]])
     return np.stack([starts, stops], axis=1).astype("<i8")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from packer.errors import PackerError
+from packer.errors import OptionError, arg
 from packer.images.decode import check_pixels
 
 RESIZE_MODES = ("stretch", "fit")
@@ -30,21 +30,21 @@ class ResizeSpec:
 
     @classmethod
     def parse(cls, text: str | None, mode: str = "stretch", upscale: bool = False,
-              option: str = "--resize") -> ResizeSpec | None:
+              option: str = "resize") -> ResizeSpec | None:
         """The spec ``text`` gives (None for none); ``option``: the option the user gave it as, for messages."""
         if text is None or str(text).strip() == "":
             return None
         if mode not in RESIZE_MODES:
-            raise PackerError(f"unknown resize mode {mode!r} (choose {' or '.join(RESIZE_MODES)})")
+            raise OptionError(f"unknown resize mode {mode!r} (choose {' or '.join(RESIZE_MODES)})")
         text = str(text).strip().lower()
         if m := re.fullmatch(r"(\d+)", text):
             spec = cls(short_side=int(m.group(1)), mode=mode, upscale=upscale)
         elif m := re.fullmatch(r"(\d+)x(\d+)", text):
             spec = cls(height=int(m.group(1)), width=int(m.group(2)), mode=mode, upscale=upscale)
         else:
-            raise PackerError(f"{option} {text!r}: expected S (short side) or HxW, e.g. 256 or 224x224")
+            raise OptionError(f"{arg(option, text)}: expected S (short side) or HxW, e.g. 256 or 224x224")
         if min(v for v in (spec.short_side, spec.height, spec.width) if v is not None) < 1:
-            raise PackerError(f"{option} {text!r}: sizes must be at least 1")
+            raise OptionError(f"{arg(option, text)}: sizes must be at least 1")
         return spec
 
     def __str__(self) -> str:

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, OptionError
 from packer.layout.fsutil import naming
 from packer.layout.index import listed_path
 from packer.layout.manifest import Manifest
@@ -75,33 +75,33 @@ class FieldSpec:
 def parse_spec(text: object, where: str = "field") -> FieldSpec:
     """``int``, ``float``, ``str``, ``json``, ``bytes``, ``DTYPE[d1,d2]`` (fixed) or ``DTYPE[:,d2]`` (ragged)."""
     if not isinstance(text, str):
-        raise PackerError(f"{where}: field spec must be a string, found {type(text).__name__}")
+        raise OptionError(f"{where}: field spec must be a string, found {type(text).__name__}")
     if text in SCALARS:
         return FieldSpec(text, SCALARS[text])
     if text in BLOBS:
         return FieldSpec(text, "u1")
     m = _ARRAY.match(text.replace(" ", ""))
     if m is None or m.group(1) not in DTYPES:
-        raise PackerError(f"{where}: unknown field spec {text!r:.80} (int, float, str, json, bytes, or an array "
+        raise OptionError(f"{where}: unknown field spec {text!r:.80} (int, float, str, json, bytes, or an array "
                           f"such as float32[:,4] (ragged) or uint8[3,4] (fixed) of {', '.join(DTYPES)})")
     dims = [d for d in m.group(2).split(",")] if m.group(2) else []
     ragged = bool(dims) and dims[0] == ":"
     rest = dims[1:] if ragged else dims
     if not dims or len(dims) > MAX_DIMS or not all(_DIM.fullmatch(d) and 0 < int(d) < (1 << 31) for d in rest):
-        raise PackerError(f"{where}: field spec {text!r:.80}: dimensions must be 1 to {MAX_DIMS} positive numbers "
+        raise OptionError(f"{where}: field spec {text!r:.80}: dimensions must be 1 to {MAX_DIMS} positive numbers "
                           f"(0-9; the first may be ':'); a single number is int or float")
     shape = tuple(int(d) for d in rest)
     if int(np.prod(shape, dtype=object)) >= (1 << 31):
-        raise PackerError(f"{where}: field spec {text!r:.80}: a sample's array is implausibly large")
+        raise OptionError(f"{where}: field spec {text!r:.80}: a sample's array is implausibly large")
     return FieldSpec("array", np.dtype(m.group(1)).newbyteorder("<").str, shape, ragged)
 
 
 def check_name(name: object, where: str = "field") -> str:
     """A field name: an ASCII identifier of at most 64 characters, not ``image`` or ``label``."""
     if not isinstance(name, str) or not name.isidentifier() or not name.isascii() or len(name) > MAX_NAME:
-        raise PackerError(f"{where}: field name {name!r:.80} is not an identifier (letters, digits, _)")
+        raise OptionError(f"{where}: field name {name!r:.80} is not an identifier (letters, digits, _)")
     if name in RESERVED:
-        raise PackerError(f"{where}: {name!r} is not a field name (every sample has its {name})")
+        raise OptionError(f"{where}: {name!r} is not a field name (every sample has its {name})")
     return name
 
 
@@ -120,7 +120,7 @@ def parse_specs(specs: Mapping[str, object] | None, where: str = "fields") -> di
     if specs is None:
         return {}
     if not isinstance(specs, Mapping):
-        raise PackerError(f"{where}: expected a mapping of field name -> spec")
+        raise OptionError(f"{where}: expected a mapping of field name -> spec")
     return {check_name(k, where): parse_spec(v, f"{where}: {k}") for k, v in specs.items()}
 
 
@@ -129,32 +129,32 @@ def encode_cell(spec: FieldSpec, value: Any, where: str) -> Any:
     kind = spec.kind
     if kind == "int":
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-            raise PackerError(f"{where}: expected an int, found {type(value).__name__}")
+            raise OptionError(f"{where}: expected an int, found {type(value).__name__}")
         if not -(1 << 63) <= int(value) < (1 << 63):
-            raise PackerError(f"{where}: {value} does not fit in 64 bits")
+            raise OptionError(f"{where}: {value} does not fit in 64 bits")
         return int(value)
     if kind == "float":
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
-            raise PackerError(f"{where}: expected a float, found {type(value).__name__}")
+            raise OptionError(f"{where}: expected a float, found {type(value).__name__}")
         try:
             return np.float64(value)
         except OverflowError:
-            raise PackerError(f"{where}: {value} is too large for a float") from None
+            raise OptionError(f"{where}: {value} is too large for a float") from None
     if kind == "str":
         if not isinstance(value, str):
-            raise PackerError(f"{where}: expected a str, found {type(value).__name__}")
+            raise OptionError(f"{where}: expected a str, found {type(value).__name__}")
         try:
             return value.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise PackerError(f"{where}: not valid text ({exc})") from None
+            raise OptionError(f"{where}: not valid text ({exc})") from None
     if kind == "json":
         try:
             return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
         except (TypeError, ValueError, UnicodeEncodeError, RecursionError) as exc:
-            raise PackerError(f"{where}: not JSON ({exc})") from None
+            raise OptionError(f"{where}: not JSON ({exc})") from None
     if kind == "bytes":
         if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise PackerError(f"{where}: expected bytes, found {type(value).__name__}")
+            raise OptionError(f"{where}: expected bytes, found {type(value).__name__}")
         return bytes(value)
     return _array_cell(spec, value, where)
 
@@ -170,16 +170,16 @@ def _array_cell(spec: FieldSpec, value: Any, where: str) -> np.ndarray:
             warnings.simplefilter("ignore")  # a lossy cast is refused below, with the field's name
             cast = arr.astype(spec.dtype)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise PackerError(f"{where}: not an array of {spec.text} ({exc})") from None
+        raise OptionError(f"{where}: not an array of {spec.text} ({exc})") from None
     if not _kept(arr, cast):
-        raise PackerError(f"{where}: {arr.dtype} values do not fit {np.dtype(spec.dtype).name} "
+        raise OptionError(f"{where}: {arr.dtype} values do not fit {np.dtype(spec.dtype).name} "
                           f"({'they overflow' if cast.dtype.kind == 'f' else 'not every value is kept'})")
     if spec.ragged and cast.size == 0 and cast.ndim == 1:
         cast = cast.reshape((0, *spec.shape))  # np.array([]): no rows
     want = ("rows", *spec.shape) if spec.ragged else spec.shape
     got = cast.shape[1:] if spec.ragged else cast.shape
     if (spec.ragged and cast.ndim != len(spec.shape) + 1) or got != spec.shape:
-        raise PackerError(f"{where}: shape {arr.shape}, expected ({', '.join(map(str, want))}) for {spec.text}")
+        raise OptionError(f"{where}: shape {arr.shape}, expected ({', '.join(map(str, want))}) for {spec.text}")
     return np.ascontiguousarray(cast)
 
 
@@ -249,7 +249,10 @@ class FieldStore:
 
         Every array's dtype and length is checked before it is read, offsets against their blob.
         """
-        parsed = parse_specs(specs, f"{directory}: manifest fields")
+        try:
+            parsed = parse_specs(specs, f"{directory}: manifest fields")
+        except OptionError as exc:  # a spec a Writer would refuse: the manifest is damaged, not an argument
+            raise DatasetError(exc.template) from None
         arrays: dict[str, dict[str, np.ndarray]] = {}
         for name, spec in parsed.items():
             if not spec.variable:
@@ -257,13 +260,13 @@ class FieldStore:
                 arrays[name] = {"": load_npy(path, spec.dtype, ndim=1 + len(spec.shape), max_items=None)}
                 values = arrays[name][""]
                 if values.shape != (num_samples, *spec.shape):
-                    raise PackerError(f"{path}: shape {values.shape}, expected {(num_samples, *spec.shape)}")
+                    raise DatasetError(f"{path}: shape {values.shape}, expected {(num_samples, *spec.shape)}")
                 continue
             offsets_path, blob_path = path_of(file_name(name, "offsets")), path_of(file_name(name, "blob"))
             offsets = load_npy(offsets_path, "<i8", ndim=1, max_items=num_samples + 1)
             blob = load_npy(blob_path, spec.dtype, ndim=1 + len(spec.shape) if spec.ragged else 1)
             if blob.shape[1:] != (spec.shape if spec.ragged else ()):
-                raise PackerError(f"{blob_path}: shape {blob.shape}, expected rows of {spec.shape}")
+                raise DatasetError(f"{blob_path}: shape {blob.shape}, expected rows of {spec.shape}")
             check_offsets(offsets, len(blob), str(offsets_path), count=num_samples)
             arrays[name] = {"offsets": offsets, "blob": blob}
         return cls(parsed, arrays)
@@ -305,7 +308,7 @@ def cell_value(spec: FieldSpec, cell: Any, where: str) -> Any:
             text = cell.decode("utf-8")
             return text if spec.kind == "str" else json.loads(text)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-            raise PackerError(f"{where} is damaged ({type(exc).__name__}: {exc})") from None
+            raise DatasetError(f"{where} is damaged ({type(exc).__name__}: {exc})") from None
     if spec.kind == "array":
         return np.array(cell)
     return cell

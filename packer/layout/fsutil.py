@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from packer.errors import PackerError
+from packer.errors import OutputExistsError, PackerError
 
 
 def nearest_existing(path: Path) -> Path:
@@ -51,7 +51,7 @@ def destination_dir(path: str | os.PathLike, what: str = "destination") -> Path:
     except OSError as exc:  # a dangling link, a loop
         raise PackerError(f"{path}: cannot use {probe} as a folder ({exc.strerror or exc})") from None
     if not stat.S_ISDIR(mode):
-        raise PackerError(f"{path}: cannot be the {what}: {probe} is not a folder")
+        raise OutputExistsError(f"{path}: cannot be the {what}: {probe} is not a folder")
     reason = why_not_writable(probe)
     if reason is not None:
         raise PackerError(f"{path}: cannot write the {what} there ({probe}: {reason})")

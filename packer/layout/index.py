@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError
 from packer.layout.fsutil import naming
 from packer.layout.manifest import sha256_file
 from packer.layout.trust import check_offsets, inside, load_npy
@@ -142,18 +142,18 @@ class Index:
         where = directory / META_DIR
         for name in ("labels", "heights", "widths", "nbytes"):
             if len(getattr(self, name)) != num_samples:
-                raise PackerError(f"{where}/{name}.npy: {len(getattr(self, name))} entries, "
-                                  f"manifest says {num_samples}")
+                raise DatasetError(f"{where}/{name}.npy: {len(getattr(self, name))} entries, "
+                                   f"manifest says {num_samples}")
         check_offsets(self.path_offsets, len(self.path_blob), f"{where}/path_offsets.npy", count=num_samples)
         if np.any(self.nbytes < 0) or np.any(self.heights < 0) or np.any(self.widths < 0):
-            raise PackerError(f"{where}: negative sizes in sample metadata")
+            raise DatasetError(f"{where}: negative sizes in sample metadata")
         if np.any(self.heights > MAX_SIDE) or np.any(self.widths > MAX_SIDE):
-            raise PackerError(f"{where}: image sides above {MAX_SIDE} in sample metadata")
+            raise DatasetError(f"{where}: image sides above {MAX_SIDE} in sample metadata")
         if num_classes is not None and len(self.labels):
             low, high = int(self.labels.min()), int(self.labels.max())
             if low < -1 or high >= num_classes:
-                raise PackerError(f"{where}/labels.npy: labels from {low} to {high}, "
-                                  f"but the dataset has {num_classes} classes")
+                raise DatasetError(f"{where}/labels.npy: labels from {low} to {high}, "
+                                   f"but the dataset has {num_classes} classes")
         if self.position is not None:
             check_permutation(self.position, num_samples, f"{where}/position.npy")
 
@@ -166,13 +166,13 @@ def listed_path(directory: Path, name: str, listed: dict | None) -> Path:
         return path
     info = listed.get(name)
     if info is None:
-        raise PackerError(f"{directory}: the manifest does not list {name}")
+        raise DatasetError(f"{directory}: the manifest does not list {name}")
     try:
         same = path.stat().st_size == info.num_bytes and sha256_file(path) == info.sha256
     except OSError as exc:
-        raise PackerError(f"{path}: cannot read ({exc.strerror or exc})") from None
+        raise DatasetError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if not same:
-        raise PackerError(f"{path}: size or checksum differs from the manifest (damaged or modified)")
+        raise DatasetError(f"{path}: size or checksum differs from the manifest (damaged or modified)")
     return path
 
 
@@ -182,20 +182,20 @@ def imagefolder_positions(stored: list[str], source_order: list[str]) -> np.ndar
     try:
         in_source = np.fromiter((rank[p] for p in stored), dtype=np.int64, count=len(stored))
     except KeyError as exc:
-        raise PackerError(f"{exc.args[0]!r}: packed, but not among the source's files") from None
+        raise DatasetError(f"{exc.args[0]!r}: packed, but not among the source's files") from None
     return np.argsort(in_source, kind="stable").astype("<i8")
 
 
 def check_permutation(values: np.ndarray, n: int, where: str) -> None:
     """``values`` hold each of ``0 .. n-1`` exactly once (a crafted file could repeat or skip samples)."""
     if len(values) != n:
-        raise PackerError(f"{where}: {len(values)} entries, manifest says {n}")
+        raise DatasetError(f"{where}: {len(values)} entries, manifest says {n}")
     if n and (int(values.min()) < 0 or int(values.max()) >= n):
-        raise PackerError(f"{where}: positions outside 0..{n - 1}")
+        raise DatasetError(f"{where}: positions outside 0..{n - 1}")
     seen = np.zeros(n, dtype=bool)
     seen[values] = True
     if not seen.all():
-        raise PackerError(f"{where}: not a permutation of the samples (some repeat, {int((~seen).sum())} missing)")
+        raise DatasetError(f"{where}: not a permutation of the samples (some repeat, {int((~seen).sum())} missing)")
 
 
 def shard_starts(counts: list[int]) -> np.ndarray:

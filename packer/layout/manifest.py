@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, InputNotFoundError, PackerError
 from packer.layout.fsutil import write_atomic
 from packer.layout.partial import unfinished_note
 from packer.layout.trust import check_inner_name, inside, json_kind, read_inside
@@ -73,9 +73,9 @@ class Manifest:
         """Build from parsed JSON, checking every field's type and range (the file may be crafted)."""
         if not isinstance(data, dict) or data.get("kind") != KIND:
             kind = data.get("kind") if isinstance(data, dict) else type(data).__name__
-            raise PackerError(f"{where}: not a packer manifest (kind is {kind!r})")
+            raise DatasetError(f"{where}: not a packer manifest (kind is {kind!r})")
         if data.get("version") != VERSION:
-            raise PackerError(
+            raise DatasetError(
                 f"{where}: manifest version {data.get('version')!r}, but this packer reads version "
                 f"{VERSION}; convert again or use a matching packer"
             )
@@ -110,28 +110,28 @@ class Manifest:
                 created_at=str(data.get("created_at", "")),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise PackerError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from exc
+            raise DatasetError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from exc
         manifest.check(where)
         return manifest
 
     def check(self, where: str) -> None:
         """Internal consistency: counts add up, file names stay inside the dataset, each named once."""
         if self.payload not in PAYLOADS:
-            raise PackerError(f"{where}: unknown payload {self.payload!r} (expected one of {PAYLOADS})")
+            raise DatasetError(f"{where}: unknown payload {self.payload!r} (expected one of {PAYLOADS})")
         if self.num_samples < 0 or any(s.num_samples < 0 for s in self.shards):
-            raise PackerError(f"{where}: negative sample count")
+            raise DatasetError(f"{where}: negative sample count")
         total = sum(s.num_samples for s in self.shards)
         if total != self.num_samples:
-            raise PackerError(f"{where}: shards hold {total} samples but the manifest says {self.num_samples}")
+            raise DatasetError(f"{where}: shards hold {total} samples but the manifest says {self.num_samples}")
         if any(not s.files for s in self.shards):
-            raise PackerError(f"{where}: a shard lists no files")
+            raise DatasetError(f"{where}: a shard lists no files")
         if len(set(self.classes)) != len(self.classes):
-            raise PackerError(f"{where}: class names repeat")
+            raise DatasetError(f"{where}: class names repeat")
         seen: set[str] = set()
         for f in self.all_files():
             check_inner_name(f.name, where)
             if os.path.normpath(f.name) in seen or f.name == MANIFEST_NAME:
-                raise PackerError(f"{where}: file {f.name!r} listed twice")
+                raise DatasetError(f"{where}: file {f.name!r} listed twice")
             seen.add(os.path.normpath(f.name))
 
     def all_files(self) -> list[FileInfo]:
@@ -147,9 +147,9 @@ class Manifest:
             try:
                 size = path.stat().st_size
             except OSError as exc:
-                raise PackerError(f"{path}: {exc.strerror or exc}") from None
+                raise DatasetError(f"{path}: {exc.strerror or exc}") from None
             if size != f.num_bytes:
-                raise PackerError(f"{path}: {size} bytes, manifest says {f.num_bytes} (damaged or replaced)")
+                raise DatasetError(f"{path}: {size} bytes, manifest says {f.num_bytes} (damaged or replaced)")
 
 
 _MAX_COUNT = 1 << 62
@@ -227,15 +227,17 @@ def dataset_directory(directory: str | os.PathLike) -> Path:
     try:
         st = os.stat(directory)
     except FileNotFoundError:
-        raise PackerError(f"{directory}: no such dataset{unfinished_note(Path(os.path.abspath(directory)))}") from None
+        note = unfinished_note(Path(os.path.abspath(directory)))
+        raise InputNotFoundError(f"{directory}: no such dataset{note}") from None
     except OSError as exc:
         raise PackerError(f"{directory}: cannot open ({exc.strerror or exc})") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise PackerError(f"{directory}: not a packed dataset (a dataset is a directory)")
+        raise InputNotFoundError(f"{directory}: not a packed dataset (a dataset is a directory)")
     if not os.access(directory, os.R_OK | os.X_OK):
         raise PackerError(f"{directory}: cannot open (permission denied)")
     if not os.path.lexists(directory / MANIFEST_NAME):
-        raise PackerError(f"{directory}: not a packed dataset, {MANIFEST_NAME} is missing (an unfinished conversion?)")
+        raise InputNotFoundError(f"{directory}: not a packed dataset, {MANIFEST_NAME} is missing (an unfinished "
+                                 "conversion?)")
     return directory
 
 
@@ -246,7 +248,7 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise PackerError(f"{path}: cannot read manifest ({type(exc).__name__}: {exc})") from exc
+        raise DatasetError(f"{path}: cannot read manifest ({type(exc).__name__}: {exc})") from exc
     return Manifest.from_dict(data, where=str(path))
 
 

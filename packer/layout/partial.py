@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, PackerError, arg
 
 PARTIAL_SUFFIX = ".partial"  # an unfinished output, <out>.partial, renamed to <out> once complete
 JOURNAL_DIR = "journal"
@@ -42,10 +42,10 @@ def read_swap(partial: Path, out: Path) -> tuple[bool, str | None]:
             raise ValueError("implausibly large")
         trash = json.loads(path.read_text(encoding="utf-8"))["trash"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise PackerError(f"{path}: damaged swap record ({exc}); move {partial} away and convert again") from exc
+        raise DatasetError(f"{path}: damaged swap record ({exc}); move {partial} away and convert again") from exc
     if trash is not None and not (isinstance(trash, str) and trash.startswith(out.name + OLD_TAG)
                                   and "/" not in trash and "\0" not in trash):
-        raise PackerError(f"{path}: damaged swap record (trash {trash!r:.80}); move {partial} away and convert again")
+        raise DatasetError(f"{path}: damaged swap record (trash {trash!r:.80}); move {partial} away and convert again")
     return True, trash
 
 
@@ -55,14 +55,14 @@ def unfinished_note(out: Path) -> str:
     try:
         swapping, trash = read_swap(partial, out)
     except PackerError as exc:
-        return f" ({exc})"
+        return f" ({exc.template})"
     if swapping:
         old = ""
         if trash and os.path.lexists(out.with_name(trash) / out.name):
             old = f", the old one in {out.with_name(trash)}"
         return (f" (a 'packer convert' is moving its result into place, or was interrupted doing so: the new, "
                 f"complete dataset is in {partial}{old}; unless a conversion is still running, run the same "
-                f"convert command with --resume to finish)")
+                f"convert command with {arg('resume', True)} to finish)")
     if made_by_packer(partial):
-        return f" (an unfinished conversion is in {partial}: run the same convert command with --resume)"
+        return f" (an unfinished conversion is in {partial}: run the same convert command with {arg('resume', True)})"
     return ""

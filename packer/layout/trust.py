@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, PackerError
 
 try:  # optional at import time: only for the exception mapping below
     import lmdb as _lmdb
@@ -50,16 +50,16 @@ def reading(where: str) -> Iterator[None]:
     except PackerError:
         raise
     except DATA_ERRORS as exc:
-        raise PackerError(f"{where}: damaged or not a valid packed dataset ({type(exc).__name__}: {exc})") from exc
+        raise DatasetError(f"{where}: damaged or not a valid packed dataset ({type(exc).__name__}: {exc})") from exc
 
 
 def check_inner_name(name: object, where: str) -> str:
     """A relative name that stays inside the dataset directory (no absolute path, ``..``, NUL, ``\\``)."""
     if not isinstance(name, str) or not name or "\x00" in name or "\\" in name:
-        raise PackerError(f"{where}: file name {name!r} is not a plain relative name")
+        raise DatasetError(f"{where}: file name {name!r} is not a plain relative name")
     p = Path(name)
     if p.is_absolute() or ".." in p.parts or name.startswith("~"):
-        raise PackerError(f"{where}: file name {name!r} points outside the dataset directory")
+        raise DatasetError(f"{where}: file name {name!r} points outside the dataset directory")
     return name
 
 
@@ -98,17 +98,17 @@ def inside(root: Path, name: str, where: str | None = None, must_exist: bool = T
         real = path.resolve(strict=must_exist)
     except (OSError, RuntimeError) as exc:  # RuntimeError: a symlink loop
         if isinstance(exc, FileNotFoundError):
-            raise PackerError(f"{path}: missing") from None
-        raise PackerError(f"{path}: cannot resolve ({exc})") from None
+            raise DatasetError(f"{path}: missing") from None
+        raise DatasetError(f"{path}: cannot resolve ({exc})") from None
     if real != real_root and real_root not in real.parents:
-        raise PackerError(f"{path}: leads outside the dataset directory (to {real}); refusing to read it")
+        raise DatasetError(f"{path}: leads outside the dataset directory (to {real}); refusing to read it")
     if must_exist:
         try:
             mode = os.stat(real).st_mode
         except OSError as exc:
-            raise PackerError(f"{path}: cannot stat ({exc.strerror or exc})") from None
+            raise DatasetError(f"{path}: cannot stat ({exc.strerror or exc})") from None
         if not stat.S_ISREG(mode):
-            raise PackerError(f"{path}: not a regular file")
+            raise DatasetError(f"{path}: not a regular file")
     return path
 
 
@@ -158,16 +158,16 @@ def read_inside(root: Path, name: str, max_bytes: int, where: str | None = None)
     try:
         fd, st = open_regular(path)
     except OSError as exc:
-        raise PackerError(f"{path}: cannot open ({exc.strerror or exc})") from None
+        raise DatasetError(f"{path}: cannot open ({exc.strerror or exc})") from None
     with os.fdopen(fd, "rb") as fh:
         if st.st_size > max_bytes:
-            raise PackerError(f"{path}: implausibly large ({st.st_size} bytes, at most {max_bytes} expected)")
+            raise DatasetError(f"{path}: implausibly large ({st.st_size} bytes, at most {max_bytes} expected)")
         try:
             data = fh.read(max_bytes + 1)
         except OSError as exc:
-            raise PackerError(f"{path}: cannot read ({exc.strerror or exc})") from None
+            raise DatasetError(f"{path}: cannot read ({exc.strerror or exc})") from None
     if len(data) > max_bytes:
-        raise PackerError(f"{path}: grew past {max_bytes} bytes while being read")
+        raise DatasetError(f"{path}: grew past {max_bytes} bytes while being read")
     return data
 
 
@@ -190,19 +190,19 @@ def npy_header(path: Path, dtype: str, ndim: int | None = None) -> tuple[tuple[i
                 raise ValueError(f"unsupported .npy version {version}")
             offset = fh.tell()
     except (OSError, ValueError, EOFError, SyntaxError, TypeError, KeyError, tokenize.TokenError) as exc:
-        raise PackerError(f"{path}: not a valid .npy file ({type(exc).__name__}: {exc})") from exc
+        raise DatasetError(f"{path}: not a valid .npy file ({type(exc).__name__}: {exc})") from exc
     if found != want or found.hasobject:
-        raise PackerError(f"{path}: holds {found}, expected {want}")
+        raise DatasetError(f"{path}: holds {found}, expected {want}")
     if ndim is not None and len(shape) != ndim:
-        raise PackerError(f"{path}: shape {shape}, expected {ndim} dimensions")
+        raise DatasetError(f"{path}: shape {shape}, expected {ndim} dimensions")
     if fortran and len(shape) > 1:
-        raise PackerError(f"{path}: Fortran-ordered array, expected C order")
+        raise DatasetError(f"{path}: Fortran-ordered array, expected C order")
     count = 1
     for n in shape:
         count *= int(n)  # Python ints: a crafted shape can't overflow into a small size
     if count * want.itemsize != size - offset:
-        raise PackerError(f"{path}: header promises {count * want.itemsize} bytes of data, "
-                          f"the file holds {size - offset}")
+        raise DatasetError(f"{path}: header promises {count * want.itemsize} bytes of data, "
+                           f"the file holds {size - offset}")
     return tuple(int(n) for n in shape), offset
 
 
@@ -213,22 +213,22 @@ def load_npy(path: Path, dtype: str, ndim: int | None = 1, max_items: int | None
     for n in shape:
         count *= n
     if max_items is not None and count > max_items:
-        raise PackerError(f"{path}: {count} entries, at most {max_items} expected")
+        raise DatasetError(f"{path}: {count} entries, at most {max_items} expected")
     try:
         with open(path, "rb") as fh:
             fh.seek(offset)
             arr = np.fromfile(fh, dtype=np.dtype(dtype), count=count)
     except (OSError, ValueError) as exc:
-        raise PackerError(f"{path}: cannot read ({exc})") from exc
+        raise DatasetError(f"{path}: cannot read ({exc})") from exc
     if arr.size != count:
-        raise PackerError(f"{path}: truncated while reading")
+        raise DatasetError(f"{path}: truncated while reading")
     return arr.reshape(shape)
 
 
 def check_offsets(offsets: np.ndarray, total: int, where: str, count: int | None = None) -> None:
     """``offsets`` ([N+1], from 0, non-decreasing, ending at ``total``) describe a blob of ``total`` bytes."""
     if offsets.ndim != 1 or len(offsets) < 1 or (count is not None and len(offsets) != count + 1):
-        raise PackerError(f"{where}: {len(offsets)} offsets, expected {'N+1' if count is None else count + 1}")
+        raise DatasetError(f"{where}: {len(offsets)} offsets, expected {'N+1' if count is None else count + 1}")
     if int(offsets[0]) != 0 or int(offsets[-1]) != total or bool(np.any(np.diff(offsets) < 0)):
-        raise PackerError(f"{where}: offsets do not describe the {total} bytes they index "
-                          "(negative, decreasing or past the end)")
+        raise DatasetError(f"{where}: offsets do not describe the {total} bytes they index "
+                           "(negative, decreasing or past the end)")

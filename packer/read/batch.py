@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, OptionError, arg
 from packer.images.crop import spread
 from packer.images.decode import DecodeError, decode_many, jpeg_frame, pixel_limit
 from packer.layout.trust import reading
@@ -177,7 +177,7 @@ def get_batch(
     ``out`` (e.g. a pinned NHWC uint8 tensor) receives the images instead of a new tensor.
     """
     if layout not in ("NHWC", "NCHW"):
-        raise PackerError(f"unknown batch layout {layout!r} (choose NHWC or NCHW)")
+        raise OptionError(f"unknown batch layout {layout!r} (choose NHWC or NCHW)")
     idx = ds.positions(indices)  # storage positions: reads, sizes and labels below are all by them
     order = np.argsort(idx, kind="stable")
     in_order = bool(np.all(order == np.arange(len(idx))))
@@ -188,16 +188,16 @@ def get_batch(
         pixels = [ds.pixels_at(int(i), p) for i, p in zip(idx, ds.payloads_at(idx, aheads_of(indices)), strict=True)]
         shapes = {p.shape for p in pixels}
         if len(shapes) > 1:
-            raise PackerError(
+            raise OptionError(
                 f"{ds.root}: get_batch needs images of one shape, this batch has {len(shapes)} "
-                f"(e.g. {sorted(shapes)[:2]}); convert with --payload raw --resize HxW")
+                f"(e.g. {sorted(shapes)[:2]}); convert with {arg('payload', 'raw')} {arg('resize', 'HxW')}")
         shape = pixels[0].shape if pixels else (0, 0, 3)
     elif np.any(ds.index.heights[idx] != shape[0]) or np.any(ds.index.widths[idx] != shape[1]):
-        raise PackerError(f"{ds.root}: shards say every image is {shape[0]}x{shape[1]}, the index disagrees "
-                          "(damaged dataset)")
+        raise DatasetError(f"{ds.root}: shards say every image is {shape[0]}x{shape[1]}, the index disagrees "
+                           "(damaged dataset)")
     images = out if out is not None else _new_batch((len(idx), *shape))
     if tuple(images.shape) != (len(idx), *shape) or images.dtype != torch.uint8 or not images.is_contiguous():
-        raise PackerError(f"out: expected a contiguous uint8 tensor {(len(idx), *shape)}, got "
+        raise OptionError(f"out: expected a contiguous uint8 tensor {(len(idx), *shape)}, got "
                           f"{images.dtype} {tuple(images.shape)}")
     arr = images.numpy()
     if ds.store.fixed_shape is None:

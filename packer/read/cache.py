@@ -45,11 +45,12 @@ import numpy as np
 import torch
 
 from packer import sysinfo
-from packer.errors import PackerError
+from packer.errors import DatasetError, OptionError, PackerError
 from packer.images.decode import copy_into
 from packer.layout.fields import FieldStore
 from packer.layout.index import Index
 from packer.layout.manifest import Manifest
+from packer.progress import bar as progress_bar
 from packer.read.indexing import IndexMap
 from packer.read.staged import StagedDataset
 from packer.read.surface import FolderSurface
@@ -166,7 +167,7 @@ def _release(path: str, owner_pid: int, janitor: subprocess.Popen | None) -> Non
 def _sizes(ds: Any, decoded: bool) -> tuple[np.ndarray, np.ndarray]:
     """Bytes and (h, w, c) shape of each sample as it will be cached, from the dataset's index."""
     if not isinstance(ds, StagedDataset):
-        raise PackerError(f"the RAM cache works on packer datasets (open_dataset), not {type(ds).__name__}")
+        raise OptionError(f"the RAM cache works on packer datasets (open_dataset), not {type(ds).__name__}")
     index = ds.index
     h, w = index.heights.astype(np.int64), index.widths.astype(np.int64)
     shapes = np.stack([h, w, np.full_like(h, 3)], axis=1)
@@ -192,8 +193,8 @@ def _fill_range(ds: Any, path: str, base: int, offsets: np.ndarray, start: int, 
                     buf = np.frombuffer(item, dtype=np.uint8)
                 lo, hi = base + int(offsets[k]), base + int(offsets[k + 1])
                 if buf.size != hi - lo:
-                    raise PackerError(f"{ds.root}: sample {i} has {buf.size} bytes, the index says {hi - lo} "
-                                      "(decode-time resizing can't be cached decoded; use cache='ram')")
+                    raise DatasetError(f"{ds.root}: sample {i} has {buf.size} bytes, the index says {hi - lo} "
+                                       "(decode-time resizing can't be cached decoded; use cache='ram')")
                 mm[lo:hi] = buf
         mm.flush()
     finally:
@@ -204,16 +205,22 @@ def _fill_range(ds: Any, path: str, base: int, offsets: np.ndarray, start: int, 
 
 class CachedDataset(FolderSurface):
     """``dataset`` served from one shared-memory copy (see the module docstring), in storage order; its
-    indices, ``samples`` and ImageFolder surface are the wrapped dataset's.
+    indices, ``samples`` and ImageFolder surface are the wrapped dataset's. ``open_dataset(p, cache=...)``
+    makes one.
 
-    ``mode``: ``"ram"`` caches the stored payloads, ``"ram-decoded"`` the decoded pixels.
-    ``workers`` processes decode while filling a decoded cache (default: all cores).
+    Args:
+        dataset: a packer dataset (``open_dataset``): its transforms, image kind and decoder stay in use.
+        mode: ``"ram"`` caches the stored payloads (no more IO, still decoded per sample), ``"ram-decoded"``
+            the decoded pixels (no decoding either, several times larger).
+        workers: processes that decode while filling a ``"ram-decoded"`` cache (default: all cores).
+        progress: a progress bar while filling: None (default) when stderr is a terminal, True, False.
+        shm_dir: the shared-memory folder (a tmpfs; default ``/dev/shm``): it must hold the whole copy.
     """
 
-    def __init__(self, dataset: Any, mode: str = "ram", *, workers: int | None = None, progress: bool = True,
+    def __init__(self, dataset: Any, mode: str = "ram", *, workers: int | None = None, progress: bool | None = None,
                  shm_dir: str | os.PathLike = sysinfo.SHM_DIR) -> None:
         if mode not in CACHE_MODES:
-            raise PackerError(f"unknown cache {mode!r} (choose {' or '.join(CACHE_MODES)})")
+            raise OptionError(f"unknown cache {mode!r} (choose {' or '.join(CACHE_MODES)})")
         self.dataset = dataset
         self.mode = mode
         self.decoded = mode == "ram-decoded"
@@ -280,7 +287,8 @@ class CachedDataset(FolderSurface):
         self._mm = None
         return self
 
-    def _fill(self, fd: int, offsets: np.ndarray, shapes: np.ndarray, workers: int | None, progress: bool) -> None:
+    def _fill(self, fd: int, offsets: np.ndarray, shapes: np.ndarray, workers: int | None,
+              progress: bool | None) -> None:
         n, data_at = self.num_samples, self.data_at
         head = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(data_at,))
         head[_HEADER_BYTES:_HEADER_BYTES + 8 * (n + 1)] = offsets.view(np.uint8)
@@ -295,26 +303,19 @@ class CachedDataset(FolderSurface):
         procs = workers if workers is not None else (os.cpu_count() or 1)
         step = min(1024, max(16, -(-n // (4 * procs))))
         ranges = [(a, min(n, a + step)) for a in range(0, n, step)]
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=n, desc=f"caching in RAM ({human_bytes(self.total_bytes)})", unit="img", file=sys.stderr)
+        bar = progress_bar(total=n, desc=f"caching in RAM ({human_bytes(self.total_bytes)})", progress=progress)
         jobs = [(src, str(self.path), data_at + int(offsets[a]), offsets[a:b + 1] - offsets[a], a, self.decoded)
                 for a, b in ranges]
         if self.decoded and procs > 1 and len(ranges) > 1:  # decoding is CPU work: spread it
             with ProcessPoolExecutor(min(procs, len(ranges))) as pool:
                 for (a, b), fut in zip(ranges, [pool.submit(_fill_range, *job) for job in jobs], strict=True):
                     fut.result()
-                    if bar is not None:
-                        bar.update(b - a)
+                    bar.update(b - a)
         else:  # stored bytes: one sequential pass reads fastest
             for (a, b), job in zip(ranges, jobs, strict=True):
                 _fill_range(*job)
-                if bar is not None:
-                    bar.update(b - a)
-        if bar is not None:
-            bar.close()
+                bar.update(b - a)
+        bar.close()
         os.pwrite(fd, _HEADER.pack(_MAGIC, int(self.decoded), n, data_at, 1), 0)
 
     # ------------------------------------------------------------ reading (any process)

@@ -6,7 +6,7 @@ rank sharding) read with packer's read-ahead (``read_payloads``); DALI decodes e
 (``fn.decoders.image``: "cpu", or "mixed" = nvJPEG on a GPU) and augments. Raw payloads go to the
 augmentations as HWC arrays, skipping the decoder. ``loader(...)`` wraps it in DALI's PyTorch iterator.
 
-NVIDIA DALI is an optional dependency (``pip install 'packer-images[dali]'``), imported only here and
+NVIDIA DALI is an optional dependency (``pip install -e '.[dali]'`` in packer's checkout), imported only here and
 only when a pipeline is built. See docs/dali.md.
 """
 
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 import torch
 
-from packer.errors import PackerError
+from packer.errors import MissingPackageError, OptionError, PackerError, install_hint
 from packer.read.dataset import PackedDataset, open_dataset
 from packer.read.sampler import DEFAULT_OPEN_BLOCKS, DEFAULT_RUN, BlockShuffleSampler
 
@@ -32,7 +32,7 @@ Augment = Literal["train", "eval", "none"]
 LastBatch = Literal["partial", "drop", "fill"]
 StartMethod = Literal["fork", "spawn"]
 
-INSTALL_HINT = "pip install 'packer-images[dali]'"
+INSTALL_HINT = install_hint("dali")
 MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)  # ImageNet statistics, as torchvision's Normalize is used
 STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 TRAIN_AREA = (0.08, 1.0)  # torchvision RandomResizedCrop's defaults
@@ -49,8 +49,8 @@ def import_dali() -> Any:
         import nvidia.dali.plugin.pytorch  # noqa: F401
         import nvidia.dali.types  # noqa: F401
     except ImportError as exc:
-        raise PackerError(f"packer.dali needs NVIDIA DALI, which does not import here ({exc}): "
-                          f"{INSTALL_HINT}") from None
+        raise MissingPackageError(f"packer.dali needs NVIDIA DALI, which does not import here ({exc}): "
+                                  f"{INSTALL_HINT}") from None
     return dali
 
 
@@ -69,9 +69,9 @@ class PackerSource:
                  first_epoch: int = 0, last_batch: LastBatch = "partial", num_replicas: int | None = None,
                  rank: int | None = None, open_blocks: int = DEFAULT_OPEN_BLOCKS, run: int = DEFAULT_RUN) -> None:
         if batch_size < 1:
-            raise PackerError(f"batch_size must be positive, got {batch_size}")
+            raise OptionError(f"batch_size must be positive, got {batch_size}")
         if last_batch not in ("partial", "drop", "fill"):
-            raise PackerError(f"unknown last_batch {last_batch!r} (choose partial, drop or fill)")
+            raise OptionError(f"unknown last_batch {last_batch!r} (choose partial, drop or fill)")
         self.ds = ds
         self.batch_size = batch_size
         self.first_epoch = first_epoch
@@ -123,7 +123,7 @@ def as_dataset(ds_or_path: PackedDataset | str | os.PathLike) -> PackedDataset:
     """An open packer dataset from a dataset or its path (a RAM cache has no read-ahead to feed DALI)."""
     ds = ds_or_path if isinstance(ds_or_path, PackedDataset) else open_dataset(ds_or_path)
     if not isinstance(ds, PackedDataset):
-        raise PackerError(f"packer.dali reads a PackedDataset or its path, not {type(ds).__name__}")
+        raise OptionError(f"packer.dali reads a PackedDataset or its path, not {type(ds).__name__}")
     return ds
 
 
@@ -158,11 +158,11 @@ def pipeline(
     starts the next), from ``first_epoch``.
     """
     if device not in ("cpu", "gpu"):
-        raise PackerError(f"unknown device {device!r} (choose cpu or gpu)")
+        raise OptionError(f"unknown device {device!r} (choose cpu or gpu)")
     if augment not in ("train", "eval", "none"):
-        raise PackerError(f"unknown augment {augment!r} (choose train, eval or none)")
+        raise OptionError(f"unknown augment {augment!r} (choose train, eval or none)")
     if py_start_method not in ("fork", "spawn"):
-        raise PackerError(f"unknown py_start_method {py_start_method!r} (choose fork or spawn)")
+        raise OptionError(f"unknown py_start_method {py_start_method!r} (choose fork or spawn)")
     if py_workers > 0 and py_start_method == "fork" and StopIteration in copyreg.dispatch_table:
         raise PackerError("this process pickles exceptions its own way (a copyreg reducer for StopIteration, "
                           "e.g. tblib's, which Dask installs), which DALI refuses from its fork workers at "
@@ -239,6 +239,6 @@ class DaliLoader:
 def loader(ds_or_path: PackedDataset | str | os.PathLike, batch_size: int, **kwargs: Any) -> DaliLoader:
     """A PyTorch iterator of ``(images, labels)`` over ``pipeline(ds_or_path, batch_size, **kwargs)``."""
     if kwargs.get("augment", "train") == "none":
-        raise PackerError("loader() stacks each batch into one tensor: use augment='train' or 'eval' "
+        raise OptionError("loader() stacks each batch into one tensor: use augment='train' or 'eval' "
                           "(pipeline(..., augment='none') gives the decoded images at their own sizes)")
     return DaliLoader(pipeline(ds_or_path, batch_size, **kwargs))

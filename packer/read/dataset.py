@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 import torch
 from PIL import Image
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, OptionError, PackerError
 from packer.formats import FORMATS, get_format
 from packer.formats.base import Format
 from packer.images.crop import CropDecode, Window, check_crop
@@ -48,7 +48,9 @@ FILE_SOURCES = ("", "folder", "list")  # source types whose records are files be
 
 
 class PackedDataset(FolderSurface):
-    """A packed dataset of any format, read as ``(image, label)`` pairs like ImageFolder."""
+    """A packed dataset of any format, read as ``(image, label)`` pairs like ImageFolder: ``ds[i]`` is ImageFolder's
+    sample ``i`` of the converted source, whatever order the samples are stored in; ``classes``, ``class_to_idx``,
+    ``targets`` and ``samples`` are ImageFolder's too. Its arguments are ``open_dataset``'s keywords."""
 
     FORMAT: str | None = None  # set by the per-format subclasses (LMDBDataset, ...)
 
@@ -65,11 +67,7 @@ class PackedDataset(FolderSurface):
         crop: CropDecode | None = None,
         fields: FieldsArg = None,
     ) -> None:
-        """``decode_size=S``: JPEGs decoded at the smallest DCT scale keeping the short side >= S (lossy; 224 does
-        nothing on 500x375 photos). ``crop``: a fused decode + crop + resize (packer.images.crop, docs/decoding.md).
-        ``source_root``: the converted folder, where it is now (``samples`` join it with each relative
-        path); default: the one the manifest records. ``fields``: what a sample holds (packer.read.fields):
-        None for ``(image, label)``, names for a tuple in that order, ``"all"`` for a dict."""
+        """Open the dataset at ``path`` (its arguments: see the class docstring); no shard file is opened yet."""
         self.root = Path(path).absolute()  # not relative: a later os.chdir, a worker or an unpickling elsewhere
         self.store = ShardStore(self.root, access)
         self.manifest, self.index, self.access = self.store.manifest, self.store.index, self.store.access
@@ -83,14 +81,14 @@ class PackedDataset(FolderSurface):
         self._warned_relative = not files  # keys are not paths to warn about
         self.source_root = os.path.abspath(source_root) if source_root is not None else recorded
         if self.FORMAT is not None and self.manifest.format != self.FORMAT:
-            raise PackerError(
+            raise OptionError(
                 f"{self.root}: holds format {self.manifest.format!r}, not {self.FORMAT!r} "
                 f"(use packer.open_dataset to open any format)"
             )
         if image not in ("pil", "numpy", "tensor"):
-            raise PackerError(f"unknown image kind {image!r} (choose pil, numpy or tensor)")
+            raise OptionError(f"unknown image kind {image!r} (choose pil, numpy or tensor)")
         if decoder not in BACKENDS:
-            raise PackerError(f"unknown decoder {decoder!r} (choose from {', '.join(BACKENDS)})")
+            raise OptionError(f"unknown decoder {decoder!r} (choose from {', '.join(BACKENDS)})")
         self.transform = transform
         self.target_transform = target_transform
         self.image = image
@@ -209,8 +207,8 @@ class PackedDataset(FolderSurface):
             return self._decode(i, buf, strict, out, window)
         arr = buf if isinstance(buf, np.ndarray) else np.frombuffer(buf, dtype=np.uint8)
         if arr.size != h * w * 3:
-            raise PackerError(f"{self.root}: sample {self.index_map.public(i)} holds {arr.size} bytes, "
-                              f"expected {h}x{w}x3")
+            raise DatasetError(f"{self.root}: sample {self.index_map.public(i)} holds {arr.size} bytes, "
+                               f"expected {h}x{w}x3")
         if self.crop is not None:
             return self.crop.from_pixels(arr.reshape(h, w, 3), self.index_map.public(i), out, window)
         return copy_into(arr.reshape(h, w, 3), out)
@@ -308,6 +306,38 @@ class PackedDataset(FolderSurface):
         self.store.close()
 
 
+
+# help()'s explanation of every argument, kept outside the class body (tests/test_sizes.py bounds the class's lines,
+# docstrings included, to keep its code small)
+PackedDataset.__doc__ = f"""{PackedDataset.__doc__}
+
+    Args:
+        path: the dataset directory ``packer convert`` or ``packer.Writer`` made.
+        transform: called on each image (as ``image`` gives it), as ImageFolder's ``transform``.
+        target_transform: called on each label (an int), as ImageFolder's ``target_transform``.
+        image: what an image is: ``"pil"`` (a PIL RGB image, ImageFolder's), ``"numpy"`` (an HWC uint8
+            array) or ``"tensor"`` (a CHW uint8 tensor; batch mixed sizes with ``collate_fn=packer.collate``).
+        decoder: the JPEG decoder: ``"auto"`` (libjpeg-turbo where it loads, else Pillow), ``"turbojpeg"``
+            or ``"pil"``.
+        access: ``"sequential"`` reads ahead in file order (sequential and block-shuffled passes),
+            ``"random"`` does not (uniform shuffles over data larger than RAM); ``"auto"``: sequential
+            unless the dataset's files exceed half the free memory.
+        decode_size: decode JPEGs at the smallest DCT scale that keeps the short side >= this many pixels
+            (lossy, faster; 224 does nothing on 500x375 photos); None: full size.
+        source_root: where the converted folder is now (``samples`` join it with each relative path);
+            None: the folder the manifest records.
+        crop: a fused decode + crop + resize (``packer.RandomResizedCropDecode``, ``packer.CenterCropDecode``;
+            docs/decoding.md): only the pixels the crop keeps are decoded.
+        fields: what a sample holds (docs/fields.md): None for ``(image, label)``, a sequence of names for
+            a tuple in that order (e.g. ``("image", "label", "boxes")``), ``"all"`` for a dict of every field.
+
+    Raises:
+        InputNotFoundError: ``path`` is not a packed dataset (a ``FileNotFoundError``).
+        DatasetError: the dataset fails its checks (damaged or replaced files).
+        OptionError: an argument out of its choices (a ``ValueError``).
+"""
+
+
 @contextmanager
 def _sample_errors(ds: PackedDataset, i: int) -> Iterator[None]:
     """Any failure of a codec on the (damaged) bytes stored at ``i`` as a DecodeError naming the sample."""
@@ -341,29 +371,77 @@ def dataset_class(name: str, where: object = "dataset") -> type[PackedDataset]:
     cls = DATASET_CLASSES.get(name)
     if cls is None:
         if name not in FORMATS:
-            raise PackerError(f"{where}: format {name!r} is unknown to this packer ({', '.join(FORMATS)})")
+            raise DatasetError(f"{where}: format {name!r} is unknown to this packer ({', '.join(FORMATS)})")
         cls = DATASET_CLASSES[name] = _format_dataset_class(FORMATS[name])
         globals()[cls.__name__] = cls
     return cls
 
 
-def open_dataset(path: str | os.PathLike, cache: str | None = None, cache_options: dict | None = None,
-                 **kwargs: Any) -> PackedDataset | CachedDataset:
-    """Open a packed dataset of any format; keyword arguments as for ``PackedDataset`` (``source_root=``
-    where the converted folder moved). ``with open_dataset(p) as ds:`` closes its shards at the end.
+CacheMode = Literal["ram", "ram-decoded"]
 
-    ``cache="ram"`` (stored payloads) or ``"ram-decoded"`` (decoded pixels) returns a
-    ``packer.read.cache.CachedDataset`` (``cache_options`` go to it): one copy in shared memory
-    for all DataLoader workers.
+
+@overload
+def open_dataset(path: str | os.PathLike, cache: None = None, cache_options: Mapping[str, Any] | None = None, *,
+                 transform: Callable | None = None, target_transform: Callable | None = None, image: ImageKind = "pil",
+                 decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
+                 source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
+                 fields: FieldsArg = None) -> PackedDataset: ...
+
+
+@overload
+def open_dataset(path: str | os.PathLike, cache: CacheMode, cache_options: Mapping[str, Any] | None = None, *,
+                 transform: Callable | None = None, target_transform: Callable | None = None, image: ImageKind = "pil",
+                 decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
+                 source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
+                 fields: FieldsArg = None) -> CachedDataset: ...
+
+
+def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
+                 cache_options: Mapping[str, Any] | None = None, *,
+                 transform: Callable | None = None, target_transform: Callable | None = None, image: ImageKind = "pil",
+                 decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
+                 source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
+                 fields: FieldsArg = None) -> PackedDataset | CachedDataset:
+    """Open a packed dataset of any format as a map-style PyTorch dataset (ImageFolder's samples and indices).
+
+    ``with open_dataset(p) as ds:`` closes its shard files at the end.
+
+    Args:
+        path: the dataset directory (made by ``packer convert`` or ``packer.Writer``).
+        cache: None reads the shard files; ``"ram"`` (the stored payloads) or ``"ram-decoded"`` (decoded
+            pixels) returns a ``packer.CachedDataset``: one copy in shared memory for all DataLoader workers.
+        cache_options: keyword arguments of ``packer.CachedDataset`` (``workers``, ``progress``, ``shm_dir``).
+        transform: called on each image, as ImageFolder's ``transform``.
+        target_transform: called on each label, as ImageFolder's ``target_transform``.
+        image: ``"pil"`` (PIL images, ImageFolder's), ``"numpy"`` (HWC uint8 arrays) or ``"tensor"`` (CHW
+            uint8 tensors).
+        decoder: the JPEG decoder: ``"auto"`` (libjpeg-turbo where it loads, else Pillow), ``"turbojpeg"``, ``"pil"``.
+        access: ``"sequential"`` (read ahead in file order), ``"random"`` (no read-ahead) or ``"auto"``
+            (sequential unless the files exceed half the free memory).
+        decode_size: decode JPEGs at the smallest DCT scale that keeps the short side >= this (lossy); None: full.
+        source_root: where the converted folder is now, for ``samples``; None: the one the manifest records.
+        crop: a fused decode + crop + resize (``packer.RandomResizedCropDecode``, ``packer.CenterCropDecode``).
+        fields: what a sample holds: None for ``(image, label)``, names for a tuple, ``"all"`` for a dict
+            (docs/fields.md).
+
+    Returns:
+        The format's ``PackedDataset`` subclass (``LMDBDataset``, ...), or a ``CachedDataset`` with ``cache``.
+
+    Raises:
+        InputNotFoundError: ``path`` is not a packed dataset (a ``FileNotFoundError``).
+        DatasetError: the dataset fails its checks.
+        OptionError: an argument out of its choices (a ``ValueError``).
     """
-    if cache == "ram-decoded" and kwargs.get("crop") is not None:
-        raise PackerError("crop= with cache='ram-decoded' would keep one crop per sample for ever: use cache='ram'")
+    if cache == "ram-decoded" and crop is not None:
+        raise OptionError("crop= with cache='ram-decoded' would keep one crop per sample for ever: use cache='ram'")
     refuse_url(path, "open_dataset")
     path = Path(path).absolute()
     manifest = read_manifest(path)
-    ds = dataset_class(manifest.format, path)(path, **kwargs)
+    ds = dataset_class(manifest.format, path)(path, transform=transform, target_transform=target_transform,
+                                              image=image, decoder=decoder, access=access, decode_size=decode_size,
+                                              source_root=source_root, crop=crop, fields=fields)
     if cache is None:
         return ds
     from packer.read.cache import CachedDataset
 
-    return CachedDataset(ds, cache, **(cache_options or {}))
+    return CachedDataset(ds, cache, **dict(cache_options or {}))

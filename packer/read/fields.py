@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from packer.errors import PackerError
+from packer.errors import OptionError
 from packer.layout.fields import RESERVED, FieldStore
 
 FieldsArg = Sequence[str] | Literal["all"] | None
@@ -25,13 +25,13 @@ class FieldSelection:
         if fields is None:
             self.names: tuple[str, ...] | None = None
         elif isinstance(fields, str) and fields != "all":
-            raise PackerError(f"fields={fields!r}: expected 'all' or a sequence of names such as ('image', 'label')")
+            raise OptionError(f"fields={fields!r}: expected 'all' or a sequence of names such as ('image', 'label')")
         else:
             names = ("image", "label", *store.specs) if fields == "all" else tuple(fields)
             for name in names:
                 if name not in RESERVED and name not in store.specs:
                     known = ", ".join(("image", "label", *store.specs))
-                    raise PackerError(f"{where}: no field {name!r} (this dataset has {known})")
+                    raise OptionError(f"{where}: no field {name!r} (this dataset has {known})")
             self.names = names
 
     def sample(self, store: FieldStore, pos: int, image: Any, target: Any, where: str) -> Any:

@@ -20,7 +20,7 @@ from typing import Any, cast
 
 import torch
 
-from packer.errors import PackerError
+from packer.errors import OptionError, PackerError
 from packer.read.resume import Stateful
 
 _END = object()
@@ -175,11 +175,16 @@ class BackgroundLoader:
     original traceback. Over a loader with ``state_dict()`` (torchdata's ``StatefulDataLoader``),
     ``state_dict()`` gives the loader's state after the last batch *handed out*, not after the
     ones prefetched, so a job resumed from it neither repeats nor skips a batch.
+
+    Args:
+        loader: any iterable of batches (a DataLoader, a ``ThreadLoader``, a ``StatefulDataLoader``).
+        depth: batches kept ready ahead of the one handed out (at least 1; default 2).
+        join_timeout: seconds to wait for the thread to stop when an iteration ends early (default 60).
     """
 
     def __init__(self, loader: Iterable, depth: int = 2, join_timeout: float = 60.0) -> None:
         if depth < 1:
-            raise ValueError(f"depth must be at least 1, got {depth}")
+            raise OptionError(f"depth must be at least 1, got {depth}")
         self.loader = loader
         self.depth = depth
         self.join_timeout = join_timeout
@@ -267,6 +272,10 @@ class CUDAPrefetcher:
     (``wait_stream``), and each tensor is marked with ``record_stream`` so the caching allocator
     does not reuse its memory while the compute stream may still read it. On any other device
     (CPU), batches pass through untouched.
+
+    Args:
+        loader: any iterable of batches (tensors, or tuples, lists and dicts of them).
+        device: where batches go (default: the current CUDA device, else the CPU).
     """
 
     def __init__(self, loader: Iterable, device: torch.device | str | None = None) -> None:

@@ -12,13 +12,13 @@ import warnings
 
 import torch.distributed as dist
 
-from packer.errors import PackerError
+from packer.errors import OptionError
 
 
 def check_rank(rank: int, num_replicas: int) -> None:
     """A PackerError unless ``0 <= rank < num_replicas``."""
     if num_replicas < 1 or not 0 <= rank < num_replicas:
-        raise PackerError(f"rank {rank} is not in [0, {num_replicas}) ranks")
+        raise OptionError(f"rank {rank} is not in [0, {num_replicas}) ranks")
 
 
 def replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:

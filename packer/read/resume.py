@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from packer.errors import PackerError
+from packer.errors import OptionError
 
 
 @runtime_checkable
@@ -62,14 +62,14 @@ def resume_position(state: Mapping[str, Any], order_key: Mapping[str, Any], per_
     """
     if not isinstance(state, Mapping) or not {"epoch", "yielded", "order"} <= set(state):
         got = ", ".join(sorted(map(str, state))) if isinstance(state, Mapping) else type(state).__name__
-        raise PackerError(f"not a BlockShuffleSampler state: expected the keys epoch, yielded and order, got {got}")
+        raise OptionError(f"not a BlockShuffleSampler state: expected the keys epoch, yielded and order, got {got}")
     saved = state["order"]
     differ = sorted(k for k in set(saved) | set(order_key) if saved.get(k) != order_key.get(k))
     if differ:
-        raise PackerError("the saved sampler state is for another order: "
+        raise OptionError("the saved sampler state is for another order: "
                           + "; ".join(f"{k} {saved.get(k)!r} saved, {order_key.get(k)!r} here" for k in differ))
     epoch, yielded = state["epoch"], state["yielded"]
     if not isinstance(epoch, int) or not isinstance(yielded, int) or epoch < 0 or not 0 <= yielded <= per_epoch:
-        raise PackerError(f"the saved sampler state's position is out of range: epoch {epoch!r}, "
+        raise OptionError(f"the saved sampler state's position is out of range: epoch {epoch!r}, "
                           f"{yielded!r} samples of {per_epoch} handed out")
     return epoch, yielded

@@ -46,7 +46,7 @@ import numpy as np
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
 from packer._random import raw_draws, stable_permutation
-from packer.errors import PackerError
+from packer.errors import OptionError
 from packer.layout.index import shard_starts
 from packer.read.hints import hinted_order
 from packer.read.indexing import IndexMap
@@ -57,9 +57,6 @@ from packer.read.staged import StagedDataset
 DEFAULT_BLOCK_BYTES = 16_000_000  # ~107 ms of a 150 MB/s disk: a seek (~8.5 ms) costs ~8 % of it
 DEFAULT_OPEN_BLOCKS = 8  # window of 128 MB per rank: mixing across blocks at no IO cost
 DEFAULT_RUN = 16  # neighbours read together: ~1.8 MB reads of ImageNet JPEGs; see docs/sampling.md
-
-
-# ------------------------------------------------------------------ random numbers
 
 
 # ------------------------------------------------------------------ blocks
@@ -73,7 +70,7 @@ def block_boundaries(nbytes: np.ndarray, block_bytes: int, cuts: Sequence[int] |
     two files).
     """
     if block_bytes <= 0:
-        raise PackerError(f"block size must be positive, got {block_bytes}")
+        raise OptionError(f"block size must be positive, got {block_bytes}")
     nbytes = np.asarray(nbytes, dtype=np.int64)
     n = len(nbytes)
     bounds = [0]
@@ -93,7 +90,7 @@ def check_boundaries(blocks: Sequence[int] | np.ndarray, n: int) -> np.ndarray:
     """Explicit block boundaries: increasing, from 0 to ``n`` (len = number of blocks + 1)."""
     b = np.asarray(blocks, dtype=np.int64)
     if b.ndim != 1 or len(b) < 2 or b[0] != 0 or b[-1] != n or np.any(np.diff(b) <= 0):
-        raise PackerError(
+        raise OptionError(
             f"blocks must be strictly increasing sample indices from 0 to the dataset length {n} "
             f"(block i is samples blocks[i]..blocks[i+1]-1); got {len(b)} values"
             + (f" from {b[0]} to {b[-1]}" if b.ndim == 1 and len(b) else "")
@@ -109,7 +106,7 @@ def dataset_boundaries(dataset: Any, block_bytes: int | None = None,
     if blocks is not None:
         return check_boundaries(blocks, n)
     if not isinstance(dataset, StagedDataset):
-        raise PackerError(f"{type(dataset).__name__} is not a packer dataset, so it has no per-sample sizes: "
+        raise OptionError(f"{type(dataset).__name__} is not a packer dataset, so it has no per-sample sizes: "
                           "pass blocks= explicitly")
     bounds = dataset.block_boundaries() if block_bytes is None else None
     if bounds is not None:
@@ -178,16 +175,23 @@ def window_samples(n: int, num_blocks: int, open_blocks: int, batch_size: int | 
 class BlockShuffleSampler(DistributedSampler):
     """Quasi-random order that reads few blocks at a time; rank-aware like ``DistributedSampler``.
 
-    ``DataLoader(ds, sampler=s, batch_size=s.batch_size, num_workers=8)``, and
-    ``s.set_epoch(epoch)`` before each epoch for a new order. ``num_replicas``/``rank``
-    default to the ``torch.distributed`` process group initialised when the sampler is used
-    (iterated or measured), else a single process. It is a ``DistributedSampler``, so Lightning
-    and Fabric leave it as it is (they wrap any other sampler, splitting its ranks again).
-    Every rank yields ``len(s)`` samples: ``drop_last=False`` pads by repeating a few samples,
-    ``True`` leaves out up to ``num_replicas - 1`` (different ones each epoch). Blocks (``blocks=``
-    included) are runs of storage positions; the indices yielded are the dataset's (ImageFolder's).
-    ``state_dict()``/``load_state_dict()`` save and restore the position inside an epoch
-    (torchdata's ``StatefulDataLoader`` calls them).
+    ``DataLoader(ds, sampler=s, batch_size=s.batch_size)``; ``s.set_epoch(epoch)`` before each epoch. A
+    ``DistributedSampler``, so Lightning and Fabric keep it; every rank yields ``len(s)`` of the dataset's
+    (ImageFolder's) indices; ``state_dict()`` saves the position inside an epoch (torchdata's ``StatefulDataLoader``).
+
+    Args:
+        dataset: a packer dataset (``open_dataset``): its sample sizes make the blocks; others need ``blocks``.
+        block_bytes: payload bytes per block (default 16 MB); blocks never cross a shard; ignored with ``blocks``.
+        blocks: explicit block boundaries: strictly increasing storage positions from 0 to ``len(dataset)``.
+        open_blocks: blocks shuffled together in a window (default 8): more mixes better, touches more at once.
+        run: neighbours read together (default 16; 1 shuffles single samples): the size of each read.
+        batch_size: the DataLoader's batch size, so that windows hold whole batches and no batch straddles two.
+        num_replicas: ranks sharing the epoch (default: the ``torch.distributed`` world size when used, else 1).
+        rank: this process's rank (default: the process group's when the sampler is used, else 0).
+        shuffle: False yields the storage order (split over ranks), as ``DistributedSampler(shuffle=False)``.
+        seed: the seed of every epoch's order (the same on every rank).
+        drop_last: leave out up to ``num_replicas - 1`` samples instead of padding ranks to equal counts.
+        warn: warn when most blocks hold a single label (a class-sorted dataset: batches would hold few classes).
     """
 
     def __init__(
@@ -211,11 +215,11 @@ class BlockShuffleSampler(DistributedSampler):
         if num_replicas is not None and rank is not None:
             check_rank(rank, num_replicas)  # else checked when used
         if open_blocks < 1:
-            raise PackerError(f"open_blocks must be at least 1, got {open_blocks}")
+            raise OptionError(f"open_blocks must be at least 1, got {open_blocks}")
         if run < 1:
-            raise PackerError(f"run must be at least 1, got {run}")
+            raise OptionError(f"run must be at least 1, got {run}")
         if batch_size is not None and batch_size < 1:
-            raise PackerError(f"batch_size must be positive, got {batch_size}")
+            raise OptionError(f"batch_size must be positive, got {batch_size}")
         self.dataset = dataset
         self.bounds = dataset_boundaries(dataset, block_bytes, blocks)
         self.index_map = dataset.index_map if isinstance(dataset, StagedDataset) else IndexMap(None)
@@ -317,17 +321,19 @@ class BlockShuffleSampler(DistributedSampler):
 
 
 class BlockBatchSampler(BatchSampler):
-    """Batches of a ``BlockShuffleSampler``: ``DataLoader(ds, batch_sampler=BlockBatchSampler(ds, 256))``.
+    """Batches of a ``BlockShuffleSampler``: ``DataLoader(ds, batch_sampler=BlockBatchSampler(ds, 256))``. Lightning
+    rebuilds a batch_sampler under DDP: there, pass ``sampler=BlockShuffleSampler(ds, batch_size=B), batch_size=B``.
 
-    Keyword arguments go to ``BlockShuffleSampler``; ``drop_last`` here drops a short last
-    batch of each rank (ranks already hold equal sample counts, so they have equal batch counts).
-    Lightning cannot leave a ``batch_sampler`` alone under DDP (it rebuilds it around its own
-    sampler): there, pass ``sampler=BlockShuffleSampler(ds, batch_size=B), batch_size=B`` instead.
+    Args:
+        dataset: a packer dataset (``open_dataset``), as for ``BlockShuffleSampler``.
+        batch_size: samples per batch (also the block sampler's ``batch_size``: windows of whole batches).
+        drop_last_batch: drop a short last batch of each rank (ranks hold equal sample counts, so equal batches).
+        **kwargs: ``BlockShuffleSampler``'s other arguments (``block_bytes``, ``open_blocks``, ``run``, ``seed``, ...).
     """
 
     def __init__(self, dataset: Any, batch_size: int, drop_last_batch: bool = False, **kwargs: Any) -> None:
         if isinstance(dataset, Sampler):
-            raise PackerError(
+            raise OptionError(
                 f"BlockBatchSampler got a {type(dataset).__name__} where a dataset belongs: Lightning rebuilds a "
                 "batch_sampler around its DistributedSampler under DDP, which would undo the block order. Use "
                 "DataLoader(ds, sampler=BlockShuffleSampler(ds, batch_size=B), batch_size=B), which Lightning keeps")

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import numpy as np
 
 from packer import sysinfo
-from packer.errors import PackerError
+from packer.errors import DatasetError, OptionError, PackerError
 from packer.formats import check_recorded_options, get_format
 from packer.layout.fields import FieldStore, load_fields
 from packer.layout.index import Index, shard_starts
@@ -35,7 +35,7 @@ def resolve_access(access: Access, fits: bool) -> str:
     uniform random access over data that can't stay in the page cache.
     """
     if access not in ("auto", "sequential", "random"):
-        raise PackerError(f"unknown access pattern {access!r} (choose auto, sequential or random)")
+        raise OptionError(f"unknown access pattern {access!r} (choose auto, sequential or random)")
     if access != "auto":
         return access
     return "sequential" if fits else "random"
@@ -114,20 +114,20 @@ class ShardStore:
         self.check_same_files(shard)
         size = buf.nbytes if isinstance(buf, (np.ndarray, memoryview)) else len(buf)
         if size != int(self.index.nbytes[i]):
-            raise PackerError(f"{self.where(shard, i)}: {size} bytes read, the index says "
-                              f"{int(self.index.nbytes[i])} (damaged dataset)")
+            raise DatasetError(f"{self.where(shard, i)}: {size} bytes read, the index says "
+                               f"{int(self.index.nbytes[i])} (damaged dataset)")
 
     def check_reads(self, shard: int, positions: np.ndarray, bufs: list) -> None:
         """``check_read`` of many payloads of one shard (dataset positions ``positions``), at once."""
         if len(bufs) != len(positions):
-            raise PackerError(f"{self.where(shard)}: {len(bufs)} samples read, {len(positions)} asked")
+            raise DatasetError(f"{self.where(shard)}: {len(bufs)} samples read, {len(positions)} asked")
         self.check_same_files(shard)
         sizes = _sizes(bufs)
         bad = np.flatnonzero(sizes != self.index.nbytes[positions])
         if len(bad):
             i = int(positions[bad[0]])
-            raise PackerError(f"{self.where(shard, i)}: {int(sizes[bad[0]])} bytes read, the index says "
-                              f"{int(self.index.nbytes[i])} (damaged dataset)")
+            raise DatasetError(f"{self.where(shard, i)}: {int(sizes[bad[0]])} bytes read, the index says "
+                               f"{int(self.index.nbytes[i])} (damaged dataset)")
 
     def check_same_files(self, shard: int) -> None:
         """Once per process and shard, after its reader opened: the files are those this dataset was opened on."""
@@ -135,8 +135,8 @@ class ShardStore:
         if shard not in checked:
             for f, recorded in zip(self.manifest.shards[shard].files, self._file_ids[shard]):
                 if _file_id(self.root / f.name) != recorded:
-                    raise PackerError(f"{self.root / f.name}: replaced since this dataset was opened "
-                                      "(a new conversion?); open the dataset again")
+                    raise DatasetError(f"{self.root / f.name}: replaced since this dataset was opened "
+                                       "(a new conversion?); open the dataset again")
             checked.add(shard)
 
     @property
@@ -194,7 +194,7 @@ def _dir_id(path: Path, missing_ok: bool = False) -> tuple[int, int, int] | None
     except OSError as exc:
         if missing_ok:
             return None
-        raise PackerError(f"{path}: {exc.strerror or exc}") from None
+        raise DatasetError(f"{path}: {exc.strerror or exc}") from None
     return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
@@ -202,5 +202,5 @@ def _file_id(path: Path) -> tuple[int, int]:
     try:
         st = os.stat(path)
     except OSError as exc:
-        raise PackerError(f"{path}: {exc.strerror or exc}") from None
+        raise DatasetError(f"{path}: {exc.strerror or exc}") from None
     return st.st_dev, st.st_ino

@@ -30,7 +30,7 @@ from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSam
 from torch.utils.data._utils.collate import default_convert
 
 from packer import sysinfo
-from packer.errors import PackerError
+from packer.errors import OptionError, PackerError
 from packer.read.blockpool import pool_of
 from packer.read.collate import collate as packer_collate
 from packer.read.hints import aheads_of
@@ -315,6 +315,21 @@ class ThreadLoader:
     ``BlockBatchSampler``): the position after the last batch handed out, not after those read ahead. The batch
     memory (up to ``prefetch_batches + 3`` batches) stays with the dataset for its next epoch and its other
     ThreadLoaders.
+
+    Args:
+        dataset: a packer dataset (``open_dataset``, or a ``CachedDataset``).
+        batch_size: samples per batch (default 1); None hands out single samples, unbatched, as DataLoader.
+        shuffle: a new uniform shuffle each epoch (``RandomSampler`` with ``generator``).
+        sampler: the order of samples (e.g. ``BlockShuffleSampler``); excludes ``shuffle``.
+        batch_sampler: the batches' indices (e.g. ``BlockBatchSampler``); excludes ``batch_size``,
+            ``shuffle``, ``sampler`` and ``drop_last``.
+        num_threads: decoding threads, in place of DataLoader's ``num_workers`` (default: the cores this
+            process may use).
+        collate_fn: merges a batch's samples (default: images of one shape stacked, as ``packer.collate``).
+        pin_memory: batches in pinned memory, for fast copies to CUDA (ignored, with a warning, without CUDA).
+        drop_last: drop a short last batch.
+        prefetch_batches: batches read and decoded ahead of the one handed out (default 2).
+        generator: the random generator of ``shuffle``.
     """
 
     def __init__(
@@ -324,19 +339,19 @@ class ThreadLoader:
         drop_last: bool = False, prefetch_batches: int = 2, generator: torch.Generator | None = None,
     ) -> None:
         if not isinstance(dataset, StagedDataset):
-            raise PackerError(f"ThreadLoader reads packer datasets (open_dataset), not a {type(dataset).__name__}")
+            raise OptionError(f"ThreadLoader reads packer datasets (open_dataset), not a {type(dataset).__name__}")
         if num_threads is not None and num_threads < 1:
-            raise PackerError(f"num_threads must be at least 1, got {num_threads}")
+            raise OptionError(f"num_threads must be at least 1, got {num_threads}")
         if prefetch_batches < 1:
-            raise PackerError(f"prefetch_batches must be at least 1, got {prefetch_batches}")
+            raise OptionError(f"prefetch_batches must be at least 1, got {prefetch_batches}")
         if batch_sampler is not None and (batch_size != 1 or shuffle or sampler is not None or drop_last):
-            raise PackerError("batch_sampler is mutually exclusive with batch_size, shuffle, sampler and drop_last")
+            raise OptionError("batch_sampler is mutually exclusive with batch_size, shuffle, sampler and drop_last")
         if shuffle and sampler is not None:
-            raise PackerError("sampler is mutually exclusive with shuffle")
+            raise OptionError("sampler is mutually exclusive with shuffle")
         if batch_size is None and drop_last:
-            raise PackerError("batch_size=None (one sample at a time, no batches) is mutually exclusive with drop_last")
+            raise OptionError("batch_size=None (one sample at a time, no batches) is mutually exclusive with drop_last")
         if batch_sampler is None and batch_size is not None and batch_size < 1:
-            raise PackerError(f"batch_size must be at least 1, got {batch_size}")
+            raise OptionError(f"batch_size must be at least 1, got {batch_size}")
         self.dataset = dataset
         self.unbatched = batch_sampler is None and batch_size is None  # DataLoader's batch_size=None: samples
         if batch_sampler is None and sampler is None:
@@ -392,7 +407,7 @@ class ThreadLoader:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume the next iteration after the last batch handed out when ``state_dict`` was saved."""
         if not isinstance(state_dict, dict) or "sampler" not in state_dict:
-            raise PackerError("not a ThreadLoader state: expected a dict with the key 'sampler'")
+            raise OptionError("not a ThreadLoader state: expected a dict with the key 'sampler'")
         self._stateful().load_state_dict(state_dict["sampler"])
         self._state = copy.deepcopy(state_dict["sampler"])
 

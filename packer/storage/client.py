@@ -26,7 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from packer.errors import PackerError
+from packer.errors import MissingPackageError, PackerError, install_hint
 from packer.storage.faults import (
     AccessDenied,
     ObjectChanged,
@@ -77,7 +77,7 @@ def build_store(spec: StoreSpec) -> Any:
     try:
         from obstore.store import LocalStore, from_url
     except ImportError as exc:
-        raise PackerError(f"object storage needs obstore ({exc}): pip install 'packer-images[remote]'") from None
+        raise MissingPackageError(f"object storage needs obstore ({exc}): {install_hint('remote')}") from None
 
     loc = _location(spec.url)
     policy = spec.policy

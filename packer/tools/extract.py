@@ -22,26 +22,36 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from PIL import Image
 
-from packer.errors import PackerError, RunError, under_way
+from packer.errors import DatasetError, OutputExistsError, PackerError, RunError, arg, under_way
 from packer.layout.fields import json_value
 from packer.layout.fsutil import create_temp, destination_dir, nearest_existing
 from packer.layout.manifest import dataset_directory
 from packer.layout.trust import check_class_name, check_inner_name
+from packer.progress import bar
 from packer.read.dataset import open_dataset
 from packer.storage.url import refuse_urls
 
 
 @dataclass
 class ExtractResult:
+    """What ``extract`` wrote: where, how many files and bytes, and how raw payloads were named."""
+
     output: Path
     num_files: int
     num_bytes: int
     as_png: bool  # raw payload: written as PNG, names end in .png
     kept_extension: int = 0  # raw payload: PNGs named <original name>.png because of a name clash
     fields_file: Path | None = None  # the per-sample fields, one JSON line per sample (datasets with fields)
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON values (``packer extract --json``, docs/library.md)."""
+        return {"output": str(self.output), "num_files": self.num_files, "num_bytes": self.num_bytes,
+                "as_png": self.as_png, "kept_extension": self.kept_extension,
+                "fields_file": None if self.fields_file is None else str(self.fields_file)}
 
 
 FIELDS_NAME = "packer-fields.jsonl"  # beside the extracted files: {"path": name, field: value, ...} per sample
@@ -57,7 +67,7 @@ def target_names(rel_paths: Sequence[str], raw: bool) -> list[str]:
 
 
 def extract(path: str | os.PathLike, dest: str | os.PathLike, overwrite: bool = False,
-            progress: bool = False) -> ExtractResult:
+            progress: bool | None = None) -> ExtractResult:
     """Write every sample of the dataset at ``path`` under ``dest``; every target is checked before writing.
 
     Refusals before anything is written raise PackerError; a dataset that fails to read, or a
@@ -100,7 +110,7 @@ def fields_lines(ds, names: list[str]) -> bytes:
 def _checked(name: str, where) -> str:
     check_inner_name(name, f"{where}: sample path")
     if name.startswith("/") or name in (".", "") or any(p in (".", "") for p in name.split("/")):
-        raise PackerError(f"{where}: sample path {name!r} is not a plain relative path")
+        raise DatasetError(f"{where}: sample path {name!r} is not a plain relative path")
     return name
 
 
@@ -111,12 +121,12 @@ def _check_names(where, dest: Path, rels: list[str], names: list[str], classes: 
     first: dict[str, str] = {}
     for rel, name in zip(rels, names, strict=True):
         if name in first:
-            raise PackerError(f"{where}: samples {first[name]!r} and {rel!r} would both be written to {name!r}")
+            raise DatasetError(f"{where}: samples {first[name]!r} and {rel!r} would both be written to {name!r}")
         first[name] = rel
     folders = set(classes) | {str(p) for n in names for p in PurePosixPath(n).parents if str(p) != "."}
     clash = next((n for n in names if n in folders), None)
     if clash is not None:
-        raise PackerError(f"{where}: {clash!r} would be both a file and a folder under {dest}")
+        raise DatasetError(f"{where}: {clash!r} would be both a file and a folder under {dest}")
     base = Path(os.path.abspath(dest))
     probe = nearest_existing(base)
     name_max, path_max = _limit(probe, "PC_NAME_MAX", 255), _limit(probe, "PC_PATH_MAX", 4096)
@@ -149,24 +159,23 @@ def _check_existing(dest: Path, targets: list[Path], class_dirs: list[Path], ove
     """Refuse targets that exist (unless ``overwrite``) or are folders, and files where folders are needed."""
     for d in {p for t in targets for p in t.parents if dest in p.parents} | set(class_dirs):
         if os.path.lexists(d) and not d.is_dir():
-            raise PackerError(f"{d}: exists and is not a folder, but files are to be extracted into it")
+            raise OutputExistsError(f"{d}: exists and is not a folder, but files are to be extracted into it")
     existing = [t for t in targets if os.path.lexists(t)]
     folder = next((t for t in existing if t.is_dir() and not t.is_symlink()), None)
     if folder is not None:
-        raise PackerError(f"{folder}: a folder is in the way of a file to extract")
+        raise OutputExistsError(f"{folder}: a folder is in the way of a file to extract")
     if existing and not overwrite:
-        raise PackerError(f"{dest}: {len(existing)} of the files to extract exist already, e.g. {existing[0]} "
-                          "(use --overwrite to replace them)")
+        raise OutputExistsError(f"{dest}: {len(existing)} of the files to extract exist already, e.g. {existing[0]} "
+                                f"(use {arg('overwrite', True)} to replace them)")
 
 
-def _write_all(ds, real_dest: Path, dest: Path, names: list[str], raw: bool, overwrite: bool, progress: bool) -> int:
+def _write_all(ds, real_dest: Path, dest: Path, names: list[str], raw: bool, overwrite: bool,
+               progress: bool | None) -> int:
     """Write every sample (class folders too, even empty ones, so ImageFolder finds the same classes)."""
-    from tqdm import tqdm
-
     for c in ds.classes:
         _mkdir(_target(real_dest, dest, c))
     total = 0
-    for i in tqdm(range(len(ds)), unit="img", desc="extracting", disable=not progress):  # storage order: sequential
+    for i in bar(range(len(ds)), desc="extracting", progress=progress):  # storage order: sequential
         if raw:
             buf = io.BytesIO()
             Image.fromarray(ds.pixels_at(i)).save(buf, format="PNG")

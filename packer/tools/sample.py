@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
-from packer.errors import PackerError, RunError, under_way
+from packer.errors import OptionError, OutputExistsError, RunError, arg, under_way
 from packer.layout.fsutil import destination_dir
+from packer.progress import bar
 
 
 def _noise_field(rng: np.random.Generator, h: int, w: int, cells: int) -> np.ndarray:
@@ -78,17 +79,17 @@ def check_sample_options(count: int, classes: int, size: tuple[int, ...], seed: 
         return isinstance(v, int) and not isinstance(v, bool)
 
     if not whole(count) or not 1 <= count <= MAX_COUNT:
-        raise PackerError(f"--count {count!r}: expected an integer from 1 to {MAX_COUNT}")
+        raise OptionError(f"{arg('count', count)}: expected an integer from 1 to {MAX_COUNT}")
     if not whole(classes) or not 0 <= classes <= MAX_COUNT:
-        raise PackerError(f"--classes {classes!r}: expected an integer from 0 (a flat folder) to {MAX_COUNT}")
+        raise OptionError(f"{arg('classes', classes)}: expected an integer from 0 (a flat folder) to {MAX_COUNT}")
     if len(size) != 2 or not all(whole(v) and 1 <= v <= MAX_SIDE for v in size):
-        raise PackerError(f"--size {size!r}: expected height and width from 1 to {MAX_SIDE}")
+        raise OptionError(f"{arg('size', size)}: expected height and width from 1 to {MAX_SIDE}")
     if not whole(seed) or seed < 0:
-        raise PackerError(f"--seed {seed!r}: expected a non-negative integer")
+        raise OptionError(f"{arg('seed', seed)}: expected a non-negative integer")
     if not whole(quality) or not 1 <= quality <= 100:
-        raise PackerError(f"--quality {quality!r}: expected an integer from 1 to 100")
+        raise OptionError(f"{arg('quality', quality)}: expected an integer from 1 to 100")
     if workers is not None and (not whole(workers) or workers < 1):
-        raise PackerError(f"workers {workers!r}: expected a positive integer (or None: all cores)")
+        raise OptionError(f"workers {workers!r}: expected a positive integer (or None: all cores)")
 
 
 def make_sample(
@@ -99,7 +100,7 @@ def make_sample(
     seed: int = 0,
     quality: int = 90,
     workers: int | None = None,
-    progress: bool = True,
+    progress: bool | None = None,
 ) -> int:
     """Write ``count`` JPEGs into ``out/class_XX/img_XXXXXX.jpg``; returns bytes written.
 
@@ -111,7 +112,7 @@ def make_sample(
     check_sample_options(count, classes, tuple(size), seed, quality, workers)
     out = Path(out)
     if out.is_dir() and any(out.iterdir()):
-        raise PackerError(f"{out}: exists and is not empty")
+        raise OutputExistsError(f"{out}: exists and is not empty")
     destination_dir(out, "sample folder")
     rng = np.random.default_rng(seed)
     jobs = []
@@ -121,15 +122,12 @@ def make_sample(
         h = max(1, int(size[0] * rng.uniform(0.9, 1.1)))
         w = max(1, int(size[1] * rng.uniform(0.9, 1.1)))
         jobs.append((str(folder / f"img_{i:06d}.jpg"), seed * 1_000_003 + i, cls, h, w, quality))
-    from tqdm import tqdm
-
     total = 0
     with under_way():
         for cls in range(min(classes, count)):
             _mkdir(out / f"class_{cls:02d}")
         with ProcessPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-            for n in tqdm(pool.map(_write_one, jobs, chunksize=8), total=count, unit="img",
-                          desc="generating", disable=not progress):
+            for n in bar(pool.map(_write_one, jobs, chunksize=8), total=count, desc="generating", progress=progress):
                 total += n
     return total
 

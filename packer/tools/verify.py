@@ -6,16 +6,18 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, PackerError
 from packer.formats import get_format
 from packer.images.decode import decode, sniff
 from packer.images.headers import jpeg_segments
 from packer.layout.fields import same_cell
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
 from packer.layout.trust import inside, read_inside
+from packer.progress import bar
 from packer.read.dataset import open_dataset
 from packer.storage.url import refuse_urls
 from packer.write.options import ConvertOptions, make_options, scan_rules
@@ -28,6 +30,8 @@ from packer.write.sources.registry import scan_source
 
 @dataclass
 class Report:
+    """What ``verify`` found: every problem in words (none: the dataset is sound) and how much of each was checked."""
+
     problems: list[str] = field(default_factory=list)
     checked: dict[str, int] = field(default_factory=dict)
 
@@ -35,8 +39,12 @@ class Report:
     def ok(self) -> bool:
         return not self.problems
 
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON values (``packer verify --json``, docs/library.md)."""
+        return {"checked": dict(self.checked), "num_problems": len(self.problems), "problems": list(self.problems)}
 
-def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, progress: bool = False,
+
+def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, progress: bool | None = None,
            deep: bool = False, source: SourceOptions | None = None) -> Report:
     """Every check ``packer verify`` runs; problems are collected, not raised (a missing or empty
     ``against`` source is refused up front with a PackerError: nothing to compare with).
@@ -90,12 +98,10 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
     return report
 
 
-def _check_deep(ds, report: Report, progress: bool) -> None:
+def _check_deep(ds, report: Report, progress: bool | None) -> None:
     """Decode every sample (in storage order: a sequential pass); its shape must be the one the index records."""
-    from tqdm import tqdm
-
     unknown = 0
-    for i in tqdm(range(len(ds)), unit="img", desc="decoding", disable=not progress):
+    for i in bar(range(len(ds)), desc="decoding", progress=progress):
         try:
             arr = ds.pixels_at(i, strict=True)
         except PackerError as exc:
@@ -147,9 +153,9 @@ def reported_errors(root: Path) -> set[str]:
         errors = json.loads(raw.decode("utf-8"))["errors"]
         paths = {e["path"] for e in errors}
     except (UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as exc:
-        raise PackerError(f"{where}: not a packer error report ({type(exc).__name__}: {exc})") from None
+        raise DatasetError(f"{where}: not a packer error report ({type(exc).__name__}: {exc})") from None
     if not all(isinstance(p, str) for p in paths):
-        raise PackerError(f"{where}: not a packer error report (a path is not a string)")
+        raise DatasetError(f"{where}: not a packer error report (a path is not a string)")
     return paths
 
 
@@ -160,7 +166,7 @@ def reference_options(manifest: Manifest, where: str = MANIFEST_NAME) -> Convert
         options = make_options(manifest.format, **{**recorded, "decoder": "pil"})
         options.check()
     except PackerError as exc:
-        raise PackerError(f"{where}: the recorded conversion options are not valid ({exc})") from None
+        raise DatasetError(f"{where}: the recorded conversion options are not valid ({exc})") from None
     return options
 
 
@@ -175,11 +181,9 @@ def recorded_source(root: Path) -> SourceOptions:
     return options
 
 
-def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None:
+def _check_against(ds, scan: ScanResult, report: Report, progress: bool | None) -> None:
     """Every source file is packed identically (bytes, or Pillow's pixels for raw) or listed as an error, and
     ``ds[i]`` is ImageFolder's sample i (among those packed) where the dataset records that indexing."""
-    from tqdm import tqdm
-
     src = scan.root
     try:
         reported = reported_errors(ds.root)
@@ -202,8 +206,7 @@ def _check_against(ds, scan: ScanResult, report: Report, progress: bool) -> None
     reader = scan.source_reader()
     wanted = [(rel, label, loc) for rel, label, loc in scan.records() if rel in packed or rel not in reported]
     got = reader.read_in_order((rel, loc) for rel, _, loc in wanted)  # in scan order: sequential readers stream
-    for (rel, label, _), res in tqdm(zip(wanted, got), total=len(wanted), unit="img", desc="verifying",
-                                     disable=not progress):
+    for (rel, label, _), res in bar(zip(wanted, got), total=len(wanted), desc="verifying", progress=progress):
         i = packed.get(rel)
         if i is None:
             report.problems.append(f"{src / rel}: neither packed nor reported as an error")

@@ -8,31 +8,33 @@ folder, never a half shard under the real names; Dask runs the task again elsewh
 next ``load_done_shards`` (or the end of the run) clears the leftovers. The driver checks each
 returned shard against the plan and finishes (index, errors.json, manifest) like a local run.
 
-Dask is an optional extra (``pip install 'packer-images[dask]'``), imported only here and only when used.
+Dask is an optional extra (``pip install -e '.[dask]'`` in packer's checkout), imported only here and only when used.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import shutil
 import socket
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packer._version import DISTRIBUTION, __version__
-from packer.errors import PackerError
+from packer._version import __version__
+from packer.errors import MissingPackageError, OptionError, PackerError, arg, install_hint
 from packer.formats import get_format
 from packer.write.journal import ShardResult, record_shard
 from packer.write.options import ConvertOptions
 from packer.write.scan import ClassMapper, ScanResult, Walk, scan_folder, walk_class
 from packer.write.shards import BuildJob, ShardWriteError, prepare, progress_bar, write_shard
 from packer.write.sources.base import FileReader, SourceReader
+
+log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 STAGING_DIR = ".staging"
 _RETRIES = 2  # re-runs after an exception in a task (a lost worker is re-run by the scheduler anyway)
@@ -43,9 +45,9 @@ def _require_dask():
     try:
         import distributed
     except ImportError as exc:
-        raise PackerError(
-            f"--scheduler needs Dask distributed, which is not installed: pip install '{DISTRIBUTION}[dask]' "
-            "(or pip install 'dask[distributed]')"
+        raise MissingPackageError(
+            f"a Dask cluster ({arg('scheduler')}) needs Dask distributed, which is not installed: "
+            f"{install_hint('dask')} (or pip install 'dask[distributed]')"
         ) from exc
     return distributed
 
@@ -63,7 +65,8 @@ def open_client(scheduler: str) -> Iterator[Any]:
         except ValueError:
             n = 0
         if n <= 0:
-            raise PackerError(f"--scheduler {scheduler!r}: local:N needs a positive number of workers, e.g. local:4")
+            raise OptionError(f"{arg('scheduler', scheduler)}: local:N needs a positive number of workers, "
+                              "e.g. local:4")
         import logging
 
         # dashboard_address=None would still bind the scheduler's HTTP server to *:8787 (and clash
@@ -80,7 +83,7 @@ def open_client(scheduler: str) -> Iterator[Any]:
         client = distributed.Client(scheduler, timeout="30s")
     except (OSError, TimeoutError) as exc:
         raise PackerError(
-            f"--scheduler {scheduler!r}: cannot reach the Dask scheduler ({exc}); start one with "
+            f"{arg('scheduler', scheduler)}: cannot reach the Dask scheduler ({exc}); start one with "
             f"'dask scheduler' and workers with 'dask worker {scheduler}', or use local:N"
         ) from exc
     with client:
@@ -90,8 +93,8 @@ def open_client(scheduler: str) -> Iterator[Any]:
 def _worker_threads(client: Any) -> int:
     """Worker threads of the cluster; with none yet, say so and wait for the first worker to join."""
     if not client.nthreads():
-        print(f"packer: no Dask workers at {client.scheduler.address} yet; waiting for one to join "
-              f"(dask worker {client.scheduler.address} --nthreads 1)", file=sys.stderr)
+        log.warning("no Dask workers at %s yet; waiting for one to join (dask worker %s --nthreads 1)",
+                    client.scheduler.address, client.scheduler.address)
         client.wait_for_workers(1)
     return max(1, sum(client.nthreads().values()))
 
@@ -169,9 +172,9 @@ def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str,
         try:
             result, names = write_shard(staging, shard_id, len(items), samples, fmt, opts, on_error, src)
         except ShardWriteError as exc:
-            return {"kind": "write", "error": str(exc)}
+            return {"kind": "write", "error": exc.template}
         except PackerError as exc:  # a bad source under --on-error raise
-            return {"kind": "input", "error": str(exc)}
+            return {"kind": "input", "error": exc.template}
         _move_into_place(staging, part, names)
         record_shard(part, result, names)
     finally:
@@ -213,8 +216,8 @@ class DaskCluster:
         threads = _worker_threads(client)
         in_flight = 2 * threads  # a bounded queue: the scheduler never holds every path list
         if len(ranges) < threads:
-            print(f"packer: {len(ranges)} shard(s) for {threads} Dask worker threads: a task writes one shard, so "
-                  f"most workers will idle; choose a smaller --shard-size", file=sys.stderr)
+            log.warning("%d shard(s) for %d Dask worker threads: a task writes one shard, so most workers will "
+                        "idle; choose a smaller shard size (--shard-size, shard_bytes=)", len(ranges), threads)
 
         def submit(sid: int):
             a, b = ranges[sid]

@@ -13,9 +13,9 @@ only when its journal shows packer made it (``write.plan``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 from packer._version import __version__
-from packer.errors import PackerError, ResumableError
+from packer.errors import DatasetError, Interrupted, OptionError, OutputExistsError, PackerError, ResumableError, arg
 from packer.formats import get_format
 from packer.layout.fields import parse_specs
 from packer.layout.manifest import Manifest, holds_dataset, read_manifest
 from packer.layout.partial import PARTIAL_SUFFIX, made_by_packer, read_swap
+from packer.progress import progress_wanted
 from packer.storage.url import refuse_urls
 from packer.write.cluster import DaskCluster, class_mapper
 from packer.write.finish import in_storage_order, seal, stored_index
@@ -43,9 +44,13 @@ from packer.write.sources.base import SourceOptions
 from packer.write.sources.registry import open_source, scan_opened
 from packer.write.sources.select import PARTS
 
+log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
+
 
 @dataclass
 class ConvertResult:
+    """What a conversion did (``convert``, ``export_wds``): the output, what was packed, what was left out and why."""
+
     output: Path
     num_samples: int
     errors: list[SourceError]
@@ -61,46 +66,80 @@ class ConvertResult:
     def files_per_second(self) -> float:
         return (self.num_samples + len(self.errors)) / max(self.seconds, 1e-9)
 
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON values (``packer convert --json``'s entries, docs/library.md)."""
+        return {"output": str(self.output), "num_samples": self.num_samples, "num_errors": len(self.errors),
+                "errors": [e.to_json() for e in self.errors], "ignored": dict(self.ignored),
+                "not_images": dict(self.not_images), "seconds": self.seconds, "bytes_read": self.bytes_read,
+                "reused": self.reused, "nothing_to_resume": self.nothing_to_resume, "rewritten": self.rewritten}
+
 
 def convert(
-    src: str | os.PathLike,
-    output: str | os.PathLike | None = None,
-    *,
-    to: str = "lmdb",
-    on_error: Literal["skip", "raise"] = "skip",
-    workers: int | None = None,
-    overwrite: bool = False,
-    resume: bool = False,
-    if_changed: bool = False,
-    progress: bool = True,
-    client: Any = None,
-    pool: PoolSettings | None = None,
-    source_type: str | None = None,
-    root: str | os.PathLike | None = None,
-    path_column: str | None = None,
-    label_column: str | None = None,
-    classes_file: str | os.PathLike | None = None,
-    classes: Sequence[str] | None = None,
-    label_key: str | None = None,
-    image_column: str | None = None,
+    src: str | os.PathLike, output: str | os.PathLike | None = None, *, to: str = "lmdb",
+    on_error: Literal["skip", "raise"] = "skip", workers: int | None = None, overwrite: bool = False,
+    resume: bool = False, if_changed: bool = False, progress: bool | None = None, client: Any = None,
+    pool: PoolSettings | None = None, source_type: str | None = None, root: str | os.PathLike | None = None,
+    path_column: str | None = None, label_column: str | None = None, classes_file: str | os.PathLike | None = None,
+    classes: Sequence[str] | None = None, label_key: str | None = None, image_column: str | None = None,
     **options: Any,
 ) -> ConvertResult:
-    """Pack the records of source ``src`` into a dataset of format ``to``; see ``packer convert --help``.
+    """Pack the records of ``src`` into a new dataset of format ``to`` (what ``packer convert`` runs).
 
-    ``src`` is a folder of images, a list file, an archive or a packer dataset, chosen by what it is
-    or by ``source_type`` (write/sources/registry.py); ``root``, ``path_column``, ``label_column`` and
-    ``classes_file`` read list files (``label_key``: WebDataset's json label field; ``image_column``:
-    a Hugging Face dataset's image column); ``classes`` keeps those classes only (renumbered in sorted order).
-    ``options`` are the fields of ``ConvertOptions`` (``payload``, ``validate``, ``shard_bytes``,
-    ``resize``, ``order``, ``tile``, ...): everything that decides the output's bytes, recorded in
-    the manifest. ``payload`` defaults to ``encoded`` where the format stores it, else ``raw``
-    (bmp, mosaic). With a Dask ``client`` the class folders are scanned and the shards written by
-    the cluster's workers (packer.write.cluster; source and output on storage they share); the
-    bytes are the same. ``pool`` tunes the local process pool (``write.pool.PoolSettings``; the
-    defaults suit every run). ``overwrite`` replaces an existing packer dataset (nothing else);
-    ``resume`` goes on with an interrupted run's ``<out>.partial``. ``if_changed``: an existing output
-    converted with the same options from the same source files (sizes, mtimes) is reused, not converted
-    again (``write.fresh``); a stale one is replaced only with ``overwrite``.
+    Everything is written into ``<output>.partial`` and renamed into place at the end, so an interrupted run
+    never leaves an output that looks complete; every source record is packed or listed, with its reason, in
+    the output's ``errors.json``. The output depends only on the source and the options, never on ``workers``.
+
+    Args:
+        src: what to pack: a folder of images (ImageFolder's ``root/<class>/<image>``, or flat), a list file
+            (``.csv``, ``.tsv``, ``.txt``, ``.lst``), an archive (``.tar``, ``.tar.gz``, ``.zip``), WebDataset
+            shards, a Hugging Face dataset (a ``save_to_disk`` folder or Parquet), an MXNet ``.rec`` or a packer
+            dataset, told apart by what it is (or by ``source_type``; docs/sources.md).
+        output: the dataset directory to create; None: ``<src>.<to>`` beside the source.
+        to: the format: ``lmdb``, ``hdf5``, ``memmap``, ``bmp``, ``mosaic``, ``recordio``, ``n5``, ``pth`` or
+            ``safetensors`` (``packer.FORMATS``; docs/formats-*.md).
+        on_error: ``"skip"`` lists a record that cannot be packed in errors.json and goes on; ``"raise"`` stops
+            at the first (nothing is kept).
+        workers: processes that read and validate the sources (None: all cores; 0: this process).
+        overwrite: replace an existing packer dataset at ``output``, once the new one is complete (anything else
+            there is refused).
+        resume: go on with an interrupted run of the same source and options (its finished shards are checked
+            and kept; the result is identical to an uninterrupted run).
+        if_changed: reuse an existing output converted with the same options from the same source files (names,
+            sizes, modification times) instead of converting again; a stale one is replaced only with
+            ``overwrite``.
+        progress: a progress bar on stderr: None (default) when stderr is a terminal, True always, False never.
+        client: a ``dask.distributed.Client``: the cluster's workers scan the class folders and write the shards
+            (source and output on storage they all share); the bytes are the same as a local run's.
+        pool: settings of the local process pool (``packer.write.pool.PoolSettings``); the defaults suit every
+            run.
+        source_type: the kind of ``src`` when what it is does not say: ``folder``, ``list``, ``archive``,
+            ``webdataset``, ``hf``, ``recordio`` or ``packed`` (docs/sources.md).
+        root: a list file's folder: the paths it lists are relative to it.
+        path_column: a ``.csv``/``.tsv`` list's column of paths (default ``path``).
+        label_column: a list's or a Hugging Face dataset's column of labels (default ``label``).
+        classes_file: class names, one per line, in label order, for a list of integer labels.
+        classes: keep these classes only (names, or one comma-separated string), renumbered in sorted order.
+        label_key: a WebDataset source's field of its ``.json`` member that holds the label.
+        image_column: a Hugging Face dataset's image column (default ``image``).
+        **options: what decides the output's bytes, recorded in the manifest: ``payload`` (``"encoded"``, the
+            source files' bytes, the default where the format stores them; ``"raw"``, decoded RGB pixels),
+            ``validate`` (``"full"`` decodes every image, the default; ``"header"``; ``"none"``), ``shard_bytes``
+            (about this many bytes per shard; default the format's), ``resize`` (``"S"`` short side or ``"HxW"``,
+            raw payloads only, lossy), ``resize_mode`` (``"stretch"`` or ``"fit"`` for HxW), ``upscale``,
+            ``compression`` (raw payloads, a codec the format offers), ``order`` (``"shuffled"``, the default, or
+            ``"source"``: ImageFolder's order on disk), ``seed`` (of the shuffled order), ``skip_hidden``,
+            ``allow_empty`` (as ImageFolder's), ``jpeg_restarts`` (a lossless JPEG rewrite for faster crops),
+            ``decoder``, and the format's own (mosaic: ``tile``, ``grid``, ``codec``, ``quality``; n5:
+            ``n5_block``). ``packer convert --help`` explains each as its flag.
+
+    Returns:
+        A ``ConvertResult``: the output, the samples packed, every record left out with its reason, timings.
+
+    Raises:
+        InputNotFoundError: ``src`` does not exist (a ``FileNotFoundError``).
+        OutputExistsError: ``output`` holds something packer won't replace (a ``FileExistsError``).
+        OptionError: an option out of its range, or options that do not go together (a ``ValueError``).
+        ResumableError: a failure part-way (a full disk); the work is kept for ``resume=True``.
     """
     refuse_urls("packer convert", src, output)
     source = source_options(source_type, root, path_column, label_column, classes_file, classes, label_key,
@@ -121,7 +160,7 @@ def convert_split(src: str | os.PathLike, output: str | os.PathLike | None = Non
     base = source_options(**given)
     common = ("on_error", "workers", "overwrite", "resume", "progress", "client", "pool", "if_changed")
     defaults: dict[str, Any] = {"on_error": "skip", "workers": None, "overwrite": False, "resume": False,
-                                "progress": True, "client": None, "pool": None, "if_changed": False}
+                                "progress": None, "client": None, "pool": None, "if_changed": False}
     run = {k: kwargs.pop(k, defaults[k]) for k in common}
     seed = int(kwargs.get("seed", 0))
     parts = []
@@ -148,17 +187,18 @@ def source_options(source_type: str | None = None, root: str | os.PathLike | Non
 
 
 def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, on_error: str, workers: int | None,
-             overwrite: bool, resume: bool, progress: bool, client: Any, pool: PoolSettings | None,
+             overwrite: bool, resume: bool, progress: bool | None, client: Any, pool: PoolSettings | None,
              options: dict[str, Any], if_changed: bool = False) -> ConvertResult:
     opts = make_options(to, **options)
     opts.check()
+    progress = progress_wanted(progress)  # decided here, where the bar is drawn (not in the workers)
     if on_error not in ("skip", "raise"):
-        raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
+        raise OptionError(f"unknown error policy {on_error!r} (choose skip or raise)")
     fmt = get_format(to)
     if opts.shard_bytes is None:
         opts.shard_bytes = fmt.default_shard_bytes
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 0):
-        raise PackerError(f"workers {workers!r}: expected a count >= 0 (0: in this process; None: all cores)")
+        raise OptionError(f"workers {workers!r}: expected a count >= 0 (0: in this process; None: all cores)")
     workers = os.cpu_count() or 1 if workers is None else workers
     check_destination(src, out, overwrite or if_changed or resume)  # those look at an existing dataset first
 
@@ -177,7 +217,7 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
         if why is None:
             return _reused(scanned, out, started)
         if not overwrite:
-            raise PackerError(f"{out}: out of date ({why}); add --overwrite to replace it")
+            raise OutputExistsError(f"{out}: out of date ({why}); add {arg('overwrite', True)} to replace it")
     partial = out.with_name(out.name + PARTIAL_SUFFIX)
     if resume and not (overwrite or if_changed) and os.path.lexists(out):
         if holds_dataset(out) and not os.path.lexists(partial):  # finished: nothing was interrupted
@@ -196,18 +236,20 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
                                      else DaskCluster(client))
             shards = _build_shards(backend, job, out)
             return finish(scanned, partial, out, shards, opts, started, digest, source)
+        except PackerError:  # explained already (some kinds are OSErrors: an output that appeared meanwhile)
+            raise
         except OSError as exc:  # the journal, meta/*.npy, errors.json, the manifest or the renames
             raise _failed_midway(f"{exc.filename or out}: {exc.strerror or exc}", partial) from exc
         except KeyboardInterrupt:
-            raise KeyboardInterrupt(_interrupted(partial)) from None
+            raise Interrupted(_interrupted(partial)) from None
 
 
 def check_sequential(scan: ScanResult, options: ConvertOptions, client: Any) -> None:
     """A source read only in order (a compressed tar) can't be shuffled or spread over a cluster; pixels are
     never re-encoded."""
     if scan.source_reader().gives_pixels and options.payload != "raw":
-        raise PackerError(f"{scan.root}: holds decoded pixels (raw payloads), which packer never re-encodes: "
-                          "convert it with --payload raw (or convert the original images)")
+        raise OptionError(f"{scan.root}: holds decoded pixels (raw payloads), which packer never re-encodes: "
+                          f"convert it with {arg('payload', 'raw')} (or convert the original images)")
     check_order(scan.source_reader().sequential, scan.root, options.order, client)
 
 
@@ -217,11 +259,11 @@ def check_order(sequential: bool, root: Path, order: str, client: Any) -> None:
     if not sequential:
         return
     if order != "source":
-        raise PackerError(f"{root}: a compressed archive can only be read in its stored order: add --order "
-                          "source (or decompress it to a .tar, which is read in place in any order)")
+        raise OptionError(f"{root}: a compressed archive can only be read in its stored order: add "
+                          f"{arg('order', 'source')} (or decompress it to a .tar, which is read in place in any order)")
     if client is not None:
-        raise PackerError(f"{root}: a compressed archive can only be read in order, by one process: convert "
-                          "it without --scheduler (or decompress it to a .tar)")
+        raise OptionError(f"{root}: a compressed archive can only be read in order, by one process: convert "
+                          f"it without {arg('client', cli='scheduler')} (or decompress it to a .tar)")
 
 
 def _build_shards(backend: ShardBuilder, job: BuildJob, out: Path) -> list[ShardResult]:
@@ -300,7 +342,7 @@ def complete_swap(scan: ScanResult, partial: Path, out: Path, started: float) ->
     """Finish the move into place that a killed run journaled: its output is complete, nothing is converted."""
     num_samples = read_manifest(partial).num_samples
     errors = _recorded_errors(partial)
-    print(f"packer: {partial} holds a finished conversion; moving it into place", file=sys.stderr)
+    log.info("%s holds a finished conversion; moving it into place", partial)
     swap_into_place(partial, out)
     return ConvertResult(out, num_samples, errors, time.perf_counter() - started, 0, dict(scan.ignored),
                          dict(scan.not_images))
@@ -318,8 +360,8 @@ def _nothing_to_resume(scan: ScanResult, out: Path, options: ConvertOptions, dig
     a dataset of other options or other source files is refused, naming the difference."""
     why = stale_reason(out, options, digest, sources_too=bool(digest))
     if why is not None:
-        raise PackerError(f"{out}: a complete dataset, so there is nothing to resume, and it is not this "
-                          f"conversion's ({why}): add --overwrite to convert again")
+        raise OutputExistsError(f"{out}: a complete dataset, so there is nothing to resume, and it is not this "
+                                f"conversion's ({why}): add {arg('overwrite', True)} to convert again")
     result = _reused(scan, out, started)
     result.reused = False
     result.nothing_to_resume = "the same options" + (", the same source files, sizes and times" if digest else "")
@@ -333,7 +375,7 @@ def _recorded_errors(directory: Path) -> list[SourceError]:
         report = json.loads(path.read_text(encoding="utf-8"))
         return [SourceError.from_json(e) for e in report["errors"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise PackerError(f"{path}: damaged error report ({exc}); move {directory} away and convert again") from exc
+        raise DatasetError(f"{path}: damaged error report ({exc}); move {directory} away and convert again") from exc
 
 
 def _failed_midway(message: str, partial: Path) -> PackerError:
@@ -341,12 +383,12 @@ def _failed_midway(message: str, partial: Path) -> PackerError:
     if not made_by_packer(partial):
         return PackerError(message)
     return ResumableError(f"{message}; the work done so far is kept in {partial}: free space (or fix the "
-                          f"problem), then run the same command with --resume")
+                          f"problem), then run the same command with {arg('resume', True)}")
 
 
 def _interrupted(partial: Path) -> str:
     """What a Ctrl-C leaves: the message the CLI prints (once) as ``packer: ...``."""
     if not made_by_packer(partial):
         return "interrupted"
-    return (f"interrupted; the work done so far is kept in {partial}: run the same command with --resume "
-            f"to go on, or remove it")
+    return (f"interrupted; the work done so far is kept in {partial}: run the same command with "
+            f"{arg('resume', True)} to go on, or remove it")

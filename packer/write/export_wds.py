@@ -30,7 +30,7 @@ import numpy as np
 from PIL import Image
 
 from packer._version import __version__
-from packer.errors import PackerError
+from packer.errors import OptionError, OutputExistsError, PackerError, arg
 from packer.formats.base import PreparedSample
 from packer.layout.fields import cell_value, json_value, parse_specs
 from packer.layout.fsutil import fsync_tree, write_atomic
@@ -64,28 +64,54 @@ _MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG\r\n\x1a\n", "png"), (b"BM", "bmp"
 
 def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, *,
                on_error: Literal["skip", "raise"] = "skip", workers: int | None = None, overwrite: bool = False,
-               resume: bool = False, progress: bool = True, pool: PoolSettings | None = None,
+               resume: bool = False, progress: bool | None = None, pool: PoolSettings | None = None,
                validate: str = "full", shard_bytes: int | None = None, order: str = "shuffled", seed: int = 0,
                skip_hidden: bool = False, allow_empty: bool = False, decoder: str = "auto",
                **others: Any) -> ConvertResult:
-    """Write the records of ``src`` as WebDataset shards of at most ``shard_bytes`` (default 256 MB) into ``output``.
+    """Write the records of ``src`` as WebDataset ``.tar`` shards into ``output`` (``packer convert --to wds``).
 
-    ``others``: ``convert``'s source keywords (``root``, ``classes``, ...); its other options (``payload``,
-    ``resize``, ...) are refused unless unset: the export keeps the source's bytes. ``order``: the order of
-    samples in the shards (keys are the source's numbers either way). ``resume`` only finishes a move into
-    place that a killed run journaled; anything else left in ``<out>.partial`` is refused, naming it.
+    A sink, not a packer format: each sample keeps its source's encoded bytes (decoded pixels as lossless PNG),
+    its label and fields; the shards are read back by ``webdataset`` or by ``convert`` (a WebDataset source).
+
+    Args:
+        src: what to export: any source ``convert`` reads (a folder, a list file, an archive, a packer
+            dataset, ...).
+        output: the folder of shards to create; None: ``<src>.wds`` beside the source.
+        on_error: ``"skip"`` lists a record that cannot be read in the export's errors.json and goes on;
+            ``"raise"`` stops at the first (nothing is kept).
+        workers: processes that read and validate the sources (None: all cores; 0: this process).
+        overwrite: replace an existing export or packer dataset at ``output`` (anything else is refused).
+        resume: finish the move into place that a killed run journaled (an export is not resumed part-way:
+            anything else left in ``<output>.partial`` is refused, naming it).
+        progress: a progress bar on stderr: None (default) when stderr is a terminal, True always, False never.
+        pool: settings of the local process pool (``packer.write.pool.PoolSettings``).
+        validate: ``"full"`` decodes every image (default), ``"header"`` reads headers only, ``"none"`` checks
+            nothing, as for ``convert``.
+        shard_bytes: at most this many bytes per ``.tar`` (default 256 MB).
+        order: the order of samples in the shards: ``"shuffled"`` (seeded; default) or ``"source"``; keys are
+            the source's sample numbers either way.
+        seed: the seed of the shuffled order.
+        skip_hidden: leave out names starting with ``.`` (ImageFolder keeps them).
+        allow_empty: keep class folders without images as classes (ImageFolder's ``allow_empty``).
+        decoder: the JPEG decoder that validates (``"auto"``, ``"turbojpeg"``, ``"pil"``).
+        **others: ``convert``'s source keywords (``source_type``, ``root``, ``path_column``, ``label_column``,
+            ``classes_file``, ``classes``, ``label_key``, ``image_column``); its other options (``payload``,
+            ``resize``, ...) are refused unless unset: an export keeps the source's bytes.
+
+    Returns:
+        A ``ConvertResult`` for the export (its ``output`` the folder of shards).
     """
     refuse_urls("packer convert --to wds", src, output)
     given = {k: others.pop(k) for k in _SOURCE_KEYWORDS if k in others}
     unsupported = sorted(k for k, v in others.items() if v is not None and v is not False)
     if unsupported:
-        raise PackerError(f"--{unsupported[0].replace('_', '-')}: not an option of --to wds (it stores the source's "
+        raise OptionError(f"{arg(unsupported[0])}: not an option of {arg('to', 'wds')} (it stores the source's "
                           "encoded bytes as they are; decoded pixels as lossless PNG)")
     if on_error not in ("skip", "raise"):
-        raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
+        raise OptionError(f"unknown error policy {on_error!r} (choose skip or raise)")
     limit = DEFAULT_SHARD_BYTES if shard_bytes is None else int(shard_bytes)
     if limit <= 0:
-        raise PackerError("shard size must be positive")
+        raise OptionError(f"{arg('shard_bytes', shard_bytes, cli='shard-size')}: must be positive")
     out = output_path(src, output, "wds")
     check_destination(src, out, overwrite)
     started = time.perf_counter()
@@ -109,7 +135,7 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
             return _finish(scanned, partial, out, sink, errors, opts.record(), started)
         except (PackerError, OSError, KeyboardInterrupt) as exc:
             shutil.rmtree(partial, ignore_errors=True)  # ours (made above), not resumable: nothing half-done stays
-            if isinstance(exc, OSError):
+            if isinstance(exc, OSError) and not isinstance(exc, PackerError):  # some kinds are OSErrors too
                 raise PackerError(f"{exc.filename or out}: {exc.strerror or exc}; nothing was exported") from exc
             if isinstance(exc, KeyboardInterrupt):
                 raise KeyboardInterrupt("interrupted; nothing was exported") from None
@@ -117,7 +143,7 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
 
 
 def _write_samples(scanned: ScanResult, opts: ConvertOptions, sink: TarSink, workers: int | None, pool: PoolSettings,
-                   on_error: str, progress: bool) -> list[SourceError]:
+                   on_error: str, progress: bool | None) -> list[SourceError]:
     """Every record of ``scanned`` in ``opts.order`` through the pool into ``sink``; the records not exported."""
     ordered = apply_order(scanned, opts.order, opts.seed)
     number = {rel: i for i, rel in enumerate(scanned.rel_paths)}
@@ -250,11 +276,11 @@ def _leftover(scanned: ScanResult, partial: Path, out: Path, resume: bool, start
         return ConvertResult(out, int(_read_index(out)["num_samples"]), [], time.perf_counter() - started, 0,
                              dict(scanned.ignored), dict(scanned.not_images))
     if swapping:
-        raise PackerError(f"{partial}: holds a finished export that was being moved into place; run the same "
-                          f"command with --resume to finish that")
-    raise PackerError(f"{partial}: exists (left over from an interrupted run, or not packer's); a WebDataset export "
-                      f"is not resumed and packer leaves that folder alone: remove it (rm -r '{partial}') or choose "
-                      f"another --output")
+        raise OutputExistsError(f"{partial}: holds a finished export that was being moved into place; run the same "
+                                f"command with {arg('resume', True)} to finish that")
+    raise OutputExistsError(f"{partial}: exists (left over from an interrupted run, or not packer's); a WebDataset "
+                            f"export is not resumed and packer leaves that folder alone: remove it (rm -r '{partial}') "
+                            f"or choose another {arg('output')}")
 
 
 def _read_index(out: Path) -> dict[str, Any]:

@@ -6,7 +6,7 @@ Until the manifest is written the output is only ``<out>.partial``; the swap int
 
 from __future__ import annotations
 
-import sys
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,8 @@ from packer.write.journal import ShardResult
 from packer.write.output import ERRORS_NAME, swap_into_place
 from packer.write.scan import SourceError
 from packer.write.summary import not_packed_line
+
+log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 
 def stored_index(shards: list[ShardResult], source_order: list[str] | None) -> Index:
@@ -66,9 +68,8 @@ def write_error_report(partial: Path, errors: list[SourceError], ignored: Mappin
          "errors": [e.to_json() for e in sorted(errors, key=lambda e: e.path)]},
         indent=1,
     ))
-    if errors:
-        print(f"packer: {not_packed_line(packed, errors)}, see {ERRORS_NAME}:", file=sys.stderr)
-        for e in errors[:10]:
-            print(f"  {e.path}: {e.reason}", file=sys.stderr)
-        if len(errors) > 10:
-            print(f"  ... and {len(errors) - 10} more", file=sys.stderr)
+    if errors:  # one record: the first ten below the count
+        shown = [f"  {e.path}: {e.reason}" for e in errors[:10]]
+        more = [f"  ... and {len(errors) - 10} more"] if len(errors) > 10 else []
+        head = f"{not_packed_line(packed, errors)}, see {ERRORS_NAME}:"
+        log.warning("%s", "\n".join([head, *shown, *more]))

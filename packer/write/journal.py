@@ -25,19 +25,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packer.errors import PackerError
+from packer.errors import DatasetError
 from packer.layout.fsutil import fsync_file, write_atomic
 from packer.layout.manifest import FileInfo, Shard, dumps_lossless, sha256_file
 from packer.layout.partial import JOURNAL_DIR, PLAN_NAME, SWAP_NAME, made_by_packer
 from packer.write.scan import ScanResult, SourceError
 from packer.write.sources.base import SourceReader
+
+log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 
 @dataclass
@@ -80,11 +82,11 @@ class ShardResult:
                 rewritten=int(data.get("rewritten", 0)),
             )
         except (ValueError, KeyError, TypeError, IndexError) as exc:
-            raise PackerError(f"{where}: damaged journal entry ({exc})") from exc
+            raise DatasetError(f"{where}: damaged journal entry ({exc})") from exc
         n = result.shard.num_samples
         if not all(len(v) == n for v in (result.rel_paths, result.labels, result.heights, result.widths, result.nbytes,
                                          result.stats)):
-            raise PackerError(f"{where}: damaged journal entry (lengths disagree)")
+            raise DatasetError(f"{where}: damaged journal entry (lengths disagree)")
         return result
 
 
@@ -110,7 +112,7 @@ def read_plan(partial: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise PackerError(f"{path}: damaged conversion plan ({exc}); remove {partial} and convert again") from exc
+        raise DatasetError(f"{path}: damaged conversion plan ({exc}); remove {partial} and convert again") from exc
 
 
 def shard_entry(partial: Path, shard_id: int) -> Path:
@@ -157,8 +159,8 @@ def load_done_shards(partial: Path, num_shards: int, scan: ScanResult) -> dict[i
             entry.unlink()
     if changed:
         shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
-        print(f"packer: {len(changed)} source file(s) changed since the interrupted run ({shown}): "
-              "packing their shards again", file=sys.stderr)
+        log.info("%d source file(s) changed since the interrupted run (%s): packing their shards again", len(changed),
+                 shown)
     remove_unkept(partial, done)
     return done
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, OptionError, arg
 from packer.formats import FORMATS, get_format
 from packer.images.jpegregion import region_decode_available, region_decode_missing_reason
 from packer.images.resize import ResizeSpec
@@ -55,7 +55,7 @@ class ConvertOptions:
         own = {o.name for o in fmt.options}
         unknown = sorted(k for k, v in record.items() if k not in common | own and v is not None)
         if unknown:
-            raise PackerError(f"{where}: unknown conversion option(s) {', '.join(unknown)}")
+            raise DatasetError(f"{where}: unknown conversion option(s) {', '.join(unknown)}")
         return cls(**{k: v for k, v in record.items() if k in common},
                    extra={k: v for k, v in record.items() if k in own})
 
@@ -67,38 +67,40 @@ class ConvertOptions:
     def check(self) -> None:
         fmt = get_format(self.format)
         if self.payload not in PAYLOADS:
-            raise PackerError(f"unknown payload {self.payload!r} (choose from {', '.join(PAYLOADS)})")
+            raise OptionError(f"unknown payload {self.payload!r} (choose from {', '.join(PAYLOADS)})")
         if self.payload not in fmt.payloads:
-            raise PackerError(f"format {self.format!r} stores only {', '.join(sorted(fmt.payloads))} payloads")
+            raise OptionError(f"format {self.format!r} stores only {', '.join(sorted(fmt.payloads))} payloads")
         fmt.check_options(self.record())
         if self.validate not in ("full", "header", "none"):
-            raise PackerError(f"unknown validation level {self.validate!r} (choose full, header or none)")
+            raise OptionError(f"unknown validation level {self.validate!r} (choose full, header or none)")
         if self.shard_bytes is not None and self.shard_bytes <= 0:
-            raise PackerError("shard size must be positive")
+            raise OptionError(f"{arg('shard_bytes', self.shard_bytes, cli='shard-size')}: must be positive")
         if self.resize_spec is not None and self.payload != "raw":
-            raise PackerError("--resize changes pixels, so it needs --payload raw "
+            raise OptionError(f"{arg('resize')} changes pixels, so it needs {arg('payload', 'raw')} "
                               "(encoded payloads keep the source bytes)")
         if self.compression is not None:
             if self.compression not in fmt.compressions:
-                raise PackerError(f"--compression {self.compression}: format {self.format!r} offers "
+                raise OptionError(f"{arg('compression', self.compression)}: format {self.format!r} offers "
                                   f"{', '.join(sorted(fmt.compressions)) or 'no compression'}")
             if self.payload != "raw":
-                raise PackerError("--compression applies to raw payloads only: encoded JPEG/PNG bytes are "
-                                  "already compressed and would not shrink (use --payload raw, or drop --compression)")
+                raise OptionError(f"{arg('compression')} applies to raw payloads only: encoded JPEG/PNG bytes are "
+                                  f"already compressed and would not shrink (use {arg('payload', 'raw')}, or drop "
+                                  f"{arg('compression')})")
         if self.order not in SAMPLE_ORDERS:
-            raise PackerError(f"unknown sample order {self.order!r} (choose {' or '.join(SAMPLE_ORDERS)})")
+            raise OptionError(f"unknown sample order {self.order!r} (choose {' or '.join(SAMPLE_ORDERS)})")
         if not isinstance(self.seed, int) or self.seed < 0:
-            raise PackerError(f"the order seed must be a non-negative integer, got {self.seed!r}")
+            raise OptionError(f"the order seed must be a non-negative integer, got {self.seed!r}")
         for name, value in (("skip_hidden", self.skip_hidden), ("allow_empty", self.allow_empty),
                             ("jpeg_restarts", self.jpeg_restarts)):
             if not isinstance(value, bool):
-                raise PackerError(f"{name} must be True or False, got {value!r}")
+                raise OptionError(f"{name} must be True or False, got {value!r}")
         if self.jpeg_restarts:
             if self.payload != "encoded":
-                raise PackerError("--jpeg-restarts rewrites encoded JPEG bytes: it needs --payload encoded")
+                raise OptionError(f"{arg('jpeg_restarts', True)} rewrites encoded JPEG bytes: it needs "
+                                  f"{arg('payload', 'encoded')}")
             if not region_decode_available():
-                raise PackerError(f"--jpeg-restarts needs the compiled JPEG region decoder, which is not built "
-                                  f"({region_decode_missing_reason()}; docs/decoding.md)")
+                raise OptionError(f"{arg('jpeg_restarts', True)} needs the compiled JPEG region decoder, which is "
+                                  f"not built ({region_decode_missing_reason()}; docs/decoding.md)")
 
 
 def scan_rules(record: dict[str, Any]) -> tuple[bool, bool]:
@@ -117,9 +119,9 @@ def make_options(to: str, **given: Any) -> ConvertOptions:
         if key in others:
             if given[key] is None:
                 continue
-            raise PackerError(f"--{key} is an option of --to {others[key]} only")
+            raise OptionError(f"{arg(key)} is an option of {arg('to', others[key])} only")
         known = ", ".join(sorted(common | set(own)))
-        raise PackerError(f"unknown conversion option {key!r} for --to {to} (known: {known})")
+        raise OptionError(f"unknown conversion option {key!r} for {arg('to', to)} (known: {known})")
     if given.get("payload") is None:
         given["payload"] = "encoded" if "encoded" in fmt.payloads else "raw"
     if given.get("resize") is not None:  # sizes may come as numbers (resize=256)

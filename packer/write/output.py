@@ -8,18 +8,20 @@ Nothing the run did not make is deleted: the output may not be, hold or lie insi
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import shutil
-import sys
 from pathlib import Path
 
-from packer.errors import PackerError
+from packer.errors import OptionError, OutputExistsError, arg
 from packer.layout.fsutil import fsync_dir
 from packer.layout.manifest import MANIFEST_NAME, holds_dataset
 from packer.layout.partial import JOURNAL_DIR, OLD_TAG, read_swap
 from packer.layout.wdsexport import holds_wds_export
 from packer.write.journal import write_swap
+
+log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 ERRORS_NAME = "errors.json"  # the report of the source files not packed, beside the manifest
 
@@ -34,7 +36,7 @@ def output_path(src: str | os.PathLike, output: str | os.PathLike | None, fmt: s
     if output is None:
         return default_output(Path(src), fmt)
     if os.fspath(output) == "":
-        raise PackerError("the output path is empty: name the dataset folder to create (-o DIR)")
+        raise OptionError(f"the output path is empty: name the dataset folder to create ({arg('output')})")
     return Path(os.path.abspath(output))
 
 
@@ -47,11 +49,11 @@ def check_destination(src: str | os.PathLike, out: Path, overwrite: bool) -> Non
     """
     source, target = Path(os.path.realpath(src)), Path(os.path.realpath(out))
     if target == source:
-        raise PackerError(f"{out}: is the source folder itself; choose another --output")
+        raise OptionError(f"{out}: is the source folder itself; choose another {arg('output')}")
     if source.is_relative_to(target):
-        raise PackerError(f"{out}: holds the source folder {src}; choose an --output that does not contain it")
+        raise OptionError(f"{out}: holds the source folder {src}; choose an {arg('output')} that does not contain it")
     if target.is_relative_to(source):
-        raise PackerError(f"{out}: lies inside the source folder {src}; choose an --output outside it")
+        raise OptionError(f"{out}: lies inside the source folder {src}; choose an {arg('output')} outside it")
     check_replaceable(out, overwrite)
 
 
@@ -60,10 +62,11 @@ def check_replaceable(out: Path, overwrite: bool) -> None:
     if not os.path.lexists(out):
         return
     if not (holds_dataset(out) or holds_wds_export(out)):
-        raise PackerError(f"{out}: exists and is {_describe(out)}, not a packer dataset; packer replaces only a "
-                          f"dataset, even with --overwrite: choose another --output, or move it away yourself")
+        raise OutputExistsError(f"{out}: exists and is {_describe(out)}, not a packer dataset; packer replaces only "
+                                f"a dataset, even with {arg('overwrite', True)}: choose another {arg('output')}, or "
+                                "move it away yourself")
     if not overwrite:
-        raise PackerError(f"{out}: already exists (use --overwrite to replace it)")
+        raise OutputExistsError(f"{out}: already exists (use {arg('overwrite', True)} to replace it)")
 
 
 def _describe(path: Path) -> str:
@@ -95,8 +98,8 @@ def swap_into_place(partial: Path, out: Path) -> None:
     trash = out.with_name(name) if name else None
     if os.path.lexists(out):
         if trash is None:
-            raise PackerError(f"{out}: appeared while {partial} was being moved there; move it away, then run "
-                              f"the same command with --resume")
+            raise OutputExistsError(f"{out}: appeared while {partial} was being moved there; move it away, then run "
+                                    f"the same command with {arg('resume', True)}")
         _set_aside(out, trash)
     os.rename(partial, out)
     fsync_dir(out.parent)
@@ -109,8 +112,9 @@ def _set_aside(out: Path, trash: Path) -> None:
         os.mkdir(trash)
     except FileExistsError:
         if trash.is_symlink() or not trash.is_dir() or os.listdir(trash):
-            raise PackerError(f"{trash}: exists and is not the empty folder packer made, so {out} is not moved "
-                              f"into it; move one of them away, then run the same command with --resume") from None
+            raise OutputExistsError(f"{trash}: exists and is not the empty folder packer made, so {out} is not "
+                                    f"moved into it; move one of them away, then run the same command with "
+                                    f"{arg('resume', True)}") from None
     os.rename(out, trash / out.name)
 
 
@@ -121,12 +125,12 @@ def _remove_leftovers(out: Path, trash: Path | None) -> None:
         if set(os.listdir(trash)) <= {out.name}:
             leftovers.insert(0, trash)
         else:
-            print(f"packer: warning: {trash} holds more than the old {out.name}; left alone", file=sys.stderr)
+            log.warning("warning: %s holds more than the old %s; left alone", trash, out.name)
     for path in leftovers:
         try:
             shutil.rmtree(path)
         except FileNotFoundError:
             pass
         except OSError as exc:
-            print(f"packer: warning: {out} is in place, but {exc.filename or path} could not be removed "
-                  f"({exc.strerror or exc}); remove it yourself", file=sys.stderr)
+            log.warning("warning: %s is in place, but %s could not be removed (%s); remove it yourself", out,
+                        exc.filename or path, exc.strerror or exc)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from packer._random import stable_permutation
-from packer.errors import PackerError
+from packer.errors import OutputExistsError, PackerError, arg
 from packer.formats import get_format
 from packer.images.decode import DecodeError, pixel_limit
 from packer.images.headers import image_size
@@ -103,7 +103,7 @@ def check_free_space(directory: Path, needed: float) -> None:
     if needed * 1.05 > free:
         raise PackerError(
             f"{directory}: not enough free disk space: the output needs about {needed / 1e9:.2f} GB, "
-            f"{free / 1e9:.2f} GB free (choose another --output, or --resize for raw payloads)"
+            f"{free / 1e9:.2f} GB free (choose another {arg('output')}, or {arg('resize')} for raw payloads)"
         )
 
 
@@ -120,13 +120,14 @@ def load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: Conve
     if os.path.lexists(partial):
         plan = read_plan(partial)
         if plan is None:
-            raise PackerError(f"{partial}: exists but was not made by packer (it holds no {JOURNAL_DIR}/{PLAN_NAME}), "
-                              f"so packer leaves it alone: move it away, or choose another --output")
+            raise OutputExistsError(f"{partial}: exists but was not made by packer (it holds no "
+                                    f"{JOURNAL_DIR}/{PLAN_NAME}), so packer leaves it alone: move it away, or choose "
+                                    f"another {arg('output')}")
         check_free(partial, out)  # before anything is said of it: a live run's is in use, not left over
         if not resume:
-            raise PackerError(_leftover(partial, out))
+            raise OutputExistsError(_leftover(partial, out))
         if plan.get("options") != recorded or plan.get("digest") != digest:
-            raise PackerError(
+            raise OutputExistsError(
                 f"{partial}: the source files or the options changed since the interrupted run, so it "
                 f"can't be resumed; remove it (rm -r '{partial}') and convert again"
             )
@@ -145,16 +146,16 @@ def load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: Conve
 
 
 def _leftover(partial: Path, out: Path) -> str:
-    """Why a packer-made ``partial`` blocks a run without --resume, and the ways out."""
+    """Why a packer-made ``partial`` blocks a run without ``resume``, and the ways out."""
     swapping, trash = read_swap(partial, out)
     if not swapping:
         return (f"{partial}: left over from an interrupted conversion; go on with it by running the same "
-                f"command with --resume, or remove it (rm -r '{partial}')")
+                f"command with {arg('resume', True)}, or remove it (rm -r '{partial}')")
     old = out.with_name(trash) / out.name if trash else None
     where = f"the old dataset was moved to {old.parent}" if old is not None and os.path.lexists(old) \
         else f"{out} is not replaced yet"
     return (f"{partial}: holds the complete result of an interrupted conversion that was being moved into place "
-            f"({where}); run the same command with --resume to finish that (nothing is converted again)")
+            f"({where}); run the same command with {arg('resume', True)} to finish that (nothing is converted again)")
 
 
 def make_partial(out: Path, partial: Path, plan: dict) -> OutputLock:

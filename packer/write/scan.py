@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import InputNotFoundError, PackerError, arg
 from packer.layout.manifest import MANIFEST_NAME, holds_dataset
 from packer.layout.partial import PARTIAL_SUFFIX
 from packer.write.sources.base import FileReader, SourceReader
@@ -258,9 +258,9 @@ def scan_folder(root: str | os.PathLike, map_classes: ClassMapper | None = None,
     """
     root = Path(root)
     if not root.exists():
-        raise PackerError(f"{root}: no such folder")
+        raise InputNotFoundError(f"{root}: no such folder")
     if not root.is_dir():
-        raise PackerError(f"{root}: not a folder (give the folder that holds the images)")
+        raise InputNotFoundError(f"{root}: not a folder (give the folder that holds the images)")
     try:
         entries = sorted(os.scandir(root), key=lambda e: e.name)
         above = frozenset({_identity(os.stat(root))})
@@ -317,9 +317,9 @@ def _empty_classes(root: Path, empty: list[str], skip_hidden: bool) -> str:
     names = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
     hint = ""
     if not skip_hidden and any(c.startswith(".") for c in empty):
-        hint = "; hidden folders are classes, as in ImageFolder: --skip-hidden leaves them out"
+        hint = f"; hidden folders are classes, as in ImageFolder: {arg('skip_hidden', True)} leaves them out"
     return (f"{root}: no images in class folder(s) {names} (looked for {', '.join(IMG_EXTENSIONS)}); ImageFolder "
-            f"refuses empty classes too: give --allow-empty (allow_empty=True) to keep them as classes "
+            f"refuses empty classes too: give {arg('allow_empty', True)} to keep them as classes "
             f"without samples{hint}")
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import shutil
-import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from packer.images.decode import DecodeError, check_pixels, decode, sniff
 from packer.images.headers import image_size
 from packer.images.jpegregion import restart_transcode
 from packer.layout.manifest import FileInfo, Shard
+from packer.progress import bar
 from packer.write.journal import ShardResult
 from packer.write.options import ConvertOptions
 from packer.write.scan import ScanResult, SourceError
@@ -61,11 +61,9 @@ class ShardBuilder(Protocol):
     def build_shards(self, job: BuildJob) -> dict[int, ShardResult]: ...
 
 
-def progress_bar(total: int, enabled: bool):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="img", disable=not enabled, dynamic_ncols=True, smoothing=0.1,
-                desc="packing", file=sys.stderr)
+def progress_bar(total: int, progress: bool | None):
+    """The bar of a conversion's files (packer.progress decides whether it is drawn)."""
+    return bar(total=total, desc="packing", progress=progress, smoothing=0.1)
 
 
 def prepare(reader: SourceReader, rel: str, label: int, options: ConvertOptions,

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from packer._version import __version__
-from packer.errors import PackerError
+from packer.errors import OptionError, OutputExistsError, PackerError
 from packer.formats import get_format
 from packer.formats.base import PreparedSample
 from packer.layout.fields import FieldStore, encode_cell, parse_specs, save_fields
@@ -57,12 +57,30 @@ SOURCE_TYPE = "writer"  # the manifest's source_type: samples are named by numbe
 
 
 class Writer:
-    """Writes samples into a new packer dataset at ``path`` (see the module docstring); use as a context manager.
+    """Writes your own samples into a new packer dataset at ``path``; use as a context manager.
 
-    ``fields``: name -> spec (docs/fields.md). ``classes``: class names (default: ``"0"`` .. the largest
-    label). ``on_error``: ``"raise"`` a PackerError naming the sample, or ``"skip"`` it into errors.json.
-    ``options``: as for ``convert`` (``payload``, ``validate``, ``shard_bytes``, ``compression``, the format's
-    own); ``payload`` defaults to raw when the first image is an array (packer never encodes pixels).
+    ``add`` one sample at a time, in the order they are to be stored; leaving the ``with`` block finishes the
+    dataset (index, fields, errors.json, manifest) and moves it into place, as ``convert`` does.
+
+    Args:
+        path: the dataset directory to create.
+        format: the format: ``lmdb`` (default), ``hdf5``, ``memmap``, ``bmp``, ``mosaic``, ``recordio``, ``n5``,
+            ``pth`` or ``safetensors``.
+        fields: per-sample fields beside the image and label: name -> spec (``int``, ``float``, ``str``, ``json``,
+            ``bytes``, or an array such as ``float32[:,4]``; docs/fields.md).
+        classes: the class names, label ``i`` being ``classes[i]`` (default: ``"0"`` .. the largest label).
+        on_error: ``"raise"`` (default) a PackerError naming a sample that cannot be stored, or ``"skip"`` it
+            into errors.json.
+        resume: go on with an interrupted Writer's ``<path>.partial``: ``add`` the same samples again in the
+            same order, the journaled shards are skipped.
+        overwrite: replace an existing packer dataset at ``path`` (anything else there is refused).
+        **options: as for ``convert``: ``payload``, ``validate``, ``shard_bytes``, ``compression``, ``decoder``
+            and the format's own; ``payload`` defaults to ``raw`` when the first image is an array (packer never
+            encodes pixels). Samples are stored in the order added (``order="source"``).
+
+    Raises:
+        OutputExistsError: ``path`` holds something packer won't replace (a ``FileExistsError``).
+        OptionError: an option out of its range (a ``ValueError``).
     """
 
     def __init__(self, path: str | os.PathLike, format: str = "lmdb", fields: dict[str, str] | None = None, *,
@@ -75,13 +93,13 @@ class Writer:
         self.specs = parse_specs(fields, "Writer fields")
         self.classes = None if classes is None else [str(c) for c in classes]
         if self.classes is not None and len(set(self.classes)) != len(self.classes):
-            raise PackerError("Writer: class names repeat")
+            raise OptionError("Writer: class names repeat")
         for k, name in enumerate(self.classes or []):  # packer extract makes a folder of each
             check_class_name(name, f"Writer: classes[{k}]")
         if on_error not in ("skip", "raise"):
-            raise PackerError(f"unknown error policy {on_error!r} (choose skip or raise)")
+            raise OptionError(f"unknown error policy {on_error!r} (choose skip or raise)")
         if options.setdefault("order", "source") != "source":
-            raise PackerError("Writer: samples are stored in the order added (order='source'); shuffle when adding")
+            raise OptionError("Writer: samples are stored in the order added (order='source'); shuffle when adding")
         self.on_error, self.given = on_error, options
         self._make_options(None).check()  # unknown or bad options fail now, not at the first sample
         check_replaceable(self.out, overwrite)
@@ -160,7 +178,7 @@ class Writer:
                                     f"found {type(image).__name__}"), {}
         opts = self._options_for(data)
         if isinstance(data, np.ndarray) and opts.payload != "raw":
-            raise PackerError(f"{self.out}: sample {key}: an array of pixels needs payload='raw' (this dataset "
+            raise OptionError(f"{self.out}: sample {key}: an array of pixels needs payload='raw' (this dataset "
                               "stores encoded images, and packer never encodes pixels)")
         return make_payload(key, int(label), data, None, opts), cells
 
@@ -197,20 +215,20 @@ class Writer:
             self.out.parent.mkdir(parents=True, exist_ok=True)
             self.lock = make_partial(self.out, self.partial, self._plan())
         elif read_plan(self.partial) != self._plan():
-            raise PackerError(f"{self.partial}: written with other options, fields or classes, so it can't be "
-                              f"resumed; remove it (rm -r '{self.partial}') and write again")
+            raise OutputExistsError(f"{self.partial}: written with other options, fields or classes, so it can't be "
+                                    f"resumed; remove it (rm -r '{self.partial}') and write again")
 
     def _resume(self, resume: bool) -> None:
         """Go on with an interrupted Writer's ``<out>.partial``: its journaled shards count as written."""
         plan = read_plan(self.partial)
         if plan is None:
-            raise PackerError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
+            raise OutputExistsError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
         check_free(self.partial, self.out)  # a live run's is in use, not left over
         if plan.get("writer") != 1:
-            raise PackerError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
+            raise OutputExistsError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
         if not resume:
-            raise PackerError(f"{self.partial}: left over from an interrupted Writer: pass resume=True and add the "
-                              f"same samples again in the same order, or remove it (rm -r '{self.partial}')")
+            raise OutputExistsError(f"{self.partial}: left over from an interrupted Writer: pass resume=True and add "
+                                    f"the same samples again in the same order, or remove it (rm -r '{self.partial}')")
         self.lock = OutputLock.take(self.partial, self.out)
         if self.given.get("payload") is None:  # decided by the first sample of the interrupted run
             self.given["payload"] = plan.get("options", {}).get("payload")

@@ -296,15 +296,15 @@ def test_mosaic_jpeg_damaged_index_is_named(src, tmp_path):
 
 
 def test_mosaic_refusals(src, tmp_path):
-    with pytest.raises(PackerError, match="needs --tile"):
+    with pytest.raises(PackerError, match="needs tile="):
         convert(src, tmp_path / "a", to="mosaic", progress=False)
     with pytest.raises(PackerError, match=r"multiples of 16 px .*height 96 or 112, width 224"):
         convert(src, tmp_path / "a", to="mosaic", tile="100x224", codec="jpeg", progress=False)
-    with pytest.raises(PackerError, match="--tile is an option of --to mosaic only"):
+    with pytest.raises(PackerError, match="tile is an option of to='mosaic' only"):
         convert(src, tmp_path / "a", to="lmdb", tile="16x16", progress=False)
     with pytest.raises(PackerError, match="unknown mosaic codec"):
         convert(src, tmp_path / "a", to="mosaic", tile="16x16", codec="gif", progress=False)
-    with pytest.raises(PackerError, match="--quality is for --codec jpeg only"):
+    with pytest.raises(PackerError, match="quality is for codec='jpeg' only"):
         convert(src, tmp_path / "a", to="mosaic", tile="16x16", codec="png", quality=80, progress=False)
     assert not (tmp_path / "a").exists() and not (tmp_path / "a.partial").exists()
 

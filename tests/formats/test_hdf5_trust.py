@@ -184,7 +184,7 @@ def test_gzip_chunk_bomb_is_refused_before_inflating(bases, tmp_path):
     ds = crafted(bases, tmp_path, "gzip", edit)
     assert (ds / SHARD).stat().st_size < 2 << 20  # tiny on disk
     kind, message = limited_call(_read_all, ds, limit=1 << 30)
-    assert kind == "PackerError" and "chunks (268435456,)" in message, (kind, message)
+    assert kind == "DatasetError" and "chunks (268435456,)" in message, (kind, message)
     assert_refused(ds, tmp_path, "chunks")
 
 

@@ -73,7 +73,7 @@ def test_mosaic_header_disagreeing_with_the_geometry_is_refused_before_decoding(
     (patch_png_size if codec == "png" else patch_jpeg_size)(first, SIDE, SIDE)
     _rewrite_checksums(ds)
     kind, message = limited_call(_read_tiles, ds, tile_read, limit=ALLOWANCE)
-    assert kind == "PackerError" and f"image header says {SIDE}x{SIDE}, the manifest says 32x64" in message, \
+    assert kind == "DatasetError" and f"image header says {SIDE}x{SIDE}, the manifest says 32x64" in message, \
         (kind, message)
     assert first.name in message
 
@@ -86,5 +86,5 @@ def test_tile_index_with_a_huge_header_is_refused(copy):
     index.write_bytes(_npy_bytes("{'descr': '<i8', 'fortran_order': False, 'shape': (1099511627776, 2), }") + body)
     _rewrite_checksums(ds)
     kind, message = limited_call(_read_tiles, ds, None, limit=ALLOWANCE)
-    assert kind == "PackerError" and index.name in message and "header promises" in message, (kind, message)
+    assert kind == "DatasetError" and index.name in message and "header promises" in message, (kind, message)
 

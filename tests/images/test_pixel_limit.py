@@ -206,7 +206,7 @@ def test_verify_deep_reports_a_bomb_instead_of_dying(crafted, turbojpeg):
 
 def test_png_mosaics_beyond_the_limit_are_refused_before_converting(bomb_folder, tmp_path):
     """A png mosaic is read by decoding it whole: one above the limit could never be read back."""
-    with pytest.raises(PackerError, match="pixel limit.*smaller --grid"):
+    with pytest.raises(PackerError, match="pixel limit.*smaller grid"):
         convert(bomb_folder, tmp_path / "m", to="mosaic", tile="2240x2240", grid="10x10", codec="png",
                 workers=1, progress=False)
     assert not (tmp_path / "m").exists()

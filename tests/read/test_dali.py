@@ -201,7 +201,7 @@ def test_without_dali_a_one_line_error_names_the_extra(packed):
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith("ERROR packer.dali needs NVIDIA DALI") and "packer-images[dali]" in out.stdout
+    assert out.stdout.startswith("ERROR packer.dali needs NVIDIA DALI") and "pip install -e '.[dali]'" in out.stdout
     assert out.stdout.count("\n") == 1
 
 

@@ -92,7 +92,7 @@ def test_cli_flag_and_refusals(jpegregion, source, tmp_path, capsys):
     capsys.readouterr()
     assert main(["info", str(tmp_path / "a.hdf5")]) == 0
     assert "JPEGs rewritten losslessly with a restart marker per MCU" in capsys.readouterr().out
-    with pytest.raises(PackerError, match="needs --payload encoded"):
+    with pytest.raises(PackerError, match="needs payload='encoded'"):
         convert(source, tmp_path / "b.lmdb", to="lmdb", payload="raw", jpeg_restarts=True, progress=False)
     with pytest.raises(PackerError, match="jpeg_restarts must be True or False"):
         convert(source, tmp_path / "c.lmdb", to="lmdb", jpeg_restarts="yes", progress=False)

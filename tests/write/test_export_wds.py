@@ -184,7 +184,7 @@ def test_resume_finishes_a_journaled_move_into_place(tmp_path):
     out.rename(partial)  # what a kill between the journaled swap and the rename leaves
     write_plan(partial, {"kind": "packer-webdataset-export"})
     write_swap(partial, None)
-    with pytest.raises(PackerError, match="--resume"):
+    with pytest.raises(PackerError, match="resume=True"):
         export_wds(src, out, workers=0, progress=False)
     assert export_wds(src, out, resume=True, workers=0, progress=False).num_samples == 4
     assert not partial.exists() and not (out / "journal").exists() and len(read_wds(out)) == 4
@@ -204,7 +204,7 @@ def test_archive_sources_export_in_imagefolder_order(dotted, tmp_path, kind):
             for p in sorted(dotted.iterdir()):
                 t.add(p, p.name)
     if kind == "tar.gz":  # streamed: only in stored order
-        with pytest.raises(PackerError, match="--order source"):
+        with pytest.raises(PackerError, match="order='source'"):
             export_wds(archive, tmp_path / "out", workers=0, progress=False)
     res = export_wds(archive, tmp_path / "out", order="source", workers=2, progress=False)
     reference = ImageFolder(dotted)

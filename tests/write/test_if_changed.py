@@ -46,7 +46,7 @@ def test_a_stale_output_is_converted_again_only_with_overwrite(tmp_path, change)
     else:
         options = {"validate": "header"}
     before = _stamp(out)
-    with pytest.raises(PackerError, match="out of date .*--overwrite"):
+    with pytest.raises(PackerError, match="out of date .*overwrite=True"):
         convert(src, out, if_changed=True, workers=0, progress=False, **options)
     assert _stamp(out) == before
     res = convert(src, out, if_changed=True, overwrite=True, workers=0, progress=False, **options)

@@ -108,7 +108,7 @@ def test_an_empty_class_is_refused_unless_allowed(tmp_path):
     root = make_hidden_tree(tmp_path / "src", empty_class=True)
     with pytest.raises(FileNotFoundError, match="empty"):
         imagefolder_reference(root)
-    with pytest.raises(PackerError, match=r"no images in class folder\(s\) empty .*--allow-empty"):
+    with pytest.raises(PackerError, match=r"no images in class folder\(s\) empty .*allow_empty=True"):
         scan_folder(root)
     res = run_cli("convert", root, "-o", tmp_path / "o.lmdb", "-q")
     assert res.returncode == 2 and "--allow-empty" in res.stderr and not (tmp_path / "o.lmdb").exists()
@@ -136,7 +136,7 @@ def test_a_hidden_class_without_images_points_at_skip_hidden(tmp_path):
     src = make_imagefolder(tmp_path / "src", classes=2, per_class=2)
     (src / ".git").mkdir()
     (src / ".git" / "HEAD").write_text("ref: refs/heads/main")
-    with pytest.raises(PackerError, match=r"class folder\(s\) \.git .*--skip-hidden"):
+    with pytest.raises(PackerError, match=r"class folder\(s\) \.git .*skip_hidden=True"):
         scan_folder(src)
     assert scan_folder(src, skip_hidden=True).classes == ["class_0", "class_1"]
 

@@ -56,7 +56,7 @@ def test_stopped_between_the_renames_then_resumed(old_and_new, signal):
     trash = [p for p in out.parent.iterdir() if p.name.startswith("ds.lmdb.packer-old-")]
     assert len(trash) == 1 and files(trash[0] / out.name) == before  # the old dataset, whole, in one place
 
-    with pytest.raises(PackerError, match=rf"{out}: no such dataset .*interrupted.*{partial}.*--resume"):
+    with pytest.raises(PackerError, match=rf"{out}: no such dataset .*interrupted.*{partial}.*resume=True"):
         open_dataset(out)
     info = packer_cli("info", out)
     assert info.returncode == 2 and str(partial) in info.stderr and str(trash[0]) in info.stderr, info.stderr

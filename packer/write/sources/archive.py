@@ -26,7 +26,7 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, InputNotFoundError, PackerError
 from packer.perprocess import PerProcess
 from packer.write.scan import ClassMapper, ScanResult
 from packer.write.sources.archive_common import Members, archive_kind, clean_member, forget_headers, records_of
@@ -52,7 +52,7 @@ class ArchiveSource(Source):
         path = self.path
         kind = archive_kind(path)
         if not path.is_file():
-            raise PackerError(f"{path}: no such archive")
+            raise InputNotFoundError(f"{path}: no such archive")
         if kind == "zip":
             return scan_zip(path)
         if kind == "tgz":
@@ -97,7 +97,7 @@ def _headers(fileobj: Any, where: str, members: Members, prefix: str = "", base:
     try:
         tf = tarfile.open(fileobj=fileobj, mode="r:")
     except (tarfile.TarError, EOFError, OSError) as exc:
-        raise PackerError(f"{where}: not a readable tar archive ({exc})") from None
+        raise DatasetError(f"{where}: not a readable tar archive ({exc})") from None
     count = 0
     while True:
         try:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from packer.errors import PackerError
+from packer.errors import DatasetError
 from packer.write.scan import ScanResult, is_image_name
 from packer.write.sources.archive_common import (
     MAX_RATIO,
@@ -141,7 +141,7 @@ def scan_tgz(path: Path) -> ScanResult:
                     members.refuse(f"(after {count} members)", rest_not_read(info.name), record=False)
     except STREAM_ERRORS as exc:
         if count == 0:
-            raise PackerError(f"{path}: not a readable .tar.gz archive ({exc})") from None
+            raise DatasetError(f"{path}: not a readable .tar.gz archive ({exc})") from None
         members.refuse(f"(after {count} members)", f"truncated or damaged archive ({exc}): the rest of "
                        "it can't be read, and is neither packed nor counted", record=False)
     return records_of(path, members, GzTarReader(path, mtime), ordered=False)

@@ -14,7 +14,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from packer.errors import PackerError
+from packer.errors import DatasetError
 from packer.perprocess import PerProcess
 from packer.write.scan import ScanResult
 from packer.write.sources.archive_common import MAX_RATIO, Members, clean_member, records_of
@@ -48,7 +48,7 @@ def scan_zip(path: Path) -> ScanResult:
             infos = zf.infolist()
         mtime = os.stat(path).st_mtime_ns
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
-        raise PackerError(f"{path}: not a readable zip archive ({exc})") from None
+        raise DatasetError(f"{path}: not a readable zip archive ({exc})") from None
     for info in infos:
         rel, bad = clean_member(info.filename)
         if bad is None and info.is_dir():

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, PackerError
 from packer.layout.trust import open_regular
 
 if TYPE_CHECKING:
@@ -156,10 +156,10 @@ def read_list_text(path: Path) -> str:
     try:
         size = path.stat().st_size
         if size > MAX_LIST_BYTES:
-            raise PackerError(f"{path}: {size} bytes is too large for a list file")
+            raise DatasetError(f"{path}: {size} bytes is too large for a list file")
         return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as exc:
-        raise PackerError(f"{path}: not UTF-8 text (byte {exc.start}): not a list file") from None
+        raise DatasetError(f"{path}: not UTF-8 text (byte {exc.start}): not a list file") from None
     except OSError as exc:
         raise PackerError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
@@ -203,7 +203,7 @@ class SourceOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(record) - known)
         if unknown:
-            raise PackerError(f"{where}: unknown source option(s) {', '.join(unknown)}")
+            raise DatasetError(f"{where}: unknown source option(s) {', '.join(unknown)}")
         given = dict(record)
         if given.get("classes") is not None:
             given["classes"] = tuple(str(c) for c in given["classes"])

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, OptionError, PackerError, arg
 from packer.layout.fields import as_field_name, encode_cell, parse_spec
 from packer.perprocess import PerProcess
 from packer.write.scan import ClassMapper, ScanResult, SourceError, is_image_name
@@ -112,14 +112,14 @@ def _check_columns(schema: Any, where: Path, image: str, label: str | None) -> N
     names = list(schema.names)
     for col in [image] + ([label] if label else []):
         if col not in names:
-            raise PackerError(f"{where}: no column {col!r} (columns: {', '.join(names)}); "
-                              f"name the right one with --image-column / --label-column")
+            raise OptionError(f"{where}: no column {col!r} (columns: {', '.join(names)}); "
+                              f"name the right one with {arg('image_column')} / {arg('label_column')}")
     itype = schema.field(image).type
     binary = (pa.types.is_binary(itype) or pa.types.is_large_binary(itype))
     if not binary and not (pa.types.is_struct(itype) and itype.get_field_index("bytes") >= 0):
-        raise PackerError(f"{where}: column {image!r} is {itype}, not an Image (bytes, path) or binary column")
+        raise OptionError(f"{where}: column {image!r} is {itype}, not an Image (bytes, path) or binary column")
     if label and not pa.types.is_integer(schema.field(label).type):
-        raise PackerError(f"{where}: column {label!r} is {schema.field(label).type}, not an integer or ClassLabel")
+        raise OptionError(f"{where}: column {label!r} is {schema.field(label).type}, not an integer or ClassLabel")
 
 
 class HFSource(Source):
@@ -150,7 +150,7 @@ class HFSource(Source):
             label_col = self.options.label_column or ("label" if "label" in table.schema.names else None)
             _check_columns(table.schema, files.root / name, image_col, label_col)
             if f and label_col != rows.label_col:
-                raise PackerError(f"{files.root / name}: no column {rows.label_col!r}, unlike {files.names[0]}")
+                raise DatasetError(f"{files.root / name}: no column {rows.label_col!r}, unlike {files.names[0]}")
             rows.label_col = label_col
             if label_col:
                 label_names = class_names(schema_features(table.schema, files.features), label_col)
@@ -158,7 +158,7 @@ class HFSource(Source):
             if not f:
                 rows.scalars = scalar_columns(table.schema, (image_col, label_col))
             elif missing := sorted(set(rows.scalars) - set(table.schema.names)):
-                raise PackerError(f"{files.root / name}: no column {missing[0]!r}, unlike {files.names[0]}")
+                raise DatasetError(f"{files.root / name}: no column {missing[0]!r}, unlike {files.names[0]}")
             columns = [image_col] + ([label_col] if label_col else []) + rows.scalars
             for k, (first, batch) in enumerate(table.batches(columns)):
                 rows.add_batch(f, name, k, first, batch, root, None if names is None else len(names))

@@ -6,7 +6,7 @@ The features (``Image``, ``ClassLabel`` with its names) come from the ``huggingf
 the Arrow schema's metadata, which both layouts carry; ``dataset_info.json`` is the fallback.
 An ``Image`` column is a struct of ``bytes`` (the encoded file) and ``path``. Rows are read a
 record batch (Arrow, memory-mapped) or a row group (Parquet) at a time, so memory is bounded by
-the largest batch, never the dataset. pyarrow is the optional extra ``packer-images[hf]``,
+the largest batch, never the dataset. pyarrow is the optional extra ``hf`` (``pip install -e '.[hf]'``),
 imported only when such a source is opened.
 """
 
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, InputNotFoundError, MissingPackageError, OptionError, PackerError, install_hint
 from packer.layout.trust import check_inner_name
 
-HF_EXTRA = "pip install 'packer-images[hf]'"
+HF_EXTRA = install_hint("hf")
 _MAX_JSON = 64 << 20  # state.json / dataset_info.json: far more than any real one
 
 
@@ -33,17 +33,17 @@ def pyarrow_modules() -> tuple[Any, Any, Any]:
         import pyarrow.ipc
         import pyarrow.parquet
     except ImportError as exc:
-        raise PackerError(f"reading a Hugging Face dataset needs pyarrow ({exc}): {HF_EXTRA}") from None
+        raise MissingPackageError(f"reading a Hugging Face dataset needs pyarrow ({exc}): {HF_EXTRA}") from None
     return pyarrow, pyarrow.ipc, pyarrow.parquet
 
 
 def _read_json(path: Path) -> Any:
     try:
         if path.stat().st_size > _MAX_JSON:
-            raise PackerError(f"{path}: {path.stat().st_size} bytes, too large for a dataset description")
+            raise DatasetError(f"{path}: {path.stat().st_size} bytes, too large for a dataset description")
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise PackerError(f"{path}: not readable as JSON ({exc})") from None
+        raise DatasetError(f"{path}: not readable as JSON ({exc})") from None
 
 
 @dataclass
@@ -61,19 +61,19 @@ def find_files(src: str | os.PathLike) -> HFFiles:
     src = Path(src)
     if src.is_file():
         if src.suffix not in (".parquet", ".arrow"):
-            raise PackerError(f"{src}: not a .parquet or .arrow file")
+            raise OptionError(f"{src}: not a .parquet or .arrow file")
         return HFFiles(src.parent, [src.name], src.suffix[1:])
     if not src.is_dir():
-        raise PackerError(f"{src}: no such file or folder")
+        raise InputNotFoundError(f"{src}: no such file or folder")
     if (src / "dataset_dict.json").is_file():
         splits = sorted(p.name for p in src.iterdir() if (p / "state.json").is_file())
-        raise PackerError(f"{src}: a DatasetDict; give one split's folder ({', '.join(splits) or 'none found'})")
+        raise OptionError(f"{src}: a DatasetDict; give one split's folder ({', '.join(splits) or 'none found'})")
     if (src / "state.json").is_file():
         state = _read_json(src / "state.json")
         try:
             names = [check_inner_name(f["filename"], str(src / "state.json")) for f in state["_data_files"]]
         except (KeyError, TypeError) as exc:
-            raise PackerError(f"{src / 'state.json'}: no list of data files ({exc})") from None
+            raise DatasetError(f"{src / 'state.json'}: no list of data files ({exc})") from None
         info = _read_json(src / "dataset_info.json") if (src / "dataset_info.json").is_file() else {}
         features = info.get("features") if isinstance(info, dict) else None
         return HFFiles(src, names, "arrow", features if isinstance(features, dict) else {})
@@ -102,7 +102,7 @@ def class_names(features: dict, column: str) -> list[str] | None:
         return None
     names = feature.get("names")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise PackerError(f"ClassLabel column {column!r}: its names are not a list of strings")
+        raise DatasetError(f"ClassLabel column {column!r}: its names are not a list of strings")
     return names
 
 
@@ -122,7 +122,7 @@ class TableFile:
                 self.schema = self._batches[0].schema if self._batches else _arrow_schema(pa, ipc, path)
                 self.batch_rows = [b.num_rows for b in self._batches]
         except (OSError, pa.ArrowException) as exc:
-            raise PackerError(f"{path}: not a readable {kind} file ({exc})") from None
+            raise DatasetError(f"{path}: not a readable {kind} file ({exc})") from None
 
     def batch(self, k: int, columns: list[str]) -> Any:
         """Batch (row group) ``k`` with ``columns`` as an Arrow table or record batch."""
@@ -132,7 +132,7 @@ class TableFile:
                 return self._pq.read_row_group(k, columns=columns)
             return self._batches[k].select(columns)
         except (OSError, pa.ArrowException) as exc:
-            raise PackerError(f"{self.path}: batch {k} is not readable ({exc})") from None
+            raise DatasetError(f"{self.path}: batch {k} is not readable ({exc})") from None
 
     def batches(self, columns: list[str]) -> Iterator[tuple[int, Any]]:
         """(first row, batch) for each batch, in order."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, InputNotFoundError, OptionError, PackerError, arg
 from packer.layout.fields import as_field_name
 from packer.layout.trust import class_name_problem
 from packer.write.scan import ClassMapper, ScanResult, SourceError
@@ -56,11 +56,13 @@ class ListSource(Source):
         path, opts = self.path, self.options
         root = Path(opts.root) if opts.root is not None else path.parent
         if not root.is_dir():
-            raise PackerError(f"{root}: not a folder (--root names the folder the list's paths are relative to)")
+            raise InputNotFoundError(f"{root}: not a folder ({arg('root')} names the folder the list's paths are "
+                                     "relative to)")
         text = read_list_text(path)
         tabular = path.suffix.lower() in (".csv", ".tsv")
         if not tabular and (opts.path_column is not None or opts.label_column is not None):
-            raise PackerError(f"{path}: --path-column/--label-column apply to .csv/.tsv lists with a header")
+            raise OptionError(f"{path}: {arg('path_column')}/{arg('label_column')} apply to .csv/.tsv lists with a "
+                              "header")
         if tabular:
             rows = _csv_rows(path, text, self._columns())
         else:
@@ -87,9 +89,9 @@ def _csv_rows(path: Path, text: str, columns: tuple[str, str]) -> _Rows:
         if header is None:
             raise PackerError(f"{path}: empty list file")
         header = [h.strip() for h in header]
-        for col, flag in ((path_col, "--path-column"), (label_col, "--label-column")):
+        for col, flag in ((path_col, arg("path_column")), (label_col, arg("label_column"))):
             if col not in header:
-                raise PackerError(f"{path}: no column {col!r} in the header ({', '.join(header)}); name the "
+                raise OptionError(f"{path}: no column {col!r} in the header ({', '.join(header)}); name the "
                                   f"right one with {flag}")
         ip, il = header.index(path_col), header.index(label_col)
         others = [(i, h) for i, h in enumerate(header) if i not in (ip, il)]
@@ -104,7 +106,7 @@ def _csv_rows(path: Path, text: str, columns: tuple[str, str]) -> _Rows:
                 continue
             _add_row(rows, seen, path.name, line, row[ip], row[il], {h: row[i] for i, h in others})
     except csv.Error as exc:
-        raise PackerError(f"{path}: line {reader.line_num}: not a valid CSV ({exc})") from None
+        raise DatasetError(f"{path}: line {reader.line_num}: not a valid CSV ({exc})") from None
     return rows
 
 

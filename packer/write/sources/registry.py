@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from packer.errors import PackerError
+from packer.errors import InputNotFoundError, OptionError, PackerError, arg
 from packer.layout.trust import check_class_name
 from packer.write.scan import ClassMapper, ScanResult
 from packer.write.sources.archive import ArchiveSource
@@ -39,17 +39,17 @@ def open_source(src: str | os.PathLike, options: SourceOptions = SourceOptions()
     if options.type is not None:
         cls = SOURCES.get(options.type)
         if cls is None:
-            raise PackerError(f"--source-type {options.type!r}: unknown (choose from {', '.join(SOURCES)})")
+            raise OptionError(f"{arg('source_type', options.type)}: unknown (choose from {', '.join(SOURCES)})")
         return cls(path, options)
     for cls in SOURCES.values():  # a WebDataset brace pattern names no existing path
         if cls.claims(path):
             return cls(path, options)
     if not os.path.lexists(path):
-        raise PackerError(f"{src}: no such folder or file")
+        raise InputNotFoundError(f"{src}: no such folder or file")
     raise PackerError(f"{src}: not a source packer reads (a folder of images, a packer dataset, a list file "
                       ".csv/.tsv/.txt/.lst, an archive .tar/.tar.gz/.tgz/.zip, WebDataset shards "
                       "'shards-{000000..000009}.tar', a Hugging Face dataset (save_to_disk folder, .parquet) or an "
-                      "MXNet .rec); name its kind with --source-type")
+                      f"MXNet .rec); name its kind with {arg('source_type')}")
 
 
 def scan_source(src: str | os.PathLike, options: SourceOptions = SourceOptions(),

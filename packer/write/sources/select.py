@@ -13,7 +13,7 @@ import math
 import numpy as np
 
 from packer._random import stable_permutation
-from packer.errors import PackerError
+from packer.errors import OptionError, arg
 from packer.write.scan import ScanResult
 from packer.write.sources.base import SourceOptions
 
@@ -25,11 +25,11 @@ def select_classes(scan: ScanResult, names: tuple[str, ...]) -> ScanResult:
     """The records of classes ``names``, renumbered as ImageFolder would number a folder holding only them
     (sorted names: index = position in that order); the others are counted in ``ignored``."""
     if not scan.classes:
-        raise PackerError(f"{scan.root}: --classes needs a source with classes (this one has none)")
+        raise OptionError(f"{scan.root}: {arg('classes')} needs a source with classes (this one has none)")
     unknown = sorted(set(names) - set(scan.classes))
     if unknown:
         shown = ", ".join(scan.classes[:10]) + (" ..." if len(scan.classes) > 10 else "")
-        raise PackerError(f"--classes: {', '.join(unknown)} not among the source's classes ({shown})")
+        raise OptionError(f"{arg('classes')}: {', '.join(unknown)} not among the source's classes ({shown})")
     kept = sorted(set(names))
     new_index = np.full(len(scan.classes) + 1, -1, dtype=np.int64)  # the last entry: label -1 (no class)
     for i, name in enumerate(kept):
@@ -67,9 +67,9 @@ def select(scan: ScanResult, options: SourceOptions) -> ScanResult:
     if options.split is None:
         return scan
     if options.part not in PARTS:
-        raise PackerError(f"--split: part {options.part!r} (expected train or val)")
+        raise OptionError(f"{arg('split')}: part {options.part!r} (expected train or val)")
     if not 0.0 < options.split < 1.0:
-        raise PackerError(f"--split {options.split}: expected a fraction between 0 and 1 (e.g. 0.9)")
+        raise OptionError(f"{arg('split', options.split)}: expected a fraction between 0 and 1 (e.g. 0.9)")
     train, val = split_positions(scan.labels, options.split, options.split_seed)
     keep, other = (train, val) if options.part == "train" else (val, train)
     out = scan.take(keep)

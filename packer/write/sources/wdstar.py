@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from packer.errors import PackerError
+from packer.errors import DatasetError, InputNotFoundError, OptionError, PackerError
 from packer.write.sources.archive_common import declared_problem, forget_headers
 from packer.write.sources.archive_gz import GzTar, rest_not_read
 
@@ -46,9 +46,9 @@ def _range(text: str) -> list[str] | None:
     a, b = int(left), int(right)
     step = abs(int(step_text)) if step_text else 1
     if step == 0:
-        raise PackerError(f"{{{text}}}: a range step of 0")
+        raise OptionError(f"{{{text}}}: a range step of 0")
     if abs(b - a) // step + 1 > _MAX_EXPANSION:
-        raise PackerError(f"{{{text}}}: more than {_MAX_EXPANSION} shard names")
+        raise OptionError(f"{{{text}}}: more than {_MAX_EXPANSION} shard names")
     padded = any(s.lstrip("-").startswith("0") and s.lstrip("-") != "0" for s in (left, right))
     width = max(len(left), len(right)) if padded else 0
     values = range(a, b + 1, step) if a <= b else range(a, b - 1, -step)
@@ -89,7 +89,7 @@ def _expand(text: str, budget: list[int]) -> list[str]:
     rest = _expand(text[end + 1 :], budget)
     budget[0] -= len(choices) * len(rest)
     if budget[0] < 0:
-        raise PackerError(f"{text}: more than {_MAX_EXPANSION} shard names")
+        raise OptionError(f"{text}: more than {_MAX_EXPANSION} shard names")
     return [text[:start] + c + r for c in choices for r in rest]
 
 
@@ -105,7 +105,7 @@ def expand_braces(pattern: str) -> list[str]:
         if depth < 0:
             break
     if depth:
-        raise PackerError(f"{pattern}: unbalanced braces")
+        raise OptionError(f"{pattern}: unbalanced braces")
     return _expand(pattern, [_MAX_EXPANSION])
 
 
@@ -121,7 +121,7 @@ def shard_paths(src: str | os.PathLike) -> list[Path]:
         return shards
     names = expand_braces(text)
     if len(set(names)) != len(names):
-        raise PackerError(f"{text}: the pattern names a shard twice")
+        raise OptionError(f"{text}: the pattern names a shard twice")
     return [Path(n) for n in names]
 
 
@@ -207,9 +207,9 @@ def list_shard(path: Path) -> ShardListing:
         size = os.stat(path).st_size
         opened: GzTar | tarfile.TarFile = GzTar(path) if compressed else tarfile.open(path, "r:")
     except FileNotFoundError:
-        raise PackerError(f"{path}: no such shard") from None
+        raise InputNotFoundError(f"{path}: no such shard") from None
     except (OSError, EOFError, zlib.error, tarfile.TarError) as exc:
-        raise PackerError(f"{path}: not a readable tar{'.gz' if compressed else ''} file ({exc})") from None
+        raise DatasetError(f"{path}: not a readable tar{'.gz' if compressed else ''} file ({exc})") from None
     with opened:
         tf = opened.tf if isinstance(opened, GzTar) else opened
         try:

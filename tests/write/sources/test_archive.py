@@ -83,7 +83,7 @@ def test_archive_converts_like_the_folder_and_verifies(imgs, tmp_path, make):
 
 def test_tar_gz_is_streamed_in_stored_order(imgs, tmp_path):
     archive = make_tar(imgs, tmp_path / "a.tgz", "w:gz")
-    with pytest.raises(PackerError, match="only be read in its stored order: add --order source"):
+    with pytest.raises(PackerError, match="only be read in its stored order: add order='source'"):
         convert(archive, tmp_path / "o.lmdb", progress=False)
     res = convert(archive, tmp_path / "o.lmdb", order="source", workers=2, progress=False)
     ds = open_dataset(res.output)

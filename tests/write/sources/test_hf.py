@@ -95,7 +95,7 @@ def test_without_pyarrow_the_error_names_the_extra(hf, tmp_path):
     code = ("import sys; sys.modules['pyarrow'] = None; from packer import convert; "
             f"convert({str(hf[1])!r}, {str(tmp_path / 'o.lmdb')!r}, workers=0, progress=False)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert "PackerError" in res.stderr and "packer-images[hf]" in res.stderr
+    assert "MissingPackageError" in res.stderr and "pip install -e '.[hf]'" in res.stderr, res.stderr
 
 
 @pytest.mark.parametrize("layout", ["save_to_disk", "parquet"])
