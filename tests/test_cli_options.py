@@ -106,10 +106,10 @@ def test_mosaic_quality_0_is_refused_not_recorded_as_0(imagefolder, tmp_path):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--tile", "0x0"], "--tile '0x0': expected HxW of positive integers"),
-    (["--tile", "16x"], "--tile '16x': expected HxW of positive integers"),
-    (["--tile", "16x16", "--grid", "0x3"], "--grid '0x3': expected RxC of positive integers, e.g. 11x10"),
-    (["--resize", "0x0", "--payload", "raw"], "--resize '0x0': sizes must be at least 1"),
+    (["--tile", "0x0"], "--tile 0x0: expected HxW of positive integers"),
+    (["--tile", "16x"], "--tile 16x: expected HxW of positive integers"),
+    (["--tile", "16x16", "--grid", "0x3"], "--grid 0x3: expected RxC of positive integers, e.g. 11x10"),
+    (["--resize", "0x0", "--payload", "raw"], "--resize 0x0: sizes must be at least 1"),
 ])
 def test_mosaic_sizes_are_refused_naming_the_option_given(imagefolder, tmp_path, capsys, args, message):
     """--tile 0x0 was reported as "--resize '0x0'": the message names the option the user gave."""
