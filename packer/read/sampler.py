@@ -178,8 +178,12 @@ def window_samples(n: int, num_blocks: int, open_blocks: int, batch_size: int | 
 class BlockShuffleSampler(DistributedSampler):
     """Quasi-random order that reads few blocks at a time; rank-aware like ``DistributedSampler``.
 
-    ``DataLoader(ds, sampler=s, batch_size=s.batch_size, num_workers=8)``, and
-    ``s.set_epoch(epoch)`` before each epoch for a new order. ``num_replicas``/``rank``
+    ``DataLoader(ds, sampler=s, batch_size=s.batch_size, num_workers=8)``. Each epoch's pass is a new order, as
+    ``shuffle=True`` reshuffles: a pass that starts after the previous one ran to its end, with no ``set_epoch``
+    between, takes the next epoch by itself (a plain loop, ``ThreadLoader``, ``StatefulDataLoader`` without
+    Lightning); ``s.set_epoch(epoch)`` before a pass chooses its epoch (Lightning and ``DistributedSampler`` loops
+    do). A pass left before its end (an iterator DataLoader makes and drops, a ``break``) is started again from its
+    beginning. Every rank runs its passes to the end alike, so ranks stay in step. ``num_replicas``/``rank``
     default to the ``torch.distributed`` process group initialised when the sampler is used
     (iterated or measured), else a single process. It is a ``DistributedSampler``, so Lightning
     and Fabric leave it as it is (they wrap any other sampler, splitting its ranks again).
@@ -229,6 +233,8 @@ class BlockShuffleSampler(DistributedSampler):
         self.drop_last = drop_last
         self.epoch = 0
         self.position = EpochPosition()
+        self._ran_out = False  # the last pass handed out its last index: the next one takes the next epoch
+        self._epoch_set = False  # set_epoch or load_state_dict since the last pass started: it chooses
         labels = dataset.index.labels if isinstance(dataset, StagedDataset) else None
         if warn and shuffle and labels is not None:
             warn_if_sorted(labels, self.bounds)
@@ -260,11 +266,13 @@ class BlockShuffleSampler(DistributedSampler):
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration use the order of ``epoch`` (call before each epoch, on every rank).
 
-        The epoch a loaded state is in keeps its saved position; another epoch starts at its beginning.
+        The epoch a loaded state is in keeps its saved position; another epoch starts at its beginning. Without
+        it, each pass after the first takes the next epoch by itself.
         """
         if int(epoch) != self.epoch:
             self.position = EpochPosition()
         self.epoch = int(epoch)
+        self._epoch_set = True
 
     def order(self, epoch: int | None = None) -> np.ndarray:
         """This rank's sample indices (the dataset's: ImageFolder's) for ``epoch`` (default: the current one)."""
@@ -280,11 +288,21 @@ class BlockShuffleSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         """This rank's indices, each carrying its block's range (packer.read.hints): the worker reading a
-        batch may widen its reads to whole device requests inside those blocks, while this order is iterated."""
+        batch may widen its reads to whole device requests inside those blocks, while this order is iterated.
+        The pass starts, and takes its epoch, when its first index is asked for (see the class doc)."""
         if self._replicas == (None, None):
             warn_if_accelerate(self.num_replicas)
+        return self._pass()
+
+    def _pass(self) -> Iterator[int]:
+        if self._ran_out and not self._epoch_set:  # nobody chose this pass's epoch: the next one, as shuffle=True
+            self.epoch += 1
+            self.position = EpochPosition()
+        self._ran_out = self._epoch_set = False
         stored = self.stored_order()
-        return self.position.iterate(hinted_order(self.index_map.public_many(stored).tolist(), stored, self.bounds))
+        yield from self.position.iterate(hinted_order(self.index_map.public_many(stored).tolist(), stored,
+                                                      self.bounds))
+        self._ran_out = True
 
     def __len__(self) -> int:
         n, r = self.num_samples_total, self.num_replicas
@@ -305,9 +323,13 @@ class BlockShuffleSampler(DistributedSampler):
         return {"epoch": self.epoch, "yielded": self.position.yielded, "order": self._order_key()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume: the next iteration continues ``state``'s epoch after its last handed-out sample."""
+        """Resume: the next pass continues ``state``'s epoch after its last handed-out sample; a state saved at
+        the end of an epoch makes the next pass the following epoch (unless ``set_epoch`` chooses), as it would
+        have been without the interruption."""
         self.epoch, yielded = resume_position(state, self._order_key(), len(self))
         self.position = EpochPosition(resume_at=yielded)
+        finished = yielded == len(self)
+        self._ran_out, self._epoch_set = finished, not finished
 
     def _order_key(self) -> dict[str, Any]:
         """What the order depends on besides the epoch and the rank: a saved position is only valid for it."""
