@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from packer.layout.index import normalize_index, normalize_indices
+from packer.read.collate import mark_mixed_shapes
 from packer.read.hints import aheads_of
 
 if TYPE_CHECKING:
@@ -194,7 +195,7 @@ def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | No
             decode, transform = decode + d - c, transform + now() - d
     if clock is not None:
         clock.add(read, decode, transform, len(out))
-    return out
+    return mark_mixed_shapes(out)  # torch's default collate then names packer.collate (read.collate)
 
 
 def pixels_in_slot(ds: StagedDataset, i: int, payload: Any, slot: torch.Tensor | None, window: Window | None = None
