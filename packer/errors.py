@@ -37,3 +37,14 @@ class ResumableError(RunError):
     The CLI exits with 1 for it (the problem was met while working), 2 for other PackerErrors
     (refused up front).
     """
+
+
+class NotPackedError(PackerError, LookupError):
+    """A source sample that is not in the dataset (damaged, or left out by a selection): ``ds.from_imagefolder``."""
+
+
+class IndexingWarning(UserWarning):
+    """A dataset's indices are not its source's: some source records were not packed (``ds.from_imagefolder``).
+
+    Warned once when such a dataset is opened; the CLI does not show it (``packer info`` says it in words).
+    """

@@ -8,9 +8,10 @@ type (out of range: a usage error, exit 2) before any work starts.
 from __future__ import annotations
 
 import sys
+import warnings
 
 from packer.cli.parser import EXIT_CODES, build_parser
-from packer.errors import PackerError, RunError
+from packer.errors import IndexingWarning, PackerError, RunError
 
 __all__ = ["EXIT_CODES", "build_parser", "main"]
 
@@ -22,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.func(args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", IndexingWarning)  # for library users: `packer info` says it in words
+            return args.func(args)
     except PackerError as exc:
         print(f"packer: error: {exc}", file=sys.stderr)
         return 1 if isinstance(exc, RunError) else 2  # ResumableError is a RunError

@@ -72,7 +72,7 @@ class PackedDataset(FolderSurface):
         self.root = Path(path).absolute()  # not relative: a later os.chdir, a worker or an unpickling elsewhere
         self.store = ShardStore(self.root, access)
         self.manifest, self.index, self.access = self.store.manifest, self.store.index, self.store.access
-        self.index_map = IndexMap.of(self.index)
+        self.index_map = IndexMap.of(self.index, self.manifest)
         self.field_store = self.store.fields
         self.selection = FieldSelection(fields, self.field_store, self.root)
         # samples are file paths where the source was files below a folder (a folder, a list file's --root);
@@ -98,6 +98,7 @@ class PackedDataset(FolderSurface):
         self.crop = check_crop(crop, self.decode_size)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        self.warn_if_subset(stacklevel=2)  # ds[i] is not ImageFolder(source)[i]: said once, when opened
 
     def __len__(self) -> int:
         return self.manifest.num_samples

@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from pathlib import Path, PurePosixPath
 
 from PIL import Image
 
-from packer.errors import PackerError, RunError, under_way
+from packer.errors import IndexingWarning, PackerError, RunError, under_way
 from packer.layout.fields import json_value
 from packer.layout.fsutil import create_temp, destination_dir, nearest_existing
 from packer.layout.manifest import dataset_directory
@@ -63,7 +64,8 @@ def extract(path: str | os.PathLike, dest: str | os.PathLike, overwrite: bool = 
     write failing part-way (disk full), raises RunError (the command line's exit 1).
     """
     dataset_directory(path)
-    with under_way():
+    with under_way(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", IndexingWarning)  # about indices a user maps: extract writes every file
         ds = open_dataset(path, image="numpy")
     try:
         raw = ds.manifest.payload == "raw"

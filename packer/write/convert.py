@@ -28,12 +28,13 @@ from packer.formats import get_format
 from packer.layout.fields import parse_specs
 from packer.layout.manifest import Manifest, holds_dataset, read_manifest
 from packer.layout.partial import PARTIAL_SUFFIX, made_by_packer, read_swap
+from packer.layout.report import ERRORS_NAME
 from packer.write.cluster import DaskCluster, class_mapper
-from packer.write.finish import in_storage_order, seal, stored_index
+from packer.write.finish import in_storage_order, number_errors, seal, stored_index
 from packer.write.fresh import source_digest, stale_reason
 from packer.write.journal import ShardResult, SourceError, load_done_shards
 from packer.write.options import ConvertOptions, make_options
-from packer.write.output import ERRORS_NAME, check_destination, output_path, swap_into_place
+from packer.write.output import check_destination, output_path, swap_into_place
 from packer.write.plan import apply_order, load_or_make_plan
 from packer.write.pool import LocalPool, PoolSettings
 from packer.write.scan import IMG_EXTENSIONS, ScanResult
@@ -225,9 +226,10 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
     ``scan`` in the source's order (as scanned, before ``--order``): the index records where each of
     its samples is stored, so that ``ds[i]`` is the source's sample i whatever the storage order.
     """
-    errors: list[SourceError] = locate_errors(scan, [e for r in shards for e in r.errors]) + scan.errors
+    failed = number_errors([e for r in shards for e in r.errors], scan.rel_paths, scan.numbering())
+    errors: list[SourceError] = locate_errors(scan, failed) + scan.errors
     shards = drop_empty_shards(partial, shards)
-    index = stored_index(shards, scan.rel_paths)
+    index = stored_index(shards, scan.rel_paths, scan.numbering())
     manifest = Manifest(
         format=options.format,
         payload=options.payload,
@@ -240,11 +242,12 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
         source_digest=digest,
         source_type=scan.source_type,
         source_options=source.record(),
+        source_records=scan.num_source_records,
         created_by=f"packer {__version__}",
         created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
     seal(partial, out, index, errors, scan.ignored, manifest, parse_specs(scan.field_specs),
-         in_storage_order(index, scan.rel_paths, scan.fields), offered=len(scan))
+         in_storage_order(index, scan.rel_paths, scan.fields), offered=len(scan), earlier=scan.earlier)
     return ConvertResult(out, len(index), errors, time.perf_counter() - started, int(index.nbytes.sum()),
                          dict(scan.ignored), dict(scan.not_images),
                          rewritten=sum(r.rewritten for r in shards) if options.jpeg_restarts else None)
@@ -299,7 +302,8 @@ def _recorded_errors(directory: Path) -> list[SourceError]:
     path = directory / ERRORS_NAME
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
-        return [SourceError(str(e["path"]), str(e["reason"]), str(e.get("location", ""))) for e in report["errors"]]
+        return [SourceError(str(e["path"]), str(e["reason"]), str(e.get("location", "")),
+                            e["index"] if isinstance(e.get("index"), int) else None) for e in report["errors"]]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise PackerError(f"{path}: damaged error report ({exc}); move {directory} away and convert again") from exc
 

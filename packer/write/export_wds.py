@@ -4,10 +4,12 @@ reads unchanged (the folder's layout: layout/wdsexport.py).
 Any source convert reads (folder, list file, archive, WebDataset, Hugging Face, packer dataset) is scanned,
 read and validated by the same machinery (``write.sources``, ``write.pool.ordered_results``), so a record is
 either exported or in errors.json. Each sample is ``<key>.<ext>``, the encoded bytes exactly as stored,
-``<key>.cls`` (its label as decimal text; none for a source without labels) and ``<key>.json`` (its fields,
-when it has any). A source of decoded pixels (raw payloads) is written losslessly as PNG. The key is the
-record's number in the source's ImageFolder order, zero-padded (``ds[i]`` of a packer dataset, ImageFolder's
-index of a folder); it never contains a dot (webdataset ends a key at the first dot of a member's base name).
+``<key>.cls`` (its label as decimal text; none for a source without labels), ``<key>.json`` (its fields,
+when it has any) and ``<key>.path.txt`` (the record's key in the source: its relative path). A source of decoded
+pixels (raw payloads) is written losslessly as PNG. The key is the record's number in the source's numbering,
+zero-padded (ImageFolder's index of a folder, ``ds.imagefolder_index(i)`` of a packer dataset); it never contains
+a dot (webdataset ends a key at the first dot of a member's base name). Converted back, an export gives the same
+numbering, paths, labels, classes and bytes (write/sources/webdataset.py).
 Not a format: nothing in packer opens the export for random access; webdataset streams it, and
 ``packer convert OUT --to lmdb`` reads it back as a WebDataset source. The export is not resumable: it
 runs in ``<out>.partial`` and the index is written last, so an interrupted one never looks complete.
@@ -36,14 +38,21 @@ from packer.layout.fields import cell_value, json_value, parse_specs
 from packer.layout.fsutil import fsync_tree, write_atomic
 from packer.layout.manifest import dumps_lossless, file_info
 from packer.layout.partial import PARTIAL_SUFFIX, read_swap
-from packer.layout.wdsexport import CLASSES_NAME, EXPORT_KIND, EXPORT_NAME, SHARD_PATTERN
+from packer.layout.wdsexport import (
+    CLASSES_NAME,
+    EXPORT_KIND,
+    EXPORT_NAME,
+    PATH_CODEC,
+    PATH_EXTENSION,
+    SHARD_PATTERN,
+)
 from packer.write.convert import (
     ConvertResult,
     check_sequential,
     locate_errors,
     source_options,
 )
-from packer.write.finish import write_error_report
+from packer.write.finish import number_errors, write_error_report
 from packer.write.options import ConvertOptions, make_options
 from packer.write.output import check_destination, output_path, swap_into_place
 from packer.write.plan import apply_order, estimate_sample_bytes, make_partial
@@ -113,8 +122,9 @@ def _write_samples(scanned: ScanResult, opts: ConvertOptions, sink: TarSink, wor
                    on_error: str, progress: bool) -> list[SourceError]:
     """Every record of ``scanned`` in ``opts.order`` through the pool into ``sink``; the records not exported."""
     ordered = apply_order(scanned, opts.order, opts.seed)
-    number = {rel: i for i, rel in enumerate(scanned.rel_paths)}
-    digits = max(6, len(str(max(len(scanned) - 1, 0))))
+    position = {rel: i for i, rel in enumerate(scanned.rel_paths)}
+    numbers = scanned.numbering()
+    digits = max(6, len(str(max(scanned.num_source_records - 1, 0))))
     workers = os.cpu_count() or 1 if workers is None else workers
     prepared = ordered_results(scanned.source_reader(), ordered.records(), opts, workers,
                                estimate_sample_bytes(scanned, opts), pool)
@@ -128,13 +138,13 @@ def _write_samples(scanned: ScanResult, opts: ConvertOptions, sink: TarSink, wor
                     raise PackerError(f"{scanned.root / res.path}: {res.reason}")
                 errors.append(res)
                 continue
-            i = number[res.rel_path]
-            sink.add(sample_members(f"{i:0{digits}d}", res, sample_fields(scanned, i)))
+            i = position[res.rel_path]
+            sink.add(sample_members(f"{int(numbers[i]):0{digits}d}", res, sample_fields(scanned, i)))
         sink.close()
     finally:
         bar.close()
         prepared.close()
-    return locate_errors(ordered, errors) + scanned.errors
+    return locate_errors(ordered, number_errors(errors, scanned.rel_paths, numbers)) + scanned.errors
 
 
 def sample_fields(scan: ScanResult, i: int) -> dict[str, Any]:
@@ -157,6 +167,7 @@ def sample_members(key: str, sample: PreparedSample, fields: Mapping[str, Any]) 
         members.append((f"{key}.cls", str(int(sample.label)).encode()))
     if fields:
         members.append((f"{key}.json", dumps_lossless(dict(fields)).encode()))
+    members.append((f"{key}.{PATH_EXTENSION}", sample.rel_path.encode(*PATH_CODEC)))
     return members
 
 
@@ -217,10 +228,11 @@ def _finish(scanned: ScanResult, partial: Path, out: Path, sink: TarSink, errors
     """classes.txt, errors.json, then the index (last), fsync, and the move into place."""
     if scanned.classes:
         write_atomic(partial / CLASSES_NAME, "".join(f"{c}\n" for c in scanned.classes))
-    write_error_report(partial, errors, scanned.ignored, len(scanned))
+    write_error_report(partial, errors, scanned.ignored, len(scanned), scanned.earlier)
     shards = [{**asdict(file_info(partial, name)), "num_samples": n} for name, n in zip(sink.names, sink.counts)]
     num_samples = sum(sink.counts)
     index = {"kind": EXPORT_KIND, "version": 1, "num_samples": num_samples, "num_errors": len(errors),
+             "source_records": scanned.num_source_records,
              "num_classes": len(scanned.classes), "shards": shards, "source": os.path.abspath(scanned.root),
              "source_type": scanned.source_type, "options": options, "created_by": f"packer {__version__}",
              "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -21,8 +21,6 @@ from packer.layout.partial import JOURNAL_DIR, OLD_TAG, read_swap
 from packer.layout.wdsexport import holds_wds_export
 from packer.write.journal import write_swap
 
-ERRORS_NAME = "errors.json"  # the report of the source files not packed, beside the manifest
-
 
 def default_output(src: Path, fmt: str) -> Path:
     src = Path(os.path.abspath(src))

@@ -42,9 +42,11 @@ class SourceError:
     path: str  # relative to the source folder; a folder's ends with "/"
     reason: str
     location: str = ""  # where in the source when the path does not say it ("labels.csv line 12"); "": left out
+    index: int | None = None  # the record's number in the source's numbering (ScanResult.numbers); None: it has none
 
-    def to_json(self) -> dict[str, str]:
-        return {"path": self.path, "reason": self.reason, **({"location": self.location} if self.location else {})}
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "reason": self.reason, **({"location": self.location} if self.location else {}),
+                **({"index": self.index} if self.index is not None else {})}
 
 
 @dataclass
@@ -82,9 +84,23 @@ class ScanResult:
     field_specs: dict[str, str] = field(default_factory=dict)  # per-sample fields the records carry: name -> spec
     fields: dict[str, list[Any]] = field(default_factory=dict)  # name -> per record, its cell (layout/fields.py)
     source_type: str = "folder"
+    # The source's numbering (ImageFolder's index for a folder, the row of a list file, ...): per record its
+    # number (None: 0..len-1), and how many records it numbers, those refused or left out included (None: len)
+    numbers: np.ndarray | None = None
+    source_records: int | None = None
+    earlier: list[dict[str, Any]] = field(default_factory=list)  # errors.json entries a packed source carries
 
     def __len__(self) -> int:
         return len(self.rel_paths)
+
+    def numbering(self) -> np.ndarray:
+        """Each record's number in the source's numbering (int64): what ``ds.imagefolder_index`` gives back."""
+        return np.arange(len(self), dtype=np.int64) if self.numbers is None else self.numbers
+
+    @property
+    def num_source_records(self) -> int:
+        """How many records the source's numbering counts (packed, refused and left out)."""
+        return len(self) if self.source_records is None else self.source_records
 
     def source_reader(self) -> SourceReader:
         return self.reader if self.reader is not None else FileReader(self.root)
@@ -101,8 +117,9 @@ class ScanResult:
     def take(self, positions: Any) -> ScanResult:
         """The records at ``positions`` (an order, or a subset), everything per record kept in step."""
         pick = [int(i) for i in positions]
-        return replace(self, rel_paths=[self.rel_paths[i] for i in pick],
-                       labels=self.labels[np.asarray(pick, dtype=np.int64)],
+        at = np.asarray(pick, dtype=np.int64)
+        return replace(self, rel_paths=[self.rel_paths[i] for i in pick], labels=self.labels[at],
+                       numbers=self.numbering()[at], source_records=self.num_source_records,
                        locs=None if self.locs is None else [self.locs[i] for i in pick],
                        fields={k: [v[i] for i in pick] for k, v in self.fields.items()})
 
@@ -202,7 +219,10 @@ def _walk(top: str, rel_top: str, found: Walk, above: frozenset = frozenset(), s
             try:
                 is_dir = entry.is_dir()  # follows symlinks, like os.walk(followlinks=True); uses d_type
             except OSError as exc:  # a link loop (a.jpg -> a.jpg), a link into a folder we may not search
-                found.errors.append(SourceError(rel + name, _stat_failure(exc)))
+                if is_image_name(name) and not (skip_hidden and name.startswith(".")):
+                    files.append(name)  # os.walk lists it as a file, so ImageFolder numbers it: reading it fails
+                else:
+                    found.errors.append(SourceError(rel + name, _stat_failure(exc)))
                 continue
             if skip_hidden and name.startswith("."):
                 found.ignored[HIDDEN_FOLDER if is_dir else HIDDEN] += 1

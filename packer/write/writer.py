@@ -19,6 +19,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -261,7 +262,8 @@ class Writer:
             return self.out
         self._options_for(b"")
         self._flush()
-        index = stored_index(self.done, [k for r in self.done for k in r.rel_paths])  # stored in the order added
+        keys = [k for r in self.done for k in r.rel_paths]  # stored in the order added, named by their number
+        index = stored_index(self.done, keys, np.asarray([int(k) for k in keys], dtype=np.int64))
         columns: dict[str, list[Any]] = {k: [] for k in self.specs}
         for sid, result in enumerate(self.done):
             store = FieldStore.load(self._spool(sid), {k: s.text for k, s in self.specs.items()},
@@ -274,9 +276,9 @@ class Writer:
         assert self.opts is not None
         manifest = Manifest(format=self.fmt.name, payload=self.opts.payload, num_samples=len(index), classes=classes,
                             shards=[r.shard for r in self.done], options=self.opts.record(),
-                            source_type=SOURCE_TYPE, created_by=f"packer {__version__}",
+                            source_type=SOURCE_TYPE, source_records=self.count, created_by=f"packer {__version__}",
                             created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        errors = [e for r in self.done for e in r.errors]
+        errors = [replace(e, index=int(e.path)) for r in self.done for e in r.errors]  # sample n: source index n
         seal(self.partial, self.out, index, errors, {}, manifest, self.specs, columns, offered=self.count)
         return self.out
 

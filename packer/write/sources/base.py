@@ -90,6 +90,8 @@ class FileReader(SourceReader):
         try:
             data, facts = read_source(path)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise RecordError(f"symbolic link loop ({exc.strerror})") from None
             if not os.path.exists(path) and os.path.islink(path):
                 raise RecordError("broken symbolic link") from None
             raise RecordError(f"cannot read: {exc.strerror or exc}") from None

@@ -6,6 +6,7 @@ else ``"0"``..``"max"``; a label outside those classes is an error for its recor
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -24,12 +25,14 @@ def integer_classes(labels: np.ndarray, classes_file: str | None) -> list[str]:
 
 
 def keep_in_range(keys: list[str], labels: np.ndarray, classes: list[str], where: list[str],
-                  errors: list[SourceError]) -> np.ndarray:
-    """The positions whose label names one of ``classes``; the others become errors (with their location)."""
+                  errors: list[SourceError], numbers: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+    """The positions whose label names one of ``classes``; the others become errors (with their location and,
+    given ``numbers``, their number in the source's numbering)."""
     ok = (labels >= 0) & (labels < len(classes))
     for i in np.flatnonzero(~ok).tolist():
         errors.append(SourceError(keys[i], f"label {int(labels[i])} is not one of the {len(classes)} classes "
-                                           f"(0..{len(classes) - 1})", where[i]))
+                                           f"(0..{len(classes) - 1})", where[i],
+                                  None if numbers is None else int(numbers[i])))
     return np.flatnonzero(ok)
 
 

@@ -193,9 +193,10 @@ def _bad_name(name: str) -> bool:
     return name.startswith("/") or ".." in parts or "\x00" in name or "\\" in name
 
 
-def list_shard(path: Path) -> ShardListing:
-    """The samples of a tar shard, grouped as WebDataset groups them: headers only (and the small non-image
-    members: labels, fields), read in place for a ``.tar``, streamed once for a ``.tar.gz``."""
+def list_shard(path: Path, images: tuple[str, ...] = IMAGE_EXTENSIONS) -> ShardListing:
+    """The samples of a tar shard, grouped as WebDataset groups them: headers only (and the small members whose
+    extension is not one of ``images``: labels, fields), read in place for a ``.tar``, streamed once for a
+    ``.tar.gz``."""
     listing = ShardListing()
     compressed = is_compressed(path)
     try:
@@ -207,7 +208,7 @@ def list_shard(path: Path) -> ShardListing:
         raise PackerError(f"{path}: not a readable tar{'.gz' if compressed else ''} file ({exc})") from None
     with tf:
         try:
-            _group(tf, None if compressed else size, listing)
+            _group(tf, None if compressed else size, listing, images)
         except (OSError, EOFError, zlib.error, tarfile.TarError) as exc:
             listing.problems.append(("", f"damaged after byte {tf.offset}: {exc}; the rest of the shard is not read"))
             return listing
@@ -221,7 +222,7 @@ def list_shard(path: Path) -> ShardListing:
     return listing
 
 
-def _group(tf: tarfile.TarFile, size: int | None, listing: ShardListing) -> None:
+def _group(tf: tarfile.TarFile, size: int | None, listing: ShardListing, images: tuple[str, ...]) -> None:
     """Group the members of ``tf`` into ``listing.samples`` (consecutive members sharing a key)."""
     seen: set[str] = set()
     current: TarSample | None = None
@@ -243,16 +244,17 @@ def _group(tf: tarfile.TarFile, size: int | None, listing: ShardListing) -> None
         if ext in current.members:
             current.problem = f"two members with extension .{ext}"
         current.members.setdefault(ext, m)
-        if ext not in IMAGE_EXTENSIONS and ext not in current.small:  # a label, or a per-sample field
+        if ext not in images and ext not in current.small:  # a label, or a per-sample field
             fh = tf.extractfile(info)
             current.small[ext] = fh.read() if fh is not None and m.size <= MAX_LABEL_MEMBER else None
 
 
-def image_member(sample: TarSample) -> tuple[str, Member] | str:
-    """(extension, member) of the sample's one image, or why there is not exactly one."""
-    found = [(ext, sample.members[ext]) for ext in IMAGE_EXTENSIONS if ext in sample.members]
+def image_member(sample: TarSample, extensions: tuple[str, ...] = IMAGE_EXTENSIONS) -> tuple[str, Member] | str:
+    """(extension, member) of the sample's one image (a member with one of ``extensions``), or why there is not
+    exactly one."""
+    found = [(ext, sample.members[ext]) for ext in extensions if ext in sample.members]
     if not found:
-        return f"no image member ({', '.join(IMAGE_EXTENSIONS)}); has {', '.join(sample.members) or 'nothing'}"
+        return f"no image member ({', '.join(extensions)}); has {', '.join(sample.members) or 'nothing'}"
     if len(found) > 1:
         return f"{len(found)} image members ({', '.join(e for e, _ in found)}): which one is the image is unclear"
     return found[0]
