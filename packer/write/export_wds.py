@@ -21,6 +21,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import tarfile
 import time
 from collections.abc import Mapping
@@ -46,6 +47,7 @@ from packer.layout.wdsexport import (
     PATH_EXTENSION,
     SHARD_PATTERN,
 )
+from packer.units import human_bytes
 from packer.write.convert import (
     ConvertResult,
     check_sequential,
@@ -62,6 +64,9 @@ from packer.write.shards import progress_bar
 from packer.write.sources.registry import scan_source
 
 DEFAULT_SHARD_BYTES = 256 << 20
+# Without --shard-size: at least this many shards where there are as many samples, so that webdataset with
+# DataLoader(num_workers=N <= 16) gives every worker a shard (it fails, "fewer shards than workers", otherwise)
+DEFAULT_SHARDS = 16
 _BLOCK, _RECORD = tarfile.BLOCKSIZE, tarfile.RECORDSIZE  # a member's header; what the whole tar is padded to
 _SOURCE_KEYWORDS = ("source_type", "root", "path_column", "label_column", "classes_file", "classes", "label_key",
                     "image_column")
@@ -74,7 +79,8 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
                validate: str = "full", shard_bytes: int | None = None, order: str = "shuffled", seed: int = 0,
                skip_hidden: bool = False, allow_empty: bool = False, decoder: str = "auto",
                **others: Any) -> ConvertResult:
-    """Write the records of ``src`` as WebDataset shards of at most ``shard_bytes`` (default 256 MB) into ``output``.
+    """Write the records of ``src`` as WebDataset shards into ``output``: of at most ``shard_bytes``, or by default
+    ``DEFAULT_SHARDS`` (16) or more shards of at most 256 MB each (one sample per shard below 16 samples).
 
     ``others``: ``convert``'s source keywords (``root``, ``classes``, ...); its other options (``payload``,
     ``resize``, ...) are refused unless unset: the export keeps the source's bytes. ``order``: the order of
@@ -106,8 +112,10 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
     out.parent.mkdir(parents=True, exist_ok=True)
     make_partial(out, partial, {"kind": EXPORT_KIND, "source": str(scanned.root), "options": opts.record()})
     try:
-        sink = TarSink(partial, limit)
+        per_shard = max(1, len(scanned) // DEFAULT_SHARDS) if shard_bytes is None else None
+        sink = TarSink(partial, limit, per_shard)
         errors = _write_samples(scanned, opts, sink, workers, pool or PoolSettings(), on_error, progress)
+        few_shards(sink, shard_bytes)
         return _finish(scanned, partial, out, sink, errors, opts.record(), started)
     except (PackerError, OSError, KeyboardInterrupt) as exc:
         shutil.rmtree(partial, ignore_errors=True)  # ours (made above) and not resumable: nothing half-done stays
@@ -181,12 +189,25 @@ def image_extension(rel: str, data: bytes) -> str:
     return next((ext for magic, ext in _MAGIC if data.startswith(magic)), "bin")
 
 
+def few_shards(sink: TarSink, shard_bytes: int | None) -> None:
+    """A notice when a ``--shard-size`` left fewer shards than ``DEFAULT_SHARDS`` though there are as many samples:
+    webdataset with more DataLoader workers than shards fails; the fix is a smaller size (or the default)."""
+    total = sum(sink.counts)
+    if shard_bytes is None or len(sink.names) >= min(DEFAULT_SHARDS, total):
+        return
+    size = max(1, sum((sink.folder / n).stat().st_size for n in sink.names) // DEFAULT_SHARDS)
+    print(f"packer: {len(sink.names)} shard(s): webdataset with DataLoader(num_workers=N) fails for N above that "
+          f"(\"fewer shards than workers\"); --shard-size {human_bytes(size).replace(' ', '')} (or no --shard-size) "
+          f"gives {DEFAULT_SHARDS}", file=sys.stderr)
+
+
 class TarSink:
     """Writes samples into ``shard-%06d.tar`` files of at most ``limit`` bytes each, padding included (a sample
-    larger than that gets a shard of its own). Members are plain files with fixed metadata: same bytes every run."""
+    larger than that gets a shard of its own), and at most ``per_shard`` samples (None: no bound). Members are plain
+    files with fixed metadata: same bytes every run."""
 
-    def __init__(self, folder: Path, limit: int) -> None:
-        self.folder, self.limit = folder, limit
+    def __init__(self, folder: Path, limit: int, per_shard: int | None = None) -> None:
+        self.folder, self.limit, self.per_shard = folder, limit, per_shard
         self.names: list[str] = []
         self.counts: list[int] = []
         self._tar: tarfile.TarFile | None = None
@@ -194,7 +215,8 @@ class TarSink:
 
     def add(self, members: list[tuple[str, bytes]]) -> None:
         size = sum(_BLOCK + -(-len(data) // _BLOCK) * _BLOCK for _, data in members)
-        if self._tar is not None and closed_size(self._used + size) > self.limit:
+        full = self.per_shard is not None and self.counts and self.counts[-1] >= self.per_shard
+        if self._tar is not None and (closed_size(self._used + size) > self.limit or full):
             self._close_tar()
         if self._tar is None:
             self.names.append(SHARD_PATTERN % len(self.names))

@@ -259,3 +259,25 @@ def test_writer_fields_become_the_json_member_in_extracts_form(tmp_path):
         assert got[i]["jpg"] == want["image"] and int(got[i]["cls"]) == want["label"]
         assert json.loads(got[i]["json"]) == {k: json.loads(json.dumps(json_value(want[k]))) for k in SPECS}
 
+
+@pytest.mark.parametrize("count", [5, 40])
+def test_default_shards_feed_webdataset_with_two_dataloader_workers(tmp_path, count, capsys):
+    """The default export of a small dataset has a shard per worker and more: webdataset's own loader with
+    DataLoader(num_workers=2) reads every sample once (one 256 MB shard made its second worker fail)."""
+    from torch.utils.data import DataLoader
+
+    src = make_imagefolder(tmp_path / "imgs", classes=1, per_class=count)
+    out = export_wds(src, tmp_path / "out", workers=0, progress=False).output
+    shards = sorted(str(p) for p in out.glob("shard-*.tar"))
+    assert len(shards) == min(count, -(-count // max(1, count // 16))) and len(shards) >= min(count, 16)
+    assert "fewer shards than workers" not in capsys.readouterr().err
+    loader = DataLoader(webdataset.WebDataset(shards, shardshuffle=False), batch_size=None, num_workers=2)
+    assert sorted(int(sample["__key__"]) for sample in loader) == list(range(count))
+
+
+def test_a_shard_size_giving_few_shards_says_how_to_get_more(tmp_path, capsys):
+    src = make_imagefolder(tmp_path / "imgs", classes=1, per_class=20)
+    out = export_wds(src, tmp_path / "out", shard_bytes=64 << 20, workers=0, progress=False).output
+    assert len(list(out.glob("shard-*.tar"))) == 1
+    err = capsys.readouterr().err
+    assert "1 shard(s)" in err and "fewer shards than workers" in err and "--shard-size" in err
