@@ -272,7 +272,7 @@ class Reader(ShardReader):
 
 
 FORMAT = Format(
-    name="lmdb", dataset_class="LMDBDataset", payloads=frozenset({"encoded", "raw"}),
+    name="lmdb", dataset_class="LMDBDataset", payloads=frozenset({"encoded", "raw", "none"}),
     Writer=Writer, Reader=Reader,
     default_shard_bytes=1 << 30,
 )

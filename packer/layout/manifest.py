@@ -23,7 +23,8 @@ from packer.layout.trust import check_inner_name, inside, json_kind, read_inside
 KIND = "packer-dataset"
 VERSION = 1
 MANIFEST_NAME = "manifest.json"
-PAYLOADS = ("encoded", "raw")  # encoded: the source file's bytes; raw: decoded HWC uint8 RGB
+PAYLOADS = ("encoded", "raw", "none")  # encoded: the source file's bytes; raw: decoded HWC uint8 RGB; none: no image
+IMAGELESS = "none"  # samples of fields and a label only (a Writer's tokens, embeddings, boxes): 0-byte payloads
 
 
 @dataclass

@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from packer.layout.index import normalize_index, normalize_indices
+from packer.layout.manifest import IMAGELESS
 from packer.read.collate import mark_mixed_shapes
 from packer.read.hints import aheads_of
 
@@ -64,9 +65,9 @@ class StagedDataset(Dataset, ABC):
         a fused crop (``crop=``) with ``window`` where given (``crop_windows``), else one drawn for it now."""
 
     @abstractmethod
-    def present_at(self, pos: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> Any:
+    def present_at(self, pos: int, arr: np.ndarray | None, tensor: torch.Tensor | None = None) -> Any:
         """(image as the dataset hands it out, target), transforms applied, plus any fields asked for
-        (packer.read.fields); ``tensor`` holds ``arr`` already."""
+        (packer.read.fields); ``tensor`` holds ``arr`` already. ``arr`` None: a dataset without images."""
 
     def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = (),
                     pending: Pending | None = None) -> list:
@@ -126,10 +127,18 @@ class StagedDataset(Dataset, ABC):
         """Storage positions where the dataset's natural blocks start, then len(self); None: blocks by bytes."""
         return None
 
+    @property
+    def has_images(self) -> bool:
+        """False for a dataset of samples without an image (a Writer's fields and labels alone, payload ``none``):
+        nothing is read or decoded, and a sample is ``(fields, label)`` (packer.read.fields)."""
+        return self.manifest.payload != IMAGELESS
+
     # ------------------------------------------------------------ the public surface: ImageFolder indices
 
     def __getitem__(self, i: int) -> Any:
         pos = self.position(i)
+        if not self.has_images:
+            return self.present_at(pos, None)
         return self.present_at(pos, self.pixels_at(pos, self.payload_at(pos)))
 
     def __getitems__(self, indices: Sequence[int]) -> list:
@@ -156,6 +165,8 @@ def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | No
     """A batch's samples: its bytes read ahead in file order while this thread decodes them as their bytes come
     in (IO overlaps decoding), into one shared block where the dataset offers slots, there ``BULK_CHUNK`` at a time
     in one call where the dataset can (``samples_in_slots``: fewer Python layers per image)."""
+    if not ds.has_images:  # fields and labels only: nothing to read or decode
+        return mark_mixed_shapes([ds.present_at(p, None) for p in ds.positions(indices).tolist()])
     now = time.perf_counter
     t0 = now()
     idx = ds.positions(indices).tolist()
@@ -199,9 +210,12 @@ def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | No
 
 
 def pixels_in_slot(ds: StagedDataset, i: int, payload: Any, slot: torch.Tensor | None, window: Window | None = None
-                   ) -> tuple[np.ndarray, torch.Tensor | None]:
+                   ) -> tuple[np.ndarray | None, torch.Tensor | None]:
     """The pixels at storage position ``i`` (a fused crop's with ``window`` where given), decoded into ``slot`` when
-    given: (pixels, the slot holding them, or None where it does not, e.g. no slot or a size other than the index's)."""
+    given: (pixels, the slot holding them, or None where it does not, e.g. no slot or a size other than the index's);
+    a dataset without images has neither."""
+    if not ds.has_images:
+        return None, None
     if slot is None:
         return ds.pixels_at(i, payload, window=window), None
     view = slot.numpy()

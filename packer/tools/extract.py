@@ -68,6 +68,9 @@ def extract(path: str | os.PathLike, dest: str | os.PathLike, overwrite: bool = 
         warnings.simplefilter("ignore", IndexingWarning)  # about indices a user maps: extract writes every file
         ds = open_dataset(path, image="numpy")
     try:
+        if not ds.has_images:
+            raise PackerError(f"{path}: its samples have no image, so there is no ImageFolder to extract; read "
+                              "its fields with open_dataset(path, fields='all')")
         raw = ds.manifest.payload == "raw"
         rels = [_checked(rel, path) for rel in ds.index.rel_paths()]
         names = target_names(rels, raw)

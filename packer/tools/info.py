@@ -106,6 +106,7 @@ _PAYLOAD_TEXT = {  # (payload, jpeg_restarts) -> what each sample holds
                        "pixels; other files' original bytes)",
     ("raw", False): " (HWC uint8 RGB)",
     ("raw", True): " (HWC uint8 RGB)",
+    ("none", False): " (no images: fields and labels only)",
 }
 
 
@@ -152,14 +153,17 @@ def info_rows(path: str | os.PathLike, data: dict[str, Any]) -> list[tuple[str, 
         if stats["samples_per_class"]:
             s = stats["samples_per_class"]
             rows.append(("per class", f"{s['min']:,} to {s['max']:,} samples (median {s['median']:,.0f})"))
-        if stats["height"] and stats["width"]:
+        if data["payload"] == "none":
+            pass  # no images: no sizes, no payload bytes
+        elif stats["height"] and stats["width"]:
             h, w = stats["height"], stats["width"]
             same = h["min"] == h["max"] and w["min"] == w["max"]
             rows.append(("image size", f"{h['min']}x{w['min']} (all)" if same else
                          f"height {h['min']}-{h['max']}, width {w['min']}-{w['max']}"))
         elif stats["sizes_known"] == 0:
             rows.append(("image size", "not recorded (converted with --validate none)"))
-        rows.append(("per sample", f"{human_bytes(stats['payload_bytes']['mean'])} stored on average"))
+        if data["payload"] != "none":
+            rows.append(("per sample", f"{human_bytes(stats['payload_bytes']['mean'])} stored on average"))
     options = data["options"]
     rows += [
         ("shards", shards_row(data)),

@@ -83,7 +83,9 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
         return report
     report.checked["samples"] = len(ds)
     try:
-        if deep:
+        if deep and not ds.has_images:
+            report.checked["without an image (nothing to decode)"] = len(ds)
+        elif deep:
             _check_deep(ds, report, progress)
         if scan is not None:
             _check_against(ds, scan, report, progress)

@@ -26,7 +26,7 @@ from packer._version import __version__
 from packer.errors import PackerError, ResumableError
 from packer.formats import get_format
 from packer.layout.fields import parse_specs
-from packer.layout.manifest import Manifest, holds_dataset, read_manifest
+from packer.layout.manifest import IMAGELESS, Manifest, holds_dataset, read_manifest
 from packer.layout.partial import PARTIAL_SUFFIX, made_by_packer, read_swap
 from packer.layout.report import ERRORS_NAME
 from packer.write.cluster import DaskCluster, class_mapper
@@ -163,6 +163,7 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
     hidden, empty = opts.skip_hidden, opts.allow_empty
     scanned = scan_source(src, source, None if client is None else class_mapper(client, hidden),
                           skip_hidden=hidden, allow_empty=empty)
+    match_payload(scanned, opts, options.get("payload"))
     check_sequential(scanned, opts, client)
     # before any file is read: a change meanwhile makes the output stale. Folders only: other sources record
     # no fingerprint, so --if-changed always converts them again (never reuses a stale output)
@@ -189,6 +190,20 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
         raise _failed_midway(f"{exc.filename or out}: {exc.strerror or exc}", partial) from exc
     except KeyboardInterrupt:
         raise KeyboardInterrupt(_interrupted(partial)) from None
+
+
+def match_payload(scan: ScanResult, options: ConvertOptions, given: str | None) -> None:
+    """A source of samples without an image (a packed dataset of payload none) converts to payload none, which
+    no source of images does (it would drop them)."""
+    if scan.source_reader().holds_images:
+        if options.payload == IMAGELESS:
+            raise PackerError(f"{scan.root}: holds images; --payload none would leave them out")
+        return
+    if given not in (None, IMAGELESS):
+        raise PackerError(f"{scan.root}: its samples have no image, so --payload {given} has nothing to store: "
+                          "leave --payload out")
+    options.payload = IMAGELESS
+    options.check()
 
 
 def check_sequential(scan: ScanResult, options: ConvertOptions, client: Any) -> None:

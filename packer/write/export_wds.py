@@ -101,6 +101,9 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
     check_destination(src, out, overwrite)
     started = time.perf_counter()
     scanned = scan_source(src, source_options(**given), skip_hidden=skip_hidden, allow_empty=allow_empty)
+    if not scanned.source_reader().holds_images:
+        raise PackerError(f"{scanned.root}: its samples have no image, and a WebDataset sample is exported with one; "
+                          "convert it to another format instead")
     # prepare() reads and validates each record exactly as convert does; "lmdb" only carries the common options
     opts = make_options("lmdb", payload="raw" if scanned.source_reader().gives_pixels else "encoded",
                         validate=validate, order=order, seed=seed, decoder=decoder)

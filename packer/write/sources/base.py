@@ -38,6 +38,7 @@ class SourceReader(ABC):
 
     sequential: ClassVar[bool] = False  # True: records can only be read in scan order (a compressed tar)
     gives_pixels: bool = False  # True: read() gives HWC pixels (a packed dataset of raw payloads): raw output only
+    holds_images: bool = True  # False: records of fields alone (a packed dataset of payload none): none output only
 
     @abstractmethod
     def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:

@@ -24,7 +24,7 @@ from packer.formats import check_recorded_options, get_format
 from packer.formats.base import ShardReader
 from packer.layout.fields import load_fields
 from packer.layout.index import Index, shard_starts
-from packer.layout.manifest import MANIFEST_NAME, Manifest, holds_dataset, read_manifest
+from packer.layout.manifest import IMAGELESS, MANIFEST_NAME, Manifest, holds_dataset, read_manifest
 from packer.layout.report import numbered_entries, read_report
 from packer.layout.trust import reading
 from packer.write.scan import ClassMapper, ScanResult
@@ -74,6 +74,7 @@ class PackedReader(SourceReader):
     def __init__(self, root: Path, manifest: Manifest) -> None:
         self.root = root
         self.gives_pixels = manifest.payload == "raw"
+        self.holds_images = manifest.payload != IMAGELESS
         fmt = get_format(manifest.format)
         self.readers: list[ShardReader] = [fmt.Reader(root, s, manifest.payload, access="sequential")
                                            for s in manifest.shards]
