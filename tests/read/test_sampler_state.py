@@ -182,6 +182,7 @@ def test_stateful_dataloader_without_set_epoch_resumes_into_the_same_epochs(pack
     goes on exactly as the uninterrupted one (StatefulDataLoader's own resume makes and drops iterators)."""
     whole, _ = loader_for(packed, workers=workers)
     run = [[indices(b) for b in whole] for _ in range(3)]
+    assert run[0] != run[1] != run[2]  # each epoch its own order
     first, _ = loader_for(packed, workers=workers)
     assert [indices(b) for b in first] == run[0]
     it = iter(first)
