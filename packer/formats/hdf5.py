@@ -446,7 +446,5 @@ class Reader(ShardReader):
 
 FORMAT = Format(
     name="hdf5", dataset_class="HDF5Dataset", payloads=frozenset({"encoded", "raw", "none"}),
-    Writer=Writer, Reader=Reader,
-    default_shard_bytes=None,
-    compressions=frozenset({"lzf", "gzip"}),
+    Writer=Writer, Reader=Reader, default_shard_bytes=None, compressions=frozenset({"lzf", "gzip"}),
 )

@@ -74,7 +74,7 @@ class PackedDataset(FolderSurface):
         self.manifest, self.index, self.access = self.store.manifest, self.store.index, self.store.access
         self.index_map = IndexMap.of(self.index, self.manifest)
         self.field_store = self.store.fields
-        self.selection = FieldSelection(fields, self.field_store, self.root, self.has_images)
+        self.selection = FieldSelection(fields, self.field_store, self.root, self.has_images, transform, crop)
         # samples are file paths where the source was files below a folder (a folder, a list file's --root);
         # the records of an archive, WebDataset, Hugging Face, RecordIO or packer source are named by key only
         files = self.manifest.source_type in FILE_SOURCES
@@ -96,9 +96,6 @@ class PackedDataset(FolderSurface):
         self.decoder = decoder
         self.decode_size = check_min_size(decode_size)
         self.crop = check_crop(crop, self.decode_size)
-        if not self.has_images and (crop is not None or (transform is not None and fields is not None)):
-            raise PackerError(f"{self.root}: its samples have no image: {'crop=' if crop is not None else 'transform='}"
-                              " has nothing to apply to (transform= is given the fields dict with fields=None)")
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
         self.warn_if_subset(stacklevel=2)  # ds[i] is not ImageFolder(source)[i]: said once, when opened
@@ -160,10 +157,8 @@ class PackedDataset(FolderSurface):
 
     def __repr__(self) -> str:
         m = self.manifest
-        return (
-            f"{type(self).__name__}({str(self.root)!r}, format={m.format}, payload={m.payload}, "
-            f"samples={len(self)}, classes={len(self.classes)}, image={self.image}, indexing={self.indexing})"
-        )
+        return (f"{type(self).__name__}({str(self.root)!r}, format={m.format}, payload={m.payload}, "
+                f"samples={len(self)}, classes={len(self.classes)}, image={self.image}, indexing={self.indexing})")
 
     # ------------------------------------------------------------ reading
 
@@ -206,9 +201,6 @@ class PackedDataset(FolderSurface):
     def pixels_at(self, i: int, payload=None, strict: bool = False, out: np.ndarray | None = None,
                   window: Window | None = None) -> np.ndarray:
         """The sample stored at ``i`` as HWC uint8 RGB, decoding encoded payloads (``strict``: see ``pixels``)."""
-        if not self.has_images:
-            raise PackerError(f"{self.root}: its samples have no image (fields and labels only: ds[i] is "
-                              "(fields, label))")
         buf = self.store.read(i) if payload is None else payload
         h, w = int(self.index.heights[i]), int(self.index.widths[i])
         if self.manifest.payload == "encoded":
@@ -245,13 +237,10 @@ class PackedDataset(FolderSurface):
     def present_at(self, i: int, arr: np.ndarray | None, tensor: torch.Tensor | None = None) -> Any:
         """The decoded pixels of the sample stored at ``i`` as handed out: image kind, transform, target transform.
 
-        ``tensor``: ``arr``'s memory as a tensor already (its slot of ``batch_slots``). ``arr`` None: a sample
-        without an image, whose fields dict takes the image's place (packer.read.fields).
+        ``tensor``: ``arr``'s memory as a tensor already (its slot of ``batch_slots``); ``arr`` None: no image.
         """
-        img: Any
-        if arr is None:
-            img = self.selection.inputs(self.field_store, i, str(self.root)) if self.selection.names is None \
-                else None
+        if arr is None:  # a sample without an image: its fields dict in the image's place (packer.read.fields)
+            img: Any = self.selection.inputs(self.field_store, i, str(self.root))
         elif self.image == "pil":
             img = Image.fromarray(arr)
         elif self.image == "tensor" and tensor is not None:

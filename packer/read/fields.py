@@ -23,7 +23,13 @@ FieldsArg = Sequence[str] | Literal["all"] | None
 class FieldSelection:
     """The names a sample holds and how it is shaped (tuple, or dict for ``"all"``)."""
 
-    def __init__(self, fields: FieldsArg, store: FieldStore, where: object, images: bool = True) -> None:
+    def __init__(self, fields: FieldsArg, store: FieldStore, where: object, images: bool = True,
+                 transform: object = None, crop: object = None) -> None:
+        """``images``: whether the dataset's samples have one; without, ``crop`` and (with ``fields``) ``transform``
+        have nothing to apply to and are refused."""
+        if not images and (crop is not None or (transform is not None and fields is not None)):
+            raise PackerError(f"{where}: its samples have no image: {'crop=' if crop is not None else 'transform='}"
+                              " has nothing to apply to (transform= is given the fields dict with fields=None)")
         self.as_dict = fields == "all"
         self.images = images
         own = ("image", "label", *store.specs) if images else ("label", *store.specs)
@@ -39,8 +45,11 @@ class FieldSelection:
                     raise PackerError(f"{where}: no field {name!r}{why} (this dataset has {', '.join(own)})")
             self.names = names
 
-    def inputs(self, store: FieldStore, pos: int, where: str) -> dict[str, Any]:
-        """What stands in the image's place in a sample without one: every field, by name."""
+    def inputs(self, store: FieldStore, pos: int, where: str) -> dict[str, Any] | None:
+        """What stands in the image's place in a sample without one: every field, by name (None with ``fields=``,
+        which names what the sample holds)."""
+        if self.names is not None:
+            return None
         return {name: store.value(name, pos, where) for name in store.specs}
 
     def sample(self, store: FieldStore, pos: int, image: Any, target: Any, where: str) -> Any:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from packer.errors import PackerError
 from packer.layout.index import normalize_index, normalize_indices
 from packer.layout.manifest import IMAGELESS
 from packer.read.collate import mark_mixed_shapes
@@ -158,6 +159,9 @@ class StagedDataset(Dataset, ABC):
         ``strict``: a decoder warning (e.g. a truncated JPEG, which Pillow pads with grey) is an
         error too, as in conversion's full validation (``packer verify --deep`` uses it).
         """
+        if not self.has_images:
+            raise PackerError(f"{self.manifest.source or 'this dataset'}: its samples have no image (fields and "
+                              "labels only: ds[i] is (fields, label))")
         return self.pixels_at(self.position(i), payload, strict, out)
 
 
