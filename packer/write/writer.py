@@ -88,7 +88,7 @@ class Writer:
         if options.setdefault("order", "source") != "source":
             raise PackerError("Writer: samples are stored in the order added (order='source'); shuffle when adding")
         self.on_error, self.given = on_error, options
-        self._make_options(None).check()  # unknown or bad options fail now, not at the first sample
+        self._make_options(b"").check()  # unknown or bad options fail now, not at the first sample (bytes: as default)
         check_replaceable(self.out, overwrite)
         self.opts: ConvertOptions | None = None
         self.count = 0  # samples offered so far
