@@ -282,3 +282,24 @@ def test_a_shard_size_giving_few_shards_says_how_to_get_more(tmp_path, capsys):
     assert len(list(out.glob("shard-*.tar"))) == 1
     err = capsys.readouterr().err
     assert "1 shard(s)" in err and "fewer shards than workers" in err and "--shard-size" in err
+
+
+def test_an_export_made_before_paths_were_kept_still_converts_back(dotted, tmp_path):
+    """An older export (no <key>.path.txt, no source_records): keys still number the records, paths are the
+    shard's member names as before."""
+    out = export_wds(dotted, tmp_path / "out", workers=0, progress=False, shard_bytes=64 << 20).output
+    shard = out / "shard-000000.tar"
+    with tarfile.open(shard) as tf:
+        kept = [(m, tf.extractfile(m).read()) for m in tf.getmembers() if not m.name.endswith(".path.txt")]
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for m, data in kept:
+            tf.addfile(m, io.BytesIO(data))
+    index = json.loads((out / EXPORT_NAME).read_text())
+    index.pop("source_records")
+    index["shards"][0].update(num_bytes=shard.stat().st_size, sha256=sha256_file(shard))
+    (out / EXPORT_NAME).write_text(json.dumps(index))
+    back = open_dataset(convert(out, tmp_path / "back.lmdb", workers=0, progress=False).output)
+    reference = ImageFolder(dotted)
+    assert len(back) == len(reference) and back.classes == reference.classes
+    assert [int(r.split("/")[1].split(".")[0]) for r in back.relpaths] == list(range(len(reference)))
+    assert all(bytes(back.read_payload(i)) == Path(p).read_bytes() for i, (p, _) in enumerate(reference.samples))

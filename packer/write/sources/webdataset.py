@@ -261,7 +261,7 @@ class _Found:
         try:
             label = sample_label(sample, label_key)
             if self.export:
-                key = self._source_path(sample, where)
+                key = self._source_path(sample, key, where)
         except (RecordError, PackerError) as exc:
             self.errors.append(SourceError(key, str(exc), where, number))
             return
@@ -285,12 +285,14 @@ class _Found:
         self.where.append(where)
         self.numbers.append(number)
 
-    def _source_path(self, sample: TarSample, where: str) -> str:
-        """An export's sample's path in its source (``<key>.path.txt``), checked: relative, inside, not repeated."""
+    def _source_path(self, sample: TarSample, key: str, where: str) -> str:
+        """An export's sample's path in its source (``<key>.path.txt``), checked: relative, inside, not repeated;
+        ``key`` (shard and member) for an export written before packer kept the path."""
+        if PATH_EXTENSION not in sample.members:
+            return key
         raw = sample.small.get(PATH_EXTENSION)
         if raw is None:
-            raise RecordError(f"no {PATH_EXTENSION} member (the source path, which packer's export writes)"
-                              if PATH_EXTENSION not in sample.members else f"{PATH_EXTENSION}: too large")
+            raise RecordError(f"{PATH_EXTENSION}: too large")
         path = inside_root(raw.decode(*PATH_CODEC), where)
         if path in self._paths:
             raise RecordError(f"{PATH_EXTENSION}: {path!r} names another sample's source path too")
