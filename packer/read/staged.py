@@ -89,8 +89,9 @@ class StagedDataset(Dataset, ABC):
 
     @property
     def indexing(self) -> str:
-        """``"imagefolder"``: ``ds[i]`` is ImageFolder's sample i; ``"stored"``: the i-th stored sample
-        (a dataset written before packer recorded the map)."""
+        """``"imagefolder"``: ``ds[i]`` is ImageFolder's sample i; ``"subset"``: some source records were not
+        packed, ``ds[i]`` is ImageFolder's sample ``ds.imagefolder_index(i)``; ``"stored"``: the i-th stored sample
+        (a dataset written before packer recorded the map). packer.read.indexing."""
         return self.index_map.kind
 
     def start_reads(self, idx: np.ndarray, ahead: Sequence[Ahead] = ()) -> Pending | None:
