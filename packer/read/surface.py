@@ -172,9 +172,9 @@ class FolderSurface(StagedDataset):
             entry = entry_of(self.root, number)
         except PackerError as exc:
             return f"{where} ({exc})"
-        if entry is not None:
-            at = f", {entry['location']}" if isinstance(entry.get("location"), str) else ""
-            return f"{where}: {entry['path']}{at}: {entry['reason']} (see {ERRORS_NAME})"
+        if entry is not None:  # errors.json is untrusted text: shown on one line
+            path, reason, loc = (str(entry.get(k, "")).replace("\n", "\\n") for k in ("path", "reason", "location"))
+            return f"{where}: {path}{f', {loc}' if loc else ''}: {reason} (see {ERRORS_NAME})"
         chosen, picked = self.manifest.source_options, []  # as recorded (a crafted manifest: only shown)
         if isinstance(chosen.get("classes"), list):
             picked.append(f"--classes {','.join(map(str, chosen['classes']))}")
