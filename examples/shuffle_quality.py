@@ -23,12 +23,11 @@ from packer.read.sampler import (  # noqa: E402
     DEFAULT_BLOCK_BYTES,
     DEFAULT_OPEN_BLOCKS,
     DEFAULT_RUN,
-    batchmates_again,
     block_boundaries,
     rank_order,
-    shuffle_stats,
     stable_permutation,
 )
+from packer.read.shuffle_quality import batchmates_again, shuffle_stats  # noqa: E402
 
 COLUMNS = [
     ("blocks_per_batch", "blocks / batch", "{:.1f}"),

@@ -17,8 +17,10 @@ if TYPE_CHECKING:  # what a type checker sees; at run time the names below load 
     from packer.diagnose.profile import instrument as instrument
     from packer.diagnose.profile import profile as profile
     from packer.errors import DatasetError as DatasetError
+    from packer.errors import IndexingWarning as IndexingWarning
     from packer.errors import InputNotFoundError as InputNotFoundError
     from packer.errors import MissingPackageError as MissingPackageError
+    from packer.errors import NotPackedError as NotPackedError
     from packer.errors import OptionError as OptionError
     from packer.errors import OutputExistsError as OutputExistsError
     from packer.errors import PackerError as PackerError
@@ -62,7 +64,8 @@ _PUBLIC = {
     "DATASET_CLASSES": "packer.read.dataset",
     "PackerError": "packer.errors", "InputNotFoundError": "packer.errors", "OutputExistsError": "packer.errors",
     "OptionError": "packer.errors", "DatasetError": "packer.errors", "MissingPackageError": "packer.errors",
-    "RunError": "packer.errors", "ResumableError": "packer.errors",
+    "RunError": "packer.errors", "ResumableError": "packer.errors", "NotPackedError": "packer.errors",
+    "IndexingWarning": "packer.errors",
     "FORMATS": "packer.formats",
     "CachedDataset": "packer.read.cache",
     "instrument": "packer.diagnose.profile", "profile": "packer.diagnose.profile",

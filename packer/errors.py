@@ -119,6 +119,17 @@ class ResumableError(RunError):
     """
 
 
+class NotPackedError(PackerError, LookupError):
+    """A source sample that is not in the dataset (damaged, or left out by a selection): ``ds.from_imagefolder``."""
+
+
+class IndexingWarning(UserWarning):
+    """A dataset's indices are not its source's: some source records were not packed (``ds.from_imagefolder``).
+
+    Warned once when such a dataset is opened; the CLI does not show it (``packer info`` says it in words).
+    """
+
+
 _RUN_KINDS: dict[type[PackerError], type[RunError]] = {}
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
+import warnings
 from collections.abc import Iterator
 
 from packer.cli.commands import json_document, wants_json
 from packer.cli.parser import EXIT_CODES, build_parser
-from packer.errors import Interrupted, PackerError, RunError
+from packer.errors import IndexingWarning, Interrupted, PackerError, RunError
 
 __all__ = ["EXIT_CODES", "build_parser", "main", "notices_on_stderr"]
 
@@ -46,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        with notices_on_stderr():
+        with notices_on_stderr(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", IndexingWarning)  # for library users: `packer info` says it in words
             return args.func(args)
     except PackerError as exc:
         print(f"packer: error: {exc.cli_message()}", file=sys.stderr)

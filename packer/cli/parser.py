@@ -114,7 +114,7 @@ def _add_convert(sub) -> None:
                    help="processes reading and validating (default: all cores; 0: in this process)")
     p.add_argument("--shard-size", type=size_arg, default=None, metavar="SIZE",
                    help="approximate shard size, e.g. 512MB (default: the format's: 1GB for lmdb, one file for "
-                   "hdf5 and memmap; --to wds: at most this per .tar, default 256MB)")
+                   "hdf5 and memmap; --to wds: at most this per .tar, default 16 or more shards of at most 256MB)")
     p.add_argument("--order", choices=("shuffled", "source"), default="shuffled",
                    help="sample order in the dataset. shuffled (default): a seeded shuffle, so neighbours on disk "
                    "are unrelated and block-shuffled reading (packer.read.sampler) mixes labels in every batch; "

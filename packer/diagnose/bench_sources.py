@@ -158,7 +158,7 @@ def _packed_source(p: Path, limit: int | None) -> Source:
     from packer.layout.manifest import read_manifest
 
     m = read_manifest(p)
-    idx = Index.load(p, m.num_samples)
+    idx = Index.load(p, m.num_samples, source_records=m.source_records)
     n = m.num_samples if limit is None else min(limit, m.num_samples)
     files = measure.tree_files(p)
     starts = np.cumsum([s.num_samples for s in m.shards])[:-1]

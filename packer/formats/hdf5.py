@@ -79,6 +79,7 @@ _DESCRIBE = {
     ("raw", "blob"): "decoded RGB pixels back to back; image i is "
     "images[offsets[i]:offsets[i+1]].reshape(shapes[i]) (height, width, 3)",
     ("raw", "fixed"): "decoded RGB pixels, one image per row: images[i] is (height, width, 3) uint8",
+    ("none", "blob"): "no images (samples of fields and labels only): images is empty, offsets all 0",
 }
 
 
@@ -444,7 +445,6 @@ class Reader(ShardReader):
 
 
 FORMAT = Format(
-    name="hdf5", dataset_class="HDF5Dataset", payloads=frozenset({"encoded", "raw"}), Writer=Writer, Reader=Reader,
-    default_shard_bytes=None,
-    compressions=frozenset({"lzf", "gzip"}),
+    name="hdf5", dataset_class="HDF5Dataset", payloads=frozenset({"encoded", "raw", "none"}),
+    Writer=Writer, Reader=Reader, default_shard_bytes=None, compressions=frozenset({"lzf", "gzip"}),
 )

@@ -17,11 +17,13 @@ in batches, the map grown on ``MapFullError`` instead of reserving a huge map up
 same samples in the same order give the same file, byte for byte (LMDB's page allocation is
 deterministic and ``meminit`` zeroes unused bytes).
 
-Readers open with ``readonly=True, lock=False`` (safe on read-only and network filesystems:
-nothing is written, not even a lock file). Payloads are zero-copy read-only views of the reader's
+Readers never open the file with py-lmdb (it refuses a file already open in the process, so a user's own
+``lmdb.Environment`` on a shard would stop packer) and write nothing, not even a lock file (safe on read-only
+and network filesystems). They read its header as LMDB does (``lmdb_pages.read_header``: page size, last page,
+entry count, checked against the file and the manifest). Payloads are zero-copy read-only views of the reader's
 own read-only map of the file (``lmdb_values``), where the spans file says they lie (checked against
 the B-tree first) or, for shards written without one, where one walk of the B-tree's leaf pages finds
-them (``lmdb_pages`` reads those pages; py-lmdb only checks the header and counts). ``access`` decides
+them (``lmdb_pages`` reads those pages). ``access`` decides
 whether the kernel reads ahead around each page fault of that map: on for sequential and block-shuffled
 passes (measured here a cold sequential pass is ~26x faster with it: docs/results.md), off for uniform
 random access on datasets larger than RAM, where read-ahead only evicts useful pages.
@@ -47,7 +49,7 @@ from packer.formats.base import (
     fixed_shape,
     shard_layout,
 )
-from packer.formats.lmdb_pages import Tree, page_reads
+from packer.formats.lmdb_pages import Tree, page_reads, read_header
 from packer.formats.lmdb_values import MappedValues, check_against_btree, key, load_spans, spans_from_btree
 from packer.layout.manifest import Shard
 from packer.layout.trust import inside, open_regular
@@ -124,56 +126,12 @@ def spans_name(shard_file: str) -> str:
 def value_spans(path: Path, count: int) -> np.ndarray:
     """[count, 3] int64: each sample's leaf page offset and value start/end in the file, found by one walk of
     the just-written file's leaf pages (``lmdb_values.spans_from_btree``): readers map values with them."""
-    env = lmdb.open(str(path), subdir=False, readonly=True, lock=False, readahead=False, meminit=False, max_dbs=0)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        return spans_from_btree(Tree(fd, path, int(env.stat()["psize"]), int(env.info()["last_txnid"])), count)
+        header = read_header(fd, path)
+        return spans_from_btree(Tree(fd, path, header.psize, header.txnid), count)
     finally:
         os.close(fd)
-        env.close()
-
-
-# py-lmdb refuses to open one environment twice in a process, yet two datasets (or a dataset and
-# `verify`) may read the same shard: readers of a process share one handle, counted.
-def _close_inherited(envs: dict[tuple, list]) -> None:
-    """A forked child's copies of its parent's environments: py-lmdb would refuse to open those files again."""
-    for env, _count in envs.values():
-        env.close()
-
-
-# The process's open environments: (path, device, inode) -> [environment, readers using it].
-_ENVS: PerProcess[dict[tuple, list]] = PerProcess(dict, inherited=_close_inherited)
-
-
-def _shared_env(path: Path) -> tuple[lmdb.Environment, tuple]:
-    """The process's environment for the file now at ``path`` (keyed by inode: a replaced file is a new one)."""
-    for attempt in range(3):
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise DatasetError(f"{path}: cannot open LMDB shard ({exc.strerror or exc})") from None
-        ident = (str(path), st.st_dev, st.st_ino)
-        envs = _ENVS.get()
-        entry = envs.get(ident)
-        if entry is None:
-            try:
-                env = lmdb.open(
-                    str(path), subdir=False, readonly=True, lock=False, readahead=False,
-                    meminit=False, max_readers=2048, max_dbs=0,
-                )
-            except lmdb.InvalidError as exc:
-                raise DatasetError(f"{path}: damaged, not a valid LMDB file (MDB_INVALID: its header pages are "
-                                   "not LMDB's)") from exc
-            except lmdb.Error as exc:
-                if "already open" in str(exc):
-                    if attempt < 2:
-                        continue  # the file was replaced between stat and open by one this process has open
-                    raise DatasetError(f"{path}: cannot open LMDB shard (replaced while opening? {exc})") from exc
-                raise DatasetError(f"{path}: cannot open LMDB shard ({exc})") from exc
-            entry = envs[ident] = [env, 0]
-        entry[1] += 1
-        return entry[0], ident
-    raise DatasetError(f"{path}: replaced while being opened")
 
 
 HEADER_PAGE = 4096  # LMDB's page where the OS page is 4 KiB: its two meta pages open the file
@@ -183,7 +141,8 @@ def _own_descriptor(path: Path) -> int:
     """The shard open for this reader, checked again as on opening the dataset (``inside``: a regular file in its
     directory; a FIFO, a device or a link out put there since is refused, not waited on or followed), its header
     pages read first without read-ahead, so that py-lmdb's header read leaves no read-ahead mark for the B-tree
-    reads to act on (CI saw 64 KB of values read on open)."""
+    reads to act on (CI saw 64 KB of values read on open; py-lmdb's open did that, ``read_header`` reads them
+    again)."""
     try:
         fd = open_regular(inside(path.parent, path.name))[0]
     except OSError as exc:
@@ -195,16 +154,6 @@ def _own_descriptor(path: Path) -> int:
         os.close(fd)
         raise
     return fd
-
-
-def _release_env(ident: tuple) -> None:
-    envs = _ENVS.peek()
-    entry = None if envs is None else envs.get(ident)
-    if envs is not None and entry is not None:
-        entry[1] -= 1
-        if entry[1] <= 0:
-            entry[0].close()
-            del envs[ident]
 
 
 @dataclass
@@ -241,51 +190,39 @@ class Reader(ShardReader):
         self._cache: PerProcess[PageCache] = PerProcess(inherited=PageCache.close)
 
     def _open(self) -> _Handle:
-        fd = -1
-        self._ident = ()
+        fd = _own_descriptor(self.path)
         try:
-            fd = _own_descriptor(self.path)
-            # py-lmdb checks the file's header and counts (its map: no read-ahead); the B-tree is read with pread
-            env, self._ident = _shared_env(self.path)
-            return self._checked(env, fd)
-        except (lmdb.Error, OSError) as exc:
-            problem = f"damaged LMDB shard ({exc})"
-        except BaseException:
-            self._drop(fd)
-            raise
-        self._drop(fd)
-        raise DatasetError(f"{self.path}: {problem}")
-
-    def _drop(self, fd: int) -> None:
-        if fd >= 0:
+            return self._checked(fd)
+        except OSError as exc:
             os.close(fd)
-        _release_env(self._ident)
+            raise DatasetError(f"{self.path}: damaged LMDB shard ({exc.strerror or exc})") from None
+        except BaseException:
+            os.close(fd)
+            raise
 
-    def _checked(self, env: lmdb.Environment, fd: int) -> _Handle:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != self._ident[1:]:
-            raise OSError(f"{self.path.name} was replaced while being opened")
-        stat, info = env.stat(), env.info()
-        # LMDB maps the file and trusts its own page numbers: pages past the end of a truncated
-        # file would fault (SIGBUS). Its pages must all lie inside the file.
-        needed = (info["last_pgno"] + 1) * stat["psize"]
-        if needed > st.st_size:
-            raise DatasetError(f"{self.path}: truncated: LMDB records {needed} bytes of pages, the file holds "
-                               f"{st.st_size}")
-        if stat["entries"] != self.num_samples:
-            raise DatasetError(f"{self.path}: holds {stat['entries']} samples, the manifest says {self.num_samples}")
-        psize = int(stat["psize"])
-        check_size(fd, self.num_bytes, self.path)  # mapped at the manifest's size, or not at all
-        spans = None if self.spans_path is None else load_spans(self.spans_path, self.num_samples, st.st_size, psize)
-        with page_reads(fd):  # the B-tree's pages alone: read-ahead would bring values in
-            tree = Tree(fd, self.path, psize, int(info["last_txnid"]))
+    def _checked(self, fd: int) -> _Handle:
+        size = os.fstat(fd).st_size
+        with page_reads(fd):  # the header and the B-tree's pages alone: read-ahead would bring values in
+            header = read_header(fd, self.path)
+            # LMDB trusts its own page numbers: pages past the end of a truncated file would fault (SIGBUS)
+            # in a map. Its pages must all lie inside the file.
+            needed = (header.last_pgno + 1) * header.psize
+            if needed > size:
+                raise DatasetError(f"{self.path}: truncated: LMDB records {needed} bytes of pages, the file holds "
+                                   f"{size}")
+            if header.entries != self.num_samples:
+                raise DatasetError(f"{self.path}: holds {header.entries} samples, the manifest says "
+                                   f"{self.num_samples}")
+            check_size(fd, self.num_bytes, self.path)  # mapped at the manifest's size, or not at all
+            spans = None if self.spans_path is None else load_spans(self.spans_path, self.num_samples, size,
+                                                                    header.psize)
+            tree = Tree(fd, self.path, header.psize, header.txnid)
             if spans is not None and self.spans_path is not None:
                 check_against_btree(tree, spans, self.path, self.spans_path)
             else:  # written before spans files existed (or where /proc was missing)
                 spans = spans_from_btree(tree, self.num_samples)
         values = MappedValues(fd, self.path, spans, random=not self.readahead)
-        _release_env(self._ident)  # py-lmdb's map of the whole file is no longer needed: only ours stays
-        return _Handle(fd, psize, spans, values)
+        return _Handle(fd, header.psize, spans, values)
 
     def _get(self) -> _Handle:
         """What this process holds open, the file seen to have the manifest's size (a map would fault on a
@@ -335,6 +272,7 @@ class Reader(ShardReader):
 
 
 FORMAT = Format(
-    name="lmdb", dataset_class="LMDBDataset", payloads=frozenset({"encoded", "raw"}), Writer=Writer, Reader=Reader,
+    name="lmdb", dataset_class="LMDBDataset", payloads=frozenset({"encoded", "raw", "none"}),
+    Writer=Writer, Reader=Reader,
     default_shard_bytes=1 << 30,
 )

@@ -1,5 +1,7 @@
-"""An LMDB file's B-tree read page by page with ``pread``: the newest meta page's root, branch pages down to
-a key's leaf, and each leaf node's value (where it lies in the file and how long it is).
+"""An LMDB file's B-tree read page by page with ``pread``: the header (the newest meta page: page size, last page,
+transaction, entry count), its root, branch pages down to a key's leaf, and each leaf node's value (where it lies
+in the file and how long it is). py-lmdb is not needed to read a shard, so a ``lmdb.Environment`` the user holds
+open on it (py-lmdb refuses to open a file twice in one process) is no obstacle.
 
 Positioning py-lmdb's cursor touches the value's first overflow page too: on a cold open under the emulated
 hard disk, checking 8 samples' spans that way cost 21 device reads (a leaf page and a value page each). Read
@@ -25,12 +27,15 @@ from packer.errors import DatasetError, PackerError
 PAGE_HEADER = 16  # MDB_page: page number, pad, flags, lower, upper (64-bit builds)
 PAGE_FLAGS = struct.Struct("<8xHHHH")  # pad, flags, lower (end of the node offsets), upper
 NODE = struct.Struct("<HHHH")  # MDB_node: lo, hi (data size, or with flags a branch's child page), flags, key size
-BRANCH, LEAF = 0x01, 0x02  # page flags
+BRANCH, LEAF, META_PAGE = 0x01, 0x02, 0x08  # page flags
 BIGDATA = 0x01  # leaf node flag: the value lies in overflow pages, the node holds the first one's number
 META_MAGIC, META_VERSION = 0xBEEFC0DE, 1
 META = struct.Struct("<II")  # at PAGE_HEADER: magic, version
 MAIN_DB = struct.Struct("<IHHQQQQQ")  # at 88: pad, flags, depth, branch/leaf/overflow pages, entries, root
-MAIN_DB_AT, TXNID_AT = 88, 144
+MAIN_DB_AT, LAST_PAGE_AT, TXNID_AT = 88, 136, 144
+PSIZE_AT = 40  # the free database's md_pad: the page size
+META_BYTES = 152  # the meta record, from the page's start
+MAX_PAGE = 1 << 16  # LMDB's MAX_PAGESIZE
 MAX_DEPTH = 32  # LMDB's own cursor stack (CURSOR_STACK)
 MIN_PAGE = 256  # smaller pages cannot hold a meta record (152 bytes); LMDB itself accepts a crafted 16
 
@@ -53,6 +58,43 @@ def _advise(fd: int, advice: str) -> None:
             os.posix_fadvise(fd, 0, 0, getattr(os, advice))
         except OSError:
             pass
+
+
+@dataclass(frozen=True)
+class Header:
+    """What LMDB reads of a file when it opens it: from the newest of its two meta pages."""
+
+    psize: int
+    last_pgno: int
+    txnid: int
+    entries: int
+
+
+def read_header(fd: int, path: Path) -> Header:
+    """The header of the LMDB file at ``fd``, as ``mdb_env_read_header`` reads it: meta page 0 at byte 0, meta page 1
+    one page (meta 0's page size) further, the one of the larger transaction (meta 0 on a tie) deciding. A file
+    that is no LMDB file, or whose numbers cannot be, gets a PackerError naming it."""
+    first = _meta_record(fd, 0)
+    second = None if first is None or not MIN_PAGE <= first[0] <= MAX_PAGE else _meta_record(fd, first[0])
+    if first is None or second is None:
+        raise PackerError(f"{path}: damaged, not a valid LMDB file (MDB_INVALID: its header pages are not LMDB's)")
+    psize, last_pgno, txnid, entries = second if second[2] > first[2] else first
+    if psize < MIN_PAGE or psize > MAX_PAGE or psize & (psize - 1):
+        raise PackerError(f"{path}: damaged LMDB shard (a page size of {psize} bytes)")
+    return Header(psize, last_pgno, txnid, entries)
+
+
+def _meta_record(fd: int, offset: int) -> tuple[int, int, int, int] | None:
+    """(page size, last page, transaction, entries) of the meta page at ``offset``, None where there is none."""
+    raw = os.pread(fd, META_BYTES, offset)
+    if len(raw) < META_BYTES or not PAGE_FLAGS.unpack_from(raw)[1] & META_PAGE or \
+            META.unpack_from(raw, PAGE_HEADER) != (META_MAGIC, META_VERSION):
+        return None
+    (psize,) = struct.unpack_from("<I", raw, PSIZE_AT)
+    entries = MAIN_DB.unpack_from(raw, MAIN_DB_AT)[6]
+    (last_pgno,) = struct.unpack_from("<Q", raw, LAST_PAGE_AT)
+    (txnid,) = struct.unpack_from("<Q", raw, TXNID_AT)
+    return psize, last_pgno, txnid, entries
 
 
 @dataclass(frozen=True)

@@ -284,6 +284,7 @@ class Reader(ShardReader):
 
 
 FORMAT = Format(
-    name="memmap", dataset_class="MemmapDataset", payloads=frozenset({"encoded", "raw"}), Writer=Writer, Reader=Reader,
+    name="memmap", dataset_class="MemmapDataset", payloads=frozenset({"encoded", "raw", "none"}),
+    Writer=Writer, Reader=Reader,
     default_shard_bytes=None,
 )

@@ -159,11 +159,13 @@ _DESCRIBE = {
     ("raw", "blob"): "decoded RGB pixels back to back; image i is images[offsets[i]:offsets[i+1]] "
     "reshaped to shapes[i] (height, width, 3)",
     ("raw", "fixed"): "decoded RGB pixels: images is (N, height, width, 3) uint8 in numpy order",
+    ("none", "blob"): "no images (samples of fields and labels only): images is empty, offsets all 0",
 }
 
 
 FORMAT = N5Format(
-    name="n5", dataset_class="N5Dataset", payloads=frozenset({"encoded", "raw"}), Writer=Writer, Reader=Reader,
+    name="n5", dataset_class="N5Dataset", payloads=frozenset({"encoded", "raw", "none"}),
+    Writer=Writer, Reader=Reader,
     default_shard_bytes=None,
     compressions=frozenset({"gzip"}),
     options=(Option("n5_block", "n5: bytes of images per block file (default 960KiB); "

@@ -129,6 +129,7 @@ def _data_offset(tensors: dict, records: dict[str, tuple[int, int]], name: str) 
 
 
 FORMAT = Format(
-    name="pth", dataset_class="PthDataset", payloads=frozenset({"encoded", "raw"}), Writer=Writer, Reader=Reader,
+    name="pth", dataset_class="PthDataset", payloads=frozenset({"encoded", "raw", "none"}),
+    Writer=Writer, Reader=Reader,
     default_shard_bytes=256 << 20,
 )

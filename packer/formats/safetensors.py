@@ -131,6 +131,6 @@ class Reader(ArrayShardReader):
 
 
 FORMAT = Format(
-    name="safetensors", dataset_class="SafetensorsDataset", payloads=frozenset({"encoded", "raw"}),
+    name="safetensors", dataset_class="SafetensorsDataset", payloads=frozenset({"encoded", "raw", "none"}),
     Writer=Writer, Reader=Reader, default_shard_bytes=256 << 20,
 )

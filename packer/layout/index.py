@@ -11,17 +11,24 @@ Layout (folder ``meta/`` inside the dataset, each file a ``.npy`` loaded with
 | nbytes.npy        | <i8   | [N]    | payload bytes of the sample                       |
 | path_blob.npy     | u1    | [B]    | UTF-8 relative source paths, back to back (1)     |
 | path_offsets.npy  | <i8   | [N+1]  | where each path starts in path_blob               |
-| position.npy      | <i8   | [N]    | storage position of ImageFolder's sample i (2)    |
+| position.npy      | <i8   | [N]    | storage position of the packed sample i (2)       |
+| source_index.npy  | <i8   | [N]    | the sample's number in the source's numbering (3) |
 
 (1) A name whose bytes are not UTF-8 is kept as it was on disk: in Python it reads back with
 those bytes as lone surrogates (``surrogateescape``, as ``os.fsdecode``), so opening or
 extracting it reaches the same file name.
 
 (2) Samples are stored in the conversion's ``--order`` (a seeded shuffle by default), and every
-array above is in that storage order; ``position`` maps ImageFolder's sample index (the scan's order,
-failed files left out) to where the sample is stored, so ``ds[i]`` can mean ImageFolder's sample i
+array above is in that storage order; ``position`` maps the dataset's sample index ``i`` (the packed
+samples in the source's order: ImageFolder's order, failed files left out) to where the sample is stored
 (``packer.read.indexing``). Datasets written before it existed lack the file: their indices are the
 storage positions.
+
+(3) ``ImageFolder(source)``'s index of the sample for a folder (the row of a list file, the member of an
+archive, the n-th sample given to a ``Writer``; a re-packed dataset keeps its source's numbering), so that
+with files left out (damaged, ``--classes``, ``--split``) ``ds.imagefolder_index(i)`` still names the
+source's record exactly. Stored samples, in the dataset's order, have strictly increasing numbers below the
+manifest's ``source_records``. Datasets written before it existed lack the file.
 
 Arrays, not lists of dicts: forked DataLoader workers share them without copying.
 """
@@ -50,8 +57,9 @@ DTYPES = {
     "path_blob": "u1",
     "path_offsets": "<i8",
     "position": "<i8",
+    "source_index": "<i8",
 }
-OPTIONAL = frozenset({"position"})  # absent from datasets written before it existed
+OPTIONAL = frozenset({"position", "source_index"})  # absent from datasets written before they existed
 MAX_SIDE = 1 << 20  # no real image has a side of a million pixels: larger values are damage
 _PATH_CODEC = ("utf-8", "surrogateescape")  # file names are bytes: those that are not UTF-8 survive the round trip
 
@@ -64,16 +72,18 @@ class Index:
     nbytes: np.ndarray
     path_blob: np.ndarray
     path_offsets: np.ndarray
-    position: np.ndarray | None = None  # ImageFolder index -> storage position; None: an older dataset
+    position: np.ndarray | None = None  # the dataset's index -> storage position; None: an older dataset
+    source_index: np.ndarray | None = None  # per stored sample, its number in the source; None: an older dataset
 
     def __len__(self) -> int:
         return len(self.labels)
 
     @classmethod
     def build(cls, rel_paths: list[str], labels, heights, widths, nbytes,
-              source_order: list[str] | None = None) -> Index:
-        """The index of samples stored in this order; ``source_order``: every source path in ImageFolder's
-        order (failed ones too), from which ``position`` is recorded."""
+              source_order: list[str] | None = None, source_numbers: np.ndarray | None = None) -> Index:
+        """The index of samples stored in this order; ``source_order``: every source key in the source's order
+        (failed ones too), from which ``position`` is recorded; ``source_numbers``: each of those keys' number in
+        the source's numbering (``source_index``; None: 0, 1, ...)."""
         encoded = [p.encode(*_PATH_CODEC) for p in rel_paths]
         offsets = np.zeros(len(encoded) + 1, dtype="<i8")
         np.cumsum([len(b) for b in encoded], out=offsets[1:])
@@ -86,6 +96,7 @@ class Index:
             path_blob=blob,
             path_offsets=offsets,
             position=None if source_order is None else imagefolder_positions(rel_paths, source_order),
+            source_index=None if source_order is None else numbers_of(rel_paths, source_order, source_numbers),
         )
 
     def rel_path(self, i: int) -> str:
@@ -116,8 +127,9 @@ class Index:
 
     @classmethod
     def load(cls, directory: Path, num_samples: int, files: list | None = None,
-             num_classes: int | None = None) -> Index:
-        """Load and check ``meta/*.npy``; ``files`` (the manifest's ``meta_files``) adds size and sha256 checks.
+             num_classes: int | None = None, source_records: int | None = None) -> Index:
+        """Load and check ``meta/*.npy``; ``files`` (the manifest's ``meta_files``) adds size and sha256 checks;
+        ``source_records``: the manifest's, which bounds ``source_index``.
 
         The dataset may be crafted: each file must stay inside ``directory``, match its
         checksum, and hold exactly the dtype and length expected before anything is allocated.
@@ -134,10 +146,11 @@ class Index:
             limit = {"path_offsets": num_samples + 1, "path_blob": None}.get(f.name, num_samples)
             arrays[f.name] = load_npy(path, DTYPES[f.name], ndim=1, max_items=limit)
         index = cls(**arrays)
-        index.check(directory, num_samples, num_classes)
+        index.check(directory, num_samples, num_classes, source_records)
         return index
 
-    def check(self, directory: Path, num_samples: int, num_classes: int | None = None) -> None:
+    def check(self, directory: Path, num_samples: int, num_classes: int | None = None,
+              source_records: int | None = None) -> None:
         """Lengths match the manifest, offsets describe the path blob, values are in range."""
         where = directory / META_DIR
         for name in ("labels", "heights", "widths", "nbytes"):
@@ -156,6 +169,9 @@ class Index:
                                    f"but the dataset has {num_classes} classes")
         if self.position is not None:
             check_permutation(self.position, num_samples, f"{where}/position.npy")
+        if self.source_index is not None:
+            check_numbering(self.source_index if self.position is None else self.source_index[self.position],
+                            num_samples, source_records, f"{where}/source_index.npy")
 
 
 def listed_path(directory: Path, name: str, listed: dict | None) -> Path:
@@ -184,6 +200,24 @@ def imagefolder_positions(stored: list[str], source_order: list[str]) -> np.ndar
     except KeyError as exc:
         raise DatasetError(f"{exc.args[0]!r}: packed, but not among the source's files") from None
     return np.argsort(in_source, kind="stable").astype("<i8")
+
+
+def numbers_of(stored: list[str], source_order: list[str], numbers: np.ndarray | None) -> np.ndarray:
+    """For each stored key, its number in the source's numbering (``numbers[k]`` of ``source_order[k]``)."""
+    rank = {p: k for k, p in enumerate(source_order)}
+    at = np.fromiter((rank[p] for p in stored), dtype=np.int64, count=len(stored))
+    return (at if numbers is None else np.asarray(numbers, dtype=np.int64)[at]).astype("<i8")
+
+
+def check_numbering(in_order: np.ndarray, n: int, source_records: int | None, where: str) -> None:
+    """The samples' source numbers, in the dataset's order: ``n`` of them, strictly increasing (the dataset keeps
+    the source's order), below ``source_records`` (a crafted file could map a sample anywhere)."""
+    if len(in_order) != n:
+        raise DatasetError(f"{where}: {len(in_order)} entries, manifest says {n}")
+    if source_records is None:
+        raise DatasetError(f"{where}: present, but the manifest records no source_records")
+    if n and (int(in_order[0]) < 0 or int(in_order[-1]) >= source_records or bool(np.any(np.diff(in_order) <= 0))):
+        raise DatasetError(f"{where}: not increasing numbers from 0 to {source_records - 1} (damaged or crafted)")
 
 
 def check_permutation(values: np.ndarray, n: int, where: str) -> None:

@@ -23,7 +23,8 @@ from packer.layout.trust import check_inner_name, inside, json_kind, read_inside
 KIND = "packer-dataset"
 VERSION = 1
 MANIFEST_NAME = "manifest.json"
-PAYLOADS = ("encoded", "raw")  # encoded: the source file's bytes; raw: decoded HWC uint8 RGB
+PAYLOADS = ("encoded", "raw", "none")  # encoded: the source file's bytes; raw: decoded HWC uint8 RGB; none: no image
+IMAGELESS = "none"  # samples of fields and a label only (a Writer's tokens, embeddings, boxes): 0-byte payloads
 
 
 @dataclass
@@ -60,6 +61,8 @@ class Manifest:
     source_type: str = ""  # how the source was read (write/sources: folder, list, archive, packed, ...)
     source_options: dict[str, Any] = field(default_factory=dict)  # ... and with which options (verify --against)
     fields: dict[str, str] = field(default_factory=dict)  # per-sample fields: name -> spec (layout/fields.py)
+    # records in the source's numbering (packed, refused, left out: meta/source_index.npy); None in older datasets
+    source_records: int | None = None
     created_by: str = ""
     created_at: str = ""
     kind: str = KIND
@@ -106,6 +109,8 @@ class Manifest:
                 source_options=dict(_typed(data.get("source_options", {}), dict, "source_options")),
                 fields={_typed(k, str, "field name"): _typed(v, str, "field spec")
                         for k, v in _typed(data.get("fields", {}), dict, "fields").items()},
+                source_records=None if data.get("source_records") is None else
+                _count(data["source_records"], "source_records"),
                 created_by=str(data.get("created_by", "")),
                 created_at=str(data.get("created_at", "")),
             )
@@ -123,6 +128,8 @@ class Manifest:
         total = sum(s.num_samples for s in self.shards)
         if total != self.num_samples:
             raise DatasetError(f"{where}: shards hold {total} samples but the manifest says {self.num_samples}")
+        if self.source_records is not None and self.source_records < self.num_samples:
+            raise DatasetError(f"{where}: source_records {self.source_records} is below num_samples {self.num_samples}")
         if any(not s.files for s in self.shards):
             raise DatasetError(f"{where}: a shard lists no files")
         if len(set(self.classes)) != len(self.classes):

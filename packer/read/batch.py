@@ -178,6 +178,8 @@ def get_batch(
     """
     if layout not in ("NHWC", "NCHW"):
         raise OptionError(f"unknown batch layout {layout!r} (choose NHWC or NCHW)")
+    if not ds.has_images:
+        raise OptionError(f"{ds.root}: its samples have no image, so there is no image batch (read ds[i])")
     idx = ds.positions(indices)  # storage positions: reads, sizes and labels below are all by them
     order = np.argsort(idx, kind="stable")
     in_order = bool(np.all(order == np.arange(len(idx))))

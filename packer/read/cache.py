@@ -168,6 +168,8 @@ def _sizes(ds: Any, decoded: bool) -> tuple[np.ndarray, np.ndarray]:
     """Bytes and (h, w, c) shape of each sample as it will be cached, from the dataset's index."""
     if not isinstance(ds, StagedDataset):
         raise OptionError(f"the RAM cache works on packer datasets (open_dataset), not {type(ds).__name__}")
+    if decoded and not ds.has_images:
+        raise OptionError("this dataset's samples have no image to decode: use cache='ram'")
     index = ds.index
     h, w = index.heights.astype(np.int64), index.widths.astype(np.int64)
     shapes = np.stack([h, w, np.full_like(h, 3)], axis=1)

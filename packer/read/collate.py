@@ -11,6 +11,15 @@ so a batch crosses to the main process as one block rather than one per image.
 Which modes stack: tensors and arrays of one shape (fixed-size datasets, or a transform that
 crops or resizes to one size), numbers and labels. Lists: PIL images, tensors or arrays of
 several shapes, strings and bytes as ``default_collate`` already does.
+
+With torch's own ``default_collate``, such a batch fails: in the main process with "stack expects each tensor
+to be equal size" (clear enough), in a DataLoader worker with "Trying to resize storage that is not resizable"
+(it stacks into a new shared-memory block sized for the batch). So inside a worker, a batch packer hands out
+(``__getitems__``) whose tensors or arrays differ in shape marks its samples (``MixedShapes``, a tuple, or
+``MixedShapesDict``, a dict: they behave as those, and cross to the main process as plain ones), and torch's
+``default_collate`` meets them through its documented extension point (``default_collate_fn_map``) and raises a
+PackerError naming ``collate_fn=packer.collate``. ``packer.collate`` and ``collate(batch, collate_fn_map=...)``
+with your own map treat them as the tuples and dicts they are; in the main process nothing is marked.
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ from torch.utils.data import get_worker_info
 from torch.utils.data._utils.collate import collate as _collate
 from torch.utils.data._utils.collate import default_collate_fn_map
 
-__all__ = ["collate"]
+from packer.errors import PackerError
+
+__all__ = ["MixedShapes", "MixedShapesDict", "collate", "mark_mixed_shapes"]
 
 
 def _one_block(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -75,6 +86,58 @@ COLLATE_FN_MAP: dict[type | tuple[type, ...], Callable] = {
 }
 
 
+class MixedShapes(tuple):
+    """A sample of a batch whose tensors differ in shape from sample to sample (module doc); a tuple otherwise."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple:
+        return tuple, (tuple(self),)  # crosses to another process as the plain tuple it stands for
+
+
+class MixedShapesDict(dict):
+    """``MixedShapes`` for samples that are dicts (``fields="all"``)."""
+
+    def __reduce__(self) -> tuple:
+        return dict, (dict(self),)
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    return tuple(value.shape) if isinstance(value, (torch.Tensor, np.ndarray)) else None
+
+
+def mark_mixed_shapes(samples: list) -> list:
+    """``samples`` as they are, or, inside a DataLoader worker when some element holds tensors or arrays of several
+    shapes across them (photos of several sizes), each marked so that torch's default collate names the fix
+    instead of failing obscurely."""
+    if len(samples) < 2 or get_worker_info() is None:
+        return samples
+    first = samples[0]
+    if isinstance(first, tuple) and all(isinstance(s, tuple) and len(s) == len(first) for s in samples):
+        columns = range(len(first))
+        mixed = any(len({_shape(s[k]) for s in samples}) > 1 and _shape(first[k]) is not None for k in columns)
+        return [MixedShapes(s) for s in samples] if mixed else samples
+    if isinstance(first, dict) and all(isinstance(s, dict) and s.keys() == first.keys() for s in samples):
+        mixed = any(len({_shape(s[k]) for s in samples}) > 1 and _shape(first[k]) is not None for k in first)
+        return [MixedShapesDict(s) for s in samples] if mixed else samples
+    return samples
+
+
+def _refuse_mixed(batch: Sequence[Any], *, collate_fn_map: dict | None = None) -> Any:
+    """torch's default collate of marked samples: a PackerError naming the shapes and the fix."""
+    first = batch[0]
+    keys = list(first) if isinstance(first, dict) else list(range(len(first)))
+    for k in keys:
+        shapes = sorted({shape for s in batch if (shape := _shape(s[k])) is not None})
+        if len(shapes) > 1:
+            where = f"field {k!r}" if isinstance(first, dict) else ("the images" if k == 0 else f"element {k}")
+            shown = ", ".join("x".join(map(str, sh)) for sh in shapes[:3]) + (" ..." if len(shapes) > 3 else "")
+            raise PackerError(f"torch's default collate cannot stack {where} of this batch: {len(shapes)} "
+                              f"different shapes ({shown}); pass DataLoader(..., collate_fn=packer.collate) for a "
+                              "list where shapes differ, or a transform that resizes or crops to one size")
+    return _collate([tuple(s) if isinstance(s, tuple) else dict(s) for s in batch], collate_fn_map=collate_fn_map)
+
+
 def collate(batch: Sequence[Any]) -> Any:
     """``default_collate``, with a list where images differ in shape or are PIL images (module doc).
 
@@ -83,3 +146,8 @@ def collate(batch: Sequence[Any]) -> Any:
     Tuples, lists and dicts of fields collate field by field, as ``default_collate`` does.
     """
     return _collate(batch, collate_fn_map=COLLATE_FN_MAP)
+
+
+# torch's documented extension point of default_collate (after COLLATE_FN_MAP is made: packer.collate stacks them)
+default_collate_fn_map[MixedShapes] = _refuse_mixed
+default_collate_fn_map[MixedShapesDict] = _refuse_mixed

@@ -124,6 +124,8 @@ def as_dataset(ds_or_path: PackedDataset | str | os.PathLike) -> PackedDataset:
     ds = ds_or_path if isinstance(ds_or_path, PackedDataset) else open_dataset(ds_or_path)
     if not isinstance(ds, PackedDataset):
         raise OptionError(f"packer.dali reads a PackedDataset or its path, not {type(ds).__name__}")
+    if not ds.has_images:
+        raise OptionError(f"{ds.root}: its samples have no image for DALI to decode (read them with open_dataset)")
     return ds
 
 

@@ -71,9 +71,9 @@ class PackedDataset(FolderSurface):
         self.root = Path(path).absolute()  # not relative: a later os.chdir, a worker or an unpickling elsewhere
         self.store = ShardStore(self.root, access)
         self.manifest, self.index, self.access = self.store.manifest, self.store.index, self.store.access
-        self.index_map = IndexMap.of(self.index)
+        self.index_map = IndexMap.of(self.index, self.manifest)
         self.field_store = self.store.fields
-        self.selection = FieldSelection(fields, self.field_store, self.root)
+        self.selection = FieldSelection(fields, self.field_store, self.root, self.has_images, transform, crop)
         # samples are file paths where the source was files below a folder (a folder, a list file's --root);
         # the records of an archive, WebDataset, Hugging Face, RecordIO or packer source are named by key only
         files = self.manifest.source_type in FILE_SOURCES
@@ -97,6 +97,7 @@ class PackedDataset(FolderSurface):
         self.crop = check_crop(crop, self.decode_size)
         self.classes: list[str] = list(self.manifest.classes)
         self.class_to_idx: dict[str, int] = {c: i for i, c in enumerate(self.classes)}
+        self.warn_if_subset(stacklevel=2)  # ds[i] is not ImageFolder(source)[i]: said once, when opened
 
     def __len__(self) -> int:
         return self.manifest.num_samples
@@ -155,10 +156,8 @@ class PackedDataset(FolderSurface):
 
     def __repr__(self) -> str:
         m = self.manifest
-        return (
-            f"{type(self).__name__}({str(self.root)!r}, format={m.format}, payload={m.payload}, "
-            f"samples={len(self)}, classes={len(self.classes)}, image={self.image}, indexing={self.indexing})"
-        )
+        return (f"{type(self).__name__}({str(self.root)!r}, format={m.format}, payload={m.payload}, "
+                f"samples={len(self)}, classes={len(self.classes)}, image={self.image}, indexing={self.indexing})")
 
     # ------------------------------------------------------------ reading
 
@@ -234,13 +233,15 @@ class PackedDataset(FolderSurface):
         with _sample_errors(self, i):
             check_size(buf, int(self.index.heights[i]), int(self.index.widths[i]))
 
-    def present_at(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> Any:
+    def present_at(self, i: int, arr: np.ndarray | None, tensor: torch.Tensor | None = None) -> Any:
         """The decoded pixels of the sample stored at ``i`` as handed out: image kind, transform, target transform.
 
-        ``tensor``: ``arr``'s memory as a tensor already (its slot of ``batch_slots``).
+        ``tensor``: ``arr``'s memory as a tensor already (its slot of ``batch_slots``); ``arr`` None: no image.
         """
-        if self.image == "pil":
-            img: Any = Image.fromarray(arr)
+        if arr is None:  # a sample without an image: its fields dict in the image's place (packer.read.fields)
+            img: Any = self.selection.inputs(self.field_store, i, str(self.root))
+        elif self.image == "pil":
+            img = Image.fromarray(arr)
         elif self.image == "tensor" and tensor is not None:
             img = tensor.permute(2, 0, 1)
         elif self.image == "tensor":
@@ -278,7 +279,7 @@ class PackedDataset(FolderSurface):
                      ) -> tuple[torch.Tensor | None, list[torch.Tensor]] | None:
         """A batch of slots to decode into in this process (storage positions; ``read.batch.decode_block``); None
         where samples are not ``(image, label)`` pairs (``fields=``): ThreadLoader's batch of slots assumes them."""
-        if self.selection.names is not None:
+        if self.selection.names is not None or not self.has_images:
             return None
         return batch.decode_block(self, indices, alloc)
 

@@ -20,7 +20,7 @@ the container. ``BlockShuffleSampler`` keeps reads large and near each other:
 Runs set the read size (the IO cost on seek-bound storage); blocks and windows bound how far
 apart a batch's reads are and how much a rank touches at a time (page cache, per-worker
 mosaic caches). The price of locality is that a run's samples share a batch every epoch
-(``batchmates_again`` measures it; about ``run / batch_size`` of the pairs).
+(``read.shuffle_quality.batchmates_again`` measures it; about ``run / batch_size`` of the pairs).
 
 All of this works in storage positions (blocks are runs of samples stored together); the sampler
 yields the dataset's public indices (ImageFolder's, packer.read.indexing), mapped in ``order``.
@@ -175,9 +175,14 @@ def window_samples(n: int, num_blocks: int, open_blocks: int, batch_size: int | 
 class BlockShuffleSampler(DistributedSampler):
     """Quasi-random order that reads few blocks at a time; rank-aware like ``DistributedSampler``.
 
-    ``DataLoader(ds, sampler=s, batch_size=s.batch_size)``; ``s.set_epoch(epoch)`` before each epoch. A
-    ``DistributedSampler``, so Lightning and Fabric keep it; every rank yields ``len(s)`` of the dataset's
-    (ImageFolder's) indices; ``state_dict()`` saves the position inside an epoch (torchdata's ``StatefulDataLoader``).
+    ``DataLoader(ds, sampler=s, batch_size=s.batch_size)``. Each pass is a new order, as ``shuffle=True``
+    reshuffles: a pass that starts after the previous one ran to its end, with no ``set_epoch`` between, takes the
+    next epoch by itself (a plain loop, ``ThreadLoader``, ``StatefulDataLoader`` without Lightning);
+    ``s.set_epoch(epoch)`` before a pass chooses its epoch (Lightning and ``DistributedSampler`` loops do). A pass
+    left before its end (an iterator DataLoader makes and drops, a ``break``) starts again from its beginning; every
+    rank runs its passes to the end alike, so ranks stay in step. A ``DistributedSampler``, so Lightning and Fabric
+    keep it; every rank yields ``len(s)`` of the dataset's (ImageFolder's) indices; ``state_dict()`` saves the
+    position inside an epoch (torchdata's ``StatefulDataLoader``).
 
     Args:
         dataset: a packer dataset (``open_dataset``): its sample sizes make the blocks; others need ``blocks``.
@@ -233,6 +238,8 @@ class BlockShuffleSampler(DistributedSampler):
         self.drop_last = drop_last
         self.epoch = 0
         self.position = EpochPosition()
+        self._ran_out = False  # the last pass handed out its last index: the next one takes the next epoch
+        self._epoch_set = False  # set_epoch or load_state_dict since the last pass started: it chooses
         labels = dataset.index.labels if isinstance(dataset, StagedDataset) else None
         if warn and shuffle and labels is not None:
             warn_if_sorted(labels, self.bounds)
@@ -264,18 +271,20 @@ class BlockShuffleSampler(DistributedSampler):
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration use the order of ``epoch`` (call before each epoch, on every rank).
 
-        The epoch a loaded state is in keeps its saved position; another epoch starts at its beginning.
+        The epoch a loaded state is in keeps its saved position; another epoch starts at its beginning. Without
+        it, each pass after the first takes the next epoch by itself.
         """
         if int(epoch) != self.epoch:
             self.position = EpochPosition()
         self.epoch = int(epoch)
+        self._epoch_set = True
 
     def order(self, epoch: int | None = None) -> np.ndarray:
         """This rank's sample indices (the dataset's: ImageFolder's) for ``epoch`` (default: the current one)."""
         return self.index_map.public_many(self.stored_order(epoch))
 
     def stored_order(self, epoch: int | None = None) -> np.ndarray:
-        """``order`` as storage positions: where its locality shows (``shuffle_stats``)."""
+        """``order`` as storage positions: where its locality shows (``read.shuffle_quality.shuffle_stats``)."""
         return rank_order(
             self.bounds, self.epoch if epoch is None else epoch, self.seed,
             num_replicas=self.num_replicas, rank=self.rank, open_blocks=self.open_blocks, run=self.run,
@@ -284,11 +293,21 @@ class BlockShuffleSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         """This rank's indices, each carrying its block's range (packer.read.hints): the worker reading a
-        batch may widen its reads to whole device requests inside those blocks, while this order is iterated."""
+        batch may widen its reads to whole device requests inside those blocks, while this order is iterated.
+        The pass starts, and takes its epoch, when its first index is asked for (see the class doc)."""
         if self._replicas == (None, None):
             warn_if_accelerate(self.num_replicas)
+        return self._pass()
+
+    def _pass(self) -> Iterator[int]:
+        if self._ran_out and not self._epoch_set:  # nobody chose this pass's epoch: the next one, as shuffle=True
+            self.epoch += 1
+            self.position = EpochPosition()
+        self._ran_out = self._epoch_set = False
         stored = self.stored_order()
-        return self.position.iterate(hinted_order(self.index_map.public_many(stored).tolist(), stored, self.bounds))
+        yield from self.position.iterate(hinted_order(self.index_map.public_many(stored).tolist(), stored,
+                                                      self.bounds))
+        self._ran_out = True
 
     def __len__(self) -> int:
         n, r = self.num_samples_total, self.num_replicas
@@ -309,9 +328,13 @@ class BlockShuffleSampler(DistributedSampler):
         return {"epoch": self.epoch, "yielded": self.position.yielded, "order": self._order_key()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume: the next iteration continues ``state``'s epoch after its last handed-out sample."""
+        """Resume: the next pass continues ``state``'s epoch after its last handed-out sample; a state saved at
+        the end of an epoch makes the next pass the following epoch (unless ``set_epoch`` chooses), as it would
+        have been without the interruption."""
         self.epoch, yielded = resume_position(state, self._order_key(), len(self))
         self.position = EpochPosition(resume_at=yielded)
+        finished = yielded == len(self)
+        self._ran_out, self._epoch_set = finished, not finished
 
     def _order_key(self) -> dict[str, Any]:
         """What the order depends on besides the epoch and the rank: a saved position is only valid for it."""
@@ -378,71 +401,3 @@ def warn_if_sorted(labels: np.ndarray, bounds: np.ndarray) -> None:
             "block shuffling puts few classes in each batch. Convert with --order shuffled, or use a "
             "uniform shuffle.", stacklevel=3,
         )
-
-
-# ------------------------------------------------------------------ shuffle quality
-
-
-def shuffle_stats(
-    order: np.ndarray,
-    labels: np.ndarray | None = None,
-    batch_size: int = 256,
-    bounds: np.ndarray | None = None,
-) -> dict[str, float]:
-    """Locality and label mixing of an epoch order, for comparing samplers.
-
-    - ``gap_median`` / ``gap_mean_frac``: distance between consecutive samples' positions
-      (median, in samples; mean, as a fraction of the dataset: 1/3 for a uniform shuffle);
-    - ``gap_le_block``: fraction of consecutive pairs less than one mean block apart;
-    - ``runs_per_batch``: contiguous runs in a sorted batch (reads ``__getitems__`` makes);
-    - ``blocks_per_batch``: distinct blocks a batch touches (with ``bounds``);
-    - ``classes_per_batch``: distinct labels per batch;
-    - ``label_tv``: mean total-variation distance between a batch's label histogram and the
-      whole dataset's (0 = same mix; uniform shuffling is the reference to compare with).
-    """
-    order = np.asarray(order, dtype=np.int64)
-    n = int(order.max()) + 1 if len(order) else 0
-    gaps = np.abs(np.diff(order))
-    out: dict[str, float] = {
-        "gap_median": float(np.median(gaps)) if len(gaps) else 0.0,
-        "gap_mean_frac": float(gaps.mean() / max(n, 1)) if len(gaps) else 0.0,
-    }
-    nbatch = len(order) // batch_size
-    batches = np.sort(order[: nbatch * batch_size].reshape(nbatch, batch_size), axis=1)
-    out["runs_per_batch"] = float(np.mean(1 + np.sum(np.diff(batches, axis=1) != 1, axis=1))) if nbatch else 0.0
-    if bounds is not None:
-        mean_block = n / max(len(bounds) - 1, 1)
-        out["gap_le_block"] = float(np.mean(gaps < mean_block)) if len(gaps) else 0.0
-        blk = np.searchsorted(bounds, batches, side="right") - 1
-        out["blocks_per_batch"] = float(np.mean(1 + np.sum(np.diff(blk, axis=1) != 0, axis=1))) if nbatch else 0.0
-    if labels is not None and nbatch:
-        labels = np.asarray(labels, dtype=np.int64)
-        values, codes = np.unique(labels, return_inverse=True)
-        k = len(values)
-        global_p = np.bincount(codes, minlength=k) / len(codes)
-        bl = codes[order[: nbatch * batch_size]].reshape(nbatch, batch_size)
-        counts = np.zeros((nbatch, k), dtype=np.int64)
-        np.add.at(counts, (np.repeat(np.arange(nbatch), batch_size), bl.ravel()), 1)
-        out["classes_per_batch"] = float(np.mean(np.sum(counts > 0, axis=1)))
-        out["label_tv"] = float(np.mean(0.5 * np.abs(counts / batch_size - global_p).sum(axis=1)))
-    return out
-
-
-def batchmates_again(order_a: np.ndarray, order_b: np.ndarray, batch_size: int) -> float:
-    """Fraction of pairs of samples batched together in ``order_b`` that were together in ``order_a``.
-
-    Label mix can't see it, but block shuffling keeps a block's samples in the same few batches
-    every epoch when windows are small; a uniform shuffle gives about ``batch_size / N``.
-    """
-    a, b = np.asarray(order_a, dtype=np.int64), np.asarray(order_b, dtype=np.int64)
-    n = max(int(a.max()), int(b.max())) + 1
-    nbatch = min(len(a), len(b)) // batch_size
-    batch_a = np.full(n, -1, dtype=np.int64)
-    batch_a[a[: nbatch * batch_size]] = np.arange(nbatch * batch_size) // batch_size
-    ids_b = b[: nbatch * batch_size]
-    prev = batch_a[ids_b]
-    keep = prev >= 0
-    pair_key = (np.arange(nbatch * batch_size) // batch_size)[keep] * (nbatch + 1) + prev[keep]
-    _, counts = np.unique(pair_key, return_counts=True)
-    together = float(np.sum(counts * (counts - 1) // 2))
-    return together / max(nbatch * batch_size * (batch_size - 1) / 2, 1.0)

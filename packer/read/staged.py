@@ -16,7 +16,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from packer.errors import PackerError
 from packer.layout.index import normalize_index, normalize_indices
+from packer.layout.manifest import IMAGELESS
+from packer.read.collate import mark_mixed_shapes
 from packer.read.hints import aheads_of
 
 if TYPE_CHECKING:
@@ -63,9 +66,9 @@ class StagedDataset(Dataset, ABC):
         a fused crop (``crop=``) with ``window`` where given (``crop_windows``), else one drawn for it now."""
 
     @abstractmethod
-    def present_at(self, pos: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> Any:
+    def present_at(self, pos: int, arr: np.ndarray | None, tensor: torch.Tensor | None = None) -> Any:
         """(image as the dataset hands it out, target), transforms applied, plus any fields asked for
-        (packer.read.fields); ``tensor`` holds ``arr`` already."""
+        (packer.read.fields); ``tensor`` holds ``arr`` already. ``arr`` None: a dataset without images."""
 
     def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = (),
                     pending: Pending | None = None) -> list:
@@ -86,8 +89,9 @@ class StagedDataset(Dataset, ABC):
 
     @property
     def indexing(self) -> str:
-        """``"imagefolder"``: ``ds[i]`` is ImageFolder's sample i; ``"stored"``: the i-th stored sample
-        (a dataset written before packer recorded the map)."""
+        """``"imagefolder"``: ``ds[i]`` is ImageFolder's sample i; ``"subset"``: some source records were not
+        packed, ``ds[i]`` is ImageFolder's sample ``ds.imagefolder_index(i)``; ``"stored"``: the i-th stored sample
+        (a dataset written before packer recorded the map). packer.read.indexing."""
         return self.index_map.kind
 
     def start_reads(self, idx: np.ndarray, ahead: Sequence[Ahead] = ()) -> Pending | None:
@@ -125,10 +129,18 @@ class StagedDataset(Dataset, ABC):
         """Storage positions where the dataset's natural blocks start, then len(self); None: blocks by bytes."""
         return None
 
+    @property
+    def has_images(self) -> bool:
+        """False for a dataset of samples without an image (a Writer's fields and labels alone, payload ``none``):
+        nothing is read or decoded, and a sample is ``(fields, label)`` (packer.read.fields)."""
+        return self.manifest.payload != IMAGELESS
+
     # ------------------------------------------------------------ the public surface: ImageFolder indices
 
     def __getitem__(self, i: int) -> Any:
         pos = self.position(i)
+        if not self.has_images:
+            return self.present_at(pos, None)
         return self.present_at(pos, self.pixels_at(pos, self.payload_at(pos)))
 
     def __getitems__(self, indices: Sequence[int]) -> list:
@@ -148,6 +160,9 @@ class StagedDataset(Dataset, ABC):
         ``strict``: a decoder warning (e.g. a truncated JPEG, which Pillow pads with grey) is an
         error too, as in conversion's full validation (``packer verify --deep`` uses it).
         """
+        if not self.has_images:
+            raise PackerError(f"{self.manifest.source or 'this dataset'}: its samples have no image (fields and "
+                              "labels only: ds[i] is (fields, label))")
         return self.pixels_at(self.position(i), payload, strict, out)
 
 
@@ -155,6 +170,8 @@ def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | No
     """A batch's samples: its bytes read ahead in file order while this thread decodes them as their bytes come
     in (IO overlaps decoding), into one shared block where the dataset offers slots, there ``BULK_CHUNK`` at a time
     in one call where the dataset can (``samples_in_slots``: fewer Python layers per image)."""
+    if not ds.has_images:  # fields and labels only: nothing to read or decode
+        return mark_mixed_shapes([ds.present_at(p, None) for p in ds.positions(indices).tolist()])
     now = time.perf_counter
     t0 = now()
     idx = ds.positions(indices).tolist()
@@ -194,13 +211,16 @@ def load_batch(ds: StagedDataset, indices: Sequence[int], clock: StageClock | No
             decode, transform = decode + d - c, transform + now() - d
     if clock is not None:
         clock.add(read, decode, transform, len(out))
-    return out
+    return mark_mixed_shapes(out)  # torch's default collate then names packer.collate (read.collate)
 
 
 def pixels_in_slot(ds: StagedDataset, i: int, payload: Any, slot: torch.Tensor | None, window: Window | None = None
-                   ) -> tuple[np.ndarray, torch.Tensor | None]:
+                   ) -> tuple[np.ndarray | None, torch.Tensor | None]:
     """The pixels at storage position ``i`` (a fused crop's with ``window`` where given), decoded into ``slot`` when
-    given: (pixels, the slot holding them, or None where it does not, e.g. no slot or a size other than the index's)."""
+    given: (pixels, the slot holding them, or None where it does not, e.g. no slot or a size other than the index's);
+    a dataset without images has neither."""
+    if not ds.has_images:
+        return None, None
     if slot is None:
         return ds.pixels_at(i, payload, window=window), None
     view = slot.numpy()

@@ -176,7 +176,7 @@ def _open_consistent(root: Path) -> tuple[Manifest, Index, FieldStore, list[list
             manifest = read_manifest(root)
             manifest.check_files(root)
             index = Index.load(root, manifest.num_samples, files=manifest.meta_files,
-                               num_classes=len(manifest.classes))
+                               num_classes=len(manifest.classes), source_records=manifest.source_records)
             fields = load_fields(root, manifest)
             file_ids = [[_file_id(root / f.name) for f in s.files] for s in manifest.shards]
         except PackerError:

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
-from functools import cached_property
-from typing import Any
+from collections.abc import Callable, Sequence
+from functools import cached_property, partial
+from typing import Any, Literal, overload
 
 import numpy as np
 
+from packer.errors import IndexingWarning, NotPackedError, PackerError
 from packer.images.decode import pil_loader
 from packer.layout.fields import FieldStore
+from packer.layout.index import normalize_index, normalize_indices
+from packer.layout.report import ERRORS_NAME, entry_of
+from packer.read.indexing import SUBSET, source_item, why_left_out
 from packer.read.staged import StagedDataset
 
 
@@ -114,6 +118,86 @@ class FolderSurface(StagedDataset):
     def field(self, name: str, index: int) -> Any:
         """Field ``name`` of sample ``index`` (ImageFolder's index), without reading or decoding the image."""
         return self.field_store.value(name, self.index_map.stored(self.check_index(index)), str(self.root))
+
+    # ------------------------------------------------------------ the source's numbering (packer.read.indexing)
+
+    @overload
+    def imagefolder_index(self, index: int) -> int: ...
+    @overload
+    def imagefolder_index(self, index: Sequence[int] | np.ndarray) -> list[int]: ...
+
+    def imagefolder_index(self, index: int | Sequence[int] | np.ndarray) -> int | list[int]:
+        """The source's index of sample ``index`` (or of each): ``ds[i]`` is ``ImageFolder(source)[j]`` for
+        ``j = ds.imagefolder_index(i)`` (a list file's row, an archive's member, ...). ``i`` itself when every
+        source record was packed; a PackerError for an older dataset with files left out (it does not record them).
+        """
+        if isinstance(index, (Sequence, np.ndarray)):
+            return self.index_map.source_many(normalize_indices(index, len(self))).tolist()
+        return int(self.index_map.source_many(np.asarray([self.check_index(index)]))[0])
+
+    @overload
+    def from_imagefolder(self, index: int, missing: Literal["raise", "skip"] = "raise") -> int: ...
+    @overload
+    def from_imagefolder(self, index: Sequence[int] | np.ndarray,
+                         missing: Literal["raise", "skip"] = "raise") -> list[int]: ...
+
+    def from_imagefolder(self, index: int | Sequence[int] | np.ndarray,
+                         missing: Literal["raise", "skip"] = "raise") -> int | list[int]:
+        """The dataset index of the source's sample ``index`` (``ImageFolder(source)[index]``), or of each: what a
+        saved ImageFolder split or ``Subset`` indices become here. A source sample that was not packed raises
+        ``NotPackedError`` (a PackerError and LookupError) naming its file and errors.json reason; ``missing="skip"``
+        leaves such samples out of a sequence instead. IndexError outside ``range(ds.source_records)``."""
+        if missing not in ("raise", "skip"):
+            raise PackerError(f"missing={missing!r}: choose 'raise' or 'skip'")
+        if isinstance(index, (Sequence, np.ndarray)):
+            single, numbers = False, normalize_indices(index, self.source_records)
+        else:
+            single, numbers = True, np.asarray([normalize_index(index, self.source_records)], dtype=np.int64)
+        found = self.index_map.from_source_many(numbers)
+        holes = np.flatnonzero(found < 0)
+        if len(holes) and (single or missing == "raise"):
+            raise NotPackedError(self._not_packed(int(numbers[holes[0]])))
+        return int(found[0]) if single else found[found >= 0].tolist()
+
+    @property
+    def source_records(self) -> int:
+        """How many records the source numbers (``ImageFolder(source)``'s length): the packed ones and those
+        left out (damaged, ``--classes``, ``--split``); ``len(ds)`` when every one was packed."""
+        return self.index_map.num_records()
+
+    def _not_packed(self, number: int) -> str:
+        """Why the source's record ``number`` is not in this dataset: its errors.json entry, or the selection."""
+        where = f"{self.root}: {source_item(self.manifest.source_type, str(number))} was not packed"
+        try:
+            entry = entry_of(self.root, number)
+        except PackerError as exc:
+            return f"{where} ({exc})"
+        if entry is not None:  # errors.json is untrusted text: shown on one line
+            path, reason, loc = (str(entry.get(k, "")).replace("\n", "\\n") for k in ("path", "reason", "location"))
+            return f"{where}: {path}{f', {loc}' if loc else ''}: {reason} (see {ERRORS_NAME})"
+        chosen, picked = self.manifest.source_options, []  # as recorded (a crafted manifest: only shown)
+        if isinstance(chosen.get("classes"), list):
+            picked.append(f"--classes {','.join(map(str, chosen['classes']))}")
+        if chosen.get("split") is not None:
+            picked.append(f"--split {chosen['split']} ({chosen.get('part', 'train')} part)")
+        why = f"left out by {' and '.join(picked)}" if picked else "not listed in errors.json"
+        return f"{where}: {why}" + (" (or by the conversion of the dataset it was re-packed from)"
+                                    if self.manifest.source_type == "packed" else "")
+
+    def warn_if_subset(self, stacklevel: int = 2) -> None:
+        """One ``IndexingWarning`` when ``ds[i]`` is not ``ImageFolder(source)[i]`` (some records not packed)."""
+        if self.index_map.kind != SUBSET:
+            return
+        item = partial(source_item, self.manifest.source_type)
+        why = why_left_out(self.manifest)
+        if not self.index_map.known:
+            text = (f"the samples are the packed ones in the source's order ({why}), so ds[i] is not {item('i')}; "
+                    "their source indices are not recorded (converted by an older packer): convert again to map them")
+        else:
+            text = (f"{self.source_records - len(self):,} of the source's {self.source_records:,} records are not in "
+                    f"this dataset ({why}), so ds[i] is {item('ds.imagefolder_index(i)')}, not {item('i')}; map "
+                    "saved source indices with ds.from_imagefolder(j)")
+        warnings.warn(f"{self.root}: {text}", IndexingWarning, stacklevel=stacklevel + 1)
 
     def find_classes(self, directory: str | os.PathLike | None = None) -> tuple[list[str], dict[str, int]]:
         """DatasetFolder's ``(classes, class_to_idx)``: the classes the source had at conversion (from the

@@ -311,10 +311,10 @@ class ThreadLoader:
     ``DataLoader(dataset, ..., collate_fn=packer.collate)``, except that a stacked image batch is a
     channels-last view (``images.permute(0, 3, 1, 2)`` of an NHWC block; ``.contiguous()`` makes it
     NCHW); its iterator behaves as a DataLoader's (``_Epoch``). Call ``set_epoch`` on the sampler as with a
-    DataLoader. ``state_dict()`` works over a sampler or batch sampler that has one (``BlockShuffleSampler``,
-    ``BlockBatchSampler``): the position after the last batch handed out, not after those read ahead. The batch
-    memory (up to ``prefetch_batches + 3`` batches) stays with the dataset for its next epoch and its other
-    ThreadLoaders.
+    DataLoader (a ``BlockShuffleSampler`` takes the next epoch by itself without it). ``state_dict()`` works over
+    a sampler or batch sampler that has one (``BlockShuffleSampler``, ``BlockBatchSampler``): the position after
+    the last batch handed out, not after those read ahead. The batch memory (up to ``prefetch_batches + 3``
+    batches) stays with the dataset for its next epoch and its other ThreadLoaders.
 
     Args:
         dataset: a packer dataset (``open_dataset``, or a ``CachedDataset``).

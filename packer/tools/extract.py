@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import Any
 
 from PIL import Image
 
-from packer.errors import DatasetError, OutputExistsError, PackerError, RunError, arg, under_way
+from packer.errors import DatasetError, IndexingWarning, OutputExistsError, PackerError, RunError, arg, under_way
 from packer.layout.fields import json_value
 from packer.layout.fsutil import create_temp, destination_dir, nearest_existing
 from packer.layout.manifest import dataset_directory
@@ -75,9 +76,13 @@ def extract(path: str | os.PathLike, dest: str | os.PathLike, overwrite: bool = 
     """
     refuse_urls("packer extract", path, dest)
     dataset_directory(path)
-    with under_way():
+    with under_way(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", IndexingWarning)  # about indices a user maps: extract writes every file
         ds = open_dataset(path, image="numpy")
     try:
+        if not ds.has_images:
+            raise PackerError(f"{path}: its samples have no image, so there is no ImageFolder to extract; read "
+                              "its fields with open_dataset(path, fields='all')")
         raw = ds.manifest.payload == "raw"
         rels = [_checked(rel, path) for rel in ds.index.rel_paths()]
         names = target_names(rels, raw)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from packer.layout.index import Index
 from packer.layout.manifest import read_manifest
-from packer.read.indexing import IMAGEFOLDER, IndexMap
+from packer.read.indexing import IMAGEFOLDER, STORED, IndexMap, source_item
 from packer.storage.url import refuse_url
 from packer.units import human_bytes
 
@@ -24,8 +25,11 @@ def dataset_info(path: str | os.PathLike) -> dict[str, Any]:
     data = asdict(manifest)
     data["total_bytes"] = sum(f.num_bytes for f in manifest.all_files())
     data["num_files"] = len(manifest.all_files())
-    index = Index.load(root, manifest.num_samples, files=manifest.meta_files, num_classes=len(manifest.classes))
-    data["indexing"] = IndexMap.of(index).kind
+    index = Index.load(root, manifest.num_samples, files=manifest.meta_files, num_classes=len(manifest.classes),
+                       source_records=manifest.source_records)
+    index_map = IndexMap.of(index, manifest)
+    data["indexing"] = index_map.kind
+    data["source_records"] = index_map.records  # None: not recorded (an older dataset with files left out)
     if len(index):
         counts = np.bincount(index.labels[index.labels >= 0], minlength=len(manifest.classes))
         known = (index.heights > 0) & (index.widths > 0)
@@ -104,7 +108,32 @@ _PAYLOAD_TEXT = {  # (payload, jpeg_restarts) -> what each sample holds
                        "pixels; other files' original bytes)",
     ("raw", False): " (HWC uint8 RGB)",
     ("raw", True): " (HWC uint8 RGB)",
+    ("none", False): " (no images: fields and labels only)",
 }
+
+
+# how the source numbers its records, by source type: ds.imagefolder_index(i) is such a number
+_NUMBERED = {"list": "the list's data rows, from 0", "archive": "its images in ImageFolder's order",
+             "webdataset": "shard order, or a packer export's keys", "hf": "its rows, file by file",
+             "recordio": "its records in file order", "packed": "as the re-packed dataset numbered its own source",
+             "writer": "the order samples were added"}
+
+
+def indexing_text(data: dict[str, Any]) -> str:
+    """What ``ds[i]`` is, exactly: the claim "ds[i] is ImageFolder(source)[i]" only where it holds."""
+    kind = data.get("source_type", "")
+    at = partial(source_item, kind)
+    how = f" ({_NUMBERED.get(kind, 'the source order')})" if kind not in ("", "folder") else ""
+    if data["indexing"] == STORED:
+        return "stored order: ds[i] is the i-th stored sample (converted by an older packer)"
+    if data["indexing"] == IMAGEFOLDER:
+        return f"ds[i] is {at('i')}{how}"
+    records = data.get("source_records")
+    if records is None:
+        return (f"ds[i] is the i-th packed sample in the source's order, not {at('i')}: {data['num_errors']:,} "
+                "not packed (an older packer did not record the mapping: convert again for ds.imagefolder_index)")
+    return (f"ds[i] is {at('ds.imagefolder_index(i)')}{how}, not {at('i')}: {records - data['num_samples']:,} of "
+            f"{records:,} source records not packed; ds.from_imagefolder(j) maps source index j here")
 
 
 def info_rows(path: str | os.PathLike, data: dict[str, Any]) -> list[tuple[str, str]]:
@@ -117,8 +146,7 @@ def info_rows(path: str | os.PathLike, data: dict[str, Any]) -> list[tuple[str, 
         ("payload", payload),
         ("samples", f"{data['num_samples']:,}"),
         ("classes", class_names(classes) if classes else "none (flat folder, label -1)"),
-        ("indexing", "ImageFolder's: ds[i] is ImageFolder(source)[i]" if data["indexing"] == IMAGEFOLDER else
-         "stored order: ds[i] is the i-th stored sample (converted by an older packer)"),
+        ("indexing", indexing_text(data)),
     ]
     if data.get("fields"):
         rows.append(("fields", ", ".join(f"{k}: {v}" for k, v in data["fields"].items())))
@@ -127,14 +155,17 @@ def info_rows(path: str | os.PathLike, data: dict[str, Any]) -> list[tuple[str, 
         if stats["samples_per_class"]:
             s = stats["samples_per_class"]
             rows.append(("per class", f"{s['min']:,} to {s['max']:,} samples (median {s['median']:,.0f})"))
-        if stats["height"] and stats["width"]:
+        if data["payload"] == "none":
+            pass  # no images: no sizes, no payload bytes
+        elif stats["height"] and stats["width"]:
             h, w = stats["height"], stats["width"]
             same = h["min"] == h["max"] and w["min"] == w["max"]
             rows.append(("image size", f"{h['min']}x{w['min']} (all)" if same else
                          f"height {h['min']}-{h['max']}, width {w['min']}-{w['max']}"))
         elif stats["sizes_known"] == 0:
             rows.append(("image size", "not recorded (converted with --validate none)"))
-        rows.append(("per sample", f"{human_bytes(stats['payload_bytes']['mean'])} stored on average"))
+        if data["payload"] != "none":
+            rows.append(("per sample", f"{human_bytes(stats['payload_bytes']['mean'])} stored on average"))
     options = data["options"]
     rows += [
         ("shards", shards_row(data)),

@@ -4,24 +4,26 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from packer.errors import DatasetError, PackerError
+from packer.errors import DatasetError, IndexingWarning, PackerError
 from packer.formats import get_format
 from packer.images.decode import decode, sniff
 from packer.images.headers import jpeg_segments
 from packer.layout.fields import same_cell
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest, sha256_file
+from packer.layout.report import ERRORS_NAME
 from packer.layout.trust import inside, read_inside
 from packer.progress import bar
 from packer.read.dataset import open_dataset
+from packer.read.indexing import STORED
 from packer.storage.url import refuse_urls
 from packer.write.options import ConvertOptions, make_options, scan_rules
-from packer.write.output import ERRORS_NAME
 from packer.write.scan import ScanResult, SourceError
 from packer.write.shards import prepare, stored_bytes
 from packer.write.sources.base import InlineReader, RecordError, SourceOptions
@@ -83,13 +85,17 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
     if report.problems:
         return report
     try:
-        ds = open_dataset(root, image="numpy")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", IndexingWarning)  # about indices a user maps; the report says it
+            ds = open_dataset(root, image="numpy")
     except PackerError as exc:
         report.problems.append(str(exc))
         return report
     report.checked["samples"] = len(ds)
     try:
-        if deep:
+        if deep and not ds.has_images:
+            report.checked["without an image (nothing to decode)"] = len(ds)
+        elif deep:
             _check_deep(ds, report, progress)
         if scan is not None:
             _check_against(ds, scan, report, progress)
@@ -119,8 +125,9 @@ def _check_deep(ds, report: Report, progress: bool | None) -> None:
 
 
 def _check_indexing(ds, scan: ScanResult, report: Report) -> None:
-    """With ImageFolder indexing, sample i is the source's i-th packed image in ImageFolder's order."""
-    if ds.indexing != "imagefolder":
+    """Sample i is the source's i-th packed image in ImageFolder's order, and ``ds.imagefolder_index(i)`` its
+    index in the source (where the dataset records it)."""
+    if ds.indexing == STORED:
         report.checked["indexing: stored order (an older dataset)"] = len(ds)
         return
     packed = set(ds.index.rel_paths())
@@ -130,6 +137,18 @@ def _check_indexing(ds, scan: ScanResult, report: Report) -> None:
         k = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
         report.problems.append(f"{ds.root}: sample {k} is {got[k] if k < len(got) else 'missing'}, but ImageFolder's "
                                f"sample {k} of {scan.root} is {want[k] if k < len(want) else 'missing'}")
+        return
+    if not ds.index_map.known:
+        report.checked["indexing: source indices not recorded (an older dataset)"] = len(ds)
+        return
+    number = dict(zip(scan.rel_paths, scan.numbering().tolist()))
+    mapped = ds.imagefolder_index(np.arange(len(ds)))
+    wrong = [k for k, (rel, j) in enumerate(zip(got, mapped)) if number[rel] != j]
+    if wrong or ds.source_records != scan.num_source_records:
+        k = wrong[0] if wrong else 0
+        report.problems.append(f"{ds.root}: ds.imagefolder_index({k}) is {mapped[k]} of {ds.source_records}, but "
+                               f"{got[k]} is ImageFolder's sample {number[got[k]]} of {scan.num_source_records} "
+                               f"in {scan.root}")
 
 
 def within(got: np.ndarray, want: np.ndarray, mean_bound: float = 0.0, max_bound: int = 0) -> bool:

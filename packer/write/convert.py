@@ -26,16 +26,17 @@ from packer._version import __version__
 from packer.errors import DatasetError, Interrupted, OptionError, OutputExistsError, PackerError, ResumableError, arg
 from packer.formats import get_format
 from packer.layout.fields import parse_specs
-from packer.layout.manifest import Manifest, holds_dataset, read_manifest
+from packer.layout.manifest import IMAGELESS, Manifest, holds_dataset, read_manifest
 from packer.layout.partial import PARTIAL_SUFFIX, made_by_packer, read_swap
+from packer.layout.report import ERRORS_NAME
 from packer.progress import progress_wanted
 from packer.storage.url import refuse_urls
 from packer.write.cluster import DaskCluster, class_mapper
-from packer.write.finish import in_storage_order, seal, stored_index
+from packer.write.finish import in_storage_order, number_errors, seal, stored_index
 from packer.write.fresh import source_digest, stale_reason
 from packer.write.journal import ShardResult, SourceError, load_done_shards
 from packer.write.options import ConvertOptions, make_options
-from packer.write.output import ERRORS_NAME, check_destination, check_replaceable, output_path, swap_into_place
+from packer.write.output import check_destination, check_replaceable, output_path, swap_into_place
 from packer.write.plan import apply_order, load_or_make_plan
 from packer.write.pool import LocalPool, PoolSettings
 from packer.write.scan import IMG_EXTENSIONS, ScanResult
@@ -208,6 +209,7 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
     check_order(opened.sequential(), opened.path, opts.order, client)  # before a scan that would inflate it all
     scanned = scan_opened(opened, None if client is None else class_mapper(client, hidden),
                           skip_hidden=hidden, allow_empty=empty)
+    match_payload(scanned, opts, options.get("payload"))
     check_sequential(scanned, opts, client)
     # before any file is read: a change meanwhile makes the output stale. Folders only: other sources record
     # no fingerprint, so --if-changed always converts them again (never reuses a stale output)
@@ -242,6 +244,20 @@ def _convert(src: str | os.PathLike, out: Path, source: SourceOptions, to: str, 
             raise _failed_midway(f"{exc.filename or out}: {exc.strerror or exc}", partial) from exc
         except KeyboardInterrupt:
             raise Interrupted(_interrupted(partial)) from None
+
+
+def match_payload(scan: ScanResult, options: ConvertOptions, given: str | None) -> None:
+    """A source of samples without an image (a packed dataset of payload none) converts to payload none, which
+    no source of images does (it would drop them)."""
+    if scan.source_reader().holds_images:
+        if options.payload == IMAGELESS:
+            raise PackerError(f"{scan.root}: holds images; --payload none would leave them out")
+        return
+    if given not in (None, IMAGELESS):
+        raise PackerError(f"{scan.root}: its samples have no image, so --payload {given} has nothing to store: "
+                          "leave --payload out")
+    options.payload = IMAGELESS
+    options.check()
 
 
 def check_sequential(scan: ScanResult, options: ConvertOptions, client: Any) -> None:
@@ -285,9 +301,10 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
     ``scan`` in the source's order (as scanned, before ``--order``): the index records where each of
     its samples is stored, so that ``ds[i]`` is the source's sample i whatever the storage order.
     """
-    errors: list[SourceError] = locate_errors(scan, [e for r in shards for e in r.errors]) + scan.errors
+    failed = number_errors([e for r in shards for e in r.errors], scan.rel_paths, scan.numbering())
+    errors: list[SourceError] = locate_errors(scan, failed) + scan.errors
     shards = drop_empty_shards(partial, shards)
-    index = stored_index(shards, scan.rel_paths)
+    index = stored_index(shards, scan.rel_paths, scan.numbering())
     manifest = Manifest(
         format=options.format,
         payload=options.payload,
@@ -300,11 +317,12 @@ def finish(scan: ScanResult, partial: Path, out: Path, shards: list[ShardResult]
         source_digest=digest,
         source_type=scan.source_type,
         source_options=source.record(),
+        source_records=scan.num_source_records,
         created_by=f"packer {__version__}",
         created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
     seal(partial, out, index, errors, scan.ignored, manifest, parse_specs(scan.field_specs),
-         in_storage_order(index, scan.rel_paths, scan.fields))
+         in_storage_order(index, scan.rel_paths, scan.fields), earlier=scan.earlier)
     return ConvertResult(out, len(index), errors, time.perf_counter() - started, int(index.nbytes.sum()),
                          dict(scan.ignored), dict(scan.not_images),
                          rewritten=sum(r.rewritten for r in shards) if options.jpeg_restarts else None)

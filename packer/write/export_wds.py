@@ -4,10 +4,12 @@ reads unchanged (the folder's layout: layout/wdsexport.py).
 Any source convert reads (folder, list file, archive, WebDataset, Hugging Face, packer dataset) is scanned,
 read and validated by the same machinery (``write.sources``, ``write.pool.ordered_results``), so a record is
 either exported or in errors.json. Each sample is ``<key>.<ext>``, the encoded bytes exactly as stored,
-``<key>.cls`` (its label as decimal text; none for a source without labels) and ``<key>.json`` (its fields,
-when it has any). A source of decoded pixels (raw payloads) is written losslessly as PNG. The key is the
-record's number in the source's ImageFolder order, zero-padded (``ds[i]`` of a packer dataset, ImageFolder's
-index of a folder); it never contains a dot (webdataset ends a key at the first dot of a member's base name).
+``<key>.cls`` (its label as decimal text; none for a source without labels), ``<key>.json`` (its fields,
+when it has any) and ``<key>.path.txt`` (the record's key in the source: its relative path). A source of decoded
+pixels (raw payloads) is written losslessly as PNG. The key is the record's number in the source's numbering,
+zero-padded (ImageFolder's index of a folder, ``ds.imagefolder_index(i)`` of a packer dataset); it never contains
+a dot (webdataset ends a key at the first dot of a member's base name). Converted back, an export gives the same
+numbering, paths, labels, classes and bytes (write/sources/webdataset.py).
 Not a format: nothing in packer opens the export for random access; webdataset streams it, and
 ``packer convert OUT --to lmdb`` reads it back as a WebDataset source. The export is not resumable: it
 runs in ``<out>.partial`` and the index is written last, so an interrupted one never looks complete.
@@ -19,6 +21,7 @@ import io
 import json
 import os
 import shutil
+import sys
 import tarfile
 import time
 from collections.abc import Mapping
@@ -36,8 +39,16 @@ from packer.layout.fields import cell_value, json_value, parse_specs
 from packer.layout.fsutil import fsync_tree, write_atomic
 from packer.layout.manifest import dumps_lossless, file_info
 from packer.layout.partial import PARTIAL_SUFFIX, made_by_packer, read_swap
-from packer.layout.wdsexport import CLASSES_NAME, EXPORT_KIND, EXPORT_NAME, SHARD_PATTERN
+from packer.layout.wdsexport import (
+    CLASSES_NAME,
+    EXPORT_KIND,
+    EXPORT_NAME,
+    PATH_CODEC,
+    PATH_EXTENSION,
+    SHARD_PATTERN,
+)
 from packer.storage.url import refuse_urls
+from packer.units import human_bytes
 from packer.write.convert import (
     ConvertResult,
     check_order,
@@ -45,7 +56,7 @@ from packer.write.convert import (
     locate_errors,
     source_options,
 )
-from packer.write.finish import write_error_report
+from packer.write.finish import number_errors, write_error_report
 from packer.write.lock import OutputLock, check_free
 from packer.write.options import ConvertOptions, make_options
 from packer.write.output import check_destination, output_path, swap_into_place
@@ -56,6 +67,9 @@ from packer.write.shards import progress_bar
 from packer.write.sources.registry import open_source, scan_opened
 
 DEFAULT_SHARD_BYTES = 256 << 20
+# Without --shard-size: at least this many shards where there are as many samples, so that webdataset with
+# DataLoader(num_workers=N <= 16) gives every worker a shard (it fails, "fewer shards than workers", otherwise)
+DEFAULT_SHARDS = 16
 _BLOCK, _RECORD = tarfile.BLOCKSIZE, tarfile.RECORDSIZE  # a member's header; what the whole tar is padded to
 _SOURCE_KEYWORDS = ("source_type", "root", "path_column", "label_column", "classes_file", "classes", "label_key",
                     "image_column")
@@ -68,7 +82,8 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
                validate: str = "full", shard_bytes: int | None = None, order: str = "shuffled", seed: int = 0,
                skip_hidden: bool = False, allow_empty: bool = False, decoder: str = "auto",
                **others: Any) -> ConvertResult:
-    """Write the records of ``src`` as WebDataset ``.tar`` shards into ``output`` (``packer convert --to wds``).
+    """Write the records of ``src`` as WebDataset shards into ``output``: of at most ``shard_bytes``, or by default
+    ``DEFAULT_SHARDS`` (16) or more shards of at most 256 MB each (one sample per shard below 16 samples).
 
     A sink, not a packer format: each sample keeps its source's encoded bytes (decoded pixels as lossless PNG),
     its label and fields; the shards are read back by ``webdataset`` or by ``convert`` (a WebDataset source).
@@ -118,6 +133,9 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
     opened = open_source(src, source_options(**given))
     check_order(opened.sequential(), opened.path, order, None)  # before a scan that would inflate it all
     scanned = scan_opened(opened, skip_hidden=skip_hidden, allow_empty=allow_empty)
+    if not scanned.source_reader().holds_images:
+        raise OptionError(f"{scanned.root}: its samples have no image, and a WebDataset sample is exported with one; "
+                          "convert it to another format instead")
     # prepare() reads and validates each record exactly as convert does; "lmdb" only carries the common options
     opts = make_options("lmdb", payload="raw" if scanned.source_reader().gives_pixels else "encoded",
                         validate=validate, order=order, seed=seed, decoder=decoder)
@@ -130,8 +148,10 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
     lock = make_partial(out, partial, {"kind": EXPORT_KIND, "source": str(scanned.root), "options": opts.record()})
     with lock:  # held until the export is in place: a second run is refused, naming this one
         try:
-            sink = TarSink(partial, limit)
+            per_shard = max(1, len(scanned) // DEFAULT_SHARDS) if shard_bytes is None else None
+            sink = TarSink(partial, limit, per_shard)
             errors = _write_samples(scanned, opts, sink, workers, pool or PoolSettings(), on_error, progress)
+            few_shards(sink, shard_bytes)
             return _finish(scanned, partial, out, sink, errors, opts.record(), started)
         except (PackerError, OSError, KeyboardInterrupt) as exc:
             shutil.rmtree(partial, ignore_errors=True)  # ours (made above), not resumable: nothing half-done stays
@@ -146,8 +166,9 @@ def _write_samples(scanned: ScanResult, opts: ConvertOptions, sink: TarSink, wor
                    on_error: str, progress: bool | None) -> list[SourceError]:
     """Every record of ``scanned`` in ``opts.order`` through the pool into ``sink``; the records not exported."""
     ordered = apply_order(scanned, opts.order, opts.seed)
-    number = {rel: i for i, rel in enumerate(scanned.rel_paths)}
-    digits = max(6, len(str(max(len(scanned) - 1, 0))))
+    position = {rel: i for i, rel in enumerate(scanned.rel_paths)}
+    numbers = scanned.numbering()
+    digits = max(6, len(str(max(scanned.num_source_records - 1, 0))))
     workers = os.cpu_count() or 1 if workers is None else workers
     prepared = ordered_results(scanned.source_reader(), ordered.records(), opts, workers,
                                estimate_sample_bytes(scanned, opts), pool)
@@ -161,13 +182,13 @@ def _write_samples(scanned: ScanResult, opts: ConvertOptions, sink: TarSink, wor
                     raise PackerError(f"{scanned.root / res.path}: {res.reason}")
                 errors.append(res)
                 continue
-            i = number[res.rel_path]
-            sink.add(sample_members(f"{i:0{digits}d}", res, sample_fields(scanned, i)))
+            i = position[res.rel_path]
+            sink.add(sample_members(f"{int(numbers[i]):0{digits}d}", res, sample_fields(scanned, i)))
         sink.close()
     finally:
         bar.close()
         prepared.close()
-    return locate_errors(ordered, errors) + scanned.errors
+    return locate_errors(ordered, number_errors(errors, scanned.rel_paths, numbers)) + scanned.errors
 
 
 def sample_fields(scan: ScanResult, i: int) -> dict[str, Any]:
@@ -190,6 +211,7 @@ def sample_members(key: str, sample: PreparedSample, fields: Mapping[str, Any]) 
         members.append((f"{key}.cls", str(int(sample.label)).encode()))
     if fields:
         members.append((f"{key}.json", dumps_lossless(dict(fields)).encode()))
+    members.append((f"{key}.{PATH_EXTENSION}", sample.rel_path.encode(*PATH_CODEC)))
     return members
 
 
@@ -203,12 +225,25 @@ def image_extension(rel: str, data: bytes) -> str:
     return next((ext for magic, ext in _MAGIC if data.startswith(magic)), "bin")
 
 
+def few_shards(sink: TarSink, shard_bytes: int | None) -> None:
+    """A notice when a ``--shard-size`` left fewer shards than ``DEFAULT_SHARDS`` though there are as many samples:
+    webdataset with more DataLoader workers than shards fails; the fix is a smaller size (or the default)."""
+    total = sum(sink.counts)
+    if shard_bytes is None or len(sink.names) >= min(DEFAULT_SHARDS, total):
+        return
+    size = max(1, sum((sink.folder / n).stat().st_size for n in sink.names) // DEFAULT_SHARDS)
+    print(f"packer: {len(sink.names)} shard(s): webdataset with DataLoader(num_workers=N) fails for N above that "
+          f"(\"fewer shards than workers\"); --shard-size {human_bytes(size).replace(' ', '')} (or no --shard-size) "
+          f"gives {DEFAULT_SHARDS}", file=sys.stderr)
+
+
 class TarSink:
     """Writes samples into ``shard-%06d.tar`` files of at most ``limit`` bytes each, padding included (a sample
-    larger than that gets a shard of its own). Members are plain files with fixed metadata: same bytes every run."""
+    larger than that gets a shard of its own), and at most ``per_shard`` samples (None: no bound). Members are plain
+    files with fixed metadata: same bytes every run."""
 
-    def __init__(self, folder: Path, limit: int) -> None:
-        self.folder, self.limit = folder, limit
+    def __init__(self, folder: Path, limit: int, per_shard: int | None = None) -> None:
+        self.folder, self.limit, self.per_shard = folder, limit, per_shard
         self.names: list[str] = []
         self.counts: list[int] = []
         self._tar: tarfile.TarFile | None = None
@@ -216,7 +251,8 @@ class TarSink:
 
     def add(self, members: list[tuple[str, bytes]]) -> None:
         size = sum(_BLOCK + -(-len(data) // _BLOCK) * _BLOCK for _, data in members)
-        if self._tar is not None and closed_size(self._used + size) > self.limit:
+        full = self.per_shard is not None and self.counts and self.counts[-1] >= self.per_shard
+        if self._tar is not None and (closed_size(self._used + size) > self.limit or full):
             self._close_tar()
         if self._tar is None:
             self.names.append(SHARD_PATTERN % len(self.names))
@@ -250,10 +286,11 @@ def _finish(scanned: ScanResult, partial: Path, out: Path, sink: TarSink, errors
     """classes.txt, errors.json, then the index (last), fsync, and the move into place."""
     if scanned.classes:
         write_atomic(partial / CLASSES_NAME, "".join(f"{c}\n" for c in scanned.classes))
+    write_error_report(partial, errors, scanned.ignored, sum(sink.counts), scanned.earlier)
     num_samples = sum(sink.counts)
-    write_error_report(partial, errors, scanned.ignored, num_samples)
     shards = [{**asdict(file_info(partial, name)), "num_samples": n} for name, n in zip(sink.names, sink.counts)]
     index = {"kind": EXPORT_KIND, "version": 1, "num_samples": num_samples, "num_errors": len(errors),
+             "source_records": scanned.num_source_records,
              "num_classes": len(scanned.classes), "shards": shards, "source": os.path.abspath(scanned.root),
              "source_type": scanned.source_type, "options": options, "created_by": f"packer {__version__}",
              "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}

@@ -11,26 +11,40 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from packer.layout.fields import FieldSpec, save_fields
 from packer.layout.fsutil import fsync_tree, write_plain
 from packer.layout.index import Index
 from packer.layout.manifest import Manifest, dumps_lossless, file_info, write_manifest
+from packer.layout.report import ERRORS_NAME
 from packer.write.journal import ShardResult
-from packer.write.output import ERRORS_NAME, swap_into_place
+from packer.write.output import swap_into_place
 from packer.write.scan import SourceError
 from packer.write.summary import not_packed_line
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 
-def stored_index(shards: list[ShardResult], source_order: list[str] | None) -> Index:
+def stored_index(shards: list[ShardResult], source_order: list[str] | None,
+                 source_numbers: np.ndarray | None = None) -> Index:
     """The index of the samples the shards hold, in storage order; ``source_order``: every record's key in
-    ImageFolder's order (for ``position``)."""
+    the source's order (for ``position``), ``source_numbers`` their numbers in the source (``source_index``)."""
     def cat(name: str) -> list:
         return [v for r in shards for v in getattr(r, name)]
 
     return Index.build(cat("rel_paths"), cat("labels"), cat("heights"), cat("widths"), cat("nbytes"),
-                       source_order=source_order)
+                       source_order=source_order, source_numbers=source_numbers)
+
+
+def number_errors(errors: list[SourceError], keys: list[str], numbers: np.ndarray) -> list[SourceError]:
+    """``errors`` of records that failed when read (``keys``: the records, ``numbers``: their numbers in the
+    source), each given its record's number: errors.json then says which source index was not packed."""
+    number_of = dict(zip(keys, numbers.tolist()))
+    for e in errors:
+        if e.index is None:
+            e.index = number_of.get(e.path)
+    return errors
 
 
 def in_storage_order(index: Index, keys: list[str], columns: Mapping[str, Sequence[Any]]) -> dict[str, list[Any]]:
@@ -44,28 +58,32 @@ def in_storage_order(index: Index, keys: list[str], columns: Mapping[str, Sequen
 
 def seal(partial: Path, out: Path, index: Index, errors: list[SourceError], ignored: Mapping[str, int],
          manifest: Manifest, specs: Mapping[str, FieldSpec] | None = None,
-         columns: Mapping[str, Sequence[Any]] | None = None) -> None:
-    """Write ``index`` and the field ``columns`` (storage order) under meta/, errors.json, then ``manifest``
-    (its meta_files, num_samples, num_errors and fields filled in here) last; fsync, and swap into place."""
+         columns: Mapping[str, Sequence[Any]] | None = None, earlier: Sequence[Mapping[str, Any]] = ()) -> None:
+    """Write ``index`` and the field ``columns`` (storage order) under meta/, errors.json (``earlier``: the
+    numbered entries a re-packed dataset carries), then ``manifest`` (its meta_files, num_samples, num_errors and
+    fields filled in here; ``source_records`` given by the caller) last; fsync, and swap into place."""
     specs = dict(specs or {})
     names = index.save(partial) + save_fields(partial, specs, columns or {})
     manifest.meta_files = [file_info(partial, n) for n in names]
     manifest.num_samples, manifest.num_errors = len(index), len(errors)
     manifest.fields = {k: s.text for k, s in specs.items()}
-    write_error_report(partial, errors, ignored, len(index))
+    write_error_report(partial, errors, ignored, len(index), earlier)
     fsync_tree(partial)
     write_manifest(partial, manifest)
     swap_into_place(partial, out)
 
 
-def write_error_report(partial: Path, errors: list[SourceError], ignored: Mapping[str, int], packed: int) -> None:
-    """``errors.json`` (every record not packed, with reason and location; what the scan ignored) and the
-    first ten on stderr; ``packed``: the records that were (``summary.not_packed_line`` counts them)."""
+def write_error_report(partial: Path, errors: list[SourceError], ignored: Mapping[str, int], packed: int,
+                       earlier: Sequence[Mapping[str, Any]] = ()) -> None:
+    """``errors.json`` (every record not packed, with reason, location and source index; what the scan ignored;
+    ``earlier``: a re-packed dataset's own numbered entries, layout/report.py) and the first ten on stderr;
+    ``packed``: the records that were (``summary.not_packed_line`` counts them)."""
     # a plain write: fsync_tree flushes it with the index (one journal commit), and --resume rewrites whatever
     # an interrupted finish left, so it needs no atomic write of its own
     write_plain(partial / ERRORS_NAME, dumps_lossless(
         {"num_errors": len(errors), "ignored": dict(ignored),
-         "errors": [e.to_json() for e in sorted(errors, key=lambda e: e.path)]},
+         "errors": [e.to_json() for e in sorted(errors, key=lambda e: e.path)],
+         **({"earlier": [dict(e) for e in earlier]} if earlier else {})},
         indent=1,
     ))
     if errors:  # one record: the first ten below the count

@@ -13,7 +13,7 @@ from packer.errors import DatasetError, OptionError, arg
 from packer.formats import FORMATS, get_format
 from packer.images.jpegregion import region_decode_available, region_decode_missing_reason
 from packer.images.resize import ResizeSpec
-from packer.layout.manifest import PAYLOADS
+from packer.layout.manifest import IMAGELESS, PAYLOADS
 
 Validate = Literal["full", "header", "none"]
 SampleOrder = Literal["shuffled", "source"]
@@ -69,6 +69,10 @@ class ConvertOptions:
         if self.payload not in PAYLOADS:
             raise OptionError(f"unknown payload {self.payload!r} (choose from {', '.join(PAYLOADS)})")
         if self.payload not in fmt.payloads:
+            if self.payload == IMAGELESS:
+                holding = ", ".join(n for n, f in FORMATS.items() if IMAGELESS in f.payloads)
+                raise OptionError(f"format {self.format!r} stores images only: samples without an image (payload "
+                                  f"'none') go to {holding}")
             raise OptionError(f"format {self.format!r} stores only {', '.join(sorted(fmt.payloads))} payloads")
         fmt.check_options(self.record())
         if self.validate not in ("full", "header", "none"):

@@ -23,8 +23,6 @@ from packer.write.journal import write_swap
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
-ERRORS_NAME = "errors.json"  # the report of the source files not packed, beside the manifest
-
 
 def default_output(src: Path, fmt: str) -> Path:
     src = Path(os.path.abspath(src))

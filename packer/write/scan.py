@@ -44,10 +44,12 @@ class SourceError:
     path: str  # relative to the source folder; a folder's ends with "/"
     reason: str
     location: str = ""  # where in the source when the path does not say it ("labels.csv line 12"); "": left out
+    index: int | None = None  # the record's number in the source's numbering (ScanResult.numbers); None: it has none
     record: bool = True  # False: stands for no one record (a folder, a link loop, the rest of an archive)
 
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "reason": self.reason, **({"location": self.location} if self.location else {}),
+                **({"index": self.index} if self.index is not None else {}),
                 **({} if self.record else {"record": False})}
 
     @classmethod
@@ -55,7 +57,9 @@ class SourceError:
         """An entry of errors.json or a journal; one written before ``record`` existed: a folder ("/") is none."""
         path = str(entry["path"])
         record = entry.get("record", not path.endswith("/"))
-        return cls(path, str(entry["reason"]), str(entry.get("location", "")), record is not False)
+        index = entry.get("index")
+        return cls(path, str(entry["reason"]), str(entry.get("location", "")),
+                   index if isinstance(index, int) and not isinstance(index, bool) else None, record is not False)
 
 
 @dataclass
@@ -93,9 +97,23 @@ class ScanResult:
     field_specs: dict[str, str] = field(default_factory=dict)  # per-sample fields the records carry: name -> spec
     fields: dict[str, list[Any]] = field(default_factory=dict)  # name -> per record, its cell (layout/fields.py)
     source_type: str = "folder"
+    # The source's numbering (ImageFolder's index for a folder, the row of a list file, ...): per record its
+    # number (None: 0..len-1), and how many records it numbers, those refused or left out included (None: len)
+    numbers: np.ndarray | None = None
+    source_records: int | None = None
+    earlier: list[dict[str, Any]] = field(default_factory=list)  # errors.json entries a packed source carries
 
     def __len__(self) -> int:
         return len(self.rel_paths)
+
+    def numbering(self) -> np.ndarray:
+        """Each record's number in the source's numbering (int64): what ``ds.imagefolder_index`` gives back."""
+        return np.arange(len(self), dtype=np.int64) if self.numbers is None else self.numbers
+
+    @property
+    def num_source_records(self) -> int:
+        """How many records the source's numbering counts (packed, refused and left out)."""
+        return len(self) if self.source_records is None else self.source_records
 
     def source_reader(self) -> SourceReader:
         return self.reader if self.reader is not None else FileReader(self.root)
@@ -112,8 +130,9 @@ class ScanResult:
     def take(self, positions: Any) -> ScanResult:
         """The records at ``positions`` (an order, or a subset), everything per record kept in step."""
         pick = [int(i) for i in positions]
-        return replace(self, rel_paths=[self.rel_paths[i] for i in pick],
-                       labels=self.labels[np.asarray(pick, dtype=np.int64)],
+        at = np.asarray(pick, dtype=np.int64)
+        return replace(self, rel_paths=[self.rel_paths[i] for i in pick], labels=self.labels[at],
+                       numbers=self.numbering()[at], source_records=self.num_source_records,
                        locs=None if self.locs is None else [self.locs[i] for i in pick],
                        fields={k: [v[i] for i in pick] for k, v in self.fields.items()})
 
@@ -214,8 +233,10 @@ def _walk(top: str, rel_top: str, found: Walk, above: frozenset = frozenset(), s
             try:
                 is_dir = entry.is_dir()  # follows symlinks, like os.walk(followlinks=True); uses d_type
             except OSError as exc:  # a link loop (a.jpg -> a.jpg), a link into a folder we may not search
-                # os.walk takes it for a file: ImageFolder lists it when it has an image name (a record)
-                found.errors.append(SourceError(rel + name, _stat_failure(exc), record=is_image_name(name)))
+                if is_image_name(name) and not (skip_hidden and name.startswith(".")):
+                    files.append(name)  # os.walk lists it as a file, so ImageFolder numbers it: reading it fails
+                else:  # no image name: ImageFolder never lists it; named, not counted as a file
+                    found.errors.append(SourceError(rel + name, _stat_failure(exc), record=False))
                 continue
             if skip_hidden and name.startswith("."):
                 found.ignored[HIDDEN_FOLDER if is_dir else HIDDEN] += 1

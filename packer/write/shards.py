@@ -22,7 +22,7 @@ from packer.formats.base import Format, PreparedSample
 from packer.images.decode import DecodeError, check_pixels, decode, sniff
 from packer.images.headers import image_size
 from packer.images.jpegregion import restart_transcode
-from packer.layout.manifest import FileInfo, Shard
+from packer.layout.manifest import IMAGELESS, FileInfo, Shard
 from packer.progress import bar
 from packer.write.journal import ShardResult
 from packer.write.options import ConvertOptions
@@ -80,6 +80,8 @@ def make_payload(rel: str, label: int, data: bytes | np.ndarray, source_stat: li
                  options: ConvertOptions) -> PreparedSample | SourceError:
     """The payload of one record's bytes (validated per ``options.validate``, decoded for raw payloads) or
     pixels (an HWC uint8 array: raw payloads only); a problem is a SourceError, no exception."""
+    if options.payload == IMAGELESS:  # a packed dataset of samples without an image (convert checked the source)
+        return PreparedSample(-1, rel, label, b"", 0, 0, source_stat)
     if isinstance(data, np.ndarray):  # pixels from a packed source of raw payloads: nothing to decode
         return _from_pixels(rel, label, data, source_stat, options)
     if not data:

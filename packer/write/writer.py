@@ -5,6 +5,9 @@ with Writer("boxes.lmdb", format="lmdb", fields={"boxes": "float32[:,4]", "capti
     w.add(image=jpeg_bytes, label=3, boxes=np.zeros((2, 4)), caption="a dog")
 ```
 
+A sample may have no image (``image`` left out: tokens, embeddings, boxes only): the dataset then holds none
+(payload ``"none"``, decided by the first sample or by ``payload="none"``; docs/fields.md).
+
 The same files, checks and finish as ``convert``: each image validated (``validate``) and stored through the
 format's ``ShardWriter`` (write.shards), shards journaled in ``<out>.partial`` (write.journal), and
 index, fields, errors.json and the manifest written last before the swap into place (write.finish).
@@ -19,6 +22,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -31,7 +35,7 @@ from packer.formats import get_format
 from packer.formats.base import PreparedSample
 from packer.layout.fields import FieldStore, encode_cell, parse_specs, save_fields
 from packer.layout.fsutil import fsync_file
-from packer.layout.manifest import Manifest
+from packer.layout.manifest import IMAGELESS, Manifest
 from packer.layout.partial import JOURNAL_DIR, PARTIAL_SUFFIX, read_swap
 from packer.layout.trust import check_class_name
 from packer.storage.url import refuse_url
@@ -54,6 +58,11 @@ from packer.write.sources.labels import integer_classes, label_problem
 
 WRITER_SHARD_BYTES = 256 << 20  # at most this much of a shard is held in memory before it is written
 SOURCE_TYPE = "writer"  # the manifest's source_type: samples are named by number, not source paths
+
+
+def _cell_bytes(cell: Any) -> int:
+    """About how much of a shard's memory a field cell takes: what fills a shard of samples without images."""
+    return int(cell.nbytes) if isinstance(cell, np.ndarray) else len(cell) if isinstance(cell, bytes) else 8
 
 
 class Writer:
@@ -101,7 +110,7 @@ class Writer:
         if options.setdefault("order", "source") != "source":
             raise OptionError("Writer: samples are stored in the order added (order='source'); shuffle when adding")
         self.on_error, self.given = on_error, options
-        self._make_options(None).check()  # unknown or bad options fail now, not at the first sample
+        self._make_options(b"").check()  # unknown or bad options fail now, not at the first sample (bytes: as default)
         check_replaceable(self.out, overwrite)
         self.opts: ConvertOptions | None = None
         self.count = 0  # samples offered so far
@@ -122,10 +131,11 @@ class Writer:
 
     # ------------------------------------------------------------ adding
 
-    def add(self, image: bytes | bytearray | memoryview | np.ndarray, label: int = -1, **fields: Any) -> None:
-        """Add one sample: encoded image bytes (JPEG, PNG, ...) or an HWC uint8 RGB array, its class index and
-        every declared field. A bad sample raises a PackerError naming its number (``on_error="skip"``: listed
-        in errors.json instead)."""
+    def add(self, image: bytes | bytearray | memoryview | np.ndarray | None = None, label: int = -1,
+            **fields: Any) -> None:
+        """Add one sample: encoded image bytes (JPEG, PNG, ...), an HWC uint8 RGB array, or no image (None: a
+        dataset of fields alone, as the first sample decides), its class index and every declared field. A bad
+        sample raises a PackerError naming its number (``on_error="skip"``: listed in errors.json instead)."""
         if self.closed:
             raise PackerError(f"{self.out}: the Writer is closed")
         n = self.count
@@ -145,7 +155,7 @@ class Writer:
         if isinstance(res, PreparedSample):
             for name, cell in cells.items():
                 self._cells[name].append(cell)
-            self._bytes += res.nbytes
+            self._bytes += res.nbytes if res.nbytes else sum(map(_cell_bytes, cells.values()))  # no image: the fields
             self._stored += 1
             opts = self._options_for(res.payload)
             if self._bytes >= (opts.shard_bytes or WRITER_SHARD_BYTES) and self._stored % shard_multiple(opts) == 0:
@@ -164,6 +174,10 @@ class Writer:
                                                        hint="pass classes=")
         if why is not None:
             return SourceError(key, why), {}
+        if image is None:
+            if self._options_for(None).payload != IMAGELESS:
+                return SourceError(key, "no image, but this dataset stores images (its first sample had one)"), {}
+            return PreparedSample(-1, key, int(label), b"", 0, 0), cells
         if isinstance(image, np.ndarray):
             if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
                 why = f"image array {image.dtype} {image.shape}: expected HWC uint8 RGB (H, W, 3)"
@@ -177,6 +191,9 @@ class Writer:
             return SourceError(key, f"image: expected encoded bytes or an HWC uint8 array, "
                                     f"found {type(image).__name__}"), {}
         opts = self._options_for(data)
+        if opts.payload == IMAGELESS:
+            return SourceError(key, "an image, but this dataset holds none (its first sample had none, or "
+                                    "payload='none')"), {}
         if isinstance(data, np.ndarray) and opts.payload != "raw":
             raise OptionError(f"{self.out}: sample {key}: an array of pixels needs payload='raw' (this dataset "
                               "stores encoded images, and packer never encodes pixels)")
@@ -195,11 +212,13 @@ class Writer:
 
     def _make_options(self, data: Any) -> ConvertOptions:
         """Options from the keywords given; without ``payload``: raw for pixels (an array, or ``resize`` or
-        ``compression``, which apply to pixels only), else the format's default."""
+        ``compression``, which apply to pixels only), none for no image, else the format's default."""
         given = dict(self.given)
         if given.get("payload") is None and (isinstance(data, np.ndarray) or given.get("resize") is not None
                                              or given.get("compression") is not None):
             given["payload"] = "raw"
+        elif given.get("payload") is None and data is None:
+            given["payload"] = IMAGELESS
         return make_options(self.fmt.name, **given)
 
     # ------------------------------------------------------------ shards and journal
@@ -304,9 +323,10 @@ class Writer:
         if self.complete:
             swap_into_place(self.partial, self.out)
             return
-        self._options_for(b"")
+        self._options_for(b"")  # no sample added: an empty dataset of the format's default payload
         self._flush()
-        index = stored_index(self.done, [k for r in self.done for k in r.rel_paths])  # stored in the order added
+        keys = [k for r in self.done for k in r.rel_paths]  # stored in the order added, named by their number
+        index = stored_index(self.done, keys, np.asarray([int(k) for k in keys], dtype=np.int64))
         columns: dict[str, list[Any]] = {k: [] for k in self.specs}
         for sid, result in enumerate(self.done):
             store = FieldStore.load(self._spool(sid), {k: s.text for k, s in self.specs.items()},
@@ -317,9 +337,9 @@ class Writer:
         assert self.opts is not None
         manifest = Manifest(format=self.fmt.name, payload=self.opts.payload, num_samples=len(index), classes=classes,
                             shards=[r.shard for r in self.done], options=self.opts.record(),
-                            source_type=SOURCE_TYPE, created_by=f"packer {__version__}",
+                            source_type=SOURCE_TYPE, source_records=self.count, created_by=f"packer {__version__}",
                             created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-        errors = [e for r in self.done for e in r.errors]
+        errors = [replace(e, index=int(e.path)) for r in self.done for e in r.errors]  # sample n: source index n
         seal(self.partial, self.out, index, errors, {}, manifest, self.specs, columns)
 
     def __enter__(self) -> Writer:

@@ -22,6 +22,7 @@ CASES = [
     ("measure_distributed.py", "{d}/imgs --dask-workers 1 --pool-workers 2 --shard-size 20KB --repeats 1",
      "outputs byte-identical: True"),
     ("lmdb_readahead.py", "{d}/imgs.lmdb --repeats 1", "uniform shuffle"),
+    ("lmdb_read_paths.py", "{d}/imgs.lmdb --repeats 1 --batch-size 8", "ThreadLoader epochs"),
     ("shuffle_quality.py", "--dataset {d}/imgs.lmdb --batch 8 --block-mb 1 --epochs 1", "| block"),
     ("region_decode_speed.py", "{d}/imgs --count 10 --repeats 1", "region / whole"),
     ("train_example.py", "{d}/imgs.lmdb --epochs 1 --workers 2 --batch-size 8", "epoch 0: loss"),

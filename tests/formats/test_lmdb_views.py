@@ -69,6 +69,26 @@ def test_views_equal_py_lmdb_values(bases, name):
     assert [bytes(p) for p in ds.payloads_at(shuffled)] == [expected[i] for i in shuffled]
 
 
+@pytest.mark.parametrize("first", ["py-lmdb", "packer"])
+def test_a_py_lmdb_environment_open_on_a_shard_in_this_process(bases, first):
+    """A user's own lmdb.Environment on a shard, opened before or after the dataset reads it: both read (py-lmdb
+    refuses to open one file twice in a process, and packer once opened every shard with it)."""
+    path = bases / "encoded"
+    expected = lmdb_values(path)
+    shard = str(path / "shard-00000.lmdb")
+    ds = open_dataset(path)
+    if first == "packer":
+        assert bytes(ds.payload_at(0)) == expected[0]
+    env = lmdb.open(shard, subdir=False, readonly=True, lock=False)
+    try:
+        assert [bytes(p) for p in ds.payloads_at(np.arange(len(ds)))] == expected
+        assert bytes(open_dataset(path)[0][0].tobytes()) and ds.read_payload(0) is not None
+        with env.begin() as txn:
+            assert txn.get(b"%010d" % 0) == expected[0]
+    finally:
+        env.close()
+
+
 def test_fixed_shape_batches_copy_the_stored_pixels(bases):
     ds = open_dataset(bases / "fixed", image="tensor")
     expected = [np.frombuffer(v, np.uint8).reshape(16, 12, 3) for v in lmdb_values(bases / "fixed")]

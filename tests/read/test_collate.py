@@ -7,10 +7,10 @@ import pytest
 import torch
 from PIL import Image
 from support.imagesets import make_imagefolder
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader, Subset, default_collate
 
 import packer
-from packer import convert, open_dataset
+from packer import PackerError, convert, open_dataset
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +24,39 @@ def mixed_sizes(tmp_path_factory):
     return convert(src, root / "ds.lmdb", to="lmdb", workers=0, progress=False).output
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("image", ["tensor", "numpy"])
+def test_default_collate_of_mixed_sizes_names_packer_collate(mixed_sizes, workers, image, tmp_path):
+    """torch's default collate over photos of several sizes, in DataLoader workers: a PackerError naming the fix
+    (torch alone says "Trying to resize storage that is not resizable"); with no workers torch's own clear
+    "stack expects each tensor to be equal size"; one size still stacks as before."""
+    ds = open_dataset(mixed_sizes, image=image)
+    error = (PackerError, r"the images of this batch: \d+ different shapes .*collate_fn=packer\.coll") if workers \
+        else (RuntimeError, "stack expects each tensor to be equal size")
+    with pytest.raises(error[0], match=error[1]):
+        next(iter(DataLoader(ds, batch_size=len(ds), num_workers=workers)))
+    one = open_dataset(convert(ds.root, tmp_path / "one.lmdb", payload="raw", resize="16x20", workers=0,
+                               progress=False).output, image=image)
+    imgs, labels = next(iter(DataLoader(Subset(one, [3, 1, 4, 0]), batch_size=4, num_workers=workers)))
+    assert tuple(imgs.shape) == ((4, 3, 16, 20) if image == "tensor" else (4, 16, 20, 3))
+    assert labels.tolist() == [one.targets[i] for i in (3, 1, 4, 0)]
+    got = next(iter(DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=lambda b: b)))
+    assert [type(s) for s in got] == [tuple] * 4  # the mark never reaches other collate functions' output
+
+
+def test_fields_of_several_shapes_are_named_too(tmp_path):
+    with packer.Writer(tmp_path / "b.lmdb", fields={"boxes": "float32[:,4]"}) as w:
+        for k in range(4):
+            w.add(np.zeros((8, 8, 3), np.uint8), label=0, boxes=np.zeros((k + 1, 4), np.float32))
+    ds = open_dataset(tmp_path / "b.lmdb", image="tensor", fields="all")
+    with pytest.raises(PackerError, match="field 'boxes' of this batch: 4 different shapes"):
+        next(iter(DataLoader(ds, batch_size=4, num_workers=2)))
+    batch = next(iter(DataLoader(ds, batch_size=4, collate_fn=packer.collate)))
+    assert [b.shape[0] for b in batch["boxes"]] == [1, 2, 3, 4]
+
+
 def test_default_collate_fails_on_mixed_sizes_and_packer_collate_does_not(mixed_sizes):
     ds = open_dataset(mixed_sizes, image="tensor")
-    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
-        next(iter(DataLoader(ds, batch_size=len(ds))))
     imgs, labels = next(iter(DataLoader(ds, batch_size=len(ds), collate_fn=packer.collate)))
     assert isinstance(imgs, list) and len(imgs) == len(ds)
     assert labels.dtype == torch.int64 and labels.tolist() == ds.targets

@@ -82,7 +82,7 @@ def check_against_open_dataset(path: Path, samples) -> None:
 
 
 CASES = [pytest.param(name, payload, id=f"{name}-{payload}")
-         for name, fmt in FORMATS.items() for payload in sorted(fmt.payloads)]
+         for name, fmt in FORMATS.items() for payload in sorted(fmt.payloads - {"none"})]  # images only
 
 
 @pytest.mark.parametrize(("name", "payload"), CASES)

@@ -147,11 +147,14 @@ def test_subset_in_dataloader_workers_gets_imagefolder_labels(packed, source, co
 
 
 def _as_old_layout(path: Path, relative_source: bool) -> None:
-    """What a dataset written before this change looks like: no position map (and maybe a relative source)."""
+    """What a dataset written before this change looks like: no position map, no source numbers (and maybe a
+    relative source)."""
     (path / "meta" / "position.npy").unlink()
+    (path / "meta" / "source_index.npy").unlink()
     m = json.loads((path / "manifest.json").read_text())
-    m["meta_files"] = [f for f in m["meta_files"] if f["name"] != "meta/position.npy"]
+    m["meta_files"] = [f for f in m["meta_files"] if f["name"] not in ("meta/position.npy", "meta/source_index.npy")]
     m.pop("extensions")
+    m.pop("source_records")
     if relative_source:
         m["source"] = "src"
     (path / "manifest.json").write_text(json.dumps(m))
@@ -210,6 +213,12 @@ def test_verify_against_checks_the_indexing(packed, source, tmp_path):
     pos = np.load(crafted / "meta" / "position.npy")
     pos[[0, 1]] = pos[[1, 0]]  # still a permutation: ds[0] and ds[1] swapped
     np.save(crafted / "meta" / "position.npy", pos)
+    _rewrite_checksums(crafted)
+    with pytest.raises(PackerError, match="source_index.npy: not increasing"):  # the source numbers disagree
+        open_dataset(crafted)
+    numbers = np.load(crafted / "meta" / "source_index.npy")
+    numbers[pos[[0, 1]]] = numbers[pos[[1, 0]]]  # ... unless swapped with them: then only the source tells
+    np.save(crafted / "meta" / "source_index.npy", numbers)
     _rewrite_checksums(crafted)
     report = verify(crafted, against=source)
     assert any("ImageFolder's sample 0" in p for p in report.problems), report.problems

@@ -22,12 +22,11 @@ from packer.cli import main
 from packer.read.sampler import (
     BlockBatchSampler,
     BlockShuffleSampler,
-    batchmates_again,
     block_boundaries,
     block_order,
     rank_order,
-    shuffle_stats,
 )
+from packer.read.shuffle_quality import batchmates_again, shuffle_stats
 from packer.write.scan import scan_folder
 
 CLASS_SIZES = [25, 24, 25, 24, 25, 24, 24, 24]  # 195 images: odd, so ranks need padding or dropping

@@ -15,7 +15,15 @@ import torch
 from support.imagesets import make_imagefolder
 from torch.utils.data import DataLoader
 
-from packer import BackgroundLoader, BlockBatchSampler, BlockShuffleSampler, PackerError, convert, open_dataset
+from packer import (
+    BackgroundLoader,
+    BlockBatchSampler,
+    BlockShuffleSampler,
+    PackerError,
+    ThreadLoader,
+    convert,
+    open_dataset,
+)
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
@@ -72,6 +80,7 @@ def test_plain_loop_resumes_exactly_json_state(packed):
     s = sampler(packed)
     s.set_epoch(2)
     whole = list(s)
+    s.set_epoch(2)  # without it the next pass is epoch 3's
     it = iter(s)
     head = [next(it) for _ in range(21)]
     state = json.loads(json.dumps(s.state_dict()))  # plain ints: any checkpoint format holds it
@@ -80,6 +89,7 @@ def test_plain_loop_resumes_exactly_json_state(packed):
     fresh.load_state_dict(state)
     fresh.set_epoch(2)  # the loop calling set_epoch for the saved epoch keeps the position
     assert head + list(fresh) == whole
+    fresh.set_epoch(2)
     assert list(fresh) == whole  # the next iteration of that epoch starts at its beginning again
 
 
@@ -101,14 +111,92 @@ def test_state_across_the_epoch_boundary(packed):
         fresh.set_epoch(epoch)
         resumed += list(fresh)
     assert head + resumed == run[1] + run[2]
-    # saved at the very end of epoch 0: the next epoch starts whole
+    # saved at the very end of epoch 0: the next epoch starts whole, chosen by set_epoch or by itself
     end = sampler(packed)
     list(end)
     fresh = sampler(packed)
     fresh.load_state_dict(end.state_dict())
-    assert list(fresh) == []
+    fresh.set_epoch(0)
+    assert list(fresh) == []  # epoch 0 was done
     fresh.set_epoch(1)
     assert list(fresh) == run[1]
+    fresh = sampler(packed)
+    fresh.load_state_dict(end.state_dict())
+    assert list(fresh) == run[1] and list(fresh) == run[2]  # as the run without the interruption goes on
+
+
+def test_each_pass_without_set_epoch_is_the_next_epoch(packed):
+    """A plain loop that never calls set_epoch reshuffles every pass, as shuffle=True does: the orders set_epoch(0),
+    (1), (2) give; a loop calling set_epoch keeps choosing (the same epoch twice repeats it)."""
+    explicit = sampler(packed)
+    want = []
+    for epoch in range(3):
+        explicit.set_epoch(epoch)
+        want.append(list(explicit))
+    assert want[0] != want[1] != want[2] and sorted(want[0]) == sorted(want[1])
+    plain = sampler(packed)
+    assert [list(plain) for _ in range(3)] == want and plain.epoch == 2
+    unread, left = iter(plain), iter(plain)  # an iterator nobody reads (DataLoader makes one) is no pass
+    [next(left) for _ in range(5)]  # and one left before its end (a break) is started again
+    del unread, left
+    assert list(plain) == [int(i) for i in plain.order(3)] and list(plain) == [int(i) for i in plain.order(4)]
+    explicit.set_epoch(1)
+    assert list(explicit) == want[1]
+    explicit.set_epoch(1)
+    assert list(explicit) == want[1]
+
+
+def test_ranks_stay_in_step_without_set_epoch(packed):
+    """DDP-style ranks each loop over their sampler without set_epoch: every pass, the ranks split the same epoch."""
+    ranks = [sampler(packed, num_replicas=2, rank=r) for r in (0, 1)]
+    n = len(packed["ds"])
+    seen = []
+    for epoch in range(3):
+        parts = [list(r) for r in ranks]
+        assert len(parts[0]) == len(parts[1]) == (n + 1) // 2 and set(parts[0] + parts[1]) == set(range(n))
+        assert parts == [[int(i) for i in r.order(epoch)] for r in ranks]
+        seen.append(parts)
+    assert seen[0] != seen[1] != seen[2]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_and_threadloader_loops_reshuffle_without_set_epoch(packed, workers):
+    """A DataLoader makes two iterators per epoch with workers (it reads one): still one epoch per loop; ThreadLoader
+    and StatefulDataLoader the same."""
+    loader, s = loader_for(packed, cls=DataLoader, workers=workers)
+    got = [[i for b in loader for i in indices(b)] for _ in range(3)]
+    assert got == [[int(i) for i in s.order(e)] for e in range(3)]
+    labels = packed["ds"].targets
+    t = sampler(packed)
+    threads = ThreadLoader(packed["ds"], sampler=t, batch_size=BATCH, num_threads=2,
+                           collate_fn=lambda items: [label for _, label in items])
+    assert [[x for b in threads for x in b] for _ in range(2)] == [[labels[i] for i in got[e]] for e in range(2)]
+    stateful, _ = loader_for(packed, workers=workers)
+    assert [[i for b in stateful for i in indices(b)] for _ in range(3)] == got
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("where", ["mid-epoch", "end of epoch"])
+def test_stateful_dataloader_without_set_epoch_resumes_into_the_same_epochs(packed, workers, where):
+    """No set_epoch anywhere: killed in epoch 1 (after 3 batches, or right after its last) and resumed, the run
+    goes on exactly as the uninterrupted one (StatefulDataLoader's own resume makes and drops iterators)."""
+    whole, _ = loader_for(packed, workers=workers)
+    run = [[indices(b) for b in whole] for _ in range(3)]
+    assert run[0] != run[1] != run[2]  # each epoch its own order
+    first, _ = loader_for(packed, workers=workers)
+    assert [indices(b) for b in first] == run[0]
+    it = iter(first)
+    k = 3 if where == "mid-epoch" else len(run[1])
+    head = [indices(next(it)) for _ in range(k)]
+    if where == "end of epoch":
+        assert next(it, None) is None
+    state = first.state_dict()
+    del it
+    again, _ = loader_for(packed, workers=workers)
+    again.load_state_dict(state)
+    rest = [indices(b) for b in again] if where == "mid-epoch" else []
+    assert head + rest == run[1]
+    assert [indices(b) for b in again] == run[2]
 
 
 def test_a_state_for_another_order_is_refused(packed):

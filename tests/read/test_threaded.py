@@ -49,6 +49,8 @@ def test_batches_equal_the_dataloaders(packed, fmt, order):
     ds = open_dataset(packed[fmt], image="tensor")
     sampler = packer.BlockShuffleSampler(ds, batch_size=4, seed=1, block_bytes=2000) if order == "block" else None
     want = list(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=0, collate_fn=packer.collate))
+    if sampler is not None:
+        sampler.set_epoch(0)  # the same epoch again (a second pass would take the next by itself)
     loader = ThreadLoader(ds, batch_size=4, sampler=sampler, num_threads=3)
     assert len(loader) == len(want)
     got = list(loader)
@@ -173,7 +175,9 @@ def test_reads_are_queued_batches_ahead_in_the_order_decoded(packed, monkeypatch
     sampler = packer.BlockShuffleSampler(ds, batch_size=4, seed=3, block_bytes=2000)
     want = list(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=0, collate_fn=packer.collate))
     events.clear()
+    sampler.set_epoch(0)  # each pass below reads epoch 0 again (without it, each would take the next epoch)
     same_batches(list(ThreadLoader(ds, batch_size=4, sampler=sampler, num_threads=2)), want)
+    sampler.set_epoch(0)
     batches = [ds.positions(b).tolist() for b in torch.utils.data.BatchSampler(sampler, 4, False)]
     starts = [e for e in events if e[0] == "start"]
     assert [e[1] for e in starts] == batches and all(e[2] is not None for e in starts)

@@ -45,7 +45,7 @@ def test_info_lists_classes_sizes_and_shards_people_can_read(tmp_path):
                   progress=False).output
     rows = _rows(bmp)
     assert rows["classes"] == "3: class_0, class_1, class_2"
-    assert rows["shards"].startswith("12 files, one per sample, in 1 shard, 7 metadata files; ")
+    assert rows["shards"].startswith("12 files, one per sample, in 1 shard, 8 metadata files; ")
     assert rows["order"] == "ImageFolder's (source) order" and rows["scan"] == "hidden names skipped"
     mosaic = convert(few, tmp_path / "i.mosaic", to="mosaic", tile="16x16", grid="2x3", workers=0,
                      progress=False).output

@@ -98,17 +98,37 @@ def test_shard_size_bounds_every_tar_and_the_index_lists_them(tmp_path):
             assert len({m.name.split(".")[0] for m in tar.getmembers()}) == shard["num_samples"]
 
 
-def test_export_converts_back_to_identical_payloads_and_labels(dotted, tmp_path):
-    out = export_wds(dotted, tmp_path / "out", workers=0, progress=False).output
-    r = run_cli("convert", out, "--to", "lmdb", "-o", tmp_path / "back.lmdb", "--workers", "0", "-q")
+@pytest.mark.parametrize("given", ["folder", "pattern", "one shard"])
+def test_export_converts_back_to_identical_indices_paths_payloads_and_labels(dotted, tmp_path, given):
+    """The README's round trip: the folder, a brace pattern or a single shard of an export converts back with the
+    source's indices, relative paths, bytes, labels and class names (classes.txt beside the shards)."""
+    out = export_wds(dotted, tmp_path / "out", workers=0, progress=False, shard_bytes=None if given == "folder"
+                     else 64 << 20).output  # the pattern and the shard name all samples: one shard
+    src = {"folder": out, "pattern": out / "shard-{000000..000000}.tar", "one shard": out / "shard-000000.tar"}[given]
+    extra = ["--source-type", "webdataset"] if given == "one shard" else []  # a lone .tar is an archive otherwise
+    r = run_cli("convert", src, *extra, "--to", "hdf5", "-o", tmp_path / "back.hdf5", "--workers", "0", "-q")
     assert r.returncode == 0, r.stderr
-    back = open_dataset(tmp_path / "back.lmdb")
+    back = open_dataset(tmp_path / "back.hdf5")
     reference = ImageFolder(dotted)
     assert back.classes == reference.classes and back.manifest.source_type == "webdataset"
-    for j, rel in enumerate(back.relpaths):
-        i = int(rel.split("/")[1].split(".")[0])  # shard-000000.tar/<key>.<ext>
-        path, label = reference.samples[i]
-        assert bytes(back.read_payload(j)) == Path(path).read_bytes() and back.targets[j] == label
+    assert len(back) == len(reference) and back.indexing == "imagefolder"
+    assert back.relpaths == [os.path.relpath(p, dotted) for p, _ in reference.samples]
+    for i, (path, label) in enumerate(reference.samples):
+        assert bytes(back.read_payload(i)) == Path(path).read_bytes() and back.targets[i] == label
+    assert "ds[i] is source record i" in run_cli("info", tmp_path / "back.hdf5").stdout
+
+
+def test_every_image_kind_the_export_writes_converts_back(tmp_path):
+    """bmp, tif, ppm, gif members (not webdataset's jpg/png/webp) come back too from packer's own export."""
+    src = tmp_path / "kinds"
+    (src / "a").mkdir(parents=True)
+    img = Image.fromarray(np.random.default_rng(1).integers(0, 255, (12, 10, 3), dtype=np.uint8))
+    for ext, fmt in (("bmp", "BMP"), ("tif", "TIFF"), ("ppm", "PPM"), ("png", "PNG")):
+        img.save(src / "a" / f"x.{ext}", format=fmt)
+    out = export_wds(src, tmp_path / "out", workers=0, progress=False).output
+    back = open_dataset(convert(out, tmp_path / "back.lmdb", workers=0, progress=False).output)
+    assert back.relpaths == ["a/x.bmp", "a/x.png", "a/x.ppm", "a/x.tif"]
+    assert all(bytes(back.read_payload(i)) == (src / r).read_bytes() for i, r in enumerate(back.relpaths))
 
 
 def test_unreadable_records_go_to_errors_json_and_leave_their_number_unused(tmp_path):
@@ -239,3 +259,47 @@ def test_writer_fields_become_the_json_member_in_extracts_form(tmp_path):
     for i, want in enumerate(samples):
         assert got[i]["jpg"] == want["image"] and int(got[i]["cls"]) == want["label"]
         assert json.loads(got[i]["json"]) == {k: json.loads(json.dumps(json_value(want[k]))) for k in SPECS}
+
+
+@pytest.mark.parametrize("count", [5, 40])
+def test_default_shards_feed_webdataset_with_two_dataloader_workers(tmp_path, count, capsys):
+    """The default export of a small dataset has a shard per worker and more: webdataset's own loader with
+    DataLoader(num_workers=2) reads every sample once (one 256 MB shard made its second worker fail)."""
+    from torch.utils.data import DataLoader
+
+    src = make_imagefolder(tmp_path / "imgs", classes=1, per_class=count)
+    out = export_wds(src, tmp_path / "out", workers=0, progress=False).output
+    shards = sorted(str(p) for p in out.glob("shard-*.tar"))
+    assert len(shards) == min(count, -(-count // max(1, count // 16))) and len(shards) >= min(count, 16)
+    assert "fewer shards than workers" not in capsys.readouterr().err
+    loader = DataLoader(webdataset.WebDataset(shards, shardshuffle=False), batch_size=None, num_workers=2)
+    assert sorted(int(sample["__key__"]) for sample in loader) == list(range(count))
+
+
+def test_a_shard_size_giving_few_shards_says_how_to_get_more(tmp_path, capsys):
+    src = make_imagefolder(tmp_path / "imgs", classes=1, per_class=20)
+    out = export_wds(src, tmp_path / "out", shard_bytes=64 << 20, workers=0, progress=False).output
+    assert len(list(out.glob("shard-*.tar"))) == 1
+    err = capsys.readouterr().err
+    assert "1 shard(s)" in err and "fewer shards than workers" in err and "--shard-size" in err
+
+
+def test_an_export_made_before_paths_were_kept_still_converts_back(dotted, tmp_path):
+    """An older export (no <key>.path.txt, no source_records): keys still number the records, paths are the
+    shard's member names as before."""
+    out = export_wds(dotted, tmp_path / "out", workers=0, progress=False, shard_bytes=64 << 20).output
+    shard = out / "shard-000000.tar"
+    with tarfile.open(shard) as tf:
+        kept = [(m, tf.extractfile(m).read()) for m in tf.getmembers() if not m.name.endswith(".path.txt")]
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tf:
+        for m, data in kept:
+            tf.addfile(m, io.BytesIO(data))
+    index = json.loads((out / EXPORT_NAME).read_text())
+    index.pop("source_records")
+    index["shards"][0].update(num_bytes=shard.stat().st_size, sha256=sha256_file(shard))
+    (out / EXPORT_NAME).write_text(json.dumps(index))
+    back = open_dataset(convert(out, tmp_path / "back.lmdb", workers=0, progress=False).output)
+    reference = ImageFolder(dotted)
+    assert len(back) == len(reference) and back.classes == reference.classes
+    assert [int(r.split("/")[1].split(".")[0]) for r in back.relpaths] == list(range(len(reference)))
+    assert all(bytes(back.read_payload(i)) == Path(p).read_bytes() for i, (p, _) in enumerate(reference.samples))

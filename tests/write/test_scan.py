@@ -95,7 +95,7 @@ def test_skip_hidden_leaves_out_exactly_the_hidden_names(tmp_path):
     res = run_cli("convert", root, "-o", out, "--skip-hidden", "--order", "source", "--workers", "0")
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
-    assert lines[0].startswith(f"packed 6 of 11 files into {out} in ")  # 11: the hidden folders' files uncounted
+    assert lines[0].startswith(f"packed 6 of 11 files into {out}/ in ")  # 11: the hidden folders' files uncounted
     assert lines[1] == ("left out: 2 not images (.csv x1, .txt x1), 1 outside class folders, "
                         "2 hidden files and 2 hidden folders (--skip-hidden)")
     ds = open_dataset(out)
@@ -236,18 +236,20 @@ def test_link_loops_are_reported_and_not_followed(tmp_path):
     os.symlink("../class_0/plain", src / "class_1" / "alias")  # no loop: followed, as ImageFolder does
     scan = scan_folder(src)
     assert scan.classes == ["class_0", "class_1"]
-    assert list(zip(scan.rel_paths, scan.labels.tolist())) == [
-        ("class_0/img_000.jpg", 0), ("class_0/img_001.jpg", 0), ("class_0/plain/flat.jpg", 0),
+    assert list(zip(scan.rel_paths, scan.labels.tolist())) == [  # self.jpg too: os.walk lists it, ImageFolder
+        ("class_0/img_000.jpg", 0), ("class_0/img_001.jpg", 0), ("class_0/plain/flat.jpg", 0),  # numbers it
         ("class_0/sub/deep.jpg", 0), ("class_1/img_000.jpg", 1), ("class_1/img_001.jpg", 1),
-        ("class_1/alias/flat.jpg", 1)]
+        ("class_1/self.jpg", 1), ("class_1/alias/flat.jpg", 1)]
     reasons = {e.path: e.reason for e in scan.errors}
-    assert set(reasons) == {"again/", "class_0/sub/up/", "class_0/sub/top/", "class_1/self.jpg"}
+    assert set(reasons) == {"again/", "class_0/sub/up/", "class_0/sub/top/"}
     assert all("loop" in r for r in reasons.values()), reasons
 
     res = convert(src, tmp_path / "o.lmdb", workers=0, progress=False)  # goes on, and reports each loop
-    assert res.num_samples == len(scan)
+    assert res.num_samples == len(scan) - 1
     report = json.loads((res.output / "errors.json").read_text())
-    assert {e["path"] for e in report["errors"]} == set(reasons)
+    assert {e["path"] for e in report["errors"]} == {*reasons, "class_1/self.jpg"}
+    looped = next(e for e in report["errors"] if e["path"] == "class_1/self.jpg")
+    assert "symbolic link loop" in looped["reason"] and looped["index"] == 6  # ImageFolder's index
     assert verify(res.output, against=src).ok  # reported loops are no problem for verify
 
 

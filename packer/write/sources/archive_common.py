@@ -82,7 +82,7 @@ class Members:
     def refuse(self, rel: str, reason: str, member: str | None = None, record: bool = True) -> None:
         """A member not packed (``record``: False for a part of the archive that holds records: a class tar, the
         rest of a damaged archive)."""
-        self.errors.append(SourceError(rel, reason, f"{self.where}: member {member or rel}", record))
+        self.errors.append(SourceError(rel, reason, f"{self.where}: member {member or rel}", record=record))
 
     def add(self, rel: str, loc: Any, member: str | None = None) -> None:
         """A regular file's member: kept when an image name, not hidden and not seen before."""

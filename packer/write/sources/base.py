@@ -38,6 +38,7 @@ class SourceReader(ABC):
 
     sequential: ClassVar[bool] = False  # True: records can only be read in scan order (a compressed tar)
     gives_pixels: bool = False  # True: read() gives HWC pixels (a packed dataset of raw payloads): raw output only
+    holds_images: bool = True  # False: records of fields alone (a packed dataset of payload none): none output only
 
     @abstractmethod
     def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
@@ -90,6 +91,8 @@ class FileReader(SourceReader):
         try:
             data, facts = read_source(path)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise RecordError(f"symbolic link loop ({exc.strerror})") from None
             if not os.path.exists(path) and os.path.islink(path):
                 raise RecordError("broken symbolic link") from None
             raise RecordError(f"cannot read: {exc.strerror or exc}") from None

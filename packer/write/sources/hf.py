@@ -169,13 +169,17 @@ class HFSource(Source):
         specs, cells = scalar_fields({c: rows.values.get(c, []) for c in rows.scalars})
         return ScanResult(root=files.root, classes=classes, rel_paths=rows.keys, labels=labels, ignored=Counter(),
                           errors=rows.errors, reader=RowReader(files, image_col, root), locs=rows.locs,
-                          field_specs=specs, fields=cells)
+                          field_specs=specs, fields=cells, numbers=np.asarray(rows.numbers, dtype=np.int64),
+                          source_records=rows.count)
 
 
 class _Rows:
-    """The rows found so far: keys, labels, locators, and the errors with file and row."""
+    """The rows found so far: keys, labels, locators, numbers (rows of every file in order, 0 first), and the
+    errors with file, row and number."""
 
     def __init__(self) -> None:
+        self.count = 0  # rows met so far, refused ones included
+        self.numbers: list[int] = []
         self.keys: list[str] = []
         self.labels: list[int] = []
         self.locs: list[Any] = []
@@ -201,11 +205,13 @@ class _Rows:
             row, path = first + r, paths[r]
             suffix = PurePosixPath(path).suffix.lower() if isinstance(path, str) and is_image_name(path) else ""
             key, where = f"{name}/{row}{suffix}", f"{name}: row {row}"
+            number = self.count
+            self.count += 1
             if labels[r] is None:
-                self.errors.append(SourceError(key, f"no label (null in column {self.label_col!r})", where))
+                self.errors.append(SourceError(key, f"no label (null in column {self.label_col!r})", where, number))
                 continue
             if self.label_col and (why := label_problem(labels[r], named)) is not None:
-                self.errors.append(SourceError(key, why, where))
+                self.errors.append(SourceError(key, why, where, number))
                 continue
             if lengths[r] > 0:
                 loc: Any = (f, k, r, lengths[r])
@@ -213,15 +219,16 @@ class _Rows:
                 try:
                     loc = inside_root(path, where)
                 except PackerError as exc:
-                    self.errors.append(SourceError(key, str(exc), where))
+                    self.errors.append(SourceError(key, str(exc), where, number))
                     continue
             else:
                 why = f"only a path ({path!r}): give --root to read it from there" if path else "no image"
-                self.errors.append(SourceError(key, why, where))
+                self.errors.append(SourceError(key, why, where, number))
                 continue
             for c, values in scalars.items():
                 self.values.setdefault(c, []).append(values[r])
             self.keys.append(key)
+            self.numbers.append(number)
             self.labels.append(int(labels[r]))
             self.locs.append(loc)
             self.where.append(where)

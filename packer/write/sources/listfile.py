@@ -32,13 +32,20 @@ LIST_SUFFIXES = (".csv", ".tsv", ".txt", ".lst")
 
 @dataclass
 class _Rows:
-    """What the list holds, before labels are resolved: per kept row its path, label text and line."""
+    """What the list holds, before labels are resolved: per kept row its path, label text, line and number (the
+    list's numbering: its data rows in order, 0 first, refused ones included); ``count``: rows numbered so far."""
 
     paths: list[str] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)
     lines: list[int] = field(default_factory=list)
+    numbers: list[int] = field(default_factory=list)
     extras: dict[str, list[str]] = field(default_factory=dict)
     errors: list[SourceError] = field(default_factory=list)
+    count: int = 0
+
+    def refuse(self, path: str, reason: str, location: str) -> None:
+        """The row numbered last is not packed: an errors.json entry with its number."""
+        self.errors.append(SourceError(path, reason, location, self.count - 1))
 
 
 class ListSource(Source):
@@ -74,7 +81,8 @@ class ListSource(Source):
         specs, cells = columns_as_fields(rows.extras)
         return ScanResult(root=root, classes=classes, rel_paths=rows.paths, labels=labels, errors=rows.errors,
                           ignored=Counter(), reader=FileReader(root, path.name), locs=list(rows.lines),
-                          field_specs=specs, fields=cells)
+                          field_specs=specs, fields=cells, numbers=np.asarray(rows.numbers, dtype=np.int64),
+                          source_records=rows.count)
 
     def _columns(self) -> tuple[str, str]:
         return self.options.path_column or "path", self.options.label_column or "label"
@@ -100,9 +108,10 @@ def _csv_rows(path: Path, text: str, columns: tuple[str, str]) -> _Rows:
             line = reader.line_num
             if not row or all(not v.strip() for v in row):
                 continue
+            rows.count += 1
             if len(row) != len(header):
-                rows.errors.append(SourceError(row[ip] if ip < len(row) else "", f"{len(row)} fields, the header "
-                                               f"has {len(header)}: row not packed", f"{path.name} line {line}"))
+                rows.refuse(row[ip] if ip < len(row) else "", f"{len(row)} fields, the header has {len(header)}: "
+                            "row not packed", f"{path.name} line {line}")
                 continue
             _add_row(rows, seen, path.name, line, row[ip], row[il], {h: row[i] for i, h in others})
     except csv.Error as exc:
@@ -117,9 +126,10 @@ def _plain_rows(path: Path, text: str) -> _Rows:
         body = raw.strip()
         if not body or body.startswith("#"):
             continue
+        rows.count += 1
         parts = body.rsplit(None, 1)
         if len(parts) != 2:
-            rows.errors.append(SourceError(body, "no label (expected 'path label')", f"{path.name} line {line}"))
+            rows.refuse(body, "no label (expected 'path label')", f"{path.name} line {line}")
             continue
         _add_row(rows, seen, path.name, line, parts[0], parts[1], {})
     return rows
@@ -140,14 +150,13 @@ def _mxnet_rows(path: Path, text: str) -> _Rows:
     for line, raw in enumerate(text.splitlines(), start=1):
         if not raw.strip():
             continue
+        rows.count += 1
         fields = raw.split("\t")
         where = f"{path.name} line {line}"
         if len(fields) < 3 or not fields[0].strip().isdigit():
-            rows.errors.append(SourceError(fields[-1].strip(), "not an MXNet list line ('index<TAB>label<TAB>path')",
-                                           where))
+            rows.refuse(fields[-1].strip(), "not an MXNet list line ('index<TAB>label<TAB>path')", where)
         elif len(fields) > 3:
-            rows.errors.append(SourceError(fields[-1].strip(), f"{len(fields) - 2} labels: packer keeps one label "
-                                           "per image", where))
+            rows.refuse(fields[-1].strip(), f"{len(fields) - 2} labels: packer keeps one label per image", where)
         else:
             _add_row(rows, seen, path.name, line, fields[2], _integral(fields[1].strip()), {})
     return rows
@@ -180,10 +189,11 @@ def _labels(path: Path, rows: _Rows, classes_file: str | None) -> tuple[list[str
     keep = [i for i, v in enumerate(values) if isinstance(v, int)]
     for i, v in enumerate(values):
         if isinstance(v, str):
-            rows.errors.append(SourceError(rows.paths[i], v, f"{path.name} line {rows.lines[i]}"))
+            rows.errors.append(SourceError(rows.paths[i], v, f"{path.name} line {rows.lines[i]}", rows.numbers[i]))
     labels = np.asarray([values[i] for i in keep], dtype=np.int64)
     rows.paths = [rows.paths[i] for i in keep]
     rows.lines = [rows.lines[i] for i in keep]
+    rows.numbers = [rows.numbers[i] for i in keep]
     rows.extras = {k: [v[i] for i in keep] for k, v in rows.extras.items()}
     return classes, labels
 
@@ -204,17 +214,17 @@ def _add_row(rows: _Rows, seen: dict[str, int], name: str, line: int, rel: str, 
     rel = rel.strip()
     clean = posixpath.normpath(rel) if rel else ""
     if not rel:
-        rows.errors.append(SourceError(rel, "empty path", where))
+        rows.refuse(rel, "empty path", where)
     elif "\x00" in rel or "\\" in rel or rel.startswith(("/", "~")) or clean == ".." or clean.startswith("../"):
-        rows.errors.append(SourceError(rel, "path leaves --root (absolute, ~ or ..): refused", where))
+        rows.refuse(rel, "path leaves --root (absolute, ~ or ..): refused", where)
     elif clean in seen:
-        rows.errors.append(SourceError(clean, f"listed twice (first on line {seen[clean]}): this row is not packed",
-                                       where))
+        rows.refuse(clean, f"listed twice (first on line {seen[clean]}): this row is not packed", where)
     else:
         seen[clean] = line
         rows.paths.append(clean)
         rows.labels.append(label.strip())
         rows.lines.append(line)
+        rows.numbers.append(rows.count - 1)
         for k, v in extras.items():
             rows.extras.setdefault(k, []).append(v)
 

@@ -104,55 +104,60 @@ class RecordIOSource(Source):
         except OSError as exc:
             raise PackerError(f"{rec}: cannot open ({exc.strerror or exc})") from None
         errors: list[SourceError] = []
-        keys, labels, locs, where = [], [], [], []
+        keys, labels, locs, where, numbers = [], [], [], [], []  # numbers: each record's place in the file, 0 first
+        count = 0
         named = named_classes(self.options.classes_file)
         try:
             names, starts, ends, problem = record_spans(rec, fd, idx if idx.is_file() else None)
             if problem:
                 errors.append(SourceError(f"{rec.name}/", f"{problem}: the rest of the file is not read", rec.name,
                                           record=False))
-            for name, start, end in zip(names, starts.tolist(), ends.tolist()):
+            for count, (name, start, end) in enumerate(zip(names, starts.tolist(), ends.tolist()), start=1):
                 at = f"{rec.name}: record at byte {start}"
                 try:
                     label, id_, _ = peek_header(fd, start, end, at)
                 except PackerError as exc:
-                    errors.append(SourceError(f"{rec.name}/{name}", str(exc), at))
+                    errors.append(SourceError(f"{rec.name}/{name}", str(exc), at, count - 1))
                     continue
                 key = f"{rec.name}/{name if idx.is_file() else id_}"
                 value = integer_label(label, None if named is None else len(named))
                 if isinstance(value, str):
-                    errors.append(SourceError(key, value, at))
+                    errors.append(SourceError(key, value, at, count - 1))
                     continue
+                numbers.append(count - 1)
                 keys.append(key)
                 labels.append(value)
                 locs.append((start, end))
                 where.append(at)
         finally:
             os.close(fd)
-        return self._records(keys, np.asarray(labels, dtype=np.int64), locs, where, errors, named)
+        return self._records(keys, np.asarray(labels, dtype=np.int64), locs, where, errors, named,
+                             np.asarray(numbers, dtype=np.int64), count)
 
     def _records(self, keys: list[str], labels: np.ndarray, locs: list, where: list[str],
-                 errors: list[SourceError], named: list[str] | None) -> ScanResult:
-        """The scan's records: duplicate keys become errors, and -1 labels unless every label is -1."""
+                 errors: list[SourceError], named: list[str] | None, numbers: np.ndarray, total: int) -> ScanResult:
+        """The scan's records: duplicate keys become errors, and -1 labels unless every label is -1. ``numbers``:
+        each record's place in the file; ``total``: the records the file holds."""
         seen: set[str] = set()
         unique = []
         for i, key in enumerate(keys):
             if key in seen:
-                errors.append(SourceError(key, "key seen earlier in this file", where[i]))
+                errors.append(SourceError(key, "key seen earlier in this file", where[i], int(numbers[i])))
             else:
                 seen.add(key)
                 unique.append(i)
-        labels = labels[unique]
+        labels, numbers = labels[unique], numbers[unique]
         keys, locs, where = [keys[i] for i in unique], [locs[i] for i in unique], [where[i] for i in unique]
         if len(labels) and np.all(labels == -1) and named is None:
             classes, keep = [], list(range(len(keys)))  # a flat folder's records, as packer writes them
         else:
             keep = [i for i, v in enumerate(labels.tolist()) if v != -1]
             unlabelled = label_problem(-1, None) or ""  # -1 among other labels: no class index
-            errors += [SourceError(keys[i], unlabelled, where[i]) for i in np.flatnonzero(labels == -1).tolist()]
+            errors += [SourceError(keys[i], unlabelled, where[i], int(numbers[i]))
+                       for i in np.flatnonzero(labels == -1).tolist()]
             classes = integer_classes(labels[keep].tolist(), named)
         if not keep and not errors:
             raise PackerError(f"{self.path}: no records")
         return ScanResult(root=self.path.parent, classes=classes, rel_paths=[keys[i] for i in keep],
                           labels=labels[keep], errors=errors, reader=RecReader(self.path),
-                          locs=[locs[i] for i in keep])
+                          locs=[locs[i] for i in keep], numbers=numbers[keep], source_records=total)

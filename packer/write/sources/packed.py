@@ -1,6 +1,8 @@
 """A packer dataset as a source: any format into any other (``packer convert imgs.lmdb --to hdf5``).
 
-Records are the dataset's samples in its ImageFolder order (record i is ``ds[i]``, wherever it is stored);
+Records are the dataset's samples in its order (record i is ``ds[i]``, wherever it is stored), numbered as the
+dataset numbers them in its own source (``ds.imagefolder_index``: a re-pack of a dataset with files left out keeps
+the original numbering, and carries the numbered entries of its errors.json as ``earlier``);
 keys are its relative paths (so ``ds.samples``, ``extract`` and ``verify`` speak of the original files);
 labels, classes and per-sample fields as it stores them (fields as their stored
 cells, so they stay byte-identical).
@@ -22,7 +24,8 @@ from packer.formats import check_recorded_options, get_format
 from packer.formats.base import ShardReader
 from packer.layout.fields import load_fields
 from packer.layout.index import Index, shard_starts
-from packer.layout.manifest import MANIFEST_NAME, Manifest, holds_dataset, read_manifest
+from packer.layout.manifest import IMAGELESS, MANIFEST_NAME, Manifest, holds_dataset, read_manifest
+from packer.layout.report import numbered_entries, read_report
 from packer.layout.trust import reading
 from packer.write.scan import ClassMapper, ScanResult
 from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader
@@ -43,13 +46,26 @@ class PackedSource(Source):
         manifest = read_manifest(root)
         manifest.check_files(root)
         check_recorded_options(manifest.format, manifest.options, root / MANIFEST_NAME)
-        index = Index.load(root, manifest.num_samples, files=manifest.meta_files, num_classes=len(manifest.classes))
+        index = Index.load(root, manifest.num_samples, files=manifest.meta_files, num_classes=len(manifest.classes),
+                           source_records=manifest.source_records)
         store = load_fields(root, manifest)  # carried as stored cells: the same bytes in the new dataset
         locs = list(zip(range(len(index)), index.nbytes.tolist(), index.heights.tolist(), index.widths.tolist()))
         stored = ScanResult(root=root, classes=list(manifest.classes), rel_paths=index.rel_paths(),
                             labels=np.asarray(index.labels, dtype=np.int64), reader=PackedReader(root, manifest),
                             locs=locs, field_specs=store.texts, fields={k: store.cells(k) for k in store.specs})
+        if index.source_index is not None:  # the source's numbering, kept (else: record i is number i)
+            stored.numbers, stored.source_records = index.source_index, manifest.source_records
+            stored.earlier = _numbered_errors(root)
         return stored if index.position is None else stored.take(index.position)  # ds[i] is record i
+
+
+def _numbered_errors(root: Path) -> list[dict[str, Any]]:
+    """The entries of the dataset's errors.json with a source index: the records of its source it never held
+    (none when the report is missing or damaged: the numbering still holds, only those reasons are lost)."""
+    try:
+        return numbered_entries(read_report(root))
+    except PackerError:
+        return []
 
 
 class PackedReader(SourceReader):
@@ -58,6 +74,7 @@ class PackedReader(SourceReader):
     def __init__(self, root: Path, manifest: Manifest) -> None:
         self.root = root
         self.gives_pixels = manifest.payload == "raw"
+        self.holds_images = manifest.payload != IMAGELESS
         fmt = get_format(manifest.format)
         self.readers: list[ShardReader] = [fmt.Reader(root, s, manifest.payload, access="sequential")
                                            for s in manifest.shards]

@@ -197,10 +197,10 @@ def _bad_name(name: str) -> bool:
     return name.startswith("/") or ".." in parts or "\x00" in name or "\\" in name
 
 
-def list_shard(path: Path) -> ShardListing:
-    """The samples of a tar shard, grouped as WebDataset groups them: headers only (and the small non-image
-    members: labels, fields), read in place for a ``.tar``, streamed once for a ``.tar.gz`` (``GzTar``: a
-    member inflating like a bomb ends the listing there, as a problem)."""
+def list_shard(path: Path, images: tuple[str, ...] = IMAGE_EXTENSIONS) -> ShardListing:
+    """The samples of a tar shard, grouped as WebDataset groups them: headers only (and the small members whose
+    extension is not one of ``images``: labels, fields), read in place for a ``.tar``, streamed once for a
+    ``.tar.gz`` (``GzTar``: a member inflating like a bomb ends the listing there, as a problem)."""
     listing = ShardListing()
     compressed = is_compressed(path)
     try:
@@ -214,9 +214,9 @@ def list_shard(path: Path) -> ShardListing:
         tf = opened.tf if isinstance(opened, GzTar) else opened
         try:
             if isinstance(opened, GzTar):
-                _group(opened.members(), None, listing, lambda info, gz=opened: gz.data(info, keep=True))
+                _group(opened.members(), None, listing, lambda info, gz=opened: gz.data(info, keep=True), images)
             else:
-                _group(_in_place(tf), size, listing, lambda info: _small(tf, info))
+                _group(_in_place(tf), size, listing, lambda info: _small(tf, info), images)
         except (OSError, EOFError, zlib.error, tarfile.TarError) as exc:
             listing.problems.append(("", f"damaged after byte {tf.offset}: {exc}; the rest of the shard is not read"))
             return listing
@@ -244,10 +244,11 @@ def _small(tf: tarfile.TarFile, info: tarfile.TarInfo) -> bytes:
 
 
 def _group(headers: Iterable[tuple[int, tarfile.TarInfo]], size: int | None, listing: ShardListing,
-           read: Callable[[tarfile.TarInfo], bytes | str]) -> None:
+           read: Callable[[tarfile.TarInfo], bytes | str], images: tuple[str, ...] = IMAGE_EXTENSIONS) -> None:
     """Group the members into ``listing.samples`` (consecutive members sharing a key); ``read``: a small member's
-    bytes (a str: why it could not be read). An image member declaring more bytes than any image within the
-    pixel limit makes its sample a problem (``archive_common.declared_problem``)."""
+    bytes (a str: why it could not be read); ``images``: the extensions of image members (the others are small
+    members: labels, fields). An image member declaring more bytes than any image within the pixel limit makes
+    its sample a problem (``archive_common.declared_problem``)."""
     seen: set[str] = set()
     current: TarSample | None = None
     for m, info in _members(headers, size, listing):
@@ -268,18 +269,19 @@ def _group(headers: Iterable[tuple[int, tarfile.TarInfo]], size: int | None, lis
         if ext in current.members:
             current.problem = f"two members with extension .{ext}"
         current.members.setdefault(ext, m)
-        if ext in IMAGE_EXTENSIONS and (why := declared_problem(m.size)) is not None:
+        if ext in images and (why := declared_problem(m.size)) is not None:
             current.problem = f"{m.name}: {why}"
-        elif ext not in IMAGE_EXTENSIONS and ext not in current.small:  # a label, or a per-sample field
+        elif ext not in images and ext not in current.small:  # a label, or a per-sample field
             data = read(info) if m.size <= MAX_LABEL_MEMBER else None
             current.small[ext] = data if isinstance(data, bytes) else None
 
 
-def image_member(sample: TarSample) -> tuple[str, Member] | str:
-    """(extension, member) of the sample's one image, or why there is not exactly one."""
-    found = [(ext, sample.members[ext]) for ext in IMAGE_EXTENSIONS if ext in sample.members]
+def image_member(sample: TarSample, extensions: tuple[str, ...] = IMAGE_EXTENSIONS) -> tuple[str, Member] | str:
+    """(extension, member) of the sample's one image (a member with one of ``extensions``), or why there is not
+    exactly one."""
+    found = [(ext, sample.members[ext]) for ext in extensions if ext in sample.members]
     if not found:
-        return f"no image member ({', '.join(IMAGE_EXTENSIONS)}); has {', '.join(sample.members) or 'nothing'}"
+        return f"no image member ({', '.join(extensions)}); has {', '.join(sample.members) or 'nothing'}"
     if len(found) > 1:
         return f"{len(found)} image members ({', '.join(e for e, _ in found)}): which one is the image is unclear"
     return found[0]

@@ -6,12 +6,17 @@ Each sample (members grouped by key, see ``wdstar``) gives one record: its image
 ``--label-key NAME``, the field NAME of its ``json`` member. A shard without any labels gives
 -1 labels (like a flat folder); once a shard has labels, a sample without one is an error.
 ``classes``: the lines of ``--classes-file``, else those of the ``classes.txt`` beside the shards of a
-packer export (``--to wds``), else ``0..max`` (as text), else none. Other members
-become per-sample fields named by extension (``member_fields``: txt -> str, json -> json, others -> bytes;
-over 1 MB: not kept, counted in the summary). A record's key is
+packer export (``--to wds``; the folder, a brace pattern or one shard of it), else ``0..max`` (as text), else
+none. Other members become per-sample fields named by extension (``member_fields``: txt -> str, json -> json,
+others -> bytes; over 1 MB: not kept, counted in the summary). A record's key is
 ``<shard name>/<sample key>.<image extension>``; its locator the image's offset and size in the
 shard, read with one ``pread`` (uncompressed shards only: members are read in place, memory stays
-flat whatever the shard's size).
+flat whatever the shard's size). Records are numbered in shard order, then tar order.
+
+Shards of a packer export (``packer-wds.json`` beside them, layout/wdsexport.py) convert back to what was
+exported: each record's key is its ``<key>.path.txt`` (the source's relative path), its number in the
+numbering is ``<key>`` (``ds.imagefolder_index``), and records come in that order, whatever order the export
+wrote them in; an image member may then be any extension the export writes (bmp, tif, ...).
 """
 
 from __future__ import annotations
@@ -28,13 +33,15 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.layout.fields import as_field_name
-from packer.layout.wdsexport import export_classes_file, holds_wds_export
+from packer.layout.wdsexport import IMAGE_EXTENSIONS as EXPORT_IMAGES
+from packer.layout.wdsexport import PATH_CODEC, PATH_EXTENSION, export_classes_file, export_records, holds_wds_export
 from packer.perprocess import PerProcess
 from packer.write.scan import ClassMapper, ScanResult, SourceError
 from packer.write.sources.archive_gz import GzTarReader
 from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader, read_one_in_order
-from packer.write.sources.labels import integer_classes, label_problem, named_classes, parse_label
+from packer.write.sources.labels import inside_root, integer_classes, label_problem, named_classes, parse_label
 from packer.write.sources.wdstar import (
+    IMAGE_EXTENSIONS,
     MAX_LABEL_MEMBER,
     TarSample,
     image_member,
@@ -176,15 +183,16 @@ class WebDatasetSource(Source):
              allow_empty: bool = False) -> ScanResult:
         shards = shard_paths(self.path)
         root = Path(os.path.commonpath([p.parent for p in shards]))
-        named = named_classes(self.options.classes_file or export_classes_file(self.path))
-        found = _Found(None if named is None else len(named))
+        named = named_classes(self.options.classes_file or export_classes_file(root))
+        export = holds_wds_export(root)  # packer's own export (or shards of it): keys and paths come back
+        found = _Found(None if named is None else len(named), export)
         for n, shard in enumerate(shards):
             name = shard.relative_to(root).as_posix()
             if not shard.is_file():
                 found.errors.append(SourceError(name + "/", "shard missing: its samples are neither packed nor "
                                                 "counted", name, record=False))
                 continue
-            listing = list_shard(shard)
+            listing = list_shard(shard, EXPORT_IMAGES if export else IMAGE_EXTENSIONS)
             found.ignored.update(listing.ignored)
             for member, reason in listing.problems:
                 found.errors.append(SourceError(f"{name}/{member}", reason, f"{name}: member {member or '-'}",
@@ -198,60 +206,106 @@ class WebDatasetSource(Source):
             keep = [i for i in keep if found.labels[i] is not None]
             for i in sorted(set(range(len(labels))) - set(keep)):
                 found.errors.append(SourceError(found.keys[i], "no label (other samples have one: a cls member, "
-                                                "or a json member's --label-key field)", found.where[i]))
+                                                "or a json member's --label-key field)", found.where[i],
+                                                found.numbers[i]))
             classes = integer_classes(labels[keep].tolist(), named)
+        if export:
+            keep = sorted(keep, key=found.numbers.__getitem__)  # the source's order, whatever the shards' order
         if not keep and not found.errors:
             raise PackerError(f"{self.path}: no samples with an image in {len(shards)} shard(s)")
         reader = (StreamedShardReader if any(is_compressed(p) for p in shards) else ShardReader)(shards)
         specs, cells = member_fields([found.fields[i] for i in keep])
+        total = export_records(root) if export else found.count
+        numbers = np.asarray([found.numbers[i] for i in keep], dtype=np.int64)
+        if total is None:  # an export from before packer recorded its numbering: its keys tell the most
+            total = int(numbers.max()) + 1 if len(numbers) else 0
         return ScanResult(root=root, classes=classes, rel_paths=[found.keys[i] for i in keep], labels=labels[keep],
                           ignored=found.ignored, errors=found.errors, reader=reader, locs=[found.locs[i] for i in keep],
-                          field_specs=specs, fields=cells)
+                          field_specs=specs, fields=cells, numbers=numbers, source_records=total)
 
 
 class _Found:
-    """The samples found so far (key, label or None, locator, location) and what was left out."""
+    """The samples found so far (key, label or None, locator, location, number) and what was left out.
 
-    def __init__(self, named: int | None) -> None:
-        self.named = named  # how many classes are named (labels.label_problem)
+    ``named``: how many classes are named (labels.label_problem). ``export``: the shards of a packer export, whose
+    samples carry their number (``<key>``) and source path (``<key>.path.txt``); else a sample's number is its
+    place in shard order, then tar order.
+    """
+
+    def __init__(self, named: int | None, export: bool = False) -> None:
+        self.named = named
+        self.export = export
         self.keys: list[str] = []
         self.labels: list[int | None] = []
         self.locs: list[tuple[int, int, int]] = []
         self.where: list[str] = []
+        self.numbers: list[int] = []
         self.errors: list[SourceError] = []
         self.ignored: Counter = Counter()
         self.fields: list[dict[str, bytes]] = []  # per sample, its other members' bytes by extension
+        self.count = 0  # samples met so far (the numbering of shards that are not an export)
+        self._taken: set[int] = set()  # an export's numbers met so far
+        self._paths: set[str] = set()
 
     def add(self, n: int, shard: str, sample: TarSample, label_key: str | None) -> None:
-        """Add ``sample`` of shard ``n``, or an error naming shard and key."""
+        """Add ``sample`` of shard ``n``, or an error naming shard and key (and its number)."""
         where = f"{shard}: key {sample.key}"
-        found = image_member(sample)
+        number: int | None = self.count
+        self.count += 1
+        if self.export:
+            number = int(sample.key) if sample.key.isascii() and sample.key.isdigit() else None
+            if number is None or number in self._taken:
+                why = "a key met twice" if number is not None else "not a number"
+                self.errors.append(SourceError(f"{shard}/{sample.key}", f"{why} in a packer export (its keys "
+                                               "are the source's record numbers)", where))
+                return
+            self._taken.add(number)
+        found = image_member(sample, EXPORT_IMAGES if self.export else IMAGE_EXTENSIONS)
         if sample.problem is not None or isinstance(found, str):
-            self.errors.append(SourceError(f"{shard}/{sample.key}", sample.problem or str(found), where))
+            self.errors.append(SourceError(f"{shard}/{sample.key}", sample.problem or str(found), where, number))
             return
         ext, member = found
+        key = f"{shard}/{sample.key}.{ext}"
         try:
             label = sample_label(sample, label_key, self.named)
-        except RecordError as exc:
-            self.errors.append(SourceError(f"{shard}/{sample.key}.{ext}", str(exc), where))
+            if self.export:
+                key = self._source_path(sample, key, where)
+        except (RecordError, PackerError) as exc:
+            self.errors.append(SourceError(key, str(exc), where, number))
             return
         fields: dict[str, bytes] = {}
         for other in sample.members:
-            if other == ext or other == ("cls" if label_key is None else "json"):
+            if other == ext or other == ("cls" if label_key is None else "json") or \
+                    (self.export and other == PATH_EXTENSION):
                 continue
             data = sample.small.get(other)
             if data is None:
                 self.ignored[f"webdataset members not kept (over {MAX_LABEL_MEMBER >> 20} MB): .{other}"] += 1
             elif other.endswith("json") and not _is_json(data):
-                self.errors.append(SourceError(f"{shard}/{sample.key}.{other}", "not valid JSON", where))
+                self.errors.append(SourceError(f"{shard}/{sample.key}.{other}", "not valid JSON", where, number))
                 return
             else:
                 fields[other] = data
         self.fields.append(fields)
-        self.keys.append(f"{shard}/{sample.key}.{ext}")
+        self.keys.append(key)
         self.labels.append(label)
         self.locs.append((n, member.offset, member.size))
         self.where.append(where)
+        self.numbers.append(number)
+
+    def _source_path(self, sample: TarSample, key: str, where: str) -> str:
+        """An export's sample's path in its source (``<key>.path.txt``), checked: relative, inside, not repeated;
+        ``key`` (shard and member) for an export written before packer kept the path."""
+        if PATH_EXTENSION not in sample.members:
+            return key
+        raw = sample.small.get(PATH_EXTENSION)
+        if raw is None:
+            raise RecordError(f"{PATH_EXTENSION}: too large")
+        path = inside_root(raw.decode(*PATH_CODEC), where)
+        if path in self._paths:
+            raise RecordError(f"{PATH_EXTENSION}: {path!r} names another sample's source path too")
+        self._paths.add(path)
+        return path
 
 
 def member_fields(members: list[dict[str, bytes]]) -> tuple[dict[str, str], dict[str, list]]:
