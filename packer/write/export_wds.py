@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import shutil
-import sys
 import tarfile
 import time
 from collections.abc import Mapping
@@ -74,6 +74,8 @@ _BLOCK, _RECORD = tarfile.BLOCKSIZE, tarfile.RECORDSIZE  # a member's header; wh
 _SOURCE_KEYWORDS = ("source_type", "root", "path_column", "label_column", "classes_file", "classes", "label_key",
                     "image_column")
 _MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG\r\n\x1a\n", "png"), (b"BM", "bmp"), (b"GIF8", "gif"))
+
+log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 
 def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, *,
@@ -130,12 +132,7 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
     out = output_path(src, output, "wds")
     check_destination(src, out, overwrite)
     started = time.perf_counter()
-    opened = open_source(src, source_options(**given))
-    check_order(opened.sequential(), opened.path, order, None)  # before a scan that would inflate it all
-    scanned = scan_opened(opened, skip_hidden=skip_hidden, allow_empty=allow_empty)
-    if not scanned.source_reader().holds_images:
-        raise OptionError(f"{scanned.root}: its samples have no image, and a WebDataset sample is exported with one; "
-                          "convert it to another format instead")
+    scanned = _scan_images(src, given, order, skip_hidden, allow_empty)
     # prepare() reads and validates each record exactly as convert does; "lmdb" only carries the common options
     opts = make_options("lmdb", payload="raw" if scanned.source_reader().gives_pixels else "encoded",
                         validate=validate, order=order, seed=seed, decoder=decoder)
@@ -160,6 +157,18 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
             if isinstance(exc, KeyboardInterrupt):
                 raise KeyboardInterrupt("interrupted; nothing was exported") from None
             raise
+
+
+def _scan_images(src: str | os.PathLike, given: dict[str, Any], order: str, skip_hidden: bool,
+                 allow_empty: bool) -> ScanResult:
+    """The source's records, refused when they have no image (a WebDataset sample is exported with one)."""
+    opened = open_source(src, source_options(**given))
+    check_order(opened.sequential(), opened.path, order, None)  # before a scan that would inflate it all
+    scanned = scan_opened(opened, skip_hidden=skip_hidden, allow_empty=allow_empty)
+    if not scanned.source_reader().holds_images:
+        raise OptionError(f"{scanned.root}: its samples have no image, and a WebDataset sample is exported with one; "
+                          "convert it to another format instead")
+    return scanned
 
 
 def _write_samples(scanned: ScanResult, opts: ConvertOptions, sink: TarSink, workers: int | None, pool: PoolSettings,
@@ -232,9 +241,9 @@ def few_shards(sink: TarSink, shard_bytes: int | None) -> None:
     if shard_bytes is None or len(sink.names) >= min(DEFAULT_SHARDS, total):
         return
     size = max(1, sum((sink.folder / n).stat().st_size for n in sink.names) // DEFAULT_SHARDS)
-    print(f"packer: {len(sink.names)} shard(s): webdataset with DataLoader(num_workers=N) fails for N above that "
-          f"(\"fewer shards than workers\"); --shard-size {human_bytes(size).replace(' ', '')} (or no --shard-size) "
-          f"gives {DEFAULT_SHARDS}", file=sys.stderr)
+    log.warning("%d shard(s): webdataset with DataLoader(num_workers=N) fails for N above that (\"fewer shards "
+                "than workers\"); a shard size of %s (or the default) gives %d", len(sink.names),
+                human_bytes(size).replace(" ", ""), DEFAULT_SHARDS)
 
 
 class TarSink:

@@ -276,12 +276,13 @@ def test_default_shards_feed_webdataset_with_two_dataloader_workers(tmp_path, co
     assert sorted(int(sample["__key__"]) for sample in loader) == list(range(count))
 
 
-def test_a_shard_size_giving_few_shards_says_how_to_get_more(tmp_path, capsys):
+def test_a_shard_size_giving_few_shards_says_how_to_get_more(tmp_path, caplog):
     src = make_imagefolder(tmp_path / "imgs", classes=1, per_class=20)
-    out = export_wds(src, tmp_path / "out", shard_bytes=64 << 20, workers=0, progress=False).output
+    with caplog.at_level("WARNING", logger="packer"):
+        out = export_wds(src, tmp_path / "out", shard_bytes=64 << 20, workers=0, progress=False).output
     assert len(list(out.glob("shard-*.tar"))) == 1
-    err = capsys.readouterr().err
-    assert "1 shard(s)" in err and "fewer shards than workers" in err and "--shard-size" in err
+    assert "1 shard(s)" in caplog.text and "fewer shards than workers" in caplog.text
+    assert "a shard size of" in caplog.text and "gives 16" in caplog.text
 
 
 def test_an_export_made_before_paths_were_kept_still_converts_back(dotted, tmp_path):
