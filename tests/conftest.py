@@ -1,5 +1,6 @@
 import pytest
 from support.imagesets import make_flat, make_imagefolder
+from support.storage_servers import Emulated, make_bucket, moto_server
 
 
 def pytest_addoption(parser):
@@ -54,3 +55,34 @@ def imagefolder(tmp_path_factory):
 @pytest.fixture(scope="session")
 def flatfolder(tmp_path_factory):
     return make_flat(tmp_path_factory.mktemp("flat") / "flat")
+
+
+# Object storage: a real S3 API (moto's server) and the emulated store, on localhost ports chosen by the OS.
+@pytest.fixture(scope="session")
+def moto_endpoint():
+    """moto's S3 server for the whole session (a bucket per test: see ``bucket``)."""
+    with moto_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def bucket(moto_endpoint, request):
+    """A fresh bucket in moto, named after the test."""
+    name = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:50].strip("-")
+    make_bucket(moto_endpoint, name)
+    return name
+
+
+@pytest.fixture(scope="session")
+def emulated(tmp_path_factory):
+    """The emulated store (no latency, no limit) over a session folder; faults cleared after each test."""
+    server = Emulated(tmp_path_factory.mktemp("emulated"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_faults_left(request):
+    yield
+    if "emulated" in request.fixturenames:
+        request.getfixturevalue("emulated").faults.clear()
