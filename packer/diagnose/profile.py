@@ -11,7 +11,9 @@ The profiler takes timestamps when the loop asks for a batch, when the batch arr
 the loop asks for the next one, so wait + step add up to the loop's wall time. When CUDA is in
 use it calls ``torch.cuda.synchronize()`` before each timestamp, so a step's asynchronous GPU
 work counts in that step rather than in the next wait. With ``device=`` it moves each batch to
-the device itself and times that copy as the host-to-device stage.
+the device itself and times that copy as the host-to-device stage. Where CUDA is in use (or with
+``gpu=True``) nvidia-smi samples the GPUs' utilisation and memory meanwhile (``packer.diagnose.gpu``);
+the steady batches' samples go into the summary and the verdict.
 
 ``instrument`` splits each sample's time into stages and sums them into a small table in shared
 memory (a ``torch`` tensor moved to shared memory, which fork workers inherit and spawn workers
@@ -24,10 +26,11 @@ times exactly what training runs (read-ahead counts as read); any other dataset 
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,6 +38,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 from torch.utils.data._utils.collate import default_collate
 
+from packer.diagnose.gpu import GpuSampler, GpuUsage
 from packer.images.decode import sniff
 from packer.read.dataset import PackedDataset
 from packer.read.loaders import to_device
@@ -278,10 +282,33 @@ def decode_advice(dataset: Any) -> str | None:
     return None
 
 
+GPU_BUSY = 90.0  # percent: below it, a loop that does not wait for data still leaves the GPU idle
+
+
+def gpu_lines(usage: Sequence[GpuUsage], bound: str) -> list[str]:
+    """What nvidia-smi's utilisation during the steady batches says beside the wait/step split."""
+    lines = []
+    for u in usage:
+        if u.utilization_mean is None:
+            continue
+        busy = f"GPU {u.index} was busy {u.utilization_mean:.0f}% of the time (nvidia-smi, {u.samples} samples)"
+        if bound == "input":
+            lines.append(f"{busy}: the rest of it, it waited for data.")
+        elif u.utilization_mean < GPU_BUSY:
+            lines.append(f"{busy}, though the loop hardly waited for data: the idle time is the loop's own (CPU work "
+                         "between kernels: launches, synchronisation, logging, small kernels); the loader is not the "
+                         "limit.")
+        else:
+            lines.append(f"{busy}: kept fed.")
+    return lines
+
+
 def verdict(stats: LoopStats, stages: StageTotals | None = None, workers: int | None = None,
-            cores: int | None = None, dataset: Any = None, threaded: bool = False) -> Verdict:
+            cores: int | None = None, dataset: Any = None, threaded: bool = False,
+            gpu: Sequence[GpuUsage] = ()) -> Verdict:
     """Judge a profiled pass (steady state): is the step fed, and if not, which stage limits it (``dataset``: its
-    own ways to decode less are named; ``threaded``: a ThreadLoader fed it, whose stages go untimed)."""
+    own ways to decode less are named; ``threaded``: a ThreadLoader fed it, whose stages go untimed; ``gpu``: the
+    GPUs' utilisation meanwhile, as nvidia-smi sampled it)."""
     f = stats.figures(steady=True)
     if f["iterations"] == 0:
         return Verdict("unknown", None, ["not enough iterations to judge (profile at least 2 batches)"], f)
@@ -328,6 +355,10 @@ def verdict(stats: LoopStats, stages: StageTotals | None = None, workers: int | 
         if cores and need > cores:
             lines.append(f"that is more than this machine's {cores} cores: CPU loading cannot feed this step here; "
                          "cut the per-sample cost (see above) or the decode work (smaller or decoded payloads).")
+    lines += gpu_lines(gpu, bound)
+    busy = [u.utilization_mean for u in gpu if u.utilization_mean is not None]
+    if busy:
+        f["gpu_utilization_mean"] = statistics.fmean(busy)
     return Verdict(bound, limit, lines, {**f, "per_sample_ms": per_sample})
 
 
@@ -348,8 +379,11 @@ class LoopProfiler:
 
     def __init__(self, loader: Iterable, *, warmup: int = 1, device: torch.device | str | None = None,
                  sync: bool | None = None, progress: bool = True, desc: str = "profile",
-                 instrumented: InstrumentedDataset | None = None) -> None:
+                 instrumented: InstrumentedDataset | None = None, gpu: bool | None = None) -> None:
         self.loader = loader
+        self.gpu = gpu
+        self.gpu_usage: list[GpuUsage] = []  # nvidia-smi's, over the steady batches of the last pass
+        self.gpu_error: str | None = None  # why the GPU was not sampled, where it was asked for
         self.device = torch.device(device) if device is not None else None
         self.sync = sync
         self.progress = progress
@@ -366,10 +400,20 @@ class LoopProfiler:
         if self.sync or (self.sync is None and _cuda_in_use()):
             torch.cuda.synchronize()
 
+    def _gpu_sampler(self) -> GpuSampler | None:
+        """nvidia-smi sampling for this pass: asked for (``gpu=True``), or by default where CUDA is in use."""
+        if not (self.gpu or (self.gpu is None and _cuda_in_use())):
+            return None
+        sampler = GpuSampler()
+        sampler.start()
+        return sampler
+
     def __iter__(self) -> Iterator:
         st = self.stats = LoopStats(warmup=self.stats.warmup)
         if self.instrumented is not None:
             self.instrumented.reset()
+        self.gpu_usage, self.gpu_error = [], None
+        sampler = self._gpu_sampler()
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -401,6 +445,8 @@ class LoopProfiler:
                 st.samples.append(batch_len(batch))
                 st.total_s = end - start
                 mark = end
+                if sampler is not None and st.iterations == st.warmup:
+                    sampler.mark()  # the steady batches start
                 if bar is not None:
                     f = st.figures(steady=True)
                     bar.set_postfix_str(f"wait {100 * f['wait_over_step']:.0f}% of step, "
@@ -410,6 +456,12 @@ class LoopProfiler:
             del it
             if bar is not None:
                 bar.close()
+            if sampler is not None:
+                sampler.stop()
+                self.gpu_usage, self.gpu_error = sampler.usage(since_mark=True), sampler.error
+                if not self.gpu_usage and self.gpu_error is None:
+                    self.gpu_error = (f"no nvidia-smi sample during the steady batches (after {st.warmup} warm-up "
+                                      "batch(es)): profile more batches")
 
     def stage_totals(self) -> StageTotals | None:
         return self.instrumented.stage_totals() if self.instrumented is not None else None
@@ -417,7 +469,7 @@ class LoopProfiler:
     def verdict(self, cores: int | None = None) -> Verdict:
         dataset = self.instrumented.dataset if self.instrumented is not None else None  # stages come from it alone
         return verdict(self.stats, self.stage_totals(), workers=self.num_workers, cores=cores, dataset=dataset,
-                       threaded=_find(self, "loader", ThreadLoader) is not None)
+                       threaded=_find(self, "loader", ThreadLoader) is not None, gpu=self.gpu_usage)
 
     def summary(self) -> str:
         """A few lines: iterations, wait vs step, throughput, and the stage breakdown when known."""
@@ -434,6 +486,9 @@ class LoopProfiler:
         if stages is not None and stages.samples:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in stages.per_sample_ms().items())
             lines.append(f"inside the loader, per sample (ms, {stages.processes} process(es)): {parts}")
+        lines += [f"during the steady batches: {u.line()}" for u in self.gpu_usage]
+        if self.gpu_error is not None:
+            lines.append(f"GPU not sampled: {self.gpu_error}")
         return "\n".join(lines)
 
     def report(self, cores: int | None = None) -> str:
@@ -442,6 +497,7 @@ class LoopProfiler:
     def to_dict(self) -> dict:
         stages = self.stage_totals()
         return {"loop": self.stats.to_dict(), "stages": stages.to_dict() if stages else None,
+                "gpu": {"usage": [asdict(u) for u in self.gpu_usage], "error": self.gpu_error},
                 "verdict": {"bound": (v := self.verdict()).bound, "limit": v.limit, "lines": v.lines}}
 
 
