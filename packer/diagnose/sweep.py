@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, RandomSampler
 from torch.utils.data._utils.collate import default_collate
 
 from packer.diagnose.gpu import GpuSampler
-from packer.diagnose.profile import ADVICE, FED, InstrumentedDataset, LoopProfiler
+from packer.diagnose.instrument import InstrumentedDataset
+from packer.diagnose.profile import ADVICE, FED, LoopProfiler
 from packer.diagnose.system import usable_cores
 from packer.errors import PackerError
 
