@@ -218,7 +218,10 @@ def ranks_rate(path: Path, ranks: int, threads: int, batch: int, seconds: float)
         got = [results.get(timeout=seconds + 600) for _ in procs]
     finally:
         for p in procs:
-            p.join(timeout=60)
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()  # one of ours that did not end: stopped, the run goes on
+                p.join(timeout=10)
     errors = [e for *_, e in got if e is not None]
     if errors:
         raise RuntimeError(f"a rank failed: {errors[0]}")
