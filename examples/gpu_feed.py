@@ -117,7 +117,9 @@ def requirements() -> dict[str, dict]:
                         f"{turbojpeg_missing_reason()} (no bare libjpeg-turbo reference: scaling fails)"}
     out["jpegregion"] = {"ok": region_decode_available(), "detail": "built" if region_decode_available() else
                          "packer's compiled region decoder is not built: fused crops decode whole JPEGs"}
-    for name, module, why in (("pillow", "PIL", "no sample photos can be made: nothing runs"),
+    for name, module, why in (("pillow", "PIL", "packer needs it: no sample photos, nothing runs"),
+                              ("h5py", "h5py", "packer needs it to open any dataset: nothing runs"),
+                              ("tqdm", "tqdm", "packer needs it: nothing runs"),
                               ("lmdb", "lmdb", "the data is packed as memmap instead")):
         try:
             out[name] = {"ok": True, "detail": _version(module)}
@@ -237,10 +239,12 @@ def _feed_md(p: dict) -> list[str]:
 
 def _scaling_md(p: dict) -> list[str]:
     bare = p["bare_one_thread"]
-    lines = [f"Bare libjpeg-turbo, one thread: {bare['images_per_s']:,.0f} img/s "
-             f"(first {bare['first']['images_per_s']:,.0f}, last {bare['last']['images_per_s']:,.0f}), "
-             f"{bare['cpu_ms_per_image']:.2f} CPU ms/img; "
-             f"{p['images']} images, batch {p['batch_size']}, {p['seconds_per_run']:.1f} s per row. {p['note']}."]
+    ref = bare["missing"] if "missing" in bare else (
+        f"Bare libjpeg-turbo, one thread: {bare['images_per_s']:,.0f} img/s (first "
+        f"{bare['first']['images_per_s']:,.0f}, last {bare['last']['images_per_s']:,.0f}), "
+        f"{bare['cpu_ms_per_image']:.2f} CPU ms/img")
+    lines = [f"{ref}; {p['images']} images, batch {p['batch_size']}, {p['seconds_per_run']:.1f} s per row. "
+             f"{p['note']}."]
     for loader, why in p["skipped"].items():
         lines.append(f"{loader}: skipped, {why}.")
     for setting in ("full", "train224"):
@@ -266,7 +270,7 @@ def _gil_md(p: dict) -> list[str]:
     if p["shortfalls"]:
         lines += ["", "ThreadLoader under 90 % of linear:", ""]
         lines += [f"- {r['setting']}, {r['n']} threads: {_pct(r['fraction'])}; {r['cpu_us_per_image']:.0f} CPU us "
-                  f"per image of the process (bare libjpeg-turbo's full decode: {r['bare_cpu_us_per_image']:.0f})"
+                  f"per image of the process (bare libjpeg-turbo's full decode: {_num(r['bare_cpu_us_per_image'])})"
                   for r in p["shortfalls"]]
     if p["ranks"]:
         lines += ["", "The same cores as R processes (one ThreadLoader per rank):", ""]

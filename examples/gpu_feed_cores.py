@@ -31,6 +31,7 @@ from gpu_feed_train import long_order  # noqa: E402
 
 import packer  # noqa: E402
 from packer.errors import PackerError  # noqa: E402
+from packer.images.decode import turbojpeg_available, turbojpeg_missing_reason  # noqa: E402
 from packer.read.dali import import_dali  # noqa: E402
 
 LINEAR = 0.90  # a ThreadLoader row under this fraction of linear gets its GIL-held time measured
@@ -104,15 +105,21 @@ def bare_run(payloads: list[bytes], batch: int, threads: int, chunk: int | None 
 
 
 def scaling(path: Path, photos: Path, work: Path, threads: list[int], seconds: float, batch: int = 64,
-            loaders: Iterable[str] = ("ThreadLoader", "DataLoader", "DALI CPU", "FFCV"),
+            loaders: Iterable[str] = ("ThreadLoader", "DataLoader", "DALI CPU", "FFCV"), bare: bool | None = None,
             log: Callable[[str], None] = print) -> dict:
     """Every loader at every N, both settings; each run ``seconds`` long after its first batch. The bare
-    one-thread rate is timed first and last (drift shows as their difference)."""
+    one-thread rate is timed first and last (drift shows as their difference); ``bare`` False (default: where
+    libjpeg-turbo loads) leaves the bare reference out, and with it every fraction of N x bare."""
     ds_full = packer.open_dataset(path, image="tensor")
     payloads = [bytes(b) for b in ds_full.read_payloads(range(len(ds_full)))]
     loaders = list(loaders)
-    log(f"scaling: bare libjpeg-turbo, 1 thread, {seconds:.1f} s")
-    bare_first = steady_rate(lambda: bare_run(payloads, batch, 1), seconds)
+    if bare is None:
+        bare = turbojpeg_available()
+    bare_missing = None if bare else turbojpeg_missing_reason() or "left out"
+    bare_first: dict | None = None
+    if bare_missing is None:
+        log(f"scaling: bare libjpeg-turbo, 1 thread, {seconds:.1f} s")
+        bare_first = steady_rate(lambda: bare_run(payloads, batch, 1), seconds)
     epochs = 64
     skipped: dict[str, str] = {}
     rows: list[dict] = []
@@ -141,7 +148,7 @@ def scaling(path: Path, photos: Path, work: Path, threads: list[int], seconds: f
             if ffcv is not None:
                 made = bench_peers.ffcv_epochs(photos, work, n, batch)[(setting, "training")]
                 runs["FFCV"] = lambda e=made: repeat(e)
-            if setting == "full":  # rounds of about a quarter second: a steady rate within ``seconds``
+            if setting == "full" and bare_first is not None:  # rounds of about a quarter second: a steady rate
                 chunk = max(batch * n, int(0.25 * n * bare_first["images_per_s"]))
                 runs["bare libjpeg-turbo"] = lambda k=n, c=chunk: bare_run(payloads, batch, k, c)
             for name, run in runs.items():
@@ -152,19 +159,22 @@ def scaling(path: Path, photos: Path, work: Path, threads: list[int], seconds: f
                 except Exception as exc:  # noqa: BLE001 - one loader failing never loses the others' figures
                     row["error"] = f"{type(exc).__name__}: {exc}"
                 rows.append(row)
-    log(f"scaling: bare libjpeg-turbo, 1 thread again, {seconds:.1f} s")
-    bare_last = steady_rate(lambda: bare_run(payloads, batch, 1), seconds)
-    bare = statistics.fmean([bare_first["images_per_s"], bare_last["images_per_s"]])
-    bare_cpu = statistics.fmean([bare_first["cpu_ms_per_image"], bare_last["cpu_ms_per_image"]])
+    reference: dict = {"missing": f"no bare libjpeg-turbo ({bare_missing}): no fraction of N x bare"}
+    bare_rate = None
+    if bare_first is not None:
+        log(f"scaling: bare libjpeg-turbo, 1 thread again, {seconds:.1f} s")
+        bare_last = steady_rate(lambda: bare_run(payloads, batch, 1), seconds)
+        bare_rate = statistics.fmean([bare_first["images_per_s"], bare_last["images_per_s"]])
+        reference = {"first": bare_first, "last": bare_last, "images_per_s": bare_rate, "cpu_ms_per_image":
+                     statistics.fmean([bare_first["cpu_ms_per_image"], bare_last["cpu_ms_per_image"]])}
     one = {(r["setting"], r["loader"]): r["images_per_s"] for r in rows if r["n"] == 1 and "images_per_s" in r}
     for r in rows:
-        if "images_per_s" in r:
-            r["of_n_bare"] = r["images_per_s"] / (r["n"] * bare)
-            if (r["setting"], r["loader"]) in one:
-                r["of_linear"] = r["images_per_s"] / (r["n"] * one[(r["setting"], r["loader"])])
+        if "images_per_s" in r and bare_rate is not None:
+            r["of_n_bare"] = r["images_per_s"] / (r["n"] * bare_rate)
+        if "images_per_s" in r and (r["setting"], r["loader"]) in one:
+            r["of_linear"] = r["images_per_s"] / (r["n"] * one[(r["setting"], r["loader"])])
     return {"threads": threads, "batch_size": batch, "seconds_per_run": seconds, "images": len(payloads),
-            "bare_one_thread": {"first": bare_first, "last": bare_last, "images_per_s": bare,
-                                "cpu_ms_per_image": bare_cpu},
+            "bare_one_thread": reference,
             "rows": rows, "skipped": skipped,
             "note": "of_n_bare: images/s over N x one bare libjpeg-turbo thread's full decodes (train224 decodes "
                     "less than a whole image, so it can pass 1); of_linear: over N x the same loader on one thread"}
@@ -177,7 +187,7 @@ def shortfalls(result: dict) -> list[dict]:
     for r in result["rows"]:
         if r["loader"] != "ThreadLoader" or r["n"] == 1:
             continue
-        frac = r.get("of_n_bare") if r["setting"] == "full" else r.get("of_linear")
+        frac = r.get("of_n_bare", r.get("of_linear")) if r["setting"] == "full" else r.get("of_linear")
         if frac is not None and frac < LINEAR:
             out.append({**r, "fraction": frac})
     return out
@@ -245,19 +255,19 @@ def gil(path: Path, work: Path, photos: Path, scaled: dict | None, seconds: floa
                       "ceiling_samples_per_s": 1e3 / r["cpu_ms_per_image"] if r["cpu_ms_per_image"] else None})
             out["raw32"].append(r)
     if scaled is not None:
-        bare_cpu = scaled["bare_one_thread"]["cpu_ms_per_image"]
+        bare_cpu = scaled["bare_one_thread"].get("cpu_ms_per_image")
         for r in shortfalls(scaled):
             out["shortfalls"].append({"setting": r["setting"], "n": r["n"], "fraction": r["fraction"],
                                       "cpu_us_per_image": 1e3 * r["cpu_ms_per_image"],
-                                      "bare_cpu_us_per_image": 1e3 * bare_cpu})
-        bare = scaled["bare_one_thread"]["images_per_s"]
+                                      "bare_cpu_us_per_image": None if bare_cpu is None else 1e3 * bare_cpu})
+        bare = scaled["bare_one_thread"].get("images_per_s")
         for ranks in (2, 4):
             if ranks > cores or cores % ranks:
                 continue
             log(f"gil: full decode, {ranks} processes x {cores // ranks} threads, {seconds:.1f} s")
             try:
                 row = ranks_rate(path, ranks, cores // ranks, batch, seconds)
-                row["of_n_bare"] = row["images_per_s"] / (cores * bare)
+                row["of_n_bare"] = None if bare is None else row["images_per_s"] / (cores * bare)
             except Exception as exc:  # noqa: BLE001
                 row = {"ranks": ranks, "error": f"{type(exc).__name__}: {exc}"}
             out["ranks"].append(row)

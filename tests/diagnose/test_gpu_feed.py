@@ -26,6 +26,7 @@ EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import check_cuda_prefetch  # noqa: E402
 import gpu_feed  # noqa: E402
+import gpu_feed_cores  # noqa: E402
 import gpu_feed_train  # noqa: E402
 import gpu_feed_verify  # noqa: E402
 import resnet50  # noqa: E402
@@ -55,7 +56,7 @@ def test_the_report_names_what_it_needs_and_has_every_part(run):
     r, _ = run
     assert set(r) >= {"command", "started", "budget_s", "machine", "requirements", "data", "parts", "elapsed_s"}
     assert set(r["requirements"]) == {"torch_cuda", "timm", "nvidia_dali", "ffcv", "turbojpeg", "jpegregion",
-                                      "pillow", "lmdb", "nvidia_smi"}
+                                      "pillow", "h5py", "tqdm", "lmdb", "nvidia_smi"}
     assert all(isinstance(v["ok"], bool) and v["detail"] for v in r["requirements"].values())
     assert r["data"]["images"] == 40 and r["budget_s"] == 30 and r["data"]["format"] in ("lmdb", "memmap")
     assert list(r["parts"]) == list(gpu_feed.PARTS)
@@ -245,3 +246,15 @@ def test_without_data_every_part_says_why(tmp_path):
     assert "error" in r["data"] and set(r["parts"]) == {"scaling", "doctor"}
     assert all(p["status"] == "skipped" and p["reason"].startswith("no data: ") for p in r["parts"].values())
     assert "data: FAILED" in (tmp_path / "gpu_feed.md").read_text()
+
+
+def test_scaling_without_bare_libjpeg_turbo_still_measures_the_loaders(photos, tmp_path):
+    got = gpu_feed_cores.scaling(photos, tmp_path / "no-photos", tmp_path, [1, 2], 0.2, batch=4,
+                                 loaders=("ThreadLoader",), bare=False, log=lambda _msg: None)
+    assert "no bare libjpeg-turbo" in got["bare_one_thread"]["missing"]
+    assert {(r["setting"], r["loader"], r["n"]) for r in got["rows"]} == {
+        (s, "ThreadLoader", n) for s in ("full", "train224") for n in (1, 2)}
+    assert all(r["images_per_s"] > 0 and "of_n_bare" not in r and r["of_linear"] > 0 for r in got["rows"])
+    report = {"command": "c", "machine": {"cpu": "x", "cores": 2}, "parts": {"scaling": {"status": "ok", **got}},
+              "requirements": {"torch_cuda": {"ok": False, "detail": "d"}, "nvidia_smi": {"ok": False, "detail": "e"}}}
+    assert "no bare libjpeg-turbo" in gpu_feed.markdown(report) and "not shown" not in gpu_feed.markdown(report)
