@@ -444,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
             if budget.left() <= 0:
                 report["parts"][name] = {"status": "skipped", "reason": "the budget was spent", "seconds": 0.0}
                 continue
-            share = budget.share(name, parts[k:])  # stopped at twice it (a minute more at least), or soon after
-            limit = min(max(2 * share, share + 60), max(budget.left() + 30, share + 10))  # the budget ends
+            share = budget.share(name, parts[k:])  # a part is stopped at twice its share (a minute more at
+            limit = min(max(2 * share, share + 60), budget.left() + 30)  # least), half a minute past the budget
             run_part(name, run[name], share, limit, report, a.out)
     finally:
         report["elapsed_s"] = time.monotonic() - budget.start
