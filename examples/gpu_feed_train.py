@@ -112,8 +112,9 @@ def forever(make: Callable[[], Iterable]) -> Iterator:
 
 
 def uint8_batches(loader: Iterable, device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """(input, labels) on ``device`` from a loader of uint8 (images, labels): copied ahead by CUDAPrefetcher."""
-    for images, labels in packer.CUDAPrefetcher(loader, device):
+    """(input, labels) on ``device`` from a loader of uint8 (images, labels), epoch after epoch: copied ahead by
+    CUDAPrefetcher."""
+    for images, labels in packer.CUDAPrefetcher(forever(lambda: loader), device):
         yield normalized(images), labels
 
 

@@ -159,6 +159,17 @@ def test_every_loader_feeds_the_step_its_normalised_channels_last_batches(photos
         assert -3 < float(x.mean()) < 3, name  # normalised, not 0-255
 
 
+def test_every_loader_goes_on_past_the_end_of_its_sampler(photos):
+    cpu = torch.device("cpu")
+    for name, make in gpu_feed_train.sources(photos, batch=4, workers=1, device=cpu, epochs=1).items():
+        if "dali" in name and not dali_imports():
+            continue
+        it = make()
+        for _ in range(7):  # 12 samples, 3 batches an epoch: past the end twice
+            next(it)
+        it.close()
+
+
 def test_feed_times_the_ceiling_and_each_loader(photos):
     got = gpu_feed_train.feed(photos, seconds=2.0, workers=1, device=torch.device("cpu"), batch=4, model=Small(),
                               warmup=(1, 1), log=lambda _msg: None)
