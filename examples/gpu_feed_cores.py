@@ -140,9 +140,9 @@ def scaling(path: Path, photos: Path, work: Path, threads: list[int], seconds: f
         for n in threads:
             runs: dict[str, Counts] = {}
             if "ThreadLoader" in loaders:
-                runs["ThreadLoader"] = lambda d=ds, k=n: thread_run(d, k, batch, epochs)
+                runs["ThreadLoader"] = lambda d=ds, k=n: repeat(lambda: thread_run(d, k, batch, epochs))
             if "DataLoader" in loaders:
-                runs["DataLoader"] = lambda d=ds, k=n: worker_run(d, k, batch, epochs)
+                runs["DataLoader"] = lambda d=ds, k=n: repeat(lambda: worker_run(d, k, batch, epochs))
             if "DALI CPU" in loaders and "DALI CPU" not in skipped:
                 runs["DALI CPU"] = lambda k=n, s=setting: dali_run(path, k, batch, "none" if s == "full" else "train")
             if ffcv is not None:
