@@ -68,7 +68,7 @@ _PUBLIC = {
     "IndexingWarning": "packer.errors",
     "FORMATS": "packer.formats",
     "CachedDataset": "packer.read.cache",
-    "instrument": "packer.diagnose.profile", "profile": "packer.diagnose.profile",
+    "instrument": "packer.diagnose.instrument", "profile": "packer.diagnose.profile",
     "BackgroundLoader": "packer.read.loaders", "CUDAPrefetcher": "packer.read.loaders",
     "ThreadLoader": "packer.read.threaded",
     "BlockShuffleSampler": "packer.read.sampler", "BlockBatchSampler": "packer.read.sampler",

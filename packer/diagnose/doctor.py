@@ -15,11 +15,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from packer import sysinfo
-from packer.diagnose import measure, system
+from packer.diagnose import gpu, measure, system
 from packer.diagnose.doctor_rules import judge
 from packer.units import human_bytes
 from packer.write.scan import IMG_EXTENSIONS
@@ -104,11 +105,29 @@ def probe_machine() -> dict:
     return m
 
 
+def probe_smi(seconds: float) -> dict:
+    """What nvidia-smi lists, with each GPU's utilisation and memory sampled over ``seconds`` (at most 1 s)
+    before this process touches a GPU: what other jobs do with it now."""
+    q = gpu.query()
+    out: dict[str, Any] = {**q.to_dict(), "sampled_s": 0.0, "usage": []}
+    if q.error is not None:
+        return out
+    window = min(seconds, 1.0)
+    with gpu.GpuSampler() as sampler:
+        time.sleep(window)
+    out["sampled_s"], out["usage"] = window, [asdict(u) for u in sampler.usage()]
+    if sampler.error is not None:
+        out["sample_error"] = sampler.error
+    return out
+
+
 def probe_gpu(seconds: float) -> dict:
+    smi = probe_smi(seconds)  # first: the h2d probe below puts this process on the GPU
     import torch
 
     out: dict[str, Any] = {"torch": torch.__version__, "cuda_build": torch.version.cuda,
-                           "available": torch.cuda.is_available(), "devices": [], "pinned_memory": False}
+                           "available": torch.cuda.is_available(), "devices": [], "pinned_memory": False,
+                           "smi": smi}
     if not out["available"]:
         try:
             torch.empty(1).pin_memory()
@@ -278,6 +297,21 @@ def diagnose(path: str | os.PathLike | None = None, seconds: float = 1.0, progre
     return report
 
 
+def smi_lines(smi: dict) -> list[str]:
+    """nvidia-smi's part of the report in a line per GPU (or why it could not be asked)."""
+    if smi.get("error"):
+        return [smi["error"]]
+    usage = {u["index"]: gpu.GpuUsage(**u) for u in smi.get("usage", [])}
+    lines = []
+    for g in smi.get("gpus", []):
+        u = usage.get(g["index"]) or gpu.GpuUsage(g["index"], 1, g["utilization_pct"], g["utilization_pct"],
+                                                  g["utilization_pct"], g["utilization_pct"], g["memory_used_mib"])
+        lines.append(f"{u.line(g['memory_total_mib'], g['name'])}, over {smi['sampled_s']:g} s")
+    if smi.get("sample_error"):
+        lines.append(smi["sample_error"])
+    return lines
+
+
 def render(r: dict) -> str:
     """The report for people: figures by topic, then the verdict."""
     m, g, d = r["machine"], r["gpu"], r["decode"]
@@ -295,6 +329,7 @@ def render(r: dict) -> str:
                 else f"none (torch {g['torch']}, CUDA build {g['cuda_build']}; pinned memory: "
                      f"{'yes' if g['pinned_memory'] else 'no'})")
     lines.append(f"GPU       {gpu_line}")
+    lines.extend(f"          nvidia-smi: {line}" for line in smi_lines(g.get("smi") or {}))
     turbo = "loaded" if d["libturbojpeg"] else f"MISSING: {d['libturbojpeg_error']}"
     lines.append(f"JPEG      libjpeg-turbo {turbo}")
     for name, v in d["per_core"].items():

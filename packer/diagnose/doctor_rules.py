@@ -162,6 +162,13 @@ def num_workers(f: Facts) -> Finding | None:
                     cores=f.cores, num_workers=f.workers)
 
 
+def _smi_gpus(f: Facts) -> list[tuple[dict, dict | None]]:
+    """(nvidia-smi's facts, its sampled usage or None) per GPU it lists; [] without nvidia-smi."""
+    smi = f.r["gpu"].get("smi") or {}
+    usage = {u["index"]: u for u in smi.get("usage", [])}
+    return [(g, usage.get(g["index"])) for g in smi.get("gpus", [])]
+
+
 def gpu(f: Facts) -> Finding | None:
     g = f.r["gpu"]
     if not g["available"]:
@@ -169,10 +176,53 @@ def gpu(f: Facts) -> Finding | None:
                         "effect here; the training step itself competes with loader workers for the CPU.",
                         cuda_build=g["cuda_build"])
     pin, page = g.get("h2d_pinned_GBps"), g.get("h2d_pageable_GBps")
+    smi = _smi_gpus(f)
+    busy = "; ".join(f"GPU {s['index']} {u['utilization_mean']:.0f}% busy, {u['memory_used_max_mib']:,.0f} of "
+                     f"{s['memory_total_mib']:,.0f} MiB used" for s, u in smi
+                     if u and u["utilization_mean"] is not None and u["memory_used_max_mib"] is not None
+                     and s["memory_total_mib"])
     return _finding(f"GPU present ({', '.join(g['devices'])}, CUDA {g['cuda_build']}): pin_memory=True "
                     + (f"(host-to-device {pin:.1f} GB/s pinned vs {page:.1f} GB/s pageable) " if pin and page else "")
-                    + "and packer.CUDAPrefetcher to overlap the copy with compute.",
+                    + "and packer.CUDAPrefetcher to overlap the copy with compute"
+                    + (f"; nvidia-smi before training: {busy}" if busy else "")
+                    + ". While training, packer.profile(loader) samples the GPU's utilisation: below ~95% the step "
+                    "waits for something, data or the loop itself.",
                     h2d_pinned_GBps=pin, h2d_pageable_GBps=page)
+
+
+def gpu_unusable(f: Facts) -> Finding | None:
+    g, smi = f.r["gpu"], _smi_gpus(f)
+    if g["available"] or not smi:
+        return None
+    names = ", ".join(s["name"] for s, _ in smi)
+    why = ("it is a CPU-only build: install a CUDA build of torch" if g["cuda_build"] is None else
+           f"it was built for CUDA {g['cuda_build']}: the driver may be older than that, or CUDA_VISIBLE_DEVICES "
+           "hides the GPUs")
+    return _finding(f"nvidia-smi lists {len(smi)} GPU(s) ({names}) but torch {g['torch']} cannot use them: {why}.",
+                    gpus=len(smi), torch=g["torch"], cuda_build=g["cuda_build"])
+
+
+SHARED_UTIL = 10.0  # percent busy before this process ran anything: another job's kernels
+SHARED_MEMORY = 0.05  # of the GPU's memory held before this process ran anything (at least 1 GiB)
+
+
+def gpu_in_use(f: Facts) -> Finding | None:
+    shared = []
+    for s, u in _smi_gpus(f):
+        if u is None:
+            continue
+        util, used, total = u["utilization_mean"], u["memory_used_max_mib"], s["memory_total_mib"]
+        if (util is not None and util >= SHARED_UTIL) or (
+                used is not None and total and used >= max(1024.0, SHARED_MEMORY * total)):
+            shared.append(f"GPU {s['index']} ({s['name']}) "
+                          + ("utilisation not reported" if util is None else f"{util:.0f}% busy")
+                          + ("" if used is None else f", {used:,.0f}" + (f" of {total:,.0f}" if total else "")
+                             + " MiB used"))
+    if not shared:
+        return None
+    return _finding("another job is on the GPU: " + "; ".join(shared) + " while doctor sampled it, before this "
+                    "process used it; a training job here shares its time and memory, and its utilisation figures "
+                    "count the other job's kernels too.", gpus=shared)
 
 
 def shm_space(f: Facts) -> Finding | None:
@@ -197,7 +247,8 @@ def open_files(f: Facts) -> Finding | None:
 
 RULES: tuple[Callable[[Facts], Finding | None], ...] = (
     busy_machine, decode_ceiling, libjpeg_turbo, storage_not_measured, network_storage, rotational_disk,
-    io_or_decode_bound, eviction_unverified, fits_in_ram, num_workers, gpu, shm_space, open_files,
+    io_or_decode_bound, eviction_unverified, fits_in_ram, num_workers, gpu, gpu_unusable, gpu_in_use,
+    shm_space, open_files,
 )
 
 

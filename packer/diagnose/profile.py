@@ -11,164 +11,31 @@ The profiler takes timestamps when the loop asks for a batch, when the batch arr
 the loop asks for the next one, so wait + step add up to the loop's wall time. When CUDA is in
 use it calls ``torch.cuda.synchronize()`` before each timestamp, so a step's asynchronous GPU
 work counts in that step rather than in the next wait. With ``device=`` it moves each batch to
-the device itself and times that copy as the host-to-device stage.
-
-``instrument`` splits each sample's time into stages and sums them into a small table in shared
-memory (a ``torch`` tensor moved to shared memory, which fork workers inherit and spawn workers
-receive through torch's multiprocessing pickler). Each process writes only its own row (worker
-id + 1; row 0 is the main process), so no lock is needed. Packer datasets (``read.staged.StagedDataset``:
-``PackedDataset``, ``CachedDataset``) run their own batch loop with a stage clock, so the profile
-times exactly what training runs (read-ahead counts as read); any other dataset is one ``getitem`` stage.
+the device itself and times that copy as the host-to-device stage. Where CUDA is in use (or with
+``gpu=True``) nvidia-smi samples the GPUs' utilisation and memory meanwhile (``packer.diagnose.gpu``);
+the steady batches' samples go into the summary and the verdict. ``instrument`` (instrument.py) times
+the stages inside the loader, and the verdict names the one that limits.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence, Sized
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, get_worker_info
-from torch.utils.data._utils.collate import default_collate
 
+from packer.diagnose.gpu import GpuSampler, GpuUsage
+from packer.diagnose.instrument import InstrumentedDataset, StageTotals
 from packer.images.decode import sniff
 from packer.progress import bar as progress_bar
 from packer.read.dataset import PackedDataset
 from packer.read.loaders import to_device
-from packer.read.staged import StagedDataset, load_batch
 from packer.read.threaded import ThreadLoader
-
-# ------------------------------------------------------------------ stage instrumentation
-
-
-STAGES = ("read", "decode", "transform", "getitem", "collate")
-_SAMPLES, _BATCHES = len(STAGES), len(STAGES) + 1
-
-
-def _row() -> int:
-    info = get_worker_info()
-    return 0 if info is None else info.id + 1
-
-
-@dataclass
-class StageTotals:
-    """Seconds spent per stage, summed over all processes, and what was counted."""
-
-    seconds: dict[str, float] = field(default_factory=dict)
-    samples: int = 0
-    batches: int = 0
-    processes: int = 0  # rows that did any work (main process and/or workers)
-
-    def per_sample_ms(self) -> dict[str, float]:
-        """Mean milliseconds per sample of each stage that ran (collate spread over samples)."""
-        n = max(self.samples, 1)
-        return {k: 1000 * v / n for k, v in self.seconds.items() if v > 0}
-
-    @property
-    def sample_seconds(self) -> float:
-        """Seconds of one process's work per sample, all stages."""
-        return sum(self.seconds.values()) / max(self.samples, 1)
-
-    def slowest(self) -> str | None:
-        ms = self.per_sample_ms()
-        return max(ms, key=lambda k: ms[k]) if ms else None
-
-    def to_dict(self) -> dict:
-        return {"per_sample_ms": self.per_sample_ms(), "seconds": self.seconds, "samples": self.samples,
-                "batches": self.batches, "processes": self.processes}
-
-
-class TimedCollate:
-    """A collate function that adds its time to the stage table (picklable, for spawn workers)."""
-
-    def __init__(self, table: torch.Tensor, fn: Callable = default_collate) -> None:
-        self.table = table
-        self.fn = fn
-
-    def __call__(self, samples: list) -> Any:
-        t0 = time.perf_counter()
-        out = self.fn(samples)
-        row = self.table[_row()]
-        row[STAGES.index("collate")] += time.perf_counter() - t0
-        row[_BATCHES] += 1
-        return out
-
-
-# What an instrumented dataset hands on from the one it wraps (samplers and user code read these).
-_FORWARDED = frozenset({"classes", "class_to_idx", "targets", "samples", "imgs", "root", "index", "manifest",
-                        "transform", "target_transform", "block_boundaries", "index_of",
-                        "index_map", "indexing", "relpaths", "source_root", "find_classes", "loader", "extensions",
-                        "transforms", "filename", "filenames"})
-
-
-class _RowClock:
-    """A StageClock adding one batch's stage seconds to this process's row of the shared table."""
-
-    def __init__(self, row: torch.Tensor) -> None:
-        self.row = row
-
-    def add(self, read: float, decode: float, transform: float, samples: int) -> None:
-        self.row[STAGES.index("read")] += read
-        self.row[STAGES.index("decode")] += decode
-        self.row[STAGES.index("transform")] += transform
-        self.row[_SAMPLES] += samples
-
-
-class InstrumentedDataset(Dataset):
-    """``dataset`` with each sample's read/decode/transform time recorded (see module docstring)."""
-
-    def __init__(self, dataset: Dataset, max_workers: int = 256) -> None:
-        self.dataset = dataset
-        self.table = torch.zeros((max_workers + 1, len(STAGES) + 2), dtype=torch.float64).share_memory_()
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getattr__(self, name: str) -> Any:  # the ImageFolder surface of the wrapped dataset, by name
-        if name in _FORWARDED:
-            return getattr(self.dataset, name)
-        raise AttributeError(f"{type(self).__name__} has no attribute {name!r} (the wrapped dataset: .dataset)")
-
-    def collate(self, fn: Callable = default_collate) -> TimedCollate:
-        """``fn`` wrapped to record collate time: pass it as the DataLoader's ``collate_fn``."""
-        return TimedCollate(self.table, fn)
-
-    def __getitem__(self, i: int) -> Any:
-        return self.__getitems__([i])[0]
-
-    def __getitems__(self, indices: Sequence[int]) -> list:
-        """A packer dataset's batch through its own batch loop (read.staged.load_batch), timed per stage;
-        any other dataset's samples timed as one ``getitem`` stage."""
-        row = self.table[_row()]
-        if isinstance(self.dataset, StagedDataset):
-            return load_batch(self.dataset, indices, clock=_RowClock(row))
-        t0 = time.perf_counter()
-        out = [self.dataset[i] for i in indices]
-        row[STAGES.index("getitem")] += time.perf_counter() - t0
-        row[_SAMPLES] += len(out)
-        return out
-
-    def stage_totals(self) -> StageTotals:
-        """Totals so far, summed over the main process and every worker."""
-        t = self.table.clone()
-        busy = t[:, : len(STAGES)].sum(1) > 0
-        sums = t.sum(0).tolist()
-        return StageTotals(
-            seconds={s: sums[k] for k, s in enumerate(STAGES) if sums[k] > 0},
-            samples=int(sums[_SAMPLES]), batches=int(sums[_BATCHES]), processes=int(busy.sum()),
-        )
-
-    def reset(self) -> None:
-        self.table.zero_()
-
-
-def instrument(dataset: Dataset, max_workers: int = 256) -> InstrumentedDataset:
-    """Wrap ``dataset`` to time its stages; use ``.collate()`` as collate_fn to time collation too."""
-    return InstrumentedDataset(dataset, max_workers=max_workers)
-
 
 # ------------------------------------------------------------------ the loop profiler
 
@@ -278,10 +145,33 @@ def decode_advice(dataset: Any) -> str | None:
     return None
 
 
+GPU_BUSY = 90.0  # percent: below it, a loop that does not wait for data still leaves the GPU idle
+
+
+def gpu_lines(usage: Sequence[GpuUsage], bound: str) -> list[str]:
+    """What nvidia-smi's utilisation during the steady batches says beside the wait/step split."""
+    lines = []
+    for u in usage:
+        if u.utilization_mean is None:
+            continue
+        busy = f"GPU {u.index} was busy {u.utilization_mean:.0f}% of the time (nvidia-smi, {u.samples} samples)"
+        if bound == "input":
+            lines.append(f"{busy}: the rest of it, it waited for data.")
+        elif u.utilization_mean < GPU_BUSY:
+            lines.append(f"{busy}, though the loop hardly waited for data: the idle time is the loop's own (CPU work "
+                         "between kernels: launches, synchronisation, logging, small kernels); the loader is not the "
+                         "limit.")
+        else:
+            lines.append(f"{busy}: kept fed.")
+    return lines
+
+
 def verdict(stats: LoopStats, stages: StageTotals | None = None, workers: int | None = None,
-            cores: int | None = None, dataset: Any = None, threaded: bool = False) -> Verdict:
+            cores: int | None = None, dataset: Any = None, threaded: bool = False,
+            gpu: Sequence[GpuUsage] = ()) -> Verdict:
     """Judge a profiled pass (steady state): is the step fed, and if not, which stage limits it (``dataset``: its
-    own ways to decode less are named; ``threaded``: a ThreadLoader fed it, whose stages go untimed)."""
+    own ways to decode less are named; ``threaded``: a ThreadLoader fed it, whose stages go untimed; ``gpu``: the
+    GPUs' utilisation meanwhile, as nvidia-smi sampled it)."""
     f = stats.figures(steady=True)
     if f["iterations"] == 0:
         return Verdict("unknown", None, ["not enough iterations to judge (profile at least 2 batches)"], f)
@@ -328,6 +218,10 @@ def verdict(stats: LoopStats, stages: StageTotals | None = None, workers: int | 
         if cores and need > cores:
             lines.append(f"that is more than this machine's {cores} cores: CPU loading cannot feed this step here; "
                          "cut the per-sample cost (see above) or the decode work (smaller or decoded payloads).")
+    lines += gpu_lines(gpu, bound)
+    busy = [u.utilization_mean for u in gpu if u.utilization_mean is not None]
+    if busy:
+        f["gpu_utilization_mean"] = statistics.fmean(busy)
     return Verdict(bound, limit, lines, {**f, "per_sample_ms": per_sample})
 
 
@@ -348,8 +242,11 @@ class LoopProfiler:
 
     def __init__(self, loader: Iterable, *, warmup: int = 1, device: torch.device | str | None = None,
                  sync: bool | None = None, progress: bool | None = None, desc: str = "profile",
-                 instrumented: InstrumentedDataset | None = None) -> None:
+                 instrumented: InstrumentedDataset | None = None, gpu: bool | None = None) -> None:
         self.loader = loader
+        self.gpu = gpu
+        self.gpu_usage: list[GpuUsage] = []  # nvidia-smi's, over the steady batches of the last pass
+        self.gpu_error: str | None = None  # why the GPU was not sampled, where it was asked for
         self.device = torch.device(device) if device is not None else None
         self.sync = sync
         self.progress = progress
@@ -366,10 +263,20 @@ class LoopProfiler:
         if self.sync or (self.sync is None and _cuda_in_use()):
             torch.cuda.synchronize()
 
+    def _gpu_sampler(self) -> GpuSampler | None:
+        """nvidia-smi sampling for this pass: asked for (``gpu=True``), or by default where CUDA is in use."""
+        if not (self.gpu or (self.gpu is None and _cuda_in_use())):
+            return None
+        sampler = GpuSampler()
+        sampler.start()
+        return sampler
+
     def __iter__(self) -> Iterator:
         st = self.stats = LoopStats(warmup=self.stats.warmup)
         if self.instrumented is not None:
             self.instrumented.reset()
+        self.gpu_usage, self.gpu_error = [], None
+        sampler = self._gpu_sampler()
         total = len(self.loader) if isinstance(self.loader, Sized) else None
         bar = progress_bar(total=total, desc=self.desc, unit="batch", progress=self.progress, mininterval=0.5,
                            leave=True)
@@ -398,6 +305,8 @@ class LoopProfiler:
                 st.samples.append(batch_len(batch))
                 st.total_s = end - start
                 mark = end
+                if sampler is not None and st.iterations == st.warmup:
+                    sampler.mark()  # the steady batches start
                 if not bar.disable:
                     f = st.figures(steady=True)
                     bar.set_postfix_str(f"wait {100 * f['wait_over_step']:.0f}% of step, "
@@ -406,6 +315,12 @@ class LoopProfiler:
         finally:
             del it
             bar.close()
+            if sampler is not None:
+                sampler.stop()
+                self.gpu_usage, self.gpu_error = sampler.usage(since_mark=True), sampler.error
+                if not self.gpu_usage and self.gpu_error is None:
+                    self.gpu_error = (f"no nvidia-smi sample during the steady batches (after {st.warmup} warm-up "
+                                      "batch(es)): profile more batches")
 
     def stage_totals(self) -> StageTotals | None:
         return self.instrumented.stage_totals() if self.instrumented is not None else None
@@ -413,7 +328,7 @@ class LoopProfiler:
     def verdict(self, cores: int | None = None) -> Verdict:
         dataset = self.instrumented.dataset if self.instrumented is not None else None  # stages come from it alone
         return verdict(self.stats, self.stage_totals(), workers=self.num_workers, cores=cores, dataset=dataset,
-                       threaded=_find(self, "loader", ThreadLoader) is not None)
+                       threaded=_find(self, "loader", ThreadLoader) is not None, gpu=self.gpu_usage)
 
     def summary(self) -> str:
         """A few lines: iterations, wait vs step, throughput, and the stage breakdown when known."""
@@ -430,6 +345,9 @@ class LoopProfiler:
         if stages is not None and stages.samples:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in stages.per_sample_ms().items())
             lines.append(f"inside the loader, per sample (ms, {stages.processes} process(es)): {parts}")
+        lines += [f"during the steady batches: {u.line()}" for u in self.gpu_usage]
+        if self.gpu_error is not None:
+            lines.append(f"GPU not sampled: {self.gpu_error}")
         return "\n".join(lines)
 
     def report(self, cores: int | None = None) -> str:
@@ -438,6 +356,7 @@ class LoopProfiler:
     def to_dict(self) -> dict:
         stages = self.stage_totals()
         return {"loop": self.stats.to_dict(), "stages": stages.to_dict() if stages else None,
+                "gpu": {"usage": [asdict(u) for u in self.gpu_usage], "error": self.gpu_error},
                 "verdict": {"bound": (v := self.verdict()).bound, "limit": v.limit, "lines": v.lines}}
 
 

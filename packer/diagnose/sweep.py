@@ -22,7 +22,9 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 from torch.utils.data._utils.collate import default_collate
 
-from packer.diagnose.profile import ADVICE, FED, InstrumentedDataset, LoopProfiler
+from packer.diagnose.gpu import GpuSampler
+from packer.diagnose.instrument import InstrumentedDataset
+from packer.diagnose.profile import ADVICE, FED, LoopProfiler
 from packer.diagnose.system import usable_cores
 from packer.errors import PackerError
 
@@ -118,7 +120,7 @@ def measure_point(ds: InstrumentedDataset, workers: int, batch_size: int, pin_me
         kwargs["multiprocessing_context"] = start_method
     loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=pin_memory,
                         collate_fn=ds.collate(collate or default_collate), drop_last=True, **kwargs)
-    prof = LoopProfiler(loader, warmup=warmup, device=device, progress=progress,
+    prof = LoopProfiler(loader, warmup=warmup, device=device, progress=progress, gpu=False,
                         desc=f"workers={workers} batch={batch_size} pin={'on' if pin_memory else 'off'}")
     ds.reset()
     for _ in prof:
@@ -149,6 +151,7 @@ def sweep(
     seed: int = 0,
     progress: bool | None = None,
     collate: Callable | None = None,
+    gpu: bool | None = None,
 ) -> SweepResult:
     """Measure every (batch size, pin_memory, workers) setting, then pick and word the result (``word_sweep``).
 
@@ -172,9 +175,21 @@ def sweep(
     cores = usable_cores()
     if max(workers) > cores:
         notes.append(f"with more workers than the {cores} cores, per-sample times include waiting for a core")
-    points = [measure_point(ds, w, b, pin, step_ms / 1000 * b / batch_sizes[0], batches,
-                            (2 * w + 2) if warmup is None else warmup, dev, start_method, seed, progress, collate)
-              for b, pin, w in itertools.product(batch_sizes, pins, sorted(set(workers)))]
+    sampler = GpuSampler() if (gpu or (gpu is None and torch.cuda.is_available())) else None
+    if sampler is not None:
+        sampler.start()
+    try:
+        points = [measure_point(ds, w, b, pin, step_ms / 1000 * b / batch_sizes[0], batches,
+                                (2 * w + 2) if warmup is None else warmup, dev, start_method, seed, progress, collate)
+                  for b, pin, w in itertools.product(batch_sizes, pins, sorted(set(workers)))]
+    finally:
+        if sampler is not None:
+            sampler.stop()
+    if sampler is not None:
+        notes += [f"nvidia-smi during the sweep (its step is simulated: a busy GPU or memory held is the copies' or "
+                  f"another job's): {u.line()}" for u in sampler.usage()]
+        if sampler.error is not None:
+            notes.append(f"GPU not sampled: {sampler.error}")
     name = str(getattr(dataset, "root", type(dataset).__name__))
     return word_sweep(name, points, step_ms, cores, notes)
 

@@ -12,8 +12,9 @@ from support._tiny import make_lmdb
 from torch.utils.data import DataLoader
 
 import packer
+from packer.diagnose.instrument import StageTotals, instrument
 from packer.diagnose.plots import plot_sweep
-from packer.diagnose.profile import LoopStats, StageTotals, batch_len, instrument, profile, verdict
+from packer.diagnose.profile import LoopStats, batch_len, profile, verdict
 from packer.diagnose.sweep import RandomCrop, sweep
 from packer.errors import PackerError
 from packer.tools.sample import photo_like
