@@ -95,12 +95,12 @@ def cmd_info(args) -> int:
         data = dataset_info(args.dataset)
     if args.json:
         print(json.dumps(data, indent=1, ensure_ascii=False))
-        return 0
+        return 1 if data["problems"] else 0
     rows = info_rows(args.dataset, data)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
-    return 0
+    return 1 if data["problems"] else 0  # a file missing or of another size: the dataset fails its checks
 
 
 def cmd_verify(args) -> int:
