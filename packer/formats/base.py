@@ -97,6 +97,15 @@ class ShardReader(ABC):
         """Payloads of ``positions``; formats override this where runs of neighbours read faster together."""
         return [self.read(p) for p in positions]
 
+    def read_copies(self, positions: Sequence[int], buf: np.ndarray | None = None) -> list:
+        """Payloads of ``positions`` as ``read_many`` gives them, but in memory of their own, read from the files
+        (``pread``) and never through a map: a thread decoding them can't die of SIGBUS when a shard is truncated
+        meanwhile, and a file cut short is a PackerError here (``packer.ThreadLoader`` reads this way). ``buf``: flat
+        uint8 memory of at least the payloads' total size (the index's) to read them into, where the format
+        stores them as plain bytes; formats that decode or inflate make their own. The default suits formats
+        whose reads never map a file (bmp, compressed HDF5); formats that map override it."""
+        return self.read_many(positions)
+
     def read_into(self, positions: Sequence[int], out: np.ndarray) -> None:
         """Copy the payloads of ``positions`` (any order; runs of ascending neighbours copy fastest) into ``out``
         (only where ``fixed_shape`` is set)."""
@@ -227,6 +236,48 @@ def map_readonly(path: object, fd: int, access: str) -> mmap.mmap:
     if access == "random" and hasattr(mmap, "MADV_RANDOM"):
         mm.madvise(mmap.MADV_RANDOM)  # no read-ahead: uniform random reads would only evict pages
     return mm
+
+
+def pread_ranges(fd: int, starts: Sequence[int], ends: Sequence[int], buf: np.ndarray | None, path: object,
+                 expected: int, owners: Sequence[int] | None = None, count: int | None = None) -> list[np.ndarray]:
+    """Bytes ``[starts[k], ends[k])`` of the open file ``fd`` (of ``expected`` bytes, per the manifest) read with
+    ``pread`` into consecutive parts of ``buf`` (new memory where it is None or too small), one array per range,
+    or per sample where ``owners`` (ascending) says whose piece each range is (``count`` samples: a sample's
+    pieces joined, none: empty). Ranges that follow each other in the file are read by one call. A file cut short
+    is ``check_size``'s PackerError, never a fault: nothing here touches a map."""
+    sizes = [b - a for a, b in zip(starts, ends, strict=True)]
+    if min(sizes, default=0) < 0:
+        raise PackerError(f"{path}: a sample's bytes end before they start (damaged dataset)")
+    total = sum(sizes)
+    if buf is None or buf.nbytes < total:
+        buf = np.empty(total, dtype=np.uint8)
+    at, k = 0, 0
+    while k < len(sizes):
+        run = k + 1
+        while run < len(sizes) and starts[run] == ends[run - 1]:
+            run += 1
+        nbytes = ends[run - 1] - starts[k]
+        pread_exactly(fd, buf[at : at + nbytes].data, starts[k], path, expected)
+        at, k = at + nbytes, run
+    bounds = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+    if owners is None:
+        return [buf[a:b] for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
+    # a sample's pieces lie one after the other in ``buf``: one slice from its first to its last
+    n = len(sizes) if count is None else count
+    first = np.searchsorted(owners, np.arange(n), side="left")
+    last = np.searchsorted(owners, np.arange(n), side="right")
+    return [buf[a:b] for a, b in zip(bounds[first].tolist(), bounds[last].tolist())]
+
+
+def pread_exactly(fd: int, view: memoryview, offset: int, path: object, expected: int) -> None:
+    """Fill ``view`` with the bytes of ``fd`` from ``offset`` (see ``pread_ranges``)."""
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:  # the end of the file: cut short since it was checked
+            check_size(fd, expected, path)
+            raise PackerError(f"{path}: ends at byte {offset + got}, inside a sample (damaged dataset)")
+        got += n
 
 
 def contiguous_runs(positions: list[int]) -> list[tuple[int, int]]:

@@ -60,6 +60,7 @@ from packer.formats.base import (
     contiguous_runs,
     copy_runs,
     fixed_shape,
+    pread_ranges,
     shard_layout,
 )
 from packer.formats.hdf5_chunks import MappedChunks
@@ -406,6 +407,17 @@ class Reader(ShardReader):
             else:
                 out.extend(self._split(h, self._blob(h, start, stop), start, stop))
         return out
+
+    def read_copies(self, positions: list[int], buf: np.ndarray | None = None) -> list:
+        """Uncompressed: each sample's pieces read from the file with ``pread`` where its chunks lie, joined;
+        compressed: h5py's reads, which never map (``ShardReader.read_copies``)."""
+        h = self._get()
+        if h.mapped is None:
+            return self.read_many(positions)
+        starts, ends, owners = h.mapped.sample_ranges(list(positions), h.offsets)
+        flats = pread_ranges(h.fd, starts.tolist(), ends.tolist(), buf, self.path, self.num_bytes, owners.tolist(),
+                             len(positions))
+        return self._shaped(h, flats, positions)
 
     def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
         """Per position, the byte ranges of the file its chunks occupy (see packer.read.readahead)."""

@@ -61,6 +61,7 @@ from packer.formats.base import (
     check_addition,
     check_size,
     map_readonly,
+    pread_ranges,
 )
 from packer.layout.manifest import Shard
 from packer.perprocess import PerProcess
@@ -135,6 +136,35 @@ def decode_record(buf: bytes | memoryview, where: object) -> memoryview:
 def pack_header(label: float, id: int, id2: int = 0) -> bytes:
     """``mxnet.recordio.pack``'s header for a single float label."""
     return struct.pack(IR_FORMAT, 0, label, id, id2)
+
+
+def image_bounds(head: bytes, size: int, where: object) -> tuple[int, int] | None:
+    """Where the image bytes of a record of ``size`` bytes lie in it, from its first ``HEAD_BYTES`` (``head``),
+    with the checks ``decode_record`` and ``unpack_header`` make; None for a record in several parts (read it
+    whole)."""
+    if len(head) < 8:
+        raise PackerError(f"{where}: record ends inside a part header")
+    magic, lrec = struct.unpack_from("<II", head)
+    cflag, length = lrec >> 29, lrec & MAX_LENGTH
+    if magic != MAGIC:
+        raise PackerError(f"{where}: bad RecordIO magic {magic:#010x} at byte 0 of the record")
+    if cflag != 0:
+        if cflag == 1:
+            return None
+        raise PackerError(f"{where}: RecordIO part flag {cflag} out of sequence")
+    if 8 + length + _pad(length) > size:
+        raise PackerError(f"{where}: RecordIO part of {length} bytes runs past the record's end")
+    if 8 + length + _pad(length) != size:
+        raise PackerError(f"{where}: {size - 8 - length} bytes between the record's end and the next record")
+    if length < IR_SIZE or len(head) < 8 + IR_SIZE:
+        raise PackerError(f"{where}: record of {length} bytes is shorter than its {IR_SIZE}-byte header")
+    flag = struct.unpack_from(IR_FORMAT, head, 8)[0]
+    if IR_SIZE + 4 * flag > length:
+        raise PackerError(f"{where}: header announces {flag} labels, more than the record holds")
+    return 8 + IR_SIZE + 4 * flag, 8 + length
+
+
+HEAD_BYTES = 8 + IR_SIZE  # a record's part header and image header: what ``image_bounds`` reads
 
 
 def unpack_header(data: memoryview, where: object) -> tuple[float | tuple[float, ...], int, int, memoryview]:
@@ -385,6 +415,30 @@ class Reader(ShardReader):
         """``read`` of each position, after one size check."""
         h = self._get()
         return [self._image(h, p) for p in positions]
+
+    def read_copies(self, positions: Sequence[int], buf: np.ndarray | None = None) -> list[memoryview]:
+        """Each record's image bytes read with ``pread`` (its headers first, a small read; a record in parts whole),
+        never from the map (``ShardReader.read_copies``)."""
+        h = self._get()
+        starts, ends = [], []
+        whole: dict[int, memoryview] = {}  # place -> image of a record in parts, joined
+        for k, p in enumerate(positions):
+            a, b = int(h.offsets[p]), int(h.offsets[p + 1])
+            where = f"{self.path}: record {p}"
+            head = os.pread(h.fd, min(HEAD_BYTES, b - a), a)
+            bounds = image_bounds(head, b - a, where) if len(head) == min(HEAD_BYTES, b - a) else None
+            if len(head) < min(HEAD_BYTES, b - a):  # the file ends sooner: cut short since it was checked
+                check_size(h.fd, self.num_bytes, self.path)
+            if bounds is None:
+                record = os.pread(h.fd, b - a, a)
+                if len(record) != b - a:
+                    check_size(h.fd, self.num_bytes, self.path)
+                whole[k] = unpack_header(decode_record(record, where), where)[3]
+                bounds = (0, 0)
+            starts.append(a + bounds[0])
+            ends.append(a + bounds[1])
+        images = pread_ranges(h.fd, starts, ends, buf, self.path, self.num_bytes)
+        return [whole[k] if k in whole else image.data for k, image in enumerate(images)]
 
     def file_spans(self, positions: Sequence[int]) -> list[list[Span]]:
         """Per position, its record's bytes in the .rec (see packer.read.readahead)."""

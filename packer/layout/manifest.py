@@ -302,22 +302,27 @@ def check_counts(data: Any, directory: Path, where: str) -> None:
 
 
 def count_files(directory: Path, enough: int) -> int:
-    """The files below ``directory`` (anything but a folder), counted up to ``enough``. Links to folders are
-    followed once each (a link leading out is refused by name later, with its reason)."""
-    count, folders, seen = 0, [os.fspath(directory)], set()
+    """The files below ``directory`` (anything but a folder), counted up to ``enough``. A link to a folder inside is
+    followed once; one leading out is never opened (nothing outside is read): the count is then ``enough``, and
+    the names below it are refused later, with that reason."""
+    root = os.path.realpath(directory)
+    count, folders, seen = 0, [root], set()
     while folders and count < enough:
         try:
             with os.scandir(folders.pop()) as entries:
                 for entry in entries:
-                    if entry.is_dir():
-                        st = entry.stat()
-                        if (st.st_dev, st.st_ino) not in seen:
-                            seen.add((st.st_dev, st.st_ino))
-                            folders.append(entry.path)
-                    else:
+                    if not entry.is_dir():  # a file, a link to one, a broken link, a special file
                         count += 1
                         if count >= enough:
                             break
+                        continue
+                    path = os.path.realpath(entry.path) if entry.is_symlink() else entry.path
+                    if path != root and not path.startswith(root + os.sep):
+                        return enough
+                    st = entry.stat()
+                    if (st.st_dev, st.st_ino) not in seen:
+                        seen.add((st.st_dev, st.st_ino))
+                        folders.append(path)
         except OSError:
             continue  # an unreadable folder or entry: its files, if listed, are refused by name later
     return count

@@ -168,13 +168,14 @@ class PackedDataset(FolderSurface):
         return self.store.read(pos)
 
     def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = (),
-                    pending: readahead.Pending | None = None) -> list:
+                    pending: readahead.Pending | None = None, into: Callable[[int], np.ndarray] | None = None) -> list:
         """Payloads at these storage positions, read ahead in file order, returned in the order asked.
 
         Each shard's samples are read with one ``read_many`` call in file order, once the read-ahead
         has brought in its last one, and checked against the index together: the Python work per
         sample is one view or copy (warm reads at the loose folder's rate or above; docs/results.md).
-        ``ahead``: as for ``start_reads``; ``pending``: its result for these positions, started earlier.
+        ``ahead``: as for ``start_reads``; ``pending``: its result for these positions, started earlier;
+        ``into``: ``read_copies`` instead, into ``into(their total bytes, per the index)`` (see StagedDataset).
         """
         idx = np.asarray(stored, dtype=np.int64)
         if not len(idx):
@@ -185,12 +186,20 @@ class PackedDataset(FolderSurface):
         got: list = []  # in file order
         shard_of = np.searchsorted(self.store.starts, ordered, side="right") - 1
         bounds = np.flatnonzero(np.diff(shard_of)) + 1
+        sizes = self.index.nbytes[ordered]
+        block, at = (None, 0) if into is None else (into(int(sizes.sum())), 0)
         for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(ordered)]):
             shard = int(shard_of[lo])
             pending.wait(max(range(lo, hi), key=pending.need.__getitem__))  # the last to arrive
             positions = ordered[lo:hi] - self.store.starts[shard]
+            reader = self.store.readers[shard]
             with reading(self.store.where(shard)):
-                bufs = self.store.readers[shard].read_many(positions.tolist())
+                if block is None:
+                    bufs = reader.read_many(positions.tolist())
+                else:
+                    need = int(sizes[lo:hi].sum())
+                    bufs = reader.read_copies(positions.tolist(), block[at : at + need])
+                    at += need
             self.store.check_reads(shard, ordered[lo:hi], bufs)
             got.extend(bufs)
         if len(got) < 2:

@@ -164,9 +164,10 @@ def test_reads_are_queued_batches_ahead_in_the_order_decoded(packed, monkeypatch
         events.append(("start", idx.tolist(), pending))
         return pending
 
-    def payloads_at(stored, ahead=(), pending=None):
+    def payloads_at(stored, ahead=(), pending=None, into=None):
+        assert into is not None  # copies read from the files, never views of a map (a truncated shard: no SIGBUS)
         events.append(("take", np.asarray(stored).tolist(), pending))
-        return real_payloads(stored, ahead, pending)
+        return real_payloads(stored, ahead, pending, into)
 
     monkeypatch.setattr(ds, "start_reads", start_reads)
     monkeypatch.setattr(ds, "payloads_at", payloads_at)
