@@ -138,30 +138,17 @@ def pack_header(label: float, id: int, id2: int = 0) -> bytes:
     return struct.pack(IR_FORMAT, 0, label, id, id2)
 
 
-def image_bounds(head: bytes, size: int, where: object) -> tuple[int, int] | None:
-    """Where the image bytes of a record of ``size`` bytes lie in it, from its first ``HEAD_BYTES`` (``head``),
-    with the checks ``decode_record`` and ``unpack_header`` make; None for a record in several parts (read it
-    whole)."""
-    if len(head) < 8:
-        raise PackerError(f"{where}: record ends inside a part header")
-    magic, lrec = struct.unpack_from("<II", head)
-    cflag, length = lrec >> 29, lrec & MAX_LENGTH
-    if magic != MAGIC:
-        raise PackerError(f"{where}: bad RecordIO magic {magic:#010x} at byte 0 of the record")
-    if cflag != 0:
-        if cflag == 1:
-            return None
-        raise PackerError(f"{where}: RecordIO part flag {cflag} out of sequence")
-    if 8 + length + _pad(length) > size:
-        raise PackerError(f"{where}: RecordIO part of {length} bytes runs past the record's end")
-    if 8 + length + _pad(length) != size:
-        raise PackerError(f"{where}: {size - 8 - length} bytes between the record's end and the next record")
-    if length < IR_SIZE or len(head) < 8 + IR_SIZE:
-        raise PackerError(f"{where}: record of {length} bytes is shorter than its {IR_SIZE}-byte header")
-    flag = struct.unpack_from(IR_FORMAT, head, 8)[0]
-    if IR_SIZE + 4 * flag > length:
-        raise PackerError(f"{where}: header announces {flag} labels, more than the record holds")
-    return 8 + IR_SIZE + 4 * flag, 8 + length
+def image_bounds(head: bytes, size: int) -> tuple[int, int] | None:
+    """Where the image bytes of a record of ``size`` bytes lie in it, from its first ``HEAD_BYTES`` (``head``):
+    a record of one part whose lengths all agree; None for any other (in parts, or damaged: read it whole, and
+    ``decode_record`` and ``unpack_header`` join it or say what is wrong)."""
+    if len(head) < HEAD_BYTES:
+        return None
+    magic, lrec, flag = struct.unpack_from("<III", head)
+    length = lrec & MAX_LENGTH
+    if magic != MAGIC or lrec >> 29 or 8 + length + _pad(length) != size or IR_SIZE + 4 * flag > length:
+        return None
+    return HEAD_BYTES + 4 * flag, 8 + length
 
 
 HEAD_BYTES = 8 + IR_SIZE  # a record's part header and image header: what ``image_bounds`` reads
@@ -421,18 +408,15 @@ class Reader(ShardReader):
         never from the map (``ShardReader.read_copies``)."""
         h = self._get()
         starts, ends = [], []
-        whole: dict[int, memoryview] = {}  # place -> image of a record in parts, joined
+        whole: dict[int, memoryview] = {}  # place -> image of a record read whole (in parts, or damaged)
         for k, p in enumerate(positions):
             a, b = int(h.offsets[p]), int(h.offsets[p + 1])
-            where = f"{self.path}: record {p}"
-            head = os.pread(h.fd, min(HEAD_BYTES, b - a), a)
-            bounds = image_bounds(head, b - a, where) if len(head) == min(HEAD_BYTES, b - a) else None
-            if len(head) < min(HEAD_BYTES, b - a):  # the file ends sooner: cut short since it was checked
-                check_size(h.fd, self.num_bytes, self.path)
+            bounds = image_bounds(os.pread(h.fd, min(HEAD_BYTES, b - a), a), b - a)
             if bounds is None:
                 record = os.pread(h.fd, b - a, a)
-                if len(record) != b - a:
+                if len(record) != b - a:  # the file ends sooner: cut short since it was checked
                     check_size(h.fd, self.num_bytes, self.path)
+                where = f"{self.path}: record {p}"
                 whole[k] = unpack_header(decode_record(record, where), where)[3]
                 bounds = (0, 0)
             starts.append(a + bounds[0])

@@ -187,21 +187,12 @@ class PackedDataset(FolderSurface):
         shard_of = np.searchsorted(self.store.starts, ordered, side="right") - 1
         bounds = np.flatnonzero(np.diff(shard_of)) + 1
         sizes = self.index.nbytes[ordered]
-        block, at = (None, 0) if into is None else (into(int(sizes.sum())), 0)
+        ends = np.cumsum(sizes)  # where each payload's bytes end in ``into``'s memory
+        block = None if into is None else into(int(ends[-1]))
         for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(ordered)]):
-            shard = int(shard_of[lo])
             pending.wait(max(range(lo, hi), key=pending.need.__getitem__))  # the last to arrive
-            positions = ordered[lo:hi] - self.store.starts[shard]
-            reader = self.store.readers[shard]
-            with reading(self.store.where(shard)):
-                if block is None:
-                    bufs = reader.read_many(positions.tolist())
-                else:
-                    need = int(sizes[lo:hi].sum())
-                    bufs = reader.read_copies(positions.tolist(), block[at : at + need])
-                    at += need
-            self.store.check_reads(shard, ordered[lo:hi], bufs)
-            got.extend(bufs)
+            part = None if block is None else block[int(ends[lo] - sizes[lo]) : int(ends[hi - 1])]
+            got.extend(self.store.read_checked(int(shard_of[lo]), ordered[lo:hi], part))
         if len(got) < 2:
             return got
         place = np.empty(len(order), dtype=np.int64)

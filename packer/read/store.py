@@ -105,6 +105,17 @@ class ShardStore:
         self.check_read(shard, i, buf)
         return buf
 
+    def read_checked(self, shard: int, stored: np.ndarray, into: np.ndarray | None = None) -> list:
+        """The payloads at dataset positions ``stored`` (ascending, all in ``shard``), checked together
+        (``check_reads``): views from the reader's ``read_many``, or with ``into`` (flat memory for their bytes)
+        copies from its ``read_copies``, never read through a map."""
+        positions = (stored - self.starts[shard]).tolist()
+        with reading(self.where(shard)):
+            reader = self.readers[shard]
+            bufs = reader.read_many(positions) if into is None else reader.read_copies(positions, into)
+        self.check_reads(shard, stored, bufs)
+        return bufs
+
     def where(self, shard: int, i: int | None = None) -> str:
         return self._names[shard] if i is None else f"{self._names[shard]}: sample {i}"
 
