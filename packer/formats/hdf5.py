@@ -51,6 +51,7 @@ from packer._version import __version__
 from packer.errors import PackerError
 from packer.formats.base import (
     BlobIndex,
+    Destinations,
     Format,
     PreparedSample,
     ShardReader,
@@ -384,7 +385,7 @@ class Reader(ShardReader):
                 out.extend(self._split(h, self._blob(h, start, stop), start, stop))
         return out
 
-    def read_copies(self, positions: list[int], buf: np.ndarray | None = None) -> list:
+    def read_copies(self, positions: list[int], buf: Destinations = None) -> list:
         """Uncompressed: ``MappedChunks.copies`` (``pread``, never the map); compressed: h5py's reads, which never map
         (``ShardReader.read_copies``)."""
         h = self._get()

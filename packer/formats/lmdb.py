@@ -38,6 +38,7 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.formats.base import (
+    Destinations,
     Format,
     PreparedSample,
     ShardReader,
@@ -306,12 +307,13 @@ class Reader(ShardReader):
         """One slice of the map per sample."""
         return self._get().values.read_many(positions)
 
-    def read_copies(self, positions: list[int], buf: np.ndarray | None = None) -> list[memoryview]:
-        """The values read with ``pread`` where the spans say they lie (``ShardReader.read_copies``)."""
+    def read_copies(self, positions: list[int], buf: Destinations = None) -> list[memoryview]:
+        """The values where the spans say they lie, copied from the map under the SIGBUS guard or read with ``pread``
+        (``ShardReader.read_copies``)."""
         h = self._get()
         rows = h.spans[np.asarray(positions, dtype=np.int64)]
         return [a.data for a in pread_ranges(h.fd, rows[:, 1].tolist(), rows[:, 2].tolist(), buf, self.path,
-                                             self.num_bytes)]
+                                             self.num_bytes, mapped=(h.values.array, 0))]
 
     def read_into(self, positions: list[int], out: np.ndarray) -> None:
         """Fixed shape only: copy the samples at ``positions`` into ``out[0:len]`` (one gather from the map)."""

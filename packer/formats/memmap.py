@@ -41,6 +41,7 @@ import numpy as np
 from packer.errors import PackerError
 from packer.formats.base import (
     BlobIndex,
+    Destinations,
     Format,
     PreparedSample,
     ShardReader,
@@ -257,7 +258,7 @@ class Reader(ShardReader):
         m = self._get()  # one size check for the batch
         return sample_views(m.data, m.offsets, m.shapes, positions)
 
-    def read_copies(self, positions: list[int], buf: np.ndarray | None = None) -> list:
+    def read_copies(self, positions: list[int], buf: Destinations = None) -> list:
         """The samples' bytes read from the data file with ``pread``, shaped as ``read_many`` gives them
         (``ShardReader.read_copies``)."""
         m = self._get()
@@ -269,7 +270,8 @@ class Reader(ShardReader):
             starts, ends = m.offsets[pos], m.offsets[pos + 1]
         if m.data_fd < 0:  # an empty data file: every sample is empty
             return sample_views(m.data, m.offsets, m.shapes, positions)
-        flats = pread_ranges(m.data_fd, starts.tolist(), ends.tolist(), buf, self.paths[0], self.sizes[self.paths[0]])
+        flats = pread_ranges(m.data_fd, starts.tolist(), ends.tolist(), buf, self.paths[0], self.sizes[self.paths[0]],
+                             mapped=(m.data.reshape(-1), m.start))
         if m.offsets is None:
             return [f.reshape(m.data.shape[1:]) for f in flats]
         if m.shapes is None:

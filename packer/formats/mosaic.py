@@ -34,7 +34,16 @@ import numpy as np
 
 from packer.argtypes import int_in
 from packer.errors import PackerError
-from packer.formats.base import Format, Option, PreparedSample, ShardReader, ShardWriter, check_size, pread_exactly
+from packer.formats.base import (
+    Destinations,
+    Format,
+    Option,
+    PreparedSample,
+    ShardReader,
+    ShardWriter,
+    check_size,
+    pread_exactly,
+)
 from packer.formats.mosaic_geometry import (
     CODECS,
     EXTENSIONS,
@@ -233,7 +242,7 @@ class Reader(ShardReader):
     def read_many(self, positions: list[int]) -> list[np.ndarray]:
         return [self.read(p) for p in positions]
 
-    def read_copies(self, positions: list[int], buf: np.ndarray | None = None) -> list[np.ndarray]:
+    def read_copies(self, positions: list[int], buf: Destinations = None) -> list[np.ndarray]:
         """``read`` of each tile with its bytes read by ``pread``, never through the map (``ShardReader.read_copies``):
         bmp, the tile's row band; jpeg segments, its restart intervals behind the header read on opening. Whole
         mosaics (``full``, ``crop``) are read, not mapped, already."""
@@ -250,7 +259,7 @@ class Reader(ShardReader):
         if self.tile_read == "region":
             first = top if info.top_down else info.height - top - g.tile_h
             band = np.empty(g.tile_h * info.stride, dtype=np.uint8)
-            pread_exactly(fd, band.data, info.offset + first * info.stride, self.paths[m], self.sizes[m])
+            pread_exactly(fd, [band.data], info.offset + first * info.stride, self.paths[m], self.sizes[m])
             return bmpfile.region(band, replace(info, offset=0, height=g.tile_h), 0, left, g.tile_h, g.tile_w)
         first = top // 8 * g.cols + left // g.tile_w
         rows = [first + j * g.cols for j in range(g.tile_h // 8)]
@@ -258,7 +267,7 @@ class Reader(ShardReader):
         if lo < len(head) or hi < lo:
             raise PackerError(f"{self.paths[m]}: tile index puts tile {cell} inside the header")
         segments = np.empty(hi - lo, dtype=np.uint8)
-        pread_exactly(fd, segments.data, lo, self.paths[m], self.sizes[m])
+        pread_exactly(fd, [segments.data], lo, self.paths[m], self.sizes[m])
         data = head + segments.tobytes()
         index = info - (lo - len(head))  # as offsets into ``data``
         return self._decode_tile(jpegtiles.tile_jpeg(data, index, first, g.tile_h // 8, g.cols, g.tile_h, g.tile_w,

@@ -16,12 +16,14 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.formats.base import (
+    Destinations,
     ShardReader,
     Span,
     check_offsets,
     check_size,
     joined,
     pread_exactly,
+    sample_memory,
     shard_layout,
     split_ranges,
 )
@@ -288,7 +290,7 @@ class Reader(ShardReader):
         for k, arr in enumerate(self.read_many(positions)):
             out[k] = arr
 
-    def read_copies(self, positions: Sequence[int], buf: np.ndarray | None = None) -> list:
+    def read_copies(self, positions: Sequence[int], buf: Destinations = None) -> list:
         """Uncompressed: each sample's pieces read from its block files with ``pread``, joined; gzip: ``read_many``
         (blocks are inflated from reads, never mapped) (``ShardReader.read_copies``)."""
         h = self._h.get(self._open)
@@ -296,27 +298,18 @@ class Reader(ShardReader):
         if arr.compression == "gzip":
             return self.read_many(positions)
         blocks, lo, hi, owners = split_ranges(*self._bounds(h, positions), arr.rows * arr.row_bytes)
-        sizes = (hi - lo).tolist()
-        total = sum(sizes)
-        if buf is None or buf.nbytes < total:
-            buf = np.empty(total, dtype=np.uint8)
-        hb, at, used = arr.header_bytes(), 0, {}
+        flats, views = sample_memory((hi - lo).tolist(), owners.tolist(), len(positions), buf, self.directory)
+        hb, fds = arr.header_bytes(), {}
         with h.lock:
-            for j, a, size in zip(blocks.tolist(), lo.tolist(), sizes, strict=True):
-                if j not in used:  # its descriptor, the file's size checked (once per call), as for read_many
+            for j, a, view in zip(blocks.tolist(), lo.tolist(), views, strict=True):
+                if j not in fds:  # its descriptor, the file's size checked (once per call), as for read_many
                     self._mapped(h, j)
-                    used[j] = h.maps[j][0]
-                pread_exactly(used[j], buf[at : at + size].data, hb + a, h.blocks[j], h.block_sizes[j])
-                at += size
-        bounds = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
-        first = np.searchsorted(owners, np.arange(len(positions)), side="left")
-        last = np.searchsorted(owners, np.arange(len(positions)), side="right")
-        out = []
-        for p, a, b in zip(positions, bounds[first].tolist(), bounds[last].tolist(), strict=True):
-            flat = buf[a:b]
-            out.append(flat.reshape(cast(tuple, self.fixed_shape)) if h.offsets is None else
-                       flat.data if h.shapes is None else flat.reshape(h.shapes[p]))
-        return out
+                    fds[j] = h.maps[j][0]
+                pread_exactly(fds[j], [view.data], hb + a, h.blocks[j], h.block_sizes[j])
+        if h.offsets is None:
+            return [flat.reshape(cast(tuple, self.fixed_shape)) for flat in flats]
+        return [flat.data for flat in flats] if h.shapes is None else \
+            [flat.reshape(h.shapes[p]) for flat, p in zip(flats, positions, strict=True)]
 
     def file_spans(self, positions: Sequence[int]) -> list[list[Span]]:
         """Per position, the byte ranges of the block files it is read from (see packer.read.readahead)."""

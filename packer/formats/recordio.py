@@ -53,6 +53,7 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.formats.base import (
+    Destinations,
     Format,
     PreparedSample,
     ShardReader,
@@ -403,7 +404,7 @@ class Reader(ShardReader):
         h = self._get()
         return [self._image(h, p) for p in positions]
 
-    def read_copies(self, positions: Sequence[int], buf: np.ndarray | None = None) -> list[memoryview]:
+    def read_copies(self, positions: Sequence[int], buf: Destinations = None) -> list[memoryview]:
         """Each record's image bytes read with ``pread`` (its headers first, a small read; a record in parts whole),
         never from the map (``ShardReader.read_copies``)."""
         h = self._get()
@@ -421,7 +422,8 @@ class Reader(ShardReader):
                 bounds = (0, 0)
             starts.append(a + bounds[0])
             ends.append(a + bounds[1])
-        images = pread_ranges(h.fd, starts, ends, buf, self.path, self.num_bytes)
+        images = pread_ranges(h.fd, starts, ends, buf, self.path, self.num_bytes,
+                              mapped=(np.frombuffer(h.data, np.uint8), 0) if len(h.data) else None)
         return [whole[k] if k in whole else image.data for k, image in enumerate(images)]
 
     def file_spans(self, positions: Sequence[int]) -> list[list[Span]]:

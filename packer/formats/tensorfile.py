@@ -31,6 +31,7 @@ import numpy as np
 from packer.errors import PackerError
 from packer.formats.base import (
     BlobIndex,
+    Destinations,
     PreparedSample,
     ShardReader,
     ShardWriter,
@@ -198,7 +199,7 @@ class ArrayShardReader(ShardReader):
             raise PackerError(f"{self.path}: read_into needs a fixed-shape shard")
         copy_runs(self._get().images, list(positions), out)
 
-    def read_copies(self, positions: Sequence[int], buf: np.ndarray | None = None) -> list:
+    def read_copies(self, positions: Sequence[int], buf: Destinations = None) -> list:
         """The samples' bytes read with ``pread`` from where the images start in the file, shaped as ``read_many``
         gives them (``ShardReader.read_copies``); a file whose images' offset can't be told (not as packer writes
         it) is copied from its map."""
@@ -213,7 +214,8 @@ class ArrayShardReader(ShardReader):
             starts, ends = h.images_at + pos * size, h.images_at + (pos + 1) * size
         else:
             starts, ends = h.images_at + h.offsets[pos], h.images_at + h.offsets[pos + 1]
-        flats = pread_ranges(h.fd, starts.tolist(), ends.tolist(), buf, self.path, self.num_bytes)
+        flats = pread_ranges(h.fd, starts.tolist(), ends.tolist(), buf, self.path, self.num_bytes,
+                             mapped=(h.images.reshape(-1), h.images_at))
         if h.offsets is None:
             return [f.reshape(cast(tuple, self.fixed_shape)) for f in flats]
         if h.shapes is None:

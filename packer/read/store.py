@@ -18,6 +18,7 @@ import numpy as np
 from packer import sysinfo
 from packer.errors import PackerError
 from packer.formats import check_recorded_options, get_format
+from packer.formats.base import Destinations
 from packer.layout.fields import FieldStore, load_fields
 from packer.layout.index import Index, shard_starts
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -105,10 +106,10 @@ class ShardStore:
         self.check_read(shard, i, buf)
         return buf
 
-    def read_checked(self, shard: int, stored: np.ndarray, into: np.ndarray | None = None) -> list:
+    def read_checked(self, shard: int, stored: np.ndarray, into: Destinations = None) -> list:
         """The payloads at dataset positions ``stored`` (ascending, all in ``shard``), checked together
-        (``check_reads``): views from the reader's ``read_many``, or with ``into`` (flat memory for their bytes)
-        copies from its ``read_copies``, never read through a map."""
+        (``check_reads``): views from the reader's ``read_many``, or with ``into`` (memory for their bytes:
+        ``ShardReader.read_copies``) copies, never read through a map."""
         positions = (stored - self.starts[shard]).tolist()
         with reading(self.where(shard)):
             reader = self.readers[shard]

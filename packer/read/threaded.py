@@ -171,8 +171,9 @@ def _start_batch(ds: StagedDataset, idx: np.ndarray, pending: Pending | None, po
     cuts = np.linspace(0, len(positions), min(len(positions), threads * CHUNKS_PER_THREAD) + 1)
     bounds = np.unique(cuts.astype(np.int64)).tolist()
     # bytes all in already (warm, or read ahead in time): read in one call, not one per chunk
-    every = ds.payloads_at(idx[arrival], pending=Pending.ready(len(arrival)), into=into) \
-        if pending is None or pending.done() else None
+    flat = [None if slot is None else slot.view(-1).numpy() for slot in slots]  # raw pixels are read straight in
+    every = ds.payloads_at(idx[arrival], pending=Pending.ready(len(arrival)), into=into,
+                           places=[flat[k] for k in arrival]) if pending is None or pending.done() else None
     futures, places = [], []
     for a, b in zip(bounds[:-1], bounds[1:]):
         chunk = arrival[a:b]
@@ -180,7 +181,8 @@ def _start_batch(ds: StagedDataset, idx: np.ndarray, pending: Pending | None, po
             payloads = every[a:b]
         else:
             pending.wait(max(waits[a:b], key=pending.need.__getitem__))  # type: ignore[union-attr]
-            payloads = ds.payloads_at(idx[chunk], pending=Pending.ready(len(chunk)), into=into)
+            payloads = ds.payloads_at(idx[chunk], pending=Pending.ready(len(chunk)), into=into,
+                                      places=[flat[k] for k in chunk])
         futures.append(pool.submit(_decode, ds, idx[chunk].tolist(), payloads, [slots[k] for k in chunk],
                                    None if windows is None else [windows[k] for k in chunk]))
         places.append(chunk.tolist())

@@ -94,28 +94,21 @@ class PackedReader(SourceReader):
 
     def admitted(self, records: Iterable[tuple[str, int, Any]]) -> Iterator[tuple[str, int, Any]]:
         """Each record once its shard is checked, with the verdict as a fifth locator entry ("" : the shard passed).
-        Shards are hashed by ``CHECKERS`` threads in the order the records first need them, at most ``CHECKED_AHEAD``
-        ahead of the record handed out: the check streams with the conversion instead of a pass before it."""
+        Shards are hashed by ``CHECKERS`` threads in the order the records first need them, up to ``CHECKED_AHEAD``
+        beyond the furthest one needed so far: the check streams with the conversion instead of a pass before it."""
         items = list(records)
-        shards = [self.shard_of(loc[0]) for _, _, loc in items]
-        need = iter(dict.fromkeys(shards))  # shards in the order first needed
-        checks: dict[int, Future] = {}
+        shards = (np.searchsorted(self.starts, [loc[0] for _, _, loc in items], side="right") - 1).tolist()
+        need = list(dict.fromkeys(shards))  # shards in the order first needed
+        rank = {shard: k for k, shard in enumerate(need)}
+        checks: list[Future] = []  # need[k]'s check is checks[k]
+        furthest = 0
         pool = ThreadPoolExecutor(CHECKERS, thread_name_prefix="packer-check-source")
-
-        def top_up() -> None:
-            while sum(not f.done() for f in checks.values()) < CHECKED_AHEAD:
-                shard = next(need, None)
-                if shard is None:
-                    return
-                checks[shard] = pool.submit(self.shard_damage, shard)
-
         try:
             for (rel, label, loc), shard in zip(items, shards, strict=True):
-                while shard not in checks:  # first needed here: the next in ``need``, checked now
-                    first = next(need)
-                    checks[first] = pool.submit(self.shard_damage, first)
-                top_up()
-                damage = checks[shard].result()
+                furthest = max(furthest, rank[shard])
+                while len(checks) < min(len(need), furthest + 1 + CHECKED_AHEAD):
+                    checks.append(pool.submit(self.shard_damage, need[len(checks)]))
+                damage = checks[rank[shard]].result()
                 yield rel, label, (*loc[:4], damage or "")
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
