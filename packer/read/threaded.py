@@ -171,7 +171,9 @@ def _start_batch(ds: StagedDataset, idx: np.ndarray, pending: Pending | None, po
     cuts = np.linspace(0, len(positions), min(len(positions), threads * CHUNKS_PER_THREAD) + 1)
     bounds = np.unique(cuts.astype(np.int64)).tolist()
     # bytes all in already (warm, or read ahead in time): read in one call, not one per chunk
-    flat = [None if slot is None else slot.view(-1).numpy() for slot in slots]  # raw pixels are read straight in
+    # raw pixels are read straight into their slots (one shape: the rows of the stacked batch, one call)
+    flat = list(stacked.view(len(positions), -1).numpy()) if stacked is not None else \
+        [None if slot is None else slot.view(-1).numpy() for slot in slots]
     every = ds.payloads_at(idx[arrival], pending=Pending.ready(len(arrival)), into=into,
                            places=[flat[k] for k in arrival]) if pending is None or pending.done() else None
     futures, places = [], []
