@@ -14,7 +14,7 @@ DEMO_COUNT ?= 2000
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml setup.py packer/images/_jpegregion.c requirements/test.txt requirements/test-no-deps.txt
+$(STAMP): pyproject.toml setup.py packer/images/_jpegregion.c packer/formats/_safecopy.c requirements/test.txt requirements/test-no-deps.txt
 	@$(MAKE) --no-print-directory system-deps
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

@@ -1,8 +1,10 @@
-"""The optional compiled part: packer.images._jpegregion (JPEG region decode through libjpeg, docs/decoding.md).
+"""The optional compiled parts: packer.images._jpegregion (JPEG region decode through libjpeg, docs/decoding.md) and
+packer.formats._safecopy (copies out of a mapped shard that a truncation turns into an error, not a SIGBUS).
 
 ``optional=True``: without a compiler, or without libjpeg's headers (Debian: libjpeg62-turbo-dev), the
-extension is skipped with a warning and ``pip install`` still succeeds; packer then crops after a whole decode.
-A wheel built so holds no compiled code and is tagged as such (py3-none-any), not for this platform.
+extension is skipped with a warning and ``pip install`` still succeeds; packer then crops after a whole decode
+(and ThreadLoader copies payloads with ``pread``, slower on warm data). A wheel built so holds no compiled code and
+is tagged as such (py3-none-any), not for this platform.
 Everything else is declared in pyproject.toml.
 """
 
@@ -24,5 +26,7 @@ class bdist_wheel_as_built(bdist_wheel):
 
 
 setup(ext_modules=[Extension("packer.images._jpegregion", ["packer/images/_jpegregion.c"], libraries=["jpeg"],
-                             optional=True)],
+                             optional=True),
+                   # copies out of mapped shards that survive a truncation (packer/formats/safecopy.py); libc only
+                   Extension("packer.formats._safecopy", ["packer/formats/_safecopy.c"], optional=True)],
       cmdclass={"bdist_wheel": bdist_wheel_as_built})

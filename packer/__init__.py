@@ -14,7 +14,7 @@ from packer._version import __version__ as __version__
 
 if TYPE_CHECKING:  # what a type checker sees; at run time the names below load on first use (_PUBLIC)
     from packer import dali as dali
-    from packer.diagnose.profile import instrument as instrument
+    from packer.diagnose.instrument import instrument as instrument
     from packer.diagnose.profile import profile as profile
     from packer.errors import DatasetError as DatasetError
     from packer.errors import IndexingWarning as IndexingWarning

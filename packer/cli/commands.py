@@ -126,13 +126,14 @@ def cmd_info(args) -> int:
     with under_way():
         data = dataset_info(args.dataset)
     if args.json:
-        print(json_document("info", 0, data))
-        return 0
+        code = 1 if data["problems"] else 0
+        print(json_document("info", code, data))
+        return code
     rows = info_rows(args.dataset, data)
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
-    return 0
+    return 1 if data["problems"] else 0  # a file missing or of another size: the dataset fails its checks
 
 
 def cmd_verify(args) -> int:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from packer.errors import DatasetError, PackerError
+from packer.formats import safecopy
 from packer.images.resize import ResizeSpec
 from packer.pagecache import SpanResidency
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 
 H = TypeVar("H")
 Span = tuple[str, int, int]  # (file path, start byte, end byte)
+Destinations = np.ndarray | Sequence[np.ndarray] | None  # read_copies' memory: flat, one array per sample, or new
 
 
 @dataclass
@@ -96,6 +98,16 @@ class ShardReader(ABC):
     def read_many(self, positions: Sequence[int]) -> list:
         """Payloads of ``positions``; formats override this where runs of neighbours read faster together."""
         return [self.read(p) for p in positions]
+
+    def read_copies(self, positions: Sequence[int], buf: Destinations = None) -> list:
+        """Payloads of ``positions`` as ``read_many`` gives them, but in memory of their own, read from the files
+        (``pread``) and never through a map: a thread decoding them can't die of SIGBUS when a shard is truncated
+        meanwhile, and a file cut short is a PackerError here (``packer.ThreadLoader`` reads this way). ``buf``,
+        where the format stores payloads as plain bytes: flat uint8 memory of at least their total size (the
+        index's) to read them into one after the other, or one flat array per position of exactly its payload's
+        size (``sample_memory``); formats that decode or inflate make their own. The default suits formats whose
+        reads never map a file (bmp, compressed HDF5); formats that map override it."""
+        return self.read_many(positions)
 
     def read_into(self, positions: Sequence[int], out: np.ndarray) -> None:
         """Copy the payloads of ``positions`` (any order; runs of ascending neighbours copy fastest) into ``out``
@@ -227,6 +239,79 @@ def map_readonly(path: object, fd: int, access: str) -> mmap.mmap:
     if access == "random" and hasattr(mmap, "MADV_RANDOM"):
         mm.madvise(mmap.MADV_RANDOM)  # no read-ahead: uniform random reads would only evict pages
     return mm
+
+
+def pread_ranges(fd: int, starts: Sequence[int], ends: Sequence[int], buf: Destinations, path: object,
+                 expected: int, owners: Sequence[int] | None = None, count: int | None = None,
+                 mapped: tuple[np.ndarray, int] | None = None) -> list[np.ndarray]:
+    """Bytes ``[starts[k], ends[k])`` of the open file ``fd`` (of ``expected`` bytes, per the manifest), one flat array
+    per range, or per sample where ``owners`` (ascending) says whose piece each range is (``count`` samples: a
+    sample's pieces joined, none: empty), in the memory ``buf`` gives (``sample_memory``). Copied from the
+    reader's map (``mapped``: a flat uint8 array of the file from byte ``mapped[1]``) under the SIGBUS guard of
+    ``safecopy`` where it is built, else read with ``pread`` (ranges that follow each other in the file by one
+    call). A file cut short is ``check_size``'s PackerError, never a fault."""
+    dests, views = sample_memory([b - a for a, b in zip(starts, ends, strict=True)], owners, count, buf, path)
+    if mapped is not None and safecopy.available():
+        arr, at = mapped
+        if all(at <= a and b - at <= len(arr) for a, b in zip(starts, ends)):
+            failed = safecopy.copy([v.data for v in views], [arr[a - at : b - at].data for a, b in zip(starts, ends)])
+            if failed >= 0:
+                check_size(fd, expected, path)
+                raise PackerError(f"{path}: bytes {starts[failed]} to {ends[failed]} could not be read (an I/O error, "
+                                  "or the file changed in place); reopen the dataset")
+            return dests
+    k = 0
+    while k < len(views):
+        run = k + 1
+        while run < len(views) and starts[run] == ends[run - 1] and run - k < _IOV_MAX:
+            run += 1
+        pread_exactly(fd, [v.data for v in views[k:run]], starts[k], path, expected)
+        k = run
+    return dests
+
+
+_IOV_MAX = 1024  # buffers one preadv call takes (Linux's IOV_MAX)
+
+
+def sample_memory(sizes: Sequence[int], owners: Sequence[int] | None, count: int | None, buf: Destinations,
+                  path: object) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(per sample its flat uint8 memory, per piece its part of it) for pieces of ``sizes`` bytes, ``owners[k]``
+    the sample of piece k (ascending; None: one piece each). The samples' memory: consecutive parts of ``buf``
+    where it is a flat array large enough; ``buf``'s own arrays where it gives one per sample, each of exactly
+    that sample's size (a batch slot: raw pixels read straight into it); else new memory."""
+    if min(sizes, default=0) < 0:
+        raise PackerError(f"{path}: a sample's bytes end before they start (damaged dataset)")
+    owner = np.arange(len(sizes)) if owners is None else np.asarray(owners, dtype=np.int64)
+    n = len(sizes) if count is None else count
+    bounds = np.concatenate(([0], np.cumsum(sizes, dtype=np.int64)))
+    first = bounds[np.searchsorted(owner, np.arange(n), side="left")]
+    last = bounds[np.searchsorted(owner, np.arange(n), side="right")]
+    if isinstance(buf, np.ndarray) or buf is None or len(buf) != n or any(
+            d.dtype != np.uint8 or d.ndim != 1 or not d.flags.c_contiguous or d.nbytes != b - a
+            for d, a, b in zip(buf, first.tolist(), last.tolist())):
+        flat = buf if isinstance(buf, np.ndarray) and buf.nbytes >= bounds[-1] else np.empty(int(bounds[-1]), np.uint8)
+        dests = [flat[a:b] for a, b in zip(first.tolist(), last.tolist())]
+    else:
+        dests = list(buf)
+    at = (bounds[:-1] - first[owner]).tolist()  # each piece's place in its sample
+    views = [dests[o][a : a + size] for o, a, size in zip(owner.tolist(), at, sizes)]
+    return dests, views
+
+
+def pread_exactly(fd: int, views: list[memoryview], offset: int, path: object, expected: int) -> None:
+    """Fill ``views``, in order, with the bytes of ``fd`` from ``offset`` (see ``pread_ranges``)."""
+    views = [v for v in views if len(v)]
+    while views:
+        n = os.preadv(fd, views, offset)
+        if n == 0:  # the end of the file: cut short since it was checked
+            check_size(fd, expected, path)
+            raise PackerError(f"{path}: ends at byte {offset}, inside a sample (damaged dataset)")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
 
 
 def contiguous_runs(positions: list[int]) -> list[tuple[int, int]]:

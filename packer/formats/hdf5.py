@@ -51,6 +51,7 @@ from packer._version import __version__
 from packer.errors import DatasetError, PackerError
 from packer.formats.base import (
     BlobIndex,
+    Destinations,
     Format,
     PreparedSample,
     ShardReader,
@@ -62,6 +63,7 @@ from packer.formats.base import (
     fixed_shape,
     shard_layout,
 )
+from packer.formats.hdf5_checks import stored_dataset
 from packer.formats.hdf5_chunks import MappedChunks
 from packer.images.decode import check_pixels, pixel_limit
 from packer.layout.manifest import Shard
@@ -257,34 +259,10 @@ class Reader(ShardReader):
         except (OSError, ValueError) as exc:
             raise DatasetError(f"{self.path}: cannot open HDF5 shard ({exc})") from exc
 
-    def _dataset(self, f: h5py.File, name: str, layout: int) -> h5py.Dataset:
-        """``/name``, refused unless it is a dataset stored inside this file with the writer's ``layout``."""
-        link = f.get(name, getlink=True)
-        if link is None:
-            raise DatasetError(f"{self.path}: missing HDF5 dataset /{name}")
-        if not isinstance(link, h5py.HardLink):  # resolving an external link would open another file
-            target = f" to {link.filename}:{link.path}" if isinstance(link, h5py.ExternalLink) else ""
-            raise DatasetError(f"{self.path}: /{name} is a {type(link).__name__}{target}, not a dataset of this "
-                               "file; packer reads nothing outside the dataset")
-        dset = f.get(name)
-        if not isinstance(dset, h5py.Dataset):
-            raise DatasetError(f"{self.path}: /{name} is a {type(dset).__name__}, expected a dataset")
-        plist = dset.id.get_create_plist()
-        found = plist.get_layout()
-        if found == h5py.h5d.VIRTUAL:
-            raise DatasetError(f"{self.path}: /{name} is a virtual dataset (its data lie in other files); refusing it")
-        if plist.get_external_count():
-            raise DatasetError(f"{self.path}: /{name} keeps its data in external files; refusing it")
-        if found != layout:
-            names = {h5py.h5d.COMPACT: "compact", h5py.h5d.CONTIGUOUS: "contiguous", h5py.h5d.CHUNKED: "chunked"}
-            raise DatasetError(f"{self.path}: /{name} has storage layout {names.get(found, found)}, the writer "
-                               f"makes {names[layout]}")
-        return dset
-
     def _parts(self, f: h5py.File) -> tuple[h5py.Dataset, h5py.Dataset | None, h5py.Dataset | None]:
         """(/images, /offsets, /shapes) after checking everything about them that bounds what a read allocates."""
         n = self.num_samples
-        images = self._dataset(f, "images", h5py.h5d.CHUNKED)
+        images = stored_dataset(f, "images", h5py.h5d.CHUNKED, self.path)
         if images.dtype != np.uint8:
             raise DatasetError(f"{self.path}: /images is {images.dtype}, expected uint8")
         if self.fixed_shape is not None:
@@ -308,8 +286,8 @@ class Reader(ShardReader):
                                f"{self.num_bytes}")
         if self.fixed_shape is not None:
             return images, None, None
-        offsets = self._dataset(f, "offsets", h5py.h5d.CONTIGUOUS)
-        shapes = self._dataset(f, "shapes", h5py.h5d.CONTIGUOUS) if self.payload == "raw" else None
+        offsets = stored_dataset(f, "offsets", h5py.h5d.CONTIGUOUS, self.path)
+        shapes = stored_dataset(f, "shapes", h5py.h5d.CONTIGUOUS, self.path) if self.payload == "raw" else None
         if offsets.shape != (n + 1,) or (shapes is not None and shapes.shape != (n, 3)):
             raise DatasetError(f"{self.path}: /offsets or /shapes do not have one entry per sample ({n})")
         if offsets.dtype != np.dtype("<i8") or (shapes is not None and shapes.dtype != np.dtype("<i8")):
@@ -407,6 +385,13 @@ class Reader(ShardReader):
             else:
                 out.extend(self._split(h, self._blob(h, start, stop), start, stop))
         return out
+
+    def read_copies(self, positions: list[int], buf: Destinations = None) -> list:
+        """Uncompressed: ``MappedChunks.copies`` (``pread``, never the map); compressed: h5py's reads, which never map
+        (``ShardReader.read_copies``)."""
+        h = self._get()
+        return self.read_many(positions) if h.mapped is None else \
+            self._shaped(h, h.mapped.copies(h.fd, positions, h.offsets, buf), positions)
 
     def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
         """Per position, the byte ranges of the file its chunks occupy (see packer.read.readahead)."""

@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 
 from packer.errors import DatasetError
-from packer.formats.base import check_size, joined, map_readonly, split_ranges
+from packer.formats.base import Destinations, check_size, joined, map_readonly, pread_ranges, split_ranges
 from packer.pagecache import PageCache, all_of_each
 
 INDEX_AT_ONCE = 1 << 17  # shards of up to this many chunks have them all looked up at the first one (~330 ms)
@@ -116,6 +116,13 @@ class MappedChunks:
         pos, size = np.asarray(positions, dtype=np.int64), self.chunk_bytes
         a, b = (pos * size, (pos + 1) * size) if offsets is None else (offsets[pos], offsets[pos + 1])
         return self._file_ranges(a, b)
+
+    def copies(self, fd: int, positions: list[int], offsets: np.ndarray | None, buf: Destinations) -> list:
+        """``samples``' bytes copied into ``buf`` (``base.pread_ranges``: from the map under the SIGBUS guard, or read
+        from the open file ``fd``), each sample's pieces joined, flat (``ShardReader.read_copies``)."""
+        starts, ends, owners = self.sample_ranges(positions, offsets)
+        return pread_ranges(fd, starts.tolist(), ends.tolist(), buf, self.path, self.num_bytes, owners.tolist(),
+                            len(positions), mapped=(self.data, 0))
 
     def file_spans(self, positions: list[int], offsets: np.ndarray | None) -> list[list[tuple[str, int, int]]]:
         """``ShardReader.file_spans`` from ``sample_ranges``: per position, (file, start, end) of each piece."""

@@ -40,6 +40,7 @@ import numpy as np
 
 from packer.errors import DatasetError, PackerError
 from packer.formats.base import (
+    Destinations,
     Format,
     PreparedSample,
     ShardReader,
@@ -47,6 +48,7 @@ from packer.formats.base import (
     check_addition,
     check_size,
     fixed_shape,
+    pread_ranges,
     shard_layout,
 )
 from packer.formats.lmdb_pages import Tree, page_reads, read_header
@@ -241,6 +243,14 @@ class Reader(ShardReader):
     def read_many(self, positions: list[int]) -> list[memoryview]:
         """One slice of the map per sample."""
         return self._get().values.read_many(positions)
+
+    def read_copies(self, positions: list[int], buf: Destinations = None) -> list[memoryview]:
+        """The values where the spans say they lie, copied from the map under the SIGBUS guard or read with ``pread``
+        (``ShardReader.read_copies``)."""
+        h = self._get()
+        rows = h.spans[np.asarray(positions, dtype=np.int64)]
+        return [a.data for a in pread_ranges(h.fd, rows[:, 1].tolist(), rows[:, 2].tolist(), buf, self.path,
+                                             self.num_bytes, mapped=(h.values.array, 0))]
 
     def read_into(self, positions: list[int], out: np.ndarray) -> None:
         """Fixed shape only: copy the samples at ``positions`` into ``out[0:len]`` (one gather from the map)."""

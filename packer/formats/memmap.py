@@ -41,6 +41,7 @@ import numpy as np
 from packer.errors import DatasetError, PackerError
 from packer.formats.base import (
     BlobIndex,
+    Destinations,
     Format,
     PreparedSample,
     ShardReader,
@@ -50,6 +51,7 @@ from packer.formats.base import (
     copy_runs,
     fixed_shape,
     map_readonly,
+    pread_ranges,
     sample_view,
     sample_views,
     shard_layout,
@@ -177,6 +179,7 @@ class _Maps:
     shapes: np.ndarray | None
     start: int  # where the data begin in the file (the .npy header's length)
     files: list  # the mapped files, kept open for the size checks
+    data_fd: int  # the data file's descriptor (among ``files``; -1: an empty file, none opened)
     checks: list = field(default_factory=list)  # (fd, manifest size, path) per mapped file, made once
 
 
@@ -217,21 +220,24 @@ class Reader(ShardReader):
             if data.shape != (n, *self.fixed_shape):
                 raise DatasetError(f"{self.paths[0]}: shape {data.shape}, manifest says {(n, *self.fixed_shape)}")
             start = os.path.getsize(self.paths[0]) - data.nbytes
-            return _Maps(data, None, None, start, files)
-        offsets = load_npy(self.paths[1], "<i8", files=files)
+            return _Maps(data, None, None, start, files, files[0].fileno() if files else -1)
+        # offsets and shapes in memory of our own (copies of their maps, read whole by the checks anyway): they are
+        # looked up by read_copies and file_spans in threads that a file truncated meanwhile must not kill
+        offsets = np.array(load_npy(self.paths[1], "<i8", files=files))
         size = os.path.getsize(self.paths[0])
         check_offsets(offsets, n, size, self.paths[1])
-        data = np.zeros(0, np.uint8)
+        data, data_fd = np.zeros(0, np.uint8), -1
         if size:
             fh = _open_file(self.paths[0], files)
+            data_fd = fh.fileno()
             data = np.ndarray((size,), np.uint8, buffer=map_readonly(self.paths[0], fh.fileno(), self.access))
         shapes = None
         if self.payload == "raw":
-            shapes = load_npy(self.paths[2], "<i8", files=files)
+            shapes = np.array(load_npy(self.paths[2], "<i8", files=files))
             if shapes.shape != (n, 3) or np.any(shapes[:, 2] != 3) or np.any(shapes < 0) or not np.array_equal(
                     shapes.prod(axis=1), np.diff(offsets)):
                 raise DatasetError(f"{self.paths[2]}: shapes do not match the offsets")
-        return _Maps(data, offsets, shapes, 0, files)
+        return _Maps(data, offsets, shapes, 0, files, data_fd)
 
     def _get(self) -> _Maps:
         """The maps, every mapped file seen to have kept the manifest's size."""
@@ -251,6 +257,26 @@ class Reader(ShardReader):
     def read_many(self, positions: list[int]) -> list:
         m = self._get()  # one size check for the batch
         return sample_views(m.data, m.offsets, m.shapes, positions)
+
+    def read_copies(self, positions: list[int], buf: Destinations = None) -> list:
+        """The samples' bytes read from the data file with ``pread``, shaped as ``read_many`` gives them
+        (``ShardReader.read_copies``)."""
+        m = self._get()
+        pos = np.asarray(positions, dtype=np.int64)
+        if m.offsets is None:
+            size = m.data[0].nbytes if len(m.data) else 0
+            starts, ends = m.start + pos * size, m.start + (pos + 1) * size
+        else:
+            starts, ends = m.offsets[pos], m.offsets[pos + 1]
+        if m.data_fd < 0:  # an empty data file: every sample is empty
+            return sample_views(m.data, m.offsets, m.shapes, positions)
+        flats = pread_ranges(m.data_fd, starts.tolist(), ends.tolist(), buf, self.paths[0], self.sizes[self.paths[0]],
+                             mapped=(m.data.reshape(-1), m.start))
+        if m.offsets is None:
+            return [f.reshape(m.data.shape[1:]) for f in flats]
+        if m.shapes is None:
+            return [f.data for f in flats]
+        return [f.reshape(shape) for f, shape in zip(flats, m.shapes[pos].tolist(), strict=True)]
 
     def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
         """Per position, the byte range of the data file it is read from (see packer.read.readahead)."""

@@ -27,14 +27,23 @@ import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from packer.argtypes import int_in
 from packer.errors import DatasetError, OptionError, PackerError, arg
-from packer.formats.base import Format, Option, PreparedSample, ShardReader, ShardWriter, check_size
+from packer.formats.base import (
+    Destinations,
+    Format,
+    Option,
+    PreparedSample,
+    ShardReader,
+    ShardWriter,
+    check_size,
+    pread_exactly,
+)
 from packer.formats.mosaic_geometry import (
     CODECS,
     EXTENSIONS,
@@ -151,11 +160,12 @@ class _Caches:
     """One process's caches of a mosaic reader."""
 
     decoded: OrderedDict[int, np.ndarray] = field(default_factory=OrderedDict)  # mosaic -> decoded pixels
-    maps: OrderedDict[int, tuple] = field(default_factory=OrderedDict)  # mosaic -> (mmap, header or index, file)
+    # mosaic -> (mmap, header or index, file, jpeg: the bytes before the scan, read on opening)
+    maps: OrderedDict[int, tuple] = field(default_factory=OrderedDict)
 
     def close(self) -> None:
-        for _buf, _info, fh in self.maps.values():
-            fh.close()
+        for entry in self.maps.values():
+            entry[2].close()
         self.maps.clear()
         self.decoded.clear()
 
@@ -231,6 +241,37 @@ class Reader(ShardReader):
 
     def read_many(self, positions: list[int]) -> list[np.ndarray]:
         return [self.read(p) for p in positions]
+
+    def read_copies(self, positions: list[int], buf: Destinations = None) -> list[np.ndarray]:
+        """``read`` of each tile with its bytes read by ``pread``, never through the map (``ShardReader.read_copies``):
+        bmp, the tile's row band; jpeg segments, its restart intervals behind the header read on opening. Whole
+        mosaics (``full``, ``crop``) are read, not mapped, already."""
+        if self.tile_read not in ("region", "segments"):
+            return self.read_many(positions)
+        return [self._tile_read(p) for p in positions]
+
+    def _tile_read(self, pos: int) -> np.ndarray:
+        m, cell = self.locate(pos)
+        g = self.geom
+        top, left = g.origin(cell)
+        _buf, info = self._mapped(m)  # the file seen to have kept its size; its map is not touched
+        fd, head = self._maps[m][2].fileno(), self._maps[m][3]
+        if self.tile_read == "region":
+            first = top if info.top_down else info.height - top - g.tile_h
+            band = np.empty(g.tile_h * info.stride, dtype=np.uint8)
+            pread_exactly(fd, [band.data], info.offset + first * info.stride, self.paths[m], self.sizes[m])
+            return bmpfile.region(band, replace(info, offset=0, height=g.tile_h), 0, left, g.tile_h, g.tile_w)
+        first = top // 8 * g.cols + left // g.tile_w
+        rows = [first + j * g.cols for j in range(g.tile_h // 8)]
+        lo, hi = int(info[rows[0], 0]), int(info[rows[-1], 1])
+        if lo < len(head) or hi < lo:
+            raise PackerError(f"{self.paths[m]}: tile index puts tile {cell} inside the header")
+        segments = np.empty(hi - lo, dtype=np.uint8)
+        pread_exactly(fd, [segments.data], lo, self.paths[m], self.sizes[m])
+        data = head + segments.tobytes()
+        index = info - (lo - len(head))  # as offsets into ``data``
+        return self._decode_tile(jpegtiles.tile_jpeg(data, index, first, g.tile_h // 8, g.cols, g.tile_h, g.tile_w,
+                                                     self.paths[m]), m, cell)
 
     def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
         """Per position, what reading its tile touches (see packer.read.readahead).
@@ -325,14 +366,16 @@ class Reader(ShardReader):
                     raise DatasetError(f"{path}: a {info.height}x{info.width} BMP, the manifest says {shape}")
             else:
                 info = self._load_index(m, self.sizes[m])
-                self._check_header(m, buf)
+                # the header up to the scan, by a read (kept for read_copies' tiles): never through the map
+                head = os.pread(fh.fileno(), int(info[0, 0]) if len(info) else self.sizes[m], 0)
+                self._check_header(m, head)
         except OSError as exc:
             fh.close()
             raise DatasetError(f"{path}: cannot read mosaic ({exc.strerror or exc})") from exc
         except BaseException:
             fh.close()
             raise
-        self._maps[m] = (buf, info, fh)
+        self._maps[m] = (buf, info, fh, head)
         while len(self._maps) > 16:
             # The map is dropped, not closed (tiles handed out may still view it); its file is closed.
             self._maps.popitem(last=False)[1][2].close()

@@ -16,11 +16,14 @@ import numpy as np
 
 from packer.errors import DatasetError, PackerError
 from packer.formats.base import (
+    Destinations,
     ShardReader,
     Span,
     check_offsets,
     check_size,
     joined,
+    pread_exactly,
+    sample_memory,
     shard_layout,
     split_ranges,
 )
@@ -286,6 +289,27 @@ class Reader(ShardReader):
             raise PackerError(f"{self.directory / self.root_name}: read_into needs a fixed-shape shard")
         for k, arr in enumerate(self.read_many(positions)):
             out[k] = arr
+
+    def read_copies(self, positions: Sequence[int], buf: Destinations = None) -> list:
+        """Uncompressed: each sample's pieces read from its block files with ``pread``, joined; gzip: ``read_many``
+        (blocks are inflated from reads, never mapped) (``ShardReader.read_copies``)."""
+        h = self._h.get(self._open)
+        arr = h.images
+        if arr.compression == "gzip":
+            return self.read_many(positions)
+        blocks, lo, hi, owners = split_ranges(*self._bounds(h, positions), arr.rows * arr.row_bytes)
+        flats, views = sample_memory((hi - lo).tolist(), owners.tolist(), len(positions), buf, self.directory)
+        hb, fds = arr.header_bytes(), {}
+        with h.lock:
+            for j, a, view in zip(blocks.tolist(), lo.tolist(), views, strict=True):
+                if j not in fds:  # its descriptor, the file's size checked (once per call), as for read_many
+                    self._mapped(h, j)
+                    fds[j] = h.maps[j][0]
+                pread_exactly(fds[j], [view.data], hb + a, h.blocks[j], h.block_sizes[j])
+        if h.offsets is None:
+            return [flat.reshape(cast(tuple, self.fixed_shape)) for flat in flats]
+        return [flat.data for flat in flats] if h.shapes is None else \
+            [flat.reshape(h.shapes[p]) for flat, p in zip(flats, positions, strict=True)]
 
     def file_spans(self, positions: Sequence[int]) -> list[list[Span]]:
         """Per position, the byte ranges of the block files it is read from (see packer.read.readahead)."""

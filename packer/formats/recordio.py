@@ -53,6 +53,7 @@ import numpy as np
 
 from packer.errors import DatasetError, OptionError, PackerError
 from packer.formats.base import (
+    Destinations,
     Format,
     PreparedSample,
     ShardReader,
@@ -61,6 +62,7 @@ from packer.formats.base import (
     check_addition,
     check_size,
     map_readonly,
+    pread_ranges,
 )
 from packer.layout.manifest import Shard
 from packer.perprocess import PerProcess
@@ -135,6 +137,22 @@ def decode_record(buf: bytes | memoryview, where: object) -> memoryview:
 def pack_header(label: float, id: int, id2: int = 0) -> bytes:
     """``mxnet.recordio.pack``'s header for a single float label."""
     return struct.pack(IR_FORMAT, 0, label, id, id2)
+
+
+def image_bounds(head: bytes, size: int) -> tuple[int, int] | None:
+    """Where the image bytes of a record of ``size`` bytes lie in it, from its first ``HEAD_BYTES`` (``head``):
+    a record of one part whose lengths all agree; None for any other (in parts, or damaged: read it whole, and
+    ``decode_record`` and ``unpack_header`` join it or say what is wrong)."""
+    if len(head) < HEAD_BYTES:
+        return None
+    magic, lrec, flag = struct.unpack_from("<III", head)
+    length = lrec & MAX_LENGTH
+    if magic != MAGIC or lrec >> 29 or 8 + length + _pad(length) != size or IR_SIZE + 4 * flag > length:
+        return None
+    return HEAD_BYTES + 4 * flag, 8 + length
+
+
+HEAD_BYTES = 8 + IR_SIZE  # a record's part header and image header: what ``image_bounds`` reads
 
 
 def unpack_header(data: memoryview, where: object) -> tuple[float | tuple[float, ...], int, int, memoryview]:
@@ -385,6 +403,28 @@ class Reader(ShardReader):
         """``read`` of each position, after one size check."""
         h = self._get()
         return [self._image(h, p) for p in positions]
+
+    def read_copies(self, positions: Sequence[int], buf: Destinations = None) -> list[memoryview]:
+        """Each record's image bytes read with ``pread`` (its headers first, a small read; a record in parts whole),
+        never from the map (``ShardReader.read_copies``)."""
+        h = self._get()
+        starts, ends = [], []
+        whole: dict[int, memoryview] = {}  # place -> image of a record read whole (in parts, or damaged)
+        for k, p in enumerate(positions):
+            a, b = int(h.offsets[p]), int(h.offsets[p + 1])
+            bounds = image_bounds(os.pread(h.fd, min(HEAD_BYTES, b - a), a), b - a)
+            if bounds is None:
+                record = os.pread(h.fd, b - a, a)
+                if len(record) != b - a:  # the file ends sooner: cut short since it was checked
+                    check_size(h.fd, self.num_bytes, self.path)
+                where = f"{self.path}: record {p}"
+                whole[k] = unpack_header(decode_record(record, where), where)[3]
+                bounds = (0, 0)
+            starts.append(a + bounds[0])
+            ends.append(a + bounds[1])
+        images = pread_ranges(h.fd, starts, ends, buf, self.path, self.num_bytes,
+                              mapped=(np.frombuffer(h.data, np.uint8), 0) if len(h.data) else None)
+        return [whole[k] if k in whole else image.data for k, image in enumerate(images)]
 
     def file_spans(self, positions: Sequence[int]) -> list[list[Span]]:
         """Per position, its record's bytes in the .rec (see packer.read.readahead)."""

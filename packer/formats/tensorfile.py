@@ -31,6 +31,7 @@ import numpy as np
 from packer.errors import DatasetError, PackerError
 from packer.formats.base import (
     BlobIndex,
+    Destinations,
     PreparedSample,
     ShardReader,
     ShardWriter,
@@ -39,6 +40,7 @@ from packer.formats.base import (
     check_size,
     copy_runs,
     fixed_shape,
+    pread_ranges,
     sample_view,
     sample_views,
     shard_layout,
@@ -170,6 +172,9 @@ class ArrayShardReader(ShardReader):
                 raise DatasetError(f"{self.path}: {name} is {arr.dtype} {arr.shape}, expected {dtype} {shape or '[B]'}")
             arr.flags.writeable = False  # views handed out must never change what later reads see
         images, offsets, shapes = arrays["images"], arrays.get("offsets"), arrays.get("shapes")
+        # in memory of our own, not views of the file's map: read_copies and file_spans look them up in threads
+        # that a file truncated meanwhile must not kill
+        offsets, shapes = (None if a is None else np.array(a) for a in (offsets, shapes))
         if offsets is not None:
             check_offsets(offsets, self.num_samples, len(images), f"{self.path}: offsets")
         if shapes is not None and (offsets is None or np.any(shapes < 0) or np.any(shapes[:, 2] != 3)
@@ -194,6 +199,29 @@ class ArrayShardReader(ShardReader):
         if self.fixed_shape is None:
             raise PackerError(f"{self.path}: read_into needs a fixed-shape shard")
         copy_runs(self._get().images, list(positions), out)
+
+    def read_copies(self, positions: Sequence[int], buf: Destinations = None) -> list:
+        """The samples' bytes read with ``pread`` from where the images start in the file, shaped as ``read_many``
+        gives them (``ShardReader.read_copies``); a file whose images' offset can't be told (not as packer writes
+        it) is copied from its map."""
+        h = self._get()
+        if h.images_at is None:
+            views = self.read_many(positions)
+            return [np.array(v) if isinstance(v, np.ndarray) else memoryview(bytes(v)) for v in views]
+        pos = np.asarray(positions, dtype=np.int64)
+        if h.offsets is None:
+            shape = cast(tuple, self.fixed_shape)
+            size = int(np.prod(shape))
+            starts, ends = h.images_at + pos * size, h.images_at + (pos + 1) * size
+        else:
+            starts, ends = h.images_at + h.offsets[pos], h.images_at + h.offsets[pos + 1]
+        flats = pread_ranges(h.fd, starts.tolist(), ends.tolist(), buf, self.path, self.num_bytes,
+                             mapped=(h.images.reshape(-1), h.images_at))
+        if h.offsets is None:
+            return [f.reshape(cast(tuple, self.fixed_shape)) for f in flats]
+        if h.shapes is None:
+            return [f.data for f in flats]
+        return [f.reshape(shape) for f, shape in zip(flats, h.shapes[pos].tolist(), strict=True)]
 
     def file_spans(self, positions: Sequence[int]) -> list[list[Span]]:
         """Per position, the byte range of the file it is read from (see packer.read.readahead)."""

@@ -385,11 +385,12 @@ def writable_as(out: np.ndarray | None, shape: tuple[int, ...]) -> bool:
 
 
 def copy_into(pixels: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    """``out`` holding ``pixels`` when the shapes agree and it is writable (no copy if it already does), else
-    ``pixels``."""
+    """``out`` holding ``pixels`` when the shapes agree and it is writable (no copy if it already does: the same
+    memory, raw pixels read straight into their slot), else ``pixels``."""
     if out is None or pixels is out or pixels.shape != out.shape or not out.flags.writeable:
         return pixels
-    np.copyto(out, pixels)
+    if pixels.__array_interface__ != out.__array_interface__ or pixels.dtype != out.dtype:
+        np.copyto(out, pixels)
     return out
 
 

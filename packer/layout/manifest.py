@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +69,17 @@ class Manifest:
     kind: str = KIND
     version: int = VERSION
 
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest as JSON-able data (``dataclasses.asdict`` without its deep copies: a million file
+        entries took it a minute)."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data["shards"] = [{"num_samples": s.num_samples, "files": [vars(f).copy() for f in s.files],
+                           "facts": dict(s.facts)} for s in self.shards]
+        data["meta_files"] = [vars(f).copy() for f in self.meta_files]
+        return data
+
     def to_json(self) -> str:
-        return dumps_lossless(asdict(self), indent=1)
+        return dumps_lossless(self.to_dict(), indent=1)
 
     @classmethod
     def from_dict(cls, data: Any, where: str = "manifest") -> Manifest:
@@ -149,14 +159,28 @@ class Manifest:
 
         A cheap ``stat`` per file, no hashing: damage inside a file is ``packer verify``'s job.
         """
+        problems = self.file_problems(directory, first=True)
+        if problems:
+            raise DatasetError(problems[0])
+
+    def file_problems(self, directory: Path, first: bool = False) -> list[str]:
+        """What ``check_files`` finds, every problem (``first``: up to the first): a file missing, leading out of
+        ``directory``, or not of its recorded size (a ``stat`` each, no hashing)."""
+        problems = []
         for f in self.all_files():
-            path = inside(directory, f.name, str(directory / MANIFEST_NAME))
             try:
+                path = inside(directory, f.name, str(directory / MANIFEST_NAME))
                 size = path.stat().st_size
+            except PackerError as exc:
+                problems.append(str(exc))
             except OSError as exc:
-                raise DatasetError(f"{path}: {exc.strerror or exc}") from None
-            if size != f.num_bytes:
-                raise DatasetError(f"{path}: {size} bytes, manifest says {f.num_bytes} (damaged or replaced)")
+                problems.append(f"{directory / f.name}: {exc.strerror or exc}")
+            else:
+                if size != f.num_bytes:
+                    problems.append(f"{path}: {size} bytes, manifest says {f.num_bytes} (damaged or replaced)")
+            if first and problems:
+                break
+        return problems
 
 
 _MAX_COUNT = 1 << 62
@@ -212,10 +236,13 @@ def _options(value: Any) -> dict[str, Any]:
     return options
 
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
 def _file_info(f: Any) -> FileInfo:
     _typed(f, dict, "file entry")
     digest = _typed(f["sha256"], str, "sha256")
-    if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+    if not _SHA256.fullmatch(digest):
         raise ValueError(f"sha256 {digest!r:.80} is not 64 hex digits")
     return FileInfo(_typed(f["name"], str, "file name"), _count(f["num_bytes"], "num_bytes"), digest)
 
@@ -256,7 +283,58 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise DatasetError(f"{path}: cannot read manifest ({type(exc).__name__}: {exc})") from exc
+    check_counts(data, directory, str(path))
     return Manifest.from_dict(data, where=str(path))
+
+
+def check_counts(data: Any, directory: Path, where: str) -> None:
+    """Before any per-shard work: every shard lists a file, and the files listed are no more than the dataset
+    holds. A crafted manifest claiming a million shards was otherwise parsed, checked and stat'ed entry by entry
+    for minutes before a missing file refused it; here it costs one pass counting list lengths and a walk of
+    the dataset's folder that stops once it has seen as many files as are listed."""
+    shards = data.get("shards") if isinstance(data, dict) else None
+    meta = data.get("meta_files") if isinstance(data, dict) else None
+    if not isinstance(shards, list):
+        return  # from_dict says what is wrong
+    listed = len(meta) if isinstance(meta, list) else 0
+    for s in shards:
+        files = s.get("files") if isinstance(s, dict) else None
+        if not isinstance(files, list):
+            return  # from_dict says what is wrong with this shard before building anything after it
+        if not files:
+            raise PackerError(f"{where}: a shard lists no files")
+        listed += len(files)
+    present = count_files(directory, listed)
+    if present < listed:
+        raise PackerError(f"{where}: lists {listed:,} files in {len(shards):,} shards, but the dataset folder holds "
+                          f"{present:,} files (a damaged or crafted manifest)")
+
+
+def count_files(directory: Path, enough: int) -> int:
+    """The files below ``directory`` (anything but a folder), counted up to ``enough``. A link to a folder inside is
+    followed once; one leading out is never opened (nothing outside is read): the count is then ``enough``, and
+    the names below it are refused later, with that reason."""
+    root = os.path.realpath(directory)
+    count, folders, seen = 0, [root], set()
+    while folders and count < enough:
+        try:
+            with os.scandir(folders.pop()) as entries:
+                for entry in entries:
+                    if not entry.is_dir():  # a file, a link to one, a broken link, a special file
+                        count += 1
+                        if count >= enough:
+                            break
+                        continue
+                    path = os.path.realpath(entry.path) if entry.is_symlink() else entry.path
+                    if path != root and not path.startswith(root + os.sep):
+                        return enough
+                    st = entry.stat()
+                    if (st.st_dev, st.st_ino) not in seen:
+                        seen.add((st.st_dev, st.st_ino))
+                        folders.append(path)
+        except OSError:
+            continue  # an unreadable folder or entry: its files, if listed, are refused by name later
+    return count
 
 
 _MAX_MANIFEST_BYTES = 256 << 20

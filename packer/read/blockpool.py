@@ -32,31 +32,38 @@ class BlockPool:
     def take(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 tensor of ``nbytes``, in a free block where one is large enough."""
         with self._lock:  # a block found free is taken (referred to by the tensor) before another feeder looks
-            return self._take(nbytes)
+            return torch.from_numpy(self._take(nbytes))[:nbytes]
 
-    def _take(self, nbytes: int) -> torch.Tensor:
+    def take_array(self, nbytes: int) -> np.ndarray:
+        """``take`` as a numpy array (a view of the block: it is free again when no view of it is left)."""
+        with self._lock:
+            return self._take(nbytes)[:nbytes]
+
+    def _take(self, nbytes: int) -> np.ndarray:
         for k in range(len(self.blocks)):
             # references: the list's, and getrefcount's argument
             if self.blocks[k].nbytes >= nbytes and sys.getrefcount(self.blocks[k]) == 2:
-                return torch.from_numpy(self.blocks[k])[:nbytes]
+                return self.blocks[k]
         block = np.empty(max([nbytes, *(b.nbytes for b in self.blocks)]), dtype=np.uint8)
         free = [k for k in range(len(self.blocks)) if sys.getrefcount(self.blocks[k]) == 2]
         if len(self.blocks) < self.keep:
             self.blocks.append(block)
         elif free:
             self.blocks[free[0]] = block  # a free one too small: replaced by the larger one
-        return torch.from_numpy(block)[:nbytes]
+        return block
 
 
-_POOLS: weakref.WeakKeyDictionary[StagedDataset, BlockPool] = weakref.WeakKeyDictionary()
+_POOLS: weakref.WeakKeyDictionary[StagedDataset, dict[str, BlockPool]] = weakref.WeakKeyDictionary()
 _POOLS_LOCK = threading.Lock()
 
 
-def pool_of(ds: StagedDataset, keep: int) -> BlockPool:
-    """The batch memory of ``ds``'s ThreadLoaders (kept while ``ds`` lives), remembering at least ``keep`` blocks."""
+def pool_of(ds: StagedDataset, keep: int, kind: str = "pixels") -> BlockPool:
+    """The memory of ``ds``'s ThreadLoaders (kept while ``ds`` lives), remembering at least ``keep`` blocks:
+    ``pixels``, the batches decoded into; ``payloads``, the stored bytes read for them (``payloads_at(into=)``)."""
     with _POOLS_LOCK:
-        pool = _POOLS.get(ds)
+        pools = _POOLS.setdefault(ds, {})
+        pool = pools.get(kind)
         if pool is None:
-            pool = _POOLS[ds] = BlockPool(keep)
+            pool = pools[kind] = BlockPool(keep)
         pool.keep = max(pool.keep, keep)
         return pool

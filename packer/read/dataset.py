@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from PIL import Image
 
 from packer.errors import DatasetError, OptionError, PackerError
 from packer.formats import FORMATS, get_format
-from packer.formats.base import Format
+from packer.formats.base import Destinations, Format
 from packer.images.crop import CropDecode, Window, check_crop
 from packer.images.decode import BACKENDS, DecodeError, check_min_size, copy_into, decode
 from packer.images.headers import check_size, image_size
@@ -166,13 +166,15 @@ class PackedDataset(FolderSurface):
         return self.store.read(pos)
 
     def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = (),
-                    pending: readahead.Pending | None = None) -> list:
+                    pending: readahead.Pending | None = None, into: Callable[[int], np.ndarray] | None = None,
+                    places: Sequence[np.ndarray | None] | None = None) -> list:
         """Payloads at these storage positions, read ahead in file order, returned in the order asked.
 
         Each shard's samples are read with one ``read_many`` call in file order, once the read-ahead
         has brought in its last one, and checked against the index together: the Python work per
         sample is one view or copy (warm reads at the loose folder's rate or above; docs/results.md).
-        ``ahead``: as for ``start_reads``; ``pending``: its result for these positions, started earlier.
+        ``ahead``: as for ``start_reads``; ``pending``: its result for these positions, started earlier;
+        ``into``/``places``: ``read_copies`` instead (see StagedDataset and ``_copies_memory``).
         """
         idx = np.asarray(stored, dtype=np.int64)
         if not len(idx):
@@ -183,14 +185,10 @@ class PackedDataset(FolderSurface):
         got: list = []  # in file order
         shard_of = np.searchsorted(self.store.starts, ordered, side="right") - 1
         bounds = np.flatnonzero(np.diff(shard_of)) + 1
+        memory = _copies_memory(self, ordered, order, into, places)
         for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(ordered)]):
-            shard = int(shard_of[lo])
             pending.wait(max(range(lo, hi), key=pending.need.__getitem__))  # the last to arrive
-            positions = ordered[lo:hi] - self.store.starts[shard]
-            with reading(self.store.where(shard)):
-                bufs = self.store.readers[shard].read_many(positions.tolist())
-            self.store.check_reads(shard, ordered[lo:hi], bufs)
-            got.extend(bufs)
+            got.extend(self.store.read_checked(int(shard_of[lo]), ordered[lo:hi], memory and memory(lo, hi)))
         if len(got) < 2:
             return got
         place = np.empty(len(order), dtype=np.int64)
@@ -376,6 +374,24 @@ def dataset_class(name: str, where: object = "dataset") -> type[PackedDataset]:
         cls = DATASET_CLASSES[name] = _format_dataset_class(FORMATS[name])
         globals()[cls.__name__] = cls
     return cls
+
+
+def _copies_memory(ds: PackedDataset, ordered: np.ndarray, order: np.ndarray, into: Callable[[int], np.ndarray] | None,
+                   places: Sequence[np.ndarray | None] | None) -> Callable[[int, int], Destinations] | None:
+    """Where ``payloads_at`` reads the copies of the payloads ``ordered[lo:hi]`` (storage positions in file order,
+    ``order`` their places in the order asked); None: no copies, views. Raw pixels go straight into their
+    ``places`` (flat uint8 batch slots, one per sample asked) where each has the payload's size: one copy, as a
+    view copied into its slot was; else consecutive parts of one block from ``into``."""
+    sizes = ds.index.nbytes[ordered]
+    if places is not None and ds.manifest.payload == "raw" and ds.crop is None:
+        dests = [places[k] for k in order.tolist()]
+        if all(d is not None and d.nbytes == n for d, n in zip(dests, sizes.tolist(), strict=True)):
+            return lambda lo, hi: cast(list, dests[lo:hi])
+    if into is None:
+        return None
+    ends = np.cumsum(sizes)
+    block = into(int(ends[-1]))
+    return lambda lo, hi: block[int(ends[lo] - sizes[lo]) : int(ends[hi - 1])]
 
 
 CacheMode = Literal["ram", "ram-decoded"]

@@ -71,9 +71,14 @@ class StagedDataset(Dataset, ABC):
         (packer.read.fields); ``tensor`` holds ``arr`` already. ``arr`` None: a dataset without images."""
 
     def payloads_at(self, stored: Sequence[int] | np.ndarray, ahead: Sequence[Ahead] = (),
-                    pending: Pending | None = None) -> list:
+                    pending: Pending | None = None, into: Callable[[int], np.ndarray] | None = None,
+                    places: Sequence[np.ndarray | None] | None = None) -> list:
         """Payloads at these storage positions, in the order given (``ahead``: as for ``start_reads``;
-        ``pending``: what ``start_reads`` of the same positions returned earlier, instead of starting them now)."""
+        ``pending``: what ``start_reads`` of the same positions returned earlier, instead of starting them now;
+        ``into``: copies in memory of their own, read from the files and never through a map, in flat uint8
+        memory ``into(nbytes)`` gives where they are plain bytes: what threads decode that a file truncated
+        meanwhile must not kill with SIGBUS, ``packer.ThreadLoader``'s; ``places``: per sample, the flat batch
+        slot its decoded pixels go to, where raw pixels may be read straight into; the default has no files)."""
         return [self.payload_at(int(p)) for p in stored]
 
     def check_index(self, i: int) -> int:

@@ -18,6 +18,7 @@ import numpy as np
 from packer import sysinfo
 from packer.errors import DatasetError, OptionError, PackerError
 from packer.formats import check_recorded_options, get_format
+from packer.formats.base import Destinations
 from packer.layout.fields import FieldStore, load_fields
 from packer.layout.index import Index, shard_starts
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -104,6 +105,17 @@ class ShardStore:
             buf = self.readers[shard].read(pos)
         self.check_read(shard, i, buf)
         return buf
+
+    def read_checked(self, shard: int, stored: np.ndarray, into: Destinations = None) -> list:
+        """The payloads at dataset positions ``stored`` (ascending, all in ``shard``), checked together
+        (``check_reads``): views from the reader's ``read_many``, or with ``into`` (memory for their bytes:
+        ``ShardReader.read_copies``) copies, never read through a map."""
+        positions = (stored - self.starts[shard]).tolist()
+        with reading(self.where(shard)):
+            reader = self.readers[shard]
+            bufs = reader.read_many(positions) if into is None else reader.read_copies(positions, into)
+        self.check_reads(shard, stored, bufs)
+        return bufs
 
     def where(self, shard: int, i: int | None = None) -> str:
         return self._names[shard] if i is None else f"{self._names[shard]}: sample {i}"

@@ -154,10 +154,13 @@ def _reads_queued(ds: StagedDataset, drawn: Iterator[tuple[Sequence[int], Any]]
 
 
 def _start_batch(ds: StagedDataset, idx: np.ndarray, pending: Pending | None, pool: ThreadPoolExecutor,
-                 alloc: Callable[[int], torch.Tensor], threads: int, stacking: bool) -> _Batch:
+                 alloc: Callable[[int], torch.Tensor], into: Callable[[int], np.ndarray], threads: int,
+                 stacking: bool) -> _Batch:
     """Queue one batch's decode chunks, in the order its bytes arrive, each handed to a decode thread once they are
     in (a cold batch's first chunk decodes while the rest is read; docs/results.md). ``stacking``: no collate_fn
-    (a batch in slots of one block is handed out as that block)."""
+    (a batch in slots of one block is handed out as that block). The payloads are copies read into memory from
+    ``into`` (``payloads_at(into=)``), never views of a mapped shard: a shard truncated in place while threads
+    decode is a PackerError when read here, never a SIGBUS in a thread (which would kill the process)."""
     positions = idx.tolist()
     block = ds.decode_block(positions, alloc)
     stacked, slots = (None, [None] * len(positions)) if block is None else block
@@ -168,8 +171,11 @@ def _start_batch(ds: StagedDataset, idx: np.ndarray, pending: Pending | None, po
     cuts = np.linspace(0, len(positions), min(len(positions), threads * CHUNKS_PER_THREAD) + 1)
     bounds = np.unique(cuts.astype(np.int64)).tolist()
     # bytes all in already (warm, or read ahead in time): read in one call, not one per chunk
-    every = ds.payloads_at(idx[arrival], pending=Pending.ready(len(arrival))) if pending is None or pending.done() \
-        else None
+    # raw pixels are read straight into their slots (one shape: the rows of the stacked batch, one call)
+    flat = list(stacked.view(len(positions), -1).numpy()) if stacked is not None else \
+        [None if slot is None else slot.view(-1).numpy() for slot in slots]
+    every = ds.payloads_at(idx[arrival], pending=Pending.ready(len(arrival)), into=into,
+                           places=[flat[k] for k in arrival]) if pending is None or pending.done() else None
     futures, places = [], []
     for a, b in zip(bounds[:-1], bounds[1:]):
         chunk = arrival[a:b]
@@ -177,7 +183,8 @@ def _start_batch(ds: StagedDataset, idx: np.ndarray, pending: Pending | None, po
             payloads = every[a:b]
         else:
             pending.wait(max(waits[a:b], key=pending.need.__getitem__))  # type: ignore[union-attr]
-            payloads = ds.payloads_at(idx[chunk], pending=Pending.ready(len(chunk)))
+            payloads = ds.payloads_at(idx[chunk], pending=Pending.ready(len(chunk)), into=into,
+                                      places=[flat[k] for k in chunk])
         futures.append(pool.submit(_decode, ds, idx[chunk].tolist(), payloads, [slots[k] for k in chunk],
                                    None if windows is None else [windows[k] for k in chunk]))
         places.append(chunk.tolist())
@@ -294,7 +301,8 @@ def _feed(loader: ThreadLoader, pool: ThreadPoolExecutor, stateful: Stateful | N
             yield _Failed(idx), state
             continue
         try:
-            job: _Batch | _Failed = _start_batch(ds, idx, pending, pool, alloc, loader.num_threads,
+            job: _Batch | _Failed = _start_batch(ds, idx, pending, pool, alloc, loader._payloads.take_array,
+                                                 loader.num_threads,
                                                  stacking=loader.collate_fn is None and not loader.unbatched)
         except Exception as exc:  # noqa: BLE001 - this batch's error, handed out in its turn
             job = _Failed(exc)
@@ -374,6 +382,8 @@ class ThreadLoader:
         self._live: weakref.WeakSet = weakref.WeakSet()
         # batch memory: those in flight, the one handed out, one the caller keeps; kept across epochs and loaders
         self._blocks = pool_of(dataset, prefetch_batches + 3)
+        # the stored bytes read for those batches (a block per batch, or per chunk of a batch still being read)
+        self._payloads = pool_of(dataset, (prefetch_batches + 3) * self.num_threads * CHUNKS_PER_THREAD, "payloads")
         self._state: dict[str, Any] | None = None  # the sampler's state after the last batch handed out
 
     def __len__(self) -> int:

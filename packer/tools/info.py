@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,9 @@ def dataset_info(path: str | os.PathLike) -> dict[str, Any]:
     refuse_url(path, "packer info")
     root = Path(path)
     manifest = read_manifest(root)
-    data = asdict(manifest)
+    data = manifest.to_dict()
+    # a stat per file, no hashing (packer verify's job): a shard truncated or replaced is shown, and exits 1
+    data["problems"] = manifest.file_problems(root)
     data["total_bytes"] = sum(f.num_bytes for f in manifest.all_files())
     data["num_files"] = len(manifest.all_files())
     index = Index.load(root, manifest.num_samples, files=manifest.meta_files, num_classes=len(manifest.classes),
@@ -178,4 +179,10 @@ def info_rows(path: str | os.PathLike, data: dict[str, Any]) -> list[tuple[str, 
     ]
     if data["format"] == "mosaic" and data["shards"] and data["shards"][0]["files"]:
         rows.append(("look at", f"{Path(path) / data['shards'][0]['files'][0]['name']} (one mosaic)"))
+    problems = data.get("problems", [])
+    rows += [("problem", p) for p in problems[:20]]
+    if len(problems) > 20:
+        rows.append(("problem", f"... and {len(problems) - 20:,} more"))
+    if problems:
+        rows.append(("check", f"packer verify {path} (checksums too); convert the dataset again to repair it"))
     return rows

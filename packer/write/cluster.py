@@ -221,7 +221,8 @@ class DaskCluster:
 
         def submit(sid: int):
             a, b = ranges[sid]
-            future = client.submit(convert_shard, root, str(partial), sid, scan.records(a, b), opts,
+            records = list(reader.admitted(scan.records(a, b)))  # a packed source: its shards checked here, once
+            future = client.submit(convert_shard, root, str(partial), sid, records, opts,
                                    job.on_error, __version__, reader,
                                    key=f"packer-shard-{sid:05d}-{token}", retries=_RETRIES)
             live[future.key] = (sid, future)

@@ -104,7 +104,7 @@ def ordered_results(
         items_iter: Iterable[tuple[str, int, Any]] = _read_inline(reader, items)
         reader = InlineReader()
     else:
-        items_iter = items
+        items_iter = reader.admitted(items)
     chunks = _chunks(items_iter, chunk_len)
     if workers <= 0:
         for chunk in chunks:

@@ -127,6 +127,31 @@ def test_imagefolder_surface(packed, imagefolder):
     assert np.array_equal(np.asarray(ds[-1][0]), np.asarray(ds[len(ds) - 1][0]))
 
 
+def test_read_copies_equal_read_many_in_memory_of_their_own(packed):
+    """``read_copies`` (ThreadLoader's reads: pread, never a map) gives what ``read_many`` gives, shaped alike, into
+    the memory given where the format stores plain bytes; and ``payloads_at(into=)`` checks them as other reads."""
+    path, *_ = packed
+    ds = open_dataset(path, image="numpy")
+    for shard, reader in enumerate(ds.store.readers):
+        n = ds.manifest.shards[shard].num_samples
+        positions = sorted({0, n // 2, n - 1, n // 2})  # ascending, as payloads_at asks
+        start = int(ds.store.starts[shard])
+        want = reader.read_many(positions)
+        size = int(ds.index.nbytes[[start + p for p in positions]].sum())
+        for buf in (None, np.zeros(size + 7, np.uint8)):
+            got = reader.read_copies(positions, buf)
+            assert len(got) == len(want)
+            for g, w in zip(got, want, strict=True):
+                assert type(g) is type(w) and np.asarray(g).shape == np.asarray(w).shape
+                assert np.array_equal(np.asarray(g), np.asarray(w))
+    taken = []
+    idx = np.arange(len(ds))[::-1]
+    got = ds.payloads_at(idx, into=lambda n: taken.append(np.zeros(n, np.uint8)) or taken[-1])
+    assert len(taken) == 1 and taken[0].nbytes == int(ds.index.nbytes.sum())
+    for g, w in zip(got, ds.payloads_at(idx), strict=True):
+        assert np.array_equal(np.asarray(g), np.asarray(w))
+
+
 def test_shards_split_and_verify(packed):
     path, name, payload, _ = packed
     ds = open_dataset(path)

@@ -115,6 +115,37 @@ def test_manifest_not_an_object(enc):
         open_dataset(enc)
 
 
+def test_a_manifest_listing_more_files_than_the_dataset_holds_is_refused_before_any_per_shard_work(enc):
+    """100,000 crafted shards (a million took 84 s to reject: each entry parsed, checked and stat'ed) are refused by
+    counting: the last entry's malformed checksum is never reached, so no entry was parsed before the refusal."""
+    template = json.loads((enc / "manifest.json").read_text())["shards"][0]
+
+    def crafted(d):
+        d["shards"] = [{**template, "num_samples": 0, "files": [{**template["files"][0], "name": f"s{i:06d}.lmdb"}]}
+                       for i in range(100_000)]
+        d["shards"][0]["num_samples"] = d["num_samples"]
+        d["shards"][-1]["files"][0]["sha256"] = "not a digest"  # what parsing every entry would stop at
+
+    edit_manifest(enc, crafted)
+    held = sum(1 for p in enc.rglob("*") if p.is_file())
+    for attempt in (lambda: open_dataset(enc), lambda: convert(enc, enc.parent / "copy.hdf5", to="hdf5")):
+        with pytest.raises(PackerError) as err:
+            attempt()
+        assert f"lists 100,007 files in 100,000 shards, but the dataset folder holds {held} files" in str(err.value)
+    assert "lists 100,007 files" in verify(enc).problems[0]
+    assert main(["info", str(enc)]) == 1
+
+
+def test_a_shard_listing_no_files_is_refused_before_the_rest_is_parsed(enc):
+    def crafted(d):
+        d["shards"][0]["files"] = []
+        d["shards"][-1]["files"][0]["sha256"] = "not a digest"  # never reached
+
+    edit_manifest(enc, crafted)
+    with pytest.raises(PackerError, match="a shard lists no files"):
+        open_dataset(enc)
+
+
 @pytest.mark.parametrize("name", ["../outside.lmdb", "/etc/passwd", "meta/../../x", "a\\..\\b", "", "x\x00y"])
 def test_shard_names_leaving_the_directory(enc, name):
     edit_manifest(enc, lambda d: d["shards"][0]["files"][0].update(name=name))

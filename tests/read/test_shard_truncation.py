@@ -14,9 +14,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+from support.imagesets import make_imagefolder
 from support.memlimit import limited_call
 
-from packer import PackerError, convert, open_dataset
+from packer import PackerError, ThreadLoader, convert, open_dataset
 
 CASES = {
     "lmdb": {"to": "lmdb"},
@@ -98,3 +99,76 @@ def test_payload_sizes_are_counted_alike_whatever_else_the_batch_holds():
     assert _sizes([arr, view]).tolist() == [60, 6] == _sizes([arr, view, b"xy"]).tolist()[:2]
     assert _sizes([tensor]).tolist() == [4] == _sizes([tensor, b"xy"]).tolist()[:1]
     assert _sizes([]).tolist() == []
+
+
+THREADED_TRIALS = 8  # per case: on the code before, most cases died of SIGBUS in most trials
+# every format, compressed layouts too (their reads inflate from reads, not maps)
+THREADED_CASES = {**CASES, "n5": {"to": "n5"}, "n5-raw": {"to": "n5", "payload": "raw"},
+                  "n5-gzip": {"to": "n5", "payload": "raw", "compression": "gzip"},
+                  "hdf5-lzf": {"to": "hdf5", "payload": "raw", "compression": "lzf"}}
+
+
+@pytest.fixture(scope="module")
+def threaded_bases(tmp_path_factory):
+    """The cases over 60 photos of 64x80 in several shards: batches of 2 are still being decoded by the threads
+    while the test truncates the last shard."""
+    root = tmp_path_factory.mktemp("threaded-truncation")
+    imgs = make_imagefolder(root / "imgs", classes=3, per_class=20, size=(64, 80))
+    for name, options in THREADED_CASES.items():
+        shard_bytes = {"bmp": None, "mosaic": None, "mosaic-jpeg": None}.get(name, 40_000)
+        convert(imgs, root / name, workers=1, progress=False, shard_bytes=shard_bytes, **options)
+    return root
+
+
+def _largest_file(manifest) -> str:
+    """The last shard's largest file: its data (not an n5 shard's attributes, read once on opening)."""
+    return max(manifest.shards[-1].files, key=lambda f: f.num_bytes).name
+
+
+def _truncate_under_threads(base: Path, work: Path, trials: int) -> list[list[str]]:
+    """Per trial: a fresh copy, a ThreadLoader(batch_size=2, num_threads=2) over it, the last shard (its largest
+    file) truncated to a third in place after the second batch; the outcome of every batch: "ok" or the error."""
+    runs = []
+    for trial in range(trials):
+        copy = work / f"trial-{trial}"
+        shutil.copytree(base, copy)
+        ds = open_dataset(copy, image="numpy")
+        target = copy / _largest_file(ds.manifest)
+        outcomes: list[str] = []
+        loader = ThreadLoader(ds, batch_size=2, num_threads=2)
+        batches = iter(loader)
+        while True:
+            try:
+                next(batches)
+                outcomes.append("ok")
+            except StopIteration:
+                break
+            except PackerError as exc:
+                outcomes.append(f"PackerError: {exc}")
+            except Exception as exc:  # noqa: BLE001 - any other failure is what the test reports
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+            if len(outcomes) == 2:
+                os.truncate(target, target.stat().st_size // 3)
+        loader.close()
+        ds.close()
+        shutil.rmtree(copy)
+        runs.append(outcomes)
+    return runs
+
+
+@pytest.mark.parametrize("case", list(THREADED_CASES))
+def test_a_shard_truncated_under_thread_loader_is_a_packer_error_never_sigbus(threaded_bases, tmp_path, case):
+    """ThreadLoader's decode threads read copies of the stored bytes (``payloads_at(into=)``: ``pread``, never a
+    map), so a shard truncated while they run gives DataLoader's PackerError, in every trial, in a child process
+    (a SIGBUS there kills only it). Batches read before the truncation come out whole."""
+    kind, runs = limited_call(_truncate_under_threads, threaded_bases / case, tmp_path, THREADED_TRIALS)
+    assert kind == "ok", (kind, runs)  # "died": the child was killed (SIGBUS)
+    name = _largest_file(open_dataset(threaded_bases / case).manifest)
+    for outcomes in runs:
+        errors = [o for o in outcomes if o != "ok"]
+        assert outcomes[:2] == ["ok", "ok"] and errors, outcomes
+        assert all(e.startswith("PackerError: ") and name in e for e in errors), errors
+        if case == "bmp":  # one file per sample, read whole: the short one is a damaged BMP file
+            assert all("damaged BMP file" in e for e in errors), errors
+        else:  # as a DataLoader's reads say it; a shard first opened after the truncation may say so on opening
+            assert all("changed size since it was opened" in e or "truncated" in e for e in errors), errors

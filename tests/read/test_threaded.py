@@ -166,9 +166,10 @@ def test_reads_are_queued_batches_ahead_in_the_order_decoded(packed, monkeypatch
         events.append(("start", idx.tolist(), pending))
         return pending
 
-    def payloads_at(stored, ahead=(), pending=None):
+    def payloads_at(stored, ahead=(), pending=None, into=None, places=None):
+        assert into is not None  # copies read from the files, never views of a map (a truncated shard: no SIGBUS)
         events.append(("take", np.asarray(stored).tolist(), pending))
-        return real_payloads(stored, ahead, pending)
+        return real_payloads(stored, ahead, pending, into, places)
 
     monkeypatch.setattr(ds, "start_reads", start_reads)
     monkeypatch.setattr(ds, "payloads_at", payloads_at)
@@ -430,3 +431,21 @@ def test_unseeded_crops_do_not_depend_on_which_bytes_come_first(packed, monkeypa
         torch.manual_seed(0)
         same_batches(list(loader(fresh())), want)
     assert cache == "ram" or reversed_order  # the loaders decoded in the reversed order
+
+
+@pytest.mark.parametrize("fmt,resize", [("lmdb", None), ("lmdb", "24x32"), ("memmap", "24x32"), ("hdf5", None),
+                                        ("pth", None), ("n5", "24x32")])
+def test_raw_pixels_are_read_straight_into_their_batch_slots(tmp_path, fmt, resize):
+    """ThreadLoader's copies of raw payloads (``pread``, never a map) land in the batch memory they are handed out in:
+    one copy, as the views copied into it were; the batches are ``ds[i]``'s, mixed shapes or one."""
+    src = make_imagefolder(tmp_path / "src", classes=2, per_class=7)
+    out = convert(src, tmp_path / f"ds.{fmt}", to=fmt, payload="raw", resize=resize, workers=0, progress=False).output
+    ds = open_dataset(out, image="tensor")
+    idx = ds.positions(list(range(6)))
+    _stacked, slots = ds.decode_block(idx.tolist())
+    flat = [slot.view(-1).numpy() for slot in slots]
+    got = ds.payloads_at(idx, into=lambda n: np.zeros(n, np.uint8), places=flat)
+    assert all(np.shares_memory(np.asarray(g), f) for g, f in zip(got, flat, strict=True))
+    want = [ds[i][0] for i in range(len(ds))]
+    for b, (images, _labels) in enumerate(ThreadLoader(ds, batch_size=4, num_threads=2)):
+        assert all(torch.equal(img, want[4 * b + k]) for k, img in enumerate(images))

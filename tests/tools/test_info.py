@@ -1,4 +1,5 @@
 import json
+import os
 
 from support.cli import run_cli
 from support.imagesets import make_imagefolder
@@ -50,3 +51,21 @@ def test_info_lists_classes_sizes_and_shards_people_can_read(tmp_path):
     mosaic = convert(few, tmp_path / "i.mosaic", to="mosaic", tile="16x16", grid="2x3", workers=0,
                      progress=False).output
     assert _rows(mosaic)["shards"].startswith("2 mosaics of up to 2x3 tiles of 16x16 in 1 shard, ")
+
+
+def test_info_names_a_shard_truncated_in_place_and_exits_1(imagefolder, tmp_path):
+    """A stat per file against the manifest (no hashing): a shard cut short is shown as a problem, exit 1 (a dataset
+    failing its checks), in the table and in --json; the rest of the information is still shown."""
+    out = convert(imagefolder, tmp_path / "i.lmdb", workers=0, progress=False, shard_bytes=6_000).output
+    shard = out / json.loads((out / "manifest.json").read_text())["shards"][-1]["files"][0]["name"]
+    size = shard.stat().st_size
+    os.truncate(shard, size // 3)
+    res = run_cli("info", out)
+    assert res.returncode == 1, res.stdout + res.stderr
+    problems = [line for line in res.stdout.splitlines() if line.startswith("problem")]
+    assert problems == [f"problem     {shard}: {size // 3} bytes, manifest says {size} (damaged or replaced)"]
+    assert "samples" in res.stdout and "packer verify" in res.stdout
+    res = run_cli("info", out, "--json")
+    assert res.returncode == 1 and json.loads(res.stdout)["problems"] == [problems[0][12:]]
+    shard.unlink()
+    assert f"{shard}: missing" in run_cli("info", out).stdout

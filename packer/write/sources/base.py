@@ -48,6 +48,13 @@ class SourceReader(ABC):
     def facts(self, rel: str, loc: Any) -> Facts | None:
         """The record's facts now (None: gone), compared by ``--resume`` with those recorded when read."""
 
+    def admitted(self, records: Iterable[tuple[str, int, Any]]) -> Iterator[tuple[str, int, Any]]:
+        """The (key, label, locator) records in the order given, each once it may be handed to a reader in another
+        process (a pool worker, a Dask task); default: at once, as they are. A packed dataset yields each once its
+        shard has been checked against its manifest here, the verdict in its locator: the workers then read
+        without hashing the shard again each."""
+        return iter(records)
+
     def read_in_order(self, records: Iterable[tuple[str, Any]]) -> Iterator[tuple[Payload, Facts | None] | RecordError]:
         """Each record of ``records`` (in scan order), or the RecordError it gave; sequential readers stream."""
         for rel, loc in records:

@@ -9,11 +9,21 @@ cells, so they stay byte-identical).
 Encoded payloads move as the stored bytes, never re-encoded (``--payload raw`` decodes them);
 raw payloads move as pixels and can only stay raw. Reads go through the format's own ``Reader``
 (one per shard, opened per process), each checked against the size the index records.
+
+A shard's files are checked against the source's manifest (sizes and sha256, as ``packer verify`` does) before
+any of its samples is read: a damaged shard's samples become errors naming the shard and the reason, never a
+clean copy of damaged bytes with fresh checksums. A conversion checks each shard once, in the driver, by a
+thread hashing the shards a few ahead of the records handed to the workers (``admitted``: streamed, and the
+hash leaves the shard in the page cache for the reads that follow); the verdict travels in each record's
+locator. A reader given a record without one (``verify --against``, a single process) checks the shard itself,
+once per process.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +32,17 @@ import numpy as np
 from packer.errors import PackerError
 from packer.formats import check_recorded_options, get_format
 from packer.formats.base import ShardReader
+from packer.layout.checksums import file_problem
 from packer.layout.fields import load_fields
 from packer.layout.index import Index, shard_starts
-from packer.layout.manifest import IMAGELESS, MANIFEST_NAME, Manifest, holds_dataset, read_manifest
+from packer.layout.manifest import IMAGELESS, MANIFEST_NAME, Manifest, Shard, holds_dataset, read_manifest
 from packer.layout.report import numbered_entries, read_report
 from packer.layout.trust import reading
 from packer.write.scan import ClassMapper, ScanResult
 from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader
+
+CHECKERS = 2  # threads hashing a conversion's source shards (hashlib releases the GIL)
+CHECKED_AHEAD = 2  # shards hashed ahead of the records handed out: their pages stay cached for the reads
 
 
 class PackedSource(Source):
@@ -79,11 +93,50 @@ class PackedReader(SourceReader):
         self.readers: list[ShardReader] = [fmt.Reader(root, s, manifest.payload, access="sequential")
                                            for s in manifest.shards]
         self.starts = shard_starts([s.num_samples for s in manifest.shards])
+        self.shards: list[Shard] = manifest.shards
         self.mtime_ns = os.stat(root / MANIFEST_NAME).st_mtime_ns
+        self.damage: dict[int, str | None] = {}  # shard -> why its files fail their checks (None: they pass)
+
+    def shard_damage(self, shard: int) -> str | None:
+        """Why shard ``shard``'s files are not those the manifest records (None: they are), checked once."""
+        if shard not in self.damage:
+            problems = (file_problem(self.root, f) for f in self.shards[shard].files)
+            problem = next((p for p in problems if p is not None), None)
+            self.damage[shard] = None if problem is None else (
+                f"{problem}: shard {shard} of the source dataset is damaged, its samples are not packed")
+        return self.damage[shard]
+
+    def shard_of(self, i: int) -> int:
+        return int(np.searchsorted(self.starts, i, side="right")) - 1
+
+    def admitted(self, records: Iterable[tuple[str, int, Any]]) -> Iterator[tuple[str, int, Any]]:
+        """Each record once its shard is checked, with the verdict as a fifth locator entry ("" : the shard passed).
+        Shards are hashed by ``CHECKERS`` threads in the order the records first need them, up to ``CHECKED_AHEAD``
+        beyond the furthest one needed so far: the check streams with the conversion instead of a pass before it."""
+        items = list(records)
+        shards = (np.searchsorted(self.starts, [loc[0] for _, _, loc in items], side="right") - 1).tolist()
+        need = list(dict.fromkeys(shards))  # shards in the order first needed
+        rank = {shard: k for k, shard in enumerate(need)}
+        checks: list[Future] = []  # need[k]'s check is checks[k]
+        furthest = 0
+        pool = ThreadPoolExecutor(CHECKERS, thread_name_prefix="packer-check-source")
+        try:
+            for (rel, label, loc), shard in zip(items, shards, strict=True):
+                furthest = max(furthest, rank[shard])
+                while len(checks) < min(len(need), furthest + 1 + CHECKED_AHEAD):
+                    checks.append(pool.submit(self.shard_damage, need[len(checks)]))
+                damage = checks[rank[shard]].result()
+                yield rel, label, (*loc[:4], damage or "")
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
-        i, nbytes, h, w = loc
-        shard = int(np.searchsorted(self.starts, i, side="right")) - 1
+        i, nbytes, h, w = loc[:4]
+        shard = self.shard_of(i)
+        # before its bytes reach this copy (or the format's reader): the verdict ``admitted`` gave, or checked here
+        damage = (loc[4] or None) if len(loc) > 4 else self.shard_damage(shard)
+        if damage is not None:
+            raise RecordError(damage)
         try:
             with reading(f"{self.root}: sample {i}"):
                 buf = self.readers[shard].read(i - int(self.starts[shard]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -113,3 +114,67 @@ def test_a_crafted_class_name_is_refused_when_re_packed(src, tmp_path):
     with pytest.raises(PackerError, match=r"class 2: class name '\.\./evil' holds a path separator"):
         convert(ds, tmp_path / "out.hdf5", to="hdf5", workers=0, progress=False)
     assert not (tmp_path / "out.hdf5").exists() and not (tmp_path / "out.hdf5.partial").exists()
+
+
+DAMAGE = [("lmdb", "encoded", "encoded"), ("lmdb", "encoded", "raw"), ("lmdb", "raw", "raw"),
+          ("memmap", "encoded", "encoded"), ("memmap", "encoded", "raw"), ("hdf5", "raw", "raw")]
+
+
+def _damaged_source(tmp_path: Path, fmt: str, payload: str) -> tuple[Path, int, list[str]]:
+    """A dataset of ``fmt`` in several shards, 2,048 bytes zeroed inside a sample of shard 1 (its manifest left as it
+    was: ``packer verify`` fails it); the shard and the keys of every sample stored in it."""
+    imgs = make_imagefolder(tmp_path / "imgs", classes=3, per_class=8, size=(48, 64))
+    src = convert(imgs, tmp_path / f"src.{fmt}", to=fmt, payload=payload,
+                  shard_bytes=20_000 if payload == "encoded" else 40_000, workers=0, progress=False).output
+    ds = open_dataset(src)
+    assert len(ds.manifest.shards) >= 3
+    start = int(ds.store.starts[1])
+    keys = [ds.index.rel_path(start + k) for k in range(ds.manifest.shards[1].num_samples)]
+    path, lo, _hi = ds.store.readers[1].file_spans([0])[0][-1]  # inside its first sample's bytes
+    ds.close()
+    with open(path, "r+b") as fh:
+        fh.seek(lo + 16)
+        fh.write(bytes(2048))
+    assert not verify(src).ok
+    return src, 1, keys
+
+
+@pytest.mark.parametrize("fmt,payload,out_payload", DAMAGE, ids=["-".join(c) for c in DAMAGE])
+def test_a_damaged_shard_is_never_copied_clean(tmp_path, fmt, payload, out_payload):
+    """Every sample of the shard failing its checksum is an errors.json entry naming the shard and the reason (none
+    of them packed, the one zeroed or the others); the other shards convert as before; verify against the damaged
+    source fails. Before: the copy got fresh checksums and verify passed with a damaged sample inside."""
+    src, shard, keys = _damaged_source(tmp_path, fmt, payload)
+    shard_file = open_dataset(src).manifest.shards[shard].files[0].name
+    workers = 2 if out_payload == "raw" else 0  # the check runs in pool workers too
+    res = convert(src, tmp_path / "re.hdf5", to="hdf5" if fmt != "hdf5" else "lmdb", payload=out_payload,
+                  workers=workers, progress=False)
+    errors = json.loads((res.output / "errors.json").read_text())["errors"]
+    assert sorted(e["path"] for e in errors) == sorted(keys)
+    assert all(f"{src / shard_file}: checksum mismatch" in e["reason"] and f"shard {shard} of the source dataset "
+               "is damaged" in e["reason"] and e["location"].startswith(f"{src.name}: sample ") for e in errors)
+    out, original = open_dataset(res.output), open_dataset(src)
+    assert len(out) == len(original) - len(keys) and not set(out.relpaths) & set(keys)
+    if out_payload == payload:  # the undamaged shards' samples, byte for byte
+        def payloads(ds):
+            return {rel: np.ascontiguousarray(ds.read_payload(i)).tobytes() for i, rel in enumerate(ds.relpaths)}
+
+        assert payloads(out) == {k: v for k, v in payloads(original).items() if k not in keys}
+    report = verify(res.output, against=src)
+    assert not report.ok and f"the source is damaged: {src / shard_file}: checksum mismatch" in report.problems[0]
+    assert run_cli("verify", res.output, "--against", src, "-q").returncode == 1
+
+
+def test_verify_of_a_clean_copy_made_from_a_damaged_source_fails(tmp_path):
+    """The laundered copy of before (fresh checksums over a damaged sample) fails ``verify --against`` the source:
+    the source is checked against its own manifest, not only compared with."""
+    from support.fuzzing import _rewrite_checksums
+
+    src, _shard, _keys = _damaged_source(tmp_path, "lmdb", "raw")
+    laundered = tmp_path / "laundered.lmdb"
+    shutil.copytree(src, laundered)
+    _rewrite_checksums(laundered)  # what the old conversion's copy amounted to: the damage with checksums to match
+    copy = convert(laundered, tmp_path / "copy.hdf5", to="hdf5", payload="raw", workers=0, progress=False).output
+    assert verify(copy, against=laundered).ok  # against the source it was made from: a faithful copy
+    report = verify(copy, against=src)
+    assert not report.ok and "the source is damaged" in report.problems[0]
