@@ -39,9 +39,10 @@ from packer.write.options import ConvertOptions, make_options
 from packer.write.output import check_destination, check_replaceable, output_path, swap_into_place
 from packer.write.plan import apply_order, load_or_make_plan
 from packer.write.pool import LocalPool, PoolSettings
-from packer.write.scan import IMG_EXTENSIONS, ScanResult
+from packer.write.scan import IMG_EXTENSIONS
 from packer.write.shards import BuildJob, ShardBuilder, ShardWriteError
 from packer.write.sources.base import SourceOptions
+from packer.write.sources.records import ScanResult
 from packer.write.sources.registry import open_source, scan_opened
 from packer.write.sources.select import PARTS
 

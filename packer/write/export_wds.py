@@ -62,8 +62,8 @@ from packer.write.options import ConvertOptions, make_options
 from packer.write.output import check_destination, output_path, swap_into_place
 from packer.write.plan import apply_order, estimate_sample_bytes, make_partial
 from packer.write.pool import PoolSettings, ordered_results
-from packer.write.scan import ScanResult, SourceError
 from packer.write.shards import progress_bar
+from packer.write.sources.records import ScanResult, SourceError
 from packer.write.sources.registry import open_source, scan_opened
 
 DEFAULT_SHARD_BYTES = 256 << 20

@@ -20,7 +20,7 @@ from packer.layout.manifest import Manifest, dumps_lossless, file_info, write_ma
 from packer.layout.report import ERRORS_NAME
 from packer.write.journal import ShardResult
 from packer.write.output import swap_into_place
-from packer.write.scan import SourceError
+from packer.write.sources.records import SourceError
 from packer.write.summary import not_packed_line
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it

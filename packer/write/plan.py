@@ -22,8 +22,8 @@ from packer.write.journal import read_plan, scan_digest, write_plan
 from packer.write.lock import OutputLock, check_free
 from packer.write.options import ConvertOptions
 from packer.write.output import fresh_name
-from packer.write.scan import ScanResult
 from packer.write.sources.base import RecordError
+from packer.write.sources.records import ScanResult
 
 NEW_TAG = ".packer-new-"  # <out>.packer-new-<pid>-<random>: a new .partial until its plan is written
 

@@ -27,9 +27,9 @@ from packer.formats import get_format
 from packer.formats.base import PreparedSample
 from packer.write.journal import ShardResult, record_shard
 from packer.write.options import ConvertOptions
-from packer.write.scan import SourceError
 from packer.write.shards import BuildJob, prepare, progress_bar, write_shard
 from packer.write.sources.base import InlineReader, RecordError, SourceReader
+from packer.write.sources.records import SourceError
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,8 @@ from packer.layout.manifest import IMAGELESS, FileInfo, Shard
 from packer.progress import bar
 from packer.write.journal import ShardResult
 from packer.write.options import ConvertOptions
-from packer.write.scan import ScanResult, SourceError
 from packer.write.sources.base import RecordError, SourceReader, read_source
+from packer.write.sources.records import ScanResult, SourceError
 
 __all__ = ["BuildJob", "ShardBuilder", "ShardSink", "ShardWriteError", "make_payload", "prepare", "read_source",
            "write_shard"]

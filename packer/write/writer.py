@@ -52,9 +52,9 @@ from packer.write.lock import OutputLock, check_free
 from packer.write.options import ConvertOptions, make_options
 from packer.write.output import check_replaceable, swap_into_place
 from packer.write.plan import make_partial, shard_multiple
-from packer.write.scan import SourceError
 from packer.write.shards import ShardSink, make_payload
 from packer.write.sources.labels import integer_classes, label_problem
+from packer.write.sources.records import SourceError
 
 WRITER_SHARD_BYTES = 256 << 20  # at most this much of a shard is held in memory before it is written
 SOURCE_TYPE = "writer"  # the manifest's source_type: samples are named by number, not source paths

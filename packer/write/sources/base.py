@@ -1,10 +1,8 @@
-"""The source interface: a ``Source`` scans SRC into records; a ``SourceReader`` reads one record in any process.
+"""How a source is read: ``SourceOptions`` (how SRC is read, recorded in the manifest) and the ``SourceReader``
+that reads one record, by key and locator, in any process (``FileReader`` for files below a folder).
 
-A scan (``write.scan.ScanResult``) is the shared record list: per record a key (``rel_paths``: what
-``ds.samples``, ``extract`` and errors.json show), a label and a locator (``locs``: what the reader
-needs beside the key, e.g. a tar member's offset and size), plus the classes, what was ignored and
-the errors found while scanning. The reader is small and picklable: pool workers and Dask tasks get
-it with their records, and it opens its handles per process (``PerProcess``: fork and spawn safe).
+A reader is small and picklable: pool workers and Dask tasks get it with their records (write/sources/records.py),
+and it opens its handles per process (``PerProcess``: fork and spawn safe).
 """
 
 from __future__ import annotations
@@ -15,15 +13,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from packer.errors import DatasetError, PackerError
 from packer.layout.trust import open_regular
-
-if TYPE_CHECKING:
-    from packer.write.scan import ClassMapper, ScanResult
 
 Payload = bytes | np.ndarray  # encoded bytes, or HWC uint8 pixels (a packed source of raw payloads)
 Facts = list[int]  # two ints that change when a record's content may have: resume repacks a shard then
@@ -211,31 +206,3 @@ class SourceOptions:
         if given.get("classes") is not None:
             given["classes"] = tuple(str(c) for c in given["classes"])
         return cls(**given)
-
-
-class Source(ABC):
-    """One kind of input. ``claims`` says whether SRC looks like it; ``scan`` lists its records."""
-
-    type: ClassVar[str]  # the --source-type name, recorded in the manifest
-
-    def __init__(self, path: Path, options: SourceOptions) -> None:
-        self.path, self.options = path, options
-
-    @classmethod
-    @abstractmethod
-    def claims(cls, path: Path) -> bool:
-        """Whether SRC at ``path`` is this kind of source (checked in registry order, without --source-type)."""
-
-    def sequential(self) -> bool:
-        """Whether the records can only be read in stored order (a compressed tar), known before the scan (which
-        would inflate the whole archive), so that an order the source can't give is refused first."""
-        return False
-
-    @abstractmethod
-    def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
-             allow_empty: bool = False) -> ScanResult:
-        """Every record, in a deterministic order, with ``reader`` set; a PackerError when SRC is unreadable.
-
-        ``map_classes``: walks class folders elsewhere (a Dask cluster); ``skip_hidden``/``allow_empty``: the
-        folder rules (write.scan); only the folder source uses them.
-        """

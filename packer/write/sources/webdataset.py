@@ -36,10 +36,10 @@ from packer.layout.fields import as_field_name
 from packer.layout.wdsexport import IMAGE_EXTENSIONS as EXPORT_IMAGES
 from packer.layout.wdsexport import PATH_CODEC, PATH_EXTENSION, export_classes_file, export_records, holds_wds_export
 from packer.perprocess import PerProcess
-from packer.write.scan import ClassMapper, ScanResult, SourceError
 from packer.write.sources.archive_gz import GzTarReader
-from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader, read_one_in_order
+from packer.write.sources.base import Facts, Payload, RecordError, SourceReader, read_one_in_order
 from packer.write.sources.labels import inside_root, integer_classes, label_problem, named_classes, parse_label
+from packer.write.sources.records import ClassMapper, ScanResult, Source, SourceError
 from packer.write.sources.wdstar import (
     IMAGE_EXTENSIONS,
     MAX_LABEL_MEMBER,
