@@ -17,8 +17,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from packer.errors import DatasetError, PackerError
+from packer.argtypes import float_in
+from packer.errors import DatasetError, PackerError, arg
 from packer.layout.trust import open_regular
+from packer.write.options import declared, option
 
 Payload = bytes | np.ndarray  # encoded bytes, or HWC uint8 pixels (a packed source of raw payloads)
 Facts = list[int]  # two ints that change when a record's content may have: resume repacks a shard then
@@ -177,19 +179,47 @@ class InlineReader(SourceReader):
 
 @dataclass(frozen=True)
 class SourceOptions:
-    """How to read SRC, recorded in the manifest (``record``) so ``verify --against`` reads it the same way."""
+    """How to read SRC, recorded in the manifest (``record``) so ``verify --against`` reads it the same way; each
+    field given to ``convert`` as its keyword (write/options.py's ``option``)."""
 
-    type: str | None = None  # --source-type; None: chosen by what SRC is
-    root: str | None = None  # list files: the folder paths are relative to (default: the list file's folder)
-    path_column: str | None = None  # list files with a header: the column of paths (default "path")
-    label_column: str | None = None  # ... and of labels (default "label")
-    classes_file: str | None = None  # list files with integer labels: one class name per line
-    classes: tuple[str, ...] | None = None  # --classes: keep these classes only, renumbered in sorted order
-    split: float | None = None  # --split: the fraction of each class in the train part
+    type: str | None = option(None, "read SRC as this kind of source (default: chosen by what SRC is; "
+                              "docs/sources.md)", keyword="source_type")
+    root: str | None = option(None, "list files: the folder the paths they list are relative to (default: the list "
+                              "file's folder)", metavar="DIR", accepts="str | os.PathLike | None")
+    path_column: str | None = option(None, "list files with a header: the column of image paths (default path)",
+                                     metavar="NAME")
+    label_column: str | None = option(None, "list files with a header, Hugging Face datasets: the column of labels, "
+                                      "integers or class names (default label)", metavar="NAME")
+    classes_file: str | None = option(None, "list files with integer labels: the class names, one a line, line i "
+                                      "naming label i (default: the labels themselves, 0..max)", metavar="FILE",
+                                      accepts="str | os.PathLike | None")
+    classes: tuple[str, ...] | None = option(None, "keep only these classes (names, or one comma-separated string), "
+                                             "renumbered as ImageFolder numbers a folder holding only them (sorted "
+                                             "names)", metavar="A,B,C", accepts="Sequence[str] | str | None")
+    split: float | None = option(None, f"write OUT-train and OUT-val: per class a seeded ({arg('seed')}) FRACTION of "
+                                 "the records goes to train, the rest to val", metavar="FRACTION",
+                                 parse=float_in(0.0, 1.0, above=True, below=True))
     split_seed: int = 0
     part: str | None = None  # "train" or "val": which part of --split this output holds
-    label_key: str | None = None  # WebDataset: the field of a sample's json member holding its label (else cls)
-    image_column: str | None = None  # Hugging Face: the Image column (default "image")
+    label_key: str | None = option(None, "WebDataset shards: the label is this field of each sample's json member "
+                                   "(default: its cls member)", metavar="FIELD")
+    image_column: str | None = option(None, "Hugging Face datasets: the Image column (default image)", metavar="NAME")
+
+    @classmethod
+    def given(cls, **keywords: Any) -> SourceOptions:
+        """The options from ``convert``'s keywords (their declared names; paths made absolute: the manifest records
+        them; ``classes`` also as one comma-separated string)."""
+        fields_of = {d.keyword: d.field for d in declared(cls)}
+        values = {fields_of[k]: v for k, v in keywords.items()}
+        for name in ("root", "classes_file"):
+            if values.get(name) is not None:
+                values[name] = os.path.abspath(values[name])
+        classes = values.get("classes")
+        if isinstance(classes, str):
+            classes = [c for c in classes.split(",") if c]
+        if classes is not None:
+            values["classes"] = tuple(str(c) for c in classes)
+        return cls(**values)
 
     def record(self) -> dict[str, Any]:
         """JSON-able, without unset entries (a folder conversion records {"type": "folder"})."""
