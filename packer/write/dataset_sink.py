@@ -59,7 +59,7 @@ class DatasetSink(Sink):
 
     def accept(self, scan: ScanResult, options: ConvertOptions, payload: str | None) -> None:
         """A source of samples without an image (a packed dataset of payload none) converts to payload none, which
-        no source of images does (it would drop them)."""
+        no source of images does (it would drop them). Takes the source's fingerprint (before any file is read)."""
         if scan.source_reader().holds_images:
             if options.payload == IMAGELESS:
                 raise PackerError(f"{scan.root}: holds images; --payload none would leave them out")

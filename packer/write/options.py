@@ -56,33 +56,31 @@ class Declared:
         return arg(self.keyword, value, cli=self.flag)
 
 
-def option(default: Any, help: str, *, keyword: str | None = None, flag: str | None = "", generated: bool = True,
+def option(default: Any, help: str, *, keyword: str = "", flag: str | None = "", generated: bool = True,
            metavar: str | None = None, choices: Iterable[str] | None = None,
-           parse: Callable[[str], Any] | None = None, accepts: str | None = None, unset: Any = ...,
-           wds: bool = True) -> Any:
-    """A dataclass field declared as a conversion option (see ``Declared``). ``keyword``: convert's name where it is
-    not the field's; ``flag``: the command line's where it is not the keyword's with ``-`` for ``_`` (None: none);
-    ``accepts``: the keyword's type where it takes more than the field holds; ``unset``: the keyword's default where
-    it is not the field's (payload: None, the format's own)."""
-    spec = {"keyword": keyword, "flag": flag, "generated": generated, "metavar": metavar, "help": help,
-            "choices": None if choices is None else tuple(choices), "parse": parse, "accepts": accepts,
-            "unset": unset, "wds": wds}
+           parse: Callable[[str], Any] | None = None, accepts: str = "", unset: Any = ..., wds: bool = True) -> Any:
+    """A dataclass field declared as a conversion option (a ``Declared`` in its metadata). ``keyword``: convert's
+    name where it is not the field's; ``flag``: the command line's where it is not the keyword's with ``-`` for
+    ``_`` (None: none); ``accepts``: the keyword's type where it takes more than the field holds; ``unset``: the
+    keyword's default where it is not the field's (payload: None, the format's own)."""
+    spec = Declared(keyword=keyword, field="", default=unset, accepts=accepts, help=help, flag=flag,
+                    generated=generated, metavar=metavar, choices=None if choices is None else tuple(choices),
+                    parse=parse, wds=wds)
     return field(default=default, metadata={_DECLARED: spec})
 
 
 def declared(cls: type) -> list[Declared]:
-    """The options dataclass ``cls`` declares (its ``option`` fields), in field order."""
+    """The options dataclass ``cls`` declares (its ``option`` fields), in field order, each completed from its field
+    (name, type, default)."""
     found = []
     for f in fields(cls):
-        spec = dict(f.metadata.get(_DECLARED) or {})
-        if not spec:
+        spec = f.metadata.get(_DECLARED)
+        if spec is None:
             continue
-        keyword = spec.pop("keyword") or f.name
-        flag = spec.pop("flag")
-        unset, accepts = spec.pop("unset"), spec.pop("accepts")
-        found.append(Declared(keyword=keyword, field=f.name, default=f.default if unset is ... else unset,
-                              accepts=accepts or str(f.type), flag=keyword.replace("_", "-") if flag == "" else flag,
-                              **spec))
+        keyword = spec.keyword or f.name
+        found.append(replace(spec, keyword=keyword, field=f.name, accepts=spec.accepts or str(f.type),
+                             default=f.default if spec.default is ... else spec.default,
+                             flag=keyword.replace("_", "-") if spec.flag == "" else spec.flag))
     return found
 
 
