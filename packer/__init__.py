@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time the names below load 
     from packer.read.threaded import ThreadLoader as ThreadLoader
     from packer.write.convert import ConvertResult as ConvertResult
     from packer.write.convert import convert as convert
-    from packer.write.export_wds import export_wds as export_wds
+    from packer.write.convert import export_wds as export_wds
     from packer.write.writer import Writer as Writer
 
     # the built-in formats' dataset classes, made at run time from the registry (packer.read.dataset)
@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time the names below load 
 # public name -> the module that defines it
 _PUBLIC = {
     "convert": "packer.write.convert", "ConvertResult": "packer.write.convert", "Writer": "packer.write.writer",
-    "export_wds": "packer.write.export_wds",
+    "export_wds": "packer.write.convert",
     "open_dataset": "packer.read.dataset", "PackedDataset": "packer.read.dataset",
     "DATASET_CLASSES": "packer.read.dataset",
     "PackerError": "packer.errors", "InputNotFoundError": "packer.errors", "OutputExistsError": "packer.errors",

@@ -204,10 +204,11 @@ def test_the_convention_is_stated_in_help_and_readme(capsys):
 
 def test_compression_help_is_built_from_each_formats_codecs():
     """``--compression``'s help names what each format offers (hdf5: gzip, lzf; n5: gzip), not one format."""
-    from packer.cli.parser import compression_help
+    from packer.errors import render
     from packer.formats import FORMATS
+    from packer.write.options import compression_help
 
-    text = compression_help(FORMATS)
+    text = render(compression_help(FORMATS), cli=True)
     offering = {name: fmt.compressions for name, fmt in FORMATS.items() if fmt.compressions}
     assert {"hdf5", "n5"} <= set(offering)
     for name, codecs in offering.items():

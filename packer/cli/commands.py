@@ -7,14 +7,10 @@ import json
 import os
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from packer.errors import PackerError, under_way
 from packer.units import human_bytes
-
-if TYPE_CHECKING:
-    from packer.formats.base import Format, Option
-
 
 JSON_SCHEMA = 1  # of the --json documents (docs/library.md): raised when a field changes meaning or goes away
 JSON_COMMANDS = ("info", "convert", "verify", "extract", "sample")  # those that print the envelope below
@@ -40,21 +36,16 @@ def bar_unless_quiet(args) -> bool | None:
     return False if args.quiet else None
 
 
-def format_options(formats: Mapping[str, Format]) -> list[Option]:
-    """Every format's own conversion options, once each by name, in registry order."""
-    seen: dict[str, Option] = {}
-    for fmt in formats.values():
-        for opt in fmt.options:
-            seen.setdefault(opt.name, opt)
-    return list(seen.values())
-
-
 def cmd_convert(args) -> int:
     import contextlib
 
     from packer.formats import FORMATS
-    from packer.write.convert import convert, convert_split
+    from packer.write.convert import SPLIT, convert, convert_split, keywords
+    from packer.write.options import own_options
 
+    flags = [o for o in [*keywords(), *own_options(FORMATS)] if o.flag is not None and o.generated]
+    given: dict[str, Any] = {o.keyword: vars(args)[o.keyword] for o in flags if o.keyword != SPLIT}
+    given["progress"] = bar_unless_quiet(args)
     if args.scheduler:
         from packer.write.cluster import open_client
 
@@ -62,28 +53,12 @@ def cmd_convert(args) -> int:
     else:
         cluster = contextlib.nullcontext()
     with cluster as client:
-        kwargs: dict[str, Any] = dict(
-            to=args.format, payload=args.payload, validate=args.validate,
-            on_error=args.on_error, workers=args.workers, shard_bytes=args.shard_size,
-            resize=args.resize, resize_mode=args.resize_mode, upscale=args.upscale,
-            compression=args.compression, **{o.name: vars(args)[o.name] for o in format_options(FORMATS)},
-            overwrite=args.overwrite, resume=args.resume, if_changed=args.if_changed, progress=bar_unless_quiet(args),
-            order=args.order, seed=args.seed, skip_hidden=args.skip_hidden, allow_empty=args.allow_empty,
-            jpeg_restarts=args.jpeg_restarts,
-            client=client, source_type=args.source_type, root=args.root, path_column=args.path_column,
-            label_column=args.label_column, classes_file=args.classes_file, classes=args.classes,
-            label_key=args.label_key, image_column=args.image_column,
-        )
-        if args.format == "wds":  # a sink, not a format: packer.write.export_wds
-            from packer.write.export_wds import export_wds
-
-            kwargs = {k: v for k, v in kwargs.items() if k not in ("to", "if_changed", "client", "resize_mode")}
-            kwargs.update(split=args.split, if_changed=args.if_changed or None, scheduler=args.scheduler)
-            results = [export_wds(args.source, args.output, **kwargs)]
-        elif args.split is None:
-            results = [convert(args.source, args.output, **kwargs)]
+        if client is not None:
+            given["client"] = client
+        if args.split is None:
+            results = [convert(args.source, args.output, to=args.format, **given)]
         else:
-            results = list(convert_split(args.source, args.output, split=args.split, **kwargs))
+            results = list(convert_split(args.source, args.output, split=args.split, to=args.format, **given))
     code = max(int(bool(res.errors)) for res in results)  # 1: some records were not packed (errors.json)
     if args.json:
         print(json_document("convert", code, {"outputs": [res.to_json() for res in results]}))

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import argparse
 import textwrap
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from packer.argtypes import csv_of, float_in, hw_arg, int_in, size_arg
 from packer.cli import commands
-from packer.cli.commands import format_options
+from packer.errors import render
 
 if TYPE_CHECKING:
-    from packer.formats.base import Format
+    from packer.write.options import Declared
 
 EXIT_CODES = """\
 exit codes (every command):
@@ -45,14 +44,6 @@ def _add_json(p: argparse.ArgumentParser, what: str) -> None:
                    "prints it too, with 'error'. Progress and notices stay on stderr")
 
 
-def compression_help(formats: Mapping[str, Format]) -> str:
-    """``--compression``'s help, from what each format offers (``Format.compressions``)."""
-    offers = "; ".join(f"{name}: {', '.join(sorted(fmt.compressions))}"
-                       for name, fmt in sorted(formats.items()) if fmt.compressions)
-    return (f"--payload raw only: compress the stored pixels with a codec the format offers ({offers}; "
-            "gzip: smaller, read by any reader of the format; lzf: faster, h5py's own filter; default none)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     from packer._version import __version__
     from packer.formats import FORMATS
@@ -74,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_convert(sub) -> None:
     from packer.formats import FORMATS
+    from packer.write.convert import TARGETS, keywords
+    from packer.write.options import own_options
 
     p = _parser(sub, "convert", "pack images (a folder, a list file, an archive or a dataset) into a dataset", """
         packer convert imgs/ --to lmdb                # -> imgs.lmdb/ beside imgs/
@@ -86,7 +79,7 @@ def _add_convert(sub) -> None:
         packer convert imgs/ --to lmdb --resume       # go on after Ctrl-C, a kill or a full disk
         packer convert imgs/ --to lmdb --if-changed --overwrite   # in a pipeline: reuse an up-to-date output
         packer convert imgs/ --to lmdb --order source      # keep ImageFolder's sample order (indices)
-        packer convert imgs/ --to lmdb --jpeg-restarts     # lossless rewrite: training crops decode ~1.3x faster
+        packer convert imgs/ --to lmdb --jpeg-restarts     # lossless rewrite: training crops decode faster
         packer convert imgs/ --to bmp --resize 256          # one uncompressed BMP per image, no decoding in training
         packer convert imgs/ --to mosaic --tile 224x224     # 224x224 tiles on ~16 MB BMP mosaics
         packer convert imgs/ --to mosaic --tile 224x224 --grid 16x16 --codec jpeg --quality 95   # lossy, small
@@ -100,41 +93,16 @@ def _add_convert(sub) -> None:
         """, description="Pack a source (a folder of images in ImageFolder layout root/<class>/<img> or flat, a "
         "list file, an archive, or a packer dataset) into one dataset directory. Every source record is either "
         "packed or listed with its reason and location in errors.json.")
-    _add_source_arguments(p)
-    p.add_argument("--to", dest="format", default="lmdb", choices=[*sorted(FORMATS), "wds"], help="output format "
+    p.add_argument("source", help="a folder of images, a list file (.csv .tsv .txt .lst), an archive (.tar .tar.gz "
+                   ".tgz .zip), a packer dataset, WebDataset shards ('shards-{000000..000099}.tar'), a Hugging Face "
+                   "dataset (save_to_disk folder, .parquet) or an MXNet .rec; --source-type names the kind when "
+                   "its name does not")
+    p.add_argument("--to", dest="format", default="lmdb", choices=TARGETS, help="output format "
                    "(default lmdb); wds: WebDataset shards, bytes as stored (decoded pixels as lossless PNG)")
     p.add_argument("-o", "--output", help="output directory (default: <source>.<format> beside the source)")
-    _add_payload_arguments(p)
-    p.add_argument("--validate", choices=("full", "header", "none"), default="full",
-                   help="full: decode every image (default, catches truncated files); header: read headers only; "
-                   "none: pack bytes unchecked")
-    p.add_argument("--on-error", choices=("skip", "raise"), default="skip",
-                   help="skip: report bad files in errors.json and go on (default); raise: stop at the first")
-    p.add_argument("--workers", type=int_in(0), default=None,
-                   help="processes reading and validating (default: all cores; 0: in this process)")
-    p.add_argument("--shard-size", type=size_arg, default=None, metavar="SIZE",
-                   help="approximate shard size, e.g. 512MB (default: the format's: 1GB for lmdb, one file for "
-                   "hdf5 and memmap; --to wds: at most this per .tar, default 16 or more shards of at most 256MB)")
-    p.add_argument("--order", choices=("shuffled", "source"), default="shuffled",
-                   help="sample order in the dataset. shuffled (default): a seeded shuffle, so neighbours on disk "
-                   "are unrelated and block-shuffled reading (packer.read.sampler) mixes labels in every batch; "
-                   "source: ImageFolder's order, dataset index i = ImageFolder index i. Either way "
-                   "ds.samples and ds.index_of(rel_path) map samples to their source files")
-    p.add_argument("--seed", type=int_in(0), default=0,
-                   help="seed of --order shuffled (default 0; recorded in the manifest)")
-    for opt in format_options(FORMATS):  # each format's own options (mosaic: --tile, --grid, ...), declared there
-        typed: dict[str, Any] = {"type": opt.type} if opt.type is not None else {}  # None: the text as given
-        p.add_argument(f"--{opt.name.replace('_', '-')}", dest=opt.name, metavar=opt.metavar, choices=opt.choices,
-                       default=None, help=opt.help, **typed)
-    p.add_argument("--overwrite", action="store_true", help="replace an existing packer dataset (only once the new "
-                   "one is complete; anything else at the output path is refused)")
-    p.add_argument("--if-changed", action="store_true",
-                   help="convert only if the output is missing or stale: an output converted with the same options "
-                   "from the same source files (names, sizes, modification times; one stat per file) is reused and "
-                   "the summary says so; a stale one is replaced only with --overwrite")
-    p.add_argument("--resume", action="store_true",
-                   help="go on with an interrupted conversion of the same source and options (its finished "
-                   "shards are checked and kept; the result is identical to an uninterrupted run)")
+    for option in [*keywords(), *own_options(FORMATS)]:  # declared once (write/options.py; a format's own in it)
+        if option.flag is not None and option.generated:
+            add_declared(p, option)
     p.add_argument("--scheduler", metavar="tcp://HOST:PORT|local:N",
                    help="convert on a Dask cluster (pip install -e '.[dask]' in packer's checkout): the address of "
                    "a running scheduler, or local:N to start N local worker processes. Workers scan the class folders "
@@ -146,64 +114,15 @@ def _add_convert(sub) -> None:
     p.set_defaults(func=commands.cmd_convert)
 
 
-def _add_payload_arguments(p) -> None:
-    """convert's flags that decide what each payload holds (encoded bytes or pixels, resized, compressed)."""
-    from packer.formats import FORMATS
-
-    p.add_argument("--payload", choices=("encoded", "raw"), default=None,
-                   help="encoded: the original file bytes (lossless, smallest; default where the format stores "
-                   "it); raw: decoded RGB pixels (no decoding in training, 5-10x larger; the only payload of bmp "
-                   "and mosaic)")
-    p.add_argument("--resize", metavar="S|HxW",
-                   help="raw payloads only, lossy: S = short side to S (aspect kept); HxW = exact shape")
-    p.add_argument("--resize-mode", choices=("stretch", "fit"), default="stretch",
-                   help="for --resize HxW: stretch to the shape (default) or fit inside it and pad with black")
-    p.add_argument("--upscale", action="store_true", help="let --resize enlarge small images (default: never)")
-    p.add_argument("--compression", choices=sorted({c for f in FORMATS.values() for c in f.compressions}),
-                   default=None, help=compression_help(FORMATS))
-    p.add_argument("--jpeg-restarts", action="store_true",
-                   help="encoded payloads: rewrite each JPEG losslessly with a restart marker per MCU (the same "
-                   "DCT coefficients, so the same pixels; photos about the same size, flat or low-quality images "
-                   "larger; recorded in the manifest), so that training crops (RandomResizedCropDecode) decode "
-                   "only the crop's part of the file: the fused crop 1.3-1.45x faster per core, whole decodes 4-9 %% "
-                   "slower. The stored bytes are then no longer the source files' (packer extract gives the "
-                   "rewritten ones)")
-
-
-def _add_source_arguments(p) -> None:
-    """convert's SRC and how it is read (write/sources)."""
-    p.add_argument("--skip-hidden", action="store_true",
-                   help="leave out hidden folders and files (names starting with '.', e.g. .ipynb_checkpoints), "
-                   "counted in the summary. Default: ImageFolder's rules, where a hidden folder is a class and a "
-                   "hidden image is a sample")
-    p.add_argument("--allow-empty", action="store_true",
-                   help="keep class folders without images as classes with no samples (ImageFolder's "
-                   "allow_empty=True); default: refuse them, naming each, as ImageFolder does")
-    from packer.write.sources.registry import SOURCES
-
-    p.add_argument("source", help="a folder of images, a list file (.csv .tsv .txt .lst), an archive (.tar .tar.gz "
-                   ".tgz .zip), a packer dataset, WebDataset shards ('shards-{000000..000099}.tar'), a Hugging Face "
-                   "dataset (save_to_disk folder, .parquet) or an MXNet .rec; --source-type names the kind when "
-                   "its name does not")
-    p.add_argument("--source-type", choices=sorted(SOURCES), default=None,
-                   help="read SRC as this kind of source (default: chosen by what SRC is)")
-    p.add_argument("--root", metavar="DIR", default=None,
-                   help="list files: the folder their paths are relative to (default: the list file's folder)")
-    p.add_argument("--path-column", metavar="NAME", default=None, help="list files with a header: the column of "
-                   "image paths (default path)")
-    p.add_argument("--label-column", metavar="NAME", default=None, help="list files with a header: the column of "
-                   "labels, integers or class names (default label)")
-    p.add_argument("--classes-file", metavar="FILE", default=None, help="list files with integer labels: the class "
-                   "names, one a line, line i naming label i (default: the labels themselves, 0..max)")
-    p.add_argument("--label-key", metavar="FIELD", default=None, help="WebDataset shards: the label is this field "
-                   "of each sample's json member (default: its cls member)")
-    p.add_argument("--image-column", metavar="NAME", default=None, help="Hugging Face datasets: the Image column "
-                   "(default image); --label-column names the label column (default label, when there is one)")
-    p.add_argument("--classes", metavar="A,B,C", default=None, help="keep only these classes, renumbered as "
-                   "ImageFolder numbers a folder holding only them (sorted names)")
-    p.add_argument("--split", metavar="FRACTION", type=float_in(0.0, 1.0, above=True, below=True), default=None,
-                   help="write OUT-train and OUT-val: per class a seeded (--seed) FRACTION of the records goes to "
-                   "train, the rest to val")
+def add_declared(p: argparse.ArgumentParser, option: Declared) -> None:
+    """The flag of one declared option: its name, help text, type, choices and default from the declaration."""
+    text = render(option.help, cli=True).replace("%", "%%")  # argparse formats help with %
+    if option.switch:
+        p.add_argument(f"--{option.flag}", dest=option.keyword, action="store_true", help=text)
+        return
+    typed: dict[str, Any] = {"type": option.parse} if option.parse is not None else {}  # None: the text as given
+    p.add_argument(f"--{option.flag}", dest=option.keyword, metavar=option.metavar, choices=option.choices,
+                   default=option.default, help=text, **typed)
 
 
 def _add_info(sub) -> None:

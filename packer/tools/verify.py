@@ -25,9 +25,9 @@ from packer.read.dataset import open_dataset
 from packer.read.indexing import STORED
 from packer.storage.url import refuse_urls
 from packer.write.options import ConvertOptions, make_options, scan_rules
-from packer.write.scan import ScanResult, SourceError
 from packer.write.shards import prepare, stored_bytes
 from packer.write.sources.base import InlineReader, RecordError, SourceOptions
+from packer.write.sources.records import ScanResult, SourceError
 from packer.write.sources.registry import scan_source
 
 

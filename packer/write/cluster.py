@@ -30,9 +30,10 @@ from packer.errors import MissingPackageError, OptionError, PackerError, arg, in
 from packer.formats import get_format
 from packer.write.journal import ShardResult, record_shard
 from packer.write.options import ConvertOptions
-from packer.write.scan import ClassMapper, ScanResult, Walk, scan_folder, walk_class
+from packer.write.scan import scan_folder, walk_class
 from packer.write.shards import BuildJob, ShardWriteError, prepare, progress_bar, write_shard
 from packer.write.sources.base import FileReader, SourceReader
+from packer.write.sources.records import ClassMapper, ScanResult, Walk
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 

@@ -1,18 +1,12 @@
-"""WebDataset export: ``packer convert SRC --to wds`` writes ``shard-%06d.tar`` files the ``webdataset`` package
-reads unchanged (the folder's layout: layout/wdsexport.py).
+"""The WebDataset export (``to="wds"``): a sink, not a format, writing ``shard-%06d.tar`` files the
+``webdataset`` package reads unchanged, then ``classes.txt``, errors.json and the export's index (written last;
+the folder's layout: layout/wdsexport.py).
 
-Any source convert reads (folder, list file, archive, WebDataset, Hugging Face, packer dataset) is scanned,
-read and validated by the same machinery (``write.sources``, ``write.pool.ordered_results``), so a record is
-either exported or in errors.json. Each sample is ``<key>.<ext>``, the encoded bytes exactly as stored,
-``<key>.cls`` (its label as decimal text; none for a source without labels), ``<key>.json`` (its fields,
-when it has any) and ``<key>.path.txt`` (the record's key in the source: its relative path). A source of decoded
-pixels (raw payloads) is written losslessly as PNG. The key is the record's number in the source's numbering,
-zero-padded (ImageFolder's index of a folder, ``ds.imagefolder_index(i)`` of a packer dataset); it never contains
-a dot (webdataset ends a key at the first dot of a member's base name). Converted back, an export gives the same
-numbering, paths, labels, classes and bytes (write/sources/webdataset.py).
-Not a format: nothing in packer opens the export for random access; webdataset streams it, and
-``packer convert OUT --to lmdb`` reads it back as a WebDataset source. The export is not resumable: it
-runs in ``<out>.partial`` and the index is written last, so an interrupted one never looks complete.
+Each sample is ``<key>.<ext>`` (the encoded bytes as stored; decoded pixels as lossless PNG), ``<key>.cls`` (its
+label; none for a source without labels), ``<key>.json`` (its fields, when it has any) and ``<key>.path.txt`` (its
+key in the source). The key is the record's number in the source's numbering, zero-padded, never holding a dot, so
+an export converts back with the same numbering, paths, labels and bytes (write/sources/webdataset.py). Not
+resumable: a failure removes what the run wrote (``resume`` only finishes a journaled move into place).
 """
 
 from __future__ import annotations
@@ -21,24 +15,23 @@ import io
 import json
 import logging
 import os
-import shutil
 import tarfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from PIL import Image
 
 from packer._version import __version__
 from packer.errors import OptionError, OutputExistsError, PackerError, arg
+from packer.formats import FORMATS
 from packer.formats.base import PreparedSample
-from packer.layout.fields import cell_value, json_value, parse_specs
-from packer.layout.fsutil import fsync_tree, write_atomic
+from packer.layout.fields import FieldSpec, cell_value, json_value, parse_specs
+from packer.layout.fsutil import write_atomic
 from packer.layout.manifest import dumps_lossless, file_info
-from packer.layout.partial import PARTIAL_SUFFIX, made_by_packer, read_swap
 from packer.layout.wdsexport import (
     CLASSES_NAME,
     EXPORT_KIND,
@@ -47,163 +40,134 @@ from packer.layout.wdsexport import (
     PATH_EXTENSION,
     SHARD_PATTERN,
 )
-from packer.storage.url import refuse_urls
 from packer.units import human_bytes
-from packer.write.convert import (
-    ConvertResult,
-    check_order,
-    check_sequential,
-    locate_errors,
-    source_options,
-)
-from packer.write.finish import number_errors, write_error_report
-from packer.write.lock import OutputLock, check_free
-from packer.write.options import ConvertOptions, make_options
-from packer.write.output import check_destination, output_path, swap_into_place
-from packer.write.plan import apply_order, estimate_sample_bytes, make_partial
-from packer.write.pool import PoolSettings, ordered_results
-from packer.write.scan import ScanResult, SourceError
+from packer.write.finish import write_error_report
+from packer.write.lock import OutputLock
+from packer.write.options import WDS, ConvertOptions, Declared, PoolSettings, RunOptions, declared, own_options
+from packer.write.output import Output
+from packer.write.plan import estimate_sample_bytes
+from packer.write.pool import ordered_results
 from packer.write.shards import progress_bar
-from packer.write.sources.registry import open_source, scan_opened
+from packer.write.sink import Finished, Sink
+from packer.write.sources.base import SourceOptions
+from packer.write.sources.records import ScanResult, SourceError
 
 DEFAULT_SHARD_BYTES = 256 << 20
 # Without --shard-size: at least this many shards where there are as many samples, so that webdataset with
 # DataLoader(num_workers=N <= 16) gives every worker a shard (it fails, "fewer shards than workers", otherwise)
 DEFAULT_SHARDS = 16
 _BLOCK, _RECORD = tarfile.BLOCKSIZE, tarfile.RECORDSIZE  # a member's header; what the whole tar is padded to
-_SOURCE_KEYWORDS = ("source_type", "root", "path_column", "label_column", "classes_file", "classes", "label_key",
-                    "image_column")
 _MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG\r\n\x1a\n", "png"), (b"BM", "bmp"), (b"GIF8", "gif"))
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 
-def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, *,
-               on_error: Literal["skip", "raise"] = "skip", workers: int | None = None, overwrite: bool = False,
-               resume: bool = False, progress: bool | None = None, pool: PoolSettings | None = None,
-               validate: str = "full", shard_bytes: int | None = None, order: str = "shuffled", seed: int = 0,
-               skip_hidden: bool = False, allow_empty: bool = False, decoder: str = "auto",
-               **others: Any) -> ConvertResult:
-    """Write the records of ``src`` as WebDataset shards into ``output``: of at most ``shard_bytes``, or by default
-    ``DEFAULT_SHARDS`` (16) or more shards of at most 256 MB each (one sample per shard below 16 samples).
+class ExportSink(Sink):
+    """WebDataset tars of at most ``shard_bytes`` each, or by default ``DEFAULT_SHARDS`` (16) or more of at most
+    256 MB (one sample per shard below 16 samples)."""
 
-    A sink, not a packer format: each sample keeps its source's encoded bytes (decoded pixels as lossless PNG),
-    its label and fields; the shards are read back by ``webdataset`` or by ``convert`` (a WebDataset source).
+    name = WDS
+    command = "packer convert --to wds"
+    resumable = False
 
-    Args:
-        src: what to export: any source ``convert`` reads (a folder, a list file, an archive, a packer
-            dataset, ...).
-        output: the folder of shards to create; None: ``<src>.wds`` beside the source.
-        on_error: ``"skip"`` lists a record that cannot be read in the export's errors.json and goes on;
-            ``"raise"`` stops at the first (nothing is kept).
-        workers: processes that read and validate the sources (None: all cores; 0: this process).
-        overwrite: replace an existing export or packer dataset at ``output`` (anything else is refused).
-        resume: finish the move into place that a killed run journaled (an export is not resumed part-way:
-            anything else left in ``<output>.partial`` is refused, naming it).
-        progress: a progress bar on stderr: None (default) when stderr is a terminal, True always, False never.
-        pool: settings of the local process pool (``packer.write.pool.PoolSettings``).
-        validate: ``"full"`` decodes every image (default), ``"header"`` reads headers only, ``"none"`` checks
-            nothing, as for ``convert``.
-        shard_bytes: at most this many bytes per ``.tar`` (default 256 MB).
-        order: the order of samples in the shards: ``"shuffled"`` (seeded; default) or ``"source"``; keys are
-            the source's sample numbers either way.
-        seed: the seed of the shuffled order.
-        skip_hidden: leave out names starting with ``.`` (ImageFolder keeps them).
-        allow_empty: keep class folders without images as classes (ImageFolder's ``allow_empty``).
-        decoder: the JPEG decoder that validates (``"auto"``, ``"turbojpeg"``, ``"pil"``).
-        **others: ``convert``'s source keywords (``source_type``, ``root``, ``path_column``, ``label_column``,
-            ``classes_file``, ``classes``, ``label_key``, ``image_column``); its other options (``payload``,
-            ``resize``, ...) are refused unless unset: an export keeps the source's bytes.
+    def __init__(self) -> None:
+        self.tar: TarSink | None = None
 
-    Returns:
-        A ``ConvertResult`` for the export (its ``output`` the folder of shards).
-    """
-    refuse_urls("packer convert --to wds", src, output)
-    given = {k: others.pop(k) for k in _SOURCE_KEYWORDS if k in others}
-    unsupported = sorted(k for k, v in others.items() if v is not None and v is not False)
-    if unsupported:
-        raise OptionError(f"{arg(unsupported[0])}: not an option of {arg('to', 'wds')} (it stores the source's "
-                          "encoded bytes as they are; decoded pixels as lossless PNG)")
-    if on_error not in ("skip", "raise"):
-        raise OptionError(f"unknown error policy {on_error!r} (choose skip or raise)")
-    limit = DEFAULT_SHARD_BYTES if shard_bytes is None else int(shard_bytes)
-    if limit <= 0:
-        raise OptionError(f"{arg('shard_bytes', shard_bytes, cli='shard-size')}: must be positive")
-    out = output_path(src, output, "wds")
-    check_destination(src, out, overwrite)
-    started = time.perf_counter()
-    scanned = _scan_images(src, given, order, skip_hidden, allow_empty)
-    # prepare() reads and validates each record exactly as convert does; "lmdb" only carries the common options
-    opts = make_options("lmdb", payload="raw" if scanned.source_reader().gives_pixels else "encoded",
-                        validate=validate, order=order, seed=seed, decoder=decoder)
-    opts.check()
-    check_sequential(scanned, opts, None)
-    partial = out.with_name(out.name + PARTIAL_SUFFIX)
-    if os.path.lexists(partial):
-        return _leftover(scanned, partial, out, resume, started)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    lock = make_partial(out, partial, {"kind": EXPORT_KIND, "source": str(scanned.root), "options": opts.record()})
-    with lock:  # held until the export is in place: a second run is refused, naming this one
+    def refuse(self, given: Sequence[tuple[Declared, Any]]) -> None:
+        """What would change the stored bytes (and ``if_changed``, a cluster): refused unless left unset."""
+        refused = sorted((d.keyword, d) for d, v in given if not d.wds and v is not None and v != d.default)
+        if refused:
+            raise OptionError(f"{refused[0][1].named()}: not an option of {arg('to', WDS)} (it stores the source's "
+                              "encoded bytes as they are; decoded pixels as lossless PNG)")
+
+    def options(self, given: dict[str, Any]) -> ConvertOptions:
+        common = {d.keyword: d for d in declared(ConvertOptions)}
+        unknown = sorted(set(given) - set(common) - {d.keyword for d in own_options(FORMATS)})
+        if unknown:
+            known = ", ".join(sorted(k for k, d in common.items() if d.wds))
+            raise OptionError(f"unknown conversion option {unknown[0]!r} for {arg('to', WDS)} (known: {known})")
+        opts = ConvertOptions(format=WDS, **{k: v for k, v in given.items() if k in common and common[k].wds})
+        opts.check()
+        return opts
+
+    def accept(self, scan: ScanResult, options: ConvertOptions, payload: str | None) -> None:
+        """Records with an image only; a source of pixels is read as such (written as PNG), any other as bytes."""
+        reader = scan.source_reader()
+        if not reader.holds_images:
+            raise OptionError(f"{scan.root}: its samples have no image, and a WebDataset sample is exported with one; "
+                              "convert it to another format instead")
+        options.payload = "raw" if reader.gives_pixels else "encoded"
+
+    def start(self, scan: ScanResult, output: Output, options: ConvertOptions, resume: bool) -> OutputLock:
+        """A new folder; one left over is refused, naming it (or the live run writing it), unless it holds a finished
+        export whose move into place was journaled and ``resume`` is given (the driver then finishes that)."""
+        partial = output.folder
+        if not output.left_over():
+            return output.start({"kind": EXPORT_KIND, "source": str(scan.root), "options": options.record()})
+        if output.made_by_packer():
+            output.check_free()
+        swapping = output.swapping()
+        if swapping and resume and (partial / EXPORT_NAME).is_file():
+            return output.take()
+        if swapping:
+            raise OutputExistsError(f"{partial}: holds a finished export that was being moved into place; run the same "
+                                    f"command with {arg('resume', True)} to finish that")
+        raise OutputExistsError(f"{partial}: exists (left over from an interrupted run, or not packer's); a WebDataset "
+                                f"export is not resumed and packer leaves that folder alone: remove it (rm -r "
+                                f"'{partial}') or choose another {arg('output')}")
+
+    def recorded_samples(self, folder: Path) -> int:
+        return int(json.loads((folder / EXPORT_NAME).read_text(encoding="utf-8"))["num_samples"])
+
+    def write(self, scan: ScanResult, output: Output, options: ConvertOptions, run: RunOptions) -> list[SourceError]:
+        """Every record of ``scan`` (dataset order) through the pool into tars; the records not exported."""
+        limit = DEFAULT_SHARD_BYTES if options.shard_bytes is None else int(options.shard_bytes)
+        per_shard = max(1, len(scan) // DEFAULT_SHARDS) if options.shard_bytes is None else None
+        tar = self.tar = TarSink(output.folder, limit, per_shard)
+        numbers, specs = scan.numbering(), parse_specs(scan.field_specs)
+        digits = max(6, len(str(max(scan.num_source_records - 1, 0))))
+        prepared = ordered_results(scan.source_reader(), scan.records(), options, run.worker_count(),
+                                   estimate_sample_bytes(scan, options), run.pool or PoolSettings())
+        errors: list[SourceError] = []
+        bar = progress_bar(len(scan), run.progress)
         try:
-            per_shard = max(1, len(scanned) // DEFAULT_SHARDS) if shard_bytes is None else None
-            sink = TarSink(partial, limit, per_shard)
-            errors = _write_samples(scanned, opts, sink, workers, pool or PoolSettings(), on_error, progress)
-            few_shards(sink, shard_bytes)
-            return _finish(scanned, partial, out, sink, errors, opts.record(), started)
-        except (PackerError, OSError, KeyboardInterrupt) as exc:
-            shutil.rmtree(partial, ignore_errors=True)  # ours (made above), not resumable: nothing half-done stays
-            if isinstance(exc, OSError) and not isinstance(exc, PackerError):  # some kinds are OSErrors too
-                raise PackerError(f"{exc.filename or out}: {exc.strerror or exc}; nothing was exported") from exc
-            if isinstance(exc, KeyboardInterrupt):
-                raise KeyboardInterrupt("interrupted; nothing was exported") from None
-            raise
+            for i, res in enumerate(prepared):  # one result per record, in order
+                bar.update(1)
+                if isinstance(res, SourceError):
+                    if run.on_error == "raise":
+                        raise PackerError(f"{scan.root / res.path}: {res.reason}")
+                    errors.append(res)
+                    continue
+                tar.add(sample_members(f"{int(numbers[i]):0{digits}d}", res, sample_fields(scan, i, specs)))
+            tar.close()
+        finally:
+            bar.close()
+            prepared.close()
+        few_shards(tar, options.shard_bytes)
+        return errors
+
+    def finish(self, scan: ScanResult, output: Output, errors: list[SourceError], options: ConvertOptions,
+               source: SourceOptions) -> Finished:
+        """classes.txt, errors.json, then the index (last), and the move into place."""
+        assert self.tar is not None, "finish() before write()"
+        partial, tar = output.folder, self.tar
+        if scan.classes:
+            write_atomic(partial / CLASSES_NAME, "".join(f"{c}\n" for c in scan.classes))
+        num_samples = sum(tar.counts)
+        write_error_report(partial, errors, scan.ignored, num_samples, scan.earlier)
+        shards = [{**asdict(file_info(partial, name)), "num_samples": n} for name, n in zip(tar.names, tar.counts)]
+        index = {"kind": EXPORT_KIND, "version": 1, "num_samples": num_samples, "num_errors": len(errors),
+                 "source_records": scan.num_source_records,
+                 "num_classes": len(scan.classes), "shards": shards, "source": os.path.abspath(scan.root),
+                 "source_type": scan.source_type, "options": options.record(), "created_by": f"packer {__version__}",
+                 "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        output.seal(lambda folder: write_atomic(folder / EXPORT_NAME, dumps_lossless(index, indent=1)))
+        return Finished(num_samples, sum(int(s["num_bytes"]) for s in shards))
 
 
-def _scan_images(src: str | os.PathLike, given: dict[str, Any], order: str, skip_hidden: bool,
-                 allow_empty: bool) -> ScanResult:
-    """The source's records, refused when they have no image (a WebDataset sample is exported with one)."""
-    opened = open_source(src, source_options(**given))
-    check_order(opened.sequential(), opened.path, order, None)  # before a scan that would inflate it all
-    scanned = scan_opened(opened, skip_hidden=skip_hidden, allow_empty=allow_empty)
-    if not scanned.source_reader().holds_images:
-        raise OptionError(f"{scanned.root}: its samples have no image, and a WebDataset sample is exported with one; "
-                          "convert it to another format instead")
-    return scanned
-
-
-def _write_samples(scanned: ScanResult, opts: ConvertOptions, sink: TarSink, workers: int | None, pool: PoolSettings,
-                   on_error: str, progress: bool | None) -> list[SourceError]:
-    """Every record of ``scanned`` in ``opts.order`` through the pool into ``sink``; the records not exported."""
-    ordered = apply_order(scanned, opts.order, opts.seed)
-    position = {rel: i for i, rel in enumerate(scanned.rel_paths)}
-    numbers = scanned.numbering()
-    digits = max(6, len(str(max(scanned.num_source_records - 1, 0))))
-    workers = os.cpu_count() or 1 if workers is None else workers
-    prepared = ordered_results(scanned.source_reader(), ordered.records(), opts, workers,
-                               estimate_sample_bytes(scanned, opts), pool)
-    errors: list[SourceError] = []
-    bar = progress_bar(len(ordered), progress)
-    try:
-        for res in prepared:
-            bar.update(1)
-            if isinstance(res, SourceError):
-                if on_error == "raise":
-                    raise PackerError(f"{scanned.root / res.path}: {res.reason}")
-                errors.append(res)
-                continue
-            i = position[res.rel_path]
-            sink.add(sample_members(f"{int(numbers[i]):0{digits}d}", res, sample_fields(scanned, i)))
-        sink.close()
-    finally:
-        bar.close()
-        prepared.close()
-    return locate_errors(ordered, number_errors(errors, scanned.rel_paths, numbers)) + scanned.errors
-
-
-def sample_fields(scan: ScanResult, i: int) -> dict[str, Any]:
+def sample_fields(scan: ScanResult, i: int, specs: Mapping[str, FieldSpec]) -> dict[str, Any]:
     """Record ``i``'s per-sample fields as JSON holds them (``packer extract``'s sidecar form), its ``<key>.json``
-    member (empty: none written)."""
-    specs = parse_specs(scan.field_specs)
+    member (empty: none written); ``specs``: the scan's field specs, parsed."""
     return {name: json_value(cell_value(specs[name], cells[i], name)) for name, cells in scan.fields.items()}
 
 
@@ -288,46 +252,3 @@ class TarSink:
 def closed_size(used: int) -> int:
     """The size of a tar whose members take ``used`` bytes, once closed (two zero blocks, padded to a record)."""
     return -(-(used + 2 * _BLOCK) // _RECORD) * _RECORD
-
-
-def _finish(scanned: ScanResult, partial: Path, out: Path, sink: TarSink, errors: list[SourceError],
-            options: dict[str, Any], started: float) -> ConvertResult:
-    """classes.txt, errors.json, then the index (last), fsync, and the move into place."""
-    if scanned.classes:
-        write_atomic(partial / CLASSES_NAME, "".join(f"{c}\n" for c in scanned.classes))
-    write_error_report(partial, errors, scanned.ignored, sum(sink.counts), scanned.earlier)
-    num_samples = sum(sink.counts)
-    shards = [{**asdict(file_info(partial, name)), "num_samples": n} for name, n in zip(sink.names, sink.counts)]
-    index = {"kind": EXPORT_KIND, "version": 1, "num_samples": num_samples, "num_errors": len(errors),
-             "source_records": scanned.num_source_records,
-             "num_classes": len(scanned.classes), "shards": shards, "source": os.path.abspath(scanned.root),
-             "source_type": scanned.source_type, "options": options, "created_by": f"packer {__version__}",
-             "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-    fsync_tree(partial)
-    write_atomic(partial / EXPORT_NAME, dumps_lossless(index, indent=1))
-    swap_into_place(partial, out)
-    return ConvertResult(out, num_samples, errors, time.perf_counter() - started,
-                         sum(int(s["num_bytes"]) for s in shards), dict(scanned.ignored), dict(scanned.not_images))
-
-
-def _leftover(scanned: ScanResult, partial: Path, out: Path, resume: bool, started: float) -> ConvertResult:
-    """A ``<out>.partial`` already there: a finished export being moved into place (``resume`` finishes that),
-    else refused, naming it (or the live run writing it)."""
-    if made_by_packer(partial):
-        check_free(partial, out)
-    swapping = read_swap(partial, out)[0]
-    if swapping and resume and (partial / EXPORT_NAME).is_file():
-        with OutputLock.take(partial, out):
-            swap_into_place(partial, out)
-        return ConvertResult(out, int(_read_index(out)["num_samples"]), [], time.perf_counter() - started, 0,
-                             dict(scanned.ignored), dict(scanned.not_images))
-    if swapping:
-        raise OutputExistsError(f"{partial}: holds a finished export that was being moved into place; run the same "
-                                f"command with {arg('resume', True)} to finish that")
-    raise OutputExistsError(f"{partial}: exists (left over from an interrupted run, or not packer's); a WebDataset "
-                            f"export is not resumed and packer leaves that folder alone: remove it (rm -r '{partial}') "
-                            f"or choose another {arg('output')}")
-
-
-def _read_index(out: Path) -> dict[str, Any]:
-    return json.loads((out / EXPORT_NAME).read_text(encoding="utf-8"))

@@ -6,6 +6,7 @@ Until the manifest is written the output is only ``<out>.partial``; the swap int
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -13,14 +14,15 @@ from typing import Any
 
 import numpy as np
 
+from packer.errors import DatasetError
 from packer.layout.fields import FieldSpec, save_fields
-from packer.layout.fsutil import fsync_tree, write_plain
+from packer.layout.fsutil import write_plain
 from packer.layout.index import Index
 from packer.layout.manifest import Manifest, dumps_lossless, file_info, write_manifest
 from packer.layout.report import ERRORS_NAME
 from packer.write.journal import ShardResult
-from packer.write.output import swap_into_place
-from packer.write.scan import SourceError
+from packer.write.output import Output
+from packer.write.sources.records import SourceError
 from packer.write.summary import not_packed_line
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
@@ -56,21 +58,20 @@ def in_storage_order(index: Index, keys: list[str], columns: Mapping[str, Sequen
     return {name: [values[k] for k in order] for name, values in columns.items()}
 
 
-def seal(partial: Path, out: Path, index: Index, errors: list[SourceError], ignored: Mapping[str, int],
-         manifest: Manifest, specs: Mapping[str, FieldSpec] | None = None,
-         columns: Mapping[str, Sequence[Any]] | None = None, earlier: Sequence[Mapping[str, Any]] = ()) -> None:
+def seal(output: Output, index: Index, errors: list[SourceError], ignored: Mapping[str, int], manifest: Manifest,
+         specs: Mapping[str, FieldSpec] | None = None, columns: Mapping[str, Sequence[Any]] | None = None,
+         earlier: Sequence[Mapping[str, Any]] = ()) -> None:
     """Write ``index`` and the field ``columns`` (storage order) under meta/, errors.json (``earlier``: the
     numbered entries a re-packed dataset carries), then ``manifest`` (its meta_files, num_samples, num_errors and
     fields filled in here; ``source_records`` given by the caller) last; fsync, and swap into place."""
+    partial = output.folder
     specs = dict(specs or {})
     names = index.save(partial) + save_fields(partial, specs, columns or {})
     manifest.meta_files = [file_info(partial, n) for n in names]
     manifest.num_samples, manifest.num_errors = len(index), len(errors)
     manifest.fields = {k: s.text for k, s in specs.items()}
     write_error_report(partial, errors, ignored, len(index), earlier)
-    fsync_tree(partial)
-    write_manifest(partial, manifest)
-    swap_into_place(partial, out)
+    output.seal(lambda folder: write_manifest(folder, manifest))
 
 
 def write_error_report(partial: Path, errors: list[SourceError], ignored: Mapping[str, int], packed: int,
@@ -91,3 +92,13 @@ def write_error_report(partial: Path, errors: list[SourceError], ignored: Mappin
         more = [f"  ... and {len(errors) - 10} more"] if len(errors) > 10 else []
         head = f"{not_packed_line(packed, errors)}, see {ERRORS_NAME}:"
         log.warning("%s", "\n".join([head, *shown, *more]))
+
+
+def recorded_errors(directory: Path) -> list[SourceError]:
+    """The errors a finished conversion's ``errors.json`` lists."""
+    path = directory / ERRORS_NAME
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+        return [SourceError.from_json(e) for e in report["errors"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise DatasetError(f"{path}: damaged error report ({exc}); move {directory} away and convert again") from exc

@@ -13,7 +13,7 @@ from packer.errors import PackerError
 from packer.layout.manifest import read_manifest
 from packer.write.journal import scan_digest
 from packer.write.options import ConvertOptions
-from packer.write.scan import ScanResult
+from packer.write.sources.records import ScanResult
 
 
 def source_digest(scan: ScanResult) -> str:

@@ -36,8 +36,8 @@ from packer.errors import DatasetError
 from packer.layout.fsutil import fsync_file, write_atomic
 from packer.layout.manifest import FileInfo, Shard, dumps_lossless, sha256_file
 from packer.layout.partial import JOURNAL_DIR, PLAN_NAME, SWAP_NAME, made_by_packer
-from packer.write.scan import ScanResult, SourceError
 from packer.write.sources.base import SourceReader
+from packer.write.sources.records import ScanResult, SourceError
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 

@@ -1,5 +1,5 @@
-"""The output of a conversion: its path, the checks before anything is written, names unique to the run,
-and the journaled swap into place.
+"""The output of a write: its path, the checks before anything is written, and ``Output``, the one place its files
+are made (``<out>.partial``, locked), journaled and swapped into place.
 
 Nothing the run did not make is deleted: the output may not be, hold or lie inside the source;
 ``--overwrite`` replaces only a packer dataset, moved into a fresh ``<out>.packer-old-*`` folder
@@ -8,20 +8,25 @@ Nothing the run did not make is deleted: the output may not be, hold or lie insi
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from packer.errors import OptionError, OutputExistsError, arg
-from packer.layout.fsutil import fsync_dir
+from packer.errors import OptionError, OutputExistsError, PackerError, arg
+from packer.layout.fsutil import fsync_dir, fsync_tree
 from packer.layout.manifest import MANIFEST_NAME, holds_dataset
-from packer.layout.partial import JOURNAL_DIR, OLD_TAG, read_swap
+from packer.layout.partial import JOURNAL_DIR, OLD_TAG, PARTIAL_SUFFIX, made_by_packer, read_swap
 from packer.layout.wdsexport import holds_wds_export
-from packer.write.journal import write_swap
+from packer.write.journal import ShardResult, read_plan, record_shard, write_plan, write_swap
+from packer.write.lock import OutputLock, check_free
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
+NEW_TAG = ".packer-new-"  # <out>.packer-new-<pid>-<random>: a new .partial until its plan is written
 
 
 def default_output(src: Path, fmt: str) -> Path:
@@ -132,3 +137,108 @@ def _remove_leftovers(out: Path, trash: Path | None) -> None:
         except OSError as exc:
             log.warning("warning: %s is in place, but %s could not be removed (%s); remove it yourself", out,
                         exc.filename or path, exc.strerror or exc)
+
+
+class Output:
+    """A write's output on this machine: its files are made in ``folder`` (``<path>.partial``, locked while a run
+    writes it), each shard journaled as it is done, and the folder moved to ``path`` once complete. The writers
+    (a conversion's sinks, the ``Writer``) go through these methods for the folder's life, so that another kind
+    of output (shards uploaded as they are done, the last file last) can stand in for it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.folder = path.with_name(path.name + PARTIAL_SUFFIX)
+
+    def made_by_packer(self) -> bool:
+        """Whether ``folder`` is one a write made (a real folder holding its journaled plan)."""
+        return made_by_packer(self.folder)
+
+    def left_over(self) -> bool:
+        """Whether ``folder`` exists already (an interrupted run's, a live run's, or not packer's)."""
+        return os.path.lexists(self.folder)
+
+    def plan(self) -> dict[str, Any] | None:
+        """The plan journaled in ``folder``, or None where packer did not make it."""
+        return read_plan(self.folder)
+
+    def check_free(self) -> None:
+        """A PackerError naming the live run that writes ``folder``, else nothing (nothing is written)."""
+        check_free(self.folder, self.path)
+
+    def swapping(self) -> bool:
+        """Whether ``folder`` holds a finished output whose move into place was journaled (a kill interrupted it)."""
+        return read_swap(self.folder, self.path)[0]
+
+    def take(self) -> OutputLock:
+        """Lock a ``folder`` an interrupted run left, to go on with it."""
+        return OutputLock.take(self.folder, self.path)
+
+    def start(self, plan: dict[str, Any]) -> OutputLock:
+        """Make ``folder`` holding ``plan``, locked (the lock returned): made under a fresh name and renamed once
+        the plan is on disk and the lock taken, so a ``.partial`` without a plan is never one of packer's, and one
+        of a live run is never seen unlocked."""
+        self.make_parent()
+        tmp = fresh_name(self.path, NEW_TAG)
+        lock: OutputLock | None = None
+        try:
+            os.mkdir(tmp)
+            try:
+                write_plan(tmp, plan)
+                lock = OutputLock.take(tmp, self.path)
+                os.rename(tmp, self.folder)
+            except BaseException:
+                if lock is not None:
+                    lock.release()
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            fsync_dir(self.path.parent)
+        except OSError as exc:
+            if lock is not None:
+                lock.release()
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) and read_plan(self.folder) is not None:
+                self.check_free()  # another run made it meanwhile: "in use by pid N" while it lives
+                raise PackerError(self.left_over_reason()) from None
+            why = exc.strerror or exc
+            raise PackerError(f"{exc.filename or self.folder}: cannot create the output ({why})") from exc
+        return lock
+
+    def make_parent(self) -> None:
+        """Make the folder the output goes in (and its parents); a PackerError naming it where that fails."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            where = exc.filename or self.path.parent
+            raise PackerError(f"{where}: cannot create the output's folder ({exc.strerror or exc})") from exc
+
+    def left_over_reason(self) -> str:
+        """Why a packer-made ``folder`` blocks a run without ``resume``, and the ways out."""
+        partial, out = self.folder, self.path
+        swapping, trash = read_swap(partial, out)
+        if not swapping:
+            return (f"{partial}: left over from an interrupted conversion; go on with it by running the same "
+                    f"command with {arg('resume', True)}, or remove it (rm -r '{partial}')")
+        old = out.with_name(trash) / out.name if trash else None
+        where = f"the old dataset was moved to {old.parent}" if old is not None and os.path.lexists(old) \
+            else f"{out} is not replaced yet"
+        return (f"{partial}: holds the complete result of an interrupted conversion that was being moved into place "
+                f"({where}); run the same command with {arg('resume', True)} to finish that (nothing is converted "
+                "again)")
+
+    def shard_done(self, result: ShardResult, names: list[str]) -> ShardResult:
+        """A shard's files are all written: flush and checksum them, then journal the shard as done."""
+        return record_shard(self.folder, result, names)
+
+    def seal(self, write_last: Callable[[Path], None]) -> None:
+        """Flush everything written, write the file that marks the output complete (``write_last(folder)``: the
+        manifest, an export's index), then move the output into place (journaled: ``swap_into_place``)."""
+        fsync_tree(self.folder)
+        write_last(self.folder)
+        swap_into_place(self.folder, self.path)
+
+    def finish_swap(self) -> None:
+        """Finish the journaled move into place that a killed run began (``swapping``)."""
+        swap_into_place(self.folder, self.path)
+
+    def discard(self) -> None:
+        """Remove ``folder``: this run's work, where nothing of it is worth keeping."""
+        shutil.rmtree(self.folder, ignore_errors=True)

@@ -4,8 +4,6 @@ and the plan journaled in ``<out>.partial`` before any shard is written (a resum
 
 from __future__ import annotations
 
-import errno
-import os
 import shutil
 from pathlib import Path
 
@@ -16,16 +14,13 @@ from packer.errors import OutputExistsError, PackerError, arg
 from packer.formats import get_format
 from packer.images.decode import DecodeError, pixel_limit
 from packer.images.headers import image_size
-from packer.layout.fsutil import fsync_dir
-from packer.layout.partial import JOURNAL_DIR, PLAN_NAME, read_swap
-from packer.write.journal import read_plan, scan_digest, write_plan
-from packer.write.lock import OutputLock, check_free
+from packer.layout.partial import JOURNAL_DIR, PLAN_NAME
+from packer.write.journal import scan_digest
+from packer.write.lock import OutputLock
 from packer.write.options import ConvertOptions
-from packer.write.output import fresh_name
-from packer.write.scan import ScanResult
+from packer.write.output import Output
 from packer.write.sources.base import RecordError
-
-NEW_TAG = ".packer-new-"  # <out>.packer-new-<pid>-<random>: a new .partial until its plan is written
+from packer.write.sources.records import ScanResult
 
 
 def estimate_sample_bytes(scan: ScanResult, options: ConvertOptions, probes: int = 64) -> float:
@@ -107,80 +102,36 @@ def check_free_space(directory: Path, needed: float) -> None:
         )
 
 
-def load_or_make_plan(scan: ScanResult, out: Path, partial: Path, options: ConvertOptions,
+def load_or_make_plan(scan: ScanResult, output: Output, options: ConvertOptions,
                       resume: bool) -> tuple[dict, OutputLock]:
     """The shard plan: the journaled one when resuming, else a new one (written before any shard); and the
-    lock on ``partial`` the run then holds (``write.lock``).
+    lock on the output's folder the run then holds (``write.lock``).
 
-    An existing ``partial`` is used only when its journal shows packer made it, and never
+    An existing folder is used only when its journal shows packer made it, and never
     deleted here: one that packer did not make is refused, naming it; one a live run holds, naming its pid.
     """
     recorded = options.record()
     digest = scan_digest(scan)
-    if os.path.lexists(partial):
-        plan = read_plan(partial)
+    partial = output.folder
+    if output.left_over():
+        plan = output.plan()
         if plan is None:
             raise OutputExistsError(f"{partial}: exists but was not made by packer (it holds no "
                                     f"{JOURNAL_DIR}/{PLAN_NAME}), so packer leaves it alone: move it away, or choose "
                                     f"another {arg('output')}")
-        check_free(partial, out)  # before anything is said of it: a live run's is in use, not left over
+        output.check_free()  # before anything is said of it: a live run's is in use, not left over
         if not resume:
-            raise OutputExistsError(_leftover(partial, out))
+            raise OutputExistsError(output.left_over_reason())
         if plan.get("options") != recorded or plan.get("digest") != digest:
             raise OutputExistsError(
                 f"{partial}: the source files or the options changed since the interrupted run, so it "
                 f"can't be resumed; remove it (rm -r '{partial}') and convert again"
             )
-        return plan, OutputLock.take(partial, out)
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        where = exc.filename or out.parent
-        raise PackerError(f"{where}: cannot create the output's folder ({exc.strerror or exc})") from exc
+        return plan, output.take()
+    output.make_parent()
     mean_bytes = estimate_sample_bytes(scan, options)
-    check_free_space(out.parent, mean_bytes * len(scan))
+    check_free_space(output.path.parent, mean_bytes * len(scan))
     plan = {"options": recorded, "digest": digest, "source": str(scan.root), "num_files": len(scan),
             "shards": plan_shards(len(scan), mean_bytes, options.shard_bytes, shard_multiple(options)),
             "mean_bytes": mean_bytes}
-    return plan, make_partial(out, partial, plan)
-
-
-def _leftover(partial: Path, out: Path) -> str:
-    """Why a packer-made ``partial`` blocks a run without ``resume``, and the ways out."""
-    swapping, trash = read_swap(partial, out)
-    if not swapping:
-        return (f"{partial}: left over from an interrupted conversion; go on with it by running the same "
-                f"command with {arg('resume', True)}, or remove it (rm -r '{partial}')")
-    old = out.with_name(trash) / out.name if trash else None
-    where = f"the old dataset was moved to {old.parent}" if old is not None and os.path.lexists(old) \
-        else f"{out} is not replaced yet"
-    return (f"{partial}: holds the complete result of an interrupted conversion that was being moved into place "
-            f"({where}); run the same command with {arg('resume', True)} to finish that (nothing is converted again)")
-
-
-def make_partial(out: Path, partial: Path, plan: dict) -> OutputLock:
-    """Create ``partial`` holding ``plan``, locked (the lock returned): made under a fresh name and renamed once
-    the plan is on disk and the lock taken, so a ``.partial`` without a plan is never one of packer's, and one
-    of a live run is never seen unlocked."""
-    tmp = fresh_name(out, NEW_TAG)
-    lock: OutputLock | None = None
-    try:
-        os.mkdir(tmp)
-        try:
-            write_plan(tmp, plan)
-            lock = OutputLock.take(tmp, out)
-            os.rename(tmp, partial)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        fsync_dir(out.parent)
-    except OSError as exc:
-        if lock is not None:
-            lock.release()
-        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST) and read_plan(partial) is not None:
-            check_free(partial, out)  # another run made it meanwhile: "in use by pid N" while it lives
-            raise PackerError(_leftover(partial, out)) from None
-        raise PackerError(f"{exc.filename or partial}: cannot create the output ({exc.strerror or exc})") from exc
-    return lock
+    return plan, output.start(plan)

@@ -25,24 +25,11 @@ import numpy as np
 
 from packer.formats import get_format
 from packer.formats.base import PreparedSample
-from packer.write.journal import ShardResult, record_shard
-from packer.write.options import ConvertOptions
-from packer.write.scan import SourceError
+from packer.write.journal import ShardResult
+from packer.write.options import ConvertOptions, PoolSettings
 from packer.write.shards import BuildJob, prepare, progress_bar, write_shard
 from packer.write.sources.base import InlineReader, RecordError, SourceReader
-
-
-@dataclass(frozen=True)
-class PoolSettings:
-    """How the pool moves work; the defaults suit every run (tests shrink them to reach the other paths)."""
-
-    chunk: int = 16  # files per pool task: amortises IPC without hurting ordering latency
-    # Chunks in flight per worker: enough that the workers keep going while this process pauses to
-    # commit a batch or close a shard (4 left them idle half the time), few enough to bound memory.
-    ahead: int = 16
-    ahead_bytes: int = 256 << 20  # ... and at most about this much prepared payload waiting (raw pixels are large)
-    ring_bytes: int = 256 << 20  # at most this much shared ring for payloads from forked workers (0: pickle them)
-    start_method: str | None = None  # of the worker processes; None: multiprocessing's default
+from packer.write.sources.records import SourceError
 
 
 @dataclass
@@ -78,7 +65,7 @@ class LocalPool:
             for sid, a, b in todo:
                 result, names = write_shard(job.partial, sid, b - a, itertools.islice(prepared, b - a), fmt,
                                             job.options, job.on_error, scan.root, on_each if job.progress else None)
-                pending[sid] = journaler.submit(record_shard, job.partial, result, names)
+                pending[sid] = journaler.submit(job.output.shard_done, result, names)
             prepared.close()  # the pool winds down while the last shard is checksummed
             for sid, future in pending.items():
                 results[sid] = future.result()

@@ -26,8 +26,9 @@ from packer.layout.manifest import IMAGELESS, FileInfo, Shard
 from packer.progress import bar
 from packer.write.journal import ShardResult
 from packer.write.options import ConvertOptions
-from packer.write.scan import ScanResult, SourceError
+from packer.write.output import Output
 from packer.write.sources.base import RecordError, SourceReader, read_source
+from packer.write.sources.records import ScanResult, SourceError
 
 __all__ = ["BuildJob", "ShardBuilder", "ShardSink", "ShardWriteError", "make_payload", "prepare", "read_source",
            "write_shard"]
@@ -38,13 +39,18 @@ class BuildJob:
     """What building a conversion's shards needs, whichever backend builds them."""
 
     scan: ScanResult  # in dataset order (write.plan.apply_order)
-    partial: Path  # <out>.partial: the shards are written (and journaled) here
+    output: Output  # the shards are written (and journaled) in its folder, <out>.partial
     ranges: list[tuple[int, int]]  # the plan: shard i holds scan positions ranges[i][0] .. ranges[i][1] - 1
     done: dict[int, ShardResult]  # shards a resumed run reuses (write.journal.load_done_shards)
     options: ConvertOptions
     on_error: str  # "skip" or "raise"
     progress: bool
     mean_bytes: float = 0.0  # the plan's estimate of a payload's size (sizes the local pool's buffers)
+
+    @property
+    def partial(self) -> Path:
+        """The folder the shards are written in."""
+        return self.output.folder
 
     def todo(self) -> list[int]:
         """The shards still to build, in order."""

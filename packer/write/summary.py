@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from packer.write.scan import HIDDEN, HIDDEN_FOLDER, NOT_IMAGE, NOT_SCANNED, OUTSIDE_CLASSES, SourceError
+from packer.write.scan import HIDDEN, HIDDEN_FOLDER, NOT_IMAGE, NOT_SCANNED, OUTSIDE_CLASSES
+from packer.write.sources.records import SourceError
 
 _FILE_REASONS = (NOT_IMAGE, OUTSIDE_CLASSES, HIDDEN)  # ``ignored`` reasons that count files (the others: folders)
 

@@ -36,25 +36,23 @@ from packer.formats.base import PreparedSample
 from packer.layout.fields import FieldStore, encode_cell, parse_specs, save_fields
 from packer.layout.fsutil import fsync_file
 from packer.layout.manifest import IMAGELESS, Manifest
-from packer.layout.partial import JOURNAL_DIR, PARTIAL_SUFFIX, read_swap
+from packer.layout.partial import JOURNAL_DIR
 from packer.layout.trust import check_class_name
 from packer.storage.url import refuse_url
 from packer.write.finish import seal, stored_index
 from packer.write.journal import (
     ShardResult,
     intact_files,
-    read_plan,
-    record_shard,
     remove_unkept,
     shard_entry,
 )
-from packer.write.lock import OutputLock, check_free
+from packer.write.lock import OutputLock
 from packer.write.options import ConvertOptions, make_options
-from packer.write.output import check_replaceable, swap_into_place
-from packer.write.plan import make_partial, shard_multiple
-from packer.write.scan import SourceError
+from packer.write.output import Output, check_replaceable
+from packer.write.plan import shard_multiple
 from packer.write.shards import ShardSink, make_payload
 from packer.write.sources.labels import integer_classes, label_problem
+from packer.write.sources.records import SourceError
 
 WRITER_SHARD_BYTES = 256 << 20  # at most this much of a shard is held in memory before it is written
 SOURCE_TYPE = "writer"  # the manifest's source_type: samples are named by number, not source paths
@@ -97,7 +95,8 @@ class Writer:
                  overwrite: bool = False, **options: Any) -> None:
         refuse_url(path, "packer.Writer")
         self.out = Path(os.path.abspath(path))
-        self.partial = self.out.with_name(self.out.name + PARTIAL_SUFFIX)
+        self.output = Output(self.out)
+        self.partial = self.output.folder
         self.fmt = get_format(format)
         self.specs = parse_specs(fields, "Writer fields")
         self.classes = None if classes is None else [str(c) for c in classes]
@@ -122,7 +121,7 @@ class Writer:
         self._cells: dict[str, list[Any]] = {k: [] for k in self.specs}
         self._bytes = self._stored = 0  # the pending samples' payload bytes, and how many will be stored
         self.lock: OutputLock | None = None  # on <out>.partial from its making (or finding) to the end
-        if os.path.lexists(self.partial):
+        if self.output.left_over():
             try:
                 self._resume(resume)
             except BaseException:
@@ -230,28 +229,27 @@ class Writer:
 
     def _start(self) -> None:
         """Create ``<out>.partial`` with the plan, or check a resumed one's plan against these options."""
-        if not os.path.lexists(self.partial):
-            self.out.parent.mkdir(parents=True, exist_ok=True)
-            self.lock = make_partial(self.out, self.partial, self._plan())
-        elif read_plan(self.partial) != self._plan():
+        if not self.output.left_over():
+            self.lock = self.output.start(self._plan())
+        elif self.output.plan() != self._plan():
             raise OutputExistsError(f"{self.partial}: written with other options, fields or classes, so it can't be "
                                     f"resumed; remove it (rm -r '{self.partial}') and write again")
 
     def _resume(self, resume: bool) -> None:
         """Go on with an interrupted Writer's ``<out>.partial``: its journaled shards count as written."""
-        plan = read_plan(self.partial)
+        plan = self.output.plan()
         if plan is None:
             raise OutputExistsError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
-        check_free(self.partial, self.out)  # a live run's is in use, not left over
+        self.output.check_free()  # a live run's is in use, not left over
         if plan.get("writer") != 1:
             raise OutputExistsError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
         if not resume:
             raise OutputExistsError(f"{self.partial}: left over from an interrupted Writer: pass resume=True and add "
                                     f"the same samples again in the same order, or remove it (rm -r '{self.partial}')")
-        self.lock = OutputLock.take(self.partial, self.out)
+        self.lock = self.output.take()
         if self.given.get("payload") is None:  # decided by the first sample of the interrupted run
             self.given["payload"] = plan.get("options", {}).get("payload")
-        if read_swap(self.partial, self.out)[0]:
+        if self.output.swapping():
             self.complete = True
             return
         done: dict[int, ShardResult] = {}
@@ -298,7 +296,7 @@ class Writer:
             fsync_file(spool_tmp / name)
         spool_tmp.mkdir(exist_ok=True)
         os.rename(spool_tmp, spool)
-        self.done.append(record_shard(self.partial, result, names))
+        self.done.append(self.output.shard_done(result, names))
         self._pending, self._cells, self._bytes, self._stored = [], {k: [] for k in self.specs}, 0, 0
 
     # ------------------------------------------------------------ finishing
@@ -321,7 +319,7 @@ class Writer:
 
     def _finish(self) -> None:
         if self.complete:
-            swap_into_place(self.partial, self.out)
+            self.output.finish_swap()
             return
         self._options_for(b"")  # no sample added: an empty dataset of the format's default payload
         self._flush()
@@ -340,7 +338,7 @@ class Writer:
                             source_type=SOURCE_TYPE, source_records=self.count, created_by=f"packer {__version__}",
                             created_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         errors = [replace(e, index=int(e.path)) for r in self.done for e in r.errors]  # sample n: source index n
-        seal(self.partial, self.out, index, errors, {}, manifest, self.specs, columns)
+        seal(self.output, index, errors, {}, manifest, self.specs, columns)
 
     def __enter__(self) -> Writer:
         return self

@@ -17,11 +17,10 @@ import pytest
 import webdataset
 from PIL import Image
 
-from packer import convert, open_dataset
+from packer import convert, export_wds, open_dataset
 from packer.errors import PackerError
 from packer.layout.manifest import sha256_file
 from packer.layout.wdsexport import EXPORT_NAME
-from packer.write.export_wds import export_wds
 from packer.write.journal import write_plan, write_swap
 from tests.support.cli import REPO, run_cli
 from tests.support.imagefolder import ImageFolder
@@ -304,3 +303,56 @@ def test_an_export_made_before_paths_were_kept_still_converts_back(dotted, tmp_p
     assert len(back) == len(reference) and back.classes == reference.classes
     assert [int(r.split("/")[1].split(".")[0]) for r in back.relpaths] == list(range(len(reference)))
     assert all(bytes(back.read_payload(i)) == Path(p).read_bytes() for i, (p, _) in enumerate(reference.samples))
+
+
+def test_to_wds_is_the_export_behind_the_one_driver(dotted, tmp_path):
+    """``convert(to="wds")`` is the export (the same tars, byte for byte); its index records the export's own
+    options (it recorded ``format: lmdb``, the options of the driver it borrowed)."""
+    a = convert(dotted, tmp_path / "a", to="wds", workers=0, progress=False, shard_bytes=16 << 10).output
+    b = export_wds(dotted, tmp_path / "b", workers=2, progress=False, shard_bytes=16 << 10).output
+    tars = sorted(p.name for p in a.glob("*.tar"))
+    assert len(tars) > 1 and tars == sorted(p.name for p in b.glob("*.tar"))
+    assert all(sha256_file(a / t) == sha256_file(b / t) for t in tars)
+    options = json.loads((a / EXPORT_NAME).read_text())["options"]
+    assert options["format"] == "wds" and options["payload"] == "encoded" and options["shard_bytes"] == 16 << 10
+
+
+def test_a_split_export_writes_two_exports_that_add_up(tmp_path):
+    """``--split`` works for every output, the export too: per class a seeded fraction in OUT-train, the rest in
+    OUT-val, keyed by the source's numbers, each converting back."""
+    src = make_imagefolder(tmp_path / "imgs", classes=2, per_class=5)
+    r = run_cli("convert", src, "--to", "wds", "--split", "0.6", "-o", tmp_path / "w", "--workers", "0", "-q")
+    assert r.returncode == 0, r.stderr
+    train, val = read_wds(tmp_path / "w-train"), read_wds(tmp_path / "w-val")
+    assert len(train) == 6 and len(val) == 4 and sorted([*train, *val]) == list(range(10))
+    reference = ImageFolder(src)
+    for got in (train, val):
+        for i, sample in got.items():
+            assert sample["jpg"] == Path(reference.samples[i][0]).read_bytes()
+            assert int(sample["cls"]) == reference.samples[i][1]
+
+
+def test_an_option_the_export_used_to_drop_is_refused(tmp_path):
+    """``--resize-mode fit`` with ``--to wds`` was dropped silently by the command line; it changes pixels, which an
+    export never does: refused in one line, as ``--payload`` is."""
+    src = make_imagefolder(tmp_path / "imgs", classes=1, per_class=2)
+    r = run_cli("convert", src, "--to", "wds", "--resize-mode", "fit", "-o", tmp_path / "w")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "packer: error: --resize-mode: not an option of --to wds (it stores the source's encoded bytes as they are; "
+        "decoded pixels as lossless PNG)"]
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_move_into_place_finished_by_resume_reports_the_records_left_out(tmp_path):
+    """An export whose move into place was killed, finished by ``resume``: the result lists what errors.json lists
+    (it said nothing was left out)."""
+    src = make_imagefolder(tmp_path / "imgs", classes=2, per_class=2)
+    (src / "class_0" / "img_001.jpg").write_bytes(b"not a jpeg")
+    out = export_wds(src, tmp_path / "out", workers=0, progress=False).output
+    partial = tmp_path / "out.partial"
+    out.rename(partial)  # what a kill between the journaled swap and the rename leaves
+    write_plan(partial, {"kind": "packer-webdataset-export"})
+    write_swap(partial, None)
+    res = export_wds(src, out, resume=True, workers=0, progress=False)
+    assert res.num_samples == 3 and [e.path for e in res.errors] == ["class_0/img_001.jpg"]
+    assert res.errors[0].index == 1 and len(read_wds(out)) == 3

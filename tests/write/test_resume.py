@@ -106,11 +106,13 @@ def test_resume_refuses_a_changed_source(source, tmp_path):
     # a conversion that stops at the first bad file leaves nothing; so simulate an interruption by
     # planning, then changing the source
     from packer.write.options import ConvertOptions
+    from packer.write.output import Output
     from packer.write.plan import load_or_make_plan
     from packer.write.scan import scan_folder
 
-    _, lock = load_or_make_plan(scan_folder(src), tmp_path / "o.lmdb", partial, ConvertOptions(shard_bytes=40_000),
+    _, lock = load_or_make_plan(scan_folder(src), Output(tmp_path / "o.lmdb"), ConvertOptions(shard_bytes=40_000),
                                 False)
+    assert partial.is_dir()
     lock.release()  # the interrupted run ends
     (src / "class_0" / "img_000.jpg").unlink()
     with pytest.raises(PackerError, match="changed since the interrupted run"):

@@ -17,7 +17,7 @@ import pytest
 from support.cli import run_cli
 from support.imagesets import make_imagefolder
 
-from packer.write.scan import SourceError
+from packer.write.sources.records import SourceError
 from packer.write.summary import conversion_summary, not_packed_line
 
 

@@ -174,14 +174,14 @@ KILL = """
 import os, sys
 sys.path.insert(0, sys.argv[3])
 from support.fielded import write_fielded
-import packer.write.writer as wr
-record = wr.record_shard
-def killing(partial, result, names):
-    out = record(partial, result, names)
+from packer.write.output import Output
+record = Output.shard_done
+def killing(output, result, names):
+    out = record(output, result, names)
     if result.shard_id == int(sys.argv[2]):
         os._exit(9)  # killed right after the shard was journaled: no clean-up of any kind
     return out
-wr.record_shard = killing
+Output.shard_done = killing
 write_fielded(sys.argv[1], "lmdb", count=12, shard_bytes=2000)
 """
 

@@ -28,11 +28,11 @@ from typing import Any
 
 from packer.errors import DatasetError, InputNotFoundError, PackerError
 from packer.perprocess import PerProcess
-from packer.write.scan import ClassMapper, ScanResult
 from packer.write.sources.archive_common import Members, archive_kind, clean_member, forget_headers, records_of
 from packer.write.sources.archive_gz import scan_tgz
 from packer.write.sources.archive_zip import scan_zip
-from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader
+from packer.write.sources.base import Facts, Payload, RecordError, SourceReader
+from packer.write.sources.records import ClassMapper, ScanResult, Source
 
 
 class ArchiveSource(Source):

@@ -13,8 +13,9 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.images.decode import pixel_limit
-from packer.write.scan import ScanResult, SourceError, imagefolder_key, is_image_name
+from packer.write.scan import imagefolder_key, is_image_name
 from packer.write.sources.base import SourceReader
+from packer.write.sources.records import ScanResult, SourceError
 
 TAR_SUFFIXES = (".tar",)
 GZ_SUFFIXES = (".tar.gz", ".tgz")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import DatasetError
-from packer.write.scan import ScanResult, is_image_name
+from packer.write.scan import is_image_name
 from packer.write.sources.archive_common import (
     MAX_RATIO,
     Members,
@@ -29,6 +29,7 @@ from packer.write.sources.archive_common import (
     records_of,
 )
 from packer.write.sources.base import Facts, Payload, RecordError, SourceReader, read_one_in_order
+from packer.write.sources.records import ScanResult
 
 STREAM_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error)
 _CHUNK = 1 << 20  # a member's data passes in reads of this size, its inflation checked after each

@@ -16,9 +16,9 @@ from typing import Any
 
 from packer.errors import DatasetError
 from packer.perprocess import PerProcess
-from packer.write.scan import ScanResult
 from packer.write.sources.archive_common import MAX_RATIO, Members, clean_member, records_of
 from packer.write.sources.base import Facts, Payload, RecordError, SourceReader
+from packer.write.sources.records import ScanResult
 
 MAX_MEMBER_BYTES = 1 << 30  # no image file is larger
 

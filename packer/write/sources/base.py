@@ -1,10 +1,8 @@
-"""The source interface: a ``Source`` scans SRC into records; a ``SourceReader`` reads one record in any process.
+"""How a source is read: ``SourceOptions`` (how SRC is read, recorded in the manifest) and the ``SourceReader``
+that reads one record, by key and locator, in any process (``FileReader`` for files below a folder).
 
-A scan (``write.scan.ScanResult``) is the shared record list: per record a key (``rel_paths``: what
-``ds.samples``, ``extract`` and errors.json show), a label and a locator (``locs``: what the reader
-needs beside the key, e.g. a tar member's offset and size), plus the classes, what was ignored and
-the errors found while scanning. The reader is small and picklable: pool workers and Dask tasks get
-it with their records, and it opens its handles per process (``PerProcess``: fork and spawn safe).
+A reader is small and picklable: pool workers and Dask tasks get it with their records (write/sources/records.py),
+and it opens its handles per process (``PerProcess``: fork and spawn safe).
 """
 
 from __future__ import annotations
@@ -15,15 +13,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
-from packer.errors import DatasetError, PackerError
+from packer.argtypes import float_in
+from packer.errors import DatasetError, PackerError, arg
 from packer.layout.trust import open_regular
-
-if TYPE_CHECKING:
-    from packer.write.scan import ClassMapper, ScanResult
+from packer.write.options import declared, option
 
 Payload = bytes | np.ndarray  # encoded bytes, or HWC uint8 pixels (a packed source of raw payloads)
 Facts = list[int]  # two ints that change when a record's content may have: resume repacks a shard then
@@ -189,19 +186,47 @@ class InlineReader(SourceReader):
 
 @dataclass(frozen=True)
 class SourceOptions:
-    """How to read SRC, recorded in the manifest (``record``) so ``verify --against`` reads it the same way."""
+    """How to read SRC, recorded in the manifest (``record``) so ``verify --against`` reads it the same way; each
+    field given to ``convert`` as its keyword (write/options.py's ``option``)."""
 
-    type: str | None = None  # --source-type; None: chosen by what SRC is
-    root: str | None = None  # list files: the folder paths are relative to (default: the list file's folder)
-    path_column: str | None = None  # list files with a header: the column of paths (default "path")
-    label_column: str | None = None  # ... and of labels (default "label")
-    classes_file: str | None = None  # list files with integer labels: one class name per line
-    classes: tuple[str, ...] | None = None  # --classes: keep these classes only, renumbered in sorted order
-    split: float | None = None  # --split: the fraction of each class in the train part
+    type: str | None = option(None, "read SRC as this kind of source (default: chosen by what SRC is; "
+                              "docs/sources.md)", keyword="source_type")
+    root: str | None = option(None, "list files: the folder the paths they list are relative to (default: the list "
+                              "file's folder)", metavar="DIR", accepts="str | os.PathLike | None")
+    path_column: str | None = option(None, "list files with a header: the column of image paths (default path)",
+                                     metavar="NAME")
+    label_column: str | None = option(None, "list files with a header, Hugging Face datasets: the column of labels, "
+                                      "integers or class names (default label)", metavar="NAME")
+    classes_file: str | None = option(None, "list files with integer labels: the class names, one a line, line i "
+                                      "naming label i (default: the labels themselves, 0..max)", metavar="FILE",
+                                      accepts="str | os.PathLike | None")
+    classes: tuple[str, ...] | None = option(None, "keep only these classes (names, or one comma-separated string), "
+                                             "renumbered as ImageFolder numbers a folder holding only them (sorted "
+                                             "names)", metavar="A,B,C", accepts="Sequence[str] | str | None")
+    split: float | None = option(None, f"write OUT-train and OUT-val: per class a seeded ({arg('seed')}) FRACTION of "
+                                 "the records goes to train, the rest to val", metavar="FRACTION",
+                                 parse=float_in(0.0, 1.0, above=True, below=True))
     split_seed: int = 0
     part: str | None = None  # "train" or "val": which part of --split this output holds
-    label_key: str | None = None  # WebDataset: the field of a sample's json member holding its label (else cls)
-    image_column: str | None = None  # Hugging Face: the Image column (default "image")
+    label_key: str | None = option(None, "WebDataset shards: the label is this field of each sample's json member "
+                                   "(default: its cls member)", metavar="FIELD")
+    image_column: str | None = option(None, "Hugging Face datasets: the Image column (default image)", metavar="NAME")
+
+    @classmethod
+    def given(cls, **keywords: Any) -> SourceOptions:
+        """The options from ``convert``'s keywords (their declared names; paths made absolute: the manifest records
+        them; ``classes`` also as one comma-separated string)."""
+        fields_of = {d.keyword: d.field for d in declared(cls)}
+        values = {fields_of[k]: v for k, v in keywords.items()}
+        for name in ("root", "classes_file"):
+            if values.get(name) is not None:
+                values[name] = os.path.abspath(values[name])
+        classes = values.get("classes")
+        if isinstance(classes, str):
+            classes = [c for c in classes.split(",") if c]
+        if classes is not None:
+            values["classes"] = tuple(str(c) for c in classes)
+        return cls(**values)
 
     def record(self) -> dict[str, Any]:
         """JSON-able, without unset entries (a folder conversion records {"type": "folder"})."""
@@ -218,31 +243,3 @@ class SourceOptions:
         if given.get("classes") is not None:
             given["classes"] = tuple(str(c) for c in given["classes"])
         return cls(**given)
-
-
-class Source(ABC):
-    """One kind of input. ``claims`` says whether SRC looks like it; ``scan`` lists its records."""
-
-    type: ClassVar[str]  # the --source-type name, recorded in the manifest
-
-    def __init__(self, path: Path, options: SourceOptions) -> None:
-        self.path, self.options = path, options
-
-    @classmethod
-    @abstractmethod
-    def claims(cls, path: Path) -> bool:
-        """Whether SRC at ``path`` is this kind of source (checked in registry order, without --source-type)."""
-
-    def sequential(self) -> bool:
-        """Whether the records can only be read in stored order (a compressed tar), known before the scan (which
-        would inflate the whole archive), so that an order the source can't give is refused first."""
-        return False
-
-    @abstractmethod
-    def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
-             allow_empty: bool = False) -> ScanResult:
-        """Every record, in a deterministic order, with ``reader`` set; a PackerError when SRC is unreadable.
-
-        ``map_classes``: walks class folders elsewhere (a Dask cluster); ``skip_hidden``/``allow_empty``: the
-        folder rules (write.scan); only the folder source uses them.
-        """

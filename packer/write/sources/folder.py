@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from packer.write.scan import ClassMapper, ScanResult, scan_folder
-from packer.write.sources.base import FileReader, Source
+from packer.write.scan import scan_folder
+from packer.write.sources.base import FileReader
+from packer.write.sources.records import ClassMapper, ScanResult, Source
 
 
 class FolderSource(Source):

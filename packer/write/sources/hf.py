@@ -24,10 +24,11 @@ import numpy as np
 from packer.errors import DatasetError, OptionError, PackerError, arg
 from packer.layout.fields import as_field_name, encode_cell, parse_spec
 from packer.perprocess import PerProcess
-from packer.write.scan import ClassMapper, ScanResult, SourceError, is_image_name
-from packer.write.sources.base import Facts, FileReader, Payload, RecordError, Source, SourceReader
+from packer.write.scan import is_image_name
+from packer.write.sources.base import Facts, FileReader, Payload, RecordError, SourceReader
 from packer.write.sources.hfarrow import HFFiles, TableFile, class_names, find_files, pyarrow_modules, schema_features
 from packer.write.sources.labels import inside_root, integer_classes, label_problem, named_classes
+from packer.write.sources.records import ClassMapper, ScanResult, Source, SourceError
 
 
 @dataclass

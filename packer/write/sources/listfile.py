@@ -23,9 +23,9 @@ import numpy as np
 from packer.errors import DatasetError, InputNotFoundError, OptionError, PackerError, arg
 from packer.layout.fields import as_field_name
 from packer.layout.trust import class_name_problem
-from packer.write.scan import ClassMapper, ScanResult, SourceError
-from packer.write.sources.base import FileReader, Source, read_list_text
+from packer.write.sources.base import FileReader, read_list_text
 from packer.write.sources.labels import integer_classes, is_integer_text, named_classes, parse_label
+from packer.write.sources.records import ClassMapper, ScanResult, Source, SourceError
 
 LIST_SUFFIXES = (".csv", ".tsv", ".txt", ".lst")
 

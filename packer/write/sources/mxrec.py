@@ -22,9 +22,9 @@ import numpy as np
 from packer.errors import PackerError
 from packer.formats.recordio import decode_record, peek_header, record_spans, unpack_header
 from packer.perprocess import PerProcess
-from packer.write.scan import ClassMapper, ScanResult, SourceError
-from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader
+from packer.write.sources.base import Facts, Payload, RecordError, SourceReader
 from packer.write.sources.labels import integer_classes, label_problem, named_classes
+from packer.write.sources.records import ClassMapper, ScanResult, Source, SourceError
 
 
 class RecReader(SourceReader):

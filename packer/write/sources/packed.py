@@ -38,8 +38,8 @@ from packer.layout.index import Index, shard_starts
 from packer.layout.manifest import IMAGELESS, MANIFEST_NAME, Manifest, Shard, holds_dataset, read_manifest
 from packer.layout.report import numbered_entries, read_report
 from packer.layout.trust import reading
-from packer.write.scan import ClassMapper, ScanResult
-from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader
+from packer.write.sources.base import Facts, Payload, RecordError, SourceReader
+from packer.write.sources.records import ClassMapper, ScanResult, Source
 
 CHECKERS = 2  # threads hashing a conversion's source shards (hashlib releases the GIL)
 CHECKED_AHEAD = 2  # shards hashed ahead of the records handed out: their pages stay cached for the reads

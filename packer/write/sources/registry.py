@@ -11,14 +11,14 @@ from pathlib import Path
 
 from packer.errors import InputNotFoundError, OptionError, PackerError, arg
 from packer.layout.trust import check_class_name
-from packer.write.scan import ClassMapper, ScanResult
 from packer.write.sources.archive import ArchiveSource
-from packer.write.sources.base import Source, SourceOptions
+from packer.write.sources.base import SourceOptions
 from packer.write.sources.folder import FolderSource
 from packer.write.sources.hf import HFSource
 from packer.write.sources.listfile import ListSource
 from packer.write.sources.mxrec import RecordIOSource
 from packer.write.sources.packed import PackedSource
+from packer.write.sources.records import ClassMapper, ScanResult, Source
 from packer.write.sources.select import select
 from packer.write.sources.webdataset import WebDatasetSource
 

@@ -14,8 +14,8 @@ import numpy as np
 
 from packer._random import stable_permutation
 from packer.errors import OptionError, arg
-from packer.write.scan import ScanResult
 from packer.write.sources.base import SourceOptions
+from packer.write.sources.records import ScanResult
 
 PARTS = ("train", "val")
 SCAN_ERRORS_IN_TRAIN = "refused by the scan: listed in the train part's errors.json"

@@ -1,22 +1,11 @@
-"""WebDataset shards as a source: ``packer convert 'shards-{000000..000099}.tar' --to lmdb``.
+"""WebDataset shards as a source: ``packer convert 'shards-{000000..000099}.tar' --to lmdb`` (a brace pattern, one
+``.tar``, or a folder of ``.tar`` files), samples grouped by key as WebDataset groups them (``wdstar``).
 
-SRC is a brace pattern as WebDataset writes them, one ``.tar``, or a folder of ``.tar`` files.
-Each sample (members grouped by key, see ``wdstar``) gives one record: its image is its one
-``jpg``/``jpeg``/``png``/``webp`` member, its label the ``cls`` member (an ASCII integer) or, with
-``--label-key NAME``, the field NAME of its ``json`` member. A shard without any labels gives
--1 labels (like a flat folder); once a shard has labels, a sample without one is an error.
-``classes``: the lines of ``--classes-file``, else those of the ``classes.txt`` beside the shards of a
-packer export (``--to wds``; the folder, a brace pattern or one shard of it), else ``0..max`` (as text), else
-none. Other members become per-sample fields named by extension (``member_fields``: txt -> str, json -> json,
-others -> bytes; over 1 MB: not kept, counted in the summary). A record's key is
-``<shard name>/<sample key>.<image extension>``; its locator the image's offset and size in the
-shard, read with one ``pread`` (uncompressed shards only: members are read in place, memory stays
-flat whatever the shard's size). Records are numbered in shard order, then tar order.
-
-Shards of a packer export (``packer-wds.json`` beside them, layout/wdsexport.py) convert back to what was
-exported: each record's key is its ``<key>.path.txt`` (the source's relative path), its number in the
-numbering is ``<key>`` (``ds.imagefolder_index``), and records come in that order, whatever order the export
-wrote them in; an image member may then be any extension the export writes (bmp, tif, ...).
+A sample's one image member is its record, its ``cls`` member (or ``--label-key``'s field of its ``json``) the
+label, its other members per-sample fields; a record's locator is the image's offset and size in the shard, read
+with one ``pread``, so memory stays flat whatever the shard's size. The shards of a packer export (``--to wds``,
+layout/wdsexport.py) convert back to what was exported: keys, numbers, paths and classes. docs/sources.md has
+every rule.
 """
 
 from __future__ import annotations
@@ -36,10 +25,10 @@ from packer.layout.fields import as_field_name
 from packer.layout.wdsexport import IMAGE_EXTENSIONS as EXPORT_IMAGES
 from packer.layout.wdsexport import PATH_CODEC, PATH_EXTENSION, export_classes_file, export_records, holds_wds_export
 from packer.perprocess import PerProcess
-from packer.write.scan import ClassMapper, ScanResult, SourceError
 from packer.write.sources.archive_gz import GzTarReader
-from packer.write.sources.base import Facts, Payload, RecordError, Source, SourceReader, read_one_in_order
+from packer.write.sources.base import Facts, Payload, RecordError, SourceReader, read_one_in_order
 from packer.write.sources.labels import inside_root, integer_classes, label_problem, named_classes, parse_label
+from packer.write.sources.records import ClassMapper, ScanResult, Source, SourceError
 from packer.write.sources.wdstar import (
     IMAGE_EXTENSIONS,
     MAX_LABEL_MEMBER,
