@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_convert(sub) -> None:
     from packer.formats import FORMATS
-    from packer.write.convert import TARGETS, keywords
+    from packer.write.convert import keywords, targets
     from packer.write.options import own_options
 
     p = _parser(sub, "convert", "pack images (a folder, a list file, an archive or a dataset) into a dataset", """
@@ -97,7 +97,7 @@ def _add_convert(sub) -> None:
                    ".tgz .zip), a packer dataset, WebDataset shards ('shards-{000000..000099}.tar'), a Hugging Face "
                    "dataset (save_to_disk folder, .parquet) or an MXNet .rec; --source-type names the kind when "
                    "its name does not")
-    p.add_argument("--to", dest="format", default="lmdb", choices=TARGETS, help="output format "
+    p.add_argument("--to", dest="format", default="lmdb", choices=targets(), help="output format "
                    "(default lmdb); wds: WebDataset shards, bytes as stored (decoded pixels as lossless PNG)")
     p.add_argument("-o", "--output", help="output directory (default: <source>.<format> beside the source)")
     for option in [*keywords(), *own_options(FORMATS)]:  # declared once (write/options.py; a format's own in it)

@@ -141,6 +141,13 @@ class ShardReader(ABC):
         if self._residency is not None:
             self._residency.close()
 
+    def __del__(self) -> None:
+        """A reader dropped unclosed gives its descriptors back, as a file object does (maps go with their views)."""
+        try:
+            self.close()
+        except Exception:  # half made, or at interpreter exit: nothing to give back  # noqa: BLE001
+            pass
+
 
 @dataclass(frozen=True)
 class Option:

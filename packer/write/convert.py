@@ -42,12 +42,15 @@ from packer.write.sources.records import ScanResult, SourceError
 from packer.write.sources.registry import SOURCES, open_source, scan_opened
 from packer.write.sources.select import PARTS
 
-__all__ = ["TARGETS", "ConvertResult", "convert", "convert_split", "drive", "export_wds", "keywords", "parse_keywords"]
+__all__ = ["ConvertResult", "convert", "convert_split", "drive", "export_wds", "keywords", "parse_keywords"]
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
-
-TARGETS = (*sorted(FORMATS), WDS)  # what ``to`` names: a format, or the WebDataset export
 SPLIT = "split"  # the fraction of --split: convert_split's own keyword, not convert's
+
+
+def targets() -> tuple[str, ...]:
+    """What ``to`` names: a registered format (those registered later included), or the WebDataset export."""
+    return (*sorted(FORMATS), WDS)
 
 
 def keywords() -> list[Declared]:
