@@ -13,7 +13,12 @@ through the directory alone:
   again) chooses what goes, down to 90 % of the limit;
 - a checksum per range given by the caller is checked before the bytes are used, on download and on every hit.
 
-Layout: ``<cache_dir>/packer-cache-v1/{locks,usage,entries/<2 hex>/<64 hex>}``.
+Whole objects (a shard fetched whole: packer/storage/downloader.py) are entries too, under ``files/`` by a path the
+caller chooses (``files/<dataset>/<version>/<name in the dataset>``, so a local reader opens them by their names);
+they count against the limit and are evicted like ranges. What the layers above keep there for themselves
+(``datasets/``: a remote dataset's manifest and meta/) is small and never evicted.
+
+Layout: ``<cache_dir>/packer-cache-v1/{locks,usage,entries/<2 hex>/<64 hex>,files/...,datasets/...}``.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ class ChecksumMismatch(StorageError):
 class Entry:
     """One cached range, as an eviction policy sees it."""
 
-    name: str
+    name: str  # RangeCache.name for a range; the path below the cache's root ("files/...") for a whole object
     size: int
     last_used: float  # mtime: set when written and at every hit
 
@@ -64,6 +69,30 @@ class LRU:
 
     def victims(self, entries: list[Entry], to_free: int) -> Iterable[Entry]:
         return sorted(entries, key=lambda e: e.last_used)
+
+
+class NextUse:
+    """What the reader says it will read again, and when: ``need(names, order)`` marks entries needed at step
+    ``order`` of the pass (lower: sooner), ``need(names, None)`` unmarks them (read for the last time this pass).
+    Unmarked entries go first (least recently used first), then the marked ones needed last (Belady's choice,
+    as far as the reader can tell). Thread-safe: the downloader's clients feed it while it evicts."""
+
+    def __init__(self) -> None:
+        self._next: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def need(self, names: Iterable[str], order: int | None) -> None:
+        with self._lock:
+            if order is None:
+                for name in names:
+                    self._next.pop(name, None)
+            else:
+                self._next.update(dict.fromkeys(names, order))
+
+    def victims(self, entries: list[Entry], to_free: int) -> Iterable[Entry]:
+        with self._lock:
+            marks = {e.name: self._next[e.name] for e in entries if e.name in self._next}
+        return sorted(entries, key=lambda e: (e.name in marks, -marks.get(e.name, 0), e.last_used))
 
 
 @dataclass
@@ -95,6 +124,7 @@ class CacheStats:
     waits: int = 0  # misses another process or thread was already downloading
     fetched_bytes: int = 0
     evicted: int = 0
+    evicted_bytes: int = 0
 
 
 class RangeCache:
@@ -107,6 +137,7 @@ class RangeCache:
             raise PackerError(f"cache_limit {cache_limit!r}: a positive size expected (e.g. 20GB)")
         self.root = Path(cache_dir).absolute() / "packer-cache-v1"
         self.entries = self.root / "entries"
+        self.files = self.root / "files"
         self.entries.mkdir(parents=True, exist_ok=True)
         (self.root / "locks").touch()
         self.limit, self.policy = limit, policy or LRU()
@@ -123,7 +154,8 @@ class RangeCache:
         return hashlib.sha256(f"{url}\0{etag or ''}\0{start}\0{end}".encode()).hexdigest()
 
     def path(self, name: str) -> Path:
-        return self.entries / name[:2] / name
+        """Where entry ``name`` lies: a range's under ``entries/``, a whole object's at its path ("files/...")."""
+        return self.root / name if "/" in name else self.entries / name[:2] / name
 
     def read(self, name: str, checksum: Checksum | None = None, what: str = "") -> bytes | None:
         """The entry's bytes (checked), or None; a damaged entry is deleted and reads as missing."""
@@ -182,7 +214,7 @@ class RangeCache:
     def store(self, name: str, data: bytes | memoryview) -> None:
         """Write an entry (call while holding its claim): room is made first, then a temporary file is renamed
         into place."""
-        self._make_room(len(data))
+        self.make_room(len(data))
         path = self.path(name)
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(f"{name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
@@ -264,9 +296,24 @@ class RangeCache:
                         out.append(Entry(item.name, st.st_size, st.st_mtime))
                     elif _stale_temp(item.name, st.st_mtime, now):
                         os.unlink(item.path)
+        for folder, _dirs, names in os.walk(self.files):
+            for item in names:
+                path = os.path.join(folder, item)
+                with contextlib.suppress(FileNotFoundError):
+                    st = os.stat(path)
+                    if ".tmp-" not in item:
+                        out.append(Entry(os.path.relpath(path, self.root), st.st_size, st.st_mtime))
+                    elif _stale_temp(item, st.st_mtime, now):
+                        os.unlink(path)
         return out
 
-    def _make_room(self, nbytes: int) -> None:
+    def release_room(self, nbytes: int) -> None:
+        """Give back room taken by ``make_room`` for bytes that were never stored (a failed download)."""
+        self._add_usage(-nbytes)
+
+    def make_room(self, nbytes: int) -> None:
+        """Count ``nbytes`` about to be written, evicting first what the policy chooses if the limit would be
+        passed (down to 90 % of it)."""
         if nbytes > self.limit:
             raise PackerError(f"cache_limit {self.limit} bytes is smaller than one range of {nbytes} bytes: "
                               "raise cache_limit")
@@ -283,6 +330,7 @@ class RangeCache:
                         os.unlink(self.path(entry.name))
                         used -= entry.size
                         self.stats.evicted += 1
+                        self.stats.evicted_bytes += entry.size
             self._write_usage(used)
 
     def close(self) -> None:
@@ -291,7 +339,8 @@ class RangeCache:
 
 def _slot(name: str) -> int:
     """The lock file byte that stands for entry ``name`` (byte 0 is the eviction lock's)."""
-    return 1 + int(name[:15], 16)
+    key = name if "/" not in name else hashlib.sha256(name.encode()).hexdigest()
+    return 1 + int(key[:15], 16)
 
 
 def _stale_temp(name: str, mtime: float, now: float) -> bool:
