@@ -1,6 +1,7 @@
-"""The node's downloader process (packer/storage/downloader.py) with real processes, real signals and the emulated
-store counting what it served: one download per range per node, entries checked before they exist, the limit kept
-by the reader's policy, Ctrl-C, a crashed downloader started again once, and nothing left running."""
+"""The node's downloader process (packer/storage/downloader.py, its client downloader_client.py) with real
+processes, real signals and the emulated store counting what it served: one download per range per node, entries
+checked before they exist, the limit kept by the reader's policy, Ctrl-C, a crashed downloader started again once,
+and nothing left running."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from support.storage_servers import Emulated, gone, s3_spec, wait_until
 
 from packer.errors import PackerError
 from packer.storage.cache import ChecksumMismatch
-from packer.storage.downloader import DownloaderClient, DownloaderGone, range_name, wait_all
+from packer.storage.downloader_client import DownloaderClient, wait_all
 from packer.storage.emulate import Fault
+from packer.storage.protocol import DownloaderGone, range_name
 
 DATA = os.urandom(4 << 20)
 REPO = Path(__file__).resolve().parents[2]
@@ -195,7 +197,7 @@ def test_a_downloader_that_dies_is_started_again_once_then_one_error(server, tmp
 CTRL_C = """
 import sys, threading
 from support.storage_servers import s3_spec
-from packer.storage.downloader import DownloaderClient
+from packer.storage.downloader_client import DownloaderClient
 client = DownloaderClient(sys.argv[2], "64MB", linger=0.2)
 spec = s3_spec(sys.argv[1], "s3://bucket/ds")
 etag = client.head(spec, "shard.bin").etag
@@ -243,13 +245,13 @@ def test_cancelling_a_future_cancels_the_read(server, tmp_path):
 
 
 def test_a_client_that_stops_reading_stalls_nobody_else(server, tmp_path):
-    from packer.storage.downloader import _frame, try_connect
+    from packer.storage.protocol import frame, try_connect
 
     with _client(tmp_path) as client:
         stalled = try_connect(client.socket_path)
         assert stalled is not None
-        stalled.sendall(_frame({"op": "hello", "version": 1, "pid": os.getpid(), "limit": None}))
-        stalled.sendall(b"".join(_frame({"op": "stats", "id": i}) for i in range(20_000)))  # answers never read
+        stalled.sendall(frame({"op": "hello", "version": 1, "pid": os.getpid(), "limit": None}))
+        stalled.sendall(b"".join(frame({"op": "stats", "id": i}) for i in range(20_000)))  # answers never read
         wait_until(lambda: client.stats()["clients"] == 2, "both clients are connected")
         assert client.submit_head(_spec(server), "shard.bin").result(30).size == len(DATA)  # not stalled
         stalled.close()
