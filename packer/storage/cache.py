@@ -18,7 +18,8 @@ caller chooses (``files/<dataset>/<version>/<name in the dataset>``, so a local 
 they count against the limit and are evicted like ranges. What the layers above keep there for themselves
 (``datasets/``: a remote dataset's manifest and meta/) is small and never evicted.
 
-Layout: ``<cache_dir>/packer-cache-v1/{locks,usage,entries/<2 hex>/<64 hex>,files/...,datasets/...}``.
+Layout: ``<cache_dir>/packer-cache-v1/{locks,usage,entries/<2 hex>/<64 hex>,files/...,datasets/...,tmp/}``
+(``tmp/``: objects being hashed for ``verify``, counted while there).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import os
 import threading
 import time
@@ -143,6 +145,7 @@ class RangeCache:
         self.limit, self.policy = limit, policy or LRU()
         self.stats = CacheStats()
         self._fd: PerProcess[int] = PerProcess(self._open_locks)
+        self._usage: PerProcess[int] = PerProcess(self._open_usage)
         self._local = PerProcess(_Local)
 
     def _open_locks(self) -> int:
@@ -216,10 +219,14 @@ class RangeCache:
         into place."""
         self.make_room(len(data))
         path = self.path(name)
-        path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(f"{name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
         try:
-            with open(tmp, "wb") as fh:
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:  # the entry's folder's first entry (a mkdir per entry cost as much as a write)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with open(fd, "wb") as fh:
                 fh.write(data)
             os.replace(tmp, path)
         except BaseException:
@@ -263,16 +270,19 @@ class RangeCache:
             finally:
                 fcntl.lockf(fd, fcntl.LOCK_UN, 1, _EVICT_SLOT)
 
+    def _open_usage(self) -> int:
+        return os.open(self.root / "usage", os.O_RDWR | os.O_CREAT, 0o644)
+
     def _read_usage(self) -> int:
         try:
-            return int((self.root / "usage").read_text() or 0)
-        except (FileNotFoundError, ValueError):
+            return int(os.pread(self._usage.get(), 64, 0).strip() or b"0")
+        except ValueError:  # damaged (a write torn by a crash): counted again
             return self.usage(rescan=True)
 
     def _write_usage(self, value: int) -> None:
-        tmp = self.root / f"usage.tmp-{os.getpid()}"
-        tmp.write_text(str(max(0, value)))
-        os.replace(tmp, self.root / "usage")
+        """In place, one fixed-width write under the eviction lock (a rename per entry stored cost milliseconds:
+        ext4 flushes a file renamed over another)."""
+        os.pwrite(self._usage.get(), f"{max(0, value):020d}\n".encode(), 0)
 
     def _add_usage(self, delta: int) -> None:
         with self._evict_lock():
@@ -296,7 +306,7 @@ class RangeCache:
                         out.append(Entry(item.name, st.st_size, st.st_mtime))
                     elif _stale_temp(item.name, st.st_mtime, now):
                         os.unlink(item.path)
-        for folder, _dirs, names in os.walk(self.files):
+        for folder, _dirs, names in itertools.chain(os.walk(self.files), os.walk(self.root / "tmp")):
             for item in names:
                 path = os.path.join(folder, item)
                 with contextlib.suppress(FileNotFoundError):
@@ -335,6 +345,7 @@ class RangeCache:
 
     def close(self) -> None:
         self._fd.close(os.close)
+        self._usage.close(os.close)
 
 
 def _slot(name: str) -> int:
@@ -349,12 +360,21 @@ def _stale_temp(name: str, mtime: float, now: float) -> bool:
     if now - mtime > STALE_TEMP_SECONDS:
         return True
     try:
-        os.kill(int(name.split(".tmp-", 1)[1].split("-", 1)[0]), 0)
+        pid = int(name.split(".tmp-", 1)[1].split("-", 1)[0])
+        os.kill(pid, 0)
     except (ValueError, IndexError, ProcessLookupError):
         return now - mtime > 60
     except PermissionError:
-        pass
-    return False
+        return False
+    return _zombie(pid) and now - mtime > 60  # killed, not reaped yet (a detached downloader's parent is init)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 class _Local:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import CancelledError
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import pytest
 from support.storage_servers import Emulated, gone, s3_spec, wait_until
 
 from packer.errors import PackerError
-from packer.storage.cache import ChecksumMismatch
+from packer.storage.cache import ChecksumMismatch, RangeCache
 from packer.storage.downloader_client import DownloaderClient, wait_all
 from packer.storage.emulate import Fault
 from packer.storage.protocol import DownloaderGone, range_name
@@ -178,13 +179,19 @@ def test_a_downloader_that_dies_is_started_again_once_then_one_error(server, tmp
     spec = _spec(server)
     client = _client(tmp_path)
     etag = client.head(spec, "shard.bin").etag
-    server.faults.add(Fault("slow", rate=4000), times=1)  # the first GET would take a minute
-    fut = client.fetch(spec, "shard.bin", etag, [(0, 200_000, [])])[0]
+    server.faults.add(Fault("slow", rate=40_000), times=1)  # the first part's GET would take two minutes
+    fut = client.fetch_file(spec, "shard.bin", etag, len(DATA), hashlib.sha256(DATA).hexdigest(), "files/d/v/s.bin")
     first = client.server_pid
     wait_until(lambda: server.faults.applied, "the GET reached the server")
+    wait_until(lambda: list((client.root / "files/d/v").glob("s.bin.tmp-*")), "the temporary file is there")
     os.kill(first, signal.SIGKILL)
-    assert fut.result(60).read_bytes() == DATA[:200_000]  # asked again of a new downloader
-    assert client.server_pid != first
+    path, _ = fut.result(60)  # asked again of a new downloader
+    assert path.read_bytes() == DATA and client.server_pid != first
+    temps = list((client.root / "files/d/v").glob("s.bin.tmp-*"))
+    assert len(temps) == 1  # the dead downloader's part-written object never got the entry's name
+    os.utime(temps[0], (time.time() - 120, time.time() - 120))  # its writer is dead and it is a minute old
+    RangeCache(tmp_path / "cache", "64MB").usage(rescan=True)
+    assert not temps[0].exists()
     server.faults.add(Fault("slow", rate=4000), times=-1)
     fut = client.fetch(spec, "shard.bin", etag, [(300_000, 500_000, [])])[0]
     wait_until(lambda: len(server.faults.applied) >= 2, "the second GET reached the server")
