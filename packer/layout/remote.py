@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -36,6 +37,7 @@ from packer.storage.faults import ObjectChanged, ObjectNotFound, RetryPolicy
 from packer.storage.protocol import cache_root, limit_bytes, range_name, store_identity
 from packer.storage.url import parse
 
+log = logging.getLogger(__name__)
 LISTS = ("s3", "gs", "az")  # schemes whose objects are listed at open; http(s) gets a HEAD per object
 
 
@@ -127,6 +129,9 @@ class RemoteDataset:
         listing = listed if listed is not None else self._heads([f.name for f in manifest.all_files()] + [ERRORS_NAME])
         listing[MANIFEST_NAME] = RemoteFile(MANIFEST_NAME, head.size, head.etag)
         self.objects = listing
+        if any(f.etag is None for f in listing.values()):
+            log.warning("%s: the server sends no ETag for some objects: a dataset replaced there while a job reads it "
+                        "cannot be detected", self.where())
         self.problems = manifest.size_problems({n: f.size for n, f in listing.items()}, self.where)
         if self.problems and strict:
             raise DatasetError(self.problems[0])
