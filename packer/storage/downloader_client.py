@@ -266,6 +266,12 @@ class DownloaderClient:
                 self._dispatch(message)
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
+        if "error" in msg and "i" not in msg:  # the whole request failed (a fetch's store could not open)
+            with self._lock:
+                req = self._pending.pop(msg["id"], None)
+            for fut in req.futures if req is not None else ():
+                _settle(fut, exc=ERRORS.get(msg["error"], StorageError)(msg["message"]))
+            return
         with self._lock:
             req = self._pending.get(msg["id"])
             if req is None:

@@ -146,16 +146,25 @@ class Fetcher:
                 if self._closed or not self._queue or len(self._in_flight) >= self.max_in_flight:
                     return
                 group = heapq.heappop(self._queue)[2]
+                failed: BaseException | None = None
                 if group.abandoned():
                     dropped = True
                 else:
                     dropped = False
                     self.stats.requests += 1
                     self.stats.requested_bytes += group.end - group.start
-                    fut = group.request = self.store.submit_get(group.key, group.start, group.end, group.etag)
-                    self._in_flight[fut] = group
+                    try:
+                        fut = group.request = self.store.submit_get(group.key, group.start, group.end, group.etag)
+                    except Exception as exc:  # the store could not be opened (no obstore, a refused URL)
+                        failed = exc
+                    else:
+                        self._in_flight[fut] = group
             if dropped:
                 self._abandon(group.members)
+                continue
+            if failed is not None:
+                for _, member, name in group.members:
+                    self._finish(member, name, exc=failed)
                 continue
             fut.add_done_callback(self._landed)
 

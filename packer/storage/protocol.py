@@ -46,7 +46,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from packer.errors import PackerError
+from packer.errors import MissingPackageError, PackerError
 from packer.storage.cache import ChecksumMismatch, RangeCache
 from packer.storage.client import StoreSpec
 from packer.storage.faults import AccessDenied, ObjectChanged, ObjectNotFound, ShortRead, StorageError
@@ -58,7 +58,8 @@ UNBOUNDED = 1 << 62  # the limit of a cache no client has bounded
 _HEADER = struct.Struct(">I")
 _MAX_MESSAGE = 256 << 20  # a listing of a million objects
 ERRORS: dict[str, type[PackerError]] = {c.__name__: c for c in (
-    StorageError, ObjectNotFound, AccessDenied, ObjectChanged, ShortRead, ChecksumMismatch, PackerError)}
+    StorageError, ObjectNotFound, AccessDenied, ObjectChanged, ShortRead, ChecksumMismatch, MissingPackageError,
+    PackerError)}
 
 
 class DownloaderGone(StorageError):

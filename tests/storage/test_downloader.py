@@ -262,3 +262,28 @@ def test_a_client_that_stops_reading_stalls_nobody_else(server, tmp_path):
         wait_until(lambda: client.stats()["clients"] == 2, "both clients are connected")
         assert client.submit_head(_spec(server), "shard.bin").result(30).size == len(DATA)  # not stalled
         stalled.close()
+
+
+def test_a_store_that_cannot_open_fails_each_request_once_and_blocks_no_other(server, tmp_path):
+    from packer.storage.client import StoreSpec
+
+    refused = StoreSpec(f"http://user:pw@{server.server.endpoint[7:]}/bucket/ds", {}, _spec(server).policy)
+    with _client(tmp_path) as client:
+        futures = client.fetch(refused, "shard.bin", None, _blocks(3))
+        futures.append(client.fetch_file(refused, "shard.bin", None, 10, None, "files/r/v/s.bin"))
+        for fut in futures:
+            with pytest.raises(PackerError, match="credentialed http"):
+                fut.result(30)
+        assert client.stats()["in_flight"] == 0  # nothing left waiting in the downloader
+        spec = _spec(server)
+        etag = client.head(spec, "shard.bin").etag
+        assert wait_all(client.fetch(spec, "shard.bin", etag, _blocks(3)))[2].read_bytes() == DATA[2 * BLOCK:3 * BLOCK]
+
+
+def test_a_request_the_downloader_cannot_take_fails_all_its_ranges(server, tmp_path):
+    with _client(tmp_path) as client:  # a store id it was never told of: the request fails whole, every range
+        futures = client._submit("fetch", 3, sid=99, key="shard.bin", etag=None, ranges=[[0, 10, []]] * 3,
+                                 priority=0)
+        for fut in futures:
+            with pytest.raises(PackerError, match="KeyError"):
+                fut.result(30)
