@@ -73,7 +73,11 @@ class DownloaderClient:
                  linger: float = 2.0) -> None:
         self.cache_dir = Path(cache_dir).absolute()
         self.root = cache_root(cache_dir)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(self.root / "usage", os.O_RDWR | os.O_CREAT, 0o644))  # writable, or refused here
+        except OSError as exc:
+            raise PackerError(f"{self.cache_dir}: cannot keep a cache there ({exc.strerror or exc})") from None
         self.limit = limit_bytes(cache_limit)
         self.linger = linger
         key = environment_key()

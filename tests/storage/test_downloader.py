@@ -287,3 +287,9 @@ def test_a_request_the_downloader_cannot_take_fails_all_its_ranges(server, tmp_p
         for fut in futures:
             with pytest.raises(PackerError, match="KeyError"):
                 fut.result(30)
+
+
+def test_a_cache_directory_that_cannot_be_made_is_one_clear_error(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(PackerError, match=r"/file/cache: cannot keep a cache there \(Not a directory\)"):
+        DownloaderClient(tmp_path / "file" / "cache", "1MB")
