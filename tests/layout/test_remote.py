@@ -17,6 +17,7 @@ import pytest
 from support.storage_servers import CREDENTIALS, FAST_POLICY, Emulated, gone, s3_store, upload, wait_until
 
 from packer.errors import DatasetError, InputNotFoundError, PackerError
+from packer.formats import get_format
 from packer.layout.index import Index
 from packer.layout.manifest import read_manifest
 from packer.layout.remote import DatasetReplaced, RemoteDataset
@@ -101,6 +102,11 @@ def test_shards_and_ranges_read_back_byte_for_byte_from_moto(moto_endpoint, buck
             assert (root / f.name).read_bytes() == (packed / f.name).read_bytes()
         name = ds.manifest.shards[0].files[0].name
         assert ds.read_range(name, 4096, 9000) == (packed / name).read_bytes()[4096:9000]
+        reader = get_format(ds.manifest.format).Reader  # the format's own reader opens the fetched shard
+        shard = ds.manifest.shards[0]
+        fetched, local = reader(root, shard, ds.manifest.payload), reader(packed, shard, ds.manifest.payload)
+        assert [bytes(fetched.read(i)) for i in range(shard.num_samples)] == \
+            [bytes(local.read(i)) for i in range(shard.num_samples)]
 
 
 def test_a_dataset_replaced_while_being_read_is_reported_never_mixed(served, tmp_path):
