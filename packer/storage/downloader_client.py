@@ -46,6 +46,8 @@ from packer.storage.url import redact_text
 
 @dataclass
 class _Request:
+    """A request under way: its message (sent again to a restarted downloader) and one future per answer."""
+
     message: dict[str, Any]
     futures: list[concurrent.futures.Future]
     op: str
@@ -62,12 +64,11 @@ def _file_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-
 class DownloaderClient:
     """This process's connection to the node's downloader for ``cache_dir`` (started by exec when none runs).
     ``cache_limit``: the bytes the cache may hold ("20GB"; None: no say, as ``packer info`` and ``verify``, which
-    keep nothing but metadata); ``linger``: how long a downloader waits for a new
-    client once its last one has gone. Not to be used in a process forked from the one that made it."""
+    keep nothing but metadata); ``linger``: how long a downloader it starts waits for a new client once its last
+    one has gone. Not to be used in a process forked from the one that made it (``forget`` it there)."""
 
     def __init__(self, cache_dir: str | os.PathLike, cache_limit: int | str | None, *,
                  linger: float = 2.0) -> None:
@@ -173,7 +174,8 @@ class DownloaderClient:
             message = {"op": "store", "sid": sid, "url": spec.url, "options": spec.options,
                        "policy": asdict(spec.policy)}
             self._specs[text] = (sid, message)
-        self._send(message)
+        with contextlib.suppress(OSError):  # the downloader is gone: the reader sends it again to the next one
+            self._send(message)
         return sid
 
     def _send(self, message: dict[str, Any]) -> None:
@@ -232,9 +234,10 @@ class DownloaderClient:
 
     def fetch_file(self, spec: StoreSpec, key: str, etag: str | None, size: int, sha256: str | None,
                    dest: str | None, priority: int = 0) -> concurrent.futures.Future:
-        """Object ``key`` whole into the cache entry ``dest`` ("files/...", a path below the cache's root), checked
-        against ``size`` and ``sha256``; the future gives ``(path or None, sha256)``. ``dest`` None: the object is
-        only hashed (in a temporary file counted against the limit, deleted once hashed)."""
+        """Object ``key`` whole into ``dest``, a path below the cache's root: "files/..." (an entry, counted and
+        evicted) or "datasets/..." (metadata: neither), checked against ``size`` and ``sha256``; the future gives
+        ``(path or None, sha256)``. ``dest`` None: the object is only hashed (in a temporary file counted against
+        the limit, deleted once hashed)."""
         return self._submit("fetch_file", 1, sid=self._store_id(spec), key=key, etag=etag, size=int(size),
                             sha256=sha256, dest=None if dest is None else checked_dest(dest),
                             priority=int(priority))[0]
@@ -243,7 +246,8 @@ class DownloaderClient:
         """Tell the eviction policy that entries ``names`` are read again at step ``order`` of this pass (lower:
         sooner), or, with None, not again this pass (they go first when room is needed)."""
         self._check_process()
-        self._send({"op": "need", "names": list(names), "order": order})
+        with contextlib.suppress(OSError):  # a hint: lost with a downloader that went away
+            self._send({"op": "need", "names": list(names), "order": order})
 
     def stats(self) -> dict[str, Any]:
         """The downloader's counters: GETs, bytes fetched, hits, waits, evictions, its CPU seconds, its pid."""

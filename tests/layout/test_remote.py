@@ -282,3 +282,11 @@ def test_a_local_path_is_not_a_remote_dataset(tmp_path, packed):
         with pytest.raises(PackerError, match="a local path, not object storage"):
             RemoteDataset(local, tmp_path / "cache")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_open_leaves_no_connection_behind(served, tmp_path):
+    import threading
+
+    with pytest.raises(InputNotFoundError):
+        _open(served, tmp_path, "s3://bucket/nothing.lmdb")
+    assert [t.name for t in threading.enumerate() if t.name == "packer-downloader-client"] == []
