@@ -289,14 +289,17 @@ class RangeCache:
             self._write_usage(self._read_usage() + delta)
 
     def usage(self, rescan: bool = False) -> int:
-        """Bytes in entries: the recorded figure, or counted on disk with ``rescan``."""
+        """Bytes in entries and in downloads under way: the recorded figure, or counted on disk with ``rescan``."""
         if not rescan:
             with self._evict_lock():
                 return self._read_usage()
-        return sum(e.size for e in self._list())
+        entries, writing = self._list()
+        return sum(e.size for e in entries) + writing
 
-    def _list(self) -> list[Entry]:
-        out = []
+    def _list(self) -> tuple[list[Entry], int]:
+        """Every entry, and the bytes of the temporary files being written now (downloads under way take room
+        too, though nothing can evict them); temporary files of dead writers are deleted."""
+        out, writing = [], 0
         now = time.time()
         for sub in self.entries.iterdir() if self.entries.exists() else ():
             for item in os.scandir(sub):
@@ -306,6 +309,8 @@ class RangeCache:
                         out.append(Entry(item.name, st.st_size, st.st_mtime))
                     elif _stale_temp(item.name, st.st_mtime, now):
                         os.unlink(item.path)
+                    else:
+                        writing += st.st_size
         for folder, _dirs, names in itertools.chain(os.walk(self.files), os.walk(self.root / "tmp")):
             for item in names:
                 path = os.path.join(folder, item)
@@ -315,7 +320,9 @@ class RangeCache:
                         out.append(Entry(os.path.relpath(path, self.root), st.st_size, st.st_mtime))
                     elif _stale_temp(item, st.st_mtime, now):
                         os.unlink(path)
-        return out
+                    else:
+                        writing += st.st_size
+        return out, writing
 
     def release_room(self, nbytes: int) -> None:
         """Give back room taken by ``make_room`` for bytes that were never stored (a failed download)."""
@@ -330,8 +337,8 @@ class RangeCache:
         with self._evict_lock():
             used = self._read_usage() + nbytes
             if used > self.limit:
-                entries = self._list()
-                used = sum(e.size for e in entries) + nbytes
+                entries, writing = self._list()
+                used = sum(e.size for e in entries) + writing + nbytes
                 target = int(self.limit * 0.9)
                 for entry in self.policy.victims(entries, used - target):
                     if used <= target:

@@ -290,3 +290,31 @@ def test_a_failed_open_leaves_no_connection_behind(served, tmp_path):
     with pytest.raises(InputNotFoundError):
         _open(served, tmp_path, "s3://bucket/nothing.lmdb")
     assert [t.name for t in threading.enumerate() if t.name == "packer-downloader-client"] == []
+
+
+def test_verify_beside_a_training_job_evicts_little(tmp_path, packed):
+    """verify_files hashes its objects a few at a time: their temporary files, counted against the limit, never
+    push out what a job on the node has cached when the limit holds the job's entries and two objects."""
+    from support.imagesets import make_imagefolder
+
+    root = tmp_path / "root"
+    convert(make_imagefolder(tmp_path / "imgs", classes=3, per_class=8), root / "many.lmdb", to="lmdb",
+            shard_bytes=6_000, progress=False)
+    server = Emulated(root)
+    try:
+        url = "s3://bucket/many.lmdb"
+        with _open(server, tmp_path, url, cache_limit=10 << 20) as probe:
+            biggest = max(f.num_bytes for f in probe.manifest.all_files())
+            total = sum(f.num_bytes for f in probe.manifest.all_files())
+        limit = 2 * biggest + 3000  # the job's range and two objects being hashed
+        assert total > limit + biggest  # all at once would need far more than the limit
+        with _open(server, tmp_path, url, cache_limit=limit) as job, _open(server, tmp_path, url, cache_limit=None) \
+                as checker:
+            name = job.manifest.shards[0].files[0].name
+            job.read_range(name, 0, 1000)  # the job's cached range
+            entry = job.client.path(job.range_entry(name, 0, 1000))
+            job.need([job.range_entry(name, 0, 1000)], 1)
+            assert checker.verify_files() == []
+            assert entry.exists() and job.client.stats()["usage"] <= limit
+    finally:
+        server.stop()

@@ -155,3 +155,18 @@ def test_limits_are_parsed_and_checked(tmp_path):
         RangeCache(tmp_path / "c", 0)
     with pytest.raises(PackerError, match="raise cache_limit"):
         RangeCache(tmp_path / "c", 10).get(URL, None, 0, 100, lambda: b"x" * 100)
+
+
+def test_objects_being_fetched_keep_their_room_when_the_cache_is_counted_again(tmp_path):
+    """A whole object being fetched (a temporary file as large as the object, as the downloader makes it) takes room
+    that eviction must count: entries stored meanwhile never push the disk used past the limit."""
+    cache = RangeCache(tmp_path / "c", 10_000)
+    cache.make_room(5000)  # an object of 5000 bytes starts downloading ...
+    (cache.root / "tmp").mkdir()
+    with open(cache.root / "tmp" / f"{os.getpid()}-ab.tmp-{os.getpid()}-cd", "wb") as fh:
+        fh.truncate(5000)  # ... into its temporary file, sized at the start (wholeobject.py)
+    for i in range(12):  # ranges stored meanwhile: over the limit twice, so the entries are counted again
+        cache.get(URL, '"e"', i * 1000, (i + 1) * 1000, lambda: b"c" * 1000)
+    assert cache.usage(rescan=True) == cache.usage() <= 10_000
+    assert cache.usage(rescan=True) == 5000 + 1000 * sum(
+        cache.path(cache.name(URL, '"e"', i * 1000, (i + 1) * 1000)).exists() for i in range(12))
