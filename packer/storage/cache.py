@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import itertools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,12 +146,12 @@ class RangeCache:
         (self.root / "locks").touch()
         self.limit, self.policy = limit, policy or LRU()
         self.stats = CacheStats()
-        self._fd: PerProcess[int] = PerProcess(self._open_locks)
-        self._usage: PerProcess[int] = PerProcess(self._open_usage)
+        # opened by partials, not methods: the finalizer below holds these, and must not hold the cache
+        self._fd: PerProcess[int] = PerProcess(functools.partial(os.open, self.root / "locks", os.O_RDWR))
+        self._usage: PerProcess[int] = PerProcess(functools.partial(os.open, self.root / "usage",
+                                                                    os.O_RDWR | os.O_CREAT, 0o644))
         self._local = PerProcess(_Local)
-
-    def _open_locks(self) -> int:
-        return os.open(self.root / "locks", os.O_RDWR)
+        self._close = weakref.finalize(self, _close_files, self._fd, self._usage)  # a cache dropped unclosed too
 
     @staticmethod
     def name(url: str, etag: str | None, start: int, end: int) -> str:
@@ -270,9 +272,6 @@ class RangeCache:
             finally:
                 fcntl.lockf(fd, fcntl.LOCK_UN, 1, _EVICT_SLOT)
 
-    def _open_usage(self) -> int:
-        return os.open(self.root / "usage", os.O_RDWR | os.O_CREAT, 0o644)
-
     def _read_usage(self) -> int:
         try:
             return int(os.pread(self._usage.get(), 64, 0).strip() or b"0")
@@ -351,8 +350,19 @@ class RangeCache:
             self._write_usage(used)
 
     def close(self) -> None:
-        self._fd.close(os.close)
-        self._usage.close(os.close)
+        """Close the lock and usage files (this process's; reopened on next use)."""
+        _close_files(self._fd, self._usage)
+
+    def __enter__(self) -> RangeCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_files(*files: PerProcess[int]) -> None:
+    for fd in files:
+        fd.close(os.close)
 
 
 def _slot(name: str) -> int:

@@ -21,6 +21,7 @@ import struct
 import subprocess
 import sys
 import threading
+import weakref
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -120,6 +121,8 @@ class LoopClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="packer-storage-loop", daemon=True)
         self._thread.start()
+        # a client dropped unclosed stops its thread too (the thread holds the loop, not the client)
+        self._stop = weakref.finalize(self, _stop_loop, self._loop, self._thread, os.getpid())
 
     def submit(self, op: str, key: str, **kw: Any) -> concurrent.futures.Future:
         """Run ``op`` ("head", "get", "list", "put", "delete") on ``key`` in the loop; its future."""
@@ -179,17 +182,26 @@ class LoopClient:
 
     def close(self) -> None:
         """Cancel what is in flight and stop the loop thread (joined: nothing is left running)."""
-        if self._loop.is_closed():
-            return
+        self._stop()
 
-        def stop() -> None:
-            for task in asyncio.all_tasks(self._loop):
-                task.cancel()
-            self._loop.call_soon(self._loop.stop)
 
-        self._loop.call_soon_threadsafe(stop)
-        self._thread.join()
-        self._loop.close()
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pid: int) -> None:
+    """Cancel the loop's tasks, stop it and join its thread; only in the process that made it (a forked child's
+    copy is not running), and without the join when called on the loop's own thread (a callback dropped the client:
+    the loop stops after it)."""
+    if pid != os.getpid() or loop.is_closed():
+        return
+
+    def stop() -> None:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.call_soon(loop.stop)
+
+    loop.call_soon_threadsafe(stop)
+    if threading.current_thread() is thread:
+        return
+    thread.join()
+    loop.close()
 
 
 # ---- the helper process: same client, over a pipe ----

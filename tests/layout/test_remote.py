@@ -105,8 +105,12 @@ def test_shards_and_ranges_read_back_byte_for_byte_from_moto(moto_endpoint, buck
         reader = get_format(ds.manifest.format).Reader  # the format's own reader opens the fetched shard
         shard = ds.manifest.shards[0]
         fetched, local = reader(root, shard, ds.manifest.payload), reader(packed, shard, ds.manifest.payload)
-        assert [bytes(fetched.read(i)) for i in range(shard.num_samples)] == \
-            [bytes(local.read(i)) for i in range(shard.num_samples)]
+        try:
+            assert [bytes(fetched.read(i)) for i in range(shard.num_samples)] == \
+                [bytes(local.read(i)) for i in range(shard.num_samples)]
+        finally:
+            fetched.close()
+            local.close()
 
 
 def test_a_dataset_replaced_while_being_read_is_reported_never_mixed(served, tmp_path):
@@ -287,9 +291,10 @@ def test_a_local_path_is_not_a_remote_dataset(tmp_path, packed):
 def test_a_failed_open_leaves_no_connection_behind(served, tmp_path):
     import threading
 
+    before = set(threading.enumerate())
     with pytest.raises(InputNotFoundError):
         _open(served, tmp_path, "s3://bucket/nothing.lmdb")
-    assert [t.name for t in threading.enumerate() if t.name == "packer-downloader-client"] == []
+    assert [t.name for t in set(threading.enumerate()) - before if t.name == "packer-downloader-client"] == []
 
 
 def test_verify_beside_a_training_job_evicts_little(tmp_path, packed):

@@ -168,7 +168,7 @@ def test_the_downloader_exits_when_its_last_client_has_gone(server, tmp_path):
     a, b = _client(tmp_path), _client(tmp_path)
     assert a.server_pid == b.server_pid
     a.close()
-    assert b.stats()["clients"] == 1
+    wait_until(lambda: b.stats()["clients"] == 1, "the downloader notices a client gone")  # its EOF, read apart
     b.close()
     wait_until(lambda: gone(a.server_pid), "the downloader exits")
     assert not a.socket_path.exists()

@@ -96,7 +96,7 @@ def test_a_crashed_downloader_leaves_nothing_that_looks_complete(tmp_path):
     assert claimed.wait(60)
     with cache.claim(cache.name(URL, '"e1"', 0, 10), block=False) as mine:
         assert not mine  # held by the other process
-    os.kill(holder.pid, signal.SIGKILL)
+    holder.kill()
     holder.join(30)
     assert cache.get(URL, '"e1"', 0, 10, lambda: b"0123456789") == b"0123456789"
 
@@ -170,3 +170,31 @@ def test_objects_being_fetched_keep_their_room_when_the_cache_is_counted_again(t
     assert cache.usage(rescan=True) == cache.usage() <= 10_000
     assert cache.usage(rescan=True) == 5000 + 1000 * sum(
         cache.path(cache.name(URL, '"e"', i * 1000, (i + 1) * 1000)).exists() for i in range(12))
+
+
+def _open_files_under(root) -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(root)):
+            out.append(target)
+    return out
+
+
+def test_a_cache_dropped_without_close_leaves_no_file_open(tmp_path):
+    """Every RangeCache holds its lock and usage files open: dropped unclosed, it closes them (a test session or a
+    tool making caches would otherwise run out of descriptors); ``with`` closes them at once."""
+    import gc
+
+    cache = RangeCache(tmp_path / "c", "1MB")
+    cache.get(URL, '"e"', 0, 4, lambda: b"abcd")
+    assert len(_open_files_under(tmp_path)) == 2
+    del cache
+    gc.collect()
+    assert _open_files_under(tmp_path) == []
+    with RangeCache(tmp_path / "c", "1MB") as cache:
+        assert cache.get(URL, '"e"', 0, 4, lambda: pytest.fail("cached")) == b"abcd"
+    assert _open_files_under(tmp_path) == []

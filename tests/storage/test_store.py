@@ -11,6 +11,7 @@ import pytest
 from support.storage_servers import FAST_POLICY, Emulated, s3_store
 
 from packer.errors import PackerError
+from packer.storage.client import LoopClient
 from packer.storage.emulate import Fault
 from packer.storage.faults import AccessDenied, ObjectChanged, ObjectNotFound, RetryPolicy, StorageError
 from packer.storage.store import ObjectStore
@@ -225,3 +226,20 @@ def test_a_store_used_before_fork_or_pickled_to_spawn_reads_in_the_child(emulate
     assert client == ("HelperClient" if method == "fork" else "LoopClient")
     assert pickle.loads(pickle.dumps(store)).get_range(key, 0, 5) == DATA[:5]
     store.close()
+
+
+def test_a_store_dropped_without_close_stops_its_thread(tmp_path):
+    """A client's loop thread holds its event loop, not the client: a store dropped unclosed (a pickled copy, a
+    tool's) stops its thread and closes its loop instead of keeping them, and their descriptors, until exit."""
+    import gc
+
+    (tmp_path / "a.bin").write_bytes(DATA)
+    store = ObjectStore(tmp_path)
+    assert store.get_range("a.bin", 0, 4) == DATA[:4]
+    client = store.client
+    assert isinstance(client, LoopClient)
+    thread, loop = client._thread, client._loop
+    del store, client
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive() and loop.is_closed()
