@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,6 +53,13 @@ class _Request:
     futures: list[concurrent.futures.Future]
     op: str
     left: int = 0
+
+
+@dataclass
+class _Line:
+    """The client's socket, shared with its reader thread and its finalizer (neither may hold the client)."""
+
+    sock: socket.socket
 
 
 @contextlib.contextmanager
@@ -94,9 +102,12 @@ class DownloaderClient:
         self._closing = False
         self.server_pid = 0
         self._frames = Frames()
-        self._sock = self._connect()
-        self._reader = threading.Thread(target=self._read, name="packer-downloader-client", daemon=True)
+        self._line = _Line(self._connect())
+        # the reader and the finalizer hold the socket, not the client: one dropped unclosed is collected, hangs up
+        self._reader = threading.Thread(target=_read_answers, args=(weakref.ref(self), self._line),
+                                        name="packer-downloader-client", daemon=True)
         self._reader.start()
+        self._finalizer = weakref.finalize(self, _hang_up, self._line, self._pid)
 
     # -- connecting, and starting the downloader --
 
@@ -180,7 +191,7 @@ class DownloaderClient:
 
     def _send(self, message: dict[str, Any]) -> None:
         with self._send_lock:
-            self._sock.sendall(frame(message))
+            self._line.sock.sendall(frame(message))
 
     def _submit(self, op: str, count: int, **fields: Any) -> list[concurrent.futures.Future]:
         self._check_process()
@@ -259,19 +270,17 @@ class DownloaderClient:
 
     # -- answers --
 
-    def _read(self) -> None:
-        while True:
-            try:
-                data = self._sock.recv(1 << 16)
-                messages = self._frames.feed(data) if data else None
-            except (OSError, ValueError, PackerError):
-                messages = None
-            if messages is None:
-                if self._closing or not self._recover():
-                    return
-                continue
-            for message in messages:
-                self._dispatch(message)
+    def _answers(self, data: bytes | None) -> bool:
+        """Handle what the reader thread received (None or nothing: the connection ended); False: stop reading."""
+        try:
+            messages = self._frames.feed(data) if data else None
+        except (ValueError, PackerError):
+            messages = None
+        if messages is None:
+            return not self._closing and self._recover()
+        for message in messages:
+            self._dispatch(message)
+        return True
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         if "error" in msg and "i" not in msg:  # the whole request failed (a fetch's store could not open)
@@ -313,8 +322,8 @@ class DownloaderClient:
             self._restarts += 1
         if again:
             try:
-                self._sock.close()
-                self._sock = self._connect()
+                self._line.sock.close()
+                self._line.sock = self._connect()
                 with self._lock:
                     messages = [m for _, m in self._specs.values()] + [r.message for r in self._pending.values()]
                 for message in messages:
@@ -338,10 +347,11 @@ class DownloaderClient:
         if self._closing or os.getpid() != self._pid:
             return
         self._closing = True
+        self._finalizer.detach()
         with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
+            self._line.sock.shutdown(socket.SHUT_RDWR)
         self._reader.join()
-        self._sock.close()
+        self._line.sock.close()
         with self._lock:
             pending, self._pending = list(self._pending.values()), {}
         for req in pending:
@@ -351,7 +361,7 @@ class DownloaderClient:
     def forget(self) -> None:
         """In a forked child: drop the parent's connection without hanging it up (the parent still uses it)."""
         with contextlib.suppress(OSError):
-            self._sock.close()
+            self._line.sock.close()
 
     def __enter__(self) -> DownloaderClient:
         return self
@@ -361,6 +371,29 @@ class DownloaderClient:
 
     def __repr__(self) -> str:
         return f"DownloaderClient({str(self.cache_dir)!r}, pid {self.server_pid})"
+
+
+def _read_answers(client_ref: weakref.ReferenceType[DownloaderClient], line: _Line) -> None:
+    """The reader thread: waits for answers holding only the socket, then the client while it handles them."""
+    while True:
+        try:
+            data: bytes | None = line.sock.recv(1 << 16)
+        except OSError:
+            data = None
+        client = client_ref()
+        if client is None or not client._answers(data):
+            return
+        del client
+
+
+def _hang_up(line: _Line, pid: int) -> None:
+    """A client collected unclosed: end its connection (in the process that made it; a forked child's copy of the
+    socket is only closed, by ``forget``), so its reader ends and the downloader may exit."""
+    if os.getpid() != pid:
+        return
+    with contextlib.suppress(OSError):
+        line.sock.shutdown(socket.SHUT_RDWR)
+    line.sock.close()
 
 
 def _settle(fut: concurrent.futures.Future, result: Any = None, exc: BaseException | None = None) -> None:

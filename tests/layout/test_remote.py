@@ -323,3 +323,16 @@ def test_verify_beside_a_training_job_evicts_little(tmp_path, packed):
             assert entry.exists() and job.client.stats()["usage"] <= limit
     finally:
         server.stop()
+
+
+def test_a_dataset_never_closed_lets_the_downloader_go_once_collected(served, tmp_path):
+    """Datasets are often left for the garbage collector: once one is, its connection ends and the node's
+    downloader exits with its last client, not with the process."""
+    import gc
+
+    ds = _open(served, tmp_path)
+    ds.read_range(ds.manifest.shards[0].files[0].name, 0, 100)
+    pid = ds.client.server_pid
+    del ds
+    gc.collect()
+    wait_until(lambda: gone(pid), "the downloader exits once the dataset is collected")

@@ -175,6 +175,21 @@ def test_the_downloader_exits_when_its_last_client_has_gone(server, tmp_path):
     assert [t.name for t in threading.enumerate() if t.name.startswith("packer-downloader")] == []
 
 
+def test_a_client_dropped_without_close_hangs_up(server, tmp_path):
+    """Its reader thread holds it weakly: a client nobody holds (a dataset never closed) is collected, hangs up, its
+    thread ends, and the downloader exits with its last client instead of living as long as the process."""
+    import gc
+
+    client = _client(tmp_path)
+    client.head(_spec(server), "shard.bin")
+    pid, reader = client.server_pid, client._reader
+    del client
+    gc.collect()
+    reader.join(30)
+    assert not reader.is_alive()
+    wait_until(lambda: gone(pid), "the downloader exits after its last client")
+
+
 def test_a_downloader_that_dies_is_started_again_once_then_one_error(server, tmp_path):
     spec = _spec(server)
     client = _client(tmp_path)
