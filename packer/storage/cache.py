@@ -6,8 +6,9 @@ through the directory alone:
 - one byte-range lock (``fcntl.lockf``) per entry in ``locks``, taken while its bytes are downloaded, so two
   processes never fetch the same range at once (the second waits, then reads the entry); a crashed downloader's
   lock goes with it;
-- an entry is written as ``<name>.tmp-<pid>-<random>`` and renamed into place complete: a partial entry never has
-  an entry's name (leftover temporaries of dead processes are swept);
+- an entry is written as ``<name>.tmp-<pid space>-<pid>-<random>`` and renamed into place complete: a partial entry
+  never has an entry's name (leftover temporaries of dead processes are swept; another container's or node's,
+  told apart by ``pid_space``, only when over an hour old);
 - ``usage`` (bytes, updated under the eviction lock) bounds the disk used by ``cache_limit``; when over, the entries
   are listed and an ``EvictionPolicy`` (default ``LRU``; ``KeepNeeded`` drops first what the epoch will not read
   again) chooses what goes, down to 90 % of the limit;
@@ -30,6 +31,7 @@ import functools
 import hashlib
 import itertools
 import os
+import socket
 import threading
 import time
 import weakref
@@ -221,7 +223,7 @@ class RangeCache:
         into place."""
         self.make_room(len(data))
         path = self.path(name)
-        tmp = path.with_name(f"{name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+        tmp = path.with_name(f"{name}{temp_suffix()}")
         try:
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -371,13 +373,50 @@ def _slot(name: str) -> int:
     return 1 + int(key[:15], 16)
 
 
+_IDS: dict[str, str] = {}
+
+
+def node_id() -> str:
+    """This machine: ``n`` and 12 hex digits of the kernel's boot id (containers of one host share it), else of the
+    host name. A cache folder shared by nodes gives each node's downloader its own socket by it."""
+    if "node" not in _IDS:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as fh:
+                raw = fh.read().strip()
+        except OSError:
+            raw = ""
+        _IDS["node"] = raw or socket.gethostname()
+    return "n" + hashlib.sha256(_IDS["node"].encode()).hexdigest()[:12]
+
+
+def pid_space() -> str:
+    """Where this process's pid means something: the node and its pid namespace (a container's own), ``n`` and 12
+    hex digits. A temporary file's writer is looked up by pid only from the same space."""
+    if "pids" not in _IDS:
+        try:
+            _IDS["pids"] = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            _IDS["pids"] = ""
+    return "n" + hashlib.sha256(f"{node_id()} {_IDS['pids']}".encode()).hexdigest()[:12]
+
+
+def temp_suffix() -> str:
+    """The suffix of a file being written into the cache: ``.tmp-<pid space>-<pid>-<random>``."""
+    return f".tmp-{pid_space()}-{os.getpid()}-{os.urandom(4).hex()}"
+
+
 def _stale_temp(name: str, mtime: float, now: float) -> bool:
-    """A temporary entry left by a writer that is gone (no such pid, a minute on) or over an hour old (a pid
-    from another container sharing the folder)."""
+    """A temporary entry left by a writer that is gone (no such pid in this pid space, a minute on) or over an hour
+    old (a writer in another container or on another node sharing the folder, whose pid means nothing here)."""
     if now - mtime > STALE_TEMP_SECONDS:
         return True
     try:
-        pid = int(name.split(".tmp-", 1)[1].split("-", 1)[0])
+        parts = name.split(".tmp-", 1)[1].split("-")
+        if parts[0].startswith("n"):
+            if parts[0] != pid_space():
+                return False
+            parts = parts[1:]
+        pid = int(parts[0])
         os.kill(pid, 0)
     except (ValueError, IndexError, ProcessLookupError):
         return now - mtime > 60

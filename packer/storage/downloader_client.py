@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import PackerError
+from packer.storage.cache import node_id
 from packer.storage.client import ObjectInfo, StoreSpec
 from packer.storage.faults import StorageError
 from packer.storage.protocol import (
@@ -90,7 +91,7 @@ class DownloaderClient:
         self.limit = limit_bytes(cache_limit)
         self.linger = linger
         key = environment_key()
-        self.socket_path = self.root / f"downloader-{key}.sock"
+        self.socket_path = self.root / f"downloader-{node_id()}-{key}.sock"  # a folder shared by nodes: one each
         self.log_path = self.root / "downloader.log"
         self._pid = os.getpid()
         self._lock = threading.Lock()

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from packer.storage.cache import ChecksumMismatch, RangeCache
+from packer.storage.cache import ChecksumMismatch, RangeCache, temp_suffix
 from packer.storage.fetch import Fetcher, Range
 from packer.storage.protocol import error_answer
 
@@ -33,7 +33,7 @@ class WholeObject:
         self.fetcher, self.cache, self.work, self.done = fetcher, cache, work, done
         self.key, self.etag, self.size, self.sha256, self.dest, self.where = key, etag, size, sha256, dest, where
         self.path = cache.root / (dest or f"tmp/{os.getpid()}-{os.urandom(6).hex()}")
-        self.tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+        self.tmp = self.path.with_name(f"{self.path.name}{temp_suffix()}")
         self.counted = dest is None or dest.startswith("files/")  # metadata (datasets/...) is not an entry
         self.futures: list[concurrent.futures.Future] = []
         self.left = 0

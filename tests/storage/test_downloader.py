@@ -308,3 +308,23 @@ def test_a_cache_directory_that_cannot_be_made_is_one_clear_error(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     with pytest.raises(PackerError, match=r"/file/cache: cannot keep a cache there \(Not a directory\)"):
         DownloaderClient(tmp_path / "file" / "cache", "1MB")
+
+
+def test_nodes_sharing_a_cache_folder_get_a_downloader_each(server, tmp_path, monkeypatch):
+    """A Unix socket cannot be reached from another machine: each node (by the kernel's boot id) has its own
+    socket in a shared folder, so a second node starts its own downloader instead of fighting over one socket."""
+    from packer.storage import cache as cache_module
+
+    here = _client(tmp_path)
+    monkeypatch.setitem(cache_module._IDS, "node", "another machine's boot id")
+    there = _client(tmp_path)
+    try:
+        assert there.socket_path != here.socket_path and there.server_pid != here.server_pid
+        spec = _spec(server)
+        etag = here.head(spec, "shard.bin").etag
+        assert [p.read_bytes() for p in wait_all(there.fetch(spec, "shard.bin", etag, _blocks(2)))] == \
+            [DATA[:BLOCK], DATA[BLOCK:2 * BLOCK]]
+        assert here.stats()["clients"] == 1 and there.stats()["clients"] == 1
+    finally:
+        here.close()
+        there.close()

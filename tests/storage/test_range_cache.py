@@ -198,3 +198,23 @@ def test_a_cache_dropped_without_close_leaves_no_file_open(tmp_path):
     with RangeCache(tmp_path / "c", "1MB") as cache:
         assert cache.get(URL, '"e"', 0, 4, lambda: pytest.fail("cached")) == b"abcd"
     assert _open_files_under(tmp_path) == []
+
+
+def test_a_temporary_file_of_another_node_or_container_is_kept_while_it_may_be_written(tmp_path):
+    """A cache folder shared by machines (or containers): a pid of another pid space says nothing here, so its
+    writer's temporary file is swept only when over an hour old; this space's dead writer's, after a minute."""
+    from packer.storage.cache import STALE_TEMP_SECONDS, pid_space
+
+    cache = RangeCache(tmp_path / "c", "1MB")
+    dead = mp.get_context("fork").Process(target=os.getpid)
+    dead.start()
+    dead.join()  # a pid no process of this space has now
+    folder = cache.entries / "ab"
+    folder.mkdir()
+    other, ours, old = (folder / f"ab{i}.tmp-{space}-{dead.pid}-00" for i, space in
+                        enumerate(("n000000000000", pid_space(), "n000000000000")))
+    for path, age in ((other, 120), (ours, 120), (old, STALE_TEMP_SECONDS + 60)):
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (time.time() - age, time.time() - age))
+    assert cache.usage(rescan=True) == 100  # the other space's file, counted as a download under way
+    assert other.exists() and not ours.exists() and not old.exists()
