@@ -279,8 +279,11 @@ class HelperClient:
                                       stdout=subprocess.PIPE, env=env, start_new_session=True)
         self._lock, self._futures, self._next = threading.Lock(), {}, 0
         _send(self._proc.stdin, self._lock, {"url": spec.url, "options": spec.options, "policy": asdict(spec.policy)})
-        self._reader = threading.Thread(target=self._read, name="packer-storage-helper", daemon=True)
+        # the reader and the finalizer hold the pipe and the process, not the client: one dropped unclosed ends them
+        self._reader = threading.Thread(target=_read_replies, args=(weakref.ref(self), self._proc.stdout),
+                                        name="packer-storage-helper", daemon=True)
         self._reader.start()
+        self._end = weakref.finalize(self, _end_helper, self._proc, os.getpid())
 
     def submit(self, op: str, key: str, **kw: Any) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -294,17 +297,17 @@ class HelperClient:
             fut.set_exception(StorageError(f"the storage helper process ended (exit {self._proc.poll()})"))
         return fut
 
-    def _read(self) -> None:
-        assert self._proc.stdout is not None
-        while (msg := _receive(self._proc.stdout)) is not None:
-            header, payload = msg
-            with self._lock:
-                op, fut = self._futures.pop(header["id"])
-            if fut.set_running_or_notify_cancel():
-                if header["ok"]:
-                    fut.set_result(_decode(op, header["result"], payload))
-                else:
-                    fut.set_exception(_ERRORS.get(header["kind"], StorageError)(header["message"]))
+    def _reply(self, header: dict[str, Any], payload: bytes) -> None:
+        with self._lock:
+            op, fut = self._futures.pop(header["id"])
+        if fut.set_running_or_notify_cancel():
+            if header["ok"]:
+                fut.set_result(_decode(op, header["result"], payload))
+            else:
+                fut.set_exception(_ERRORS.get(header["kind"], StorageError)(header["message"]))
+
+    def _ended(self) -> None:
+        """The helper's pipe closed: what is still waited for fails."""
         with self._lock:
             pending, self._futures = list(self._futures.values()), {}
         for _, fut in pending:
@@ -312,15 +315,35 @@ class HelperClient:
                 fut.set_exception(StorageError(f"the storage helper process ended (exit {self._proc.poll()})"))
 
     def close(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            assert self._proc.stdin is not None
-            self._proc.stdin.close()
-        try:
-            self._proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        self._end()
         self._reader.join()
+
+
+def _read_replies(client_ref: weakref.ReferenceType[HelperClient], stdout: Any) -> None:
+    """A helper client's reader thread: waits holding only the pipe, then the client while it hands a reply over."""
+    while (msg := _receive(stdout)) is not None:
+        client = client_ref()
+        if client is None:
+            return
+        client._reply(*msg)
+        del client
+    client = client_ref()
+    if client is not None:
+        client._ended()
+
+
+def _end_helper(proc: subprocess.Popen, pid: int) -> None:
+    """Close the helper's stdin (it ends its requests and exits) and reap it; only in the process that started it."""
+    if os.getpid() != pid:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        assert proc.stdin is not None
+        proc.stdin.close()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 Client = LoopClient | HelperClient

@@ -11,7 +11,7 @@ import pytest
 from support.storage_servers import FAST_POLICY, Emulated, s3_store
 
 from packer.errors import PackerError
-from packer.storage.client import LoopClient
+from packer.storage.client import HelperClient, LoopClient
 from packer.storage.emulate import Fault
 from packer.storage.faults import AccessDenied, ObjectChanged, ObjectNotFound, RetryPolicy, StorageError
 from packer.storage.store import ObjectStore
@@ -243,3 +243,34 @@ def test_a_store_dropped_without_close_stops_its_thread(tmp_path):
     gc.collect()
     thread.join(10)
     assert not thread.is_alive() and loop.is_closed()
+
+
+def _drop_helper_in_child(store: ObjectStore, key: str, queue) -> None:
+    import gc
+
+    try:
+        assert store.get_range(key, 0, 4) == DATA[:4]
+        client = store.client
+        assert isinstance(client, HelperClient)
+        kind, proc, reader = type(client).__name__, client._proc, client._reader
+        store._client.close()  # forgotten, not closed: as a store nobody holds any more
+        del client
+        gc.collect()
+        reader.join(30)
+        queue.put((kind, proc.wait(30), reader.is_alive()))
+    except BaseException as exc:
+        queue.put((repr(exc), None, None))
+
+
+def test_a_forked_childs_store_dropped_without_close_ends_its_helper(emulated):
+    """The helper process and its reader thread end with a client nobody holds (they hold the pipe, not it)."""
+    store, key = _store(emulated)
+    assert store.get_range(key, 0, 10) == DATA[:10]  # obstore ran here: a forked child gets a helper
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_drop_helper_in_child, args=(store, key, queue))
+    proc.start()
+    got = queue.get(timeout=60)
+    proc.join(60)
+    assert got == ("HelperClient", 0, False)
+    store.close()
