@@ -31,7 +31,6 @@ import functools
 import hashlib
 import itertools
 import os
-import socket
 import threading
 import time
 import weakref
@@ -43,12 +42,12 @@ from typing import Protocol
 from packer.errors import PackerError
 from packer.perprocess import PerProcess
 from packer.storage.faults import StorageError
+from packer.storage.node import stale_temp, temp_suffix
 from packer.storage.url import redact
 from packer.units import parse_bytes
 
 Checksum = tuple[str, str]  # (hashlib algorithm, hex digest), e.g. ("sha256", "ab12...")
 _EVICT_SLOT = 0  # byte of the lock file that guards usage and eviction; entries lock bytes 1..2**62
-STALE_TEMP_SECONDS = 3600.0
 
 
 class ChecksumMismatch(StorageError):
@@ -308,7 +307,7 @@ class RangeCache:
                     st = item.stat()
                     if ".tmp-" not in item.name:
                         out.append(Entry(item.name, st.st_size, st.st_mtime))
-                    elif _stale_temp(item.name, st.st_mtime, now):
+                    elif stale_temp(item.name, st.st_mtime, now):
                         os.unlink(item.path)
                     else:
                         writing += st.st_size
@@ -319,7 +318,7 @@ class RangeCache:
                     st = os.stat(path)
                     if ".tmp-" not in item:
                         out.append(Entry(os.path.relpath(path, self.root), st.st_size, st.st_mtime))
-                    elif _stale_temp(item, st.st_mtime, now):
+                    elif stale_temp(item, st.st_mtime, now):
                         os.unlink(path)
                     else:
                         writing += st.st_size
@@ -371,66 +370,6 @@ def _slot(name: str) -> int:
     """The lock file byte that stands for entry ``name`` (byte 0 is the eviction lock's)."""
     key = name if "/" not in name else hashlib.sha256(name.encode()).hexdigest()
     return 1 + int(key[:15], 16)
-
-
-_IDS: dict[str, str] = {}
-
-
-def node_id() -> str:
-    """This machine: ``n`` and 12 hex digits of the kernel's boot id (containers of one host share it), else of the
-    host name. A cache folder shared by nodes gives each node's downloader its own socket by it."""
-    if "node" not in _IDS:
-        try:
-            with open("/proc/sys/kernel/random/boot_id") as fh:
-                raw = fh.read().strip()
-        except OSError:
-            raw = ""
-        _IDS["node"] = raw or socket.gethostname()
-    return "n" + hashlib.sha256(_IDS["node"].encode()).hexdigest()[:12]
-
-
-def pid_space() -> str:
-    """Where this process's pid means something: the node and its pid namespace (a container's own), ``n`` and 12
-    hex digits. A temporary file's writer is looked up by pid only from the same space."""
-    if "pids" not in _IDS:
-        try:
-            _IDS["pids"] = os.readlink("/proc/self/ns/pid")
-        except OSError:
-            _IDS["pids"] = ""
-    return "n" + hashlib.sha256(f"{node_id()} {_IDS['pids']}".encode()).hexdigest()[:12]
-
-
-def temp_suffix() -> str:
-    """The suffix of a file being written into the cache: ``.tmp-<pid space>-<pid>-<random>``."""
-    return f".tmp-{pid_space()}-{os.getpid()}-{os.urandom(4).hex()}"
-
-
-def _stale_temp(name: str, mtime: float, now: float) -> bool:
-    """A temporary entry left by a writer that is gone (no such pid in this pid space, a minute on) or over an hour
-    old (a writer in another container or on another node sharing the folder, whose pid means nothing here)."""
-    if now - mtime > STALE_TEMP_SECONDS:
-        return True
-    try:
-        parts = name.split(".tmp-", 1)[1].split("-")
-        if parts[0].startswith("n"):
-            if parts[0] != pid_space():
-                return False
-            parts = parts[1:]
-        pid = int(parts[0])
-        os.kill(pid, 0)
-    except (ValueError, IndexError, ProcessLookupError):
-        return now - mtime > 60
-    except PermissionError:
-        return False
-    return _zombie(pid) and now - mtime > 60  # killed, not reaped yet (a detached downloader's parent is init)
-
-
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 class _Local:

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import PackerError
-from packer.storage.cache import node_id
 from packer.storage.client import ObjectInfo, StoreSpec
 from packer.storage.faults import StorageError
+from packer.storage.node import node_id
 from packer.storage.protocol import (
     ERRORS,
     PROTOCOL,

@@ -14,8 +14,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from packer.storage.cache import ChecksumMismatch, RangeCache, temp_suffix
+from packer.storage.cache import ChecksumMismatch, RangeCache
 from packer.storage.fetch import Fetcher, Range
+from packer.storage.node import temp_suffix
 from packer.storage.protocol import error_answer
 
 PART = 8 << 20  # a whole object is fetched in parts of this size, many in flight

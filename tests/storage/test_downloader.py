@@ -313,10 +313,10 @@ def test_a_cache_directory_that_cannot_be_made_is_one_clear_error(tmp_path):
 def test_nodes_sharing_a_cache_folder_get_a_downloader_each(server, tmp_path, monkeypatch):
     """A Unix socket cannot be reached from another machine: each node (by the kernel's boot id) has its own
     socket in a shared folder, so a second node starts its own downloader instead of fighting over one socket."""
-    from packer.storage import cache as cache_module
+    from packer.storage import node
 
     here = _client(tmp_path)
-    monkeypatch.setitem(cache_module._IDS, "node", "another machine's boot id")
+    monkeypatch.setitem(node._IDS, "node", "another machine's boot id")
     there = _client(tmp_path)
     try:
         assert there.socket_path != here.socket_path and there.server_pid != here.server_pid

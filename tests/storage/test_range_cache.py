@@ -203,7 +203,7 @@ def test_a_cache_dropped_without_close_leaves_no_file_open(tmp_path):
 def test_a_temporary_file_of_another_node_or_container_is_kept_while_it_may_be_written(tmp_path):
     """A cache folder shared by machines (or containers): a pid of another pid space says nothing here, so its
     writer's temporary file is swept only when over an hour old; this space's dead writer's, after a minute."""
-    from packer.storage.cache import STALE_TEMP_SECONDS, pid_space
+    from packer.storage.node import STALE_TEMP_SECONDS, pid_space
 
     cache = RangeCache(tmp_path / "c", "1MB")
     dead = mp.get_context("fork").Process(target=os.getpid)
