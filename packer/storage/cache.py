@@ -153,6 +153,7 @@ class RangeCache:
                                                                     os.O_RDWR | os.O_CREAT, 0o644))
         self._local = PerProcess(_Local)
         self._close = weakref.finalize(self, _close_files, self._fd, self._usage)  # a cache dropped unclosed too
+        self._close.atexit = False  # at exit the process's end releases it, as before
 
     @staticmethod
     def name(url: str, etag: str | None, start: int, end: int) -> str:

@@ -123,6 +123,7 @@ class LoopClient:
         self._thread.start()
         # a client dropped unclosed stops its thread too (the thread holds the loop, not the client)
         self._stop = weakref.finalize(self, _stop_loop, self._loop, self._thread, os.getpid())
+        self._stop.atexit = False  # at exit the process's end releases it, as before
 
     def submit(self, op: str, key: str, **kw: Any) -> concurrent.futures.Future:
         """Run ``op`` ("head", "get", "list", "put", "delete") on ``key`` in the loop; its future."""
@@ -284,6 +285,7 @@ class HelperClient:
                                         name="packer-storage-helper", daemon=True)
         self._reader.start()
         self._end = weakref.finalize(self, _end_helper, self._proc, os.getpid())
+        self._end.atexit = False  # at exit the process's end releases it, as before
 
     def submit(self, op: str, key: str, **kw: Any) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()

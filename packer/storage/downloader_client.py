@@ -109,6 +109,7 @@ class DownloaderClient:
                                         name="packer-downloader-client", daemon=True)
         self._reader.start()
         self._finalizer = weakref.finalize(self, _hang_up, self._line, self._pid)
+        self._finalizer.atexit = False  # at exit: the process's end hangs up (a hang-up first would set _recover going)
 
     # -- connecting, and starting the downloader --
 
