@@ -93,13 +93,17 @@ def _report_convert(res, quiet: bool) -> None:
 
 def cmd_info(args) -> int:
     from packer.layout.manifest import dataset_directory
+    from packer.layout.remote import is_remote
     from packer.storage.url import refuse_url
     from packer.tools.info import dataset_info, info_rows
 
-    refuse_url(args.dataset, "packer info")
-    dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
-    with under_way():
-        data = dataset_info(args.dataset)
+    if is_remote(args.dataset):
+        data = dataset_info(args.dataset, args.cache_dir)  # no manifest at the URL, no access: exit 2
+    else:
+        refuse_url(args.dataset, "packer info")
+        dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
+        with under_way():
+            data = dataset_info(args.dataset)
     if args.json:
         code = 1 if data["problems"] else 0
         print(json_document("info", code, data))
@@ -113,24 +117,30 @@ def cmd_info(args) -> int:
 
 def cmd_verify(args) -> int:
     from packer.layout.manifest import dataset_directory
-    from packer.storage.url import refuse_urls
-    from packer.tools.verify import verify
+    from packer.layout.remote import is_remote
+    from packer.storage.url import redact, refuse_urls
+    from packer.tools.verify import verify, verify_remote
 
-    refuse_urls("packer verify", args.dataset, args.against)
-    dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
-    report = verify(args.dataset, against=args.against, progress=bar_unless_quiet(args), deep=args.deep)
+    if is_remote(args.dataset) and args.against is None and not args.deep:
+        report = verify_remote(args.dataset, args.cache_dir, progress=bar_unless_quiet(args))
+    else:
+        refuse_urls("packer verify" + (" --deep" if args.deep else "") if args.against is None
+                    else "packer verify --against", args.dataset, args.against)
+        dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
+        report = verify(args.dataset, against=args.against, progress=bar_unless_quiet(args), deep=args.deep)
+    shown = redact(str(args.dataset))
     if args.json:
-        print(json_document("verify", 0 if report.ok else 1, {"dataset": str(args.dataset), **report.to_json()}))
+        print(json_document("verify", 0 if report.ok else 1, {"dataset": shown, **report.to_json()}))
         return 0 if report.ok else 1
     checked = ", ".join(f"{v} {k}" for k, v in report.checked.items())
     if report.ok:
-        print(f"ok: {args.dataset} ({checked})")
+        print(f"ok: {shown} ({checked})")
         return 0
     for p in report.problems[:50]:
         print(f"problem: {p}")
     if len(report.problems) > 50:
         print(f"... and {len(report.problems) - 50} more")
-    print(f"FAILED: {len(report.problems)} problems in {args.dataset}")
+    print(f"FAILED: {len(report.problems)} problems in {shown}")
     return 1
 
 

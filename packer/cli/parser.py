@@ -129,10 +129,18 @@ def _add_info(sub) -> None:
     p = _parser(sub, "info", "describe a packed dataset", """
         packer info imgs.lmdb
         packer info imgs.lmdb --json | jq .num_samples
+        packer info s3://bucket/imgs.lmdb          # credentials and endpoint from AWS_* as usual
         """)
     p.add_argument("dataset")
+    _add_cache_dir(p)
     _add_json(p, "the manifest and the statistics of the per-sample metadata")
     p.set_defaults(func=commands.cmd_info)
+
+
+def _add_cache_dir(p) -> None:
+    p.add_argument("--cache-dir", metavar="DIR", help="for a dataset in object storage (s3://, gs://, az://, "
+                   "http(s)://): the node's cache, where its metadata is kept (default: $XDG_CACHE_HOME/packer or "
+                   "~/.cache/packer)")
 
 
 def _add_verify(sub) -> None:
@@ -140,8 +148,10 @@ def _add_verify(sub) -> None:
         packer verify imgs.lmdb                    # files present, checksums, counts
         packer verify imgs.lmdb --against imgs/    # and every source file packed identically or reported
         packer verify imgs.lmdb --deep             # and decode every sample, shapes as recorded
+        packer verify s3://bucket/imgs.lmdb        # every object's size and sha256, streamed (nothing kept)
         """)
     p.add_argument("dataset")
+    _add_cache_dir(p)
     p.add_argument("--deep", action="store_true",
                    help="also decode every sample (strictly) and check it against the stored shape")
     p.add_argument("--against", metavar="SRC", help="the source to compare with (read as the dataset's manifest "

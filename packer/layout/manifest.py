@@ -12,6 +12,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,18 @@ class Manifest:
         if problems:
             raise DatasetError(problems[0])
 
+    def size_problems(self, sizes: Mapping[str, int], where: Callable[[str], str]) -> list[str]:
+        """What ``file_problems`` finds, from sizes already known (a listing of the dataset's objects): a file
+        missing or not of its recorded size; ``where(name)`` names the file in the message."""
+        problems = []
+        for f in self.all_files():
+            size = sizes.get(f.name)
+            if size is None:
+                problems.append(f"{where(f.name)}: missing")
+            elif size != f.num_bytes:
+                problems.append(f"{where(f.name)}: {size} bytes, manifest says {f.num_bytes} (damaged or replaced)")
+        return problems
+
     def file_problems(self, directory: Path, first: bool = False) -> list[str]:
         """What ``check_files`` finds, every problem (``first``: up to the first): a file missing, leading out of
         ``directory``, or not of its recorded size (a ``stat`` each, no hashing)."""
@@ -277,21 +290,28 @@ def dataset_directory(directory: str | os.PathLike) -> Path:
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:
     directory = dataset_directory(directory)
-    path = directory / MANIFEST_NAME
+    return load_manifest(directory, str(directory / MANIFEST_NAME), lambda listed: count_files(directory, listed))
+
+
+def load_manifest(directory: Path, where: str, present: Callable[[int], int]) -> Manifest:
+    """``directory/manifest.json`` (a regular file inside it, size-capped), parsed and checked as a dataset's:
+    ``present(listed)`` counts the files the dataset holds, up to ``listed`` (``check_counts``). ``where`` names
+    the manifest in messages: its path, or the URL it was fetched from (packer/layout/remote.py)."""
     raw = read_inside(directory, MANIFEST_NAME, _MAX_MANIFEST_BYTES)
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise DatasetError(f"{path}: cannot read manifest ({type(exc).__name__}: {exc})") from exc
-    check_counts(data, directory, str(path))
-    return Manifest.from_dict(data, where=str(path))
+        raise DatasetError(f"{where}: cannot read manifest ({type(exc).__name__}: {exc})") from exc
+    check_counts(data, present, where)
+    return Manifest.from_dict(data, where=where)
 
 
-def check_counts(data: Any, directory: Path, where: str) -> None:
+def check_counts(data: Any, present: Callable[[int], int], where: str) -> None:
     """Before any per-shard work: every shard lists a file, and the files listed are no more than the dataset
-    holds. A crafted manifest claiming a million shards was otherwise parsed, checked and stat'ed entry by entry
-    for minutes before a missing file refused it; here it costs one pass counting list lengths and a walk of
-    the dataset's folder that stops once it has seen as many files as are listed."""
+    holds (``present(listed)``: its files counted up to ``listed``). A crafted manifest claiming a million shards
+    was otherwise parsed, checked and stat'ed entry by entry for minutes before a missing file refused it; here it
+    costs one pass counting list lengths and a walk of the dataset's folder (or a listing of its objects) that
+    stops once it has seen as many files as are listed."""
     shards = data.get("shards") if isinstance(data, dict) else None
     meta = data.get("meta_files") if isinstance(data, dict) else None
     if not isinstance(shards, list):
@@ -304,10 +324,10 @@ def check_counts(data: Any, directory: Path, where: str) -> None:
         if not files:
             raise PackerError(f"{where}: a shard lists no files")
         listed += len(files)
-    present = count_files(directory, listed)
-    if present < listed:
-        raise PackerError(f"{where}: lists {listed:,} files in {len(shards):,} shards, but the dataset folder holds "
-                          f"{present:,} files (a damaged or crafted manifest)")
+    held = present(listed)
+    if held < listed:
+        raise PackerError(f"{where}: lists {listed:,} files in {len(shards):,} shards, but the dataset folder "
+                          f"holds {held:,} files (a damaged or crafted manifest)")
 
 
 def count_files(directory: Path, enough: int) -> int:

@@ -6,24 +6,34 @@ through the directory alone:
 - one byte-range lock (``fcntl.lockf``) per entry in ``locks``, taken while its bytes are downloaded, so two
   processes never fetch the same range at once (the second waits, then reads the entry); a crashed downloader's
   lock goes with it;
-- an entry is written as ``<name>.tmp-<pid>-<random>`` and renamed into place complete: a partial entry never has
-  an entry's name (leftover temporaries of dead processes are swept);
+- an entry is written as ``<name>.tmp-<pid space>-<pid>-<random>`` and renamed into place complete: a partial entry
+  never has an entry's name (leftover temporaries of dead processes are swept; another container's or node's,
+  told apart by ``pid_space``, only when over an hour old);
 - ``usage`` (bytes, updated under the eviction lock) bounds the disk used by ``cache_limit``; when over, the entries
   are listed and an ``EvictionPolicy`` (default ``LRU``; ``KeepNeeded`` drops first what the epoch will not read
   again) chooses what goes, down to 90 % of the limit;
 - a checksum per range given by the caller is checked before the bytes are used, on download and on every hit.
 
-Layout: ``<cache_dir>/packer-cache-v1/{locks,usage,entries/<2 hex>/<64 hex>}``.
+Whole objects (a shard fetched whole: packer/storage/downloader.py) are entries too, under ``files/`` by a path the
+caller chooses (``files/<dataset>/<version>/<name in the dataset>``, so a local reader opens them by their names);
+they count against the limit and are evicted like ranges. What the layers above keep there for themselves
+(``datasets/``: a remote dataset's manifest and meta/) is small and never evicted.
+
+Layout: ``<cache_dir>/packer-cache-v1/{locks,usage,entries/<2 hex>/<64 hex>,files/...,datasets/...,tmp/}``
+(``tmp/``: objects being hashed for ``verify``, counted while there).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
+import itertools
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,12 +42,12 @@ from typing import Protocol
 from packer.errors import PackerError
 from packer.perprocess import PerProcess
 from packer.storage.faults import StorageError
+from packer.storage.node import stale_temp, temp_suffix
 from packer.storage.url import redact
 from packer.units import parse_bytes
 
 Checksum = tuple[str, str]  # (hashlib algorithm, hex digest), e.g. ("sha256", "ab12...")
 _EVICT_SLOT = 0  # byte of the lock file that guards usage and eviction; entries lock bytes 1..2**62
-STALE_TEMP_SECONDS = 3600.0
 
 
 class ChecksumMismatch(StorageError):
@@ -48,7 +58,7 @@ class ChecksumMismatch(StorageError):
 class Entry:
     """One cached range, as an eviction policy sees it."""
 
-    name: str
+    name: str  # RangeCache.name for a range; the path below the cache's root ("files/...") for a whole object
     size: int
     last_used: float  # mtime: set when written and at every hit
 
@@ -64,6 +74,30 @@ class LRU:
 
     def victims(self, entries: list[Entry], to_free: int) -> Iterable[Entry]:
         return sorted(entries, key=lambda e: e.last_used)
+
+
+class NextUse:
+    """What the reader says it will read again, and when: ``need(names, order)`` marks entries needed at step
+    ``order`` of the pass (lower: sooner), ``need(names, None)`` unmarks them (read for the last time this pass).
+    Unmarked entries go first (least recently used first), then the marked ones needed last (Belady's choice,
+    as far as the reader can tell). Thread-safe: the downloader's clients feed it while it evicts."""
+
+    def __init__(self) -> None:
+        self._next: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def need(self, names: Iterable[str], order: int | None) -> None:
+        with self._lock:
+            if order is None:
+                for name in names:
+                    self._next.pop(name, None)
+            else:
+                self._next.update(dict.fromkeys(names, order))
+
+    def victims(self, entries: list[Entry], to_free: int) -> Iterable[Entry]:
+        with self._lock:
+            marks = {e.name: self._next[e.name] for e in entries if e.name in self._next}
+        return sorted(entries, key=lambda e: (e.name in marks, -marks.get(e.name, 0), e.last_used))
 
 
 @dataclass
@@ -95,6 +129,7 @@ class CacheStats:
     waits: int = 0  # misses another process or thread was already downloading
     fetched_bytes: int = 0
     evicted: int = 0
+    evicted_bytes: int = 0
 
 
 class RangeCache:
@@ -107,15 +142,18 @@ class RangeCache:
             raise PackerError(f"cache_limit {cache_limit!r}: a positive size expected (e.g. 20GB)")
         self.root = Path(cache_dir).absolute() / "packer-cache-v1"
         self.entries = self.root / "entries"
+        self.files = self.root / "files"
         self.entries.mkdir(parents=True, exist_ok=True)
         (self.root / "locks").touch()
         self.limit, self.policy = limit, policy or LRU()
         self.stats = CacheStats()
-        self._fd: PerProcess[int] = PerProcess(self._open_locks)
+        # opened by partials, not methods: the finalizer below holds these, and must not hold the cache
+        self._fd: PerProcess[int] = PerProcess(functools.partial(os.open, self.root / "locks", os.O_RDWR))
+        self._usage: PerProcess[int] = PerProcess(functools.partial(os.open, self.root / "usage",
+                                                                    os.O_RDWR | os.O_CREAT, 0o644))
         self._local = PerProcess(_Local)
-
-    def _open_locks(self) -> int:
-        return os.open(self.root / "locks", os.O_RDWR)
+        self._close = weakref.finalize(self, _close_files, self._fd, self._usage)  # a cache dropped unclosed too
+        self._close.atexit = False  # at exit the process's end releases it, as before
 
     @staticmethod
     def name(url: str, etag: str | None, start: int, end: int) -> str:
@@ -123,7 +161,8 @@ class RangeCache:
         return hashlib.sha256(f"{url}\0{etag or ''}\0{start}\0{end}".encode()).hexdigest()
 
     def path(self, name: str) -> Path:
-        return self.entries / name[:2] / name
+        """Where entry ``name`` lies: a range's under ``entries/``, a whole object's at its path ("files/...")."""
+        return self.root / name if "/" in name else self.entries / name[:2] / name
 
     def read(self, name: str, checksum: Checksum | None = None, what: str = "") -> bytes | None:
         """The entry's bytes (checked), or None; a damaged entry is deleted and reads as missing."""
@@ -182,12 +221,16 @@ class RangeCache:
     def store(self, name: str, data: bytes | memoryview) -> None:
         """Write an entry (call while holding its claim): room is made first, then a temporary file is renamed
         into place."""
-        self._make_room(len(data))
+        self.make_room(len(data))
         path = self.path(name)
-        path.parent.mkdir(exist_ok=True)
-        tmp = path.with_name(f"{name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
+        tmp = path.with_name(f"{name}{temp_suffix()}")
         try:
-            with open(tmp, "wb") as fh:
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileNotFoundError:  # the entry's folder's first entry (a mkdir per entry cost as much as a write)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            with open(fd, "wb") as fh:
                 fh.write(data)
             os.replace(tmp, path)
         except BaseException:
@@ -233,28 +276,31 @@ class RangeCache:
 
     def _read_usage(self) -> int:
         try:
-            return int((self.root / "usage").read_text() or 0)
-        except (FileNotFoundError, ValueError):
+            return int(os.pread(self._usage.get(), 64, 0).strip() or b"0")
+        except ValueError:  # damaged (a write torn by a crash): counted again
             return self.usage(rescan=True)
 
     def _write_usage(self, value: int) -> None:
-        tmp = self.root / f"usage.tmp-{os.getpid()}"
-        tmp.write_text(str(max(0, value)))
-        os.replace(tmp, self.root / "usage")
+        """In place, one fixed-width write under the eviction lock (a rename per entry stored cost milliseconds:
+        ext4 flushes a file renamed over another)."""
+        os.pwrite(self._usage.get(), f"{max(0, value):020d}\n".encode(), 0)
 
     def _add_usage(self, delta: int) -> None:
         with self._evict_lock():
             self._write_usage(self._read_usage() + delta)
 
     def usage(self, rescan: bool = False) -> int:
-        """Bytes in entries: the recorded figure, or counted on disk with ``rescan``."""
+        """Bytes in entries and in downloads under way: the recorded figure, or counted on disk with ``rescan``."""
         if not rescan:
             with self._evict_lock():
                 return self._read_usage()
-        return sum(e.size for e in self._list())
+        entries, writing = self._list()
+        return sum(e.size for e in entries) + writing
 
-    def _list(self) -> list[Entry]:
-        out = []
+    def _list(self) -> tuple[list[Entry], int]:
+        """Every entry, and the bytes of the temporary files being written now (downloads under way take room
+        too, though nothing can evict them); temporary files of dead writers are deleted."""
+        out, writing = [], 0
         now = time.time()
         for sub in self.entries.iterdir() if self.entries.exists() else ():
             for item in os.scandir(sub):
@@ -262,19 +308,38 @@ class RangeCache:
                     st = item.stat()
                     if ".tmp-" not in item.name:
                         out.append(Entry(item.name, st.st_size, st.st_mtime))
-                    elif _stale_temp(item.name, st.st_mtime, now):
+                    elif stale_temp(item.name, st.st_mtime, now):
                         os.unlink(item.path)
-        return out
+                    else:
+                        writing += st.st_size
+        for folder, _dirs, names in itertools.chain(os.walk(self.files), os.walk(self.root / "tmp")):
+            for item in names:
+                path = os.path.join(folder, item)
+                with contextlib.suppress(FileNotFoundError):
+                    st = os.stat(path)
+                    if ".tmp-" not in item:
+                        out.append(Entry(os.path.relpath(path, self.root), st.st_size, st.st_mtime))
+                    elif stale_temp(item, st.st_mtime, now):
+                        os.unlink(path)
+                    else:
+                        writing += st.st_size
+        return out, writing
 
-    def _make_room(self, nbytes: int) -> None:
+    def release_room(self, nbytes: int) -> None:
+        """Give back room taken by ``make_room`` for bytes that were never stored (a failed download)."""
+        self._add_usage(-nbytes)
+
+    def make_room(self, nbytes: int) -> None:
+        """Count ``nbytes`` about to be written, evicting first what the policy chooses if the limit would be
+        passed (down to 90 % of it)."""
         if nbytes > self.limit:
             raise PackerError(f"cache_limit {self.limit} bytes is smaller than one range of {nbytes} bytes: "
                               "raise cache_limit")
         with self._evict_lock():
             used = self._read_usage() + nbytes
             if used > self.limit:
-                entries = self._list()
-                used = sum(e.size for e in entries) + nbytes
+                entries, writing = self._list()
+                used = sum(e.size for e in entries) + writing + nbytes
                 target = int(self.limit * 0.9)
                 for entry in self.policy.victims(entries, used - target):
                     if used <= target:
@@ -283,29 +348,29 @@ class RangeCache:
                         os.unlink(self.path(entry.name))
                         used -= entry.size
                         self.stats.evicted += 1
+                        self.stats.evicted_bytes += entry.size
             self._write_usage(used)
 
     def close(self) -> None:
-        self._fd.close(os.close)
+        """Close the lock and usage files (this process's; reopened on next use)."""
+        _close_files(self._fd, self._usage)
+
+    def __enter__(self) -> RangeCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_files(*files: PerProcess[int]) -> None:
+    for fd in files:
+        fd.close(os.close)
 
 
 def _slot(name: str) -> int:
     """The lock file byte that stands for entry ``name`` (byte 0 is the eviction lock's)."""
-    return 1 + int(name[:15], 16)
-
-
-def _stale_temp(name: str, mtime: float, now: float) -> bool:
-    """A temporary entry left by a writer that is gone (no such pid, a minute on) or over an hour old (a pid
-    from another container sharing the folder)."""
-    if now - mtime > STALE_TEMP_SECONDS:
-        return True
-    try:
-        os.kill(int(name.split(".tmp-", 1)[1].split("-", 1)[0]), 0)
-    except (ValueError, IndexError, ProcessLookupError):
-        return now - mtime > 60
-    except PermissionError:
-        pass
-    return False
+    key = name if "/" not in name else hashlib.sha256(name.encode()).hexdigest()
+    return 1 + int(key[:15], 16)
 
 
 class _Local:

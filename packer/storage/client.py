@@ -21,6 +21,7 @@ import struct
 import subprocess
 import sys
 import threading
+import weakref
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -120,6 +121,9 @@ class LoopClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="packer-storage-loop", daemon=True)
         self._thread.start()
+        # a client dropped unclosed stops its thread too (the thread holds the loop, not the client)
+        self._stop = weakref.finalize(self, _stop_loop, self._loop, self._thread, os.getpid())
+        self._stop.atexit = False  # at exit the process's end releases it, as before
 
     def submit(self, op: str, key: str, **kw: Any) -> concurrent.futures.Future:
         """Run ``op`` ("head", "get", "list", "put", "delete") on ``key`` in the loop; its future."""
@@ -179,17 +183,26 @@ class LoopClient:
 
     def close(self) -> None:
         """Cancel what is in flight and stop the loop thread (joined: nothing is left running)."""
-        if self._loop.is_closed():
-            return
+        self._stop()
 
-        def stop() -> None:
-            for task in asyncio.all_tasks(self._loop):
-                task.cancel()
-            self._loop.call_soon(self._loop.stop)
 
-        self._loop.call_soon_threadsafe(stop)
-        self._thread.join()
-        self._loop.close()
+def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pid: int) -> None:
+    """Cancel the loop's tasks, stop it and join its thread; only in the process that made it (a forked child's
+    copy is not running), and without the join when called on the loop's own thread (a callback dropped the client:
+    the loop stops after it)."""
+    if pid != os.getpid() or loop.is_closed():
+        return
+
+    def stop() -> None:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.call_soon(loop.stop)
+
+    loop.call_soon_threadsafe(stop)
+    if threading.current_thread() is thread:
+        return
+    thread.join()
+    loop.close()
 
 
 # ---- the helper process: same client, over a pipe ----
@@ -267,8 +280,12 @@ class HelperClient:
                                       stdout=subprocess.PIPE, env=env, start_new_session=True)
         self._lock, self._futures, self._next = threading.Lock(), {}, 0
         _send(self._proc.stdin, self._lock, {"url": spec.url, "options": spec.options, "policy": asdict(spec.policy)})
-        self._reader = threading.Thread(target=self._read, name="packer-storage-helper", daemon=True)
+        # the reader and the finalizer hold the pipe and the process, not the client: one dropped unclosed ends them
+        self._reader = threading.Thread(target=_read_replies, args=(weakref.ref(self), self._proc.stdout),
+                                        name="packer-storage-helper", daemon=True)
         self._reader.start()
+        self._end = weakref.finalize(self, _end_helper, self._proc, os.getpid())
+        self._end.atexit = False  # at exit the process's end releases it, as before
 
     def submit(self, op: str, key: str, **kw: Any) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -282,17 +299,17 @@ class HelperClient:
             fut.set_exception(StorageError(f"the storage helper process ended (exit {self._proc.poll()})"))
         return fut
 
-    def _read(self) -> None:
-        assert self._proc.stdout is not None
-        while (msg := _receive(self._proc.stdout)) is not None:
-            header, payload = msg
-            with self._lock:
-                op, fut = self._futures.pop(header["id"])
-            if fut.set_running_or_notify_cancel():
-                if header["ok"]:
-                    fut.set_result(_decode(op, header["result"], payload))
-                else:
-                    fut.set_exception(_ERRORS.get(header["kind"], StorageError)(header["message"]))
+    def _reply(self, header: dict[str, Any], payload: bytes) -> None:
+        with self._lock:
+            op, fut = self._futures.pop(header["id"])
+        if fut.set_running_or_notify_cancel():
+            if header["ok"]:
+                fut.set_result(_decode(op, header["result"], payload))
+            else:
+                fut.set_exception(_ERRORS.get(header["kind"], StorageError)(header["message"]))
+
+    def _ended(self) -> None:
+        """The helper's pipe closed: what is still waited for fails."""
         with self._lock:
             pending, self._futures = list(self._futures.values()), {}
         for _, fut in pending:
@@ -300,15 +317,35 @@ class HelperClient:
                 fut.set_exception(StorageError(f"the storage helper process ended (exit {self._proc.poll()})"))
 
     def close(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            assert self._proc.stdin is not None
-            self._proc.stdin.close()
-        try:
-            self._proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        self._end()
         self._reader.join()
+
+
+def _read_replies(client_ref: weakref.ReferenceType[HelperClient], stdout: Any) -> None:
+    """A helper client's reader thread: waits holding only the pipe, then the client while it hands a reply over."""
+    while (msg := _receive(stdout)) is not None:
+        client = client_ref()
+        if client is None:
+            return
+        client._reply(*msg)
+        del client
+    client = client_ref()
+    if client is not None:
+        client._ended()
+
+
+def _end_helper(proc: subprocess.Popen, pid: int) -> None:
+    """Close the helper's stdin (it ends its requests and exits) and reap it; only in the process that started it."""
+    if os.getpid() != pid:
+        return
+    with contextlib.suppress(OSError, ValueError):
+        assert proc.stdin is not None
+        proc.stdin.close()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 Client = LoopClient | HelperClient

@@ -2,7 +2,9 @@
 
 Adjacent ranges of one object version (gaps up to ``coalesce_gap`` bytes, fetched and dropped) are joined into GETs
 of up to ``max_request`` bytes, at most ``max_in_flight`` of them at a time, the next one started when one lands
-(no thread of the fetcher's own: the client's loop runs the requests). With a ``RangeCache`` each range is read
+(no thread of the fetcher's own: the client's loop runs the requests). Queued GETs start in order of ``priority``
+(lower first: what the reader needs next before its read-ahead), then in the order asked; a GET whose every range's
+future was cancelled is dropped, or cancelled when already in flight. With a ``RangeCache`` each range is read
 from the cache when there, else locked node-wide, fetched once, checked against its checksum, cached and handed
 out; ranges another process is downloading are waited for on one small thread. ``close()`` (and Ctrl-C in a wait,
 through ``store.wait``) cancels what is queued and in flight and joins that thread: nothing is left running.
@@ -10,7 +12,8 @@ through ``store.wait``) cancels what is queued and in flight and joins that thre
 
 from __future__ import annotations
 
-import collections
+import heapq
+import itertools
 import threading
 import time
 from concurrent.futures import CancelledError, Future
@@ -41,6 +44,12 @@ class _Group:
     start: int
     end: int
     members: list[tuple[Range, Future, str | None]] = field(default_factory=list)  # range, its future, cache name
+    priority: int = 0
+    request: Future | None = None  # the GET, once started
+
+    def abandoned(self) -> bool:
+        """Every range of this GET was cancelled by whoever asked for it."""
+        return all(fut.cancelled() for _, fut, _ in self.members)
 
 
 @dataclass
@@ -63,7 +72,8 @@ class Fetcher:
         self.max_in_flight, self.max_request, self.coalesce_gap = max_in_flight, max_request, coalesce_gap
         self.stats = FetchStats()
         self._lock = threading.Lock()
-        self._queue: collections.deque[_Group] = collections.deque()
+        self._queue: list[tuple[int, int, _Group]] = []  # a heap: (priority, order asked, GET)
+        self._order = itertools.count()
         self._in_flight: dict[Future, _Group] = {}
         self._waiting: list[tuple[Range, Future, str]] = []
         self._waiter: threading.Thread | None = None
@@ -72,8 +82,9 @@ class Fetcher:
     def url(self, key: str) -> str:
         return self.store.location(key).url
 
-    def fetch(self, ranges: list[Range]) -> list[Future]:
-        """Start reading ``ranges``; their futures, in the order given (each gives the range's bytes)."""
+    def fetch(self, ranges: list[Range], priority: int = 0) -> list[Future]:
+        """Start reading ``ranges``; their futures, in the order given (each gives the range's bytes). GETs of a
+        lower ``priority`` start first. Cancelling every future of a GET drops it (or cancels it in flight)."""
         futures: list[Future] = [Future() for _ in ranges]
         todo: list[tuple[Range, Future, str | None]] = []
         for rng, fut in zip(ranges, futures):
@@ -90,18 +101,31 @@ class Fetcher:
                     self._wait_for(rng, fut, name)
                     continue
             todo.append((rng, fut, name))
+        groups = self._groups(todo, priority)
         with self._lock:
             if self._closed:
                 self._abandon(todo)
                 return futures
-            self._queue.extend(self._groups(todo))
+            for group in groups:
+                heapq.heappush(self._queue, (priority, next(self._order), group))
+        for group in groups:
+            for _, member, _ in group.members:
+                member.add_done_callback(lambda f, g=group: self._dropped(g) if f.cancelled() else None)
         self._pump()
         return futures
+
+    def _dropped(self, group: _Group) -> None:
+        """A range's future was cancelled: once all of its GET's are, cancel the GET if it is in flight (a queued
+        one is skipped when its turn comes)."""
+        with self._lock:
+            request = group.request if group.abandoned() else None
+        if request is not None:
+            request.cancel()
 
     def _what(self, rng: Range) -> str:
         return f"{self.store.location(rng.key)} bytes {rng.start}-{rng.end}"
 
-    def _groups(self, todo: list[tuple[Range, Future, str | None]]) -> list[_Group]:
+    def _groups(self, todo: list[tuple[Range, Future, str | None]], priority: int) -> list[_Group]:
         out: list[_Group] = []
         for item in sorted(todo, key=lambda t: (t[0].key, t[0].etag or "", t[0].start)):
             rng = item[0]
@@ -112,7 +136,7 @@ class Fetcher:
                 last.end = max(last.end, rng.end)
                 last.members.append(item)
             else:
-                out.append(_Group(rng.key, rng.etag, rng.start, rng.end, [item]))
+                out.append(_Group(rng.key, rng.etag, rng.start, rng.end, [item], priority))
         return out
 
     def _pump(self) -> None:
@@ -121,11 +145,27 @@ class Fetcher:
             with self._lock:
                 if self._closed or not self._queue or len(self._in_flight) >= self.max_in_flight:
                     return
-                group = self._queue.popleft()
-                self.stats.requests += 1
-                self.stats.requested_bytes += group.end - group.start
-                fut = self.store.submit_get(group.key, group.start, group.end, group.etag)
-                self._in_flight[fut] = group
+                group = heapq.heappop(self._queue)[2]
+                failed: BaseException | None = None
+                if group.abandoned():
+                    dropped = True
+                else:
+                    dropped = False
+                    self.stats.requests += 1
+                    self.stats.requested_bytes += group.end - group.start
+                    try:
+                        fut = group.request = self.store.submit_get(group.key, group.start, group.end, group.etag)
+                    except Exception as exc:  # the store could not be opened (no obstore, a refused URL)
+                        failed = exc
+                    else:
+                        self._in_flight[fut] = group
+            if dropped:
+                self._abandon(group.members)
+                continue
+            if failed is not None:
+                for _, member, name in group.members:
+                    self._finish(member, name, exc=failed)
+                continue
             fut.add_done_callback(self._landed)
 
     def _landed(self, fut: Future) -> None:
@@ -202,7 +242,7 @@ class Fetcher:
                     with self._lock:
                         closed = self._closed
                         if not closed:
-                            self._queue.append(group)
+                            heapq.heappush(self._queue, (group.priority, next(self._order), group))
                     if closed:
                         self._abandon(group.members)
                     self._pump()
@@ -214,7 +254,7 @@ class Fetcher:
         """Cancel every queued and in-flight read (their futures are cancelled) and join the waiting thread."""
         with self._lock:
             self._closed = True
-            queued, self._queue = list(self._queue), collections.deque()
+            queued, self._queue = [g for _, _, g in self._queue], []
             in_flight = list(self._in_flight)
             waiting, self._waiting = self._waiting, []
             waiter = self._waiter

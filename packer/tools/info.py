@@ -1,4 +1,6 @@
-"""What ``packer info`` shows: the manifest, plus statistics of the per-sample metadata."""
+"""What ``packer info`` shows: the manifest, plus statistics of the per-sample metadata. A dataset in object storage
+(``s3://...``) shows the same rows: its metadata is fetched once into the node's cache (packer/layout/remote.py)
+and the objects' sizes come from a listing instead of ``stat``."""
 
 from __future__ import annotations
 
@@ -9,25 +11,40 @@ from typing import Any
 
 import numpy as np
 
+from packer.errors import DatasetError
 from packer.layout.index import Index
-from packer.layout.manifest import read_manifest
+from packer.layout.manifest import Manifest, read_manifest
+from packer.layout.remote import RemoteDataset, default_cache_dir, is_remote
 from packer.read.indexing import IMAGEFOLDER, STORED, IndexMap, source_item
-from packer.storage.url import refuse_url
+from packer.storage.url import parse, redact, refuse_url
 from packer.units import human_bytes
 
 
-def dataset_info(path: str | os.PathLike) -> dict[str, Any]:
-    """The manifest as a dict, with totals and label/shape/size statistics from ``meta/``."""
+def dataset_info(path: str | os.PathLike, cache_dir: str | os.PathLike | None = None,
+                 storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest as a dict, with totals and label/shape/size statistics from ``meta/``. A URL's metadata is
+    kept in ``cache_dir`` (default: ``default_cache_dir()``); ``storage_options``: credentials and endpoint."""
+    if is_remote(path):
+        with RemoteDataset(str(path), cache_dir or default_cache_dir(), None, storage_options, strict=False) as ds:
+            if ds.index is None:  # a meta file missing or of another size: nothing to describe
+                raise DatasetError(ds.problems[0])
+            return describe(ds.manifest, ds.index, ds.problems)
     refuse_url(path, "packer info")
     root = Path(path)
     manifest = read_manifest(root)
-    data = manifest.to_dict()
     # a stat per file, no hashing (packer verify's job): a shard truncated or replaced is shown, and exits 1
-    data["problems"] = manifest.file_problems(root)
-    data["total_bytes"] = sum(f.num_bytes for f in manifest.all_files())
-    data["num_files"] = len(manifest.all_files())
+    problems = manifest.file_problems(root)
     index = Index.load(root, manifest.num_samples, files=manifest.meta_files, num_classes=len(manifest.classes),
                        source_records=manifest.source_records)
+    return describe(manifest, index, problems)
+
+
+def describe(manifest: Manifest, index: Index, problems: list[str]) -> dict[str, Any]:
+    """``dataset_info``'s dict from a checked manifest and index, and the problems found with the files."""
+    data = manifest.to_dict()
+    data["problems"] = problems
+    data["total_bytes"] = sum(f.num_bytes for f in manifest.all_files())
+    data["num_files"] = len(manifest.all_files())
     index_map = IndexMap.of(index, manifest)
     data["indexing"] = index_map.kind
     data["source_records"] = index_map.records  # None: not recorded (an older dataset with files left out)
@@ -142,7 +159,7 @@ def info_rows(path: str | os.PathLike, data: dict[str, Any]) -> list[tuple[str, 
     classes = data["classes"]
     payload = data["payload"] + _PAYLOAD_TEXT[data["payload"], bool(data["options"].get("jpeg_restarts"))]
     rows = [
-        ("dataset", str(path)),
+        ("dataset", redact(str(path))),
         ("format", data["format"]),
         ("payload", payload),
         ("samples", f"{data['num_samples']:,}"),
@@ -178,11 +195,14 @@ def info_rows(path: str | os.PathLike, data: dict[str, Any]) -> list[tuple[str, 
         ("created", f"{data['created_at']} by {data['created_by']}"),
     ]
     if data["format"] == "mosaic" and data["shards"] and data["shards"][0]["files"]:
-        rows.append(("look at", f"{Path(path) / data['shards'][0]['files'][0]['name']} (one mosaic)"))
+        first = data["shards"][0]["files"][0]["name"]
+        shown = str(parse(path).join(first)) if is_remote(path) else str(Path(path) / first)
+        rows.append(("look at", f"{shown} (one mosaic)"))
     problems = data.get("problems", [])
     rows += [("problem", p) for p in problems[:20]]
     if len(problems) > 20:
         rows.append(("problem", f"... and {len(problems) - 20:,} more"))
     if problems:
-        rows.append(("check", f"packer verify {path} (checksums too); convert the dataset again to repair it"))
+        rows.append(("check", f"packer verify {redact(str(path))} (checksums too); convert the dataset again to "
+                     "repair it"))
     return rows

@@ -18,6 +18,7 @@ from packer.images.headers import jpeg_segments
 from packer.layout.checksums import file_problem
 from packer.layout.fields import same_cell
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest
+from packer.layout.remote import RemoteDataset, default_cache_dir, is_remote
 from packer.layout.report import ERRORS_NAME
 from packer.layout.trust import read_inside
 from packer.progress import bar
@@ -47,6 +48,26 @@ class Report:
         return {"checked": dict(self.checked), "num_problems": len(self.problems), "problems": list(self.problems)}
 
 
+def verify_remote(url: str, cache_dir: str | os.PathLike | None = None, progress: bool | None = None,
+                  storage_options: dict[str, Any] | None = None) -> Report:
+    """``verify`` of a dataset in object storage: its manifest and meta/ checked as a local dataset's (at open),
+    every object's size (a listing) and sha256 (each streamed through the node's downloader, nothing kept)."""
+    report = Report()
+    try:
+        ds = RemoteDataset(url, cache_dir or default_cache_dir(), None, storage_options, strict=False)
+    except DatasetError as exc:
+        report.problems.append(str(exc))
+        return report
+    with ds:
+        total = sum(f.num_bytes for f in ds.manifest.all_files())
+        with bar(total=total, progress=progress, unit="B", unit_scale=True, desc="verify") as shown:
+            report.problems.extend(ds.verify_files(shown.update))
+        report.checked["files"] = len(ds.manifest.all_files())
+        if not report.problems:
+            report.checked["samples"] = ds.manifest.num_samples
+    return report
+
+
 def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, progress: bool | None = None,
            deep: bool = False, source: SourceOptions | None = None) -> Report:
     """Every check ``packer verify`` runs; problems are collected, not raised (a missing or empty
@@ -57,7 +78,10 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
     ``deep``: also decode every sample (strictly, as conversion's full validation does) and
     check its shape against the stored heights and widths.
     """
-    refuse_urls("packer verify", path, against)
+    if is_remote(path) and against is None and not deep:
+        return verify_remote(str(path), progress=progress)
+    refuse_urls("packer verify" + (" --deep" if deep else "") if against is None else "packer verify --against",
+                path, against)
     root = Path(path)
     report = Report()
     try:

@@ -164,3 +164,18 @@ def test_ctrl_c_ends_the_wait_cancels_the_reads_and_leaves_no_thread(server):
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert out.strip() == "interrupted; threads left: []" and proc.returncode == 0
+
+
+def test_what_is_needed_next_goes_before_the_read_ahead_and_dropped_reads_are_never_sent(server):
+    for name in ("a0", "a1", "a2", "a3", "next", "dropped"):
+        server.write(f"ds/{name}", DATA[:1000])
+    server.faults.add(Fault("slow", rate=1e9), times=-1)  # harmless: it only records the order of the GETs
+    store = server.store("ds")
+    with Fetcher(store, max_in_flight=1) as fetcher:
+        ahead = fetcher.fetch([Range(f"a{i}", 0, 1000) for i in range(4)], priority=5)  # a0 starts at once
+        dropped = fetcher.fetch([Range("dropped", 0, 1000)], priority=1)
+        needed = fetcher.fetch([Range("next", 0, 1000)], priority=0)
+        assert dropped[0].cancel()
+        assert [f.result(30) for f in ahead + needed] == [DATA[:1000]] * 5
+    assert [key for _, _, key in server.faults.applied] == ["ds/a0", "ds/next", "ds/a1", "ds/a2", "ds/a3"]
+    store.close()

@@ -96,7 +96,7 @@ def test_a_crashed_downloader_leaves_nothing_that_looks_complete(tmp_path):
     assert claimed.wait(60)
     with cache.claim(cache.name(URL, '"e1"', 0, 10), block=False) as mine:
         assert not mine  # held by the other process
-    os.kill(holder.pid, signal.SIGKILL)
+    holder.kill()
     holder.join(30)
     assert cache.get(URL, '"e1"', 0, 10, lambda: b"0123456789") == b"0123456789"
 
@@ -155,3 +155,66 @@ def test_limits_are_parsed_and_checked(tmp_path):
         RangeCache(tmp_path / "c", 0)
     with pytest.raises(PackerError, match="raise cache_limit"):
         RangeCache(tmp_path / "c", 10).get(URL, None, 0, 100, lambda: b"x" * 100)
+
+
+def test_objects_being_fetched_keep_their_room_when_the_cache_is_counted_again(tmp_path):
+    """A whole object being fetched (a temporary file as large as the object, as the downloader makes it) takes room
+    that eviction must count: entries stored meanwhile never push the disk used past the limit."""
+    cache = RangeCache(tmp_path / "c", 10_000)
+    cache.make_room(5000)  # an object of 5000 bytes starts downloading ...
+    (cache.root / "tmp").mkdir()
+    with open(cache.root / "tmp" / f"{os.getpid()}-ab.tmp-{os.getpid()}-cd", "wb") as fh:
+        fh.truncate(5000)  # ... into its temporary file, sized at the start (wholeobject.py)
+    for i in range(12):  # ranges stored meanwhile: over the limit twice, so the entries are counted again
+        cache.get(URL, '"e"', i * 1000, (i + 1) * 1000, lambda: b"c" * 1000)
+    assert cache.usage(rescan=True) == cache.usage() <= 10_000
+    assert cache.usage(rescan=True) == 5000 + 1000 * sum(
+        cache.path(cache.name(URL, '"e"', i * 1000, (i + 1) * 1000)).exists() for i in range(12))
+
+
+def _open_files_under(root) -> list[str]:
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(root)):
+            out.append(target)
+    return out
+
+
+def test_a_cache_dropped_without_close_leaves_no_file_open(tmp_path):
+    """Every RangeCache holds its lock and usage files open: dropped unclosed, it closes them (a test session or a
+    tool making caches would otherwise run out of descriptors); ``with`` closes them at once."""
+    import gc
+
+    cache = RangeCache(tmp_path / "c", "1MB")
+    cache.get(URL, '"e"', 0, 4, lambda: b"abcd")
+    assert len(_open_files_under(tmp_path)) == 2
+    del cache
+    gc.collect()
+    assert _open_files_under(tmp_path) == []
+    with RangeCache(tmp_path / "c", "1MB") as cache:
+        assert cache.get(URL, '"e"', 0, 4, lambda: pytest.fail("cached")) == b"abcd"
+    assert _open_files_under(tmp_path) == []
+
+
+def test_a_temporary_file_of_another_node_or_container_is_kept_while_it_may_be_written(tmp_path):
+    """A cache folder shared by machines (or containers): a pid of another pid space says nothing here, so its
+    writer's temporary file is swept only when over an hour old; this space's dead writer's, after a minute."""
+    from packer.storage.node import STALE_TEMP_SECONDS, pid_space
+
+    cache = RangeCache(tmp_path / "c", "1MB")
+    dead = mp.get_context("fork").Process(target=os.getpid)
+    dead.start()
+    dead.join()  # a pid no process of this space has now
+    folder = cache.entries / "ab"
+    folder.mkdir()
+    other, ours, old = (folder / f"ab{i}.tmp-{space}-{dead.pid}-00" for i, space in
+                        enumerate(("n000000000000", pid_space(), "n000000000000")))
+    for path, age in ((other, 120), (ours, 120), (old, STALE_TEMP_SECONDS + 60)):
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (time.time() - age, time.time() - age))
+    assert cache.usage(rescan=True) == 100  # the other space's file, counted as a download under way
+    assert other.exists() and not ours.exists() and not old.exists()

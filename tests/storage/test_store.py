@@ -11,6 +11,7 @@ import pytest
 from support.storage_servers import FAST_POLICY, Emulated, s3_store
 
 from packer.errors import PackerError
+from packer.storage.client import HelperClient, LoopClient
 from packer.storage.emulate import Fault
 from packer.storage.faults import AccessDenied, ObjectChanged, ObjectNotFound, RetryPolicy, StorageError
 from packer.storage.store import ObjectStore
@@ -224,4 +225,52 @@ def test_a_store_used_before_fork_or_pickled_to_spawn_reads_in_the_child(emulate
     assert got == DATA[100:200] and proc.exitcode == 0
     assert client == ("HelperClient" if method == "fork" else "LoopClient")
     assert pickle.loads(pickle.dumps(store)).get_range(key, 0, 5) == DATA[:5]
+    store.close()
+
+
+def test_a_store_dropped_without_close_stops_its_thread(tmp_path):
+    """A client's loop thread holds its event loop, not the client: a store dropped unclosed (a pickled copy, a
+    tool's) stops its thread and closes its loop instead of keeping them, and their descriptors, until exit."""
+    import gc
+
+    (tmp_path / "a.bin").write_bytes(DATA)
+    store = ObjectStore(tmp_path)
+    assert store.get_range("a.bin", 0, 4) == DATA[:4]
+    client = store.client
+    assert isinstance(client, LoopClient)
+    thread, loop = client._thread, client._loop
+    del store, client
+    gc.collect()
+    thread.join(10)
+    assert not thread.is_alive() and loop.is_closed()
+
+
+def _drop_helper_in_child(store: ObjectStore, key: str, queue) -> None:
+    import gc
+
+    try:
+        assert store.get_range(key, 0, 4) == DATA[:4]
+        client = store.client
+        assert isinstance(client, HelperClient)
+        kind, proc, reader = type(client).__name__, client._proc, client._reader
+        store._client.close()  # forgotten, not closed: as a store nobody holds any more
+        del client
+        gc.collect()
+        reader.join(30)
+        queue.put((kind, proc.wait(30), reader.is_alive()))
+    except BaseException as exc:
+        queue.put((repr(exc), None, None))
+
+
+def test_a_forked_childs_store_dropped_without_close_ends_its_helper(emulated):
+    """The helper process and its reader thread end with a client nobody holds (they hold the pipe, not it)."""
+    store, key = _store(emulated)
+    assert store.get_range(key, 0, 10) == DATA[:10]  # obstore ran here: a forked child gets a helper
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_drop_helper_in_child, args=(store, key, queue))
+    proc.start()
+    got = queue.get(timeout=60)
+    proc.join(60)
+    assert got == ("HelperClient", 0, False)
     store.close()

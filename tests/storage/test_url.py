@@ -104,9 +104,8 @@ def in_tmp(tmp_path, monkeypatch):
     (["convert", URL, "--to", "lmdb", "-o", "out.lmdb"], "packer convert"),
     (["convert", "{imgs}", "--to", "lmdb", "-o", URL, "--split", "0.5"], "packer convert"),
     (["convert", "{imgs}", "--to", "wds", "-o", URL], "packer convert --to wds"),
-    (["info", URL], "packer info"),
-    (["verify", URL], "packer verify"),
-    (["verify", "{ds}", "--against", URL], "packer verify"),
+    (["verify", URL, "--deep"], "packer verify --deep"),
+    (["verify", "{ds}", "--against", URL], "packer verify --against"),
     (["extract", URL, "outdir"], "packer extract"),
     (["extract", "{ds}", URL], "packer extract"),
     (["bench", URL, "-q"], "packer bench"),
@@ -136,8 +135,7 @@ def test_the_python_entry_points_refuse_a_url(imgs, in_tmp):
         "open_dataset": lambda: open_dataset(URL),
         "packer.Writer": lambda: Writer(URL, format="lmdb"),
         "packer convert": lambda: convert(imgs, URL, to="lmdb", progress=False),
-        "packer info": lambda: dataset_info(URL),
-        "packer verify": lambda: verify(URL),
+        "packer verify --deep": lambda: verify(URL, deep=True),
         "packer extract": lambda: extract(URL, "outdir"),
         "packer bench": lambda: run_bench([URL]),
         "packer doctor": lambda: diagnose(URL, progress=False),
@@ -149,3 +147,5 @@ def test_the_python_entry_points_refuse_a_url(imgs, in_tmp):
     for scheme in ("gs://b/x", "az://c/x", "https://h/x", "file:///tmp/x"):
         with pytest.raises(PackerError, match="not supported yet by open_dataset"):
             open_dataset(scheme)
+    with pytest.raises(PackerError, match="not supported yet by packer info: file:///tmp/x"):
+        dataset_info("file:///tmp/x")  # a URL naming a local path: info reads object storage, and folders

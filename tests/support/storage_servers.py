@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from packer.storage.client import StoreSpec
 from packer.storage.emulate import EmulatedStore, FaultPlan
 from packer.storage.faults import RetryPolicy
 from packer.storage.store import ObjectStore
@@ -69,3 +70,36 @@ class Emulated:
 
     def stop(self) -> None:
         self.server.stop()
+
+
+def s3_spec(endpoint: str, url: str, policy: RetryPolicy = FAST_POLICY) -> StoreSpec:
+    """The StoreSpec a downloader client sends for ``url`` (s3://bucket/prefix) served at ``endpoint``."""
+    return StoreSpec(url, {**CREDENTIALS, "endpoint": endpoint}, policy)
+
+
+def upload(store: ObjectStore, folder: Path) -> list[str]:
+    """Every file below ``folder`` put under the store's root by its relative name; the names."""
+    names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    for name in names:
+        store.put(name, folder / name)
+    return names
+
+
+def gone(pid: int) -> bool:
+    """No process ``pid`` any more (a zombie counts as gone: it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def wait_until(check, what: str, tries: int = 600, pause: float = 0.05) -> None:
+    """Poll ``check()`` until true (bounded: a failure names ``what``, never a timing)."""
+    import time
+
+    for _ in range(tries):
+        if check():
+            return
+        time.sleep(pause)
+    raise AssertionError(f"never happened: {what}")

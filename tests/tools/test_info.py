@@ -69,3 +69,47 @@ def test_info_names_a_shard_truncated_in_place_and_exits_1(imagefolder, tmp_path
     assert res.returncode == 1 and json.loads(res.stdout)["problems"] == [problems[0][12:]]
     shard.unlink()
     assert f"{shard}: missing" in run_cli("info", out).stdout
+
+
+def _served(tmp_path, dataset, monkeypatch):
+    """``dataset`` in the emulated store as s3://bucket/<name>, the environment set as a user's would be."""
+    import shutil
+
+    from support.storage_servers import Emulated
+
+    shutil.copytree(dataset, tmp_path / "root" / dataset.name)
+    server = Emulated(tmp_path / "root")
+    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key", "AWS_REGION": "us-east-1",
+                        "AWS_ENDPOINT_URL": server.server.endpoint}.items():
+        monkeypatch.setenv(name, value)
+    return server
+
+
+def test_info_of_a_url_shows_the_rows_of_the_local_dataset(imagefolder, tmp_path, monkeypatch, capsys):
+    from packer.cli import main
+
+    few = make_imagefolder(tmp_path / "few", classes=3, per_class=4)
+    for out in (convert(imagefolder, tmp_path / "i.lmdb", workers=0, progress=False).output,
+                convert(few, tmp_path / "i.mosaic", to="mosaic", tile="16x16", grid="2x3", workers=0,
+                        progress=False).output):
+        server = _served(tmp_path / out.name, out, monkeypatch)
+        url = f"s3://bucket/{out.name}"
+        try:
+            shown = {}
+            for where in (str(out), url):
+                assert main(["info", where, "--cache-dir", str(tmp_path / "cache")]) == 0
+                text = capsys.readouterr().out.replace(str(out), "WHERE").replace(url, "WHERE")
+                assert main(["info", where, "--json", "--cache-dir", str(tmp_path / "cache")]) == 0
+                shown[where] = (text, json.loads(capsys.readouterr().out))
+            assert shown[url] == shown[str(out)]  # the same rows, the same --json
+            assert "look at     WHERE/mosaic-" in shown[url][0] or out.suffix != ".mosaic"
+            name = shown[url][1]["shards"][0]["files"][0]["name"]
+            server.write(f"{out.name}/{name}", b"cut")  # a shard cut short in the bucket: shown, exit 1
+            assert main(["info", url, "--cache-dir", str(tmp_path / "cache")]) == 1
+            assert f"problem     {url}/{name}: 3 bytes, manifest says" in capsys.readouterr().out
+            assert main(["info", "s3://bucket/nothing", "--cache-dir", str(tmp_path / "cache")]) == 2
+            assert capsys.readouterr().err.strip() == ("packer: error: s3://bucket/nothing: no packer dataset there "
+                                                        "(manifest.json is missing: not a dataset, or an upload that "
+                                                        "did not finish)")
+        finally:
+            server.stop()

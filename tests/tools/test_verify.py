@@ -107,3 +107,30 @@ def test_every_recorded_option_has_a_checked_type():
     from packer.write.options import ConvertOptions
 
     assert {f.name for f in fields(ConvertOptions)} - {"decoder", "extra"} == set(OPTION_TYPES)
+
+
+def test_verify_of_a_url_streams_every_object_through_sha256_and_keeps_nothing(base, tmp_path, monkeypatch, capsys):
+    from support.storage_servers import Emulated
+
+    shutil.copytree(base, tmp_path / "root" / "ds.lmdb")
+    server = Emulated(tmp_path / "root")
+    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key", "AWS_REGION": "us-east-1",
+                        "AWS_ENDPOINT_URL": server.server.endpoint}.items():
+        monkeypatch.setenv(name, value)
+    cache = tmp_path / "cache"
+    try:
+        assert main(["verify", "s3://bucket/ds.lmdb", "--cache-dir", str(cache), "-q"]) == 0
+        files = len(json.loads((base / "manifest.json").read_text())["meta_files"]) + 2  # + the shard's two files
+        assert capsys.readouterr().out.strip() == f"ok: s3://bucket/ds.lmdb ({files} files, 15 samples)"
+        shard = json.loads((base / "manifest.json").read_text())["shards"][0]["files"][0]["name"]
+        damaged = bytearray((base / shard).read_bytes())
+        damaged[5000] ^= 1
+        server.write(f"ds.lmdb/{shard}", bytes(damaged))  # same size: only the sha256 can tell
+        assert main(["verify", "s3://bucket/ds.lmdb", "--cache-dir", str(cache), "-q", "--json"]) == 1
+        report = json.loads(capsys.readouterr().out)
+        assert report["problems"] == [f"s3://bucket/ds.lmdb/{shard}: checksum mismatch (damaged or modified)"]
+        kept = [p for p in (cache / "packer-cache-v1").rglob("*") if p.is_file() and "datasets" not in p.parts
+                and p.suffix not in (".sock", ".lock", ".log") and p.name not in ("locks", "usage")]
+        assert kept == []  # the shards were hashed as they came, not kept
+    finally:
+        server.stop()

@@ -1,0 +1,69 @@
+"""Which machine and which pid space a process is in, and whether the writer of a temporary file in the cache is
+gone: a cache folder may be shared by containers and by nodes (docs/remote.md), where a pid means something only in
+its own pid namespace on its own kernel."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+
+STALE_TEMP_SECONDS = 3600.0  # a temporary file of a writer this process cannot look up is swept past this age
+_IDS: dict[str, str] = {}  # the raw boot id and pid namespace, read once
+
+
+def node_id() -> str:
+    """This machine: ``n`` and 12 hex digits of the kernel's boot id (containers of one host share it), else of the
+    host name. A cache folder shared by nodes gives each node's downloader its own socket by it."""
+    if "node" not in _IDS:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as fh:
+                raw = fh.read().strip()
+        except OSError:
+            raw = ""
+        _IDS["node"] = raw or socket.gethostname()
+    return "n" + hashlib.sha256(_IDS["node"].encode()).hexdigest()[:12]
+
+
+def pid_space() -> str:
+    """Where this process's pid means something: the node and its pid namespace (a container's own), ``n`` and 12
+    hex digits. A temporary file's writer is looked up by pid only from the same space."""
+    if "pids" not in _IDS:
+        try:
+            _IDS["pids"] = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            _IDS["pids"] = ""
+    return "n" + hashlib.sha256(f"{node_id()} {_IDS['pids']}".encode()).hexdigest()[:12]
+
+
+def temp_suffix() -> str:
+    """The suffix of a file being written into the cache: ``.tmp-<pid space>-<pid>-<random>``."""
+    return f".tmp-{pid_space()}-{os.getpid()}-{os.urandom(4).hex()}"
+
+
+def stale_temp(name: str, mtime: float, now: float) -> bool:
+    """A temporary entry left by a writer that is gone (no such pid in this pid space, a minute on) or over an hour
+    old (a writer in another container or on another node sharing the folder, whose pid means nothing here)."""
+    if now - mtime > STALE_TEMP_SECONDS:
+        return True
+    try:
+        parts = name.split(".tmp-", 1)[1].split("-")
+        if parts[0].startswith("n"):
+            if parts[0] != pid_space():
+                return False
+            parts = parts[1:]
+        pid = int(parts[0])
+        os.kill(pid, 0)
+    except (ValueError, IndexError, ProcessLookupError):
+        return now - mtime > 60
+    except PermissionError:
+        return False
+    return _zombie(pid) and now - mtime > 60  # killed, not reaped yet (a detached downloader's parent is init)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return False
