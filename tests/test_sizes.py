@@ -1,6 +1,9 @@
-"""Size limits as code (the redesign issue): no module in packer/ over 450 lines, no function or method over 80
-lines. Measured from the source with ``ast``: a function's length runs from its ``def`` line to its last line
-(decorators not counted, its docstring and nested functions counted)."""
+"""Size tripwires, not a design rule: a module of over 800 lines or a function of over 120 is a grab-bag in the
+making, and this fails before it grows further. Below them a file is split where it holds two concepts, and the
+split names the concept each part holds (docs/architecture.md, "Splitting a module"), never to meet a line count;
+the layer order (tests/test_structure.py) is what keeps the folders apart. Measured from the source with ``ast``: a
+function's length runs from its ``def`` line to its last line (decorators not counted, its docstring and nested
+functions counted)."""
 
 from __future__ import annotations
 
@@ -8,24 +11,17 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "packer"
-MAX_MODULE_LINES = 450
-MAX_FUNCTION_LINES = 80
-
-# What is still over, each entry at most its present size (none today). Delete an entry once it is under the
-# limit; the test fails on an entry that no longer applies.
-ALLOWED_MODULES: dict[str, int] = {}
-ALLOWED_FUNCTIONS: dict[str, int] = {}  # "folder/module.py:Class.method" -> lines
-
-
-def _rel(path: Path) -> str:
-    return path.relative_to(PACKAGE).as_posix()
+MAX_MODULE_LINES = 800
+MAX_FUNCTION_LINES = 120
+MAX_DATASET_CLASS_LINES = 260
 
 
 def module_lengths() -> dict[str, int]:
-    return {_rel(p): len(p.read_text(encoding="utf-8").splitlines()) for p in sorted(PACKAGE.rglob("*.py"))}
+    return {p.relative_to(PACKAGE).as_posix(): len(p.read_text(encoding="utf-8").splitlines())
+            for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def function_lengths() -> dict[str, int]:
+def function_lengths(root: Path = PACKAGE) -> dict[str, int]:
     """``module.py:Qualified.name`` -> lines, for every function and method (nested ones too)."""
     out: dict[str, int] = {}
 
@@ -39,36 +35,36 @@ def function_lengths() -> dict[str, int]:
             else:
                 walk(child, rel, prefix)
 
-    for path in sorted(PACKAGE.rglob("*.py")):
-        walk(ast.parse(path.read_text(encoding="utf-8")), _rel(path), "")
+    for path in sorted(root.rglob("*.py")):
+        walk(ast.parse(path.read_text(encoding="utf-8")), path.relative_to(root).as_posix(), "")
     return out
 
 
-def _over(lengths: dict[str, int], limit: int, allowed: dict[str, int]) -> list[str]:
-    return [f"{name}: {n} lines (limit {limit}{f', allowed {allowed[name]}' if name in allowed else ''})"
-            for name, n in sorted(lengths.items()) if n > max(limit, allowed.get(name, 0))]
+def _over(lengths: dict[str, int], limit: int) -> list[str]:
+    return [f"{name}: {n} lines (tripwire {limit})" for name, n in sorted(lengths.items()) if n > limit]
 
 
-def test_no_module_over_the_limit():
-    over = _over(module_lengths(), MAX_MODULE_LINES, ALLOWED_MODULES)
-    assert not over, "modules too long (split them by job):\n" + "\n".join(over)
+def test_no_module_past_the_tripwire():
+    over = _over(module_lengths(), MAX_MODULE_LINES)
+    assert not over, "modules past the tripwire (split by concept, and name it):\n" + "\n".join(over)
 
 
-def test_no_function_over_the_limit():
-    over = _over(function_lengths(), MAX_FUNCTION_LINES, ALLOWED_FUNCTIONS)
-    assert not over, "functions too long (split them):\n" + "\n".join(over)
+def test_no_function_past_the_tripwire():
+    over = _over(function_lengths(), MAX_FUNCTION_LINES)
+    assert not over, "functions past the tripwire (split them):\n" + "\n".join(over)
 
 
-def test_the_allow_lists_hold_only_what_is_still_over_in_write_and_read():
-    for allowed, lengths, limit in ((ALLOWED_MODULES, module_lengths(), MAX_MODULE_LINES),
-                                    (ALLOWED_FUNCTIONS, function_lengths(), MAX_FUNCTION_LINES)):
-        for name in allowed:
-            assert name.startswith(("write/", "read/")), f"{name}: only write/ and read/ may be allow-listed"
-            assert lengths.get(name, 0) > limit, f"{name} is within the limit now: delete its allow-list entry"
+def test_the_measure_counts_what_it_says(tmp_path):
+    (tmp_path / "m.py").write_text('import os\n\n\nclass A:\n    @staticmethod\n    def f():\n        """doc"""\n\n'
+                                   '        def g():\n            return 1\n        return g\n')
+    # def to return, the decorator left out, the docstring and the nested g counted
+    assert function_lengths(tmp_path) == {"m.py:A.f": 6, "m.py:A.f.g": 2}
 
 
 def test_the_dataset_class_stays_small():
-    """PackedDataset is the ImageFolder surface plus decoding: reading, batches and read-ahead live beside it."""
+    """``PackedDataset`` is the ImageFolder surface plus decoding; reading, batches and read-ahead live beside it. This
+    guards against the one habit a line cap per module does not catch: a dataset class that becomes the god class
+    (the 1,345-line dataset seen elsewhere) while its module stays under the tripwire."""
     tree = ast.parse((PACKAGE / "read" / "dataset.py").read_text(encoding="utf-8"))
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PackedDataset")
-    assert (cls.end_lineno or 0) - cls.lineno + 1 <= 260
+    assert (cls.end_lineno or 0) - cls.lineno + 1 <= MAX_DATASET_CLASS_LINES
