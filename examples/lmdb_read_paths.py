@@ -38,7 +38,7 @@ from packer import ThreadLoader, open_dataset
 from packer.diagnose.measure import evict, tree_files
 from packer.formats import get_format
 from packer.formats.base import ShardReader
-from packer.formats.lmdb_values import key
+from packer.formats.lmdb.values import key
 from packer.perprocess import PerProcess
 
 

@@ -13,26 +13,22 @@ Figures: docs/results.md.
 from __future__ import annotations
 
 import argparse
-import os
 import threading
 import time
 from pathlib import Path
 
 import packer
 import packer.read.threaded as threaded
-
-TICK = os.sysconf("SC_CLK_TCK")
+from packer import sysinfo
 
 
 def thread_cpu() -> dict[str, float]:
     """CPU seconds per thread id of this process."""
     out = {}
     for task in Path("/proc/self/task").iterdir():
-        try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        out[task.name] = (int(fields[11]) + int(fields[12])) / TICK
+        seconds = sysinfo.cpu_seconds(f"self/task/{task.name}")
+        if seconds is not None:  # else ended meanwhile
+            out[task.name] = seconds
     return out
 
 

@@ -26,22 +26,17 @@ import numpy as np
 from torch.utils.data import BatchSampler, SequentialSampler
 
 import packer
+from packer import sysinfo
 from packer.read import threaded
 from packer.read.blockpool import BlockPool
 from packer.read.hints import aheads_of
 
-TICK = os.sysconf("SC_CLK_TCK")
 FEEDER_CPU: list[float] = []  # each feeder thread's CPU seconds, appended as it ends
 
 
 def thread_cpu(native_id: int | None) -> float:
     """CPU seconds of one thread of this process so far (Linux /proc; 0 once it has ended)."""
-    try:
-        with open(f"/proc/self/task/{native_id}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return sysinfo.cpu_seconds(f"self/task/{native_id}") or 0.0
 
 
 def by_role() -> collections.Counter:

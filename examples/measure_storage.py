@@ -61,8 +61,9 @@ class Server:
         self.endpoint = self.proc.stdout.readline().strip()
 
     def cpu(self) -> float:
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        from packer import sysinfo
+
+        return sysinfo.cpu_seconds(str(self.proc.pid)) or 0.0
 
     def close(self) -> None:
         assert self.proc.stdin is not None

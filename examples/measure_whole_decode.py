@@ -75,11 +75,7 @@ def single_thread(folder: Path, rounds: int) -> float:
 
 def thread_cpu(tid: int) -> float | None:
     """CPU seconds thread ``tid`` of this process has used (None once it has ended)."""
-    try:
-        fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return sysinfo.cpu_seconds(f"self/task/{tid}")
 
 
 def epoch(ds) -> tuple[float, float]:

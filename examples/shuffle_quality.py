@@ -19,6 +19,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from packer.diagnose.shuffle_quality import batchmates_again, shuffle_stats  # noqa: E402
 from packer.read.sampler import (  # noqa: E402
     DEFAULT_BLOCK_BYTES,
     DEFAULT_OPEN_BLOCKS,
@@ -27,7 +28,6 @@ from packer.read.sampler import (  # noqa: E402
     rank_order,
     stable_permutation,
 )
-from packer.read.shuffle_quality import batchmates_again, shuffle_stats  # noqa: E402
 
 COLUMNS = [
     ("blocks_per_batch", "blocks / batch", "{:.1f}"),

@@ -11,18 +11,18 @@ never read once its values are located, so they stay out of the cache. Any failu
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import mmap
 import os
 import resource
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import numpy as np
 
+from packer.libc import LIBC
+from packer.lru import LRU
 from packer.perprocess import PerProcess
 
 PAGE = mmap.PAGESIZE
@@ -32,17 +32,6 @@ WHOLE_FILE_PAGES = 1 << 18  # files up to this many pages (1 GiB) are asked abou
 HULL_BYTES = 1 << 20  # a file's ranges within this hull are asked about in one call (an N5 block's samples)
 WHOLE_FILE_SECONDS = 1.0  # a whole-file answer is kept this long, or 200x what asking took if longer
 
-
-def _libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _libc()
 
 
 def all_of_each(ok: np.ndarray, owners: np.ndarray, n: int) -> np.ndarray:
@@ -71,7 +60,7 @@ class PageCache:
         self._vec = np.zeros(0, dtype=np.uint8)  # mincore's answer, reused
         self._vec_at = 0  # its address (asking numpy for it costs more than a small mincore call)
         self._lock = threading.Lock()  # one answer vector: two loaders' feeder threads may ask at once
-        self._failed = _LIBC is None
+        self._failed = LIBC is None
         self._whole = False  # the whole file was resident when last asked
         self._whole_until = -1.0  # time.monotonic() until which that answer stands
 
@@ -89,6 +78,19 @@ class PageCache:
         self._base = np.frombuffer(self._map, dtype=np.uint8).ctypes.data  # the address; no page touched
         return True
 
+    def pages(self) -> tuple[int, int] | None:
+        """(pages of the file in the page cache, pages in all), from one ``mincore`` call over the whole file; None
+        where the kernel can't be asked."""
+        with self._lock:
+            if LIBC is None or self._failed:
+                return None
+            if self._map is None and not self._open():
+                return None if self._failed else (0, 0)  # an empty file has no pages
+            pages = -(-self._size // PAGE)
+            if LIBC.mincore(self._base, pages * PAGE, self._answer(pages)) != 0:
+                return None
+            return int((self._vec[:pages] & 1).sum()), pages
+
     def resident(self, starts: np.ndarray, ends: np.ndarray) -> bool:
         """True when every byte of every range [starts[k], ends[k]) of the file is in the page cache."""
         with self._lock:
@@ -104,7 +106,7 @@ class PageCache:
 
     def _resident_each(self, starts: np.ndarray, ends: np.ndarray) -> np.ndarray | None:
         """Per range, all its pages cached; None: not known (no mincore, no map, nothing asked, past the end)."""
-        libc = _LIBC
+        libc = LIBC
         if libc is None or self._failed or not len(starts) or (self._map is None and not self._open()):
             return None
         starts, ends = np.asarray(starts, dtype=np.int64), np.asarray(ends, dtype=np.int64)
@@ -139,10 +141,10 @@ class PageCache:
         """``resident_each`` for ranges within a small hull [first, last) (an N5 block's samples), from one ``mincore``
         call over it: when its pages all are cached, or none is (a cold batch), every range's answer follows without
         working out which pages each covers. A file seen whole in the cache within the second only has the hull's
-        first page asked about (241 pages: 17 us, one: 3 us)."""
+        first page asked about."""
         n = len(starts)
         with self._lock:
-            if _LIBC is None or self._failed or (self._map is None and not self._open()):
+            if LIBC is None or self._failed or (self._map is None and not self._open()):
                 return np.zeros(n, dtype=bool)
             if last <= first:
                 return np.ones(n, dtype=bool)
@@ -152,7 +154,7 @@ class PageCache:
                 return np.zeros(n, dtype=bool) if each is None else each
             if self._whole_file_resident(lo, lo + 1):
                 return np.ones(n, dtype=bool)
-            if _LIBC.mincore(self._base + lo * PAGE, (hi - lo) * PAGE, self._answer(hi - lo)) != 0:
+            if LIBC.mincore(self._base + lo * PAGE, (hi - lo) * PAGE, self._answer(hi - lo)) != 0:
                 return np.zeros(n, dtype=bool)
             vec = self._vec[:hi - lo] & 1
         if vec.all():
@@ -168,7 +170,7 @@ class PageCache:
         """Whether the whole file was in the cache when last asked (asked again once that answer is old, for
         files of up to WHOLE_FILE_PAGES) and pages [lo, hi) still are (a cheap check that catches an eviction)."""
         pages = -(-self._size // PAGE)
-        if pages > WHOLE_FILE_PAGES or _LIBC is None:
+        if pages > WHOLE_FILE_PAGES or LIBC is None:
             return False
         now = time.monotonic()
         if now >= self._whole_until:
@@ -181,7 +183,7 @@ class PageCache:
     def _all_cached(self, lo: int, hi: int, mask: np.ndarray | None = None) -> bool:
         """One mincore call: pages [lo, hi) of the file all resident (only those ``mask`` marks, where given)."""
         addr = self._answer(hi - lo)
-        if _LIBC is None or _LIBC.mincore(self._base + lo * PAGE, (hi - lo) * PAGE, addr) != 0:
+        if LIBC is None or LIBC.mincore(self._base + lo * PAGE, (hi - lo) * PAGE, addr) != 0:
             return False
         if hi - lo == 1 and mask is None:  # one page (a file seen whole): no array operations
             return bool(self._vec[0] & 1)
@@ -221,11 +223,20 @@ class PageCache:
             self._map = None
 
 
+def resident_pages(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(pages of ``path`` in the page cache, pages in all); None when the kernel can't be asked. The file is mapped
+    without touching it (mapping faults nothing in), asked, and unmapped."""
+    cache = PageCache(path)
+    try:
+        return cache.pages()
+    finally:
+        cache.close()
+
+
 def mapped_files_limit() -> int:
     """How many files one reader keeps mapped per process: each map holds a descriptor, so a sixteenth of the
-    open-file limit, 64 to 1,024. A file mapped again costs its faults again (140 us per MiB here, as much as
-    reading it) and a check of one no longer mapped a map and an unmap: with 142 N5 block files, keeping 64
-    read 5-10 % slower than keeping all (docs/results.md)."""
+    open-file limit, 64 to 1,024: a file mapped again costs its page faults again, and asking about one no longer
+    mapped a map and an unmap (docs/results.md)."""
     try:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (OSError, ValueError):
@@ -237,16 +248,14 @@ KEEP_FILES = mapped_files_limit()  # files a SpanResidency keeps mapped; older o
 
 
 class _Files:
-    """One process's PageCache per file, the most recently asked last."""
+    """One process's PageCache per file, at most ``keep`` of them (the least recently asked closed first)."""
 
-    def __init__(self) -> None:
-        self.caches: OrderedDict[str, PageCache] = OrderedDict()
+    def __init__(self, keep: int = KEEP_FILES) -> None:
+        self.caches: LRU[str, PageCache] = LRU(keep, drop=PageCache.close)
         self.lock = threading.Lock()  # two loaders' feeder threads may ask at once
 
     def close(self) -> None:
         with self.lock:
-            for cache in self.caches.values():
-                cache.close()
             self.caches.clear()
 
 
@@ -255,13 +264,13 @@ class SpanResidency:
 
     For readers that know their samples' ranges (``ShardReader.file_spans``) but not a faster way to ask:
     a warm batch then skips the read-ahead, which would only copy its bytes once more (a thread's
-    ``pread`` of every byte: 30-60 us per 98 KB photo, docs/results.md). At most ``keep`` files stay mapped
+    ``pread`` of every byte). At most ``keep`` files stay mapped
     (a dataset of block files has thousands). Per process; pickles empty.
     """
 
     def __init__(self, keep: int = KEEP_FILES) -> None:
         self.keep = keep
-        self._files: PerProcess[_Files] = PerProcess(_Files, inherited=_Files.close)
+        self._files: PerProcess[_Files] = PerProcess(partial(_Files, keep), inherited=_Files.close)
 
     def each(self, spans: Sequence[Sequence[tuple[str, int, int]]]) -> np.ndarray:
         """Per sample (its ranges, as ``ShardReader.file_spans`` gives them), True when every range is cached; False
@@ -301,13 +310,10 @@ class SpanResidency:
                     out[order[a:b]] = cache.hull_each(lo[a:b], hi[a:b], first, last)
         return out
 
-    def _cache(self, files: _Files, path: str) -> PageCache:
+    @staticmethod
+    def _cache(files: _Files, path: str) -> PageCache:
         """The PageCache of ``path``, now the most recently asked (the oldest beyond ``keep`` closed)."""
-        cache = files.caches.pop(path, None) or PageCache(path)
-        files.caches[path] = cache
-        while len(files.caches) > self.keep:
-            files.caches.popitem(last=False)[1].close()
-        return cache
+        return files.caches.get(path) or files.caches.put(path, PageCache(path))
 
     def close(self) -> None:
         """Drop this process's mappings."""

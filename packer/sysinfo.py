@@ -1,4 +1,5 @@
-"""Small facts about this machine that the cache and ``packer doctor`` act on: memory, /dev/shm, processes."""
+"""Small facts about this machine that the cache and ``packer doctor`` act on: memory, /dev/shm, processes; and the
+one reader of /proc (``proc_text``)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,59 @@ from pathlib import Path
 SHM_DIR = Path("/dev/shm")
 
 
+TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc's clock ticks per second
+
+
+def proc_path(name: str) -> str:
+    """``/proc/<name>``: where the kernel shows it (a process's descriptors ``self/fd/N`` as paths, for one)."""
+    return f"/proc/{name}"
+
+
+def proc_text(name: str) -> str | None:
+    """The text of ``/proc/<name>`` (``meminfo``, ``self/mountinfo``, ``thread-self/schedstat``, ...): the one reader
+    of /proc; None where there is none (not Linux, a process or thread gone). Bytes that are not UTF-8 (a command
+    name, a mapped file's path) come back as lone surrogates, as ``os.fsdecode`` gives them."""
+    try:
+        with open(proc_path(name), encoding="utf-8", errors="surrogateescape") as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def proc_link(name: str) -> str | None:
+    """Where the link ``/proc/<name>`` points (``self/ns/pid``: this process's pid namespace); None where there is
+    none."""
+    try:
+        return os.readlink(proc_path(name))
+    except OSError:
+        return None
+
+
+def stat_fields(task: str) -> list[str] | None:
+    """The fields of ``/proc/<task>/stat`` (``task``: a pid, ``self``, ``self/task/<tid>``) after the command
+    name, which may hold spaces: ``[0]`` is the state, ``[11]``/``[12]`` the user/system ticks, ``[19]`` the start
+    time (``man 5 proc``'s fields 3 onwards); None where it is gone."""
+    text = proc_text(f"{task}/stat")
+    return None if text is None else text.rsplit(")", 1)[-1].split()
+
+
+def cpu_seconds(task: str) -> float | None:
+    """User + system CPU seconds a process or thread (``stat_fields``' ``task``) has used; None where it is gone."""
+    fields = stat_fields(task)
+    try:
+        return None if fields is None else (int(fields[11]) + int(fields[12])) / TICK
+    except (IndexError, ValueError):
+        return None
+
+
 def meminfo() -> dict[str, int]:
     """/proc/meminfo in bytes (MemTotal, MemAvailable, Cached, Shmem, ...); empty where there is none."""
     out: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                name, _, rest = line.partition(":")
-                parts = rest.split()
-                if parts:
-                    out[name] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
-    except OSError:
-        pass
+    for line in (proc_text("meminfo") or "").splitlines():
+        name, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts:
+            out[name] = int(parts[0]) * (1024 if len(parts) > 1 and parts[1] == "kB" else 1)
     return out
 
 
@@ -39,12 +81,9 @@ def disk_space(path: str | os.PathLike) -> tuple[int, int] | None:
 
 def process_start_time(pid: int) -> int | None:
     """Start time of process ``pid`` in clock ticks since boot (tells a live pid from a reused one)."""
+    fields = stat_fields(str(pid))
     try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    try:
-        return int(text.rsplit(")", 1)[1].split()[19])
+        return None if fields is None else int(fields[19])
     except (IndexError, ValueError):
         return None
 

@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "packer"
 # Lower layers never import higher ones; write/ and read/ are peers that never import each other.
 LAYERS = {
     "packer._version": 0, "packer._random": 0, "packer.argtypes": 0, "packer.perprocess": 0, "packer.errors": 0,
-    "packer.units": 0, "packer.sysinfo": 0, "packer.pagecache": 0, "packer.progress": 0,
+    "packer.units": 0, "packer.sysinfo": 0, "packer.pagecache": 0, "packer.progress": 0, "packer.libc": 0,
+    "packer.lru": 0, "packer.compiled": 0,
     "packer.storage": 1, "packer.layout": 2, "packer.images": 3, "packer.formats": 4, "packer.write": 5,
     "packer.read": 5, "packer.tools": 6, "packer.dali": 6, "packer.diagnose": 7, "packer.cli": 8, "packer.__main__": 8,
 }

@@ -4,7 +4,6 @@ result, return the exit code (see ``packer.cli.parser.EXIT_CODES``)."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -255,14 +254,10 @@ def cmd_bench(args) -> int:
         import shlex
 
         report["command"] = shlex.join(["packer", *sys.argv[1:]])
-    if args.json == "-":
-        print(json.dumps(report, indent=1))
-    else:
+    if args.json != "-":
         print(bench_table(report))
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(report, fh, indent=1)
-            print(f"wrote {args.json}")
+    if args.json:
+        _write_json(report, args.json)
     if args.plot:
         from packer.diagnose.plots import plot_bench
 
@@ -273,56 +268,24 @@ def cmd_bench(args) -> int:
 
 def _bench_decoders(args) -> int:
     """``packer bench --decoders [DATASET|FOLDER]``: per-core decoder rates and packer's decode overhead."""
-    import platform
-    import tempfile
+    from packer.diagnose.decoders import bench_decoders
 
-    from packer.diagnose import decoders as decodebench
-    from packer.diagnose.measure import load_samples
-
-    sizes = list(args.sizes)
-    backends = args.backends.split(",") if args.backends else None
     if len(args.paths) > 1:
         raise PackerError("packer bench --decoders takes one DATASET or FOLDER (or none: generated samples)")
-    limit = args.limit or 200
-    out = sys.stderr if args.json == "-" else sys.stdout  # keep stdout for the JSON
-    with tempfile.TemporaryDirectory(prefix="packer-bench-") as tmp:
-        path = args.paths[0] if args.paths else None
-        if path is None:
-            from packer.tools.sample import make_sample
-
-            path = f"{tmp}/imgs"
-            print(f"no DATASET|FOLDER given: generating {limit} photo-like JPEGs (about 500x375, q90)", file=out)
-            make_sample(path, count=limit, classes=1, progress=False)
-        samples = load_samples(path, limit=limit)
-        mean_kb = sum(map(len, samples)) / len(samples) / 1e3
-        print(f"{len(samples)} images from {path} (mean {mean_kb:.0f} KB); one process, rates per core from CPU time",
-              file=out)
-        results = decodebench.measure_decoders(samples, backends=backends, sizes=sizes, seconds=args.seconds)
-        print(decodebench.decoder_table(results), file=out)
-        overhead = None
-        from pathlib import Path
-
-        from packer.images.decode import turbojpeg_available
-        if (Path(path) / "manifest.json").exists() and turbojpeg_available():
-            overhead = decodebench.measure_overhead(path, limit=limit, batch_size=args.batch_size,
-                                                    seconds=args.seconds * 2)
-            r = overhead["img_per_s"]
-            print(f"open_dataset(image='numpy', decoder='auto') vs bare libjpeg-turbo on the same "
-                  f"{overhead['samples']} JPEGs, batches of {args.batch_size} via __getitems__: "
-                  f"{r['packer']:.0f} vs {r['bare']:.0f} img/s "
-                  f"= {overhead['ratio']:.0%} (one sample at a time {overhead['ratio_item']:.0%}; "
-                  f"holding full-size arrays per batch {r['packer_held']:.0f} vs {r['bare_held']:.0f} "
-                  f"= {overhead['ratio_held']:.0%})", file=out)
+    doc = bench_decoders(args.paths[0] if args.paths else None, sizes=list(args.sizes),
+                         backends=args.backends.split(",") if args.backends else None, limit=args.limit or 200,
+                         seconds=args.seconds, batch_size=args.batch_size,
+                         out=sys.stderr if args.json == "-" else sys.stdout)  # keep stdout for the JSON
     if args.json:
-        from packer._version import __version__
-
-        doc = {"packer": __version__, "python": platform.python_version(), "machine": platform.machine(),
-               "cpu_count": os.cpu_count(), "path": path if args.paths else None, "samples": len(samples),
-               "decoders": results, "overhead": overhead}
-        if args.json == "-":
-            print(json.dumps(doc, indent=1))
-        else:
-            with open(args.json, "w") as fh:
-                json.dump(doc, fh, indent=1)
-            print(f"wrote {args.json}")
+        _write_json(doc, args.json)
     return 0
+
+
+def _write_json(doc: Mapping[str, Any], target: str) -> None:
+    """``--json -``: the document on stdout; ``--json FILE``: into FILE, and a line saying so."""
+    if target == "-":
+        print(json.dumps(doc, indent=1))
+    else:
+        with open(target, "w") as fh:
+            json.dump(doc, fh, indent=1)
+        print(f"wrote {target}")

@@ -9,13 +9,20 @@ libjpeg-turbo on the same bytes: packer's per-sample overhead. Figures: docs/dec
 from __future__ import annotations
 
 import os
+import platform
+import sys
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 
-from packer.diagnose.measure import available_backends, decode_rate, decoder, timed
+from packer._version import __version__
+from packer.diagnose.measure import available_backends, decode_rate, decoder, load_samples, timed
 from packer.errors import PackerError
-from packer.images.decode import TURBO_SAFE_COLORSPACES, scale_denominator, sniff, turbojpeg_handle
+from packer.images.decode import TURBO_SAFE_COLORSPACES, scale_denominator, turbojpeg_available, turbojpeg_handle
+from packer.images.magic import sniff
 
 
 def measure_decoders(
@@ -165,6 +172,42 @@ def measure_overhead(dataset: str | os.PathLike, limit: int = 200, batch_size: i
         "ratio": med["packer"] / med["bare"], "ratio_item": med["packer_item"] / med["bare"],
         "ratio_held": med["packer_held"] / med["bare_held"],
     }
+
+
+def bench_decoders(path: str | os.PathLike | None, sizes: Sequence[int | None] = (None, 224),
+                   backends: Sequence[str] | None = None, limit: int = 200, seconds: float = 2.0,
+                   batch_size: int = 32, out: TextIO = sys.stdout) -> dict:
+    """``packer bench --decoders``: each decoder's per-core rates on up to ``limit`` images of ``path`` (a dataset or
+    a folder; None: photo-like JPEGs generated for the run), and packer's decode overhead where ``path`` is a packed
+    dataset and libjpeg-turbo loads; what it does and the tables are written to ``out``. Returns the JSON document
+    (``--json``)."""
+    with tempfile.TemporaryDirectory(prefix="packer-bench-") as tmp:
+        source = path
+        if source is None:
+            from packer.tools.sample import make_sample
+
+            source = f"{tmp}/imgs"
+            print(f"no DATASET|FOLDER given: generating {limit} photo-like JPEGs (about 500x375, q90)", file=out)
+            make_sample(source, count=limit, classes=1, progress=False)
+        samples = load_samples(source, limit=limit)
+        mean_kb = sum(map(len, samples)) / len(samples) / 1e3
+        print(f"{len(samples)} images from {source} (mean {mean_kb:.0f} KB); one process, rates per core from CPU "
+              "time", file=out)
+        results = measure_decoders(samples, backends=backends, sizes=sizes, seconds=seconds)
+        print(decoder_table(results), file=out)
+        overhead = None
+        if (Path(source) / "manifest.json").exists() and turbojpeg_available():
+            overhead = measure_overhead(source, limit=limit, batch_size=batch_size, seconds=seconds * 2)
+            r = overhead["img_per_s"]
+            print(f"open_dataset(image='numpy', decoder='auto') vs bare libjpeg-turbo on the same "
+                  f"{overhead['samples']} JPEGs, batches of {batch_size} via __getitems__: "
+                  f"{r['packer']:.0f} vs {r['bare']:.0f} img/s "
+                  f"= {overhead['ratio']:.0%} (one sample at a time {overhead['ratio_item']:.0%}; "
+                  f"holding full-size arrays per batch {r['packer_held']:.0f} vs {r['bare_held']:.0f} "
+                  f"= {overhead['ratio_held']:.0%})", file=out)
+    return {"packer": __version__, "python": platform.python_version(), "machine": platform.machine(),
+            "cpu_count": os.cpu_count(), "path": None if path is None else os.fspath(path), "samples": len(samples),
+            "decoders": results, "overhead": overhead}
 
 
 def decoder_table(results: list[dict]) -> str:

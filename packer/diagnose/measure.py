@@ -1,6 +1,6 @@
 """Measurement primitives of ``packer bench``, ``packer doctor`` and ``packer bench --decoders``: one of each.
 
-- page cache: residency by ``mincore``, eviction by fsync + ``posix_fadvise(DONTNEED)``, checked;
+- page cache: residency (``pagecache.resident_pages``), eviction by fsync + ``posix_fadvise(DONTNEED)``, checked;
 - the timer (``timed``: a wall or CPU clock), the rate made of repeated timings (``Rate``), and a thread's time
   on a CPU and waiting for one (``thread_cpu``);
 - the cold reader (``cold_read``: evict, then read files in large reads, bounded in bytes and time);
@@ -11,10 +11,7 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -24,61 +21,14 @@ from pathlib import Path
 import numpy as np
 
 from packer.errors import PackerError
+from packer.pagecache import resident_pages
+from packer.sysinfo import proc_text
 
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 COLD = 0.01  # a read counts as cold when under 1% of the files' pages stayed cached after eviction
 READ_BLOCK = 8 << 20  # bytes per read() of the cold reader
 
 
 # ------------------------------------------------------------------ page cache
-
-
-def _libc():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _libc()
-_MAP_FAILED = ctypes.c_void_p(-1).value
-
-
-def resident_pages(path: str | os.PathLike) -> tuple[int, int] | None:
-    """(pages of ``path`` in the page cache, pages in all), by ``mincore``; None when it can't tell.
-
-    The file is mapped without touching it (mapping faults nothing in), asked, and unmapped.
-    """
-    if _LIBC is None or not hasattr(os, "posix_fadvise"):
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return (0, 0)
-        pages = (size + PAGE - 1) // PAGE
-        addr = _LIBC.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-        if addr is None or addr == _MAP_FAILED:
-            return None
-        try:
-            vec = (ctypes.c_ubyte * pages)()
-            if _LIBC.mincore(addr, size, vec) != 0:
-                return None
-            return int((np.ctypeslib.as_array(vec) & 1).sum()), pages
-        finally:
-            _LIBC.munmap(addr, size)
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -191,10 +141,9 @@ def thread_cpu() -> tuple[float, float] | None:
     scheduler's own count (``/proc/thread-self/schedstat``); None where the kernel does not give it. The rest of
     a pass's wall time the thread was blocked: on the disk, for a cold read. The wait says the machine was busy."""
     try:
-        with open("/proc/thread-self/schedstat") as fh:
-            on_cpu, waiting = fh.read().split()[:2]
+        on_cpu, waiting = (proc_text("thread-self/schedstat") or "").split()[:2]
         return int(on_cpu) / 1e9, int(waiting) / 1e9
-    except (OSError, ValueError):
+    except ValueError:  # none (unpacking fails too), or not numbers
         return None
 
 

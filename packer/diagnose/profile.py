@@ -31,7 +31,7 @@ import torch
 
 from packer.diagnose.gpu import GpuSampler, GpuUsage
 from packer.diagnose.instrument import InstrumentedDataset, StageTotals
-from packer.images.decode import sniff
+from packer.images.magic import sniff
 from packer.progress import bar as progress_bar
 from packer.read.dataset import PackedDataset
 from packer.read.loaders import to_device

@@ -45,19 +45,15 @@ def _unescape(s: str) -> str:
 
 def _mountinfo() -> list[dict]:
     out = []
-    try:
-        with open("/proc/self/mountinfo") as fh:
-            for line in fh:
-                left, _, right = line.partition(" - ")
-                f = left.split()
-                r = right.split()
-                out.append({
-                    "dev": f[2], "root": f[3], "mount_point": _unescape(f[4]),
-                    "fstype": r[0] if r else "", "source": _unescape(r[1]) if len(r) > 1 else "",
-                    "super_options": r[2] if len(r) > 2 else "",
-                })
-    except OSError:
-        pass
+    for line in (sysinfo.proc_text("self/mountinfo") or "").splitlines():
+        left, _, right = line.partition(" - ")
+        f = left.split()
+        r = right.split()
+        out.append({
+            "dev": f[2], "root": f[3], "mount_point": _unescape(f[4]),
+            "fstype": r[0] if r else "", "source": _unescape(r[1]) if len(r) > 1 else "",
+            "super_options": r[2] if len(r) > 2 else "",
+        })
     return out
 
 
@@ -163,13 +159,9 @@ def _versions() -> dict:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    for line in (sysinfo.proc_text("cpuinfo") or "").splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 

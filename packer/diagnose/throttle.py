@@ -1,27 +1,11 @@
 """Slow-storage emulation with the kernel's block-IO controller: real throttling, not sleeps.
 
-``throttled(paths, read_iops, read_bps)`` creates a child cgroup, limits reads from the block
-device(s) holding ``paths`` (cgroup v1 ``blkio.throttle.read_iops_device``/``read_bps_device``,
-or v2 ``io.max``), moves this process into it (DataLoader workers forked or spawned later
-inherit it), and on the way out — normal exit, exception, Ctrl-C or SIGTERM — moves every
-process back, removes the limits and the cgroup. Cgroups left by a killed earlier run
-(``packer-bench-<pid>`` whose pid is gone and that holds no process) are removed on entry;
-another run's live cgroup never is.
-
-Only reads that reach the device are throttled: page-cache hits (warm passes) are not, which is
-what slow storage does too. Metadata latency of a network filesystem (one round trip per open)
-is not emulated: the ``nfs`` preset models its IO count and bandwidth only.
-
-Presets (reads only; each device's figures vary, these are typical datasheet/measured values):
-
-| preset | read IOPS | read MB/s | source                                                                 |
-|--------|-----------|-----------|------------------------------------------------------------------------|
-| hdd    | 150       | 150       | 7200 rpm SATA disk: ~8.5 ms seek + 4.2 ms half-turn = 80-200 random    |
-|        |           |           | IOPS; 150-200 MB/s sustained sequential (e.g. Seagate Exos 7E8, WD Red) |
-| nfs    | 1000      | 110       | NFS over 1 GbE: 125 MB/s line rate less protocol overhead ~ 110 MB/s;  |
-|        |           |           | ~1 ms per synchronous request round trip ~ 1000 IOPS at queue depth 1  |
-| ssd    | 20000     | 500       | SATA SSD: 500-550 MB/s sequential (SATA 6 Gb/s limit); 10-90k random   |
-|        |           |           | 4K read IOPS (QD1-QD32), e.g. Samsung 870 EVO datasheet                 |
+``throttled(paths, read_iops, read_bps)`` creates a child cgroup, limits reads from the block device(s) holding
+``paths`` (cgroup v1 ``blkio.throttle.*``, or v2 ``io.max``) and moves this process into it (workers started later
+inherit it); on the way out (exit, exception, Ctrl-C or SIGTERM) it moves every process back and removes the limits
+and the cgroup, and cgroups a killed earlier run left are removed on entry. Only reads that reach the device are
+throttled, as on slow storage; a network filesystem's per-open latency is not emulated. The presets (``PRESETS``)
+and their sources: docs/bench.md.
 """
 
 from __future__ import annotations
@@ -36,6 +20,7 @@ from pathlib import Path
 
 from packer.diagnose.system import block_device_of
 from packer.errors import PackerError
+from packer.sysinfo import proc_text
 
 # The kernel's block-IO throttle meters each cgroup in slices of HZ/10 (blk-throttle's ``throtl_slice``): a pass may
 # run up to a slice's budget ahead of the limit (at a slice's start) or wait up to a slice behind it.
@@ -87,9 +72,8 @@ class Controller:
 
     def own_cgroup(self) -> Path:
         """This process's cgroup in this hierarchy (from /proc/self/cgroup)."""
-        try:
-            text = Path("/proc/self/cgroup").read_text()
-        except OSError:
+        text = proc_text("self/cgroup")
+        if text is None:
             return self.root
         for line in text.splitlines():
             hid, controllers, rel = line.split(":", 2)

@@ -8,7 +8,6 @@ through one. Hooks have defaults, so nothing ever probes a format with ``getattr
 
 from __future__ import annotations
 
-import mmap
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -20,6 +19,7 @@ import numpy as np
 
 from packer.errors import DatasetError, PackerError
 from packer.formats import safecopy
+from packer.formats.filemap import check_size
 from packer.images.resize import ResizeSpec
 from packer.pagecache import SpanResidency
 
@@ -222,32 +222,6 @@ def check_addition(path, count: int, planned: int, sample: PreparedSample, shape
         raise PackerError(f"{sample.rel_path}: shape {got} differs from the dataset's {shape}")
 
 
-def check_size(fd: int, expected: int, path: object) -> None:
-    """The open shard file ``fd`` still has the size the manifest records.
-
-    Truncated in place (``rsync --inplace``, ``cp`` over an open dataset), a memory-mapped file
-    kills its reader with SIGBUS at the first page past the new end, and HDF5 reads zeros there;
-    one ``fstat`` before each read turns that into an error.
-    """
-    size = os.fstat(fd).st_size
-    if size != expected:
-        raise DatasetError(f"{path}: shard changed size since it was opened ({expected} bytes in the manifest, "
-                           f"{size} now: rewritten in place?); reopen the dataset")
-
-
-def map_readonly(path: object, fd: int, access: str) -> mmap.mmap:
-    """The open file ``fd`` (at ``path``) mapped read-only, for zero-copy views of its bytes; ``access="random"``
-    turns the kernel's read-ahead off for it. Readers ``check_size`` before reading: a page past the end of a
-    file truncated in place would kill the process (SIGBUS)."""
-    try:
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
-        raise DatasetError(f"{path}: cannot map ({exc})") from exc
-    if access == "random" and hasattr(mmap, "MADV_RANDOM"):
-        mm.madvise(mmap.MADV_RANDOM)  # no read-ahead: uniform random reads would only evict pages
-    return mm
-
-
 def pread_ranges(fd: int, starts: Sequence[int], ends: Sequence[int], buf: Destinations, path: object,
                  expected: int, owners: Sequence[int] | None = None, count: int | None = None,
                  mapped: tuple[np.ndarray, int] | None = None) -> list[np.ndarray]:
@@ -267,6 +241,8 @@ def pread_ranges(fd: int, starts: Sequence[int], ends: Sequence[int], buf: Desti
                 raise PackerError(f"{path}: bytes {starts[failed]} to {ends[failed]} could not be read (an I/O error, "
                                   "or the file changed in place); reopen the dataset")
             return dests
+    elif mapped is not None:
+        safecopy.notice_missing()  # once per process: the pread below is the slower way
     k = 0
     while k < len(views):
         run = k + 1
@@ -386,8 +362,7 @@ def sample_views(data: np.ndarray, offsets: np.ndarray | None, shapes: np.ndarra
                  positions: Sequence[int]) -> list:
     """Zero-copy views of the samples at ``positions`` of a mapped array: rows of a fixed-shape ``data``, else
     memoryviews of bytes ``[offsets[p], offsets[p + 1])`` of a flat one, shaped (H, W, 3) by ``shapes`` (raw).
-    Bounds are looked up for the whole batch at once: ~0.2 us of Python per sample (small raw samples' batch
-    reads were half Python, docs/results.md)."""
+    Bounds are looked up for the whole batch at once, not per sample in Python (docs/results.md)."""
     if offsets is None:
         return list(map(data.__getitem__, positions))
     pos = np.asarray(positions, dtype=np.int64)

@@ -9,53 +9,33 @@
 | shard-00000.offsets.npy   | <i8   | [N+1]     | sample i is ``bin[offsets[i]:offsets[i+1]]``          |
 | shard-00000.shapes.npy    | <i8   | [N,3]     | raw, mixed shapes: (h, w, 3) of each sample           |
 
-The ``.bin`` files have no header at all (``np.fromfile``/``np.memmap`` read them); the encoded
-one is the smallest possible packing of the original files. The fixed-shape ``.npy`` is
-written by streaming rows after a header that numpy itself writes (same bytes as
-``np.lib.format.open_memmap`` would produce), not through a writable memory map: a full disk
-then raises an error instead of killing the process with SIGBUS. The header is rewritten at
-close when validation dropped samples (numpy pads it so the count can change in place).
-
-Readers map the files read-only, lazily in each process, and return zero-copy read-only
-views: an ``(H, W, 3)`` array for raw, a ``memoryview`` for encoded. The only copy is made
-when handing pixels to torch (``image="tensor"``, which needs writable memory) or into a
-batch (``read_into``). ``access="random"`` advises the kernel not to read ahead;
-``file_spans`` tells packer.read.readahead which bytes a batch needs.
-
-One shard by default (``DEFAULT_SHARD_BYTES = None``): the formats index by offset, so a
-single file costs nothing in lookups, one mapping per worker suffices, and the fixed-shape
-dataset is then exactly one ``(N, H, W, 3)`` array for anyone with numpy. Use
-``--shard-size`` for filesystems or transfer tools that dislike very large files.
+The ``.bin`` files have no header (``np.fromfile``/``np.memmap`` read them). The fixed-shape ``.npy`` is written by
+streaming rows after numpy's own header, not through a writable map (a full disk is an error, not a SIGBUS).
+Readers map the files read-only in each process and return zero-copy read-only views. One shard by default: one
+file costs nothing in lookups, and the fixed-shape dataset is then one ``(N, H, W, 3)`` array for anyone with numpy.
 """
 
 from __future__ import annotations
 
 import io
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 
 from packer.errors import DatasetError, PackerError
 from packer.formats.base import (
     BlobIndex,
-    Destinations,
     Format,
     PreparedSample,
-    ShardReader,
     ShardWriter,
     check_offsets,
-    check_size,
-    copy_runs,
     fixed_shape,
-    map_readonly,
-    pread_ranges,
-    sample_view,
-    sample_views,
     shard_layout,
 )
+from packer.formats.blob import Blob, BlobReader
+from packer.formats.filemap import check_size, map_bytes, map_readonly, open_checked
 from packer.layout.digest import StreamDigest
 from packer.layout.manifest import Shard
 from packer.layout.trust import npy_header
@@ -144,49 +124,38 @@ class Writer(ShardWriter):
 # ---------------------------------------------------------------- reading
 
 
-def _open_file(path: Path, files: list) -> BinaryIO:
-    """``path`` opened for reading and added to ``files`` (which the caller closes)."""
-    try:
-        fh = open(path, "rb")
-    except OSError as exc:
-        raise DatasetError(f"{path}: cannot open ({exc.strerror or exc})") from exc
-    files.append(fh)
-    return fh
+Kept = list[tuple[int, int, Path]]  # (descriptor, the manifest's size, path) of each mapped file, for check_size
 
 
-def load_npy(path: Path, dtype: str, access: str = "sequential", files: list | None = None) -> np.ndarray:
-    """A read-only, memory-mapped ``.npy`` of exactly ``dtype`` (header parsed safely, no pickle).
-
-    ``files``: the mapped file is left open and appended there (for size checks); else closed.
-    """
+def load_npy(path: Path, dtype: str, access: str = "sequential", kept: Kept | None = None,
+             expected: int | None = None) -> np.ndarray:
+    """A read-only, memory-mapped ``.npy`` of exactly ``dtype`` (header parsed safely, no pickle), its file of the
+    manifest's ``expected`` size where given. ``kept``: the mapped file is left open and added there (for the size
+    checks before each read; the caller closes it); else closed."""
     shape, offset = npy_header(path, dtype)  # shared checks: dtype, C order, size against the file
     size = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
     if size == 0:
         return np.zeros(shape, dtype=dtype)
-    opened: list = [] if files is None else files
-    fh = _open_file(path, opened)
+    fd = open_checked(path, expected)
+    if kept is not None:
+        kept.append((fd, -1 if expected is None else expected, path))
     try:
-        return np.ndarray(shape, dtype=dtype, buffer=map_readonly(path, fh.fileno(), access), offset=offset)
+        return np.ndarray(shape, dtype=dtype, buffer=map_readonly(path, fd, access), offset=offset)
     finally:
-        if files is None:
-            fh.close()
+        if kept is None:
+            os.close(fd)
 
 
 @dataclass
 class _Maps:
-    data: np.ndarray  # [N,H,W,3] (fixed) or the 1-D uint8 blob
-    offsets: np.ndarray | None
-    shapes: np.ndarray | None
-    start: int  # where the data begin in the file (the .npy header's length)
-    files: list  # the mapped files, kept open for the size checks
-    data_fd: int  # the data file's descriptor (among ``files``; -1: an empty file, none opened)
-    checks: list = field(default_factory=list)  # (fd, manifest size, path) per mapped file, made once
+    blob: Blob
+    kept: Kept  # the mapped files, kept open for the size checks
 
 
-class Reader(ShardReader):
+class Reader(BlobReader):
     """Reads one shard through read-only memory maps, opened lazily in each process.
 
-    Before each read the mapped files' sizes are checked against the manifest (``base.check_size``):
+    Before each read the mapped files' sizes are checked against the manifest (``filemap.check_size``):
     touching a page past the end of a file truncated in place would kill the process (SIGBUS).
     """
 
@@ -203,110 +172,63 @@ class Reader(ShardReader):
         self._cache: PerProcess[PageCache] = PerProcess(inherited=PageCache.close)
 
     def _open(self) -> _Maps:
-        files: list = []
+        kept: Kept = []
         try:
-            m = self._open_maps(files)
-            m.checks = [(fh.fileno(), self.sizes[Path(fh.name)], fh.name) for fh in m.files]
-            return m
+            return self._open_maps(kept)
         except BaseException:
-            for fh in files:
-                fh.close()
+            for fd, _size, _path in kept:
+                os.close(fd)
             raise
 
-    def _open_maps(self, files: list) -> _Maps:
+    def _map(self, k: int, dtype: str, kept: Kept, access: str = "sequential") -> np.ndarray:
+        return load_npy(self.paths[k], dtype, access, kept, self.sizes[self.paths[k]])
+
+    def _open_maps(self, kept: Kept) -> _Maps:
         n = self.num_samples
         if self.fixed_shape is not None:
-            data = load_npy(self.paths[0], "|u1", self.access, files)
+            data = self._map(0, "|u1", kept, self.access)
             if data.shape != (n, *self.fixed_shape):
                 raise DatasetError(f"{self.paths[0]}: shape {data.shape}, manifest says {(n, *self.fixed_shape)}")
-            start = os.path.getsize(self.paths[0]) - data.nbytes
-            return _Maps(data, None, None, start, files, files[0].fileno() if files else -1)
+            size = self.sizes[self.paths[0]]
+            return _Maps(Blob(data, None, None, self.paths[0], size, kept[0][0] if kept else -1, size - data.nbytes),
+                         kept)
         # offsets and shapes in memory of our own (copies of their maps, read whole by the checks anyway): they are
         # looked up by read_copies and file_spans in threads that a file truncated meanwhile must not kill
-        offsets = np.array(load_npy(self.paths[1], "<i8", files=files))
-        size = os.path.getsize(self.paths[0])
+        offsets = np.array(self._map(1, "<i8", kept))
+        size = self.sizes[self.paths[0]]
         check_offsets(offsets, n, size, self.paths[1])
         data, data_fd = np.zeros(0, np.uint8), -1
         if size:
-            fh = _open_file(self.paths[0], files)
-            data_fd = fh.fileno()
-            data = np.ndarray((size,), np.uint8, buffer=map_readonly(self.paths[0], fh.fileno(), self.access))
+            data_fd = open_checked(self.paths[0], size)
+            kept.append((data_fd, size, self.paths[0]))
+            data = map_bytes(self.paths[0], data_fd, size, self.access)
         shapes = None
         if self.payload == "raw":
-            shapes = np.array(load_npy(self.paths[2], "<i8", files=files))
+            shapes = np.array(self._map(2, "<i8", kept))
             if shapes.shape != (n, 3) or np.any(shapes[:, 2] != 3) or np.any(shapes < 0) or not np.array_equal(
                     shapes.prod(axis=1), np.diff(offsets)):
                 raise DatasetError(f"{self.paths[2]}: shapes do not match the offsets")
-        return _Maps(data, offsets, shapes, 0, files, data_fd)
+        return _Maps(Blob(data, offsets, shapes, self.paths[0], size, data_fd, 0), kept)
 
-    def _get(self) -> _Maps:
-        """The maps, every mapped file seen to have kept the manifest's size."""
+    def _blob(self) -> Blob:
         m = self._maps.get(self._open)
-        for fd, expected, name in m.checks:
+        for fd, expected, name in m.kept:
             check_size(fd, expected, name)
-        return m
+        return m.blob
 
     def __len__(self) -> int:
         return self.num_samples
-
-    def read(self, pos: int) -> np.ndarray | memoryview:
-        """Zero-copy, read-only: (H, W, 3) pixels for raw, a memoryview of the bytes for encoded."""
-        m = self._get()
-        return sample_view(m.data, m.offsets, m.shapes, pos)
-
-    def read_many(self, positions: list[int]) -> list:
-        m = self._get()  # one size check for the batch
-        return sample_views(m.data, m.offsets, m.shapes, positions)
-
-    def read_copies(self, positions: list[int], buf: Destinations = None) -> list:
-        """The samples' bytes read from the data file with ``pread``, shaped as ``read_many`` gives them
-        (``ShardReader.read_copies``)."""
-        m = self._get()
-        pos = np.asarray(positions, dtype=np.int64)
-        if m.offsets is None:
-            size = m.data[0].nbytes if len(m.data) else 0
-            starts, ends = m.start + pos * size, m.start + (pos + 1) * size
-        else:
-            starts, ends = m.offsets[pos], m.offsets[pos + 1]
-        if m.data_fd < 0:  # an empty data file: every sample is empty
-            return sample_views(m.data, m.offsets, m.shapes, positions)
-        flats = pread_ranges(m.data_fd, starts.tolist(), ends.tolist(), buf, self.paths[0], self.sizes[self.paths[0]],
-                             mapped=(m.data.reshape(-1), m.start))
-        if m.offsets is None:
-            return [f.reshape(m.data.shape[1:]) for f in flats]
-        if m.shapes is None:
-            return [f.data for f in flats]
-        return [f.reshape(shape) for f, shape in zip(flats, m.shapes[pos].tolist(), strict=True)]
-
-    def file_spans(self, positions: list[int]) -> list[list[tuple[str, int, int]]]:
-        """Per position, the byte range of the data file it is read from (see packer.read.readahead)."""
-        m = self._get()
-        path = str(self.paths[0])
-        if m.offsets is None:
-            size = m.data[0].nbytes if len(m.data) else 0
-            return [[(path, m.start + p * size, m.start + (p + 1) * size)] for p in positions]
-        return [[(path, int(m.offsets[p]), int(m.offsets[p + 1]))] for p in positions]
 
     def _page_cache(self) -> PageCache:
         return PageCache(self.paths[0])
 
     def cached(self, positions: list[int]) -> np.ndarray:
-        m = self._get()
-        pos = np.asarray(positions, dtype=np.int64)
-        if m.offsets is None:
-            size = m.data[0].nbytes if len(m.data) else 0
-            return self._cache.get(self._page_cache).resident_each(m.start + pos * size, m.start + (pos + 1) * size)
-        return self._cache.get(self._page_cache).resident_each(m.offsets[pos], m.offsets[pos + 1])
-
-    def read_into(self, positions: list[int], out: np.ndarray) -> None:
-        """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``, one copy per run."""
-        if self.fixed_shape is None:
-            raise PackerError(f"{self.paths[0]}: read_into needs a fixed-shape shard")
-        copy_runs(self._get().data, positions, out)
+        """From the samples' byte ranges in the data file, one question to this process's ``PageCache`` of it."""
+        return self._cache.get(self._page_cache).resident_each(*self._blob().ranges(positions))
 
     def close(self) -> None:
         self._cache.close(PageCache.close)
-        self._maps.close(lambda m: [fh.close() for fh in m.files])  # the mappings go with their last view
+        self._maps.close(lambda m: [os.close(fd) for fd, _size, _path in m.kept])  # maps go with their last view
 
 
 FORMAT = Format(

@@ -11,24 +11,11 @@ opens without executing code (the arrays of packer.formats.tensorfile, as tensor
     shard = torch.load("shard-00000.pth", weights_only=True, mmap=True)
     jpeg_bytes = shard["images"][shard["offsets"][i]:shard["offsets"][i + 1]]
 
-Written by ``torch.save`` from a map of the shard's scratch file; the same tensors under the same
-file name give the same bytes (the archive's root folder is the file's stem, so a renamed
-file differs). torch is imported only when a shard is written or opened.
-
-Packer opens shards only with ``weights_only=True`` (the restricted unpickler: tensors, dicts,
-numbers, strings; a pickle that names any other callable is refused, never run) and only after
-checking the zip archive itself: every record stored uncompressed and inside the file, at most
-a 1 MiB ``data.pkl``. Then the dict must hold exactly the expected contiguous CPU tensors with
-the dtypes and shapes the manifest implies, and offsets inside the blob.
-
-``mmap=True`` (torch >= 2.1): opening maps the file instead of reading it, so a shard costs no
-memory until samples are read, and DataLoader workers share the page cache. What it costs:
-each process maps the whole shard (address space, not memory), pages are read on first touch
-(one page fault per 4 KiB on a cold cache: read-ahead via ``file_spans`` helps sequential
-passes), a map over a network filesystem can stall a worker on a page fault where a ``pread``
-would fail fast, and ``torch.load`` still parses ``data.pkl`` on each open. The map is
-private (copy-on-write) and the arrays handed out are read-only views of it. Without ``mmap``
-a plain ``torch.load`` reads the whole shard into memory: hence 256 MiB shards by default.
+Shards are opened only with ``weights_only=True`` (the restricted unpickler: a pickle naming any other callable is
+refused, never run) and only after the zip archive itself is checked (every record stored uncompressed inside the
+file, ``data.pkl`` at most 1 MiB); ``mmap=True`` maps instead of reading (its costs: docs/formats-recordio-n5-pth.md).
+256 MiB shards by default, since a plain ``torch.load`` reads a whole shard into memory. torch is imported only when
+a shard is written or opened.
 """
 
 from __future__ import annotations
@@ -94,7 +81,7 @@ class Writer(ArrayShardWriter):
 
 
 class Reader(ArrayShardReader):
-    def load_file(self) -> tuple[dict[str, np.ndarray], int | None]:
+    def load_file(self, fd: int) -> tuple[dict[str, np.ndarray], int | None]:
         import torch
 
         records = check_archive(self.path)

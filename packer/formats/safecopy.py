@@ -12,15 +12,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-try:
-    import packer.formats._safecopy as _safecopy
-except ImportError:  # not built: no compiler when packer was installed
-    _safecopy = None
+from packer.compiled import safe_copy
+
+_EXT = safe_copy()
+_safecopy = _EXT.module
 
 
 def available() -> bool:
     """Whether the compiled copy loaded."""
-    return _safecopy is not None
+    return _EXT.available
+
+
+def notice_missing() -> None:
+    """Say once per process that payloads are read with ``pread``, and how to build the guarded copy."""
+    _EXT.notice()
 
 
 def copy(dsts: Sequence[memoryview], srcs: Sequence[memoryview]) -> int:
@@ -28,7 +33,7 @@ def copy(dsts: Sequence[memoryview], srcs: Sequence[memoryview]) -> int:
     source faulted (a page past the end of a truncated file, an I/O error), or -1. The handler is installed on
     first use, and again wherever another library replaced it since (one ``sigaction`` per call)."""
     if _safecopy is None:
-        raise RuntimeError("packer.formats._safecopy is not built")
+        raise RuntimeError(f"{_EXT.name} is not built ({_EXT.missing})")
     if not _safecopy.is_installed():
         _safecopy.install()
     return _safecopy.copy(dsts, srcs)

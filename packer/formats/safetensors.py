@@ -11,17 +11,9 @@ JS and C++ readers) open without packer and without executing anything.
 | rest           | the arrays back to back, little-endian, no gaps: labels, offsets, shapes   |
 |                | (I64), then images (U8); the order the safetensors package writes          |
 
-The file is written here (8 bytes, JSON, the arrays), not through the ``safetensors`` package,
-so that the images can stream from the shard's scratch file instead of being held in memory;
-``__metadata__`` says ``format``, ``payload`` and ``layout``. Tests check the files with the
-package itself (tests/formats/test_pth_safetensors.py).
-
-Reading needs no package: the header (at most 100 MB, as the reference reader allows) is parsed
-and every entry checked (dtype, shape x itemsize = its byte range, ranges back to back covering
-exactly the rest of the file) before the file is mapped read-only; samples are zero-copy
-views of the map, as with memmap. Nothing to unpickle, so nothing to refuse.
-
-256 MiB shards by default: loaders other than packer often read a whole file into memory.
+Written here, not through the ``safetensors`` package, so that the images stream from the shard's scratch file;
+read without it: the header (at most 100 MB, as the reference reader allows) and every entry are checked before the
+file is mapped and samples handed out as views of the map.
 """
 
 from __future__ import annotations
@@ -34,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from packer.errors import DatasetError
-from packer.formats.base import Format, map_readonly
+from packer.formats.base import Format
+from packer.formats.filemap import map_readonly
 from packer.formats.tensorfile import ArrayShardReader, ArrayShardWriter, file_size
 
 _MAX_HEADER = 100_000_000  # the reference implementation's limit
@@ -114,15 +107,11 @@ class Writer(ArrayShardWriter):
 
 
 class Reader(ArrayShardReader):
-    def load_file(self) -> tuple[dict[str, np.ndarray], int | None]:
+    def load_file(self, fd: int) -> tuple[dict[str, np.ndarray], int | None]:
         entries, _metadata, data_start = parse_header(self.path)
         mm = None
-        if file_size(self.path) > data_start:
-            try:
-                with open(self.path, "rb") as fh:
-                    mm = map_readonly(self.path, fh.fileno(), self.access)
-            except OSError as exc:
-                raise DatasetError(f"{self.path}: cannot open ({exc.strerror or exc})") from exc
+        if self.num_bytes > data_start:
+            mm = map_readonly(self.path, fd, self.access)
             if len(mm) != data_start + sum(prod(s) * d.itemsize for d, s, _ in entries.values()):
                 raise DatasetError(f"{self.path}: changed size while being opened")
         arrays = {name: np.ndarray(shape, dtype, buffer=mm, offset=start) if prod(shape) else np.zeros(shape, dtype)

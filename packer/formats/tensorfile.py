@@ -21,30 +21,23 @@ from __future__ import annotations
 
 import os
 from abc import abstractmethod
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
-from typing import ClassVar, cast
+from typing import ClassVar
 
 import numpy as np
 
-from packer.errors import DatasetError, PackerError
+from packer.errors import DatasetError
 from packer.formats.base import (
     BlobIndex,
-    Destinations,
     PreparedSample,
-    ShardReader,
     ShardWriter,
-    Span,
     check_offsets,
-    check_size,
-    copy_runs,
     fixed_shape,
-    pread_ranges,
-    sample_view,
-    sample_views,
     shard_layout,
 )
+from packer.formats.blob import Blob, BlobReader
+from packer.formats.filemap import check_size, closed_on_error, open_checked
 from packer.layout.manifest import Shard
 from packer.perprocess import PerProcess
 
@@ -114,16 +107,7 @@ class ArrayShardWriter(ShardWriter):
         self.path.unlink(missing_ok=True)
 
 
-@dataclass
-class _Open:
-    images: np.ndarray  # read-only: [N,H,W,3] or the 1-D blob
-    offsets: np.ndarray | None
-    shapes: np.ndarray | None
-    images_at: int | None  # where the images' bytes start in the file (None: unknown, no read-ahead)
-    fd: int  # the file, kept open to see that it keeps its size (its arrays are maps of it)
-
-
-class ArrayShardReader(ShardReader):
+class ArrayShardReader(BlobReader):
     """Reads one shard file through ``load_file``'s read-only arrays, loaded on first use in each process."""
 
     def __init__(self, directory: Path, shard: Shard, payload: str, access: str = "sequential") -> None:
@@ -136,32 +120,24 @@ class ArrayShardReader(ShardReader):
         self.payload = payload
         self.access = access
         self.fixed_shape = shard_layout(shard.facts, self.path)
-        self._h: PerProcess[_Open] = PerProcess()
+        self._h: PerProcess[Blob] = PerProcess()
 
     @abstractmethod
-    def load_file(self) -> tuple[dict[str, np.ndarray], int | None]:
-        """The file's arrays, read-only, without reading their bytes (maps); and the images' offset in the file."""
+    def load_file(self, fd: int) -> tuple[dict[str, np.ndarray], int | None]:
+        """The file's arrays, read-only, without reading their bytes (maps); and the images' offset in the file.
+        ``fd``: the file, open and of the manifest's size (``filemap.open_checked``)."""
 
-    def _open(self) -> _Open:
-        try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError as exc:
-            raise DatasetError(f"{self.path}: cannot open ({exc.strerror or exc})") from exc
-        try:
-            check_size(fd, self.num_bytes, self.path)
+    def _open(self) -> Blob:
+        with closed_on_error(open_checked(self.path, self.num_bytes)) as fd:
             return self._arrays(fd)
-        except BaseException:
-            os.close(fd)
-            raise
 
-    def _get(self) -> _Open:
-        """The open file's arrays, the file seen to have kept the manifest's size (a truncated map would fault)."""
-        h = self._h.get(self._open)
-        check_size(h.fd, self.num_bytes, self.path)
-        return h
+    def _blob(self) -> Blob:
+        b = self._h.get(self._open)
+        check_size(b.fd, self.num_bytes, self.path)
+        return b
 
-    def _arrays(self, fd: int) -> _Open:
-        arrays, images_at = self.load_file()
+    def _arrays(self, fd: int) -> Blob:
+        arrays, images_at = self.load_file(fd)
         want = expected_arrays(self.payload, self.fixed_shape, self.num_samples)
         if sorted(arrays) != sorted(want):
             raise DatasetError(f"{self.path}: holds arrays {sorted(arrays)!r:.200}, expected {list(want)}")
@@ -180,62 +156,13 @@ class ArrayShardReader(ShardReader):
         if shapes is not None and (offsets is None or np.any(shapes < 0) or np.any(shapes[:, 2] != 3)
                                    or not np.array_equal(shapes.prod(axis=1), np.diff(offsets))):
             raise DatasetError(f"{self.path}: shapes do not match the offsets")
-        return _Open(images, offsets, shapes, images_at, fd)
+        return Blob(images, offsets, shapes, self.path, self.num_bytes, fd, images_at)
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def read(self, pos: int) -> np.ndarray | memoryview:
-        """Zero-copy, read-only: (H, W, 3) pixels for raw, a memoryview of the bytes for encoded."""
-        h = self._get()
-        return sample_view(h.images, h.offsets, h.shapes, pos)
-
-    def read_many(self, positions: Sequence[int]) -> list:
-        h = self._get()  # one size check for the batch
-        return sample_views(h.images, h.offsets, h.shapes, positions)
-
-    def read_into(self, positions: Sequence[int], out: np.ndarray) -> None:
-        """Fixed shape only: copy samples at ascending ``positions`` into ``out[0:len]``, one copy per run."""
-        if self.fixed_shape is None:
-            raise PackerError(f"{self.path}: read_into needs a fixed-shape shard")
-        copy_runs(self._get().images, list(positions), out)
-
-    def read_copies(self, positions: Sequence[int], buf: Destinations = None) -> list:
-        """The samples' bytes read with ``pread`` from where the images start in the file, shaped as ``read_many``
-        gives them (``ShardReader.read_copies``); a file whose images' offset can't be told (not as packer writes
-        it) is copied from its map."""
-        h = self._get()
-        if h.images_at is None:
-            views = self.read_many(positions)
-            return [np.array(v) if isinstance(v, np.ndarray) else memoryview(bytes(v)) for v in views]
-        pos = np.asarray(positions, dtype=np.int64)
-        if h.offsets is None:
-            shape = cast(tuple, self.fixed_shape)
-            size = int(np.prod(shape))
-            starts, ends = h.images_at + pos * size, h.images_at + (pos + 1) * size
-        else:
-            starts, ends = h.images_at + h.offsets[pos], h.images_at + h.offsets[pos + 1]
-        flats = pread_ranges(h.fd, starts.tolist(), ends.tolist(), buf, self.path, self.num_bytes,
-                             mapped=(h.images.reshape(-1), h.images_at))
-        if h.offsets is None:
-            return [f.reshape(cast(tuple, self.fixed_shape)) for f in flats]
-        if h.shapes is None:
-            return [f.data for f in flats]
-        return [f.reshape(shape) for f, shape in zip(flats, h.shapes[pos].tolist(), strict=True)]
-
-    def file_spans(self, positions: Sequence[int]) -> list[list[Span]]:
-        """Per position, the byte range of the file it is read from (see packer.read.readahead)."""
-        h = self._get()  # the offsets are read from the map too
-        if h.images_at is None:
-            return [[] for _ in positions]
-        path, at = str(self.path), h.images_at
-        if h.offsets is None:
-            size = int(np.prod(cast(tuple, self.fixed_shape)))  # fixed layout: no offsets
-            return [[(path, at + p * size, at + (p + 1) * size)] for p in positions]
-        return [[(path, at + int(h.offsets[p]), at + int(h.offsets[p + 1]))] for p in positions]
-
     def close(self) -> None:
-        self._h.close(lambda h: os.close(h.fd))  # the maps go when the last view of them does
+        self._h.close(lambda b: os.close(b.fd))  # the maps go when the last view of them does
         super().close()
 
 

@@ -22,8 +22,9 @@ from PIL import Image
 
 from packer._random import raw_draws
 from packer.errors import OptionError
-from packer.images.decode import SCALE_DENOMINATORS, check_pixels, decode, pixel_limit, sniff, writable_as
+from packer.images.decode import SCALE_DENOMINATORS, check_pixels, decode, pixel_limit, writable_as
 from packer.images.jpegregion import decode_region, decode_regions, notice_missing, region_decode_available
+from packer.images.magic import sniff
 from packer.perprocess import PerProcess
 
 ATTEMPTS = 10  # torchvision's RandomResizedCrop.get_params tries 10 crops, then falls back to a central one
@@ -256,7 +257,7 @@ def resize_window(pixels: np.ndarray, window: Window, size: tuple[int, int], d: 
     """``window`` (full-resolution pixels) of HWC uint8 ``pixels`` decoded at 1/d, resized to ``size`` with
     antialiased bilinear and flipped as the window says, into ``out`` where it has the shape and is writable (else a
     new array, never a view that keeps a whole decoded image alive). A window on whole pixels is cut out and resized
-    by torch (torchvision's ``resized_crop`` on uint8 tensors, ~2x faster than PIL); a fractional one (a DCT
+    by torch (torchvision's ``resized_crop`` on uint8 tensors, faster than PIL); a fractional one (a DCT
     scale, the eval window) by PIL's BILINEAR with that exact box (torchvision's PIL path, within 1 of it)."""
     if out is None or not writable_as(out, (*size, 3)):
         out = np.empty((*size, 3), np.uint8)
@@ -275,14 +276,14 @@ def resize_window(pixels: np.ndarray, window: Window, size: tuple[int, int], d: 
         np.copyto(out, np.asarray(img))
     if window.flip:
         flipped = torch.from_numpy(out)
-        flipped.copy_(flipped.flip(1))  # torch's flip of HWC rows: ~10x numpy's out[:, ::-1] copy
+        flipped.copy_(flipped.flip(1))  # torch's flip of HWC rows: far cheaper than numpy's out[:, ::-1] copy
     return out
 
 
 def _resize_into(region: np.ndarray, out: np.ndarray) -> None:
     """HWC uint8 ``region`` resized into HWC ``out`` by torch's antialiased bilinear (``F.interpolate``'s kernel,
     the same pixels). Given as channels-last tensors, torch's uint8 kernel reads and writes them in place; through
-    ``F.interpolate`` it returns NCHW, a conversion plus a CHW -> HWC copy (~40 % of the resize)."""
+    ``F.interpolate`` it returns NCHW, a conversion plus a CHW -> HWC copy."""
     src = torch.from_numpy(region).permute(2, 0, 1)[None]
     dst = torch.from_numpy(out).permute(2, 0, 1)[None]
     torch.ops.aten._upsample_bilinear2d_aa.out(src, list(out.shape[:2]), False, None, None, out=dst)

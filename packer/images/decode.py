@@ -24,32 +24,17 @@ from typing import Any, Literal
 import numpy as np
 from PIL import Image
 
+from packer.compiled import jpeg_region
 from packer.errors import DatasetError, MissingPackageError, OptionError
+from packer.images.magic import is_jpeg
 from packer.perprocess import PerProcess
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
-try:  # the compiled region decoder (packer.images.jpegregion); here it decodes whole JPEGs into a given buffer
-    from packer.images import _jpegregion as _native
-except ImportError:
-    _native = None
+_native = jpeg_region().module  # the compiled region decoder (images.jpegregion): here whole JPEGs into a buffer
 
 Backend = Literal["auto", "turbojpeg", "pil"]
 BACKENDS = ("auto", "turbojpeg", "pil")
-
-_MAGIC = (
-    (b"\xff\xd8\xff", "jpeg"),
-    (b"\x89PNG\r\n\x1a\n", "png"),
-    (b"BM", "bmp"),
-    (b"GIF87a", "gif"),
-    (b"GIF89a", "gif"),
-    (b"II*\x00", "tiff"),
-    (b"MM\x00*", "tiff"),
-    (b"P5", "pgm"),
-    (b"P6", "ppm"),
-)
-_JPEG_MAGIC = b"\xff\xd8\xff"
-
 
 class DecodeError(DatasetError):
     """The bytes are not a complete, decodable image (damaged data: a DatasetError)."""
@@ -73,17 +58,6 @@ def check_pixels(height: int, width: int, what: str = "image header says") -> No
             f"{what} {int(height)}x{int(width)} ({int(height) * int(width)} pixels), above the pixel "
             f"limit of {limit} (2 x PIL.Image.MAX_IMAGE_PIXELS, Pillow's decompression-bomb rule; raise that "
             "to read larger images)")
-
-
-def sniff(data: bytes | memoryview) -> str:
-    """Image format from the first bytes: ``jpeg``, ``png``, ``webp``, ... or ``unknown``."""
-    head = bytes(data[:12])
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "webp"
-    for magic, name in _MAGIC:
-        if head.startswith(magic):
-            return name
-    return "unknown"
 
 
 # ------------------------------------------------------------------ decode-time downscaling
@@ -291,8 +265,7 @@ def decode_turbojpeg(data: bytes | memoryview, strict: bool = True, min_size: in
 
 def decode_into(data: bytes | memoryview, backend: Backend | str, strict: bool, out: np.ndarray) -> np.ndarray | None:
     """A whole JPEG decoded at full size by the compiled extension straight into ``out``: one call without the
-    GIL, no header read through ctypes first, no handle set up per image (25-60 us less per photo in a
-    ThreadLoader's decode threads, docs/results.md). Returns ``out``;
+    GIL, no header read through ctypes first, no handle set up per image (docs/results.md). Returns ``out``;
     None where it can't and another path decodes: the ``pil`` backend, not a JPEG, no libjpeg-turbo (the
     extension or PyTurboJPEG's library missing: ``decode`` says so), CMYK/YCCK, or ``out`` not a writable
     C-contiguous uint8 array (within the pixel limit) of the header's (height, width, 3): the header's size is
@@ -303,7 +276,7 @@ def decode_into(data: bytes | memoryview, backend: Backend | str, strict: bool, 
     limit = pixel_limit()
     if (backend == "pil" or _native is None or not (fits and out.flags.writeable)
             or (limit is not None and out.shape[0] * out.shape[1] > limit)
-            or bytes(data[:3]) != _JPEG_MAGIC or turbojpeg_handle() is None):
+            or not is_jpeg(data) or turbojpeg_handle() is None):
         return None  # (a header above the limit or unlike out: the other path refuses it with its own words)
     try:
         # out's size is within the limit and the header must equal it (else 0: the other path says what is wrong)
@@ -316,7 +289,7 @@ def decode_into(data: bytes | memoryview, backend: Backend | str, strict: bool, 
 def decode_many(datas: Sequence[bytes | memoryview], outs: Sequence[np.ndarray], backend: Backend | str,
                 strict: bool) -> bytes | None:
     """Whole JPEGs decoded at full size by the compiled extension, ``datas[k]`` into ``outs[k]``, in one call without
-    the GIL (a ThreadLoader's decode thread: 10-45 us less CPU per image than ``decode_into`` each, docs/results.md).
+    the GIL (a ThreadLoader's decode thread: less CPU than ``decode_into`` for each, docs/results.md).
     Per item one byte, 1: done, the same pixels and settings as ``decode_into``; else not done (not a JPEG, CMYK,
     an ``out`` not of the header's size, an error): decode it with ``decode`` then, which says what is wrong.
     None where the extension does not decode here (``decode_into``'s reasons)."""
@@ -351,7 +324,7 @@ def decode(
     """
     if backend not in BACKENDS:
         raise OptionError(f"unknown decoder {backend!r} (choose from {', '.join(BACKENDS)})")
-    if backend != "pil" and bytes(data[:3]) == _JPEG_MAGIC:
+    if backend != "pil" and is_jpeg(data):
         if min_size is None and _native is not None and turbojpeg_handle() is not None:  # the compiled extension:
             # into out, else into an array of its own (without libturbojpeg, Pillow and its notice, as before)
             if out is not None and decode_into(data, backend, strict, out) is not None:

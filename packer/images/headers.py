@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import struct
 
-from packer.images.decode import DecodeError, check_pixels, jpeg_markers, jpeg_size, read_header, sniff
+from packer.images.decode import DecodeError, check_pixels, jpeg_markers, jpeg_size, read_header
+from packer.images.magic import is_jpeg, sniff
 
 
 def png_size(data: bytes | memoryview) -> tuple[int, int]:
@@ -44,7 +45,7 @@ def image_size(data: bytes | memoryview) -> tuple[int, int]:
 def jpeg_segments(data: bytes | memoryview) -> list[tuple[int, bytes]]:
     """(marker, payload) of each segment of a JPEG's header, up to its first scan (``decode.jpeg_markers``). A header
     that runs past the data or is not made of markers is a DecodeError."""
-    if bytes(data[:2]) != b"\xff\xd8":
+    if not is_jpeg(data):
         raise DecodeError("not a JPEG (no SOI marker)")
     out = []
     for pos, marker, length in jpeg_markers(data):

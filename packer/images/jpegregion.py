@@ -9,43 +9,29 @@ Pixels are identical to the same rows and columns of a whole decode at that scal
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import numpy as np
 
+from packer.compiled import jpeg_region
 from packer.images.decode import DecodeError, check_pixels, pixel_limit, writable_as
 
-log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
-
-try:
-    from packer.images import _jpegregion
-except ImportError as exc:  # not built: no compiler or no libjpeg headers when packer was installed
-    _jpegregion, _MISSING = None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-else:
-    _MISSING = None
-
-_notice_shown = False
+_EXT = jpeg_region()
+_jpegregion = _EXT.module
 
 
 def region_decode_available() -> bool:
     """Whether the compiled region decoder loaded."""
-    return _jpegregion is not None
+    return _EXT.available
 
 
 def region_decode_missing_reason() -> str | None:
-    return _MISSING
+    return _EXT.missing
 
 
 def notice_missing() -> None:
     """Say once per process that crops decode the whole JPEG, and how to build the region decoder."""
-    global _notice_shown
-    if not _notice_shown:
-        _notice_shown = True
-        log.warning("the JPEG region decoder is not built (%s); crops decode the whole image, slower "
-                    "(docs/decoding.md). Build it: apt-get install libjpeg62-turbo-dev, then install packer again "
-                    "from its source checkout (pip install -e . there; a wheel built without it is py3-none-any)",
-                    _MISSING)
+    _EXT.notice()
 
 
 def decode_region(data: bytes | memoryview, d: int, top: int, left: int, height: int, width: int,

@@ -21,6 +21,7 @@ import numpy as np
 
 from packer.errors import DatasetError
 from packer.images.decode import DecodeError, jpeg_markers
+from packer.images.magic import is_jpeg
 
 _SOF_BASELINE = (0xC0, 0xC1)
 _SOS, _EOI = 0xDA, 0xD9
@@ -28,7 +29,7 @@ _SOS, _EOI = 0xDA, 0xD9
 
 def scan_start(data: bytes | memoryview, where: object) -> tuple[int, int]:
     """(offset of the SOF segment, offset where the entropy-coded scan starts) of a baseline JPEG."""
-    if bytes(data[:2]) != b"\xff\xd8":
+    if not is_jpeg(data):
         raise DatasetError(f"{where}: not a JPEG file")
     sof = -1
     try:

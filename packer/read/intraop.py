@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from packer.sysinfo import proc_text
+
 _RUNTIMES = ("libgomp", "libomp", "libiomp5")  # the OpenMP runtimes torch builds link
 _lock = threading.Lock()
 _setter: list[Callable[[int], None] | None] = []  # resolved once: [the runtime's omp_set_num_threads or None]
@@ -24,11 +26,7 @@ _setter: list[Callable[[int], None] | None] = []  # resolved once: [the runtime'
 
 def _loaded_runtime() -> str | None:
     """Path of the OpenMP runtime loaded in this process (torch's own copy), None where none is."""
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
+    for line in (proc_text("self/maps") or "").splitlines():
         fields = line.split(maxsplit=5)  # address, perms, offset, dev, inode, then the path of a mapped file
         if len(fields) == 6 and fields[5].startswith("/") and Path(fields[5]).name.split(".so")[0] in _RUNTIMES:
             return fields[5]

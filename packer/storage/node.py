@@ -8,6 +8,8 @@ import hashlib
 import os
 import socket
 
+from packer.sysinfo import proc_link, proc_text, stat_fields
+
 STALE_TEMP_SECONDS = 3600.0  # a temporary file of a writer this process cannot look up is swept past this age
 _IDS: dict[str, str] = {}  # the raw boot id and pid namespace, read once
 
@@ -16,11 +18,7 @@ def node_id() -> str:
     """This machine: ``n`` and 12 hex digits of the kernel's boot id (containers of one host share it), else of the
     host name. A cache folder shared by nodes gives each node's downloader its own socket by it."""
     if "node" not in _IDS:
-        try:
-            with open("/proc/sys/kernel/random/boot_id") as fh:
-                raw = fh.read().strip()
-        except OSError:
-            raw = ""
+        raw = (proc_text("sys/kernel/random/boot_id") or "").strip()
         _IDS["node"] = raw or socket.gethostname()
     return "n" + hashlib.sha256(_IDS["node"].encode()).hexdigest()[:12]
 
@@ -29,10 +27,7 @@ def pid_space() -> str:
     """Where this process's pid means something: the node and its pid namespace (a container's own), ``n`` and 12
     hex digits. A temporary file's writer is looked up by pid only from the same space."""
     if "pids" not in _IDS:
-        try:
-            _IDS["pids"] = os.readlink("/proc/self/ns/pid")
-        except OSError:
-            _IDS["pids"] = ""
+        _IDS["pids"] = proc_link("self/ns/pid") or ""
     return "n" + hashlib.sha256(f"{node_id()} {_IDS['pids']}".encode()).hexdigest()[:12]
 
 
@@ -62,8 +57,5 @@ def stale_temp(name: str, mtime: float, now: float) -> bool:
 
 
 def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except (OSError, IndexError):
-        return False
+    fields = stat_fields(str(pid))
+    return bool(fields) and fields[0] == "Z"

@@ -51,6 +51,7 @@ from packer.storage.cache import ChecksumMismatch, RangeCache
 from packer.storage.client import StoreSpec
 from packer.storage.faults import AccessDenied, ObjectChanged, ObjectNotFound, ShortRead, StorageError
 from packer.storage.url import redact_text
+from packer.sysinfo import proc_path
 from packer.units import parse_bytes
 
 PROTOCOL = 1
@@ -148,7 +149,7 @@ def short_path(path: Path) -> Iterator[str]:
         return
     fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        yield f"/proc/self/fd/{fd}/{path.name}"
+        yield proc_path(f"self/fd/{fd}/{path.name}")
     finally:
         os.close(fd)
 

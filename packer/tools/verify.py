@@ -13,8 +13,9 @@ import numpy as np
 
 from packer.errors import DatasetError, IndexingWarning, PackerError
 from packer.formats import get_format
-from packer.images.decode import decode, sniff
+from packer.images.decode import decode
 from packer.images.headers import jpeg_segments
+from packer.images.magic import sniff
 from packer.layout.checksums import file_problem
 from packer.layout.fields import same_cell
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest

@@ -29,6 +29,7 @@ from packer._version import __version__
 from packer.errors import OptionError, OutputExistsError, PackerError, arg
 from packer.formats import FORMATS
 from packer.formats.base import PreparedSample
+from packer.images.magic import sniff
 from packer.layout.fields import FieldSpec, cell_value, json_value, parse_specs
 from packer.layout.fsutil import write_atomic
 from packer.layout.manifest import dumps_lossless, file_info
@@ -57,7 +58,7 @@ DEFAULT_SHARD_BYTES = 256 << 20
 # DataLoader(num_workers=N <= 16) gives every worker a shard (it fails, "fewer shards than workers", otherwise)
 DEFAULT_SHARDS = 16
 _BLOCK, _RECORD = tarfile.BLOCKSIZE, tarfile.RECORDSIZE  # a member's header; what the whole tar is padded to
-_MAGIC = ((b"\xff\xd8\xff", "jpg"), (b"\x89PNG\r\n\x1a\n", "png"), (b"BM", "bmp"), (b"GIF8", "gif"))
+_SNIFFED = {"jpeg": "jpg", "png": "png", "bmp": "bmp", "gif": "gif", "webp": "webp"}  # sniff's name -> extension
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
@@ -193,9 +194,7 @@ def image_extension(rel: str, data: bytes) -> str:
     suffix = os.path.splitext(rel)[1].lower().lstrip(".")
     if suffix in ("jpg", "jpeg", "png", "ppm", "bmp", "pgm", "tif", "tiff", "webp"):
         return suffix
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "webp"
-    return next((ext for magic, ext in _MAGIC if data.startswith(magic)), "bin")
+    return _SNIFFED.get(sniff(data), "bin")
 
 
 def few_shards(sink: TarSink, shard_bytes: int | None) -> None:

@@ -19,9 +19,10 @@ import numpy as np
 
 from packer.errors import PackerError
 from packer.formats.base import Format, PreparedSample
-from packer.images.decode import DecodeError, check_pixels, decode, sniff
+from packer.images.decode import DecodeError, check_pixels, decode
 from packer.images.headers import image_size
 from packer.images.jpegregion import restart_transcode
+from packer.images.magic import sniff
 from packer.layout.manifest import IMAGELESS, FileInfo, Shard
 from packer.progress import bar
 from packer.write.journal import ShardResult

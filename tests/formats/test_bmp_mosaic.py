@@ -17,7 +17,9 @@ from support.interrupt import kill_after_shards
 from packer import cli, convert, open_dataset
 from packer.errors import PackerError
 from packer.formats import bmp as bmp_format
-from packer.formats import mosaic, mosaic_geometry
+from packer.formats import mosaic
+from packer.formats.mosaic import geometry as mosaic_geometry
+from packer.formats.mosaic import reader as mosaic_reader
 from packer.images import bmp as bmpfile
 from packer.images.resize import ResizeSpec
 from packer.layout.index import shard_starts
@@ -276,7 +278,7 @@ def test_mosaic_jpeg_tiles_without_libturbojpeg(src, tmp_path, monkeypatch):
                   progress=False).output
     shard = read_manifest(out).shards[0]
     expected = [mosaic.Reader(out, shard, "raw", tile_read="full").read(i) for i in range(len(SIZES))]
-    monkeypatch.setattr(mosaic, "turbojpeg_handle", lambda: None)
+    monkeypatch.setattr(mosaic_reader, "turbojpeg_handle", lambda: None)
     monkeypatch.setattr(packer.images.decode, "turbojpeg_handle", lambda: None)
     for tile_read in ("crop", "segments"):  # crop falls back to the full decode; segments decode with Pillow
         reader = mosaic.Reader(out, shard, "raw", tile_read=tile_read)

@@ -25,6 +25,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 from packer import PackerError, convert, open_dataset
 from packer.cli import main as cli_main
 from packer.formats import hdf5
+from packer.formats.hdf5 import writer as hdf5_writer
 from packer.images.resize import ResizeSpec
 from packer.tools.sample import photo_like
 
@@ -344,7 +345,7 @@ def test_cli_convert_and_info(src, tmp_path, capsys):
 @pytest.mark.parametrize(("planned", "written"), [(10, 9), (100, 0), (100_000, 7)])
 def test_writers_close_with_fewer_samples_than_planned(tmp_path, planned, written):
     """Validation drops samples after the shard was planned: the files describe only what was written."""
-    from packer.formats import hdf5, memmap
+    from packer.formats import memmap
     from packer.formats.base import PreparedSample
 
     for module in (memmap, hdf5):
@@ -403,7 +404,7 @@ def test_disk_full_mid_write_is_a_clear_resumable_error(src, tmp_path, fmt, kw, 
 def test_uncompressed_hdf5_reads_are_views_of_the_mapped_file(src, tmp_path, options, monkeypatch):
     """Samples within one chunk are zero-copy views of the shard's map; one across a chunk boundary too where its
     chunks follow each other in the file (as h5py writes them), else it is joined (a read-only copy)."""
-    monkeypatch.setattr(hdf5, "_BLOB_CHUNK", 4096)  # small chunks: many samples cross a boundary
+    monkeypatch.setattr(hdf5_writer, "BLOB_CHUNK", 4096)  # small chunks: many samples cross a boundary
     ds = pack(src, tmp_path, "hdf5", **options)
     reader = ds.store.readers[0]
     h = reader._get()
@@ -431,7 +432,7 @@ def test_hdf5_batch_ranges_equal_each_samples_spans(src, tmp_path, options, monk
     """``MappedChunks.sample_ranges`` (a batch at once: read-ahead, the page-cache question) gives each sample its
     pieces, chunk by chunk as the test finds them (joined where a chunk follows the one before it in the file),
     across chunk boundaries, in any order, repeats included; an empty range none."""
-    monkeypatch.setattr(hdf5, "_BLOB_CHUNK", 4096)  # small chunks: many samples cross a boundary
+    monkeypatch.setattr(hdf5_writer, "BLOB_CHUNK", 4096)  # small chunks: many samples cross a boundary
     ds = pack(src, tmp_path, "hdf5", **options)
     h = ds.store.readers[0]._get()
     m = h.mapped
@@ -463,7 +464,7 @@ def test_hdf5_batch_ranges_equal_each_samples_spans(src, tmp_path, options, monk
 def test_hdf5_samples_across_chunks_apart_in_the_file_are_joined(tmp_path):
     """Where a sample's chunks do not follow each other in the file (written here out of order), it is read as a
     read-only joined copy, one range per chunk, in a batch and alone; page-cache answers cover every piece."""
-    from packer.formats.hdf5_chunks import MappedChunks
+    from packer.formats.hdf5.chunks import MappedChunks
 
     path, size = tmp_path / "apart.h5", 4096
     data = np.random.default_rng(0).integers(0, 256, 3 * size, dtype=np.uint8)
@@ -505,7 +506,7 @@ def test_hdf5_mapped_chunks_go_with_their_reader_without_the_garbage_collector(s
 def test_hdf5_a_chunk_not_stored_fails_only_the_samples_in_it(src, tmp_path, monkeypatch):
     """A shard with one /images chunk never written (damaged or crafted, padded to its recorded size): the other
     samples read and are asked about as before; one in that chunk is refused, naming the chunk."""
-    monkeypatch.setattr(hdf5, "_BLOB_CHUNK", 4096)
+    monkeypatch.setattr(hdf5_writer, "BLOB_CHUNK", 4096)
     ds = pack(src, tmp_path, "hdf5")
     shard = ds.root / "shard-00000.h5"
     size, want = shard.stat().st_size, [bytes(p) for p in ds.read_payloads(range(len(ds)))]
@@ -513,7 +514,7 @@ def test_hdf5_a_chunk_not_stored_fails_only_the_samples_in_it(src, tmp_path, mon
     with h5py.File(shard, "r") as f:
         parts = {name: (f[name][()], dict(f[name].attrs)) for name in f}
         attrs, offsets = dict(f.attrs), f["offsets"][()]
-    with h5py.File(shard, "w", libver=hdf5._LIBVER) as f:
+    with h5py.File(shard, "w", libver=hdf5_writer._LIBVER) as f:
         f.attrs.update(attrs)
         for name, (data, dattrs) in parts.items():
             if name == "images":
@@ -540,11 +541,11 @@ def test_hdf5_chunks_are_found_in_one_pass_of_the_index(tmp_path, monkeypatch):
     """Every chunk's offset comes from one pass over HDF5's chunk index (looked up one by one, a chunk far into a
     50,000-chunk shard cost 2 ms): reading and asking the page cache look none up by coordinate, and the offsets
     are those the coordinates give. A shard of more chunks has a few looked up one by one first."""
-    from packer.formats import hdf5_chunks
-    from packer.formats.hdf5_chunks import MappedChunks
+    from packer.formats.hdf5 import chunks as hdf5_chunks
+    from packer.formats.hdf5.chunks import MappedChunks
 
     path = tmp_path / "fixed.h5"
-    with h5py.File(path, "w", libver=hdf5._LIBVER) as f:  # as the writer makes a fixed-shape shard
+    with h5py.File(path, "w", libver=hdf5_writer._LIBVER) as f:  # as the writer makes a fixed-shape shard
         dset = f.create_dataset("images", shape=(3000, 4, 4, 3), maxshape=(None, 4, 4, 3), dtype="u1",
                                 chunks=(1, 4, 4, 3))
         dset[...] = np.random.default_rng(0).integers(0, 256, dset.shape, dtype=np.uint8)

@@ -62,7 +62,7 @@ def read_in_child(path: Path, pos: int, prelude: str = "") -> subprocess.Complet
 
 def test_an_overflow_value_past_the_end_is_refused_without_touching_it(big, tmp_path):
     """A checked sample whose overflow page runs past the end of the file: the spans check decodes its leaf node
-    (packer.formats.lmdb_pages) and refuses the shard in one line, without /proc (opening /proc/self/maps
+    (packer.formats.lmdb.pages) and refuses the shard in one line, without /proc (opening /proc/self/maps
     fails in the child) and without touching the value (py-lmdb would fault on it: SIGBUS, rc -7)."""
     path = overflow_past_the_end(big, tmp_path / "ds", pos=7)
     no_proc = ("import builtins; _open = builtins.open\n"
@@ -102,7 +102,7 @@ def test_a_shard_without_spans_refuses_an_overflow_value_past_the_end(big, tmp_p
     ("too deep", "levels deep"),
 ])
 def test_a_crafted_btree_is_refused_in_one_line(big, tmp_path, craft, message):
-    """The meta pages' main tree (read by packer.formats.lmdb_pages with pread, not through a map) made to point
+    """The meta pages' main tree (read by packer.formats.lmdb.pages with pread, not through a map) made to point
     past the file, at a value's page, or 40 levels deep: one line naming the shard, never a crash or a hang."""
     out = tmp_path / "ds"
     shutil.copytree(big, out)

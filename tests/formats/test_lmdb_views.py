@@ -1,4 +1,4 @@
-"""LMDB values as views of the reader's own map (packer.formats.lmdb_values): the same bytes py-lmdb returns,
+"""LMDB values as views of the reader's own map (packer.formats.lmdb.values): the same bytes py-lmdb returns,
 spans files that disagree with the shard refused in one line, fork and spawn workers, shards without spans."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from support.imagesets import make_imagefolder
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 
 from packer import PackerError, Writer, convert, open_dataset
-from packer.formats.lmdb_pages import Tree
-from packer.formats.lmdb_values import check_against_btree, key, spans_from_btree
+from packer.formats.lmdb.pages import Tree
+from packer.formats.lmdb.values import check_against_btree, key, spans_from_btree
 
 CASES = {"encoded": {}, "raw": {"payload": "raw"}, "fixed": {"payload": "raw", "resize": "16x12"}}
 
@@ -178,7 +178,7 @@ def deep(tmp_path_factory):
 
 
 def test_the_btree_walk_finds_what_py_lmdb_finds_and_the_check_reads_no_value(deep, monkeypatch):
-    """Walked page by page (``lmdb_pages``), every sample's value lies where py-lmdb's cursor finds it; the
+    """Walked page by page (``lmdb.pages``), every sample's value lies where py-lmdb's cursor finds it; the
     check on open reads the root and three leaves only, never a page of a value."""
     path = deep / "shard-00000.lmdb"
     tree, fd = shard_tree(path)

@@ -18,6 +18,7 @@ from support.memlimit import limited_call
 
 from packer import convert, open_dataset
 from packer.formats import mosaic
+from packer.formats.mosaic import geometry as mosaic_geometry
 from packer.layout.manifest import read_manifest
 
 SIDE = 12000  # a 12000x12000 mosaic: 432 MB once decoded
@@ -81,7 +82,7 @@ def test_mosaic_header_disagreeing_with_the_geometry_is_refused_before_decoding(
 def test_tile_index_with_a_huge_header_is_refused(copy):
     ds = copy("jpeg")
     index = ds / read_manifest(ds).shards[0].files[-1].name
-    assert index.name.endswith(mosaic.INDEX_SUFFIX)
+    assert index.name.endswith(mosaic_geometry.INDEX_SUFFIX)
     body = np.load(index).tobytes()
     index.write_bytes(_npy_bytes("{'descr': '<i8', 'fortran_order': False, 'shape': (1099511627776, 2), }") + body)
     _rewrite_checksums(ds)

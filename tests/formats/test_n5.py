@@ -24,7 +24,8 @@ from support.fuzzing import _rewrite_checksums as recompute_checksums
 
 from packer import PackerError, convert, open_dataset
 from packer.cli import main as cli_main
-from packer.formats import n5, n5blocks, n5read
+from packer.formats.n5 import blocks as n5blocks
+from packer.formats.n5 import reader as n5read
 
 ts = pytest.importorskip("tensorstore")
 
@@ -259,7 +260,7 @@ def test_uncompressed_samples_are_views_of_the_mapped_blocks(packed, case):
         for payload, spans in zip(got, reader.file_spans(positions)):
             arr = np.asarray(payload)
             assert arr.tobytes() == b"".join(Path(p).read_bytes()[a:b] for p, a, b in spans)
-            mapped = [h.maps[j][1] for j in h.maps]
+            mapped = [entry[1] for entry in h.maps.values()]
             if len(spans) == 1:
                 assert not arr.flags.writeable and any(np.shares_memory(arr, m) for m in mapped)
             else:
@@ -307,6 +308,22 @@ def test_threads_share_a_reader_and_its_lru(packed, monkeypatch, case):
         sys.setswitchinterval(switch)
 
 
+def test_copies_of_a_batch_over_more_blocks_than_the_lru_holds_come_from_their_own_blocks(packed, monkeypatch):
+    """``read_copies`` (ThreadLoader's reads) of a batch that returns to a block after the LRU closed its descriptor:
+    every sample from its own block file (a descriptor kept across the batch was read after its number had been
+    reused by a later block's file: another block's bytes, silently)."""
+    monkeypatch.setattr(n5read, "_MAPPED_BLOCKS", 2)
+    ds = open_dataset(packed["raw-24x32"], image="numpy")  # two images a block
+    reader = ds.store.readers[0]
+    assert len(reader) >= 8
+    positions = [0, 2, 4, 6, 1, 3]  # blocks 0, 1, 2, 3, then 0 and 1 again: out of the LRU of two by then
+    expected = [np.array(x) for x in reader.read_many(positions)]
+    reader.close()
+    got = reader.read_copies(positions)
+    assert all(np.array_equal(g, e) for g, e in zip(got, expected, strict=True))
+    ds.close()
+
+
 def test_a_block_truncated_while_open_is_refused_without_leaking_its_descriptor(copy):
     root = copy("raw")
     ds = open_dataset(root, image="numpy")
@@ -341,9 +358,9 @@ def test_the_cli_takes_compression_for_raw_only(imagefolder, tmp_path, capsys):
 
 def test_array_blocks_round_trip_through_the_module(tmp_path):
     """The module's own writer and block checks on an int64 array of several blocks."""
-    arr = n5.Array((10, 3), 4, "int64")
+    arr = n5blocks.Array((10, 3), 4, "int64")
     data = np.arange(30, dtype=np.int64).reshape(10, 3)
-    names = n5.write_dataset(tmp_path, "x", arr, data)
+    names = n5blocks.write_dataset(tmp_path, "x", arr, data)
     assert names == ["x/attributes.json", "x/0/0", "x/0/1", "x/0/2"]
     assert np.array_equal(ts_read(tmp_path, "x"), data)
     last = (tmp_path / "x/0/2").read_bytes()
@@ -364,7 +381,7 @@ def test_fuzzed_gzip_and_multi_block_layouts_read_or_raise_packer_error(packed, 
 
 
 def test_an_inflater_goes_only_as_far_as_asked_and_checks_the_end():
-    arr = n5.Array((8,), 8, "uint8", "gzip")
+    arr = n5blocks.Array((8,), 8, "uint8", "gzip")
     comp = zlib.compressobj(-1, zlib.DEFLATED, 31)
     good = comp.compress(bytes(range(8))) + comp.flush()
     inflater = n5blocks.Inflater(arr, good, 8, "b")
@@ -375,7 +392,7 @@ def test_an_inflater_goes_only_as_far_as_asked_and_checks_the_end():
     with pytest.raises(PackerError, match="inflates to other than"):
         n5blocks.Inflater(arr, good, 9, "b").upto(9)  # ends before the block's size
     comp = zlib.compressobj(-1, zlib.DEFLATED, 31)
-    big, more = n5.Array((1 << 20,), 1 << 20, "uint8", "gzip"), comp.compress(bytes((1 << 20) + 1)) + comp.flush()
+    big, more = n5blocks.Array((1 << 20,), 1 << 20, "uint8", "gzip"), comp.compress(bytes((1 << 20) + 1)) + comp.flush()
     inflater = n5blocks.Inflater(big, more, 1 << 20, "b")
     assert len(inflater.upto(10)) == 1 << 16  # a prefix reads, in 64 KiB steps ...
     with pytest.raises(PackerError, match="inflates to more than"):

@@ -24,7 +24,8 @@ import packer.images.decode as dec
 from packer import convert, open_dataset
 from packer.cli import main as cli_main
 from packer.errors import PackerError
-from packer.images.decode import DecodeError, decode, decode_into, decode_pil, scale_denominator, scaled_shape, sniff
+from packer.images.decode import DecodeError, decode, decode_into, decode_pil, scale_denominator, scaled_shape
+from packer.images.magic import sniff
 from packer.perprocess import PerProcess
 from packer.tools.sample import photo_like
 

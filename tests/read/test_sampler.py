@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, get_worker
 
 from packer import PackerError, convert, open_dataset
 from packer.cli import main
+from packer.diagnose.shuffle_quality import batchmates_again, shuffle_stats
 from packer.read.sampler import (
     BlockBatchSampler,
     BlockShuffleSampler,
@@ -26,7 +27,6 @@ from packer.read.sampler import (
     block_order,
     rank_order,
 )
-from packer.read.shuffle_quality import batchmates_again, shuffle_stats
 from packer.write.scan import scan_folder
 
 CLASS_SIZES = [25, 24, 25, 24, 25, 24, 24, 24]  # 195 images: odd, so ranks need padding or dropping

@@ -71,7 +71,7 @@ def put_lmdb_value(shard: Path, pos: int, value: bytes) -> None:
     again (the value moved). The manifest's checksums are left to ``_rewrite_checksums``."""
     import lmdb
 
-    from packer.formats.lmdb import spans_name, value_spans
+    from packer.formats.lmdb.writer import spans_name, value_spans
 
     env = lmdb.open(str(shard), subdir=False, lock=False)
     with env.begin(write=True) as txn:

@@ -1,6 +1,6 @@
 """Mosaic geometry and options: the tile and grid of a mosaic (``--tile``, ``--grid``, ``--codec``,
-``--quality``), its blocks for the block sampler, and the encoding of one mosaic image. ``mosaic.py``
-builds the format's writer and reader on these.
+``--quality``), its blocks for the block sampler, and the encoding of one mosaic image. ``writer`` and ``reader``
+build on these.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ TARGET_MOSAIC_BYTES = 16 << 20  # decoded size the default grid aims at (8-32 MB
 JPEG_MCU = 16  # tiles must be multiples of this for lossless crops, whatever the subsampling
 JPEG_MAX_SIDE = 65500
 INDEX_SUFFIX = ".rst.npy"  # beside each jpeg mosaic: its restart intervals, int64 [n, 2] (packer.images.jpegtiles)
-_PNG_LEVEL = 1  # photos barely compress further at higher levels, which encode ~2x slower
+_PNG_LEVEL = 1  # photos barely compress further at higher levels, which encode slower (docs/results.md)
 
 
 @dataclass(frozen=True)
@@ -118,9 +118,9 @@ def jpeg_quality(options: Mapping) -> int:
 def error_bound(options: Mapping) -> tuple[float, int]:
     """(mean, max) absolute pixel error a reader may show against the resize pipeline's output; (0, 0): exact.
 
-    For jpeg, empirical and generous: the error grows with libjpeg's quantisation-table scale s
-    (0.1 at quality 95, 0.2 at 90, 1 at 50); measured on photo, noise and edge tiles at 4:4:4 the
-    worst mean was ~0.5 + 28 s and the worst pixel ~5 + 227 s (tests/test_formats4.py checks the bound).
+    For jpeg, empirical and generous: it grows with libjpeg's quantisation-table scale s (0.1 at quality 95, 0.2 at
+    90, 1 at 50), above the worst errors measured on photo, noise and edge tiles (docs/bmp-mosaic.md;
+    tests/formats/test_bmp_mosaic.py checks the bound).
     """
     if (options.get("codec") or DEFAULT_CODEC) != "jpeg":
         return 0.0, 0

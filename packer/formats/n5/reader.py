@@ -1,12 +1,13 @@
-"""N5 shards read back (``n5.py`` describes the layout and writes it): block files checked against the
-dataset's attributes and the manifest before anything is allocated, uncompressed blocks mapped and their
-samples handed out as read-only views, compressed ones inflated as far as the samples read need."""
+"""N5 shards read back (layout: ``packer.formats.n5``): block files checked against the dataset's attributes and
+the manifest before anything is allocated (an uncompressed block must be exactly header + elements long, a
+compressed one is inflated with its size as the cap), uncompressed blocks mapped (the last ``mapped_files_limit()``
+per process) and their samples handed out as read-only views, compressed ones inflated as far as the samples read
+need (the last few kept partly inflated)."""
 
 from __future__ import annotations
 
 import os
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,16 +21,17 @@ from packer.formats.base import (
     ShardReader,
     Span,
     check_offsets,
-    check_size,
     joined,
     pread_exactly,
     sample_memory,
     shard_layout,
     split_ranges,
 )
-from packer.formats.filemap import map_array
-from packer.formats.n5blocks import ATTRIBUTES, DTYPES, Array, Inflater, check_block_header, inflate, read_attributes
+from packer.formats.blob import shaped
+from packer.formats.filemap import check_size, closed_on_error, map_array, open_checked
+from packer.formats.n5.blocks import ATTRIBUTES, DTYPES, Array, Inflater, check_block_header, inflate, read_attributes
 from packer.layout.manifest import Shard
+from packer.lru import LRU
 from packer.pagecache import all_of_each, mapped_files_limit
 from packer.perprocess import PerProcess
 
@@ -44,9 +46,14 @@ class _Open:
     block_sizes: list[int]  # their sizes, as the manifest records them
     offsets: np.ndarray | None  # N+1 (blob layouts)
     shapes: np.ndarray | None  # N x 3 (raw, mixed shapes)
-    maps: OrderedDict = field(default_factory=OrderedDict)  # block number -> (descriptor, its elements) (LRU)
-    decoded: OrderedDict = field(default_factory=OrderedDict)  # block number -> its Inflater (LRU)
+    # block number -> (its descriptor, for the size checks; its elements, a view of its map)
+    maps: LRU[int, tuple[int, np.ndarray]] = field(default_factory=lambda: LRU(_MAPPED_BLOCKS, drop=_close_block))
+    decoded: LRU[int, Inflater] = field(default_factory=lambda: LRU(_DECODED_BLOCKS))  # block number -> inflater
     lock: threading.Lock = field(default_factory=threading.Lock)  # over maps and decoded
+
+
+def _close_block(entry: tuple[int, np.ndarray]) -> None:
+    os.close(entry[0])  # its map goes with its last view
 
 
 class Reader(ShardReader):
@@ -160,21 +167,18 @@ class Reader(ShardReader):
 
     # ------------------------------------------------------------ the images' bytes
 
-    def _mapped(self, h: _Open, j: int) -> np.ndarray:
-        """Uncompressed block ``j``'s elements: a view of its mapped file, whose header was checked when mapped and
-        whose size (the manifest's, header + elements) is checked with every read. Call with ``h.lock`` held.
+    def _mapped(self, h: _Open, j: int) -> tuple[int, np.ndarray]:
+        """Uncompressed block ``j``: (its descriptor, valid until the block leaves the LRU; its elements, a view of its
+        mapped file), the header checked when mapped and the size (the manifest's, header + elements) with every
+        read. Call with ``h.lock`` held.
 
         The LRU holds each block's descriptor, for that size check; the maps hold none (``filemap``), so samples
         a user keeps cost no descriptor once their block has left the LRU."""
-        entry = h.maps.pop(j, None)
         path = h.blocks[j]
+        entry = h.maps.get(j)
         if entry is None:
             arr = h.images
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as exc:
-                raise DatasetError(f"{path}: cannot open N5 block ({exc.strerror or exc})") from exc
-            try:
+            with closed_on_error(open_checked(path, what="N5 block")) as fd:
                 hb = arr.header_bytes()
                 count = check_block_header(os.pread(fd, hb, 0), arr, j, path)
                 size = os.fstat(fd).st_size
@@ -182,19 +186,14 @@ class Reader(ShardReader):
                     raise DatasetError(f"{path}: N5 block of {size - hb} bytes, its header says {count}")
                 check_size(fd, h.block_sizes[j], path)
                 entry = (fd, map_array(path, fd, self.access)[hb:])
-            except BaseException:
-                os.close(fd)
-                raise
-            while len(h.maps) >= _MAPPED_BLOCKS:
-                os.close(h.maps.popitem(last=False)[1][0])  # its map goes with its last view
-        else:
-            try:
-                check_size(entry[0], h.block_sizes[j], path)
-            except BaseException:
-                os.close(entry[0])  # out of the LRU already: a changed block is mapped afresh, or refused, next time
-                raise
-        h.maps[j] = entry
-        return entry[1]
+            return h.maps.put(j, entry)
+        try:
+            check_size(entry[0], h.block_sizes[j], path)
+        except BaseException:
+            h.maps.pop(j)
+            os.close(entry[0])  # out of the LRU: a changed block is mapped afresh, or refused, next time
+            raise
+        return entry
 
     def _range(self, h: _Open, j: int, a: int, b: int, used: dict) -> np.ndarray | bytes:
         """Bytes [a, b) of block ``j``'s elements: a view of the map, or inflated. Call with ``h.lock`` held;
@@ -202,14 +201,11 @@ class Reader(ShardReader):
         block = used.get(j)
         if block is None:
             if h.images.compression == "gzip":
-                block = h.decoded.pop(j, None)
+                block = h.decoded.get(j)
                 if block is None:
-                    block = self._inflater(h.images, j)
-                    while len(h.decoded) >= _DECODED_BLOCKS:
-                        h.decoded.popitem(last=False)
-                h.decoded[j] = block
+                    block = h.decoded.put(j, self._inflater(h.images, j))
             else:
-                block = self._mapped(h, j)
+                block = self._mapped(h, j)[1]
             used[j] = block
         if isinstance(block, Inflater):
             return bytes(block.upto(b)[a:b])
@@ -263,7 +259,7 @@ class Reader(ShardReader):
 
     def _encoded_views(self, h: _Open, positions: Sequence[int], used: dict) -> list:
         """``read_many`` of encoded samples in uncompressed blocks: bounds looked up for the batch at once, each
-        sample a slice of its block's memoryview (16 -> ~3 us per sample, docs/results.md); one across blocks is
+        sample a slice of its block's memoryview (docs/results.md); one across blocks is
         joined by ``_sample``. Call with ``h.lock`` held."""
         step = h.images.rows * h.images.row_bytes
         starts, ends = self._bounds(h, positions)
@@ -278,7 +274,7 @@ class Reader(ShardReader):
             if view is None:
                 block = used.get(j)
                 if block is None:
-                    block = used[j] = self._mapped(h, j)
+                    block = used[j] = self._mapped(h, j)[1]
                 view = views[j] = block.data
             out.append(view[a - j * step : b - j * step])
         return out
@@ -299,17 +295,15 @@ class Reader(ShardReader):
             return self.read_many(positions)
         blocks, lo, hi, owners = split_ranges(*self._bounds(h, positions), arr.rows * arr.row_bytes)
         flats, views = sample_memory((hi - lo).tolist(), owners.tolist(), len(positions), buf, self.directory)
-        hb, fds = arr.header_bytes(), {}
+        hb, fd, current = arr.header_bytes(), -1, -1
         with h.lock:
-            for j, a, view in zip(blocks.tolist(), lo.tolist(), views, strict=True):
-                if j not in fds:  # its descriptor, the file's size checked (once per call), as for read_many
-                    self._mapped(h, j)
-                    fds[j] = h.maps[j][0]
-                pread_exactly(fds[j], [view.data], hb + a, h.blocks[j], h.block_sizes[j])
-        if h.offsets is None:
-            return [flat.reshape(cast(tuple, self.fixed_shape)) for flat in flats]
-        return [flat.data for flat in flats] if h.shapes is None else \
-            [flat.reshape(h.shapes[p]) for flat, p in zip(flats, positions, strict=True)]
+            # block by block: a descriptor is used only before the next block's opening can close it (the LRU's)
+            for k in np.argsort(blocks, kind="stable").tolist():
+                j = int(blocks[k])
+                if j != current:  # its descriptor, the file's size checked (once per call), as for read_many
+                    fd, current = self._mapped(h, j)[0], j
+                pread_exactly(fd, [views[k].data], hb + int(lo[k]), h.blocks[j], h.block_sizes[j])
+        return shaped(flats, self.fixed_shape if h.offsets is None else None, h.shapes, positions)
 
     def file_spans(self, positions: Sequence[int]) -> list[list[Span]]:
         """Per position, the byte ranges of the block files it is read from (see packer.read.readahead)."""
@@ -340,9 +334,7 @@ class Reader(ShardReader):
     def close(self) -> None:
         def closer(h: _Open) -> None:
             with h.lock:
-                for fd, _ in h.maps.values():
-                    os.close(fd)
-                h.maps.clear()  # each map goes with its last view
+                h.maps.clear()  # closes each block's descriptor; each map goes with its last view
 
         self._h.close(closer)
         super().close()

@@ -2,7 +2,7 @@
 
 HDF5 stores an uncompressed chunk as its plain bytes, whole, at an offset its chunk index gives
 (``H5Dget_chunk_info_by_coord``). Mapping the file and slicing there returns what h5py would copy
-out, without the copy (decoding 100 KB photos: 91-92 % -> 93-94 % of the cores' limit, docs/results.md). Chunks'
+out, without the copy (docs/results.md). Chunks'
 offsets are found in one pass of the chunk index, at the first use (up to ``INDEX_AT_ONCE`` chunks) or once a few
 were looked up one by one, and a chunk is refused, when read, unless it lies whole inside the file the manifest
 describes; a range across chunks is one view where they follow each other in the file (as h5py writes them), else
@@ -19,10 +19,11 @@ import h5py
 import numpy as np
 
 from packer.errors import DatasetError
-from packer.formats.base import Destinations, check_size, joined, map_readonly, pread_ranges, split_ranges
+from packer.formats.base import Destinations, joined, pread_ranges, split_ranges
+from packer.formats.filemap import check_size, map_bytes
 from packer.pagecache import PageCache, all_of_each
 
-INDEX_AT_ONCE = 1 << 17  # shards of up to this many chunks have them all looked up at the first one (~330 ms)
+INDEX_AT_ONCE = 1 << 17  # shards of up to this many chunks have them all looked up at the first one
 LOOKUPS_BEFORE_INDEX = 64  # larger ones after this many one by one (each costs more the further its chunk lies)
 
 
@@ -38,7 +39,7 @@ class MappedChunks:
         self.path = path
         self.dataset = dataset
         self.num_bytes = num_bytes
-        self.data = np.frombuffer(map_readonly(path, fd, access), dtype=np.uint8)
+        self.data = map_bytes(path, fd, num_bytes, access)
         self.chunk_bytes = int(np.prod(dataset.chunks or (1,)))
         self.size = int(np.prod(dataset.shape, dtype=object))  # the dataset's bytes
         self._offsets = np.full(-(-self.size // self.chunk_bytes), -1, dtype=np.int64)  # -1: not looked up yet
@@ -66,9 +67,9 @@ class MappedChunks:
         return offset
 
     def _index(self) -> None:
-        """Every chunk's offset from one pass over HDF5's chunk index (``H5Dchunk_iter``: 126 ms for 50,000 chunks,
-        where looking each up by its coordinate cost up to 2 ms, more the further it lies), keeping those stored
-        whole inside the file; any other is looked up, and refused, when read (``chunk``)."""
+        """Every chunk's offset from one pass over HDF5's chunk index (``H5Dchunk_iter``; looking each up by its
+        coordinate costs more the further it lies, docs/results.md), keeping those stored whole inside the file; any
+        other is looked up, and refused, when read (``chunk``)."""
         self._indexed = True
         offsets, step = self._offsets, int((self.dataset.chunks or (1,))[0])
         size, last = self.chunk_bytes, self.num_bytes - self.chunk_bytes  # the last offset a whole chunk may have
@@ -98,7 +99,7 @@ class MappedChunks:
 
     def samples(self, positions: list[int], offsets: np.ndarray | None) -> list[np.ndarray]:
         """``flat`` of many samples (``offsets``: a blob's, else one sample per chunk), their pieces found at once
-        (``read_many``: 158 -> 84 us per 64 photos, docs/results.md)."""
+        (``read_many``; docs/results.md)."""
         starts, ends, owners = self.sample_ranges(positions, offsets)
         views = [self.data[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
         if len(views) == len(positions) and np.array_equal(owners, np.arange(len(positions))):
@@ -149,8 +150,8 @@ class MappedChunks:
     def cached(self, positions: list[int], offsets: np.ndarray | None) -> np.ndarray:
         """Per sample, whether every file page holding it is in the page cache. The file's whole-file answer
         (``PageCache``) counts only the pages holding the dataset: HDF5's own metadata, read at open, may be dropped
-        from the cache since, and counted, every batch was asked about range by range (370 against 55 us per batch
-        of 64 photos; docs/results.md). Those pages are found only for a file asked about whole."""
+        from the cache since, and counted, every batch would be asked about range by range (docs/results.md). Those
+        pages are found only for a file asked about whole."""
         if self._residency is None:
             me = weakref.ref(self)  # no cycle through the question: the data's map goes with its last reference
             self._residency = PageCache(self.path, holding=lambda: cast(MappedChunks, me())._holding())

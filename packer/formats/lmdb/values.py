@@ -1,7 +1,7 @@
 """An LMDB shard's values read straight from one read-only map of its file, where its ``.spans.npy`` says they lie.
 
 py-lmdb copies every value out of its map into a new ``bytes`` (and walks a cursor per run of
-neighbours); with the spans written at conversion (``lmdb.value_spans``) a value is a slice of a
+neighbours); with the spans written at conversion (``writer.value_spans``) a value is a slice of a
 memoryview, a batch of fixed-size values one gather. Nothing here trusts the spans file: ``load_spans``
 checks its shape and bounds, ``check_against_btree`` that no two values overlap and that every sample of
 the first, middle and last leaf pages lies exactly where LMDB's own B-tree puts it; the payload sizes are
@@ -11,13 +11,13 @@ against the manifest before each (the reader's ``check_size``: a map never reads
 
 from __future__ import annotations
 
-import mmap
 from pathlib import Path
 
 import numpy as np
 
 from packer.errors import DatasetError
-from packer.formats.lmdb_pages import Tree
+from packer.formats.filemap import map_readonly
+from packer.formats.lmdb.pages import Tree
 from packer.layout.trust import load_npy
 
 GATHER_BYTES = 1 << 20  # read_into gathers about this much at a time (its temporary stays in the CPU cache)
@@ -41,7 +41,7 @@ def load_spans(path: Path, num_samples: int, file_size: int, psize: int) -> np.n
 
 def check_against_btree(tree: Tree, spans: np.ndarray, path: Path, spans_path: Path) -> None:
     """Refuse spans that disagree with the shard: values that overlap, or any sample of the first, middle and
-    last leaf pages whose leaf page or value is not where LMDB's B-tree puts it in the file (``lmdb_pages``:
+    last leaf pages whose leaf page or value is not where LMDB's B-tree puts it in the file (``pages``:
     the root, branch and leaf pages only, never a value)."""
     where = f"{spans_path}: spans disagree with the LMDB B-tree of {path.name}"
     order = np.argsort(spans[:, 1], kind="stable")
@@ -93,14 +93,9 @@ class MappedValues:
     """
 
     def __init__(self, fd: int, path: Path, spans: np.ndarray, random: bool) -> None:
-        try:
-            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as exc:
-            raise DatasetError(f"{path}: cannot map ({exc})") from exc
+        mm = map_readonly(path, fd, "random" if random else "sequential")
         if len(mm) < int(spans[:, 2].max(initial=0)):
             raise DatasetError(f"{path}: shorter than its spans say (truncated?)")
-        if random:
-            mm.madvise(mmap.MADV_RANDOM)  # no read-ahead: uniform random reads would only evict pages
         self.view = memoryview(mm)
         self.array = np.frombuffer(mm, dtype=np.uint8)
         self.spans = spans

@@ -1,5 +1,5 @@
 """N5's on-disk pieces, as packer writes and checks them: the dataset attributes, the block files and
-their headers, gzip inflation with a cap. ``n5.py`` (the writer) and ``n5read.py`` (the reader) build on these.
+their headers, gzip inflation with a cap. ``writer`` and ``reader`` build on these.
 
 A block file is a big-endian header, ``mode`` uint16 (0), ``ndim`` uint16, ``ndim`` uint32
 sizes of this block (the last block along N is cut to what remains, as the Java library

@@ -1,6 +1,6 @@
 """An HDF5 shard's datasets checked to be stored as packer's writer stores them, before anything is read from them:
 hard links inside the file (no external or soft links), no virtual datasets, no external storage, the writer's
-storage layout. ``hdf5.Reader`` checks each dataset it reads this way (and then their shapes, chunks and filters).
+storage layout. ``reader.Reader`` checks each dataset it reads this way (and then their shapes, chunks and filters).
 """
 
 from __future__ import annotations

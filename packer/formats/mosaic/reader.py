@@ -1,139 +1,44 @@
-"""Mosaic shards: images resized to one tile size and laid out row by row on a grid; each mosaic is one image file.
-
-| file                              | holds                                                    |
-|-----------------------------------|----------------------------------------------------------|
-| mosaic-<shard>-<n>.bmp/.png/.jpg  | one mosaic: up to rows x cols tiles of tile_h x tile_w,  |
-|                                   | sample k of the mosaic at row k // cols, column k % cols  |
-| mosaic-<shard>-<n>.jpg.rst.npy    | jpeg only: <i8 [n, 2] byte ranges of its restart intervals |
-
-Shard facts (manifest): ``tile`` [h, w], ``grid`` [rows, cols], ``codec``, ``quality`` and
-``samples_per_mosaic`` (one count per mosaic; the shard's files list the mosaics in order, then
-for jpeg their indexes): every mosaic is full except the last of a
-shard, which is cut after its last used row (unused cells of that row are black). One mosaic
-is one block of neighbouring samples for the block sampler (``block_boundaries``).
-
-Codecs: ``bmp`` (default; lossless, uncompressed, one tile is read from a memory map without
-touching the rest), ``png`` (lossless, smaller, but the whole mosaic is decoded for any tile:
-kept in a small per-process cache, so read it in block order), ``jpeg`` (explicit, lossy, the
-smallest; 4:4:4 with tiles on MCU boundaries and a restart marker per tile band, so one tile is
-cut out by copying its bytes and decoded alone, identical to decoding the whole mosaic: see
-``packer.images.jpegtiles``; each jpeg mosaic has its interval index beside it, ``<mosaic>.rst.npy``).
-The default grid makes one mosaic about 16 MB decoded.
+"""Mosaic shards read: a tile cut from its mosaic by the strategy ``tile_read`` names (a region of a BMP's map,
+a JPEG's restart intervals decoded alone, or the whole mosaic decoded and kept in a small per-process cache), each
+mosaic file checked against the manifest's geometry before anything is decoded (layout: ``packer.formats.mosaic``).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-from collections import OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from packer.argtypes import int_in
-from packer.errors import DatasetError, OptionError, PackerError, arg
+from packer.errors import DatasetError, OptionError, PackerError
 from packer.formats.base import (
     Destinations,
-    Format,
-    Option,
-    PreparedSample,
     ShardReader,
-    ShardWriter,
-    check_size,
     pread_exactly,
 )
-from packer.formats.mosaic_geometry import (
+from packer.formats.filemap import check_size, closed_on_error, map_readonly, open_checked
+from packer.formats.mosaic.geometry import (
     CODECS,
-    EXTENSIONS,
-    INDEX_SUFFIX,
     JPEG_MCU,
     Geometry,
-    block_boundaries,
-    encode,
-    error_bound,
     expected_intervals,
-    geometry,
 )
 from packer.images import bmp as bmpfile
 from packer.images import jpegtiles
 from packer.images.decode import decode, turbojpeg_handle
 from packer.images.headers import image_size
-from packer.images.resize import ResizeSpec
-from packer.layout.manifest import Manifest, Shard
+from packer.layout.manifest import Shard
 from packer.layout.trust import load_npy
+from packer.lru import LRU
 from packer.perprocess import PerProcess
 
 # Decoded mosaics kept per reader and process (at least one), for the full-decode path only (png,
 # or jpeg with tile_read="full"): ~8 default mosaics, the block sampler's default open blocks.
 CACHE_BYTES = 160 << 20
-
-
-class Writer(ShardWriter):
-    """Fills one mosaic at a time; writes it when full, and the last one, cut after its last row, on close."""
-
-    def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
-        if payload != "raw":
-            raise OptionError(f"the mosaic format stores decoded pixels: use {arg('payload', 'raw')}")
-        self.directory = Path(directory)
-        self.shard_id = shard_id
-        self.geom = geometry(options)
-        self._canvas: np.ndarray | None = None
-        self._filled = 0
-        self._counts: list[int] = []
-        self._names: list[str] = []
-        self._sidecars: list[str] = []  # jpeg: the restart-interval index of each mosaic
-
-    def add(self, sample: PreparedSample) -> None:
-        g = self.geom
-        px = sample.payload
-        if not isinstance(px, np.ndarray) or px.shape != (g.tile_h, g.tile_w, 3):
-            shape = getattr(px, "shape", None)
-            raise PackerError(f"{sample.rel_path}: a mosaic tile must be {g.tile_h}x{g.tile_w}x3, got {shape}")
-        if self._canvas is None:
-            self._canvas = np.zeros((g.rows * g.tile_h, g.cols * g.tile_w, 3), dtype=np.uint8)
-        top, left = g.origin(self._filled)
-        self._canvas[top : top + g.tile_h, left : left + g.tile_w] = px
-        self._filled += 1
-        if self._filled == g.cells:
-            self._flush()
-
-    def _flush(self) -> None:
-        assert self._canvas is not None
-        name = f"mosaic-{self.shard_id:05d}-{len(self._names):06d}.{EXTENSIONS[self.geom.codec]}"
-        used = self.geom.shape(self._filled)[0]
-        data = encode(np.ascontiguousarray(self._canvas[:used]), self.geom)
-        with open(self.directory / name, "xb") as fh:
-            fh.write(data)
-        self._names.append(name)
-        if self.geom.codec == "jpeg":
-            index = jpegtiles.restart_index(data, name)
-            if len(index) != expected_intervals(self.geom, self._filled):
-                import PIL
-
-                raise PackerError(f"{name}: the JPEG encoder wrote {len(index)} restart intervals, expected "
-                                  f"{expected_intervals(self.geom, self._filled)}: jpeg mosaics need Pillow >= 10.2 "
-                                  f"(restart markers), this is {PIL.__version__}")
-            np.save(self.directory / (name + INDEX_SUFFIX), index, allow_pickle=False)
-            self._sidecars.append(name + INDEX_SUFFIX)
-        self._counts.append(self._filled)
-        self._canvas[:] = 0
-        self._filled = 0
-
-    def close(self) -> tuple[list[str], dict]:
-        if self._filled:
-            self._flush()
-        g = self.geom
-        return self._names + self._sidecars, {"tile": [g.tile_h, g.tile_w], "grid": [g.rows, g.cols], "codec": g.codec,
-                                   "quality": g.quality, "samples_per_mosaic": list(self._counts)}
-
-    def abort(self) -> None:
-        for name in self._names + self._sidecars:
-            try:
-                os.remove(self.directory / name)
-            except OSError:
-                pass
 
 
 def _geometry_from_facts(shard: Shard, where: Path) -> Geometry:
@@ -155,17 +60,35 @@ def _geometry_from_facts(shard: Shard, where: Path) -> Geometry:
     return geom
 
 
+MAPPED_MOSAICS = 16  # mosaic files a reader keeps mapped (and open, for the size checks) per process
+
+
+@dataclass
+class _Mapped:
+    """One mosaic file as a reader keeps it open."""
+
+    buf: mmap.mmap | bytes  # its map (b"" for an empty file)
+    info: Any  # bmp: its parsed header; jpeg: its restart-interval index
+    fd: int  # kept open for the size checks
+    head: bytes  # jpeg: the bytes before the scan, read on opening
+
+
+def _close_mapped(m: _Mapped) -> None:
+    os.close(m.fd)  # the map is dropped, not closed: tiles handed out may still view it
+
+
 @dataclass
 class _Caches:
     """One process's caches of a mosaic reader."""
 
-    decoded: OrderedDict[int, np.ndarray] = field(default_factory=OrderedDict)  # mosaic -> decoded pixels
-    # mosaic -> (mmap, header or index, file, jpeg: the bytes before the scan, read on opening)
-    maps: OrderedDict[int, tuple] = field(default_factory=OrderedDict)
+    cache_bytes: int = CACHE_BYTES
+    decoded: LRU[int, np.ndarray] = field(init=False)  # mosaic -> decoded pixels, at least one
+    maps: LRU[int, _Mapped] = field(default_factory=lambda: LRU(MAPPED_MOSAICS, drop=_close_mapped))
+
+    def __post_init__(self) -> None:
+        self.decoded = LRU(self.cache_bytes, weight=lambda a: a.nbytes)
 
     def close(self) -> None:
-        for entry in self.maps.values():
-            entry[2].close()
         self.maps.clear()
         self.decoded.clear()
 
@@ -198,14 +121,15 @@ class Reader(ShardReader):
             raise OptionError(f"tile_read={tile_read!r} does not suit {self.geom.codec} mosaics ({', '.join(allowed)})")
         self.tile_read = tile_read
         self.cache_bytes = cache_bytes
-        self._state: PerProcess[_Caches] = PerProcess(_Caches)  # a forked worker starts with empty caches
+        # a forked worker starts with empty caches
+        self._state: PerProcess[_Caches] = PerProcess(partial(_Caches, cache_bytes), inherited=_Caches.close)
 
     @property
-    def _cache(self) -> OrderedDict[int, np.ndarray]:
+    def _cache(self) -> LRU[int, np.ndarray]:
         return self._state.get().decoded
 
     @property
-    def _maps(self) -> OrderedDict[int, tuple]:
+    def _maps(self) -> LRU[int, _Mapped]:
         return self._state.get().maps
 
     def __len__(self) -> int:
@@ -255,7 +179,7 @@ class Reader(ShardReader):
         g = self.geom
         top, left = g.origin(cell)
         _buf, info = self._mapped(m)  # the file seen to have kept its size; its map is not touched
-        fd, head = self._maps[m][2].fileno(), self._maps[m][3]
+        fd, head = self._open(m).fd, self._open(m).head
         if self.tile_read == "region":
             first = top if info.top_down else info.height - top - g.tile_h
             band = np.empty(g.tile_h * info.stride, dtype=np.uint8)
@@ -338,48 +262,37 @@ class Reader(ShardReader):
         """``_map(m)``, its file seen to have kept its size: touching a page past the end of a file
         truncated in place would kill the process (SIGBUS)."""
         buf, info = self._map(m)
-        check_size(self._maps[m][2].fileno(), self.sizes[m], self.paths[m])
+        check_size(self._open(m).fd, self.sizes[m], self.paths[m])
         return buf, info
 
     def _map(self, m: int) -> tuple:
-        """The mosaic's file mapped read-only, with its BMP header (bmp) or restart-interval index (jpeg).
+        """The mosaic's file mapped read-only, with its BMP header (bmp) or restart-interval index (jpeg)."""
+        return self._open(m).buf, self._open(m).info
 
-        The file stays open (for ``_mapped``'s size checks) while it is among the last 16 mapped.
-        """
-        if m in self._maps:
-            self._maps.move_to_end(m)
-            return self._maps[m][:2]
+    def _open(self, m: int) -> _Mapped:
+        """The mosaic's file as this process keeps it (among the last ``MAPPED_MOSAICS`` used), opened on first use."""
+        kept = self._maps.get(m)
+        if kept is not None:
+            return kept
         path = self.paths[m]
-        try:
-            fh = open(path, "rb")
-        except OSError as exc:
-            raise DatasetError(f"{path}: cannot read mosaic ({exc.strerror or exc})") from exc
-        try:
-            check_size(fh.fileno(), self.sizes[m], path)
-            buf = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) if self.sizes[m] else b""
-            # The header by a small read: a page fault on the map would read megabytes around it.
-            head = os.pread(fh.fileno(), bmpfile.HEADER_BYTES, 0) if self.geom.codec == "bmp" else b""
-            shape = self.geom.shape(self.counts[m])
-            if self.geom.codec == "bmp":
-                info = bmpfile.parse_header(head, self.sizes[m], path)
-                if (info.height, info.width, 3) != shape:
-                    raise DatasetError(f"{path}: a {info.height}x{info.width} BMP, the manifest says {shape}")
-            else:
-                info = self._load_index(m, self.sizes[m])
-                # the header up to the scan, by a read (kept for read_copies' tiles): never through the map
-                head = os.pread(fh.fileno(), int(info[0, 0]) if len(info) else self.sizes[m], 0)
-                self._check_header(m, head)
-        except OSError as exc:
-            fh.close()
-            raise DatasetError(f"{path}: cannot read mosaic ({exc.strerror or exc})") from exc
-        except BaseException:
-            fh.close()
-            raise
-        self._maps[m] = (buf, info, fh, head)
-        while len(self._maps) > 16:
-            # The map is dropped, not closed (tiles handed out may still view it); its file is closed.
-            self._maps.popitem(last=False)[1][2].close()
-        return buf, info
+        with closed_on_error(open_checked(path, self.sizes[m], "mosaic")) as fd:
+            try:
+                buf = map_readonly(path, fd, "sequential") if self.sizes[m] else b""
+                # The header by a small read: a page fault on the map would read megabytes around it.
+                head = os.pread(fd, bmpfile.HEADER_BYTES, 0) if self.geom.codec == "bmp" else b""
+                shape = self.geom.shape(self.counts[m])
+                if self.geom.codec == "bmp":
+                    info = bmpfile.parse_header(head, self.sizes[m], path)
+                    if (info.height, info.width, 3) != shape:
+                        raise DatasetError(f"{path}: a {info.height}x{info.width} BMP, the manifest says {shape}")
+                else:
+                    info = self._load_index(m, self.sizes[m])
+                    # the header up to the scan, by a read (kept for read_copies' tiles): never through the map
+                    head = os.pread(fd, int(info[0, 0]) if len(info) else self.sizes[m], 0)
+                    self._check_header(m, head)
+            except OSError as exc:
+                raise DatasetError(f"{path}: cannot read mosaic ({exc.strerror or exc})") from exc
+        return self._maps.put(m, _Mapped(buf, info, fd, head))
 
     def _load_index(self, m: int, size: int) -> np.ndarray:
         path = self.index_paths[m]
@@ -392,59 +305,16 @@ class Reader(ShardReader):
         return index
 
     def _mosaic(self, m: int) -> np.ndarray:
-        if m in self._cache:
-            self._cache.move_to_end(m)
-            return self._cache[m]
+        kept = self._cache.get(m)
+        if kept is not None:
+            return kept
         data = self._read_file(m, checked=True)
         try:
             pixels = decode(data, "auto", strict=True)
         except PackerError as exc:
             raise DatasetError(f"{self.paths[m]}: cannot decode mosaic ({exc})") from exc
-        self._cache[m] = self._checked(pixels, self.geom.shape(self.counts[m]), m)
-        while len(self._cache) > 1 and sum(a.nbytes for a in self._cache.values()) > self.cache_bytes:
-            self._cache.popitem(last=False)
-        return pixels
+        return self._cache.put(m, self._checked(pixels, self.geom.shape(self.counts[m]), m))
 
     def close(self) -> None:
         self._state.close(_Caches.close)
         super().close()
-
-
-class MosaicFormat(Format):
-    """Mosaic's hooks: its layout options are checked up front, shards hold whole mosaics, jpeg is lossy."""
-
-    def check_options(self, options: Mapping) -> None:
-        tile, resize = options.get("tile"), options.get("resize")
-        geometry(options)  # --tile and --grid, named as given
-        tile_spec, resize_spec = ResizeSpec.parse(tile, option="tile"), ResizeSpec.parse(resize)
-        if tile_spec is not None and resize_spec is not None and tile_spec.fixed_shape != resize_spec.fixed_shape:
-            raise OptionError(f"{arg('tile', tile)} already sets the size; drop {arg('resize', resize)}")
-
-    def implied_resize(self, options: Mapping) -> str | None:
-        return options.get("tile")
-
-    def shard_multiple(self, options: Mapping) -> int:
-        """Tiles per mosaic: shards of whole mosaics, so only a shard's last one is partly filled."""
-        return geometry(options).cells
-
-    def error_bound(self, options: Mapping) -> tuple[float, int]:
-        return error_bound(options)
-
-    def block_boundaries(self, manifest: Manifest) -> np.ndarray:
-        return block_boundaries(manifest)
-
-
-FORMAT = MosaicFormat(
-    name="mosaic", dataset_class="MosaicDataset", payloads=frozenset({"raw"}), Writer=Writer, Reader=Reader,
-    default_shard_bytes=1 << 30,  # resume granularity of a long conversion; shards hold whole mosaics
-    options=(
-        Option("tile", "mosaic: the size every image is resized to (stretched, or letterboxed with "
-               "--resize-mode fit); required for --to mosaic", metavar="HxW"),
-        Option("grid", "mosaic: tiles per mosaic, rows x columns (default: about 16 MB decoded per mosaic, "
-               "e.g. 11x10 for 224x224 tiles)", metavar="RxC"),
-        Option("codec", "mosaic file codec: bmp (default; lossless, a tile is read without decoding the rest), "
-               "png (lossless, smaller, whole mosaics decoded), jpeg (lossy, smallest; tiles multiples of 16 px)",
-               choices=CODECS),
-        Option("quality", "mosaic jpeg quality 1-100 (default 95)", type=int_in(1, 100)),
-    ),
-)

@@ -1,43 +1,12 @@
-"""HDF5: one ordinary ``.h5`` file per shard that ``h5ls``/``h5py`` users can read without packer.
-
-| dataset (per shard file) | dtype | shape     | holds                                                    |
-|--------------------------|-------|-----------|----------------------------------------------------------|
-| /images  (encoded)       | u1    | [B]       | the source files' bytes back to back                      |
-| /images  (raw, one shape)| u1    | [N,H,W,3] | RGB pixels (``--resize HxW``), one image per chunk        |
-| /images  (raw, mixed)    | u1    | [B]       | HWC RGB pixels back to back                               |
-| /offsets (blob layouts)  | <i8   | [N+1]     | sample i is ``images[offsets[i]:offsets[i+1]]``           |
-| /shapes  (raw, mixed)    | <i8   | [N,3]     | (h, w, 3) of each sample                                  |
-| /labels                  | <i8   | [N]       | class index (-1 for a flat folder); names in manifest.json|
-
-Every dataset has a ``description`` attribute, the file has ``packer_format``, ``payload``,
-``layout`` (``fixed`` or ``blob``), ``num_samples`` and ``description``. Never variable-length
-(vlen) datasets: one heap lookup per element, and no compression.
-
-Chunks. Blobs are chunked 1 MiB (``_BLOB_CHUNK``, 256 KiB when compressed), so the chunk
-index stays small (1,000 entries per GB). Uncompressed shards are read as views of the mapped
-file (``hdf5_chunks.MappedChunks``: zero-copy but for a sample across a chunk boundary).
-Compressed chunks must be inflated whole, so they are smaller (a random read inflates at most
-about one 256-px image more than it needs) and read through h5py with a 4 MiB cache that keeps
-neighbours' shared chunks: fresh arrays, one read per run of neighbours. Fixed-shape raw
-datasets have one image per chunk. ``--compression lzf|gzip`` (raw payloads only: JPEG/PNG
-bytes don't compress) runs in the writing process; gzip is in every HDF5 library, lzf is
-faster but h5py's own filter (C tools need the LZF plugin). Files are checked readable by
-HDF5 1.10's ``h5ls``/``h5dump``; ``file_spans`` tells packer.read.readahead which chunks a
-batch will need.
-
-Readers open the file lazily in each process (h5py handles cross neither fork nor pickle)
-with ``locking=False``: HDF5's file locks fail on many NFS mounts and a read-only reader
-needs none. (With h5py < 3.5 or HDF5 < 1.12.1, set ``HDF5_USE_FILE_LOCKING=FALSE`` in the
-environment instead.) Files are written with format versions no newer than HDF5 1.10's.
-
-One shard by default (``DEFAULT_SHARD_BYTES = None``): samples are found by offset or
-row, so one file costs nothing in lookups and is the file a user expects; use
-``--shard-size`` for storage that dislikes very large files.
+"""HDF5 shards read: h5py opens the file lazily in each process (its handles cross neither fork nor pickle) with
+``locking=False`` (HDF5's file locks fail on many NFS mounts; a read-only reader needs none); uncompressed
+``/images`` are read as views of the mapped file (``chunks.MappedChunks``), compressed chunks through h5py with a
+small cache that keeps neighbours' shared chunks. (With h5py < 3.5 or HDF5 < 1.12.1, set
+``HDF5_USE_FILE_LOCKING=FALSE`` in the environment instead.)
 """
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,155 +16,25 @@ from typing import Any, cast
 import h5py
 import numpy as np
 
-from packer._version import __version__
 from packer.errors import DatasetError, PackerError
 from packer.formats.base import (
-    BlobIndex,
     Destinations,
-    Format,
-    PreparedSample,
     ShardReader,
-    ShardWriter,
     check_offsets,
-    check_size,
     contiguous_runs,
     copy_runs,
-    fixed_shape,
     shard_layout,
 )
-from packer.formats.hdf5_checks import stored_dataset
-from packer.formats.hdf5_chunks import MappedChunks
+from packer.formats.blob import shaped
+from packer.formats.filemap import check_size
+from packer.formats.hdf5 import writer
+from packer.formats.hdf5.checks import stored_dataset
+from packer.formats.hdf5.chunks import MappedChunks
 from packer.images.decode import check_pixels, pixel_limit
 from packer.layout.manifest import Shard
 from packer.perprocess import PerProcess
 
-_BLOB_CHUNK = 1 << 20
-_BLOB_CHUNK_COMPRESSED = 256 << 10
-_WRITE_BYTES = 16 << 20  # buffer this much before each write call
-_CACHE_COMPRESSED = 4 << 20
-_LIBVER = ("earliest", "v110")  # readable by HDF5 >= 1.10 (h5py >= 2.8)
-
-_DESCRIBE = {
-    ("encoded", "blob"): "original image files, byte for byte, back to back; image i is "
-    "images[offsets[i]:offsets[i+1]]",
-    ("raw", "blob"): "decoded RGB pixels back to back; image i is "
-    "images[offsets[i]:offsets[i+1]].reshape(shapes[i]) (height, width, 3)",
-    ("raw", "fixed"): "decoded RGB pixels, one image per row: images[i] is (height, width, 3) uint8",
-    ("none", "blob"): "no images (samples of fields and labels only): images is empty, offsets all 0",
-}
-
-
-def shard_name(shard_id: int) -> str:
-    return f"shard-{shard_id:05d}.h5"
-
-
-class Writer(ShardWriter):
-    def __init__(self, directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> None:
-        self.name = shard_name(shard_id)
-        self.path = directory / self.name
-        self.payload = payload
-        self.shape = fixed_shape(payload, options)
-        self.compression = options.get("compression")
-        self.index = BlobIndex(self.path, num_samples, payload, self.shape)
-        self._pending: list[np.ndarray] = []  # fixed layout: images not yet written
-        self._blob = bytearray()  # blob layout: bytes not yet written
-        # No chunk cache: every chunk goes to disk when written, so a full disk fails the write that
-        # filled it with an OSError; failing later inside h5py's close() leaves objects that crash
-        # the interpreter when collected. (The driver reports the OSError and keeps finished shards.)
-        self._file = h5py.File(self.path, "w", libver=_LIBVER, rdcc_nbytes=0)
-        if self.shape is not None:
-            self._images = self._file.create_dataset(
-                "images", shape=(num_samples, *self.shape), maxshape=(None, *self.shape), dtype="u1",
-                chunks=(1, *self.shape), compression=self.compression)
-        else:
-            chunk = _BLOB_CHUNK_COMPRESSED if self.compression else _BLOB_CHUNK
-            self._images = self._file.create_dataset(
-                "images", shape=(0,), maxshape=(None,), dtype="u1", chunks=(chunk,), compression=self.compression)
-
-    def add(self, sample: PreparedSample) -> None:
-        self.index.add(sample)
-        data = sample.payload
-        if self.shape is not None:
-            self._pending.append(cast(np.ndarray, data))
-            if len(self._pending) * sample.nbytes >= _WRITE_BYTES:
-                self._flush()
-        else:
-            self._blob += data if isinstance(data, bytes) else data.data.cast("B")
-            if len(self._blob) >= _WRITE_BYTES:
-                self._flush()
-
-    def _flush(self, final: bool = False) -> None:
-        """Write what is buffered; blobs only in whole chunks until the end, so no chunk is written twice."""
-        if self.shape is not None:
-            if self._pending:
-                stop = self.index.count
-                self._images[stop - len(self._pending) : stop] = np.stack(self._pending)
-                self._pending = []
-            return
-        chunk = cast(tuple, self._images.chunks)[0]  # the blob is always chunked
-        n = len(self._blob) if final else len(self._blob) // chunk * chunk
-        if n:
-            start = int(self._images.shape[0])
-            self._images.resize((start + n,))
-            # Split off the head instead of viewing and then shrinking the buffer: a view that
-            # lingers anywhere (h5py, a traceback) would make the shrink fail with BufferError.
-            head, self._blob = self._blob[:n], self._blob[n:]
-            self._images[start : start + n] = np.frombuffer(head, dtype=np.uint8)
-
-    def _check_room(self) -> None:
-        """Refuse before HDF5 writes its index and metadata at close if they might not fit (see __init__)."""
-        chunks = self._images.id.get_num_chunks()
-        need = 40 * self.index.count + 64 * chunks + (1 << 20)  # offsets, labels, shapes; chunk index, headers
-        st = os.statvfs(self.path.parent)
-        free = st.f_bavail * st.f_frsize
-        if free < need:
-            raise OSError(errno.ENOSPC, f"{free} bytes free, closing {self.name} needs about {need}")
-
-    def close(self) -> tuple[list[str], dict]:
-        self._flush(final=True)
-        self._check_room()
-        n, f = self.index.count, self._file
-        layout = "fixed" if self.shape is not None else "blob"
-        if self.shape is not None and n != self.index.planned:  # samples failed validation
-            self._images.resize((n, *self.shape))
-        self._images.attrs["description"] = _DESCRIBE[(self.payload, layout)]
-        if self.shape is None:
-            f.create_dataset("offsets", data=self.index.offsets[: n + 1]).attrs["description"] = (
-                "int64 [N+1]: image i is images[offsets[i]:offsets[i+1]]")
-        if self.payload == "raw" and self.shape is None:
-            f.create_dataset("shapes", data=self.index.shapes[:n]).attrs["description"] = (
-                "int64 [N,3]: (height, width, 3) of image i")
-        f.create_dataset("labels", data=self.index.labels[:n]).attrs["description"] = (
-            "int64 [N]: class index of image i (-1: no class); class names are in the packer "
-            "dataset's manifest.json, source paths in its meta/")
-        f.attrs.update({
-            "packer_format": "hdf5",
-            "packer_version": __version__,
-            "payload": self.payload,
-            "layout": layout,
-            "num_samples": n,
-            "description": f"{n} images packed by packer ({self.payload} payload, {layout} layout): "
-            + _DESCRIBE[(self.payload, layout)],
-        })
-        f.close()
-        facts: dict = {"layout": layout, "compression": self.compression}
-        if self.shape is not None:
-            facts["shape"] = list(self.shape)
-        return [self.name], facts
-
-    def abort(self) -> None:
-        try:
-            os.truncate(self.path, 0)  # frees the disk first, so HDF5 can write what close() flushes
-        except OSError:
-            pass
-        try:
-            self._file.close()
-        except (OSError, RuntimeError):
-            pass  # the file goes anyway
-        self.path.unlink(missing_ok=True)
-
-
-# ---------------------------------------------------------------- reading
+_CACHE_COMPRESSED = 4 << 20  # h5py's chunk cache for compressed shards
 
 
 @dataclass
@@ -206,9 +45,6 @@ class _Open:
     shapes: np.ndarray | None
     fd: int  # HDF5's own descriptor of the file, for the size check with each read
     mapped: MappedChunks | None = None  # uncompressed: /images read as views of the mapped file
-
-
-_FILTERS = {None: [], "gzip": [h5py.h5z.FILTER_DEFLATE], "lzf": [h5py.h5z.FILTER_LZF]}  # what the writer uses
 
 
 class Reader(ShardReader):
@@ -232,7 +68,7 @@ class Reader(ShardReader):
         self.fixed_shape = shard_layout(shard.facts, self.path)
         self.compression = shard.facts.get("compression")
         self.compressed = bool(self.compression)
-        if self.compression not in _FILTERS or (self.compressed and payload != "raw"):
+        if self.compression not in writer.FILTERS or (self.compressed and payload != "raw"):
             raise DatasetError(f"{self.path}: manifest names compression {self.compression!r} for {payload} "
                                "payloads, which the writer never makes")
         self.access = access
@@ -273,12 +109,13 @@ class Reader(ShardReader):
         elif images.ndim != 1:
             raise DatasetError(f"{self.path}: /images is {images.shape}, expected a 1-D blob")
         else:
-            chunk = (_BLOB_CHUNK_COMPRESSED if self.compressed else _BLOB_CHUNK,)
+            chunk = (writer.BLOB_CHUNK_COMPRESSED if self.compressed else writer.BLOB_CHUNK,)  # what it makes
         plist = images.id.get_create_plist()
         filters = [plist.get_filter(k)[0] for k in range(plist.get_nfilters())]
-        if images.chunks != chunk or filters != _FILTERS[self.compression]:
+        made = writer.FILTERS[self.compression]
+        if images.chunks != chunk or filters != made:
             raise DatasetError(f"{self.path}: /images has chunks {images.chunks} and filters {filters}; the writer "
-                               f"makes {chunk} and {_FILTERS[self.compression]} ({self.compression or 'uncompressed'})")
+                               f"makes {chunk} and {made} ({self.compression or 'uncompressed'})")
         size = int(np.prod(images.shape, dtype=object))
         if not self.compressed and size > self.num_bytes:
             # Chunks never written read as zeros: a huge dataset could take no room in the file.
@@ -333,10 +170,7 @@ class Reader(ShardReader):
 
     def _shaped(self, h: _Open, flats: list[np.ndarray], positions: Sequence[int]) -> list:
         """Samples' flat bytes as handed out: (H, W, 3) pixels for raw, memoryviews for encoded."""
-        if h.offsets is None:
-            return [flat.reshape(cast(tuple, self.fixed_shape)) for flat in flats]
-        shapes = h.shapes
-        return [f.data for f in flats] if shapes is None else [f.reshape(s) for f, s in zip(flats, shapes[positions])]
+        return shaped(flats, self.fixed_shape if h.offsets is None else None, h.shapes, positions)
 
     def _checked(self, h: _Open, read: Callable[[], Any]) -> Any:
         """``read()``, once the file is seen to have kept its size after it: past its end HDF5 reads
@@ -421,15 +255,10 @@ class Reader(ShardReader):
             for k, sample in enumerate(self._shaped(h, h.mapped.samples(positions, None), positions)):
                 out[k] = sample
             return
-        # A slice read per run beats read_direct per run (~5x) and h5py's fancy indexing (~300x).
+        # A slice read per run beats read_direct per run and h5py's fancy indexing by far (docs/results.md).
         self._checked(h, lambda: copy_runs(h.images, positions, out))
 
     def close(self) -> None:
         self._h.close(lambda h: (h.file.close(), h.mapped and h.mapped.close()))
         super().close()
 
-
-FORMAT = Format(
-    name="hdf5", dataset_class="HDF5Dataset", payloads=frozenset({"encoded", "raw", "none"}),
-    Writer=Writer, Reader=Reader, default_shard_bytes=None, compressions=frozenset({"lzf", "gzip"}),
-)

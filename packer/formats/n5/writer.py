@@ -1,38 +1,5 @@
-"""N5: one chunked N5 container per shard (the Java/Saalfeld layout), readable by tensorstore's ``n5``
-driver, zarr's N5 store, the Java N5 libraries and Fiji/BigDataViewer without packer.
-
-| path (per shard, in shard-00000.n5/) | N5 dimensions  | dtype | holds                                       |
-|--------------------------------------|----------------|-------|---------------------------------------------|
-| attributes.json                      |                |       | ``{"n5": "2.0.0", "packer": {...}}``         |
-| images/ (raw, ``--resize HxW``)      | [3, W, H, N]   | uint8 | RGB pixels: numpy ``(N, H, W, 3)``           |
-| images/ (encoded; raw, mixed shapes) | [B]            | uint8 | the files' bytes (or HWC pixels) back to back|
-| offsets/ (blob layouts)              | [N+1]          | int64 | sample i is ``images[offsets[i]:offsets[i+1]]`` |
-| shapes/ (raw, mixed shapes)          | [3, N]         | int64 | numpy ``(N, 3)``: (h, w, 3) of each sample   |
-| labels/                              | [N]            | int64 | class index (-1 for a flat folder)           |
-
-Each dataset directory holds ``attributes.json`` (``dimensions``, ``blockSize``, ``dataType``,
-``compression``) and one file per block at ``<dataset>/<i0>/<i1>/...`` (grid position in N5
-dimension order). N5 lists dimensions fastest-varying first (F order), the reverse of numpy's
-C order: an N5 ``[3, W, H, N]`` array is numpy's ``(N, H, W, 3)`` with the same bytes, which is
-how tensorstore presents it. Images are blocked along N only (``images/0/0/0/<j>``, whole
-images, about 960 KiB of pixels per block: a few images per file) and blobs in 960 KiB blocks
-(``images/<j>``; ``n5blocks.BLOCK_BYTES``: one device request per block file); ``--n5-block SIZE`` sets
-another size. The small int64 arrays are one block each.
-
-Reading checks each block's header against the dataset's attributes (and those against the
-manifest) before it allocates: an uncompressed block must be exactly header + elements long,
-a compressed one is inflated with the block's size as the cap (no gzip bomb), and only the
-block files the manifest lists are ever opened. Uncompressed blocks are mapped (the last
-``pagecache.mapped_files_limit()`` per process) and samples returned as read-only views of
-them, the block's size checked with each read (a page past the end of a file truncated in
-place would kill the reader with SIGBUS); only a sample across a block boundary is joined
-from its pieces. A compressed block is inflated only as far as the samples read from it
-need, and the last few blocks are kept partly inflated: a sequential pass inflates each
-block once, a random read inflates the start of its block up to its sample (half a block
-on average; ``--n5-block`` smaller for random access to gzip blocks).
-
-One shard by default: a shard is a directory of block files, so it never is one huge file.
-"""
+"""N5 shards written: images streamed into block files as they fill, the small arrays and every attributes file
+at close (layout: ``packer.formats.n5``)."""
 
 from __future__ import annotations
 
@@ -41,17 +8,14 @@ from collections.abc import Mapping
 from math import prod
 from pathlib import Path
 
-from packer.argtypes import size_arg
 from packer.errors import OptionError, arg
 from packer.formats.base import (
     BlobIndex,
-    Format,
-    Option,
     PreparedSample,
     ShardWriter,
     fixed_shape,
 )
-from packer.formats.n5blocks import (
+from packer.formats.n5.blocks import (
     ATTRIBUTES,
     BLOCK_BYTES,
     MAX_BLOCK_BYTES,
@@ -62,10 +26,7 @@ from packer.formats.n5blocks import (
     write_dataset,
     write_json,
 )
-from packer.formats.n5read import Reader
 from packer.units import parse_bytes
-
-# ---------------------------------------------------------------- writing
 
 
 def block_bytes(options: Mapping) -> int | None:
@@ -80,11 +41,6 @@ def block_bytes(options: Mapping) -> int | None:
     if not 1 <= size <= MAX_BLOCK_BYTES:
         raise OptionError(f"{arg('n5_block', value)}: must be between 1 byte and {MAX_BLOCK_BYTES >> 20} MiB")
     return size
-
-
-class N5Format(Format):
-    def check_options(self, options: Mapping) -> None:
-        block_bytes(options)
 
 
 class Writer(ShardWriter):
@@ -162,12 +118,3 @@ _DESCRIBE = {
     ("none", "blob"): "no images (samples of fields and labels only): images is empty, offsets all 0",
 }
 
-
-FORMAT = N5Format(
-    name="n5", dataset_class="N5Dataset", payloads=frozenset({"encoded", "raw", "none"}),
-    Writer=Writer, Reader=Reader,
-    default_shard_bytes=None,
-    compressions=frozenset({"gzip"}),
-    options=(Option("n5_block", "n5: bytes of images per block file (default 960KiB); "
-                    "whole images with --resize HxW", metavar="SIZE", type=size_arg),),
-)
