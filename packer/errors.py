@@ -10,17 +10,10 @@ Every one is a ``PackerError``; the kinds also inherit the built-in exception a 
 ``MissingPackageError``           ``ImportError``        an optional package (an extra) is not installed
 ================================  =====================  ==============================================
 
-``DatasetError`` is deliberately not an ``OSError``: the operating system read the bytes fine, they are wrong,
-and code that retries ``OSError`` (a flaky network mount) must not retry damage.
-
-The command line turns them into exit codes (see ``packer --help``): a ``RunError`` exits 1
-(the command ran and met a problem: damaged data, a write failing part-way), any other
-``PackerError`` exits 2 (the command could not run as asked: usage, a missing or unreadable
-input path, a refused destination). A kind met once work is under way is raised as a RunError that is
-still of its kind (``under_way``).
-
-A message names an argument with ``arg(name, value)``: ``str(exc)`` shows it as the Python API takes it
-(``overwrite=True``), ``exc.cli_message()`` as the command line does (``--overwrite``).
+``DatasetError`` is not an ``OSError``: code that retries ``OSError`` (a flaky mount) must not retry damage. The
+command line exits 1 on a ``RunError`` (the command ran and met a problem; a kind met once work is under way is
+raised as one, still of its kind: ``under_way``) and 2 on any other ``PackerError``. ``arg(name, value)`` names an
+argument as the Python API takes it (``str(exc)``) or as the command line does (``exc.cli_message()``).
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ def ceiling_note(report: dict) -> str | None:
 
 def emulation_note(report: dict) -> str | None:
     """Under emulated storage, when cold passes last few throttle slices: by how much one slice moves their rate
-    (1-second passes: 10 %, as much as the difference between meeting a goal and missing it; docs/results.md)."""
+    (on short passes as much as the difference between meeting a goal and missing it; docs/results.md)."""
     if not report.get("emulation"):
         return None
     secs = [statistics.median(r["seconds"]) for r in report["results"] if r["cache"] == "cold" and r.get("seconds")]
