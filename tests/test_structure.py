@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -32,16 +33,16 @@ def modules() -> dict[str, Path]:
     return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def imports_of(path: Path, known: set[str]) -> set[str]:
+def imports_of(path: Path, known: set[str], typing_too: bool = False) -> set[str]:
     """Every packer module ``path`` imports, at any depth (function-level imports too); imports under
-    ``if TYPE_CHECKING:`` never run, so they are left out."""
+    ``if TYPE_CHECKING:`` never run, so they are left out unless ``typing_too``."""
     found: set[str] = set()
     tree = ast.parse(path.read_text(encoding="utf-8"))
     typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
                    and isinstance(block.test, ast.Name) and block.test.id == "TYPE_CHECKING"
                    for stmt in block.body for n in ast.walk(stmt)}
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if id(node) in typing_only and not typing_too:
             continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("packer"))
@@ -59,11 +60,11 @@ def layer_of(module: str) -> tuple[str, int]:
     raise AssertionError(f"{module}: in no layer of tests/test_structure.py's LAYERS (add it)")
 
 
-def graph() -> dict[str, set[str]]:
+def graph(typing_too: bool = False) -> dict[str, set[str]]:
     mods = modules()
     known = set(mods)
     # packer/__init__.py is the lazy public facade: nothing inside packer may import through it
-    return {m: imports_of(p, known) for m, p in mods.items() if m != "packer"}
+    return {m: imports_of(p, known, typing_too) for m, p in mods.items() if m != "packer"}
 
 
 def test_nothing_inside_packer_imports_the_public_facade():
@@ -102,6 +103,65 @@ def test_no_import_cycles():
         if mod not in state:
             visit(mod, [mod])
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def circles(g: dict[str, set[str]]) -> list[frozenset[str]]:
+    """The import circles of ``g``: each set of modules that reach one another (Tarjan's strongly connected
+    components of more than one module, or a module importing itself)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[frozenset[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for dep in sorted(g.get(node, ())):
+            if dep not in g:
+                continue
+            if dep not in index:
+                visit(dep)
+                low[node] = min(low[node], low[dep])
+            elif dep in stack:
+                low[node] = min(low[node], index[dep])
+        if low[node] == index[node]:
+            members = {stack.pop()}
+            while node not in members:
+                members.add(stack.pop())
+            if len(members) > 1 or node in g[node]:
+                found.append(frozenset(members))
+
+    for mod in sorted(g):
+        if mod not in index:
+            visit(mod)
+    return found
+
+
+# Circles through type-only imports that other work removes (issue 41: the write side's rework drops
+# write/scan.py <-> write/sources/base.py); reported below, not failed. The lead removes an entry when it merges it.
+KNOWN_TYPE_ONLY_CIRCLES = {frozenset({"packer.write.scan", "packer.write.sources.base"})}
+
+
+def test_no_import_circles_even_through_type_only_imports():
+    """A ``TYPE_CHECKING`` import never runs, but two modules naming each other's types are one concept split
+    in two (or an interface in the wrong module): no circle at all, type-only imports counted."""
+    g = graph(typing_too=True)
+    for deps in g.values():
+        deps.discard("packer")
+    found = circles(g)
+    for known in sorted(set(found) & KNOWN_TYPE_ONLY_CIRCLES, key=sorted):
+        warnings.warn(f"known type-only import circle, to be removed: {' <-> '.join(sorted(known))}", stacklevel=1)
+    unexpected = [" <-> ".join(sorted(c)) for c in found if c not in KNOWN_TYPE_ONLY_CIRCLES]
+    assert not unexpected, "import circles (type-only imports counted):\n" + "\n".join(unexpected)
+
+
+def test_the_circle_finder_sees_type_only_and_long_circles(tmp_path):
+    """The checker itself: a circle through a ``TYPE_CHECKING`` import counts; so does one of three modules."""
+    src = tmp_path / "m.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from packer.layout.index import Index\n")
+    assert imports_of(src, {"packer.layout.index"}, typing_too=True) == {"packer.layout.index"}
+    g = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}, "f": {"d"}}
+    assert sorted(map(sorted, circles(g))) == [["a", "b", "c"], ["e"]]
 
 
 def test_the_graph_sees_function_level_imports(tmp_path):

@@ -501,7 +501,7 @@ def test_a_block_over_several_files_is_widened_in_each(tmp_path):
     sampler = BlockShuffleSampler(ds, block_bytes=int(ds.index.nbytes.sum()) // 2, seed=0)
     batch = list(sampler)[:6]
     (ahead,) = aheads_of(batch)[:1]
-    hulls = ds._hulls([ahead])
+    hulls = ds.store._hulls([ahead])
     files = {path for path, _a, _b in hulls}
     assert len(files) == len(hulls) > 2  # one hull per block file of the block
     positions = np.arange(ahead.first, ahead.stop)
