@@ -60,6 +60,8 @@ class Decoding:
                     ) -> list[np.ndarray]:
         """``pixels`` of each (``outs``/``windows`` per sample); JPEGs with an out each decoded in one call."""
         pos = np.asarray(positions, dtype=np.int64)
+        if outs is None and windows is None:  # each its own array, a crop drawn now where there is one
+            return [self.pixels(p, b, kind) for p, b in zip(pos.tolist(), payloads, strict=True)]
         done = self._in_bulk(pos, payloads, outs, windows) if kind == "encoded" and outs is not None else None
         return [outs[k] if done is not None and done[k] == 1 else  # type: ignore[index]
                 self.pixels(p, payloads[k], kind, out=None if outs is None else outs[k],

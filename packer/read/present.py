@@ -63,7 +63,9 @@ class Presenter:
     def many(self, positions: np.ndarray, arrs: Sequence[np.ndarray | None],
              tensors: Sequence[torch.Tensor | None]) -> list:
         """``one`` of each; plain pairs all in their slots in one pass."""
-        if self.as_decoded and self.target_transform is None and self.pairs and all(t is not None for t in tensors):
+        if (tensors and tensors[0] is not None and self.image == "tensor" and self.transform is None
+                and self.target_transform is None and self.selection.names is None
+                and all(t is not None for t in tensors)):
             return [(t.permute(2, 0, 1), label)  # type: ignore[union-attr]
                     for t, label in zip(tensors, self.labels[positions].tolist(), strict=True)]
         return [self.one(p, a, t) for p, a, t in zip(positions.tolist(), arrs, tensors, strict=True)]
