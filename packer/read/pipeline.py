@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from packer.read.present import Presenter
     from packer.read.source import SampleSource
 
-BULK_CHUNK = 8  # samples of a chunk with slots run here: few enough to start decoding on early bytes
+BULK_CHUNK = 8  # samples of a chunk run here: few enough to start decoding on early bytes, enough to share its costs
 Output = Literal["samples", "pixels", "payloads"]  # what run hands out: present()ed samples, pixels, checked payloads
 
 
@@ -125,7 +125,7 @@ class BatchPipeline:
     def plan(self, reads: Reads, chunks: int | None = None, memory: SlotMemory | None = None,
              copies: Callable[[int], np.ndarray] | None = None, output: Output = "samples") -> BatchPlan:
         """Plan a batch: slots in ``memory``, crops' windows in batch order, ``chunks`` chunks (None: of ``BULK_CHUNK``
-        samples with slots, else one each) in the order the bytes arrive; payloads copied into ``copies``."""
+        samples) in the order the bytes arrive; payloads copied into ``copies``."""
         pos, pending, n = reads.positions, reads.pending, len(reads.positions)
         clock, t0 = self.clock, time.perf_counter() if self.clock is not None else 0.0
         plan = BatchPlan(pos, pending, [], [], output, copies=copies)
@@ -139,7 +139,7 @@ class BatchPipeline:
                     plan.places = [v.reshape(-1) for v in plan.views] if stacked is None else \
                         list(stacked.reshape(n, -1))
             plan.windows = self.decoding.windows(pos)
-        plan.chunks, plan.items = _chunks(pos, pending, chunks, 1 if plan.slots is None else BULK_CHUNK)
+        plan.chunks, plan.items = _chunks(pos, pending, chunks, BULK_CHUNK)
         if clock is not None:
             clock.add(time.perf_counter() - t0, 0.0, 0.0, 0)
         return plan
