@@ -92,7 +92,7 @@ class PackedDataset(FolderSurface):
     # ------------------------------------------------------------ samples and batches: all through the pipeline
 
     def __getitem__(self, i: int) -> Any:
-        return self.pipeline.load([i], read_ahead=False)[0]
+        return self.pipeline.one(i)
 
     def __getitems__(self, indices: Sequence[int]) -> list:
         """A DataLoader's batch: read ahead in file order, each chunk decoded as its bytes come in, into one shared

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from packer.images.decode import pixel_limit
-from packer.layout.index import normalize_indices
+from packer.layout.index import normalize_index, normalize_indices
 from packer.layout.manifest import IMAGELESS
 from packer.read.hints import Ahead, aheads_of
 from packer.read.indexing import IndexMap
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from packer.read.source import SampleSource
 
 BULK_CHUNK = 8  # samples of a chunk run here: few enough to start decoding on early bytes, enough to share its costs
+_READ_NOW = Pending.ready(1)  # the reads of one sample read now (``one``): nothing to wait for, shared
 Output = Literal["samples", "pixels", "payloads"]  # what run hands out: present()ed samples, pixels, checked payloads
 
 
@@ -184,6 +185,12 @@ class BatchPipeline:
         """A batch of public ``indices``, every chunk run in this thread, in the batch's order."""
         reads = self.start(self.positions(indices), aheads_of(indices), read_ahead)
         return self.collect(self.plan(reads, chunks, memory, output=output))
+
+    def one(self, index: int) -> Any:
+        """Sample ``index`` read now, without read-ahead (``ds[i]``): a plan of one, made here, run by ``run``."""
+        pos = np.array([self.index_map.stored(normalize_index(index, self.source.manifest.num_samples))])
+        plan = BatchPlan(pos, _READ_NOW, [[0]], [[0]], windows=self.decoding.windows(pos) if self.images else None)
+        return self.run(plan, 0)[0]
 
     def collect(self, plan: BatchPlan) -> list:
         """Every chunk of ``plan`` run here, the results put in the batch's order."""

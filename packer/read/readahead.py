@@ -45,6 +45,8 @@ class Pending:
     cancelled: bool = False  # nobody will wait for these bytes any more: the reader stops at its next piece
 
     def wait(self, k: int, timeout: float = 60.0) -> None:
+        if self._over:  # finished (never unset): no lock taken, so a finished job is shared safely across forks
+            return
         span, end = self.need[k]
         with self._cond:
             self._cond.wait_for(lambda: self._over or self._done > span or (self._done == span and self._offset >= end),
