@@ -27,20 +27,19 @@ import packer
 from packer.diagnose.bench_sources import make_order
 from packer.diagnose.measure import evict
 from packer.diagnose.throttle import throttled
-from packer.read.dataset import PackedDataset
+from packer.read.decoding import Decoding
 from packer.read.hints import hinted_order
 
 
 def _sleeping_decode(seconds: float):
-    """``PackedDataset.pixels_at`` that touches the payload's first bytes, sleeps, and returns a 1x1 image."""
+    """``Decoding.pixels`` that touches the payload's first bytes, sleeps, and returns a 1x1 image."""
 
-    def pixels_at(self, i, payload=None, strict=False, out=None, window=None):
-        buf = self.store.read(i) if payload is None else payload
-        bytes(memoryview(buf)[:16])
+    def pixels(self, pos, payload, kind, strict=False, out=None, window=None):
+        bytes(memoryview(payload)[:16])
         time.sleep(seconds)
         return np.zeros((1, 1, 3), np.uint8)
 
-    return pixels_at
+    return pixels
 
 
 def one_pass(path: str, loader: str, workers: int, batch_size: int, seed: int, thr) -> tuple[float, int, int]:
@@ -79,7 +78,7 @@ def main() -> None:
     p.add_argument("--read-iops", type=int, default=150)
     p.add_argument("--read-bps", type=int, default=150_000_000)
     a = p.parse_args()
-    PackedDataset.pixels_at = _sleeping_decode(a.workers / a.decode_rate)  # type: ignore[method-assign]
+    Decoding.pixels = _sleeping_decode(a.workers / a.decode_rate)  # type: ignore[method-assign]
     rates = []
     with throttled([a.dataset], read_iops=a.read_iops, read_bps=a.read_bps) as thr:
         for seed in range(a.repeats):

@@ -5,11 +5,11 @@
 For ``full`` (whole images) and ``train224`` (RandomResizedCropDecode(224), region decode), in stored order
 and in BlockShuffleSampler order, a fresh ``ThreadLoader(num_threads=2)`` per epoch (as examples/bench_peers.py
 makes them) after one warm-up epoch. Reported, median over the epochs, in CPU microseconds per image: the decode
-threads, the feeder thread (sampler, positions, batch memory, ``payloads_at`` with its residency checks and
-read-ahead planning), the read-ahead thread, the main thread and the whole process, then images/s. A first
-line gives bare libjpeg-turbo's CPU per image (one thread, the same bytes) and the feeder's work alone (the
-feeder's body without decoding). CPU time, not wall time: on a shared machine it is what the load bends least.
-Results and the command: docs/results.md.
+threads (which also take each chunk's payloads), the feeder thread (sampler, positions, reads started with their
+residency checks and read-ahead planning, the batch's plan: memory, crops, chunks), the read-ahead thread, the
+main thread and the whole process, then images/s. A first line gives bare libjpeg-turbo's CPU per image (one
+thread, the same bytes) and the feeder's work alone (the feeder's body without decoding). CPU time, not wall
+time: on a shared machine it is what the load bends least. Results and the command: docs/results.md.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from torch.utils.data import BatchSampler, SequentialSampler
 import packer
 from packer import sysinfo
 from packer.read import threaded
-from packer.read.blockpool import BlockPool
 from packer.read.hints import aheads_of
+from packer.read.slots import BlockPool, Pooled
 
 FEEDER_CPU: list[float] = []  # each feeder thread's CPU seconds, appended as it ends
 
@@ -84,14 +84,16 @@ def loader_epoch(ds, order: str) -> dict[str, float]:
 
 
 def feeder_alone(ds, order: str) -> float:
-    """CPU us per image of the feeder's body (indices, positions, batch memory, payloads) without decoding."""
-    pool = BlockPool(5)
+    """CPU us per image of the feeder's body (indices, positions, reads started, the batch planned) without
+    decoding."""
+    pool, payloads, pipeline = BlockPool(5), BlockPool(20), ds.pipeline
     sampler = sampler_of(ds, order) or SequentialSampler(ds)
     c0, n = time.thread_time(), 0
     for indices in BatchSampler(sampler, 64, False):
-        idx = ds.positions(list(indices))
-        ds.decode_block(idx.tolist(), pool.take)
-        n += len(ds.payloads_at(idx, aheads_of(indices)))
+        reads = pipeline.start(pipeline.positions(list(indices)), aheads_of(indices))
+        plan = pipeline.plan(reads, 2 * threaded.CHUNKS_PER_THREAD, Pooled(pool.take), copies=payloads.take_array)
+        plan.pending.wait_all(range(len(indices)))
+        n += len(plan.positions)
     return (time.thread_time() - c0) / n * 1e6
 
 

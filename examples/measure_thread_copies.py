@@ -1,6 +1,6 @@
 """What ThreadLoader's copies cost: a batch's payloads as views of the map (a DataLoader's reads) against copies
-(``payloads_at(into=, places=)``: under the SIGBUS guard where ``packer.formats._safecopy`` is built, else ``pread``),
-raw pixels placed in their batch slots either way, in one process, alternating, on warm data.
+(``SampleSource.payloads(into=, places=)``: under the SIGBUS guard where ``packer.formats._safecopy`` is built,
+else ``pread``), raw pixels placed in their batch slots either way, in one process, alternating, on warm data.
 
     python examples/measure_thread_copies.py DATASET.lmdb DATASET.memmap --batches 60 --rounds 5
 
@@ -19,24 +19,30 @@ import numpy as np
 import packer
 from packer.formats import safecopy
 from packer.images.decode import copy_into
-from packer.read.blockpool import BlockPool
 from packer.read.readahead import Pending
+from packer.read.slots import BlockPool, Pooled
 
 
 def _place(ds, payloads: list, slots: list) -> None:
-    """Raw pixels into their slots, as ``pixels_at`` does (nothing to copy where they were read there)."""
+    """Raw pixels into their slots, as decoding does (nothing to copy where they were read there)."""
     if ds.manifest.payload == "raw":
         for p, s in zip(payloads, slots, strict=True):
             copy_into(np.frombuffer(p, np.uint8).reshape(s.shape), s.numpy())
 
 
+def _slots(ds, idx: np.ndarray) -> list:
+    got = ds.pipeline.slots(idx, Pooled())
+    assert got is not None, "slots need image='tensor' and sizes in the index"
+    return got[1]
+
+
 def views(ds, idx: np.ndarray, pool: BlockPool) -> None:
-    _, slots = ds.decode_block(idx.tolist())
+    slots = _slots(ds, idx)
     _place(ds, ds.payloads_at(idx, pending=Pending.ready(len(idx))), slots)
 
 
 def copies(ds, idx: np.ndarray, pool: BlockPool) -> None:
-    _, slots = ds.decode_block(idx.tolist())
+    slots = _slots(ds, idx)
     flat = [s.view(-1).numpy() for s in slots]
     _place(ds, ds.payloads_at(idx, pending=Pending.ready(len(idx)), into=pool.take_array, places=flat), slots)
 

@@ -27,8 +27,7 @@ import packer
 import packer.images.decode as dec
 from packer import sysinfo
 from packer.images.headers import jpeg_size
-from packer.read.dataset import PackedDataset
-from packer.read.staged import StagedDataset
+from packer.read.decoding import Decoding
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -93,7 +92,7 @@ def epoch(ds) -> tuple[float, float]:
 
 def threads(path: Path, rounds: int, limit: float) -> None:
     ds = packer.open_dataset(path, image="tensor")
-    native, bulk = dec._native, PackedDataset.samples_in_slots
+    native, bulk = dec._native, Decoding._in_bulk
     epoch(ds)  # batch memory and page cache warm
     settings = (("extension, chunks in one call", native, bulk), ("extension, one call per image", native, None),
                 ("PyTurboJPEG", None, None))
@@ -101,12 +100,12 @@ def threads(path: Path, rounds: int, limit: float) -> None:
         for r in range(rounds):
             for name, ext, many in settings:
                 dec._native = ext
-                PackedDataset.samples_in_slots = many or StagedDataset.samples_in_slots  # type: ignore[method-assign]
+                Decoding._in_bulk = many or (lambda *args: None)  # type: ignore[method-assign]  # None: one by one
                 rate, cpu = epoch(ds)
                 print(f"round {r + 1}: ThreadLoader, {name}: {rate:,.0f} img/s ({rate / limit:.1%} of the limit), "
                       f"decode threads {cpu * 1e6:,.0f} us CPU per image")
     finally:
-        dec._native, PackedDataset.samples_in_slots = native, bulk  # type: ignore[method-assign]
+        dec._native, Decoding._in_bulk = native, bulk  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -29,10 +29,19 @@ if TYPE_CHECKING:  # what a type checker sees; at run time the names below load 
     from packer.formats import FORMATS as FORMATS
     from packer.images.crop import CenterCropDecode as CenterCropDecode
     from packer.images.crop import RandomResizedCropDecode as RandomResizedCropDecode
-    from packer.read.cache import CachedDataset as CachedDataset
     from packer.read.collate import collate as collate
     from packer.read.dataset import DATASET_CLASSES as DATASET_CLASSES
+    from packer.read.dataset import BMPDataset as BMPDataset
+    from packer.read.dataset import CachedDataset as CachedDataset
+    from packer.read.dataset import HDF5Dataset as HDF5Dataset
+    from packer.read.dataset import LMDBDataset as LMDBDataset
+    from packer.read.dataset import MemmapDataset as MemmapDataset
+    from packer.read.dataset import MosaicDataset as MosaicDataset
+    from packer.read.dataset import N5Dataset as N5Dataset
     from packer.read.dataset import PackedDataset as PackedDataset
+    from packer.read.dataset import PthDataset as PthDataset
+    from packer.read.dataset import RecordIODataset as RecordIODataset
+    from packer.read.dataset import SafetensorsDataset as SafetensorsDataset
     from packer.read.dataset import open_dataset as open_dataset
     from packer.read.loaders import BackgroundLoader as BackgroundLoader
     from packer.read.loaders import CUDAPrefetcher as CUDAPrefetcher
@@ -45,29 +54,21 @@ if TYPE_CHECKING:  # what a type checker sees; at run time the names below load 
     from packer.write.convert import export_wds as export_wds
     from packer.write.writer import Writer as Writer
 
-    # the built-in formats' dataset classes, made at run time from the registry (packer.read.dataset)
-    BMPDataset: type[PackedDataset]
-    HDF5Dataset: type[PackedDataset]
-    LMDBDataset: type[PackedDataset]
-    MemmapDataset: type[PackedDataset]
-    MosaicDataset: type[PackedDataset]
-    N5Dataset: type[PackedDataset]
-    PthDataset: type[PackedDataset]
-    RecordIODataset: type[PackedDataset]
-    SafetensorsDataset: type[PackedDataset]
-
 # public name -> the module that defines it
 _PUBLIC = {
     "convert": "packer.write.convert", "ConvertResult": "packer.write.convert", "Writer": "packer.write.writer",
     "export_wds": "packer.write.convert",
     "open_dataset": "packer.read.dataset", "PackedDataset": "packer.read.dataset",
-    "DATASET_CLASSES": "packer.read.dataset",
+    "DATASET_CLASSES": "packer.read.dataset", "CachedDataset": "packer.read.dataset",
+    # the built-in formats' dataset classes: PackedDataset opening one format only
+    **{name: "packer.read.dataset" for name in ("BMPDataset", "HDF5Dataset", "LMDBDataset", "MemmapDataset",
+                                                "MosaicDataset", "N5Dataset", "PthDataset", "RecordIODataset",
+                                                "SafetensorsDataset")},
     "PackerError": "packer.errors", "InputNotFoundError": "packer.errors", "OutputExistsError": "packer.errors",
     "OptionError": "packer.errors", "DatasetError": "packer.errors", "MissingPackageError": "packer.errors",
     "RunError": "packer.errors", "ResumableError": "packer.errors", "NotPackedError": "packer.errors",
     "IndexingWarning": "packer.errors",
     "FORMATS": "packer.formats",
-    "CachedDataset": "packer.read.cache",
     "instrument": "packer.diagnose.instrument", "profile": "packer.diagnose.profile",
     "BackgroundLoader": "packer.read.loaders", "CUDAPrefetcher": "packer.read.loaders",
     "ThreadLoader": "packer.read.threaded",
@@ -79,21 +80,12 @@ _PUBLIC = {
 _SUBMODULES = {"dali"}  # packer.dali: DALI pipelines (NVIDIA DALI only imported when one is built)
 
 
-def _dataset_class_names() -> list[str]:
-    """The per-format dataset classes (LMDBDataset, ...): one per registered format."""
-    from packer.formats import FORMATS
-
-    return [fmt.dataset_class for fmt in FORMATS.values()]
-
-
 def __getattr__(name: str) -> Any:
     if name == "__all__":
-        return ["__version__", *_PUBLIC, *_dataset_class_names()]
+        return ["__version__", *_PUBLIC]
     if name in _SUBMODULES:
         return importlib.import_module(f"packer.{name}")  # the import binds it as this package's attribute
     module = _PUBLIC.get(name)
-    if module is None and name.endswith("Dataset") and name in _dataset_class_names():
-        module = "packer.read.dataset"
     if module is None:
         raise AttributeError(f"module 'packer' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
@@ -102,4 +94,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC) | _SUBMODULES | set(_dataset_class_names()))
+    return sorted(set(globals()) | set(_PUBLIC) | _SUBMODULES)

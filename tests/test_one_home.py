@@ -78,8 +78,7 @@ def test_files_are_opened_checked_and_mapped_in_one_module():
 
 def test_image_magic_numbers_live_in_one_table():
     found = where(lambda n: _constant_starting(n, b"\xff\xd8", b"\x89PNG", b"GIF8"))
-    # read/batch.py is being rewritten with the read pipeline: it is to use images.magic.is_jpeg then
-    assert found - {"read/batch.py"} == {"images/magic.py"}
+    assert found == {"images/magic.py"}
 
 
 def test_the_compiled_extensions_are_imported_in_one_module():

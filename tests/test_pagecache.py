@@ -60,7 +60,7 @@ def test_read_ahead_is_skipped_for_cached_bytes_only(tmp_path, fmt):
     expected = [bytes(p) for p in ds.payloads_at(idx)]  # read once: cached
     reader = ds.store.readers[0]
     assert reader.cached(idx.tolist()).all()
-    assert not ds.start_reads(idx).spans  # warm: nothing read ahead
+    assert not ds.source.start(idx).spans  # warm: nothing read ahead
     pending = ds.read_ahead(idx.tolist())
     assert pending.spans  # asked for explicitly: planned all the same
     for k in range(len(idx)):  # let it finish: a read still under way after the eviction would cache pages again
@@ -70,7 +70,7 @@ def test_read_ahead_is_skipped_for_cached_bytes_only(tmp_path, fmt):
     _evict_or_skip(files)
     ds = open_dataset(ds.root)
     assert not ds.store.readers[0].cached(idx.tolist()).all()
-    assert ds.start_reads(idx).spans  # cold: read ahead
+    assert ds.source.start(idx).spans  # cold: read ahead
     assert [bytes(p) for p in ds.payloads_at(idx)] == expected
 
 
@@ -330,7 +330,7 @@ def test_read_ahead_leaves_out_the_samples_already_cached(tmp_path, fmt):
     _read_exactly(reader.file_spans([positions[1]])[0])  # the middle sample's bytes only
     assert reader.cached(positions).tolist() == [False, True, False]
     assert ShardReader.cached(reader, positions).tolist() == [False, True, False]
-    pending = ds.start_reads(np.array(positions))
+    pending = ds.source.start(np.array(positions))
     assert [need != (-1, 0) for need in pending.need] == [True, False, True]  # storage order, here the asked one
     _path, start, end = reader.file_spans([positions[1]])[0][-1]  # the middle sample's own bytes: not read again
     assert not any(a < end and start < b for _p, a, b in pending.spans)

@@ -62,9 +62,8 @@ def test_the_measure_counts_what_it_says(tmp_path):
 
 
 def test_the_dataset_class_stays_small():
-    """``PackedDataset`` is the ImageFolder surface plus decoding; reading, batches and read-ahead live beside it. This
-    guards against the one habit a line cap per module does not catch: a dataset class that becomes the god class
-    (the 1,345-line dataset seen elsewhere) while its module stays under the tripwire."""
+    """PackedDataset is the ImageFolder surface plus one batch pipeline over a source (issue 41): reading, decoding,
+    batches and read-ahead live in the source and the pipeline, not as hooks of the dataset."""
     tree = ast.parse((PACKAGE / "read" / "dataset.py").read_text(encoding="utf-8"))
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "PackedDataset")
-    assert (cls.end_lineno or 0) - cls.lineno + 1 <= MAX_DATASET_CLASS_LINES
+    assert (cls.end_lineno or 0) - cls.lineno + 1 <= 200

@@ -138,9 +138,8 @@ def circles(g: dict[str, set[str]]) -> list[frozenset[str]]:
     return found
 
 
-# Circles through type-only imports that other work removes (issue 41: the read side's rework drops
-# read/batch.py <-> read/dataset.py); reported below, not failed. The lead removes an entry when it merges that work.
-KNOWN_TYPE_ONLY_CIRCLES = {frozenset({"packer.read.batch", "packer.read.dataset"})}
+# Circles through type-only imports still to remove; reported below, not failed (none left).
+KNOWN_TYPE_ONLY_CIRCLES: set[frozenset[str]] = set()
 
 
 def test_no_import_circles_even_through_type_only_imports():

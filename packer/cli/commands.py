@@ -199,7 +199,7 @@ def cmd_profile(args) -> int:
                           crop=RandomResizedCropDecode(args.crop) if fused else None,
                           transform=RandomCrop(args.crop) if args.crop and not fused else None)
     if args.cache:
-        from packer.read.cache import CachedDataset
+        from packer.read.dataset import CachedDataset
 
         ds = CachedDataset(ds, args.cache, progress=bar_unless_quiet(args))
     res = sweep(ds, workers=workers, batch_sizes=batch_sizes, pin_memory=pins, step_ms=args.step_ms,

@@ -28,9 +28,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from packer.diagnose.gpu import GpuSampler, GpuUsage
-from packer.diagnose.instrument import InstrumentedDataset, StageTotals
+from packer.diagnose.instrument import InstrumentedDataset, StageTable, StageTotals, clock_of
 from packer.images.magic import sniff
 from packer.progress import bar as progress_bar
 from packer.read.dataset import PackedDataset
@@ -170,7 +171,7 @@ def verdict(stats: LoopStats, stages: StageTotals | None = None, workers: int | 
             cores: int | None = None, dataset: Any = None, threaded: bool = False,
             gpu: Sequence[GpuUsage] = ()) -> Verdict:
     """Judge a profiled pass (steady state): is the step fed, and if not, which stage limits it (``dataset``: its
-    own ways to decode less are named; ``threaded``: a ThreadLoader fed it, whose stages go untimed; ``gpu``: the
+    own ways to decode less are named; ``threaded``: a ThreadLoader fed it (no collate_fn to time); ``gpu``: the
     GPUs' utilisation meanwhile, as nvidia-smi sampled it)."""
     f = stats.figures(steady=True)
     if f["iterations"] == 0:
@@ -193,9 +194,8 @@ def verdict(stats: LoopStats, stages: StageTotals | None = None, workers: int | 
                      f"{f['samples_per_s']:,.0f} samples/s.")
         limit = max(per_sample, key=lambda k: per_sample[k]) if per_sample else None
         if limit is None:
-            lines.append(("a ThreadLoader's stages are not timed: profile the dataset through a DataLoader over "
-                          "packer.instrument(dataset)" if threaded else "wrap the dataset with packer.instrument("
-                          "dataset)") + " (and collate_fn=ds.collate()) to see which stage (read, decode, transform, "
+            lines.append("wrap the dataset with packer.instrument(dataset)" + ("" if threaded else
+                         " (and collate_fn=ds.collate())") + " to see which stage (read, decode, transform, "
                          "collate) is the limit.")
         else:
             parts = ", ".join(f"{k} {v:.2f}" for k, v in per_sample.items())
@@ -242,7 +242,7 @@ class LoopProfiler:
 
     def __init__(self, loader: Iterable, *, warmup: int = 1, device: torch.device | str | None = None,
                  sync: bool | None = None, progress: bool | None = None, desc: str = "profile",
-                 instrumented: InstrumentedDataset | None = None, gpu: bool | None = None) -> None:
+                 instrumented: Any = None, gpu: bool | None = None) -> None:
         self.loader = loader
         self.gpu = gpu
         self.gpu_usage: list[GpuUsage] = []  # nvidia-smi's, over the steady batches of the last pass
@@ -252,7 +252,9 @@ class LoopProfiler:
         self.progress = progress
         self.desc = desc
         self.stats = LoopStats(warmup=warmup)
-        self.instrumented: InstrumentedDataset | None = instrumented or _find(loader, "dataset", InstrumentedDataset)
+        # the dataset packer.instrument timed (given, or the loader's): where the stage totals come from
+        self.instrumented: Any = instrumented if instrumented is not None else _find(loader, "dataset", Dataset)
+        self.clock: StageTable | None = clock_of(self.instrumented)
         workers = _find(loader, "num_workers", int)
         self.num_workers: int | None = workers if workers is not None else None
 
@@ -273,8 +275,8 @@ class LoopProfiler:
 
     def __iter__(self) -> Iterator:
         st = self.stats = LoopStats(warmup=self.stats.warmup)
-        if self.instrumented is not None:
-            self.instrumented.reset()
+        if self.clock is not None:
+            self.clock.reset()
         self.gpu_usage, self.gpu_error = [], None
         sampler = self._gpu_sampler()
         total = len(self.loader) if isinstance(self.loader, Sized) else None
@@ -323,10 +325,11 @@ class LoopProfiler:
                                       "batch(es)): profile more batches")
 
     def stage_totals(self) -> StageTotals | None:
-        return self.instrumented.stage_totals() if self.instrumented is not None else None
+        return self.clock.totals() if self.clock is not None else None
 
     def verdict(self, cores: int | None = None) -> Verdict:
-        dataset = self.instrumented.dataset if self.instrumented is not None else None  # stages come from it alone
+        timed = self.instrumented if self.clock is not None else None  # stages come from it alone
+        dataset = timed.dataset if isinstance(timed, InstrumentedDataset) else timed
         return verdict(self.stats, self.stage_totals(), workers=self.num_workers, cores=cores, dataset=dataset,
                        threaded=_find(self, "loader", ThreadLoader) is not None, gpu=self.gpu_usage)
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from torch.utils.data._utils.collate import default_collate
 
 from packer.diagnose.gpu import GpuSampler
-from packer.diagnose.instrument import InstrumentedDataset
+from packer.diagnose.instrument import StageTable, timed
 from packer.diagnose.profile import ADVICE, FED, LoopProfiler
 from packer.diagnose.system import usable_cores
 from packer.errors import PackerError
@@ -108,7 +108,7 @@ class SweepResult:
         return "\n".join([self.table(), "", *self.lines, *(f"note: {n}" for n in self.notes)])
 
 
-def measure_point(ds: InstrumentedDataset, workers: int, batch_size: int, pin_memory: bool, step_s: float,
+def measure_point(ds: Any, clock: StageTable, workers: int, batch_size: int, pin_memory: bool, step_s: float,
                   batches: int, warmup: int, device: torch.device | None = None, start_method: str | None = None,
                   seed: int = 0, progress: bool | None = False, collate: Callable | None = None) -> SweepPoint:
     """One setting: a DataLoader over ``ds`` while the loop sleeps ``step_s`` per batch; ``warmup`` batches left out."""
@@ -119,14 +119,14 @@ def measure_point(ds: InstrumentedDataset, workers: int, batch_size: int, pin_me
     if workers > 0 and start_method:
         kwargs["multiprocessing_context"] = start_method
     loader = DataLoader(ds, batch_size=batch_size, sampler=sampler, num_workers=workers, pin_memory=pin_memory,
-                        collate_fn=ds.collate(collate or default_collate), drop_last=True, **kwargs)
+                        collate_fn=clock.collate(collate or default_collate), drop_last=True, **kwargs)
     prof = LoopProfiler(loader, warmup=warmup, device=device, progress=progress, gpu=False,
                         desc=f"workers={workers} batch={batch_size} pin={'on' if pin_memory else 'off'}")
-    ds.reset()
+    clock.reset()
     for _ in prof:
         time.sleep(step_s)
     f = prof.stats.figures(steady=True)
-    per_sample = ds.stage_totals().per_sample_ms()
+    per_sample = clock.totals().per_sample_ms()
     if f["h2d_s"]:
         per_sample["h2d"] = 1000 * f["h2d_s"] / max(f["samples"], 1)
     return SweepPoint(
@@ -171,7 +171,7 @@ def sweep(
     if True in pins and not torch.cuda.is_available():
         pins = [p for p in pins if not p] or [False]
         notes.append("no CUDA here: pin_memory has no effect without a GPU, so only pin_memory=False was run")
-    ds = dataset if isinstance(dataset, InstrumentedDataset) else InstrumentedDataset(dataset)
+    ds, clock = timed(dataset)
     cores = usable_cores()
     if max(workers) > cores:
         notes.append(f"with more workers than the {cores} cores, per-sample times include waiting for a core")
@@ -179,7 +179,7 @@ def sweep(
     if sampler is not None:
         sampler.start()
     try:
-        points = [measure_point(ds, w, b, pin, step_ms / 1000 * b / batch_sizes[0], batches,
+        points = [measure_point(ds, clock, w, b, pin, step_ms / 1000 * b / batch_sizes[0], batches,
                                 (2 * w + 2) if warmup is None else warmup, dev, start_method, seed, progress, collate)
                   for b, pin, w in itertools.product(batch_sizes, pins, sorted(set(workers)))]
     finally:

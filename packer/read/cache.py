@@ -1,13 +1,12 @@
 """A RAM cache of a packed dataset that every DataLoader worker shares: one copy, not one per worker.
 
-``open_dataset(path, cache="ram")`` keeps the stored payloads (encoded bytes: no more IO, still
-decoded per sample); ``cache="ram-decoded"`` keeps decoded pixels (no IO, no decoding; about
-10x the bytes). The cache is one file in /dev/shm (tmpfs, i.e. RAM), filled once by the process
-that creates it and memory-mapped read-only by every process that reads it: fork workers
-inherit the mapping, spawn workers map the file by name, other ranks on the node can
-``CachedDataset.attach`` it. The page-cache pages are shared, so N workers cost one copy
-(caches kept in Python objects are copied into each worker as they are touched, which is
-how per-worker caches blow up memory).
+``RamCache`` is a ``SampleSource`` (``open_dataset(path, cache=...)`` makes a ``CachedDataset`` read from it):
+``"ram"`` keeps the stored payloads (encoded bytes: no more IO, still decoded per sample); ``"ram-decoded"`` keeps
+decoded pixels (no IO, no decoding; several times the bytes). The cache is one file in /dev/shm (tmpfs, i.e.
+RAM), filled once by the process that creates it and memory-mapped read-only by every process that reads it: fork
+workers inherit the mapping, spawn workers map the file by name, other ranks on the node can
+``CachedDataset.attach`` it. The page-cache pages are shared, so N workers cost one copy (caches kept in Python
+objects are copied into each worker as they are touched, which is how per-worker caches blow up memory).
 
 File layout: a 64-byte header (magic, mode, sample count, data offset, ready flag), ``int64``
 offsets ``[N+1]``, ``int64`` shapes ``[N, 3]``, then the samples back to back from a page boundary.
@@ -28,7 +27,6 @@ process that attaches a segment registers it with its resource tracker, which un
 
 from __future__ import annotations
 
-import copy
 import os
 import secrets
 import struct
@@ -36,28 +34,21 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from packer import sysinfo
 from packer.errors import DatasetError, OptionError, PackerError
-from packer.images.decode import copy_into
-from packer.layout.fields import FieldStore
-from packer.layout.index import Index
-from packer.layout.manifest import Manifest
+from packer.layout.manifest import IMAGELESS
 from packer.progress import bar as progress_bar
-from packer.read.indexing import IndexMap
-from packer.read.staged import StagedDataset
-from packer.read.surface import FolderSurface
+from packer.read.decoding import Decoding
+from packer.read.hints import Ahead
+from packer.read.readahead import Pending
+from packer.read.source import SampleSource
 from packer.units import human_bytes
-
-if TYPE_CHECKING:
-    from packer.images.crop import CropDecode, Window
 
 CACHE_MODES = ("ram", "ram-decoded")
 PREFIX = "packer-cache-"
@@ -164,72 +155,61 @@ def _release(path: str, owner_pid: int, janitor: subprocess.Popen | None) -> Non
 
 # ----------------------------------------------------------------------------- filling
 
-def _sizes(ds: Any, decoded: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Bytes and (h, w, c) shape of each sample as it will be cached, from the dataset's index."""
-    if not isinstance(ds, StagedDataset):
-        raise OptionError(f"the RAM cache works on packer datasets (open_dataset), not {type(ds).__name__}")
-    if decoded and not ds.has_images:
+def _sizes(source: SampleSource, decoded: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes and (h, w, c) shape of each sample as it will be cached, from the source's index."""
+    if decoded and source.manifest.payload == IMAGELESS:
         raise OptionError("this dataset's samples have no image to decode: use cache='ram'")
-    index = ds.index
+    index = source.index
     h, w = index.heights.astype(np.int64), index.widths.astype(np.int64)
     shapes = np.stack([h, w, np.full_like(h, 3)], axis=1)
-    if decoded or ds.manifest.payload == "raw":
+    if decoded or source.payload == "raw":
         return h * w * 3, shapes
     return index.nbytes.astype(np.int64), shapes
 
 
-def _fill_range(ds: Any, path: str, base: int, offsets: np.ndarray, start: int, decoded: bool,
-                chunk: int = 256) -> None:
-    """Write the samples stored at ``start, start+1, ...`` at ``base + offsets[k]`` of the cache file (in the pool
-    too)."""
+def _fill_range(source: SampleSource, decoding: Decoding | None, path: str, base: int, offsets: np.ndarray,
+                start: int, chunk: int = 256) -> None:
+    """Write the samples stored at ``start, start+1, ...`` at ``base + offsets[k]`` of the cache file, decoded where
+    ``decoding`` is given (in the pool too)."""
     mm = np.memmap(path, dtype=np.uint8, mode="r+")
     try:
         count = len(offsets) - 1
         for a in range(0, count, chunk):
-            idx = list(range(start + a, start + min(count, a + chunk)))
-            for k, (i, payload) in enumerate(zip(idx, ds.payloads_at(idx), strict=True), start=a):
-                item = ds.pixels_at(i, payload) if decoded else payload
+            idx = np.arange(start + a, start + min(count, a + chunk))
+            for k, (i, payload) in enumerate(zip(idx.tolist(), source.payloads(idx, source.start(idx)), strict=True),
+                                             start=a):
+                item = payload if decoding is None else decoding.pixels(i, payload, source.payload)
                 if isinstance(item, np.ndarray):
                     buf = np.ascontiguousarray(item).reshape(-1)
                 else:
                     buf = np.frombuffer(item, dtype=np.uint8)
                 lo, hi = base + int(offsets[k]), base + int(offsets[k + 1])
                 if buf.size != hi - lo:
-                    raise DatasetError(f"{ds.root}: sample {i} has {buf.size} bytes, the index says {hi - lo} "
-                                       "(decode-time resizing can't be cached decoded; use cache='ram')")
+                    raise DatasetError(f"{decoding.root if decoding else path}: sample {i} has {buf.size} bytes, the "
+                                       f"index says {hi - lo} (decode-time resizing can't be cached decoded; use "
+                                       "cache='ram')")
                 mm[lo:hi] = buf
         mm.flush()
     finally:
         del mm
 
 
-# ----------------------------------------------------------------------------- the dataset
+# ----------------------------------------------------------------------------- the source
 
-class CachedDataset(FolderSurface):
-    """``dataset`` served from one shared-memory copy (see the module docstring), in storage order; its
-    indices, ``samples`` and ImageFolder surface are the wrapped dataset's. ``open_dataset(p, cache=...)``
-    makes one.
+class RamCache(SampleSource):
+    """The samples of ``source`` from one shared-memory copy (see the module docstring), filled now in storage order;
+    its metadata is ``source``'s. ``decoding``: how ``"ram-decoded"`` decodes them (the dataset's decoder and
+    ``decode_size``); ``workers``, ``progress``, ``shm_dir``: as ``CachedDataset``'s."""
 
-    Args:
-        dataset: a packer dataset (``open_dataset``): its transforms, image kind and decoder stay in use.
-        mode: ``"ram"`` caches the stored payloads (no more IO, still decoded per sample), ``"ram-decoded"``
-            the decoded pixels (no decoding either, several times larger).
-        workers: processes that decode while filling a ``"ram-decoded"`` cache (default: all cores).
-        progress: a progress bar while filling: None (default) when stderr is a terminal, True, False.
-        shm_dir: the shared-memory folder (a tmpfs; default ``/dev/shm``): it must hold the whole copy.
-    """
-
-    def __init__(self, dataset: Any, mode: str = "ram", *, workers: int | None = None, progress: bool | None = None,
-                 shm_dir: str | os.PathLike = sysinfo.SHM_DIR) -> None:
+    def __init__(self, source: SampleSource, mode: str, decoding: Decoding, *, workers: int | None = None,
+                 progress: bool | None = None, shm_dir: str | os.PathLike = sysinfo.SHM_DIR) -> None:
         if mode not in CACHE_MODES:
             raise OptionError(f"unknown cache {mode!r} (choose {' or '.join(CACHE_MODES)})")
-        self.dataset = dataset
-        self.mode = mode
-        self.decoded = mode == "ram-decoded"
+        self._meta(source, mode)
         shm = Path(shm_dir)
         if not shm.is_dir():
             raise PackerError(f"RAM cache: {shm} does not exist (it needs a tmpfs such as /dev/shm)")
-        sizes, shapes = _sizes(dataset, self.decoded)
+        sizes, shapes = _sizes(source, self.decoded)
         n = len(sizes)
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(sizes, out=offsets[1:])
@@ -253,7 +233,7 @@ class CachedDataset(FolderSurface):
             except OSError as exc:
                 raise PackerError(f"RAM cache: cannot reserve {human_bytes(total)} in {shm} ({exc.strerror})") from exc
             self._finalizer = weakref.finalize(self, _release, str(self.path), self.owner_pid, janitor)
-            self._fill(fd, offsets, shapes, workers, progress)
+            self._fill(fd, source, decoding if self.decoded else None, offsets, shapes, workers, progress)
         except BaseException:
             os.close(fd)
             _release(str(self.path), self.owner_pid, janitor)
@@ -261,11 +241,16 @@ class CachedDataset(FolderSurface):
         os.close(fd)
         self._mm: np.memmap | None = None
 
+    def _meta(self, source: SampleSource, mode: str) -> None:
+        self.manifest, self.index, self.fields = source.manifest, source.index, source.fields
+        self.mode, self.decoded = mode, mode == "ram-decoded"
+        self.payload = "raw" if self.decoded else source.payload
+
     @classmethod
-    def attach(cls, dataset: Any, path: str | os.PathLike, timeout: float = 600.0) -> CachedDataset:
+    def attach(cls, source: SampleSource, path: str | os.PathLike, timeout: float = 600.0) -> RamCache:
         """Map a cache another process (e.g. local rank 0) created for the same dataset; waits until it is filled."""
         self = cls.__new__(cls)
-        self.dataset, self.path, self.owner_pid = dataset, Path(path), -1
+        self.path, self.owner_pid = Path(path), -1
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -280,17 +265,17 @@ class CachedDataset(FolderSurface):
             time.sleep(0.2)
         if not ready:
             raise PackerError(f"{path}: the RAM cache was not filled within {timeout:.0f} s")
-        if n != len(dataset):
-            raise PackerError(f"{path}: caches {n} samples but the dataset has {len(dataset)}")
-        self.mode, self.decoded = CACHE_MODES[mode], bool(mode)
+        if n != source.manifest.num_samples:
+            raise PackerError(f"{path}: caches {n} samples but the dataset has {source.manifest.num_samples}")
+        self._meta(source, CACHE_MODES[mode])
         self.num_samples, self.data_at = n, data_at
         self.total_bytes = os.path.getsize(self.path)
         self._finalizer = None
         self._mm = None
         return self
 
-    def _fill(self, fd: int, offsets: np.ndarray, shapes: np.ndarray, workers: int | None,
-              progress: bool | None) -> None:
+    def _fill(self, fd: int, source: SampleSource, decoding: Decoding | None, offsets: np.ndarray,
+              shapes: np.ndarray, workers: int | None, progress: bool | None) -> None:
         n, data_at = self.num_samples, self.data_at
         head = np.memmap(self.path, dtype=np.uint8, mode="r+", shape=(data_at,))
         head[_HEADER_BYTES:_HEADER_BYTES + 8 * (n + 1)] = offsets.view(np.uint8)
@@ -299,14 +284,11 @@ class CachedDataset(FolderSurface):
         head[:_HEADER.size] = np.frombuffer(_HEADER.pack(_MAGIC, int(self.decoded), n, data_at, 0), dtype=np.uint8)
         head.flush()
         del head
-        # Plain copy of the wrapped dataset without transforms: what fill processes need, picklable.
-        src = copy.copy(self.dataset)
-        src.transform = src.target_transform = None
         procs = workers if workers is not None else (os.cpu_count() or 1)
         step = min(1024, max(16, -(-n // (4 * procs))))
         ranges = [(a, min(n, a + step)) for a in range(0, n, step)]
         bar = progress_bar(total=n, desc=f"caching in RAM ({human_bytes(self.total_bytes)})", progress=progress)
-        jobs = [(src, str(self.path), data_at + int(offsets[a]), offsets[a:b + 1] - offsets[a], a, self.decoded)
+        jobs = [(source, decoding, str(self.path), data_at + int(offsets[a]), offsets[a:b + 1] - offsets[a], a)
                 for a, b in ranges]
         if self.decoded and procs > 1 and len(ranges) > 1:  # decoding is CPU work: spread it
             with ProcessPoolExecutor(min(procs, len(ranges))) as pool:
@@ -331,88 +313,21 @@ class CachedDataset(FolderSurface):
             self._shapes = self._mm[shapes_at:shapes_at + 24 * n].view(np.int64).reshape(n, 3)
         return self._mm
 
-    def __len__(self) -> int:
-        return self.num_samples
+    def start(self, positions: np.ndarray, ahead: Sequence[Ahead] = (), skip_cached: bool = True) -> Pending:
+        """In memory already: nothing to read ahead."""
+        return Pending.ready(len(positions))
 
-    # The wrapped dataset's state, delegated one name at a time (never blanket forwarding); the
-    # ImageFolder surface built on it (targets, samples, ...) is FolderSurface's, as the wrapped dataset's.
-    @property
-    def classes(self) -> list[str]:  # pyright: ignore[reportIncompatibleVariableOverride]
-        return self.dataset.classes
-
-    @property
-    def class_to_idx(self) -> dict[str, int]:  # pyright: ignore[reportIncompatibleVariableOverride]
-        return self.dataset.class_to_idx
-
-    @property
-    def source_root(self) -> str | None:  # pyright: ignore[reportIncompatibleVariableOverride]
-        return self.dataset.source_root
-
-    @property
-    def index(self) -> Index:  # pyright: ignore[reportIncompatibleVariableOverride]
-        return self.dataset.index
-
-    @property
-    def manifest(self) -> Manifest:  # pyright: ignore[reportIncompatibleVariableOverride]
-        return self.dataset.manifest
-
-    @property
-    def field_store(self) -> FieldStore:  # pyright: ignore[reportIncompatibleVariableOverride]
-        return self.dataset.field_store
-
-    @property
-    def index_map(self) -> IndexMap:  # pyright: ignore[reportIncompatibleVariableOverride]
-        return self.dataset.index_map
-
-    root = property(lambda self: self.dataset.root)
-    image = property(lambda self: self.dataset.image)
-
-    @property
-    def transform(self):
-        return self.dataset.transform
-
-    @transform.setter
-    def transform(self, fn) -> None:
-        self.dataset.transform = fn
-
-    @property
-    def target_transform(self):
-        return self.dataset.target_transform
-
-    @target_transform.setter
-    def target_transform(self, fn) -> None:
-        self.dataset.target_transform = fn
-
-    def block_boundaries(self) -> np.ndarray | None:
-        return self.dataset.block_boundaries()
-
-    def payload_at(self, i: int) -> Any:
-        """The sample stored at ``i``, from the cache: stored bytes (``ram``) or a read-only HWC array
-        (``ram-decoded``)."""
+    def payloads(self, positions: Sequence[int] | np.ndarray, pending: Pending | None = None,
+                 into: Callable[[int], np.ndarray] | None = None,
+                 places: Sequence[np.ndarray | None] | None = None) -> list:
+        """From the cache: stored bytes (``ram``, copies) or read-only HWC arrays of the shared file (``ram-decoded``,
+        which nothing truncates while it is mapped)."""
         mm = self._map()
-        a, b = self.data_at + int(self._offsets[i]), self.data_at + int(self._offsets[i + 1])
-        if self.decoded:
-            return mm[a:b].reshape(tuple(int(v) for v in self._shapes[i]))
-        return mm[a:b].tobytes()
-
-    def pixels_at(self, i: int, payload: Any = None, strict: bool = False, out: np.ndarray | None = None,
-                  window: Window | None = None) -> np.ndarray:
-        if payload is None:
-            payload = self.payload_at(i)
-        return copy_into(payload, out) if self.decoded else self.dataset.pixels_at(i, payload, strict, out, window)
-
-    def crop_windows(self, idx: Sequence[int]) -> list[Window] | None:
-        return None if self.decoded else self.dataset.crop_windows(idx)
-
-    def crop_stream(self) -> CropDecode | None:
-        return None if self.decoded else self.dataset.crop_stream()
-
-    def present_at(self, i: int, arr: np.ndarray, tensor: torch.Tensor | None = None) -> Any:
-        return self.dataset.present_at(i, arr, tensor)
-
-    def batch_slots(self, idx: Sequence[int]) -> list[torch.Tensor] | None:
-        """The wrapped dataset's shared batch block (it depends only on the samples' sizes); no disk read-ahead."""
-        return self.dataset.batch_slots(idx)
+        out = []
+        for i in np.asarray(positions, dtype=np.int64).tolist():
+            a, b = self.data_at + int(self._offsets[i]), self.data_at + int(self._offsets[i + 1])
+            out.append(mm[a:b].reshape(tuple(int(v) for v in self._shapes[i])) if self.decoded else mm[a:b].tobytes())
+        return out
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -421,7 +336,7 @@ class CachedDataset(FolderSurface):
         return state
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)  # pyright: ignore[reportAttributeAccessIssue]
+        vars(self).update(state)
         self._mm, self._finalizer = None, None
 
     def close(self) -> None:
@@ -429,7 +344,3 @@ class CachedDataset(FolderSurface):
         self._mm = None
         if self._finalizer is not None:
             self._finalizer()
-
-    def __repr__(self) -> str:
-        return (f"CachedDataset({self.dataset!r}, mode={self.mode!r}, {human_bytes(self.total_bytes)} "
-                f"in {self.path})")

@@ -5,7 +5,7 @@ different sizes (``image="tensor"`` or ``"numpy"`` without a resizing transform)
 "stack expects each tensor to be equal size", and PIL images fail outright. ``collate`` stacks
 what has one shape, exactly as ``default_collate`` does (into shared memory inside a worker),
 and hands out a list where shapes differ or the items are PIL images. Inside a worker, the
-list's tensors are put in one shared block (as ``packer.read.batch.batch_slots`` decodes them),
+list's tensors are put in one shared block (as a worker decodes them into, packer.read.slots),
 so a batch crosses to the main process as one block rather than one per image.
 
 Which modes stack: tensors and arrays of one shape (fixed-size datasets, or a transform that
@@ -43,7 +43,7 @@ def _one_block(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors as views of one shared-memory block (one block per batch, not one per image)."""
     first = tensors[0].untyped_storage().data_ptr()
     if all(t.untyped_storage().data_ptr() == first for t in tensors) and tensors[0].is_shared():
-        return list(tensors)  # already one shared block (batch_slots decoded them there)
+        return list(tensors)  # already one shared block (decoded there: packer.read.slots)
     dtype = tensors[0].dtype
     if any(t.dtype != dtype for t in tensors):
         return list(tensors)

@@ -2,9 +2,10 @@
 
 ``pipeline(ds, batch_size)`` builds a DALI pipeline whose external source (``PackerSource``) hands DALI
 each batch's stored payloads in packer's block order (``BlockShuffleSampler``: a new order per epoch,
-rank sharding) read with packer's read-ahead (``read_payloads``); DALI decodes encoded payloads
-(``fn.decoders.image``: "cpu", or "mixed" = nvJPEG on a GPU) and augments. Raw payloads go to the
-augmentations as HWC arrays, skipping the decoder. ``loader(...)`` wraps it in DALI's PyTorch iterator.
+rank sharding) read through the dataset's batch pipeline (read-ahead, headers checked: ``output="payloads"``);
+DALI decodes encoded payloads (``fn.decoders.image``: "cpu", or "mixed" = nvJPEG on a GPU) and augments. Raw
+payloads go to the augmentations as HWC arrays, skipping the decoder. ``loader(...)`` wraps it in DALI's PyTorch
+iterator.
 
 NVIDIA DALI is an optional dependency (``pip install -e '.[dali]'`` in packer's checkout), imported only here and
 only when a pipeline is built. See docs/dali.md.
@@ -76,7 +77,7 @@ class PackerSource:
         self.batch_size = batch_size
         self.first_epoch = first_epoch
         self.last_batch = last_batch
-        self.raw = ds.manifest.payload == "raw"
+        self.raw = ds.source.payload != "encoded"  # pixels: stored raw, or a "ram-decoded" cache
         self.sampler = BlockShuffleSampler(ds, batch_size=batch_size, shuffle=shuffle, seed=seed,
                                            num_replicas=num_replicas, rank=rank, open_blocks=open_blocks, run=run)
         self._order: tuple[int, np.ndarray] | None = None  # (epoch, order): the last epoch asked, per process
@@ -106,21 +107,18 @@ class PackerSource:
         idx = self.batch_indices(self.first_epoch + int(info.epoch_idx), int(info.iteration))
         if idx is None:
             raise StopIteration
-        payloads = self.ds.read_payloads(idx)
+        arrays = self.ds.pipeline.load(idx, output="payloads", chunks=1)
         pos = self.ds.positions(idx)  # where the samples (ImageFolder indices) are stored: the index's arrays
-        return [self.array(int(p), b) for p, b in zip(pos, payloads)], self.ds.index.labels[pos].astype(np.int64), idx
+        return arrays, self.ds.index.labels[pos].astype(np.int64), idx
 
     def array(self, pos: int, payload: Any) -> np.ndarray:
         """The payload stored at ``pos`` as DALI takes it: the HWC pixels (raw), else the encoded bytes, whose
         header is checked against the index first (no decoder allocates for a damaged header)."""
-        if self.raw:
-            return self.ds.pixels_at(pos, payload)
-        self.ds.check_header(pos, payload)
-        return np.frombuffer(payload, dtype=np.uint8)
+        return self.ds.pipeline.decoding.external(pos, payload, self.ds.source.payload)
 
 
 def as_dataset(ds_or_path: PackedDataset | str | os.PathLike) -> PackedDataset:
-    """An open packer dataset from a dataset or its path (a RAM cache has no read-ahead to feed DALI)."""
+    """An open packer dataset (a RAM-cached one too) from a dataset or its path."""
     ds = ds_or_path if isinstance(ds_or_path, PackedDataset) else open_dataset(ds_or_path)
     if not isinstance(ds, PackedDataset):
         raise OptionError(f"packer.dali reads a PackedDataset or its path, not {type(ds).__name__}")

@@ -8,9 +8,8 @@ requests inside the block (packer.read.readahead), since the rest of the block i
 iteration anyway; a uniform shuffle yields plain ints, and its batches read their own bytes only.
 Nothing is switched on in the dataset: no state outlives the iteration that made the hints.
 
-Blocks are not read whole in the background: under the emulated hard disk such reads, queued
-between a batch's own, delayed the bytes decoded next (DataLoader, 2 workers, block order: 853 img/s
-with them, 1,192 without, decoding replaced by a sleep at the decode limit; docs/results.md).
+Blocks are not read whole in the background: such reads, queued between a batch's own, delayed the
+bytes decoded next (docs/results.md, "Reads in the order decoding needs them").
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 torch runs an op such as the fused crop's resize on an OpenMP team whose size is a per-thread setting,
 taken from ``torch.set_num_threads`` (default: all cores) the first time a thread uses it. Two decode
 threads on 2 cores then start a team each per resize, whose threads wait at the op's barrier while the
-other decoder holds the core: train224 through a ThreadLoader, 2 threads, 2-12 % fewer images/s (median 3 %,
-docs/results.md). DataLoader workers avoid it by calling ``torch.set_num_threads(1)``, which
+other decoder holds the core, costing a ThreadLoader with a fused crop images/s (measured in docs/results.md,
+"torch's ops on the decode thread alone"). DataLoader workers avoid it by calling ``torch.set_num_threads(1)``, which
 would change the setting of the whole process here; ``serial_ops`` changes only the calling thread's.
 """
 

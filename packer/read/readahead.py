@@ -1,35 +1,13 @@
 """Read-ahead of a batch's bytes by a background thread, so IO overlaps decoding and requests stay large.
 
-A batch is read in file order by one thread per process (each DataLoader worker has its own):
-each span of neighbouring samples is read with sequential ``pread`` calls into a scratch buffer, or
-inside a block asked of the kernel one device request at a time, which puts it into the page cache;
-the caller waits for each sample's bytes only (``Pending.wait``) and decodes it while the thread reads
-the next ones. Batches queued together
-are read in the order queued (``packer.ThreadLoader`` queues several ahead of the one it decodes).
-
-Two ways to read a span, measured under the emulated hard disk (``packer bench --emulate hdd``,
-150 IOPS, 150 MB/s; docs/bench.md, docs/results.md):
-
-- a span inside a block the order reads whole (a block sampler's hint, ``within``) is widened to
-  the device's request grid (``request_bytes``; clipped to the block, except where the data fits in
-  memory: then a block's edge request is read whole, its neighbour's part cached for that block's turn,
-  one request for the two, not two short ones: 162 -> 152 requests per 147 MB of memmap, 174 -> 164 for
-  lmdb) and read exactly as asked
-  (``POSIX_FADV_RANDOM``), one request per piece (``_piece``: asked with ``POSIX_FADV_WILLNEED``, not
-  copied). With the kernel's read-ahead instead, each
-  span started megabytes of reads the next batches did not need, queued ahead of their bytes, and
-  1 MB reads became a 1,016 KB and an 8 KB request (ThreadLoader, block order, decoding replaced
-  by a sleep at the decode limit: ~1,050 img/s, 134-270 requests per 147 MB; exact, on the grid:
-  ~1,300 img/s, 145-158 requests);
-- any other span (uniform shuffle, stored order) is read in ``PIECE`` pieces that let the kernel's
-  own read-ahead see a stream and build requests of 1-4 MB.
-
-Beyond those edge requests, nothing is read that no batch asked for: whole blocks read in the background,
-between batches' own reads, delayed the bytes decoded next (packer.read.hints).
-
-Neighbouring ranges are read as one span even when they come in descending file order (rows of a
-bottom-up BMP mosaic). A read error here is ignored, since the caller's own read reports it with
-the file and the sample.
+One thread per process (each DataLoader worker has its own) reads each batch's spans in file order, in the order
+batches were queued; the caller waits for each sample's bytes only (``Pending.wait``). A span inside a block the
+order reads whole (a block sampler's hint, ``within``) is widened to the device's request grid (``request_bytes``)
+and asked exactly (``POSIX_FADV_RANDOM``, one request per piece); any other span is read in ``PIECE`` pieces that
+let the kernel's read-ahead see a stream. Nothing is read that no batch asked for. Neighbouring ranges are read as
+one span even in descending file order (a bottom-up BMP mosaic's rows). A read error here is ignored: the caller's
+own read reports it with the file and the sample. Why each choice, with figures: docs/results.md ("Reads in the
+order decoding needs them").
 """
 
 from __future__ import annotations
@@ -67,10 +45,17 @@ class Pending:
     cancelled: bool = False  # nobody will wait for these bytes any more: the reader stops at its next piece
 
     def wait(self, k: int, timeout: float = 60.0) -> None:
+        if self._over:  # finished (never unset): no lock taken, so a finished job is shared safely across forks
+            return
         span, end = self.need[k]
         with self._cond:
             self._cond.wait_for(lambda: self._over or self._done > span or (self._done == span and self._offset >= end),
                                 timeout)
+
+    def wait_all(self, items: Sequence[int]) -> None:
+        """Return once all these items' bytes have been read (waits for the one that comes in last)."""
+        if items:
+            self.wait(max(items, key=self.need.__getitem__))
 
     def arrival_order(self) -> list[int]:
         """Items in the order their bytes come in (file order, except where a span grew downwards,
@@ -184,9 +169,8 @@ def _piece(fds: dict[str, int], path: str, offset: int, end: int, view: memoryvi
     """Read the next ``len(view)`` bytes of [offset, end) of ``path`` into the page cache: bytes read, 0 or -1.
     ``exact``: through files opened with ``POSIX_FADV_RANDOM`` (each piece one device request, nothing read
     beyond it), asked with ``POSIX_FADV_WILLNEED`` (the request a ``pread`` would make, its bytes copied
-    nowhere) and waited for by reading its last byte: the read-ahead thread's CPU per photo halved (60 to
-    30 us, emulated hard disk, block order; docs/results.md). Waiting on the last byte is a hint, not a
-    promise: a byte still in flight is waited for by whoever maps or reads it.
+    nowhere: half the thread's CPU, docs/results.md) and waited for by reading its last byte (a hint, not a
+    promise: a byte still in flight is waited for by whoever maps or reads it).
 
     Pieces start at the span's start, unaligned: a read that does not follow the previous one on
     its file is read exactly as asked, so a short first piece would cost a device request of
@@ -219,11 +203,10 @@ def _size(path: str) -> int:
 def request_bytes(path: str) -> int:
     """The largest read the device holding ``path`` takes as one request from page-cache pages.
 
-    Pages read into the cache this way are single pages, so a request holds at most
-    ``max_segments`` of them (and at most ``max_sectors_kb``): 254 pages on this machine's virtio
-    disk. A 1 MB read became a 1,016 KB request and an 8 KB one, and an IO-limited device (the
-    emulated hard disk counts requests) charged both; reads on this grid are one request each
-    (docs/results.md). Without /sys (network filesystems, other systems): 254 pages.
+    Pages read into the cache this way are single pages, so a request holds at most ``max_segments`` of
+    them (and at most ``max_sectors_kb``); a read across that grid becomes two requests, which an
+    IO-limited device charges both (docs/results.md). Without /sys (network filesystems, other systems):
+    ``DEFAULT_REQUEST``.
     """
     try:
         dev = os.stat(path).st_dev

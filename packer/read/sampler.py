@@ -20,7 +20,7 @@ the container. ``BlockShuffleSampler`` keeps reads large and near each other:
 Runs set the read size (the IO cost on seek-bound storage); blocks and windows bound how far
 apart a batch's reads are and how much a rank touches at a time (page cache, per-worker
 mosaic caches). The price of locality is that a run's samples share a batch every epoch
-(``read.shuffle_quality.batchmates_again`` measures it; about ``run / batch_size`` of the pairs).
+(``diagnose.shuffle_quality.batchmates_again`` measures it; about ``run / batch_size`` of the pairs).
 
 All of this works in storage positions (blocks are runs of samples stored together); the sampler
 yields the dataset's public indices (ImageFolder's, packer.read.indexing), mapped in ``order``.
@@ -48,13 +48,13 @@ from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 from packer._random import raw_draws, stable_permutation
 from packer.errors import OptionError
 from packer.layout.index import shard_starts
+from packer.read.dataset import PackedDataset
 from packer.read.hints import hinted_order
 from packer.read.indexing import IndexMap
 from packer.read.ranks import check_rank, replicas_and_rank, warn_if_accelerate
 from packer.read.resume import EpochPosition, resume_position
-from packer.read.staged import StagedDataset
 
-DEFAULT_BLOCK_BYTES = 16_000_000  # ~107 ms of a 150 MB/s disk: a seek (~8.5 ms) costs ~8 % of it
+DEFAULT_BLOCK_BYTES = 16_000_000  # long enough that a seek is a small part of a block's read (docs/sampling.md)
 DEFAULT_OPEN_BLOCKS = 8  # window of 128 MB per rank: mixing across blocks at no IO cost
 DEFAULT_RUN = 16  # neighbours read together: ~1.8 MB reads of ImageNet JPEGs; see docs/sampling.md
 
@@ -105,7 +105,7 @@ def dataset_boundaries(dataset: Any, block_bytes: int | None = None,
     n = len(dataset)
     if blocks is not None:
         return check_boundaries(blocks, n)
-    if not isinstance(dataset, StagedDataset):
+    if not isinstance(dataset, PackedDataset):
         raise OptionError(f"{type(dataset).__name__} is not a packer dataset, so it has no per-sample sizes: "
                           "pass blocks= explicitly")
     bounds = dataset.block_boundaries() if block_bytes is None else None
@@ -227,7 +227,7 @@ class BlockShuffleSampler(DistributedSampler):
             raise OptionError(f"batch_size must be positive, got {batch_size}")
         self.dataset = dataset
         self.bounds = dataset_boundaries(dataset, block_bytes, blocks)
-        self.index_map = dataset.index_map if isinstance(dataset, StagedDataset) else IndexMap(None)
+        self.index_map = dataset.index_map if isinstance(dataset, PackedDataset) else IndexMap(None)
         self.num_samples_total = int(self.bounds[-1])
         self.open_blocks = open_blocks
         self.run = run
@@ -240,7 +240,7 @@ class BlockShuffleSampler(DistributedSampler):
         self.position = EpochPosition()
         self._ran_out = False  # the last pass handed out its last index: the next one takes the next epoch
         self._epoch_set = False  # set_epoch or load_state_dict since the last pass started: it chooses
-        labels = dataset.index.labels if isinstance(dataset, StagedDataset) else None
+        labels = dataset.index.labels if isinstance(dataset, PackedDataset) else None
         if warn and shuffle and labels is not None:
             warn_if_sorted(labels, self.bounds)
 
@@ -284,7 +284,7 @@ class BlockShuffleSampler(DistributedSampler):
         return self.index_map.public_many(self.stored_order(epoch))
 
     def stored_order(self, epoch: int | None = None) -> np.ndarray:
-        """``order`` as storage positions: where its locality shows (``read.shuffle_quality.shuffle_stats``)."""
+        """``order`` as storage positions: where its locality shows (``diagnose.shuffle_quality.shuffle_stats``)."""
         return rank_order(
             self.bounds, self.epoch if epoch is None else epoch, self.seed,
             num_replicas=self.num_replicas, rank=self.rank, open_blocks=self.open_blocks, run=self.run,

@@ -1,17 +1,20 @@
-"""A dataset's shards, opened as one consistent version, and reads checked whatever the format.
+"""A dataset's shards, opened as one consistent version, and reads checked whatever the format: the local source.
 
 ``ShardStore`` holds the manifest, the per-sample index and the identity of every shard file, all
 read from one version of the dataset (a conversion with ``--overwrite`` may swap a new one in at
 any time), one ``Format.Reader`` per shard (opening nothing until used in a process), and checks
-each read: the payload has the size the index records, and the files are the ones opened.
+each read: the payload has the size the index records, and the files are the ones opened. As a
+``SampleSource`` it reads a batch ahead in file order (packer.read.readahead), skipping what the page
+cache holds, and reads payloads shard by shard with one ``read_many`` each.
 """
 
 from __future__ import annotations
 
 import operator
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -24,6 +27,9 @@ from packer.layout.index import Index, shard_starts
 from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest
 from packer.layout.trust import reading
 from packer.perprocess import PerProcess
+from packer.read import readahead
+from packer.read.hints import Ahead
+from packer.read.source import SampleSource
 
 Access = Literal["auto", "sequential", "random"]
 
@@ -53,12 +59,13 @@ def fits_in_memory(manifest: Manifest) -> bool:
 HULLS_KEPT = 4096  # ranges whose byte hulls a store remembers (an epoch's blocks, and ranks' shares of them)
 
 
-class ShardStore:
+class ShardStore(SampleSource):
     """The shards of the dataset at ``root`` (an absolute path), opened consistently; reads checked."""
 
     def __init__(self, root: Path, access: Access = "auto") -> None:
         self.root = root
         self.manifest, self.index, self.fields, self._file_ids = _open_consistent(root)
+        self.payload = self.manifest.payload
         fmt = get_format(self.manifest.format)
         check_recorded_options(fmt.name, self.manifest.options, root / MANIFEST_NAME)
         self.fits_in_memory = fits_in_memory(self.manifest)  # read-ahead may read a block's edge request whole
@@ -70,6 +77,89 @@ class ShardStore:
         self._names = [f"{root / s.files[0].name}" for s in self.manifest.shards]  # where(): once, not per read
         self._checked: PerProcess[set[int]] = PerProcess(set)  # shards whose files this process checked
         self.hulls: dict[tuple[int, int], list[tuple[str, int, int]]] = {}  # byte_hulls, per range asked
+
+    def start(self, positions: np.ndarray, ahead: Sequence[Ahead] = (), skip_cached: bool = True
+              ) -> readahead.Pending:
+        """Read these positions' bytes ahead in file order (``SampleSource.start``); ``skip_cached``: not the samples
+        whose bytes are all in the page cache (reading them ahead would only copy; a page the decoder never touches,
+        an EXIF thumbnail's, once evicted would else have the whole batch read again). The ``ahead`` ranges bound
+        how far a read may be widened to whole device requests."""
+        ordered = np.sort(np.asarray(positions, dtype=np.int64), kind="stable")
+        shard_of = np.searchsorted(self.starts, ordered, side="right") - 1
+        requests: list = []
+        for shard in np.unique(shard_of):
+            reader = self.readers[shard]
+            where = (ordered[shard_of == shard] - self.starts[shard]).tolist()
+            with reading(self.where(shard)):
+                cached = reader.cached(where).tolist() if skip_cached else [False] * len(where)
+                todo = [p for p, c in zip(where, cached, strict=True) if not c]
+                if todo:
+                    reader.will_need(todo)  # formats of one file per sample: the kernel reads them all at once
+                    spans = iter(reader.file_spans(todo))  # the others: byte ranges for the read-ahead thread
+                    requests.extend(() if c else next(spans) for c in cached)
+                else:
+                    requests.extend([()] * len(where))  # nothing to read for any of them
+        # whole device requests at block edges where the data fits in memory (the neighbour's part stays cached)
+        return readahead.start(requests, within=self._hulls(ahead), whole_cells=self.fits_in_memory)
+
+    def payloads(self, positions: Sequence[int] | np.ndarray, pending: readahead.Pending | None = None,
+                 into: Callable[[int], np.ndarray] | None = None,
+                 places: Sequence[np.ndarray | None] | None = None) -> list:
+        """``SampleSource.payloads``: each shard's samples read with one ``read_many`` (or ``read_copies``) call in
+        file order, once ``pending`` has brought in its last one, and checked against the index together."""
+        idx = np.asarray(positions, dtype=np.int64)
+        if len(idx) == 1 and into is None and places is None:
+            if pending is not None:
+                pending.wait(0)
+            return [self.read(int(idx[0]))]
+        if not len(idx):
+            return []
+        order = np.argsort(idx, kind="stable")
+        ordered = idx[order]
+        got: list = []  # in file order
+        shard_of = np.searchsorted(self.starts, ordered, side="right") - 1
+        bounds = np.flatnonzero(np.diff(shard_of)) + 1
+        memory = self._copies_memory(ordered, order, into, places)
+        for lo, hi in zip([0, *bounds.tolist()], [*bounds.tolist(), len(ordered)]):
+            if pending is not None:
+                pending.wait_all(range(lo, hi))
+            got.extend(self.read_checked(int(shard_of[lo]), ordered[lo:hi], memory and memory(lo, hi)))
+        if len(got) < 2:
+            return got
+        place = np.empty(len(order), dtype=np.int64)
+        place[order] = np.arange(len(order))  # where each asked sample lies in file order
+        return list(operator.itemgetter(*place.tolist())(got))  # one C-level gather, not a Python loop
+
+    def _copies_memory(self, ordered: np.ndarray, order: np.ndarray, into: Callable[[int], np.ndarray] | None,
+                       places: Sequence[np.ndarray | None] | None) -> Callable[[int, int], Destinations] | None:
+        """Where ``payloads`` reads the copies of the payloads ``ordered[lo:hi]`` (positions in file order, ``order``
+        their places in the order asked); None: no copies, views. Raw pixels go straight into their ``places``
+        where each has the payload's size: one copy, as a view copied into its slot was; else consecutive parts of
+        one block from ``into``."""
+        sizes = self.index.nbytes[ordered]
+        if places is not None and self.payload == "raw":
+            dests = [places[k] for k in order.tolist()]
+            if all(d is not None and d.nbytes == n for d, n in zip(dests, sizes.tolist(), strict=True)):
+                return lambda lo, hi: cast(list, dests[lo:hi])
+        if into is None:
+            return None
+        ends = np.cumsum(sizes)
+        block = into(int(ends[-1]))
+        return lambda lo, hi: block[int(ends[lo] - sizes[lo]) : int(ends[hi - 1])]
+
+    def _hulls(self, ahead: Sequence[Ahead]) -> list[tuple[str, int, int]]:
+        """Each hinted range's byte hull in every file its samples lie in (``byte_hulls``; a range across shards,
+        or out of range, is left out)."""
+        out = []
+        for hint in ahead:
+            try:
+                first, stop = operator.index(hint.first), operator.index(hint.stop)
+            except (TypeError, AttributeError):
+                raise PackerError(f"{self.root}: a read hint must hold integer positions, got {hint!r}") from None
+            if not 0 <= first < stop <= self.manifest.num_samples:
+                continue
+            out.extend(self.byte_hulls(first, stop))
+        return out
 
     def byte_hulls(self, first: int, stop: int) -> list[tuple[str, int, int]]:
         """Per file, the first byte to the last of the ranges storage positions [first, stop) are read from (one

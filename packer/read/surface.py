@@ -18,14 +18,16 @@ from functools import cached_property, partial
 from typing import Any, Literal, overload
 
 import numpy as np
+from torch.utils.data import Dataset
 
 from packer.errors import IndexingWarning, NotPackedError, PackerError
 from packer.images.decode import pil_loader
 from packer.layout.fields import FieldStore
-from packer.layout.index import normalize_index, normalize_indices
+from packer.layout.index import Index, normalize_index, normalize_indices
+from packer.layout.manifest import IMAGELESS, Manifest
 from packer.layout.report import ERRORS_NAME, entry_of
-from packer.read.indexing import SUBSET, source_item, why_left_out
-from packer.read.staged import StagedDataset
+from packer.read.indexing import SUBSET, IndexMap, source_item, why_left_out
+from packer.read.present import ImageKind, Presenter
 
 
 class StandardTransform:
@@ -49,18 +51,28 @@ class StandardTransform:
         return "\n".join([type(self).__name__, *parts])
 
 
-class FolderSurface(StagedDataset):
-    """ImageFolder's and timm's read-only surface over ``manifest``, ``index``, ``index_map`` and ``source_root``."""
+class FolderSurface(Dataset):
+    """ImageFolder's and timm's read-only surface over ``manifest``, ``index``, ``index_map`` and ``source_root``, and
+    ImageFolder's ``transform``/``target_transform`` (with ``image``, settings of how samples are handed out).
+
+    Public indices are ImageFolder's (packer.read.indexing); ``position``/``positions`` map them to storage
+    positions, which ``index``, the pipeline, read-ahead and blocks work in.
+    """
 
     root: Any  # the packed dataset's directory (ImageFolder's root, the source folder, is source_root)
+    manifest: Manifest
+    index: Index  # per-sample metadata in storage order: labels, sizes, source paths
+    index_map: IndexMap
     classes: list[str]
     class_to_idx: dict[str, int]
     field_store: FieldStore  # the per-sample fields, in storage order (layout/fields.py)
     source_root: str | None  # the converted folder (absolute), None where the dataset does not record it
-    transform: Callable | None
-    target_transform: Callable | None
+    presenter: Presenter  # how samples are handed out (packer.read.present)
     loader = staticmethod(pil_loader)  # ImageFolder's default_loader: a path -> an RGB PIL image
     _warned_relative = False
+
+    def __len__(self) -> int:
+        return self.manifest.num_samples
 
     def close(self) -> None:
         """Release what the dataset holds open (shards, a cache); reading again reopens."""
@@ -70,6 +82,54 @@ class FolderSurface(StagedDataset):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def transform(self) -> Callable | None:
+        """Called on each image, as ImageFolder's ``transform`` (settable)."""
+        return self.presenter.transform
+
+    @transform.setter
+    def transform(self, fn: Callable | None) -> None:
+        self.presenter.transform = fn
+
+    @property
+    def target_transform(self) -> Callable | None:
+        """Called on each label, as ImageFolder's ``target_transform`` (settable)."""
+        return self.presenter.target_transform
+
+    @target_transform.setter
+    def target_transform(self, fn: Callable | None) -> None:
+        self.presenter.target_transform = fn
+
+    @property
+    def image(self) -> ImageKind:
+        """What an image is: ``"pil"``, ``"numpy"`` or ``"tensor"``."""
+        return self.presenter.image
+
+    @property
+    def has_images(self) -> bool:
+        """False for a dataset of samples without an image (a Writer's fields and labels alone, payload ``none``):
+        nothing is read or decoded, and a sample is ``(fields, label)`` (packer.read.fields)."""
+        return self.manifest.payload != IMAGELESS
+
+    @property
+    def indexing(self) -> str:
+        """``"imagefolder"``: ``ds[i]`` is ImageFolder's sample i; ``"subset"``: some source records were not
+        packed, ``ds[i]`` is ImageFolder's sample ``ds.imagefolder_index(i)``; ``"stored"``: the i-th stored sample
+        (a dataset written before packer recorded the map). packer.read.indexing."""
+        return self.index_map.kind
+
+    def check_index(self, i: int) -> int:
+        """``i`` as a position in ``range(len(self))`` (negative from the end), else IndexError."""
+        return normalize_index(i, len(self))
+
+    def position(self, i: int) -> int:
+        """Where sample ``i`` (a public index, negative from the end) is stored; IndexError out of range."""
+        return self.index_map.stored(self.check_index(i))
+
+    def positions(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Where these samples (public indices) are stored."""
+        return self.index_map.stored_many(normalize_indices(indices, len(self)))
 
     @property
     def targets(self) -> list[int]:

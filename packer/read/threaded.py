@@ -1,16 +1,11 @@
 """``packer.ThreadLoader``: DataLoader's surface, each batch decoded by threads of this process.
 
-libjpeg-turbo (through ctypes) and Pillow release the GIL while they decode, so N threads of one
-process decode N images at once, with no worker processes to start, no batch pickled or copied
-between processes, and no main process competing with the workers for a core. A thread of its own
-draws each batch's indices from the sampler and queues its reads ``READ_AHEAD_BATCHES`` batches
-ahead of the one it hands to the decode threads (in a few chunks, in the order their bytes arrive, each
-once its bytes are in: a cold batch's first chunk decodes while the rest is read), so on a slow disk the device
-reads, in order, the bytes decoded next while this batch decodes; batches come out in the sampler's order.
-Where samples are uint8 tensors without a transform (``image="tensor"``), they are decoded straight
-into the batch's memory: one (N, 3, H, W) tensor when they share a size (fused crops, fixed-size
-datasets), else a list of (3, h, w) views of one block; a decode thread hands its chunk's whole JPEGs to the
-compiled extension in one call. Figures: docs/results.md.
+libjpeg-turbo and Pillow release the GIL while they decode, so N threads of one process decode N images at once,
+with no worker processes to start and no batch pickled or copied between processes. A feeder thread draws each
+batch's indices from the sampler, starts its reads ``READ_AHEAD_BATCHES`` batches ahead and plans it
+(packer.read.pipeline); the decode threads run its chunks, each in the order its bytes arrive (a cold batch's
+first chunk decodes while the rest is read). Batches come out in the sampler's order; images handed out as
+decoded go straight into the batch's memory (packer.read.slots): one (N, 3, H, W) tensor when they share a size.
 """
 
 from __future__ import annotations
@@ -31,17 +26,17 @@ from torch.utils.data._utils.collate import default_convert
 
 from packer import sysinfo
 from packer.errors import OptionError, PackerError
-from packer.read.blockpool import pool_of
 from packer.read.collate import collate as packer_collate
+from packer.read.dataset import PackedDataset
 from packer.read.hints import aheads_of
 from packer.read.intraop import serial_ops
 from packer.read.loaders import Prefetcher, close_at_exit, map_tensors
-from packer.read.readahead import Pending
+from packer.read.pipeline import BatchPipeline, BatchPlan, Reads
 from packer.read.resume import Stateful
-from packer.read.staged import StagedDataset, pixels_in_slot
+from packer.read.slots import Pooled, pool_of
 
 if TYPE_CHECKING:
-    from packer.images.crop import CropDecode, Window
+    from packer.images.crop import CropDecode
 
 CHUNKS_PER_THREAD = 2  # a batch is cut into threads x this many chunks: enough to balance, few to hand over
 # Batches whose reads are queued beyond the one being decoded: enough to keep a slow device busy while a
@@ -50,28 +45,24 @@ READ_AHEAD_BATCHES = 4
 
 
 class _Batch:
-    """One batch on its way: its decode chunks, the batch places of each chunk's samples, and where they land."""
+    """One batch on its way: its plan and a future per chunk (each the chunk's samples, in the plan's order)."""
 
-    def __init__(self, futures: list[Future], places: list[list[int]], stacked: torch.Tensor | None,
-                 fast: bool) -> None:
+    def __init__(self, plan: BatchPlan, futures: list[Future], fast: bool) -> None:
+        self.plan = plan
         self.futures = futures
-        self.places = places  # per chunk, the places in the batch of its samples (chunks go in arrival order)
-        self.stacked = stacked  # the (N, H, W, 3) batch the slots are rows of, or None
-        self.fast = fast  # decoded into slots of our own block, no collate_fn: the batch is that block
+        self.fast = fast  # decoded into slots of our own block, (image, label) pairs, no collate_fn: that block
 
     def result(self, collate_fn: Callable[[Any], Any], pin: bool, unbatched: bool) -> Any:
         """The batch as handed out (``unbatched``: its one sample, as DataLoader's ``batch_size=None`` gives it)."""
-        items: list = [None] * sum(map(len, self.places))
-        in_slots = True
-        for f, places in zip(self.futures, self.places, strict=True):
-            chunk, all_in = f.result()
-            for k, item in zip(places, chunk, strict=True):
+        items: list = [None] * len(self.plan.positions)
+        for f, places in zip(self.futures, self.plan.chunks, strict=True):
+            for k, item in zip(places, f.result(), strict=True):
                 items[k] = item
-            in_slots = in_slots and all_in
         if unbatched:
             batch = collate_fn(items[0])
-        elif self.fast and in_slots:  # images already in (pinned, where asked) batch memory; targets as collate's
-            images = self.stacked.permute(0, 3, 1, 2) if self.stacked is not None else [img for img, _ in items]
+        elif self.fast and not self.plan.missed:  # images in (pinned, where asked) batch memory; targets collated
+            stacked = self.plan.stacked
+            images = stacked.permute(0, 3, 1, 2) if stacked is not None else [img for img, _ in items]
             return [images, _pinned(packer_collate(tuple(target for _, target in items)), pin)]
         else:
             batch = collate_fn(items)
@@ -92,39 +83,18 @@ def _pinned(batch: Any, pin: bool) -> Any:
     return map_tensors(batch, lambda t: t if t.is_pinned() else t.pin_memory()) if pin else batch
 
 
-def _decode(ds: StagedDataset, positions: list[int], payloads: list, slots: Sequence[torch.Tensor | None],
-            windows: Sequence[Window] | None) -> tuple[list, bool]:
-    """Decode thread body: the samples as the dataset hands them out (fused crops through ``windows``, drawn with
-    the batch), and whether each went into its slot. Those the dataset decodes in bulk come from one call
-    (``samples_in_slots``), the rest one by one."""
-    filled = [slot for slot in slots if slot is not None]  # every slot, or none (no batch block)
-    bulk = ds.samples_in_slots(positions, payloads, filled, windows) if filled and len(filled) == len(slots) else None
-    out, all_in = [], True
-    for k, (i, payload, slot) in enumerate(zip(positions, payloads, slots, strict=True)):
-        if bulk is not None and bulk[k] is not None:
-            out.append(bulk[k])
-            continue
-        arr, tensor = pixels_in_slot(ds, i, payload, slot, None if windows is None else windows[k])
-        all_in = all_in and tensor is not None
-        out.append(ds.present_at(i, arr, tensor))
-    return out, all_in
-
-
 def _drawn(batches: Iterable[Sequence[int]], stateful: Stateful | None) -> Iterator[tuple[Sequence[int], Any]]:
     """Each batch's indices with the sampler's state right after drawing it (None without a stateful sampler)."""
     for indices in batches:
         yield indices, None if stateful is None else copy.deepcopy(stateful.state_dict())
 
 
-def _reads_queued(ds: StagedDataset, drawn: Iterator[tuple[Sequence[int], Any]]
-                  ) -> Iterator[tuple[np.ndarray | Exception, Any, Any]]:
-    """(storage positions, their reads, state) per batch, each batch's reads started ``READ_AHEAD_BATCHES``
-    batches before the batch is yielded. As a DataLoader's: a batch whose indices or reads fail is its error
-    in place of the positions, and the next batches go on; a sampler that fails is raised in its turn, after
-    the batches before it, and ends the epoch.
-
-    Knowing the next batches, the device reads what is decoded next, in that order (emulated hard disk, block
-    order: docs/results.md, "Reads in the order decoding needs them")."""
+def _reads_queued(pipeline: BatchPipeline, drawn: Iterator[tuple[Sequence[int], Any]]
+                  ) -> Iterator[tuple[Reads | Exception, Any]]:
+    """(its reads, state) per batch, each batch's reads started ``READ_AHEAD_BATCHES`` batches before the batch is
+    yielded, so the device reads, in order, the bytes decoded next. As a DataLoader's: a batch whose indices or reads
+    fail is its error in place of the reads, and the next batches go on; a sampler that fails is raised in its turn,
+    after the batches before it, and ends the epoch."""
     queued: deque = deque()
     try:
         while True:
@@ -136,10 +106,9 @@ def _reads_queued(ds: StagedDataset, drawn: Iterator[tuple[Sequence[int], Any]]
                 queued.append(exc)
                 break
             try:
-                idx = ds.positions(list(indices))
-                queued.append((idx, ds.start_reads(idx, aheads_of(indices)), state))
+                queued.append((pipeline.start(pipeline.positions(list(indices)), aheads_of(indices)), state))
             except Exception as exc:  # noqa: BLE001 - this batch's error, handed out in its turn
-                queued.append((exc, None, state))
+                queued.append((exc, state))
             if len(queued) > READ_AHEAD_BATCHES:
                 yield queued.popleft()
         while queued:
@@ -149,46 +118,19 @@ def _reads_queued(ds: StagedDataset, drawn: Iterator[tuple[Sequence[int], Any]]
             yield entry
     finally:  # stopped early: the reads nobody will use no longer hold up the next iteration's
         for entry in queued:
-            if isinstance(entry, tuple) and isinstance(entry[1], Pending):
-                entry[1].cancel()
+            if isinstance(entry, tuple) and isinstance(entry[0], Reads):
+                entry[0].pending.cancel()
 
 
-def _start_batch(ds: StagedDataset, idx: np.ndarray, pending: Pending | None, pool: ThreadPoolExecutor,
-                 alloc: Callable[[int], torch.Tensor], into: Callable[[int], np.ndarray], threads: int,
-                 stacking: bool) -> _Batch:
-    """Queue one batch's decode chunks, in the order its bytes arrive, each handed to a decode thread once they are
-    in (a cold batch's first chunk decodes while the rest is read; docs/results.md). ``stacking``: no collate_fn
-    (a batch in slots of one block is handed out as that block). The payloads are copies read into memory from
-    ``into`` (``payloads_at(into=)``), never views of a mapped shard: a shard truncated in place while threads
-    decode is a PackerError when read here, never a SIGBUS in a thread (which would kill the process)."""
-    positions = idx.tolist()
-    block = ds.decode_block(positions, alloc)
-    stacked, slots = (None, [None] * len(positions)) if block is None else block
-    windows = ds.crop_windows(positions)  # in the batch's order, as a DataLoader draws them
-    file_order = np.argsort(idx, kind="stable")
-    waits = list(range(len(idx))) if pending is None else pending.arrival_order()
-    arrival = file_order[waits] if len(waits) else file_order
-    cuts = np.linspace(0, len(positions), min(len(positions), threads * CHUNKS_PER_THREAD) + 1)
-    bounds = np.unique(cuts.astype(np.int64)).tolist()
-    # bytes all in already (warm, or read ahead in time): read in one call, not one per chunk
-    # raw pixels are read straight into their slots (one shape: the rows of the stacked batch, one call)
-    flat = list(stacked.view(len(positions), -1).numpy()) if stacked is not None else \
-        [None if slot is None else slot.view(-1).numpy() for slot in slots]
-    every = ds.payloads_at(idx[arrival], pending=Pending.ready(len(arrival)), into=into,
-                           places=[flat[k] for k in arrival]) if pending is None or pending.done() else None
-    futures, places = [], []
-    for a, b in zip(bounds[:-1], bounds[1:]):
-        chunk = arrival[a:b]
-        if every is not None:
-            payloads = every[a:b]
-        else:
-            pending.wait(max(waits[a:b], key=pending.need.__getitem__))  # type: ignore[union-attr]
-            payloads = ds.payloads_at(idx[chunk], pending=Pending.ready(len(chunk)), into=into,
-                                      places=[flat[k] for k in chunk])
-        futures.append(pool.submit(_decode, ds, idx[chunk].tolist(), payloads, [slots[k] for k in chunk],
-                                   None if windows is None else [windows[k] for k in chunk]))
-        places.append(chunk.tolist())
-    return _Batch(futures, places, stacked, fast=block is not None and stacking)
+def _start_batch(pipeline: BatchPipeline, reads: Reads, pool: ThreadPoolExecutor, alloc: Callable[[int], torch.Tensor],
+                 into: Callable[[int], np.ndarray], threads: int, stacking: bool) -> _Batch:
+    """Plan one batch (slots from ``alloc``, crops drawn in its order) and queue its chunks on the decode threads,
+    in the order its bytes arrive. ``stacking``: no collate_fn (a batch in slots of one block is handed out as that
+    block). Payloads are copies read into memory from ``into``, never views of a mapped shard: a shard truncated in
+    place while threads decode is a PackerError, never a SIGBUS in a thread (which would kill the process)."""
+    plan = pipeline.plan(reads, threads * CHUNKS_PER_THREAD, Pooled(alloc), copies=into)
+    futures = [pool.submit(pipeline.run, plan, k) for k in range(len(plan.chunks))]
+    return _Batch(plan, futures, fast=plan.slots is not None and stacking and pipeline.presenter.pairs)
 
 
 class _Epoch:
@@ -209,7 +151,7 @@ class _Epoch:
             loader._state = copy.deepcopy(self.stateful.state_dict())  # where this iteration starts (a loaded state)
         # DataLoader draws a seed for its workers first: drawn here too, a shuffle's order is DataLoader's
         torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
-        self.crop = loader.dataset.crop_stream()
+        self.crop = loader.dataset.pipeline.decoding.crop
         self.marks: list[object] = []  # the crop stream's position before each batch's windows were drawn
         self.handed = 0
         self.threads: set[int] = set()  # the decode threads' idents
@@ -291,17 +233,17 @@ def _decode_thread(idents: set[int]) -> None:
 
 def _feed(loader: ThreadLoader, pool: ThreadPoolExecutor, stateful: Stateful | None, crop: CropDecode | None,
           marks: list[object]) -> Iterator[tuple[_Batch | _Failed, Any]]:
-    """Feeder thread body: per batch, wait for its payloads and queue its decode chunks (or its error); with the
-    sampler's state right after the batch was drawn (reads are queued further ahead than that)."""
-    ds = loader.dataset
+    """Feeder thread body: per batch, its plan and decode chunks queued (or its error); with the sampler's state
+    right after the batch was drawn (reads are queued further ahead than that)."""
+    pipeline = loader.dataset.pipeline
     alloc = (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True)) if loader.pin_memory else loader._blocks.take
-    for idx, pending, state in _reads_queued(ds, _drawn(loader._batches, stateful)):
+    for reads, state in _reads_queued(pipeline, _drawn(loader._batches, stateful)):
         marks.append(None if crop is None else crop.position())
-        if isinstance(idx, Exception):
-            yield _Failed(idx), state
+        if isinstance(reads, Exception):
+            yield _Failed(reads), state
             continue
         try:
-            job: _Batch | _Failed = _start_batch(ds, idx, pending, pool, alloc, loader._payloads.take_array,
+            job: _Batch | _Failed = _start_batch(pipeline, reads, pool, alloc, loader._payloads.take_array,
                                                  loader.num_threads,
                                                  stacking=loader.collate_fn is None and not loader.unbatched)
         except Exception as exc:  # noqa: BLE001 - this batch's error, handed out in its turn
@@ -341,12 +283,12 @@ class ThreadLoader:
     """
 
     def __init__(
-        self, dataset: StagedDataset, batch_size: int | None = 1, shuffle: bool = False,
+        self, dataset: PackedDataset, batch_size: int | None = 1, shuffle: bool = False,
         sampler: Sampler | Iterable[int] | None = None, batch_sampler: Iterable[Sequence[int]] | None = None,
         num_threads: int | None = None, collate_fn: Callable[[list], Any] | None = None, pin_memory: bool = False,
         drop_last: bool = False, prefetch_batches: int = 2, generator: torch.Generator | None = None,
     ) -> None:
-        if not isinstance(dataset, StagedDataset):
+        if not isinstance(dataset, PackedDataset):
             raise OptionError(f"ThreadLoader reads packer datasets (open_dataset), not a {type(dataset).__name__}")
         if num_threads is not None and num_threads < 1:
             raise OptionError(f"num_threads must be at least 1, got {num_threads}")

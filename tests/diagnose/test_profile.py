@@ -12,7 +12,7 @@ from support._tiny import make_lmdb
 from torch.utils.data import DataLoader
 
 import packer
-from packer.diagnose.instrument import StageTotals, instrument
+from packer.diagnose.instrument import StageTotals, clock_of, instrument
 from packer.diagnose.plots import plot_sweep
 from packer.diagnose.profile import LoopStats, batch_len, profile, verdict
 from packer.diagnose.sweep import RandomCrop, sweep
@@ -76,14 +76,14 @@ def test_stages_are_summed_across_workers(lmdb_path, start_method):
     assert set(totals.seconds) == {"read", "decode", "transform", "collate"}
     assert all(v > 0 for v in totals.per_sample_ms().values())
     assert "per sample" in prof.summary()
-    assert ds.classes == ds.dataset.classes  # the ImageFolder surface shows through
+    assert isinstance(ds, packer.PackedDataset) and ds.classes == tensor_ds(lmdb_path).classes  # the dataset itself
 
 
 def test_uninstrumented_dataset_is_one_stage():
     ds = instrument([(torch.zeros(2), 0)] * 10)
     for _ in DataLoader(ds, batch_size=5, collate_fn=ds.collate()):
         pass
-    t = ds.stage_totals()
+    t = clock_of(ds).totals()
     assert set(t.seconds) == {"getitem", "collate"} and t.samples == 10 and t.batches == 2 and t.processes == 1
 
 
@@ -97,19 +97,31 @@ def test_verdict_compute_bound():
     assert v.bound == "compute" and v.limit is None and "compute-bound" in str(v) and "2.0 ms" in str(v)
 
 
-def test_an_input_bound_threadloader_gets_advice_it_can_follow(lmdb_path):
-    """packer.instrument wraps DataLoader datasets (a ThreadLoader refuses one): a ThreadLoader's verdict says how
-    to see the stages instead."""
+def test_an_input_bound_loader_gets_advice_it_can_follow(lmdb_path):
+    """Without packer.instrument, an input-bound verdict says how to see the stages, for a ThreadLoader as for a
+    DataLoader (a ThreadLoader has no collate_fn to time)."""
     ds = packer.open_dataset(lmdb_path, image="tensor")
-    for loader, advice in ((packer.ThreadLoader(ds, batch_size=4), "a ThreadLoader's stages are not timed"),
+    for loader, advice in ((packer.ThreadLoader(ds, batch_size=4), "instrument(dataset) to see which stage"),
                            (DataLoader(ds, batch_size=4, collate_fn=packer.collate),
-                            "wrap the dataset with packer.instrument(dataset)")):
+                            "instrument(dataset) (and collate_fn=ds.collate())")):
         wrapped = profile(packer.BackgroundLoader(loader), progress=False)
         list(wrapped)
         wrapped.stats = _stats(wait_ms=30, step_ms=10)
         assert advice in str(wrapped.verdict())
-    with pytest.raises(PackerError):
-        packer.ThreadLoader(instrument(ds))  # type: ignore[arg-type]
+
+
+def test_instrument_times_a_threadloader(lmdb_path):
+    """packer.instrument attaches a clock to the dataset's pipeline: a ThreadLoader's decode threads are timed per
+    stage (read, decode, transform), every sample counted once, and the verdict names the stage."""
+    ds = instrument(packer.open_dataset(lmdb_path, image="tensor", transform=RandomCrop(16)))
+    prof = profile(packer.ThreadLoader(ds, batch_size=4, num_threads=2), progress=False)
+    for _ in prof:
+        pass
+    totals = prof.stage_totals()
+    assert totals is not None and totals.samples == 24 and totals.processes == 1
+    assert {"read", "decode", "transform"} <= set(totals.seconds) and "getitem" not in totals.seconds
+    prof.stats = _stats(wait_ms=30, step_ms=10)
+    assert "per sample (ms): read" in str(prof.verdict())
 
 
 def test_verdict_input_bound_names_the_stage_and_workers():
@@ -241,7 +253,7 @@ def test_instrumented_cached_dataset_in_workers_gives_what_the_dataset_gives(ima
     for i, (img, label) in enumerate(got):
         ref, ref_label = plain[i]
         assert label == ref_label and torch.equal(img, ref)
-    totals = inst.stage_totals()
+    totals = clock_of(inst).totals()
     assert totals.samples == len(plain) and "read" in totals.seconds and "getitem" not in totals.seconds
     ds.close()
 

@@ -18,7 +18,7 @@ from support.imagefolder import ImageFolder
 from torch.utils.data import DataLoader
 
 from packer import FORMATS, PackerError, convert, open_dataset
-from packer.read.dataset import DATASET_CLASSES
+from packer.read.dataset import DATASET_CLASSES, PackedDataset
 from packer.read.sampler import BlockShuffleSampler
 from packer.tools.verify import verify
 from packer.write.options import ConvertOptions
@@ -119,7 +119,7 @@ def test_imagefolder_surface(packed, imagefolder):
     assert img.mode == "RGB"  # image="pil" default, like ImageFolder
     t, _ = open_dataset(path, image="tensor")[0]
     assert t.dtype == torch.uint8 and t.shape[0] == 3
-    assert isinstance(ds, DATASET_CLASSES[name])
+    assert isinstance(ds, DATASET_CLASSES.get(name, PackedDataset))  # a plug-in format's: PackedDataset
     flipped, label = open_dataset(path, transform=lambda im: im.transpose(0), target_transform=lambda y: y + 100)[0]
     assert label == ds.targets[0] + 100 and flipped.size == img.size
     with pytest.raises(IndexError):
@@ -196,7 +196,7 @@ def test_worker_tensors_equal_main_process_reads(packed):
     batches = [imgs for imgs, _labels in DataLoader(ds, batch_size=4, num_workers=2, collate_fn=list_collate)]
     got = [img for imgs in batches for img in imgs]
     assert len(got) == len(ds) and all(torch.equal(img, ds[i][0]) for i, img in enumerate(got))
-    for imgs in batches:  # batches of mixed sizes came as one shared block (batch_slots)
+    for imgs in batches:  # batches of mixed sizes came as one shared block (packer.read.slots)
         if len({img.shape for img in imgs}) > 1:
             assert len({img.untyped_storage().data_ptr() for img in imgs}) == 1
 

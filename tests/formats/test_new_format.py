@@ -23,6 +23,7 @@ from packer.formats.base import Format, Option, PreparedSample, ShardReader, Sha
 from packer.layout.manifest import Shard
 from packer.layout.trust import inside, load_npy
 from packer.perprocess import PerProcess
+from packer.read.dataset import PackedDataset
 
 
 class Writer(ShardWriter):
@@ -138,7 +139,7 @@ def test_the_cli_flag_comes_from_the_format(imagefolder, tmp_path, capsys):
     out = tmp_path / "c.catfile"
     assert cli.main(["convert", str(imagefolder), "--to", "catfile", "--align", "64", "-o", str(out), "-q"]) == 0
     ds = open_dataset(out)
-    assert type(ds).__name__ == "CatfileDataset" and ds.manifest.options["align"] == 64
+    assert type(ds) is PackedDataset and ds.manifest.options["align"] == 64  # a plug-in format: the general class
     assert cli.main(["convert", str(imagefolder), "--to", "catfile", "--align", "0", "-o", str(tmp_path / "z")]) == 2
     assert "--align 0: must be at least 1" in capsys.readouterr().err
     assert cli.main(["convert", str(imagefolder), "--to", "lmdb", "--align", "8", "-o", str(tmp_path / "y")]) == 2

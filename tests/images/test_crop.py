@@ -218,9 +218,10 @@ def test_crop_mode_refuses_decode_size_and_other_objects(photos, tmp_path):
 def test_loader_batches_come_from_shared_slots(photos, tmp_path):
     out = convert(photos, tmp_path / "d.lmdb", to="lmdb", workers=1, progress=False).output
     ds = open_dataset(out, image="tensor", crop=RandomResizedCropDecode(48, seed=0))
-    from packer.read.batch import batch_slots
+    from packer.read.slots import WorkerMemory
 
-    slots = batch_slots(ds, [0, 1, 2], in_worker=True)
+    got = ds.pipeline.slots(np.arange(3), WorkerMemory(in_worker=True))
+    slots = None if got is None else got[1]
     assert slots is not None and len(slots) == 3 and slots[0].shape == (48, 48, 3) and slots[0].is_shared()
     batches = list(DataLoader(ds, batch_size=5, num_workers=2))
     images = torch.cat([b[0] for b in batches])
@@ -232,7 +233,7 @@ def test_loader_batches_come_from_shared_slots(photos, tmp_path):
 def test_a_worker_batch_crops_in_bulk(photos, tmp_path, monkeypatch, jpegregion):
     """In a DataLoader worker (``__getitems__`` with shared slots) the batch's JPEGs are cropped a few at a time
     by one call of the extension: the samples one by one would give the same."""
-    import packer.read.batch as batch_mod
+    import packer.read.slots as slots_mod
     from packer.images import crop as crops
 
     out = convert(photos, tmp_path / "d.memmap", to="memmap", workers=1, progress=False).output
@@ -245,7 +246,7 @@ def test_a_worker_batch_crops_in_bulk(photos, tmp_path, monkeypatch, jpegregion)
         return real(datas, *args, **kwargs)
 
     monkeypatch.setattr(crops, "decode_regions", counted)
-    monkeypatch.setattr(batch_mod, "get_worker_info", lambda: object())  # as in a worker: slots in shared memory
+    monkeypatch.setattr(slots_mod, "get_worker_info", lambda: object())  # as in a worker: slots in shared memory
     indices = [5, 0, 11, 3, 15, 8, 1, 9, 14, 2]
     got = ds.__getitems__(indices)
     assert calls == [8, 2]

@@ -1,4 +1,4 @@
-"""Worker batches of plain tensors are decoded straight into one block of shared memory (batch_slots)."""
+"""Worker batches of plain tensors are decoded straight into one block of shared memory (packer.read.slots)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ from torch.utils.data import DataLoader
 
 from packer import convert, open_dataset
 from packer.diagnose.bench import list_collate
+from packer.read.slots import WorkerMemory, views
 from packer.tools.sample import photo_like
+
+
+def worker_slots(ds, stored, **kwargs):
+    """The slots a DataLoader worker's batch of these storage positions gets (as inside a worker), or None."""
+    got = ds.pipeline.slots(np.asarray(stored, dtype=np.int64), WorkerMemory(in_worker=True), **kwargs)
+    return None if got is None else got[1]
 
 
 def _mixed_folder(root):
@@ -66,7 +73,8 @@ def test_spawned_workers_use_slots_too(tmp_path):
 
 def test_no_slots_outside_workers_with_a_transform_or_unknown_sizes(tmp_path, mixed):
     out = convert(mixed, tmp_path / "ds.lmdb", workers=0, progress=False).output
-    assert open_dataset(out, image="tensor").batch_slots([0, 1]) is None  # main process: separate tensors
+    plain = open_dataset(out, image="tensor")
+    assert plain.pipeline.slots(np.arange(2), WorkerMemory()) is None  # main process: separate tensors
     flipped = open_dataset(out, image="tensor", transform=lambda t: t.flip(-1))
     imgs, _ = _worker_batches(flipped)[0]
     assert len({img.untyped_storage().data_ptr() for img in imgs}) == len(imgs)
@@ -81,54 +89,46 @@ def test_no_slots_outside_workers_with_a_transform_or_unknown_sizes(tmp_path, mi
 def test_sizes_from_damaged_metadata_allocate_nothing(tmp_path, mixed):
     """A crafted index size can't make a worker allocate a huge block: no slots, and the per-sample
     path reports the sample."""
-    from packer.read.batch import batch_slots
-
     for payload in ("raw", "encoded"):
         out = convert(mixed, tmp_path / f"ds-{payload}.lmdb", payload=payload, workers=0, progress=False).output
         ds = open_dataset(out, image="tensor")
-        stored = ds.positions([0, 1]).tolist()  # batch_slots, as the index, works in storage positions
-        assert batch_slots(ds, stored, in_worker=True) is not None  # as inside a worker
+        stored = ds.positions([0, 1]).tolist()  # slots, as the index, work in storage positions
+        assert worker_slots(ds, stored) is not None
         ds.index.heights[stored[0]] = 1 << 30
-        assert batch_slots(ds, stored, in_worker=True) is None
+        assert worker_slots(ds, stored) is None
         with pytest.raises(Exception, match="sample 0"):
             ds.__getitems__([0, 1])
 
 
 def test_batches_of_one_shape_are_left_to_the_collate_function(tmp_path):
     """Equal sizes: default_collate stacks them into shared memory itself, so no block (it would be one more copy)."""
-    from packer.read.batch import batch_slots
-
     src = make_imagefolder(tmp_path / "src", classes=2, per_class=4)
     out = convert(src, tmp_path / "ds.memmap", to="memmap", payload="raw", resize="24x32", workers=0,
                   progress=False).output
     ds = open_dataset(out, image="tensor")
-    assert batch_slots(ds, [0, 1, 2], in_worker=True) is None  # as inside a worker
+    assert worker_slots(ds, [0, 1, 2]) is None
     (images, labels), = list(DataLoader(ds, batch_size=8, num_workers=2))  # default_collate stacks
     assert images.shape == (8, 3, 24, 32) and torch.equal(images[3], ds[3][0])
 
 
 def test_no_block_beyond_the_budget(tmp_path, mixed):
     """Sizes nothing has checked yet can't map more than BATCH_BLOCK_MAX for one batch."""
-    from packer.read.batch import batch_slots
-
     out = convert(mixed, tmp_path / "ds.lmdb", workers=0, progress=False).output
     ds = open_dataset(out, image="tensor")
-    assert batch_slots(ds, [0, 1], in_worker=True) is not None  # as inside a worker
-    assert batch_slots(ds, [0, 1], max_bytes=1000, in_worker=True) is None
+    assert worker_slots(ds, [0, 1]) is not None
+    assert worker_slots(ds, [0, 1], max_bytes=1000) is None
     assert all(torch.equal(a[0], b[0]) for a, b in zip(ds.__getitems__([0, 1]), (ds[0], ds[1])))
 
 
 def test_slot_views_are_pieces_of_the_block_and_refuse_one_they_cannot_be():
-    """``_views`` builds each HWC view with one call at the block's own offset (a pooled block is a slice of a larger
+    """``views`` builds each HWC view with one call at the block's own offset (a pooled block is a slice of a larger
     one); a block that is not contiguous, or too small for the shapes, is refused rather than viewed wrongly."""
-    from packer.read.batch import _views
-
     base = torch.arange(200, dtype=torch.int64).to(torch.uint8)
     block = base[17:]  # a storage offset, as a pooled block has
-    views = _views(block, [(2, 3), (4, 5)])
-    assert [tuple(v.shape) for v in views] == [(2, 3, 3), (4, 5, 3)]
-    assert torch.equal(views[0].reshape(-1), block[:18]) and torch.equal(views[1].reshape(-1), block[18:78])
+    got = views(block, [(2, 3), (4, 5)])
+    assert [tuple(v.shape) for v in got] == [(2, 3, 3), (4, 5, 3)]
+    assert torch.equal(got[0].reshape(-1), block[:18]) and torch.equal(got[1].reshape(-1), block[18:78])
     with pytest.raises(ValueError, match="not contiguous or too small"):
-        _views(base[::2], [(2, 3)])
+        views(base[::2], [(2, 3)])
     with pytest.raises(ValueError, match="not contiguous or too small"):
-        _views(block, [(10, 10)])
+        views(block, [(10, 10)])

@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader
 import packer
 from packer.errors import PackerError
 from packer.read import cache as cache_mod
-from packer.read.cache import CachedDataset, sweep_stale
+from packer.read.cache import sweep_stale
+from packer.read.dataset import CachedDataset
 
 
 def shm_files() -> set[str]:
@@ -94,7 +95,7 @@ def test_removed_on_garbage_collection(lmdb_path):
 
 CHILD = textwrap.dedent("""
     import sys, time
-    from packer.read.cache import CachedDataset
+    from packer.read.dataset import CachedDataset
     import packer
     ds = CachedDataset(packer.open_dataset(sys.argv[1]), "ram", progress=False)
     ds[0]
@@ -160,7 +161,7 @@ def test_refuses_when_shm_is_too_small(lmdb_path, monkeypatch):
 
 ORPHAN_CHILD = textwrap.dedent("""
     import os, sys, time
-    from packer.read.cache import CachedDataset
+    from packer.read.dataset import CachedDataset
     import packer
     ds = CachedDataset(packer.open_dataset(sys.argv[1]), "ram", progress=False, shm_dir=sys.argv[2])
     pid = os.fork()  # like a fork DataLoader worker: holds every descriptor the creator has

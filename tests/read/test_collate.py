@@ -66,7 +66,7 @@ def test_default_collate_fails_on_mixed_sizes_and_packer_collate_does_not(mixed_
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_worker_batches_of_mixed_sizes_cross_as_one_shared_block(mixed_sizes, start_method):
-    """With a transform (so batch_slots is off) each worker batch is still one shared block, not one per image."""
+    """With a transform (so no batch slots) each worker batch is still one shared block, not one per image."""
     ds = open_dataset(mixed_sizes, image="tensor", transform=torch.clone)
     loader = DataLoader(ds, batch_size=6, num_workers=2, collate_fn=packer.collate,
                         multiprocessing_context=start_method)

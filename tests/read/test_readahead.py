@@ -424,14 +424,14 @@ def test_batch_is_decoded_in_the_order_its_bytes_arrive(tmp_path, monkeypatch):
     src = make_imagefolder(tmp_path / "src", classes=2, per_class=20, size=(32, 32))
     ds = open_dataset(convert(src, tmp_path / "ds.mosaic", to="mosaic", tile="64x64", grid="2x24", workers=0,
                               progress=False).output, image="numpy")
-    waited = []
-    real = readahead.Pending.wait
+    waited = []  # the read-ahead's items each chunk of the batch waits for, in the order the chunks run
+    real = readahead.Pending.wait_all
 
-    def spy(self, k, timeout=60.0):
-        waited.append(k)
-        return real(self, k, timeout)
+    def spy(self, items):
+        waited.extend(items)
+        return real(self, items)
 
-    monkeypatch.setattr(readahead.Pending, "wait", spy)
+    monkeypatch.setattr(readahead.Pending, "wait_all", spy)
     monkeypatch.setattr(type(ds.store.readers[0]), "cached", lambda self, p: np.zeros(len(p), dtype=bool))  # as if cold
     batch = ds.__getitems__(list(range(40)))
     assert sorted(waited) == list(range(40)) and waited[:16] == list(range(24, 40))  # row 2 first
@@ -501,7 +501,7 @@ def test_a_block_over_several_files_is_widened_in_each(tmp_path):
     sampler = BlockShuffleSampler(ds, block_bytes=int(ds.index.nbytes.sum()) // 2, seed=0)
     batch = list(sampler)[:6]
     (ahead,) = aheads_of(batch)[:1]
-    hulls = ds._hulls([ahead])
+    hulls = ds.store._hulls([ahead])
     files = {path for path, _a, _b in hulls}
     assert len(files) == len(hulls) > 2  # one hull per block file of the block
     positions = np.arange(ahead.first, ahead.stop)

@@ -46,7 +46,7 @@ def check_real_types(diags: list[dict]) -> None:
     assert revealed[5].endswith('is "CachedDataset"'), revealed
     assert revealed[6].endswith('is "BlockShuffleSampler"'), revealed
     assert revealed[7].endswith('is "ConvertResult"'), revealed
-    assert revealed[8].endswith('is "type[PackedDataset]"'), revealed
+    assert revealed[8].endswith('is "type[LMDBDataset]"'), revealed
     errors = {n: [d["message"] for d in ds if d["severity"] == "error"] for n, ds in by_line.items()}
     assert any('"int" is not assignable to "str"' in m for m in errors.get(9, [])), diags
     assert any("Literal['jpeg']" in m and '"image"' in m for m in errors.get(10, [])), diags
