@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import resource
 import signal
@@ -44,6 +45,8 @@ from packer.storage.protocol import (
 )
 from packer.storage.url import redact_text
 from packer.storage.wholeobject import PART, WholeObject
+
+log = logging.getLogger(__name__)  # this process's stderr is the log file its starter gave it
 
 MAX_IN_FLIGHT = 32  # GETs at once per store
 
@@ -348,7 +351,7 @@ def serve(cache_dir: str, socket_name: str, limit: int, linger: float) -> None:
     try:
         server.serve()
     except BaseException:
-        sys.stderr.write(redact_text(traceback.format_exc()))
+        log.error("%s", redact_text(traceback.format_exc()))
         raise
 
 

@@ -71,9 +71,11 @@ def open_client(scheduler: str) -> Iterator[Any]:
         import logging
 
         # dashboard_address=None would still bind the scheduler's HTTP server to *:8787 (and clash
-        # with any other cluster on the machine): a free port on localhost instead
+        # with any other cluster on the machine): a free port on localhost instead. Dask's own logs stay quiet
+        # (a worker's heartbeat cut by the cluster's close logs a traceback at ERROR): a task's failure comes
+        # back through its future, and packer reports it.
         cluster = distributed.LocalCluster(n_workers=n, threads_per_worker=1, processes=True,
-                                           dashboard_address="127.0.0.1:0", silence_logs=logging.ERROR)
+                                           dashboard_address="127.0.0.1:0", silence_logs=logging.CRITICAL)
         try:
             with distributed.Client(cluster) as client:
                 yield client
