@@ -34,9 +34,9 @@ from packer.read import batch, readahead
 from packer.read.fields import FieldsArg, FieldSelection
 from packer.read.hints import Ahead, aheads_of
 from packer.read.indexing import IndexMap
-from packer.read.store import Access, ShardStore
+from packer.read.store import Access, ShardFiles, ShardStore
 from packer.read.surface import FolderSurface
-from packer.storage.url import refuse_url
+from packer.storage.url import is_url, parse, refuse_url
 
 if TYPE_CHECKING:
     from packer.read.cache import CachedDataset
@@ -66,10 +66,14 @@ class PackedDataset(FolderSurface):
         source_root: str | os.PathLike | None = None,
         crop: CropDecode | None = None,
         fields: FieldsArg = None,
+        files: ShardFiles | None = None,
     ) -> None:
         """Open the dataset at ``path`` (its arguments: see the class docstring); no shard file is opened yet."""
-        self.root = Path(path).absolute()  # not relative: a later os.chdir, a worker or an unpickling elsewhere
-        self.store = ShardStore(self.root, access)
+        if files is None:
+            refuse_url(path, type(self).__name__ + " (use open_dataset for a URL)")
+        # not relative: a later os.chdir, a worker or an unpickling elsewhere
+        self.root = Path(path).absolute() if files is None else files.root
+        self.store = ShardStore(self.root, access, files)
         self.manifest, self.index, self.access = self.store.manifest, self.store.index, self.store.access
         self.index_map = IndexMap.of(self.index, self.manifest)
         self.field_store = self.store.fields
@@ -156,7 +160,7 @@ class PackedDataset(FolderSurface):
 
     def __repr__(self) -> str:
         m = self.manifest
-        return (f"{type(self).__name__}({str(self.root)!r}, format={m.format}, payload={m.payload}, "
+        return (f"{type(self).__name__}({self.store.files.name!r}, format={m.format}, payload={m.payload}, "
                 f"samples={len(self)}, classes={len(self.classes)}, image={self.image}, indexing={self.indexing})")
 
     # ------------------------------------------------------------ reading
@@ -301,6 +305,10 @@ class PackedDataset(FolderSurface):
         """(H, W, 3) when every shard stores one shape its reader copies in bulk (``get_batch``), else None."""
         return self.store.fixed_shape
 
+    def follow(self, stored: np.ndarray, indices: Iterator[int], start: int) -> Iterator[int]:
+        """The shard files' read-ahead follows a sampler's pass (``StagedDataset.follow``)."""
+        return self.store.files.follow(stored, indices, start)
+
     def close(self) -> None:
         self.store.close()
 
@@ -397,12 +405,24 @@ def _copies_memory(ds: PackedDataset, ordered: np.ndarray, order: np.ndarray, in
 CacheMode = Literal["ram", "ram-decoded"]
 
 
+def _remote_files(path: str | os.PathLike, cache_dir: str | os.PathLike | None, cache_limit: int | str | None,
+                  storage_options: Mapping[str, Any] | None) -> ShardFiles | None:
+    """A URL's shard files (packer.read.remote), or None for a local path or ``file://`` URL."""
+    if not is_url(path) or parse(path).is_local:
+        return None
+    from packer.read.remote import open_remote
+
+    return open_remote(str(path), cache_dir, cache_limit, storage_options)
+
+
 @overload
 def open_dataset(path: str | os.PathLike, cache: None = None, cache_options: Mapping[str, Any] | None = None, *,
                  transform: Callable | None = None, target_transform: Callable | None = None, image: ImageKind = "pil",
                  decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
                  source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
-                 fields: FieldsArg = None) -> PackedDataset: ...
+                 fields: FieldsArg = None, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = "20GB",
+                 storage_options: Mapping[str, Any] | None = None) -> PackedDataset: ...
 
 
 @overload
@@ -410,7 +430,9 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode, cache_options: Mappi
                  transform: Callable | None = None, target_transform: Callable | None = None, image: ImageKind = "pil",
                  decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
                  source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
-                 fields: FieldsArg = None) -> CachedDataset: ...
+                 fields: FieldsArg = None, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = "20GB",
+                 storage_options: Mapping[str, Any] | None = None) -> CachedDataset: ...
 
 
 def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
@@ -418,13 +440,17 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
                  transform: Callable | None = None, target_transform: Callable | None = None, image: ImageKind = "pil",
                  decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
                  source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
-                 fields: FieldsArg = None) -> PackedDataset | CachedDataset:
+                 fields: FieldsArg = None, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = "20GB",
+                 storage_options: Mapping[str, Any] | None = None) -> PackedDataset | CachedDataset:
     """Open a packed dataset of any format as a map-style PyTorch dataset (ImageFolder's samples and indices).
 
     ``with open_dataset(p) as ds:`` closes its shard files at the end.
 
     Args:
-        path: the dataset directory (made by ``packer convert`` or ``packer.Writer``).
+        path: the dataset directory (made by ``packer convert`` or ``packer.Writer``), or its URL (``s3://``,
+            ``gs://``, ``az://``, ``http(s)://``, ``file://``): shards fetched whole into ``cache_dir`` as read
+            (docs/remote.md).
         cache: None reads the shard files; ``"ram"`` (the stored payloads) or ``"ram-decoded"`` (decoded
             pixels) returns a ``packer.CachedDataset``: one copy in shared memory for all DataLoader workers.
         cache_options: keyword arguments of ``packer.CachedDataset`` (``workers``, ``progress``, ``shm_dir``).
@@ -440,6 +466,9 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
         crop: a fused decode + crop + resize (``packer.RandomResizedCropDecode``, ``packer.CenterCropDecode``).
         fields: what a sample holds: None for ``(image, label)``, names for a tuple, ``"all"`` for a dict
             (docs/fields.md).
+        cache_dir: a URL's node-wide cache (default ``~/.cache/packer``); a node-local disk.
+        cache_limit: the disk the cache may use ("20GB"; None: no bound of this job's).
+        storage_options: a URL's credentials and client options (``endpoint``, ``region``, ...).
 
     Returns:
         The format's ``PackedDataset`` subclass (``LMDBDataset``, ...), or a ``CachedDataset`` with ``cache``.
@@ -451,12 +480,18 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
     """
     if cache == "ram-decoded" and crop is not None:
         raise OptionError("crop= with cache='ram-decoded' would keep one crop per sample for ever: use cache='ram'")
-    refuse_url(path, "open_dataset")
-    path = Path(path).absolute()
-    manifest = read_manifest(path)
-    ds = dataset_class(manifest.format, path)(path, transform=transform, target_transform=target_transform,
-                                              image=image, decoder=decoder, access=access, decode_size=decode_size,
-                                              source_root=source_root, crop=crop, fields=fields)
+    files = _remote_files(path, cache_dir, cache_limit, storage_options)  # None: a path or a file:// URL
+    path = parse(path).path if files is None else files.root
+    fmt = read_manifest(path).format if files is None else files.open()[0].format
+    try:
+        cls = dataset_class(fmt, path if files is None else files.name)
+        ds = cls(path, transform=transform, target_transform=target_transform, image=image, decoder=decoder,
+                 access=access, decode_size=decode_size, source_root=source_root, crop=crop, fields=fields,
+                 files=files)
+    except BaseException:
+        if files is not None:
+            files.close()
+        raise
     if cache is None:
         return ds
     from packer.read.cache import CachedDataset

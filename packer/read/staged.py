@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -133,6 +133,11 @@ class StagedDataset(Dataset, ABC):
     def block_boundaries(self) -> np.ndarray | None:
         """Storage positions where the dataset's natural blocks start, then len(self); None: blocks by bytes."""
         return None
+
+    def follow(self, stored: np.ndarray, indices: Iterator[int], start: int) -> Iterator[int]:
+        """A sampler's pass over storage positions ``stored``, handed out from ``start`` as ``indices``: the
+        dataset may follow it to fetch ahead (a remote dataset's shards); default ``indices`` as they are."""
+        return indices
 
     @property
     def has_images(self) -> bool:
