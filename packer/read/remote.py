@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from packer.errors import DatasetError, PackerError
-from packer.formats.base import Destinations, Format, ShardReader
+from packer.formats.base import Destinations, Format, ShardReader, shard_layout
 from packer.layout.fields import FieldStore
 from packer.layout.index import Index, shard_starts
 from packer.layout.manifest import Manifest, Shard
@@ -34,6 +34,7 @@ from packer.storage.faults import RetryPolicy
 
 T = TypeVar("T")
 READ_AHEAD = 2  # shards fetched ahead of the one being read, where the cache limit has room for them
+LAG = 512  # indices handed out after a shard's segment before it counts as read (a DataLoader's batches in flight)
 KEEP_OPEN = 4  # shard readers a process keeps open: an evicted shard's disk space returns once its reader closes
 SCAN = 100_000  # segments of the order looked through for the next shards
 
@@ -51,17 +52,20 @@ class _Process:
 class RemoteShards:
     """The shard files of ``remote``, fetched whole into the node's cache as the reads need them."""
 
-    def __init__(self, remote: RemoteDataset, read_ahead: int = READ_AHEAD, keep_open: int = KEEP_OPEN) -> None:
+    def __init__(self, remote: RemoteDataset, read_ahead: int = READ_AHEAD, keep_open: int = KEEP_OPEN,
+                 lag: int = LAG) -> None:
         if remote.index is None or remote.fields is None:
             raise DatasetError(remote.problems[0] if remote.problems else f"{remote.where()}: metadata missing")
         self.remote = remote
         self.root: Path = remote.folder
         self.name = remote.where()
-        self.keep_open = keep_open
+        self.keep_open, self.lag = keep_open, lag
         biggest = max((sum(f.num_bytes for f in s.files) for s in remote.manifest.shards), default=0)
         limit = remote.cache_limit
-        room = read_ahead if limit is None or biggest == 0 else min(read_ahead, max(0, limit // biggest - 1))
-        self.read_ahead = room  # the shard being read and those ahead fit the limit together
+        # the shard being read, those ahead and one more fit the limit together (the one more: a shard left that
+        # the order reads again soon is not evicted for one fetched ahead)
+        room = read_ahead if limit is None or biggest == 0 else min(read_ahead, max(0, limit // biggest - 2))
+        self.read_ahead = room
         self.starts = shard_starts([s.num_samples for s in remote.manifest.shards])
         self._process: PerProcess[_Process] = PerProcess(_Process)
 
@@ -72,7 +76,7 @@ class RemoteShards:
         return self.remote.manifest, self.remote.index, self.remote.fields, None
 
     def reader(self, fmt: Format, k: int, shard: Shard, payload: str, access: str) -> ShardReader:
-        return FetchedShard(self, k, fmt.Reader(self.remote.shard_root, shard, payload, access=access))
+        return FetchedShard(self, k, fmt, shard, payload, access)
 
     def where(self, name: str) -> str:
         return self.remote.where(name)
@@ -125,7 +129,7 @@ class RemoteShards:
             state.opened.move_to_end(reader.k)
             idle = [k for k in state.opened if state.busy[k] == 0]
             for k in idle[: max(0, len(state.opened) - self.keep_open)]:
-                state.opened.pop(k).inner.close()
+                state.opened.pop(k).close()
                 state.futures.pop(k, None)  # the next read asks the node again: its files may be gone by then
 
     def release(self, reader: FetchedShard) -> None:
@@ -139,7 +143,13 @@ class RemoteShards:
         with state.lock:
             state.futures.pop(reader.k, None)
             state.opened.pop(reader.k, None)
-        reader.inner.close()
+            inner, reader.inner = reader.inner, None
+        if inner is not None:
+            inner.close()
+
+    def lock(self) -> threading.Lock:
+        """This process's lock over its fetches and readers."""
+        return self._process.get().lock
 
     def present(self, k: int) -> bool:
         """Every file of shard ``k`` is in the cache now."""
@@ -151,28 +161,40 @@ class RemoteShards:
 
 
 class FetchedShard(ShardReader):
-    """The format's reader of shard ``k``, opened on its files once they are in the node's cache."""
+    """The format's reader of shard ``k``, made once its files are in the node's cache (some readers look into
+    their files when made); its ``fixed_shape`` is the manifest's, as every format's reader takes it."""
 
-    def __init__(self, files: RemoteShards, k: int, inner: ShardReader) -> None:  # noqa: D107
-        self.files, self.k, self.inner = files, k, inner
-        self.fixed_shape = inner.fixed_shape
+    def __init__(self, files: RemoteShards, k: int, fmt: Format, shard: Shard, payload: str,  # noqa: D107
+                 access: str) -> None:
+        self.files, self.k, self.fmt, self.shard, self.payload, self.access = files, k, fmt, shard, payload, access
+        self.inner: ShardReader | None = None
+        self.fixed_shape = shard_layout(shard.facts, files.where(shard.files[0].name)) \
+            if shard.facts.get("layout") == "fixed" else None
 
     def __len__(self) -> int:
-        return len(self.inner)
+        return self.shard.num_samples
+
+    def made(self) -> ShardReader:
+        """The format's reader (made now if this is the first read since the shard was fetched)."""
+        with self.files.lock():
+            if self.inner is None:
+                self.inner = self.fmt.Reader(self.files.remote.shard_root, self.shard, self.payload,
+                                             access=self.access)
+            return self.inner
 
     def _call(self, read: Callable[[ShardReader], T]) -> T:
         for _ in range(3):
             self.files.acquire(self)
             try:
-                return read(self.inner)
+                return read(self.made())
             except (PackerError, OSError):
                 if self.files.present(self.k):
                     raise
                 self.files.forget(self)  # evicted between its fetch and its opening here: fetch it again
             finally:
                 self.files.release(self)
-        raise PackerError(f"{self.files.where(self.files.remote.manifest.shards[self.k].files[0].name)}: evicted "
-                          "from the cache again and again before it could be opened: raise cache_limit")
+        raise PackerError(f"{self.files.where(self.shard.files[0].name)}: evicted from the cache again and again "
+                          "before it could be opened: raise cache_limit")
 
     def read(self, pos: int) -> Any:
         return self._call(lambda r: r.read(pos))
@@ -201,7 +223,8 @@ class FetchedShard(ShardReader):
         self.files.start(self.k)
 
     def close(self) -> None:
-        self.inner.close()
+        if self.inner is not None:
+            self.inner.close()
 
 
 class PassPlan:
@@ -231,14 +254,22 @@ class PassPlan:
         self._first_uses(seg)
         self._enter(seg)
         edge = int(self.begin[seg + 1]) if seg + 1 < len(self.shard) else self.size
+        left: collections.deque[tuple[int, int]] = collections.deque()  # (position it is due, segment left)
+        lag = self.files.lag
         j = start
         for i in indices:
             if j >= edge:
+                left.append((j + lag, seg))
                 seg += 1
                 self._enter(seg)
                 edge = int(self.begin[seg + 1]) if seg + 1 < len(self.shard) else self.size
+            while left and j >= left[0][0]:
+                self._leave(left.popleft()[1])
             j += 1
             yield i
+        for _, done in left:
+            self._leave(done)
+        self._leave(seg)  # the pass was read to its end
 
     def _need(self, shard: int, seg: int) -> None:
         self.files.remote.need(self.files.entries(shard), None if seg < 0 else int(self.begin[seg]))
@@ -252,12 +283,14 @@ class PassPlan:
         for shard, i in first.items():
             self._need(shard, i)
 
+    def _leave(self, seg: int) -> None:
+        """Segment ``seg`` was handed out ``lag`` indices ago (read by now): its shard is needed next where the
+        order reads it again, or never this pass (evicted first)."""
+        self._need(self.shard[seg], self.next_same[seg])
+        self.asked.discard(self.shard[seg])  # it may be evicted before it is read again: ask the node again then
+
     def _enter(self, seg: int) -> None:
-        """Segment ``seg`` starts being handed out (its shard was marked needed now when the last one left it)."""
-        if seg > 0:
-            left = self.shard[seg - 1]
-            self._need(left, self.next_same[seg - 1])  # next read then, or never this pass
-            self.asked.discard(left)  # it may be evicted before it is read again: ask the node again then
+        """Segment ``seg`` starts being handed out: fetch the next shards of the order."""
         here = self.shard[seg]
         ahead: list[int] = []
         for i in range(seg + 1, min(len(self.shard), seg + 1 + SCAN)):
