@@ -15,7 +15,6 @@ import operator
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import numpy as np
@@ -34,9 +33,9 @@ from packer.read import batch, readahead
 from packer.read.fields import FieldsArg, FieldSelection
 from packer.read.hints import Ahead, aheads_of
 from packer.read.indexing import IndexMap
-from packer.read.store import Access, ShardFiles, ShardStore
+from packer.read.store import Access, LocalFiles, ShardFiles, ShardStore
 from packer.read.surface import FolderSurface
-from packer.storage.url import is_url, parse, refuse_url
+from packer.storage.url import is_url, parse
 
 if TYPE_CHECKING:
     from packer.read.cache import CachedDataset
@@ -66,14 +65,11 @@ class PackedDataset(FolderSurface):
         source_root: str | os.PathLike | None = None,
         crop: CropDecode | None = None,
         fields: FieldsArg = None,
-        files: ShardFiles | None = None,
+        shard_files: ShardFiles | None = None,
     ) -> None:
         """Open the dataset at ``path`` (its arguments: see the class docstring); no shard file is opened yet."""
-        if files is None:
-            refuse_url(path, type(self).__name__ + " (use open_dataset for a URL)")
-        # not relative: a later os.chdir, a worker or an unpickling elsewhere
-        self.root = Path(path).absolute() if files is None else files.root
-        self.store = ShardStore(self.root, access, files)
+        at = LocalFiles.at(path, type(self).__name__) if shard_files is None else shard_files  # a URL refused
+        self.root, self.store = at.root, ShardStore(at.root, access, at)  # absolute: os.chdir, workers, pickles
         self.manifest, self.index, self.access = self.store.manifest, self.store.index, self.store.access
         self.index_map = IndexMap.of(self.index, self.manifest)
         self.field_store = self.store.fields
@@ -306,8 +302,7 @@ class PackedDataset(FolderSurface):
         return self.store.fixed_shape
 
     def follow(self, stored: np.ndarray, indices: Iterator[int], start: int) -> Iterator[int]:
-        """The shard files' read-ahead follows a sampler's pass (``StagedDataset.follow``)."""
-        return self.store.files.follow(stored, indices, start)
+        return self.store.files.follow(stored, indices, start)  # StagedDataset.follow: the shard files' read-ahead
 
     def close(self) -> None:
         self.store.close()
@@ -337,6 +332,8 @@ PackedDataset.__doc__ = f"""{PackedDataset.__doc__}
             docs/decoding.md): only the pixels the crop keeps are decoded.
         fields: what a sample holds (docs/fields.md): None for ``(image, label)``, a sequence of names for
             a tuple in that order (e.g. ``("image", "label", "boxes")``), ``"all"`` for a dict of every field.
+        shard_files: where the shard files come from (``packer.read.store.ShardFiles``): None for the folder ``path``;
+            ``open_dataset`` of a URL passes its remote shards (``packer.read.remote.RemoteShards``).
 
     Raises:
         InputNotFoundError: ``path`` is not a packed dataset (a ``FileNotFoundError``).
@@ -487,7 +484,7 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
         cls = dataset_class(fmt, path if files is None else files.name)
         ds = cls(path, transform=transform, target_transform=target_transform, image=image, decoder=decoder,
                  access=access, decode_size=decode_size, source_root=source_root, crop=crop, fields=fields,
-                 files=files)
+                 shard_files=files)
     except BaseException:
         if files is not None:
             files.close()

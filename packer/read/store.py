@@ -25,6 +25,7 @@ from packer.layout.index import Index, shard_starts
 from packer.layout.manifest import MANIFEST_NAME, Manifest, Shard, read_manifest
 from packer.layout.trust import reading
 from packer.perprocess import PerProcess
+from packer.storage.url import refuse_url
 
 Access = Literal["auto", "sequential", "random"]
 
@@ -85,6 +86,13 @@ class LocalFiles:
 
     def __init__(self, root: Path) -> None:
         self.root, self.name = root, str(root)
+
+    @classmethod
+    def at(cls, path: str | os.PathLike, by: str) -> LocalFiles:
+        """The folder ``path`` made absolute (a later ``os.chdir``, a worker, an unpickling elsewhere); a URL is
+        refused in one line naming ``by``, never taken as a path."""
+        refuse_url(path, f"{by} (use open_dataset for a URL)")
+        return cls(Path(path).absolute())
 
     def open(self) -> tuple[Manifest, Index, FieldStore, FileIds | None]:
         return _open_consistent(self.root)

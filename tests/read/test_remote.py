@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from support.imagesets import make_imagefolder
@@ -76,7 +77,9 @@ def test_every_format_reads_back_as_the_same_dataset_as_local(fmt, datasets, tmp
             assert type(ds) is type(local) and len(ds.manifest.shards) > 1
             assert (ds.classes, ds.targets, ds.samples) == (local.classes, local.targets, local.samples)
             assert repr(ds).startswith(f"{type(local).__name__}('s3://bucket/ds.{fmt}', format={fmt}")
-            for (img, label), (want, want_label) in zip(ds.__getitems__(list(range(len(ds)))), local, strict=True):
+            everything = list(range(len(ds)))
+            for (img, label), (want, want_label) in zip(ds.__getitems__(everything), local.__getitems__(everything),
+                                                        strict=True):
                 assert label == want_label and (img == want).all()
     finally:
         server.stop()
@@ -173,6 +176,25 @@ def test_a_cache_of_three_shards_reads_an_epoch_once_each_fetching_only_what_it_
             assert fetched < len(segments) * max(sizes)
     finally:
         server.stop()
+
+
+def test_eviction_keeps_the_shard_the_pass_reads_again_soonest(served, tmp_path):
+    """A cache of two shards, an order reading shards A, B, C, then A again: told the pass's order, the node evicts
+    B (never read again) for C, not A (least recently used), so A is fetched once."""
+    with _open(served, tmp_path, cache_limit=1 << 30) as probe:
+        limit = 2 * max(_shard_bytes(probe)) + max(_shard_bytes(probe)) // 2  # two shards, not three
+    with _open(served, tmp_path, cache="small", cache_limit=limit) as ds:
+        ds.store.files.keep_open = 1  # a reader closed once another shard is read: its files are read again
+        assert ds.store.files.read_ahead == 0  # two shards: the one read and one more, nothing fetched ahead
+        starts = ds.store.starts.tolist() + [len(ds)]
+        a, b, c = (list(range(starts[k], starts[k + 1])) for k in range(3))
+        stored = np.array(a[:1] + b + c + a[1:])
+        public = [ds.index_map.public(int(p)) for p in stored]
+        before = _counts(served)["body_bytes"]
+        got = [ds[i][1] for i in ds.follow(stored, iter(public), 0)]
+        assert got == [ds.targets[i] for i in public]
+        sizes = _shard_bytes(ds)
+        assert _counts(served)["body_bytes"] - before == sizes[0] + sizes[1] + sizes[2]  # A once
 
 
 # ---- faults, in the main process, forked DataLoader workers and ThreadLoader threads ----
