@@ -33,7 +33,7 @@ from packer.perprocess import PerProcess
 from packer.storage.faults import RetryPolicy
 
 T = TypeVar("T")
-READ_AHEAD = 2  # shards fetched ahead of the one being read, where the cache limit has room for them
+READ_AHEAD = 256 << 20  # bytes of shards fetched ahead of the reads (2 s of a 1 Gbit/s link), as the limit allows
 LAG = 512  # indices handed out after a shard's segment before it counts as read (a DataLoader's batches in flight)
 KEEP_OPEN = 4  # shard readers a process keeps open: an evicted shard's disk space returns once its reader closes
 SCAN = 100_000  # segments of the order looked through for the next shards
@@ -50,7 +50,10 @@ class _Process:
 
 
 class RemoteShards:
-    """The shard files of ``remote``, fetched whole into the node's cache as the reads need them."""
+    """The shard files of ``remote``, fetched whole into the node's cache as the reads need them; ``read_ahead``:
+    bytes of shards a sampler's pass fetches ahead (at least one shard, as many as the cache limit leaves room for
+    beside the shard being read and one more); ``keep_open``: shard readers a process keeps open; ``lag``: indices
+    handed out after a shard's segment before the eviction policy hears it was read."""
 
     def __init__(self, remote: RemoteDataset, read_ahead: int = READ_AHEAD, keep_open: int = KEEP_OPEN,
                  lag: int = LAG) -> None:
@@ -62,10 +65,10 @@ class RemoteShards:
         self.keep_open, self.lag = keep_open, lag
         biggest = max((sum(f.num_bytes for f in s.files) for s in remote.manifest.shards), default=0)
         limit = remote.cache_limit
-        # the shard being read, those ahead and one more fit the limit together (the one more: a shard left that
-        # the order reads again soon is not evicted for one fetched ahead)
-        room = read_ahead if limit is None or biggest == 0 else min(read_ahead, max(0, limit // biggest - 2))
-        self.read_ahead = room
+        # shards ahead: at least one; with the shard being read and one more they fit the limit (the one more: a
+        # shard left that the order reads again soon is not evicted for one fetched ahead)
+        want = max(1, read_ahead // max(biggest, 1))
+        self.read_ahead = want if limit is None else min(want, max(0, limit // max(biggest, 1) - 2))
         self.starts = shard_starts([s.num_samples for s in remote.manifest.shards])
         self._process: PerProcess[_Process] = PerProcess(_Process)
 
@@ -244,6 +247,7 @@ class PassPlan:
             seen[self.shard[i]] = i
         self.size = len(shard_of)
         self.asked: set[int] = set()  # shards this pass fetched ahead and has not read since
+        self.live: collections.Counter[int] = collections.Counter()  # shards entered and not yet left (local)
 
     def run(self, indices: Iterator[int], start: int) -> Iterator[int]:
         """``indices`` (from position ``start`` of the pass), with the fetches and needs as they are reached."""
@@ -288,15 +292,16 @@ class PassPlan:
         order reads it again, or never this pass (evicted first)."""
         self._need(self.shard[seg], self.next_same[seg])
         self.asked.discard(self.shard[seg])  # it may be evicted before it is read again: ask the node again then
+        self.live[self.shard[seg]] -= 1
 
     def _enter(self, seg: int) -> None:
-        """Segment ``seg`` starts being handed out: fetch the next shards of the order."""
-        here = self.shard[seg]
+        """Segment ``seg`` starts being handed out: fetch the next shards of the order not being read now."""
+        self.live[self.shard[seg]] += 1
         ahead: list[int] = []
         for i in range(seg + 1, min(len(self.shard), seg + 1 + SCAN)):
             if len(ahead) >= self.files.read_ahead:
                 break
-            if self.shard[i] != here and self.shard[i] not in ahead:
+            if self.live[self.shard[i]] <= 0 and self.shard[i] not in ahead:
                 ahead.append(self.shard[i])
         for distance, shard in enumerate(ahead, 1):
             if shard not in self.asked:
