@@ -33,7 +33,7 @@ from packer.perprocess import PerProcess
 from packer.storage.faults import RetryPolicy
 
 T = TypeVar("T")
-READ_AHEAD = 256 << 20  # bytes of shards fetched ahead of the reads (2 s of a 1 Gbit/s link), as the limit allows
+READ_AHEAD = 64 << 20  # bytes of shards fetched ahead of the reads (0.5 s of a 1 Gbit/s link), as the limit allows
 LAG = 512  # indices handed out after a shard's segment before it counts as read (a DataLoader's batches in flight)
 KEEP_OPEN = 4  # shard readers a process keeps open: an evicted shard's disk space returns once its reader closes
 SCAN = 100_000  # segments of the order looked through for the next shards
