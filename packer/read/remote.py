@@ -52,7 +52,7 @@ class _Process:
 class RemoteShards:
     """The shard files of ``remote``, fetched whole into the node's cache as the reads need them; ``read_ahead``:
     bytes of shards a sampler's pass fetches ahead (at least one shard, as many as the cache limit leaves room for
-    beside the shard being read and one more); ``keep_open``: shard readers a process keeps open; ``lag``: indices
+    beside the shard being read and two more); ``keep_open``: shard readers a process keeps open; ``lag``: indices
     handed out after a shard's segment before the eviction policy hears it was read."""
 
     def __init__(self, remote: RemoteDataset, read_ahead: int = READ_AHEAD, keep_open: int = KEEP_OPEN,
@@ -65,10 +65,10 @@ class RemoteShards:
         self.keep_open, self.lag = keep_open, lag
         biggest = max((sum(f.num_bytes for f in s.files) for s in remote.manifest.shards), default=0)
         limit = remote.cache_limit
-        # shards ahead: at least one; with the shard being read and one more they fit the limit (the one more: a
-        # shard left that the order reads again soon is not evicted for one fetched ahead)
+        # shards ahead: at least one, where the limit holds them beside the shard being read and two more (shards
+        # the order reads again soon, left in the cache: in a cache of a few shards, fetching ahead would evict them)
         want = max(1, read_ahead // max(biggest, 1))
-        self.read_ahead = want if limit is None else min(want, max(0, limit // max(biggest, 1) - 2))
+        self.read_ahead = want if limit is None else min(want, max(0, limit // max(biggest, 1) - 3))
         self.starts = shard_starts([s.num_samples for s in remote.manifest.shards])
         self._process: PerProcess[_Process] = PerProcess(_Process)
 
