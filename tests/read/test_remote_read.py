@@ -101,6 +101,18 @@ def test_against_moto_a_url_reads_as_the_local_folder_and_file_urls_are_local_pa
         assert ds.root == datasets / "ds.lmdb" and len(ds) == len(local)
 
 
+def test_plain_http_and_the_ram_cache_read_the_same_samples(served, tmp_path, datasets):
+    local = open_dataset(datasets / "ds.lmdb", image="numpy")
+    url = f"{served.server.endpoint}/bucket/ds.lmdb"  # http: a HEAD per object instead of a listing
+    with open_dataset(url, cache_dir=tmp_path / "cache", image="numpy") as ds:
+        assert repr(ds).startswith(f"LMDBDataset('{url}'")
+        assert all((ds[i][0] == local[i][0]).all() for i in range(len(ds)))
+    with _open(served, tmp_path, cache="ram", image="numpy") as ds, open_dataset(
+            URL, cache="ram", cache_options={"progress": False}, cache_dir=tmp_path / "ram",
+            storage_options=_options(served), image="numpy") as cached:
+        assert all((cached[i][0] == local[i][0]).all() for i in range(len(ds)))
+
+
 def _labels(batches) -> list[int]:
     return [int(x) for _, labels in batches for x in labels]
 
