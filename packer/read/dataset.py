@@ -10,7 +10,7 @@ a dataset is safe to hand to ``DataLoader(num_workers>0)`` under fork and spawn 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, overload
 
@@ -35,9 +35,9 @@ from packer.read.present import ImageKind, Presenter
 from packer.read.readahead import Pending
 from packer.read.slots import WorkerMemory
 from packer.read.source import SampleSource
-from packer.read.store import Access, ShardStore
+from packer.read.store import Access, LocalFiles, ShardFiles, ShardStore
 from packer.read.surface import FolderSurface
-from packer.storage.url import refuse_url
+from packer.storage.url import is_url, parse
 from packer.units import human_bytes
 
 FILE_SOURCES = ("", "folder", "list")  # source types whose records are files below the recorded source folder
@@ -54,10 +54,11 @@ class PackedDataset(FolderSurface):
     def __init__(self, path: str | os.PathLike, transform: Callable | None = None,
                  target_transform: Callable | None = None, image: ImageKind = "pil", decoder: str = "auto",
                  access: Access = "auto", decode_size: int | None = None, source_root: str | os.PathLike | None = None,
-                 crop: CropDecode | None = None, fields: FieldsArg = None) -> None:
+                 crop: CropDecode | None = None, fields: FieldsArg = None, shard_files: ShardFiles | None = None
+                 ) -> None:
         """Open the dataset at ``path`` (its arguments: see the class docstring); no shard file is opened yet."""
-        self.root = Path(path).absolute()  # not relative: a later os.chdir, a worker or an unpickling elsewhere
-        self.store = ShardStore(self.root, access)
+        at = LocalFiles.at(path, type(self).__name__) if shard_files is None else shard_files  # a URL refused
+        self.root, self.store = at.root, ShardStore(at.root, access, at)  # absolute: os.chdir, workers, pickles
         self.manifest, self.index, self.access = self.store.manifest, self.store.index, self.store.access
         if self.FORMAT is not None and self.manifest.format != self.FORMAT:
             raise OptionError(f"{self.root}: holds format {self.manifest.format!r}, not {self.FORMAT!r} "
@@ -86,7 +87,7 @@ class PackedDataset(FolderSurface):
 
     def __repr__(self) -> str:
         m = self.manifest
-        return (f"{type(self).__name__}({str(self.root)!r}, format={m.format}, payload={m.payload}, "
+        return (f"{type(self).__name__}({self.store.files.name!r}, format={m.format}, payload={m.payload}, "
                 f"samples={len(self)}, classes={len(self.classes)}, image={self.image}, indexing={self.indexing})")
 
     # ------------------------------------------------------------ samples and batches: all through the pipeline
@@ -172,6 +173,10 @@ class PackedDataset(FolderSurface):
         None for formats without any (the block sampler then makes blocks by bytes)."""
         return get_format(self.manifest.format).block_boundaries(self.manifest)
 
+    def follow(self, stored: np.ndarray, indices: Iterator[int], start: int) -> Iterator[int]:
+        """A sampler's pass (storage positions ``stored``, from ``start``): the shard files may fetch ahead."""
+        return self.store.files.follow(stored, indices, start)
+
     def close(self) -> None:
         self.source.close()
         self.store.close()
@@ -248,6 +253,8 @@ PackedDataset.__doc__ = f"""{PackedDataset.__doc__}
             docs/decoding.md): only the pixels the crop keeps are decoded.
         fields: what a sample holds (docs/fields.md): None for ``(image, label)``, a sequence of names for
             a tuple in that order (e.g. ``("image", "label", "boxes")``), ``"all"`` for a dict of every field.
+        shard_files: where the shard files come from (``packer.read.store.ShardFiles``): None for the folder ``path``;
+            ``open_dataset`` of a URL passes its remote shards (``packer.read.remote.RemoteShards``).
 
     Raises:
         InputNotFoundError: ``path`` is not a packed dataset (a ``FileNotFoundError``).
@@ -322,7 +329,9 @@ def open_dataset(path: str | os.PathLike, cache: None = None, cache_options: Map
                  transform: Callable | None = None, target_transform: Callable | None = None, image: ImageKind = "pil",
                  decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
                  source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
-                 fields: FieldsArg = None) -> PackedDataset: ...
+                 fields: FieldsArg = None, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = "20GB",
+                 storage_options: Mapping[str, Any] | None = None) -> PackedDataset: ...
 
 
 @overload
@@ -330,7 +339,9 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode, cache_options: Mappi
                  transform: Callable | None = None, target_transform: Callable | None = None, image: ImageKind = "pil",
                  decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
                  source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
-                 fields: FieldsArg = None) -> CachedDataset: ...
+                 fields: FieldsArg = None, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = "20GB",
+                 storage_options: Mapping[str, Any] | None = None) -> CachedDataset: ...
 
 
 def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
@@ -338,13 +349,17 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
                  transform: Callable | None = None, target_transform: Callable | None = None, image: ImageKind = "pil",
                  decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
                  source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
-                 fields: FieldsArg = None) -> PackedDataset | CachedDataset:
+                 fields: FieldsArg = None, cache_dir: str | os.PathLike | None = None,
+                 cache_limit: int | str | None = "20GB",
+                 storage_options: Mapping[str, Any] | None = None) -> PackedDataset | CachedDataset:
     """Open a packed dataset of any format as a map-style PyTorch dataset (ImageFolder's samples and indices).
 
     ``with open_dataset(p) as ds:`` closes its shard files at the end.
 
     Args:
-        path: the dataset directory (made by ``packer convert`` or ``packer.Writer``).
+        path: the dataset directory (made by ``packer convert`` or ``packer.Writer``), or its URL (``s3://``,
+            ``gs://``, ``az://``, ``http(s)://``, ``file://``): shards fetched whole into ``cache_dir`` as read
+            (docs/remote.md).
         cache: None reads the shard files; ``"ram"`` (the stored payloads) or ``"ram-decoded"`` (decoded
             pixels) returns a ``packer.CachedDataset``: one copy in shared memory for all DataLoader workers.
         cache_options: keyword arguments of ``packer.CachedDataset`` (``workers``, ``progress``, ``shm_dir``).
@@ -360,6 +375,9 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
         crop: a fused decode + crop + resize (``packer.RandomResizedCropDecode``, ``packer.CenterCropDecode``).
         fields: what a sample holds: None for ``(image, label)``, names for a tuple, ``"all"`` for a dict
             (docs/fields.md).
+        cache_dir: a URL's node-wide cache (default ``~/.cache/packer``); a node-local disk.
+        cache_limit: the disk the cache may use ("20GB"; None: no bound of this job's).
+        storage_options: a URL's credentials and client options (``endpoint``, ``region``, ...).
 
     Returns:
         The format's ``PackedDataset`` subclass (``LMDBDataset``, ...), or a ``CachedDataset`` with ``cache``.
@@ -373,12 +391,29 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
         raise OptionError("crop= with cache='ram-decoded' would keep one crop per sample for ever: use cache='ram'")
     if cache is not None and cache not in CACHE_MODES:
         raise OptionError(f"unknown cache {cache!r} (choose {' or '.join(CACHE_MODES)})")
-    refuse_url(path, "open_dataset")
-    path = Path(path).absolute()
-    manifest = read_manifest(path)
-    if manifest.format not in FORMATS:
-        raise DatasetError(f"{path}: format {manifest.format!r} is unknown to this packer ({', '.join(FORMATS)})")
-    ds = DATASET_CLASSES.get(manifest.format, PackedDataset)(
-        path, transform=transform, target_transform=target_transform, image=image, decoder=decoder, access=access,
-        decode_size=decode_size, source_root=source_root, crop=crop, fields=fields)
+    files = _remote_files(path, cache_dir, cache_limit, storage_options)  # None: a path or a file:// URL
+    try:
+        path = parse(path).path if files is None else files.root
+        fmt = read_manifest(path).format if files is None else files.open()[0].format
+        if fmt not in FORMATS:
+            where = path if files is None else files.name
+            raise DatasetError(f"{where}: format {fmt!r} is unknown to this packer ({', '.join(FORMATS)})")
+        ds = DATASET_CLASSES.get(fmt, PackedDataset)(
+            path, transform=transform, target_transform=target_transform, image=image, decoder=decoder,
+            access=access, decode_size=decode_size, source_root=source_root, crop=crop, fields=fields,
+            shard_files=files)
+    except BaseException:
+        if files is not None:
+            files.close()
+        raise
     return ds if cache is None else CachedDataset(ds, cache, **dict(cache_options or {}))
+
+
+def _remote_files(path: str | os.PathLike, cache_dir: str | os.PathLike | None, cache_limit: int | str | None,
+                  storage_options: Mapping[str, Any] | None) -> ShardFiles | None:
+    """A URL's shard files (packer.read.remote), or None for a local path or ``file://`` URL."""
+    if not is_url(path) or parse(path).is_local:
+        return None
+    from packer.read.remote import open_remote
+
+    return open_remote(str(path), cache_dir, cache_limit, storage_options)

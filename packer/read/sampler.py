@@ -305,8 +305,10 @@ class BlockShuffleSampler(DistributedSampler):
             self.position = EpochPosition()
         self._ran_out = self._epoch_set = False
         stored = self.stored_order()
-        yield from self.position.iterate(hinted_order(self.index_map.public_many(stored).tolist(), stored,
-                                                      self.bounds))
+        indices = self.position.iterate(hinted_order(self.index_map.public_many(stored).tolist(), stored,
+                                                     self.bounds))
+        yield from (self.dataset.follow(stored, indices, self.position.yielded)
+                    if isinstance(self.dataset, PackedDataset) else indices)
         self._ran_out = True
 
     def __len__(self) -> int:

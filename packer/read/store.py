@@ -12,24 +12,25 @@ from __future__ import annotations
 
 import operator
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 
 from packer import sysinfo
 from packer.errors import DatasetError, OptionError, PackerError
 from packer.formats import check_recorded_options, get_format
-from packer.formats.base import Destinations
+from packer.formats.base import Destinations, Format, ShardReader
 from packer.layout.fields import FieldStore, load_fields
 from packer.layout.index import Index, shard_starts
-from packer.layout.manifest import MANIFEST_NAME, Manifest, read_manifest
+from packer.layout.manifest import MANIFEST_NAME, Manifest, Shard, read_manifest
 from packer.layout.trust import reading
 from packer.perprocess import PerProcess
 from packer.read import readahead
 from packer.read.hints import Ahead
 from packer.read.source import SampleSource
+from packer.storage.url import refuse_url
 
 Access = Literal["auto", "sequential", "random"]
 
@@ -56,25 +57,85 @@ def fits_in_memory(manifest: Manifest) -> bool:
     return available is None or size <= available // 2
 
 
+FileIds = list[list[tuple[int, int]]]
+
+
+class ShardFiles(Protocol):
+    """Where a store's shard files come from: the dataset's folder (``LocalFiles``), or a node's cache that a
+    remote dataset's shards are fetched into (``packer.read.remote.RemoteShards``)."""
+
+    root: Path  # the local folder holding the manifest and meta/ (a remote dataset's: the node's copy)
+    name: str  # the dataset as messages name it: its path, or its URL redacted
+
+    def open(self) -> tuple[Manifest, Index, FieldStore, FileIds | None]:
+        """Manifest, index, fields and each shard file's identity (None: the files are checked when fetched)."""
+        ...
+
+    def reader(self, fmt: Format, k: int, shard: Shard, payload: str, access: str) -> ShardReader:
+        """The reader of shard ``k`` (opening nothing yet)."""
+        ...
+
+    def where(self, name: str) -> str:
+        """File ``name`` of the dataset as messages name it."""
+        ...
+
+    def follow(self, stored: np.ndarray, indices: Iterator[int], start: int) -> Iterator[int]:
+        """``indices``, the pass over storage positions ``stored`` from ``start``, as handed out."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalFiles:
+    """The shard files of the dataset folder ``root``, read in place."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.name = root, str(root)
+
+    @classmethod
+    def at(cls, path: str | os.PathLike, by: str) -> LocalFiles:
+        """The folder ``path`` made absolute (a later ``os.chdir``, a worker, an unpickling elsewhere); a URL is
+        refused in one line naming ``by``, never taken as a path."""
+        refuse_url(path, f"{by} (use open_dataset for a URL)")
+        return cls(Path(path).absolute())
+
+    def open(self) -> tuple[Manifest, Index, FieldStore, FileIds | None]:
+        return _open_consistent(self.root)
+
+    def reader(self, fmt: Format, k: int, shard: Shard, payload: str, access: str) -> ShardReader:
+        return fmt.Reader(self.root, shard, payload, access=access)
+
+    def where(self, name: str) -> str:
+        return str(self.root / name)
+
+    def follow(self, stored: np.ndarray, indices: Iterator[int], start: int) -> Iterator[int]:
+        return indices
+
+    def close(self) -> None:
+        pass
+
+
 HULLS_KEPT = 4096  # ranges whose byte hulls a store remembers (an epoch's blocks, and ranks' shares of them)
 
 
 class ShardStore(SampleSource):
-    """The shards of the dataset at ``root`` (an absolute path), opened consistently; reads checked."""
+    """The shards of the dataset at ``root`` (an absolute path), opened consistently; reads checked. ``files``:
+    where the shard files come from (default: ``root`` itself)."""
 
-    def __init__(self, root: Path, access: Access = "auto") -> None:
+    def __init__(self, root: Path, access: Access = "auto", files: ShardFiles | None = None) -> None:
         self.root = root
-        self.manifest, self.index, self.fields, self._file_ids = _open_consistent(root)
+        self.files = LocalFiles(root) if files is None else files
+        self.manifest, self.index, self.fields, self._file_ids = self.files.open()
         self.payload = self.manifest.payload
         fmt = get_format(self.manifest.format)
         check_recorded_options(fmt.name, self.manifest.options, root / MANIFEST_NAME)
         self.fits_in_memory = fits_in_memory(self.manifest)  # read-ahead may read a block's edge request whole
         self.access = resolve_access(access, self.fits_in_memory)
         with reading(f"{root}: opening shards"):
-            self.readers = [fmt.Reader(root, s, self.manifest.payload, access=self.access)
-                            for s in self.manifest.shards]
+            self.readers = [self.files.reader(fmt, k, s, self.manifest.payload, self.access)
+                            for k, s in enumerate(self.manifest.shards)]
         self.starts = shard_starts([s.num_samples for s in self.manifest.shards])
-        self._names = [f"{root / s.files[0].name}" for s in self.manifest.shards]  # where(): once, not per read
+        self._names = [self.files.where(s.files[0].name) for s in self.manifest.shards]  # where(): once, not per read
         self._checked: PerProcess[set[int]] = PerProcess(set)  # shards whose files this process checked
         self.hulls: dict[tuple[int, int], list[tuple[str, int, int]]] = {}  # byte_hulls, per range asked
 
@@ -234,7 +295,7 @@ class ShardStore(SampleSource):
     def check_same_files(self, shard: int) -> None:
         """Once per process and shard, after its reader opened: the files are those this dataset was opened on."""
         checked = self._checked.get()
-        if shard not in checked:
+        if shard not in checked and self._file_ids is not None:
             for f, recorded in zip(self.manifest.shards[shard].files, self._file_ids[shard]):
                 if _file_id(self.root / f.name) != recorded:
                     raise DatasetError(f"{self.root / f.name}: replaced since this dataset was opened "
@@ -250,6 +311,7 @@ class ShardStore(SampleSource):
     def close(self) -> None:
         for r in self.readers:
             r.close()
+        self.files.close()
 
 
 def _sizes(bufs: list) -> np.ndarray:
@@ -265,7 +327,7 @@ _NBYTES = operator.attrgetter("nbytes")
 _VIEWS = {np.ndarray, memoryview}
 
 
-def _open_consistent(root: Path) -> tuple[Manifest, Index, FieldStore, list[list[tuple[int, int]]]]:
+def _open_consistent(root: Path) -> tuple[Manifest, Index, FieldStore, FileIds]:
     """Manifest, index, fields and the identity of every shard file, all from one version of the dataset.
 
     ``convert --overwrite`` swaps a whole new directory in: if the directory changed while

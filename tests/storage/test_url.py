@@ -9,7 +9,7 @@ import pytest
 from support.imagesets import make_imagefolder
 
 from packer.cli import main
-from packer.errors import PackerError
+from packer.errors import InputNotFoundError, PackerError
 from packer.storage.url import Location, is_url, parse, redact, redact_text, refuse_url
 
 SECRET = "SECRETVALUE123"
@@ -124,7 +124,7 @@ def test_every_command_refuses_a_url_in_one_line(argv, by, imgs, in_tmp, capsys)
 
 
 def test_the_python_entry_points_refuse_a_url(imgs, in_tmp):
-    from packer import Writer, convert, open_dataset
+    from packer import LMDBDataset, Writer, convert, open_dataset
     from packer.diagnose.bench import run_bench
     from packer.diagnose.doctor import diagnose
     from packer.tools.extract import extract
@@ -132,7 +132,7 @@ def test_the_python_entry_points_refuse_a_url(imgs, in_tmp):
     from packer.tools.verify import verify
 
     calls = {
-        "open_dataset": lambda: open_dataset(URL),
+        "LMDBDataset (use open_dataset for a URL)": lambda: LMDBDataset(URL),
         "packer.Writer": lambda: Writer(URL, format="lmdb"),
         "packer convert": lambda: convert(imgs, URL, to="lmdb", progress=False),
         "packer verify --deep": lambda: verify(URL, deep=True),
@@ -144,8 +144,7 @@ def test_the_python_entry_points_refuse_a_url(imgs, in_tmp):
         with pytest.raises(PackerError) as err:
             call()
         assert str(err.value) == MESSAGE.format(by=by)
-    for scheme in ("gs://b/x", "az://c/x", "https://h/x", "file:///tmp/x"):
-        with pytest.raises(PackerError, match="not supported yet by open_dataset"):
-            open_dataset(scheme)
+    with pytest.raises(InputNotFoundError, match=f"^{in_tmp}/nothing"):  # file://: a local path (a URL: test_read)
+        open_dataset(f"file://{in_tmp}/nothing")
     with pytest.raises(PackerError, match="not supported yet by packer info: file:///tmp/x"):
         dataset_info("file:///tmp/x")  # a URL naming a local path: info reads object storage, and folders
