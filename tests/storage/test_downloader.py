@@ -17,7 +17,7 @@ from concurrent.futures import CancelledError
 from pathlib import Path
 
 import pytest
-from support.storage_servers import Emulated, gone, s3_spec, wait_until
+from support.storage_servers import gone, one_object, s3_spec, wait_until
 
 from packer.errors import PackerError
 from packer.storage.cache import ChecksumMismatch, RangeCache
@@ -32,12 +32,8 @@ BLOCK = 1 << 18
 
 @pytest.fixture
 def server(tmp_path):
-    root = tmp_path / "root"
-    root.mkdir()
-    srv = Emulated(root, latency=0.01)
-    srv.write("ds/shard.bin", DATA)
-    yield srv
-    srv.stop()
+    with one_object(tmp_path / "root", DATA, latency=0.01) as srv:
+        yield srv
 
 
 def _spec(server):

@@ -14,7 +14,7 @@ from concurrent.futures import CancelledError
 from pathlib import Path
 
 import pytest
-from support.storage_servers import Emulated
+from support.storage_servers import one_object
 
 from packer.storage.cache import ChecksumMismatch, RangeCache
 from packer.storage.emulate import Fault
@@ -26,12 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def server(tmp_path):
-    root = tmp_path / "root"
-    root.mkdir()
-    srv = Emulated(root, latency=0.02)
-    srv.write("ds/shard.bin", DATA)
-    yield srv
-    srv.stop()
+    with one_object(tmp_path / "root", DATA, latency=0.02) as srv:
+        yield srv
 
 
 def _gets(server) -> int:

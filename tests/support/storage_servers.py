@@ -72,6 +72,18 @@ class Emulated:
         self.server.stop()
 
 
+@contextmanager
+def one_object(root: Path, data: bytes, latency: float) -> Iterator[Emulated]:
+    """An emulated store serving ``data`` as ``s3://bucket/ds/shard.bin`` with ``latency`` before each first byte."""
+    root.mkdir()
+    srv = Emulated(root, latency=latency)
+    srv.write("ds/shard.bin", data)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 def s3_spec(endpoint: str, url: str, policy: RetryPolicy = FAST_POLICY) -> StoreSpec:
     """The StoreSpec a downloader client sends for ``url`` (s3://bucket/prefix) served at ``endpoint``."""
     return StoreSpec(url, {**CREDENTIALS, "endpoint": endpoint}, policy)
