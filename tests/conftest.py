@@ -1,3 +1,5 @@
+import signal
+
 import pytest
 from support.imagesets import make_flat, make_imagefolder
 from support.storage_servers import Emulated, make_bucket, moto_server
@@ -12,6 +14,14 @@ def pytest_addoption(parser):
                      help="fail (not skip) when the JPEG region decoder (packer.images._jpegregion) isn't built")
     parser.addoption("--fuzz-cases", type=int, default=120,
                      help="mutated datasets tried per format and payload in tests/test_fuzz.py (make fuzz: 5000)")
+
+
+def pytest_configure(config):
+    # Started in the background by a shell without job control (nohup ... &, some CI runners), the suite inherits
+    # SIGINT ignored, and so would every child it starts (an ignored signal stays ignored across exec), so the
+    # tests that press Ctrl-C in a child could see nothing happen. A handler is reset to the default by exec.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def turbojpeg_or_skip(required: bool):
