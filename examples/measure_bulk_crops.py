@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import packer
-import packer.read.batch as batch_mod
+import packer.read.slots as slots_mod
 from packer.images.crop import CropDecode
 
 
@@ -85,13 +85,13 @@ def warm(args: argparse.Namespace) -> None:
         runs = datasets(path)
         report(f"{path}: ThreadLoader, {args.threads} threads, train224, warm",
                interleaved(runs, lambda ds: thread_epoch(ds, args.threads), args.rounds))
-        real = batch_mod.get_worker_info
-        batch_mod.get_worker_info = lambda: object()  # as in a worker: shared slots, so __getitems__ decodes into them
+        real = slots_mod.get_worker_info
+        slots_mod.get_worker_info = lambda: object()  # as in a worker: shared slots, so __getitems__ decodes into them
         try:
             report(f"{path}: a DataLoader worker's batches, in this process",
                    interleaved(runs, worker_epoch, args.rounds))
         finally:
-            batch_mod.get_worker_info = real
+            slots_mod.get_worker_info = real
 
 
 def main() -> int:
