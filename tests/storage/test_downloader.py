@@ -17,7 +17,7 @@ from concurrent.futures import CancelledError
 from pathlib import Path
 
 import pytest
-from support.storage_servers import gone, one_object, s3_spec, wait_until
+from support.storage_servers import gone, one_object, s3_spec, together, wait_until
 
 from packer.errors import PackerError
 from packer.storage.cache import ChecksumMismatch, RangeCache
@@ -64,16 +64,8 @@ def _read_in_child(endpoint, cache_dir, digest, start, out):
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_three_processes_asking_for_the_same_ranges_download_them_once(server, tmp_path, method):
     ctx = mp.get_context(method)
-    start, out = ctx.Event(), ctx.Queue()
     digest = hashlib.sha256(DATA).hexdigest()
-    procs = [ctx.Process(target=_read_in_child, args=(server.server.endpoint, tmp_path / "cache", digest, start, out))
-             for _ in range(3)]
-    for p in procs:
-        p.start()
-    start.set()
-    results = [out.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(60)
+    results = together(ctx, _read_in_child, (server.server.endpoint, tmp_path / "cache", digest))
     assert all(ok for ok, _, _ in results)
     assert len({pid for _, pid, _ in results}) == 1  # one downloader for the node's cache
     assert server.server.stats.snapshot()["body_bytes"] == 16 * BLOCK  # each byte served once for three readers

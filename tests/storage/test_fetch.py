@@ -14,7 +14,7 @@ from concurrent.futures import CancelledError
 from pathlib import Path
 
 import pytest
-from support.storage_servers import one_object
+from support.storage_servers import one_object, together
 
 from packer.storage.cache import ChecksumMismatch, RangeCache
 from packer.storage.emulate import Fault
@@ -105,15 +105,7 @@ def _fetch_all_in_child(endpoint, cache_dir, start, out):
 
 def test_processes_sharing_a_cache_download_each_byte_once(server, tmp_path):
     ctx = mp.get_context("fork")  # DATA is the parent's
-    start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_fetch_all_in_child, args=(server.server.endpoint, tmp_path / "c", start, out))
-             for _ in range(3)]
-    for p in procs:
-        p.start()
-    start.set()
-    results = [out.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(60)
+    results = together(ctx, _fetch_all_in_child, (server.server.endpoint, tmp_path / "c"))
     assert all(ok for ok, _, _ in results)
     assert server.server.stats.snapshot()["body_bytes"] == 16 << 18  # 4 MiB served once for three readers
 

@@ -84,6 +84,20 @@ def one_object(root: Path, data: bytes, latency: float) -> Iterator[Emulated]:
         srv.stop()
 
 
+def together(ctx, target, args: tuple, n: int = 3) -> list:
+    """``n`` processes of start method context ``ctx`` running ``target(*args, start, out)`` released at once (the
+    ``start`` event), each putting one result on ``out``: the results, the processes joined."""
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args, start, out)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    start.set()
+    results = [out.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(60)
+    return results
+
+
 def s3_spec(endpoint: str, url: str, policy: RetryPolicy = FAST_POLICY) -> StoreSpec:
     """The StoreSpec a downloader client sends for ``url`` (s3://bucket/prefix) served at ``endpoint``."""
     return StoreSpec(url, {**CREDENTIALS, "endpoint": endpoint}, policy)
