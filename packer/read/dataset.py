@@ -174,8 +174,9 @@ class PackedDataset(FolderSurface):
         return get_format(self.manifest.format).block_boundaries(self.manifest)
 
     def follow(self, stored: np.ndarray, indices: Iterator[int], start: int) -> Iterator[int]:
-        """A sampler's pass (storage positions ``stored``, from ``start``): the shard files may fetch ahead."""
-        return self.store.files.follow(stored, indices, start)
+        """A sampler's pass (storage positions ``stored``, from ``start``): the shard files may fetch ahead (not
+        when the samples come from a RAM cache)."""
+        return self.store.files.follow(stored, indices, start) if self.source is self.store else indices
 
     def close(self) -> None:
         self.source.close()
@@ -406,7 +407,13 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
         if files is not None:
             files.close()
         raise
-    return ds if cache is None else CachedDataset(ds, cache, **dict(cache_options or {}))
+    if cache is None:
+        return ds
+    try:
+        return CachedDataset(ds, cache, **dict(cache_options or {}))
+    except BaseException:
+        ds.close()  # a URL's connection to the node's downloader too
+        raise
 
 
 def _remote_files(path: str | os.PathLike, cache_dir: str | os.PathLike | None, cache_limit: int | str | None,

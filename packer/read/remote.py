@@ -105,28 +105,29 @@ class RemoteShards:
         """The cache entries of shard ``k``'s files (for the eviction policy)."""
         return [self.remote.file_entry(f.name) for f in self.remote.manifest.shards[k].files]
 
-    def start(self, k: int, priority: int = 0, again: bool = False) -> None:
+    def start(self, k: int, priority: int = 0, again: bool = False) -> concurrent.futures.Future:
         """Fetch shard ``k`` in the background unless this process already asked (``again``: ask the node once
-        more if that fetch is done, as it may have been evicted since: a hit costs one message)."""
+        more if that fetch is done, as it may have been evicted since: a hit costs one message); its fetch."""
         state = self._process.get()
         with state.lock:
             fut = state.futures.get(k)
             if fut is None or fut.cancelled() or (again and fut.done()):
-                state.futures[k] = self.remote.fetch_shard(k, priority)
+                fut = state.futures[k] = self.remote.fetch_shard(k, priority)
+            return fut  # under the lock: another thread may drop the entry (closing idle readers) right after
 
     def acquire(self, reader: FetchedShard) -> None:
         """Wait for ``reader``'s shard (fetching it now if nobody asked) and mark it in use in this process;
         readers idle longest are closed past ``keep_open``."""
         state = self._process.get()
-        self.start(reader.k)
-        with state.lock:
-            fut = state.futures[reader.k]
+        fut = self.start(reader.k)
         try:
             fut.result()
-        except BaseException:
+        except BaseException as exc:
             with state.lock:
                 if state.futures.get(reader.k) is fut:
                     del state.futures[reader.k]  # a failed or interrupted fetch is tried again by the next read
+            if isinstance(exc, concurrent.futures.CancelledError):
+                raise PackerError(f"{self.name}: shard {reader.k}: the dataset was closed while it was read") from None
             raise
         with state.lock:
             state.busy[reader.k] += 1

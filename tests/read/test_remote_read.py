@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import shutil
+import threading
 
 import numpy as np
 import pytest
@@ -111,6 +112,47 @@ def test_plain_http_and_the_ram_cache_read_the_same_samples(served, tmp_path, da
             URL, cache="ram", cache_options={"progress": False}, cache_dir=tmp_path / "ram",
             storage_options=_options(served), image="numpy") as cached:
         assert all((cached[i][0] == local[i][0]).all() for i in range(len(ds)))
+
+
+def test_a_ram_cached_url_reads_its_epochs_from_ram_fetching_nothing(served, tmp_path):
+    """cache="ram" over a disk cache smaller than the dataset: once the RAM copy is filled, the sampler's passes
+    fetch no shard ahead (its samples come from RAM, not from the shard files)."""
+    with _open(served, tmp_path, cache_limit=1 << 30) as probe:
+        limit = 4 * max(_shard_bytes(probe))  # fewer shards than the dataset holds
+        assert len(probe.manifest.shards) > 4
+    with open_dataset(URL, cache="ram", cache_options={"progress": False}, cache_dir=tmp_path / "ram",
+                      cache_limit=limit, storage_options=_options(served), image="numpy") as cached:
+        filled = _counts(served)
+        sampler = packer.BlockShuffleSampler(cached, batch_size=4, block_bytes=3000)
+        for _ in range(2):
+            assert sorted(cached[i][1] for i in sampler) == sorted(cached.targets)
+        assert _counts(served)["body_bytes"] == filled["body_bytes"]
+
+
+def test_a_failed_ram_cache_closes_the_url_dataset_it_was_made_of(served, tmp_path):
+    with pytest.raises(PackerError):
+        open_dataset(URL, cache="ram", cache_options={"shm_dir": str(tmp_path / "nowhere")},
+                     cache_dir=tmp_path / "cache", storage_options=_options(served))
+    assert [t.name for t in threading.enumerate() if t.name == "packer-downloader-client"] == []
+
+
+def test_a_fetch_dropped_by_another_thread_between_ask_and_wait_is_still_waited_for(served, tmp_path, monkeypatch):
+    """Another thread may close idle readers (dropping their fetches) between this thread's asking for a shard and
+    its waiting: the wait is on the fetch it asked for, never a lookup that fails as a damaged dataset."""
+    from packer.read.remote import RemoteShards
+
+    asked = RemoteShards.start
+
+    def then_dropped(self, k, *args, **kwargs):
+        fut = asked(self, k, *args, **kwargs)
+        state = self._process.get()
+        with state.lock:
+            state.futures.pop(k, None)  # what the other thread's closing of idle readers does
+        return fut
+
+    monkeypatch.setattr(RemoteShards, "start", then_dropped)
+    with _open(served, tmp_path, image="numpy") as ds:
+        assert [ds[i][1] for i in range(len(ds))] == ds.targets
 
 
 def _labels(batches) -> list[int]:
