@@ -137,7 +137,8 @@ class ShardReader(ABC):
         """Ask the kernel for these samples' files at once (formats of one file per sample); default nothing."""
 
     def close(self) -> None:
-        """Drop this process's open files and maps (overrides call this too)."""
+        """Drop this process's open files and maps (overrides call this too). Also called when the reader is
+        garbage-collected, in forked children too: close only what this process opened (``PerProcess.close``)."""
         if self._residency is not None:
             self._residency.close()
 
