@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+from support.storage_servers import together
 
 from packer.errors import PackerError
 from packer.storage.cache import ChecksumMismatch, KeepNeeded, RangeCache
@@ -37,14 +38,7 @@ def _get_in_child(cache_dir, log, start_event, out):
 def test_two_processes_asking_at_once_download_once(tmp_path):
     log = str(tmp_path / "fetches.log")
     ctx = mp.get_context("spawn")
-    start, out = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=_get_in_child, args=(tmp_path / "c", log, start, out)) for _ in range(3)]
-    for p in procs:
-        p.start()
-    start.set()
-    results = [out.get(timeout=60) for _ in procs]
-    for p in procs:
-        p.join(30)
+    results = together(ctx, _get_in_child, (tmp_path / "c", log))
     assert open(log).read().count("\n") == 1, "the same range was downloaded twice"
     assert sorted(r[1] for r in results) == [0, 0, 1] and all(r[0] == 1000 for r in results)
     assert sum(r[2] for r in results) >= 1  # someone found the download under way and waited for it
