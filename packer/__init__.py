@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time the names below load 
     from packer.diagnose.profile import profile as profile
     from packer.errors import DatasetError as DatasetError
     from packer.errors import IndexingWarning as IndexingWarning
+    from packer.errors import SharedCacheWarning as SharedCacheWarning
     from packer.errors import InputNotFoundError as InputNotFoundError
     from packer.errors import MissingPackageError as MissingPackageError
     from packer.errors import NotPackedError as NotPackedError
@@ -67,7 +68,7 @@ _PUBLIC = {
     "PackerError": "packer.errors", "InputNotFoundError": "packer.errors", "OutputExistsError": "packer.errors",
     "OptionError": "packer.errors", "DatasetError": "packer.errors", "MissingPackageError": "packer.errors",
     "RunError": "packer.errors", "ResumableError": "packer.errors", "NotPackedError": "packer.errors",
-    "IndexingWarning": "packer.errors",
+    "IndexingWarning": "packer.errors", "SharedCacheWarning": "packer.errors",
     "FORMATS": "packer.formats",
     "instrument": "packer.diagnose.instrument", "profile": "packer.diagnose.profile",
     "BackgroundLoader": "packer.read.loaders", "CUDAPrefetcher": "packer.read.loaders",

@@ -123,6 +123,12 @@ class IndexingWarning(UserWarning):
     """
 
 
+class SharedCacheWarning(UserWarning):
+    """A remote dataset's ``cache_dir`` is on a network or parallel filesystem: nodes sharing it rely on the
+    server's byte-range locks, and every cached byte crosses that network again; a node-local disk is the safe choice.
+    """
+
+
 _RUN_KINDS: dict[type[PackerError], type[RunError]] = {}
 
 

@@ -1,5 +1,5 @@
-"""Small facts about this machine that the cache and ``packer doctor`` act on: memory, /dev/shm, processes; and the
-one reader of /proc (``proc_text``)."""
+"""Small facts about this machine that the cache and ``packer doctor`` act on: memory, /dev/shm, processes, the mount
+holding a path and its kind; and the one reader of /proc (``proc_text``)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import os
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
+NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "9p", "afs", "beegfs", "gpfs",
+              "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs", "virtiofs"}
+PARALLEL_FS = {"lustre", "gpfs", "beegfs", "fuse.lustre"}
+MEMORY_FS = {"tmpfs", "ramfs"}
 
 
 TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc's clock ticks per second
@@ -95,3 +99,52 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+# ------------------------------------------------------------------ mounts
+
+
+def fs_kind(fstype: str | None) -> str:
+    """local, network, parallel, overlay, memory or unknown."""
+    if not fstype:
+        return "unknown"
+    if fstype in PARALLEL_FS:
+        return "parallel"
+    if fstype in NETWORK_FS or fstype.startswith("nfs"):
+        return "network"
+    if fstype == "overlay":
+        return "overlay"
+    if fstype in MEMORY_FS:
+        return "memory"
+    return "local"
+
+
+def _unescape(s: str) -> str:
+    return s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+def mountinfo() -> list[dict]:
+    """This process's mounts (/proc/self/mountinfo): mount point, filesystem type, source, options."""
+    out = []
+    for line in (proc_text("self/mountinfo") or "").splitlines():
+        left, _, right = line.partition(" - ")
+        f = left.split()
+        r = right.split()
+        out.append({
+            "dev": f[2], "root": f[3], "mount_point": _unescape(f[4]),
+            "fstype": r[0] if r else "", "source": _unescape(r[1]) if len(r) > 1 else "",
+            "super_options": r[2] if len(r) > 2 else "",
+        })
+    return out
+
+
+def mount_of(path: str | os.PathLike) -> dict | None:
+    """The /proc/self/mountinfo entry of the mount holding ``path`` (longest matching mount point)."""
+    real = os.path.realpath(path)
+    best = None
+    for m in mountinfo():
+        mp = m["mount_point"]
+        if real == mp or real.startswith(mp.rstrip("/") + "/") or mp == "/":
+            if best is None or len(mp) >= len(best["mount_point"]):
+                best = m
+    return best

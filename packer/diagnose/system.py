@@ -13,60 +13,11 @@ from pathlib import Path
 
 from packer import sysinfo
 
-NETWORK_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "9p", "afs", "beegfs", "gpfs",
-              "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.juicefs", "virtiofs"}
-PARALLEL_FS = {"lustre", "gpfs", "beegfs", "fuse.lustre"}
-MEMORY_FS = {"tmpfs", "ramfs"}
-
 usable_cores = sysinfo.usable_cores  # cores this process may run on (its CPU affinity)
-
-
-def fs_kind(fstype: str | None) -> str:
-    """local, network, parallel, overlay, memory or unknown."""
-    if not fstype:
-        return "unknown"
-    if fstype in PARALLEL_FS:
-        return "parallel"
-    if fstype in NETWORK_FS or fstype.startswith("nfs"):
-        return "network"
-    if fstype == "overlay":
-        return "overlay"
-    if fstype in MEMORY_FS:
-        return "memory"
-    return "local"
+fs_kind, mount_of = sysinfo.fs_kind, sysinfo.mount_of  # the mount holding a path: /proc is read in sysinfo
 
 
 # ------------------------------------------------------------------ mounts and block devices
-
-
-def _unescape(s: str) -> str:
-    return s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
-
-
-def _mountinfo() -> list[dict]:
-    out = []
-    for line in (sysinfo.proc_text("self/mountinfo") or "").splitlines():
-        left, _, right = line.partition(" - ")
-        f = left.split()
-        r = right.split()
-        out.append({
-            "dev": f[2], "root": f[3], "mount_point": _unescape(f[4]),
-            "fstype": r[0] if r else "", "source": _unescape(r[1]) if len(r) > 1 else "",
-            "super_options": r[2] if len(r) > 2 else "",
-        })
-    return out
-
-
-def mount_of(path: str | os.PathLike) -> dict | None:
-    """The /proc/self/mountinfo entry of the mount holding ``path`` (longest matching mount point)."""
-    real = os.path.realpath(path)
-    best = None
-    for m in _mountinfo():
-        mp = m["mount_point"]
-        if real == mp or real.startswith(mp.rstrip("/") + "/") or mp == "/":
-            if best is None or len(mp) >= len(best["mount_point"]):
-                best = m
-    return best
 
 
 def _sys_block(major: int, minor: int) -> Path | None:

@@ -21,12 +21,14 @@ import hashlib
 import logging
 import os
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packer.errors import DatasetError, InputNotFoundError, PackerError
+from packer import sysinfo
+from packer.errors import DatasetError, InputNotFoundError, PackerError, SharedCacheWarning
 from packer.layout.fields import FieldStore, load_fields
 from packer.layout.index import Index
 from packer.layout.manifest import MANIFEST_NAME, load_manifest
@@ -51,6 +53,16 @@ def default_cache_dir() -> Path:
     """Where the command line keeps its cache: ``$XDG_CACHE_HOME/packer``, else ``~/.cache/packer``."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "packer"
+
+
+def warn_if_shared(cache_dir: Path) -> None:
+    """Warn (SharedCacheWarning) when ``cache_dir`` lies on a network or parallel filesystem (docs/remote.md)."""
+    mount = sysinfo.mount_of(cache_dir)
+    kind = sysinfo.fs_kind(mount["fstype"] if mount else None)
+    if kind in ("network", "parallel"):
+        warnings.warn(f"cache_dir {cache_dir} is on a {kind} filesystem ({mount and mount['fstype']} at "
+                      f"{mount and mount['mount_point']}): a node-local disk is the safe and faster choice "
+                      "(docs/remote.md)", SharedCacheWarning, stacklevel=3)
 
 
 def is_remote(location: str | os.PathLike) -> bool:
@@ -83,6 +95,7 @@ class RemoteDataset:
             raise PackerError(f"{self.location}: a local path, not object storage (open it as a folder)")
         self.spec = StoreSpec(self.location.url, dict(storage_options or {}), policy or RetryPolicy())
         self.cache_dir = Path(cache_dir).absolute()
+        warn_if_shared(self.cache_dir)
         self.cache_limit = limit_bytes(cache_limit)
         self.linger = linger
         self._client: PerProcess[DownloaderClient] = PerProcess(self._connect, inherited=DownloaderClient.forget)

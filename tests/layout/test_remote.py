@@ -336,3 +336,29 @@ def test_a_dataset_never_closed_lets_the_downloader_go_once_collected(served, tm
     del ds
     gc.collect()
     wait_until(lambda: gone(pid), "the downloader exits once the dataset is collected")
+
+
+def test_a_cache_dir_on_a_network_filesystem_is_warned_about(served, tmp_path, monkeypatch):
+    """A node-local cache_dir opens silently; one the mount table puts on NFS warns (SharedCacheWarning) naming the
+    folder and the filesystem. The NFS mount is this process's mount table with one line added (no server here)."""
+    import warnings
+
+    from packer import sysinfo
+    from packer.errors import SharedCacheWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SharedCacheWarning)
+        _open(served, tmp_path).close()
+    nfs = tmp_path / "home"
+    real_text = sysinfo.proc_text
+
+    def with_nfs(name: str) -> str | None:
+        text = real_text(name)
+        if name != "self/mountinfo" or text is None:
+            return text
+        return text + f"999 1 0:99 / {os.path.realpath(nfs)} rw - nfs4 server:/export rw,vers=4.2\n"
+
+    monkeypatch.setattr(sysinfo, "proc_text", with_nfs)
+    with pytest.warns(SharedCacheWarning, match=r"cache_dir .*home/c.* is on a network filesystem \(nfs4"):
+        RemoteDataset(URL, nfs / "c", "64MB", {**CREDENTIALS, "endpoint": served.server.endpoint}, FAST_POLICY,
+                      linger=0.2).close()
