@@ -1,28 +1,13 @@
 """A RAM cache of a packed dataset that every DataLoader worker shares: one copy, not one per worker.
 
-``RamCache`` is a ``SampleSource`` (``open_dataset(path, cache=...)`` makes a ``CachedDataset`` read from it):
-``"ram"`` keeps the stored payloads (encoded bytes: no more IO, still decoded per sample); ``"ram-decoded"`` keeps
-decoded pixels (no IO, no decoding; several times the bytes). The cache is one file in /dev/shm (tmpfs, i.e.
-RAM), filled once by the process that creates it and memory-mapped read-only by every process that reads it: fork
-workers inherit the mapping, spawn workers map the file by name, other ranks on the node can
-``CachedDataset.attach`` it. The page-cache pages are shared, so N workers cost one copy (caches kept in Python
-objects are copied into each worker as they are touched, which is how per-worker caches blow up memory).
+``RamCache`` is a ``SampleSource`` (``open_dataset(path, cache=...)``): ``"ram"`` keeps the stored payloads,
+``"ram-decoded"`` decoded pixels. It is one file in /dev/shm, filled once by its creator and mapped read-only by every
+reader (fork workers inherit the mapping, spawn workers and other ranks map it by name), so N workers share its pages.
+The file is removed when its creator closes it or dies in any way (a janitor child process; stale files swept by pid
+and start time): docs/diagnose.md "Clean-up, crash included" says how, and why not ``multiprocessing.shared_memory``.
 
-File layout: a 64-byte header (magic, mode, sample count, data offset, ready flag), ``int64``
-offsets ``[N+1]``, ``int64`` shapes ``[N, 3]``, then the samples back to back from a page boundary.
-
-Clean-up, crash included (why not ``multiprocessing.shared_memory``: on Python < 3.13 every
-process that attaches a segment registers it with its resource tracker, which unlinks it when
-*that* process exits, so a spawn worker ending would delete the cache under everyone else):
- 1. ``close()``, garbage collection and interpreter exit unlink the file in the creating process
-    (never in workers: they check the creator's pid);
- 2. a tiny janitor process, started with the cache as the creator's child, unlinks the file when
-    its parent changes (the creator died in any way, SIGKILL and segfaults included; checked 4
-    times a second) or the creator writes to its pipe (``close()``). It does not wait for the pipe
-    to close: forked DataLoader workers hold it too, and orphaned workers can outlive the creator;
- 3. files are named ``packer-cache-<pid>-<start time>-<random>.bin``; creating a cache first
-    removes files whose creator is no longer running (the start time tells a reused pid apart),
-    which covers the janitor itself being killed.
+File layout: a 64-byte header (magic, mode, sample count, data offset, ready flag), ``int64`` offsets ``[N+1]``,
+``int64`` shapes ``[N, 3]``, then the samples back to back from a page boundary.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """``packer.collate``: DataLoader's default collate, except that images of different sizes become a list.
 
-``default_collate`` stacks every tensor of a batch, so a plain ``DataLoader`` over photos of
-different sizes (``image="tensor"`` or ``"numpy"`` without a resizing transform) fails with
-"stack expects each tensor to be equal size", and PIL images fail outright. ``collate`` stacks
-what has one shape, exactly as ``default_collate`` does (into shared memory inside a worker),
-and hands out a list where shapes differ or the items are PIL images. Inside a worker, the
-list's tensors are put in one shared block (as a worker decodes them into, packer.read.slots),
-so a batch crosses to the main process as one block rather than one per image.
-
-Which modes stack: tensors and arrays of one shape (fixed-size datasets, or a transform that
-crops or resizes to one size), numbers and labels. Lists: PIL images, tensors or arrays of
-several shapes, strings and bytes as ``default_collate`` already does.
-
-With torch's own ``default_collate``, such a batch fails: in the main process with "stack expects each tensor
-to be equal size" (clear enough), in a DataLoader worker with "Trying to resize storage that is not resizable"
-(it stacks into a new shared-memory block sized for the batch). So inside a worker, a batch packer hands out
-(``__getitems__``) whose tensors or arrays differ in shape marks its samples (``MixedShapes``, a tuple, or
-``MixedShapesDict``, a dict: they behave as those, and cross to the main process as plain ones), and torch's
-``default_collate`` meets them through its documented extension point (``default_collate_fn_map``) and raises a
-PackerError naming ``collate_fn=packer.collate``. ``packer.collate`` and ``collate(batch, collate_fn_map=...)``
-with your own map treat them as the tuples and dicts they are; in the main process nothing is marked.
+What has one shape is stacked exactly as ``default_collate`` does (into shared memory inside a worker); PIL images and
+tensors or arrays of several shapes come as a list (inside a worker, in one shared block: packer.read.slots).
+A batch of several shapes that ``__getitems__`` hands out in a worker is marked (``MixedShapes``, a tuple;
+``MixedShapesDict``, a dict) so that torch's ``default_collate`` meets it through its documented extension point
+(``default_collate_fn_map``) and raises a PackerError naming ``collate_fn=packer.collate`` instead of "Trying to
+resize storage that is not resizable" (docs/guarantees.md).
 """
 
 from __future__ import annotations

@@ -1,38 +1,11 @@
 """A locality-preserving shuffle (the idea of FFCV's quasi-random order) for every packed dataset.
 
-Uniform shuffling costs one seek per sample on spinning disks and network storage, whatever
-the container. ``BlockShuffleSampler`` keeps reads large and near each other:
-
-1. samples are split into *blocks* of contiguous samples (``block_bytes`` of payload each,
-   from ``ds.index.nbytes``, never across a shard boundary; or explicit ``blocks``, e.g. one
-   mosaic each);
-2. each epoch the blocks are put in a new random order and laid end to end;
-3. that sequence is split into equal contiguous parts, one per distributed rank (padded by
-   repeating samples or cut short, ``drop_last`` as in ``DistributedSampler``), so each rank
-   reads its own blocks and every rank gets the same number of samples;
-4. inside a rank, consecutive *windows* of about ``open_blocks`` blocks are shuffled: their
-   samples come in random order from several open blocks at once, in *runs* of ``run``
-   neighbours (cut at a new random phase each epoch; ``run=1`` shuffles single samples). With
-   ``batch_size`` given, windows hold a whole number of batches, so no batch straddles two
-   windows: a batch is about ``batch_size / run`` large reads from at most ~``open_blocks``
-   blocks, which ``__getitems__`` serves run by run.
-
-Runs set the read size (the IO cost on seek-bound storage); blocks and windows bound how far
-apart a batch's reads are and how much a rank touches at a time (page cache, per-worker
-mosaic caches). The price of locality is that a run's samples share a batch every epoch
-(``diagnose.shuffle_quality.batchmates_again`` measures it; about ``run / batch_size`` of the pairs).
-
-All of this works in storage positions (blocks are runs of samples stored together); the sampler
-yields the dataset's public indices (ImageFolder's, packer.read.indexing), mapped in ``order``.
-
-The order is a pure function of (seed, epoch, rank, number of ranks) and the blocks; random
-numbers come straight from the PCG64 bit generator (whose stream numpy keeps stable), so the
-order does not change with the numpy version. A map-style sampler runs in the DataLoader's
-main process, which hands whole batches to the workers in turn: locality per worker comes
-from each batch being drawn from few blocks, not from splitting the sampler per worker.
-
-Block shuffling mixes labels only as well as neighbours on disk are unrelated: convert with
-``--order shuffled`` (the default) for class-sorted sources.
+Samples are cut into blocks of contiguous storage (``block_bytes``, never across a shard); each epoch the blocks are
+put in a new random order and split into equal parts, one per rank (padded or cut as ``DistributedSampler`` does);
+inside a rank, windows of about ``open_blocks`` blocks are shuffled in runs of ``run`` neighbours, a window holding a
+whole number of batches. Reads stay large and near each other; the order is a pure function of (seed, epoch, rank,
+number of ranks) and the blocks, drawn from PCG64's stable stream, and is yielded as the dataset's public indices.
+docs/sampling.md has the rules, the tuning and what the locality costs in shuffle quality.
 """
 
 from __future__ import annotations
