@@ -114,6 +114,16 @@ class ServerStats:
         with self.lock:
             return {k: v for k, v in vars(self).items() if k != "lock"}
 
+    def settled(self, timeout: float = 10.0) -> dict[str, float]:
+        """The counters once no request is being answered: a client can read a body's last byte before the
+        server thread has counted it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                if self.active == 0 or time.monotonic() >= deadline:
+                    return {k: v for k, v in vars(self).items() if k != "lock"}
+            time.sleep(0.001)
+
 
 class Link:
     """One shared link: every body chunk of every connection is given its slot of ``bandwidth`` (bytes/s) in turn,

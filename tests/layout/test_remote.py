@@ -56,7 +56,7 @@ def _open(server, tmp_path, url: str = URL, **kw) -> RemoteDataset:
 
 
 def _counts(server) -> dict:
-    return server.server.stats.snapshot()
+    return server.server.stats.settled()
 
 
 def test_the_metadata_is_checked_as_a_local_datasets_and_fetched_once_per_node(served, packed, tmp_path):

@@ -62,7 +62,7 @@ def _open(server, tmp_path, url: str = URL, cache: str = "cache", **kw):
 
 
 def _counts(server) -> dict:
-    return server.server.stats.snapshot()
+    return server.server.stats.settled()
 
 
 def _shard_bytes(ds) -> list[int]:

@@ -68,7 +68,7 @@ def test_three_processes_asking_for_the_same_ranges_download_them_once(server, t
     results = together(ctx, _read_in_child, (server.server.endpoint, tmp_path / "cache", digest))
     assert all(ok for ok, _, _ in results)
     assert len({pid for _, pid, _ in results}) == 1  # one downloader for the node's cache
-    assert server.server.stats.snapshot()["body_bytes"] == 16 * BLOCK  # each byte served once for three readers
+    assert server.server.stats.settled()["body_bytes"] == 16 * BLOCK  # each byte served once for three readers
     if method == "spawn":
         assert not any(loaded for _, _, loaded in results)  # obstore never loaded in a client
     wait_until(lambda: gone(results[0][1]), "the downloader exits after its last client")
@@ -139,9 +139,9 @@ def test_with_a_cache_as_large_as_the_data_a_second_pass_fetches_nothing(server,
     with _client(tmp_path) as client:
         etag = client.head(spec, "shard.bin").etag
         first = wait_all(client.fetch(spec, "shard.bin", etag, _blocks()))
-        served = server.server.stats.snapshot()
+        served = server.server.stats.settled()
         second = wait_all(client.fetch(spec, "shard.bin", etag, _blocks()))
-        assert first == second and server.server.stats.snapshot()["gets"] == served["gets"]
+        assert first == second and server.server.stats.settled()["gets"] == served["gets"]
         assert client.stats()["hits"] == 16
 
 

@@ -69,7 +69,7 @@ def test_every_request_is_delayed_and_every_body_byte_paced(s3):
         part["Body"].read()
     client.head_object(Bucket="bucket", Key="train/cat/2.jpg")
     client.get_object(Bucket="bucket", Key="train/cat/1.jpg")["Body"].read()
-    st = srv.server.stats.snapshot()
+    st = srv.server.stats.settled()
     assert st["requests"] == st["latency_delays"] == 7 and st["latency_seconds"] == pytest.approx(7 * 0.001)
     assert st["body_bytes"] == st["paced_bytes"] == 5 * 100 + len(DATA)
     assert st["paced_seconds"] == pytest.approx(st["paced_bytes"] / 50e6)

@@ -31,7 +31,7 @@ def server(tmp_path):
 
 
 def _gets(server) -> int:
-    return server.server.stats.snapshot()["gets"]
+    return server.server.stats.settled()["gets"]
 
 
 def test_adjacent_ranges_become_one_get_and_come_back_in_order(server):
@@ -55,7 +55,7 @@ def test_requests_are_capped_in_size_and_in_flight(server):
     spread = [Range("shard.bin", i * 200_000, i * 200_000 + 1000) for i in range(20)]  # not adjacent: 20 GETs
     with Fetcher(store, max_in_flight=4) as fetcher:
         assert [f.result(30) for f in fetcher.fetch(spread)] == [DATA[r.start:r.end] for r in spread]
-    stats = server.server.stats.snapshot()
+    stats = server.server.stats.settled()
     assert stats["max_active"] == 4 and fetcher.stats.requests == 20  # the server's own count of concurrent GETs
     store.close()
 
@@ -69,10 +69,10 @@ def test_a_second_pass_through_the_cache_fetches_nothing(server, tmp_path):
               for r in blocks]
     with Fetcher(store, cache) as fetcher:
         assert [f.result(30) for f in fetcher.fetch(blocks)] == [DATA[r.start:r.end] for r in blocks]
-    before = server.server.stats.snapshot()
+    before = server.server.stats.settled()
     with Fetcher(store, cache) as fetcher:
         assert [f.result(30) for f in fetcher.fetch(blocks)] == [DATA[r.start:r.end] for r in blocks]
-    after = server.server.stats.snapshot()
+    after = server.server.stats.settled()
     assert after["body_bytes"] == before["body_bytes"] and fetcher.stats.hits == 4 and fetcher.stats.requests == 0
     store.close()
 
@@ -107,7 +107,7 @@ def test_processes_sharing_a_cache_download_each_byte_once(server, tmp_path):
     ctx = mp.get_context("fork")  # DATA is the parent's
     results = together(ctx, _fetch_all_in_child, (server.server.endpoint, tmp_path / "c"))
     assert all(ok for ok, _, _ in results)
-    assert server.server.stats.snapshot()["body_bytes"] == 16 << 18  # 4 MiB served once for three readers
+    assert server.server.stats.settled()["body_bytes"] == 16 << 18  # 4 MiB served once for three readers
 
 
 def test_close_cancels_what_is_in_flight_and_leaves_no_thread(server):
