@@ -18,7 +18,6 @@ if TYPE_CHECKING:  # what a type checker sees; at run time the names below load 
     from packer.diagnose.profile import profile as profile
     from packer.errors import DatasetError as DatasetError
     from packer.errors import IndexingWarning as IndexingWarning
-    from packer.errors import SharedCacheWarning as SharedCacheWarning
     from packer.errors import InputNotFoundError as InputNotFoundError
     from packer.errors import MissingPackageError as MissingPackageError
     from packer.errors import NotPackedError as NotPackedError
@@ -27,6 +26,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time the names below load 
     from packer.errors import PackerError as PackerError
     from packer.errors import ResumableError as ResumableError
     from packer.errors import RunError as RunError
+    from packer.errors import SharedCacheWarning as SharedCacheWarning
     from packer.formats import FORMATS as FORMATS
     from packer.images.crop import CenterCropDecode as CenterCropDecode
     from packer.images.crop import RandomResizedCropDecode as RandomResizedCropDecode

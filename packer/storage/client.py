@@ -37,6 +37,7 @@ from packer.storage.faults import (
     StorageError,
     classify,
 )
+from packer.storage.profiles import profile_config
 from packer.storage.url import Location
 
 _CLIENT_KEYS = frozenset({"allow_http", "allow_invalid_certificates", "proxy_url", "user_agent", "default_headers"})
@@ -92,6 +93,9 @@ def build_store(spec: StoreSpec) -> Any:
     config: dict[str, Any] = {}
     for key, value in spec.options.items():
         (client if key in _CLIENT_KEYS else config)[key] = value
+    if loc.scheme == "s3":  # a named AWS profile (~/.aws) adds what the options and environment do not give
+        config = {**profile_config(config), **config}
+    config.pop("profile", None)
     endpoint = str(config.get("endpoint") or config.get("aws_endpoint") or
                    (os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT", "") if loc.scheme == "s3"
                     else ""))
