@@ -118,15 +118,14 @@ def cmd_verify(args) -> int:
     from packer.layout.manifest import dataset_directory
     from packer.layout.remote import is_remote
     from packer.storage.url import redact, refuse_urls
-    from packer.tools.verify import verify, verify_remote
+    from packer.tools.verify import verify
 
-    if is_remote(args.dataset) and args.against is None and not args.deep:
-        report = verify_remote(args.dataset, args.cache_dir, progress=bar_unless_quiet(args))
-    else:
-        refuse_urls("packer verify" + (" --deep" if args.deep else "") if args.against is None
-                    else "packer verify --against", args.dataset, args.against)
+    refuse_urls("packer verify --against", args.against)
+    if not is_remote(args.dataset):
+        refuse_urls("packer verify", args.dataset)  # a scheme packer does not read
         dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
-        report = verify(args.dataset, against=args.against, progress=bar_unless_quiet(args), deep=args.deep)
+    report = verify(args.dataset, against=args.against, progress=bar_unless_quiet(args), deep=args.deep,
+                    cache_dir=args.cache_dir)
     shown = redact(str(args.dataset))
     if args.json:
         print(json_document("verify", 0 if report.ok else 1, {"dataset": shown, **report.to_json()}))
@@ -144,11 +143,13 @@ def cmd_verify(args) -> int:
 
 
 def cmd_extract(args) -> int:
+    from packer.storage.url import redact
     from packer.tools.extract import extract
 
-    res = extract(args.dataset, args.dir, overwrite=args.overwrite, progress=bar_unless_quiet(args))
+    res = extract(args.dataset, args.dir, overwrite=args.overwrite, progress=bar_unless_quiet(args),
+                  cache_dir=args.cache_dir)
     if args.json:
-        print(json_document("extract", 0, {"dataset": str(args.dataset), **res.to_json()}))
+        print(json_document("extract", 0, {"dataset": redact(str(args.dataset)), **res.to_json()}))
         return 0
     print(f"wrote {res.num_files} files ({human_bytes(res.num_bytes)}) to {res.output}")
     if res.as_png:

@@ -149,6 +149,7 @@ def _add_verify(sub) -> None:
         packer verify imgs.lmdb --against imgs/    # and every source file packed identically or reported
         packer verify imgs.lmdb --deep             # and decode every sample, shapes as recorded
         packer verify s3://bucket/imgs.lmdb        # every object's size and sha256, streamed (nothing kept)
+        packer verify s3://bucket/imgs.lmdb --deep # and every sample decoded, through the node's cache
         """)
     p.add_argument("dataset")
     _add_cache_dir(p)
@@ -165,6 +166,7 @@ def _add_extract(sub) -> None:
     p = _parser(sub, "extract", "write a packed dataset's images back as files", """
         packer extract imgs.lmdb restored/               # restored/<class>/<file>, byte-identical
         packer extract imgs.lmdb restored/ --overwrite   # replace files that exist already
+        packer extract s3://bucket/imgs.lmdb restored/   # shards read through the node's cache (--cache-dir)
         """, description="Write every sample back under its original relative path inside DIR: the original "
         "bytes for encoded payloads; PNG (lossless pixels) for raw payloads, the extension changed to .png "
         "(a.jpg -> a.png), except where the source folder had two files of one name with different extensions "
@@ -175,6 +177,7 @@ def _add_extract(sub) -> None:
     p.add_argument("dataset")
     p.add_argument("dir", help="destination folder (created if missing)")
     p.add_argument("--overwrite", action="store_true", help="replace files that exist already")
+    _add_cache_dir(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_json(p, "where the files went, how many and how large")
     p.set_defaults(func=commands.cmd_extract)

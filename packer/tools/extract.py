@@ -31,10 +31,11 @@ from packer.errors import DatasetError, IndexingWarning, OutputExistsError, Pack
 from packer.layout.fields import json_value
 from packer.layout.fsutil import create_temp, destination_dir, nearest_existing
 from packer.layout.manifest import dataset_directory
+from packer.layout.remote import default_cache_dir, is_remote
 from packer.layout.trust import check_class_name, check_inner_name
 from packer.progress import bar
 from packer.read.dataset import open_dataset
-from packer.storage.url import refuse_urls
+from packer.storage.url import redact, refuse_urls
 
 
 @dataclass
@@ -68,27 +69,35 @@ def target_names(rel_paths: Sequence[str], raw: bool) -> list[str]:
 
 
 def extract(path: str | os.PathLike, dest: str | os.PathLike, overwrite: bool = False,
-            progress: bool | None = None) -> ExtractResult:
+            progress: bool | None = None, cache_dir: str | os.PathLike | None = None,
+            storage_options: dict[str, Any] | None = None) -> ExtractResult:
     """Write every sample of the dataset at ``path`` under ``dest``; every target is checked before writing.
 
-    Refusals before anything is written raise PackerError; a dataset that fails to read, or a
-    write failing part-way (disk full), raises RunError (the command line's exit 1).
+    ``path`` may be a URL (``s3://``, ``gs://``, ``az://``, ``http(s)://``): its shards are read through
+    ``cache_dir`` as ``open_dataset(url)`` reads them. Refusals before anything is written raise PackerError; a
+    dataset that fails to read, or a write failing part-way (disk full), raises RunError (the command line's exit 1).
     """
-    refuse_urls("packer extract", path, dest)
-    dataset_directory(path)
+    refuse_urls("packer extract's destination (a local folder)", dest)
+    remote = is_remote(path)
+    if not remote:
+        refuse_urls("packer extract", path)
+        dataset_directory(path)
+    where = redact(str(path))
+    remote_options: dict[str, Any] = {"cache_dir": cache_dir or default_cache_dir(),
+                                      "storage_options": storage_options} if remote else {}
     with under_way(), warnings.catch_warnings():
         warnings.simplefilter("ignore", IndexingWarning)  # about indices a user maps: extract writes every file
-        ds = open_dataset(path, image="numpy")
+        ds = open_dataset(path, image="numpy", **remote_options)
     try:
         if not ds.has_images:
-            raise PackerError(f"{path}: its samples have no image, so there is no ImageFolder to extract; read "
+            raise PackerError(f"{where}: its samples have no image, so there is no ImageFolder to extract; read "
                               "its fields with open_dataset(path, fields='all')")
         raw = ds.manifest.payload == "raw"
-        rels = [_checked(rel, path) for rel in ds.index.rel_paths()]
+        rels = [_checked(rel, where) for rel in ds.index.rel_paths()]
         names = target_names(rels, raw)
         dest = Path(dest)
         sidecar = [FIELDS_NAME] if ds.field_specs else []
-        _check_names(path, dest, rels + sidecar, names + sidecar, ds.classes)
+        _check_names(where, dest, rels + sidecar, names + sidecar, ds.classes)
         dest = destination_dir(dest, "extract destination")
         real_dest = dest.resolve()
         targets = [_target(real_dest, dest, n) for n in names + sidecar]

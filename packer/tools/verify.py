@@ -25,7 +25,7 @@ from packer.layout.trust import read_inside
 from packer.progress import bar
 from packer.read.dataset import open_dataset
 from packer.read.indexing import STORED
-from packer.storage.url import refuse_urls
+from packer.storage.url import redact, refuse_urls
 from packer.write.options import ConvertOptions, make_options, scan_rules
 from packer.write.shards import prepare, stored_bytes
 from packer.write.sources.base import InlineReader, RecordError, SourceOptions
@@ -70,19 +70,21 @@ def verify_remote(url: str, cache_dir: str | os.PathLike | None = None, progress
 
 
 def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, progress: bool | None = None,
-           deep: bool = False, source: SourceOptions | None = None) -> Report:
+           deep: bool = False, source: SourceOptions | None = None, cache_dir: str | os.PathLike | None = None,
+           storage_options: dict[str, Any] | None = None) -> Report:
     """Every check ``packer verify`` runs; problems are collected, not raised (a missing or empty
     ``against`` source is refused up front with a PackerError: nothing to compare with).
 
     ``against`` is read as ``source`` says, by default as the dataset's manifest records it was read
     (its source type, a list file's root and columns, ``--classes``, its part of ``--split``).
     ``deep``: also decode every sample (strictly, as conversion's full validation does) and
-    check its shape against the stored heights and widths.
+    check its shape against the stored heights and widths. A dataset at a URL: every object's sha256 first
+    (``verify_remote``), then the samples read through ``cache_dir`` as ``open_dataset(url)`` reads them.
     """
-    if is_remote(path) and against is None and not deep:
-        return verify_remote(str(path), progress=progress)
-    refuse_urls("packer verify" + (" --deep" if deep else "") if against is None else "packer verify --against",
-                path, against)
+    refuse_urls("packer verify --against", against)
+    if is_remote(path):
+        return _verify_remote_samples(str(path), against, progress, deep, source, cache_dir, storage_options)
+    refuse_urls("packer verify", path)  # a scheme packer does not read
     root = Path(path)
     report = Report()
     try:
@@ -90,10 +92,7 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
     except PackerError as exc:
         manifest = None
         report.problems.append(str(exc))
-    hidden, empty = scan_rules(manifest.options) if manifest is not None else (False, False)  # as converted
-    # a missing source: refused before any work
-    scan = None if against is None else scan_source(against, recorded_source(root) if source is None else source,
-                                                    skip_hidden=hidden, allow_empty=empty)
+    scan = _scan_against(against, manifest, source, root / MANIFEST_NAME)
     if manifest is None:
         return report
     for info in manifest.all_files():  # no symlink out of the dataset: verify reads nothing else either
@@ -112,6 +111,45 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
     except PackerError as exc:
         report.problems.append(str(exc))
         return report
+    _check_samples(ds, report, deep, scan, progress)
+    return report
+
+
+def _verify_remote_samples(url: str, against: str | os.PathLike | None, progress: bool | None, deep: bool,
+                           source: SourceOptions | None, cache_dir: str | os.PathLike | None,
+                           storage_options: dict[str, Any] | None) -> Report:
+    """``verify`` of a URL: every object's sha256 first, then the samples read as ``open_dataset(url)`` reads them
+    (through the node's cache) for ``deep`` and ``against``."""
+    report = verify_remote(url, cache_dir, progress, storage_options)
+    if report.problems or (against is None and not deep):
+        return report
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", IndexingWarning)  # about indices a user maps; the report says it
+        ds = open_dataset(url, image="numpy", cache_dir=cache_dir or default_cache_dir(),
+                          storage_options=storage_options)
+    try:
+        scan = _scan_against(against, ds.manifest, source, f"{redact(url)}/{MANIFEST_NAME}")
+    except BaseException:
+        ds.close()
+        raise
+    _check_samples(ds, report, deep, scan, progress)
+    return report
+
+
+def _scan_against(against: str | os.PathLike | None, manifest: Manifest | None, source: SourceOptions | None,
+                  where: str | os.PathLike) -> ScanResult | None:
+    """The source to compare with, read as the dataset's manifest records it was (a missing source is refused
+    before any work)."""
+    if against is None:
+        return None
+    hidden, empty = scan_rules(manifest.options) if manifest is not None else (False, False)  # as converted
+    if source is None:
+        source = recorded_options(manifest, where)
+    return scan_source(against, source, skip_hidden=hidden, allow_empty=empty)
+
+
+def _check_samples(ds, report: Report, deep: bool, scan: ScanResult | None, progress: bool | None) -> None:
+    """The checks that read samples: every one decoded (``deep``) and compared with the source (``scan``)."""
     report.checked["samples"] = len(ds)
     try:
         if deep and not ds.has_images:
@@ -122,7 +160,6 @@ def verify(path: str | os.PathLike, against: str | os.PathLike | None = None, pr
             _check_against(ds, scan, report, progress)
     finally:
         ds.close()
-    return report
 
 
 def _check_packed_source(src: Path, report: Report) -> None:
@@ -222,15 +259,15 @@ def reference_options(manifest: Manifest, where: str = MANIFEST_NAME) -> Convert
     return options
 
 
-def recorded_source(root: Path) -> SourceOptions:
-    """How the dataset at ``root`` read its source (its manifest's ``source_options``); nothing recorded, or no
-    readable manifest: as ``against`` looks (the manifest's own problems are reported by ``verify``)."""
+def recorded_options(manifest: Manifest | None, where: str | os.PathLike) -> SourceOptions:
+    """How the dataset read its source (its manifest's ``source_options``); nothing recorded, or no readable
+    manifest: as ``against`` looks (the manifest's own problems are reported by ``verify``)."""
+    if manifest is None:
+        return SourceOptions()
     try:
-        manifest = read_manifest(root)
-        options = SourceOptions.from_record(manifest.source_options, root / MANIFEST_NAME)
+        return SourceOptions.from_record(manifest.source_options, where)
     except PackerError:
         return SourceOptions()
-    return options
 
 
 def _check_against(ds, scan: ScanResult, report: Report, progress: bool | None) -> None:

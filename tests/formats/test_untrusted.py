@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from PIL import Image
 from support.fuzzing import _rewrite_checksums as recompute_checksums
-from support.fuzzing import craft_rel_path, put_lmdb_value
+from support.fuzzing import craft_rel_path
+from support.fuzzing import put_sample_value as put_value
 
 from packer import PackerError, convert, open_dataset
 from packer.cli import main
@@ -51,20 +52,6 @@ def edit_manifest(ds: Path, fn) -> None:
     data = json.loads((ds / "manifest.json").read_text())
     fn(data)
     (ds / "manifest.json").write_text(json.dumps(data))
-
-
-def put_value(ds: Path, sample: int, value: bytes) -> None:
-    """Replace sample ``sample``'s bytes inside its LMDB shard (a crafted shard), fixing nbytes and checksums."""
-    d = open_dataset(ds)
-    stored = d.position(sample)  # nbytes, as all of meta/, is in storage order
-    shard, pos = d.locate(sample)
-    d.close()
-    name = d.manifest.shards[shard].files[0].name
-    put_lmdb_value(ds / name, pos, value)
-    nbytes = np.load(ds / "meta/nbytes.npy")
-    nbytes[stored] = len(value)
-    np.save(ds / "meta/nbytes.npy", nbytes)
-    recompute_checksums(ds)
 
 
 # ------------------------------------------------------------------ no pickle

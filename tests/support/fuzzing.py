@@ -97,6 +97,22 @@ def _rewrite_checksums(ds: Path) -> None:
         pass
 
 
+def put_sample_value(ds: Path, sample: int, value: bytes) -> None:
+    """Replace sample ``sample``'s bytes inside its LMDB shard (a crafted shard), fixing nbytes and checksums."""
+    from packer import open_dataset
+
+    d = open_dataset(ds)
+    stored = d.position(sample)  # nbytes, as all of meta/, is in storage order
+    shard, pos = d.locate(sample)
+    d.close()
+    name = d.manifest.shards[shard].files[0].name
+    put_lmdb_value(ds / name, pos, value)
+    nbytes = np.load(ds / "meta/nbytes.npy")
+    nbytes[stored] = len(value)
+    np.save(ds / "meta/nbytes.npy", nbytes)
+    _rewrite_checksums(ds)
+
+
 def _json_paths(node, prefix=()):
     yield prefix
     if isinstance(node, dict):

@@ -176,3 +176,25 @@ def test_damaged_dataset_exits_1_and_a_missing_one_2(packed, tmp_path, capsys):
         extract(ds, tmp_path / "out")
     assert main(["extract", str(tmp_path / "nope"), str(tmp_path / "out"), "-q"]) == 2
     one_line_error(capsys, "no such dataset")
+
+
+@pytest.mark.parametrize("payload", ["encoded", "raw"])
+def test_extract_of_a_url_writes_what_extract_of_the_local_dataset_writes(packed, payload, tmp_path, monkeypatch):
+    import shutil
+
+    from support.storage_servers import Emulated
+
+    shutil.copytree(packed[payload], tmp_path / "root" / "ds.lmdb")
+    server = Emulated(tmp_path / "root")
+    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key", "AWS_REGION": "us-east-1",
+                        "AWS_ENDPOINT_URL": server.server.endpoint}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        assert main(["extract", "s3://bucket/ds.lmdb", str(tmp_path / "remote"), "--cache-dir",
+                     str(tmp_path / "cache"), "-q"]) == 0
+    finally:
+        server.stop()
+    extract(packed[payload], tmp_path / "local", progress=False)
+    local, remote = files_under(tmp_path / "local"), files_under(tmp_path / "remote")
+    assert [p.relative_to(tmp_path / "local") for p in local] == [p.relative_to(tmp_path / "remote") for p in remote]
+    assert len(local) == 15 and all(a.read_bytes() == b.read_bytes() for a, b in zip(local, remote, strict=True))

@@ -134,3 +134,40 @@ def test_verify_of_a_url_streams_every_object_through_sha256_and_keeps_nothing(b
         assert kept == []  # the shards were hashed as they came, not kept
     finally:
         server.stop()
+
+
+@pytest.fixture
+def served(base, tmp_path, monkeypatch):
+    """The dataset at s3://bucket/ds.lmdb on an emulated store, credentials and endpoint in AWS_* as a user's."""
+    from support.storage_servers import Emulated
+
+    shutil.copytree(base, tmp_path / "root" / "ds.lmdb")
+    server = Emulated(tmp_path / "root")
+    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key", "AWS_REGION": "us-east-1",
+                        "AWS_ENDPOINT_URL": server.server.endpoint}.items():
+        monkeypatch.setenv(name, value)
+    yield tmp_path / "root" / "ds.lmdb"
+    server.stop()
+
+
+def test_verify_deep_of_a_url_decodes_what_its_checksums_cannot_judge(served, imagefolder, tmp_path, capsys):
+    url, cache = "s3://bucket/ds.lmdb", str(tmp_path / "cache")
+    assert main(["verify", url, "--deep", "--cache-dir", cache, "-q", "--json"]) == 0
+    checked = json.loads(capsys.readouterr().out)["checked"]
+    assert checked["decoded"] == checked["samples"] == 15
+    assert main(["verify", url, "--against", str(imagefolder), "--cache-dir", cache, "-q"]) == 0
+    assert capsys.readouterr().out.startswith(f"ok: {url} (")
+    from support.fuzzing import put_sample_value
+
+    local = open_dataset(served)
+    data = bytes(local.read_payload(7))
+    local.close()
+    put_sample_value(served, 7, data[: len(data) // 2] + bytes(len(data) - len(data) // 2))  # checksums agree
+    assert main(["verify", url, "--cache-dir", cache, "-q"]) == 0  # every object as its manifest says
+    capsys.readouterr()
+    assert main(["verify", url, "--deep", "--cache-dir", cache, "-q", "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert len(problems) == 1 and "sample 7" in problems[0]
+    assert main(["verify", url, "--against", str(imagefolder), "--cache-dir", cache, "-q", "--json"]) == 1
+    problems = json.loads(capsys.readouterr().out)["problems"]
+    assert len(problems) == 1 and problems[0].endswith(": stored bytes differ from the source file")
