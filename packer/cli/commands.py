@@ -190,15 +190,19 @@ def cmd_profile(args) -> int:
             raise PackerError(f"--pin-memory {args.pin_memory!r}: expected off, on or off,on")
         pins.append(v.strip() == "on")
     from packer.layout.manifest import dataset_directory
+    from packer.layout.remote import default_cache_dir, is_remote
     from packer.storage.url import refuse_url
 
-    refuse_url(args.dataset, "packer profile")
-    dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
-    with under_way():
+    remote = is_remote(args.dataset)
+    if not remote:
+        refuse_url(args.dataset, "packer profile")
+        dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
+    with under_way():  # a URL's shards come through the node's cache, as in training
         fused = args.train_crop and args.crop
         ds = open_dataset(args.dataset, image="tensor", decoder=args.decoder,
                           crop=RandomResizedCropDecode(args.crop) if fused else None,
-                          transform=RandomCrop(args.crop) if args.crop and not fused else None)
+                          transform=RandomCrop(args.crop) if args.crop and not fused else None,
+                          cache_dir=(args.cache_dir or default_cache_dir()) if remote else None)
     if args.cache:
         from packer.read.dataset import CachedDataset
 

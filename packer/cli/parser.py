@@ -211,13 +211,15 @@ def _add_profile(sub) -> None:
         packer profile imgs.lmdb --batch-size 64,128 --pin-memory off,on --device cuda
         packer profile imgs.lmdb --cache ram-decoded     # what a RAM cache of decoded pixels would give
         packer profile imgs.lmdb --train-crop            # fused decode + RandomResizedCrop(224) + flip
+        packer profile s3://bucket/imgs.lmdb             # through the node's cache (--cache-dir), as training reads
         """, description="Run a real DataLoader over the dataset (shuffled, as in training) for each "
         "num_workers / batch size / pin_memory setting while a simulated step sleeps --step-ms per batch, as "
         "a host waiting on its GPU does. Reports data wait vs step time, samples/s and the per-sample cost of "
         "read, decode, transform (a random crop) and collate inside the workers; picks the smallest "
         "num_workers whose wait stays under 10%% of the step, or says plainly that none does. "
         "Exit 1 when no setting keeps the step fed.")
-    p.add_argument("dataset", help="a packed dataset (packer convert)")
+    p.add_argument("dataset", help="a packed dataset (packer convert), a path or a URL")
+    _add_cache_dir(p)
     p.add_argument("--workers", type=lambda t: t if t == "auto" else csv_of(int_in(0))(t), default="auto",
                    metavar="N,..",
                    help="num_workers values, e.g. 0,2,4 (default: 0, 1, 2, 4, ... up to the cores)")

@@ -293,3 +293,28 @@ def test_profile_cli_runs_the_fused_train_crop(lmdb_path, capsys):
     d = json.loads(capsys.readouterr().out)
     assert rc in (0, 1) and d["points"][0]["samples_per_s"] > 0
     assert d["points"][0]["per_sample_ms"]["decode"] > 0  # the crop is part of decoding, no transform stage
+
+
+def test_profile_of_a_url_runs_its_dataloaders_through_the_node_cache(lmdb_path, tmp_path, monkeypatch, capsys):
+    import json
+    import shutil
+
+    from support.storage_servers import Emulated
+
+    from packer.cli import main
+
+    shutil.copytree(lmdb_path, tmp_path / "root" / "ds.lmdb")
+    server = Emulated(tmp_path / "root")
+    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key", "AWS_REGION": "us-east-1",
+                        "AWS_ENDPOINT_URL": server.server.endpoint}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        rc = main(["profile", "s3://bucket/ds.lmdb", "--cache-dir", str(tmp_path / "cache"), "--workers", "0,1",
+                   "--batch-size", "4", "--step-ms", "1", "--batches", "2", "--crop", "16", "--json", "-", "-q"])
+        served = server.server.stats.settled()
+    finally:
+        server.stop()
+    d = json.loads(capsys.readouterr().out)
+    assert rc in (0, 1) and [p["workers"] for p in d["points"]] == [0, 1]
+    assert all(p["samples_per_s"] > 0 for p in d["points"])
+    assert served["body_bytes"] > 0 and served["gets"] > 0  # read from the store, not a local path named s3:

@@ -108,7 +108,6 @@ def in_tmp(tmp_path, monkeypatch):
     (["extract", "{ds}", URL], "packer extract's destination (a local folder)"),
     (["bench", URL, "-q"], "packer bench"),
     (["doctor", URL, "--json"], "packer doctor"),
-    (["profile", URL], "packer profile"),
 ])
 def test_every_command_refuses_a_url_in_one_line(argv, by, imgs, in_tmp, capsys):
     ds = in_tmp / "d.lmdb"
