@@ -10,7 +10,7 @@ DEMO   ?= demo
 # sample photos make demo generates (tests/test_readme.py runs the demo with fewer)
 DEMO_COUNT ?= 2000
 
-.PHONY: install system-deps test demo demo-datasets lint fuzz clean bench-report
+.PHONY: install system-deps test test-fast demo demo-datasets lint fuzz clean bench-report
 
 install: $(STAMP)
 
@@ -56,6 +56,11 @@ REQUIRE_JPEGREGION = $(if $(CI),--require-jpegregion,$(shell test -f /usr/includ
 
 test: install
 	$(BIN)/python -m pytest -q $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION)
+
+# The edit loop: every test that starts no process (tests/procs.txt lists those that do; --no-procs fails any
+# other test that starts one). make test runs them all.
+test-fast: install
+	$(BIN)/python -m pytest -q --no-procs $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION)
 
 # The seeded fuzz test of tests/formats/test_fuzz.py with many more cases (make test runs 120 per format and payload).
 FUZZ_CASES ?= 5000

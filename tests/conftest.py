@@ -1,6 +1,8 @@
 import signal
+from pathlib import Path
 
 import pytest
+from support import procs
 from support.imagesets import make_flat, make_imagefolder
 from support.storage_servers import Emulated, make_bucket, moto_server
 
@@ -14,14 +16,54 @@ def pytest_addoption(parser):
                      help="fail (not skip) when the JPEG region decoder (packer.images._jpegregion) isn't built")
     parser.addoption("--fuzz-cases", type=int, default=120,
                      help="mutated datasets tried per format and payload in tests/test_fuzz.py (make fuzz: 5000)")
+    # `make test-fast`: the tests that start no process (tests/support/procs.py)
+    parser.addoption("--no-procs", action="store_true",
+                     help="leave out the tests of tests/procs.txt (they start processes) and fail any other that "
+                          "starts one")
+    parser.addoption("--procs-log", type=Path, default=None,
+                     help="with --no-procs: append the id of each test that started a process to this file")
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "procs: starts a process (listed in tests/procs.txt); make test-fast leaves "
+                                       "it out")
+    if config.getoption("--no-procs"):
+        guard = procs.Guard(config.getoption("--procs-log"))
+        guard.install()
+        config.stash[GUARD] = guard
     # Started in the background by a shell without job control (nohup ... &, some CI runners), the suite inherits
     # SIGINT ignored, and so would every child it starts (an ignored signal stays ignored across exec), so the
     # tests that press Ctrl-C in a child could see nothing happen. A handler is reset to the default by exec.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_unconfigure(config):
+    if GUARD in config.stash:
+        config.stash[GUARD].uninstall()
+
+
+GUARD = pytest.StashKey[procs.Guard]()
+
+
+def pytest_collection_modifyitems(config, items):
+    entries = procs.listed()
+    marked = [item for item in items if any(procs.matches(item.nodeid, e) for e in entries)]
+    for item in marked:
+        item.add_marker(pytest.mark.procs)
+    if config.getoption("--no-procs"):
+        left = set(map(id, marked))
+        config.hook.pytest_deselected(items=marked)
+        items[:] = [item for item in items if id(item) not in left]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Under --no-procs, the guard names the test running (its fixtures' set-up and teardown included)."""
+    guard = item.config.stash.get(GUARD, None)
+    if guard is not None:
+        guard.current = item.nodeid
+    return (yield)
 
 
 def turbojpeg_or_skip(required: bool):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from support.imagefolder import ImageFolder
+from support.spawned import Cases
 from torch.utils.data import DataLoader
 
 from packer import FORMATS, PackerError, convert, open_dataset
@@ -49,8 +50,11 @@ def packed_cache(tmp_path_factory):
 @pytest.fixture(params=CASES)
 def packed(request, imagefolder, packed_cache, tmp_path_factory):
     """(dataset path, options) for the case, converted once per module, with shards small enough to split."""
-    name, payload, resize = request.param
-    key = (name, payload, resize)
+    return packed_case(request.param, imagefolder, packed_cache, tmp_path_factory)
+
+
+def packed_case(key, imagefolder, packed_cache, tmp_path_factory):
+    name, payload, resize = key
     if key not in packed_cache:
         out = tmp_path_factory.mktemp("contract") / f"ds.{name}"
         kwargs = dict(FORMAT_OPTIONS.get(name, {}))
@@ -176,14 +180,39 @@ def digest(img) -> str:
     return hashlib.sha1(np.ascontiguousarray(img).tobytes()).hexdigest()
 
 
+@pytest.fixture(scope="module")
+def spawned(imagefolder, packed_cache, tmp_path_factory):
+    """What one spawned DataLoader (2 workers, shuffled batches of 4) read of every case at once: {case: [(digest,
+    target)]}, or the error it stopped with. One spawn start for all cases; each worker unpickles every reader
+    family and reads batches that mix them (support/spawned.py), so each case still checks its own samples."""
+    keys = [case.values[0] for case in CASES]
+    sets = [open_dataset(packed_case(key, imagefolder, packed_cache, tmp_path_factory)[0], image="numpy",
+                         transform=digest) for key in keys]
+    loader = DataLoader(Cases(sets), batch_size=4, shuffle=True, num_workers=2, multiprocessing_context="spawn",
+                        generator=torch.Generator().manual_seed(0))
+    seen: dict = {key: [] for key in keys}
+    try:
+        for case, digests, targets in loader:
+            for c, d, t in zip(case.tolist(), digests, targets.tolist()):
+                seen[keys[c]].append((d, t))
+    except Exception as e:  # noqa: BLE001  # reported by every spawn case
+        return e
+    return seen
+
+
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_dataloader_workers_see_every_sample_once(packed, start_method):
-    path, *_ = packed
+def test_dataloader_workers_see_every_sample_once(packed, start_method, request):
+    path, name, payload, resize = packed
     ds = open_dataset(path, image="numpy", transform=digest)
     expected = sorted((digest(open_dataset(path, image="numpy")[i][0]), ds.targets[i]) for i in range(len(ds)))
-    loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, multiprocessing_context=start_method,
-                        generator=torch.Generator().manual_seed(0))
-    seen = sorted((d, int(t)) for digests, targets in loader for d, t in zip(digests, targets))
+    if start_method == "spawn":  # read by the one spawned DataLoader of all cases
+        spawned = request.getfixturevalue("spawned")
+        assert not isinstance(spawned, Exception), f"the spawned DataLoader failed: {spawned!r}"
+        seen = sorted(spawned[(name, payload, resize)])
+    else:
+        loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, multiprocessing_context=start_method,
+                            generator=torch.Generator().manual_seed(0))
+        seen = sorted((d, int(t)) for digests, targets in loader for d, t in zip(digests, targets))
     assert seen == expected
 
 
