@@ -58,6 +58,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under --procs-log, a test that failed because a process start was refused (its own, or a shared fixture's
+    set up for an earlier test) is logged too."""
+    report = yield
+    guard = item.config.stash.get(GUARD, None)
+    if guard is not None and guard.log is not None and call.excinfo is not None \
+            and call.excinfo.errisinstance(procs.ProcessStarted):
+        with guard.log.open("a", encoding="utf-8") as f:
+            f.write(item.nodeid + "\n")
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Under --no-procs, the guard names the test running (its fixtures' set-up and teardown included)."""
     guard = item.config.stash.get(GUARD, None)

@@ -1,15 +1,23 @@
 """The examples/ scripts behind docs/results.md's figures run end to end on a tiny dataset (two of them had stopped
 running after internal changes, unnoticed). Those with a test of their own, and those needing a GPU, NVIDIA DALI,
-FFCV or the kernel throttle (root), are not repeated here. Output checks are structural: no timings."""
+FFCV or the kernel throttle (root), are not repeated here. Output checks are structural: no timings.
+
+Each runs as ``__main__`` in this interpreter (an interpreter start-up per script was most of this file's time),
+with its own argv, working folder, environment and torch thread count put back after; those that need a process
+of their own (a Dask cluster; a temp folder set by TMPDIR) run as a subprocess."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from support.imagesets import make_imagefolder
 
 from packer import convert
@@ -49,11 +57,40 @@ def work(tmp_path_factory) -> Path:
 IDS = [script + ("" if args.startswith(("{", "-")) else "-" + args.split()[0]) for script, args, _ in CASES]
 
 
+# scripts run in a subprocess of their own: a Dask cluster's processes and threads outlive a run in this interpreter
+OWN_PROCESS = {"measure_distributed.py"}
+
+
+def run_in_process(script: Path, args: list[str], cwd: Path, monkeypatch) -> str:
+    """``python script args`` in this interpreter, as ``__main__``; returns what it printed. A non-zero exit or an
+    exception fails the test with its own traceback."""
+    threads, environ = torch.get_num_threads(), dict(os.environ)
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", [str(script), *args])
+    monkeypatch.setattr(sys, "path", [str(script.parent), *sys.path])  # as `python script` puts its folder first
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (0, None), f"{script.name} exited {e.code}\n{printed.getvalue()[-3000:]}"
+    finally:
+        torch.set_num_threads(threads)
+        os.environ.clear()
+        os.environ.update(environ)
+    return printed.getvalue()
+
+
 @pytest.mark.parametrize(("script", "args", "expect"), CASES, ids=IDS)
-def test_example_runs(work, script, args, expect):
+def test_example_runs(work, script, args, expect, monkeypatch):
     if script == "measure_distributed.py":
         pytest.importorskip("distributed")
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args.format(d=work).split()],
+    argv = args.format(d=work).split()
+    if script not in OWN_PROCESS:
+        printed = run_in_process(ROOT / "examples" / script, argv, work, monkeypatch)
+        assert expect in printed, printed[-3000:]
+        return
+    out = subprocess.run([sys.executable, str(ROOT / "examples" / script), *argv],
                          capture_output=True, text=True, timeout=300, cwd=work,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-3000:]
