@@ -126,7 +126,7 @@ def test_the_command_line_names_flags_and_keeps_its_exit_codes(packed, tmp_path,
 
 
 def test_a_subprocess_prints_one_line_with_the_flag(packed):
-    res = run_cli("convert", packed.parent / "imgs", "-o", packed, "-q")
+    res = run_cli("convert", packed.parent / "imgs", "-o", packed, "-q", process=True)
     assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
     assert res.stderr.startswith(f"packer: error: {packed}: already exists (use --overwrite")
 

@@ -91,9 +91,9 @@ def test_convert_on_a_terminal_draws_its_bar(imgs, tmp_path):
 
 
 def test_the_command_line_into_a_pipe_draws_no_bar(imgs, tmp_path):
-    res = run_cli("convert", imgs, "-o", tmp_path / "o.lmdb", "--workers", "0")
+    res = run_cli("convert", imgs, "-o", tmp_path / "o.lmdb", "--workers", "0", process=True)
     assert res.returncode == 0 and res.stderr == "" and "into" in res.stdout
-    res = run_cli("verify", tmp_path / "o.lmdb", "--against", imgs)
+    res = run_cli("verify", tmp_path / "o.lmdb", "--against", imgs, process=True)
     assert res.returncode == 0 and res.stderr == "", res.stderr
 
 
