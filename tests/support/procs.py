@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import _posixsubprocess
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,10 +37,11 @@ class Guard:
     """While installed, starting a process raises ProcessStarted naming ``current`` (the running test), and
     appends it to ``log`` when given (to list the tests that need the mark)."""
 
-    # every way Python starts a process on Linux: subprocess and multiprocessing's spawn/forkserver go through
-    # _posixsubprocess.fork_exec (or os.posix_spawn), multiprocessing's fork and os.spawn* through os.fork
+    # every way Python starts a process on Linux: subprocess through its own binding of _posixsubprocess.fork_exec
+    # (or os.posix_spawn), multiprocessing's spawn/forkserver through _posixsubprocess.fork_exec, its fork and
+    # os.spawn* through os.fork
     NAMES = (("os", "fork"), ("os", "forkpty"), ("os", "posix_spawn"), ("os", "posix_spawnp"), ("os", "system"),
-             ("_posixsubprocess", "fork_exec"))
+             ("_posixsubprocess", "fork_exec"), ("subprocess", "_fork_exec"))
 
     def __init__(self, log: Path | None = None):
         self.current = "(no test)"
@@ -47,7 +49,7 @@ class Guard:
         self._saved: list[tuple[object, str, Callable]] = []
 
     def install(self) -> None:
-        modules = {"os": os, "_posixsubprocess": _posixsubprocess}
+        modules = {"os": os, "_posixsubprocess": _posixsubprocess, "subprocess": subprocess}
         for module_name, name in self.NAMES:
             module = modules[module_name]
             self._saved.append((module, name, getattr(module, name)))
