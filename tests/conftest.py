@@ -28,19 +28,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "procs: starts a process (listed in tests/procs.txt); make test-fast leaves "
                                        "it out")
     if config.getoption("--no-procs"):
-        guard = procs.Guard(config.getoption("--procs-log"))
-        guard.install()
-        config.stash[GUARD] = guard
+        config.stash[GUARD] = procs.Guard(config.getoption("--procs-log"))
     # Started in the background by a shell without job control (nohup ... &, some CI runners), the suite inherits
     # SIGINT ignored, and so would every child it starts (an ignored signal stays ignored across exec), so the
     # tests that press Ctrl-C in a child could see nothing happen. A handler is reset to the default by exec.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-
-
-def pytest_unconfigure(config):
-    if GUARD in config.stash:
-        config.stash[GUARD].uninstall()
 
 
 GUARD = pytest.StashKey[procs.Guard]()
@@ -72,11 +65,17 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Under --no-procs, the guard names the test running (its fixtures' set-up and teardown included)."""
+    """Under --no-procs, the guard is in place while a test runs (its fixtures' set-up and teardown included; not
+    while collecting: an import may look a library up with ldconfig) and names it."""
     guard = item.config.stash.get(GUARD, None)
-    if guard is not None:
-        guard.current = item.nodeid
-    return (yield)
+    if guard is None:
+        return (yield)
+    guard.current = item.nodeid
+    guard.install()
+    try:
+        return (yield)
+    finally:
+        guard.uninstall()
 
 
 def turbojpeg_or_skip(required: bool):
