@@ -54,3 +54,16 @@ def test_the_guard_refuses_every_way_to_start_a_process_and_names_the_test(start
         guard.uninstall()
     assert os.fork is saved
     assert (tmp_path / "log").read_text() == "tests/x.py::test_y\n"
+
+
+def test_the_guard_lets_a_library_lookup_run_ldconfig(tmp_path):
+    """ctypes.util.find_library runs ldconfig (packer's libc and libturbojpeg look-ups on import or first use)."""
+    import ctypes.util
+
+    guard = procs.Guard(tmp_path / "log")
+    guard.install()
+    try:
+        assert ctypes.util.find_library("c")
+    finally:
+        guard.uninstall()
+    assert not (tmp_path / "log").exists()

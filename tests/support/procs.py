@@ -12,6 +12,7 @@ from __future__ import annotations
 import _posixsubprocess
 import os
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -52,19 +53,33 @@ class Guard:
         modules = {"os": os, "_posixsubprocess": _posixsubprocess, "subprocess": subprocess}
         for module_name, name in self.NAMES:
             module = modules[module_name]
-            self._saved.append((module, name, getattr(module, name)))
-            setattr(module, name, self._refuse(f"{module_name}.{name}"))
+            original = getattr(module, name)
+            self._saved.append((module, name, original))
+            setattr(module, name, self._refuse(f"{module_name}.{name}", original))
 
     def uninstall(self) -> None:
         for module, name, original in reversed(self._saved):
             setattr(module, name, original)
         self._saved.clear()
 
-    def _refuse(self, what: str) -> Callable:
-        def refuse(*_args, **_kwargs):
+    def _refuse(self, what: str, original: Callable) -> Callable:
+        def refuse(*args, **kwargs):
+            if _looking_up_a_library():
+                return original(*args, **kwargs)
             if self.log is not None:
                 with self.log.open("a", encoding="utf-8") as f:
                     f.write(self.current + "\n")
             raise ProcessStarted(f"{self.current} started a process ({what}) under --no-procs: list it in "
                                  f"tests/procs.txt, or make it start none")
         return refuse
+
+
+def _looking_up_a_library() -> bool:
+    """Whether ctypes.util.find_library is on the stack: it runs ldconfig once per library an import or first use
+    looks up (libc, libturbojpeg), which is the interpreter's business, not the test's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(os.path.join("ctypes", "util.py")):
+            return True
+        frame = frame.f_back
+    return False
