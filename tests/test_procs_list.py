@@ -22,7 +22,7 @@ def test_every_entry_names_a_test_that_exists():
         path, _, rest = entry.partition("::")
         name = re.split(r"[\[:]", rest)[0] if rest else ""
         source = REPO / path
-        if not source.is_file() or (name and not re.search(rf"^\s*def {re.escape(name)}\(", source.read_text(),
+        if not source.is_file() or (name and not re.search(rf"^\s*(def|class) {re.escape(name)}\b", source.read_text(),
                                                              re.M)):
             stale.append(entry)
     assert not stale, f"tests/procs.txt names tests that do not exist: {stale}"

@@ -4,7 +4,8 @@ FFCV or the kernel throttle (root), are not repeated here. Output checks are str
 
 Each runs as ``__main__`` in this interpreter (an interpreter start-up per script was most of this file's time),
 with its own argv, working folder, environment and torch thread count put back after; those that need a process
-of their own (a Dask cluster; a temp folder set by TMPDIR) run as a subprocess."""
+of their own (a Dask cluster; a temp folder set by TMPDIR; packer functions replaced for the whole process) run as
+a subprocess."""
 
 from __future__ import annotations
 
@@ -57,8 +58,10 @@ def work(tmp_path_factory) -> Path:
 IDS = [script + ("" if args.startswith(("{", "-")) else "-" + args.split()[0]) for script, args, _ in CASES]
 
 
-# scripts run in a subprocess of their own: a Dask cluster's processes and threads outlive a run in this interpreter
-OWN_PROCESS = {"measure_distributed.py"}
+# scripts run in a subprocess of their own: a Dask cluster's processes and threads outlive a run in this interpreter;
+# the other two replace packer functions for the rest of the process (ThreadLoader's feeder with a timed one, bulk
+# crops switched off), which later tests would inherit
+OWN_PROCESS = {"measure_distributed.py", "measure_overhead.py", "measure_bulk_crops.py"}
 
 
 def run_in_process(script: Path, args: list[str], cwd: Path, monkeypatch) -> str:
