@@ -121,8 +121,8 @@ test_verify_catches_a_flipped_byte = contract.test_verify_catches_a_flipped_byte
 test_wrong_class_refuses_other_formats = contract.test_wrong_class_refuses_other_formats
 
 
-def test_dataloader_fork_workers_see_every_sample_once(packed):
-    contract.test_dataloader_workers_see_every_sample_once(packed, "fork")
+def test_dataloader_fork_workers_see_every_sample_once(packed, request):
+    contract.test_dataloader_workers_see_every_sample_once(packed, "fork", request)
 
 
 def test_payloads_lie_where_the_option_put_them(packed):
