@@ -17,6 +17,11 @@ PARTIAL_SUFFIX = ".partial"  # an unfinished output, <out>.partial, renamed to <
 JOURNAL_DIR = "journal"
 PLAN_NAME = "plan.json"
 SWAP_NAME = "swap.json"
+# an unfinished upload to object storage keeps its lock, plan and journal under <url>/.packer-partial/ until its
+# manifest is in place (packer.write.remote_output)
+REMOTE_PARTIAL = ".packer-partial"
+REMOTE_LOCK = f"{REMOTE_PARTIAL}/lock.json"
+REMOTE_PLAN = f"{REMOTE_PARTIAL}/{PLAN_NAME}"
 OLD_TAG = ".packer-old-"  # <out>.packer-old-<pid>-<random>: the folder an --overwrite moves the old output into
 _MAX_SWAP_BYTES = 1 << 16
 

@@ -31,6 +31,7 @@ from packer.errors import MissingPackageError, PackerError, install_hint
 from packer.storage.faults import (
     AccessDenied,
     ObjectChanged,
+    ObjectExists,
     ObjectNotFound,
     RetryPolicy,
     ShortRead,
@@ -41,7 +42,8 @@ from packer.storage.profiles import profile_config
 from packer.storage.url import Location
 
 _CLIENT_KEYS = frozenset({"allow_http", "allow_invalid_certificates", "proxy_url", "user_agent", "default_headers"})
-_ERRORS = {c.__name__: c for c in (StorageError, ObjectNotFound, AccessDenied, ObjectChanged, ShortRead)}
+_ERRORS = {c.__name__: c for c in (StorageError, ObjectNotFound, AccessDenied, ObjectChanged, ShortRead,
+                                   ObjectExists)}
 _RUNTIME_PID: int | None = None  # the process that started obstore's runtime (its forked children must not use it)
 
 
@@ -179,7 +181,8 @@ class LoopClient:
         if op == "put":  # multipart above chunk_size, parts uploaded concurrently; all or nothing is visible
             source = Path(kw["path"]) if "path" in kw else kw["data"]
             size = source.stat().st_size if isinstance(source, Path) else len(source)
-            res = await obs.put_async(store, key, source, chunk_size=kw.get("chunk_size", 8 << 20))
+            mode = "create" if kw.get("create") else "overwrite"  # create: If-None-Match *, ObjectExists if there
+            res = await obs.put_async(store, key, source, chunk_size=kw.get("chunk_size", 8 << 20), mode=mode)
             return ObjectInfo(key, size, res.get("e_tag"), res.get("version"))
         if op == "delete":
             return await obs.delete_async(store, key)

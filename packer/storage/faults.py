@@ -32,6 +32,10 @@ class ObjectChanged(StorageError):
     its bytes are never mixed with the old ones."""
 
 
+class ObjectExists(StorageError, FileExistsError):
+    """A conditional put (create only) found an object there already (412 on If-None-Match)."""
+
+
 class ShortRead(StorageError):
     """A body shorter (or longer) than the range asked for: cut mid-way or truncated by the server."""
 
@@ -92,6 +96,8 @@ def classify(exc: BaseException, url: str) -> tuple[bool, StorageError]:
     if name in ("PermissionDeniedError", "UnauthenticatedError") or code in (401, 403):
         return False, AccessDenied(f"{where}: access denied ({code or name}); check the credentials (environment, "
                                    "~/.aws, instance role or storage_options=)")
+    if name == "AlreadyExistsError":
+        return False, ObjectExists(f"{where}: exists already (a conditional put found an object there)")
     if name == "PreconditionError":
         return False, ObjectChanged(f"{where}: the object changed since it was opened (its ETag no longer "
                                     "matches); open the dataset again")

@@ -78,11 +78,14 @@ class ObjectStore:
         """Every object whose key starts with ``prefix`` (all pages), keys relative to the root."""
         return wait(self.client.submit("list", "", prefix=prefix))
 
-    def put(self, key: str, data: bytes | memoryview | os.PathLike, chunk_size: int = 8 << 20) -> ObjectInfo:
-        """Write one object, all or nothing; a file larger than ``chunk_size`` goes up as a multipart upload."""
+    def put(self, key: str, data: bytes | memoryview | os.PathLike, chunk_size: int = 8 << 20,
+            create: bool = False) -> ObjectInfo:
+        """Write one object, all or nothing; a file larger than ``chunk_size`` goes up as a multipart upload.
+        ``create``: only if no object has that key (a conditional put, If-None-Match: *), else ``ObjectExists``."""
+        kw = {"chunk_size": chunk_size, "create": create}
         if isinstance(data, (bytes, memoryview)):
-            return wait(self.client.submit("put", key, data=bytes(data), chunk_size=chunk_size))
-        return wait(self.client.submit("put", key, path=str(Path(data).absolute()), chunk_size=chunk_size))
+            return wait(self.client.submit("put", key, data=bytes(data), **kw))
+        return wait(self.client.submit("put", key, path=str(Path(data).absolute()), **kw))
 
     def delete(self, key: str) -> None:
         wait(self.client.submit("delete", key))

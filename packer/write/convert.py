@@ -19,7 +19,7 @@ from typing import Any
 from packer.errors import Interrupted, OptionError, PackerError, ResumableError, arg
 from packer.formats import FORMATS, get_format
 from packer.layout.partial import made_by_packer
-from packer.storage.url import refuse_urls
+from packer.storage.url import is_url, redact, refuse_url, refuse_urls
 from packer.write.cluster import class_mapper
 from packer.write.dataset_sink import DatasetSink
 from packer.write.export_wds import ExportSink
@@ -33,8 +33,9 @@ from packer.write.options import (
     own_options,
     takes_options,
 )
-from packer.write.output import Output, check_destination, output_path
+from packer.write.output import Output, output_path
 from packer.write.plan import apply_order
+from packer.write.remote_output import RemoteOutput
 from packer.write.shards import ShardWriteError
 from packer.write.sink import ConvertResult, Sink
 from packer.write.sources.base import SourceOptions
@@ -101,9 +102,27 @@ def convert(src: str | os.PathLike, output: str | os.PathLike | None = None, *, 
         ResumableError: a failure part-way (a full disk); the work is kept for ``resume=True``.
     """
     sink = sink_for(to)
-    refuse_urls(sink.command, src, output)
+    refuse_urls(sink.command, src)
     run, source, given = parse_keywords(sink, options)
-    return drive(src, Output(output_path(src, output, sink.name)), sink, run, source, given)
+    return drive(src, make_output(src, output, sink, run), sink, run, source, given)
+
+
+def make_output(src: str | os.PathLike, output: str | os.PathLike | None, sink: Sink, run: RunOptions) -> Output:
+    """Where the conversion goes: a local folder, or a dataset in object storage (``RemoteOutput``: shards
+    uploaded as they are finished, the manifest last) for the formats' shards."""
+    if output is None or not is_url(output):
+        return Output(output_path(src, output, sink.name))
+    if not isinstance(sink, DatasetSink):  # an export (--to wds): export to a folder, then upload it
+        refuse_url(output, sink.command)
+    if run.client is not None:
+        raise OptionError(f"{redact(str(output))}: a conversion on a cluster ({arg('client', cli='scheduler')}) "
+                          "writes to storage its workers share, not object storage yet: convert here, or to a "
+                          "shared folder and upload it")
+    if run.if_changed:
+        raise OptionError(f"{redact(str(output))}: {arg('if_changed', True)} is not supported yet for object "
+                          f"storage: use {arg('overwrite', True)} or {arg('resume', True)}")
+    return RemoteOutput(str(output), run.storage_options, run.staging_dir, overwrite=run.overwrite,
+                        resume=run.resume)
 
 
 @takes_options(_CONVERT, FORMATS)
@@ -172,10 +191,10 @@ def drive(src: str | os.PathLike, output: Output, sink: Sink, run: RunOptions, s
     """The one driver of every conversion: options, destination check, scan, order, then the sink's plan, write
     and finish in ``output`` under its lock. A failure part-way is kept for ``resume`` (a resumable sink) or
     removed, and said in one line. ``given``: the conversion's keywords (``parse_keywords``)."""
-    out = output.path
+    out = output.shown
     opts = sink.options(dict(given))
     run = run.checked()
-    check_destination(src, out, sink.replaces(run))
+    output.check(src, sink.replaces(run))
     started = time.perf_counter()
     scanned = scan_records(src, source, opts, run.client)
     sink.accept(scanned, opts, given.get("payload"))
@@ -202,7 +221,7 @@ def drive(src: str | os.PathLike, output: Output, sink: Sink, run: RunOptions, s
             raise _failed_midway(sink, output, f"{exc.filename or out}: {exc.strerror or exc}") from exc
         except KeyboardInterrupt:
             raise Interrupted(_interrupted(sink, output)) from None
-    return ConvertResult(out, done.num_samples, errors, time.perf_counter() - started,
+    return ConvertResult(output.result_name, done.num_samples, errors, time.perf_counter() - started,
                          done.num_bytes, dict(scanned.ignored), dict(scanned.not_images), rewritten=done.rewritten)
 
 
@@ -266,7 +285,7 @@ def _failed_midway(sink: Sink, output: Output, message: str) -> PackerError:
         return PackerError(f"{message}; nothing was kept")
     if not made_by_packer(output.folder):
         return PackerError(message)
-    return ResumableError(f"{message}; the work done so far is kept in {output.folder}: free space (or fix the "
+    return ResumableError(f"{message}; the work done so far is kept in {output.kept_in}: free space (or fix the "
                           f"problem), then run the same command with {arg('resume', True)}")
 
 
@@ -277,5 +296,5 @@ def _interrupted(sink: Sink, output: Output) -> str:
         return "interrupted; nothing was kept"
     if not made_by_packer(output.folder):
         return "interrupted"
-    return (f"interrupted; the work done so far is kept in {output.folder}: run the same command with "
+    return (f"interrupted; the work done so far is kept in {output.kept_in}: run the same command with "
             f"{arg('resume', True)} to go on, or remove it")

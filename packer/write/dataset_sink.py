@@ -22,7 +22,7 @@ from packer.layout.manifest import IMAGELESS, Manifest, holds_dataset, read_mani
 from packer.write.cluster import DaskCluster
 from packer.write.finish import in_storage_order, recorded_errors, seal, stored_index
 from packer.write.fresh import source_digest, stale_reason
-from packer.write.journal import ShardResult, load_done_shards
+from packer.write.journal import ShardResult
 from packer.write.lock import OutputLock
 from packer.write.options import ConvertOptions, PoolSettings, RunOptions, make_options
 from packer.write.output import Output, check_replaceable
@@ -114,7 +114,7 @@ class DatasetSink(Sink):
         """Every planned shard, the journaled ones reused: built by the local pool, or by a Dask cluster
         (``run.client``)."""
         ranges = [(int(a), int(b)) for a, b in self.plan["shards"]]
-        job = BuildJob(scan, output, ranges, load_done_shards(output.folder, len(ranges), scan), options,
+        job = BuildJob(scan, output, ranges, output.done_shards(len(ranges), scan), options,
                        run.on_error, bool(run.progress), float(self.plan.get("mean_bytes", 0.0)))
         backend: ShardBuilder = (DaskCluster(run.client) if run.client is not None
                                  else LocalPool(run.worker_count(), run.pool or PoolSettings()))

@@ -141,6 +141,14 @@ class RunOptions:
         None, "a dask.distributed.Client: the cluster's workers scan the class folders and write the shards (source "
         "and output on storage they all share); the bytes are the same as a local run's (the command line opens one "
         "with --scheduler)", flag="scheduler", generated=False, wds=False)
+    storage_options: dict[str, Any] | None = option(
+        None, "an output in object storage (s3://, gs://, az://, http(s)://): the storage client's settings "
+        "(obstore's keys: endpoint, region, aws_access_key_id, ...); default: the environment (AWS_*, GOOGLE_*, "
+        "AZURE_*) and instance roles, as the command line uses", flag=None)
+    staging_dir: str | None = option(
+        None, "an output in object storage: the local folder where shards are written before their upload (each "
+        "deleted once uploaded, so it holds about three shards; default: the system's temporary folder)",
+        metavar="DIR", wds=False)
     pool: PoolSettings | None = option(None, "settings of the local process pool (PoolSettings in "
                                        "packer/write/options.py); the defaults suit every run", flag=None)
 

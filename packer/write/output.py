@@ -22,8 +22,9 @@ from packer.layout.fsutil import fsync_dir, fsync_tree
 from packer.layout.manifest import MANIFEST_NAME, holds_dataset
 from packer.layout.partial import JOURNAL_DIR, OLD_TAG, PARTIAL_SUFFIX, made_by_packer, read_swap
 from packer.layout.wdsexport import holds_wds_export
-from packer.write.journal import ShardResult, read_plan, record_shard, write_plan, write_swap
+from packer.write.journal import ShardResult, load_done_shards, read_plan, record_shard, write_plan, write_swap
 from packer.write.lock import OutputLock, check_free
+from packer.write.sources.records import ScanResult
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 NEW_TAG = ".packer-new-"  # <out>.packer-new-<pid>-<random>: a new .partial until its plan is written
@@ -145,9 +146,38 @@ class Output:
     (a conversion's sinks, the ``Writer``) go through these methods for the folder's life, so that another kind
     of output (shards uploaded as they are done, the last file last) can stand in for it."""
 
+    max_pending: int | None = None  # finished shards whose ``shard_done`` may still run while the next is written
+
     def __init__(self, path: Path) -> None:
         self.path = path
         self.folder = path.with_name(path.name + PARTIAL_SUFFIX)
+
+    @property
+    def shown(self) -> str:
+        """The output as messages and results name it."""
+        return str(self.path)
+
+    @property
+    def result_name(self) -> Path | str:
+        """The output as ``ConvertResult.output`` names it."""
+        return self.path
+
+    @property
+    def kept_in(self) -> str:
+        """Where an interrupted run's work is kept, as messages name it."""
+        return str(self.folder)
+
+    def check(self, src: str | os.PathLike, replaces: bool) -> None:
+        """Refuse, before anything is written, an output whose making would destroy data (``check_destination``)."""
+        check_destination(src, self.path, replaces)
+
+    def staged_bytes(self, needed: float, per_shard: float) -> float:
+        """The most of an output of ``needed`` bytes (shards of ``per_shard``) on this machine's disk at once."""
+        return needed
+
+    def done_shards(self, num_shards: int, scan: ScanResult) -> dict[int, ShardResult]:
+        """The shards an interrupted run finished that can be kept (``load_done_shards``)."""
+        return load_done_shards(self.folder, num_shards, scan)
 
     def made_by_packer(self) -> bool:
         """Whether ``folder`` is one a write made (a real folder holding its journaled plan)."""

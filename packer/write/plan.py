@@ -130,8 +130,9 @@ def load_or_make_plan(scan: ScanResult, output: Output, options: ConvertOptions,
         return plan, output.take()
     output.make_parent()
     mean_bytes = estimate_sample_bytes(scan, options)
-    check_free_space(output.path.parent, mean_bytes * len(scan))
+    shards = plan_shards(len(scan), mean_bytes, options.shard_bytes, shard_multiple(options))
+    needed = mean_bytes * len(scan)
+    check_free_space(output.path.parent, output.staged_bytes(needed, needed / max(1, len(shards))))
     plan = {"options": recorded, "digest": digest, "source": str(scan.root), "num_files": len(scan),
-            "shards": plan_shards(len(scan), mean_bytes, options.shard_bytes, shard_multiple(options)),
-            "mean_bytes": mean_bytes}
+            "shards": shards, "mean_bytes": mean_bytes}
     return plan, output.start(plan)

@@ -66,6 +66,7 @@ class LocalPool:
                 result, names = write_shard(job.partial, sid, b - a, itertools.islice(prepared, b - a), fmt,
                                             job.options, job.on_error, scan.root, on_each if job.progress else None)
                 pending[sid] = journaler.submit(job.output.shard_done, result, names)
+                wait_for_room(pending.values(), job.output.max_pending)
             prepared.close()  # the pool winds down while the last shard is checksummed
             for sid, future in pending.items():
                 results[sid] = future.result()
@@ -74,6 +75,19 @@ class LocalPool:
             prepared.close()
             journaler.shutdown(wait=True, cancel_futures=True)
         return results
+
+
+def wait_for_room(pending: Iterable[Future], limit: int | None) -> None:
+    """Wait (oldest first) until at most ``limit`` of the ``pending`` journal (and upload) tasks are unfinished, so
+    that the shards waiting for them stay few on the local disk; a task's error is raised here, at once."""
+    if limit is None:
+        return
+    unfinished = [f for f in pending if not f.done()]
+    for future in unfinished[:max(0, len(unfinished) - limit)]:
+        future.result()
+    for future in pending:
+        if future.done() and future.exception() is not None:
+            future.result()
 
 
 def ordered_results(

@@ -26,7 +26,7 @@ from packer.write.sources.records import ScanResult, SourceError
 class ConvertResult:
     """What a conversion did (``convert``, ``export_wds``): the output, what was packed, what was left out and why."""
 
-    output: Path
+    output: Path | str  # a local folder, or the (redacted) URL of a dataset in object storage
     num_samples: int
     errors: list[SourceError]
     seconds: float

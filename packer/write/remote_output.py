@@ -1,0 +1,332 @@
+"""An output in object storage (``convert -o s3://bucket/imgs.lmdb``, ``Writer("s3://...")``): the ``Output`` whose
+shards are written in a local staging folder, uploaded as each is finished and deleted there once uploaded, with
+the manifest uploaded last.
+
+In the bucket, under the dataset's prefix, an unfinished upload keeps ``.packer-partial/``: ``lock.json`` (made
+with a conditional put, so a second writer is refused), ``plan.json`` and one journal entry per uploaded shard
+(put after the shard's objects), so ``--resume`` goes on from any machine and uploads only what is missing. The
+order (docs/remote.md, "Writing to a bucket"): lock and plan; with ``--overwrite`` the old manifest is deleted
+before any of its objects is replaced (no mixed dataset ever opens); shards; meta/ and errors.json; the old
+dataset's objects the new one does not have; the manifest; then the journal, the plan and the lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from packer.errors import OutputExistsError, PackerError, arg
+from packer.layout.manifest import MANIFEST_NAME
+from packer.layout.partial import JOURNAL_DIR, REMOTE_LOCK, REMOTE_PARTIAL, REMOTE_PLAN
+from packer.layout.report import ERRORS_NAME
+from packer.storage.client import ObjectInfo
+from packer.storage.faults import ObjectExists, ObjectNotFound, RetryPolicy, StorageError
+from packer.storage.store import ObjectStore
+from packer.storage.url import parse
+from packer.write.journal import ShardResult, changed_sources, record_shard, shard_entry
+from packer.write.lock import OutputLock
+from packer.write.output import Output
+from packer.write.shards import ShardWriteError
+from packer.write.sources.records import ScanResult
+
+log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
+JOURNAL_PREFIX = f"{REMOTE_PARTIAL}/{JOURNAL_DIR}/"
+PENDING_SHARDS = 2  # finished shards uploading (or waiting to) while the next is written
+UPLOADS_IN_FLIGHT = 8  # files of one shard (n5, bmp: many) put at once; a large file is a multipart upload itself
+
+
+def staging_root(staging_dir: str | os.PathLike | None) -> Path:
+    """Where outputs in object storage are staged: ``staging_dir``, or the system's temporary folder (per user)."""
+    if staging_dir is not None:
+        return Path(os.path.abspath(staging_dir))
+    return Path(tempfile.gettempdir()) / f"packer-staging-{os.getuid()}"
+
+
+class RemoteOutput(Output):
+    """A dataset written to ``url``: ``folder`` is a local staging folder (keyed by the URL and endpoint) holding the
+    run's journal and the shards not uploaded yet; the journal is mirrored under ``<url>/.packer-partial/``.
+
+    ``overwrite``: replace a packer dataset (or an unfinished upload) there; ``resume``: go on with an unfinished
+    upload. Anything else at the prefix is refused, never deleted."""
+
+    max_pending = PENDING_SHARDS  # shards uploading (or waiting) while the next is written: the staging folder holds about three
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
+                 staging_dir: str | os.PathLike | None = None, *, overwrite: bool = False, resume: bool = False,
+                 policy: RetryPolicy | None = None) -> None:
+        self.location = parse(url)
+        self.store = ObjectStore(self.location, storage_options, policy)
+        endpoint = str((storage_options or {}).get("endpoint") or os.environ.get("AWS_ENDPOINT_URL", ""))
+        key = hashlib.sha256(f"{self.location}\0{endpoint}".encode()).hexdigest()[:16]
+        super().__init__(staging_root(staging_dir) / key / (self.location.name or "dataset"))
+        self.overwrite, self.resume = overwrite, resume
+        self.found: dict[str, ObjectInfo] = {}  # the prefix's objects when checked (packer's, or nothing)
+        self.uploaded: set[str] = set()  # keys this run put
+        self._plan: dict[str, Any] | None = None
+
+    # ---- names in messages and results
+
+    @property
+    def shown(self) -> str:
+        return str(self.location)
+
+    @property
+    def result_name(self) -> str:
+        return str(self.location)
+
+    @property
+    def kept_in(self) -> str:
+        return f"{self.location} (an unfinished upload: its journal under {REMOTE_PARTIAL}/)"
+
+    def where(self, key: str) -> str:
+        return str(self.location.join(key))
+
+    # ---- before anything is written
+
+    def check(self, src: str | os.PathLike, replaces: bool) -> None:
+        """What is at the prefix: nothing; a packer dataset (replaced only with ``overwrite``); an unfinished upload
+        (gone on with by ``resume``, replaced by ``overwrite``); anything else is refused, even with ``overwrite``."""
+        self.found = {o.key: o for o in self.store.list()}
+        if not self.found:
+            return
+        dataset, unfinished = MANIFEST_NAME in self.found, self.unfinished()
+        if not (dataset or unfinished):
+            some = ", ".join(sorted(self.found)[:3]) + (" ..." if len(self.found) > 3 else "")
+            raise OutputExistsError(f"{self.location}: holds {len(self.found)} object(s) ({some}) but no packer "
+                                    f"{MANIFEST_NAME}: not a packer dataset; packer replaces only a dataset, even with "
+                                    f"{arg('overwrite', True)}: choose another {arg('output')}, or remove them "
+                                    "yourself")
+        if unfinished:
+            self.check_free()
+            if not (self.resume or self.overwrite):
+                raise OutputExistsError(self.left_over_reason())
+        elif self.resume and not self.overwrite:
+            raise OutputExistsError(f"{self.location}: a complete dataset, so there is nothing to resume: add "
+                                    f"{arg('overwrite', True)} to convert again")
+        elif not self.overwrite:
+            raise OutputExistsError(f"{self.location}: already exists (use {arg('overwrite', True)} to replace it)")
+
+    def unfinished(self) -> bool:
+        """Whether the prefix held an unfinished upload's lock or plan when checked."""
+        return REMOTE_LOCK in self.found or REMOTE_PLAN in self.found
+
+    def staged_bytes(self, needed: float, per_shard: float) -> float:
+        return min(needed, (PENDING_SHARDS + 2) * per_shard)
+
+    # ---- the plan and the lock (Output's interface, read by write.plan and the Writer)
+
+    def left_over(self) -> bool:
+        return self.resume and REMOTE_PLAN in self.found
+
+    def made_by_packer(self) -> bool:
+        return REMOTE_PLAN in self.found
+
+    def plan(self) -> dict[str, Any] | None:
+        if self._plan is None and REMOTE_PLAN in self.found:
+            try:
+                self._plan = json.loads(self.store.get(REMOTE_PLAN))
+            except ObjectNotFound:
+                return None
+            except ValueError as exc:
+                raise PackerError(f"{self.where(REMOTE_PLAN)}: damaged conversion plan ({exc}); convert again with "
+                                  f"{arg('overwrite', True)}") from exc
+        return self._plan
+
+    def check_free(self) -> None:
+        """A PackerError when the unfinished upload's writer runs on this machine still (its lock names it);
+        a writer on another machine cannot be seen: ``resume`` and ``overwrite`` take its place."""
+        super().check_free()
+        if REMOTE_LOCK not in self.found:
+            return
+        try:
+            holder = json.loads(self.store.get(REMOTE_LOCK))
+            pid, host = int(holder["pid"]), str(holder["host"])
+        except (ObjectNotFound, ValueError, KeyError, TypeError):
+            return
+        if host == socket.gethostname() and pid != os.getpid() and _alive(pid):
+            raise PackerError(f"{self.location}: in use by a conversion running as pid {pid} on this machine "
+                              f"(since {holder.get('since', '?')}); wait for it to finish")
+
+    def left_over_reason(self) -> str:
+        writer = ""
+        try:
+            holder = json.loads(self.store.get(REMOTE_LOCK))
+            writer = f" (written by pid {holder['pid']} on {holder['host']} since {holder['since']})"
+        except (StorageError, ValueError, KeyError, TypeError):
+            pass
+        return (f"{self.location}: an unfinished upload{writer}: an interrupted conversion, or one running now; go on "
+                f"with it by running the same command with {arg('resume', True)}, or replace it with "
+                f"{arg('overwrite', True)} (never while its writer still runs)")
+
+    def start(self, plan: dict[str, Any]) -> OutputLock:
+        """The staging folder with ``plan`` (locked), then in the bucket the lock (refused if another writer made
+        one meanwhile), the plan, and with ``overwrite`` the old manifest deleted before any object is replaced."""
+        self._restage()
+        lock = super().start(plan)
+        try:
+            self._lock_bucket(take_over=self.unfinished() and (self.overwrite or self.resume))
+            for key in self.found:  # an earlier upload's journal: not this plan's
+                if key.startswith(JOURNAL_PREFIX):
+                    self.store.delete(key)
+            self.store.put(REMOTE_PLAN, json.dumps(plan, indent=1).encode())
+            if self.overwrite and MANIFEST_NAME in self.found:  # the old dataset no longer opens from here on
+                self.store.delete(MANIFEST_NAME)
+        except BaseException:
+            lock.release()
+            raise
+        self._plan = plan
+        return lock
+
+    def take(self) -> OutputLock:
+        """Go on with the unfinished upload: a new staging folder holding its plan and journal, the lock taken."""
+        plan = self.plan()
+        assert plan is not None  # left_over() said so
+        self._restage()
+        lock = super().start(plan)
+        try:
+            self._lock_bucket(take_over=True)
+            for key in self.found:
+                if key.startswith(JOURNAL_PREFIX):
+                    (self.folder / JOURNAL_DIR / key[len(JOURNAL_PREFIX):]).write_bytes(self.store.get(key))
+        except BaseException:
+            lock.release()
+            raise
+        return lock
+
+    def _restage(self) -> None:
+        """An empty staging folder: what an earlier run left there is not needed (the bucket holds the journal)."""
+        super().check_free()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _lock_bucket(self, take_over: bool) -> None:
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        try:
+            self.store.put(REMOTE_LOCK, json.dumps(holder).encode(), create=not take_over)
+        except ObjectExists:
+            raise OutputExistsError(f"{self.location}: another conversion began writing here meanwhile; "
+                                    f"{self.left_over_reason()}") from None
+        self.uploaded.add(REMOTE_LOCK)
+
+    def swapping(self) -> bool:
+        return False  # nothing is renamed in a bucket: the manifest, put last, makes the dataset
+
+    # ---- shards
+
+    def done_shards(self, num_shards: int, scan: ScanResult) -> dict[int, ShardResult]:
+        """The journaled shards whose objects are all in the bucket at their sizes and whose sources are unchanged;
+        the others are written and uploaded again."""
+        present = {o.key: o.size for o in self.store.list()}
+        reader, locs = scan.source_reader(), (scan.locator_of() if scan.locs is not None else {})
+        done: dict[int, ShardResult] = {}
+        for shard_id in range(num_shards):
+            entry = shard_entry(self.folder, shard_id)
+            if not entry.is_file():
+                continue
+            result = ShardResult.from_json(entry.read_text(encoding="utf-8"), str(entry))
+            uploaded = result.shard.num_samples == 0 or all(present.get(f.name) == f.num_bytes
+                                                            for f in result.shard.files)
+            if uploaded and not changed_sources(reader, locs, result):
+                done[shard_id] = result
+            else:
+                entry.unlink()
+        return done
+
+    def shard_done(self, result: ShardResult, names: list[str]) -> ShardResult:
+        """Checksum and journal the shard locally, upload its files (none for a shard without samples), then its
+        journal entry; its local files are deleted once uploaded."""
+        result = record_shard(self.folder, result, names)
+        if result.shard.num_samples > 0:
+            self._upload(names)
+        entry = shard_entry(self.folder, result.shard_id)
+        self._upload_one(JOURNAL_PREFIX + entry.name, entry)
+        for name in names:
+            _remove(self.folder, name)
+        return result
+
+    def _upload(self, names: list[str]) -> None:
+        with ThreadPoolExecutor(max_workers=min(UPLOADS_IN_FLIGHT, max(1, len(names)))) as pool:
+            for future in [pool.submit(self._upload_one, name, self.folder / name) for name in names]:
+                future.result()
+
+    def _upload_one(self, key: str, path: Path) -> None:
+        try:
+            self.store.put(key, path)
+        except StorageError as exc:
+            raise ShardWriteError(f"uploading {key} failed ({exc})") from None
+        self.uploaded.add(key)
+
+    # ---- the end
+
+    def seal(self, write_last: Callable[[Path], None]) -> None:
+        """Upload meta/ and errors.json, delete the old dataset's objects the new one does not have, put the
+        manifest (the last object of the dataset), then remove the journal, the plan and the lock."""
+        rest = [p.relative_to(self.folder).as_posix() for p in sorted(self.folder.rglob("*"))
+                if p.is_file() and p.relative_to(self.folder).parts[0] != JOURNAL_DIR]
+        self._upload(rest)
+        write_last(self.folder)
+        manifest = json.loads((self.folder / MANIFEST_NAME).read_text(encoding="utf-8"))
+        files = {f["name"]: int(f["num_bytes"]) for s in manifest["shards"] for f in s["files"]}
+        files.update({f["name"]: int(f["num_bytes"]) for f in manifest.get("meta_files", [])})
+        present = {o.key: o for o in self.store.list()}
+        wrong = [n for n, size in files.items() if n not in present or present[n].size != size]
+        if wrong:
+            raise ShardWriteError(f"{self.where(wrong[0])}: missing or of another size after the upload "
+                                  f"({len(wrong)} object(s)); was the prefix written by someone else meanwhile?")
+        keep = {*files, ERRORS_NAME, MANIFEST_NAME}
+        for key in sorted(set(self.found) - keep):  # the old dataset's: the prefix held packer's objects only
+            if not key.startswith(REMOTE_PARTIAL + "/"):
+                self.store.delete(key)
+        self._upload_one(MANIFEST_NAME, self.folder / MANIFEST_NAME)
+        self._clear_partial(present)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _clear_partial(self, present: Mapping[str, ObjectInfo]) -> None:
+        """The journal, then the plan, then the lock: the upload is no longer unfinished."""
+        keys = sorted(k for k in present if k.startswith(JOURNAL_PREFIX))
+        for key in [*keys, REMOTE_PLAN, REMOTE_LOCK]:
+            try:
+                self.store.delete(key)
+            except ObjectNotFound:
+                pass
+
+    def discard(self) -> None:
+        """Nothing of the run is kept: the objects it put and, the prefix being packer's, the ones found there."""
+        for key in sorted((set(self.found) | self.uploaded) - {REMOTE_LOCK}) + [REMOTE_LOCK]:
+            try:
+                self.store.delete(key)
+            except ObjectNotFound:
+                pass
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def finish_swap(self) -> None:
+        raise PackerError(f"{self.location}: nothing to move into place (an upload is finished by its manifest)")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(folder: Path, name: str) -> None:
+    """Delete an uploaded file and the folders it leaves empty (n5's ``shard-*.n5/...``), up to ``folder``."""
+    path = folder / name
+    path.unlink(missing_ok=True)
+    for parent in path.parents:
+        if parent == folder or any(parent.iterdir()):
+            break
+        parent.rmdir()
