@@ -1,8 +1,9 @@
 """An emulated object store for slow links (what ``--emulate hdd`` is for disks): a local folder served over HTTP
 as an S3-compatible subset, with a first-byte latency per request and one bandwidth limit for the whole link.
 
-The subset is what packer's readers use: GET with ``Range`` (and ``If-Match``/``If-None-Match``), HEAD, and
-ListObjectsV2 with pagination, path-style (``http://host:port/<bucket>/<key>``), so the same client reads it as
+The subset is what packer's readers and writers use: GET with ``Range`` (and ``If-Match``/``If-None-Match``), HEAD,
+ListObjectsV2 with pagination, PUT (``If-None-Match: *`` for a create-only put), multipart uploads and DELETE,
+path-style (``http://host:port/<bucket>/<key>``), so the same client reads it as
 ``s3://<bucket>/...`` through an endpoint URL, or as plain ``http://`` URLs. Signatures are not checked. Bodies go
 out with ``os.sendfile`` in paced chunks; ``stats`` counts what the server did (requests, delays applied, bytes
 paced), so tests check latency and bandwidth by counting, not by timing. ``faults`` injects failures at the server
@@ -12,19 +13,23 @@ paced), so tests check latency and bandwidth by counting, not by timing. ``fault
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import struct
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote, urlsplit
+from xml.etree import ElementTree
 from xml.sax.saxutils import escape
 
 CHUNK = 128 << 10  # bytes per paced sendfile call
+UPLOADS = ".emulated-uploads"  # under root: puts and multipart parts being received (never listed or served)
 
 
 @dataclass
@@ -45,7 +50,7 @@ class Fault:
 class FaultRule:
     fault: Fault
     key: str | None  # None: any key
-    method: str  # "GET", "HEAD" or "*"
+    method: str  # "GET", "HEAD", "PUT" (a put, a part or a multipart's completion), "DELETE" or "*"
     times: int  # how many requests it hits; -1: all
 
 
@@ -86,6 +91,10 @@ class ServerStats:
     gets: int = 0
     heads: int = 0
     lists: int = 0
+    puts: int = 0  # objects written: single puts and completed multipart uploads
+    parts: int = 0  # multipart parts received
+    deletes: int = 0
+    put_bytes: int = 0  # request body bytes received (paced as the link's when a bandwidth is set)
     body_bytes: int = 0  # object bytes sent (all of them are paced when a bandwidth is set)
     latency_delays: int = 0  # first-byte delays applied (one per request when latency > 0)
     latency_seconds: float = 0.0  # their sum, as scheduled
@@ -205,6 +214,15 @@ class _Handler(BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         self._object("HEAD")
 
+    def do_PUT(self) -> None:
+        self._write("PUT")
+
+    def do_POST(self) -> None:
+        self._write("POST")
+
+    def do_DELETE(self) -> None:
+        self._write("DELETE")
+
     def do_GET(self) -> None:
         bucket, key, query = self._target()
         if bucket == self.server.store.bucket and (key == "" and "list-type" in query):
@@ -281,6 +299,102 @@ class _Handler(BaseHTTPRequestHandler):
             if cut:
                 self.connection.shutdown(socket.SHUT_RDWR)
                 self.close_connection = True
+
+    def _write(self, method: str) -> None:
+        """PUT an object or a part, POST to start or complete a multipart upload, DELETE an object or an upload."""
+        store = self.server.store
+        store.stats.enter()
+        try:
+            bucket, key, query = self._target()
+            self._first_byte()
+            body = self._receive()
+            if method == "POST" and bucket == store.bucket and not key and "delete" in query:
+                return self._delete_many(body)
+            if bucket != store.bucket or not key or store.resolve_new(key) is None:
+                return self._error(404 if bucket != store.bucket else 400, "NoSuchBucket" if bucket != store.bucket
+                                   else "InvalidObjectName")
+            fault = store.faults.take("DELETE" if method == "DELETE" else "PUT", key) if store.faults else None
+            if fault is not None and fault.kind == "status":
+                return self._error(fault.status, fault.code, close=fault.status >= 500)
+            if method == "DELETE":
+                return self._delete(key, query)
+            if method == "POST" and "uploads" in query:
+                upload = store.new_upload(key)
+                return self._xml(200, f"<InitiateMultipartUploadResult><Bucket>{escape(bucket)}</Bucket><Key>"
+                                      f"{escape(key)}</Key><UploadId>{upload}</UploadId></InitiateMultipartUploadResult>")
+            if "uploadId" in query:
+                upload = query["uploadId"][0]
+                if method == "PUT":
+                    etag = store.put_part(upload, int(query["partNumber"][0]), body)
+                    store.stats.add(parts=1)
+                    return self._xml(200, "", etag)
+                etag = store.complete_upload(key, upload, self.headers.get("If-None-Match"))
+            else:
+                etag = store.put(key, body, self.headers.get("If-None-Match"))
+        except FileExistsError:
+            return self._error(412, "PreconditionFailed", "an object exists there (If-None-Match: *)")
+        except KeyError:
+            return self._error(404, "NoSuchUpload")
+        finally:
+            store.stats.leave()
+        store.stats.add(puts=1)
+        if "uploadId" in query:
+            return self._xml(200, f"<CompleteMultipartUploadResult><Bucket>{escape(bucket)}</Bucket><Key>"
+                                  f"{escape(key)}</Key><ETag>{escape(etag)}</ETag></CompleteMultipartUploadResult>",
+                             etag)
+        self._xml(200, "", etag)
+
+    def _receive(self) -> bytes:
+        """The request's body (Content-Length), paced as the link's bytes."""
+        store, remaining, chunks = self.server.store, int(self.headers.get("Content-Length") or 0), []
+        while remaining > 0:
+            n = min(CHUNK, remaining)
+            wait = store.link.reserve(n) - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            chunk = self.rfile.read(n)
+            if not chunk:
+                raise ConnectionError("the body ended early")
+            chunks.append(chunk)
+            remaining -= len(chunk)
+            store.stats.add(put_bytes=len(chunk), **({"paced_bytes": len(chunk), "paced_seconds": len(chunk) /
+                                                      store.link.bandwidth} if store.link.bandwidth else {}))
+        return b"".join(chunks)
+
+    def _delete(self, key: str, query: dict[str, list[str]]) -> None:
+        store = self.server.store
+        if "uploadId" in query:
+            store.abort_upload(query["uploadId"][0])
+        else:
+            store.delete(key)
+            store.stats.add(deletes=1)
+        self.send_response(204)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _delete_many(self, body: bytes) -> None:
+        """DeleteObjects (POST ?delete): every key named, one request."""
+        store = self.server.store
+        keys = [k.text or "" for k in ElementTree.fromstring(body).iter() if k.tag.rsplit("}", 1)[-1] == "Key"]
+        for key in keys:
+            fault = store.faults.take("DELETE", key) if store.faults is not None else None
+            if fault is not None and fault.kind == "status":
+                return self._error(fault.status, fault.code, close=fault.status >= 500)
+        for key in keys:
+            store.delete(key)
+        store.stats.add(deletes=len(keys))
+        self._xml(200, "<DeleteResult>" + "".join(f"<Deleted><Key>{escape(k)}</Key></Deleted>" for k in keys)
+                  + "</DeleteResult>")
+
+    def _xml(self, status: int, inner: str, etag: str | None = None) -> None:
+        body = f'<?xml version="1.0" encoding="UTF-8"?>{inner}'.encode() if inner else b""
+        self.send_response(status)
+        if etag is not None:
+            self.send_header("ETag", etag)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def _send_body(self, fd: int, offset: int, length: int, rate: float | None) -> None:
         store, sock = self.server.store, self.connection
@@ -371,22 +485,89 @@ class EmulatedStore:
         self._address = (host, port)
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
+        self._write_lock = threading.Lock()
 
     def resolve(self, bucket: str, key: str) -> Path | None:
         """The regular file under ``root`` that ``key`` names, or None (outside root, missing, not a file)."""
-        if bucket != self.bucket or not key or "\0" in key:
+        if bucket != self.bucket or not key or "\0" in key or key.split("/")[0] == UPLOADS:
             return None
         path = (self.root / key).resolve()
         if not path.is_relative_to(self.root) or not path.is_file():
             return None
         return path
 
+    def resolve_new(self, key: str) -> Path | None:
+        """Where an object ``key`` is written under ``root`` (None: outside it, or the uploads' folder)."""
+        if not key or "\0" in key or key.split("/")[0] == UPLOADS:
+            return None
+        path = Path(os.path.abspath(self.root / key))
+        return path if path.is_relative_to(self.root) and path != self.root else None
+
+    def _incoming(self) -> Path:
+        folder = self.root / UPLOADS
+        folder.mkdir(exist_ok=True)
+        return folder
+
+    def put(self, key: str, data: bytes, if_none_match: str | None = None) -> str:
+        """Write ``key`` whole (a temporary file renamed into place); ``If-None-Match: *``: FileExistsError if there."""
+        tmp = self._incoming() / f"put-{uuid.uuid4().hex}"
+        tmp.write_bytes(data)
+        return self._place(key, tmp, if_none_match)
+
+    def _place(self, key: str, tmp: Path, if_none_match: str | None) -> str:
+        path = self.resolve_new(key)
+        assert path is not None
+        with self._write_lock:
+            if if_none_match is not None and if_none_match.strip() == "*" and path.exists():
+                tmp.unlink()
+                raise FileExistsError(key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, path)
+            return _etag(os.stat(path))
+
+    def delete(self, key: str) -> None:
+        path = self.resolve(self.bucket, key)
+        if path is not None:
+            path.unlink(missing_ok=True)
+            for parent in path.parents:  # folders it leaves empty, up to root (a bucket has no folders)
+                if parent == self.root or any(parent.iterdir()):
+                    break
+                parent.rmdir()
+
+    def new_upload(self, key: str) -> str:
+        upload = uuid.uuid4().hex
+        (self._incoming() / f"mp-{upload}").mkdir()
+        return upload
+
+    def put_part(self, upload: str, number: int, data: bytes) -> str:
+        folder = self._incoming() / f"mp-{upload}"
+        if not folder.is_dir():
+            raise KeyError(upload)
+        (folder / f"{number:05d}").write_bytes(data)
+        return f'"{upload[:8]}-{number}-{len(data):x}"'
+
+    def complete_upload(self, key: str, upload: str, if_none_match: str | None = None) -> str:
+        """The parts received, in number order, become ``key`` (a client names the parts it sends: all of them)."""
+        folder = self._incoming() / f"mp-{upload}"
+        if not folder.is_dir():
+            raise KeyError(upload)
+        tmp = self._incoming() / f"put-{upload}"
+        with open(tmp, "wb") as out:
+            for part in sorted(folder.iterdir()):
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
+        shutil.rmtree(folder)
+        return self._place(key, tmp, if_none_match)
+
+    def abort_upload(self, upload: str) -> None:
+        shutil.rmtree(self._incoming() / f"mp-{upload}", ignore_errors=True)
+
     def walk(self, prefix: str, delimiter: str) -> list[tuple[str, os.stat_result | None]]:
         """Sorted (key, stat) of every file whose key starts with ``prefix``; with ``delimiter`` "/", the common
         prefixes below it as (prefix, None)."""
         out: dict[str, os.stat_result | None] = {}
         for dirpath, dirnames, filenames in os.walk(self.root):
-            dirnames.sort()
+            dirnames[:] = sorted(d for d in dirnames if not (dirpath == str(self.root) and d == UPLOADS))
             rel = os.path.relpath(dirpath, self.root)
             for name in filenames:
                 key = name if rel == "." else f"{rel}/{name}".replace(os.sep, "/")

@@ -19,7 +19,7 @@ from typing import Any
 from packer.errors import Interrupted, OptionError, PackerError, ResumableError, arg
 from packer.formats import FORMATS, get_format
 from packer.layout.partial import made_by_packer
-from packer.storage.url import is_url, redact, refuse_url, refuse_urls
+from packer.storage.url import is_url, parse, redact, refuse_url, refuse_urls
 from packer.write.cluster import class_mapper
 from packer.write.dataset_sink import DatasetSink
 from packer.write.export_wds import ExportSink
@@ -110,6 +110,8 @@ def convert(src: str | os.PathLike, output: str | os.PathLike | None = None, *, 
 def make_output(src: str | os.PathLike, output: str | os.PathLike | None, sink: Sink, run: RunOptions) -> Output:
     """Where the conversion goes: a local folder, or a dataset in object storage (``RemoteOutput``: shards
     uploaded as they are finished, the manifest last) for the formats' shards."""
+    if output is not None and is_url(output) and parse(output).is_local:  # file:///path: a local path
+        output = parse(output).path
     if output is None or not is_url(output):
         return Output(output_path(src, output, sink.name))
     if not isinstance(sink, DatasetSink):  # an export (--to wds): export to a folder, then upload it

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from packer.errors import OutputExistsError, PackerError, arg
+from packer.errors import OptionError, OutputExistsError, PackerError, arg
 from packer.layout.manifest import MANIFEST_NAME
 from packer.layout.partial import JOURNAL_DIR, REMOTE_LOCK, REMOTE_PARTIAL, REMOTE_PLAN
 from packer.layout.report import ERRORS_NAME
@@ -41,6 +41,7 @@ from packer.write.sources.records import ScanResult
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 JOURNAL_PREFIX = f"{REMOTE_PARTIAL}/{JOURNAL_DIR}/"
+WRITABLE = ("s3", "gs", "az")  # schemes whose stores list, put (multipart) and put create-only
 PENDING_SHARDS = 2  # finished shards uploading (or waiting to) while the next is written
 UPLOADS_IN_FLIGHT = 8  # files of one shard (n5, bmp: many) put at once; a large file is a multipart upload itself
 
@@ -59,12 +60,16 @@ class RemoteOutput(Output):
     ``overwrite``: replace a packer dataset (or an unfinished upload) there; ``resume``: go on with an unfinished
     upload. Anything else at the prefix is refused, never deleted."""
 
-    max_pending = PENDING_SHARDS  # shards uploading (or waiting) while the next is written: the staging folder holds about three
+    max_pending = PENDING_SHARDS  # uploading or waiting while the next is written: about three staged at once
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
                  staging_dir: str | os.PathLike | None = None, *, overwrite: bool = False, resume: bool = False,
                  policy: RetryPolicy | None = None) -> None:
         self.location = parse(url)
+        if self.location.scheme not in WRITABLE:
+            raise OptionError(f"{self.location}: packer writes datasets to {', '.join(s + '://' for s in WRITABLE)} "
+                              "only (an http(s) server offers no listing or create-only put to write through): write "
+                              "to a folder and publish it yourself")
         self.store = ObjectStore(self.location, storage_options, policy)
         endpoint = str((storage_options or {}).get("endpoint") or os.environ.get("AWS_ENDPOINT_URL", ""))
         key = hashlib.sha256(f"{self.location}\0{endpoint}".encode()).hexdigest()[:16]

@@ -38,7 +38,7 @@ from packer.layout.fsutil import fsync_file
 from packer.layout.manifest import IMAGELESS, Manifest
 from packer.layout.partial import JOURNAL_DIR
 from packer.layout.trust import check_class_name
-from packer.storage.url import refuse_url
+from packer.storage.url import is_url, parse, redact
 from packer.write.finish import seal, stored_index
 from packer.write.journal import (
     ShardResult,
@@ -50,6 +50,7 @@ from packer.write.lock import OutputLock
 from packer.write.options import ConvertOptions, make_options
 from packer.write.output import Output, check_replaceable
 from packer.write.plan import shard_multiple
+from packer.write.remote_output import RemoteOutput
 from packer.write.shards import ShardSink, make_payload
 from packer.write.sources.labels import integer_classes, label_problem
 from packer.write.sources.records import SourceError
@@ -79,8 +80,12 @@ class Writer:
         on_error: ``"raise"`` (default) a PackerError naming a sample that cannot be stored, or ``"skip"`` it
             into errors.json.
         resume: go on with an interrupted Writer's ``<path>.partial``: ``add`` the same samples again in the
-            same order, the journaled shards are skipped.
+            same order, the journaled shards are skipped (not for a URL yet).
         overwrite: replace an existing packer dataset at ``path`` (anything else there is refused).
+        storage_options: ``path`` a URL (``s3://``, ``gs://``, ``az://``): the storage client's settings
+            (obstore's keys; default: the environment, ``~/.aws``, instance roles).
+        staging_dir: ``path`` a URL: where each shard is written before its upload (deleted once uploaded;
+            default: the system's temporary folder).
         **options: as for ``convert``: ``payload``, ``validate``, ``shard_bytes``, ``compression``, ``decoder``
             and the format's own; ``payload`` defaults to ``raw`` when the first image is an array (packer never
             encodes pixels). Samples are stored in the order added (``order="source"``).
@@ -92,10 +97,19 @@ class Writer:
 
     def __init__(self, path: str | os.PathLike, format: str = "lmdb", fields: dict[str, str] | None = None, *,
                  classes: Sequence[str] | None = None, on_error: str = "raise", resume: bool = False,
-                 overwrite: bool = False, **options: Any) -> None:
-        refuse_url(path, "packer.Writer")
-        self.out = Path(os.path.abspath(path))
-        self.output = Output(self.out)
+                 overwrite: bool = False, storage_options: dict[str, Any] | None = None,
+                 staging_dir: str | os.PathLike | None = None, **options: Any) -> None:
+        if is_url(path) and parse(path).is_local:  # file:///path: a local path
+            path = parse(path).path
+        if is_url(path):  # shards uploaded as they are finished, the manifest last (write.remote_output)
+            if resume:
+                raise OptionError(f"{redact(str(path))}: Writer(resume=True) is not supported yet for object "
+                                  "storage: write again (with overwrite=True over an unfinished upload)")
+            self.output: Output = RemoteOutput(str(path), storage_options, staging_dir, overwrite=overwrite)
+        else:
+            self.output = Output(Path(os.path.abspath(path)))
+        self.out = self.output.path  # the dataset's folder, or its staging folder for a URL
+        self.name = self.output.shown  # the output as messages name it
         self.partial = self.output.folder
         self.fmt = get_format(format)
         self.specs = parse_specs(fields, "Writer fields")
@@ -110,7 +124,10 @@ class Writer:
             raise OptionError("Writer: samples are stored in the order added (order='source'); shuffle when adding")
         self.on_error, self.given = on_error, options
         self._make_options(b"").check()  # unknown or bad options fail now, not at the first sample (bytes: as default)
-        check_replaceable(self.out, overwrite)
+        if isinstance(self.output, RemoteOutput):
+            self.output.check(self.output.shown, True)
+        else:
+            check_replaceable(self.out, overwrite)
         self.opts: ConvertOptions | None = None
         self.count = 0  # samples offered so far
         self.done: list[ShardResult] = []  # shards written (journaled), in order
@@ -136,11 +153,11 @@ class Writer:
         dataset of fields alone, as the first sample decides), its class index and every declared field. A bad
         sample raises a PackerError naming its number (``on_error="skip"``: listed in errors.json instead)."""
         if self.closed:
-            raise PackerError(f"{self.out}: the Writer is closed")
+            raise PackerError(f"{self.name}: the Writer is closed")
         n = self.count
         if set(fields) != set(self.specs):
             missing, unknown = sorted(set(self.specs) - set(fields)), sorted(set(fields) - set(self.specs))
-            raise PackerError(f"{self.out}: sample {n}: " + "; ".join(
+            raise PackerError(f"{self.name}: sample {n}: " + "; ".join(
                 [f"missing field(s) {', '.join(missing)}"] * bool(missing)
                 + [f"undeclared field(s) {', '.join(unknown)} (declare them in fields=)"] * bool(unknown)))
         self.count += 1
@@ -149,7 +166,7 @@ class Writer:
         key = f"{n:09d}"
         res, cells = self._prepare(key, image, label, fields)
         if isinstance(res, SourceError) and self.on_error == "raise":
-            raise PackerError(f"{self.out}: sample {n}: {res.reason}")
+            raise PackerError(f"{self.name}: sample {n}: {res.reason}")
         self._pending.append(res)
         if isinstance(res, PreparedSample):
             for name, cell in cells.items():
@@ -194,7 +211,7 @@ class Writer:
             return SourceError(key, "an image, but this dataset holds none (its first sample had none, or "
                                     "payload='none')"), {}
         if isinstance(data, np.ndarray) and opts.payload != "raw":
-            raise OptionError(f"{self.out}: sample {key}: an array of pixels needs payload='raw' (this dataset "
+            raise OptionError(f"{self.name}: sample {key}: an array of pixels needs payload='raw' (this dataset "
                               "stores encoded images, and packer never encodes pixels)")
         return make_payload(key, int(label), data, None, opts), cells
 
@@ -301,16 +318,17 @@ class Writer:
 
     # ------------------------------------------------------------ finishing
 
-    def close(self) -> Path:
-        """Write the last shard, the index, fields, errors.json and the manifest; move the dataset into place."""
+    def close(self) -> Path | str:
+        """Write the last shard, the index, fields, errors.json and the manifest; move the dataset into place (a
+        URL: upload them, the manifest last). The dataset's folder, or its (redacted) URL."""
         if self.closed:
-            return self.out
+            return self.output.result_name
         self.closed = True
         try:
             self._finish()
         finally:
             self._release()
-        return self.out
+        return self.output.result_name
 
     def _release(self) -> None:
         if self.lock is not None:

@@ -120,7 +120,7 @@ def test_every_command_refuses_a_url_in_one_line(argv, by, imgs, in_tmp, capsys)
 
 
 def test_the_python_entry_points_refuse_a_url(imgs, in_tmp):
-    from packer import LMDBDataset, Writer, open_dataset
+    from packer import LMDBDataset, open_dataset
     from packer.diagnose.bench import run_bench
     from packer.diagnose.doctor import diagnose
     from packer.tools.extract import extract
@@ -129,7 +129,6 @@ def test_the_python_entry_points_refuse_a_url(imgs, in_tmp):
 
     calls = {
         "LMDBDataset (use open_dataset for a URL)": lambda: LMDBDataset(URL),
-        "packer.Writer": lambda: Writer(URL, format="lmdb"),
         "packer verify --against": lambda: verify("ds", against=URL),
         "packer extract's destination (a local folder)": lambda: extract("ds", URL),
         "packer bench": lambda: run_bench([URL]),

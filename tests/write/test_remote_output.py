@@ -1,0 +1,284 @@
+"""Outputs in object storage (packer/write/remote_output.py) against real servers: moto's S3 API for every format,
+the emulated store (packer/storage/emulate.py) for counting PUTs, slowing the link and injecting faults. A real
+``python -m packer convert -o s3://...`` is killed mid-upload and resumed; the dataset is read back by URL."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from support.imagesets import make_imagefolder
+from support.storage_servers import CREDENTIALS, FAST_POLICY, Emulated, s3_store, wait_until
+
+import packer
+from packer.errors import InputNotFoundError, OptionError, OutputExistsError, PackerError
+from packer.formats import FORMATS
+from packer.layout.manifest import read_manifest
+from packer.layout.partial import REMOTE_LOCK, REMOTE_PARTIAL
+from packer.storage.emulate import Fault
+from packer.write.convert import convert
+from packer.write.remote_output import RemoteOutput
+
+FORMAT_OPTIONS: dict[str, dict] = {"mosaic": {"tile": "32x48"}}
+SECRET = "SeCrEt-never-shown-0123456789"
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory):
+    return make_imagefolder(tmp_path_factory.mktemp("remote-out") / "imgs", classes=3, per_class=8)
+
+
+@pytest.fixture
+def server(tmp_path):
+    """A fresh emulated store (its counts and faults this test's) over ``tmp_path/root``, bucket ``bucket``."""
+    (tmp_path / "root").mkdir()
+    srv = Emulated(tmp_path / "root")
+    yield srv
+    srv.stop()
+
+
+def _options(endpoint: str) -> dict:
+    return {**CREDENTIALS, "aws_secret_access_key": SECRET, "endpoint": endpoint}
+
+
+def _convert(src, url: str, endpoint: str, tmp_path: Path, **kw):
+    kw.setdefault("staging_dir", tmp_path / "staging")
+    return convert(src, url, progress=False, workers=0, storage_options=_options(endpoint), **kw)
+
+
+def _local(src, tmp_path: Path, to: str = "lmdb", **kw) -> Path:
+    out = tmp_path / f"local.{to}"
+    convert(src, out, to=to, progress=False, workers=0, **kw)
+    return out
+
+
+def _files(manifest) -> dict[str, str]:
+    return {f.name: f.sha256 for s in manifest.shards for f in s.files}
+
+
+def _same_as_local(url: str, endpoint: str, local: Path, cache: Path) -> None:
+    """The dataset at ``url`` opens and holds the local conversion's shards (sha256) and samples, byte for byte."""
+    want = packer.open_dataset(local)
+    with packer.open_dataset(url, cache_dir=cache, storage_options=_options(endpoint)) as ds:
+        assert _files(ds.manifest) == _files(read_manifest(local)) and len(ds.manifest.shards) > 1
+        assert (ds.classes, ds.targets) == (want.classes, want.targets)
+        for i in range(len(ds)):
+            assert bytes(ds.read_payload(i)) == bytes(want.read_payload(i))
+
+
+def _keys(root: Path, prefix: str) -> set[str]:
+    base = root / prefix
+    return {p.relative_to(base).as_posix() for p in base.rglob("*") if p.is_file()}
+
+
+def _etags(root: Path, prefix: str) -> dict[str, tuple[int, int]]:
+    """Each object's identity as the emulated store's ETag has it (inode and mtime: a new PUT changes both)."""
+    return {k: (os.stat(root / prefix / k).st_ino, os.stat(root / prefix / k).st_mtime_ns)
+            for k in _keys(root, prefix)}
+
+
+# ---------------------------------------------------------------- item 1: every format, the Writer, staging
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_every_format_converts_into_a_bucket_as_it_converts_to_a_folder(fmt, source, moto_endpoint, bucket, tmp_path):
+    kw = {"to": fmt, "shard_bytes": 6_000, **FORMAT_OPTIONS.get(fmt, {})}
+    local = _local(source, tmp_path, **kw)
+    url = f"s3://{bucket}/ds.{fmt}"
+    result = _convert(source, url, moto_endpoint, tmp_path, **kw)
+    assert result.output == url and result.num_samples == 24
+    with s3_store(moto_endpoint, url + "/") as store:
+        keys = {o.key for o in store.list()}
+    assert keys == {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()}  # no .packer-partial
+    assert not [p for p in (tmp_path / "staging").rglob("*") if p.is_file()]  # the staging folder emptied
+    _same_as_local(url, moto_endpoint, local, tmp_path / "cache")
+
+
+def test_the_staging_folder_holds_the_shards_in_flight_not_the_dataset(source, tmp_path):
+    (tmp_path / "root").mkdir()
+    srv = Emulated(tmp_path / "root", bandwidth=60_000)  # a slow link: the writer waits for its uploads
+    staged: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            staged.append(sum(p.stat().st_size for p in (tmp_path / "staging").rglob("shard-*") if p.is_file()
+                              and "journal" not in p.parts) if (tmp_path / "staging").exists() else 0)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        _convert(source, "s3://bucket/ds.lmdb", srv.server.endpoint, tmp_path, to="lmdb", shard_bytes=3_000)
+    finally:
+        stop.set()
+        watcher.join()
+        srv.stop()
+    manifest = read_manifest(tmp_path / "root" / "ds.lmdb")
+    sizes = [sum(f.num_bytes for f in s.files) for s in manifest.shards]
+    assert len(sizes) >= 10 and max(staged) > 0
+    # at most the shard being written, the one waiting and the one uploading (+1 for a shard between steps)
+    assert max(staged) <= 4 * max(sizes) < sum(sizes) / 2
+
+
+def test_writer_to_a_bucket_reads_back_and_refuses_what_it_cannot_do(source, server, tmp_path):
+    url, options = "s3://bucket/w.lmdb", _options(server.server.endpoint)
+    jpegs = sorted(source.rglob("*.jpg"))
+    with packer.Writer(url, format="lmdb", fields={"caption": "str"}, storage_options=options,
+                       staging_dir=tmp_path / "staging", shard_bytes=4_000) as w:
+        for k, path in enumerate(jpegs):
+            w.add(image=path.read_bytes(), label=k % 2, caption=f"photo {k}")
+    assert w.close() == url
+    with packer.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=options, fields="all") as ds:
+        assert len(ds) == len(jpegs) and len(ds.manifest.shards) > 1
+        for k, path in enumerate(jpegs):
+            assert bytes(ds.read_payload(k)) == path.read_bytes() and ds[k]["caption"] == f"photo {k}"
+    with pytest.raises(OutputExistsError, match="^s3://bucket/w.lmdb: already exists"):
+        packer.Writer(url, storage_options=options)
+    with pytest.raises(OptionError, match=r"Writer\(resume=True\) is not supported yet for object storage"):
+        packer.Writer(url, resume=True, storage_options=options)
+
+
+def test_wds_and_http_outputs_are_refused_in_one_line_and_file_urls_are_folders(source, server, tmp_path):
+    with pytest.raises(PackerError, match="^object storage is not supported yet by packer convert --to wds: s3://"):
+        convert(source, "s3://bucket/x", to="wds", progress=False, storage_options=_options(server.server.endpoint))
+    http = f"{server.server.endpoint}/bucket/x.lmdb"
+    with pytest.raises(OptionError, match="^http://.*/bucket/x.lmdb: packer writes datasets to s3://, gs://, az:// "
+                       "only"):
+        convert(source, http, to="lmdb", progress=False)
+    with pytest.raises(OptionError, match="packer writes datasets to s3://, gs://, az:// only"):
+        packer.Writer(http)
+    assert not _keys(tmp_path / "root", "")
+    assert convert(source, f"file://{tmp_path}/f.lmdb", to="lmdb", progress=False).output == tmp_path / "f.lmdb"
+    with packer.Writer(f"file://{tmp_path}/w.lmdb") as w:
+        w.add(image=next(source.rglob("*.jpg")).read_bytes(), label=0)
+    assert w.close() == tmp_path / "w.lmdb" and len(packer.open_dataset(tmp_path / "w.lmdb")) == 1
+
+
+# ---------------------------------------------------------------- item 2: killed, then --resume
+
+
+def _env(endpoint: str) -> dict:
+    return {**os.environ, "PYTHONPATH": os.getcwd(), "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+
+
+def test_a_killed_upload_never_opens_and_resume_uploads_only_what_is_missing(source, tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    local = _local(source, tmp_path, shard_bytes=2_500)
+    srv = Emulated(root, bandwidth=40_000)
+    url, journal = "s3://bucket/ds.lmdb", root / "ds.lmdb" / REMOTE_PARTIAL / "journal"
+    cmd = [sys.executable, "-m", "packer", "convert", str(source), "--to", "lmdb", "-o", url, "-q", "--workers", "0",
+           "--shard-size", "2500", "--staging-dir", str(tmp_path / "staging-1")]
+    try:
+        env = _env(srv.server.endpoint)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(lambda: journal.is_dir() and len(list(journal.glob("shard-*.json"))) >= 3 or proc.poll() is not None,
+                   "three shards uploaded")
+        assert proc.poll() is None, "the conversion ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        uploaded = sorted(p.stem for p in journal.glob("shard-*.json"))
+        assert not (root / "ds.lmdb" / "manifest.json").exists()
+        with pytest.raises(InputNotFoundError, match="no packer dataset there .*an upload that did not finish"):
+            packer.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_options(srv.server.endpoint))
+        # without --resume the unfinished upload is refused, naming the killed writer and the ways out
+        again = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        assert again.returncode != 0 and "an unfinished upload (written by pid" in again.stderr
+        assert "--resume" in again.stderr and SECRET not in again.stderr
+
+        before, kept = srv.server.stats.settled(), _etags(root, "ds.lmdb")
+        resume = [*cmd[:-1], str(tmp_path / "staging-2"), "--resume"]  # another staging folder: the bucket's journal
+        done = subprocess.run(resume, env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        after = srv.server.stats.settled()
+    finally:
+        srv.stop()
+    manifest = read_manifest(root / "ds.lmdb")
+    for shard_id in uploaded:  # the shards uploaded before the kill were not put again
+        for f in manifest.shards[int(shard_id.split("-")[1])].files:
+            assert _etags(root, "ds.lmdb")[f.name] == kept[f.name]
+    shard_files = sum(len(s.files) for s in manifest.shards)
+    uploaded_files = sum(len(manifest.shards[int(s.split("-")[1])].files) for s in uploaded)
+    missing = shard_files - uploaded_files
+    journal_puts = len(manifest.shards) - len(uploaded)
+    # missing shard files, their journal entries, meta/, errors.json, manifest; the lock taken over (1), no plan
+    assert after["puts"] - before["puts"] == missing + journal_puts + len(manifest.meta_files) + 2 + 1
+    assert not (root / "ds.lmdb" / REMOTE_PARTIAL).exists()
+    srv2 = Emulated(root)
+    try:
+        _same_as_local(url, srv2.server.endpoint, local, tmp_path / "cache")
+    finally:
+        srv2.stop()
+
+
+# ---------------------------------------------------------------- item 3: --overwrite, a second writer
+
+
+def test_an_existing_dataset_is_refused_without_overwrite_and_replaced_with_it(source, server, tmp_path):
+    endpoint, root, url = server.server.endpoint, tmp_path / "root", "s3://bucket/ds.lmdb"
+    _convert(source, url, endpoint, tmp_path, to="lmdb", shard_bytes=2_500)
+    old = _keys(root, "ds.lmdb")
+    with pytest.raises(OutputExistsError, match="^s3://bucket/ds.lmdb: already exists"):
+        _convert(source, url, endpoint, tmp_path, to="lmdb")
+    assert _keys(root, "ds.lmdb") == old
+    # an --overwrite that fails part-way: the old manifest went first, so neither dataset (nor a mix) opens
+    server.faults.add(Fault("status", 500, "InternalError"), key="ds.lmdb/shard-00001.lmdb", method="PUT", times=-1)
+    with pytest.raises(PackerError, match="^s3://bucket/ds.lmdb: uploading shard-00001.lmdb failed "
+                       r"\(s3://bucket/ds.lmdb/shard-00001.lmdb: .*500") as failed:
+        _convert(source, url, endpoint, tmp_path, to="lmdb", shard_bytes=2_500, overwrite=True)
+    assert SECRET not in str(failed.value) and "resume=True" in str(failed.value)
+    assert "manifest.json" not in _keys(root, "ds.lmdb") and "shard-00005.lmdb" in _keys(root, "ds.lmdb")
+    with pytest.raises(InputNotFoundError, match="no packer dataset there"):
+        packer.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_options(endpoint))
+    server.faults.clear()
+    # replaced by a dataset of fewer shards: the old dataset's objects the new one lacks are deleted
+    local = _local(source, tmp_path, shard_bytes=6_000)
+    _convert(source, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000, overwrite=True)
+    assert _keys(root, "ds.lmdb") == {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()}
+    assert len(old) > len(_keys(root, "ds.lmdb"))
+    _same_as_local(url, endpoint, local, tmp_path / "cache")
+
+
+def test_a_prefix_of_other_objects_is_refused_even_with_overwrite_and_kept(source, server, tmp_path):
+    server.write("mine/notes.txt", b"not packer's")
+    server.write("mine/shard-00000.lmdb", b"not packer's either")
+    for overwrite in (False, True):
+        with pytest.raises(OutputExistsError, match="not a packer dataset"):
+            _convert(source, "s3://bucket/mine", server.server.endpoint, tmp_path, to="lmdb", overwrite=overwrite)
+    assert _keys(tmp_path / "root", "mine") == {"notes.txt", "shard-00000.lmdb"}
+    assert (tmp_path / "root" / "mine" / "notes.txt").read_bytes() == b"not packer's"
+
+
+def test_a_second_writer_is_refused_by_the_lock(source, server, tmp_path):
+    options = _options(server.server.endpoint)
+    first = RemoteOutput("s3://bucket/ds.lmdb", options, tmp_path / "a", policy=FAST_POLICY)
+    second = RemoteOutput("s3://bucket/ds.lmdb", options, tmp_path / "b", policy=FAST_POLICY)
+    first.check(source, True)
+    second.check(source, True)  # both found the prefix empty: the lock (a create-only put) decides
+    lock = first.start({"plan": 1})
+    try:
+        with pytest.raises(OutputExistsError, match="another conversion began writing here meanwhile"):
+            second.start({"plan": 2})
+        assert json.loads((tmp_path / "root" / "ds.lmdb" / REMOTE_LOCK).read_text())["pid"] == os.getpid()
+        # a writer alive on this machine holds it: even --overwrite and --resume are refused
+        sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        try:
+            server.write(f"ds.lmdb/{REMOTE_LOCK}", json.dumps({"host": os.uname().nodename, "pid": sleeper.pid,
+                                                                "since": "now"}).encode())
+            for kw in ({"overwrite": True}, {"resume": True}):
+                with pytest.raises(PackerError, match=f"in use by a conversion running as pid {sleeper.pid}"):
+                    _convert(source, "s3://bucket/ds.lmdb", server.server.endpoint, tmp_path, to="lmdb", **kw)
+        finally:
+            sleeper.kill()
+            sleeper.wait()
+    finally:
+        lock.release()
