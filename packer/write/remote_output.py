@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -78,6 +79,7 @@ class RemoteOutput(Output):
         self.found: dict[str, ObjectInfo] = {}  # the prefix's objects when checked (packer's, or nothing)
         self.uploaded: set[str] = set()  # keys this run put
         self._plan: dict[str, Any] | None = None
+        self._token = secrets.token_hex(8)  # this run's, in its lock: a writer whose lock was taken over stops
 
     # ---- names in messages and results
 
@@ -120,6 +122,24 @@ class RemoteOutput(Output):
                                     f"{arg('overwrite', True)} to convert again")
         elif not self.overwrite:
             raise OutputExistsError(f"{self.location}: already exists (use {arg('overwrite', True)} to replace it)")
+        else:
+            self._check_only_the_datasets()
+
+    def _check_only_the_datasets(self) -> None:
+        """A dataset to replace holds only the objects its manifest names (and errors.json): anything else under
+        the prefix is not packer's, so the whole dataset is refused rather than any of it deleted."""
+        try:
+            named = set(_dataset_objects(json.loads(self.store.get(MANIFEST_NAME))))
+        except (ObjectNotFound, ValueError, KeyError, TypeError) as exc:
+            raise OutputExistsError(f"{self.where(MANIFEST_NAME)}: unreadable ({exc}), so packer cannot tell its "
+                                    "objects from others: remove the dataset yourself") from None
+        other = sorted(k for k in self.found if k not in named | {ERRORS_NAME, MANIFEST_NAME}
+                       and not k.startswith(REMOTE_PARTIAL + "/"))
+        if other:
+            some = ", ".join(other[:3]) + (" ..." if len(other) > 3 else "")
+            raise OutputExistsError(f"{self.location}: holds {len(other)} object(s) its {MANIFEST_NAME} does not "
+                                    f"name ({some}); packer replaces only what it wrote, even with "
+                                    f"{arg('overwrite', True)}: move them away, or choose another {arg('output')}")
 
     def unfinished(self) -> bool:
         """Whether the prefix held an unfinished upload's lock or plan when checked."""
@@ -214,13 +234,27 @@ class RemoteOutput(Output):
         shutil.rmtree(self.folder, ignore_errors=True)
 
     def _lock_bucket(self, take_over: bool) -> None:
-        holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                  "token": self._token}
         try:
             self.store.put(REMOTE_LOCK, json.dumps(holder).encode(), create=not take_over)
         except ObjectExists:
             raise OutputExistsError(f"{self.location}: another conversion began writing here meanwhile; "
                                     f"{self.left_over_reason()}") from None
         self.uploaded.add(REMOTE_LOCK)
+
+    def _check_lock(self) -> None:
+        """Still this run's lock in the bucket: an ``overwrite`` or ``resume`` from another machine may have taken
+        the upload over (the lock then names that writer), and this run must then put nothing more there."""
+        try:
+            holder = json.loads(self.store.get(REMOTE_LOCK))
+        except (ObjectNotFound, ValueError) as exc:
+            holder = {"error": str(exc)}
+        if holder.get("token") != self._token:
+            who = (f"pid {holder.get('pid')} on {holder.get('host')}" if "pid" in holder
+                   else "its lock is gone")
+            raise ShardWriteError(f"{self.location}: another conversion took this upload over meanwhile ({who}); "
+                                  "this run puts nothing more there")
 
     def swapping(self) -> bool:
         return False  # nothing is renamed in a bucket: the manifest, put last, makes the dataset
@@ -250,6 +284,7 @@ class RemoteOutput(Output):
         """Checksum and journal the shard locally, upload its files (none for a shard without samples), then its
         journal entry; its local files are deleted once uploaded."""
         result = record_shard(self.folder, result, names)
+        self._check_lock()
         if result.shard.num_samples > 0:
             self._upload(names)
         entry = shard_entry(self.folder, result.shard_id)
@@ -279,9 +314,7 @@ class RemoteOutput(Output):
                 if p.is_file() and p.relative_to(self.folder).parts[0] != JOURNAL_DIR]
         self._upload(rest)
         write_last(self.folder)
-        manifest = json.loads((self.folder / MANIFEST_NAME).read_text(encoding="utf-8"))
-        files = {f["name"]: int(f["num_bytes"]) for s in manifest["shards"] for f in s["files"]}
-        files.update({f["name"]: int(f["num_bytes"]) for f in manifest.get("meta_files", [])})
+        files = _dataset_objects(json.loads((self.folder / MANIFEST_NAME).read_text(encoding="utf-8")))
         present = {o.key: o for o in self.store.list()}
         wrong = [n for n, size in files.items() if n not in present or present[n].size != size]
         if wrong:
@@ -291,6 +324,7 @@ class RemoteOutput(Output):
         for key in sorted(set(self.found) - keep):  # the old dataset's: the prefix held packer's objects only
             if not key.startswith(REMOTE_PARTIAL + "/"):
                 self.store.delete(key)
+        self._check_lock()
         self._upload_one(MANIFEST_NAME, self.folder / MANIFEST_NAME)
         self._clear_partial(present)
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -315,6 +349,13 @@ class RemoteOutput(Output):
 
     def finish_swap(self) -> None:
         raise PackerError(f"{self.location}: nothing to move into place (an upload is finished by its manifest)")
+
+
+def _dataset_objects(manifest: Mapping[str, Any]) -> dict[str, int]:
+    """The objects a manifest names (shard files, meta/) and their sizes."""
+    files = {f["name"]: int(f["num_bytes"]) for s in manifest["shards"] for f in s["files"]}
+    files.update({f["name"]: int(f["num_bytes"]) for f in manifest.get("meta_files", [])})
+    return files
 
 
 def _alive(pid: int) -> bool:

@@ -256,6 +256,13 @@ def test_a_prefix_of_other_objects_is_refused_even_with_overwrite_and_kept(sourc
             _convert(source, "s3://bucket/mine", server.server.endpoint, tmp_path, to="lmdb", overwrite=overwrite)
     assert _keys(tmp_path / "root", "mine") == {"notes.txt", "shard-00000.lmdb"}
     assert (tmp_path / "root" / "mine" / "notes.txt").read_bytes() == b"not packer's"
+    # a dataset with someone's object added under its prefix: not replaced, nothing of it deleted
+    _convert(source, "s3://bucket/ds.lmdb", server.server.endpoint, tmp_path, to="lmdb")
+    server.write("ds.lmdb/README.txt", b"mine")
+    kept = _etags(tmp_path / "root", "ds.lmdb")
+    with pytest.raises(OutputExistsError, match="holds 1 object.s. its manifest.json does not name .README.txt."):
+        _convert(source, "s3://bucket/ds.lmdb", server.server.endpoint, tmp_path, to="lmdb", overwrite=True)
+    assert _etags(tmp_path / "root", "ds.lmdb") == kept
 
 
 def test_a_second_writer_is_refused_by_the_lock(source, server, tmp_path):
@@ -282,3 +289,24 @@ def test_a_second_writer_is_refused_by_the_lock(source, server, tmp_path):
             sleeper.wait()
     finally:
         lock.release()
+
+
+def test_a_writer_whose_upload_was_taken_over_puts_nothing_more(source, server, tmp_path):
+    """``overwrite`` of an unfinished upload whose writer runs elsewhere (unseen: another machine) takes its lock;
+    the first writer stops at its next shard and never puts a manifest: the dataset is the second writer's."""
+    url, options = "s3://bucket/w.lmdb", _options(server.server.endpoint)
+    jpegs = sorted(source.rglob("*.jpg"))
+    first = packer.Writer(url, storage_options=options, staging_dir=tmp_path / "a", shard_bytes=2_000)
+    for k, path in enumerate(jpegs[:10]):
+        first.add(image=path.read_bytes(), label=k % 2)
+    with packer.Writer(url, storage_options=options, staging_dir=tmp_path / "b", overwrite=True) as second:
+        for k, path in enumerate(jpegs):
+            second.add(image=path.read_bytes(), label=k % 2)
+    kept = _etags(tmp_path / "root", "w.lmdb")
+    with pytest.raises(PackerError, match="another conversion took this upload over meanwhile .its lock is gone."):
+        for k, path in enumerate(jpegs[10:]):
+            first.add(image=path.read_bytes(), label=k % 2)
+        first.close()
+    assert _etags(tmp_path / "root", "w.lmdb") == kept
+    with packer.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=options) as ds:
+        assert [bytes(ds.read_payload(i)) for i in range(len(ds))] == [p.read_bytes() for p in jpegs]
