@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from support.imagesets import make_imagefolder
+from support.interrupt import run_cli_at
 from support.storage_servers import CREDENTIALS, FAST_POLICY, Emulated, s3_store, wait_until
 
 import packer
@@ -310,3 +311,49 @@ def test_a_writer_whose_upload_was_taken_over_puts_nothing_more(source, server, 
     assert _etags(tmp_path / "root", "w.lmdb") == kept
     with packer.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=options) as ds:
         assert [bytes(ds.read_payload(i)) for i in range(len(ds))] == [p.read_bytes() for p in jpegs]
+
+
+# ---------------------------------------------------------------- item 4: faults, credentials, Ctrl-C
+
+
+def test_503s_are_retried_and_a_lasting_error_is_one_line_without_credentials(source, server, tmp_path):
+    endpoint, root, url = server.server.endpoint, tmp_path / "root", "s3://bucket/ds.lmdb"
+    local = _local(source, tmp_path, shard_bytes=6_000)
+    server.faults.add(Fault("status", 503, "SlowDown"), key="ds.lmdb/shard-00001.lmdb", method="PUT", times=2)
+    server.faults.add(Fault("status", 503, "SlowDown"), key="ds.lmdb/manifest.json", method="PUT", times=1)
+    _convert(source, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000)
+    assert server.faults.applied == [("status", "PUT", "ds.lmdb/shard-00001.lmdb")] * 2 + [
+        ("status", "PUT", "ds.lmdb/manifest.json")]
+    _same_as_local(url, endpoint, local, tmp_path / "cache")
+    for path in root.rglob("*"):  # the manifest, errors.json, everything put: no credential
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes()
+    server.faults.clear()
+    server.faults.add(Fault("status", 503, "SlowDown"), key="other.lmdb/shard-00000.lmdb", method="PUT", times=-1)
+    with pytest.raises(PackerError) as failed:
+        _convert(source, "s3://bucket/other.lmdb", endpoint, tmp_path, to="lmdb")
+    message = str(failed.value)
+    assert "\n" not in message and SECRET not in message and message.startswith(
+        "s3://bucket/other.lmdb: uploading shard-00000.lmdb failed (s3://bucket/other.lmdb/shard-00000.lmdb: ")
+    assert "503" in message and len(server.faults.applied) > 2  # retried, then given up
+    assert "manifest.json" not in _keys(root, "other.lmdb")
+    for path in (root / "other.lmdb" / REMOTE_PARTIAL).rglob("*"):  # the lock, plan and journal kept for --resume
+        assert not path.is_file() or SECRET.encode() not in path.read_bytes()
+
+
+def test_ctrl_c_leaves_no_manifest_and_resume_finishes_the_upload(source, server, tmp_path):
+    root, url = tmp_path / "root", "s3://bucket/ds.lmdb"
+    argv = ["convert", source, "--to", "lmdb", "-o", url, "--workers", "0", "-q", "--shard-size", "6000",
+            "--staging-dir", tmp_path / "st"]
+    env = _env(server.server.endpoint)
+    stopped = run_cli_at(argv, env, "open", "errors.json", "int")  # a Ctrl-C as the end's files are written
+    assert stopped.returncode == 130, stopped.stderr
+    assert stopped.stderr.strip().endswith(f"interrupted; the work done so far is kept in {url} (an unfinished "
+                                           f"upload: its journal under {REMOTE_PARTIAL}/): run the same command with "
+                                           "--resume to go on, or remove it")
+    assert "manifest.json" not in _keys(root, "ds.lmdb") and "shard-00000.lmdb" in _keys(root, "ds.lmdb")
+    with pytest.raises(InputNotFoundError, match="no packer dataset there"):
+        packer.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_options(server.server.endpoint))
+    done = subprocess.run([sys.executable, "-m", "packer", *map(str, argv), "--resume"], env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    _same_as_local(url, server.server.endpoint, _local(source, tmp_path, shard_bytes=6_000), tmp_path / "cache")
