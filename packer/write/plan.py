@@ -123,10 +123,8 @@ def load_or_make_plan(scan: ScanResult, output: Output, options: ConvertOptions,
         if not resume:
             raise OutputExistsError(output.left_over_reason())
         if plan.get("options") != recorded or plan.get("digest") != digest:
-            raise OutputExistsError(
-                f"{partial}: the source files or the options changed since the interrupted run, so it "
-                f"can't be resumed; remove it (rm -r '{partial}') and convert again"
-            )
+            raise OutputExistsError(output.not_resumable("the source files or the options changed since the "
+                                                         "interrupted run"))
         return plan, output.take()
     output.make_parent()
     mean_bytes = estimate_sample_bytes(scan, options)

@@ -228,6 +228,10 @@ class RemoteOutput(Output):
             raise
         return lock
 
+    def not_resumable(self, why: str) -> str:
+        return (f"{self.location}: {why}, so the unfinished upload can't be resumed; convert again with "
+                f"{arg('overwrite', True)} (it replaces the unfinished upload)")
+
     def _restage(self) -> None:
         """An empty staging folder: what an earlier run left there is not needed (the bucket holds the journal)."""
         super().check_free()

@@ -353,6 +353,11 @@ def test_ctrl_c_leaves_no_manifest_and_resume_finishes_the_upload(source, server
     assert "manifest.json" not in _keys(root, "ds.lmdb") and "shard-00000.lmdb" in _keys(root, "ds.lmdb")
     with pytest.raises(InputNotFoundError, match="no packer dataset there"):
         packer.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_options(server.server.endpoint))
+    other = subprocess.run([sys.executable, "-m", "packer", *map(str, argv), "--resume", "--shard-size", "3000"],
+                           env=env, capture_output=True, text=True)
+    assert other.returncode == 2 and other.stderr.strip() == (
+        f"packer: error: {url}: the source files or the options changed since the interrupted run, so the unfinished "
+        "upload can't be resumed; convert again with --overwrite (it replaces the unfinished upload)")
     done = subprocess.run([sys.executable, "-m", "packer", *map(str, argv), "--resume"], env=env, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
