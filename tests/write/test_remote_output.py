@@ -51,7 +51,8 @@ def _options(endpoint: str) -> dict:
 
 def _convert(src, url: str, endpoint: str, tmp_path: Path, **kw):
     kw.setdefault("staging_dir", tmp_path / "staging")
-    return convert(src, url, progress=False, workers=0, storage_options=_options(endpoint), **kw)
+    kw.setdefault("workers", 0)
+    return convert(src, url, progress=False, storage_options=_options(endpoint), **kw)
 
 
 def _local(src, tmp_path: Path, to: str = "lmdb", **kw) -> Path:
@@ -117,7 +118,8 @@ def test_the_staging_folder_holds_the_shards_in_flight_not_the_dataset(source, t
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        _convert(source, "s3://bucket/ds.lmdb", srv.server.endpoint, tmp_path, to="lmdb", shard_bytes=3_000)
+        _convert(source, "s3://bucket/ds.lmdb", srv.server.endpoint, tmp_path, to="lmdb", shard_bytes=3_000,
+                 workers=2)  # worker processes forked after this process used the store: they never touch it
     finally:
         stop.set()
         watcher.join()
