@@ -294,6 +294,22 @@ def test_a_second_writer_is_refused_by_the_lock(source, server, tmp_path):
         lock.release()
 
 
+def test_against_moto_too_two_writers_racing_for_the_lock_leave_one(source, moto_endpoint, bucket, tmp_path):
+    url, options = f"s3://{bucket}/ds.lmdb", _options(moto_endpoint)
+    first = RemoteOutput(url, options, tmp_path / "a", policy=FAST_POLICY)
+    second = RemoteOutput(url, options, tmp_path / "b", policy=FAST_POLICY)
+    first.check(source, True)
+    second.check(source, True)
+    lock = first.start({"plan": 1})
+    try:
+        with pytest.raises(OutputExistsError, match="another conversion began writing here meanwhile"):
+            second.start({"plan": 2})
+        with s3_store(moto_endpoint, url + "/") as store:
+            assert json.loads(store.get(REMOTE_LOCK))["token"] == first._token
+    finally:
+        lock.release()
+
+
 def test_a_writer_whose_upload_was_taken_over_puts_nothing_more(source, server, tmp_path):
     """``overwrite`` of an unfinished upload whose writer runs elsewhere (unseen: another machine) takes its lock;
     the first writer stops at its next shard and never puts a manifest: the dataset is the second writer's."""
