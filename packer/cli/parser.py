@@ -71,6 +71,7 @@ def _add_convert(sub) -> None:
     p = _parser(sub, "convert", "pack images (a folder, a list file, an archive or a dataset) into a dataset", """
         packer convert imgs/ --to lmdb                # -> imgs.lmdb/ beside imgs/
         packer convert imgs/ --to lmdb -o /fast/imgs.lmdb --workers 8
+        packer convert imgs/ --to lmdb -o s3://bucket/imgs.lmdb   # into a bucket (credentials from AWS_* as usual)
         packer convert imgs/ --to lmdb --validate header   # faster; catches fewer damaged files
         packer convert imgs/ --to lmdb --payload raw --resize 256   # decoded once, short side 256
         packer convert imgs/ --to hdf5                               # encoded bytes, one blob + offsets
@@ -99,7 +100,9 @@ def _add_convert(sub) -> None:
                    "its name does not")
     p.add_argument("--to", dest="format", default="lmdb", choices=targets(), help="output format "
                    "(default lmdb); wds: WebDataset shards, bytes as stored (decoded pixels as lossless PNG)")
-    p.add_argument("-o", "--output", help="output directory (default: <source>.<format> beside the source)")
+    p.add_argument("-o", "--output", help="output directory (default: <source>.<format> beside the source), or a "
+                   "URL in a bucket (s3://, gs://, az://: shards uploaded as they are finished, the manifest last; "
+                   "credentials and endpoint from the environment, AWS_* as usual)")
     for option in [*keywords(), *own_options(FORMATS)]:  # declared once (write/options.py; a format's own in it)
         if option.flag is not None and option.generated:
             add_declared(p, option)
