@@ -287,8 +287,8 @@ def _failed_midway(sink: Sink, output: Output, message: str) -> PackerError:
         return PackerError(f"{message}; nothing was kept")
     if not made_by_packer(output.folder):
         return PackerError(message)
-    return ResumableError(f"{message}; the work done so far is kept in {output.kept_in}: free space (or fix the "
-                          f"problem), then run the same command with {arg('resume', True)}")
+    return ResumableError(f"{message}; the work done so far is kept in {output.kept_in}: {output.remedy}, then run "
+                          f"the same command with {arg('resume', True)}")
 
 
 def _interrupted(sink: Sink, output: Output) -> str:

@@ -167,6 +167,11 @@ class Output:
         """Where an interrupted run's work is kept, as messages name it."""
         return str(self.folder)
 
+    @property
+    def remedy(self) -> str:
+        """What to fix before ``resume`` when a write failed part-way (a full disk, mostly)."""
+        return "free space (or fix the problem)"
+
     def check(self, src: str | os.PathLike, replaces: bool) -> None:
         """Refuse, before anything is written, an output whose making would destroy data (``check_destination``)."""
         check_destination(src, self.path, replaces)

@@ -95,6 +95,10 @@ class RemoteOutput(Output):
     def kept_in(self) -> str:
         return f"{self.location} (an unfinished upload: its journal under {REMOTE_PARTIAL}/)"
 
+    @property
+    def remedy(self) -> str:
+        return "fix the problem (the link, the credentials, the bucket's quota; or free local space for staging)"
+
     def where(self, key: str) -> str:
         return str(self.location.join(key))
 

@@ -353,6 +353,9 @@ def test_503s_are_retried_and_a_lasting_error_is_one_line_without_credentials(so
     assert "\n" not in message and SECRET not in message and message.startswith(
         "s3://bucket/other.lmdb: uploading shard-00000.lmdb failed (s3://bucket/other.lmdb/shard-00000.lmdb: ")
     assert "503" in message and len(server.faults.applied) > 2  # retried, then given up
+    assert message.endswith("kept in s3://bucket/other.lmdb (an unfinished upload: its journal under .packer-partial/):"
+                            " fix the problem (the link, the credentials, the bucket's quota; or free local space for "
+                            "staging), then run the same command with resume=True")
     assert "manifest.json" not in _keys(root, "other.lmdb")
     for path in (root / "other.lmdb" / REMOTE_PARTIAL).rglob("*"):  # the lock, plan and journal kept for --resume
         assert not path.is_file() or SECRET.encode() not in path.read_bytes()
