@@ -78,7 +78,8 @@ def _report_convert(res, quiet: bool) -> None:
     elif not quiet:
         packed = conversion_summary(res.num_samples, res.ignored, res.errors)
         rate = res.bytes_read / 1e6 / max(res.seconds, 1e-9)
-        print(f"{packed} into {res.output}/ in {res.seconds:.1f} s ({res.files_per_second:.0f} files/s, "
+        into = str(res.output) if "://" in str(res.output) else f"{res.output}/"  # a folder ends in /, a URL not
+        print(f"{packed} into {into} in {res.seconds:.1f} s ({res.files_per_second:.0f} files/s, "
               f"{rate:.0f} MB/s)")
         if res.rewritten is not None:
             kept = res.num_samples - res.rewritten
