@@ -93,6 +93,17 @@ def process_start_time(pid: int) -> int | None:
 
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts: signalling it is refused, not unknown)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def usable_cores() -> int:
     """Cores this process may run on (its CPU affinity, which containers and ``taskset`` narrow)."""
     try:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from packer.diagnose.system import block_device_of
 from packer.errors import PackerError
-from packer.sysinfo import proc_text
+from packer.sysinfo import pid_alive, proc_text
 
 # The kernel's block-IO throttle meters each cgroup in slices of HZ/10 (blk-throttle's ``throtl_slice``): a pass may
 # run up to a slice's budget ahead of the limit (at a slice's start) or wait up to a slice behind it.
@@ -141,16 +141,6 @@ def _pids(cg: Path) -> list[int]:
         return []
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_cgroup(ctl: Controller, cg: Path, back_to: Path, devices: Sequence[tuple[int, int]] = ()) -> None:
     """Move every process in ``cg`` to ``back_to``, clear its limits, remove it. Idempotent."""
     if not cg.is_dir():
@@ -180,7 +170,7 @@ def remove_stale(ctl: Controller) -> list[Path]:
             owner = int(cg.name[len(CGROUP_PREFIX):])
         except ValueError:
             continue
-        if (owner != os.getpid() and _alive(owner)) or _pids(cg):
+        if (owner != os.getpid() and pid_alive(owner)) or _pids(cg):
             continue
         try:
             remove_cgroup(ctl, cg, ctl.root, _limited_devices(ctl, cg))

@@ -34,6 +34,7 @@ from packer.storage.client import ObjectInfo
 from packer.storage.faults import ObjectExists, ObjectNotFound, RetryPolicy, StorageError
 from packer.storage.store import ObjectStore
 from packer.storage.url import parse
+from packer.sysinfo import pid_alive
 from packer.write.journal import ShardResult, changed_sources, record_shard, shard_entry
 from packer.write.lock import OutputLock
 from packer.write.output import Output
@@ -182,7 +183,7 @@ class RemoteOutput(Output):
             pid, host = int(holder["pid"]), str(holder["host"])
         except (ObjectNotFound, ValueError, KeyError, TypeError):
             return
-        if host == socket.gethostname() and pid != os.getpid() and _alive(pid):
+        if host == socket.gethostname() and pid != os.getpid() and pid_alive(pid):
             raise PackerError(f"{self.location}: in use by a conversion running as pid {pid} on this machine "
                               f"(since {holder.get('since', '?')}); wait for it to finish")
 
@@ -364,16 +365,6 @@ def _dataset_objects(manifest: Mapping[str, Any]) -> dict[str, int]:
     files = {f["name"]: int(f["num_bytes"]) for s in manifest["shards"] for f in s["files"]}
     files.update({f["name"]: int(f["num_bytes"]) for f in manifest.get("meta_files", [])})
     return files
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _remove(folder: Path, name: str) -> None:

@@ -297,17 +297,12 @@ def test_profile_cli_runs_the_fused_train_crop(lmdb_path, capsys):
 
 def test_profile_of_a_url_runs_its_dataloaders_through_the_node_cache(lmdb_path, tmp_path, monkeypatch, capsys):
     import json
-    import shutil
 
-    from support.storage_servers import Emulated
+    from support.storage_servers import served_as_a_user
 
     from packer.cli import main
 
-    shutil.copytree(lmdb_path, tmp_path / "root" / "ds.lmdb")
-    server = Emulated(tmp_path / "root")
-    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key", "AWS_REGION": "us-east-1",
-                        "AWS_ENDPOINT_URL": server.server.endpoint}.items():
-        monkeypatch.setenv(name, value)
+    server = served_as_a_user(lmdb_path, tmp_path / "root", monkeypatch, "ds.lmdb")
     try:
         rc = main(["profile", "s3://bucket/ds.lmdb", "--cache-dir", str(tmp_path / "cache"), "--workers", "0,1",
                    "--batch-size", "4", "--step-ms", "1", "--batches", "2", "--crop", "16", "--json", "-", "-q"])

@@ -8,7 +8,7 @@ import os
 import pickle
 
 import pytest
-from support.storage_servers import FAST_POLICY, Emulated, s3_store
+from support.storage_servers import FAST_POLICY, Emulated, s3_store, user_environment
 
 from packer.errors import PackerError
 from packer.storage.client import HelperClient, LoopClient
@@ -193,9 +193,7 @@ def test_credentials_never_appear_in_repr_or_errors(emulated):
 
 def test_credentials_and_endpoint_from_the_environment(emulated, monkeypatch):
     emulated.write("env/a.bin", DATA)
-    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key", "AWS_REGION": "us-east-1",
-                        "AWS_ENDPOINT_URL": emulated.server.endpoint}.items():
-        monkeypatch.setenv(name, value)
+    user_environment(monkeypatch, emulated.server.endpoint)
     with ObjectStore("s3://bucket/env", policy=FAST_POLICY) as store:
         assert store.get_range("a.bin", 0, 10) == DATA[:10]
 

@@ -5,6 +5,7 @@ injection at the server). Never a mocked client object. The fixtures are in test
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -96,6 +97,22 @@ def together(ctx, target, args: tuple, n: int = 3) -> list:
     for p in procs:
         p.join(60)
     return results
+
+
+def user_environment(monkeypatch, endpoint: str) -> None:
+    """Credentials and endpoint in ``AWS_*``, as a user's shell holds them for a real bucket."""
+    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key", "AWS_REGION": "us-east-1",
+                        "AWS_ENDPOINT_URL": endpoint}.items():
+        monkeypatch.setenv(name, value)
+
+
+def served_as_a_user(dataset: Path, root: Path, monkeypatch, name: str | None = None) -> Emulated:
+    """``dataset`` copied under ``root`` and served as s3://bucket/<name> (its own name by default), the
+    environment set as a user's would be; the caller stops the server."""
+    shutil.copytree(dataset, root / (name or dataset.name))
+    server = Emulated(root)
+    user_environment(monkeypatch, server.server.endpoint)
+    return server
 
 
 def s3_spec(endpoint: str, url: str, policy: RetryPolicy = FAST_POLICY) -> StoreSpec:

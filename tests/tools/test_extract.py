@@ -180,15 +180,9 @@ def test_damaged_dataset_exits_1_and_a_missing_one_2(packed, tmp_path, capsys):
 
 @pytest.mark.parametrize("payload", ["encoded", "raw"])
 def test_extract_of_a_url_writes_what_extract_of_the_local_dataset_writes(packed, payload, tmp_path, monkeypatch):
-    import shutil
+    from support.storage_servers import served_as_a_user
 
-    from support.storage_servers import Emulated
-
-    shutil.copytree(packed[payload], tmp_path / "root" / "ds.lmdb")
-    server = Emulated(tmp_path / "root")
-    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key", "AWS_REGION": "us-east-1",
-                        "AWS_ENDPOINT_URL": server.server.endpoint}.items():
-        monkeypatch.setenv(name, value)
+    server = served_as_a_user(packed[payload], tmp_path / "root", monkeypatch, "ds.lmdb")
     try:
         assert main(["extract", "s3://bucket/ds.lmdb", str(tmp_path / "remote"), "--cache-dir",
                      str(tmp_path / "cache"), "-q"]) == 0

@@ -73,16 +73,9 @@ def test_info_names_a_shard_truncated_in_place_and_exits_1(imagefolder, tmp_path
 
 def _served(tmp_path, dataset, monkeypatch):
     """``dataset`` in the emulated store as s3://bucket/<name>, the environment set as a user's would be."""
-    import shutil
+    from support.storage_servers import served_as_a_user
 
-    from support.storage_servers import Emulated
-
-    shutil.copytree(dataset, tmp_path / "root" / dataset.name)
-    server = Emulated(tmp_path / "root")
-    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key", "AWS_REGION": "us-east-1",
-                        "AWS_ENDPOINT_URL": server.server.endpoint}.items():
-        monkeypatch.setenv(name, value)
-    return server
+    return served_as_a_user(dataset, tmp_path / "root", monkeypatch)
 
 
 def test_info_of_a_url_shows_the_rows_of_the_local_dataset(imagefolder, tmp_path, monkeypatch, capsys):

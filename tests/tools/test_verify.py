@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.storage_servers import served_as_a_user
 
 from packer import PackerError, convert, open_dataset
 from packer.cli import main
@@ -110,13 +111,7 @@ def test_every_recorded_option_has_a_checked_type():
 
 
 def test_verify_of_a_url_streams_every_object_through_sha256_and_keeps_nothing(base, tmp_path, monkeypatch, capsys):
-    from support.storage_servers import Emulated
-
-    shutil.copytree(base, tmp_path / "root" / "ds.lmdb")
-    server = Emulated(tmp_path / "root")
-    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key", "AWS_REGION": "us-east-1",
-                        "AWS_ENDPOINT_URL": server.server.endpoint}.items():
-        monkeypatch.setenv(name, value)
+    server = served_as_a_user(base, tmp_path / "root", monkeypatch, "ds.lmdb")
     cache = tmp_path / "cache"
     try:
         assert main(["verify", "s3://bucket/ds.lmdb", "--cache-dir", str(cache), "-q"]) == 0
@@ -139,13 +134,7 @@ def test_verify_of_a_url_streams_every_object_through_sha256_and_keeps_nothing(b
 @pytest.fixture
 def served(base, tmp_path, monkeypatch):
     """The dataset at s3://bucket/ds.lmdb on an emulated store, credentials and endpoint in AWS_* as a user's."""
-    from support.storage_servers import Emulated
-
-    shutil.copytree(base, tmp_path / "root" / "ds.lmdb")
-    server = Emulated(tmp_path / "root")
-    for name, value in {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "key", "AWS_REGION": "us-east-1",
-                        "AWS_ENDPOINT_URL": server.server.endpoint}.items():
-        monkeypatch.setenv(name, value)
+    server = served_as_a_user(base, tmp_path / "root", monkeypatch, "ds.lmdb")
     yield tmp_path / "root" / "ds.lmdb"
     server.stop()
 
