@@ -58,6 +58,8 @@ NONSENSE = [
     (["bench", "P"], "--ceiling-size", ["0"]),
     (["bench", "P"], "--read-iops", ["0", "-5"]),
     (["bench", "P"], "--read-bps", ["0"]),
+    (["bench", "P"], "--latency", ["-1", "nan", "61"]),
+    (["bench", "P"], "--bandwidth", ["0", "-5MB"]),
 ]
 
 

@@ -229,7 +229,8 @@ def cmd_profile(args) -> int:
 def cmd_doctor(args) -> int:
     from packer.diagnose.doctor import diagnose, render
 
-    report = diagnose(args.path, seconds=args.seconds, progress=not args.json)
+    report = diagnose(args.path, seconds=args.seconds, progress=not args.json,
+                      storage_options=storage_options(args.storage_option))
     print(json.dumps(report, indent=1) if args.json else render(report))
     return 0
 
@@ -249,12 +250,17 @@ def cmd_bench(args) -> int:
         require_matplotlib()  # before minutes of measuring
     caches = ("cold",) if args.cold else ("warm",) if args.warm else ("cold", "warm")
     workers = args.workers or (min(8, usable_cores()),)
+    remote = _bench_is_remote(args)
     options = BenchOptions(
-        levels=args.levels, orders=args.orders, caches=caches, workers=workers, batch_size=args.batch_size,
+        levels=args.levels or (("loader",) if remote else ("read", "decode", "loader")),
+        orders=args.orders or (("block",) if remote else ("sequential", "shuffle", "block")),
+        caches=caches, workers=workers, batch_size=args.batch_size,
         pin_memory=args.pin_memory, repeats=args.repeats, limit=args.limit, seed=args.seed,
         block_bytes=args.block_size, open_blocks=args.open_blocks, run=args.run, ceiling_bytes=args.ceiling_size,
-        emulate=args.emulate, read_iops=args.read_iops, read_bps=args.read_bps,
+        emulate=None if remote else args.emulate, read_iops=args.read_iops, read_bps=args.read_bps,
     )
+    if remote:
+        return _bench_remote(args, options)
     report = run_bench(args.paths, options, log=None if args.quiet else print_progress)
     if sys.argv[1:2] == ["bench"]:
         import shlex
@@ -270,6 +276,59 @@ def cmd_bench(args) -> int:
         plot_bench(report, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr if args.json == "-" else sys.stdout)
     return 0
+
+
+def _bench_is_remote(args) -> bool:
+    """Whether ``packer bench`` reads by URL: a URL given, or a link emulated (``--emulate s3``, --latency,
+    --bandwidth); one run is all URLs or all local paths."""
+    from packer.diagnose.link import LINK_PRESETS
+    from packer.layout.remote import is_remote
+
+    urls = [p for p in args.paths if is_remote(p)]
+    emulated = args.emulate in LINK_PRESETS or args.latency is not None or args.bandwidth is not None
+    if urls and len(urls) != len(args.paths):
+        raise PackerError("packer bench reads either URLs or local paths in one run, not both")
+    if (urls or emulated) and (args.read_iops or args.read_bps or (args.emulate and not emulated)):
+        raise PackerError("--emulate hdd/nfs/ssd, --read-iops and --read-bps throttle a local disk; on a URL use "
+                          "--emulate s3, --latency or --bandwidth")
+    return bool(urls) or emulated
+
+
+def _bench_remote(args, options) -> int:
+    """``packer bench URL`` (or local datasets served through ``--emulate s3``): loader passes by URL."""
+    from contextlib import nullcontext
+
+    from packer.diagnose.bench_remote import RemoteOptions, Target, emulated_targets, remote_table, run_remote_bench
+    from packer.diagnose.reports import print_progress
+
+    opts = RemoteOptions(cache_dir=args.cache_dir, cache_limit=args.cache_limit)
+    if args.emulate or args.latency is not None or args.bandwidth is not None:
+        ctx: Any = emulated_targets(args.paths, args.emulate, args.latency, args.bandwidth)
+    else:
+        ctx = nullcontext([Target(p, storage_options(args.storage_option)) for p in args.paths])
+    with ctx as targets:
+        report = run_remote_bench(targets, options, opts, log=None if args.quiet else print_progress)
+    if sys.argv[1:2] == ["bench"]:
+        import shlex
+
+        report["command"] = shlex.join(["packer", *sys.argv[1:]])
+    if args.json != "-":
+        print(remote_table(report))
+    if args.json:
+        _write_json(report, args.json)
+    return 0
+
+
+def storage_options(pairs: list[str]) -> dict[str, str]:
+    """``--storage-option KEY=VALUE`` pairs as the store's configuration; a bad pair is one line naming it (never
+    its value: it may be a secret)."""
+    out = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or not key.strip():
+            raise PackerError(f"--storage-option {key.strip() or '?'}: expected KEY=VALUE")
+        out[key.strip()] = value
+    return out
 
 
 def _bench_decoders(args) -> int:

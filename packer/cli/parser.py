@@ -140,8 +140,8 @@ def _add_info(sub) -> None:
     p.set_defaults(func=commands.cmd_info)
 
 
-def _add_cache_dir(p) -> None:
-    p.add_argument("--cache-dir", metavar="DIR", help="for a dataset in object storage (s3://, gs://, az://, "
+def _add_cache_dir(p, text: str | None = None) -> None:
+    p.add_argument("--cache-dir", metavar="DIR", help=text or "for a dataset in object storage (s3://, gs://, az://, "
                    "http(s)://): the node's cache, where its metadata is kept (default: $XDG_CACHE_HOME/packer or "
                    "~/.cache/packer)")
 
@@ -254,13 +254,16 @@ def _add_doctor(sub) -> None:
         packer doctor                  # the machine: cores, memory, decoders, GPU, /dev/shm, limits
         packer doctor imgs/            # and the storage under imgs/: device, filesystem, cold reads
         packer doctor imgs.lmdb --json
+        packer doctor s3://bucket/imgs.lmdb   # the link: first-byte latency, bandwidth; link- or decode-bound
         """, description="Measure, briefly and within bounds, what limits data loading here: cores and load, "
         "memory and page cache, the storage under PATH (device, rotational or not, filesystem), cold "
         "small-file vs sequential read rate there, per-core decode rate of each decoder, GPU and pinned "
         "memory, libjpeg-turbo, /dev/shm and the open-files limit; then a verdict in plain words where each "
         "recommendation names the figure behind it.")
     p.add_argument("path", nargs="?",
-                   help="a folder of images, a packed dataset or any directory on the storage to test")
+                   help="a folder of images, a packed dataset or any directory on the storage to test; or a packed "
+                   "dataset's URL (s3://, gs://, az://, http(s)://): the link and whether reading it is link-bound")
+    _add_storage_option(p)
     p.add_argument("--seconds", type=float_in(0.0, 600.0, above=True), default=1.0,
                    help="time budget of each rate measurement (default 1 s)")
     p.add_argument("--json", action="store_true", help="print every figure and the verdict as JSON")
@@ -274,6 +277,8 @@ def _add_bench(sub) -> None:
         packer bench imgs/ imgs.lmdb --cold --workers 0,2,4 --json bench.json --plot bench.png
         packer bench imgs/ imgs.lmdb --emulate hdd --levels read   # as on a 7200 rpm disk (root, Linux)
         packer bench imgs/ imgs.lmdb --read-iops 500 --read-bps 200MB --limit 500
+        packer bench s3://bucket/imgs.lmdb --workers 2 --json b.json   # by URL: a cold cache per repeat
+        packer bench imgs.lmdb --emulate s3        # served through an emulated store (20 ms, 1 Gbit/s), by URL
         packer bench --decoders imgs.lmdb --sizes full,224,112     # decoders: img/s and MP/s per core
         packer bench --decoders                               # ... on 200 generated photo-like JPEGs
         """, description="Time reading a loose folder (as ImageFolder reads it) and packed datasets of the same "
@@ -294,12 +299,12 @@ def _add_bench(sub) -> None:
     p.add_argument("--backends", default=None, help="--decoders: comma-separated (default: all available)")
     p.add_argument("--seconds", type=float_in(0.0, 600.0, above=True), default=2.0,
                    help="--decoders: CPU seconds per measurement (default 2)")
-    p.add_argument("--levels", type=csv_of(str), default=("read", "decode", "loader"), metavar="L,..",
+    p.add_argument("--levels", type=csv_of(str), default=None, metavar="L,..",
                    help="any of read, decode, loader, thread (packer.ThreadLoader, --workers threads), train "
                    "(RandomResizedCrop(224) batches), thread-train (those through packer.ThreadLoader) "
-                   "(default: read, decode, loader)")
-    p.add_argument("--orders", type=csv_of(str), default=("sequential", "shuffle", "block"), metavar="O,..",
-                   help="any of sequential, shuffle, block (default all)")
+                   "(default: read, decode, loader; on a URL: loader)")
+    p.add_argument("--orders", type=csv_of(str), default=None, metavar="O,..",
+                   help="any of sequential, shuffle, block (default all; on a URL: block)")
     cache = p.add_mutually_exclusive_group()
     cache.add_argument("--cold", action="store_true", help="cold page cache only")
     cache.add_argument("--warm", action="store_true", help="warm page cache only")
@@ -321,18 +326,43 @@ def _add_bench(sub) -> None:
     p.add_argument("--ceiling-size", type=size_arg, default=256 << 20, metavar="SIZE",
                    help="size of the scratch file for the sequential-read ceiling (default 256MiB)")
     _add_throttle(p)
+    _add_remote_bench(p)
     p.add_argument("--json", metavar="FILE", help="write every figure and the machine/setup as JSON ('-': stdout)")
     p.add_argument("--plot", metavar="PNG", help="write a chart (needs matplotlib: pip install matplotlib)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=commands.cmd_bench)
 
 
+def _add_remote_bench(p: argparse.ArgumentParser) -> None:
+    """``packer bench`` on a URL: what reaches the store, the node's cache, and the emulated link's settings."""
+    p.add_argument("--latency", type=float_in(0.0, 60.0), default=None, metavar="SECONDS",
+                   help="emulated object store: seconds before each response's first byte (default: the preset's; "
+                   "without --emulate: serve through the emulated store with this latency)")
+    p.add_argument("--bandwidth", type=size_arg, default=None, metavar="B",
+                   help="emulated object store: bytes/s of the whole link, e.g. 125MB (1 Gbit/s)")
+    _add_storage_option(p)
+    _add_cache_dir(p, "for a URL: the node's cache (default: a new temporary folder per repeat, a cold cache)")
+    p.add_argument("--cache-limit", default="20GB", metavar="SIZE",
+                   help="for a URL: the disk the node's cache may use (default 20GB)")
+
+
+def _add_storage_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="for a URL: the object store's configuration (endpoint=..., region=...; repeatable; "
+                   "credentials are best left to the environment)")
+
+
 def _add_throttle(p: argparse.ArgumentParser) -> None:
     """``packer bench``'s emulated storage: a preset device or explicit read limits."""
+    from packer.diagnose.link import LINK_PRESETS
     from packer.diagnose.throttle import PRESETS
 
     devices = "; ".join(f"{k} = {v.read_iops} IOPS, {v.read_bps // 10**6} MB/s" for k, v in sorted(PRESETS.items()))
-    p.add_argument("--emulate", choices=sorted(PRESETS), help=f"throttle reads like this device: {devices}")
+    links = "; ".join(f"{k} = an object store, {v.latency * 1e3:g} ms to the first byte, {v.bandwidth * 8 / 1e9:g} "
+                      f"Gbit/s" for k, v in sorted(LINK_PRESETS.items()))
+    p.add_argument("--emulate", choices=sorted(PRESETS) + sorted(LINK_PRESETS),
+                   help=f"throttle reads like this device: {devices}; or serve the packed datasets through {links} "
+                   "(in its own process) and bench them by URL")
     p.add_argument("--read-iops", type=int_in(1), default=None, metavar="N", help="throttle: read IOs per second")
     p.add_argument("--read-bps", type=size_arg, default=None, metavar="B",
                    help="throttle: read bytes per second, e.g. 150MB")

@@ -261,12 +261,16 @@ def probe_data(ds: Any, files: list[str], count: int, complete: bool) -> dict:
 
 # ----------------------------------------------------------------------------- driver
 
-def diagnose(path: str | os.PathLike | None = None, seconds: float = 1.0, progress: bool = True) -> dict:
-    """Measure this machine (and the storage and data under ``path``) and judge; a JSON-ready dict."""
+def diagnose(path: str | os.PathLike | None = None, seconds: float = 1.0, progress: bool = True,
+             storage_options: dict[str, Any] | None = None) -> dict:
+    """Measure this machine (and the storage and data under ``path``, or the link to a dataset at a URL) and judge;
+    a JSON-ready dict."""
     from packer.errors import PackerError
-    from packer.storage.url import refuse_url
+    from packer.layout.remote import is_remote
+    from packer.storage.url import redact, refuse_url
 
-    if path is not None:
+    remote = path is not None and is_remote(path)
+    if path is not None and not remote:
         refuse_url(path, "packer doctor")
     log = (lambda msg: print(f"doctor: {msg}", file=sys.stderr, flush=True)) if progress else (lambda msg: None)
     if not 0 < float(seconds) < float("inf"):
@@ -277,8 +281,15 @@ def diagnose(path: str | os.PathLike | None = None, seconds: float = 1.0, progre
     report["machine"] = probe_machine()
     log("GPU")
     report["gpu"] = probe_gpu(seconds)
-    ds, files, p = None, [], None
-    if path is not None:
+    ds, files, p, samples = None, [], None, []
+    if remote:
+        from packer.diagnose.doctor_remote import probe_remote
+
+        report["path"] = redact(str(path))
+        found = probe_remote(str(path), storage_options, log)
+        report["data"], report["link"], samples = found["data"], found["link"], found["samples"]
+        where = found["samples_from"]
+    elif path is not None:
         p = Path(path)
         if not p.exists():
             raise PackerError(f"{path}: no such file or directory")
@@ -288,7 +299,8 @@ def diagnose(path: str | os.PathLike | None = None, seconds: float = 1.0, progre
         if ds is None and p.is_dir():
             files, count, complete = _image_files(p, MAX_FILES, 2.0)
         report["data"] = probe_data(ds, files, count, complete)
-    samples, where = _decode_samples(p, ds, files)
+    if not samples:
+        samples, where = _decode_samples(p, ds, files)
     log(f"decoders on {where}")
     report["decode"] = {**probe_decoders(samples, seconds), "samples": where}
     if p is not None:
@@ -341,6 +353,11 @@ def render(r: dict) -> str:
         n = f"{da['samples']:,}" + ("" if da.get("samples_complete", True) else "+ (count stopped early)")
         lines.append(f"data      {r['path']}: {da['kind']}, {n} samples, {human_bytes(da['bytes'])}"
                      + (f", {da['mean_sample_bytes'] / 1e3:.0f} KB each" if da.get("mean_sample_bytes") else ""))
+    if r.get("link"):
+        li = r["link"]
+        lines.append(f"link      {li['first_byte_s'] * 1e3:.1f} ms to the first byte (median of "
+                     f"{len(li['first_byte_s_each'])} 1-byte GETs), {li['bandwidth_bytes_per_s'] / 1e6:,.0f} MB/s "
+                     f"({li['in_flight']} ranged GETs of {human_bytes(li['range_bytes'])} at once, of {li['object']})")
     st = r.get("storage")
     if st:
         rot = {True: "rotational", False: "non-rotational", None: "rotational unknown"}[st.get("rotational")]

@@ -81,7 +81,7 @@ def libjpeg_turbo(f: Facts) -> Finding | None:
 
 
 def storage_not_measured(f: Facts) -> Finding | None:
-    if f.storage:
+    if f.storage or f.r.get("link"):
         return None
     return _finding("storage not measured: run packer doctor PATH with PATH on the disk that holds the training data "
                     "to compare its cold small-file and sequential reads with decoding.")
@@ -130,6 +130,27 @@ def io_or_decode_bound(f: Facts) -> Finding | None:
         f"decode-bound, not IO-bound: even loose files read cold at {rate:,.0f} files/s, more than the {dec:,.0f} "
         "img/s the cores decode; packing saves little here: more cores, decode at reduced size, or store decoded "
         "pixels if they fit.", small_files_per_s=rate, decode_all=dec)
+
+
+def link_or_decode_bound(f: Facts) -> Finding | None:
+    """A dataset at a URL: would the reader wait on the link (bandwidth over the bytes per sample) or on decoding?"""
+    link, data = f.r.get("link"), f.r.get("data")
+    if not (link and data and data.get("mean_sample_bytes") and f.decode_all):
+        return None
+    mean, bw, dec = data["mean_sample_bytes"], link["bandwidth_bytes_per_s"], f.decode_all
+    carried = bw / mean
+    figures = {"link_samples_per_s": carried, "decode_all": dec, "bandwidth_bytes_per_s": bw,
+               "first_byte_s": link["first_byte_s"], "mean_sample_bytes": mean}
+    said = (f"the link carries {bw / 1e6:,.0f} MB/s = {carried:,.0f} samples of {mean / 1e3:.0f} KB per second "
+            f"({link['first_byte_s'] * 1e3:.0f} ms to each first byte)")
+    if carried < dec:
+        return _finding(f"link-bound: {said}, less than the {dec:,.0f} img/s the cores decode. Read it in "
+                        "BlockShuffleSampler order (whole shards fetched ahead, many in flight) and give cache_limit "
+                        "at least the dataset's size so that later epochs fetch nothing; packer bench URL measures "
+                        "it.", bound="link", **figures)
+    return _finding(f"decode-bound: {said}, more than the {dec:,.0f} img/s the cores decode: the link keeps up; "
+                    "more cores or decoding at reduced size would help, a faster link would not.", bound="decode",
+                    **figures)
 
 
 def eviction_unverified(f: Facts) -> Finding | None:
@@ -247,8 +268,8 @@ def open_files(f: Facts) -> Finding | None:
 
 RULES: tuple[Callable[[Facts], Finding | None], ...] = (
     busy_machine, decode_ceiling, libjpeg_turbo, storage_not_measured, network_storage, rotational_disk,
-    io_or_decode_bound, eviction_unverified, fits_in_ram, num_workers, gpu, gpu_unusable, gpu_in_use,
-    shm_space, open_files,
+    io_or_decode_bound, link_or_decode_bound, eviction_unverified, fits_in_ram, num_workers, gpu, gpu_unusable,
+    gpu_in_use, shm_space, open_files,
 )
 
 
