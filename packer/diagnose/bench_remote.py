@@ -261,6 +261,8 @@ def run_remote_bench(targets: Sequence[Target], o: Any, opts: RemoteOptions | No
                   "the node's downloader started)",
                   "fetched: bytes the node's downloader received from the store during the pass (shards, ranges); "
                   "delivered: payload bytes of the samples the loader returned",
+                  "cache hits: requests the node's cache answered without a GET (in a cold pass: shards another "
+                  "worker or the read-ahead had fetched)",
                   "cold: a new temporary cache directory per repeat; warm: a second pass through it"]}
     samples: list[bytes] = []
     for target in targets:
@@ -285,14 +287,14 @@ def run_remote_bench(targets: Sequence[Target], o: Any, opts: RemoteOptions | No
 
 
 def remote_ceiling(report: dict, row: dict) -> dict[str, Any]:
-    """The lower of the link (bytes that cross it per sample: the dataset's objects over its samples) and the cores'
-    decode rate, as samples/s, with its name; ``bound``: which one."""
+    """The lower of the link (bytes that cross it per sample: the dataset's objects over its samples; not for a warm
+    pass, which fetches nothing) and the cores' decode rate, as samples/s, with its name; ``bound``: which one."""
     ds = next(d for d in report["datasets"] if d["path"] == row["dataset"])
     per_sample = ds["object_bytes"] / max(ds["samples"], 1)
     emu, measured = report.get("emulation"), report["links"].get(row["dataset"])
     bandwidth = (emu or {}).get("bandwidth_bytes_per_s") or (measured or {}).get("bandwidth_bytes_per_s")
     out: dict[str, Any] = {"name": "unknown", "samples_per_s": float("inf"), "bound": None}
-    if bandwidth:
+    if bandwidth and row["cache"] != "warm":
         source = "emulated" if (emu or {}).get("bandwidth_bytes_per_s") else "measured"
         out = {"name": f"link {bandwidth / 1e6:,.0f} MB/s ({source})", "samples_per_s": bandwidth / per_sample,
                "bound": "link"}

@@ -71,7 +71,8 @@ class EmulatedLink:
         return f"s3://{EMULATED_BUCKET}/{name}"
 
     def stats(self) -> dict[str, float]:
-        """The server's own counters (requests, GETs, HEADs, listings, body bytes, delays): what it served."""
+        """The server's own counters (requests, GETs, HEADs, listings, body bytes, delays) once no request is being
+        answered: what it served."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write("stats\n")
         self.proc.stdin.flush()
@@ -144,7 +145,7 @@ def _serve(root: str, latency: float, bandwidth: float) -> None:
         print(server.endpoint, flush=True)
         for line in sys.stdin:
             if line.strip() == "stats":
-                print(json.dumps(server.stats.snapshot()), flush=True)
+                print(json.dumps(server.stats.settled()), flush=True)
 
 
 if __name__ == "__main__":

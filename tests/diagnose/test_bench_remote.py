@@ -72,7 +72,7 @@ def test_emulate_s3_serves_the_local_dataset_by_url_and_counts(packed, tmp_path,
     assert warm["gets"] == [0] and warm["fetched_bytes"] == [0] and warm["cache_hits"] == [len(files)]
     link = report["links"]["s3://packer/ds.lmdb"]
     assert link["object"] == max(files, key=files.__getitem__) and link["first_byte_s"] >= 0.001
-    assert cold["ceiling"]["bound"] in ("link", "decode")
+    assert cold["ceiling"]["bound"] in ("link", "decode") and warm["ceiling"]["bound"] == "decode"  # no link used
     assert not list((tmp_path / "tmp").iterdir())  # the cold cache went with its repeat
 
 
