@@ -6,8 +6,12 @@ against the shards' bytes, cache hits, the cold cache's clean-up, the emulated l
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 from support.imagesets import make_imagefolder
@@ -173,3 +177,21 @@ def test_refusals_are_one_line(argv, words, tmp_path, capsys, monkeypatch):
     assert main(["bench", *argv, "-q"]) == 2
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_remote_peers_example_runs(tmp_path):
+    """examples/bench_remote_peers.py end to end on 16 photos with the peers that are always installed (LitData
+    and MosaicML Streaming are not test requirements): every image delivered once, the store's GETs counted."""
+    repo = Path(__file__).resolve().parents[2]
+    out = tmp_path / "peers.json"
+    run = subprocess.run([sys.executable, str(repo / "examples" / "bench_remote_peers.py"), "--count", "16",
+                          "--workers", "0", "--batch", "8", "--shard-size", "300KB", "--latency", "0",
+                          "--peers", "packer,objects", "--start-methods", "fork", "--json", str(out)],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(repo)}, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    packer_row, objects = report["results"]["fork"]["packer"], report["results"]["fork"]["objects"]
+    assert packer_row["images"] == objects["images"] == 16
+    assert objects["store"]["gets"] == 16 and objects["fetched_per_image_byte"] == 1.0  # one GET per image
+    assert packer_row["fetched_per_image_byte"] >= 1.0 and packer_row["store"]["gets"] > 0
+    assert "| one object per image" in run.stdout
