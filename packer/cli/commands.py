@@ -244,13 +244,13 @@ def cmd_bench(args) -> int:
     from packer.diagnose.reports import bench_table, print_progress
     from packer.diagnose.system import usable_cores
 
+    remote = _bench_is_remote(args)
     if args.plot:
         from packer.diagnose.plots import require_matplotlib
 
         require_matplotlib()  # before minutes of measuring
     caches = ("cold",) if args.cold else ("warm",) if args.warm else ("cold", "warm")
     workers = args.workers or (min(8, usable_cores()),)
-    remote = _bench_is_remote(args)
     options = BenchOptions(
         levels=args.levels or (("loader",) if remote else ("read", "decode", "loader")),
         orders=args.orders or (("block",) if remote else ("sequential", "shuffle", "block")),
@@ -291,6 +291,11 @@ def _bench_is_remote(args) -> bool:
     if (urls or emulated) and (args.read_iops or args.read_bps or (args.emulate and not emulated)):
         raise PackerError("--emulate hdd/nfs/ssd, --read-iops and --read-bps throttle a local disk; on a URL use "
                           "--emulate s3, --latency or --bandwidth")
+    if (urls or emulated) and args.plot:
+        raise PackerError("--plot charts a local bench; on a URL, --json keeps every figure")
+    if not urls and (args.storage_option or (args.cache_dir and not emulated)):
+        raise PackerError("--storage-option and --cache-dir are for a dataset at a URL (s3://, gs://, az://, "
+                          "http(s)://)")
     return bool(urls) or emulated
 
 

@@ -169,6 +169,9 @@ def test_doctor_url_reports_the_link_and_the_bound(packed, tmp_path):
     (["s3://bucket/ds.lmdb", "--emulate", "hdd"], "throttle a local disk"),
     (["s3://bucket/ds.lmdb", "--read-iops", "100"], "throttle a local disk"),
     (["NOTDS", "--emulate", "s3"], "not a packed dataset"),
+    (["s3://bucket/ds.lmdb", "--plot", "b.png"], "--plot charts a local bench"),
+    (["LOCAL", "--storage-option", "region=x"], "for a dataset at a URL"),
+    (["LOCAL", "--cache-dir", "c"], "for a dataset at a URL"),
 ])
 def test_refusals_are_one_line(argv, words, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
