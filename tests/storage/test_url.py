@@ -105,8 +105,6 @@ def in_tmp(tmp_path, monkeypatch):
     (["convert", "{imgs}", "--to", "wds", "-o", URL], "packer convert --to wds"),
     (["verify", "{ds}", "--against", URL], "packer verify --against"),
     (["extract", "{ds}", URL], "packer extract's destination (a local folder)"),
-    (["bench", URL, "-q"], "packer bench"),
-    (["doctor", URL, "--json"], "packer doctor"),
 ])
 def test_every_command_refuses_a_url_in_one_line(argv, by, imgs, in_tmp, capsys):
     ds = in_tmp / "d.lmdb"
@@ -121,8 +119,6 @@ def test_every_command_refuses_a_url_in_one_line(argv, by, imgs, in_tmp, capsys)
 
 def test_the_python_entry_points_refuse_a_url(imgs, in_tmp):
     from packer import LMDBDataset, open_dataset
-    from packer.diagnose.bench import run_bench
-    from packer.diagnose.doctor import diagnose
     from packer.tools.extract import extract
     from packer.tools.info import dataset_info
     from packer.tools.verify import verify
@@ -131,8 +127,6 @@ def test_the_python_entry_points_refuse_a_url(imgs, in_tmp):
         "LMDBDataset (use open_dataset for a URL)": lambda: LMDBDataset(URL),
         "packer verify --against": lambda: verify("ds", against=URL),
         "packer extract's destination (a local folder)": lambda: extract("ds", URL),
-        "packer bench": lambda: run_bench([URL]),
-        "packer doctor": lambda: diagnose(URL, progress=False),
     }
     for by, call in calls.items():
         with pytest.raises(PackerError) as err:
