@@ -102,7 +102,7 @@ def convert(src: str | os.PathLike, output: str | os.PathLike | None = None, *, 
         ResumableError: a failure part-way (a full disk); the work is kept for ``resume=True``.
     """
     sink = sink_for(to)
-    refuse_urls(sink.command, src)
+    check_locations(sink, src, output, url_output=True)
     run, source, given = parse_keywords(sink, options)
     return drive(src, make_output(src, output, sink, run), sink, run, source, given)
 
@@ -144,7 +144,7 @@ def convert_split(src: str | os.PathLike, output: str | os.PathLike | None = Non
         The two results, train's then val's.
     """
     sink = sink_for(to)
-    refuse_urls(sink.command, src, output)
+    check_locations(sink, src, output, url_output=False)
     run, source, given = parse_keywords(sink, options)
     out = output_path(src, output, sink.name)
     seed = sink.options(dict(given)).seed
@@ -173,6 +173,17 @@ def export_wds(src: str | os.PathLike, output: str | os.PathLike | None = None, 
         A ``ConvertResult`` for the export (its ``output`` the folder of shards).
     """
     return convert(src, output, to=WDS, **options)
+
+
+def check_locations(sink: Sink, src: str | os.PathLike, output: str | os.PathLike | None, *,
+                    url_output: bool) -> None:
+    """A source may be a URL (object storage: write/sources/remote.py); an output only where ``url_output``
+    (``convert``'s ``make_output``), else it is refused; a URL source needs an output named (there is no folder
+    beside it to put one in)."""
+    if not url_output:
+        refuse_urls(sink.command, output)
+    if is_url(src) and not parse(src).is_local and output is None:
+        raise OptionError(f"{redact(str(src))}: a source at a URL needs the output named ({arg('output')})")
 
 
 def parse_keywords(sink: Sink, options: dict[str, Any]) -> tuple[RunOptions, SourceOptions, dict[str, Any]]:
@@ -231,6 +242,10 @@ def scan_records(src: str | os.PathLike, source: SourceOptions, options: Convert
     """The records of ``src`` as ``source`` reads and selects them, by the folder rules of ``options``; an order the
     source can't give is refused before the scan (which would inflate a compressed archive)."""
     opened = open_source(src, source)
+    if client is not None and is_url(src) and not parse(src).is_local:
+        raise OptionError(f"{redact(str(src))}: a source at a URL is not converted on a cluster yet (its output "
+                          f"would need storage shared with every worker): convert it without "
+                          f"{arg('client', cli='scheduler')}")
     check_order(opened.sequential(), opened.path, options.order, client)
     mapper = None if client is None else class_mapper(client, options.skip_hidden)
     return scan_opened(opened, mapper, skip_hidden=options.skip_hidden, allow_empty=options.allow_empty)

@@ -144,7 +144,7 @@ class DatasetSink(Sink):
             classes=list(scan.classes),
             shards=[r.shard for r in shards],
             options=options.record(),
-            source=os.path.abspath(scan.root),  # samples are ImageFolder's paths: os.path.join(source, rel)
+            source=scan.source_name(),  # samples are ImageFolder's paths: os.path.join(source, rel)
             extensions=list(IMG_EXTENSIONS),
             source_digest=self.digest,
             source_type=scan.source_type,

@@ -104,7 +104,7 @@ class ExportSink(Sink):
         export whose move into place was journaled and ``resume`` is given (the driver then finishes that)."""
         partial = output.folder
         if not output.left_over():
-            return output.start({"kind": EXPORT_KIND, "source": str(scan.root), "options": options.record()})
+            return output.start({"kind": EXPORT_KIND, "source": scan.source_name(), "options": options.record()})
         if output.made_by_packer():
             output.check_free()
         swapping = output.swapping()
@@ -159,7 +159,7 @@ class ExportSink(Sink):
         shards = [{**asdict(file_info(partial, name)), "num_samples": n} for name, n in zip(tar.names, tar.counts)]
         index = {"kind": EXPORT_KIND, "version": 1, "num_samples": num_samples, "num_errors": len(errors),
                  "source_records": scan.num_source_records,
-                 "num_classes": len(scan.classes), "shards": shards, "source": os.path.abspath(scan.root),
+                 "num_classes": len(scan.classes), "shards": shards, "source": scan.source_name(),
                  "source_type": scan.source_type, "options": options.record(), "created_by": f"packer {__version__}",
                  "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         output.seal(lambda folder: write_atomic(folder / EXPORT_NAME, dumps_lossless(index, indent=1)))

@@ -22,6 +22,11 @@ def source_digest(scan: ScanResult) -> str:
     h = hashlib.sha256(scan_digest(scan).encode())
     for e in scan.errors:
         h.update(f"{e.path}\0{e.reason}\n".encode("utf-8", "surrogateescape"))
+    if scan.url:  # objects: their size and ETag as listed (the reader's facts), no request
+        reader = scan.source_reader()
+        for i, rel in enumerate(scan.rel_paths):
+            h.update(f"{reader.facts(rel, scan.loc(i))}\n".encode())
+        return h.hexdigest()
     root = os.fspath(scan.root)
     for rel in scan.rel_paths:
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -207,13 +208,72 @@ def scan_folder(root: str | os.PathLike, map_classes: ClassMapper | None = None,
         _walk(str(root), "", found, skip_hidden=skip_hidden)
         labels = [-1] * len(found.files)
     if not found.files:
-        what = describe_ignored(dict(sorted(found.ignored.items()))) or "nothing"
-        errors = "".join(f"; {e.path}: {e.reason}" for e in found.errors[:3])
-        raise PackerError(
-            f"{root}: no images found (looked for {', '.join(IMG_EXTENSIONS)}; ignored: {what}{errors})"
-        )
+        raise PackerError(_no_images(root, found))
     return ScanResult(root=root, classes=classes, rel_paths=found.files, labels=np.asarray(labels, dtype=np.int64),
                       ignored=found.ignored, errors=found.errors, unlisted=found.unlisted, not_images=found.not_images)
+
+
+def scan_names(root: Path, names: Iterable[str], *, skip_hidden: bool = False,
+               allow_empty: bool = False) -> ScanResult:
+    """``scan_folder``'s result for the files named by ``names`` (POSIX paths relative to ``root``, e.g. the keys
+    below an object-storage prefix, where a folder is a name's prefix): the same classes, order, extension filter,
+    hidden-name and packer-output rules and errors as the folder holding exactly those files."""
+    found = Walk()
+    left_out: set[str] = set()  # folders counted once in ``ignored`` (hidden, packer outputs)
+    holding = {n.rpartition("/")[0] for n in names if n.rpartition("/")[2] == MANIFEST_NAME}
+    if "" in holding:
+        raise PackerError(f"{root}: holds {MANIFEST_NAME}, a packed dataset, not a folder of images (give the folder "
+                          "it was converted from)")
+    kept: list[list[str]] = []  # the path components of each file not left out by a folder above it
+    for name in names:
+        parts = name.split("/")
+        for depth in range(1, len(parts)):
+            folder, last = "/".join(parts[:depth]), parts[depth - 1]
+            if skip_hidden and last.startswith("."):
+                reason = HIDDEN_FOLDER
+            elif last.endswith(PARTIAL_SUFFIX):
+                reason = f"{NOT_SCANNED}: {folder}/ (unfinished packer output)"
+            elif folder in holding:
+                reason = f"{NOT_SCANNED}: {folder}/ (packer dataset)"
+            else:
+                continue
+            if folder not in left_out:
+                left_out.add(folder)
+                found.ignored[reason] += 1
+            break
+        else:
+            kept.append(parts)
+    classes = sorted({parts[0] for parts in kept if len(parts) > 1})
+    index = {c: i for i, c in enumerate(classes)}
+    per_class: list[list[str]] = [[] for _ in classes] if classes else [[]]
+    for parts in kept:
+        file = parts[-1]
+        if skip_hidden and file.startswith("."):
+            found.ignored[HIDDEN] += 1
+        elif classes and len(parts) == 1:
+            found.ignored[OUTSIDE_CLASSES] += 1
+        elif is_image_name(file):
+            per_class[index[parts[0]] if classes else 0].append("/".join(parts))
+        else:
+            found.ignored[NOT_IMAGE] += 1
+            found.not_images[_suffix(file)] += 1
+    labels: list[int] = []
+    for idx, files in enumerate(per_class):
+        found.files.extend(sorted(files, key=imagefolder_key))
+        labels.extend([idx if classes else -1] * len(files))
+    empty = [c for c, files in zip(classes, per_class) if not files]
+    if empty and found.files and not allow_empty:
+        raise PackerError(_empty_classes(root, empty, skip_hidden))
+    if not found.files:
+        raise PackerError(_no_images(root, found))
+    return ScanResult(root=root, classes=classes, rel_paths=found.files, labels=np.asarray(labels, dtype=np.int64),
+                      ignored=found.ignored, not_images=found.not_images)
+
+
+def _no_images(root: Path, found: Walk) -> str:
+    what = describe_ignored(dict(sorted(found.ignored.items()))) or "nothing"
+    errors = "".join(f"; {e.path}: {e.reason}" for e in found.errors[:3])
+    return f"{root}: no images found (looked for {', '.join(IMG_EXTENSIONS)}; ignored: {what}{errors})"
 
 
 def _empty_classes(root: Path, empty: list[str], skip_hidden: bool) -> str:

@@ -100,7 +100,6 @@ def in_tmp(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,by", [
-    (["convert", URL, "--to", "lmdb", "-o", "out.lmdb"], "packer convert"),
     (["convert", "{imgs}", "--to", "lmdb", "-o", URL, "--split", "0.5"], "packer convert"),
     (["convert", "{imgs}", "--to", "wds", "-o", URL], "packer convert --to wds"),
     (["verify", "{ds}", "--against", URL], "packer verify --against"),

@@ -8,6 +8,7 @@ size), plus the classes, what was ignored and the errors found while scanning (`
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -90,6 +91,11 @@ class ScanResult:
     numbers: np.ndarray | None = None
     source_records: int | None = None
     earlier: list[dict[str, Any]] = field(default_factory=list)  # errors.json entries a packed source carries
+    url: str = ""  # a source at a URL: its URL (redacted), recorded as the source instead of ``root``
+
+    def source_name(self) -> str:
+        """Where the source is, as a manifest records it: its URL, or the absolute path of its folder or file."""
+        return self.url or os.path.abspath(self.root)
 
     def __len__(self) -> int:
         return len(self.rel_paths)

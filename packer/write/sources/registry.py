@@ -11,6 +11,7 @@ from pathlib import Path
 
 from packer.errors import InputNotFoundError, OptionError, PackerError, arg
 from packer.layout.trust import check_class_name
+from packer.storage.url import is_url, parse
 from packer.write.sources.archive import ArchiveSource
 from packer.write.sources.base import SourceOptions
 from packer.write.sources.folder import FolderSource
@@ -19,6 +20,7 @@ from packer.write.sources.listfile import ListSource
 from packer.write.sources.mxrec import RecordIOSource
 from packer.write.sources.packed import PackedSource
 from packer.write.sources.records import ClassMapper, ScanResult, Source
+from packer.write.sources.remote import open_remote
 from packer.write.sources.select import select
 from packer.write.sources.webdataset import WebDatasetSource
 
@@ -35,6 +37,11 @@ SOURCES: dict[str, type[Source]] = {
 
 def open_source(src: str | os.PathLike, options: SourceOptions = SourceOptions()) -> Source:
     """The source that reads ``src``: ``options.type`` when given, else the first of ``SOURCES`` that claims it."""
+    if is_url(src):  # a file:// URL is a local path; any other, the object-storage sources
+        location = parse(src)
+        if not location.is_local:
+            return open_remote(location, options)
+        src = location.path
     path = Path(os.path.abspath(src))
     if options.type is not None:
         cls = SOURCES.get(options.type)

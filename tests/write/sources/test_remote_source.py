@@ -1,0 +1,205 @@
+"""Sources at a URL (write/sources/remote.py): a prefix laid out as ImageFolder converts as its local folder does.
+
+moto's S3 server for correctness, the emulated store (packer/storage/emulate.py) where the server's counts are
+checked: pages of the listing, one GET per object, many in flight, faults injected per object.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from support.imagesets import jpeg_bytes
+from support.storage_servers import CREDENTIALS, Emulated, s3_store, upload
+
+import packer
+from packer.cli import main
+from packer.errors import OptionError, PackerError
+from packer.storage.emulate import Fault
+from packer.write.scan import scan_folder, scan_names
+from packer.write.sources.registry import scan_source
+from packer.write.sources.remote import Fetched, RemoteReader
+
+
+def make_tree(root: Path, extra: dict[str, bytes] | None = None) -> Path:
+    """An ImageFolder with what its rules decide on: nested folders (ordered by the folder's path), classes 'a' and
+    'a-b' (sorted otherwise than their files' paths), an upper-case extension, a hidden image and folder,
+    non-images, a file outside the classes and an unfinished packer output inside."""
+    rng = np.random.default_rng(0)
+    files = {
+        "a/3.jpg": jpeg_bytes(rng, 12, 16), "a/z/1.jpg": jpeg_bytes(rng, 10, 8), "a/b/c/2.JPG": jpeg_bytes(rng, 8, 8),
+        "a/.hidden.jpg": jpeg_bytes(rng, 8, 12), "a/notes.txt": b"not an image", "a-b/x y.jpg": jpeg_bytes(rng, 9, 9),
+        "a-b/é.jpeg": jpeg_bytes(rng, 16, 16), "README.md": b"outside the classes",
+        "c/.cache/k.jpg": jpeg_bytes(rng, 8, 8), "c/d.jpg": jpeg_bytes(rng, 8, 16),
+        "c/old.lmdb.partial/s.jpg": jpeg_bytes(rng, 8, 8),
+        **(extra or {}),
+    }
+    for rel, data in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return root
+
+
+def names_below(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("skip_hidden", [False, True])
+def test_names_scan_as_the_folder_holding_them(tmp_path, skip_hidden):
+    tree = make_tree(tmp_path / "t")
+    packer.convert(tree / "a", tmp_path / "t" / "c" / "inner.lmdb", workers=0, progress=False)  # a dataset inside
+    local = scan_folder(tree, skip_hidden=skip_hidden)
+    named = scan_names(tree, names_below(tree), skip_hidden=skip_hidden)
+    assert (named.classes, named.rel_paths, named.labels.tolist()) == (local.classes, local.rel_paths,
+                                                                       local.labels.tolist())
+    assert (named.ignored, named.not_images) == (local.ignored, local.not_images)
+    flat = make_tree(tmp_path / "flat", {})
+    for folder in ("a", "a-b", "c"):
+        shutil.rmtree(flat / folder)
+    (flat / "x.png").write_bytes(b"png")
+    local, named = scan_folder(flat, skip_hidden=skip_hidden), scan_names(flat, names_below(flat),
+                                                                         skip_hidden=skip_hidden)
+    assert (named.classes, named.rel_paths, named.labels.tolist()) == ([], ["x.png"], [-1])
+    assert (named.rel_paths, named.ignored) == (local.rel_paths, local.ignored)
+    with pytest.raises(PackerError, match="no images found"):
+        scan_names(tmp_path, ["notes.txt"])
+    with pytest.raises(PackerError, match="a packed dataset"):
+        scan_names(tmp_path, ["manifest.json", "a/x.jpg"])
+
+
+def _environment(monkeypatch, endpoint: str) -> None:
+    """Credentials and endpoint from the environment, as a user's would be."""
+    for name, value in {"AWS_ACCESS_KEY_ID": CREDENTIALS["aws_access_key_id"],
+                        "AWS_SECRET_ACCESS_KEY": CREDENTIALS["aws_secret_access_key"],
+                        "AWS_REGION": CREDENTIALS["region"], "AWS_ENDPOINT_URL": endpoint}.items():
+        monkeypatch.setenv(name, value)
+
+
+def _same_dataset(a: Path, b: Path) -> None:
+    """Index order, keys, labels, classes and every payload's bytes equal."""
+    da, db = packer.open_dataset(a), packer.open_dataset(b)
+    try:
+        assert da.classes == db.classes
+        assert da.index.rel_paths() == db.index.rel_paths()
+        assert da.index.labels.tolist() == db.index.labels.tolist()
+        assert all(bytes(da.read_payload(i)) == bytes(db.read_payload(i)) for i in range(len(da)))
+    finally:
+        da.close()
+        db.close()
+
+
+def test_a_prefix_converts_as_its_local_folder(moto_endpoint, bucket, tmp_path, monkeypatch):
+    tree = make_tree(tmp_path / "train")
+    with s3_store(moto_endpoint, f"s3://{bucket}/train") as store:
+        upload(store, tree)
+    _environment(monkeypatch, moto_endpoint)
+    local = packer.convert(tree, tmp_path / "local.lmdb", workers=0, progress=False)
+    remote = packer.convert(f"s3://{bucket}/train/", tmp_path / "remote.lmdb", workers=2, progress=False)
+    assert remote.num_samples == local.num_samples == 8
+    assert (remote.errors, remote.ignored, remote.not_images) == ([], local.ignored, local.not_images)
+    _same_dataset(remote.output, local.output)
+    with packer.open_dataset(remote.output) as ds:  # sample i: ImageFolder's i, its object's bytes exactly
+        assert [bytes(ds.read_payload(i)) for i in range(len(ds))] == [
+            (tree / rel).read_bytes() for rel in scan_folder(tree).rel_paths]
+    manifest = json.loads((remote.output / "manifest.json").read_text())
+    assert (manifest["source"], manifest["source_type"]) == (f"s3://{bucket}/train/", "folder")
+
+
+@pytest.fixture
+def served(tmp_path, monkeypatch):
+    """An emulated store over ``tmp_path/root`` listing 7 keys a page, with 50 ms before each first byte."""
+    srv = Emulated(tmp_path / "root", page_size=7, latency=0.05)
+    _environment(monkeypatch, srv.server.endpoint)
+    yield srv
+    srv.stop()
+
+
+def _photos(root: Path, classes: int = 3, per_class: int = 20) -> Path:
+    rng = np.random.default_rng(1)
+    for c in range(classes):
+        for i in range(per_class):
+            path = root / f"c{c}" / f"{i:03d}.jpg"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(jpeg_bytes(rng, 8 + i % 5, 8 + c))
+    return root
+
+
+def test_the_listing_is_paged_and_objects_are_fetched_many_at_once(served, tmp_path):
+    _photos(tmp_path / "root" / "train")
+    before = served.server.stats.lists
+    result = packer.convert("s3://bucket/train", tmp_path / "out.lmdb", workers=0, progress=False)
+    stats = served.server.stats
+    assert result.num_samples == 60 and result.errors == []
+    assert stats.lists - before >= 60 // 7  # every page (a page of 7 keys)
+    assert stats.gets == 60  # one GET per object, nothing twice
+    assert stats.max_active >= 16  # many in flight (64 asked for), not one round trip per file
+    _same_dataset(result.output, packer.convert(tmp_path / "root" / "train", tmp_path / "local.lmdb", workers=0,
+                                                progress=False).output)
+
+
+def test_objects_that_fail_are_listed_in_errors_json_with_their_url(served, tmp_path):
+    _photos(tmp_path / "root" / "train", classes=2, per_class=5)
+    (tmp_path / "root" / "train" / "c1" / "bad.jpg").write_bytes(b"\xff\xd8 not a jpeg at all")
+    served.faults.add(Fault("status", 404, "NoSuchKey"), key="train/c0/001.jpg", times=-1)
+    served.faults.add(Fault("status", 403, "AccessDenied"), key="train/c1/003.jpg", times=-1)
+    result = packer.convert("s3://bucket/train/", tmp_path / "out.lmdb", workers=0, progress=False)
+    assert result.num_samples == 8
+    errors = {e["path"]: e for e in json.loads((result.output / "errors.json").read_text())["errors"]}
+    assert sorted(errors) == ["c0/001.jpg", "c1/003.jpg", "c1/bad.jpg"]
+    for rel, entry in errors.items():
+        assert entry["location"] == f"s3://bucket/train/{rel}"
+    assert errors["c0/001.jpg"]["reason"] == ("s3://bucket/train/c0/001.jpg: no such object (404): listed, then gone "
+                                              "before it was read")
+    assert errors["c1/003.jpg"]["reason"].startswith("s3://bucket/train/c1/003.jpg: access denied (403)")
+    assert errors["c1/bad.jpg"]["reason"].startswith("not an image format Pillow reads")
+
+
+def test_an_object_replaced_after_the_listing_is_an_error_never_its_new_bytes(served, tmp_path):
+    _photos(tmp_path / "root" / "train", classes=1, per_class=4)
+    scan = scan_source("s3://bucket/train/")
+    served.write("train/c0/002.jpg", b"new bytes")
+    reader = scan.source_reader()
+    assert isinstance(reader, RemoteReader)
+    got = {rel: loc for rel, _, loc in reader.admitted(scan.records())}
+    assert all(isinstance(loc, Fetched) for loc in got.values())
+    assert got["c0/002.jpg"].data is None and "changed" in str(got["c0/002.jpg"].error)
+    assert got["c0/001.jpg"].data == (tmp_path / "root" / "train" / "c0" / "001.jpg").read_bytes()
+    reader.close()
+
+
+def test_the_command_line_converts_a_prefix_and_refuses_what_it_cannot(served, tmp_path, monkeypatch, capsys):
+    _photos(tmp_path / "root" / "train", classes=2, per_class=3)
+    monkeypatch.chdir(tmp_path)
+    assert main(["convert", "s3://bucket/train/", "--to", "lmdb", "-o", "out.lmdb", "-q", "--workers", "0"]) == 0
+    assert packer.open_dataset(tmp_path / "out.lmdb").classes == ["c0", "c1"]
+    capsys.readouterr()
+    assert main(["convert", "s3://bucket/train/", "--to", "lmdb", "-q"]) == 2
+    assert "a source at a URL needs the output named" in capsys.readouterr().err
+    assert main(["convert", "s3://bucket/train/", "--source-type", "list", "-o", "x.lmdb", "-q"]) == 2
+    assert "not read from object storage yet" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "s3:")
+    with pytest.raises(OptionError, match="not converted on a cluster yet"):
+        packer.convert("s3://bucket/train/", tmp_path / "d.lmdb", client=object(), progress=False)
+    with pytest.raises(PackerError, match="no objects below this prefix"):
+        packer.convert("s3://bucket/nothing/", tmp_path / "n.lmdb", progress=False)
+
+
+def test_if_changed_sees_a_replaced_object(served, tmp_path):
+    _photos(tmp_path / "root" / "train", classes=1, per_class=3)
+    url, out = "s3://bucket/train/", tmp_path / "out.lmdb"
+    packer.convert(url, out, workers=0, progress=False)
+    gets = served.server.stats.gets
+    assert packer.convert(url, out, workers=0, progress=False, if_changed=True).num_samples == 3
+    assert served.server.stats.gets == gets  # unchanged: nothing fetched
+    served.write("train/c0/001.jpg", (tmp_path / "root" / "train" / "c0" / "000.jpg").read_bytes())
+    with pytest.raises(PackerError, match="out of date"):
+        packer.convert(url, out, workers=0, progress=False, if_changed=True)
+    packer.convert(url, out, workers=0, progress=False, if_changed=True, overwrite=True)
+    assert served.server.stats.gets > gets
+    with packer.open_dataset(out) as ds:
+        assert bytes(ds.read_payload(1)) == (tmp_path / "root" / "train" / "c0" / "000.jpg").read_bytes()
