@@ -14,6 +14,7 @@ from packer.layout.manifest import read_manifest
 from packer.write.journal import scan_digest
 from packer.write.options import ConvertOptions
 from packer.write.sources.records import ScanResult
+from packer.write.sources.remote import RemoteReader
 
 
 def source_digest(scan: ScanResult) -> str:
@@ -22,8 +23,8 @@ def source_digest(scan: ScanResult) -> str:
     h = hashlib.sha256(scan_digest(scan).encode())
     for e in scan.errors:
         h.update(f"{e.path}\0{e.reason}\n".encode("utf-8", "surrogateescape"))
-    if scan.url:  # objects: their size and ETag as listed (the reader's facts), no request
-        reader = scan.source_reader()
+    reader = scan.source_reader()
+    if isinstance(reader, RemoteReader):  # objects: their size and ETag as listed (the reader's facts), no request
         for i, rel in enumerate(scan.rel_paths):
             h.update(f"{reader.facts(rel, scan.loc(i))}\n".encode())
         return h.hexdigest()

@@ -20,6 +20,7 @@ import numpy as np
 from packer.argtypes import float_in
 from packer.errors import DatasetError, PackerError, arg
 from packer.layout.trust import open_regular
+from packer.storage.url import is_url
 from packer.write.options import declared, option
 
 Payload = bytes | np.ndarray  # encoded bytes, or HWC uint8 pixels (a packed source of raw payloads)
@@ -218,8 +219,8 @@ class SourceOptions:
         them; ``classes`` also as one comma-separated string)."""
         fields_of = {d.keyword: d.field for d in declared(cls)}
         values = {fields_of[k]: v for k, v in keywords.items()}
-        for name in ("root", "classes_file"):
-            if values.get(name) is not None:
+        for name in ("root", "classes_file"):  # a URL (an object-storage prefix) as it is
+            if values.get(name) is not None and not is_url(values[name]):
                 values[name] = os.path.abspath(values[name])
         classes = values.get("classes")
         if isinstance(classes, str):

@@ -23,9 +23,12 @@ import numpy as np
 from packer.errors import DatasetError, InputNotFoundError, OptionError, PackerError, arg
 from packer.layout.fields import as_field_name
 from packer.layout.trust import class_name_problem
-from packer.write.sources.base import FileReader, read_list_text
+from packer.storage.url import Location, is_url, redact
+from packer.storage.url import parse as parse_url
+from packer.write.sources.base import FileReader, SourceOptions, read_list_text
 from packer.write.sources.labels import integer_classes, is_integer_text, named_classes, parse_label
 from packer.write.sources.records import ClassMapper, ScanResult, Source, SourceError
+from packer.write.sources.remote import objects_below, read_text_object
 
 LIST_SUFFIXES = (".csv", ".tsv", ".txt", ".lst")
 
@@ -50,9 +53,14 @@ class _Rows:
 
 class ListSource(Source):
     """``labels.csv`` / ``.tsv`` (header: ``path,label[,more]``), ``list.txt`` / ``.lst`` (``path label`` lines) or
-    MXNet's ``.lst`` (``index<TAB>label<TAB>path``)."""
+    MXNet's ``.lst`` (``index<TAB>label<TAB>path``). The list file may be at a URL (``location``), its paths then
+    relative to its prefix; paths may be URLs (``s3://bucket/train/a.jpg``): the images are then objects."""
 
     type = "list"
+
+    def __init__(self, path: Path, options: SourceOptions, location: Location | None = None) -> None:
+        super().__init__(path, options)
+        self.location = location
 
     @classmethod
     def claims(cls, path: Path) -> bool:
@@ -60,12 +68,8 @@ class ListSource(Source):
 
     def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
              allow_empty: bool = False) -> ScanResult:
-        path, opts = self.path, self.options
-        root = Path(opts.root) if opts.root is not None else path.parent
-        if not root.is_dir():
-            raise InputNotFoundError(f"{root}: not a folder ({arg('root')} names the folder the list's paths are "
-                                     "relative to)")
-        text = read_list_text(path)
+        path, opts, at = self.path, self.options, self.location
+        text = read_text_object(at) if at is not None else read_list_text(path)
         tabular = path.suffix.lower() in (".csv", ".tsv")
         if not tabular and (opts.path_column is not None or opts.label_column is not None):
             raise OptionError(f"{path}: {arg('path_column')}/{arg('label_column')} apply to .csv/.tsv lists with a "
@@ -74,18 +78,98 @@ class ListSource(Source):
             rows = _csv_rows(path, text, self._columns())
         else:
             rows = _mxnet_rows(path, text) if is_mxnet_list(path, text) else _plain_rows(path, text)
+        root = self._root(rows)
+        if isinstance(root, Path) and not root.is_dir():
+            raise InputNotFoundError(f"{root}: not a folder ({arg('root')} names the folder the list's paths are "
+                                     "relative to)")
+        _rebase(rows, root, path.name)
         classes, labels = _labels(path, rows, opts.classes_file)
         if not rows.paths:
             raise PackerError(f"{path}: no usable rows ({len(rows.errors)} refused"
                               + "".join(f"; {e.location}: {e.reason}" for e in rows.errors[:3]) + ")")
         specs, cells = columns_as_fields(rows.extras)
-        return ScanResult(root=root, classes=classes, rel_paths=rows.paths, labels=labels, errors=rows.errors,
-                          ignored=Counter(), reader=FileReader(root, path.name), locs=list(rows.lines),
-                          field_specs=specs, fields=cells, numbers=np.asarray(rows.numbers, dtype=np.int64),
-                          source_records=rows.count)
+        scan = ScanResult(root=Path(str(root)), classes=classes, rel_paths=rows.paths, labels=labels,
+                          errors=rows.errors, ignored=Counter(), reader=FileReader(Path(str(root)), path.name),
+                          locs=list(rows.lines), field_specs=specs, fields=cells,
+                          numbers=np.asarray(rows.numbers, dtype=np.int64), source_records=rows.count,
+                          url=str(at) if at is not None else "")
+        return objects_below(root, scan, path.name, rows.lines) if isinstance(root, Location) else scan
 
     def _columns(self) -> tuple[str, str]:
         return self.options.path_column or "path", self.options.label_column or "label"
+
+    def _root(self, rows: _Rows) -> Path | Location:
+        """What the list's paths are relative to: ``--root``; else the list's folder or prefix; a local list naming
+        only objects (URLs) and no ``--root``: the longest prefix (up to a ``/``) of the URLs it names."""
+        given, at = self.options.root, self.location
+        if given is not None:
+            named = parse_url(given)
+            return named.path if named.is_local else _folder(named)
+        if at is not None:
+            return _folder(Location(at.scheme, at.bucket, at.key.rpartition("/")[0], "", at.userinfo))
+        urls = [p for p in rows.paths if is_url(p)]
+        if not urls or len(urls) < len(rows.paths):  # relative paths: relative to the list's folder
+            return self.path.parent
+        common = posixpath.commonprefix(urls)
+        try:
+            return _folder(parse_url(common[:common.rfind("/") + 1]))
+        except PackerError:
+            raise PackerError(f"{self.path}: the URLs it names share no bucket (give {arg('root')}: the prefix "
+                              "they are below)") from None
+
+
+def _folder(location: Location) -> Location:
+    """``location`` as a prefix (no trailing ``/``): objects below it are read by their keys relative to it."""
+    return Location(location.scheme, location.bucket, location.key.rstrip("/"), "", location.userinfo)
+
+
+def _below(url: str, root: Location) -> str | None:
+    """``url``'s key relative to the prefix ``root`` (a clean relative name), or None when it is not below it."""
+    try:
+        at = parse_url(url)
+    except PackerError:
+        return None
+    inside = at.key[len(root.key) + 1:] if root.key else at.key
+    if (at.scheme, at.bucket, at.userinfo) != (root.scheme, root.bucket, root.userinfo) or (
+            root.key and not at.key.startswith(root.key + "/")):
+        return None
+    clean = posixpath.normpath(inside) if inside else ""
+    return clean if clean and clean == inside and not clean.startswith(("/", "../")) and clean != ".." else None
+
+
+def _rebase(rows: _Rows, root: Path | Location, name: str) -> None:
+    """Each URL row made relative to ``root`` (a prefix), or refused when outside it or when ``root`` is a local
+    folder; a relative row stays as it is."""
+    keep = []
+    for i, rel in enumerate(rows.paths):
+        inner = _below(rel, root) if is_url(rel) and isinstance(root, Location) else rel
+        if inner is None or is_url(inner):
+            reason = (f"a URL, not below {root}/" if isinstance(root, Location) else
+                      f"a URL, while the paths are relative to the folder {root} (--root)")
+            rows.errors.append(SourceError(redact(rel), reason, f"{name} line {rows.lines[i]}", rows.numbers[i]))
+            continue
+        rows.paths[i] = inner
+        keep.append(i)
+    _keep(rows, keep)
+    seen: dict[str, int] = {}
+    unique = []
+    for i, rel in enumerate(rows.paths):
+        if rel in seen:
+            rows.errors.append(SourceError(rel, f"listed twice (first on line {seen[rel]}): this row is not packed",
+                                           f"{name} line {rows.lines[i]}", rows.numbers[i]))
+        else:
+            seen[rel] = rows.lines[i]
+            unique.append(i)
+    _keep(rows, unique)
+
+
+def _keep(rows: _Rows, keep: list[int]) -> None:
+    """Only the rows at ``keep`` (in order), with their labels, lines, numbers and other columns."""
+    rows.paths = [rows.paths[i] for i in keep]
+    rows.labels = [rows.labels[i] for i in keep]
+    rows.lines = [rows.lines[i] for i in keep]
+    rows.numbers = [rows.numbers[i] for i in keep]
+    rows.extras = {k: [v[i] for i in keep] for k, v in rows.extras.items()}
 
 
 def _csv_rows(path: Path, text: str, columns: tuple[str, str]) -> _Rows:
@@ -191,10 +275,7 @@ def _labels(path: Path, rows: _Rows, classes_file: str | None) -> tuple[list[str
         if isinstance(v, str):
             rows.errors.append(SourceError(rows.paths[i], v, f"{path.name} line {rows.lines[i]}", rows.numbers[i]))
     labels = np.asarray([values[i] for i in keep], dtype=np.int64)
-    rows.paths = [rows.paths[i] for i in keep]
-    rows.lines = [rows.lines[i] for i in keep]
-    rows.numbers = [rows.numbers[i] for i in keep]
-    rows.extras = {k: [v[i] for i in keep] for k, v in rows.extras.items()}
+    _keep(rows, keep)
     return classes, labels
 
 
@@ -212,7 +293,7 @@ def _add_row(rows: _Rows, seen: dict[str, int], name: str, line: int, rel: str, 
     """Check one row's path and keep it, or record why not."""
     where = f"{name} line {line}"
     rel = rel.strip()
-    clean = posixpath.normpath(rel) if rel else ""
+    clean = posixpath.normpath(rel) if rel and not is_url(rel) else rel  # a URL: made relative by _rebase
     if not rel:
         rows.refuse(rel, "empty path", where)
     elif "\x00" in rel or "\\" in rel or rel.startswith(("/", "~")) or clean == ".." or clean.startswith("../"):

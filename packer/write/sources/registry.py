@@ -7,6 +7,7 @@ is one module and one line here.
 from __future__ import annotations
 
 import os
+import posixpath
 from pathlib import Path
 
 from packer.errors import InputNotFoundError, OptionError, PackerError, arg
@@ -16,7 +17,7 @@ from packer.write.sources.archive import ArchiveSource
 from packer.write.sources.base import SourceOptions
 from packer.write.sources.folder import FolderSource
 from packer.write.sources.hf import HFSource
-from packer.write.sources.listfile import ListSource
+from packer.write.sources.listfile import LIST_SUFFIXES, ListSource
 from packer.write.sources.mxrec import RecordIOSource
 from packer.write.sources.packed import PackedSource
 from packer.write.sources.records import ClassMapper, ScanResult, Source
@@ -39,6 +40,9 @@ def open_source(src: str | os.PathLike, options: SourceOptions = SourceOptions()
     """The source that reads ``src``: ``options.type`` when given, else the first of ``SOURCES`` that claims it."""
     if is_url(src):  # a file:// URL is a local path; any other, the object-storage sources
         location = parse(src)
+        if not location.is_local and (options.type == "list" or options.type is None and
+                                      posixpath.splitext(location.key)[1].lower() in LIST_SUFFIXES):
+            return ListSource(Path(str(location)), options, location)
         if not location.is_local:
             return open_remote(location, options)
         src = location.path

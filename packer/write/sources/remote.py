@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from packer.errors import PackerError, arg
+from packer.errors import DatasetError, PackerError, arg
 from packer.storage.faults import ObjectNotFound, StorageError
 from packer.storage.store import ObjectStore, wait
 from packer.storage.url import Location
 from packer.write.scan import scan_names
-from packer.write.sources.base import Facts, Payload, RecordError, SourceOptions, SourceReader
+from packer.write.sources.base import MAX_LIST_BYTES, Facts, Payload, RecordError, SourceOptions, SourceReader
 from packer.write.sources.records import ClassMapper, ScanResult, Source
 
 IN_FLIGHT = 64  # GETs at once: 100 KB objects at 20 ms first-byte latency need about 32 to fill 1 Gbit/s
@@ -33,10 +33,19 @@ AHEAD_BYTES = 64 << 20  # fetched and not yet handed to the workers, at most (on
 
 @dataclass(frozen=True)
 class Listed:
-    """A record's locator as listed: the object's size and ETag (the version every GET of it asks for)."""
+    """A record's locator as listed: the object's size and ETag (the version every GET of it asks for); ``line``:
+    the list file's line naming it, if one did."""
 
     size: int
     etag: str | None
+    line: int | None = None
+
+
+@dataclass(frozen=True)
+class Absent:
+    """A record a list file names whose object the listing of its root did not hold: an error when read."""
+
+    line: int
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,7 @@ class Fetched:
     data: bytes | None
     facts: Facts | None
     error: str | None = None
+    line: int | None = None
 
 
 def object_facts(size: int, etag: str | None) -> Facts:
@@ -56,8 +66,9 @@ def object_facts(size: int, etag: str | None) -> Facts:
 class RemoteReader(SourceReader):
     """Objects below ``store``'s root by key; ``admitted`` fetches them ``in_flight`` at a time, in order."""
 
-    def __init__(self, store: ObjectStore, in_flight: int = IN_FLIGHT, ahead_bytes: int = AHEAD_BYTES) -> None:
-        self.store, self.in_flight, self.ahead_bytes = store, in_flight, ahead_bytes
+    def __init__(self, store: ObjectStore, listing: str = "", in_flight: int = IN_FLIGHT,
+                 ahead_bytes: int = AHEAD_BYTES) -> None:
+        self.store, self.listing, self.in_flight, self.ahead_bytes = store, listing, in_flight, ahead_bytes
 
     def admitted(self, records: Iterable[tuple[str, int, Any]]) -> Iterator[tuple[str, int, Any]]:
         """The records in the order given, each with its object's bytes (``Fetched``) as its locator; up to
@@ -79,23 +90,26 @@ class RemoteReader(SourceReader):
                     return
                 (rel, label, loc), future = pending.popleft()
                 held -= loc.size if isinstance(loc, Listed) else 0
-                yield rel, label, loc if future is None else self._landed(rel, future)
+                yield rel, label, loc if future is None else self._landed(future, loc.line)
         finally:
             for _, future in pending:
                 if future is not None:
                     future.cancel()
 
-    def _landed(self, rel: str, future: Future) -> Fetched:
+    def _landed(self, future: Future, line: int | None) -> Fetched:
         try:
             data, info = wait(future)
         except StorageError as exc:
-            return Fetched(None, None, _reason(exc))
-        return Fetched(bytes(data), object_facts(len(data), info.etag))
+            return Fetched(None, None, _reason(exc), line)
+        return Fetched(bytes(data), object_facts(len(data), info.etag), None, line)
 
     def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
         """The bytes ``admitted`` fetched; a record handed on without them (listed only) is fetched here, one GET."""
+        if isinstance(loc, Absent):
+            raise RecordError(f"{self.store.location(rel)}: no such object (not listed below {self.store.root})")
         if not isinstance(loc, Fetched):
-            loc = self._landed(rel, self.store.submit_get(rel, etag=loc.etag if isinstance(loc, Listed) else None))
+            listed = loc if isinstance(loc, Listed) else Listed(0, None)
+            loc = self._landed(self.store.submit_get(rel, etag=listed.etag), listed.line)
         if loc.error is not None or loc.data is None:
             raise RecordError(loc.error or "not fetched")
         return loc.data, loc.facts
@@ -107,7 +121,9 @@ class RemoteReader(SourceReader):
         return loc.size if isinstance(loc, Listed) else None
 
     def location(self, rel: str, loc: Any) -> str:
-        return str(self.store.location(rel))
+        line = loc.line if isinstance(loc, (Listed, Absent, Fetched)) else None
+        where = f" ({self.listing} line {line})" if self.listing and line is not None else ""
+        return f"{self.store.location(rel)}{where}"
 
     def close(self) -> None:
         self.store.close()
@@ -146,12 +162,38 @@ class RemoteFolderSource(Source):
         return scan
 
 
+def objects_below(root: Location, scan: ScanResult, listing: str, lines: list[int]) -> ScanResult:
+    """``scan`` (a list file's records, keys relative to ``root``) read from the objects below ``root``: one listing
+    (every page) gives each its size and ETag; a record whose object it lacks is an error when read (``Absent``)."""
+    store = ObjectStore(root)
+    listed = {info.key: info for info in store.list()}
+    scan.locs = [Listed(listed[rel].size, listed[rel].etag, line) if rel in listed else Absent(line)
+                 for rel, line in zip(scan.rel_paths, lines)]
+    scan.reader = RemoteReader(store, listing)
+    return scan
+
+
+def read_text_object(location: Location) -> str:
+    """A list file at a URL as text (UTF-8, a BOM dropped); a PackerError naming it when it is too large or not
+    text."""
+    parent, name = location.key.rpartition("/")[0], location.name
+    with ObjectStore(Location(location.scheme, location.bucket, parent, "", location.userinfo)) as store:
+        info = store.head(name)
+        if info.size > MAX_LIST_BYTES:
+            raise DatasetError(f"{location}: {info.size} bytes is too large for a list file")
+        data = store.get(name, etag=info.etag)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{location}: not UTF-8 text (byte {exc.start}): not a list file") from None
+
+
 def open_remote(location: Location, options: SourceOptions) -> Source:
-    """The source reading ``location`` (a URL that is no local path): a prefix as an ImageFolder."""
+    """The source reading ``location`` (a URL that is no local path) when it is a prefix: an ImageFolder."""
     kind = options.type
     if kind not in (None, "folder"):
         raise PackerError(f"{location}: {arg('source_type', kind)} is not read from object storage yet (a prefix "
-                          "laid out as ImageFolder is: --source-type folder)")
+                          "laid out as ImageFolder and a list file are: docs/sources.md)")
     if options.root is not None or options.classes_file is not None:
         raise PackerError(f"{location}: {arg('root')} and {arg('classes_file')} are for list files, not a prefix")
     return RemoteFolderSource(Path(str(location)), options, location)
