@@ -28,7 +28,7 @@ from packer.storage.url import parse as parse_url
 from packer.write.sources.base import FileReader, SourceOptions, read_list_text
 from packer.write.sources.labels import integer_classes, is_integer_text, named_classes, parse_label
 from packer.write.sources.records import ClassMapper, ScanResult, Source, SourceError
-from packer.write.sources.remote import objects_below, read_text_object
+from packer.write.sources.remote import objects_below, read_text_object, source_url
 
 LIST_SUFFIXES = (".csv", ".tsv", ".txt", ".lst")
 
@@ -92,7 +92,7 @@ class ListSource(Source):
                           errors=rows.errors, ignored=Counter(), reader=FileReader(Path(str(root)), path.name),
                           locs=list(rows.lines), field_specs=specs, fields=cells,
                           numbers=np.asarray(rows.numbers, dtype=np.int64), source_records=rows.count,
-                          url=str(at) if at is not None else "")
+                          url=source_url(at) if at is not None else "")
         return objects_below(root, scan, path.name, rows.lines) if isinstance(root, Location) else scan
 
     def _columns(self) -> tuple[str, str]:

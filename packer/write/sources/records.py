@@ -92,6 +92,7 @@ class ScanResult:
     source_records: int | None = None
     earlier: list[dict[str, Any]] = field(default_factory=list)  # errors.json entries a packed source carries
     url: str = ""  # a source at a URL: its URL (redacted), recorded as the source instead of ``root``
+    held: Any = None  # what must live while the records are read: a local copy of objects (write/sources/spool.py)
 
     def source_name(self) -> str:
         """Where the source is, as a manifest records it: its URL, or the absolute path of its folder or file."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from packer.errors import InputNotFoundError, OptionError, PackerError, arg
 from packer.layout.trust import check_class_name
-from packer.storage.url import is_url, parse
+from packer.storage.url import Location, is_url, parse
 from packer.write.sources.archive import ArchiveSource
 from packer.write.sources.base import SourceOptions
 from packer.write.sources.folder import FolderSource
@@ -21,8 +21,9 @@ from packer.write.sources.listfile import LIST_SUFFIXES, ListSource
 from packer.write.sources.mxrec import RecordIOSource
 from packer.write.sources.packed import PackedSource
 from packer.write.sources.records import ClassMapper, ScanResult, Source
-from packer.write.sources.remote import open_remote
+from packer.write.sources.remote import RemoteFolderSource, list_prefix
 from packer.write.sources.select import select
+from packer.write.sources.spool import SPOOLED_TYPES, SpooledSource, holds_files, is_spooled
 from packer.write.sources.webdataset import WebDatasetSource
 
 SOURCES: dict[str, type[Source]] = {
@@ -40,11 +41,8 @@ def open_source(src: str | os.PathLike, options: SourceOptions = SourceOptions()
     """The source that reads ``src``: ``options.type`` when given, else the first of ``SOURCES`` that claims it."""
     if is_url(src):  # a file:// URL is a local path; any other, the object-storage sources
         location = parse(src)
-        if not location.is_local and (options.type == "list" or options.type is None and
-                                      posixpath.splitext(location.key)[1].lower() in LIST_SUFFIXES):
-            return ListSource(Path(str(location)), options, location)
         if not location.is_local:
-            return open_remote(location, options)
+            return open_url(location, options)
         src = location.path
     path = Path(os.path.abspath(src))
     if options.type is not None:
@@ -63,6 +61,23 @@ def open_source(src: str | os.PathLike, options: SourceOptions = SourceOptions()
                       f"MXNet .rec); name its kind with {arg('source_type')}")
 
 
+def open_url(location: Location, options: SourceOptions) -> Source:
+    """The source reading ``location``, a URL: a list file, files read whole (archives, WebDataset shards, Parquet:
+    write/sources/spool.py) or a prefix, of such files or laid out as ImageFolder (write/sources/remote.py)."""
+    kind, path = options.type, Path(str(location))
+    if kind == "list" or kind is None and posixpath.splitext(location.key)[1].lower() in LIST_SUFFIXES:
+        return ListSource(path, options, location)
+    if kind in SPOOLED_TYPES or kind is None and is_spooled(location):
+        return SpooledSource(path, options, location, open_source)
+    if kind not in (None, "folder"):
+        raise PackerError(f"{location}: {arg('source_type', kind)} is not read from object storage yet "
+                          "(docs/sources.md lists the kinds that are)")
+    listed = list_prefix(location)
+    if kind is None and holds_files(list(listed)):
+        return SpooledSource(path, options, location, open_source)
+    return RemoteFolderSource(path, options, location, listed)
+
+
 def scan_source(src: str | os.PathLike, options: SourceOptions = SourceOptions(),
                 map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
                 allow_empty: bool = False) -> ScanResult:
@@ -76,7 +91,7 @@ def scan_opened(source: Source, map_classes: ClassMapper | None = None, *, skip_
     """``scan_source`` of a source already opened (``open_source``): asked first, e.g. whether it is sequential."""
     src, options = source.path, source.options
     scan = source.scan(map_classes, skip_hidden=skip_hidden, allow_empty=allow_empty)
-    scan.source_type = source.type
+    scan.source_type = source.local().type if isinstance(source, SpooledSource) else source.type
     for k, name in enumerate(scan.classes):  # packer extract makes a folder of each: refused now, not then
         check_class_name(name, f"{src}: class {k}")
     return select(scan, options)

@@ -18,8 +18,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from packer.errors import DatasetError, PackerError, arg
+from packer.storage.client import ObjectInfo
 from packer.storage.faults import ObjectNotFound, StorageError
 from packer.storage.store import ObjectStore, wait
 from packer.storage.url import Location
@@ -135,31 +137,47 @@ def _reason(exc: StorageError) -> str:
 
 
 class RemoteFolderSource(Source):
-    """The objects below a prefix (``s3://bucket/train/``) laid out as ImageFolder: ``<class>/**/<image>``."""
+    """The objects below a prefix (``s3://bucket/train/``) laid out as ImageFolder: ``<class>/**/<image>``;
+    ``listed``: the prefix's listing when already made (``list_prefix``), else listed by ``scan``."""
 
     type = "folder"
 
-    def __init__(self, path: Path, options: SourceOptions, location: Location | None = None) -> None:
+    def __init__(self, path: Path, options: SourceOptions, location: Location | None = None,
+                 listed: dict[str, ObjectInfo] | None = None) -> None:
         super().__init__(path, options)
         if location is None:
-            raise PackerError(f"{path}: a folder at a URL is opened by open_remote")
-        self.location = location
+            raise PackerError(f"{path}: a folder at a URL is opened by the registry (open_url)")
+        if options.root is not None or options.classes_file is not None:
+            raise PackerError(f"{location}: {arg('root')} and {arg('classes_file')} are for list files, not a "
+                              "prefix")
+        self.location, self.listed = location, listed
 
     @classmethod
     def claims(cls, path: Path) -> bool:
-        return False  # chosen by open_remote, never by a local path
+        return False  # chosen by the registry for a URL, never for a local path
 
     def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
              allow_empty: bool = False) -> ScanResult:
-        store = ObjectStore(self.location.join(""))
-        listed = {info.key: info for info in store.list() if not info.key.endswith("/")}
-        if not listed:
-            raise PackerError(f"{self.location}: no objects below this prefix")
+        listed = self.listed if self.listed is not None else list_prefix(self.location)
         scan = scan_names(self.path, listed, skip_hidden=skip_hidden, allow_empty=allow_empty)
-        scan.reader = RemoteReader(store)
+        scan.reader = RemoteReader(ObjectStore(self.location.join("")))
         scan.locs = [Listed(listed[rel].size, listed[rel].etag) for rel in scan.rel_paths]
-        scan.url = str(self.location)
+        scan.url = source_url(self.location)
         return scan
+
+
+def source_url(location: Location) -> str:
+    """A source's URL as the manifest records it: redacted, readable (``{000..009}``, ``é``: not %-escaped)."""
+    return unquote(str(location))
+
+
+def list_prefix(location: Location) -> dict[str, ObjectInfo]:
+    """Every object below the prefix ``location`` (all pages) by key relative to it; a PackerError when none."""
+    with ObjectStore(location.join("")) as store:
+        listed = {info.key: info for info in store.list() if not info.key.endswith("/")}
+    if not listed:
+        raise PackerError(f"{location}: no objects below this prefix")
+    return listed
 
 
 def objects_below(root: Location, scan: ScanResult, listing: str, lines: list[int]) -> ScanResult:
@@ -186,14 +204,3 @@ def read_text_object(location: Location) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise DatasetError(f"{location}: not UTF-8 text (byte {exc.start}): not a list file") from None
-
-
-def open_remote(location: Location, options: SourceOptions) -> Source:
-    """The source reading ``location`` (a URL that is no local path) when it is a prefix: an ImageFolder."""
-    kind = options.type
-    if kind not in (None, "folder"):
-        raise PackerError(f"{location}: {arg('source_type', kind)} is not read from object storage yet (a prefix "
-                          "laid out as ImageFolder and a list file are: docs/sources.md)")
-    if options.root is not None or options.classes_file is not None:
-        raise PackerError(f"{location}: {arg('root')} and {arg('classes_file')} are for list files, not a prefix")
-    return RemoteFolderSource(Path(str(location)), options, location)

@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tarfile
+import tempfile
 import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support.foreign import items, make_hf, make_wds
 from support.imagesets import jpeg_bytes
 from support.storage_servers import CREDENTIALS, Emulated, s3_store, upload
 
@@ -228,8 +231,8 @@ def test_a_list_file_at_a_url_reads_objects_below_its_prefix(served, tmp_path):
     after = served.server.stats.settled()
     assert remote.num_samples == local.num_samples == 12
     _same_dataset(remote.output, local.output)
-    assert after["gets"] - stats["gets"] == 1 + 12  # the list, then each object once
-    assert after["max_active"] >= 8
+    assert after["gets"] - stats["gets"] == 1 + 12  # the list, then each object once (in flight together: the
+    # prefix's reader, whose concurrency test_the_listing_is_paged_and_objects_are_fetched_many_at_once counts)
     errors = {e["path"]: e for e in json.loads((remote.output / "errors.json").read_text())["errors"]}
     assert sorted(errors) == ["c0/gone.jpg", "c1/000.jpg", "s3://bucket/other/x.jpg"]
     assert errors["c0/gone.jpg"]["location"] == "s3://bucket/train/c0/gone.jpg (list.txt line 13)"
@@ -265,3 +268,46 @@ def test_a_local_list_naming_urls_or_a_url_root(served, tmp_path):
     assert mixed.num_samples == 1
     assert [(e["path"], e["reason"]) for e in json.loads((mixed.output / "errors.json").read_text())["errors"]] == [
         ("s3://bucket/train/c0/000.jpg", f"a URL, while the paths are relative to the folder {named} (--root)")]
+
+
+def test_webdataset_shards_by_url_convert_as_the_local_shards(served, tmp_path):
+    shards = make_wds(tmp_path / "root" / "shards", items(14), per_shard=4)  # 4 shards, each under 8 MB
+    local = packer.convert(f"{tmp_path}/root/shards/shards-{{000000..000003}}.tar", tmp_path / "local.lmdb",
+                           workers=0, progress=False)
+    before = served.server.stats.settled()
+    for n, src in enumerate(["s3://bucket/shards/", "s3://bucket/shards/shards-{000000..000003}.tar"]):
+        remote = packer.convert(src, tmp_path / f"remote{n}.lmdb", workers=2, progress=False)
+        assert remote.num_samples == local.num_samples == 14
+        _same_dataset(remote.output, local.output)
+        manifest = json.loads((remote.output / "manifest.json").read_text())
+        assert (manifest["source"], manifest["source_type"]) == (src, "webdataset")
+        assert manifest["fields"] == json.loads((local.output / "manifest.json").read_text())["fields"]
+    after = served.server.stats.settled()
+    assert after["gets"] - before["gets"] == 2 * len(shards)  # each shard once a conversion (< one 8 MB chunk)
+    assert not list(Path(tempfile.gettempdir()).glob("packer-source-*"))  # the local copies are gone
+    pattern = "s3://bucket/shards/shards-{000000..000004}.tar"  # one shard more than there are
+    result = packer.convert(pattern, tmp_path / "more.lmdb", workers=0, progress=False)
+    errors = json.loads((result.output / "errors.json").read_text())["errors"]
+    assert result.num_samples == 14 and "shard missing" in errors[0]["reason"]
+
+
+def test_an_archive_and_parquet_by_url(served, tmp_path):
+    tree = _photos(tmp_path / "imgs", classes=2, per_class=3)
+    (tmp_path / "root" / "arch").mkdir(parents=True)
+    with tarfile.open(tmp_path / "root" / "arch" / "train.tar.gz", "w:gz") as tar:
+        tar.add(tree, arcname="train")
+    local = packer.convert(tmp_path / "root" / "arch" / "train.tar.gz", tmp_path / "local.lmdb", workers=0,
+                           progress=False, order="source")
+    assert local.num_samples == 6
+    remote = packer.convert("s3://bucket/arch/train.tar.gz", tmp_path / "tgz.lmdb", workers=0, progress=False,
+                            order="source")  # as the local archive: read in its stored order
+    _same_dataset(remote.output, local.output)
+    _, parquet = make_hf(tmp_path / "hf", items(9), ["a", "b", "c"], rows_per_group=4)
+    (tmp_path / "root" / "hf").mkdir()
+    shutil.copy(parquet, tmp_path / "root" / "hf" / "data.parquet")
+    local = packer.convert(parquet, tmp_path / "hf_local.lmdb", workers=0, progress=False)
+    remote = packer.convert("s3://bucket/hf/data.parquet", tmp_path / "hf_remote.lmdb", workers=0, progress=False)
+    _same_dataset(remote.output, local.output)
+    assert json.loads((remote.output / "manifest.json").read_text())["source_type"] == "hf"
+    with pytest.raises(PackerError, match="no such object"):
+        packer.convert("s3://bucket/hf/nothing.parquet", tmp_path / "none.lmdb", progress=False)
