@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure_storage import Server  # noqa: E402
 
 import packer  # noqa: E402
+import packer.write.sources.remote as remote_source  # noqa: E402
 from packer.tools.sample import make_sample  # noqa: E402
 from packer.write.sources.registry import scan_source  # noqa: E402
 
@@ -60,9 +61,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--validate", default="full", choices=["full", "header", "none"])
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--in-flight", default=str(remote_source.IN_FLIGHT),
+                        help="GETs at once; a comma-separated list measures the fetch with each (the conversions: "
+                        "the first)")
+    parser.add_argument("--fetch-only", action="store_true", help="measure the fetch alone, not the conversions")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     bandwidth = args.mbit * 1e6 / 8
+    in_flight = [int(n) for n in args.in_flight.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "root" / "train"
         size = make_sample(folder, count=args.count, size=(args.height, args.width), progress=False)
@@ -71,31 +77,44 @@ def main() -> None:
                            "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"})
         url = "s3://packer/train/"
         try:
-            fetches = [fetch_all(url) for _ in range(args.repeat)]
+            fetch_by: dict[int, list[tuple[float, int]]] = {}
+            for n in reversed(in_flight):  # the first last: it stays set for the conversions
+                remote_source.IN_FLIGHT = n
+                fetch_by[n] = [fetch_all(url) for _ in range(args.repeat)]
+            fetches = fetch_by[in_flight[0]]
             fetched = fetches[0][1]
-            remote = [timed_convert(url, Path(tmp) / "remote.lmdb", args) for _ in range(args.repeat)]
+            remote = [] if args.fetch_only else [timed_convert(url, Path(tmp) / "remote.lmdb", args)
+                                                 for _ in range(args.repeat)]
         finally:
             server.close()
-        local = [timed_convert(folder, Path(tmp) / "local.lmdb", args) for _ in range(args.repeat)]
+        local = [] if args.fetch_only else [timed_convert(folder, Path(tmp) / "local.lmdb", args)
+                                            for _ in range(args.repeat)]
     link_s = size / bandwidth
     serial_s = args.count * args.latency + link_s
-    best_fetch, best_remote, best_local = min(f for f, _ in fetches), min(remote), min(local)
+    best_fetch = min(f for f, _ in fetches)
+    best_remote, best_local = min(remote, default=float("nan")), min(local, default=float("nan"))
     results = {
         "objects": args.count, "bytes": size, "mean_object_bytes": round(size / args.count),
-        "latency_s": args.latency, "link_mbit": args.mbit, "workers": args.workers, "validate": args.validate,
+        "latency_s": args.latency, "link_mbit": args.mbit, "in_flight": in_flight[0], "workers": args.workers,
+        "validate": args.validate,
         "cores": os.cpu_count(), "load_average": os.getloadavg(),
         "link_s": round(link_s, 3), "one_at_a_time_s": round(serial_s, 3),
         "fetch_s": round(best_fetch, 3), "fetch_bytes": fetched,
-        "fetch_link_fraction": round(link_s / best_fetch, 3),
+        "fetch_link_fraction": round(link_s / best_fetch, 3), "fetch_objects_per_s": round(args.count / best_fetch),
         "convert_remote_s": round(best_remote, 3), "convert_local_s": round(best_local, 3),
         "remote_over_local": round(best_remote / best_local, 3),
         "speedup_over_one_at_a_time": round(serial_s / best_remote, 1),
+        "fetch_speedup_over_one_at_a_time": round(serial_s / best_fetch, 1),
+        "fetch_s_by_in_flight": {n: round(min(f for f, _ in runs), 3) for n, runs in fetch_by.items()},
         "runs": {"fetch_s": [round(f, 3) for f, _ in fetches], "convert_remote_s": [round(t, 3) for t in remote],
                  "convert_local_s": [round(t, 3) for t in local]},
     }
     print(json.dumps(results, indent=1))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    if args.json:  # several runs (sizes, in-flight) go to one file, each under its own name
+        path = Path(args.json)
+        runs = json.loads(path.read_text()) if path.exists() else {}
+        runs[f"{args.count}x{args.width}x{args.height}"] = results
+        path.write_text(json.dumps(runs, indent=1) + "\n")
 
 
 if __name__ == "__main__":

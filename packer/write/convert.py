@@ -243,9 +243,9 @@ def scan_records(src: str | os.PathLike, source: SourceOptions, options: Convert
     source can't give is refused before the scan (which would inflate a compressed archive)."""
     opened = open_source(src, source)
     if client is not None and is_url(src) and not parse(src).is_local:
-        raise OptionError(f"{redact(str(src))}: a source at a URL is not converted on a cluster yet (its output "
-                          f"would need storage shared with every worker): convert it without "
-                          f"{arg('client', cli='scheduler')}")
+        raise OptionError(f"{redact(str(src))}: a source at a URL is not converted on a cluster yet (each worker "
+                          f"fetching its shard's objects itself is not built): convert it without "
+                          f"{arg('client', cli='scheduler')}, on one machine")
     check_order(opened.sequential(), opened.path, options.order, client)
     mapper = None if client is None else class_mapper(client, options.skip_hidden)
     return scan_opened(opened, mapper, skip_hidden=options.skip_hidden, allow_empty=options.allow_empty)

@@ -68,9 +68,10 @@ def object_facts(size: int, etag: str | None) -> Facts:
 class RemoteReader(SourceReader):
     """Objects below ``store``'s root by key; ``admitted`` fetches them ``in_flight`` at a time, in order."""
 
-    def __init__(self, store: ObjectStore, listing: str = "", in_flight: int = IN_FLIGHT,
+    def __init__(self, store: ObjectStore, listing: str = "", in_flight: int | None = None,
                  ahead_bytes: int = AHEAD_BYTES) -> None:
-        self.store, self.listing, self.in_flight, self.ahead_bytes = store, listing, in_flight, ahead_bytes
+        self.store, self.listing, self.ahead_bytes = store, listing, ahead_bytes
+        self.in_flight = in_flight or IN_FLIGHT
 
     def admitted(self, records: Iterable[tuple[str, int, Any]]) -> Iterator[tuple[str, int, Any]]:
         """The records in the order given, each with its object's bytes (``Fetched``) as its locator; up to

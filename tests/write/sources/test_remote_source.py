@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
 import tempfile
 import warnings
@@ -18,6 +20,7 @@ import numpy as np
 import pytest
 from support.foreign import items, make_hf, make_wds
 from support.imagesets import jpeg_bytes
+from support.interrupt import kill_after_shards
 from support.storage_servers import CREDENTIALS, Emulated, s3_store, upload
 
 import packer
@@ -27,6 +30,9 @@ from packer.storage.emulate import Fault
 from packer.write.scan import scan_folder, scan_names
 from packer.write.sources.registry import scan_source
 from packer.write.sources.remote import Fetched, RemoteReader
+from tests.write.test_resume import manifest_without_time, tree_digest
+
+REPO = Path(__file__).resolve().parents[3]
 
 
 def make_tree(root: Path, extra: dict[str, bytes] | None = None) -> Path:
@@ -311,3 +317,21 @@ def test_an_archive_and_parquet_by_url(served, tmp_path):
     assert json.loads((remote.output / "manifest.json").read_text())["source_type"] == "hf"
     with pytest.raises(PackerError, match="no such object"):
         packer.convert("s3://bucket/hf/nothing.parquet", tmp_path / "none.lmdb", progress=False)
+
+
+def test_resume_of_a_killed_prefix_conversion_fetches_only_what_is_left(served, tmp_path):
+    _photos(tmp_path / "root" / "train", classes=3, per_class=20)
+    reference = packer.convert("s3://bucket/train/", tmp_path / "ref.lmdb", workers=0, shard_bytes=4000,
+                               progress=False).output
+    out = tmp_path / "o.lmdb"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # the served store's endpoint and credentials
+    cmd = [sys.executable, "-m", "packer", "convert", "s3://bucket/train/", "-o", str(out), "--shard-size", "4000",
+           "--workers", "1", "-q"]
+    done = kill_after_shards(cmd, env, out.with_name("o.lmdb.partial") / "journal", shards=2)
+    assert done >= 2 and not out.exists()
+    gets = served.server.stats.settled()["gets"]
+    res = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert tree_digest(out) == tree_digest(reference)
+    assert manifest_without_time(out) == manifest_without_time(reference)
+    assert served.server.stats.settled()["gets"] - gets < 60  # the packed shards' objects are not fetched again
