@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -28,6 +29,11 @@ import packer  # noqa: E402
 import packer.write.sources.remote as remote_source  # noqa: E402
 from packer.tools.sample import make_sample  # noqa: E402
 from packer.write.sources.registry import scan_source  # noqa: E402
+
+
+def cpu_now() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def fetch_all(url: str) -> tuple[float, int]:
@@ -78,9 +84,14 @@ def main() -> None:
         url = "s3://packer/train/"
         try:
             fetch_by: dict[int, list[tuple[float, int]]] = {}
+            cpu: dict[int, dict[str, float]] = {}  # per object fetched: this process's CPU, the server's
             for n in reversed(in_flight):  # the first last: it stays set for the conversions
                 remote_source.IN_FLIGHT = n
+                mine, theirs = cpu_now(), server.cpu()
                 fetch_by[n] = [fetch_all(url) for _ in range(args.repeat)]
+                count = args.count * args.repeat
+                cpu[n] = {"client_ms": round((cpu_now() - mine) / count * 1e3, 3),
+                          "server_ms": round((server.cpu() - theirs) / count * 1e3, 3)}
             fetches = fetch_by[in_flight[0]]
             fetched = fetches[0][1]
             remote = [] if args.fetch_only else [timed_convert(url, Path(tmp) / "remote.lmdb", args)
@@ -92,7 +103,11 @@ def main() -> None:
     link_s = size / bandwidth
     serial_s = args.count * args.latency + link_s
     best_fetch = min(f for f, _ in fetches)
-    best_remote, best_local = min(remote, default=float("nan")), min(local, default=float("nan"))
+    best_remote, best_local = min(remote, default=None), min(local, default=None)
+
+    def ratio(a: float | None, b: float | None) -> float | None:  # None: not measured (--fetch-only)
+        return None if a is None or b is None else round(a / b, 3)
+
     results = {
         "objects": args.count, "bytes": size, "mean_object_bytes": round(size / args.count),
         "latency_s": args.latency, "link_mbit": args.mbit, "in_flight": in_flight[0], "workers": args.workers,
@@ -101,11 +116,12 @@ def main() -> None:
         "link_s": round(link_s, 3), "one_at_a_time_s": round(serial_s, 3),
         "fetch_s": round(best_fetch, 3), "fetch_bytes": fetched,
         "fetch_link_fraction": round(link_s / best_fetch, 3), "fetch_objects_per_s": round(args.count / best_fetch),
-        "convert_remote_s": round(best_remote, 3), "convert_local_s": round(best_local, 3),
-        "remote_over_local": round(best_remote / best_local, 3),
-        "speedup_over_one_at_a_time": round(serial_s / best_remote, 1),
+        "convert_remote_s": ratio(best_remote, 1), "convert_local_s": ratio(best_local, 1),
+        "remote_over_local": ratio(best_remote, best_local),
+        "speedup_over_one_at_a_time": ratio(serial_s, best_remote),
         "fetch_speedup_over_one_at_a_time": round(serial_s / best_fetch, 1),
         "fetch_s_by_in_flight": {n: round(min(f for f, _ in runs), 3) for n, runs in fetch_by.items()},
+        "fetch_cpu_per_object_by_in_flight": cpu,
         "runs": {"fetch_s": [round(f, 3) for f, _ in fetches], "convert_remote_s": [round(t, 3) for t in remote],
                  "convert_local_s": [round(t, 3) for t in local]},
     }

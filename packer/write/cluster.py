@@ -171,7 +171,8 @@ def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str,
         with contextlib.suppress(FileExistsError):
             staging.parent.mkdir()  # not parents=True: never re-create a removed output folder
         staging.mkdir()
-        samples = (prepare(reader, rel, label, opts, loc) for rel, label, loc in items)
+        records = reader.admitted(items) if reader.admitted_where_read else items
+        samples = (prepare(reader, rel, label, opts, loc) for rel, label, loc in records)
         try:
             result, names = write_shard(staging, shard_id, len(items), samples, fmt, opts, on_error, src)
         except ShardWriteError as exc:
@@ -224,7 +225,8 @@ class DaskCluster:
 
         def submit(sid: int):
             a, b = ranges[sid]
-            records = list(reader.admitted(scan.records(a, b)))  # a packed source: its shards checked here, once
+            records = scan.records(a, b)  # a packed source: its shards checked here, once (objects: by the task)
+            records = records if reader.admitted_where_read else list(reader.admitted(records))
             future = client.submit(convert_shard, root, str(partial), sid, records, opts,
                                    job.on_error, __version__, reader,
                                    key=f"packer-shard-{sid:05d}-{token}", retries=_RETRIES)

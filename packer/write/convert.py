@@ -42,6 +42,7 @@ from packer.write.sources.base import SourceOptions
 from packer.write.sources.records import ScanResult, SourceError
 from packer.write.sources.registry import SOURCES, open_source, scan_opened
 from packer.write.sources.select import PARTS
+from packer.write.sources.spool import SpooledSource
 
 __all__ = ["ConvertResult", "convert", "convert_split", "drive", "export_wds", "keywords", "parse_keywords"]
 
@@ -242,11 +243,11 @@ def scan_records(src: str | os.PathLike, source: SourceOptions, options: Convert
     """The records of ``src`` as ``source`` reads and selects them, by the folder rules of ``options``; an order the
     source can't give is refused before the scan (which would inflate a compressed archive)."""
     opened = open_source(src, source)
-    if client is not None and is_url(src) and not parse(src).is_local:
-        raise OptionError(f"{redact(str(src))}: a source at a URL is not converted on a cluster yet (each worker "
-                          f"fetching its shard's objects itself is not built): convert it without "
-                          f"{arg('client', cli='scheduler')}, on one machine")
-    check_order(opened.sequential(), opened.path, options.order, client)
+    if client is not None and isinstance(opened, SpooledSource):
+        raise OptionError(f"{redact(str(src))}: files at a URL read whole (archives, shards, Parquet) are not "
+                          f"converted on a cluster yet (their local copy is on this machine only): convert them "
+                          f"without {arg('client', cli='scheduler')}, on one machine")
+    check_order(opened.sequential(), redact(str(src)) if is_url(src) else opened.path, options.order, client)
     mapper = None if client is None else class_mapper(client, options.skip_hidden)
     return scan_opened(opened, mapper, skip_hidden=options.skip_hidden, allow_empty=options.allow_empty)
 
@@ -260,7 +261,7 @@ def check_sequential(scan: ScanResult, options: ConvertOptions, client: Any) -> 
     check_order(scan.source_reader().sequential, scan.root, options.order, client)
 
 
-def check_order(sequential: bool, root: Path, order: str, client: Any) -> None:
+def check_order(sequential: bool, root: Path | str, order: str, client: Any) -> None:
     """Refuse an order (or a cluster) a source read only in its stored order can't give: asked of the source
     before its scan, which streams the whole archive, and of its reader after."""
     if not sequential:

@@ -37,6 +37,8 @@ class SourceReader(ABC):
     sequential: ClassVar[bool] = False  # True: records can only be read in scan order (a compressed tar)
     gives_pixels: bool = False  # True: read() gives HWC pixels (a packed dataset of raw payloads): raw output only
     holds_images: bool = True  # False: records of fields alone (a packed dataset of payload none): none output only
+    admitted_where_read: ClassVar[bool] = False  # True: a Dask task admits its own records (objects each worker
+    # fetches from the store itself), not the driver
 
     @abstractmethod
     def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:

@@ -68,6 +68,8 @@ def object_facts(size: int, etag: str | None) -> Facts:
 class RemoteReader(SourceReader):
     """Objects below ``store``'s root by key; ``admitted`` fetches them ``in_flight`` at a time, in order."""
 
+    admitted_where_read = True  # on a cluster each task fetches its shard's objects: they never cross the driver
+
     def __init__(self, store: ObjectStore, listing: str = "", in_flight: int | None = None,
                  ahead_bytes: int = AHEAD_BYTES) -> None:
         self.store, self.listing, self.ahead_bytes = store, listing, ahead_bytes

@@ -97,7 +97,8 @@ class SpooledSource(Source):
         return self._local
 
     def sequential(self) -> bool:
-        return self.local().sequential()
+        """A compressed archive named is known by its name, before a byte is downloaded; others once downloaded."""
+        return self.location.key.lower().endswith((".tar.gz", ".tgz")) or self.local().sequential()
 
     def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
              allow_empty: bool = False) -> ScanResult:

@@ -195,8 +195,6 @@ def test_the_command_line_converts_a_prefix_and_refuses_what_it_cannot(served, t
     assert main(["convert", "s3://bucket/train/", "--source-type", "recordio", "-o", "x.lmdb", "-q"]) == 2
     assert "not read from object storage yet" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "s3:")
-    with pytest.raises(OptionError, match="not converted on a cluster yet"):
-        packer.convert("s3://bucket/train/", tmp_path / "d.lmdb", client=object(), progress=False)
     with pytest.raises(PackerError, match="no objects below this prefix"):
         packer.convert("s3://bucket/nothing/", tmp_path / "n.lmdb", progress=False)
 
@@ -305,6 +303,10 @@ def test_an_archive_and_parquet_by_url(served, tmp_path):
     local = packer.convert(tmp_path / "root" / "arch" / "train.tar.gz", tmp_path / "local.lmdb", workers=0,
                            progress=False, order="source")
     assert local.num_samples == 6
+    gets = served.server.stats.settled()["gets"]
+    with pytest.raises(OptionError, match=r"^s3://bucket/arch/train.tar.gz: a compressed archive can only be read in"):
+        packer.convert("s3://bucket/arch/train.tar.gz", tmp_path / "tgz.lmdb", progress=False)
+    assert served.server.stats.settled()["gets"] == gets  # refused by its name, before a download
     remote = packer.convert("s3://bucket/arch/train.tar.gz", tmp_path / "tgz.lmdb", workers=0, progress=False,
                             order="source")  # as the local archive: read in its stored order
     _same_dataset(remote.output, local.output)
@@ -335,3 +337,30 @@ def test_resume_of_a_killed_prefix_conversion_fetches_only_what_is_left(served, 
     assert tree_digest(out) == tree_digest(reference)
     assert manifest_without_time(out) == manifest_without_time(reference)
     assert served.server.stats.settled()["gets"] - gets < 60  # the packed shards' objects are not fetched again
+
+
+def test_dask_workers_fetch_their_own_objects(served, tmp_path, monkeypatch):
+    distributed = pytest.importorskip("distributed", reason="needs the packer[dask] extra")
+    from packer.write.cluster import open_client
+
+    _photos(tmp_path / "root" / "train", classes=3, per_class=10)
+    (tmp_path / "root" / "train" / "c1" / "bad.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    local = packer.convert(tmp_path / "root" / "train", tmp_path / "local.lmdb", workers=0, shard_bytes=4000,
+                           progress=False).output
+    with open_client("local:2") as client:  # worker processes: the store's endpoint from the environment
+        assert isinstance(client, distributed.Client)
+        before = served.server.stats.settled()["gets"]
+
+        def in_the_driver(self, records):
+            raise AssertionError("the driver fetched objects: they would cross it to the workers")
+
+        monkeypatch.setattr(RemoteReader, "admitted", in_the_driver)  # this process only (workers are spawned)
+        dask = packer.convert("s3://bucket/train/", tmp_path / "dask.lmdb", client=client, shard_bytes=4000,
+                              progress=False).output
+        assert served.server.stats.settled()["gets"] - before == 31  # each object once, by the workers' tasks
+        with pytest.raises(OptionError, match="not converted on a cluster yet"):
+            packer.convert("s3://bucket/train/x.tar", tmp_path / "t.lmdb", client=client, progress=False)
+    assert len(list(dask.glob("*.lmdb"))) + len(list(dask.glob("**/data.mdb"))) >= 3
+    errors = json.loads((dask / "errors.json").read_text())["errors"]
+    assert [(e["path"], e["location"]) for e in errors] == [("c1/bad.jpg", "s3://bucket/train/c1/bad.jpg")]
+    _same_dataset(dask, local)
