@@ -188,7 +188,13 @@ def test_the_command_line_converts_a_prefix_and_refuses_what_it_cannot(served, t
     _photos(tmp_path / "root" / "train", classes=2, per_class=3)
     monkeypatch.chdir(tmp_path)
     assert main(["convert", "s3://bucket/train/", "--to", "lmdb", "-o", "out.lmdb", "-q", "--workers", "0"]) == 0
-    assert packer.open_dataset(tmp_path / "out.lmdb").classes == ["c0", "c1"]
+    with packer.open_dataset(tmp_path / "out.lmdb") as ds:
+        assert ds.classes == ["c0", "c1"]
+    assert main(["convert", "s3://bucket/train/", "-o", "s.lmdb", "--split", "0.5", "-q", "--workers", "0"]) == 0
+    for part, count in (("train", 4), ("val", 2)):
+        with pytest.warns(IndexingWarning, match="left out by --split"), \
+                packer.open_dataset(tmp_path / f"s.lmdb-{part}") as ds:
+            assert len(ds) == count
     capsys.readouterr()
     assert main(["convert", "s3://bucket/train/", "--to", "lmdb", "-q"]) == 2
     assert "a source at a URL needs the output named" in capsys.readouterr().err
