@@ -90,7 +90,7 @@ def _environment(monkeypatch, endpoint: str) -> None:
         monkeypatch.setenv(name, value)
 
 
-def _same_dataset(a: Path, b: Path) -> None:
+def _same_dataset(a: Path | str, b: Path | str) -> None:
     """Index order, keys, labels, classes and every payload's bytes equal."""
     with warnings.catch_warnings():  # records left out: both say so alike
         warnings.simplefilter("ignore", IndexingWarning)
@@ -118,7 +118,7 @@ def test_a_prefix_converts_as_its_local_folder(moto_endpoint, bucket, tmp_path, 
     with packer.open_dataset(remote.output) as ds:  # sample i: ImageFolder's i, its object's bytes exactly
         assert [bytes(ds.read_payload(i)) for i in range(len(ds))] == [
             (tree / rel).read_bytes() for rel in scan_folder(tree).rel_paths]
-    manifest = json.loads((remote.output / "manifest.json").read_text())
+    manifest = json.loads((Path(remote.output) / "manifest.json").read_text())
     assert (manifest["source"], manifest["source_type"]) == (f"s3://{bucket}/train/", "folder")
 
 
@@ -161,7 +161,7 @@ def test_objects_that_fail_are_listed_in_errors_json_with_their_url(served, tmp_
     served.faults.add(Fault("status", 403, "AccessDenied"), key="train/c1/003.jpg", times=-1)
     result = packer.convert("s3://bucket/train/", tmp_path / "out.lmdb", workers=0, progress=False)
     assert result.num_samples == 8
-    errors = {e["path"]: e for e in json.loads((result.output / "errors.json").read_text())["errors"]}
+    errors = {e["path"]: e for e in json.loads((Path(result.output) / "errors.json").read_text())["errors"]}
     assert sorted(errors) == ["c0/001.jpg", "c1/003.jpg", "c1/bad.jpg"]
     for rel, entry in errors.items():
         assert entry["location"] == f"s3://bucket/train/{rel}"
@@ -243,13 +243,13 @@ def test_a_list_file_at_a_url_reads_objects_below_its_prefix(served, tmp_path):
     _same_dataset(remote.output, local.output)
     assert after["gets"] - stats["gets"] == 1 + 12  # the list, then each object once (in flight together: the
     # prefix's reader, whose concurrency test_the_listing_is_paged_and_objects_are_fetched_many_at_once counts)
-    errors = {e["path"]: e for e in json.loads((remote.output / "errors.json").read_text())["errors"]}
+    errors = {e["path"]: e for e in json.loads((Path(remote.output) / "errors.json").read_text())["errors"]}
     assert sorted(errors) == ["c0/gone.jpg", "c1/000.jpg", "s3://bucket/other/x.jpg"]
     assert errors["c0/gone.jpg"]["location"] == "s3://bucket/train/c0/gone.jpg (list.txt line 13)"
     assert "no such object" in errors["c0/gone.jpg"]["reason"]
     assert errors["s3://bucket/other/x.jpg"]["reason"] == "a URL, not below s3://bucket/train/"
     assert errors["c1/000.jpg"]["reason"].startswith("listed twice (first on line 7)")
-    manifest = json.loads((remote.output / "manifest.json").read_text())
+    manifest = json.loads((Path(remote.output) / "manifest.json").read_text())
     assert (manifest["source"], manifest["source_type"]) == ("s3://bucket/train/list.txt", "list")
 
 
@@ -267,7 +267,7 @@ def test_a_local_list_naming_urls_or_a_url_root(served, tmp_path):
     by_root = packer.convert(named / "plain.txt", tmp_path / "by_root.lmdb", root="s3://bucket/train/", workers=0,
                              progress=False)
     _same_dataset(by_root.output, local.output)
-    manifest = json.loads((by_root.output / "manifest.json").read_text())
+    manifest = json.loads((Path(by_root.output) / "manifest.json").read_text())
     assert manifest["source_options"]["root"] == "s3://bucket/train/"
     (named / "two.txt").write_text("s3://bucket/train/c0/000.jpg 0\ns3://other/c1/000.jpg 1\n")
     with pytest.raises(PackerError, match="share no bucket"):
@@ -276,7 +276,8 @@ def test_a_local_list_naming_urls_or_a_url_root(served, tmp_path):
     shutil.copytree(train / "c1", named / "c1")
     mixed = packer.convert(named / "mixed.txt", tmp_path / "mixed.lmdb", workers=0, progress=False)
     assert mixed.num_samples == 1
-    assert [(e["path"], e["reason"]) for e in json.loads((mixed.output / "errors.json").read_text())["errors"]] == [
+    errors = json.loads((Path(mixed.output) / "errors.json").read_text())["errors"]
+    assert [(e["path"], e["reason"]) for e in errors] == [
         ("s3://bucket/train/c0/000.jpg", f"a URL, while the paths are relative to the folder {named} (--root)")]
 
 
@@ -289,15 +290,15 @@ def test_webdataset_shards_by_url_convert_as_the_local_shards(served, tmp_path):
         remote = packer.convert(src, tmp_path / f"remote{n}.lmdb", workers=2, progress=False)
         assert remote.num_samples == local.num_samples == 14
         _same_dataset(remote.output, local.output)
-        manifest = json.loads((remote.output / "manifest.json").read_text())
+        manifest = json.loads((Path(remote.output) / "manifest.json").read_text())
         assert (manifest["source"], manifest["source_type"]) == (src, "webdataset")
-        assert manifest["fields"] == json.loads((local.output / "manifest.json").read_text())["fields"]
+        assert manifest["fields"] == json.loads((Path(local.output) / "manifest.json").read_text())["fields"]
     after = served.server.stats.settled()
     assert after["gets"] - before["gets"] == 2 * len(shards)  # each shard once a conversion (< one 8 MB chunk)
     assert not list(Path(tempfile.gettempdir()).glob("packer-source-*"))  # the local copies are gone
     pattern = "s3://bucket/shards/shards-{000000..000004}.tar"  # one shard more than there are
     result = packer.convert(pattern, tmp_path / "more.lmdb", workers=0, progress=False)
-    errors = json.loads((result.output / "errors.json").read_text())["errors"]
+    errors = json.loads((Path(result.output) / "errors.json").read_text())["errors"]
     assert result.num_samples == 14 and "shard missing" in errors[0]["reason"]
 
 
@@ -322,15 +323,15 @@ def test_an_archive_and_parquet_by_url(served, tmp_path):
     local = packer.convert(parquet, tmp_path / "hf_local.lmdb", workers=0, progress=False)
     remote = packer.convert("s3://bucket/hf/data.parquet", tmp_path / "hf_remote.lmdb", workers=0, progress=False)
     _same_dataset(remote.output, local.output)
-    assert json.loads((remote.output / "manifest.json").read_text())["source_type"] == "hf"
+    assert json.loads((Path(remote.output) / "manifest.json").read_text())["source_type"] == "hf"
     with pytest.raises(PackerError, match="no such object"):
         packer.convert("s3://bucket/hf/nothing.parquet", tmp_path / "none.lmdb", progress=False)
 
 
 def test_resume_of_a_killed_prefix_conversion_fetches_only_what_is_left(served, tmp_path):
     _photos(tmp_path / "root" / "train", classes=3, per_class=20)
-    reference = packer.convert("s3://bucket/train/", tmp_path / "ref.lmdb", workers=0, shard_bytes=4000,
-                               progress=False).output
+    reference = Path(packer.convert("s3://bucket/train/", tmp_path / "ref.lmdb", workers=0, shard_bytes=4000,
+                                    progress=False).output)
     out = tmp_path / "o.lmdb"
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # the served store's endpoint and credentials
     cmd = [sys.executable, "-m", "packer", "convert", "s3://bucket/train/", "-o", str(out), "--shard-size", "4000",
@@ -361,8 +362,8 @@ def test_dask_workers_fetch_their_own_objects(served, tmp_path, monkeypatch):
             raise AssertionError("the driver fetched objects: they would cross it to the workers")
 
         monkeypatch.setattr(RemoteReader, "admitted", in_the_driver)  # this process only (workers are spawned)
-        dask = packer.convert("s3://bucket/train/", tmp_path / "dask.lmdb", client=client, shard_bytes=4000,
-                              progress=False).output
+        dask = Path(packer.convert("s3://bucket/train/", tmp_path / "dask.lmdb", client=client, shard_bytes=4000,
+                                   progress=False).output)
         assert served.server.stats.settled()["gets"] - before == 31  # each object once, by the workers' tasks
         with pytest.raises(OptionError, match="not converted on a cluster yet"):
             packer.convert("s3://bucket/train/x.tar", tmp_path / "t.lmdb", client=client, progress=False)
