@@ -21,7 +21,7 @@ import pytest
 from support.foreign import items, make_hf, make_wds
 from support.imagesets import jpeg_bytes
 from support.interrupt import kill_after_shards
-from support.storage_servers import CREDENTIALS, Emulated, s3_store, upload
+from support.storage_servers import Emulated, s3_store, upload, user_environment
 
 import packer
 from packer.cli import main
@@ -82,14 +82,6 @@ def test_names_scan_as_the_folder_holding_them(tmp_path, skip_hidden):
         scan_names(tmp_path, ["manifest.json", "a/x.jpg"])
 
 
-def _environment(monkeypatch, endpoint: str) -> None:
-    """Credentials and endpoint from the environment, as a user's would be."""
-    for name, value in {"AWS_ACCESS_KEY_ID": CREDENTIALS["aws_access_key_id"],
-                        "AWS_SECRET_ACCESS_KEY": CREDENTIALS["aws_secret_access_key"],
-                        "AWS_REGION": CREDENTIALS["region"], "AWS_ENDPOINT_URL": endpoint}.items():
-        monkeypatch.setenv(name, value)
-
-
 def _same_dataset(a: Path | str, b: Path | str) -> None:
     """Index order, keys, labels, classes and every payload's bytes equal."""
     with warnings.catch_warnings():  # records left out: both say so alike
@@ -109,7 +101,7 @@ def test_a_prefix_converts_as_its_local_folder(moto_endpoint, bucket, tmp_path, 
     tree = make_tree(tmp_path / "train")
     with s3_store(moto_endpoint, f"s3://{bucket}/train") as store:
         upload(store, tree)
-    _environment(monkeypatch, moto_endpoint)
+    user_environment(monkeypatch, moto_endpoint)
     local = packer.convert(tree, tmp_path / "local.lmdb", workers=0, progress=False)
     remote = packer.convert(f"s3://{bucket}/train/", tmp_path / "remote.lmdb", workers=2, progress=False)
     assert remote.num_samples == local.num_samples == 8
@@ -126,7 +118,7 @@ def test_a_prefix_converts_as_its_local_folder(moto_endpoint, bucket, tmp_path, 
 def served(tmp_path, monkeypatch):
     """An emulated store over ``tmp_path/root`` listing 7 keys a page, with 50 ms before each first byte."""
     srv = Emulated(tmp_path / "root", page_size=7, latency=0.05)
-    _environment(monkeypatch, srv.server.endpoint)
+    user_environment(monkeypatch, srv.server.endpoint)
     yield srv
     srv.stop()
 
