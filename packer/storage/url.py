@@ -11,7 +11,7 @@ import os
 import posixpath
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PosixPath
 from urllib.parse import quote, unquote, urlsplit
 
 from packer.errors import PackerError
@@ -76,6 +76,17 @@ def refuse_url(location: str | os.PathLike, by: str) -> None:
     taken as a local path, which made a folder named ``s3:``)."""
     if is_url(location):
         raise PackerError(f"object storage is not supported yet by {by}: {redact(str(location))}")
+
+
+class UrlPath(PosixPath):
+    """A URL where a source's path goes (``Source.path``, ``ScanResult.root``, messages): shown as the URL
+    (``s3://b/k``), not the ``s3:/b/k`` a Path makes of it. Nothing opens it: URL sources read through the store."""
+
+    def __str__(self) -> str:
+        return _SCHEME_ONE_SLASH.sub(r"\1://", super().__str__(), count=1)
+
+
+_SCHEME_ONE_SLASH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/(?!/)")
 
 
 @dataclass(frozen=True)

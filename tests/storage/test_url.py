@@ -135,3 +135,11 @@ def test_the_python_entry_points_refuse_a_url(imgs, in_tmp):
         open_dataset(f"file://{in_tmp}/nothing")
     with pytest.raises(PackerError, match="not supported yet by packer info: file:///tmp/x"):
         dataset_info("file:///tmp/x")  # a URL naming a local path: info reads object storage, and folders
+
+
+def test_a_url_where_a_path_goes_is_shown_as_the_url():
+    from packer.storage.url import UrlPath
+
+    root = UrlPath(str(parse("s3://bucket/train")))
+    assert str(root) == f"{root}" == "s3://bucket/train" and str(root / "a" / "x.jpg") == "s3://bucket/train/a/x.jpg"
+    assert str(UrlPath("https://host:8080/d/list.txt").parent) == "https://host:8080/d"

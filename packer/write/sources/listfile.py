@@ -23,7 +23,7 @@ import numpy as np
 from packer.errors import DatasetError, InputNotFoundError, OptionError, PackerError, arg
 from packer.layout.fields import as_field_name
 from packer.layout.trust import class_name_problem
-from packer.storage.url import Location, is_url, redact
+from packer.storage.url import Location, UrlPath, is_url, redact
 from packer.storage.url import parse as parse_url
 from packer.write.sources.base import FileReader, SourceOptions, read_list_text
 from packer.write.sources.labels import integer_classes, is_integer_text, named_classes, parse_label
@@ -88,8 +88,8 @@ class ListSource(Source):
             raise PackerError(f"{path}: no usable rows ({len(rows.errors)} refused"
                               + "".join(f"; {e.location}: {e.reason}" for e in rows.errors[:3]) + ")")
         specs, cells = columns_as_fields(rows.extras)
-        scan = ScanResult(root=Path(str(root)), classes=classes, rel_paths=rows.paths, labels=labels,
-                          errors=rows.errors, ignored=Counter(), reader=FileReader(Path(str(root)), path.name),
+        scan = ScanResult(root=_as_path(root), classes=classes, rel_paths=rows.paths, labels=labels,
+                          errors=rows.errors, ignored=Counter(), reader=FileReader(_as_path(root), path.name),
                           locs=list(rows.lines), field_specs=specs, fields=cells,
                           numbers=np.asarray(rows.numbers, dtype=np.int64), source_records=rows.count,
                           url=source_url(at) if at is not None else "")
@@ -333,3 +333,8 @@ def _int64(text: str) -> int:
     if not -(1 << 63) <= value < (1 << 63):
         raise ValueError(f"{text} does not fit in 64 bits")
     return value
+
+
+def _as_path(root: Path | Location) -> Path:
+    """The records' root as ``ScanResult.root`` holds it: a folder, or a prefix shown as its URL."""
+    return root if isinstance(root, Path) else UrlPath(str(root))

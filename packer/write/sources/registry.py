@@ -12,7 +12,7 @@ from pathlib import Path
 
 from packer.errors import InputNotFoundError, OptionError, PackerError, arg
 from packer.layout.trust import check_class_name
-from packer.storage.url import Location, is_url, parse
+from packer.storage.url import Location, UrlPath, is_url, parse
 from packer.write.sources.archive import ArchiveSource
 from packer.write.sources.base import SourceOptions
 from packer.write.sources.folder import FolderSource
@@ -64,7 +64,7 @@ def open_source(src: str | os.PathLike, options: SourceOptions = SourceOptions()
 def open_url(location: Location, options: SourceOptions) -> Source:
     """The source reading ``location``, a URL: a list file, files read whole (archives, WebDataset shards, Parquet:
     write/sources/spool.py) or a prefix, of such files or laid out as ImageFolder (write/sources/remote.py)."""
-    kind, path = options.type, Path(str(location))
+    kind, path = options.type, UrlPath(str(location))
     if kind == "list" or kind is None and posixpath.splitext(location.key)[1].lower() in LIST_SUFFIXES:
         return ListSource(path, options, location)
     if kind in SPOOLED_TYPES or kind is None and is_spooled(location):

@@ -195,6 +195,10 @@ def test_the_command_line_converts_a_prefix_and_refuses_what_it_cannot(served, t
     assert not os.path.exists(tmp_path / "s3:")
     with pytest.raises(PackerError, match="no objects below this prefix"):
         packer.convert("s3://bucket/nothing/", tmp_path / "n.lmdb", progress=False)
+    (tmp_path / "root" / "notes" / "a").mkdir(parents=True)
+    (tmp_path / "root" / "notes" / "a" / "x.txt").write_text("not an image")
+    assert main(["convert", "s3://bucket/notes/", "--to", "lmdb", "-o", "t.lmdb", "-q"]) == 2
+    assert capsys.readouterr().err.startswith("packer: error: s3://bucket/notes: no images found")  # not s3:/
 
 
 def test_if_changed_sees_a_replaced_object(served, tmp_path):
