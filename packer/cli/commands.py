@@ -98,9 +98,11 @@ def cmd_info(args) -> int:
     from packer.tools.info import dataset_info, info_rows
 
     if is_remote(args.dataset):
-        data = dataset_info(args.dataset, args.cache_dir)  # no manifest at the URL, no access: exit 2
+        # no manifest at the URL, no access: exit 2
+        data = dataset_info(args.dataset, args.cache_dir, url_options(args, args.dataset))
     else:
         refuse_url(args.dataset, "packer info")
+        url_options(args, args.dataset)  # --storage-option with a path: refused
         dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
         with under_way():
             data = dataset_info(args.dataset)
@@ -126,7 +128,7 @@ def cmd_verify(args) -> int:
         refuse_urls("packer verify", args.dataset)  # a scheme packer does not read
         dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
     report = verify(args.dataset, against=args.against, progress=bar_unless_quiet(args), deep=args.deep,
-                    cache_dir=args.cache_dir)
+                    cache_dir=args.cache_dir, storage_options=url_options(args, args.dataset))
     shown = redact(str(args.dataset))
     if args.json:
         print(json_document("verify", 0 if report.ok else 1, {"dataset": shown, **report.to_json()}))
@@ -148,7 +150,7 @@ def cmd_extract(args) -> int:
     from packer.tools.extract import extract
 
     res = extract(args.dataset, args.dir, overwrite=args.overwrite, progress=bar_unless_quiet(args),
-                  cache_dir=args.cache_dir)
+                  cache_dir=args.cache_dir, storage_options=url_options(args, args.dataset))
     if args.json:
         print(json_document("extract", 0, {"dataset": redact(str(args.dataset)), **res.to_json()}))
         return 0
@@ -194,7 +196,7 @@ def cmd_profile(args) -> int:
     from packer.layout.remote import default_cache_dir, is_remote
     from packer.storage.url import refuse_url
 
-    remote = is_remote(args.dataset)
+    remote, options = is_remote(args.dataset), url_options(args, args.dataset)
     if not remote:
         refuse_url(args.dataset, "packer profile")
         dataset_directory(args.dataset)  # not a dataset at all: exit 2; one failing its checks: exit 1
@@ -203,7 +205,8 @@ def cmd_profile(args) -> int:
         ds = open_dataset(args.dataset, image="tensor", decoder=args.decoder,
                           crop=RandomResizedCropDecode(args.crop) if fused else None,
                           transform=RandomCrop(args.crop) if args.crop and not fused else None,
-                          cache_dir=(args.cache_dir or default_cache_dir()) if remote else None)
+                          cache_dir=(args.cache_dir or default_cache_dir()) if remote else None,
+                          storage_options=options)
     if args.cache:
         from packer.read.dataset import CachedDataset
 
@@ -294,8 +297,7 @@ def _bench_is_remote(args) -> bool:
     if (urls or emulated) and args.plot:
         raise PackerError("--plot charts a local bench; on a URL, --json keeps every figure")
     if not urls and (args.storage_option or (args.cache_dir and not emulated)):
-        raise PackerError("--storage-option and --cache-dir are for a dataset at a URL (s3://, gs://, az://, "
-                          "http(s)://)")
+        raise PackerError(URL_ONLY)
     return bool(urls) or emulated
 
 
@@ -322,6 +324,21 @@ def _bench_remote(args, options) -> int:
     if args.json:
         _write_json(report, args.json)
     return 0
+
+
+URL_ONLY = "--storage-option and --cache-dir are for a dataset at a URL (s3://, gs://, az://, http(s)://)"
+
+
+def url_options(args, location: str) -> dict[str, str] | None:
+    """A command's ``--storage-option`` pairs for a dataset at a URL; given with a local path, refused in one line
+    (never silently ignored; ``--cache-dir`` is harmless there, and scripts pass it for both)."""
+    from packer.layout.remote import is_remote
+
+    if not is_remote(location):
+        if args.storage_option:
+            raise PackerError("--storage-option is for a dataset at a URL (s3://, gs://, az://, http(s)://)")
+        return None
+    return storage_options(args.storage_option)
 
 
 def storage_options(pairs: list[str]) -> dict[str, str]:

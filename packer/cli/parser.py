@@ -136,6 +136,7 @@ def _add_info(sub) -> None:
         """)
     p.add_argument("dataset")
     _add_cache_dir(p)
+    _add_storage_option(p)
     _add_json(p, "the manifest and the statistics of the per-sample metadata")
     p.set_defaults(func=commands.cmd_info)
 
@@ -156,6 +157,7 @@ def _add_verify(sub) -> None:
         """)
     p.add_argument("dataset")
     _add_cache_dir(p)
+    _add_storage_option(p)
     p.add_argument("--deep", action="store_true",
                    help="also decode every sample (strictly) and check it against the stored shape")
     p.add_argument("--against", metavar="SRC", help="the source to compare with (read as the dataset's manifest "
@@ -181,6 +183,7 @@ def _add_extract(sub) -> None:
     p.add_argument("dir", help="destination folder (created if missing)")
     p.add_argument("--overwrite", action="store_true", help="replace files that exist already")
     _add_cache_dir(p)
+    _add_storage_option(p)
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     _add_json(p, "where the files went, how many and how large")
     p.set_defaults(func=commands.cmd_extract)
@@ -223,6 +226,7 @@ def _add_profile(sub) -> None:
         "Exit 1 when no setting keeps the step fed.")
     p.add_argument("dataset", help="a packed dataset (packer convert), a path or a URL")
     _add_cache_dir(p)
+    _add_storage_option(p)
     p.add_argument("--workers", type=lambda t: t if t == "auto" else csv_of(int_in(0))(t), default="auto",
                    metavar="N,..",
                    help="num_workers values, e.g. 0,2,4 (default: 0, 1, 2, 4, ... up to the cores)")

@@ -106,3 +106,31 @@ def test_info_of_a_url_shows_the_rows_of_the_local_dataset(imagefolder, tmp_path
                                                         "did not finish)")
         finally:
             server.stop()
+
+
+def test_storage_options_on_the_command_line_reach_the_store_and_a_path_refuses_them(tmp_path, monkeypatch, capsys):
+    """info, verify, extract and profile take --storage-option as bench and doctor do: without AWS_* set, the
+    endpoint and keys given on the command line are the ones used; with a local path they are refused."""
+    from packer.cli import main
+
+    out = convert(make_imagefolder(tmp_path / "few", classes=2, per_class=3), tmp_path / "d.lmdb", workers=0,
+                  progress=False).output
+    server = _served(tmp_path, out, monkeypatch)
+    for name in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    given = [f"--storage-option=endpoint={server.server.endpoint}", "--storage-option", "aws_access_key_id=k",
+             "--storage-option", "aws_secret_access_key=s3cret", "--cache-dir", str(tmp_path / "cache")]
+    try:
+        assert main(["info", "s3://bucket/d.lmdb", "--json", *given]) == 0
+        assert json.loads(capsys.readouterr().out)["num_samples"] == 6
+        assert main(["verify", "s3://bucket/d.lmdb", "--deep", "-q", *given]) == 0
+        assert main(["extract", "s3://bucket/d.lmdb", str(tmp_path / "x"), "-q", *given]) == 0
+        assert "s3cret" not in capsys.readouterr().out
+    finally:
+        server.stop()
+    assert len([p for p in (tmp_path / "x").rglob("*") if p.is_file()]) == 6
+    for argv in (["info", str(out)], ["verify", str(out), "-q"], ["extract", str(out), str(tmp_path / "y")],
+                 ["profile", str(out), "-q"]):
+        assert main([*argv, "--storage-option", "region=x"]) == 2
+        assert capsys.readouterr().err.strip() == ("packer: error: --storage-option is for a dataset at a URL (s3://, "
+                                                   "gs://, az://, http(s)://)")
