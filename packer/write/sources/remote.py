@@ -29,7 +29,7 @@ from packer.write.scan import scan_names
 from packer.write.sources.base import MAX_LIST_BYTES, Facts, Payload, RecordError, SourceOptions, SourceReader
 from packer.write.sources.records import ClassMapper, ScanResult, Source
 
-IN_FLIGHT = 64  # GETs at once: enough to fill a fast link with small objects (docs/remote.md, "Converting from a bucket")
+IN_FLIGHT = 64  # GETs at once: enough to fill a fast link with small objects (docs/remote.md, converting)
 AHEAD_BYTES = 64 << 20  # fetched and not yet handed to the workers, at most (one object at least)
 
 
