@@ -42,6 +42,8 @@ from packer.units import human_bytes
 
 FILE_SOURCES = ("", "folder", "list")  # source types whose records are files below the recorded source folder
 CacheMode = Literal["ram", "ram-decoded"]
+RemoteMode = Literal["auto", "ranged", "shard"]  # how a URL is read (packer.read.ranged, packer.read.remote)
+REMOTE_MODES = ("auto", "ranged", "shard")
 
 
 class PackedDataset(FolderSurface):
@@ -174,9 +176,9 @@ class PackedDataset(FolderSurface):
         return get_format(self.manifest.format).block_boundaries(self.manifest)
 
     def follow(self, stored: np.ndarray, indices: Iterator[int], start: int) -> Iterator[int]:
-        """A sampler's pass (storage positions ``stored``, from ``start``): the shard files may fetch ahead (not
-        when the samples come from a RAM cache)."""
-        return self.store.files.follow(stored, indices, start) if self.source is self.store else indices
+        """A sampler's pass (storage positions ``stored``, from ``start``): the source may fetch ahead along it
+        (a URL's; not when the samples come from a RAM cache)."""
+        return self.source.follow(stored, indices, start)
 
     def close(self) -> None:
         self.source.close()
@@ -331,8 +333,8 @@ def open_dataset(path: str | os.PathLike, cache: None = None, cache_options: Map
                  decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
                  source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
                  fields: FieldsArg = None, cache_dir: str | os.PathLike | None = None,
-                 cache_limit: int | str | None = "20GB",
-                 storage_options: Mapping[str, Any] | None = None) -> PackedDataset: ...
+                 cache_limit: int | str | None = "20GB", storage_options: Mapping[str, Any] | None = None,
+                 remote_mode: RemoteMode = "auto") -> PackedDataset: ...
 
 
 @overload
@@ -341,8 +343,8 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode, cache_options: Mappi
                  decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
                  source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
                  fields: FieldsArg = None, cache_dir: str | os.PathLike | None = None,
-                 cache_limit: int | str | None = "20GB",
-                 storage_options: Mapping[str, Any] | None = None) -> CachedDataset: ...
+                 cache_limit: int | str | None = "20GB", storage_options: Mapping[str, Any] | None = None,
+                 remote_mode: RemoteMode = "auto") -> CachedDataset: ...
 
 
 def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
@@ -351,15 +353,15 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
                  decoder: str = "auto", access: Access = "auto", decode_size: int | None = None,
                  source_root: str | os.PathLike | None = None, crop: CropDecode | None = None,
                  fields: FieldsArg = None, cache_dir: str | os.PathLike | None = None,
-                 cache_limit: int | str | None = "20GB",
-                 storage_options: Mapping[str, Any] | None = None) -> PackedDataset | CachedDataset:
+                 cache_limit: int | str | None = "20GB", storage_options: Mapping[str, Any] | None = None,
+                 remote_mode: RemoteMode = "auto") -> PackedDataset | CachedDataset:
     """Open a packed dataset of any format as a map-style PyTorch dataset (ImageFolder's samples and indices).
 
     ``with open_dataset(p) as ds:`` closes its shard files at the end.
 
     Args:
         path: the dataset directory (made by ``packer convert`` or ``packer.Writer``), or its URL (``s3://``,
-            ``gs://``, ``az://``, ``http(s)://``, ``file://``): shards fetched whole into ``cache_dir`` as read
+            ``gs://``, ``az://``, ``http(s)://``, ``file://``): read through ``cache_dir`` as ``remote_mode`` says
             (docs/remote.md).
         cache: None reads the shard files; ``"ram"`` (the stored payloads) or ``"ram-decoded"`` (decoded
             pixels) returns a ``packer.CachedDataset``: one copy in shared memory for all DataLoader workers.
@@ -379,6 +381,10 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
         cache_dir: a URL's node-wide cache (default ``~/.cache/packer``); a node-local disk.
         cache_limit: the disk the cache may use ("20GB"; None: no bound of this job's).
         storage_options: a URL's credentials and client options (``endpoint``, ``region``, ...).
+        remote_mode: how a URL is read: ``"ranged"`` (each batch's payloads by large ranged GETs of neighbouring
+            samples, checked against the CRC-32 each sample's conversion recorded), ``"shard"`` (each shard
+            fetched whole, checked against its sha256), ``"auto"`` (ranged where the conversion recorded
+            payload ranges, else shard). docs/remote.md.
 
     Returns:
         The format's ``PackedDataset`` subclass (``LMDBDataset``, ...), or a ``CachedDataset`` with ``cache``.
@@ -392,6 +398,8 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
         raise OptionError("crop= with cache='ram-decoded' would keep one crop per sample for ever: use cache='ram'")
     if cache is not None and cache not in CACHE_MODES:
         raise OptionError(f"unknown cache {cache!r} (choose {' or '.join(CACHE_MODES)})")
+    if remote_mode not in REMOTE_MODES:
+        raise OptionError(f"unknown remote_mode {remote_mode!r} (choose {', '.join(REMOTE_MODES)})")
     files = _remote_files(path, cache_dir, cache_limit, storage_options)  # None: a path or a file:// URL
     try:
         path = parse(path).path if files is None else files.root
@@ -403,6 +411,8 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
             path, transform=transform, target_transform=target_transform, image=image, decoder=decoder,
             access=access, decode_size=decode_size, source_root=source_root, crop=crop, fields=fields,
             shard_files=files)
+        if files is not None:
+            _read_ranged(ds, files, remote_mode)
     except BaseException:
         if files is not None:
             files.close()
@@ -414,6 +424,17 @@ def open_dataset(path: str | os.PathLike, cache: CacheMode | None = None,
     except BaseException:
         ds.close()  # a URL's connection to the node's downloader too
         raise
+
+
+def _read_ranged(ds: PackedDataset, files: ShardFiles, mode: RemoteMode) -> None:
+    """``ds`` (a URL's, ``files``) reading in ranged mode where ``mode`` and its metadata say so (its pipeline's
+    decoding and presenter kept); else in whole-shard mode, as opened."""
+    from packer.read.ranged import ranged_source
+
+    source = ranged_source(files, mode)
+    if source is not None:
+        ds.source = source
+        ds.pipeline = BatchPipeline(source, ds.pipeline.decoding, ds.presenter, ds.index_map)
 
 
 def _remote_files(path: str | os.PathLike, cache_dir: str | os.PathLike | None, cache_limit: int | str | None,

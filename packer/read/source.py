@@ -10,7 +10,7 @@ decoding) live behind them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,6 +55,11 @@ class SampleSource(ABC):
         """Each payload as HWC uint8 pixels as ``decoding`` says (a fused crop through its ``windows`` one), into
         its ``outs`` slot where it has that size; JPEGs with slots are decoded in bulk."""
         return decoding.pixels_many(positions, payloads, self.payload, outs, windows)
+
+    def follow(self, stored: np.ndarray, indices: Iterator[int], start: int) -> Iterator[int]:
+        """``indices``, a sampler's pass over storage positions ``stored`` from ``start``, as handed out: a source
+        may fetch ahead along it (a URL's). Default: nothing to do."""
+        return indices
 
     def close(self) -> None:
         """Release what the source holds open; reading again reopens."""

@@ -302,6 +302,10 @@ class ShardStore(SampleSource):
                                        "(a new conversion?); open the dataset again")
             checked.add(shard)
 
+    def follow(self, stored: np.ndarray, indices: Iterator[int], start: int) -> Iterator[int]:
+        """The shard files may fetch ahead along a sampler's pass (a URL's, whole-shard mode)."""
+        return self.files.follow(stored, indices, start)
+
     @property
     def fixed_shape(self) -> tuple[int, int, int] | None:
         """(H, W, 3) when every shard stores one shape its reader can copy in bulk, else None."""

@@ -34,6 +34,7 @@ import os
 import threading
 import time
 import weakref
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,11 +113,12 @@ class KeepNeeded:
 
 
 def check(data: bytes | memoryview, checksum: Checksum | None, what: str) -> None:
-    """Raise ``ChecksumMismatch`` naming ``what`` unless ``data`` has ``checksum``."""
+    """Raise ``ChecksumMismatch`` naming ``what`` unless ``data`` has ``checksum`` (a hashlib algorithm, or "crc32":
+    zlib's, 8 hex digits, what conversions record per sample: packer.layout.ranges)."""
     if checksum is None:
         return
     algorithm, expected = checksum
-    got = hashlib.new(algorithm, data).hexdigest()
+    got = f"{zlib.crc32(data) & 0xFFFFFFFF:08x}" if algorithm == "crc32" else hashlib.new(algorithm, data).hexdigest()
     if got != expected.lower():
         raise ChecksumMismatch(f"{what}: {algorithm} {got[:16]}... of the {len(data)} bytes read is not the "
                                f"recorded {expected[:16]}...: the object is damaged or another version")

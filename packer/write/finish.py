@@ -22,6 +22,7 @@ from packer.layout.manifest import Manifest, dumps_lossless, file_info, write_ma
 from packer.layout.report import ERRORS_NAME
 from packer.write.journal import ShardResult
 from packer.write.output import Output
+from packer.write.ranges import record_ranges
 from packer.write.sources.records import SourceError
 from packer.write.summary import not_packed_line
 
@@ -61,12 +62,15 @@ def in_storage_order(index: Index, keys: list[str], columns: Mapping[str, Sequen
 def seal(output: Output, index: Index, errors: list[SourceError], ignored: Mapping[str, int], manifest: Manifest,
          specs: Mapping[str, FieldSpec] | None = None, columns: Mapping[str, Sequence[Any]] | None = None,
          earlier: Sequence[Mapping[str, Any]] = ()) -> None:
-    """Write ``index`` and the field ``columns`` (storage order) under meta/, errors.json (``earlier``: the
-    numbered entries a re-packed dataset carries), then ``manifest`` (its meta_files, num_samples, num_errors and
-    fields filled in here; ``source_records`` given by the caller) last; fsync, and swap into place."""
+    """Write ``index``, the field ``columns`` (storage order) and the payloads' ranges (packer.write.ranges) under
+    meta/, errors.json (``earlier``: the numbered entries a re-packed dataset carries), then ``manifest`` (its
+    meta_files, num_samples, num_errors and fields filled in here; ``source_records`` given by the caller) last;
+    fsync, and swap into place."""
     partial = output.folder
     specs = dict(specs or {})
     names = index.save(partial) + save_fields(partial, specs, columns or {})
+    ranges = record_ranges(partial, manifest, index)  # where payloads are plain byte ranges: ranged reads by URL
+    names += [] if ranges is None else ranges.save(partial)
     manifest.meta_files = [file_info(partial, n) for n in names]
     manifest.num_samples, manifest.num_errors = len(index), len(errors)
     manifest.fields = {k: s.text for k, s in specs.items()}

@@ -1,6 +1,7 @@
 """open_dataset(URL): a dataset in object storage read as the local one is (packer/read/remote.py), against real
 servers: moto's S3 for correctness, the emulated store for counting GETs and bytes and for injecting faults.
-Whole-shard mode: every format, DataLoader workers (fork), ThreadLoader, read-ahead along the sampler's order,
+Whole-shard mode (remote_mode="shard"; ranged mode: test_ranged_read.py): every format, DataLoader workers (fork),
+ThreadLoader, read-ahead along the sampler's order,
 the cache limit, faults in every reader, and two "nodes" of two ranks each."""
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def _options(server) -> dict:
 
 def _open(server, tmp_path, url: str = URL, cache: str = "cache", **kw):
     kw.setdefault("cache_limit", "64MB")
+    kw.setdefault("remote_mode", "shard")  # these tests are whole-shard mode's (ranged: test_ranged_read.py)
     return open_dataset(url, cache_dir=tmp_path / cache, storage_options=_options(server), **kw)
 
 
@@ -330,7 +332,7 @@ def test_a_format_class_given_a_url_refuses_it_in_one_line():
 def _rank(url: str, endpoint: str, cache_dir: str, rank: int, out) -> None:
     try:
         ds = open_dataset(url, cache_dir=cache_dir, storage_options={**CREDENTIALS, "endpoint": endpoint},
-                          image="tensor")
+                          image="tensor", remote_mode="shard")
         sampler = packer.BlockShuffleSampler(ds, batch_size=3, block_bytes=3000, num_replicas=4, rank=rank)
         got = [int(i) for i in sampler.order(0)]
         labels = [int(x) for _, y in DataLoader(ds, batch_size=3, sampler=sampler, collate_fn=packer.collate)
