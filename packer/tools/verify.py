@@ -119,14 +119,15 @@ def _verify_remote_samples(url: str, against: str | os.PathLike | None, progress
                            source: SourceOptions | None, cache_dir: str | os.PathLike | None,
                            storage_options: dict[str, Any] | None) -> Report:
     """``verify`` of a URL: every object's sha256 first, then the samples read as ``open_dataset(url)`` reads them
-    (through the node's cache) for ``deep`` and ``against``."""
+    (through the node's cache) for ``deep`` and ``against``: whole shards by the format's own reader, not the
+    recorded payload ranges (a crafted shard whose value moved must be seen as the local reader sees it)."""
     report = verify_remote(url, cache_dir, progress, storage_options)
     if report.problems or (against is None and not deep):
         return report
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", IndexingWarning)  # about indices a user maps; the report says it
         ds = open_dataset(url, image="numpy", cache_dir=cache_dir or default_cache_dir(),
-                          storage_options=storage_options)
+                          storage_options=storage_options, remote_mode="shard")  # as the format's reader reads
     try:
         scan = _scan_against(against, ds.manifest, source, f"{redact(url)}/{MANIFEST_NAME}")
     except BaseException:

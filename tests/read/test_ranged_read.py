@@ -1,0 +1,197 @@
+"""open_dataset(URL) in ranged mode (packer/read/ranged.py): each batch's payloads fetched as ranged GETs of
+neighbouring samples into the node's cache, each checked against the CRC-32 its conversion recorded
+(packer/layout/ranges.py), against moto's S3 server and the emulated store (counting GETs and bytes at the server)."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from support.imagesets import jpeg_bytes, make_imagefolder
+from support.storage_servers import CREDENTIALS, Emulated, s3_store, upload
+from torch.utils.data import DataLoader
+
+import packer
+from packer import PackerError, ThreadLoader, open_dataset
+from packer.errors import OptionError
+from packer.layout.ranges import PayloadRanges
+from packer.read.ranged import RangedSource
+from packer.read.store import ShardStore
+from packer.storage.cache import ChecksumMismatch
+from packer.write.convert import convert
+
+RANGED = ["lmdb", "memmap", "recordio", "hdf5", "n5", "pth", "safetensors"]  # payloads are plain byte ranges
+URL = "s3://bucket/ds.lmdb"
+
+
+@pytest.fixture(scope="module")
+def datasets(tmp_path_factory):
+    """Photos of one size (about 28 KB each: lmdb keeps them in overflow pages, as real photos), every format
+    with ranges converted in shards of about 200 KB, plus bmp (no ranges)."""
+    base = tmp_path_factory.mktemp("ranged-read")
+    rng = np.random.default_rng(0)
+    for c in range(3):
+        (base / "imgs" / f"c{c}").mkdir(parents=True)
+        for i in range(8):
+            (base / "imgs" / f"c{c}" / f"i{i:02d}.jpg").write_bytes(jpeg_bytes(rng, 192, 256))
+    root = base / "root"
+    for name in RANGED:
+        convert(base / "imgs", root / f"ds.{name}", to=name, shard_bytes=200_000, workers=0, progress=False)
+    convert(make_imagefolder(base / "small"), root / "ds.bmp", to="bmp", shard_bytes=6_000, workers=0,
+            progress=False)
+    return root
+
+
+@pytest.fixture
+def served(tmp_path, datasets):
+    """A fresh emulated store (its counts this test's) serving the lmdb dataset as s3://bucket/ds.lmdb."""
+    shutil.copytree(datasets / "ds.lmdb", tmp_path / "root" / "ds.lmdb")
+    server = Emulated(tmp_path / "root")
+    yield server
+    server.stop()
+
+
+def _open(server, tmp_path, url: str = URL, cache: str = "cache", **kw):
+    kw.setdefault("cache_limit", "64MB")
+    return open_dataset(url, cache_dir=tmp_path / cache, storage_options={**CREDENTIALS,
+                        "endpoint": server.server.endpoint}, **kw)
+
+
+def _counts(server) -> dict:
+    return server.server.stats.settled()
+
+
+@pytest.mark.parametrize("fmt", RANGED)
+def test_every_format_with_ranges_reads_in_ranged_mode_the_local_samples(fmt, datasets, tmp_path):
+    server = Emulated(datasets)
+    try:
+        local = open_dataset(datasets / f"ds.{fmt}", image="numpy")
+        with _open(server, tmp_path, f"s3://bucket/ds.{fmt}", image="numpy") as ds:
+            assert isinstance(ds.source, RangedSource) and len(ds.manifest.shards) > 1  # "auto": ranged
+            assert (ds.classes, ds.targets, ds.samples) == (local.classes, local.targets, local.samples)
+            got = ds.__getitems__(list(range(len(ds))))
+            assert all((a[0] == local[i][0]).all() and a[1] == local[i][1] for i, a in enumerate(got))
+            assert all(bytes(ds.read_payload(i)) == bytes(local.read_payload(i)) for i in range(len(ds)))
+    finally:
+        server.stop()
+
+
+def test_against_moto_a_url_reads_in_ranged_mode_as_the_local_folder(moto_endpoint, bucket, datasets, tmp_path):
+    url = f"s3://{bucket}/ds.lmdb"
+    with s3_store(moto_endpoint, url) as store:
+        upload(store, datasets / "ds.lmdb")
+    local = open_dataset(datasets / "ds.lmdb", image="tensor", fields="all")
+    with open_dataset(url, cache_dir=tmp_path / "cache", storage_options={**CREDENTIALS, "endpoint": moto_endpoint},
+                      image="tensor", fields="all", remote_mode="ranged") as ds:
+        assert isinstance(ds.source, RangedSource)
+        for i in range(len(ds)):
+            got, want = ds[i], local[i]
+            assert got.keys() == want.keys() and torch.equal(got["image"], want["image"])
+
+
+def test_forked_workers_threadloader_and_get_batch_read_through_the_ranged_source(served, tmp_path, datasets):
+    local = open_dataset(datasets / "ds.lmdb", image="tensor")
+    with _open(served, tmp_path, image="tensor") as ds:
+        sampler = packer.BlockShuffleSampler(ds, batch_size=4, block_bytes=60_000, seed=2)
+        order = [int(i) for i in sampler.order(0)]
+        batches = list(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, collate_fn=packer.collate,
+                                  multiprocessing_context="fork"))
+        images = [img for imgs, _ in batches for img in imgs]
+        assert sorted(order) == list(range(len(ds)))
+        assert all(torch.equal(a, local[i][0]) for a, i in zip(images, order, strict=True))
+        sampler.set_epoch(0)
+        got = [int(y) for _, ys in ThreadLoader(ds, batch_size=4, sampler=sampler, num_threads=3) for y in ys]
+        assert got == [local.targets[i] for i in order]
+        images, labels = ds.get_batch(order[:6], layout="NCHW")
+        assert torch.equal(images, torch.stack([local[i][0] for i in order[:6]]))
+        assert labels.tolist() == [local.targets[i] for i in order[:6]]
+
+
+def test_the_first_batch_fetches_only_its_samples_ranges_not_whole_shards(served, tmp_path):
+    with _open(served, tmp_path, image="tensor") as ds:
+        opened = _counts(served)
+        sampler = packer.BlockShuffleSampler(ds, batch_size=4, block_bytes=60_000, seed=5)
+        batch = [int(i) for i in sampler.order(0)[:4]]
+        ds.__getitems__(batch)  # one batch, no sampler pass followed: nothing read ahead
+        after = _counts(served)
+        groups = ds.source.groups
+        own = sorted({int(groups.of[ds.position(i)]) for i in batch})
+        shards = {ds.locate(i)[0] for i in batch}
+        shard_bytes = sum(f.num_bytes for k in shards for f in ds.manifest.shards[k].files)
+        fetched = after["body_bytes"] - opened["body_bytes"]
+        assert fetched == sum(groups.size(g) for g in own) < shard_bytes
+        assert 1 <= after["gets"] - opened["gets"] <= len(own)  # adjacent groups may share a GET
+
+
+def test_epoch_one_fetches_at_most_1_1x_what_it_delivers_and_epoch_two_nothing(served, tmp_path):
+    with _open(served, tmp_path, image="tensor") as ds:
+        opened = _counts(served)
+        sampler = packer.BlockShuffleSampler(ds, batch_size=4, block_bytes=60_000)
+        loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, collate_fn=packer.collate,
+                            multiprocessing_context="fork")
+        first = sorted(int(y) for _, ys in loader for y in ys)
+        one = _counts(served)
+        delivered = int(ds.source.index.nbytes.sum())
+        fetched = one["body_bytes"] - opened["body_bytes"]
+        assert delivered <= fetched <= 1.1 * delivered
+        assert fetched < sum(f.num_bytes for s in ds.manifest.shards for f in s.files)  # not the whole shards
+        sampler.set_epoch(1)
+        assert sorted(int(y) for _, ys in loader for y in ys) == first
+        two = _counts(served)
+        assert (two["gets"], two["body_bytes"]) == (one["gets"], one["body_bytes"])
+
+
+def _read_all(ds, how: str) -> None:
+    if how == "main":
+        ds.__getitems__(list(range(len(ds))))
+    elif how == "fork":
+        list(DataLoader(ds, batch_size=6, num_workers=2, collate_fn=packer.collate, multiprocessing_context="fork"))
+    else:
+        list(ThreadLoader(ds, batch_size=6, num_threads=2))
+
+
+@pytest.mark.parametrize("how", ["main", "fork", "threads"])
+def test_a_damaged_byte_of_a_payload_in_the_bucket_is_one_error_naming_its_url(served, tmp_path, datasets, how):
+    ranges = PayloadRanges.load(datasets / "ds.lmdb", (local := open_dataset(datasets / "ds.lmdb")).manifest,
+                                local.store.index)
+    assert ranges is not None
+    pos = 9
+    shard, _ = local.store.locate(pos)
+    name = local.manifest.shards[shard].files[int(ranges.file[pos])].name
+    data = bytearray((served.root / "ds.lmdb" / name).read_bytes())
+    data[int(ranges.offset[pos]) + int(local.store.index.nbytes[pos]) // 2] ^= 0xFF
+    served.write(f"ds.lmdb/{name}", bytes(data))
+    with _open(served, tmp_path, image="tensor") as ds:
+        with pytest.raises(ChecksumMismatch, match=rf"s3://bucket/ds.lmdb/{name} bytes \d+-\d+: crc32 "):
+            _read_all(ds, how)
+
+
+def test_a_damaged_node_cache_entry_is_an_error_naming_the_url_never_pixels(served, tmp_path):
+    with _open(served, tmp_path, image="tensor") as ds:
+        ds[0]
+        source = ds.source
+        g = int(source.groups.of[ds.position(0)])
+        path = source.remote.client.path(source.entry(g))
+        path.chmod(0o644)
+        data = bytearray(path.read_bytes())
+        at = int(source.groups.offset[ds.position(0)] - source.groups.start[g]) + 100
+        data[at] ^= 0xFF
+        path.write_bytes(bytes(data))
+        with pytest.raises(ChecksumMismatch, match=r"s3://bucket/ds.lmdb/.* \(sample \d+, node cache"):
+            ds[0]
+
+
+def test_remote_mode_chooses_the_reader_and_is_refused_where_ranges_are_missing(served, tmp_path, datasets):
+    with _open(served, tmp_path, remote_mode="shard") as ds:
+        assert isinstance(ds.source, ShardStore) and ds.source is ds.store
+        assert (ds[3][1], len(ds)) == (open_dataset(datasets / "ds.lmdb")[3][1], 24)
+    with pytest.raises(OptionError, match="unknown remote_mode 'ranges'"):
+        _open(served, tmp_path, remote_mode="ranges")
+    shutil.copytree(datasets / "ds.bmp", served.root / "ds.bmp")
+    with _open(served, tmp_path, "s3://bucket/ds.bmp") as ds:
+        assert isinstance(ds.source, ShardStore)  # auto: no ranges recorded, whole-shard mode
+        ds[0]
+    with pytest.raises(PackerError, match=r"^s3://bucket/ds.bmp: its conversion recorded no payload ranges"):
+        _open(served, tmp_path, "s3://bucket/ds.bmp", remote_mode="ranged")
