@@ -1,14 +1,18 @@
 """Training from a bucket against the same dataset local: time to the first batch, decoded images/s from the second
-batch on, and bytes fetched per byte of the dataset, for open_dataset(URL) in whole-shard mode (packer/read/remote.py).
+batch on, and bytes fetched, for open_dataset(URL) in ranged mode (packer/read/ranged.py) and whole-shard mode
+(packer/read/remote.py), one run on the same photos.
 
-    python examples/measure_remote_read.py [--count 2000] [--latency 0.02] [--mbit 1000] [--json out.json]
+    python examples/measure_remote_read.py [--count 2000] [--latency 0.02] [--mbit 1000] [--modes local ranged shard]
+        [--json out.json]
 
 Synthetic photos (packer's generator, 500x375 JPEGs) converted to lmdb in shards of --shard-size; the emulated store
 (packer/storage/emulate.py) serves the folder in its own process with --latency seconds before each response and a
 link of --mbit Mbit/s. Each reader: DataLoader(num_workers=--workers, BlockShuffleSampler, batch_size=--batch,
-collate_fn=packer.collate, image="tensor"), two epochs; the remote one starts with a cold cache (a new cache_dir),
-its second epoch reads through a cache as large as the dataset. The local folder was just written (its pages are
-cached): the local figures are the decode limit of these cores. Figures go to docs/remote.md with this command.
+collate_fn=packer.collate, image="tensor"), two epochs; each remote one starts with a cold cache (a new cache_dir),
+its second epoch reads through a cache as large as the dataset. Bytes fetched: the node downloader's count (whole
+files and ranges), per epoch, over the payload bytes the epoch delivers (the index's nbytes). The local folder
+was just written (its pages are cached): the local figures are the decode limit of these cores. Figures go to
+docs/remote.md with this command.
 """
 
 from __future__ import annotations
@@ -51,6 +55,29 @@ def run(ds, args) -> list[dict]:
     return [epoch(loader) for _ in range(2)]
 
 
+def remote_run(server: Server, cache_dir: Path, mode: str, size: int, delivered: int, args) -> list[dict]:
+    """Two epochs of s3://packer/ds.lmdb in ``mode`` from a cold ``cache_dir``, with the bytes each fetched."""
+    remote = packer.open_dataset("s3://packer/ds.lmdb", cache_dir=cache_dir, cache_limit=2 * size,
+                                 storage_options={"endpoint": server.endpoint, "skip_signature": True,
+                                                  "region": "us-east-1"}, image="tensor", remote_mode=mode)
+    try:
+        client = remote.store.files.remote.client  # type: ignore[attr-defined]
+        sampler = packer.BlockShuffleSampler(remote, batch_size=args.batch)
+        loader = DataLoader(remote, batch_size=args.batch, sampler=sampler, num_workers=args.workers,
+                            collate_fn=packer.collate, persistent_workers=False)
+        out = []
+        for n in range(2):
+            sampler.set_epoch(n)
+            before = client.stats()
+            figures = epoch(loader)
+            after = client.stats()
+            fetched = sum(after[k] - before[k] for k in ("file_bytes", "fetched_bytes"))
+            out.append({**figures, "fetched_bytes": fetched, "fetched_per_delivered": round(fetched / delivered, 3)})
+        return out
+    finally:
+        remote.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--count", type=int, default=2000)
@@ -59,6 +86,8 @@ def main() -> None:
     parser.add_argument("--mbit", type=float, default=1000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--modes", nargs="+", default=["local", "ranged", "shard"],
+                        choices=["local", "ranged", "shard"])
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -69,20 +98,14 @@ def main() -> None:
         try:
             local = packer.open_dataset(out, image="tensor")
             size = sum(f.num_bytes for s in local.manifest.shards for f in s.files)
+            delivered = int(local.store.index.nbytes.sum())
             results: dict = {"samples": len(local), "shards": len(local.manifest.shards), "dataset_bytes": size,
-                             "local": run(local, args)}
-            remote = packer.open_dataset("s3://packer/ds.lmdb", cache_dir=Path(tmp) / "cache", cache_limit=2 * size,
-                                         storage_options={"endpoint": server.endpoint, "skip_signature": True,
-                                                          "region": "us-east-1"}, image="tensor")
-            client = remote.store.files.remote.client  # type: ignore[attr-defined]
-            before = client.stats()["file_bytes"]
-            first, second = run(remote, args)
-            fetched = client.stats()["file_bytes"] - before
-            results["remote"] = [first, second]
-            results["fetched_per_dataset_byte"] = round(fetched / size, 3)
-            results["link"] = {"latency_s": args.latency, "mbit_s": args.mbit,
-                               "link_img_per_s": round(args.mbit * 1e6 / 8 / (size / len(local)), 1)}
-            remote.close()
+                             "payload_bytes": delivered,
+                             "link": {"latency_s": args.latency, "mbit_s": args.mbit,
+                                      "link_img_per_s": round(args.mbit * 1e6 / 8 / (size / len(local)), 1)}}
+            for mode in args.modes:
+                results[mode] = run(local, args) if mode == "local" else remote_run(
+                    server, Path(tmp) / f"cache-{mode}", mode, size, delivered, args)
         finally:
             server.close()
     print(json.dumps(results, indent=1))
