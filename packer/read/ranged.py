@@ -36,8 +36,10 @@ from packer.read.source import SampleSource
 from packer.read.store import ShardFiles
 from packer.storage.cache import check
 
-GROUP_BYTES = 2 << 20  # one ranged GET: large enough that a GET's cost is small, small enough for a quick 1st batch
+GROUP_BYTES = 1 << 20  # one ranged GET: large enough that a GET's cost is small, small enough for a quick 1st batch
 READ_AHEAD = 32 << 20  # bytes of groups a sampler's pass fetches ahead of the reads (as cache_limit allows)
+RAMP = 8 << 20  # read-ahead at a pass's start, growing by twice what the pass entered: the first batch's GETs
+# do not share the link with a full window of read-ahead
 GAP = 64 << 10  # payloads this close (an lmdb page's keys between them) share a group; farther apart, a new one
 LAG = 512  # indices handed out after a group's run before it counts as read (a DataLoader's batches in flight)
 SCAN = 10_000  # runs of the order looked through for the next groups
@@ -260,8 +262,8 @@ class RangedSource(SampleSource):
 
 class GroupPass:
     """A sampler's pass over storage positions ``stored`` in runs of one group: entering a run fetches the next
-    groups of the order (``read_ahead`` bytes) and marks when each is read; leaving it marks when it is read
-    next (never again this pass: evicted first)."""
+    groups of the order (``read_ahead`` bytes, ``RAMP`` at first) and marks when each is read; leaving it marks
+    when it is read next (never again this pass: evicted first)."""
 
     def __init__(self, source: RangedSource, stored: np.ndarray) -> None:
         self.source = source
@@ -277,6 +279,7 @@ class GroupPass:
         self.size = len(of)
         self.asked: set[int] = set()  # groups this pass fetched ahead and has not read since
         self.live: collections.Counter[int] = collections.Counter()  # groups entered and not yet left
+        self.entered = 0  # bytes of the groups of the runs entered so far (the read-ahead grows with it)
 
     def run(self, indices: Iterator[int], start: int) -> Iterator[int]:
         """``indices`` (from position ``start`` of the pass), with the fetches and needs as they are reached."""
@@ -313,10 +316,12 @@ class GroupPass:
         first, and mark them needed where they are first read."""
         self.live[self.group[seg]] += 1
         sizes, total = self.source.groups, 0
+        self.entered += sizes.size(self.group[seg])
+        budget = min(self.source.read_ahead, RAMP + 2 * self.entered)
         ahead: dict[int, int] = {}
         for i in range(seg + 1, min(len(self.group), seg + 1 + SCAN)):
             g = self.group[i]
-            if total >= self.source.read_ahead:
+            if total >= budget:
                 break
             if self.live[g] <= 0 and g not in ahead:
                 ahead[g] = i

@@ -195,3 +195,21 @@ def test_remote_mode_chooses_the_reader_and_is_refused_where_ranges_are_missing(
         ds[0]
     with pytest.raises(PackerError, match=r"^s3://bucket/ds.bmp: its conversion recorded no payload ranges"):
         _open(served, tmp_path, "s3://bucket/ds.bmp", remote_mode="ranged")
+
+
+def test_a_cache_smaller_than_the_dataset_reads_an_epoch_evicting_what_the_pass_has_read(served, tmp_path, datasets):
+    local = open_dataset(datasets / "ds.lmdb", image="tensor")
+    with _open(served, tmp_path, image="tensor", cache_limit=1 << 30) as probe:
+        sizes = [probe.source.groups.size(g) for g in range(len(probe.source.groups))]
+    limit = 2 * max(sizes)
+    assert sum(sizes) > 1.5 * limit  # the dataset is larger than the cache
+    with _open(served, tmp_path, cache="small", image="tensor", cache_limit=limit) as ds:
+        sampler = packer.BlockShuffleSampler(ds, batch_size=4, block_bytes=60_000, seed=3)
+        order = [int(i) for i in sampler.order(0)]
+        images = [img for imgs, _ in DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2,
+                                                collate_fn=packer.collate, multiprocessing_context="fork")
+                  for img in imgs]
+        assert sorted(order) == list(range(len(ds)))
+        assert all(torch.equal(a, local[i][0]) for a, i in zip(images, order, strict=True))
+        stats = ds.source.remote.client.stats()
+        assert stats["usage"] <= limit and stats["evicted"] > 0
