@@ -213,3 +213,12 @@ def test_a_cache_smaller_than_the_dataset_reads_an_epoch_evicting_what_the_pass_
         assert all(torch.equal(a, local[i][0]) for a, i in zip(images, order, strict=True))
         stats = ds.source.remote.client.stats()
         assert stats["usage"] <= limit and stats["evicted"] > 0
+
+
+def test_spawned_dataloader_workers_read_the_pickled_ranged_dataset(served, tmp_path, datasets):
+    local = open_dataset(datasets / "ds.lmdb", image="tensor")
+    with _open(served, tmp_path, image="tensor") as ds:
+        ds[0]  # the parent fetched a group before the workers start
+        got = DataLoader(ds, batch_size=6, num_workers=1, collate_fn=packer.collate, multiprocessing_context="spawn")
+        images = [img for imgs, _ in got for img in imgs]
+        assert len(images) == len(ds) and all(torch.equal(a, local[i][0]) for i, a in enumerate(images))
