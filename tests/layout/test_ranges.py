@@ -72,3 +72,21 @@ def test_a_modified_ranges_file_is_refused_and_a_crafted_one_too(converted, tmp_
     _rewrite_checksums(root)  # a crafter makes the manifest agree
     with open_dataset(root) as ds, pytest.raises(DatasetError, match="a payload past the end of its file"):
         PayloadRanges.load(root, read_manifest(root), ds.store.index)
+
+
+def test_verify_deep_finds_a_payload_moved_away_from_its_recorded_range(converted, tmp_path):
+    import shutil
+
+    from support.fuzzing import put_sample_value
+
+    from packer.tools.verify import verify
+
+    root = tmp_path / "ds.lmdb"
+    shutil.copytree(converted / "ds.lmdb", root)
+    assert verify(root, deep=True).ok and verify(root, deep=True).checked["payload ranges"] == 18
+    with open_dataset(root) as ds:
+        data = bytes(ds.read_payload(4))
+    put_sample_value(root, 4, data + b"\0")  # a valid JPEG, one byte longer: lmdb puts it elsewhere
+    report = verify(root, deep=True)
+    assert report.problems == [f"{root}: sample 4: its payload is not the one meta/ records for ranged reads (a URL "
+                               "of this dataset would read other bytes)"]
