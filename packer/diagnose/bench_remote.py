@@ -1,6 +1,7 @@
 """``packer bench URL``: a packed dataset read from object storage as training reads it, and what it cost the link.
 
-Each pass opens the dataset by its URL (``open_dataset(URL)``, whole-shard mode: packer/read/remote.py) into a
+Each pass opens the dataset by its URL (``open_dataset(URL, remote_mode="shard")``, whole-shard mode:
+packer/read/remote.py; ranged mode, open_dataset's default where ranges were recorded, is not benched yet) into a
 cache directory, reads it through a DataLoader (``loader``) or ``ThreadLoader`` (``thread``) in the order asked
 (``block``: ``BlockShuffleSampler``, which hands its pass to the reader so it fetches ahead), and reads the node
 downloader's counters (packer/storage/downloader.py) before and after: bytes fetched per byte delivered, GETs per
@@ -121,7 +122,7 @@ def remote_pass(target: Target, cache_dir: Path, level: str, order: str, workers
 
     t0 = time.perf_counter()
     ds = open_dataset(target.url, cache_dir=cache_dir, cache_limit=opts.cache_limit,
-                      storage_options=target.storage_options, image="tensor")
+                      storage_options=target.storage_options, image="tensor", remote_mode="shard")
     try:
         opened = time.perf_counter() - t0
         counters = DownloaderClient(cache_dir, None)  # the node's downloader the dataset started: its counts

@@ -38,9 +38,12 @@ def payload_bytes(payload: object) -> memoryview:
 
 def record_ranges(folder: Path, manifest: Manifest, index: Index) -> PayloadRanges | None:
     """The payload ranges of the dataset written in ``folder`` (its shards finished, ``manifest.shards`` and
-    ``index`` filled in), or None where some sample's payload is not a plain byte range of a shard file."""
+    ``index`` filled in), or None where some sample's payload is not a plain byte range of a shard file, or the
+    shards are no longer there (uploaded to a bucket and deleted from the staging folder)."""
     if manifest.payload not in ("encoded", "raw") or not manifest.num_samples:
         return None
+    if not all((folder / f.name).is_file() for shard in manifest.shards for f in shard.files):
+        return None  # an output in a bucket: its shards left the staging folder once uploaded (docs/remote.md)
     fmt = get_format(manifest.format)
     n = manifest.num_samples
     files = np.zeros(n, dtype="<i4")
