@@ -23,12 +23,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure_storage import Server  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 import packer  # noqa: E402
+from packer.read.dataset import RemoteMode  # noqa: E402
 from packer.tools.sample import make_sample  # noqa: E402
 from packer.units import parse_bytes  # noqa: E402
 
@@ -59,7 +61,8 @@ def remote_run(server: Server, cache_dir: Path, mode: str, size: int, delivered:
     """Two epochs of s3://packer/ds.lmdb in ``mode`` from a cold ``cache_dir``, with the bytes each fetched."""
     remote = packer.open_dataset("s3://packer/ds.lmdb", cache_dir=cache_dir, cache_limit=2 * size,
                                  storage_options={"endpoint": server.endpoint, "skip_signature": True,
-                                                  "region": "us-east-1"}, image="tensor", remote_mode=mode)
+                                                  "region": "us-east-1"}, image="tensor",
+                                 remote_mode=cast(RemoteMode, mode))
     try:
         client = remote.store.files.remote.client  # type: ignore[attr-defined]
         sampler = packer.BlockShuffleSampler(remote, batch_size=args.batch)
