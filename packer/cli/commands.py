@@ -308,7 +308,7 @@ def _bench_remote(args, options) -> int:
     from packer.diagnose.bench_remote import RemoteOptions, Target, emulated_targets, remote_table, run_remote_bench
     from packer.diagnose.reports import print_progress
 
-    opts = RemoteOptions(cache_dir=args.cache_dir, cache_limit=args.cache_limit)
+    opts = RemoteOptions(cache_dir=args.cache_dir, cache_limit=args.cache_limit, remote_mode=args.remote_mode)
     if args.emulate or args.latency is not None or args.bandwidth is not None:
         ctx: Any = emulated_targets(args.paths, args.emulate, args.latency, args.bandwidth)
     else:

@@ -348,6 +348,9 @@ def _add_remote_bench(p: argparse.ArgumentParser) -> None:
     _add_cache_dir(p, "for a URL: the node's cache (default: a new temporary folder per repeat, a cold cache)")
     p.add_argument("--cache-limit", default="20GB", metavar="SIZE",
                    help="for a URL: the disk the node's cache may use (default 20GB)")
+    p.add_argument("--remote-mode", choices=("auto", "ranged", "shard"), default="auto",
+                   help="for a URL: open_dataset's remote_mode (auto: ranged reads where the dataset records ranges, "
+                   "as training reads it; shard: whole shards)")
 
 
 def _add_storage_option(p: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """``packer bench URL``: a packed dataset read from object storage as training reads it, and what it cost the link.
 
-Each pass opens the dataset by its URL (``open_dataset(URL, remote_mode="shard")``, whole-shard mode:
-packer/read/remote.py; ranged mode, open_dataset's default where ranges were recorded, is not benched yet) into a
+Each pass opens the dataset by its URL (``open_dataset(URL, remote_mode=...)``: ``auto``, as training opens it,
+reads ranges where the dataset records them, else whole shards; ``ranged`` or ``shard`` to compare) into a
 cache directory, reads it through a DataLoader (``loader``) or ``ThreadLoader`` (``thread``) in the order asked
 (``block``: ``BlockShuffleSampler``, which hands its pass to the reader so it fetches ahead), and reads the node
 downloader's counters (packer/storage/downloader.py) before and after: bytes fetched per byte delivered, GETs per
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch.utils.data import DataLoader, RandomSampler
@@ -30,6 +30,9 @@ from packer.diagnose import measure, system
 from packer.diagnose.bench_sources import list_collate, one_shape
 from packer.errors import PackerError
 from packer.storage.url import redact
+
+if TYPE_CHECKING:
+    from packer.read.dataset import RemoteMode
 
 REMOTE_LEVELS = ("loader", "thread")
 REMOTE_ORDERS = ("sequential", "shuffle", "block")
@@ -60,6 +63,7 @@ class RemoteOptions:
     cache_dir: str | None = None  # None: a new temporary folder per repeat (a cold cache)
     cache_limit: int | str = "20GB"
     measure_link: bool = True
+    remote_mode: RemoteMode = "auto"  # open_dataset's: ranged where the dataset records ranges, else whole shards
 
 
 def check_remote(o: Any) -> tuple[list[str], list[str]]:
@@ -122,7 +126,7 @@ def remote_pass(target: Target, cache_dir: Path, level: str, order: str, workers
 
     t0 = time.perf_counter()
     ds = open_dataset(target.url, cache_dir=cache_dir, cache_limit=opts.cache_limit,
-                      storage_options=target.storage_options, image="tensor", remote_mode="shard")
+                      storage_options=target.storage_options, image="tensor", remote_mode=opts.remote_mode)
     try:
         opened = time.perf_counter() - t0
         counters = DownloaderClient(cache_dir, None)  # the node's downloader the dataset started: its counts
@@ -255,6 +259,7 @@ def run_remote_bench(targets: Sequence[Target], o: Any, opts: RemoteOptions | No
         "machine": system.describe_machine(),
         "options": {**{k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(o).items()},
                     "levels": levels, "orders": orders, "cache_dir": opts.cache_dir, "cache_limit": opts.cache_limit,
+                    "remote_mode": opts.remote_mode,
                     "storage_option_keys": sorted({k for t in targets for k in t.storage_options})},
         "datasets": [], "results": [], "links": {}, "ceilings": {"decode": {}},
         "emulation": next((t.link for t in targets if t.link), None),

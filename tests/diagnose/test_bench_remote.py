@@ -38,9 +38,10 @@ def packed(tmp_path_factory):
     return ds, {f.name: f.num_bytes for f in files}
 
 
-def _bench(argv: list[str], out) -> dict:
+def _bench(argv: list[str], out, mode: str = "shard") -> dict:
+    """``packer bench`` with small settings; whole-shard mode unless ``mode`` (the counts below are per shard)."""
     assert main(["bench", *argv, "--workers", "0", "--repeats", "1", "--batch-size", "4", "-q", "--json",
-                 str(out)]) == 0
+                 str(out), "--remote-mode", mode]) == 0
     return json.loads(out.read_text())
 
 
@@ -80,6 +81,19 @@ def test_emulate_s3_serves_the_local_dataset_by_url_and_counts(packed, tmp_path,
     assert not list((tmp_path / "tmp").iterdir())  # the cold cache went with its repeat
 
 
+def test_a_url_is_benched_as_training_reads_it_in_ranged_mode_by_default(packed, tmp_path):
+    """The default ``--remote-mode auto`` reads a dataset that records ranges as ``open_dataset(URL)`` does: ranged
+    GETs of the payloads (not whole shard files); the warm pass fetches nothing."""
+    ds, files = packed
+    report = _bench([str(ds), "--emulate", "s3", "--latency", "0.001", "--bandwidth", "1GB"], tmp_path / "b.json",
+                    mode="auto")
+    cold, warm = _row(report, "cold"), _row(report, "warm")
+    assert report["options"]["remote_mode"] == "auto" and cold["samples"] == 12
+    # ranged GETs of the payloads' pages: less than the shard files whole-shard mode fetches (exactly their bytes)
+    assert 0 < cold["fetched_bytes"][0] < sum(files.values()) and cold["bytes"] <= cold["fetched_bytes"][0]
+    assert warm["gets"] == [0] and warm["fetched_bytes"] == [0]
+
+
 def test_emulated_link_serves_what_the_downloader_counts(packed, tmp_path):
     """The emulated store's own counters (in its own process) agree with the node downloader's: a bench pass
     costs the server what opening the dataset costs plus exactly the shards' bytes."""
@@ -94,7 +108,7 @@ def test_emulated_link_serves_what_the_downloader_counts(packed, tmp_path):
         start = link.stats()
         open_dataset(target.url, cache_dir=tmp_path / "c", storage_options=target.storage_options).close()
         opened = link.stats()
-        report = run_remote_bench([target], o, RemoteOptions(measure_link=False))
+        report = run_remote_bench([target], o, RemoteOptions(measure_link=False, remote_mode="shard"))
         end = link.stats()
     row = report["results"][0]
     assert row["order"] == "sequential" and report["links"] == {}
