@@ -31,7 +31,7 @@ from packer.layout.remote import RemoteDataset
 from packer.perprocess import PerProcess
 from packer.read.hints import Ahead
 from packer.read.readahead import Pending
-from packer.read.remote import RemoteShards
+from packer.read.remote import Pass, RemoteShards
 from packer.read.source import SampleSource
 from packer.read.store import ShardFiles
 from packer.storage.cache import check
@@ -260,53 +260,18 @@ class RangedSource(SampleSource):
         return f"RangedSource({self.name!r}, groups={len(self.groups)})"
 
 
-class GroupPass:
-    """A sampler's pass over storage positions ``stored`` in runs of one group: entering a run fetches the next
-    groups of the order (``read_ahead`` bytes, ``RAMP`` at first) and marks when each is read; leaving it marks
-    when it is read next (never again this pass: evicted first)."""
+class GroupPass(Pass):
+    """A pass in runs of one group: entering a run fetches the next groups of the order (``read_ahead`` bytes,
+    ``RAMP`` at first) and marks when each is read; leaving it marks when it is read next (never again this pass:
+    evicted first)."""
 
     def __init__(self, source: RangedSource, stored: np.ndarray) -> None:
+        super().__init__(source.groups.of[np.asarray(stored, dtype=np.int64)], source.lag)
         self.source = source
-        of = source.groups.of[np.asarray(stored, dtype=np.int64)]
-        self.begin = np.concatenate([[0], np.flatnonzero(np.diff(of)) + 1]).astype(np.int64) \
-            if len(of) else np.zeros(0, dtype=np.int64)
-        self.group = of[self.begin].tolist() if len(of) else []
-        self.next_same = [-1] * len(self.group)  # the run where the same group is read next, or -1
-        seen: dict[int, int] = {}
-        for i in range(len(self.group) - 1, -1, -1):
-            self.next_same[i] = seen.get(self.group[i], -1)
-            seen[self.group[i]] = i
-        self.size = len(of)
-        self.asked: set[int] = set()  # groups this pass fetched ahead and has not read since
-        self.live: collections.Counter[int] = collections.Counter()  # groups entered and not yet left
         self.entered = 0  # bytes of the groups of the runs entered so far (the read-ahead grows with it)
 
-    def run(self, indices: Iterator[int], start: int) -> Iterator[int]:
-        """``indices`` (from position ``start`` of the pass), with the fetches and needs as they are reached."""
-        if not self.group:
-            yield from indices
-            return
-        seg = int(np.searchsorted(self.begin, start, side="right")) - 1
-        self._enter(seg)
-        edge = int(self.begin[seg + 1]) if seg + 1 < len(self.group) else self.size
-        left: collections.deque[tuple[int, int]] = collections.deque()  # (position it is due, run left)
-        j = start
-        for i in indices:
-            if j >= edge:
-                left.append((j + self.source.lag, seg))
-                seg += 1
-                self._enter(seg)
-                edge = int(self.begin[seg + 1]) if seg + 1 < len(self.group) else self.size
-            while left and j >= left[0][0]:
-                self._leave(left.popleft()[1])
-            j += 1
-            yield i
-        for _, done in left:
-            self._leave(done)
-        self._leave(seg)
-
     def _leave(self, seg: int) -> None:
-        g, again = self.group[seg], self.next_same[seg]
+        g, again = self.unit[seg], self.next_same[seg]
         self.source.remote.need([self.source.entry(g)], None if again < 0 else int(self.begin[again]))
         self.asked.discard(g)  # it may be evicted before it is read again: ask the node again then
         self.live[g] -= 1
@@ -314,13 +279,13 @@ class GroupPass:
     def _enter(self, seg: int) -> None:
         """Run ``seg`` starts being handed out: fetch the next groups of the order not being read now, nearest
         first, and mark them needed where they are first read."""
-        self.live[self.group[seg]] += 1
+        self.live[self.unit[seg]] += 1
         sizes, total = self.source.groups, 0
-        self.entered += sizes.size(self.group[seg])
+        self.entered += sizes.size(self.unit[seg])
         budget = min(self.source.read_ahead, RAMP + 2 * self.entered)
         ahead: dict[int, int] = {}
-        for i in range(seg + 1, min(len(self.group), seg + 1 + SCAN)):
-            g = self.group[i]
+        for i in range(seg + 1, min(len(self.unit), seg + 1 + SCAN)):
+            g = self.unit[i]
             if total >= budget:
                 break
             if self.live[g] <= 0 and g not in ahead:

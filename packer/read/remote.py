@@ -234,43 +234,42 @@ class FetchedShard(ShardReader):
             self.inner.close()
 
 
-class PassPlan:
-    """A sampler's pass over storage positions ``stored`` in shard segments (runs of one shard): entering a
-    segment starts the next shards' fetches and tells the node's eviction policy when each is read next."""
+class Pass:
+    """A sampler's pass over storage positions in runs of one unit (a shard, or a ranged group: ``of`` gives each
+    position's unit): entering a run fetches the next units of the order; leaving it, ``lag`` positions later (read
+    by then), says when its unit is read next. Subclasses say what entering and leaving do."""
 
-    def __init__(self, files: RemoteShards, stored: np.ndarray) -> None:
-        self.files = files
-        shard_of = np.searchsorted(files.starts, np.asarray(stored, dtype=np.int64), side="right") - 1
-        self.begin = np.concatenate([[0], np.flatnonzero(np.diff(shard_of)) + 1]).astype(np.int64) \
-            if len(shard_of) else np.zeros(0, dtype=np.int64)
-        self.shard = shard_of[self.begin].tolist() if len(shard_of) else []
-        self.next_same = [-1] * len(self.shard)  # the segment where the same shard is read next, or -1
+    def __init__(self, of: np.ndarray, lag: int) -> None:
+        self.begin = np.concatenate([[0], np.flatnonzero(np.diff(of)) + 1]).astype(np.int64) \
+            if len(of) else np.zeros(0, dtype=np.int64)
+        self.unit: list[int] = of[self.begin].tolist() if len(of) else []
+        self.next_same = [-1] * len(self.unit)  # the run where the same unit is read next, or -1
         seen: dict[int, int] = {}
-        for i in range(len(self.shard) - 1, -1, -1):
-            self.next_same[i] = seen.get(self.shard[i], -1)
-            seen[self.shard[i]] = i
-        self.size = len(shard_of)
-        self.asked: set[int] = set()  # shards this pass fetched ahead and has not read since
-        self.live: collections.Counter[int] = collections.Counter()  # shards entered and not yet left (local)
+        for i in range(len(self.unit) - 1, -1, -1):
+            self.next_same[i] = seen.get(self.unit[i], -1)
+            seen[self.unit[i]] = i
+        self.size = len(of)
+        self.lag = lag
+        self.asked: set[int] = set()  # units this pass fetched ahead and has not read since
+        self.live: collections.Counter[int] = collections.Counter()  # units entered and not yet left
 
     def run(self, indices: Iterator[int], start: int) -> Iterator[int]:
         """``indices`` (from position ``start`` of the pass), with the fetches and needs as they are reached."""
-        if not self.shard:
+        if not self.unit:
             yield from indices
             return
         seg = int(np.searchsorted(self.begin, start, side="right")) - 1
-        self._first_uses(seg)
+        self._starting(seg)
         self._enter(seg)
-        edge = int(self.begin[seg + 1]) if seg + 1 < len(self.shard) else self.size
-        left: collections.deque[tuple[int, int]] = collections.deque()  # (position it is due, segment left)
-        lag = self.files.lag
+        edge = int(self.begin[seg + 1]) if seg + 1 < len(self.unit) else self.size
+        left: collections.deque[tuple[int, int]] = collections.deque()  # (position it is due, run left)
         j = start
         for i in indices:
             if j >= edge:
-                left.append((j + lag, seg))
+                left.append((j + self.lag, seg))
                 seg += 1
                 self._enter(seg)
-                edge = int(self.begin[seg + 1]) if seg + 1 < len(self.shard) else self.size
+                edge = int(self.begin[seg + 1]) if seg + 1 < len(self.unit) else self.size
             while left and j >= left[0][0]:
                 self._leave(left.popleft()[1])
             j += 1
@@ -279,34 +278,53 @@ class PassPlan:
             self._leave(done)
         self._leave(seg)  # the pass was read to its end
 
+    def _starting(self, seg: int) -> None:
+        """Before the first run ``seg`` is entered (nothing by default)."""
+
+    def _enter(self, seg: int) -> None:
+        raise NotImplementedError
+
+    def _leave(self, seg: int) -> None:
+        raise NotImplementedError
+
+
+class PassPlan(Pass):
+    """A pass in shard segments (runs of one shard): entering a segment starts the next shards' fetches and tells
+    the node's eviction policy when each is read next."""
+
+    def __init__(self, files: RemoteShards, stored: np.ndarray) -> None:
+        super().__init__(np.searchsorted(files.starts, np.asarray(stored, dtype=np.int64), side="right") - 1,
+                         files.lag)
+        self.files = files
+
     def _need(self, shard: int, seg: int) -> None:
         self.files.remote.need(self.files.entries(shard), None if seg < 0 else int(self.begin[seg]))
 
-    def _first_uses(self, seg: int) -> None:
+    def _starting(self, seg: int) -> None:
         """Each shard of the pass from ``seg`` on: needed at its first use (entries of the last pass no longer
         read go first)."""
         first: dict[int, int] = {}
-        for i in range(seg, len(self.shard)):
-            first.setdefault(self.shard[i], i)
+        for i in range(seg, len(self.unit)):
+            first.setdefault(self.unit[i], i)
         for shard, i in first.items():
             self._need(shard, i)
 
     def _leave(self, seg: int) -> None:
         """Segment ``seg`` was handed out ``lag`` indices ago (read by now): its shard is needed next where the
         order reads it again, or never this pass (evicted first)."""
-        self._need(self.shard[seg], self.next_same[seg])
-        self.asked.discard(self.shard[seg])  # it may be evicted before it is read again: ask the node again then
-        self.live[self.shard[seg]] -= 1
+        self._need(self.unit[seg], self.next_same[seg])
+        self.asked.discard(self.unit[seg])  # it may be evicted before it is read again: ask the node again then
+        self.live[self.unit[seg]] -= 1
 
     def _enter(self, seg: int) -> None:
         """Segment ``seg`` starts being handed out: fetch the next shards of the order not being read now."""
-        self.live[self.shard[seg]] += 1
+        self.live[self.unit[seg]] += 1
         ahead: list[int] = []
-        for i in range(seg + 1, min(len(self.shard), seg + 1 + SCAN)):
+        for i in range(seg + 1, min(len(self.unit), seg + 1 + SCAN)):
             if len(ahead) >= self.files.read_ahead:
                 break
-            if self.live[self.shard[i]] <= 0 and self.shard[i] not in ahead:
-                ahead.append(self.shard[i])
+            if self.live[self.unit[i]] <= 0 and self.unit[i] not in ahead:
+                ahead.append(self.unit[i])
         for distance, shard in enumerate(ahead, 1):
             if shard not in self.asked:
                 self.asked.add(shard)
