@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from support.imagesets import jpeg_bytes, make_imagefolder
-from support.storage_servers import CREDENTIALS, Emulated, s3_store, upload
+from support.storage_servers import CREDENTIALS, Emulated, open_served, read_all, s3_store, serve_copy, upload
 from torch.utils.data import DataLoader
 
 import packer
@@ -47,16 +47,13 @@ def datasets(tmp_path_factory):
 @pytest.fixture
 def served(tmp_path, datasets):
     """A fresh emulated store (its counts this test's) serving the lmdb dataset as s3://bucket/ds.lmdb."""
-    shutil.copytree(datasets / "ds.lmdb", tmp_path / "root" / "ds.lmdb")
-    server = Emulated(tmp_path / "root")
+    server = serve_copy(datasets / "ds.lmdb", tmp_path / "root")
     yield server
     server.stop()
 
 
 def _open(server, tmp_path, url: str = URL, cache: str = "cache", **kw):
-    kw.setdefault("cache_limit", "64MB")
-    return open_dataset(url, cache_dir=tmp_path / cache, storage_options={**CREDENTIALS,
-                        "endpoint": server.server.endpoint}, **kw)
+    return open_served(server, tmp_path / cache, url, **kw)
 
 
 def _counts(server) -> dict:
@@ -143,15 +140,6 @@ def test_epoch_one_fetches_at_most_1_1x_what_it_delivers_and_epoch_two_nothing(s
         assert (two["gets"], two["body_bytes"]) == (one["gets"], one["body_bytes"])
 
 
-def _read_all(ds, how: str) -> None:
-    if how == "main":
-        ds.__getitems__(list(range(len(ds))))
-    elif how == "fork":
-        list(DataLoader(ds, batch_size=6, num_workers=2, collate_fn=packer.collate, multiprocessing_context="fork"))
-    else:
-        list(ThreadLoader(ds, batch_size=6, num_threads=2))
-
-
 @pytest.mark.parametrize("how", ["main", "fork", "threads"])
 def test_a_damaged_byte_of_a_payload_in_the_bucket_is_one_error_naming_its_url(served, tmp_path, datasets, how):
     ranges = PayloadRanges.load(datasets / "ds.lmdb", (local := open_dataset(datasets / "ds.lmdb")).manifest,
@@ -165,7 +153,7 @@ def test_a_damaged_byte_of_a_payload_in_the_bucket_is_one_error_naming_its_url(s
     served.write(f"ds.lmdb/{name}", bytes(data))
     with _open(served, tmp_path, image="tensor") as ds:
         with pytest.raises(ChecksumMismatch, match=rf"s3://bucket/ds.lmdb/{name} bytes \d+-\d+: crc32 "):
-            _read_all(ds, how)
+            read_all(ds, how)
 
 
 def test_a_damaged_node_cache_entry_is_an_error_naming_the_url_never_pixels(served, tmp_path):

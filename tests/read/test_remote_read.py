@@ -14,7 +14,16 @@ import numpy as np
 import pytest
 import torch
 from support.imagesets import make_imagefolder
-from support.storage_servers import CREDENTIALS, Emulated, s3_store, upload, wait_until
+from support.storage_servers import (
+    CREDENTIALS,
+    Emulated,
+    open_served,
+    read_all,
+    s3_store,
+    serve_copy,
+    upload,
+    wait_until,
+)
 from torch.utils.data import DataLoader
 
 import packer
@@ -47,8 +56,7 @@ def datasets(tmp_path_factory):
 @pytest.fixture
 def served(tmp_path, datasets):
     """A fresh emulated store (its counts this test's) serving the lmdb dataset as s3://bucket/ds.lmdb."""
-    shutil.copytree(datasets / "ds.lmdb", tmp_path / "root" / "ds.lmdb")
-    server = Emulated(tmp_path / "root")
+    server = serve_copy(datasets / "ds.lmdb", tmp_path / "root")
     yield server
     server.stop()
 
@@ -58,9 +66,8 @@ def _options(server) -> dict:
 
 
 def _open(server, tmp_path, url: str = URL, cache: str = "cache", **kw):
-    kw.setdefault("cache_limit", "64MB")
     kw.setdefault("remote_mode", "shard")  # these tests are whole-shard mode's (ranged: test_ranged_read.py)
-    return open_dataset(url, cache_dir=tmp_path / cache, storage_options=_options(server), **kw)
+    return open_served(server, tmp_path / cache, url, **kw)
 
 
 def _counts(server) -> dict:
@@ -272,15 +279,6 @@ def test_eviction_keeps_the_shard_the_pass_reads_again_soonest(served, tmp_path)
 # ---- faults, in the main process, forked DataLoader workers and ThreadLoader threads ----
 
 
-def _read_all(ds, how: str) -> None:
-    if how == "main":
-        ds.__getitems__(list(range(len(ds))))
-    elif how == "fork":
-        list(DataLoader(ds, batch_size=6, num_workers=2, collate_fn=packer.collate, multiprocessing_context="fork"))
-    else:
-        list(ThreadLoader(ds, batch_size=6, num_threads=2))
-
-
 @pytest.mark.parametrize("how", ["main", "fork", "threads"])
 def test_a_shard_replaced_mid_epoch_is_one_error_naming_the_url(served, tmp_path, how):
     with _open(served, tmp_path, image="tensor") as ds:
@@ -289,7 +287,7 @@ def test_a_shard_replaced_mid_epoch_is_one_error_naming_the_url(served, tmp_path
         path = served.root / "ds.lmdb" / last
         served.write(f"ds.lmdb/{last}", path.read_bytes()[::-1])  # a new upload: a new ETag
         with pytest.raises(DatasetReplaced, match="s3://bucket/ds.lmdb: the dataset was replaced while being read"):
-            _read_all(ds, how)
+            read_all(ds, how)
 
 
 @pytest.mark.parametrize("how", ["main", "fork", "threads"])
@@ -302,7 +300,7 @@ def test_a_damaged_shard_is_one_error_naming_its_url_never_pixels(served, tmp_pa
     served.write(f"ds.lmdb/{name}", bytes(data))
     with _open(served, tmp_path, cache="other", image="tensor") as ds:
         with pytest.raises(ChecksumMismatch, match=f"s3://bucket/ds.lmdb/{name}: sha256"):
-            _read_all(ds, how)
+            read_all(ds, how)
 
 
 def test_404_403_at_open_and_no_credentials_in_repr_or_errors(served, tmp_path):

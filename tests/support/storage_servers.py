@@ -106,13 +106,27 @@ def user_environment(monkeypatch, endpoint: str) -> None:
         monkeypatch.setenv(name, value)
 
 
-def served_as_a_user(dataset: Path, root: Path, monkeypatch, name: str | None = None) -> Emulated:
-    """``dataset`` copied under ``root`` and served as s3://bucket/<name> (its own name by default), the
-    environment set as a user's would be; the caller stops the server."""
+def serve_copy(dataset: Path, root: Path, name: str | None = None) -> Emulated:
+    """``dataset`` copied under ``root`` and served by a fresh emulated store (its counts the caller's) as
+    s3://bucket/<name> (its own name by default); the caller stops the server."""
     shutil.copytree(dataset, root / (name or dataset.name))
-    server = Emulated(root)
+    return Emulated(root)
+
+
+def served_as_a_user(dataset: Path, root: Path, monkeypatch, name: str | None = None) -> Emulated:
+    """``serve_copy``, the environment set as a user's would be."""
+    server = serve_copy(dataset, root, name)
     user_environment(monkeypatch, server.server.endpoint)
     return server
+
+
+def open_served(server: Emulated, cache_dir: Path, url: str, **kw):
+    """``open_dataset(url)`` through ``server`` with test credentials, a 64 MB cache limit unless given."""
+    from packer.read.dataset import open_dataset
+
+    kw.setdefault("cache_limit", "64MB")
+    return open_dataset(url, cache_dir=cache_dir, storage_options={**CREDENTIALS, "endpoint": server.server.endpoint},
+                        **kw)
 
 
 def s3_spec(endpoint: str, url: str, policy: RetryPolicy = FAST_POLICY) -> StoreSpec:
@@ -146,3 +160,19 @@ def wait_until(check, what: str, tries: int = 600, pause: float = 0.05) -> None:
             return
         time.sleep(pause)
     raise AssertionError(f"never happened: {what}")
+
+
+def read_all(ds, how: str) -> None:
+    """Every sample of ``ds`` read in the main process (``main``), by 2 forked DataLoader workers (``fork``) or 2
+    ThreadLoader threads (``threads``): where a fault must surface the same."""
+    import packer
+    from packer.read.threaded import ThreadLoader
+
+    if how == "main":
+        ds.__getitems__(list(range(len(ds))))
+    elif how == "fork":
+        from torch.utils.data import DataLoader
+
+        list(DataLoader(ds, batch_size=6, num_workers=2, collate_fn=packer.collate, multiprocessing_context="fork"))
+    else:
+        list(ThreadLoader(ds, batch_size=6, num_threads=2))
