@@ -8,8 +8,9 @@ Synthetic photos (packer's generator, 500x375 JPEGs) are written four ways under
 store (packer/storage/emulate.py: an S3 subset, --latency seconds before each response's first byte, one link of
 --mbit Mbit/s for all connections) serves as bucket ``packer`` from its own process:
 
-- packer: ``convert --to lmdb --shard-size``, read by ``open_dataset("s3://packer/ds.lmdb")`` (whole-shard mode,
-  the node's downloader) with ``BlockShuffleSampler`` and a DataLoader;
+- packer: ``convert --to lmdb --shard-size``, read by ``open_dataset("s3://packer/ds.lmdb")`` (its default,
+  ranged mode: the lmdb records its payloads' ranges; the node's downloader) with ``BlockShuffleSampler`` and a
+  DataLoader;
 - LitData: ``litdata.optimize`` (chunks of --shard-size holding the JPEG bytes and the label), read by
   ``litdata.StreamingDataset("s3://packer/litdata", shuffle=True)`` and ``StreamingDataLoader``, the endpoint in
   ``storage_options`` (boto3's ``endpoint_url``);
