@@ -98,7 +98,7 @@ class GroupPending(Pending):
         self.futures, self.item_future = futures, item_future
 
     def wait(self, k: int, timeout: float = 60.0) -> None:
-        concurrent.futures.wait([self.futures[self.item_future[k]]])  # errors: raised by payloads, named
+        concurrent.futures.wait([self.futures[self.item_future[k]]], timeout)  # errors: raised by payloads, named
 
     def wait_all(self, items: Sequence[int]) -> None:
         concurrent.futures.wait({self.futures[self.item_future[k]] for k in items})
