@@ -31,7 +31,7 @@ from packer.layout.remote import RemoteDataset
 from packer.perprocess import PerProcess
 from packer.read.hints import Ahead
 from packer.read.readahead import Pending
-from packer.read.remote import Pass, RemoteShards
+from packer.read.remote import Pass, RemoteShards, cancel_all
 from packer.read.source import SampleSource
 from packer.read.store import ShardFiles
 from packer.storage.cache import check
@@ -252,9 +252,7 @@ class RangedSource(SampleSource):
         state = self._process.peek()
         if state is not None:
             with state.lock:
-                for fut in state.futures.values():
-                    fut.cancel()  # read-ahead nobody waits for any more
-                state.futures.clear()
+                cancel_all(state.futures)
 
     def __repr__(self) -> str:
         return f"RangedSource({self.name!r}, groups={len(self.groups)})"

@@ -93,9 +93,7 @@ class RemoteShards:
         state = self._process.peek()
         if state is not None:
             with state.lock:
-                for fut in state.futures.values():
-                    fut.cancel()  # read-ahead nobody waits for any more
-                state.futures.clear()
+                cancel_all(state.futures)
                 state.opened.clear()
         self.remote.close()
 
@@ -232,6 +230,13 @@ class FetchedShard(ShardReader):
     def close(self) -> None:
         if self.inner is not None:
             self.inner.close()
+
+
+def cancel_all(futures: dict[int, concurrent.futures.Future]) -> None:
+    """Cancel this process's fetches (read-ahead nobody waits for any more) and forget them."""
+    for fut in futures.values():
+        fut.cancel()
+    futures.clear()
 
 
 class Pass:
