@@ -73,7 +73,8 @@ class BenchOptions:
     read_bps: int | None = None
 
 
-def _check_options(o: BenchOptions) -> None:
+def check_options(o: BenchOptions) -> None:
+    """Every level, order and cache state asked is one bench knows, and each list is non-empty (local and URL)."""
     for name, given, allowed in (("level", o.levels, BENCH_LEVELS), ("order", o.orders, BENCH_ORDERS),
                                  ("cache", o.caches, CACHE_STATES)):
         bad = [v for v in given if v not in allowed]
@@ -322,7 +323,7 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
     from packer.diagnose.throttle import resolve_limits, throttled
 
     o = options or BenchOptions()
-    _check_options(o)
+    check_options(o)
     log = log or (lambda s: None)
     if not paths:
         raise PackerError("give at least one folder or packed dataset to benchmark")

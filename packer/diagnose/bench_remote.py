@@ -247,10 +247,10 @@ def run_remote_bench(targets: Sequence[Target], o: Any, opts: RemoteOptions | No
                      log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Bench each dataset at a URL (``o``: ``packer.diagnose.bench.BenchOptions``); the report, as ``run_bench``'s
     with the link's figures added to each row."""
-    from packer.diagnose.bench import _check_options
+    from packer.diagnose.bench import check_options
     from packer.diagnose.link import measure_link
 
-    _check_options(o)
+    check_options(o)
     opts = opts or RemoteOptions()
     log = log or (lambda s: None)
     levels, orders = check_remote(o)
