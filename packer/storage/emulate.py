@@ -101,6 +101,7 @@ class ServerStats:
     paced_bytes: int = 0
     paced_seconds: float = 0.0  # link time those bytes were given: paced_bytes / bandwidth
     connections: int = 0
+    open_connections: int = 0  # connections the server holds now
     active: int = 0  # object requests being answered now
     max_active: int = 0  # the most at once
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -132,6 +133,19 @@ class ServerStats:
                 if self.active == 0 or time.monotonic() >= deadline:
                     return {k: v for k, v in vars(self).items() if k != "lock"}
             time.sleep(0.001)
+
+    def closed(self, calm: float = 0.2, timeout: float = 10.0) -> dict[str, float]:
+        """The counters once every connection has ended and none opened for ``calm`` seconds: after its client is
+        killed, requests it had fully sent may still be in the server's socket buffers, unanswered."""
+        deadline, quiet_since, seen = time.monotonic() + timeout, time.monotonic(), -1
+        while True:
+            with self.lock:
+                now, state = time.monotonic(), (self.connections, self.open_connections, self.active)
+                if state != seen or self.open_connections or self.active:
+                    quiet_since, seen = now, state
+                if now - quiet_since >= calm or now >= deadline:
+                    return {k: v for k, v in vars(self).items() if k != "lock"}
+            time.sleep(0.005)
 
 
 class Link:
@@ -184,7 +198,13 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.server.store.stats.add(connections=1)
+        self.server.store.stats.add(connections=1, open_connections=1)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.server.store.stats.add(open_connections=-1)
 
     def _target(self) -> tuple[str, str, dict[str, list[str]]]:
         parts = urlsplit(self.path)

@@ -98,3 +98,24 @@ def test_the_link_gives_each_chunk_its_own_slot_whatever_the_concurrency():
     assert len(starts) == 160 and min(gaps) >= slot * (1 - 1e-9)
     assert starts[-1] - starts[0] >= 159 * slot * (1 - 1e-9)  # 160 chunks take the link 160 slots
     assert Link(None).reserve(CHUNK) == 0.0  # unlimited: nothing is booked
+
+
+def test_closed_waits_for_requests_a_dead_client_had_fully_sent(tmp_path):
+    """A client that sends a PUT and vanishes at once: ``closed()`` returns only once the server has stored it (the
+    race a killed writer leaves: its last requests sit in the server's socket buffer, unanswered)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    root = tmp_path / "root"
+    root.mkdir()
+    srv = Emulated(root, latency=0.3)  # the server sleeps before answering: the client is gone by then
+    try:
+        where = urlsplit(srv.server.endpoint)
+        body = b"x" * 1000
+        with socket.create_connection((where.hostname, where.port)) as sock:
+            sock.sendall(b"PUT /bucket/late.bin HTTP/1.1\r\nHost: h\r\nContent-Length: 1000\r\n\r\n" + body)
+        counts = srv.server.stats.closed()
+        assert (root / "late.bin").read_bytes() == body
+        assert counts["open_connections"] == 0 and counts["active"] == 0 and counts["puts"] == 1
+    finally:
+        srv.stop()
