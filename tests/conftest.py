@@ -78,6 +78,24 @@ def pytest_runtest_protocol(item, nextitem):
         guard.uninstall()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_report_to_serializable(config, report):
+    """Reports sent from a pytest-xdist worker: a test about undecodable file names can capture text holding
+    surrogate escapes, which execnet refuses to send (the whole run then stops); they are sent as ``\\udcff``."""
+    data = yield
+    return _utf8(data)
+
+
+def _utf8(value):
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(value, dict):
+        return {_utf8(k): _utf8(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_utf8(v) for v in value)
+    return value
+
+
 def turbojpeg_or_skip(required: bool):
     """The process's TurboJPEG handle; skips without libturbojpeg, or fails if it is required."""
     from packer.images.decode import turbojpeg_handle, turbojpeg_missing_reason

@@ -130,10 +130,10 @@ from packer.write.lock import OutputLock
 
 lock = OutputLock.take(Path(sys.argv[1]), Path(sys.argv[2]))
 child = os.fork()  # a pool worker, forked while the lock is held
-if child == 0:
+if child == 0:  # says so once the fork hooks have run in it (it may be scheduled after the parent is killed)
+    print(os.getpid(), flush=True)
     time.sleep(120)
     os._exit(0)
-print(child, flush=True)
 time.sleep(120)
 """
 
