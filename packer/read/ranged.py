@@ -1,7 +1,7 @@
 """A packed dataset at a URL read in ranged mode: the batches' payloads from large ranged GETs into the node's cache.
 
 Where a conversion recorded each sample's payload range and CRC-32 (packer.layout.ranges), the samples are cut
-into *groups* of neighbours (about ``group_bytes`` of one file, adjacent payloads, never across a shard): a group
+into *groups* of neighbours in file order (about ``group_bytes`` of one file, never across a shard; ``Groups``): a group
 is one ranged GET and one entry of the node's cache, fetched by the node's downloader with every sample's CRC-32
 checked before the entry exists (packer.storage.downloader), and read again by its payloads' offsets. The same
 groups every pass and in every process, so a second pass through a cache as large as the dataset is all hits.
@@ -41,37 +41,49 @@ READ_AHEAD = 32 << 20  # bytes of groups a sampler's pass fetches ahead of the r
 RAMP = 8 << 20  # read-ahead at a pass's start, growing by twice what the pass entered: the first batch's GETs
 # do not share the link with a full window of read-ahead
 GAP = 64 << 10  # payloads this close (an lmdb page's keys between them) share a group; farther apart, a new one
+SLACK = 1 / 16  # of a file's payload bytes, at most this many more are fetched with them (bytes between payloads)
 LAG = 512  # indices handed out after a group's run before it counts as read (a DataLoader's batches in flight)
 SCAN = 10_000  # runs of the order looked through for the next groups
 TRIES = 3  # reads of a group's entry evicted between its fetch and its opening before giving up
 
 
 class Groups:
-    """The groups of a dataset: per sample its group; per group its storage positions [first, stop), its file
-    (the manifest's name) and its bytes [start, end) there."""
+    """The groups of a dataset: per sample its group; per group its samples (``members[first:stop]``, storage
+    positions in file order), its file (the manifest's name) and its bytes [start, end) there.
+
+    Groups are made by file offset, not by storage order: each file's payloads sorted by offset, neighbours joined
+    into runs across the bytes between them (gaps under ``gap``, the largest of a file left out until those bridged
+    hold at most ``slack`` of its payload bytes: ``_bridged``), each run cut every ``group_bytes``. Where payloads
+    lie in storage order (photos in lmdb's overflow pages, memmap, hdf5, ...) that is a run of storage order; lmdb's
+    small values lie in its leaf pages, several to a page in descending order and the pages not quite in order, so
+    a group of storage order would be a few values spanning other values' bytes (fetched twice), and the free
+    space at each leaf page's end is their ``slack``."""
 
     def __init__(self, ranges: PayloadRanges, nbytes: np.ndarray, files: Sequence[Sequence[str]],
-                 counts: Sequence[int], group_bytes: int = GROUP_BYTES, gap: int = GAP) -> None:
+                 counts: Sequence[int], group_bytes: int = GROUP_BYTES, gap: int = GAP, slack: float = SLACK) -> None:
         n = len(nbytes)
         base = np.concatenate([[0], np.cumsum([len(f) for f in files])[:-1]]).astype(np.int64)
         self.names = [name for shard in files for name in shard]
         gfile = np.repeat(base, counts) + ranges.file.astype(np.int64)
         off = ranges.offset.astype(np.int64)
         end = off + nbytes.astype(np.int64)
+        self.members = np.lexsort((off, gfile)).astype(np.int64)  # by file, then offset (ties: storage order)
+        f, o, e = gfile[self.members], off[self.members], end[self.members]
         brk = np.ones(n, dtype=bool)
-        if n > 1:  # another file, a payload before the last one's end, or too far after it: a new run
-            brk[1:] = (gfile[1:] != gfile[:-1]) | (off[1:] < end[:-1]) | (off[1:] - end[:-1] > gap)
-        run_start = off[np.flatnonzero(brk)][np.cumsum(brk) - 1] if n else off
-        cut = (np.maximum(end - 1, off) - run_start) // max(1, group_bytes)  # a run cut every group_bytes
+        if n > 1:  # another file, too far after the last payload's end, or a gap cut for the slack: a new run
+            brk[1:] = ~_bridged(f, o, e, gap, slack)
+        run_start = o[np.flatnonzero(brk)][np.cumsum(brk) - 1] if n else o
+        cut = (np.maximum(e - 1, o) - run_start) // max(1, group_bytes)  # a run cut every group_bytes
         new = brk.copy()
         if n > 1:
             new[1:] |= cut[1:] != cut[:-1]
-        self.of = (np.cumsum(new) - 1).astype(np.int64)
+        self.of = np.empty(n, dtype=np.int64)
+        self.of[self.members] = np.cumsum(new) - 1
         self.first = np.flatnonzero(new).astype(np.int64)
         self.stop = np.append(self.first[1:], n).astype(np.int64)
-        self.file = gfile[self.first] if n else gfile
-        self.start = off[self.first] if n else off
-        self.end = np.maximum.reduceat(end, self.first) if n else end
+        self.file = f[self.first] if n else f
+        self.start = o[self.first] if n else o
+        self.end = np.maximum.reduceat(e, self.first) if n else e
         self.offset, self.nbytes, self.crc = off, nbytes.astype(np.int64), ranges.crc32
 
     def __len__(self) -> int:
@@ -84,10 +96,31 @@ class Groups:
         return self.names[int(self.file[g])]
 
     def pieces(self, g: int) -> list[tuple[int, int, str, str]]:
-        """Each payload of group ``g`` with its CRC-32, as the downloader checks them."""
-        a, b = int(self.first[g]), int(self.stop[g])
+        """Each payload of group ``g`` with its CRC-32, as the downloader checks them (in file order)."""
+        at = self.members[int(self.first[g]):int(self.stop[g])]
         return [(o, o + n, ALGORITHM, f"{c:08x}") for o, n, c in
-                zip(self.offset[a:b].tolist(), self.nbytes[a:b].tolist(), self.crc[a:b].tolist(), strict=True)]
+                zip(self.offset[at].tolist(), self.nbytes[at].tolist(), self.crc[at].tolist(), strict=True)]
+
+
+def _bridged(f: np.ndarray, o: np.ndarray, e: np.ndarray, gap: int, slack: float) -> np.ndarray:
+    """Per pair of neighbours in file order (``f``, ``o``, ``e``: file, offset and end of each payload, sorted by
+    file and offset): whether one GET reads across the bytes between them. Not across files nor gaps over ``gap``;
+    of a file's other gaps the largest are left out until the rest hold at most ``slack`` times its payload bytes,
+    so that a pass fetches at most ``1 + slack`` times what it delivers in the fewest GETs that allow it."""
+    between = o[1:] - e[:-1]
+    bridged = (f[1:] == f[:-1]) & (between <= gap)
+    cand = np.flatnonzero(bridged & (between > 0))
+    if not len(cand):
+        return bridged
+    cand = cand[np.lexsort((-between[cand], f[cand + 1]))]  # per file, the largest gap first
+    owner, sizes = f[cand + 1], between[cand]
+    payload = np.bincount(f, weights=e - o)
+    excess = np.bincount(owner, weights=sizes, minlength=len(payload)) - slack * payload  # bytes to leave out
+    done = np.cumsum(sizes)
+    first = np.searchsorted(owner, owner)  # each file's first gap in ``cand``
+    before = done - sizes - (done[first] - sizes[first])  # bytes of the file's larger gaps left out before this
+    bridged[cand[before < excess[owner]]] = False
+    return bridged
 
 
 class GroupPending(Pending):

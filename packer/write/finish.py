@@ -69,7 +69,8 @@ def seal(output: Output, index: Index, errors: list[SourceError], ignored: Mappi
     partial = output.folder
     specs = dict(specs or {})
     names = index.save(partial) + save_fields(partial, specs, columns or {})
-    ranges = record_ranges(partial, manifest, index)  # where payloads are plain byte ranges: ranged reads by URL
+    # where payloads are plain byte ranges: ranged reads by URL (a bucket's shards: the ranges kept as uploaded)
+    ranges = record_ranges(partial, manifest, index, output.recorded_ranges)
     names += [] if ranges is None else ranges.save(partial)
     manifest.meta_files = [file_info(partial, n) for n in names]
     manifest.num_samples, manifest.num_errors = len(index), len(errors)

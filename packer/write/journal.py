@@ -56,9 +56,15 @@ class ShardResult:
     stats: list[list[int] | None] = field(default_factory=list)  # [size, mtime_ns] of each source as read
     errors: list[SourceError] = field(default_factory=list)
     rewritten: int = 0  # samples stored rewritten (--jpeg-restarts), not as their source's bytes
+    # per sample: the file, offset and CRC-32 of its payload ("file", "offset", "crc32": packer.layout.ranges),
+    # kept by an output in a bucket while the shard's files were local; None elsewhere (read at the end instead)
+    ranges: dict[str, list[int]] | None = None
 
     def to_json(self) -> str:
-        return dumps_lossless(asdict(self))
+        data = asdict(self)
+        if data["ranges"] is None:
+            del data["ranges"]  # a local output's entry stays as it was
+        return dumps_lossless(data)
 
     @classmethod
     def from_json(cls, text: str, where: str) -> ShardResult:
@@ -80,14 +86,28 @@ class ShardResult:
                 stats=[None if v is None else [int(v[0]), int(v[1])] for v in data["stats"]],
                 errors=[SourceError.from_json(e) for e in data["errors"]],
                 rewritten=int(data.get("rewritten", 0)),
+                ranges=_ranges(data.get("ranges")),
             )
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise DatasetError(f"{where}: damaged journal entry ({exc})") from exc
         n = result.shard.num_samples
         if not all(len(v) == n for v in (result.rel_paths, result.labels, result.heights, result.widths, result.nbytes,
-                                         result.stats)):
+                                         result.stats, *(result.ranges or {}).values())):
             raise DatasetError(f"{where}: damaged journal entry (lengths disagree)")
         return result
+
+
+RANGE_LIMITS = {"file": 1 << 31, "offset": 1 << 63, "crc32": 1 << 32}  # what each fits (packer.layout.ranges)
+
+
+def _ranges(data: Any) -> dict[str, list[int]] | None:
+    """A journal entry's payload ranges: three lists of ints in their dtypes' bounds (ValueError where not)."""
+    if data is None:
+        return None
+    got = {key: [int(v) for v in data[key]] for key in RANGE_LIMITS}
+    if any(not 0 <= v < RANGE_LIMITS[key] for key, values in got.items() for v in values):
+        raise ValueError("a payload range out of bounds")
+    return got
 
 
 def scan_digest(scan: ScanResult) -> str:

@@ -19,8 +19,9 @@ from typing import Any
 
 from packer.errors import OptionError, OutputExistsError, PackerError, arg
 from packer.layout.fsutil import fsync_dir, fsync_tree
-from packer.layout.manifest import MANIFEST_NAME, holds_dataset
+from packer.layout.manifest import MANIFEST_NAME, Shard, holds_dataset
 from packer.layout.partial import JOURNAL_DIR, OLD_TAG, PARTIAL_SUFFIX, made_by_packer, read_swap
+from packer.layout.ranges import PayloadRanges
 from packer.layout.wdsexport import holds_wds_export
 from packer.write.journal import ShardResult, load_done_shards, read_plan, record_shard, write_plan, write_swap
 from packer.write.lock import OutputLock, check_free
@@ -266,6 +267,11 @@ class Output:
     def shard_done(self, result: ShardResult, names: list[str]) -> ShardResult:
         """A shard's files are all written: flush and checksum them, then journal the shard as done."""
         return record_shard(self.folder, result, names)
+
+    def recorded_ranges(self, shard: Shard) -> PayloadRanges | None:
+        """The payload ranges kept for a finished ``shard`` whose files are no longer in ``folder`` (none here: a
+        local output's shards stay, and their ranges are read from them at the end: ``write.ranges``)."""
+        return None
 
     def seal(self, write_last: Callable[[Path], None]) -> None:
         """Flush everything written, write the file that marks the output complete (``write_last(folder)``: the

@@ -15,6 +15,7 @@ import logging
 import mmap
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -22,8 +23,8 @@ import numpy as np
 from packer.formats import get_format
 from packer.formats.filemap import map_readonly, open_checked
 from packer.layout.index import Index
-from packer.layout.manifest import Manifest
-from packer.layout.ranges import PayloadRanges
+from packer.layout.manifest import Manifest, Shard
+from packer.layout.ranges import DTYPES, RANGE_FILES, PayloadRanges
 
 log = logging.getLogger(__name__)
 STEP = 256  # samples asked of a reader at once
@@ -36,41 +37,58 @@ def payload_bytes(payload: object) -> memoryview:
     return memoryview(payload).cast("B")  # type: ignore[arg-type]
 
 
-def record_ranges(folder: Path, manifest: Manifest, index: Index) -> PayloadRanges | None:
+def record_ranges(folder: Path, manifest: Manifest, index: Index,
+                  recorded: Callable[[Shard], PayloadRanges | None] | None = None) -> PayloadRanges | None:
     """The payload ranges of the dataset written in ``folder`` (its shards finished, ``manifest.shards`` and
-    ``index`` filled in), or None where some sample's payload is not a plain byte range of a shard file, or the
-    shards are no longer there (uploaded to a bucket and deleted from the staging folder)."""
+    ``index`` filled in), or None where some sample's payload is not a plain byte range of a shard file. A shard
+    whose files are no longer there (uploaded to a bucket and deleted from the staging folder) takes the ranges
+    ``recorded`` kept for it while they were (``shard_ranges``); None where it kept none."""
     if manifest.payload not in ("encoded", "raw") or not manifest.num_samples:
         return None
-    if not all((folder / f.name).is_file() for shard in manifest.shards for f in shard.files):
-        return None  # an output in a bucket: its shards left the staging folder once uploaded (docs/remote.md)
-    fmt = get_format(manifest.format)
-    n = manifest.num_samples
-    files = np.zeros(n, dtype="<i4")
-    offsets = np.zeros(n, dtype="<i8")
-    crcs = np.zeros(n, dtype="<u4")
+    parts: list[PayloadRanges] = []
     at = 0
     for shard in manifest.shards:
-        reader = fmt.Reader(folder, shard, manifest.payload, access="sequential")
-        maps: dict[str, tuple[int, mmap.mmap | None]] = {}
-        try:
-            names = {os.path.realpath(folder / f.name): j for j, f in enumerate(shard.files)}
-            for lo in range(0, shard.num_samples, STEP):
-                positions = list(range(lo, min(lo + STEP, shard.num_samples)))
-                for p, spans, payload in zip(positions, reader.file_spans(positions), reader.read_many(positions),
-                                             strict=True):
-                    data = payload_bytes(payload)
-                    got = _locate(spans, data, names, maps) if len(data) == int(index.nbytes[at + p]) else None
-                    if got is None:
-                        log.debug("%s: sample %d of a shard is no plain byte range: no ranged reads", folder, p)
-                        return None
-                    files[at + p], offsets[at + p], crcs[at + p] = got
-            at += shard.num_samples
-        finally:
-            for _j, mm in maps.values():
-                if mm is not None:
-                    mm.close()
-            reader.close()
+        nbytes = index.nbytes[at:at + shard.num_samples]
+        if all((folder / f.name).is_file() for f in shard.files):
+            got = shard_ranges(folder, shard, manifest.format, manifest.payload, nbytes)
+        else:
+            got = None if recorded is None else recorded(shard)
+        if got is None or len(got.file) != shard.num_samples:
+            return None
+        parts.append(got)
+        at += shard.num_samples
+    return PayloadRanges(*(np.concatenate([getattr(p, key) for p in parts]).astype(DTYPES[key])
+                           for key in RANGE_FILES))
+
+
+def shard_ranges(folder: Path, shard: Shard, fmt_name: str, payload: str, nbytes: np.ndarray) -> PayloadRanges | None:
+    """The payload ranges of one finished shard in ``folder`` (``nbytes``: its samples' payload sizes), or None
+    where some payload is not a plain byte range of one of its files (or the payload is neither encoded nor raw)."""
+    if payload not in ("encoded", "raw"):
+        return None
+    n = shard.num_samples
+    files = np.zeros(n, dtype=DTYPES["file"])
+    offsets = np.zeros(n, dtype=DTYPES["offset"])
+    crcs = np.zeros(n, dtype=DTYPES["crc32"])
+    reader = get_format(fmt_name).Reader(folder, shard, payload, access="sequential")
+    maps: dict[str, tuple[int, mmap.mmap | None]] = {}
+    try:
+        names = {os.path.realpath(folder / f.name): j for j, f in enumerate(shard.files)}
+        for lo in range(0, n, STEP):
+            positions = list(range(lo, min(lo + STEP, n)))
+            for p, spans, data in zip(positions, reader.file_spans(positions), reader.read_many(positions),
+                                      strict=True):
+                data = payload_bytes(data)
+                got = _locate(spans, data, names, maps) if len(data) == int(nbytes[p]) else None
+                if got is None:
+                    log.debug("%s: sample %d of a shard is no plain byte range: no ranged reads", folder, p)
+                    return None
+                files[p], offsets[p], crcs[p] = got
+    finally:
+        for _j, mm in maps.values():
+            if mm is not None:
+                mm.close()
+        reader.close()
     return PayloadRanges(files, offsets, crcs)
 
 

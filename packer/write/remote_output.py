@@ -26,9 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from packer.errors import OptionError, OutputExistsError, PackerError, arg
-from packer.layout.manifest import MANIFEST_NAME
+from packer.layout.fsutil import write_atomic
+from packer.layout.manifest import MANIFEST_NAME, Shard
 from packer.layout.partial import JOURNAL_DIR, REMOTE_LOCK, REMOTE_PARTIAL, REMOTE_PLAN
+from packer.layout.ranges import DTYPES, RANGE_FILES, PayloadRanges
 from packer.layout.report import ERRORS_NAME
 from packer.storage.client import ObjectInfo
 from packer.storage.faults import ObjectExists, ObjectNotFound, RetryPolicy, StorageError
@@ -38,6 +42,7 @@ from packer.sysinfo import pid_alive
 from packer.write.journal import ShardResult, changed_sources, record_shard, shard_entry
 from packer.write.lock import OutputLock
 from packer.write.output import Output
+from packer.write.ranges import shard_ranges
 from packer.write.shards import ShardWriteError
 from packer.write.sources.records import ScanResult
 
@@ -81,6 +86,7 @@ class RemoteOutput(Output):
         self.uploaded: set[str] = set()  # keys this run put
         self._plan: dict[str, Any] | None = None
         self._token = secrets.token_hex(8)  # this run's, in its lock: a writer whose lock was taken over stops
+        self._ranges: dict[tuple[tuple[str, str], ...], PayloadRanges] = {}  # uploaded shards' payload ranges
 
     # ---- names in messages and results
 
@@ -285,14 +291,20 @@ class RemoteOutput(Output):
                                                             for f in result.shard.files)
             if uploaded and not changed_sources(reader, locs, result):
                 done[shard_id] = result
+                if result.ranges is not None:  # kept when it was uploaded: its files are not here to read again
+                    self._ranges[_shard_key(result.shard)] = PayloadRanges(
+                        *(np.asarray(result.ranges[key], dtype=DTYPES[key]) for key in RANGE_FILES))
             else:
                 entry.unlink()
         return done
 
     def shard_done(self, result: ShardResult, names: list[str]) -> ShardResult:
-        """Checksum and journal the shard locally, upload its files (none for a shard without samples), then its
-        journal entry; its local files are deleted once uploaded."""
+        """Checksum and journal the shard locally with its payload ranges (read now, while its files are here: the
+        meta/ ranges files a local conversion writes at the end), upload its files (none for a shard without
+        samples), then its journal entry; its local files are deleted once uploaded."""
         result = record_shard(self.folder, result, names)
+        if result.shard.num_samples > 0 and self._keep_ranges(result):
+            write_atomic(shard_entry(self.folder, result.shard_id), result.to_json())
         self._check_lock()
         if result.shard.num_samples > 0:
             self._upload(names)
@@ -301,6 +313,22 @@ class RemoteOutput(Output):
         for name in names:
             _remove(self.folder, name)
         return result
+
+    def _keep_ranges(self, result: ShardResult) -> bool:
+        """Record the payload ranges of the shard whose files are in the staging folder (``write.ranges``), in
+        ``result`` (its journal entry: a ``resume`` keeps them) and for ``recorded_ranges``; False where the format
+        stores no plain ranges."""
+        options = (self._plan or {}).get("options", {})
+        got = shard_ranges(self.folder, result.shard, str(options.get("format")), str(options.get("payload")),
+                           np.asarray(result.nbytes, dtype=np.int64))
+        if got is None:
+            return False
+        result.ranges = {key: getattr(got, key).tolist() for key in RANGE_FILES}
+        self._ranges[_shard_key(result.shard)] = got
+        return True
+
+    def recorded_ranges(self, shard: Shard) -> PayloadRanges | None:
+        return self._ranges.get(_shard_key(shard))
 
     def _upload(self, names: list[str]) -> None:
         with ThreadPoolExecutor(max_workers=min(UPLOADS_IN_FLIGHT, max(1, len(names)))) as pool:
@@ -365,6 +393,11 @@ def _dataset_objects(manifest: Mapping[str, Any]) -> dict[str, int]:
     files = {f["name"]: int(f["num_bytes"]) for s in manifest["shards"] for f in s["files"]}
     files.update({f["name"]: int(f["num_bytes"]) for f in manifest.get("meta_files", [])})
     return files
+
+
+def _shard_key(shard: Shard) -> tuple[tuple[str, str], ...]:
+    """A finished shard as its files name it (each file's name and sha256)."""
+    return tuple((f.name, f.sha256) for f in shard.files)
 
 
 def _remove(folder: Path, name: str) -> None:

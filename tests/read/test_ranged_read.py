@@ -17,7 +17,7 @@ import packer
 from packer import PackerError, ThreadLoader, open_dataset
 from packer.errors import OptionError
 from packer.layout.ranges import PayloadRanges
-from packer.read.ranged import RangedSource
+from packer.read.ranged import GROUP_BYTES, SLACK, Groups, RangedSource
 from packer.read.store import ShardStore
 from packer.storage.cache import ChecksumMismatch
 from packer.write.convert import convert
@@ -54,6 +54,12 @@ def served(tmp_path, datasets):
 
 def _open(server, tmp_path, url: str = URL, cache: str = "cache", **kw):
     return open_served(server, tmp_path / cache, url, **kw)
+
+
+def _ranged(ds) -> RangedSource:
+    """The dataset's ranged source (its reader in ranged mode)."""
+    assert isinstance(ds.source, RangedSource)
+    return ds.source
 
 
 def _counts(server) -> dict:
@@ -113,7 +119,7 @@ def test_the_first_batch_fetches_only_its_samples_ranges_not_whole_shards(served
         batch = [int(i) for i in sampler.order(0)[:4]]
         ds.__getitems__(batch)  # one batch, no sampler pass followed: nothing read ahead
         after = _counts(served)
-        groups = ds.source.groups
+        groups = _ranged(ds).groups
         own = sorted({int(groups.of[ds.position(i)]) for i in batch})
         shards = {ds.locate(i)[0] for i in batch}
         shard_bytes = sum(f.num_bytes for k in shards for f in ds.manifest.shards[k].files)
@@ -159,7 +165,7 @@ def test_a_damaged_byte_of_a_payload_in_the_bucket_is_one_error_naming_its_url(s
 def test_a_damaged_node_cache_entry_is_an_error_naming_the_url_never_pixels(served, tmp_path):
     with _open(served, tmp_path, image="tensor") as ds:
         ds[0]
-        source = ds.source
+        source = _ranged(ds)
         g = int(source.groups.of[ds.position(0)])
         path = source.remote.client.path(source.entry(g))
         path.chmod(0o644)
@@ -188,7 +194,7 @@ def test_remote_mode_chooses_the_reader_and_is_refused_where_ranges_are_missing(
 def test_a_cache_smaller_than_the_dataset_reads_an_epoch_evicting_what_the_pass_has_read(served, tmp_path, datasets):
     local = open_dataset(datasets / "ds.lmdb", image="tensor")
     with _open(served, tmp_path, image="tensor", cache_limit=1 << 30) as probe:
-        sizes = [probe.source.groups.size(g) for g in range(len(probe.source.groups))]
+        sizes = [_ranged(probe).groups.size(g) for g in range(len(_ranged(probe).groups))]
     limit = 2 * max(sizes)
     assert sum(sizes) > 1.5 * limit  # the dataset is larger than the cache
     with _open(served, tmp_path, cache="small", image="tensor", cache_limit=limit) as ds:
@@ -199,7 +205,7 @@ def test_a_cache_smaller_than_the_dataset_reads_an_epoch_evicting_what_the_pass_
                   for img in imgs]
         assert sorted(order) == list(range(len(ds)))
         assert all(torch.equal(a, local[i][0]) for a, i in zip(images, order, strict=True))
-        stats = ds.source.remote.client.stats()
+        stats = _ranged(ds).remote.client.stats()
         assert stats["usage"] <= limit and stats["evicted"] > 0
 
 
@@ -210,3 +216,69 @@ def test_spawned_dataloader_workers_read_the_pickled_ranged_dataset(served, tmp_
         got = DataLoader(ds, batch_size=6, num_workers=1, collate_fn=packer.collate, multiprocessing_context="spawn")
         images = [img for imgs, _ in got for img in imgs]
         assert len(images) == len(ds) and all(torch.equal(a, local[i][0]) for i, a in enumerate(images))
+
+
+# ---------------------------------------------------------------- small payloads: groups by file offset
+
+
+def _groups(offsets: list[int], sizes: list[int], **kw) -> Groups:
+    n = len(offsets)
+    ranges = PayloadRanges(np.zeros(n, dtype="<i4"), np.asarray(offsets, dtype="<i8"), np.zeros(n, dtype="<u4"))
+    return Groups(ranges, np.asarray(sizes, dtype=np.int64), [["shard-00000.lmdb"]], [n], **kw)
+
+
+def test_groups_follow_file_offsets_not_storage_order():
+    # lmdb's leaf pages: 3 values of 1,000 bytes to a 4 KB page, written from the page's end backwards (storage
+    # order descends inside a page), 1,000 bytes free at each page's start, the pages themselves out of order
+    pages = [3, 0, 1, 5, 2, 4, 7, 6]
+    offsets = [p * 4096 + 4096 - 1000 * (k + 1) for p in pages for k in range(3)]
+    groups = _groups(offsets, [1000] * len(offsets))
+    spans = sorted((int(groups.start[g]), int(groups.end[g])) for g in range(len(groups)))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no byte in two groups: none fetched twice
+    assert sum(b - a for a, b in spans) <= (1 + SLACK) * 1000 * len(offsets)  # the free space: at most 1/16 more
+    assert len(groups) < len(pages)  # fewer GETs than pages: the smallest gaps are read across
+    for g in range(len(groups)):  # each payload in its group's bytes, checked in file order
+        pieces = groups.pieces(g)
+        assert [p[0] for p in pieces] == sorted(p[0] for p in pieces)
+        assert all(groups.start[g] <= p[0] and p[1] <= groups.end[g] for p in pieces)
+    assert all(groups.start[groups.of[i]] <= o < groups.end[groups.of[i]] for i, o in enumerate(offsets))
+    # payloads in storage order (photos in overflow pages, memmap): one group per group_bytes, as before
+    photos = _groups([k * 30_000 for k in range(100)], [29_000] * 100, group_bytes=1 << 20)
+    assert len(photos) == 3 and photos.of.tolist() == sorted(photos.of.tolist())
+    assert max(photos.size(g) for g in range(len(photos))) <= (1 << 20) + 29_000
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """An lmdb of 600 JPEGs of 8-24 pixels a side (about 0.5-1.5 KB: values inside lmdb's leaf pages)."""
+    base = tmp_path_factory.mktemp("ranged-tiny")
+    rng = np.random.default_rng(1)
+    for k in range(600):
+        path = base / "imgs" / f"c{k % 2}" / f"i{k:04d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(jpeg_bytes(rng, *(int(v) for v in rng.integers(8, 25, size=2))))
+    convert(base / "imgs", base / "root" / "tiny.lmdb", to="lmdb", shard_bytes=300_000, workers=0, progress=False)
+    return base / "root" / "tiny.lmdb"
+
+
+def test_small_lmdb_values_fetch_at_most_1_1x_their_bytes_in_few_gets(tiny, tmp_path):
+    server = serve_copy(tiny, tmp_path / "root")
+    try:
+        with _open(server, tmp_path, "s3://bucket/tiny.lmdb", image="tensor") as ds:
+            assert isinstance(ds.source, RangedSource) and len(ds.manifest.shards) > 1
+            assert int(ds.source.index.nbytes.max()) < 2048
+            opened = _counts(server)
+            sampler = packer.BlockShuffleSampler(ds, batch_size=8, block_bytes=20_000, seed=2)
+            order = [int(i) for i in sampler.order(0)]
+            got = [int(y) for _, ys in DataLoader(ds, batch_size=8, sampler=sampler, num_workers=0,
+                                                  collate_fn=packer.collate) for y in ys]
+            assert got == [ds.targets[i] for i in order] and sorted(order) == list(range(len(ds)))
+            one = _counts(server)
+            delivered = int(ds.source.index.nbytes.sum())
+            fetched = one["body_bytes"] - opened["body_bytes"]
+            assert delivered <= fetched <= 1.1 * delivered  # before grouping by file offset: 2.6x
+            groups = ds.source.groups
+            assert one["gets"] - opened["gets"] <= len(groups) < len(ds) / 4  # a GET per group at most
+            assert max(groups.size(g) for g in range(len(groups))) <= GROUP_BYTES
+    finally:
+        server.stop()

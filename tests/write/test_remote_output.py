@@ -23,7 +23,6 @@ from packer.errors import InputNotFoundError, OptionError, OutputExistsError, Pa
 from packer.formats import FORMATS
 from packer.layout.manifest import read_manifest
 from packer.layout.partial import REMOTE_LOCK, REMOTE_PARTIAL
-from packer.layout.ranges import RANGE_FILES
 from packer.storage.emulate import Fault
 from packer.write.convert import convert
 from packer.write.remote_output import RemoteOutput
@@ -77,9 +76,9 @@ def _same_as_local(url: str, endpoint: str, local: Path, cache: Path) -> None:
 
 
 def _local_keys(local: Path) -> set[str]:
-    """The local conversion's files but its payload ranges: an output in a bucket records none yet (its shards leave
-    the staging folder as uploaded; it is read by URL in whole-shard mode: docs/remote.md)."""
-    return {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()} - set(RANGE_FILES.values())
+    """The local conversion's files, its payload ranges included (an output in a bucket records them as each shard
+    is uploaded: tests/write/test_remote_ranges.py)."""
+    return {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()}
 
 
 def _keys(root: Path, prefix: str) -> set[str]:
