@@ -54,13 +54,17 @@ REQUIRE_TURBOJPEG = $(if $(CI),--require-turbojpeg,$(shell ldconfig -p 2>/dev/nu
 # Likewise the compiled JPEG region decoder, wherever libjpeg's headers are there to build it.
 REQUIRE_JPEGREGION = $(if $(CI),--require-jpegregion,$(shell test -f /usr/include/jpeglib.h && echo --require-jpegregion))
 
+# The test files run on one pytest-xdist worker per core (-n auto), each file whole on one worker (its module
+# fixtures built once).
+XDIST = -n auto --dist loadfile
+
 test: install
-	$(BIN)/python -m pytest -q $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION)
+	$(BIN)/python -m pytest -q $(XDIST) $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION)
 
 # The edit loop: every test that starts no process (tests/procs.txt lists those that do; --no-procs fails any
 # other test that starts one). make test runs them all.
 test-fast: install
-	$(BIN)/python -m pytest -q --no-procs $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION)
+	$(BIN)/python -m pytest -q $(XDIST) --no-procs $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION)
 
 # The seeded fuzz test of tests/formats/test_fuzz.py with many more cases (make test runs 120 per format and payload).
 FUZZ_CASES ?= 5000

@@ -52,6 +52,7 @@ def run(tmp_path_factory) -> tuple[dict, str]:
     return json.loads((out / "gpu_feed.json").read_text()), (out / "gpu_feed.md").read_text()
 
 
+@pytest.mark.slow  # its module fixture runs examples/gpu_feed.py
 def test_the_report_names_what_it_needs_and_has_every_part(run):
     r, _ = run
     assert set(r) >= {"command", "started", "budget_s", "machine", "requirements", "data", "parts", "elapsed_s"}

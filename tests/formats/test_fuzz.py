@@ -20,6 +20,7 @@ from test_contract import CASES, FORMAT_OPTIONS
 from packer import convert
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_fuzzed_dataset_reads_verified_data_or_raises_packer_error(case, imagefolder, tmp_path, request):
     name, payload, resize = case

@@ -23,7 +23,8 @@ from packer.read.dataset import CachedDataset
 
 
 def shm_files() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith(cache_mod.PREFIX)}
+    """This process's caches in /dev/shm (their names start with the creator's pid: others' are not ours to count)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith(f"{cache_mod.PREFIX}{os.getpid()}-")}
 
 
 @pytest.fixture(scope="module")

@@ -82,6 +82,7 @@ def check_block_order(epochs, packed: dict) -> None:
             assert same_block_fraction(stored, bare.bounds) > same_block_fraction(uniform, bare.bounds) + 0.3
 
 
+@pytest.mark.slow
 def test_lightning_ddp_default_trainer_keeps_the_block_sampler(packed, tmp_path):
     pytest.importorskip("lightning")
     out = run_job([sys.executable, str(JOB), "lightning", str(packed["path"]), str(packed["block"])], tmp_path)

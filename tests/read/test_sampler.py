@@ -333,6 +333,7 @@ def _rank_main(rank: int, world: int, store: str, path: str, block: int, out: st
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_read_every_sample_once(data, tmp_path):
     out = tmp_path / "ranks.json"
     tmp.spawn(_rank_main, args=(2, str(tmp_path / "store"), str(data["shuffled"]), data["block"], str(out)),

@@ -277,7 +277,9 @@ def test_a_local_list_naming_urls_or_a_url_root(served, tmp_path):
         ("s3://bucket/train/c0/000.jpg", f"a URL, while the paths are relative to the folder {named} (--root)")]
 
 
-def test_webdataset_shards_by_url_convert_as_the_local_shards(served, tmp_path):
+def test_webdataset_shards_by_url_convert_as_the_local_shards(served, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # this test's temp folder: others run at once
+    (tmp_path / "tmp").mkdir()
     shards = make_wds(tmp_path / "root" / "shards", items(14), per_shard=4)  # 4 shards, each under 8 MB
     local = packer.convert(f"{tmp_path}/root/shards/shards-{{000000..000003}}.tar", tmp_path / "local.lmdb",
                            workers=0, progress=False)
