@@ -45,6 +45,7 @@ def cmd_convert(args) -> int:
     flags = [o for o in [*keywords(), *own_options(FORMATS)] if o.flag is not None and o.generated]
     given: dict[str, Any] = {o.keyword: vars(args)[o.keyword] for o in flags if o.keyword != SPLIT}
     given["progress"] = bar_unless_quiet(args)
+    given["storage_options"] = storage_options(args.storage_option) or None  # a local run refuses them (convert)
     if args.scheduler:
         from packer.write.cluster import open_client
 

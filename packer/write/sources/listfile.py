@@ -15,8 +15,10 @@ from __future__ import annotations
 import csv
 import posixpath
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -58,8 +60,9 @@ class ListSource(Source):
 
     type = "list"
 
-    def __init__(self, path: Path, options: SourceOptions, location: Location | None = None) -> None:
-        super().__init__(path, options)
+    def __init__(self, path: Path, options: SourceOptions, location: Location | None = None,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(path, options, storage_options)
         self.location = location
 
     @classmethod
@@ -69,7 +72,7 @@ class ListSource(Source):
     def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
              allow_empty: bool = False) -> ScanResult:
         path, opts, at = self.path, self.options, self.location
-        text = read_text_object(at) if at is not None else read_list_text(path)
+        text = read_text_object(at, self.storage_options) if at is not None else read_list_text(path)
         tabular = path.suffix.lower() in (".csv", ".tsv")
         if not tabular and (opts.path_column is not None or opts.label_column is not None):
             raise OptionError(f"{path}: {arg('path_column')}/{arg('label_column')} apply to .csv/.tsv lists with a "
@@ -93,7 +96,8 @@ class ListSource(Source):
                           locs=list(rows.lines), field_specs=specs, fields=cells,
                           numbers=np.asarray(rows.numbers, dtype=np.int64), source_records=rows.count,
                           url=source_url(at) if at is not None else "")
-        return objects_below(root, scan, path.name, rows.lines) if isinstance(root, Location) else scan
+        return (objects_below(root, scan, path.name, rows.lines, self.storage_options) if isinstance(root, Location)
+                else scan)
 
     def _columns(self) -> tuple[str, str]:
         return self.options.path_column or "path", self.options.label_column or "label"

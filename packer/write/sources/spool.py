@@ -16,9 +16,10 @@ import shutil
 import tempfile
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 from packer.errors import PackerError
 from packer.storage.faults import StorageError
@@ -74,8 +75,9 @@ class SpooledSource(Source):
 
     type = "spooled"  # never recorded: the manifest records the local source's type (``local().type``)
 
-    def __init__(self, path: Path, options: SourceOptions, location: Location, open_local: Opener) -> None:
-        super().__init__(path, options)
+    def __init__(self, path: Path, options: SourceOptions, location: Location, open_local: Opener,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(path, options, storage_options)
         self.location, self.open_local = location, open_local
         self._folder: LocalCopy | None = None
         self._local: Source | None = None
@@ -89,7 +91,8 @@ class SpooledSource(Source):
         if self._local is None:
             folder = LocalCopy()
             try:
-                self._local = self.open_local(download(self.location, folder.path), self.options)
+                self._local = self.open_local(download(self.location, folder.path, self.storage_options),
+                                              self.options)
             except BaseException:
                 folder.cleanup()
                 raise
@@ -107,14 +110,14 @@ class SpooledSource(Source):
         return scan
 
 
-def download(location: Location, folder: Path) -> Path:
+def download(location: Location, folder: Path, storage_options: Mapping[str, Any] | None = None) -> Path:
     """The objects ``location`` names, downloaded below ``folder`` by their names relative to the prefix listed;
     the local path that names them as ``location`` did (a file, a brace pattern, or ``folder`` for a prefix)."""
     key = location.key
     brace = key.find("{")
     base = key[:brace].rpartition("/")[0] if brace >= 0 else (key.rpartition("/")[0] if is_spooled(location)
                                                                  else key.rstrip("/"))
-    store = ObjectStore(Location(location.scheme, location.bucket, base, "", location.userinfo))
+    store = ObjectStore(Location(location.scheme, location.bucket, base, "", location.userinfo), storage_options)
     try:
         listed = {info.key: info for info in store.list() if not info.key.endswith("/")}
         inner = key[len(base):].lstrip("/")
