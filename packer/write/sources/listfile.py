@@ -86,7 +86,7 @@ class ListSource(Source):
             raise InputNotFoundError(f"{root}: not a folder ({arg('root')} names the folder the list's paths are "
                                      "relative to)")
         _rebase(rows, root, path.name)
-        classes, labels = _labels(path, rows, opts.classes_file)
+        classes, labels = _labels(path, rows, named_classes(opts.classes_file, self.storage_options))
         if not rows.paths:
             raise PackerError(f"{path}: no usable rows ({len(rows.errors)} refused"
                               + "".join(f"; {e.location}: {e.reason}" for e in rows.errors[:3]) + ")")
@@ -259,13 +259,13 @@ def _integral(text: str) -> str:
     return str(int(value)) if value.is_integer() and value >= 0 else text
 
 
-def _labels(path: Path, rows: _Rows, classes_file: str | None) -> tuple[list[str], np.ndarray]:
-    """The classes and each kept row's label index; rows with a bad label move to the errors.
+def _labels(path: Path, rows: _Rows, named: list[str] | None) -> tuple[list[str], np.ndarray]:
+    """The classes and each kept row's label index (``named``: the classes ``--classes-file`` names, or None);
+    rows with a bad label move to the errors.
 
     Mostly integers: each is checked by ``labels.parse_label`` (the others are bad labels, not class names);
     else the labels are class names.
     """
-    named = named_classes(classes_file)
     numeric = sum(is_integer_text(t) for t in rows.labels) * 2 > len(rows.labels)
     if numeric:
         values = [parse_label(t, None if named is None else len(named)) for t in rows.labels]

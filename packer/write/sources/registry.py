@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from packer.errors import InputNotFoundError, OptionError, PackerError, arg
+from packer.layout.manifest import MANIFEST_NAME
 from packer.layout.trust import check_class_name
 from packer.storage.url import Location, UrlPath, is_url, parse
 from packer.write.sources.archive import ArchiveSource
@@ -71,13 +72,16 @@ def open_url(location: Location, options: SourceOptions, storage_options: Mappin
     kind, path = options.type, UrlPath(str(location))
     if kind == "list" or kind is None and posixpath.splitext(location.key)[1].lower() in LIST_SUFFIXES:
         return ListSource(path, options, location, storage_options)
+    if kind == "recordio" and not location.key.lower().endswith(".rec"):
+        raise PackerError(f"{location}: {arg('source_type', kind)} reads one MXNet .rec object (its .idx beside it, "
+                          "when there): name the .rec, e.g. s3://bucket/data/train.rec")
     if kind in SPOOLED_TYPES or kind is None and is_spooled(location):
         return SpooledSource(path, options, location, open_source, storage_options)
     if kind not in (None, "folder"):
         raise PackerError(f"{location}: {arg('source_type', kind)} is not read from object storage yet "
                           "(docs/sources.md lists the kinds that are)")
     listed = list_prefix(location, storage_options)
-    if kind is None and holds_files(list(listed)):
+    if kind is None and (holds_files(list(listed)) or MANIFEST_NAME in listed):  # files read whole; a packer dataset
         return SpooledSource(path, options, location, open_source, storage_options)
     return RemoteFolderSource(path, options, location, listed, storage_options)
 

@@ -118,12 +118,19 @@ def test_every_source_kind_by_url_on_the_command_line_with_storage_options_only(
             errors = json.loads((out / "errors.json").read_text())["errors"]
             assert [(e["path"], e["location"].split(" ")[0]) for e in errors] == [
                 ("c1/bad.jpg", "s3://bucket/train/c1/bad.jpg")]
+
+
+def test_a_lasting_failure_is_one_line_without_the_secret(served, tmp_path, capsys):
+    from packer.cli import main
+
+    photos(tmp_path / "root" / "train")
+    (tmp_path / "root" / "train" / "list.txt").write_text("c0/000.jpg 0\n")
     served.faults.add(Fault("status", 500, "InternalError"), key="train/list.txt", times=-1)  # a lasting failure
-    res = packer_cli(tmp_path, "convert", "s3://bucket/train/list.txt", "-o", str(tmp_path / "failed.lmdb"),
-                     *flags(served))
-    assert res.returncode in (1, 2) and res.stderr.startswith("packer: error: s3://bucket/train/list.txt")
-    assert len(res.stderr.splitlines()) == 1
-    no_secret(res.stdout, res.stderr)
+    assert main(["convert", "s3://bucket/train/list.txt", "-o", str(tmp_path / "failed.lmdb"), *flags(served)]) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("packer: error: s3://bucket/train/list.txt: ") and "500" in err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "failed.lmdb").exists()
+    no_secret(out, err)
 
 
 def test_the_output_in_a_bucket_takes_storage_options_on_the_command_line(served, tmp_path):
