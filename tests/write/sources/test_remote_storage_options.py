@@ -196,3 +196,12 @@ def test_storage_options_with_nothing_at_a_url_are_refused_in_one_line(tmp_path,
     assert len(err.splitlines()) == 1 and SECRET not in err and not (tmp_path / "y.lmdb").exists()
     assert main(["convert", str(imgs), "-o", str(tmp_path / "z.lmdb"), "--storage-option", "novalue", "-q"]) == 2
     assert "--storage-option novalue: expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_a_report_records_the_command_without_storage_option_values():
+    from packer.cli.commands import shown_command
+
+    argv = ["bench", "s3://bucket/ds.lmdb", "--storage-option", f"aws_secret_access_key={SECRET}",
+            f"--storage-option=token={SECRET}", "--storage-opt", f"password={SECRET}", "--workers", "2"]
+    assert shown_command(argv) == ("packer bench s3://bucket/ds.lmdb --storage-option aws_secret_access_key=... "
+                                   "--storage-option=token=... --storage-opt password=... --workers 2")
