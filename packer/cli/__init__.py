@@ -78,8 +78,9 @@ def end_process(code: int) -> NoReturn:
     client = sys.modules.get("packer.storage.client")  # imported only where a store was used
     if client is not None and client.runtime_started():
         atexit._run_exitfuncs()  # what exit runs before finalization: temporary folders, child processes, logging
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # a closed pipe (packer ... | head): nothing to add
+                stream.flush()
         os._exit(code)
     sys.exit(code)
 
