@@ -1,3 +1,3 @@
-from packer.cli import main
+from packer.cli import run
 
-raise SystemExit(main())
+run()

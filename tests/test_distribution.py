@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_the_distribution_has_its_own_name_and_both_commands():
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     assert project["name"] == DISTRIBUTION != "packer"  # "packer" on the index is an unrelated 2013 project
-    assert project["scripts"] == {"packer": "packer.cli:main", DISTRIBUTION: "packer.cli:main"}
+    assert project["scripts"] == {"packer": "packer.cli:run", DISTRIBUTION: "packer.cli:run"}  # run: main, then exit
     assert isinstance(project["license"], str)  # an SPDX string: the table form prints a deprecation warning
 
 

@@ -7,17 +7,20 @@ type (out of range: a usage error, exit 2) before any work starts.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Iterator
+from typing import NoReturn
 
 from packer.cli.commands import json_document, wants_json
 from packer.cli.parser import EXIT_CODES, build_parser
 from packer.errors import IndexingWarning, Interrupted, PackerError, RunError
 
-__all__ = ["EXIT_CODES", "build_parser", "main", "notices_on_stderr"]
+__all__ = ["EXIT_CODES", "build_parser", "main", "end_process", "notices_on_stderr", "run"]
 
 
 @contextlib.contextmanager
@@ -57,6 +60,29 @@ def main(argv: list[str] | None = None) -> int:
         message = (exc.cli_message() if isinstance(exc, Interrupted) else str(exc)) or "interrupted"
         print(f"packer: {message}", file=sys.stderr)
         return _failed(args, 130, message)
+
+
+def run() -> NoReturn:
+    """The program ``packer`` (``python -m packer`` and the console scripts): ``main`` on ``sys.argv``, then exit
+    with its code. Where obstore's runtime ran in this process (a bucket read or written here: ``convert`` from or
+    to a URL, ``doctor``'s link), the process ends with ``os._exit`` once the interpreter's exit work is done
+    (``atexit`` handlers, weakref finalizers, output flushed) and before its finalization: tokio threads still
+    finishing requests that Ctrl-C or an error cancelled would otherwise find no interpreter and print a Rust
+    panic after packer's one line, or abort the process (docs/remote.md, "Known limits")."""
+    end_process(main())
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit with ``code``; where obstore's runtime ran in this process, by ``os._exit`` after the ``atexit``
+    handlers and the flush of stdout and stderr, without the interpreter's finalization (``run``)."""
+    client = sys.modules.get("packer.storage.client")  # imported only where a store was used
+    if client is not None and client.runtime_started():
+        atexit._run_exitfuncs()  # what exit runs before finalization: temporary folders, child processes, logging
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # a closed pipe (packer ... | head): nothing to add
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def _failed(args, code: int, message: str) -> int:

@@ -45,6 +45,7 @@ def cmd_convert(args) -> int:
     flags = [o for o in [*keywords(), *own_options(FORMATS)] if o.flag is not None and o.generated]
     given: dict[str, Any] = {o.keyword: vars(args)[o.keyword] for o in flags if o.keyword != SPLIT}
     given["progress"] = bar_unless_quiet(args)
+    given["storage_options"] = storage_options(args.storage_option) or None  # a local run refuses them (convert)
     if args.scheduler:
         from packer.write.cluster import open_client
 
@@ -266,9 +267,7 @@ def cmd_bench(args) -> int:
         return _bench_remote(args, options)
     report = run_bench(args.paths, options, log=None if args.quiet else print_progress)
     if sys.argv[1:2] == ["bench"]:
-        import shlex
-
-        report["command"] = shlex.join(["packer", *sys.argv[1:]])
+        report["command"] = shown_command(sys.argv[1:])
     if args.json != "-":
         print(bench_table(report))
     if args.json:
@@ -316,9 +315,7 @@ def _bench_remote(args, options) -> int:
     with ctx as targets:
         report = run_remote_bench(targets, options, opts, log=None if args.quiet else print_progress)
     if sys.argv[1:2] == ["bench"]:
-        import shlex
-
-        report["command"] = shlex.join(["packer", *sys.argv[1:]])
+        report["command"] = shown_command(sys.argv[1:])
     if args.json != "-":
         print(remote_table(report))
     if args.json:
@@ -339,6 +336,25 @@ def url_options(args, location: str) -> dict[str, str] | None:
             raise PackerError("--storage-option is for a dataset at a URL (s3://, gs://, az://, http(s)://)")
         return None
     return storage_options(args.storage_option)
+
+
+def shown_command(argv: list[str]) -> str:
+    """``packer ARGV`` as a report records it: each ``--storage-option`` value left out (``KEY=...``: it may be a
+    secret), URLs redacted."""
+    import shlex
+
+    from packer.storage.url import redact_text
+
+    flag = "--storage-option"
+    out, hide = [], False
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        if hide:
+            arg, hide = f"{name}=...", False
+        elif len(name) > 2 and flag.startswith(name):  # argparse takes an abbreviation too
+            arg, hide = (f"{name}={value.partition('=')[0]}=..." if eq else name), not eq
+        out.append(redact_text(arg))
+    return shlex.join(["packer", *out])
 
 
 def storage_options(pairs: list[str]) -> dict[str, str]:

@@ -72,6 +72,7 @@ def _add_convert(sub) -> None:
         packer convert imgs/ --to lmdb                # -> imgs.lmdb/ beside imgs/
         packer convert imgs/ --to lmdb -o /fast/imgs.lmdb --workers 8
         packer convert imgs/ --to lmdb -o s3://bucket/imgs.lmdb   # into a bucket (credentials from AWS_* as usual)
+        packer convert s3://bucket/train/ --to lmdb -o train.lmdb --storage-option endpoint=http://minio:9000
         packer convert imgs/ --to lmdb --validate header   # faster; catches fewer damaged files
         packer convert imgs/ --to lmdb --payload raw --resize 256   # decoded once, short side 256
         packer convert imgs/ --to hdf5                               # encoded bytes, one blob + offsets
@@ -102,10 +103,11 @@ def _add_convert(sub) -> None:
                    "(default lmdb); wds: WebDataset shards, bytes as stored (decoded pixels as lossless PNG)")
     p.add_argument("-o", "--output", help="output directory (default: <source>.<format> beside the source), or a "
                    "URL in a bucket (s3://, gs://, az://: shards uploaded as they are finished, the manifest last; "
-                   "credentials and endpoint from the environment, AWS_* as usual)")
+                   "credentials and endpoint from the environment, AWS_* as usual, or --storage-option)")
     for option in [*keywords(), *own_options(FORMATS)]:  # declared once (write/options.py; a format's own in it)
         if option.flag is not None and option.generated:
             add_declared(p, option)
+    _add_storage_option(p)  # storage_options (write/options.py): the one flag every command has for a URL
     p.add_argument("--scheduler", metavar="tcp://HOST:PORT|local:N",
                    help="convert on a Dask cluster (pip install -e '.[dask]' in packer's checkout): the address of "
                    "a running scheduler, or local:N to start N local worker processes. Workers scan the class folders "

@@ -47,6 +47,13 @@ _ERRORS = {c.__name__: c for c in (StorageError, ObjectNotFound, AccessDenied, O
 _RUNTIME_PID: int | None = None  # the process that started obstore's runtime (its forked children must not use it)
 
 
+def runtime_started() -> bool:
+    """Whether obstore's runtime (its tokio threads) was started in this process: a process that ends while those
+    threads still finish cancelled requests can print their panic, "The Python interpreter is not initialized"
+    (``packer.cli.run`` ends the command line's process without the interpreter's finalization then)."""
+    return _RUNTIME_PID == os.getpid()
+
+
 @dataclass(frozen=True)
 class ObjectInfo:
     """What HEAD or a listing says of an object: its key below the store's root, size and ETag/generation."""

@@ -39,8 +39,10 @@ from packer.write.remote_output import RemoteOutput
 from packer.write.shards import ShardWriteError
 from packer.write.sink import ConvertResult, Sink
 from packer.write.sources.base import SourceOptions
+from packer.write.sources.listfile import LIST_SUFFIXES
 from packer.write.sources.records import ScanResult, SourceError
 from packer.write.sources.registry import SOURCES, open_source, scan_opened
+from packer.write.sources.remote import RemoteReader
 from packer.write.sources.select import PARTS
 from packer.write.sources.spool import SpooledSource
 
@@ -210,7 +212,10 @@ def drive(src: str | os.PathLike, output: Output, sink: Sink, run: RunOptions, s
     run = run.checked()
     output.check(src, sink.replaces(run))
     started = time.perf_counter()
-    scanned = scan_records(src, source, opts, run.client)
+    remote_output = isinstance(output, RemoteOutput)
+    check_storage_options(src, remote_output, run, source, None)
+    scanned = scan_records(src, source, opts, run)
+    check_storage_options(src, remote_output, run, source, scanned)
     sink.accept(scanned, opts, given.get("payload"))
     check_sequential(scanned, opts, run.client)
     reused = sink.up_to_date(scanned, output, opts, run, started)
@@ -239,10 +244,12 @@ def drive(src: str | os.PathLike, output: Output, sink: Sink, run: RunOptions, s
                          done.num_bytes, dict(scanned.ignored), dict(scanned.not_images), rewritten=done.rewritten)
 
 
-def scan_records(src: str | os.PathLike, source: SourceOptions, options: ConvertOptions, client: Any) -> ScanResult:
-    """The records of ``src`` as ``source`` reads and selects them, by the folder rules of ``options``; an order the
-    source can't give is refused before the scan (which would inflate a compressed archive)."""
-    opened = open_source(src, source)
+def scan_records(src: str | os.PathLike, source: SourceOptions, options: ConvertOptions, run: RunOptions) -> ScanResult:
+    """The records of ``src`` as ``source`` reads and selects them, by the folder rules of ``options`` (objects at a
+    URL with ``run.storage_options``); an order the source can't give is refused before the scan (which would
+    inflate a compressed archive)."""
+    client = run.client
+    opened = open_source(src, source, run.storage_options)
     if client is not None and isinstance(opened, SpooledSource):
         raise OptionError(f"{redact(str(src))}: files at a URL read whole (archives, shards, Parquet) are not "
                           f"converted on a cluster yet (their local copy is on this machine only): convert them "
@@ -250,6 +257,24 @@ def scan_records(src: str | os.PathLike, source: SourceOptions, options: Convert
     check_order(opened.sequential(), redact(str(src)) if is_url(src) else opened.path, options.order, client)
     mapper = None if client is None else class_mapper(client, options.skip_hidden)
     return scan_opened(opened, mapper, skip_hidden=options.skip_hidden, allow_empty=options.allow_empty)
+
+
+def check_storage_options(src: str | os.PathLike, remote_output: bool, run: RunOptions, source: SourceOptions,
+                          scanned: ScanResult | None) -> None:
+    """``storage_options`` where nothing is read from or written to object storage: refused in one line, never
+    ignored (as ``packer info`` and the other commands refuse ``--storage-option`` with a path). Asked before the
+    scan (``scanned`` None) from the names alone; a local list file may name objects, so it is asked again after."""
+    if not run.storage_options or remote_output:
+        return
+    named = [src, source.root, source.classes_file]
+    if any(is_url(n) and not parse(n).is_local for n in named if n is not None):
+        return
+    if scanned is None and (source.type == "list" or Path(src).suffix.lower() in LIST_SUFFIXES):
+        return  # its rows may be URLs: known once scanned
+    if scanned is not None and isinstance(scanned.source_reader(), RemoteReader):
+        return
+    raise OptionError(f"{arg('storage_options', cli='storage-option')} is for a source or an output at a URL (s3://, "
+                      "gs://, az://, http(s)://); nothing here is read from or written to object storage")
 
 
 def check_sequential(scan: ScanResult, options: ConvertOptions, client: Any) -> None:

@@ -58,15 +58,17 @@ class Declared:
 
 def option(default: Any, help: str, *, keyword: str = "", flag: str | None = "", generated: bool = True,
            metavar: str | None = None, choices: Iterable[str] | None = None,
-           parse: Callable[[str], Any] | None = None, accepts: str = "", unset: Any = ..., wds: bool = True) -> Any:
+           parse: Callable[[str], Any] | None = None, accepts: str = "", unset: Any = ..., wds: bool = True,
+           secret: bool = False) -> Any:
     """A dataclass field declared as a conversion option (a ``Declared`` in its metadata). ``keyword``: convert's
     name where it is not the field's; ``flag``: the command line's where it is not the keyword's with ``-`` for
     ``_`` (None: none); ``accepts``: the keyword's type where it takes more than the field holds; ``unset``: the
-    keyword's default where it is not the field's (payload: None, the format's own)."""
+    keyword's default where it is not the field's (payload: None, the format's own); ``secret``: left out of the
+    dataclass's ``repr`` (credentials)."""
     spec = Declared(keyword=keyword, field="", default=unset, accepts=accepts, help=help, flag=flag,
                     generated=generated, metavar=metavar, choices=None if choices is None else tuple(choices),
                     parse=parse, wds=wds)
-    return field(default=default, metadata={_DECLARED: spec})
+    return field(default=default, metadata={_DECLARED: spec}, repr=not secret)
 
 
 def declared(cls: type) -> list[Declared]:
@@ -142,9 +144,11 @@ class RunOptions:
         "and output on storage they all share); the bytes are the same as a local run's (the command line opens one "
         "with --scheduler)", flag="scheduler", generated=False, wds=False)
     storage_options: dict[str, Any] | None = option(
-        None, "an output in object storage (s3://, gs://, az://, http(s)://): the storage client's settings "
-        "(obstore's keys: endpoint, region, aws_access_key_id, ...); default: the environment (AWS_*, GOOGLE_*, "
-        "AZURE_*) and instance roles, as the command line uses", flag=None)
+        None, "a source or an output in object storage (s3://, gs://, az://, http(s)://): the storage client's "
+        "settings, one set for every object the conversion reads or writes (obstore's keys: endpoint, region, "
+        "aws_access_key_id, ...; never recorded or printed); default: the environment (AWS_*, GOOGLE_*, AZURE_*), "
+        "AWS_PROFILE and instance roles. Refused where nothing is at a URL", flag="storage-option", generated=False,
+        secret=True)
     staging_dir: str | None = option(
         None, "an output in object storage: the local folder where shards are written before their upload (each "
         "deleted once uploaded, so it holds about three shards; default: the system's temporary folder)",

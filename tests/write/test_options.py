@@ -20,7 +20,8 @@ from packer.write.convert import SPLIT, convert_split, keywords
 from packer.write.options import RunOptions, declared, own_options
 from tests.test_docstrings import args_section
 
-CLI_ONLY = {"--help", "--to", "--output", "--scheduler", "--quiet", "--json"}  # not options of convert(): the command's
+# not options of convert(): the command's own (--storage-option: storage_options, added by cli/parser.py)
+CLI_ONLY = {"--help", "--to", "--output", "--scheduler", "--storage-option", "--quiet", "--json"}
 
 
 def convert_parser() -> argparse.ArgumentParser:
@@ -71,6 +72,8 @@ def test_the_run_options_say_how_the_command_line_gives_those_without_a_flag():
     assert (run["progress"].flag, run["pool"].flag) == (None, None)
     assert run["client"].flag == "scheduler" and not run["client"].generated and not run["client"].wds
     assert "--scheduler" in {a.option_strings[-1] for a in convert_parser()._actions if a.option_strings}
+    assert run["storage_options"].flag == "storage-option" and not run["storage_options"].generated  # cli/parser.py's
+    assert "--storage-option" in {a.option_strings[-1] for a in convert_parser()._actions if a.option_strings}
 
 
 @pytest.mark.parametrize("to", ["hdf5", "wds"])

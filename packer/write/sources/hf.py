@@ -144,7 +144,7 @@ class HFSource(Source):
         image_col = self.options.image_column or "image"
         root = Path(self.options.root) if self.options.root else None
         rows = _Rows()
-        from_file = named_classes(self.options.classes_file)
+        from_file = named_classes(self.options.classes_file, self.storage_options)
         names: list[str] | None = from_file
         for f, name in enumerate(files.names):
             table = TableFile(files.root / name, files.kind)

@@ -11,12 +11,15 @@ lie below ``MAX_IMPLICIT_CLASSES``: larger ones need their classes named.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from packer.errors import PackerError
 from packer.layout.trust import check_class_name, check_inner_name
+from packer.storage.url import is_url, parse
 from packer.write.sources.base import read_list_text
+from packer.write.sources.remote import read_text_object
 
 MAX_IMPLICIT_CLASSES = 1 << 20  # without named classes, labels name "0".."max": a larger label is a mistake
 _INTEGER = re.compile(r"-?[0-9]+")  # ASCII digits only ("²".isdigit() is true, int("²") fails)
@@ -77,10 +80,11 @@ def integer_classes(labels: Iterable[int], named: list[str] | None) -> list[str]
     return [str(i) for i in range(top + 1)]
 
 
-def read_classes(path: Path) -> list[str]:
+def read_classes(path: Path | str, text: str | None = None) -> list[str]:
     """``--classes-file``: one class name per line (line i names label i), distinct, each a plain folder name
-    (``packer extract`` makes one folder per class)."""
-    names = [n.strip() for n in read_list_text(path).splitlines()]
+    (``packer extract`` makes one folder per class); ``text``: its text when already read (an object), ``path``
+    then only naming it."""
+    names = [n.strip() for n in (read_list_text(Path(path)) if text is None else text).splitlines()]
     while names and not names[-1]:
         names.pop()
     if not names or "" in names or len(set(names)) != len(names):
@@ -90,9 +94,15 @@ def read_classes(path: Path) -> list[str]:
     return names
 
 
-def named_classes(classes_file: str | None) -> list[str] | None:
-    """The classes ``--classes-file`` names, or None when it is not given."""
-    return read_classes(Path(classes_file)) if classes_file else None
+def named_classes(classes_file: str | None, storage_options: Mapping[str, Any] | None = None) -> list[str] | None:
+    """The classes ``--classes-file`` names, or None when it is not given; at a URL (``s3://...``), the object read
+    with ``storage_options`` (one GET of the version its HEAD saw, the list files' size limit)."""
+    if not classes_file:
+        return None
+    if is_url(classes_file) and not parse(classes_file).is_local:
+        at = parse(classes_file)
+        return read_classes(str(at), read_text_object(at, storage_options))
+    return read_classes(parse(classes_file).path if is_url(classes_file) else Path(classes_file))
 
 
 def inside_root(path: str, where: str) -> str:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import csv
 import posixpath
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -58,8 +60,9 @@ class ListSource(Source):
 
     type = "list"
 
-    def __init__(self, path: Path, options: SourceOptions, location: Location | None = None) -> None:
-        super().__init__(path, options)
+    def __init__(self, path: Path, options: SourceOptions, location: Location | None = None,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(path, options, storage_options)
         self.location = location
 
     @classmethod
@@ -69,7 +72,7 @@ class ListSource(Source):
     def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
              allow_empty: bool = False) -> ScanResult:
         path, opts, at = self.path, self.options, self.location
-        text = read_text_object(at) if at is not None else read_list_text(path)
+        text = read_text_object(at, self.storage_options) if at is not None else read_list_text(path)
         tabular = path.suffix.lower() in (".csv", ".tsv")
         if not tabular and (opts.path_column is not None or opts.label_column is not None):
             raise OptionError(f"{path}: {arg('path_column')}/{arg('label_column')} apply to .csv/.tsv lists with a "
@@ -83,7 +86,7 @@ class ListSource(Source):
             raise InputNotFoundError(f"{root}: not a folder ({arg('root')} names the folder the list's paths are "
                                      "relative to)")
         _rebase(rows, root, path.name)
-        classes, labels = _labels(path, rows, opts.classes_file)
+        classes, labels = _labels(path, rows, named_classes(opts.classes_file, self.storage_options))
         if not rows.paths:
             raise PackerError(f"{path}: no usable rows ({len(rows.errors)} refused"
                               + "".join(f"; {e.location}: {e.reason}" for e in rows.errors[:3]) + ")")
@@ -93,7 +96,8 @@ class ListSource(Source):
                           locs=list(rows.lines), field_specs=specs, fields=cells,
                           numbers=np.asarray(rows.numbers, dtype=np.int64), source_records=rows.count,
                           url=source_url(at) if at is not None else "")
-        return objects_below(root, scan, path.name, rows.lines) if isinstance(root, Location) else scan
+        return (objects_below(root, scan, path.name, rows.lines, self.storage_options) if isinstance(root, Location)
+                else scan)
 
     def _columns(self) -> tuple[str, str]:
         return self.options.path_column or "path", self.options.label_column or "label"
@@ -255,13 +259,13 @@ def _integral(text: str) -> str:
     return str(int(value)) if value.is_integer() and value >= 0 else text
 
 
-def _labels(path: Path, rows: _Rows, classes_file: str | None) -> tuple[list[str], np.ndarray]:
-    """The classes and each kept row's label index; rows with a bad label move to the errors.
+def _labels(path: Path, rows: _Rows, named: list[str] | None) -> tuple[list[str], np.ndarray]:
+    """The classes and each kept row's label index (``named``: the classes ``--classes-file`` names, or None);
+    rows with a bad label move to the errors.
 
     Mostly integers: each is checked by ``labels.parse_label`` (the others are bad labels, not class names);
     else the labels are class names.
     """
-    named = named_classes(classes_file)
     numeric = sum(is_integer_text(t) for t in rows.labels) * 2 > len(rows.labels)
     if numeric:
         values = [parse_label(t, None if named is None else len(named)) for t in rows.labels]

@@ -106,7 +106,7 @@ class RecordIOSource(Source):
         errors: list[SourceError] = []
         keys, labels, locs, where, numbers = [], [], [], [], []  # numbers: each record's place in the file, 0 first
         count = 0
-        named = named_classes(self.options.classes_file)
+        named = named_classes(self.options.classes_file, self.storage_options)
         try:
             names, starts, ends, problem = record_spans(rec, fd, idx if idx.is_file() else None)
             if problem:

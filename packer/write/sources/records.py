@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -145,8 +145,10 @@ class Source(ABC):
 
     type: ClassVar[str]  # the --source-type name, recorded in the manifest
 
-    def __init__(self, path: Path, options: SourceOptions) -> None:
-        self.path, self.options = path, options
+    def __init__(self, path: Path, options: SourceOptions, storage_options: Mapping[str, Any] | None = None) -> None:
+        """``storage_options``: the object store's settings for what the source reads at a URL (credentials,
+        endpoint; never recorded: ``options`` are, in the manifest)."""
+        self.path, self.options, self.storage_options = path, options, storage_options
 
     @classmethod
     @abstractmethod

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import os
 import posixpath
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from packer.errors import InputNotFoundError, OptionError, PackerError, arg
+from packer.layout.manifest import MANIFEST_NAME
 from packer.layout.trust import check_class_name
 from packer.storage.url import Location, UrlPath, is_url, parse
 from packer.write.sources.archive import ArchiveSource
@@ -37,22 +40,24 @@ SOURCES: dict[str, type[Source]] = {
 }
 
 
-def open_source(src: str | os.PathLike, options: SourceOptions = SourceOptions()) -> Source:
-    """The source that reads ``src``: ``options.type`` when given, else the first of ``SOURCES`` that claims it."""
+def open_source(src: str | os.PathLike, options: SourceOptions = SourceOptions(),
+                storage_options: Mapping[str, Any] | None = None) -> Source:
+    """The source that reads ``src``: ``options.type`` when given, else the first of ``SOURCES`` that claims it;
+    ``storage_options``: the object store's settings for whatever it reads at a URL (never recorded)."""
     if is_url(src):  # a file:// URL is a local path; any other, the object-storage sources
         location = parse(src)
         if not location.is_local:
-            return open_url(location, options)
+            return open_url(location, options, storage_options)
         src = location.path
     path = Path(os.path.abspath(src))
     if options.type is not None:
         cls = SOURCES.get(options.type)
         if cls is None:
             raise OptionError(f"{arg('source_type', options.type)}: unknown (choose from {', '.join(SOURCES)})")
-        return cls(path, options)
+        return cls(path, options, storage_options=storage_options)
     for cls in SOURCES.values():  # a WebDataset brace pattern names no existing path
         if cls.claims(path):
-            return cls(path, options)
+            return cls(path, options, storage_options=storage_options)
     if not os.path.lexists(path):
         raise InputNotFoundError(f"{src}: no such folder or file")
     raise PackerError(f"{src}: not a source packer reads (a folder of images, a packer dataset, a list file "
@@ -61,21 +66,24 @@ def open_source(src: str | os.PathLike, options: SourceOptions = SourceOptions()
                       f"MXNet .rec); name its kind with {arg('source_type')}")
 
 
-def open_url(location: Location, options: SourceOptions) -> Source:
+def open_url(location: Location, options: SourceOptions, storage_options: Mapping[str, Any] | None = None) -> Source:
     """The source reading ``location``, a URL: a list file, files read whole (archives, WebDataset shards, Parquet:
     write/sources/spool.py) or a prefix, of such files or laid out as ImageFolder (write/sources/remote.py)."""
     kind, path = options.type, UrlPath(str(location))
     if kind == "list" or kind is None and posixpath.splitext(location.key)[1].lower() in LIST_SUFFIXES:
-        return ListSource(path, options, location)
+        return ListSource(path, options, location, storage_options)
+    if kind == "recordio" and not location.key.lower().endswith(".rec"):
+        raise PackerError(f"{location}: {arg('source_type', kind)} reads one MXNet .rec object (its .idx beside it, "
+                          "when there): name the .rec, e.g. s3://bucket/data/train.rec")
     if kind in SPOOLED_TYPES or kind is None and is_spooled(location):
-        return SpooledSource(path, options, location, open_source)
+        return SpooledSource(path, options, location, open_source, storage_options)
     if kind not in (None, "folder"):
         raise PackerError(f"{location}: {arg('source_type', kind)} is not read from object storage yet "
                           "(docs/sources.md lists the kinds that are)")
-    listed = list_prefix(location)
-    if kind is None and holds_files(list(listed)):
-        return SpooledSource(path, options, location, open_source)
-    return RemoteFolderSource(path, options, location, listed)
+    listed = list_prefix(location, storage_options)
+    if kind is None and (holds_files(list(listed)) or MANIFEST_NAME in listed):  # files read whole; a packer dataset
+        return SpooledSource(path, options, location, open_source, storage_options)
+    return RemoteFolderSource(path, options, location, listed, storage_options)
 
 
 def scan_source(src: str | os.PathLike, options: SourceOptions = SourceOptions(),

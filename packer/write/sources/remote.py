@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,8 +146,8 @@ class RemoteFolderSource(Source):
     type = "folder"
 
     def __init__(self, path: Path, options: SourceOptions, location: Location | None = None,
-                 listed: dict[str, ObjectInfo] | None = None) -> None:
-        super().__init__(path, options)
+                 listed: dict[str, ObjectInfo] | None = None, storage_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(path, options, storage_options)
         if location is None:
             raise PackerError(f"{path}: a folder at a URL is opened by the registry (open_url)")
         if options.root is not None or options.classes_file is not None:
@@ -161,9 +161,9 @@ class RemoteFolderSource(Source):
 
     def scan(self, map_classes: ClassMapper | None = None, *, skip_hidden: bool = False,
              allow_empty: bool = False) -> ScanResult:
-        listed = self.listed if self.listed is not None else list_prefix(self.location)
+        listed = self.listed if self.listed is not None else list_prefix(self.location, self.storage_options)
         scan = scan_names(self.path, listed, skip_hidden=skip_hidden, allow_empty=allow_empty)
-        scan.reader = RemoteReader(ObjectStore(self.location.join("")))
+        scan.reader = RemoteReader(ObjectStore(self.location.join(""), self.storage_options))
         scan.locs = [Listed(listed[rel].size, listed[rel].etag) for rel in scan.rel_paths]
         scan.url = source_url(self.location)
         return scan
@@ -174,19 +174,20 @@ def source_url(location: Location) -> str:
     return unquote(str(location))
 
 
-def list_prefix(location: Location) -> dict[str, ObjectInfo]:
+def list_prefix(location: Location, storage_options: Mapping[str, Any] | None = None) -> dict[str, ObjectInfo]:
     """Every object below the prefix ``location`` (all pages) by key relative to it; a PackerError when none."""
-    with ObjectStore(location.join("")) as store:
+    with ObjectStore(location.join(""), storage_options) as store:
         listed = {info.key: info for info in store.list() if not info.key.endswith("/")}
     if not listed:
         raise PackerError(f"{location}: no objects below this prefix")
     return listed
 
 
-def objects_below(root: Location, scan: ScanResult, listing: str, lines: list[int]) -> ScanResult:
+def objects_below(root: Location, scan: ScanResult, listing: str, lines: list[int],
+                  storage_options: Mapping[str, Any] | None = None) -> ScanResult:
     """``scan`` (a list file's records, keys relative to ``root``) read from the objects below ``root``: one listing
     (every page) gives each its size and ETag; a record whose object it lacks is an error when read (``Absent``)."""
-    store = ObjectStore(root)
+    store = ObjectStore(root, storage_options)
     listed = {info.key: info for info in store.list()}
     scan.locs = [Listed(listed[rel].size, listed[rel].etag, line) if rel in listed else Absent(line)
                  for rel, line in zip(scan.rel_paths, lines)]
@@ -194,11 +195,12 @@ def objects_below(root: Location, scan: ScanResult, listing: str, lines: list[in
     return scan
 
 
-def read_text_object(location: Location) -> str:
+def read_text_object(location: Location, storage_options: Mapping[str, Any] | None = None) -> str:
     """A list file at a URL as text (UTF-8, a BOM dropped); a PackerError naming it when it is too large or not
     text."""
     parent, name = location.key.rpartition("/")[0], location.name
-    with ObjectStore(Location(location.scheme, location.bucket, parent, "", location.userinfo)) as store:
+    with ObjectStore(Location(location.scheme, location.bucket, parent, "", location.userinfo),
+                     storage_options) as store:
         info = store.head(name)
         if info.size > MAX_LIST_BYTES:
             raise DatasetError(f"{location}: {info.size} bytes is too large for a list file")

@@ -1,5 +1,6 @@
 """Sources at a URL that are files: tar/zip archives, WebDataset shards (one, a brace pattern or a prefix of them),
-Parquet/Arrow files. Each object is downloaded whole into a local folder first (``TMPDIR``; ranged GETs of
+Parquet/Arrow files, an MXNet ``.rec`` (with its ``.idx`` beside it) and a packer dataset (every object below its
+prefix). Each object is downloaded whole into a local folder first (``TMPDIR``; ranged GETs of
 ``CHUNK`` bytes, many in flight, each If-Match the listed ETag, written in place), then read by the local source of
 its kind, by the same rules (docs/sources.md). The folder needs room for the objects (checked before the first
 byte) and is removed once the conversion no longer holds the scan.
@@ -16,9 +17,10 @@ import shutil
 import tempfile
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 from packer.errors import PackerError
 from packer.storage.faults import StorageError
@@ -31,17 +33,19 @@ from packer.write.sources.remote import source_url
 from packer.write.sources.wdstar import expand_braces
 
 SPOOLED_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".zip", ".parquet", ".arrow")
-SPOOLED_TYPES = ("webdataset", "archive", "hf")  # --source-type kinds read whole from a local copy
+SPOOLED_TYPES = ("webdataset", "archive", "hf", "recordio", "packed")  # --source-type kinds read from a local copy
+COMPANIONS = {".rec": ".idx"}  # a file named by its URL, and the one beside it fetched with it when there
 CHUNK = 8 << 20  # bytes per GET of an object being downloaded
 IN_FLIGHT = 16  # GETs at once (CHUNK each: the memory bound of a download)
 ROOM = 256 << 20  # free space left beside the objects, at least
 
-Opener = Callable[[Path, SourceOptions], Source]
+Opener = Callable[[Path, SourceOptions, Mapping[str, Any] | None], Source]
 
 
 def is_spooled(location: Location) -> bool:
-    """Whether ``location`` names files read whole: a name ending in ``SPOOLED_SUFFIXES`` or a brace pattern."""
-    return location.key.lower().endswith(SPOOLED_SUFFIXES) or "{" in location.key
+    """Whether ``location`` names files read whole: a name ending in ``SPOOLED_SUFFIXES`` (or an MXNet ``.rec``) or
+    a brace pattern."""
+    return location.key.lower().endswith((*SPOOLED_SUFFIXES, *COMPANIONS)) or "{" in location.key
 
 
 def holds_files(names: list[str]) -> bool:
@@ -70,12 +74,14 @@ def _remove(path: Path, pid: int) -> None:
 
 
 class SpooledSource(Source):
-    """Objects downloaded into a local folder, then read by the local source ``open_local`` gives for it."""
+    """Objects downloaded into a local folder, then read by the local source ``open_local`` gives for it (with the
+    same ``storage_options``: a ``--classes-file`` may be at a URL too)."""
 
     type = "spooled"  # never recorded: the manifest records the local source's type (``local().type``)
 
-    def __init__(self, path: Path, options: SourceOptions, location: Location, open_local: Opener) -> None:
-        super().__init__(path, options)
+    def __init__(self, path: Path, options: SourceOptions, location: Location, open_local: Opener,
+                 storage_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(path, options, storage_options)
         self.location, self.open_local = location, open_local
         self._folder: LocalCopy | None = None
         self._local: Source | None = None
@@ -89,7 +95,8 @@ class SpooledSource(Source):
         if self._local is None:
             folder = LocalCopy()
             try:
-                self._local = self.open_local(download(self.location, folder.path), self.options)
+                self._local = self.open_local(download(self.location, folder.path, self.storage_options),
+                                              self.options, self.storage_options)
             except BaseException:
                 folder.cleanup()
                 raise
@@ -107,14 +114,14 @@ class SpooledSource(Source):
         return scan
 
 
-def download(location: Location, folder: Path) -> Path:
+def download(location: Location, folder: Path, storage_options: Mapping[str, Any] | None = None) -> Path:
     """The objects ``location`` names, downloaded below ``folder`` by their names relative to the prefix listed;
     the local path that names them as ``location`` did (a file, a brace pattern, or ``folder`` for a prefix)."""
     key = location.key
     brace = key.find("{")
     base = key[:brace].rpartition("/")[0] if brace >= 0 else (key.rpartition("/")[0] if is_spooled(location)
                                                                  else key.rstrip("/"))
-    store = ObjectStore(Location(location.scheme, location.bucket, base, "", location.userinfo))
+    store = ObjectStore(Location(location.scheme, location.bucket, base, "", location.userinfo), storage_options)
     try:
         listed = {info.key: info for info in store.list() if not info.key.endswith("/")}
         inner = key[len(base):].lstrip("/")
@@ -123,7 +130,9 @@ def download(location: Location, folder: Path) -> Path:
         elif is_spooled(location):
             if inner not in listed:
                 raise PackerError(f"{location}: no such object")
-            wanted = [inner]
+            stem, suffix = posixpath.splitext(inner)
+            beside = stem + COMPANIONS.get(suffix.lower(), suffix)
+            wanted = [inner] + ([beside] if beside != inner and beside in listed else [])
         else:
             wanted = sorted(listed)
         if not wanted and brace < 0:

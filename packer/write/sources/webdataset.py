@@ -172,7 +172,7 @@ class WebDatasetSource(Source):
              allow_empty: bool = False) -> ScanResult:
         shards = shard_paths(self.path)
         root = Path(os.path.commonpath([p.parent for p in shards]))
-        named = named_classes(self.options.classes_file or export_classes_file(root))
+        named = named_classes(self.options.classes_file or export_classes_file(root), self.storage_options)
         export = holds_wds_export(root)  # packer's own export (or shards of it): keys and paths come back
         found = _Found(None if named is None else len(named), export)
         for n, shard in enumerate(shards):

@@ -191,7 +191,7 @@ def test_the_command_line_converts_a_prefix_and_refuses_what_it_cannot(served, t
     assert main(["convert", "s3://bucket/train/", "--to", "lmdb", "-q"]) == 2
     assert "a source at a URL needs the output named" in capsys.readouterr().err
     assert main(["convert", "s3://bucket/train/", "--source-type", "recordio", "-o", "x.lmdb", "-q"]) == 2
-    assert "not read from object storage yet" in capsys.readouterr().err
+    assert "--source-type recordio reads one MXNet .rec object" in capsys.readouterr().err  # a prefix is not one
     assert not os.path.exists(tmp_path / "s3:")
     with pytest.raises(PackerError, match="no objects below this prefix"):
         packer.convert("s3://bucket/nothing/", tmp_path / "n.lmdb", progress=False)
