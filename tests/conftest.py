@@ -167,6 +167,15 @@ def emulated(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture
+def fresh_store(tmp_path):
+    """A fresh emulated store (its counts and faults this test's) over ``tmp_path/root``, bucket ``bucket``."""
+    (tmp_path / "root").mkdir()
+    server = Emulated(tmp_path / "root")
+    yield server
+    server.stop()
+
+
 @pytest.fixture(autouse=True)
 def _no_faults_left(request):
     yield

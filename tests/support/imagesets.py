@@ -30,6 +30,17 @@ def make_imagefolder(root: Path, classes: int = 3, per_class: int = 5, seed: int
     return root
 
 
+def tiny_photos(root: Path, classes: int = 3, per_class: int = 20, seed: int = 1) -> Path:
+    """An ImageFolder of tiny JPEGs (8-12 x 8+class pixels): many objects, little data, for object-storage tests."""
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        for i in range(per_class):
+            path = root / f"c{c}" / f"{i:03d}.jpg"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(jpeg_bytes(rng, 8 + i % 5, 8 + c))
+    return root
+
+
 def make_flat(root: Path, count: int = 6, seed: int = 1) -> Path:
     rng = np.random.default_rng(seed)
     root.mkdir(parents=True, exist_ok=True)

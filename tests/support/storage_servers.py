@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -176,3 +178,17 @@ def read_all(ds, how: str) -> None:
         list(DataLoader(ds, batch_size=6, num_workers=2, collate_fn=packer.collate, multiprocessing_context="fork"))
     else:
         list(ThreadLoader(ds, batch_size=6, num_threads=2))
+
+
+def killed_upload(cmd: list[str], env: dict, journal: Path, server: Emulated, shards: int = 3) -> None:
+    """Run the conversion ``cmd`` into the emulated store, SIGKILL it once ``shards`` journal entries are in the
+    bucket, then wait until the server has answered every request the killed writer had sent."""
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: journal.is_dir() and len(list(journal.glob("shard-*.json"))) >= shards
+                   or proc.poll() is not None, f"{shards} shards uploaded")
+        assert proc.poll() is None, "the conversion ended before it could be killed"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    server.server.stats.closed()

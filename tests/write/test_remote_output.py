@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 from support.imagesets import make_imagefolder
 from support.interrupt import run_cli_at
-from support.storage_servers import CREDENTIALS, FAST_POLICY, Emulated, s3_store, wait_until
+from support.storage_servers import CREDENTIALS, FAST_POLICY, Emulated, killed_upload, s3_store
 
 import packer
 from packer.errors import InputNotFoundError, OptionError, OutputExistsError, PackerError
@@ -34,15 +33,6 @@ SECRET = "SeCrEt-never-shown-0123456789"
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     return make_imagefolder(tmp_path_factory.mktemp("remote-out") / "imgs", classes=3, per_class=8)
-
-
-@pytest.fixture
-def server(tmp_path):
-    """A fresh emulated store (its counts and faults this test's) over ``tmp_path/root``, bucket ``bucket``."""
-    (tmp_path / "root").mkdir()
-    srv = Emulated(tmp_path / "root")
-    yield srv
-    srv.stop()
 
 
 def _options(endpoint: str) -> dict:
@@ -137,8 +127,8 @@ def test_the_staging_folder_holds_the_shards_in_flight_not_the_dataset(source, t
     assert max(staged) <= 4 * max(sizes) < sum(sizes) / 2
 
 
-def test_writer_to_a_bucket_reads_back_and_refuses_what_it_cannot_do(source, server, tmp_path):
-    url, options = "s3://bucket/w.lmdb", _options(server.server.endpoint)
+def test_writer_to_a_bucket_reads_back_and_refuses_what_it_cannot_do(source, fresh_store, tmp_path):
+    url, options = "s3://bucket/w.lmdb", _options(fresh_store.server.endpoint)
     jpegs = sorted(source.rglob("*.jpg"))
     with packer.Writer(url, format="lmdb", fields={"caption": "str"}, storage_options=options,
                        staging_dir=tmp_path / "staging", shard_bytes=4_000) as w:
@@ -155,10 +145,11 @@ def test_writer_to_a_bucket_reads_back_and_refuses_what_it_cannot_do(source, ser
         packer.Writer(url, resume=True, storage_options=options)
 
 
-def test_wds_and_http_outputs_are_refused_in_one_line_and_file_urls_are_folders(source, server, tmp_path):
+def test_wds_and_http_outputs_are_refused_in_one_line_and_file_urls_are_folders(source, fresh_store, tmp_path):
     with pytest.raises(PackerError, match="^object storage is not supported yet by packer convert --to wds: s3://"):
-        convert(source, "s3://bucket/x", to="wds", progress=False, storage_options=_options(server.server.endpoint))
-    http = f"{server.server.endpoint}/bucket/x.lmdb"
+        convert(source, "s3://bucket/x", to="wds", progress=False,
+                storage_options=_options(fresh_store.server.endpoint))
+    http = f"{fresh_store.server.endpoint}/bucket/x.lmdb"
     with pytest.raises(OptionError, match="^http://.*/bucket/x.lmdb: packer writes datasets to s3://, gs://, az:// "
                        "only"):
         convert(source, http, to="lmdb", progress=False)
@@ -189,13 +180,7 @@ def test_a_killed_upload_never_opens_and_resume_uploads_only_what_is_missing(sou
            "--shard-size", "2500", "--staging-dir", str(tmp_path / "staging-1")]
     try:
         env = _env(srv.server.endpoint)
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(lambda: journal.is_dir() and len(list(journal.glob("shard-*.json"))) >= 3 or proc.poll() is not None,
-                   "three shards uploaded")
-        assert proc.poll() is None, "the conversion ended before it could be killed"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        srv.server.stats.closed()  # requests the killed writer had fully sent are answered before the journal is read
+        killed_upload(cmd, env, journal, srv)
         uploaded = sorted(p.stem for p in journal.glob("shard-*.json"))
         assert not (root / "ds.lmdb" / "manifest.json").exists()
         with pytest.raises(InputNotFoundError, match="no packer dataset there .*an upload that did not finish"):
@@ -233,15 +218,16 @@ def test_a_killed_upload_never_opens_and_resume_uploads_only_what_is_missing(sou
 # ---------------------------------------------------------------- item 3: --overwrite, a second writer
 
 
-def test_an_existing_dataset_is_refused_without_overwrite_and_replaced_with_it(source, server, tmp_path):
-    endpoint, root, url = server.server.endpoint, tmp_path / "root", "s3://bucket/ds.lmdb"
+def test_an_existing_dataset_is_refused_without_overwrite_and_replaced_with_it(source, fresh_store, tmp_path):
+    endpoint, root, url = fresh_store.server.endpoint, tmp_path / "root", "s3://bucket/ds.lmdb"
     _convert(source, url, endpoint, tmp_path, to="lmdb", shard_bytes=2_500)
     old = _keys(root, "ds.lmdb")
     with pytest.raises(OutputExistsError, match="^s3://bucket/ds.lmdb: already exists"):
         _convert(source, url, endpoint, tmp_path, to="lmdb")
     assert _keys(root, "ds.lmdb") == old
     # an --overwrite that fails part-way: the old manifest went first, so neither dataset (nor a mix) opens
-    server.faults.add(Fault("status", 500, "InternalError"), key="ds.lmdb/shard-00001.lmdb", method="PUT", times=-1)
+    fresh_store.faults.add(Fault("status", 500, "InternalError"), key="ds.lmdb/shard-00001.lmdb", method="PUT",
+                           times=-1)
     with pytest.raises(PackerError, match="^s3://bucket/ds.lmdb: uploading shard-00001.lmdb failed "
                        r"\(s3://bucket/ds.lmdb/shard-00001.lmdb: .*500") as failed:
         _convert(source, url, endpoint, tmp_path, to="lmdb", shard_bytes=2_500, overwrite=True)
@@ -249,7 +235,7 @@ def test_an_existing_dataset_is_refused_without_overwrite_and_replaced_with_it(s
     assert "manifest.json" not in _keys(root, "ds.lmdb") and "shard-00005.lmdb" in _keys(root, "ds.lmdb")
     with pytest.raises(InputNotFoundError, match="no packer dataset there"):
         packer.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_options(endpoint))
-    server.faults.clear()
+    fresh_store.faults.clear()
     # replaced by a dataset of fewer shards: the old dataset's objects the new one lacks are deleted
     local = _local(source, tmp_path, shard_bytes=6_000)
     _convert(source, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000, overwrite=True)
@@ -258,25 +244,25 @@ def test_an_existing_dataset_is_refused_without_overwrite_and_replaced_with_it(s
     _same_as_local(url, endpoint, local, tmp_path / "cache")
 
 
-def test_a_prefix_of_other_objects_is_refused_even_with_overwrite_and_kept(source, server, tmp_path):
-    server.write("mine/notes.txt", b"not packer's")
-    server.write("mine/shard-00000.lmdb", b"not packer's either")
+def test_a_prefix_of_other_objects_is_refused_even_with_overwrite_and_kept(source, fresh_store, tmp_path):
+    fresh_store.write("mine/notes.txt", b"not packer's")
+    fresh_store.write("mine/shard-00000.lmdb", b"not packer's either")
     for overwrite in (False, True):
         with pytest.raises(OutputExistsError, match="not a packer dataset"):
-            _convert(source, "s3://bucket/mine", server.server.endpoint, tmp_path, to="lmdb", overwrite=overwrite)
+            _convert(source, "s3://bucket/mine", fresh_store.server.endpoint, tmp_path, to="lmdb", overwrite=overwrite)
     assert _keys(tmp_path / "root", "mine") == {"notes.txt", "shard-00000.lmdb"}
     assert (tmp_path / "root" / "mine" / "notes.txt").read_bytes() == b"not packer's"
     # a dataset with someone's object added under its prefix: not replaced, nothing of it deleted
-    _convert(source, "s3://bucket/ds.lmdb", server.server.endpoint, tmp_path, to="lmdb")
-    server.write("ds.lmdb/README.txt", b"mine")
+    _convert(source, "s3://bucket/ds.lmdb", fresh_store.server.endpoint, tmp_path, to="lmdb")
+    fresh_store.write("ds.lmdb/README.txt", b"mine")
     kept = _etags(tmp_path / "root", "ds.lmdb")
     with pytest.raises(OutputExistsError, match="holds 1 object.s. its manifest.json does not name .README.txt."):
-        _convert(source, "s3://bucket/ds.lmdb", server.server.endpoint, tmp_path, to="lmdb", overwrite=True)
+        _convert(source, "s3://bucket/ds.lmdb", fresh_store.server.endpoint, tmp_path, to="lmdb", overwrite=True)
     assert _etags(tmp_path / "root", "ds.lmdb") == kept
 
 
-def test_a_second_writer_is_refused_by_the_lock(source, server, tmp_path):
-    options = _options(server.server.endpoint)
+def test_a_second_writer_is_refused_by_the_lock(source, fresh_store, tmp_path):
+    options = _options(fresh_store.server.endpoint)
     first = RemoteOutput("s3://bucket/ds.lmdb", options, tmp_path / "a", policy=FAST_POLICY)
     second = RemoteOutput("s3://bucket/ds.lmdb", options, tmp_path / "b", policy=FAST_POLICY)
     first.check(source, True)
@@ -289,11 +275,11 @@ def test_a_second_writer_is_refused_by_the_lock(source, server, tmp_path):
         # a writer alive on this machine holds it: even --overwrite and --resume are refused
         sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         try:
-            server.write(f"ds.lmdb/{REMOTE_LOCK}", json.dumps({"host": os.uname().nodename, "pid": sleeper.pid,
+            fresh_store.write(f"ds.lmdb/{REMOTE_LOCK}", json.dumps({"host": os.uname().nodename, "pid": sleeper.pid,
                                                                 "since": "now"}).encode())
             for kw in ({"overwrite": True}, {"resume": True}):
                 with pytest.raises(PackerError, match=f"in use by a conversion running as pid {sleeper.pid}"):
-                    _convert(source, "s3://bucket/ds.lmdb", server.server.endpoint, tmp_path, to="lmdb", **kw)
+                    _convert(source, "s3://bucket/ds.lmdb", fresh_store.server.endpoint, tmp_path, to="lmdb", **kw)
         finally:
             sleeper.kill()
             sleeper.wait()
@@ -317,10 +303,10 @@ def test_against_moto_too_two_writers_racing_for_the_lock_leave_one(source, moto
         lock.release()
 
 
-def test_a_writer_whose_upload_was_taken_over_puts_nothing_more(source, server, tmp_path):
+def test_a_writer_whose_upload_was_taken_over_puts_nothing_more(source, fresh_store, tmp_path):
     """``overwrite`` of an unfinished upload whose writer runs elsewhere (unseen: another machine) takes its lock;
     the first writer stops at its next shard and never puts a manifest: the dataset is the second writer's."""
-    url, options = "s3://bucket/w.lmdb", _options(server.server.endpoint)
+    url, options = "s3://bucket/w.lmdb", _options(fresh_store.server.endpoint)
     jpegs = sorted(source.rglob("*.jpg"))
     first = packer.Writer(url, storage_options=options, staging_dir=tmp_path / "a", shard_bytes=2_000)
     for k, path in enumerate(jpegs[:10]):
@@ -341,25 +327,25 @@ def test_a_writer_whose_upload_was_taken_over_puts_nothing_more(source, server, 
 # ---------------------------------------------------------------- item 4: faults, credentials, Ctrl-C
 
 
-def test_503s_are_retried_and_a_lasting_error_is_one_line_without_credentials(source, server, tmp_path):
-    endpoint, root, url = server.server.endpoint, tmp_path / "root", "s3://bucket/ds.lmdb"
+def test_503s_are_retried_and_a_lasting_error_is_one_line_without_credentials(source, fresh_store, tmp_path):
+    endpoint, root, url = fresh_store.server.endpoint, tmp_path / "root", "s3://bucket/ds.lmdb"
     local = _local(source, tmp_path, shard_bytes=6_000)
-    server.faults.add(Fault("status", 503, "SlowDown"), key="ds.lmdb/shard-00001.lmdb", method="PUT", times=2)
-    server.faults.add(Fault("status", 503, "SlowDown"), key="ds.lmdb/manifest.json", method="PUT", times=1)
+    fresh_store.faults.add(Fault("status", 503, "SlowDown"), key="ds.lmdb/shard-00001.lmdb", method="PUT", times=2)
+    fresh_store.faults.add(Fault("status", 503, "SlowDown"), key="ds.lmdb/manifest.json", method="PUT", times=1)
     _convert(source, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000)
-    assert server.faults.applied == [("status", "PUT", "ds.lmdb/shard-00001.lmdb")] * 2 + [
+    assert fresh_store.faults.applied == [("status", "PUT", "ds.lmdb/shard-00001.lmdb")] * 2 + [
         ("status", "PUT", "ds.lmdb/manifest.json")]
     _same_as_local(url, endpoint, local, tmp_path / "cache")
     for path in root.rglob("*"):  # the manifest, errors.json, everything put: no credential
         assert not path.is_file() or SECRET.encode() not in path.read_bytes()
-    server.faults.clear()
-    server.faults.add(Fault("status", 503, "SlowDown"), key="other.lmdb/shard-00000.lmdb", method="PUT", times=-1)
+    fresh_store.faults.clear()
+    fresh_store.faults.add(Fault("status", 503, "SlowDown"), key="other.lmdb/shard-00000.lmdb", method="PUT", times=-1)
     with pytest.raises(PackerError) as failed:
         _convert(source, "s3://bucket/other.lmdb", endpoint, tmp_path, to="lmdb")
     message = str(failed.value)
     assert "\n" not in message and SECRET not in message and message.startswith(
         "s3://bucket/other.lmdb: uploading shard-00000.lmdb failed (s3://bucket/other.lmdb/shard-00000.lmdb: ")
-    assert "503" in message and len(server.faults.applied) > 2  # retried, then given up
+    assert "503" in message and len(fresh_store.faults.applied) > 2  # retried, then given up
     assert message.endswith("kept in s3://bucket/other.lmdb (an unfinished upload: its journal under .packer-partial/):"
                             " fix the problem (the link, the credentials, the bucket's quota; or free local space for "
                             "staging), then run the same command with resume=True")
@@ -368,11 +354,11 @@ def test_503s_are_retried_and_a_lasting_error_is_one_line_without_credentials(so
         assert not path.is_file() or SECRET.encode() not in path.read_bytes()
 
 
-def test_ctrl_c_leaves_no_manifest_and_resume_finishes_the_upload(source, server, tmp_path):
+def test_ctrl_c_leaves_no_manifest_and_resume_finishes_the_upload(source, fresh_store, tmp_path):
     root, url = tmp_path / "root", "s3://bucket/ds.lmdb"
     argv = ["convert", source, "--to", "lmdb", "-o", url, "--workers", "0", "-q", "--shard-size", "6000",
             "--staging-dir", tmp_path / "st"]
-    env = _env(server.server.endpoint)
+    env = _env(fresh_store.server.endpoint)
     stopped = run_cli_at(argv, env, "open", "errors.json", "int")  # a Ctrl-C as the end's files are written
     assert stopped.returncode == 130, stopped.stderr
     assert stopped.stderr.strip().endswith(f"interrupted; the work done so far is kept in {url} (an unfinished "
@@ -380,7 +366,7 @@ def test_ctrl_c_leaves_no_manifest_and_resume_finishes_the_upload(source, server
                                            "--resume to go on, or remove it")
     assert "manifest.json" not in _keys(root, "ds.lmdb") and "shard-00000.lmdb" in _keys(root, "ds.lmdb")
     with pytest.raises(InputNotFoundError, match="no packer dataset there"):
-        packer.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_options(server.server.endpoint))
+        packer.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_options(fresh_store.server.endpoint))
     other = subprocess.run([sys.executable, "-m", "packer", *map(str, argv), "--resume", "--shard-size", "3000"],
                            env=env, capture_output=True, text=True)
     assert other.returncode == 2 and other.stderr.strip() == (
@@ -389,4 +375,4 @@ def test_ctrl_c_leaves_no_manifest_and_resume_finishes_the_upload(source, server
     done = subprocess.run([sys.executable, "-m", "packer", *map(str, argv), "--resume"], env=env, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
-    _same_as_local(url, server.server.endpoint, _local(source, tmp_path, shard_bytes=6_000), tmp_path / "cache")
+    _same_as_local(url, fresh_store.server.endpoint, _local(source, tmp_path, shard_bytes=6_000), tmp_path / "cache")

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from support.imagesets import make_imagefolder
-from support.storage_servers import CREDENTIALS, Emulated, open_served, wait_until
+from support.storage_servers import CREDENTIALS, Emulated, killed_upload, open_served
 
 import packer
 from packer.cli import main
@@ -30,14 +29,6 @@ URL = "s3://bucket/ds"
 @pytest.fixture(scope="module")
 def source(tmp_path_factory):
     return make_imagefolder(tmp_path_factory.mktemp("remote-ranges") / "imgs", classes=3, per_class=8)
-
-
-@pytest.fixture
-def server(tmp_path):
-    (tmp_path / "root").mkdir()
-    srv = Emulated(tmp_path / "root")
-    yield srv
-    srv.stop()
 
 
 def _options(srv: Emulated) -> dict:
@@ -64,59 +55,59 @@ def _shard_bytes(ds) -> int:
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "memmap"])
-def test_a_dataset_converted_into_a_bucket_records_the_local_ranges_and_reads_in_ranged_mode(fmt, source, server,
+def test_a_dataset_converted_into_a_bucket_records_the_local_ranges_and_reads_in_ranged_mode(fmt, source, fresh_store,
                                                                                                tmp_path):
     local = tmp_path / f"local.{fmt}"
     convert(source, local, to=fmt, shard_bytes=6_000, workers=0, progress=False)
     convert(source, f"{URL}.{fmt}", to=fmt, shard_bytes=6_000, workers=0, progress=False,
-            storage_options=_options(server), staging_dir=tmp_path / "staging")
+            storage_options=_options(fresh_store), staging_dir=tmp_path / "staging")
     bucket = tmp_path / "root" / f"ds.{fmt}"
     assert set(RANGE_FILES.values()) <= set(_meta(bucket))
     _same_meta(local, bucket)
-    with open_served(server, tmp_path / "cache", f"{URL}.{fmt}", remote_mode="ranged") as ds:
+    with open_served(fresh_store, tmp_path / "cache", f"{URL}.{fmt}", remote_mode="ranged") as ds:
         assert isinstance(ds.source, RangedSource) and len(ds.manifest.shards) > 2
-        opened = server.server.stats.settled()
+        opened = fresh_store.server.stats.settled()
         assert bytes(ds.read_payload(5)) == Path(ds.samples[5][0]).read_bytes()
-        one = server.server.stats.settled()
+        one = fresh_store.server.stats.settled()
         # one ranged GET of the sample's group, not its shard's files
         assert one["gets"] - opened["gets"] == 1 and 0 < one["body_bytes"] - opened["body_bytes"] < _shard_bytes(ds)
         for i in range(len(ds)):
             assert bytes(ds.read_payload(i)) == Path(ds.samples[i][0]).read_bytes()
 
 
-def test_formats_without_plain_ranges_record_none_in_a_bucket_either(source, server, tmp_path):
+def test_formats_without_plain_ranges_record_none_in_a_bucket_either(source, fresh_store, tmp_path):
     for fmt, kw in [("bmp", {}), ("hdf5", {"payload": "raw", "compression": "gzip"})]:
         local = tmp_path / f"local.{fmt}"
         convert(source, local, to=fmt, shard_bytes=20_000, workers=0, progress=False, **kw)
         convert(source, f"{URL}.{fmt}", to=fmt, shard_bytes=20_000, workers=0, progress=False,
-                storage_options=_options(server), staging_dir=tmp_path / "staging", **kw)
+                storage_options=_options(fresh_store), staging_dir=tmp_path / "staging", **kw)
         bucket = tmp_path / "root" / f"ds.{fmt}"
         assert not set(RANGE_FILES.values()) & set(_meta(bucket))
         _same_meta(local, bucket)
-        with open_served(server, tmp_path / "cache", f"{URL}.{fmt}") as ds:  # "auto": whole-shard mode
+        with open_served(fresh_store, tmp_path / "cache", f"{URL}.{fmt}") as ds:  # "auto": whole-shard mode
             assert not isinstance(ds.source, RangedSource)
 
 
-def test_a_writer_into_a_bucket_records_the_ranges_a_local_writer_does(source, server, tmp_path):
+def test_a_writer_into_a_bucket_records_the_ranges_a_local_writer_does(source, fresh_store, tmp_path):
     jpegs = sorted(source.rglob("*.jpg"))
     for out, kw in [(tmp_path / "local.lmdb", {}), (f"{URL}.lmdb",
-                                                    {"storage_options": _options(server),
+                                                    {"storage_options": _options(fresh_store),
                                                      "staging_dir": tmp_path / "staging"})]:
         with packer.Writer(out, format="lmdb", fields={"caption": "str"}, shard_bytes=4_000, **kw) as w:
             for k, path in enumerate(jpegs):
                 w.add(image=path.read_bytes(), label=k % 2, caption=f"photo {k}")
     _same_meta(tmp_path / "local.lmdb", tmp_path / "root" / "ds.lmdb")
-    with open_served(server, tmp_path / "cache", f"{URL}.lmdb", remote_mode="ranged", fields="all") as ds:
+    with open_served(fresh_store, tmp_path / "cache", f"{URL}.lmdb", remote_mode="ranged", fields="all") as ds:
         assert isinstance(ds.source, RangedSource) and len(ds.manifest.shards) > 2
         for k, path in enumerate(jpegs):
             assert bytes(ds.read_payload(k)) == path.read_bytes() and ds[k]["caption"] == f"photo {k}"
 
 
-def test_packer_bench_reads_a_bucket_written_dataset_with_ranged_gets(source, server, tmp_path):
+def test_packer_bench_reads_a_bucket_written_dataset_with_ranged_gets(source, fresh_store, tmp_path):
     convert(source, f"{URL}.lmdb", to="lmdb", shard_bytes=6_000, workers=0, progress=False,
-            storage_options=_options(server), staging_dir=tmp_path / "staging")
+            storage_options=_options(fresh_store), staging_dir=tmp_path / "staging")
     shards = sum(f.num_bytes for s in read_manifest(tmp_path / "root" / "ds.lmdb").shards for f in s.files)
-    opts = [f"--storage-option={k}={v}" for k, v in _options(server).items()]
+    opts = [f"--storage-option={k}={v}" for k, v in _options(fresh_store).items()]
     assert main(["bench", f"{URL}.lmdb", *opts, "--remote-mode", "ranged", "--workers", "0", "--repeats", "1",
                  "--batch-size", "4", "-q", "--json", str(tmp_path / "b.json")]) == 0
     cold = next(r for r in json.loads((tmp_path / "b.json").read_text())["results"] if r["cache"] == "cold")
@@ -141,13 +132,7 @@ def test_a_killed_then_resumed_upload_records_the_ranges_of_a_fresh_conversion(s
            "--workers", "0", "--shard-size", "2500", "--staging-dir", str(tmp_path / "staging-1")]
     try:
         env = _env(srv.server.endpoint)
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_until(lambda: journal.is_dir() and len(list(journal.glob("shard-*.json"))) >= 3 or proc.poll() is not None,
-                   "three shards uploaded")
-        assert proc.poll() is None, "the conversion ended before it could be killed"
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        srv.server.stats.closed()  # requests the killed writer had fully sent are answered before the journal is read
+        killed_upload(cmd, env, journal, srv)
         entries = sorted(journal.glob("shard-*.json"))
         assert entries and not (root / "ds.lmdb" / "manifest.json").exists()
         for entry in entries:  # each journaled shard's ranges are in the bucket: its staged files are gone

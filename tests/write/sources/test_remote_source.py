@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.foreign import items, make_hf, make_wds
-from support.imagesets import jpeg_bytes
+from support.imagesets import jpeg_bytes, tiny_photos
 from support.interrupt import kill_after_shards
 from support.storage_servers import Emulated, s3_store, upload, user_environment
 
@@ -123,18 +123,8 @@ def served(tmp_path, monkeypatch):
     srv.stop()
 
 
-def _photos(root: Path, classes: int = 3, per_class: int = 20) -> Path:
-    rng = np.random.default_rng(1)
-    for c in range(classes):
-        for i in range(per_class):
-            path = root / f"c{c}" / f"{i:03d}.jpg"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(jpeg_bytes(rng, 8 + i % 5, 8 + c))
-    return root
-
-
 def test_the_listing_is_paged_and_objects_are_fetched_many_at_once(served, tmp_path):
-    _photos(tmp_path / "root" / "train")
+    tiny_photos(tmp_path / "root" / "train")
     before = served.server.stats.lists
     result = packer.convert("s3://bucket/train", tmp_path / "out.lmdb", workers=0, progress=False)
     stats = served.server.stats.settled()
@@ -147,7 +137,7 @@ def test_the_listing_is_paged_and_objects_are_fetched_many_at_once(served, tmp_p
 
 
 def test_objects_that_fail_are_listed_in_errors_json_with_their_url(served, tmp_path):
-    _photos(tmp_path / "root" / "train", classes=2, per_class=5)
+    tiny_photos(tmp_path / "root" / "train", classes=2, per_class=5)
     (tmp_path / "root" / "train" / "c1" / "bad.jpg").write_bytes(b"\xff\xd8 not a jpeg at all")
     served.faults.add(Fault("status", 404, "NoSuchKey"), key="train/c0/001.jpg", times=-1)
     served.faults.add(Fault("status", 403, "AccessDenied"), key="train/c1/003.jpg", times=-1)
@@ -164,7 +154,7 @@ def test_objects_that_fail_are_listed_in_errors_json_with_their_url(served, tmp_
 
 
 def test_an_object_replaced_after_the_listing_is_an_error_never_its_new_bytes(served, tmp_path):
-    _photos(tmp_path / "root" / "train", classes=1, per_class=4)
+    tiny_photos(tmp_path / "root" / "train", classes=1, per_class=4)
     scan = scan_source("s3://bucket/train/")
     served.write("train/c0/002.jpg", b"new bytes")
     reader = scan.source_reader()
@@ -177,7 +167,7 @@ def test_an_object_replaced_after_the_listing_is_an_error_never_its_new_bytes(se
 
 
 def test_the_command_line_converts_a_prefix_and_refuses_what_it_cannot(served, tmp_path, monkeypatch, capsys):
-    _photos(tmp_path / "root" / "train", classes=2, per_class=3)
+    tiny_photos(tmp_path / "root" / "train", classes=2, per_class=3)
     monkeypatch.chdir(tmp_path)
     assert main(["convert", "s3://bucket/train/", "--to", "lmdb", "-o", "out.lmdb", "-q", "--workers", "0"]) == 0
     with packer.open_dataset(tmp_path / "out.lmdb") as ds:
@@ -202,7 +192,7 @@ def test_the_command_line_converts_a_prefix_and_refuses_what_it_cannot(served, t
 
 
 def test_if_changed_sees_a_replaced_object(served, tmp_path):
-    _photos(tmp_path / "root" / "train", classes=1, per_class=3)
+    tiny_photos(tmp_path / "root" / "train", classes=1, per_class=3)
     url, out = "s3://bucket/train/", tmp_path / "out.lmdb"
     packer.convert(url, out, workers=0, progress=False)
     gets = served.server.stats.gets
@@ -227,7 +217,7 @@ def _list_of(root: Path, name: str, prefix: str = "") -> list[str]:
 
 
 def test_a_list_file_at_a_url_reads_objects_below_its_prefix(served, tmp_path):
-    train = _photos(tmp_path / "root" / "train", classes=2, per_class=6)
+    train = tiny_photos(tmp_path / "root" / "train", classes=2, per_class=6)
     lines = _list_of(train, "list.txt")
     (train / "list.txt").write_text("\n".join(
         lines + ["c0/gone.jpg 0", "s3://bucket/other/x.jpg 1", "s3://bucket/train/c1/000.jpg 1"]) + "\n")
@@ -250,7 +240,7 @@ def test_a_list_file_at_a_url_reads_objects_below_its_prefix(served, tmp_path):
 
 
 def test_a_local_list_naming_urls_or_a_url_root(served, tmp_path):
-    train = _photos(tmp_path / "root" / "train", classes=2, per_class=4)
+    train = tiny_photos(tmp_path / "root" / "train", classes=2, per_class=4)
     _list_of(train, "plain.txt")
     local = packer.convert(train / "plain.txt", tmp_path / "local.lmdb", workers=0, progress=False)
     named = tmp_path / "named"
@@ -301,7 +291,7 @@ def test_webdataset_shards_by_url_convert_as_the_local_shards(served, tmp_path, 
 
 
 def test_an_archive_and_parquet_by_url(served, tmp_path):
-    tree = _photos(tmp_path / "imgs", classes=2, per_class=3)
+    tree = tiny_photos(tmp_path / "imgs", classes=2, per_class=3)
     (tmp_path / "root" / "arch").mkdir(parents=True)
     with tarfile.open(tmp_path / "root" / "arch" / "train.tar.gz", "w:gz") as tar:
         tar.add(tree, arcname="train")
@@ -327,7 +317,7 @@ def test_an_archive_and_parquet_by_url(served, tmp_path):
 
 
 def test_resume_of_a_killed_prefix_conversion_fetches_only_what_is_left(served, tmp_path):
-    _photos(tmp_path / "root" / "train", classes=3, per_class=20)
+    tiny_photos(tmp_path / "root" / "train", classes=3, per_class=20)
     reference = Path(packer.convert("s3://bucket/train/", tmp_path / "ref.lmdb", workers=0, shard_bytes=4000,
                                     progress=False).output)
     out = tmp_path / "o.lmdb"
@@ -348,7 +338,7 @@ def test_dask_workers_fetch_their_own_objects(served, tmp_path, monkeypatch):
     distributed = pytest.importorskip("distributed", reason="needs the packer[dask] extra")
     from packer.write.cluster import open_client
 
-    _photos(tmp_path / "root" / "train", classes=3, per_class=10)
+    tiny_photos(tmp_path / "root" / "train", classes=3, per_class=10)
     (tmp_path / "root" / "train" / "c1" / "bad.jpg").write_bytes(b"\xff\xd8 not a jpeg")
     local = packer.convert(tmp_path / "root" / "train", tmp_path / "local.lmdb", workers=0, shard_bytes=4000,
                            progress=False).output

@@ -17,10 +17,9 @@ import sys
 import tarfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 from support.foreign import items, make_hf, make_wds
-from support.imagesets import jpeg_bytes
+from support.imagesets import tiny_photos
 from support.storage_servers import Emulated
 
 import packer
@@ -68,16 +67,6 @@ def packer_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-def photos(root: Path, classes: int = 2, per_class: int = 4) -> Path:
-    rng = np.random.default_rng(3)
-    for c in range(classes):
-        for i in range(per_class):
-            path = root / f"c{c}" / f"{i:03d}.jpg"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_bytes(jpeg_bytes(rng, 8 + i, 8 + c))
-    return root
-
-
 def no_secret(*texts: str, folder: Path | None = None) -> None:
     """``SECRET`` in none of ``texts`` nor in any file below ``folder``."""
     for text in texts:
@@ -89,7 +78,7 @@ def no_secret(*texts: str, folder: Path | None = None) -> None:
 
 def test_every_source_kind_by_url_on_the_command_line_with_storage_options_only(served, tmp_path):
     root = tmp_path / "root"
-    train = photos(root / "train")
+    train = tiny_photos(root / "train", classes=2, per_class=4)
     (train / "c1" / "bad.jpg").write_bytes(b"\xff\xd8 not a jpeg")
     scan = scan_folder(train)
     (train / "list.txt").write_text("".join(f"{rel} {label}\n" for rel, label in zip(scan.rel_paths,
@@ -123,7 +112,7 @@ def test_every_source_kind_by_url_on_the_command_line_with_storage_options_only(
 def test_a_lasting_failure_is_one_line_without_the_secret(served, tmp_path, capsys):
     from packer.cli import main
 
-    photos(tmp_path / "root" / "train")
+    tiny_photos(tmp_path / "root" / "train", classes=2, per_class=4)
     (tmp_path / "root" / "train" / "list.txt").write_text("c0/000.jpg 0\n")
     served.faults.add(Fault("status", 500, "InternalError"), key="train/list.txt", times=-1)  # a lasting failure
     assert main(["convert", "s3://bucket/train/list.txt", "-o", str(tmp_path / "failed.lmdb"), *flags(served)]) == 2
@@ -134,7 +123,7 @@ def test_a_lasting_failure_is_one_line_without_the_secret(served, tmp_path, caps
 
 
 def test_the_output_in_a_bucket_takes_storage_options_on_the_command_line(served, tmp_path):
-    imgs = photos(tmp_path / "imgs")
+    imgs = tiny_photos(tmp_path / "imgs", classes=2, per_class=4)
     res = packer_cli(tmp_path, "convert", str(imgs), "-o", "s3://bucket/out.lmdb", "--shard-size", "2KB",
                      *flags(served), "--json")
     assert res.returncode == 0, res.stderr
@@ -148,7 +137,7 @@ def test_the_output_in_a_bucket_takes_storage_options_on_the_command_line(served
 
 
 def test_a_local_list_naming_objects_and_a_url_root_take_storage_options(served, tmp_path):
-    train = photos(tmp_path / "root" / "train")
+    train = tiny_photos(tmp_path / "root" / "train", classes=2, per_class=4)
     scan = scan_folder(train)
     named = tmp_path / "lists"
     named.mkdir()
@@ -168,7 +157,7 @@ def test_dask_tasks_fetch_with_the_storage_options(served, tmp_path):
     distributed = pytest.importorskip("distributed", reason="needs the packer[dask] extra")
     from packer.write.cluster import open_client
 
-    train = photos(tmp_path / "root" / "train", classes=3, per_class=4)
+    train = tiny_photos(tmp_path / "root" / "train", classes=3, per_class=4)
     local = packer.convert(train, tmp_path / "local.lmdb", workers=0, shard_bytes=2000, progress=False).output
     with open_client("local:2") as client:  # spawned workers: no AWS_* in their environment either
         assert isinstance(client, distributed.Client)
@@ -183,7 +172,7 @@ def test_dask_tasks_fetch_with_the_storage_options(served, tmp_path):
 def test_storage_options_with_nothing_at_a_url_are_refused_in_one_line(tmp_path, capsys):
     from packer.cli import main
 
-    imgs = photos(tmp_path / "imgs")
+    imgs = tiny_photos(tmp_path / "imgs", classes=2, per_class=4)
     (tmp_path / "list.txt").write_text("imgs/c0/000.jpg 0\n")
     for src in (imgs, tmp_path / "list.txt"):  # a list file: refused once its rows are known to be local
         with pytest.raises(OptionError, match=r"^storage_options is for a source or an output at a URL"):
