@@ -444,13 +444,16 @@ class _Handler(BaseHTTPRequestHandler):
         limit = min(store.page_size, int(query.get("max-keys", ["1000"])[0]))
         entries: list[tuple[str, os.stat_result | None]] = []
         truncated = False
-        for key, st in store.walk(prefix, delimiter):
+        for key, path in store.walk(prefix, delimiter):
             if key <= after:
                 continue
             if len(entries) == limit:
                 truncated = True
                 break
-            entries.append((key, st))
+            try:
+                entries.append((key, None if path is None else os.stat(path)))
+            except FileNotFoundError:  # deleted since the walk
+                continue
         parts = [f"<Name>{escape(store.bucket)}</Name><Prefix>{escape(prefix)}</Prefix><KeyCount>{len(entries)}"
                  f"</KeyCount><MaxKeys>{limit}</MaxKeys><IsTruncated>{str(truncated).lower()}</IsTruncated>"]
         if delimiter:
@@ -582,10 +585,11 @@ class EmulatedStore:
     def abort_upload(self, upload: str) -> None:
         shutil.rmtree(self._incoming() / f"mp-{upload}", ignore_errors=True)
 
-    def walk(self, prefix: str, delimiter: str) -> list[tuple[str, os.stat_result | None]]:
-        """Sorted (key, stat) of every file whose key starts with ``prefix``; with ``delimiter`` "/", the common
-        prefixes below it as (prefix, None)."""
-        out: dict[str, os.stat_result | None] = {}
+    def walk(self, prefix: str, delimiter: str) -> list[tuple[str, str | None]]:
+        """Sorted (key, file path) of every file whose key starts with ``prefix``; with ``delimiter`` "/", the
+        common prefixes below it as (prefix, None). Names only: a listing stats the entries of its page alone (a
+        page of a large prefix costs its own entries, not the whole prefix's)."""
+        out: dict[str, str | None] = {}
         for dirpath, dirnames, filenames in os.walk(self.root):
             dirnames[:] = sorted(d for d in dirnames if not (dirpath == str(self.root) and d == UPLOADS))
             rel = os.path.relpath(dirpath, self.root)
@@ -597,7 +601,7 @@ class EmulatedStore:
                 if delimiter and delimiter in rest:
                     out[prefix + rest.split(delimiter, 1)[0] + delimiter] = None
                 else:
-                    out[key] = os.stat(os.path.join(dirpath, name))
+                    out[key] = os.path.join(dirpath, name)
         return sorted(out.items())
 
     @property
