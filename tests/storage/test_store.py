@@ -272,3 +272,24 @@ def test_a_forked_childs_store_dropped_without_close_ends_its_helper(emulated):
     proc.join(60)
     assert got == ("HelperClient", 0, False)
     store.close()
+
+
+@pytest.mark.parametrize("kind", [LoopClient, HelperClient])
+def test_gets_started_together_give_each_result_or_error_in_order(emulated, kind):
+    """``submit_gets``: one future for many GETs (small objects); each its bytes, or the error it alone gave."""
+    emulated.write("many/a.bin", b"a" * 10)
+    emulated.write("many/b.bin", b"b" * 20)
+    store = emulated.store("many")
+    etag_a, etag_b = store.head("a.bin").etag, store.head("b.bin").etag
+    client = kind(store.spec)
+    store._client.get = lambda: client  # this test's client kind in this process  # type: ignore[method-assign]
+    try:
+        got = store.submit_gets([("a.bin", etag_a), ("gone.bin", None), ("b.bin", "\"another\""), ("b.bin", etag_b),
+                                 ("a.bin", None)]).result(60)
+        assert [bytes(r[0]) if isinstance(r, tuple) else type(r) for r in got] == [
+            b"a" * 10, ObjectNotFound, ObjectChanged, b"b" * 20, b"a" * 10]
+        assert got[0][1].etag == etag_a and "s3://bucket/many/gone.bin" in str(got[1])
+        assert store.submit_gets([]).result(60) == []
+    finally:
+        client.close()
+        store.close()
