@@ -142,3 +142,23 @@ def test_a_page_of_a_listing_stats_its_own_entries_not_the_whole_prefix(tmp_path
         assert len([p for p in stats if str(p).endswith(".jpg")]) == 5  # a 100,000-key prefix: 100 pages, not 100x
     finally:
         srv.stop()
+
+
+def test_pages_list_every_key_once_in_s3_order_whatever_the_folders(tmp_path):
+    import boto3
+
+    root = tmp_path / "root"
+    names = ["p/a.txt", "p/a/b", "p/a/c/d", "p/a0", "p/a-b/x", "p/b", "p/é/1", "p/z", "q/other"]
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(name.encode())
+    srv = Emulated(root, page_size=2)
+    try:
+        client = boto3.client("s3", endpoint_url=srv.server.endpoint, region_name="us-east-1",
+                              aws_access_key_id="x", aws_secret_access_key="y")
+        for prefix in ["p/", "p/a", "p", ""]:
+            pages = list(client.get_paginator("list_objects_v2").paginate(Bucket="bucket", Prefix=prefix))
+            keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+            assert keys == sorted(n for n in names if n.startswith(prefix)), prefix
+    finally:
+        srv.stop()
