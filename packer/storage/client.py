@@ -192,6 +192,10 @@ class LoopClient:
             async for batch in obs.list(store, kw.get("prefix") or None, chunk_size=1000):
                 out.extend(_info(m["path"], m) for m in batch)
             return out
+        if op == "folder":  # one level: its objects, and its folders as keys ending in "/" (size 0)
+            got = await obs.list_with_delimiter_async(store, kw.get("prefix") or None)
+            return ([ObjectInfo(f"{p}/", 0) for p in got["common_prefixes"]] +
+                    [_info(m["path"], m) for m in got["objects"]])
         if op == "put":  # multipart above chunk_size, parts uploaded concurrently; all or nothing is visible
             source = Path(kw["path"]) if "path" in kw else kw["data"]
             size = source.stat().st_size if isinstance(source, Path) else len(source)
@@ -249,7 +253,7 @@ def _receive(stream) -> tuple[dict[str, Any], bytes] | None:
 def _encode(op: str, result: Any) -> tuple[Any, bytes | memoryview]:
     if op == "get":
         return asdict(result[1]), result[0]
-    if op == "list":
+    if op in ("list", "folder"):
         return [asdict(i) for i in result], b""
     return (asdict(result) if isinstance(result, ObjectInfo) else None), b""
 
@@ -257,7 +261,7 @@ def _encode(op: str, result: Any) -> tuple[Any, bytes | memoryview]:
 def _decode(op: str, result: Any, payload: bytes) -> Any:
     if op == "get":
         return payload, ObjectInfo(**result)
-    if op == "list":
+    if op in ("list", "folder"):
         return [ObjectInfo(**i) for i in result]
     return ObjectInfo(**result) if result is not None else None
 

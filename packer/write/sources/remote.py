@@ -190,7 +190,7 @@ def source_url(location: Location) -> str:
 def list_prefix(location: Location) -> dict[str, ObjectInfo]:
     """Every object below the prefix ``location`` (all pages) by key relative to it; a PackerError when none."""
     with ObjectStore(location.join("")) as store:
-        listed = {info.key: info for info in store.list() if not info.key.endswith("/")}
+        listed = {info.key: info for info in store.list_tree() if not info.key.endswith("/")}
     if not listed:
         raise PackerError(f"{location}: no objects below this prefix")
     return listed
