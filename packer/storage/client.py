@@ -142,6 +142,20 @@ class LoopClient:
         """Run ``op`` ("head", "get", "list", "put", "delete") on ``key`` in the loop; its future."""
         return asyncio.run_coroutine_threadsafe(self._with_retries(op, key, kw), self._loop)
 
+    def submit_many(self, op: str, calls: list[tuple[str, dict[str, Any]]]) -> concurrent.futures.Future:
+        """Run ``op`` on each ``(key, kw)`` of ``calls`` at once in the loop: one future of their results in order,
+        each the value or the ``StorageError`` it raised (one hand-over between threads for them all, not one each:
+        many small objects). Cancelling it cancels them all."""
+        return asyncio.run_coroutine_threadsafe(self._many(op, calls), self._loop)
+
+    async def _many(self, op: str, calls: list[tuple[str, dict[str, Any]]]) -> list[Any]:
+        results = await asyncio.gather(*(self._with_retries(op, key, kw) for key, kw in calls),
+                                       return_exceptions=True)
+        for result in results:  # a storage error is a result; anything else (a bug) is raised
+            if isinstance(result, BaseException) and not isinstance(result, StorageError):
+                raise result
+        return results
+
     async def _with_retries(self, op: str, key: str, kw: dict[str, Any]) -> Any:
         attempt = 0
         while True:
@@ -185,6 +199,10 @@ class LoopClient:
             async for batch in obs.list(store, kw.get("prefix") or None, chunk_size=1000):
                 out.extend(_info(m["path"], m) for m in batch)
             return out
+        if op == "folder":  # one level: its objects, and its folders as keys ending in "/" (size 0)
+            got = await obs.list_with_delimiter_async(store, kw.get("prefix") or None)
+            return ([ObjectInfo(f"{p}/", 0) for p in got["common_prefixes"]] +
+                    [_info(m["path"], m) for m in got["objects"]])
         if op == "put":  # multipart above chunk_size, parts uploaded concurrently; all or nothing is visible
             source = Path(kw["path"]) if "path" in kw else kw["data"]
             size = source.stat().st_size if isinstance(source, Path) else len(source)
@@ -242,7 +260,7 @@ def _receive(stream) -> tuple[dict[str, Any], bytes] | None:
 def _encode(op: str, result: Any) -> tuple[Any, bytes | memoryview]:
     if op == "get":
         return asdict(result[1]), result[0]
-    if op == "list":
+    if op in ("list", "folder"):
         return [asdict(i) for i in result], b""
     return (asdict(result) if isinstance(result, ObjectInfo) else None), b""
 
@@ -250,7 +268,7 @@ def _encode(op: str, result: Any) -> tuple[Any, bytes | memoryview]:
 def _decode(op: str, result: Any, payload: bytes) -> Any:
     if op == "get":
         return payload, ObjectInfo(**result)
-    if op == "list":
+    if op in ("list", "folder"):
         return [ObjectInfo(**i) for i in result]
     return ObjectInfo(**result) if result is not None else None
 
@@ -313,6 +331,11 @@ class HelperClient:
             fut.set_exception(StorageError(f"the storage helper process ended (exit {self._proc.poll()})"))
         return fut
 
+    def submit_many(self, op: str, calls: list[tuple[str, dict[str, Any]]]) -> concurrent.futures.Future:
+        """``LoopClient.submit_many``: each call a request to the helper, one future of their results."""
+        futures = [self.submit(op, key, **kw) for key, kw in calls]
+        return _combined(futures)
+
     def _reply(self, header: dict[str, Any], payload: bytes) -> None:
         with self._lock:
             op, fut = self._futures.pop(header["id"])
@@ -333,6 +356,41 @@ class HelperClient:
     def close(self) -> None:
         self._end()
         self._reader.join()
+
+
+def _combined(futures: list[concurrent.futures.Future]) -> concurrent.futures.Future:
+    """One future of ``futures``' results in order (a ``StorageError`` as a result); cancelling it cancels them."""
+    out: concurrent.futures.Future = concurrent.futures.Future()
+    left, lock = [len(futures)], threading.Lock()
+
+    def landed(_: concurrent.futures.Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        if not out.set_running_or_notify_cancel():
+            return
+        results: list[Any] = []
+        for fut in futures:
+            exc = None if fut.cancelled() else fut.exception()
+            if fut.cancelled() or (exc is not None and not isinstance(exc, StorageError)):
+                out.set_exception(exc or concurrent.futures.CancelledError())
+                return
+            results.append(exc if exc is not None else fut.result())
+        out.set_result(results)
+
+    def cancelled(f: concurrent.futures.Future) -> None:
+        if f.cancelled():
+            for fut in futures:
+                fut.cancel()
+
+    out.add_done_callback(cancelled)
+    for fut in futures:
+        fut.add_done_callback(landed)
+    if not futures:
+        out.set_running_or_notify_cancel()
+        out.set_result([])
+    return out
 
 
 def _read_replies(client_ref: weakref.ReferenceType[HelperClient], stdout: Any) -> None:

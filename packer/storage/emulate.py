@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -444,13 +445,14 @@ class _Handler(BaseHTTPRequestHandler):
         limit = min(store.page_size, int(query.get("max-keys", ["1000"])[0]))
         entries: list[tuple[str, os.stat_result | None]] = []
         truncated = False
-        for key, st in store.walk(prefix, delimiter):
-            if key <= after:
-                continue
+        for key, path in store.walk(prefix, delimiter, after):
             if len(entries) == limit:
                 truncated = True
                 break
-            entries.append((key, st))
+            try:
+                entries.append((key, None if path is None else os.stat(path)))
+            except FileNotFoundError:  # deleted since the walk
+                continue
         parts = [f"<Name>{escape(store.bucket)}</Name><Prefix>{escape(prefix)}</Prefix><KeyCount>{len(entries)}"
                  f"</KeyCount><MaxKeys>{limit}</MaxKeys><IsTruncated>{str(truncated).lower()}</IsTruncated>"]
         if delimiter:
@@ -582,10 +584,37 @@ class EmulatedStore:
     def abort_upload(self, upload: str) -> None:
         shutil.rmtree(self._incoming() / f"mp-{upload}", ignore_errors=True)
 
-    def walk(self, prefix: str, delimiter: str) -> list[tuple[str, os.stat_result | None]]:
-        """Sorted (key, stat) of every file whose key starts with ``prefix``; with ``delimiter`` "/", the common
-        prefixes below it as (prefix, None)."""
-        out: dict[str, os.stat_result | None] = {}
+    def walk(self, prefix: str, delimiter: str, after: str = "") -> Iterator[tuple[str, str | None]]:
+        """(key, file path) of every file whose key starts with ``prefix`` and sorts after ``after``, in key order;
+        with ``delimiter``, the common prefixes below ``prefix`` as (prefix, None). Names only, and without a
+        delimiter lazily, folder by folder, skipping folders wholly before ``after``: a page of a large prefix
+        costs about its own entries (and its folder's names), not the whole prefix's."""
+        if delimiter:
+            yield from (entry for entry in self._walk_all(prefix, delimiter) if entry[0] > after)
+        else:
+            yield from self._walk_sorted(str(self.root), "", prefix, after)
+
+    def _walk_sorted(self, folder: str, rel: str, prefix: str, after: str) -> Iterator[tuple[str, str | None]]:
+        entries: list[tuple[str, str, bool]] = []  # (key, or key + "/" for a folder; path; is a folder)
+        with os.scandir(folder) as it:
+            for e in it:
+                if not rel and e.name == UPLOADS:
+                    continue
+                is_dir = e.is_dir()
+                key = f"{rel}{e.name}/" if is_dir else f"{rel}{e.name}"
+                entries.append((key, e.path, is_dir and not e.is_symlink()))  # as os.walk: no symlinked folders
+        for key, path, is_dir in sorted(entries):  # a folder's keys all sort as its "name/" among its siblings
+            if key.endswith("/"):
+                if not is_dir or not (key.startswith(prefix) or prefix.startswith(key)):
+                    continue
+                if key < after and not after.startswith(key):  # every key below it sorts before ``after``
+                    continue
+                yield from self._walk_sorted(path, key, prefix, after)
+            elif key.startswith(prefix) and key > after:
+                yield key, path
+
+    def _walk_all(self, prefix: str, delimiter: str) -> list[tuple[str, str | None]]:
+        out: dict[str, str | None] = {}
         for dirpath, dirnames, filenames in os.walk(self.root):
             dirnames[:] = sorted(d for d in dirnames if not (dirpath == str(self.root) and d == UPLOADS))
             rel = os.path.relpath(dirpath, self.root)
@@ -597,7 +626,7 @@ class EmulatedStore:
                 if delimiter and delimiter in rest:
                     out[prefix + rest.split(delimiter, 1)[0] + delimiter] = None
                 else:
-                    out[key] = os.stat(os.path.join(dirpath, name))
+                    out[key] = os.path.join(dirpath, name)
         return sorted(out.items())
 
     @property

@@ -119,3 +119,47 @@ def test_closed_waits_for_requests_a_dead_client_had_fully_sent(tmp_path):
         assert counts["open_connections"] == 0 and counts["active"] == 0 and counts["puts"] == 1
     finally:
         srv.stop()
+
+
+def test_a_page_of_a_listing_stats_its_own_entries_not_the_whole_prefix(tmp_path, monkeypatch):
+    import os
+
+    import boto3
+
+    folder = tmp_path / "root" / "many"
+    folder.mkdir(parents=True)
+    for i in range(60):
+        (folder / f"{i:03d}.jpg").write_bytes(b"x" * (i + 1))
+    srv = Emulated(tmp_path / "root", page_size=5)
+    try:
+        client = boto3.client("s3", endpoint_url=srv.server.endpoint, region_name="us-east-1",
+                              aws_access_key_id="x", aws_secret_access_key="y")
+        stats, real_stat = [], os.stat
+        monkeypatch.setattr(os, "stat", lambda path, *a, **kw: stats.append(path) or real_stat(path, *a, **kw))
+        page = client.list_objects_v2(Bucket="bucket", Prefix="many/", StartAfter="many/010.jpg")
+        monkeypatch.undo()
+        want = [(f"many/{i:03d}.jpg", i + 1) for i in range(11, 16)]
+        assert [(o["Key"], o["Size"]) for o in page["Contents"]] == want
+        assert len([p for p in stats if str(p).endswith(".jpg")]) == 5  # a 100,000-key prefix: 100 pages, not 100x
+    finally:
+        srv.stop()
+
+
+def test_pages_list_every_key_once_in_s3_order_whatever_the_folders(tmp_path):
+    import boto3
+
+    root = tmp_path / "root"
+    names = ["p/a.txt", "p/a/b", "p/a/c/d", "p/a0", "p/a-b/x", "p/b", "p/é/1", "p/z", "q/other"]
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(name.encode())
+    srv = Emulated(root, page_size=2)
+    try:
+        client = boto3.client("s3", endpoint_url=srv.server.endpoint, region_name="us-east-1",
+                              aws_access_key_id="x", aws_secret_access_key="y")
+        for prefix in ["p/", "p/a", "p", ""]:
+            pages = list(client.get_paginator("list_objects_v2").paginate(Bucket="bucket", Prefix=prefix))
+            keys = [o["Key"] for page in pages for o in page.get("Contents", [])]
+            assert keys == sorted(n for n in names if n.startswith(prefix)), prefix
+    finally:
+        srv.stop()

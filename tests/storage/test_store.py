@@ -272,3 +272,50 @@ def test_a_forked_childs_store_dropped_without_close_ends_its_helper(emulated):
     proc.join(60)
     assert got == ("HelperClient", 0, False)
     store.close()
+
+
+@pytest.mark.parametrize("kind", [LoopClient, HelperClient])
+def test_gets_started_together_give_each_result_or_error_in_order(emulated, kind):
+    """``submit_gets``: one future for many GETs (small objects); each its bytes, or the error it alone gave."""
+    emulated.write("many/a.bin", b"a" * 10)
+    emulated.write("many/b.bin", b"b" * 20)
+    store = emulated.store("many")
+    etag_a, etag_b = store.head("a.bin").etag, store.head("b.bin").etag
+    client = kind(store.spec)
+    store._client.get = lambda: client  # this test's client kind in this process  # type: ignore[method-assign]
+    try:
+        got = store.submit_gets([("a.bin", etag_a), ("gone.bin", None), ("b.bin", "\"another\""), ("b.bin", etag_b),
+                                 ("a.bin", None)]).result(60)
+        assert [bytes(r[0]) if isinstance(r, tuple) else type(r) for r in got] == [
+            b"a" * 10, ObjectNotFound, ObjectChanged, b"b" * 20, b"a" * 10]
+        assert got[0][1].etag == etag_a and "s3://bucket/many/gone.bin" in str(got[1])
+        assert store.submit_gets([]).result(60) == []
+    finally:
+        client.close()
+        store.close()
+
+
+def test_a_tree_is_listed_one_request_per_folder_at_once_as_one_listing_would(tmp_path):
+    """``list_tree``: the same objects, in the same order, as ``list``; its folders' listings are in flight together
+    (an ImageFolder prefix of 10 classes: 10 at once, not every page one after another)."""
+    root = tmp_path / "root"
+    names = ["t/top.jpg", "t/a/1.jpg", "t/a/sub/2 é.jpg", "t/a0/3.jpg", "t/b/4.jpg", "t/c/5.jpg", "t/c/6.jpg",
+             "t/c/7.jpg", "t/d/8.jpg", "other/9.jpg"]
+    for name in names:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(name.encode())
+    srv = Emulated(root, page_size=2, latency=0.2)
+    try:
+        with srv.store("t") as store:
+            whole = store.list()
+            assert [i.key for i in whole] == sorted(n[2:] for n in names if n.startswith("t/"))
+            before = srv.server.stats.settled()
+            assert store.list_tree() == whole
+            stats = srv.server.stats.settled()
+            # the five folders at once: each held 200 ms before its first byte, so each on a connection of its own
+            # (the client's idle ones, then new ones; a listing page after page keeps reusing one)
+            assert stats["connections"] >= 5 > before["connections"]
+            # t/'s level (6 entries: 3 pages of 2), then a/, a0/, b/, c/ (3 objects: 2 pages), d/
+            assert stats["lists"] - before["lists"] == 3 + 1 + 1 + 1 + 2 + 1
+    finally:
+        srv.stop()

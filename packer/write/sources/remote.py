@@ -12,6 +12,7 @@ another version. The bytes packed are the object's bytes.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future
@@ -31,6 +32,7 @@ from packer.write.sources.records import ClassMapper, ScanResult, Source
 
 IN_FLIGHT = 64  # GETs at once: enough to fill a fast link with small objects (docs/remote.md, converting)
 AHEAD_BYTES = 64 << 20  # fetched and not yet handed to the workers, at most (one object at least)
+BATCH = 16  # GETs started together, one future for them (docs/remote.md, converting: CPU per small object)
 
 
 @dataclass(frozen=True)
@@ -71,42 +73,45 @@ class RemoteReader(SourceReader):
     admitted_where_read = True  # on a cluster each task fetches its shard's objects: they never cross the driver
 
     def __init__(self, store: ObjectStore, listing: str = "", in_flight: int | None = None,
-                 ahead_bytes: int = AHEAD_BYTES) -> None:
+                 ahead_bytes: int = AHEAD_BYTES, batch: int | None = None) -> None:
         self.store, self.listing, self.ahead_bytes = store, listing, ahead_bytes
-        self.in_flight = in_flight or IN_FLIGHT
+        self.in_flight, self.batch = in_flight or IN_FLIGHT, max(1, batch or BATCH)
 
     def admitted(self, records: Iterable[tuple[str, int, Any]]) -> Iterator[tuple[str, int, Any]]:
         """The records in the order given, each with its object's bytes (``Fetched``) as its locator; up to
-        ``in_flight`` GETs and ``ahead_bytes`` are out ahead of the one handed on. Ctrl-C or a consumer that stops
-        cancels what is in flight."""
-        pending: deque[tuple[tuple[str, int, Any], Future | None]] = deque()
-        held, it = 0, iter(records)
+        ``in_flight`` GETs and ``ahead_bytes`` are out ahead of the one handed on, started ``batch`` at a time (one
+        hand-over to the client's loop and one future per batch: the CPU per small object is what limits their
+        rate). Ctrl-C or a consumer that stops cancels what is in flight."""
+        pending: deque[tuple[list[tuple[str, int, Any]], Future | None, int, int]] = deque()
+        held = out = 0  # bytes and GETs out
+        it = iter(records)
         try:
             while True:
-                while len(pending) < self.in_flight and (held < self.ahead_bytes or not pending):
-                    record = next(it, None)
-                    if record is None:
+                while out < self.in_flight and (held < self.ahead_bytes or not pending):
+                    batch = list(itertools.islice(it, min(self.batch, self.in_flight - out)))
+                    if not batch:
                         break
-                    rel, _, loc = record
-                    future = self.store.submit_get(rel, etag=loc.etag) if isinstance(loc, Listed) else None
-                    held += loc.size if isinstance(loc, Listed) else 0
-                    pending.append((record, future))
+                    listed = [(rel, loc.etag) for rel, _, loc in batch if isinstance(loc, Listed)]
+                    nbytes = sum(loc.size for _, _, loc in batch if isinstance(loc, Listed))
+                    pending.append((batch, self.store.submit_gets(listed) if listed else None, len(listed), nbytes))
+                    held, out = held + nbytes, out + len(listed)
                 if not pending:
                     return
-                (rel, label, loc), future = pending.popleft()
-                held -= loc.size if isinstance(loc, Listed) else 0
-                yield rel, label, loc if future is None else self._landed(future, loc.line)
+                batch, future, gets, nbytes = pending.popleft()
+                held, out = held - nbytes, out - gets
+                results = iter(wait(future) if future is not None else [])
+                for rel, label, loc in batch:
+                    yield rel, label, _fetched(next(results), loc.line) if isinstance(loc, Listed) else loc
         finally:
-            for _, future in pending:
+            for _, future, _, _ in pending:
                 if future is not None:
                     future.cancel()
 
     def _landed(self, future: Future, line: int | None) -> Fetched:
         try:
-            data, info = wait(future)
+            return _fetched(wait(future), line)
         except StorageError as exc:
-            return Fetched(None, None, _reason(exc), line)
-        return Fetched(bytes(data), object_facts(len(data), info.etag), None, line)
+            return _fetched(exc, line)
 
     def read(self, rel: str, loc: Any) -> tuple[Payload, Facts | None]:
         """The bytes ``admitted`` fetched; a record handed on without them (listed only) is fetched here, one GET."""
@@ -132,6 +137,14 @@ class RemoteReader(SourceReader):
 
     def close(self) -> None:
         self.store.close()
+
+
+def _fetched(result: tuple[Any, ObjectInfo] | StorageError, line: int | None) -> Fetched:
+    """A GET's result (its bytes and the object's info, or the error it gave) as a record's locator."""
+    if isinstance(result, StorageError):
+        return Fetched(None, None, _reason(result), line)
+    data, info = result
+    return Fetched(bytes(data), object_facts(len(data), info.etag), None, line)
 
 
 def _reason(exc: StorageError) -> str:
@@ -177,7 +190,7 @@ def source_url(location: Location) -> str:
 def list_prefix(location: Location, storage_options: Mapping[str, Any] | None = None) -> dict[str, ObjectInfo]:
     """Every object below the prefix ``location`` (all pages) by key relative to it; a PackerError when none."""
     with ObjectStore(location.join(""), storage_options) as store:
-        listed = {info.key: info for info in store.list() if not info.key.endswith("/")}
+        listed = {info.key: info for info in store.list_tree() if not info.key.endswith("/")}
     if not listed:
         raise PackerError(f"{location}: no objects below this prefix")
     return listed

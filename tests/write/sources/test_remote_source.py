@@ -29,7 +29,7 @@ from packer.errors import IndexingWarning, OptionError, PackerError
 from packer.storage.emulate import Fault
 from packer.write.scan import scan_folder, scan_names
 from packer.write.sources.registry import scan_source
-from packer.write.sources.remote import Fetched, RemoteReader
+from packer.write.sources.remote import Absent, Fetched, RemoteReader
 from tests.write.test_resume import manifest_without_time, tree_digest
 
 REPO = Path(__file__).resolve().parents[3]
@@ -359,3 +359,28 @@ def test_dask_workers_fetch_their_own_objects(served, tmp_path, monkeypatch):
     errors = json.loads((dask / "errors.json").read_text())["errors"]
     assert [(e["path"], e["location"]) for e in errors] == [("c1/bad.jpg", "s3://bucket/train/c1/bad.jpg")]
     _same_dataset(dask, local)
+
+
+def test_objects_are_fetched_in_batches_each_record_its_own_bytes_or_error(served, tmp_path, monkeypatch):
+    """Small objects: GETs are started 16 at a time with one future per batch (not one each); every record still
+    gets its own object's bytes, or its own error, in order; records without a listing pass through."""
+    root = _photos(tmp_path / "root" / "train", classes=2, per_class=20)
+    served.faults.add(Fault("status", 404, "NoSuchKey"), key="train/c1/007.jpg", times=-1)
+    scan = scan_source("s3://bucket/train/")
+    reader = scan.source_reader()
+    assert isinstance(reader, RemoteReader) and reader.batch == 16
+    batches: list[int] = []
+    by_batch = reader.store.submit_gets
+    monkeypatch.setattr(reader.store, "submit_gets", lambda objects: batches.append(len(objects)) or by_batch(objects))
+    monkeypatch.setattr(reader.store, "submit_get", None)  # never one GET at a time here
+    records = list(scan.records())
+    records.insert(5, ("c0/absent.jpg", 0, Absent(3)))
+    got = list(reader.admitted(records))
+    assert [rel for rel, _, _ in got] == [rel for rel, _, _ in records]
+    assert got[5][2] == Absent(3) and sum(batches) == 40 and max(batches) == 16 and len(batches) <= 4
+    for rel, _, loc in got:
+        if rel == "c1/007.jpg":
+            assert loc.data is None and "no such object (404)" in str(loc.error)
+        elif rel != "c0/absent.jpg":
+            assert loc.data == (root / rel).read_bytes() and loc.error is None
+    assert served.server.stats.settled()["gets"] >= 40
