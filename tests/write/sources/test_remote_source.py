@@ -364,7 +364,7 @@ def test_dask_workers_fetch_their_own_objects(served, tmp_path, monkeypatch):
 def test_objects_are_fetched_in_batches_each_record_its_own_bytes_or_error(served, tmp_path, monkeypatch):
     """Small objects: GETs are started 16 at a time with one future per batch (not one each); every record still
     gets its own object's bytes, or its own error, in order; records without a listing pass through."""
-    root = _photos(tmp_path / "root" / "train", classes=2, per_class=20)
+    root = tiny_photos(tmp_path / "root" / "train", classes=2, per_class=20)
     served.faults.add(Fault("status", 404, "NoSuchKey"), key="train/c1/007.jpg", times=-1)
     scan = scan_source("s3://bucket/train/")
     reader = scan.source_reader()
