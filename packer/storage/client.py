@@ -118,8 +118,16 @@ def build_store(spec: StoreSpec) -> Any:
     return from_url(root, config=config or None, client_options=client, retry_config=retry)  # type: ignore[arg-type]
 
 
+def etag_of(value: str | None) -> str | None:
+    """An ETag as HTTP headers write it (quoted): Azure's listings give it bare (``0x8D...``) where its HEAD and GET
+    quote it (``"0x8D..."``), so the one listed and the one read must be compared in one form."""
+    if not value or value.startswith(('"', "W/")):
+        return value
+    return f'"{value}"'
+
+
 def _info(key: str, meta: Any) -> ObjectInfo:
-    return ObjectInfo(key, int(meta["size"]), meta.get("e_tag"), meta.get("version"))
+    return ObjectInfo(key, int(meta["size"]), etag_of(meta.get("e_tag")), meta.get("version"))
 
 
 class LoopClient:
@@ -190,7 +198,7 @@ class LoopClient:
             size = source.stat().st_size if isinstance(source, Path) else len(source)
             mode = "create" if kw.get("create") else "overwrite"  # create: If-None-Match *, ObjectExists if there
             res = await obs.put_async(store, key, source, chunk_size=kw.get("chunk_size", 8 << 20), mode=mode)
-            return ObjectInfo(key, size, res.get("e_tag"), res.get("version"))
+            return ObjectInfo(key, size, etag_of(res.get("e_tag")), res.get("version"))
         if op == "delete":
             return await obs.delete_async(store, key)
         raise ValueError(f"unknown storage operation {op!r}")
