@@ -12,7 +12,7 @@ from typing import Literal
 import pytest
 from support.emulators import AZURE_KEY, AZURITE, azurite, emulator_or_skip, fake_gcs, fake_gcs_binary
 from support.imagesets import make_imagefolder
-from support.storage_servers import upload
+from support.storage_servers import FAST_POLICY, upload
 
 import packer
 from packer.errors import InputNotFoundError
@@ -79,6 +79,15 @@ def test_a_conversion_from_a_prefix_of_the_container(azure, imgs, local, tmp_pat
     assert (got.classes, got.targets) == (want.classes, want.targets)
     assert [bytes(got.read_payload(i)) for i in range(len(got))] == [
         bytes(want.read_payload(i)) for i in range(len(want))]
+
+
+def test_use_emulator_with_an_endpoint_reaches_the_emulator_there(azure, converted, local, tmp_path):
+    """obstore alone ignores ``endpoint`` under ``use_emulator`` and goes to 127.0.0.1:10000 (nothing there)."""
+    options = {"use_emulator": "true", "endpoint": f"http://127.0.0.1:{azure.port}"}
+    with ObjectStore(converted, options, FAST_POLICY) as store:
+        assert store.head("manifest.json").size == (local / "manifest.json").stat().st_size
+    with ObjectStore(converted, {**options, "endpoint": azure.endpoint}, FAST_POLICY) as store:  # with the account
+        assert store.head("manifest.json").size == (local / "manifest.json").stat().st_size
 
 
 def test_a_missing_object_or_dataset_is_one_error_naming_the_url(azure, tmp_path):
