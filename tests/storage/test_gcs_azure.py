@@ -47,7 +47,7 @@ def local(imgs, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def converted(azure, imgs, tmp_path_factory):
-    """``imgs`` converted straight to az://data/imgs.lmdb; the captured output of the conversion."""
+    """``imgs`` converted straight to az://data/imgs.lmdb (its URL)."""
     packer.convert(imgs, "az://data/imgs.lmdb", progress=False, workers=0, shard_bytes=20_000,
                    storage_options=azure.options(), staging_dir=tmp_path_factory.mktemp("az-staging"))
     return "az://data/imgs.lmdb"
