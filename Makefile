@@ -10,9 +10,9 @@ DEMO   ?= demo
 # sample photos make demo generates (tests/test_readme.py runs the demo with fewer)
 DEMO_COUNT ?= 2000
 
-.PHONY: install system-deps test test-fast demo demo-datasets lint fuzz clean bench-report
+.PHONY: install system-deps emulators test test-fast demo demo-datasets lint fuzz clean bench-report
 
-install: $(STAMP)
+install: $(STAMP) emulators
 
 $(STAMP): pyproject.toml setup.py packer/images/_jpegregion.c packer/formats/_safecopy.c requirements/test.txt requirements/test-no-deps.txt
 	@$(MAKE) --no-print-directory system-deps
@@ -25,6 +25,14 @@ $(STAMP): pyproject.toml setup.py packer/images/_jpegregion.c packer/formats/_sa
 	$(BIN)/pip install -q -r requirements/test.txt
 	$(BIN)/pip install -q --no-deps -r requirements/test-no-deps.txt
 	@touch $(STAMP)
+
+# Azurite, the Azure Blob emulator the az:// tests start (tests/support/emulators.py), in .tools/azurite (git-ignored);
+# without npm the tests skip (and fail under CI: --require-emulators).
+emulators:
+	@if [ -e .tools/azurite/node_modules/.bin/azurite-blob ]; then :; \
+	elif command -v npm >/dev/null; then npm install -s --prefix .tools/azurite azurite@3.37.0 >/dev/null \
+	  || echo "packer: npm could not install azurite; the az:// emulator tests will skip"; \
+	else echo "packer: npm not found; the az:// emulator tests will skip (tests/storage/test_gcs_azure.py)"; fi
 
 # libturbojpeg (libjpeg-turbo's TurboJPEG API) for fast JPEG decoding. Optional: without it
 # packer decodes with Pillow and says so once.
@@ -54,17 +62,20 @@ REQUIRE_TURBOJPEG = $(if $(CI),--require-turbojpeg,$(shell ldconfig -p 2>/dev/nu
 # Likewise the compiled JPEG region decoder, wherever libjpeg's headers are there to build it.
 REQUIRE_JPEGREGION = $(if $(CI),--require-jpegregion,$(shell test -f /usr/include/jpeglib.h && echo --require-jpegregion))
 
+# In CI the storage emulators must be there: the az:// tests fail (not skip) without them.
+REQUIRE_EMULATORS = $(if $(CI),--require-emulators)
+
 # The test files run on one pytest-xdist worker per core (-n auto), each file whole on one worker (its module
 # fixtures built once).
 XDIST = -n auto --dist loadfile
 
 test: install
-	$(BIN)/python -m pytest -q $(XDIST) $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION)
+	$(BIN)/python -m pytest -q $(XDIST) $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION) $(REQUIRE_EMULATORS)
 
 # The edit loop: every test that starts no process (tests/procs.txt lists those that do; --no-procs fails any
 # other test that starts one). make test runs them all.
 test-fast: install
-	$(BIN)/python -m pytest -q $(XDIST) --no-procs $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION)
+	$(BIN)/python -m pytest -q $(XDIST) --no-procs $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION) $(REQUIRE_EMULATORS)
 
 # The seeded fuzz test of tests/formats/test_fuzz.py with many more cases (make test runs 120 per format and payload).
 FUZZ_CASES ?= 5000

@@ -14,6 +14,10 @@ def pytest_addoption(parser):
                      help="fail (not skip) when libturbojpeg does not load")
     parser.addoption("--require-jpegregion", action="store_true",
                      help="fail (not skip) when the JPEG region decoder (packer.images._jpegregion) isn't built")
+    # `make test` passes this in CI: the cloud emulators (tests/support/emulators.py) must be installed, so the
+    # gs:// and az:// tests fail instead of skipping without them.
+    parser.addoption("--require-emulators", action="store_true",
+                     help="fail (not skip) when a storage emulator (Azurite) is not installed")
     parser.addoption("--fuzz-cases", type=int, default=120,
                      help="mutated datasets tried per format and payload in tests/test_fuzz.py (make fuzz: 5000)")
     # `make test-fast`: the tests that start no process (tests/support/procs.py)

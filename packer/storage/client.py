@@ -83,6 +83,33 @@ def _location(url: str) -> Location:
     return parse(url)
 
 
+_AZ_EMULATOR = ("azure_storage_use_emulator", "azure_use_emulator", "use_emulator")
+_AZ_ENDPOINT = ("azure_storage_endpoint", "azure_endpoint", "endpoint")
+_AZ_ACCOUNT = ("azure_storage_account_name", "account_name")
+_AZ_KEY = ("azure_storage_account_key", "azure_storage_access_key", "account_key", "access_key")
+# Azurite's development account and its published key (Microsoft's "Use the Azurite emulator"; obstore's default)
+_AZURITE_ACCOUNT = "devstoreaccount1"
+_AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+def _azure_emulator(config: dict[str, Any]) -> dict[str, Any]:
+    """obstore's ``use_emulator`` ignores ``endpoint`` (it goes to ``$AZURITE_BLOB_STORAGE_URL`` or
+    127.0.0.1:10000): with both given, the emulator at ``endpoint`` (its account's URL, path style) is meant, so the
+    options are rewritten to that endpoint with the development account's name and key unless given."""
+    flag = next((k for k in _AZ_EMULATOR if k in config), None)
+    endpoint = next((str(config[k]) for k in _AZ_ENDPOINT if config.get(k)), "")
+    if flag is None or str(config[flag]).lower() not in ("true", "1", "yes") or not endpoint:
+        return config
+    out = {k: v for k, v in config.items() if k not in _AZ_EMULATOR and k not in _AZ_ENDPOINT}
+    account = next((str(config[k]) for k in _AZ_ACCOUNT if config.get(k)), _AZURITE_ACCOUNT)
+    out.setdefault("account_name", account)
+    if not any(config.get(k) for k in _AZ_KEY):
+        out["account_key"] = _AZURITE_KEY
+    base = endpoint.rstrip("/")
+    out["endpoint"] = base if base.endswith(f"/{account}") else f"{base}/{account}"
+    return out
+
+
 def build_store(spec: StoreSpec) -> Any:
     """The obstore store for ``spec``'s root (its key the prefix of every request)."""
     try:
@@ -105,6 +132,8 @@ def build_store(spec: StoreSpec) -> Any:
     if loc.scheme == "s3":  # a named AWS profile (~/.aws) adds what the options and environment do not give
         config = {**profile_config(config), **config}
     config.pop("profile", None)
+    if loc.scheme == "az":
+        config = _azure_emulator(config)
     endpoint = str(config.get("endpoint") or config.get("aws_endpoint") or
                    (os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT", "") if loc.scheme == "s3"
                     else ""))
@@ -118,8 +147,16 @@ def build_store(spec: StoreSpec) -> Any:
     return from_url(root, config=config or None, client_options=client, retry_config=retry)  # type: ignore[arg-type]
 
 
+def etag_of(value: str | None) -> str | None:
+    """An ETag as HTTP headers write it (quoted): Azure's listings give it bare (``0x8D...``) where its HEAD and GET
+    quote it (``"0x8D..."``), so the one listed and the one read must be compared in one form."""
+    if not value or value.startswith(('"', "W/")):
+        return value
+    return f'"{value}"'
+
+
 def _info(key: str, meta: Any) -> ObjectInfo:
-    return ObjectInfo(key, int(meta["size"]), meta.get("e_tag"), meta.get("version"))
+    return ObjectInfo(key, int(meta["size"]), etag_of(meta.get("e_tag")), meta.get("version"))
 
 
 class LoopClient:
@@ -208,7 +245,7 @@ class LoopClient:
             size = source.stat().st_size if isinstance(source, Path) else len(source)
             mode = "create" if kw.get("create") else "overwrite"  # create: If-None-Match *, ObjectExists if there
             res = await obs.put_async(store, key, source, chunk_size=kw.get("chunk_size", 8 << 20), mode=mode)
-            return ObjectInfo(key, size, res.get("e_tag"), res.get("version"))
+            return ObjectInfo(key, size, etag_of(res.get("e_tag")), res.get("version"))
         if op == "delete":
             return await obs.delete_async(store, key)
         raise ValueError(f"unknown storage operation {op!r}")
