@@ -12,7 +12,7 @@ DEMO_COUNT ?= 2000
 
 .PHONY: install system-deps emulators test test-fast demo demo-datasets lint fuzz clean bench-report
 
-install: $(STAMP) emulators
+install: $(STAMP)
 
 $(STAMP): pyproject.toml setup.py packer/images/_jpegregion.c packer/formats/_safecopy.c requirements/test.txt requirements/test-no-deps.txt
 	@$(MAKE) --no-print-directory system-deps
@@ -26,8 +26,8 @@ $(STAMP): pyproject.toml setup.py packer/images/_jpegregion.c packer/formats/_sa
 	$(BIN)/pip install -q --no-deps -r requirements/test-no-deps.txt
 	@touch $(STAMP)
 
-# Azurite, the Azure Blob emulator the az:// tests start (tests/support/emulators.py), in .tools/azurite (git-ignored);
-# without npm the tests skip (and fail under CI: --require-emulators).
+# Azurite, the Azure Blob emulator the az:// tests start (tests/support/emulators.py), in .tools/azurite (git-ignored),
+# installed by make test (make demo does not need it); without npm the tests skip (and fail under CI: --require-emulators).
 emulators:
 	@if [ -e .tools/azurite/node_modules/.bin/azurite-blob ]; then :; \
 	elif command -v npm >/dev/null; then npm install -s --prefix .tools/azurite azurite@3.37.0 >/dev/null \
@@ -69,12 +69,12 @@ REQUIRE_EMULATORS = $(if $(CI),--require-emulators)
 # fixtures built once).
 XDIST = -n auto --dist loadfile
 
-test: install
+test: install emulators
 	$(BIN)/python -m pytest -q $(XDIST) $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION) $(REQUIRE_EMULATORS)
 
 # The edit loop: every test that starts no process (tests/procs.txt lists those that do; --no-procs fails any
 # other test that starts one). make test runs them all.
-test-fast: install
+test-fast: install emulators
 	$(BIN)/python -m pytest -q $(XDIST) --no-procs $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION) $(REQUIRE_EMULATORS)
 
 # The seeded fuzz test of tests/formats/test_fuzz.py with many more cases (make test runs 120 per format and payload).
