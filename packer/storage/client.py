@@ -27,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from packer.errors import MissingPackageError, PackerError, install_hint
+from packer.errors import MissingPackageError, OptionError, PackerError, install_hint
 from packer.storage.faults import (
     AccessDenied,
     ObjectChanged,
@@ -144,7 +144,19 @@ def build_store(spec: StoreSpec) -> Any:
         if loc.query or loc.userinfo:
             raise PackerError(f"{loc}: signed or credentialed http(s) URLs are not supported by the store yet")
         return from_url(root, client_options=client, retry_config=retry)  # type: ignore[arg-type]
-    return from_url(root, config=config or None, client_options=client, retry_config=retry)  # type: ignore[arg-type]
+    try:
+        return from_url(root, config=config or None, client_options=client,  # type: ignore[arg-type]
+                        retry_config=retry)
+    except Exception as exc:  # obstore's configuration errors (an unknown key, a value it cannot parse)
+        raise OptionError(f"{loc}: the storage options were refused: {_without_values(exc, spec.options)}") from None
+
+
+def _without_values(exc: Exception, options: dict[str, Any]) -> str:
+    """The first line of obstore's message about ``options``, each option's value left out (it may be a secret)."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    for value in sorted((str(v) for v in options.values() if str(v)), key=len, reverse=True):
+        text = text.replace(value, "...")
+    return text
 
 
 def etag_of(value: str | None) -> str | None:
