@@ -145,8 +145,7 @@ def build_store(spec: StoreSpec) -> Any:
             raise PackerError(f"{loc}: signed or credentialed http(s) URLs are not supported by the store yet")
         return from_url(root, client_options=client, retry_config=retry)  # type: ignore[arg-type]
     try:
-        return from_url(root, config=config or None, client_options=client,  # type: ignore[arg-type]
-                        retry_config=retry)
+        return from_url(root, config=config or None, client_options=client, retry_config=retry)  # type: ignore[arg-type]
     except Exception as exc:  # obstore's configuration errors (an unknown key, a value it cannot parse)
         raise OptionError(f"{loc}: the storage options were refused: {_without_values(exc, spec.options)}") from None
 
