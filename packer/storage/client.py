@@ -229,12 +229,12 @@ class LoopClient:
             options: dict[str, Any] = {}
             if start is not None:
                 options["range"] = (start, end)
-            if etag:
+            if etag and not etag.startswith("W/"):  # If-Match compares strongly: a weak ETag never matches (412)
                 options["if_match"] = etag
             result = await obs.get_async(store, key, options=options)  # type: ignore[arg-type]
             data = memoryview(await result.bytes_async())  # obstore's buffer, not copied: the caller copies once
             info = _info(key, result.meta)
-            if etag and info.etag and info.etag != etag:
+            if etag and info.etag and info.etag.removeprefix("W/") != etag.removeprefix("W/"):  # the body's version
                 raise ObjectChanged(f"{self._root.join(key)}: the object changed since it was opened (ETag "
                                            f"{info.etag} instead of {etag}); open the dataset again")
             want = (min(end, info.size) - start) if start is not None and end is not None else info.size
