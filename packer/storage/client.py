@@ -152,9 +152,9 @@ def build_store(spec: StoreSpec) -> Any:
 
 def _without_values(exc: Exception, options: dict[str, Any]) -> str:
     """The first line of obstore's message about ``options``, each option's value left out (it may be a secret;
-    values under 4 characters, "1" or "true", are no secret and would garble the message)."""
+    values under 6 characters, "1" or "false", are no secret and would garble the message)."""
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    for value in sorted((str(v) for v in options.values() if len(str(v)) >= 4), key=len, reverse=True):
+    for value in sorted((str(v) for v in options.values() if len(str(v)) >= 6), key=len, reverse=True):
         text = text.replace(value, "...")
     return text
 
