@@ -100,3 +100,39 @@ def test_run_exits_with_mains_code(tmp_path):
     res = subprocess.run([sys.executable, "-m", "packer", "info", str(tmp_path / "none")], env=_env(),
                          capture_output=True, text=True)
     assert res.returncode == 2 and res.stderr.startswith("packer: error: ") and len(res.stderr.splitlines()) == 1
+
+
+def _closed_reader() -> int:
+    """The write end of a pipe whose reader has already gone (``packer ... | head -1`` once head has its line)."""
+    r, w = os.pipe()
+    os.close(r)
+    return w
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_a_reader_of_stdout_that_went_away_is_no_traceback(json_out, tmp_path):
+    imgs = make_imagefolder(tmp_path / "imgs", classes=2, per_class=1, size=(8, 8))
+    packer.convert(imgs, tmp_path / "ds.lmdb", workers=0, progress=False)
+    w = _closed_reader()
+    try:
+        res = subprocess.run([sys.executable, "-m", "packer", "info", str(tmp_path / "ds.lmdb"),
+                              *(["--json"] if json_out else [])],
+                             env=_env(), stdout=w, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(w)
+    assert (res.returncode, res.stderr) == (1, "")  # cut short: 1, as Python's docs advise, and no traceback
+
+
+def test_a_reader_of_stdout_that_went_away_is_no_traceback_where_obstore_ran(slow, tmp_path):
+    imgs = make_imagefolder(tmp_path / "imgs", classes=2, per_class=1, size=(8, 8))
+    packer.convert(imgs, tmp_path / "root" / "ds.lmdb", workers=0, progress=False)
+    slow.faults.clear()
+    w = _closed_reader()
+    try:
+        res = subprocess.run([sys.executable, "-m", "packer", "info", "s3://bucket/ds.lmdb", "--json",
+                              "--storage-option", f"endpoint={slow.server.endpoint}", "--storage-option",
+                              "skip_signature=true", "--storage-option", "region=us-east-1"],
+                             env=_env(), stdout=w, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(w)
+    assert (res.returncode, res.stderr) == (1, "")

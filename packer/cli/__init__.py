@@ -69,7 +69,21 @@ def run() -> NoReturn:
     (``atexit`` handlers, weakref finalizers, output flushed) and before its finalization: tokio threads still
     finishing requests that Ctrl-C or an error cancelled would otherwise find no interpreter and print a Rust
     panic after packer's one line, or abort the process (docs/remote.md, "Known limits")."""
-    end_process(main())
+    try:
+        code = main()
+    except BrokenPipeError:  # stdout's reader went away mid-output (packer info ... | head -1): no traceback
+        _stdout_gone()
+        code = 1  # the command was cut short (Python's own advice for this case: the signal module's docs)
+    end_process(code)
+
+
+def _stdout_gone() -> None:
+    """Point stdout at /dev/null: what is still buffered for a reader that left is dropped, and the interpreter's
+    last flush does not print "Exception ignored ... BrokenPipeError"."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def end_process(code: int) -> NoReturn:

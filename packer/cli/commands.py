@@ -4,6 +4,7 @@ result, return the exit code (see ``packer.cli.parser.EXIT_CODES``)."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -363,8 +364,10 @@ def storage_options(pairs: list[str]) -> dict[str, str]:
     out = {}
     for pair in pairs:
         key, eq, value = pair.partition("=")
-        if not eq or not key.strip():
-            raise PackerError(f"--storage-option {key.strip() or '?'}: expected KEY=VALUE")
+        if not eq or not key.strip():  # no "=": the argument is shown only where it reads as a key (no secret)
+            shown = key.strip() if eq or re.fullmatch(r"[a-z][a-z0-9_]{0,63}", key.strip()) else ""
+            raise PackerError(f"--storage-option {shown or '?'}: expected KEY=VALUE"
+                              + ("" if shown else " (the argument is not shown: it may be a secret)"))
         out[key.strip()] = value
     return out
 

@@ -27,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from packer.errors import MissingPackageError, PackerError, install_hint
+from packer.errors import MissingPackageError, OptionError, PackerError, install_hint
 from packer.storage.faults import (
     AccessDenied,
     ObjectChanged,
@@ -144,7 +144,19 @@ def build_store(spec: StoreSpec) -> Any:
         if loc.query or loc.userinfo:
             raise PackerError(f"{loc}: signed or credentialed http(s) URLs are not supported by the store yet")
         return from_url(root, client_options=client, retry_config=retry)  # type: ignore[arg-type]
-    return from_url(root, config=config or None, client_options=client, retry_config=retry)  # type: ignore[arg-type]
+    try:
+        return from_url(root, config=config or None, client_options=client, retry_config=retry)  # type: ignore[arg-type]
+    except Exception as exc:  # obstore's configuration errors (an unknown key, a value it cannot parse)
+        raise OptionError(f"{loc}: the storage options were refused: {_without_values(exc, spec.options)}") from None
+
+
+def _without_values(exc: Exception, options: dict[str, Any]) -> str:
+    """The first line of obstore's message about ``options``, each option's value left out (it may be a secret;
+    values under 6 characters, "1" or "false", are no secret and would garble the message)."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    for value in sorted((str(v) for v in options.values() if len(str(v)) >= 6), key=len, reverse=True):
+        text = text.replace(value, "...")
+    return text
 
 
 def etag_of(value: str | None) -> str | None:
@@ -218,12 +230,12 @@ class LoopClient:
             options: dict[str, Any] = {}
             if start is not None:
                 options["range"] = (start, end)
-            if etag:
+            if etag and not etag.startswith("W/"):  # If-Match compares strongly: a weak ETag never matches (412)
                 options["if_match"] = etag
             result = await obs.get_async(store, key, options=options)  # type: ignore[arg-type]
             data = memoryview(await result.bytes_async())  # obstore's buffer, not copied: the caller copies once
             info = _info(key, result.meta)
-            if etag and info.etag and info.etag != etag:
+            if etag and info.etag and info.etag.removeprefix("W/") != etag.removeprefix("W/"):  # the body's version
                 raise ObjectChanged(f"{self._root.join(key)}: the object changed since it was opened (ETag "
                                            f"{info.etag} instead of {etag}); open the dataset again")
             want = (min(end, info.size) - start) if start is not None and end is not None else info.size

@@ -286,9 +286,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send_object(self, method: str, fd: int, fault: Fault | None) -> None:
         st = os.fstat(fd)
-        etag = _etag(st)
+        etag = ("W/" if self.server.store.weak_etags else "") + _etag(st)
         if_match, if_none = self.headers.get("If-Match"), self.headers.get("If-None-Match")
-        if if_match and if_match.strip() not in ("*", etag):
+        if if_match and (if_match.strip() != "*" and (if_match.strip() != etag or etag.startswith("W/"))):
             return self._error(412, "PreconditionFailed", "the object's ETag is not the one given in If-Match")
         if if_none and if_none.strip() in ("*", etag):
             self.send_response(304)
@@ -497,11 +497,12 @@ class EmulatedStore:
 
     def __init__(self, root: str | os.PathLike, bucket: str = "packer", *, latency: float = 0.0,
                  bandwidth: float | None = None, host: str = "127.0.0.1", port: int = 0, page_size: int = 1000,
-                 faults: FaultPlan | None = None) -> None:
+                 faults: FaultPlan | None = None, weak_etags: bool = False) -> None:
         if latency < 0 or (bandwidth is not None and bandwidth <= 0) or page_size < 1:
             raise ValueError("latency >= 0, bandwidth > 0 (or None) and page_size >= 1 expected")
         self.root = Path(root).resolve()
         self.bucket, self.latency, self.page_size, self.faults = bucket, latency, page_size, faults
+        self.weak_etags = weak_etags  # GET and HEAD send W/"..." (nginx or a CDN that compresses): If-Match fails
         self.link = Link(bandwidth)
         self.stats = ServerStats()
         self._address = (host, port)

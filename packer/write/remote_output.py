@@ -289,7 +289,7 @@ class RemoteOutput(Output):
             result = ShardResult.from_json(entry.read_text(encoding="utf-8"), str(entry))
             uploaded = result.shard.num_samples == 0 or all(present.get(f.name) == f.num_bytes
                                                             for f in result.shard.files)
-            if uploaded and not changed_sources(reader, locs, result):
+            if uploaded and not changed_sources(reader, locs, result) and _ranges_fit(result):
                 done[shard_id] = result
                 if result.ranges is not None:  # kept when it was uploaded: its files are not here to read again
                     self._ranges[_shard_key(result.shard)] = PayloadRanges(
@@ -393,6 +393,17 @@ def _dataset_objects(manifest: Mapping[str, Any]) -> dict[str, int]:
     files = {f["name"]: int(f["num_bytes"]) for s in manifest["shards"] for f in s["files"]}
     files.update({f["name"]: int(f["num_bytes"]) for f in manifest.get("meta_files", [])})
     return files
+
+
+def _ranges_fit(result: ShardResult) -> bool:
+    """Whether a journal entry's payload ranges (if any) lie inside its shard's files: an entry whose ranges point
+    elsewhere (edited or damaged in the bucket) is not taken, its shard is written again and its ranges read anew
+    (kept, they would be the dataset's meta/ ranges, and the finished dataset would refuse to open)."""
+    if result.ranges is None:
+        return True
+    sizes = [f.num_bytes for f in result.shard.files]
+    return all(0 <= j < len(sizes) and 0 <= offset and offset + n <= sizes[j]
+               for j, offset, n in zip(result.ranges["file"], result.ranges["offset"], result.nbytes, strict=True))
 
 
 def _shard_key(shard: Shard) -> tuple[tuple[str, str], ...]:

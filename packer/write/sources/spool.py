@@ -140,6 +140,11 @@ def download(location: Location, folder: Path, storage_options: Mapping[str, Any
         unsafe = [n for n in wanted if posixpath.normpath(n) != n or n.startswith(("/", "../")) or "\\" in n]
         if unsafe:
             raise PackerError(f"{store.location(unsafe[0])}: a key that names no file below a folder ('..', '//')")
+        folders = {n[:i] for n in wanted for i in range(len(n)) if n[i] == "/"}
+        clash = sorted(folders.intersection(wanted))
+        if clash:  # an object "a" and an object "a/b": no local folder holds both
+            raise PackerError(f"{store.location(clash[0])}: an object and a folder of objects of the same name; a "
+                              "local copy cannot hold both (move one away)")
         total = sum(listed[n].size for n in wanted)
         free = shutil.disk_usage(folder).free
         if total + ROOM > free:

@@ -115,3 +115,25 @@ def test_a_classes_file_at_a_url_for_a_list_file(served, tmp_path):  # noqa: F81
         _same_dataset(remote.output, local.output)
         with packer.open_dataset(remote.output) as got:
             assert got.classes == ["alpha", "beta"]
+
+
+def test_an_object_beside_a_folder_of_its_name_is_refused_in_one_line(moto_endpoint, bucket, tmp_path, capsys):
+    """S3 holds ``zz`` and ``zz/y`` at once, a folder cannot: the local copy of a packed dataset at a URL was a
+    FileExistsError traceback (moto: the emulated store keeps its objects as files, so it cannot hold both)."""
+    from support.storage_servers import s3_store, upload
+
+    imgs = make_imagefolder(tmp_path / "imgs", classes=2, per_class=3)
+    packer.convert(imgs, tmp_path / "ds.lmdb", workers=0, progress=False)
+    store = s3_store(moto_endpoint, f"s3://{bucket}/ds.lmdb")
+    upload(store, tmp_path / "ds.lmdb")
+    store.put("zz", b"an object")
+    store.put("zz/y", b"an object below a folder of the same name")
+    flags = [a for k, v in {"endpoint": moto_endpoint, "aws_access_key_id": "testing",
+                            "aws_secret_access_key": "testing", "region": "us-east-1"}.items()
+             for a in ("--storage-option", f"{k}={v}")]
+    assert main(["convert", f"s3://{bucket}/ds.lmdb", "--source-type", "packed", "--to", "hdf5", "-o",
+                 str(tmp_path / "out.hdf5"), "-q", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"packer: error: s3://{bucket}/ds.lmdb/zz: an object and a folder of objects of the same name; "
+                   "a local copy cannot hold both (move one away)\n")
+    assert not (tmp_path / "out.hdf5").exists()

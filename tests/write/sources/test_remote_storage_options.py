@@ -194,3 +194,31 @@ def test_a_report_records_the_command_without_storage_option_values():
             f"--storage-option=token={SECRET}", "--storage-opt", f"password={SECRET}", "--workers", "2"]
     assert shown_command(argv) == ("packer bench s3://bucket/ds.lmdb --storage-option aws_secret_access_key=... "
                                    "--storage-option=token=... --storage-opt password=... --workers 2")
+
+
+def test_storage_options_the_store_refuses_are_one_line_without_the_secret(served, tmp_path, capsys):
+    """An unknown key or a value obstore cannot parse: one line naming the URL and the key, never a traceback (it
+    printed obstore's exception, a value it could not parse included)."""
+    from packer.cli import main
+
+    imgs = tiny_photos(tmp_path / "imgs", classes=2, per_class=4)
+    for args in (["convert", str(imgs), "-o", "s3://bucket/out.lmdb", "-q"], ["info", "s3://bucket/out.lmdb"]):
+        for bad in ("bogus_option=1", f"aws_skip_signature={SECRET}"):
+            assert main([*args, *flags(served), "--storage-option", bad]) == 2
+            out, err = capsys.readouterr()
+            assert err.startswith("packer: error: s3://bucket/out.lmdb: the storage options were refused: ")
+            assert len(err.splitlines()) == 1 and ("bogus_option" in err or "boolean" in err)
+            no_secret(out, err)
+    assert not (tmp_path / "root" / "out.lmdb").exists()
+
+
+def test_a_storage_option_without_an_equals_sign_is_not_echoed(tmp_path, capsys):
+    """``KEY:VALUE`` or a bare secret: the one-line refusal does not repeat the argument."""
+    from packer.cli import main
+
+    imgs = tiny_photos(tmp_path / "imgs", classes=2, per_class=4)
+    for bad in (f"aws_secret_access_key:{SECRET}", SECRET):
+        assert main(["convert", str(imgs), "-o", "s3://bucket/x.lmdb", "--storage-option", bad, "-q"]) == 2
+        err = capsys.readouterr().err
+        assert "expected KEY=VALUE" in err and len(err.splitlines()) == 1
+        no_secret(err)
