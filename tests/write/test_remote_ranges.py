@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -121,41 +122,33 @@ def _env(endpoint: str) -> dict:
             "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
 
 
-def test_a_killed_then_resumed_upload_records_the_ranges_of_a_fresh_conversion(source, tmp_path):
-    root = tmp_path / "root"
-    root.mkdir()
-    local = tmp_path / "local.lmdb"
-    convert(source, local, to="lmdb", shard_bytes=2_500, workers=0, progress=False)
-    srv = Emulated(root, bandwidth=40_000)
-    journal = root / "ds.lmdb" / REMOTE_PARTIAL / "journal"
-    cmd = [sys.executable, "-m", "packer", "convert", str(source), "--to", "lmdb", "-o", f"{URL}.lmdb", "-q",
-           "--workers", "0", "--shard-size", "2500", "--staging-dir", str(tmp_path / "staging-1")]
-    try:
-        env = _env(srv.server.endpoint)
-        killed_upload(cmd, env, journal, srv)
-        entries = sorted(journal.glob("shard-*.json"))
-        assert entries and not (root / "ds.lmdb" / "manifest.json").exists()
-        for entry in entries:  # each journaled shard's ranges are in the bucket: its staged files are gone
-            ranges = json.loads(entry.read_text())["ranges"]
-            assert set(ranges) == set(RANGE_FILES) and len(ranges["offset"]) > 0
-        resume = [*cmd[:-1], str(tmp_path / "staging-2"), "--resume"]  # another machine's staging folder
-        done = subprocess.run(resume, env=env, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr
-        _same_meta(local, root / "ds.lmdb")
-        srv.server.stats.closed()
-        with open_served(srv, tmp_path / "cache", f"{URL}.lmdb", remote_mode="ranged") as ds:
+@dataclass
+class Killed:
+    """An upload into the emulated store SIGKILLed after three shards: the server, its folder, the same conversion
+    made locally, the journal in the bucket, the command and its environment."""
+
+    srv: Emulated
+    root: Path
+    local: Path
+    journal: Path
+    cmd: list[str]
+    env: dict
+
+    def resume(self, staging: Path) -> subprocess.CompletedProcess:
+        """The same conversion with --resume from another staging folder (another machine's)."""
+        return subprocess.run([*self.cmd[:-1], str(staging), "--resume"], env=self.env, capture_output=True,
+                              text=True)
+
+    def reads_the_source_in_ranged_mode(self, cache: Path) -> None:
+        self.srv.server.stats.closed()
+        with open_served(self.srv, cache, f"{URL}.lmdb", remote_mode="ranged") as ds:
             assert isinstance(ds.source, RangedSource)
             for i in range(len(ds)):
                 assert bytes(ds.read_payload(i)) == Path(ds.samples[i][0]).read_bytes()
-    finally:
-        srv.stop()
 
 
-@pytest.mark.parametrize("craft", ["past_the_file", "no_such_file", "negative", "short"])
-def test_a_resumed_upload_recomputes_journal_ranges_that_do_not_fit_their_shard(craft, source, tmp_path):
-    """A journal entry in the bucket whose ``ranges`` point outside its shard's files (edited, or from a damaged
-    upload) must not become the dataset's meta/ ranges: the dataset would be finished and then refuse to open.
-    Ranges that are no ranges (negative, a list short) are a damaged entry, refused in one line."""
+@pytest.fixture
+def killed(source, tmp_path):
     root = tmp_path / "root"
     root.mkdir()
     local = tmp_path / "local.lmdb"
@@ -167,28 +160,44 @@ def test_a_resumed_upload_recomputes_journal_ranges_that_do_not_fit_their_shard(
     try:
         env = _env(srv.server.endpoint)
         killed_upload(cmd, env, journal, srv)
-        entry = sorted(journal.glob("shard-*.json"))[0]
-        data = json.loads(entry.read_text())
-        if craft == "past_the_file":
-            data["ranges"]["offset"][0] = sum(f["num_bytes"] for f in data["shard"]["files"]) + 10
-        elif craft == "no_such_file":
-            data["ranges"]["file"][0] = 7
-        elif craft == "negative":
-            data["ranges"]["offset"][0] = -1
-        else:
-            data["ranges"]["crc32"].pop()
-        entry.write_text(json.dumps(data))
-        resume = [*cmd[:-1], str(tmp_path / "staging-2"), "--resume"]
-        done = subprocess.run(resume, env=env, capture_output=True, text=True)
-        if craft in ("negative", "short"):  # no range at all: refused in one line (the entry is damaged)
-            assert done.returncode == 2 and len(done.stderr.splitlines()) == 1
-            assert "damaged journal entry" in done.stderr and not (root / "ds.lmdb" / "manifest.json").exists()
-            return
-        assert done.returncode == 0, done.stderr
-        _same_meta(local, root / "ds.lmdb")
-        srv.server.stats.closed()
-        with open_served(srv, tmp_path / "cache", f"{URL}.lmdb", remote_mode="ranged") as ds:
-            for i in range(len(ds)):
-                assert bytes(ds.read_payload(i)) == Path(ds.samples[i][0]).read_bytes()
+        yield Killed(srv, root, local, journal, cmd, env)
     finally:
         srv.stop()
+
+
+def test_a_killed_then_resumed_upload_records_the_ranges_of_a_fresh_conversion(killed, tmp_path):
+    entries = sorted(killed.journal.glob("shard-*.json"))
+    assert entries and not (killed.root / "ds.lmdb" / "manifest.json").exists()
+    for entry in entries:  # each journaled shard's ranges are in the bucket: its staged files are gone
+        ranges = json.loads(entry.read_text())["ranges"]
+        assert set(ranges) == set(RANGE_FILES) and len(ranges["offset"]) > 0
+    done = killed.resume(tmp_path / "staging-2")
+    assert done.returncode == 0, done.stderr
+    _same_meta(killed.local, killed.root / "ds.lmdb")
+    killed.reads_the_source_in_ranged_mode(tmp_path / "cache")
+
+
+@pytest.mark.parametrize("craft", ["past_the_file", "no_such_file", "negative", "short"])
+def test_a_resumed_upload_recomputes_journal_ranges_that_do_not_fit_their_shard(craft, killed, tmp_path):
+    """A journal entry in the bucket whose ``ranges`` point outside its shard's files (edited, or from a damaged
+    upload) must not become the dataset's meta/ ranges: the dataset would be finished and then refuse to open.
+    Ranges that are no ranges (negative, a list short) are a damaged entry, refused in one line."""
+    entry = sorted(killed.journal.glob("shard-*.json"))[0]
+    data = json.loads(entry.read_text())
+    if craft == "past_the_file":
+        data["ranges"]["offset"][0] = sum(f["num_bytes"] for f in data["shard"]["files"]) + 10
+    elif craft == "no_such_file":
+        data["ranges"]["file"][0] = 7
+    elif craft == "negative":
+        data["ranges"]["offset"][0] = -1
+    else:
+        data["ranges"]["crc32"].pop()
+    entry.write_text(json.dumps(data))
+    done = killed.resume(tmp_path / "staging-2")
+    if craft in ("negative", "short"):  # no range at all: refused in one line (the entry is damaged)
+        assert done.returncode == 2 and len(done.stderr.splitlines()) == 1
+        assert "damaged journal entry" in done.stderr and not (killed.root / "ds.lmdb" / "manifest.json").exists()
+        return
+    assert done.returncode == 0, done.stderr
+    _same_meta(killed.local, killed.root / "ds.lmdb")
+    killed.reads_the_source_in_ranged_mode(tmp_path / "cache")
