@@ -110,7 +110,12 @@ def test_processes_sharing_a_cache_download_each_byte_once(server, tmp_path):
     assert server.server.stats.settled()["body_bytes"] == 16 << 18  # 4 MiB served once for three readers
 
 
+def _storage_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith(("packer-storage", "packer-fetch"))}
+
+
 def test_close_cancels_what_is_in_flight_and_leaves_no_thread(server):
+    before = _storage_threads()  # a client another test dropped unclosed stops when collected: not this one's
     store = server.store("ds")
     server.faults.add(Fault("slow", rate=4000), times=-1)  # each 100 KB range would take 25 s
     fetcher = Fetcher(store, max_in_flight=2)
@@ -120,9 +125,7 @@ def test_close_cancels_what_is_in_flight_and_leaves_no_thread(server):
     for f in futures:
         with pytest.raises(CancelledError):
             f.result(30)
-    left = [t.name for t in threading.enumerate() if t.name.startswith("packer-storage") or t.name.startswith(
-        "packer-fetch")]
-    assert left == []
+    assert [t.name for t in _storage_threads() - before] == []
 
 
 CTRL_C = """
