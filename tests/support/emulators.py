@@ -12,6 +12,7 @@ import http.client
 import json
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,21 +57,23 @@ def _answers(port: int) -> bool:
 
 @contextmanager
 def _serve(argv_for_port, name: str, tries: int = 5) -> Iterator[int]:
-    """Start ``argv_for_port(port)`` on a free port (another when that one is taken meanwhile: "address in use")
-    and yield the port once it accepts connections; the process is stopped at exit."""
+    """Start ``argv_for_port(port)`` on a free port (another try on another port if it was taken meanwhile)
+    and yield the port once it accepts connections; the process is stopped at exit. Its output goes to a
+    temporary file, not a pipe nobody reads (a server logging each request would block once the pipe is full)."""
     for _ in range(tries):
         port = _free_port()
-        proc = subprocess.Popen(argv_for_port(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        log = tempfile.TemporaryFile()
+        proc = subprocess.Popen(argv_for_port(port), stdout=log, stderr=subprocess.STDOUT)
         for _ in range(1200):  # bounded: a failure names the server, never a timing
             if proc.poll() is not None or _answers(port):
                 break
             time.sleep(0.05)
         if proc.poll() is None and _answers(port):
             break
-        out = proc.communicate(timeout=30)[0].decode(errors="replace") if proc.poll() is not None else ""
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
+        log.seek(0)
+        out = log.read().decode(errors="replace")
+        log.close()
         if "EADDRINUSE" not in out and "address already in use" not in out.lower():
             raise AssertionError(f"{name} did not start: {out[-2000:]}")
     else:
@@ -78,14 +81,20 @@ def _serve(argv_for_port, name: str, tries: int = 5) -> Iterator[int]:
     try:
         yield port
     finally:
+        _stop(proc)
+        log.close()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 2 s: an emulator holds nothing to save, and fake-gcs-server's graceful shutdown
+    waits up to 30 s for the clients' idle keep-alive connections."""
+    if proc.poll() is None:
         proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        assert proc.stdout is not None
-        proc.stdout.close()
+    try:
+        proc.wait(timeout=2)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @dataclass(frozen=True)
