@@ -18,7 +18,7 @@ from packer._version import __version__
 from packer.errors import OutputExistsError, PackerError, arg
 from packer.formats.base import Format
 from packer.layout.fields import parse_specs
-from packer.layout.manifest import IMAGELESS, Manifest, holds_dataset, read_manifest
+from packer.layout.manifest import IMAGELESS, Manifest, read_manifest
 from packer.write.cluster import DaskCluster
 from packer.write.finish import in_storage_order, recorded_errors, seal, stored_index
 from packer.write.fresh import source_digest, stale_reason
@@ -75,29 +75,32 @@ class DatasetSink(Sink):
 
     def up_to_date(self, scan: ScanResult, output: Output, options: ConvertOptions, run: RunOptions,
                    started: float) -> ConvertResult | None:
-        """``if_changed`` with an output converted alike from the same files; ``resume`` of a finished conversion."""
+        """``if_changed`` with an output converted alike from the same files; ``resume`` of a finished conversion
+        (a folder, or a dataset in a bucket)."""
         out = output.path
-        if run.if_changed and holds_dataset(out):
-            why = stale_reason(out, options, self.digest)
+        if run.if_changed and output.complete():
+            why = stale_reason(output, options, self.digest)
             if why is None:
-                return _reused(scan, out, started)
+                return _reused(scan, output, started)
             if not run.overwrite:
-                raise OutputExistsError(f"{out}: out of date ({why}); add {arg('overwrite', True)} to replace it")
-        if run.resume and not (run.overwrite or run.if_changed) and os.path.lexists(out):
-            if holds_dataset(out) and not output.left_over():  # finished: nothing was interrupted
-                return self._nothing_to_resume(scan, out, options, started)
-            check_replaceable(out, overwrite=False)  # refused, as without --resume
+                raise OutputExistsError(f"{output.shown}: out of date ({why}); add {arg('overwrite', True)} to "
+                                        "replace it")
+        if run.resume and not (run.overwrite or run.if_changed):
+            if output.complete() and not output.left_over():  # finished: nothing was interrupted
+                return self._nothing_to_resume(scan, output, options, started)
+            if os.path.lexists(out):
+                check_replaceable(out, overwrite=False)  # refused, as without --resume
         return None
 
-    def _nothing_to_resume(self, scan: ScanResult, out: Path, options: ConvertOptions,
+    def _nothing_to_resume(self, scan: ScanResult, output: Output, options: ConvertOptions,
                            started: float) -> ConvertResult:
         """``resume`` where the conversion finished: nothing is done, and the result says so (``nothing_to_resume``);
         a dataset of other options or other source files is refused, naming the difference."""
-        why = stale_reason(out, options, self.digest, sources_too=bool(self.digest))
+        why = stale_reason(output, options, self.digest, sources_too=bool(self.digest))
         if why is not None:
-            raise OutputExistsError(f"{out}: a complete dataset, so there is nothing to resume, and it is not this "
-                                    f"conversion's ({why}): add {arg('overwrite', True)} to convert again")
-        result = _reused(scan, out, started)
+            raise OutputExistsError(f"{output.shown}: a complete dataset, so there is nothing to resume, and it is not "
+                                    f"this conversion's ({why}): add {arg('overwrite', True)} to convert again")
+        result = _reused(scan, output, started)
         result.reused = False
         result.nothing_to_resume = "the same options" + (", the same source files, sizes and times"
                                                          if self.digest else "")
@@ -176,8 +179,8 @@ def drop_empty_shards(partial: Path, shards: Sequence[ShardResult]) -> list[Shar
     return [r for r in shards if r.shard.num_samples > 0]
 
 
-def _reused(scan: ScanResult, out: Path, started: float) -> ConvertResult:
+def _reused(scan: ScanResult, output: Output, started: float) -> ConvertResult:
     """The result for an output ``if_changed`` found up to date: its own counts, nothing converted."""
-    return ConvertResult(out, read_manifest(out).num_samples, recorded_errors(out), time.perf_counter() - started,
-                         0, dict(scan.ignored), dict(scan.not_images), reused=True)
-
+    manifest, folder, _ = output.finished()
+    return ConvertResult(output.result_name, manifest.num_samples, recorded_errors(folder),
+                         time.perf_counter() - started, 0, dict(scan.ignored), dict(scan.not_images), reused=True)

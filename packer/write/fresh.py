@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import os
-from pathlib import Path
 
 from packer.errors import PackerError
-from packer.layout.manifest import read_manifest
 from packer.write.journal import scan_digest
 from packer.write.options import ConvertOptions
+from packer.write.output import Output
 from packer.write.sources.records import ScanResult
 from packer.write.sources.remote import RemoteReader
 
@@ -38,15 +37,17 @@ def source_digest(scan: ScanResult) -> str:
     return h.hexdigest()
 
 
-def stale_reason(out: Path, options: ConvertOptions, digest: str, sources_too: bool = True) -> str | None:
-    """None when dataset ``out`` holds a conversion with exactly ``options`` of a source with ``digest``
-    (and its files are all there, at their recorded sizes); else why it must be converted again.
-    ``sources_too=False``: the options and files only (a source that records no fingerprint can't be compared)."""
+def stale_reason(out: Output, options: ConvertOptions, digest: str, sources_too: bool = True) -> str | None:
+    """None when the dataset at ``out`` (a folder, or a prefix in a bucket) holds a conversion with exactly
+    ``options`` of a source with ``digest`` (and its files are all there, at their recorded sizes); else why it
+    must be converted again. ``sources_too=False``: the options and files only (a source that records no
+    fingerprint can't be compared)."""
     try:
-        manifest = read_manifest(out)
-        manifest.check_files(out)
+        manifest, _, problems = out.finished()
     except PackerError as exc:
         return f"it does not open: {exc}"
+    if problems:
+        return f"it does not open: {problems[0]}"
     recorded = options.record()
     changed = sorted(k for k in recorded.keys() | manifest.options.keys()
                      if recorded.get(k) != manifest.options.get(k))

@@ -19,11 +19,19 @@ from typing import Any
 
 from packer.errors import OptionError, OutputExistsError, PackerError, arg
 from packer.layout.fsutil import fsync_dir, fsync_tree
-from packer.layout.manifest import MANIFEST_NAME, Shard, holds_dataset
+from packer.layout.manifest import MANIFEST_NAME, Manifest, Shard, holds_dataset, read_manifest
 from packer.layout.partial import JOURNAL_DIR, OLD_TAG, PARTIAL_SUFFIX, made_by_packer, read_swap
 from packer.layout.ranges import PayloadRanges
 from packer.layout.wdsexport import holds_wds_export
-from packer.write.journal import ShardResult, load_done_shards, read_plan, record_shard, write_plan, write_swap
+from packer.write.journal import (
+    ShardResult,
+    intact_files,
+    load_done_shards,
+    read_plan,
+    record_shard,
+    write_plan,
+    write_swap,
+)
 from packer.write.lock import OutputLock, check_free
 from packer.write.sources.records import ScanResult
 
@@ -177,6 +185,17 @@ class Output:
         """Refuse, before anything is written, an output whose making would destroy data (``check_destination``)."""
         check_destination(src, self.path, replaces)
 
+    def complete(self) -> bool:
+        """Whether a packer dataset is at the output already (``if_changed`` and ``resume`` look at it first)."""
+        return holds_dataset(self.path)
+
+    def finished(self) -> tuple[Manifest, Path, list[str]]:
+        """The dataset at the output (``complete``): its manifest, a local folder holding its manifest and
+        errors.json, and what is wrong with its files (missing, or of another size); a PackerError where its
+        manifest does not load."""
+        manifest = read_manifest(self.path)
+        return manifest, self.path, manifest.file_problems(self.path, first=True)
+
     def staged_bytes(self, needed: float, per_shard: float) -> float:
         """The most of an output of ``needed`` bytes (shards of ``per_shard``) on this machine's disk at once."""
         return needed
@@ -184,6 +203,10 @@ class Output:
     def done_shards(self, num_shards: int, scan: ScanResult) -> dict[int, ShardResult]:
         """The shards an interrupted run finished that can be kept (``load_done_shards``)."""
         return load_done_shards(self.folder, num_shards, scan)
+
+    def kept_shard(self, result: ShardResult) -> bool:
+        """Whether a journaled shard's files are all still where the run put them, intact (a resume keeps it)."""
+        return intact_files(self.folder, result)
 
     def made_by_packer(self) -> bool:
         """Whether ``folder`` is one a write made (a real folder holding its journaled plan)."""

@@ -30,7 +30,7 @@ import numpy as np
 
 from packer.errors import OptionError, OutputExistsError, PackerError, arg
 from packer.layout.fsutil import write_atomic
-from packer.layout.manifest import MANIFEST_NAME, Shard
+from packer.layout.manifest import MANIFEST_NAME, Manifest, Shard, load_manifest
 from packer.layout.partial import JOURNAL_DIR, REMOTE_LOCK, REMOTE_PARTIAL, REMOTE_PLAN
 from packer.layout.ranges import DTYPES, RANGE_FILES, PayloadRanges
 from packer.layout.report import ERRORS_NAME
@@ -87,6 +87,9 @@ class RemoteOutput(Output):
         self._plan: dict[str, Any] | None = None
         self._token = secrets.token_hex(8)  # this run's, in its lock: a writer whose lock was taken over stops
         self._ranges: dict[tuple[tuple[str, str], ...], PayloadRanges] = {}  # uploaded shards' payload ranges
+        self._finished: tempfile.TemporaryDirectory | None = None  # a finished dataset's manifest, fetched
+        self._present: dict[str, int] | None = None  # the prefix's objects and sizes when a resume looked
+        self._taken: set[str] = set()  # the journal's objects in the bucket when this run took the upload over
 
     # ---- names in messages and results
 
@@ -129,8 +132,7 @@ class RemoteOutput(Output):
             if not (self.resume or self.overwrite):
                 raise OutputExistsError(self.left_over_reason())
         elif self.resume and not self.overwrite:
-            raise OutputExistsError(f"{self.location}: a complete dataset, so there is nothing to resume: add "
-                                    f"{arg('overwrite', True)} to convert again")
+            return  # a complete dataset: the sink says there is nothing to resume, or that it is another's
         elif not self.overwrite:
             raise OutputExistsError(f"{self.location}: already exists (use {arg('overwrite', True)} to replace it)")
         else:
@@ -151,6 +153,25 @@ class RemoteOutput(Output):
             raise OutputExistsError(f"{self.location}: holds {len(other)} object(s) its {MANIFEST_NAME} does not "
                                     f"name ({some}); packer replaces only what it wrote, even with "
                                     f"{arg('overwrite', True)}: move them away, or choose another {arg('output')}")
+
+    def complete(self) -> bool:
+        """Whether the prefix held a finished dataset when checked: its manifest, and no unfinished upload."""
+        return MANIFEST_NAME in self.found and not self.unfinished()
+
+    def finished(self) -> tuple[Manifest, Path, list[str]]:
+        """The dataset at the prefix (``complete``): its manifest and errors.json fetched into a local temporary
+        folder (removed with this object), and its objects missing or of another size in the listing."""
+        if self._finished is None:
+            self._finished = tempfile.TemporaryDirectory(prefix="packer-finished-")
+        folder = Path(self._finished.name)
+        for name in (MANIFEST_NAME, ERRORS_NAME):
+            if name in self.found:
+                try:
+                    (folder / name).write_bytes(self.store.get(name))
+                except StorageError as exc:
+                    raise PackerError(f"{self.where(name)}: cannot be read ({exc})") from None
+        manifest = load_manifest(folder, self.where(MANIFEST_NAME), lambda listed: len(self.found))
+        return manifest, folder, manifest.size_problems({k: o.size for k, o in self.found.items()}, self.where)
 
     def unfinished(self) -> bool:
         """Whether the prefix held an unfinished upload's lock or plan when checked."""
@@ -231,9 +252,12 @@ class RemoteOutput(Output):
         lock = super().start(plan)
         try:
             self._lock_bucket(take_over=True)
-            for key in self.found:
+            for key in self.found:  # entries, and what is journaled beside them (a Writer's field spools)
                 if key.startswith(JOURNAL_PREFIX):
-                    (self.folder / JOURNAL_DIR / key[len(JOURNAL_PREFIX):]).write_bytes(self.store.get(key))
+                    self._taken.add(key)
+                    path = self.folder / JOURNAL_DIR / key[len(JOURNAL_PREFIX):]
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(self.store.get(key))
         except BaseException:
             lock.release()
             raise
@@ -279,7 +303,6 @@ class RemoteOutput(Output):
     def done_shards(self, num_shards: int, scan: ScanResult) -> dict[int, ShardResult]:
         """The journaled shards whose objects are all in the bucket at their sizes and whose sources are unchanged;
         the others are written and uploaded again."""
-        present = {o.key: o.size for o in self.store.list()}
         reader, locs = scan.source_reader(), (scan.locator_of() if scan.locs is not None else {})
         done: dict[int, ShardResult] = {}
         for shard_id in range(num_shards):
@@ -287,28 +310,50 @@ class RemoteOutput(Output):
             if not entry.is_file():
                 continue
             result = ShardResult.from_json(entry.read_text(encoding="utf-8"), str(entry))
-            uploaded = result.shard.num_samples == 0 or all(present.get(f.name) == f.num_bytes
-                                                            for f in result.shard.files)
-            if uploaded and not changed_sources(reader, locs, result) and _ranges_fit(result):
+            if not changed_sources(reader, locs, result) and self.kept_shard(result):
                 done[shard_id] = result
-                if result.ranges is not None:  # kept when it was uploaded: its files are not here to read again
-                    self._ranges[_shard_key(result.shard)] = PayloadRanges(
-                        *(np.asarray(result.ranges[key], dtype=DTYPES[key]) for key in RANGE_FILES))
             else:
                 entry.unlink()
         return done
 
+    def kept_shard(self, result: ShardResult) -> bool:
+        """Whether a journaled shard's objects are all in the bucket at their recorded sizes (one listing per run)
+        and its recorded payload ranges lie inside them; its ranges are then kept for the end (``recorded_ranges``:
+        its files are not here to read again)."""
+        if self._present is None:
+            self._present = {o.key: o.size for o in self.store.list()}
+        uploaded = result.shard.num_samples == 0 or all(self._present.get(f.name) == f.num_bytes
+                                                        for f in result.shard.files)
+        if not (uploaded and _ranges_fit(result)):
+            return False
+        if result.ranges is not None:
+            self._ranges[_shard_key(result.shard)] = PayloadRanges(
+                *(np.asarray(result.ranges[key], dtype=DTYPES[key]) for key in RANGE_FILES))
+        return True
+
     def shard_done(self, result: ShardResult, names: list[str]) -> ShardResult:
         """Checksum and journal the shard locally with its payload ranges (read now, while its files are here: the
         meta/ ranges files a local conversion writes at the end), upload its files (none for a shard without
-        samples), then its journal entry; its local files are deleted once uploaded."""
+        samples), what is journaled beside its entry (a Writer's field spool, ``shard-NNNNN.fields/``), then its
+        entry; its local files are deleted once uploaded. An earlier run's entry for this shard goes first: an
+        entry in the bucket always describes the objects there."""
         result = record_shard(self.folder, result, names)
         if result.shard.num_samples > 0 and self._keep_ranges(result):
             write_atomic(shard_entry(self.folder, result.shard_id), result.to_json())
         self._check_lock()
+        entry = shard_entry(self.folder, result.shard_id)
+        beside = entry.with_suffix(".fields")
+        for key in sorted(k for k in self._taken if k.startswith(JOURNAL_PREFIX + entry.stem + ".")):
+            try:  # left by the run this one goes on from (``take``)
+                self.store.delete(key)
+            except ObjectNotFound:
+                pass
+            self._taken.discard(key)
         if result.shard.num_samples > 0:
             self._upload(names)
-        entry = shard_entry(self.folder, result.shard_id)
+        if beside.is_dir():
+            spool = [p.relative_to(self.folder).as_posix() for p in sorted(beside.rglob("*")) if p.is_file()]
+            self._upload(spool, prefix=REMOTE_PARTIAL + "/")
         self._upload_one(JOURNAL_PREFIX + entry.name, entry)
         for name in names:
             _remove(self.folder, name)
@@ -330,9 +375,10 @@ class RemoteOutput(Output):
     def recorded_ranges(self, shard: Shard) -> PayloadRanges | None:
         return self._ranges.get(_shard_key(shard))
 
-    def _upload(self, names: list[str]) -> None:
+    def _upload(self, names: list[str], prefix: str = "") -> None:
+        """Put the staged files ``names`` (relative to the staging folder) as ``<prefix><name>``, 8 at once."""
         with ThreadPoolExecutor(max_workers=min(UPLOADS_IN_FLIGHT, max(1, len(names)))) as pool:
-            for future in [pool.submit(self._upload_one, name, self.folder / name) for name in names]:
+            for future in [pool.submit(self._upload_one, prefix + name, self.folder / name) for name in names]:
                 future.result()
 
     def _upload_one(self, key: str, path: Path) -> None:

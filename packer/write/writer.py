@@ -38,11 +38,10 @@ from packer.layout.fsutil import fsync_file
 from packer.layout.manifest import IMAGELESS, Manifest
 from packer.layout.partial import JOURNAL_DIR
 from packer.layout.trust import check_class_name
-from packer.storage.url import is_url, parse, redact
+from packer.storage.url import is_url, parse
 from packer.write.finish import seal, stored_index
 from packer.write.journal import (
     ShardResult,
-    intact_files,
     remove_unkept,
     shard_entry,
 )
@@ -79,8 +78,9 @@ class Writer:
         classes: the class names, label ``i`` being ``classes[i]`` (default: ``"0"`` .. the largest label).
         on_error: ``"raise"`` (default) a PackerError naming a sample that cannot be stored, or ``"skip"`` it
             into errors.json.
-        resume: go on with an interrupted Writer's ``<path>.partial``: ``add`` the same samples again in the
-            same order, the journaled shards are skipped (not for a URL yet).
+        resume: go on with an interrupted Writer's ``<path>.partial`` (a URL: its unfinished upload, from any
+            machine): ``add`` the same samples again in the same order, the journaled shards are skipped (not
+            written or uploaded again).
         overwrite: replace an existing packer dataset at ``path`` (anything else there is refused).
         storage_options: ``path`` a URL (``s3://``, ``gs://``, ``az://``): the storage client's settings
             (obstore's keys; default: the environment, ``~/.aws``, instance roles).
@@ -102,10 +102,8 @@ class Writer:
         if is_url(path) and parse(path).is_local:  # file:///path: a local path
             path = parse(path).path
         if is_url(path):  # shards uploaded as they are finished, the manifest last (write.remote_output)
-            if resume:
-                raise OptionError(f"{redact(str(path))}: Writer(resume=True) is not supported yet for object "
-                                  "storage: write again (with overwrite=True over an unfinished upload)")
-            self.output: Output = RemoteOutput(str(path), storage_options, staging_dir, overwrite=overwrite)
+            self.output: Output = RemoteOutput(str(path), storage_options, staging_dir, overwrite=overwrite,
+                                               resume=resume)
         else:
             self.output = Output(Path(os.path.abspath(path)))
         self.out = self.output.path  # the dataset's folder, or its staging folder for a URL
@@ -126,6 +124,8 @@ class Writer:
         self._make_options(b"").check()  # unknown or bad options fail now, not at the first sample (bytes: as default)
         if isinstance(self.output, RemoteOutput):
             self.output.check(self.output.shown, True)
+            if self.output.complete() and not overwrite:  # resume=True over a finished dataset: as for a folder
+                raise OutputExistsError(f"{self.name}: already exists (use overwrite=True to replace it)")
         else:
             check_replaceable(self.out, overwrite)
         self.opts: ConvertOptions | None = None
@@ -249,6 +249,8 @@ class Writer:
         if not self.output.left_over():
             self.lock = self.output.start(self._plan())
         elif self.output.plan() != self._plan():
+            if isinstance(self.output, RemoteOutput):
+                raise OutputExistsError(self.output.not_resumable("written with other options, fields or classes"))
             raise OutputExistsError(f"{self.partial}: written with other options, fields or classes, so it can't be "
                                     f"resumed; remove it (rm -r '{self.partial}') and write again")
 
@@ -258,6 +260,8 @@ class Writer:
         if plan is None:
             raise OutputExistsError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
         self.output.check_free()  # a live run's is in use, not left over
+        if plan.get("writer") != 1 and isinstance(self.output, RemoteOutput):
+            raise OutputExistsError(self.output.not_resumable("not written by a packer Writer (a conversion's)"))
         if plan.get("writer") != 1:
             raise OutputExistsError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
         if not resume:
@@ -273,8 +277,9 @@ class Writer:
         while shard_entry(self.partial, len(done)).is_file():
             entry = shard_entry(self.partial, len(done))
             result = ShardResult.from_json(entry.read_text(encoding="utf-8"), str(entry))
-            if not intact_files(self.partial, result) or not self._spool(len(done)).is_dir():
+            if self.specs and not self._spool(len(done)).is_dir() or not self.output.kept_shard(result):
                 break
+            self._spool(len(done)).mkdir(exist_ok=True)  # no fields: an empty spool (a bucket keeps no folder)
             done[len(done)] = result
         for extra in (self.partial / JOURNAL_DIR).glob("shard-*"):
             if extra.name.split(".")[0] not in {shard_entry(self.partial, i).stem for i in done}:

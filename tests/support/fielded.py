@@ -23,10 +23,10 @@ def sample(i: int, rng: np.random.Generator) -> dict[str, Any]:
             "blob": bytes(range(i % 7)), "mask": np.full((2, 3), i, np.uint8)}
 
 
-def write_fielded(out: Path, fmt: str = "lmdb", count: int = 7, seed: int = 0, stop_after: int | None = None,
+def write_fielded(out: Path | str, fmt: str = "lmdb", count: int = 7, seed: int = 0, stop_after: int | None = None,
                   **options: Any) -> list[dict[str, Any]]:
-    """Write ``count`` samples with SPECS to ``out``; returns them. ``stop_after``: raise (like a crash) after
-    that many samples, leaving ``out.partial``."""
+    """Write ``count`` samples with SPECS to ``out`` (a folder, or a URL); returns them. ``stop_after``: raise (like
+    a crash) after that many samples, leaving ``out.partial``."""
     rng = np.random.default_rng(seed)
     samples = [sample(i, rng) for i in range(count)]
     with Writer(out, format=fmt, fields=SPECS, **{**FORMAT_OPTIONS.get(fmt, {}), **options}) as w:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.fielded import SPECS, same_value, write_fielded
 from support.imagesets import make_imagefolder
 from support.interrupt import run_cli_at
 from support.storage_servers import CREDENTIALS, FAST_POLICY, Emulated, killed_upload, s3_store
@@ -141,7 +142,7 @@ def test_writer_to_a_bucket_reads_back_and_refuses_what_it_cannot_do(source, fre
             assert bytes(ds.read_payload(k)) == path.read_bytes() and ds[k]["caption"] == f"photo {k}"
     with pytest.raises(OutputExistsError, match="^s3://bucket/w.lmdb: already exists"):
         packer.Writer(url, storage_options=options)
-    with pytest.raises(OptionError, match=r"Writer\(resume=True\) is not supported yet for object storage"):
+    with pytest.raises(OutputExistsError, match="^s3://bucket/w.lmdb: already exists"):  # as for a folder
         packer.Writer(url, resume=True, storage_options=options)
 
 
@@ -211,6 +212,104 @@ def test_a_killed_upload_never_opens_and_resume_uploads_only_what_is_missing(sou
     srv2 = Emulated(root)
     try:
         _same_as_local(url, srv2.server.endpoint, local, tmp_path / "cache")
+    finally:
+        srv2.stop()
+
+
+def test_resume_of_a_finished_upload_says_so_and_does_nothing(source, fresh_store, tmp_path):
+    """``--resume`` pasted after an upload that finished: exit 0 and one line, as for a folder
+    (tests/write/test_resume.py), nothing put or deleted in the bucket; it was refused (exit 2) before. A dataset of
+    other options or another source is refused, naming the difference."""
+    endpoint, root, url = fresh_store.server.endpoint, tmp_path / "root", "s3://bucket/ds.lmdb"
+    _convert(source, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000)
+    kept = _etags(root, "ds.lmdb")
+    cmd = [sys.executable, "-m", "packer", "convert", str(source), "--to", "lmdb", "-o", url, "--shard-size", "6000",
+           "--workers", "0", "--staging-dir", str(tmp_path / "st"), "--resume"]
+    before = fresh_store.server.stats.settled()
+    res = subprocess.run(cmd, env=_env(endpoint), capture_output=True, text=True)
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+    assert res.stdout == (f"nothing to resume: {url} is complete (the same options, the same source files, sizes and "
+                          "times); nothing was done\n")
+    after = fresh_store.server.stats.closed()
+    assert (after["puts"], after["deletes"], after["parts"]) == (before["puts"], before["deletes"], before["parts"])
+    assert _etags(root, "ds.lmdb") == kept
+    result = _convert(source, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000, resume=True)
+    assert result.nothing_to_resume and not result.reused and result.num_samples == 24 and result.output == url
+    other = subprocess.run([*cmd, "--validate", "header"], env=_env(endpoint), capture_output=True, text=True)
+    assert other.returncode == 2 and len(other.stderr.splitlines()) == 1, other.stderr
+    assert other.stderr.startswith(f"packer: error: {url}: a complete dataset, so there is nothing to resume, and it "
+                                   "is not this conversion's (other options: validate full -> header)")
+    assert "--overwrite" in other.stderr and SECRET not in other.stderr
+    (root / "ds.lmdb" / "shard-00001.lmdb").write_bytes(b"cut")  # damaged in the bucket: not taken as finished
+    damaged = subprocess.run(cmd, env=_env(endpoint), capture_output=True, text=True)
+    assert damaged.returncode == 2 and "it does not open: s3://bucket/ds.lmdb/shard-00001.lmdb: 3 bytes" in \
+        damaged.stderr
+    assert _etags(root, "ds.lmdb").keys() == kept.keys()
+
+
+WRITER = """
+import sys
+sys.path.insert(0, sys.argv[3])
+from support.fielded import write_fielded
+write_fielded(sys.argv[1], "lmdb", count=int(sys.argv[4]), shard_bytes=2000, staging_dir=sys.argv[2])
+"""
+
+
+def test_a_killed_writer_resumes_uploading_only_what_is_missing(tmp_path):
+    """``Writer(URL, resume=True)`` after a SIGKILL of the writing process, from another staging folder (another
+    machine's): the shards journaled in the bucket (their field spools beside their entries) are not put again,
+    and the dataset reads back equal to an uninterrupted Writer's, fields included. It was refused before."""
+    count, root, url = 40, tmp_path / "root", "s3://bucket/w.lmdb"
+    root.mkdir()
+    samples = write_fielded(tmp_path / "whole.lmdb", "lmdb", count=count, shard_bytes=2000)
+    whole = packer.open_dataset(tmp_path / "whole.lmdb", fields="all")
+    tests = str(Path(__file__).resolve().parents[1])
+    srv = Emulated(root, bandwidth=40_000)
+    journal = root / "w.lmdb" / REMOTE_PARTIAL / "journal"
+    endpoint = srv.server.endpoint
+    env = {**_env(endpoint), "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]), tests])}
+    try:
+        killed_upload([sys.executable, "-c", WRITER, url, str(tmp_path / "staging-1"), tests, str(count)], env,
+                      journal, srv, shards=2)
+        uploaded = sorted(int(p.stem.split("-")[1]) for p in journal.glob("shard-*.json"))
+        spooled = {len([p for p in (journal / f"shard-{i:05d}.fields").rglob("*") if p.is_file()]) for i in uploaded}
+        assert not (root / "w.lmdb" / "manifest.json").exists() and len(spooled) == 1 and spooled != {0}
+        kept = _etags(root, "w.lmdb")
+        with pytest.raises(OutputExistsError, match="an unfinished upload .written by pid .*resume=True"):
+            write_fielded(url, "lmdb", count=count, shard_bytes=2000, storage_options=_options(endpoint),
+                          staging_dir=tmp_path / "staging-2")
+        with pytest.raises(OutputExistsError, match="written with other options, fields or classes, so the "
+                           "unfinished upload can't be resumed"):
+            write_fielded(url, "lmdb", count=count, shard_bytes=3000, resume=True, storage_options=_options(endpoint),
+                          staging_dir=tmp_path / "staging-2")
+        before = srv.server.stats.settled()
+        write_fielded(url, "lmdb", count=count, shard_bytes=2000, resume=True, storage_options=_options(endpoint),
+                      staging_dir=tmp_path / "staging-2")
+        after = srv.server.stats.settled()
+    finally:
+        srv.stop()
+    manifest = read_manifest(root / "w.lmdb")
+    assert _files(manifest) == _files(whole.manifest) and len(manifest.shards) == len(whole.manifest.shards) > 8
+    assert 2 <= len(uploaded) < len(manifest.shards)
+    etags = _etags(root, "w.lmdb")
+    for i in uploaded:  # the shards uploaded before the kill were not put again
+        for f in manifest.shards[i].files:
+            assert etags[f.name] == kept[f.name]
+    missing = [i for i in range(len(manifest.shards)) if i not in uploaded]
+    # each missing shard's files, field spool and journal entry; meta/, errors.json, manifest; the lock taken over
+    per_shard = spooled.pop()
+    assert after["puts"] - before["puts"] == (sum(len(manifest.shards[i].files) for i in missing)
+                                             + len(missing) * (per_shard + 1) + len(manifest.meta_files) + 2 + 1)
+    assert not (root / "w.lmdb" / REMOTE_PARTIAL).exists()
+    srv2 = Emulated(root)
+    try:
+        with packer.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_options(srv2.server.endpoint),
+                                 fields="all") as ds:
+            assert (ds.classes, ds.targets, len(ds)) == (whole.classes, whole.targets, count)
+            for i, want in enumerate(samples):
+                assert bytes(ds.read_payload(i)) == bytes(whole.read_payload(i)) == want["image"]
+                got = ds[i]
+                assert all(same_value(got[name], want[name]) for name in SPECS), i
     finally:
         srv2.stop()
 
