@@ -18,8 +18,10 @@ from typing import Any
 
 from packer.errors import Interrupted, OptionError, PackerError, ResumableError, arg
 from packer.formats import FORMATS, get_format
+from packer.layout.manifest import MANIFEST_NAME
 from packer.layout.partial import made_by_packer
-from packer.storage.url import is_url, parse, redact, refuse_url, refuse_urls
+from packer.layout.wdsexport import EXPORT_NAME
+from packer.storage.url import is_url, parse, redact, refuse_urls
 from packer.write.cluster import class_mapper
 from packer.write.dataset_sink import DatasetSink
 from packer.write.export_wds import ExportSink
@@ -111,14 +113,12 @@ def convert(src: str | os.PathLike, output: str | os.PathLike | None = None, *, 
 
 
 def make_output(src: str | os.PathLike, output: str | os.PathLike | None, sink: Sink, run: RunOptions) -> Output:
-    """Where the conversion goes: a local folder, or a dataset in object storage (``RemoteOutput``: shards
-    uploaded as they are finished, the manifest last) for the formats' shards."""
+    """Where the conversion goes: a local folder, or a dataset or WebDataset export in object storage
+    (``RemoteOutput``: shards uploaded as they are finished, the manifest or the export's index last)."""
     if output is not None and is_url(output) and parse(output).is_local:  # file:///path: a local path
         output = parse(output).path
     if output is None or not is_url(output):
         return Output(output_path(src, output, sink.name))
-    if not isinstance(sink, DatasetSink):  # an export (--to wds): export to a folder, then upload it
-        refuse_url(output, sink.command)
     if run.client is not None:
         raise OptionError(f"{redact(str(output))}: a conversion on a cluster ({arg('client', cli='scheduler')}) "
                           "writes to storage its workers share, not object storage yet: convert here, or to a "
@@ -126,8 +126,9 @@ def make_output(src: str | os.PathLike, output: str | os.PathLike | None, sink: 
     if run.if_changed:
         raise OptionError(f"{redact(str(output))}: {arg('if_changed', True)} is not supported yet for object "
                           f"storage: use {arg('overwrite', True)} or {arg('resume', True)}")
+    marker = MANIFEST_NAME if isinstance(sink, DatasetSink) else EXPORT_NAME  # an export (--to wds): its index
     return RemoteOutput(str(output), run.storage_options, run.staging_dir, overwrite=run.overwrite,
-                        resume=run.resume)
+                        resume=run.resume, marker=marker)
 
 
 @takes_options(_CONVERT, FORMATS)

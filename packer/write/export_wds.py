@@ -6,7 +6,8 @@ Each sample is ``<key>.<ext>`` (the encoded bytes as stored; decoded pixels as l
 label; none for a source without labels), ``<key>.json`` (its fields, when it has any) and ``<key>.path.txt`` (its
 key in the source). The key is the record's number in the source's numbering, zero-padded, never holding a dot, so
 an export converts back with the same numbering, paths, labels and bytes (write/sources/webdataset.py). Not
-resumable: a failure removes what the run wrote (``resume`` only finishes a journaled move into place).
+resumable: a failure removes what the run wrote (``resume`` only finishes a journaled move into place). To a URL
+(``RemoteOutput`` with the index as its marker) each tar is uploaded as it is closed and the index put last.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 import os
 import tarfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from packer.formats.base import PreparedSample
 from packer.images.magic import sniff
 from packer.layout.fields import FieldSpec, cell_value, json_value, parse_specs
 from packer.layout.fsutil import write_atomic
-from packer.layout.manifest import dumps_lossless, file_info
+from packer.layout.manifest import FileInfo, dumps_lossless, file_info
 from packer.layout.wdsexport import (
     CLASSES_NAME,
     EXPORT_KIND,
@@ -48,6 +49,7 @@ from packer.write.options import WDS, ConvertOptions, Declared, PoolSettings, Ru
 from packer.write.output import Output
 from packer.write.plan import estimate_sample_bytes
 from packer.write.pool import ordered_results
+from packer.write.remote_output import RemoteOutput
 from packer.write.shards import progress_bar
 from packer.write.sink import Finished, Sink
 from packer.write.sources.base import SourceOptions
@@ -107,6 +109,8 @@ class ExportSink(Sink):
             return output.start({"kind": EXPORT_KIND, "source": scan.source_name(), "options": options.record()})
         if output.made_by_packer():
             output.check_free()
+        if isinstance(output, RemoteOutput):  # an unfinished upload, resume given: nothing is journaled to go on from
+            raise OutputExistsError(output.not_resumable("a WebDataset export is not resumed"))
         swapping = output.swapping()
         if swapping and resume and (partial / EXPORT_NAME).is_file():
             return output.take()
@@ -124,7 +128,7 @@ class ExportSink(Sink):
         """Every record of ``scan`` (dataset order) through the pool into tars; the records not exported."""
         limit = DEFAULT_SHARD_BYTES if options.shard_bytes is None else int(options.shard_bytes)
         per_shard = max(1, len(scan) // DEFAULT_SHARDS) if options.shard_bytes is None else None
-        tar = self.tar = TarSink(output.folder, limit, per_shard)
+        tar = self.tar = TarSink(output.folder, limit, per_shard, lambda name: output.files_done([name]))
         numbers, specs = scan.numbering(), parse_specs(scan.field_specs)
         digits = max(6, len(str(max(scan.num_source_records - 1, 0))))
         prepared = ordered_results(scan.source_reader(), scan.records(), options, run.worker_count(),
@@ -156,7 +160,7 @@ class ExportSink(Sink):
             write_atomic(partial / CLASSES_NAME, "".join(f"{c}\n" for c in scan.classes))
         num_samples = sum(tar.counts)
         write_error_report(partial, errors, scan.ignored, num_samples, scan.earlier)
-        shards = [{**asdict(file_info(partial, name)), "num_samples": n} for name, n in zip(tar.names, tar.counts)]
+        shards = [{**asdict(info), "num_samples": n} for info, n in zip(tar.infos, tar.counts, strict=True)]
         index = {"kind": EXPORT_KIND, "version": 1, "num_samples": num_samples, "num_errors": len(errors),
                  "source_records": scan.num_source_records,
                  "num_classes": len(scan.classes), "shards": shards, "source": scan.source_name(),
@@ -203,7 +207,7 @@ def few_shards(sink: TarSink, shard_bytes: int | None) -> None:
     total = sum(sink.counts)
     if shard_bytes is None or len(sink.names) >= min(DEFAULT_SHARDS, total):
         return
-    size = max(1, sum((sink.folder / n).stat().st_size for n in sink.names) // DEFAULT_SHARDS)
+    size = max(1, sum(info.num_bytes for info in sink.infos) // DEFAULT_SHARDS)
     log.warning("%d shard(s): webdataset with DataLoader(num_workers=N) fails for N above that (\"fewer shards "
                 "than workers\"); a shard size of %s (or the default) gives %d", len(sink.names),
                 human_bytes(size).replace(" ", ""), DEFAULT_SHARDS)
@@ -212,12 +216,15 @@ def few_shards(sink: TarSink, shard_bytes: int | None) -> None:
 class TarSink:
     """Writes samples into ``shard-%06d.tar`` files of at most ``limit`` bytes each, padding included (a sample
     larger than that gets a shard of its own), and at most ``per_shard`` samples (None: no bound). Members are plain
-    files with fixed metadata: same bytes every run."""
+    files with fixed metadata: same bytes every run. Each closed tar is measured and checksummed (``infos``), then
+    handed to ``closed`` (an output in a bucket uploads it and deletes it here)."""
 
-    def __init__(self, folder: Path, limit: int, per_shard: int | None = None) -> None:
-        self.folder, self.limit, self.per_shard = folder, limit, per_shard
+    def __init__(self, folder: Path, limit: int, per_shard: int | None = None,
+                 closed: Callable[[str], None] | None = None) -> None:
+        self.folder, self.limit, self.per_shard, self.closed = folder, limit, per_shard, closed
         self.names: list[str] = []
         self.counts: list[int] = []
+        self.infos: list[FileInfo] = []  # the closed tars' sizes and sha256
         self._tar: tarfile.TarFile | None = None
         self._used = 0  # bytes of headers and padded data in the open shard
 
@@ -246,6 +253,9 @@ class TarSink:
         assert self._tar is not None
         self._tar.close()
         self._tar = None
+        self.infos.append(file_info(self.folder, self.names[-1]))
+        if self.closed is not None:
+            self.closed(self.names[-1])
 
 
 def closed_size(used: int) -> int:

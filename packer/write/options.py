@@ -150,9 +150,9 @@ class RunOptions:
         "AWS_PROFILE and instance roles. Refused where nothing is at a URL", flag="storage-option", generated=False,
         secret=True)
     staging_dir: str | None = option(
-        None, "an output in object storage: the local folder where shards are written before their upload (each "
-        "deleted once uploaded, so it holds about three shards; default: the system's temporary folder)",
-        metavar="DIR", wds=False)
+        None, "an output in object storage: the local folder where shards (an export's tars) are written before "
+        "their upload (each deleted once uploaded, so it holds about three shards; default: the system's temporary "
+        "folder)", metavar="DIR")
     pool: PoolSettings | None = option(None, "settings of the local process pool (PoolSettings in "
                                        "packer/write/options.py); the defaults suit every run", flag=None)
 

@@ -291,6 +291,10 @@ class Output:
         """A shard's files are all written: flush and checksum them, then journal the shard as done."""
         return record_shard(self.folder, result, names)
 
+    def files_done(self, names: list[str]) -> None:
+        """Files of ``folder`` that are finished and will not change (an export's tars as each is closed): they stay
+        here until the output is sealed (an output in a bucket uploads them now)."""
+
     def recorded_ranges(self, shard: Shard) -> PayloadRanges | None:
         """The payload ranges kept for a finished ``shard`` whose files are no longer in ``folder`` (none here: a
         local output's shards stay, and their ranges are read from them at the end: ``write.ranges``)."""

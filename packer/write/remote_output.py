@@ -34,6 +34,7 @@ from packer.layout.manifest import MANIFEST_NAME, Manifest, Shard, load_manifest
 from packer.layout.partial import JOURNAL_DIR, REMOTE_LOCK, REMOTE_PARTIAL, REMOTE_PLAN
 from packer.layout.ranges import DTYPES, RANGE_FILES, PayloadRanges
 from packer.layout.report import ERRORS_NAME
+from packer.layout.wdsexport import CLASSES_NAME, EXPORT_NAME
 from packer.storage.client import ObjectInfo
 from packer.storage.faults import ObjectExists, ObjectNotFound, RetryPolicy, StorageError
 from packer.storage.store import ObjectStore
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)  # under "packer": the command line prints it,
 JOURNAL_PREFIX = f"{REMOTE_PARTIAL}/{JOURNAL_DIR}/"
 WRITABLE = ("s3", "gs", "az")  # schemes whose stores list, put (multipart) and put create-only
 PENDING_SHARDS = 2  # finished shards uploading (or waiting to) while the next is written
+MARKERS = (MANIFEST_NAME, EXPORT_NAME)  # what makes a prefix packer's: a dataset's manifest, an export's index
 UPLOADS_IN_FLIGHT = 8  # files of one shard (n5, bmp: many) put at once; a large file is a multipart upload itself
 
 
@@ -64,14 +66,15 @@ class RemoteOutput(Output):
     """A dataset written to ``url``: ``folder`` is a local staging folder (keyed by the URL and endpoint) holding the
     run's journal and the shards not uploaded yet; the journal is mirrored under ``<url>/.packer-partial/``.
 
-    ``overwrite``: replace a packer dataset (or an unfinished upload) there; ``resume``: go on with an unfinished
-    upload. Anything else at the prefix is refused, never deleted."""
+    ``overwrite``: replace a packer dataset or WebDataset export (or an unfinished upload) there; ``resume``: go on
+    with an unfinished upload. Anything else at the prefix is refused, never deleted. ``marker``: the object that
+    makes the output exist, put last (``manifest.json``; an export's ``packer-wds.json``)."""
 
     max_pending = PENDING_SHARDS  # uploading or waiting while the next is written: about three staged at once
 
     def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None,
                  staging_dir: str | os.PathLike | None = None, *, overwrite: bool = False, resume: bool = False,
-                 policy: RetryPolicy | None = None) -> None:
+                 policy: RetryPolicy | None = None, marker: str = MANIFEST_NAME) -> None:
         self.location = parse(url)
         if self.location.scheme not in WRITABLE:
             raise OptionError(f"{self.location}: packer writes datasets to {', '.join(s + '://' for s in WRITABLE)} "
@@ -82,6 +85,7 @@ class RemoteOutput(Output):
         key = hashlib.sha256(f"{self.location}\0{endpoint}".encode()).hexdigest()[:16]
         super().__init__(staging_root(staging_dir) / key / (self.location.name or "dataset"))
         self.overwrite, self.resume = overwrite, resume
+        self.marker = marker  # the object put last, that makes the output exist: a manifest, an export's index
         self.found: dict[str, ObjectInfo] = {}  # the prefix's objects when checked (packer's, or nothing)
         self.uploaded: set[str] = set()  # keys this run put
         self._plan: dict[str, Any] | None = None
@@ -115,13 +119,14 @@ class RemoteOutput(Output):
     # ---- before anything is written
 
     def check(self, src: str | os.PathLike, replaces: bool) -> None:
-        """What is at the prefix: nothing; a packer dataset (replaced only with ``overwrite``); an unfinished upload
-        (gone on with by ``resume``, replaced by ``overwrite``); anything else is refused, even with ``overwrite``."""
+        """What is at the prefix: nothing; a packer dataset or export (replaced only with ``overwrite``; left to the
+        sink where ``replaces`` says it looks at one of its own kind first: ``resume``); an unfinished upload (gone
+        on with by ``resume``, replaced by ``overwrite``); anything else is refused, even with ``overwrite``."""
         self.found = {o.key: o for o in self.store.list()}
         if not self.found:
             return
-        dataset, unfinished = MANIFEST_NAME in self.found, self.unfinished()
-        if not (dataset or unfinished):
+        packers, unfinished = [m for m in MARKERS if m in self.found], self.unfinished()
+        if not (packers or unfinished):
             some = ", ".join(sorted(self.found)[:3]) + (" ..." if len(self.found) > 3 else "")
             raise OutputExistsError(f"{self.location}: holds {len(self.found)} object(s) ({some}) but no packer "
                                     f"{MANIFEST_NAME}: not a packer dataset; packer replaces only a dataset, even with "
@@ -131,22 +136,23 @@ class RemoteOutput(Output):
             self.check_free()
             if not (self.resume or self.overwrite):
                 raise OutputExistsError(self.left_over_reason())
-        elif self.resume and not self.overwrite:
-            return  # a complete dataset: the sink says there is nothing to resume, or that it is another's
-        elif not self.overwrite:
+        elif self.overwrite:
+            self._check_only_the_datasets(packers)
+        elif not (replaces and self.complete()):  # else: the sink says there is nothing to resume, or why not
             raise OutputExistsError(f"{self.location}: already exists (use {arg('overwrite', True)} to replace it)")
-        else:
-            self._check_only_the_datasets()
 
-    def _check_only_the_datasets(self) -> None:
-        """A dataset to replace holds only the objects its manifest names (and errors.json): anything else under
-        the prefix is not packer's, so the whole dataset is refused rather than any of it deleted."""
-        try:
-            named = set(_dataset_objects(json.loads(self.store.get(MANIFEST_NAME))))
-        except (ObjectNotFound, ValueError, KeyError, TypeError) as exc:
-            raise OutputExistsError(f"{self.where(MANIFEST_NAME)}: unreadable ({exc}), so packer cannot tell its "
-                                    "objects from others: remove the dataset yourself") from None
-        other = sorted(k for k in self.found if k not in named | {ERRORS_NAME, MANIFEST_NAME}
+    def _check_only_the_datasets(self, markers: list[str]) -> None:
+        """A dataset (or export) to replace holds only the objects its manifest (index) names, and errors.json:
+        anything else under the prefix is not packer's, so the whole of it is refused rather than any of it
+        deleted."""
+        named: set[str] = set(markers)
+        for marker in markers:
+            try:
+                named |= set(_named_objects(marker, json.loads(self.store.get(marker))))
+            except (ObjectNotFound, ValueError, KeyError, TypeError) as exc:
+                raise OutputExistsError(f"{self.where(marker)}: unreadable ({exc}), so packer cannot tell its "
+                                        "objects from others: remove the dataset yourself") from None
+        other = sorted(k for k in self.found if k not in named | {ERRORS_NAME}
                        and not k.startswith(REMOTE_PARTIAL + "/"))
         if other:
             some = ", ".join(other[:3]) + (" ..." if len(other) > 3 else "")
@@ -155,8 +161,9 @@ class RemoteOutput(Output):
                                     f"{arg('overwrite', True)}: move them away, or choose another {arg('output')}")
 
     def complete(self) -> bool:
-        """Whether the prefix held a finished dataset when checked: its manifest, and no unfinished upload."""
-        return MANIFEST_NAME in self.found and not self.unfinished()
+        """Whether the prefix held a finished output of this kind when checked (its ``marker``: a dataset's manifest,
+        an export's index), and no unfinished upload."""
+        return self.marker in self.found and not self.unfinished()
 
     def finished(self) -> tuple[Manifest, Path, list[str]]:
         """The dataset at the prefix (``complete``): its manifest and errors.json fetched into a local temporary
@@ -236,8 +243,10 @@ class RemoteOutput(Output):
                 if key.startswith(JOURNAL_PREFIX):
                     self.store.delete(key)
             self.store.put(REMOTE_PLAN, json.dumps(plan, indent=1).encode())
-            if self.overwrite and MANIFEST_NAME in self.found:  # the old dataset no longer opens from here on
-                self.store.delete(MANIFEST_NAME)
+            self.uploaded.add(REMOTE_PLAN)  # discard() removes it too: no plan is left naming no upload
+            for marker in MARKERS:  # with overwrite: the old dataset (export) no longer opens from here on
+                if self.overwrite and marker in self.found:
+                    self.store.delete(marker)
         except BaseException:
             lock.release()
             raise
@@ -390,25 +399,33 @@ class RemoteOutput(Output):
 
     # ---- the end
 
+    def files_done(self, names: list[str]) -> None:
+        """Upload finished files (an export's tars, as each is closed) and delete them in the staging folder."""
+        self._check_lock()
+        self._upload(names)
+        for name in names:
+            _remove(self.folder, name)
+
     def seal(self, write_last: Callable[[Path], None]) -> None:
-        """Upload meta/ and errors.json, delete the old dataset's objects the new one does not have, put the
-        manifest (the last object of the dataset), then remove the journal, the plan and the lock."""
+        """Upload meta/ and errors.json (an export's classes.txt), delete the old output's objects the new one does
+        not have, put the marker (the manifest, or an export's index: the last object), then remove the journal,
+        the plan and the lock."""
         rest = [p.relative_to(self.folder).as_posix() for p in sorted(self.folder.rglob("*"))
                 if p.is_file() and p.relative_to(self.folder).parts[0] != JOURNAL_DIR]
         self._upload(rest)
         write_last(self.folder)
-        files = _dataset_objects(json.loads((self.folder / MANIFEST_NAME).read_text(encoding="utf-8")))
+        files = _named_objects(self.marker, json.loads((self.folder / self.marker).read_text(encoding="utf-8")))
         present = {o.key: o for o in self.store.list()}
-        wrong = [n for n, size in files.items() if n not in present or present[n].size != size]
+        wrong = [n for n, size in files.items() if n not in present or size is not None and present[n].size != size]
         if wrong:
             raise ShardWriteError(f"{self.where(wrong[0])}: missing or of another size after the upload "
                                   f"({len(wrong)} object(s)); was the prefix written by someone else meanwhile?")
-        keep = {*files, ERRORS_NAME, MANIFEST_NAME}
-        for key in sorted(set(self.found) - keep):  # the old dataset's: the prefix held packer's objects only
+        keep = {*files, ERRORS_NAME, self.marker}
+        for key in sorted(set(self.found) - keep):  # the old output's: the prefix held packer's objects only
             if not key.startswith(REMOTE_PARTIAL + "/"):
                 self.store.delete(key)
         self._check_lock()
-        self._upload_one(MANIFEST_NAME, self.folder / MANIFEST_NAME)
+        self._upload_one(self.marker, self.folder / self.marker)
         self._clear_partial(present)
         shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -434,10 +451,15 @@ class RemoteOutput(Output):
         raise PackerError(f"{self.location}: nothing to move into place (an upload is finished by its manifest)")
 
 
-def _dataset_objects(manifest: Mapping[str, Any]) -> dict[str, int]:
-    """The objects a manifest names (shard files, meta/) and their sizes."""
-    files = {f["name"]: int(f["num_bytes"]) for s in manifest["shards"] for f in s["files"]}
-    files.update({f["name"]: int(f["num_bytes"]) for f in manifest.get("meta_files", [])})
+def _named_objects(marker: str, data: Mapping[str, Any]) -> dict[str, int | None]:
+    """The objects a manifest names (shard files, meta/) or an export's index does (its tars; ``classes.txt``, whose
+    size it does not record: None), and their sizes."""
+    if marker == EXPORT_NAME:
+        files: dict[str, int | None] = {s["name"]: int(s["num_bytes"]) for s in data["shards"]}
+        files[CLASSES_NAME] = None
+        return files
+    files = {f["name"]: int(f["num_bytes"]) for s in data["shards"] for f in s["files"]}
+    files.update({f["name"]: int(f["num_bytes"]) for f in data.get("meta_files", [])})
     return files
 
 

@@ -7,6 +7,7 @@ import os
 
 import pytest
 from support.imagesets import make_imagefolder
+from support.storage_servers import CREDENTIALS
 
 from packer.cli import main
 from packer.errors import InputNotFoundError, PackerError
@@ -101,7 +102,6 @@ def in_tmp(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("argv,by", [
     (["convert", "{imgs}", "--to", "lmdb", "-o", URL, "--split", "0.5"], "packer convert"),
-    (["convert", "{imgs}", "--to", "wds", "-o", URL], "packer convert --to wds"),
     (["verify", "{ds}", "--against", URL], "packer verify --against"),
     (["extract", "{ds}", URL], "packer extract's destination (a local folder)"),
 ])
@@ -114,6 +114,21 @@ def test_every_command_refuses_a_url_in_one_line(argv, by, imgs, in_tmp, capsys)
     err = capsys.readouterr().err.strip()
     assert err == "packer: error: " + MESSAGE.format(by=by)
     assert not (in_tmp / "outdir").exists()
+
+
+def test_a_wds_export_to_a_url_is_written_there_not_refused(imgs, in_tmp, fresh_store, capsys):
+    """``convert --to wds -o URL`` was refused like the entries above; it now exports into the bucket (the index
+    last: tests/write/test_remote_output.py), and nothing is written locally."""
+    options = [f"--storage-option={k}={v}" for k, v in
+               {**CREDENTIALS, "endpoint": fresh_store.server.endpoint}.items()]
+    argv = ["convert", str(imgs), "--to", "wds", "-o", "s3://bucket/x-wds", "--workers", "0", *options,
+            "--staging-dir", str(in_tmp / "staging")]
+    assert main(argv) == 0
+    assert capsys.readouterr().out.startswith("packed 4 of 4 files into s3://bucket/x-wds in ")
+    bucket = in_tmp / "root" / "x-wds"
+    assert {p.name for p in bucket.iterdir()} == {"classes.txt", "errors.json", "packer-wds.json",
+                                                  *(f"shard-{i:06d}.tar" for i in range(4))}
+    assert not [p for p in (in_tmp / "staging").rglob("*") if p.is_file()]
 
 
 def test_the_python_entry_points_refuse_a_url(imgs, in_tmp):

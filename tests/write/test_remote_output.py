@@ -146,10 +146,7 @@ def test_writer_to_a_bucket_reads_back_and_refuses_what_it_cannot_do(source, fre
         packer.Writer(url, resume=True, storage_options=options)
 
 
-def test_wds_and_http_outputs_are_refused_in_one_line_and_file_urls_are_folders(source, fresh_store, tmp_path):
-    with pytest.raises(PackerError, match="^object storage is not supported yet by packer convert --to wds: s3://"):
-        convert(source, "s3://bucket/x", to="wds", progress=False,
-                storage_options=_options(fresh_store.server.endpoint))
+def test_http_outputs_are_refused_in_one_line_and_file_urls_are_folders(source, fresh_store, tmp_path):
     http = f"{fresh_store.server.endpoint}/bucket/x.lmdb"
     with pytest.raises(OptionError, match="^http://.*/bucket/x.lmdb: packer writes datasets to s3://, gs://, az:// "
                        "only"):
@@ -161,6 +158,118 @@ def test_wds_and_http_outputs_are_refused_in_one_line_and_file_urls_are_folders(
     with packer.Writer(f"file://{tmp_path}/w.lmdb") as w:
         w.add(image=next(source.rglob("*.jpg")).read_bytes(), label=0)
     assert w.close() == tmp_path / "w.lmdb" and len(packer.open_dataset(tmp_path / "w.lmdb")) == 1
+
+
+# ---------------------------------------------------------------- the WebDataset export (--to wds)
+
+
+def _wds_samples(folder: Path) -> dict[str, dict]:
+    """Every sample of the export in ``folder`` as the webdataset package gives it, by key."""
+    webdataset = pytest.importorskip("webdataset")
+    shards = sorted(str(p) for p in folder.glob("shard-*.tar"))
+    return {sample["__key__"]: {k: v for k, v in sample.items() if not k.startswith("__")}
+            for sample in webdataset.WebDataset(shards, shardshuffle=False)}
+
+
+def test_a_wds_export_uploads_each_tar_as_it_is_closed_and_its_index_last(source, tmp_path):
+    """``convert(src, URL, to="wds")``: the tars are uploaded as each is closed (the staging folder holds one at a
+    time, over a slow link), the index last; the objects are the local export's bytes, and read back equal through
+    the ``webdataset`` package (from a download) and through packer's own reader (converting the URL back)."""
+    root, url = tmp_path / "root", "s3://bucket/imgs-wds"
+    root.mkdir()
+    local = convert(source, tmp_path / "local-wds", to="wds", shard_bytes=3_000, workers=0, progress=False).output
+    srv = Emulated(root, bandwidth=60_000)
+    staged: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            staged.append(len(list((tmp_path / "staging").rglob("*.tar"))) if (tmp_path / "staging").exists() else 0)
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        result = _convert(source, url, srv.server.endpoint, tmp_path, to="wds", shard_bytes=3_000)
+    finally:
+        stop.set()
+        watcher.join()
+        srv.stop()
+    assert result.output == url and result.num_samples == 24 and not result.errors
+    tars = sorted(p.name for p in Path(local).glob("shard-*.tar"))
+    assert len(tars) >= 10 and max(staged) >= 1
+    assert max(staged) <= 2  # the tar being written and the one uploading at most: never the export
+    assert _keys(root, "imgs-wds") == {p.name for p in Path(local).iterdir()}  # no .packer-partial left
+    for name in [*tars, "classes.txt", "errors.json"]:
+        assert (root / "imgs-wds" / name).read_bytes() == (Path(local) / name).read_bytes(), name
+    index = json.loads((root / "imgs-wds" / "packer-wds.json").read_text())
+    want = json.loads((Path(local) / "packer-wds.json").read_text())
+    assert {**index, "created_at": ""} == {**want, "created_at": ""}
+    put_at = {k: os.stat(root / "imgs-wds" / k).st_mtime_ns for k in _keys(root, "imgs-wds")}
+    assert put_at["packer-wds.json"] >= max(put_at.values())  # the index was put last
+    assert not [p for p in (tmp_path / "staging").rglob("*") if p.is_file()]
+
+    srv = Emulated(root)
+    try:
+        endpoint, download = srv.server.endpoint, tmp_path / "download"
+        download.mkdir()
+        with s3_store(endpoint, url + "/") as store:
+            for key in sorted(o.key for o in store.list()):
+                (download / key).write_bytes(store.get(key))
+        got = _wds_samples(download)
+        assert got == _wds_samples(Path(local)) and len(got) == 24
+        back = convert(url, tmp_path / "back.lmdb", workers=0, progress=False, storage_options=_options(endpoint))
+    finally:
+        srv.stop()
+    direct = packer.open_dataset(_local(source, tmp_path))
+    ds = packer.open_dataset(back.output)
+    def rel(d) -> list[str]:
+        return ["/".join(Path(path).parts[-2:]) for path, _ in d.samples]
+
+    assert (ds.classes, ds.targets, rel(ds)) == (direct.classes, direct.targets, rel(direct))
+    assert all(bytes(ds.read_payload(i)) == bytes(direct.read_payload(i)) for i in range(len(ds)))
+
+
+def test_a_wds_export_to_a_bucket_keeps_the_output_rules(source, fresh_store, tmp_path):
+    """An export at a URL is replaced only with overwrite (and only a packer one: an export or a dataset); resume
+    of a finished one is "already exists" and of an unfinished one refused (an export is not resumed part-way); a
+    failed upload (a lasting 500 on a tar) leaves nothing, no index, and says so in one line without credentials."""
+    endpoint, root, url = fresh_store.server.endpoint, tmp_path / "root", "s3://bucket/x-wds"
+    _convert(source, url, endpoint, tmp_path, to="wds")  # 16 or more tars: one sample each here
+    kept = _etags(root, "x-wds")
+    for kw in ({}, {"resume": True}):
+        with pytest.raises(OutputExistsError, match="^s3://bucket/x-wds: already exists .use overwrite=True"):
+            _convert(source, url, endpoint, tmp_path, to="wds", **kw)
+    assert _etags(root, "x-wds") == kept
+    # replaced by an export of fewer tars: the old tars the new one lacks are deleted
+    _convert(source, url, endpoint, tmp_path, to="wds", shard_bytes=20_000, overwrite=True)
+    fewer = {p.name for p in Path(convert(source, tmp_path / "l-wds", to="wds", shard_bytes=20_000, workers=0,
+                                          progress=False).output).iterdir()}
+    assert _keys(root, "x-wds") == fewer and len(fewer) < len(kept)
+    # someone's object beside the export: not replaced, nothing deleted
+    fresh_store.write("x-wds/notes.txt", b"mine")
+    with pytest.raises(OutputExistsError, match="holds 1 object.s. its manifest.json does not name .notes.txt."):
+        _convert(source, url, endpoint, tmp_path, to="wds", shard_bytes=20_000, overwrite=True)
+    (root / "x-wds" / "notes.txt").unlink()
+    # a lasting error part-way: one line, nothing kept (an export is not resumed), no index at any time
+    fresh_store.faults.add(Fault("status", 500, "InternalError"), key="x-wds/shard-000003.tar", method="PUT",
+                           times=-1)
+    with pytest.raises(PackerError) as failed:
+        _convert(source, url, endpoint, tmp_path, to="wds", shard_bytes=6_000, overwrite=True)
+    message = str(failed.value)
+    assert message.startswith("s3://bucket/x-wds: uploading shard-000003.tar failed (s3://bucket/x-wds/shard-000003"
+                              ".tar: ") and message.endswith("; nothing was kept")
+    assert "\n" not in message and SECRET not in message
+    assert not _keys(root, "x-wds")
+    fresh_store.faults.clear()
+    # an unfinished upload (a killed export's lock and plan): resume refused, overwrite replaces it
+    fresh_store.write("x-wds/shard-000000.tar", b"half")
+    fresh_store.write(f"x-wds/{REMOTE_PARTIAL}/plan.json", b"{}")
+    with pytest.raises(OutputExistsError, match="a WebDataset export is not resumed, so the unfinished upload can't "
+                       "be resumed; convert again with overwrite=True"):
+        _convert(source, url, endpoint, tmp_path, to="wds", resume=True)
+    _convert(source, url, endpoint, tmp_path, to="wds", shard_bytes=20_000, overwrite=True)
+    assert _keys(root, "x-wds") == fewer
 
 
 # ---------------------------------------------------------------- item 2: killed, then --resume
