@@ -123,9 +123,6 @@ def make_output(src: str | os.PathLike, output: str | os.PathLike | None, sink: 
         raise OptionError(f"{redact(str(output))}: a conversion on a cluster ({arg('client', cli='scheduler')}) "
                           "writes to storage its workers share, not object storage yet: convert here, or to a "
                           "shared folder and upload it")
-    if run.if_changed:
-        raise OptionError(f"{redact(str(output))}: {arg('if_changed', True)} is not supported yet for object "
-                          f"storage: use {arg('overwrite', True)} or {arg('resume', True)}")
     marker = MANIFEST_NAME if isinstance(sink, DatasetSink) else EXPORT_NAME  # an export (--to wds): its index
     return RemoteOutput(str(output), run.storage_options, run.staging_dir, overwrite=run.overwrite,
                         resume=run.resume, marker=marker)
@@ -139,7 +136,8 @@ def convert_split(src: str | os.PathLike, output: str | os.PathLike | None = Non
 
     Args:
         src: what to read, as for ``convert``.
-        output: the name the two outputs are made from (``<output>-train``, ``<output>-val``); None: ``<src>.<to>``.
+        output: the name the two outputs are made from (``<output>-train``, ``<output>-val``: folders, or prefixes
+            in object storage for a URL); None: ``<src>.<to>``.
         split: the fraction of each class that goes to train, between 0 and 1.
         to: the format, as for ``convert`` (``wds``: two WebDataset exports).
         **options: as for ``convert``.
@@ -148,15 +146,27 @@ def convert_split(src: str | os.PathLike, output: str | os.PathLike | None = Non
         The two results, train's then val's.
     """
     sink = sink_for(to)
-    check_locations(sink, src, output, url_output=False)
+    check_locations(sink, src, output, url_output=True)
     run, source, given = parse_keywords(sink, options)
-    out = output_path(src, output, sink.name)
     seed = sink.options(dict(given)).seed
     results = []
     for part in PARTS:
         chosen = replace(source, split=float(split), split_seed=seed, part=part)
-        results.append(drive(src, Output(out.with_name(f"{out.name}-{part}")), sink_for(to), run, chosen, dict(given)))
+        part_sink = sink_for(to)
+        named = part_name(src, output, sink.name, part)
+        results.append(drive(src, make_output(src, named, part_sink, run), part_sink, run, chosen, dict(given)))
     return results[0], results[1]
+
+
+def part_name(src: str | os.PathLike, output: str | os.PathLike | None, fmt: str, part: str) -> str | Path:
+    """Where part ``part`` of a split goes: ``<output>-<part>``, a folder (``<src>.<fmt>-<part>`` by default) or,
+    for an output in object storage, the URL's prefix with ``-<part>`` added."""
+    if output is not None and is_url(output) and not parse(output).is_local:
+        return f"{str(output).rstrip('/')}-{part}"
+    if output is not None and is_url(output):  # file:///path: a local path
+        output = parse(output).path
+    out = output_path(src, output, fmt)
+    return out.with_name(f"{out.name}-{part}")
 
 
 @takes_options(_EXPORT)

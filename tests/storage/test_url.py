@@ -101,7 +101,6 @@ def in_tmp(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv,by", [
-    (["convert", "{imgs}", "--to", "lmdb", "-o", URL, "--split", "0.5"], "packer convert"),
     (["verify", "{ds}", "--against", URL], "packer verify --against"),
     (["extract", "{ds}", URL], "packer extract's destination (a local folder)"),
 ])
@@ -129,6 +128,22 @@ def test_a_wds_export_to_a_url_is_written_there_not_refused(imgs, in_tmp, fresh_
     assert {p.name for p in bucket.iterdir()} == {"classes.txt", "errors.json", "packer-wds.json",
                                                   *(f"shard-{i:06d}.tar" for i in range(4))}
     assert not [p for p in (in_tmp / "staging").rglob("*") if p.is_file()]
+
+
+def test_a_split_to_a_url_writes_both_parts_there_not_refused(imgs, in_tmp, fresh_store, capsys):
+    """``convert -o URL --split`` was refused like the entries above; it now writes ``URL-train`` and ``URL-val``
+    into the bucket (tests/write/test_remote_output.py compares them with a local split), nothing locally."""
+    options = [f"--storage-option={k}={v}" for k, v in
+               {**CREDENTIALS, "endpoint": fresh_store.server.endpoint}.items()]
+    argv = ["convert", str(imgs), "--to", "lmdb", "-o", "s3://bucket/x.lmdb", "--split", "0.5", "--workers", "0",
+            *options, "--staging-dir", str(in_tmp / "staging")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "packed 2 of 2 files into s3://bucket/x.lmdb-train in " in out
+    assert "packed 2 of 2 files into s3://bucket/x.lmdb-val in " in out
+    assert {p.name for p in (in_tmp / "root").iterdir() if not p.name.startswith(".")} == {"x.lmdb-train",
+                                                                                             "x.lmdb-val"}
+    assert all((in_tmp / "root" / part / "manifest.json").is_file() for part in ("x.lmdb-train", "x.lmdb-val"))
 
 
 def test_the_python_entry_points_refuse_a_url(imgs, in_tmp):

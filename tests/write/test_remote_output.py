@@ -24,7 +24,7 @@ from packer.formats import FORMATS
 from packer.layout.manifest import read_manifest
 from packer.layout.partial import REMOTE_LOCK, REMOTE_PARTIAL
 from packer.storage.emulate import Fault
-from packer.write.convert import convert
+from packer.write.convert import convert, convert_split
 from packer.write.remote_output import RemoteOutput
 
 FORMAT_OPTIONS: dict[str, dict] = {"mosaic": {"tile": "32x48"}}
@@ -270,6 +270,56 @@ def test_a_wds_export_to_a_bucket_keeps_the_output_rules(source, fresh_store, tm
         _convert(source, url, endpoint, tmp_path, to="wds", resume=True)
     _convert(source, url, endpoint, tmp_path, to="wds", shard_bytes=20_000, overwrite=True)
     assert _keys(root, "x-wds") == fewer
+
+
+# ---------------------------------------------------------------- --split and --if-changed to a URL
+
+
+@pytest.mark.filterwarnings("ignore::packer.errors.IndexingWarning")  # each part leaves the other's records out
+def test_a_split_to_a_url_writes_the_parts_a_local_split_writes(source, fresh_store, tmp_path):
+    endpoint, root = fresh_store.server.endpoint, tmp_path / "root"
+    train, val = convert_split(source, "s3://bucket/s.lmdb", split=0.75, seed=3, shard_bytes=6_000,
+                                      workers=0, progress=False, storage_options=_options(endpoint),
+                                      staging_dir=tmp_path / "staging")
+    local = convert_split(source, tmp_path / "s.lmdb", split=0.75, seed=3, shard_bytes=6_000, workers=0,
+                                 progress=False)
+    assert (train.output, val.output) == ("s3://bucket/s.lmdb-train", "s3://bucket/s.lmdb-val")
+    assert (train.num_samples, val.num_samples) == (local[0].num_samples, local[1].num_samples) == (18, 6)
+    for part, folder in zip(("train", "val"), (local[0].output, local[1].output), strict=True):
+        assert _keys(root, f"s.lmdb-{part}") == _local_keys(Path(folder))
+        _same_as_local(f"s3://bucket/s.lmdb-{part}", endpoint, Path(folder), tmp_path / "cache")
+    with pytest.raises(OutputExistsError, match="^s3://bucket/s.lmdb-train: already exists"):
+        convert_split(source, "s3://bucket/s.lmdb", split=0.75, seed=3, workers=0, progress=False,
+                             storage_options=_options(endpoint), staging_dir=tmp_path / "staging")
+
+
+def test_if_changed_reuses_an_upload_of_the_same_files_and_replaces_a_stale_one_only_with_overwrite(
+        source, fresh_store, tmp_path):
+    """``--if-changed`` to a URL (refused before): an upload of the same options and source files is reused with
+    nothing put or deleted; after a source file changes it is "out of date" (kept) until ``--overwrite``."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    endpoint, root, url = fresh_store.server.endpoint, tmp_path / "root", "s3://bucket/f.lmdb"
+    first = _convert(src, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000, if_changed=True)
+    assert not first.reused and first.num_samples == 24
+    kept, before = _etags(root, "f.lmdb"), fresh_store.server.stats.settled()
+    again = _convert(src, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000, if_changed=True)
+    after = fresh_store.server.stats.settled()
+    assert again.reused and again.num_samples == 24 and again.output == url
+    assert (after["puts"], after["deletes"]) == (before["puts"], before["deletes"]) and _etags(root, "f.lmdb") == kept
+    with pytest.raises(OutputExistsError, match="^s3://bucket/f.lmdb: out of date .other options: shard_bytes"):
+        _convert(src, url, endpoint, tmp_path, to="lmdb", shard_bytes=9_000, if_changed=True)
+    changed = sorted(src.rglob("*.jpg"))[0]
+    os.utime(changed, ns=(changed.stat().st_atime_ns, changed.stat().st_mtime_ns + 10**9))
+    with pytest.raises(OutputExistsError, match="^s3://bucket/f.lmdb: out of date .the source's files changed"):
+        _convert(src, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000, if_changed=True)
+    assert _etags(root, "f.lmdb") == kept
+    redone = _convert(src, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000, if_changed=True, overwrite=True)
+    assert not redone.reused and redone.num_samples == 24
+    assert _convert(src, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000, if_changed=True).reused
+    _same_as_local(url, endpoint, _local(src, tmp_path, shard_bytes=6_000), tmp_path / "cache")
 
 
 # ---------------------------------------------------------------- item 2: killed, then --resume
