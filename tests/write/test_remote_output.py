@@ -144,6 +144,12 @@ def test_writer_to_a_bucket_reads_back_and_refuses_what_it_cannot_do(source, fre
         packer.Writer(url, storage_options=options)
     with pytest.raises(OutputExistsError, match="^s3://bucket/w.lmdb: already exists"):  # as for a folder
         packer.Writer(url, resume=True, storage_options=options)
+    # a conversion's unfinished upload (its plan names no Writer): not taken over by a Writer's resume, kept
+    fresh_store.write(f"c.lmdb/{REMOTE_PARTIAL}/plan.json", json.dumps({"options": {"format": "lmdb"}}).encode())
+    with pytest.raises(OutputExistsError, match="^s3://bucket/c.lmdb: not written by a packer Writer .a conversion's., "
+                       "so the unfinished upload can't be resumed; convert again with overwrite=True"):
+        packer.Writer("s3://bucket/c.lmdb", resume=True, storage_options=options, staging_dir=tmp_path / "st")
+    assert _keys(tmp_path / "root", "c.lmdb") == {f"{REMOTE_PARTIAL}/plan.json"}
 
 
 def test_http_outputs_are_refused_in_one_line_and_file_urls_are_folders(source, fresh_store, tmp_path):
