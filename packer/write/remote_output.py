@@ -156,7 +156,8 @@ class RemoteOutput(Output):
                        and not k.startswith(REMOTE_PARTIAL + "/"))
         if other:
             some = ", ".join(other[:3]) + (" ..." if len(other) > 3 else "")
-            raise OutputExistsError(f"{self.location}: holds {len(other)} object(s) its {MANIFEST_NAME} does not "
+            index = " and ".join(markers)
+            raise OutputExistsError(f"{self.location}: holds {len(other)} object(s) its {index} does not "
                                     f"name ({some}); packer replaces only what it wrote, even with "
                                     f"{arg('overwrite', True)}: move them away, or choose another {arg('output')}")
 

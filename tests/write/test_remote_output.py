@@ -254,7 +254,7 @@ def test_a_wds_export_to_a_bucket_keeps_the_output_rules(source, fresh_store, tm
     assert _keys(root, "x-wds") == fewer and len(fewer) < len(kept)
     # someone's object beside the export: not replaced, nothing deleted
     fresh_store.write("x-wds/notes.txt", b"mine")
-    with pytest.raises(OutputExistsError, match="holds 1 object.s. its manifest.json does not name .notes.txt."):
+    with pytest.raises(OutputExistsError, match="holds 1 object.s. its packer-wds.json does not name .notes.txt."):
         _convert(source, url, endpoint, tmp_path, to="wds", shard_bytes=20_000, overwrite=True)
     (root / "x-wds" / "notes.txt").unlink()
     # a lasting error part-way: one line, nothing kept (an export is not resumed), no index at any time
