@@ -166,6 +166,21 @@ def test_http_outputs_are_refused_in_one_line_and_file_urls_are_folders(source, 
     assert w.close() == tmp_path / "w.lmdb" and len(packer.open_dataset(tmp_path / "w.lmdb")) == 1
 
 
+def test_a_conversion_stopped_by_a_bad_file_leaves_nothing_in_the_bucket(source, fresh_store, tmp_path):
+    """``on_error="raise"`` and a file that is not an image: one line naming it, and nothing of the run left under
+    the prefix (its plan.json was left before: the prefix then looked like an unfinished upload)."""
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(source, src)
+    (src / "class_1" / "zz-bad.jpg").write_bytes(b"not a jpeg at all")
+    with pytest.raises(PackerError, match="zz-bad.jpg"):
+        _convert(src, "s3://bucket/bad.lmdb", fresh_store.server.endpoint, tmp_path, to="lmdb", on_error="raise",
+                 order="source", shard_bytes=6_000)
+    assert not _keys(tmp_path / "root", "bad.lmdb")
+    _convert(src, "s3://bucket/bad.lmdb", fresh_store.server.endpoint, tmp_path, to="lmdb")  # nothing in the way
+
+
 # ---------------------------------------------------------------- the WebDataset export (--to wds)
 
 
