@@ -81,8 +81,13 @@ def test_sampler_sums_up_per_gpu_and_after_the_mark(smi):
 def test_sampler_says_why_it_has_no_samples(smi, tmp_path, monkeypatch):
     smi(fail=NO_DRIVER)
     with GpuSampler(interval_ms=50) as sampler:
-        time.sleep(0.2)
-    assert sampler.samples == [] and sampler.error == f"nvidia-smi gave no samples: {NO_DRIVER}"
+        proc = sampler._proc
+        assert proc is not None
+        deadline = time.monotonic() + 60  # a bound against a hang, not a timing: until it has failed by itself
+        while proc.poll() is None and time.monotonic() < deadline:  # (a sleep stopped it first under load)
+            time.sleep(0.02)
+    assert proc.returncode == 9 and sampler.samples == []
+    assert sampler.error == f"nvidia-smi gave no samples: {NO_DRIVER}"
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with GpuSampler() as sampler:
         pass
