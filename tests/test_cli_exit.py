@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -37,17 +36,19 @@ def slow(tmp_path):
     srv.stop()
 
 
-def _env() -> dict[str, str]:
-    return {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
-            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+def _env(tmp: Path | None = None) -> dict[str, str]:
+    """The children's environment; ``tmp``: their temp folder (``TMPDIR``), this test's own."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+    return env if tmp is None else {**env, "TMPDIR": str(tmp)}
 
 
-def _interrupt_once_fetching(srv: Emulated, cmd: list[str]) -> subprocess.CompletedProcess:
+def _interrupt_once_fetching(srv: Emulated, cmd: list[str], tmp: Path | None = None) -> subprocess.CompletedProcess:
     """``cmd`` started, SIGINT once the server has begun its slow GETs; its result. The requests of an earlier
     run's process may still reach the server after it ended: counted only once every connection has closed."""
     srv.server.stats.closed()
     begun = len(srv.faults.applied)
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=_env(tmp), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while len(srv.faults.applied) <= begun and proc.poll() is None:
         time.sleep(0.01)  # polling for the requests to start, not timing anything
     proc.send_signal(signal.SIGINT)
@@ -58,16 +59,17 @@ def _interrupt_once_fetching(srv: Emulated, cmd: list[str]) -> subprocess.Comple
 def test_ctrl_c_while_converting_a_url_dataset_prints_packers_one_line_only(slow, tmp_path):
     imgs = make_imagefolder(tmp_path / "imgs", classes=2, per_class=6, size=(48, 48))
     packer.convert(imgs, tmp_path / "root" / "ds.lmdb", workers=0, shard_bytes=8000, progress=False)
-    before = set(Path(tempfile.gettempdir()).glob("packer-source-*"))
+    tmp = tmp_path / "tmp"  # the runs' own temp folder: another test process's local copies come and go in /tmp
+    tmp.mkdir()
     for n in range(RUNS):
         out = tmp_path / f"out{n}.hdf5"
         res = _interrupt_once_fetching(slow, [
             sys.executable, "-m", "packer", "convert", "s3://bucket/ds.lmdb", "--to", "hdf5", "-o", str(out),
             "--storage-option", f"endpoint={slow.server.endpoint}", "--storage-option", "skip_signature=true",
-            "--storage-option", "region=us-east-1"])
+            "--storage-option", "region=us-east-1"], tmp)
         assert (res.returncode, res.stderr) == (130, "packer: interrupted\n")
         assert not out.exists() and not out.with_name(out.name + ".partial").exists()
-    assert set(Path(tempfile.gettempdir()).glob("packer-source-*")) <= before  # the local copies removed
+    assert list(tmp.iterdir()) == []  # the local copies removed
 
 
 SCRIPT = """

@@ -51,6 +51,12 @@ def wait_for(samples: list, count: int) -> None:
         time.sleep(0.02)
 
 
+def wait_for_usage(sampler: GpuSampler) -> None:
+    deadline = time.monotonic() + 60  # a bound against a hang, not a timing
+    while not sampler.usage(since_mark=True) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def test_sampler_gets_each_line_as_it_is_printed(smi):
     """The stand-in prints 3 rounds, then waits to be stopped; like a C program, into a pipe it would have kept
     them in its buffer, and lost them when stopped."""
@@ -81,8 +87,13 @@ def test_sampler_sums_up_per_gpu_and_after_the_mark(smi):
 def test_sampler_says_why_it_has_no_samples(smi, tmp_path, monkeypatch):
     smi(fail=NO_DRIVER)
     with GpuSampler(interval_ms=50) as sampler:
-        time.sleep(0.2)
-    assert sampler.samples == [] and sampler.error == f"nvidia-smi gave no samples: {NO_DRIVER}"
+        proc = sampler._proc
+        assert proc is not None
+        deadline = time.monotonic() + 60  # a bound against a hang, not a timing: until it has failed by itself
+        while proc.poll() is None and time.monotonic() < deadline:  # (a sleep stopped it first under load)
+            time.sleep(0.02)
+    assert proc.returncode == 9 and sampler.samples == []
+    assert sampler.error == f"nvidia-smi gave no samples: {NO_DRIVER}"
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     with GpuSampler() as sampler:
         pass
@@ -141,11 +152,22 @@ def lmdb_path(tmp_path_factory):
     return make_lmdb(tmp_path_factory.mktemp("gpu_profile"), count=16)
 
 
-def test_profile_samples_the_gpu_over_the_steady_batches(smi, lmdb_path):
+def test_profile_samples_the_gpu_over_the_steady_batches(smi, lmdb_path, monkeypatch):
+    from packer.diagnose import profile as profile_mod
+
+    made: list[GpuSampler] = []
+
+    class Seen(GpuSampler):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(profile_mod, "GpuSampler", Seen)
     smi([{**H100, "utilization.gpu": 40}])
     prof = LoopProfiler(range(8), warmup=2, gpu=True, progress=False)
-    for _ in prof:
-        time.sleep(0.08)  # 6 steady steps: about 2 samples every 200 ms
+    for i in prof:
+        if i == 7:  # the last of 6 steady steps lasts until nvidia-smi has printed during them (not a fixed time)
+            wait_for_usage(made[0])
     (u,) = prof.gpu_usage
     assert prof.gpu_error is None and u.utilization_mean == 40 and u.samples >= 1
     report = prof.report()

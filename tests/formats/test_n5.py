@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support.fds import open_files_under
 from support.fuzzing import _rewrite_checksums as recompute_checksums
 
 from packer import PackerError, convert, open_dataset
@@ -275,11 +276,11 @@ def test_samples_kept_hold_no_descriptors_beyond_the_lru(packed, monkeypatch):
     monkeypatch.setattr(n5read, "_MAPPED_BLOCKS", 2)
     ds = open_dataset(packed["raw"], image="numpy")
     assert sum(len(r._h.get(r._open).blocks) for r in ds.store.readers) > 8
-    before = len(os.listdir("/proc/self/fd"))
+    before = len(open_files_under(packed["raw"]))  # the dataset's files only: other descriptors come and go
     kept = [ds[i][0] for i in range(len(ds))]
-    assert len(os.listdir("/proc/self/fd")) - before <= 2 * len(ds.store.readers)
+    assert len(open_files_under(packed["raw"])) - before <= 2 * len(ds.store.readers)
     ds.close()
-    assert len(os.listdir("/proc/self/fd")) <= before
+    assert len(open_files_under(packed["raw"])) <= before
     fresh = open_dataset(packed["raw"], image="numpy")
     assert all(np.array_equal(a, fresh[i][0]) for i, a in enumerate(kept))  # still readable after close
 
@@ -329,14 +330,14 @@ def test_a_block_truncated_while_open_is_refused_without_leaking_its_descriptor(
     ds = open_dataset(root, image="numpy")
     ds[0]
     block = next(p for p in sorted(root.rglob("images/*")) if p.is_file() and p.name == "0")
-    before = len(os.listdir("/proc/self/fd"))
+    assert open_files_under(block) == [str(block)]  # held by the LRU
     os.truncate(block, 20)
     with pytest.raises(PackerError, match="changed size"):  # the block as mapped
         ds[0]
     for _ in range(2):
         with pytest.raises(PackerError, match="N5 block of 12 bytes"):  # mapped afresh: its header disagrees
             ds[0]
-    assert len(os.listdir("/proc/self/fd")) < before  # the block's descriptor went with its LRU entry
+    assert open_files_under(block) == []  # the block's descriptor went with its LRU entry
 
 
 def test_the_cli_takes_compression_for_raw_only(imagefolder, tmp_path, capsys):

@@ -7,26 +7,13 @@ descriptor per shard open for the life of the process: CI ran out of ``select()`
 from __future__ import annotations
 
 import gc
-import os
-from pathlib import Path
 
 import pytest
+from support.fds import open_files_under
 
 from packer import FORMATS, convert, open_dataset
 
 OPTIONS: dict[str, dict] = {"mosaic": {"tile": "32x48"}}
-
-
-def _open_files_under(folder: Path) -> list[str]:
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # the listing's own descriptor, gone
-            continue
-        if target.startswith(str(folder)):
-            found.append(target)
-    return found
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -38,10 +25,10 @@ def test_a_dataset_dropped_unclosed_leaves_no_file_open(name, imagefolder, tmp_p
         ds[0]
         ds.__getitems__(list(range(len(ds))))
         if name != "bmp":  # one file per image, opened per read
-            assert _open_files_under(out), "the reads should hold the shards open while the dataset lives"
+            assert open_files_under(out), "the reads should hold the shards open while the dataset lives"
         del ds
     gc.collect()
-    assert _open_files_under(out) == []
+    assert open_files_under(out) == []
 
 
 def test_a_view_handed_out_outlives_the_dataset(imagefolder, tmp_path):

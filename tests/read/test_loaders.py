@@ -12,9 +12,19 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from packer.read.loaders import BackgroundLoader, CUDAPrefetcher, map_tensors
 
+_BEFORE: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _threads_of_others():
+    """The threads alive as each test starts (another test's, left for the garbage collector) are not its own."""
+    _BEFORE.clear()
+    _BEFORE.update(threading.enumerate())
+
 
 def bg_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "packer-BackgroundLoader"]
+    """The test's own BackgroundLoader threads still alive."""
+    return [t for t in threading.enumerate() if t not in _BEFORE and t.name == "packer-BackgroundLoader"]
 
 
 def gen(n: int, fail_at: int | None = None):

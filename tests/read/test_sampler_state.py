@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 from support.imagesets import make_imagefolder
+from support.stacks import running
 from torch.utils.data import DataLoader
 
 from packer import (
@@ -250,9 +253,14 @@ def test_background_loader_saves_the_consumed_position_not_the_prefetched_one(pa
     whole = [indices(b) for b in full]
     inner, s = loader_for(packed, workers=workers)
     bg = BackgroundLoader(inner, depth=4)
+    before = set(threading.enumerate())
     it = iter(bg)
     head = [indices(next(it)) for _ in range(2)]
-    time.sleep(0.2)  # let the thread fill its queue: 4 batches ahead of the consumer
+    (thread,) = [t for t in set(threading.enumerate()) - before if t.name == "packer-BackgroundLoader"]
+    deadline = time.monotonic() + 60  # a bound against a hang, not a timing
+    while not running(thread, queue.Queue.put, threading.Condition.wait) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert running(thread, queue.Queue.put, threading.Condition.wait)  # its queue full: 4 batches ahead of the consumer
     state = bg.state_dict()
     it.close()
     inner2, _ = loader_for(packed, workers=workers)

@@ -28,8 +28,20 @@ def packed(tmp_path_factory):
             for fmt in ("lmdb", "memmap")}
 
 
+_BEFORE: set[threading.Thread] = set()
+
+
+@pytest.fixture(autouse=True)
+def _threads_of_others():
+    """The threads alive as each test starts (another test's, left for the garbage collector) are not its own."""
+    _BEFORE.clear()
+    _BEFORE.update(threading.enumerate())
+
+
 def loader_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(("packer-decode", "packer-ThreadLoader"))]
+    """The test's own ThreadLoader threads still alive."""
+    return [t for t in threading.enumerate()
+            if t not in _BEFORE and t.name.startswith(("packer-decode", "packer-ThreadLoader"))]
 
 
 def same_batches(got: list, want: list) -> None:

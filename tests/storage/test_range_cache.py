@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+from support.fds import open_files_under
 from support.storage_servers import together
 
 from packer.errors import PackerError
@@ -166,18 +167,6 @@ def test_objects_being_fetched_keep_their_room_when_the_cache_is_counted_again(t
         cache.path(cache.name(URL, '"e"', i * 1000, (i + 1) * 1000)).exists() for i in range(12))
 
 
-def _open_files_under(root) -> list[str]:
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith(str(root)):
-            out.append(target)
-    return out
-
-
 def test_a_cache_dropped_without_close_leaves_no_file_open(tmp_path):
     """Every RangeCache holds its lock and usage files open: dropped unclosed, it closes them (a test session or a
     tool making caches would otherwise run out of descriptors); ``with`` closes them at once."""
@@ -185,13 +174,13 @@ def test_a_cache_dropped_without_close_leaves_no_file_open(tmp_path):
 
     cache = RangeCache(tmp_path / "c", "1MB")
     cache.get(URL, '"e"', 0, 4, lambda: b"abcd")
-    assert len(_open_files_under(tmp_path)) == 2
+    assert len(open_files_under(tmp_path)) == 2
     del cache
     gc.collect()
-    assert _open_files_under(tmp_path) == []
+    assert open_files_under(tmp_path) == []
     with RangeCache(tmp_path / "c", "1MB") as cache:
         assert cache.get(URL, '"e"', 0, 4, lambda: pytest.fail("cached")) == b"abcd"
-    assert _open_files_under(tmp_path) == []
+    assert open_files_under(tmp_path) == []
 
 
 def test_a_temporary_file_of_another_node_or_container_is_kept_while_it_may_be_written(tmp_path):

@@ -10,6 +10,7 @@ import pickle
 import pytest
 from support.storage_servers import FAST_POLICY, Emulated, s3_store, user_environment
 
+from packer.cli import end_process
 from packer.errors import PackerError
 from packer.storage.client import HelperClient, LoopClient
 from packer.storage.emulate import Fault
@@ -200,13 +201,17 @@ def test_credentials_and_endpoint_from_the_environment(emulated, monkeypatch):
 
 # ---- one client per process: fork and spawn ----
 
-def _child_reads(store: ObjectStore, key: str, queue) -> None:
+def _child_reads(store: ObjectStore, key: str, queue, method: str) -> None:
     try:
         queue.put((store.get_range(key, 100, 200), type(store.client).__name__))
     except BaseException as exc:
         queue.put((repr(exc), ""))
     finally:
         store.close()
+    if method == "spawn":  # a spawned child ends by the interpreter's finalization, where obstore's runtime may
+        queue.close()  # abort it (docs/remote.md, "Known limits": 1 run in 3 under load here): ended as a program
+        queue.join_thread()  # using ObjectStore should end (a forked one ends by os._exit already)
+        end_process(0)
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -216,7 +221,7 @@ def test_a_store_used_before_fork_or_pickled_to_spawn_reads_in_the_child(emulate
     assert store.get_range(key, 0, 10) == DATA[:10]  # the parent's client is running
     ctx = mp.get_context(method)
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child_reads, args=(store, key, queue))
+    proc = ctx.Process(target=_child_reads, args=(store, key, queue, method))
     proc.start()
     got, client = queue.get(timeout=60)
     proc.join(60)

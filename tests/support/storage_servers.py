@@ -88,14 +88,15 @@ def one_object(root: Path, data: bytes, latency: float) -> Iterator[Emulated]:
 
 
 def together(ctx, target, args: tuple, n: int = 3) -> list:
-    """``n`` processes of start method context ``ctx`` running ``target(*args, start, out)`` released at once (the
-    ``start`` event), each putting one result on ``out``: the results, the processes joined."""
-    start, out = ctx.Event(), ctx.Queue()
+    """``n`` processes of start method context ``ctx`` running ``target(*args, start, out)`` released at once (by
+    ``start.wait()``: a barrier, passed once all ``n`` wait there; an event set after starting them released each as
+    soon as it had imported, a second apart under load), each putting one result on ``out``: the results, the
+    processes joined."""
+    start, out = ctx.Barrier(n, timeout=120), ctx.Queue()
     procs = [ctx.Process(target=target, args=(*args, start, out)) for _ in range(n)]
     for p in procs:
         p.start()
-    start.set()
-    results = [out.get(timeout=120) for _ in procs]
+    results = [out.get(timeout=240) for _ in procs]
     for p in procs:
         p.join(60)
     return results

@@ -22,23 +22,20 @@ from tests.write.sources.test_remote_source import _same_dataset
 from tests.write.sources.test_remote_storage_options import options, served  # noqa: F401 (the fixture)
 
 
-def leftover_copies() -> set[Path]:
-    return set(Path(tempfile.gettempdir()).glob("packer-source-*"))
-
-
-def test_a_packer_dataset_in_a_bucket_converts_as_its_local_copy(served, tmp_path):  # noqa: F811
+def test_a_packer_dataset_in_a_bucket_converts_as_its_local_copy(served, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))  # this test's temp folder: others run at once
+    (tmp_path / "tmp").mkdir()
     imgs = make_imagefolder(tmp_path / "imgs", classes=3, per_class=4, size=(16, 16))
     ds = Path(packer.convert(imgs, tmp_path / "ds.lmdb", workers=0, shard_bytes=4000, progress=False).output)
     shutil.copytree(ds, tmp_path / "root" / "ds.lmdb")
     local = packer.convert(ds, tmp_path / "local.hdf5", to="hdf5", workers=0, progress=False)
-    before = leftover_copies()
     for n, kw in enumerate(({}, {"source_type": "packed"})):  # found by its manifest, or named
         remote = packer.convert("s3://bucket/ds.lmdb", tmp_path / f"remote{n}.hdf5", to="hdf5", workers=1,
                                 progress=False, storage_options=options(served), **kw)
         _same_dataset(remote.output, local.output)
         manifest = json.loads((Path(remote.output) / "manifest.json").read_text())
         assert (manifest["source"], manifest["source_type"]) == ("s3://bucket/ds.lmdb", "packed")
-    assert leftover_copies() <= before  # the local copy is gone
+    assert list((tmp_path / "tmp").iterdir()) == []  # the local copy is gone
     shard = tmp_path / "root" / "ds.lmdb" / "shard-00000.lmdb"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
