@@ -168,14 +168,34 @@ class RangedSource(SampleSource):
         self.remote, self.manifest, self.index, self.fields = remote, remote.manifest, remote.index, remote.fields
         self.payload = self.manifest.payload
         self.name = remote.where()
-        shards = self.manifest.shards
-        self.groups = Groups(ranges, self.index.nbytes, [[f.name for f in s.files] for s in shards],
-                             [s.num_samples for s in shards], group_bytes)
+        self.group_bytes = group_bytes
+        self.groups = self._groups(ranges)
         limit = remote.cache_limit
         self.read_ahead = read_ahead if limit is None else min(read_ahead, limit // 4)
         self.lag = lag
         self._entries: dict[int, str] = {}
         self._process: PerProcess[_Process] = PerProcess(_Process)
+
+    def _groups(self, ranges: PayloadRanges) -> Groups:
+        shards = self.manifest.shards
+        return Groups(ranges, self.index.nbytes, [[f.name for f in s.files] for s in shards],
+                      [s.num_samples for s in shards], self.group_bytes)
+
+    def __getstate__(self) -> dict:
+        """All but the groups (per-sample arrays), made again where unpickled from the payload ranges in the
+        node's cache (``__setstate__``; the remote dataset, unpickled first, has fetched them again there)."""
+        state = dict(self.__dict__)
+        del state["groups"]
+        state["_entries"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        ranges = PayloadRanges.load(self.remote.folder, self.manifest, self.index)
+        if ranges is None:
+            raise PackerError(f"{self.name}: its payload ranges are no longer in the node's cache")
+        self.groups = self._groups(ranges)
 
     # ---- fetching ----
 
