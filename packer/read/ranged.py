@@ -321,6 +321,14 @@ class GroupPass(Pass):
         self.source = source
         self.entered = 0  # bytes of the groups of the runs entered so far (the read-ahead grows with it)
 
+    def _starting(self, seg: int) -> None:
+        """The pass's first group fetched where the pass starts (a DataLoader's main process, while its workers
+        start up: spawned, that takes seconds), not when a worker first reads it (``_enter`` fetches the groups
+        after the run entered, its own being asked for by the batch that reads it)."""
+        g = self.unit[seg]
+        self.source.remote.need([self.source.entry(g)], int(self.begin[seg]))
+        self.source.fetch([g], again=True)
+
     def _leave(self, seg: int) -> None:
         g, again = self.unit[seg], self.next_same[seg]
         self.source.remote.need([self.source.entry(g)], None if again < 0 else int(self.begin[again]))

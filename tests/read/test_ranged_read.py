@@ -4,6 +4,7 @@ neighbouring samples into the node's cache, each checked against the CRC-32 its 
 
 from __future__ import annotations
 
+import concurrent.futures
 import pickle
 import shutil
 
@@ -218,6 +219,18 @@ def test_spawned_dataloader_workers_read_the_pickled_ranged_dataset(served, tmp_
         got = DataLoader(ds, batch_size=6, num_workers=1, collate_fn=packer.collate, multiprocessing_context="spawn")
         images = [img for imgs, _ in got for img in imgs]
         assert len(images) == len(ds) and all(torch.equal(a, local[i][0]) for i, a in enumerate(images))
+
+
+def test_a_pass_fetches_its_first_group_where_it_starts_before_any_read(served, tmp_path):
+    """A DataLoader iterates the sampler in its main process while its workers start (seconds, spawned): the
+    group of the pass's first sample is fetched then, with the groups after it, so reading it asks nothing."""
+    with _open(served, tmp_path, image="tensor") as ds:
+        first = next(iter(packer.BlockShuffleSampler(ds, batch_size=6, seed=0)))
+        asked = list(_ranged(ds)._process.get().futures.values())  # this process's fetches: the pass's, so far
+        concurrent.futures.wait(asked)
+        before = _counts(served)
+        ds[first]
+        assert _counts(served)["gets"] == before["gets"]
 
 
 def test_a_pickled_url_dataset_holds_no_per_sample_array_and_reloads_them_asking_the_store_nothing(served, tmp_path):
