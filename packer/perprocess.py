@@ -46,3 +46,21 @@ class PerProcess(Generic[T]):
 
     def __getstate__(self) -> dict:
         return {"_make": self._make, "_inherited": self._inherited, "_value": None, "_pid": None}
+
+
+class PicklesAs:
+    """A mixin for a large object that its owner can make again in the process that unpickles it (a URL dataset's
+    index, reloaded from the node's cache): told ``pickle_as(reduced)``, it pickles as that ``__reduce__`` value
+    (a callable and its arguments) instead of its bytes. A spawned DataLoader worker gets its dataset through a
+    64 KiB pipe that the parent's ``Process.start`` blocks on until the child has imported and unpickled most of
+    it: a dataset that pickles in megabytes starts its workers one after the other."""
+
+    _pickled_as: tuple | None = None
+
+    def pickle_as(self, reduced: tuple) -> None:
+        self.__dict__["_pickled_as"] = reduced  # frozen dataclasses too; no field: eq and repr ignore it
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        if self._pickled_as is not None:
+            return self._pickled_as
+        return super().__reduce_ex__(protocol)

@@ -189,6 +189,26 @@ def test_help_and_info_do_not_import_torch(argv, tmp_path):
     assert res.stdout.strip().splitlines()[-1] == "NO-TORCH", res.stdout + res.stderr
 
 
+def test_reading_a_dataset_imports_no_other_formats_library(tmp_path):
+    """A DataLoader worker spawned for an lmdb dataset imports packer.read.dataset anew: h5py (~0.2 s) only loads
+    where an hdf5 dataset is read."""
+    from support.imagesets import make_imagefolder
+
+    from packer import convert
+
+    imgs = make_imagefolder(tmp_path / "imgs")
+    for fmt in ("lmdb", "hdf5"):
+        convert(imgs, tmp_path / f"d.{fmt}", to=fmt, workers=0, progress=False)
+    code = ("import sys\nfrom packer.read.dataset import open_dataset\n"
+            "assert 'h5py' not in sys.modules, 'imported with packer.read.dataset'\n"
+            f"open_dataset({str(tmp_path / 'd.lmdb')!r}, image='numpy')[0]\n"
+            "assert 'h5py' not in sys.modules, 'imported by reading lmdb'\n"
+            f"open_dataset({str(tmp_path / 'd.hdf5')!r}, image='numpy')[0]\n"
+            "assert 'h5py' in sys.modules\nprint('OK')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=PACKAGE.parent, timeout=120)
+    assert res.stdout.strip() == "OK", res.stderr
+
+
 def test_every_public_name_resolves_and_stays_lazy():
     """``packer.X`` for every name in ``__all__`` loads its module on first use; importing packer loads none."""
     code = ("import sys, packer\n"

@@ -168,8 +168,8 @@ class Format:
     name: str  # on the command line and in the manifest
     dataset_class: str  # the name of its dataset class (packer.LMDBDataset, ...)
     payloads: frozenset[str]  # "encoded" bytes and/or "raw" pixels
-    Writer: type[ShardWriter]
-    Reader: type[ShardReader]
+    Writer: Callable[..., ShardWriter]  # the class, or a function making one (hdf5: h5py imported on first use)
+    Reader: Callable[..., ShardReader]
     default_shard_bytes: int | None = None  # the shard size cap it prefers (None: one shard)
     compressions: frozenset[str] = frozenset()  # --compression codecs it offers for raw payloads
     options: tuple[Option, ...] = field(default=())  # its own conversion options

@@ -38,6 +38,7 @@ from packer.layout.fsutil import naming
 from packer.layout.index import listed_path
 from packer.layout.manifest import Manifest
 from packer.layout.trust import check_offsets, load_npy
+from packer.perprocess import PicklesAs
 
 FIELDS_DIR = "meta/fields"
 RESERVED = frozenset({"image", "label"})  # the names of what every sample has: fields=("image", "label", ...)
@@ -231,7 +232,7 @@ def save_fields(directory: Path, specs: Mapping[str, FieldSpec], columns: Mappin
     return names
 
 
-class FieldStore:
+class FieldStore(PicklesAs):
     """The fields of a dataset, loaded and checked: cells and values by storage position."""
 
     def __init__(self, specs: dict[str, FieldSpec], arrays: dict[str, dict[str, np.ndarray]]) -> None:

@@ -47,6 +47,7 @@ from packer.errors import DatasetError
 from packer.layout.fsutil import naming
 from packer.layout.manifest import sha256_file
 from packer.layout.trust import check_offsets, inside, load_npy
+from packer.perprocess import PicklesAs
 
 META_DIR = "meta"
 DTYPES = {
@@ -65,7 +66,7 @@ _PATH_CODEC = ("utf-8", "surrogateescape")  # file names are bytes: those that a
 
 
 @dataclass
-class Index:
+class Index(PicklesAs):
     labels: np.ndarray
     heights: np.ndarray
     widths: np.ndarray

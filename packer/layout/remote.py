@@ -154,13 +154,21 @@ class RemoteDataset:
         if self.problems and strict:
             raise DatasetError(self.problems[0])
         self.manifest = manifest
-        good = [f for f in manifest.meta_files if f.name in listing and listing[f.name].size == f.num_bytes]
         errors = listing.get(ERRORS_NAME)
         if errors is not None and errors.size > MAX_ERRORS_BYTES:
             raise DatasetError(f"{self.where(ERRORS_NAME)}: implausibly large ({errors.size} bytes, at most "
                                f"{MAX_ERRORS_BYTES} expected)")
+        self._load_meta([errors] if errors is not None else [])
+
+    def _load_meta(self, also: Sequence[RemoteFile] = ()) -> None:
+        """Fetch the manifest's ``meta/`` files (and ``also``) into the node's cache (hits where they are there:
+        one message each) and load the index and fields from them, checked as a local dataset's. Each pickles as a
+        reference to this dataset, which reloads them so (``__setstate__``): a spawned worker's pickle holds no
+        per-sample array."""
+        manifest, listing = self.manifest, self.objects
+        good = [f for f in manifest.meta_files if f.name in listing and listing[f.name].size == f.num_bytes]
         wait_all([self._fetch_meta(listing[f.name], f.sha256, wait=False) for f in good]
-                 + ([self._fetch_meta(errors, None, wait=False)] if errors is not None else []))
+                 + [self._fetch_meta(f, None, wait=False) for f in also])
         if len(good) < len(manifest.meta_files):
             self.index: Index | None = None  # a meta file is missing: self.problems says which
             self.fields: FieldStore | None = None
@@ -168,6 +176,22 @@ class RemoteDataset:
         self.index = Index.load(self.folder, manifest.num_samples, files=manifest.meta_files,
                                 num_classes=len(manifest.classes), source_records=manifest.source_records)
         self.fields = load_fields(self.folder, manifest)
+        self.index.pickle_as((getattr, (self, "index")))
+        self.fields.pickle_as((getattr, (self, "fields")))
+
+    def __getstate__(self) -> dict:
+        """Everything but the index and fields (reloaded from the node's cache by ``__setstate__``): the URL, the
+        version opened and every object's ETag, so the unpickled copy reads exactly what this one opened (a file
+        replaced in the bucket since is ``DatasetReplaced`` there too)."""
+        state = dict(self.__dict__)
+        state.pop("index", None)
+        state.pop("fields", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "manifest" in state:  # opened (a failed open pickles nothing to reload)
+            self._load_meta()
 
     def _list(self) -> dict[str, RemoteFile]:
         return {i.key: RemoteFile(i.key, i.size, i.etag) for i in self.client.list(self.spec)}

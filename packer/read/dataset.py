@@ -75,7 +75,7 @@ class PackedDataset(FolderSurface):
         self._warned_relative = not files  # keys are not paths to warn about
         self.source_root = os.path.abspath(source_root) if source_root is not None else recorded
         self.presenter = Presenter(image, transform, target_transform, selection, self.field_store,
-                                   self.index.labels, str(self.root))
+                                   self.index, str(self.root))
         decoding = Decoding(self.index, self.index_map, str(self.root), decoder, decode_size, crop)
         self.source: SampleSource = self.store
         self.pipeline = BatchPipeline(self.store, decoding, self.presenter, self.index_map)

@@ -24,6 +24,7 @@ import numpy as np
 from packer.errors import PackerError
 from packer.layout.index import Index
 from packer.layout.manifest import Manifest
+from packer.perprocess import PicklesAs
 
 IMAGEFOLDER = "imagefolder"  # ds[i] is ImageFolder(source)[i]: every source record was packed
 SUBSET = "subset"  # ds[i] is ImageFolder(source)[ds.imagefolder_index(i)]: some were not
@@ -44,7 +45,7 @@ def why_left_out(manifest: Manifest) -> str:
     return "; ".join(parts) or "see errors.json"
 
 
-class IndexMap:
+class IndexMap(PicklesAs):
     """Dataset index <-> storage position (``position[i]``: where sample ``i`` is stored), and dataset index <->
     source index (``source[i]``: sample ``i``'s number in the source, increasing; ``records``: how many the source
     numbers). ``source`` None with ``records`` None: the source numbers are not known (an older dataset with
@@ -76,9 +77,12 @@ class IndexMap:
         n = len(index)
         if index.source_index is not None:
             in_order = index.source_index if index.position is None else index.source_index[index.position]
-            return cls(index.position, in_order, manifest.source_records)
-        chosen = any(k in manifest.source_options for k in ("classes", "split"))
-        return cls(index.position, None, n if manifest.num_errors == 0 and not chosen else None)
+            made = cls(index.position, in_order, manifest.source_records)
+        else:
+            chosen = any(k in manifest.source_options for k in ("classes", "split"))
+            made = cls(index.position, None, n if manifest.num_errors == 0 and not chosen else None)
+        made.pickle_as((IndexMap.of, (index, manifest)))  # made again where unpickled: no per-sample array in it
+        return made
 
     @property
     def identity(self) -> bool:

@@ -11,6 +11,7 @@ from PIL import Image
 
 from packer.errors import OptionError
 from packer.layout.fields import FieldStore
+from packer.layout.index import Index
 from packer.read.fields import FieldSelection
 
 ImageKind = Literal["pil", "numpy", "tensor"]
@@ -21,12 +22,18 @@ class Presenter:
     (storage order); ``ds.transform = ...`` sets them here."""
 
     def __init__(self, image: ImageKind, transform: Callable | None, target_transform: Callable | None,
-                 selection: FieldSelection, fields: FieldStore, labels: np.ndarray, root: str) -> None:
+                 selection: FieldSelection, fields: FieldStore, index: Index, root: str) -> None:
         if image not in ("pil", "numpy", "tensor"):
             raise OptionError(f"unknown image kind {image!r} (choose pil, numpy or tensor)")
         self.image: ImageKind = image
         self.transform, self.target_transform = transform, target_transform
-        self.selection, self.fields, self.labels, self.root = selection, fields, labels, root
+        self.selection, self.fields, self.index, self.root = selection, fields, index, root
+
+    @property
+    def labels(self) -> np.ndarray:
+        """The label of each sample (storage order): the index's, held through it (a URL dataset's index pickles
+        as a reference, its arrays with it)."""
+        return self.index.labels
 
     @property
     def pairs(self) -> bool:

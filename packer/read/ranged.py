@@ -168,14 +168,34 @@ class RangedSource(SampleSource):
         self.remote, self.manifest, self.index, self.fields = remote, remote.manifest, remote.index, remote.fields
         self.payload = self.manifest.payload
         self.name = remote.where()
-        shards = self.manifest.shards
-        self.groups = Groups(ranges, self.index.nbytes, [[f.name for f in s.files] for s in shards],
-                             [s.num_samples for s in shards], group_bytes)
+        self.group_bytes = group_bytes
+        self.groups = self._groups(ranges)
         limit = remote.cache_limit
         self.read_ahead = read_ahead if limit is None else min(read_ahead, limit // 4)
         self.lag = lag
         self._entries: dict[int, str] = {}
         self._process: PerProcess[_Process] = PerProcess(_Process)
+
+    def _groups(self, ranges: PayloadRanges) -> Groups:
+        shards = self.manifest.shards
+        return Groups(ranges, self.index.nbytes, [[f.name for f in s.files] for s in shards],
+                      [s.num_samples for s in shards], self.group_bytes)
+
+    def __getstate__(self) -> dict:
+        """All but the groups (per-sample arrays), made again where unpickled from the payload ranges in the
+        node's cache (``__setstate__``; the remote dataset, unpickled first, has fetched them again there)."""
+        state = dict(self.__dict__)
+        del state["groups"]
+        state["_entries"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        ranges = PayloadRanges.load(self.remote.folder, self.manifest, self.index)
+        if ranges is None:
+            raise PackerError(f"{self.name}: its payload ranges are no longer in the node's cache")
+        self.groups = self._groups(ranges)
 
     # ---- fetching ----
 
@@ -300,6 +320,14 @@ class GroupPass(Pass):
         super().__init__(source.groups.of[np.asarray(stored, dtype=np.int64)], source.lag)
         self.source = source
         self.entered = 0  # bytes of the groups of the runs entered so far (the read-ahead grows with it)
+
+    def _starting(self, seg: int) -> None:
+        """The pass's first group fetched where the pass starts (a DataLoader's main process, while its workers
+        start up: spawned, that takes seconds), not when a worker first reads it (``_enter`` fetches the groups
+        after the run entered, its own being asked for by the batch that reads it)."""
+        g = self.unit[seg]
+        self.source.remote.need([self.source.entry(g)], int(self.begin[seg]))
+        self.source.fetch([g], again=True)
 
     def _leave(self, seg: int) -> None:
         g, again = self.unit[seg], self.next_same[seg]

@@ -4,6 +4,8 @@ neighbouring samples into the node's cache, each checked against the CRC-32 its 
 
 from __future__ import annotations
 
+import concurrent.futures
+import pickle
 import shutil
 
 import numpy as np
@@ -17,6 +19,7 @@ import packer
 from packer import PackerError, ThreadLoader, open_dataset
 from packer.errors import OptionError
 from packer.layout.ranges import PayloadRanges
+from packer.layout.remote import DatasetReplaced
 from packer.read.ranged import GROUP_BYTES, SLACK, Groups, RangedSource
 from packer.read.store import ShardStore
 from packer.storage.cache import ChecksumMismatch
@@ -216,6 +219,48 @@ def test_spawned_dataloader_workers_read_the_pickled_ranged_dataset(served, tmp_
         got = DataLoader(ds, batch_size=6, num_workers=1, collate_fn=packer.collate, multiprocessing_context="spawn")
         images = [img for imgs, _ in got for img in imgs]
         assert len(images) == len(ds) and all(torch.equal(a, local[i][0]) for i, a in enumerate(images))
+
+
+def test_a_pass_fetches_its_first_group_where_it_starts_before_any_read(served, tmp_path):
+    """A DataLoader iterates the sampler in its main process while its workers start (seconds, spawned): the
+    group of the pass's first sample is fetched then, with the groups after it, so reading it asks nothing."""
+    with _open(served, tmp_path, image="tensor") as ds:
+        first = next(iter(packer.BlockShuffleSampler(ds, batch_size=6, seed=0)))
+        asked = list(_ranged(ds)._process.get().futures.values())  # this process's fetches: the pass's, so far
+        concurrent.futures.wait(asked)
+        before = _counts(served)
+        ds[first]
+        assert _counts(served)["gets"] == before["gets"]
+
+
+def test_a_pickled_url_dataset_holds_no_per_sample_array_and_reloads_them_asking_the_store_nothing(served, tmp_path):
+    """What a spawned DataLoader worker gets: the URL, the version opened and each object's ETag, not the index,
+    map or groups (a pickle over the 64 KiB pipe makes Process.start wait for the child: workers start one after
+    the other); the copy reloads them from the node's cache, the same, sending the store nothing, and still
+    reports a shard replaced in the bucket since the open."""
+    with _open(served, tmp_path, image="tensor") as ds:
+        ds[0]
+        blob = pickle.dumps(ds)
+        source = _ranged(ds)
+        for array in (ds.index.path_blob, ds.index.nbytes, source.groups.crc, source.groups.offset):
+            assert array.tobytes() not in blob
+        before = _counts(served)
+        copy = pickle.loads(blob)
+        try:
+            assert _counts(served)["requests"] == before["requests"]  # metadata reloaded from the node's cache
+            for name in ("of", "members", "start", "end", "crc"):
+                assert np.array_equal(getattr(_ranged(copy).groups, name), getattr(source.groups, name))
+            assert np.array_equal(copy.index.labels, ds.index.labels) and copy.presenter.labels is copy.index.labels
+            assert all(torch.equal(copy[i][0], ds[i][0]) and copy[i][1] == ds[i][1] for i in range(len(ds)))
+            assert copy.index.path_blob.tobytes() not in pickle.dumps(copy)  # a worker's copy pickles small again
+            last = ds.manifest.shards[-1].files[0].name
+            served.write(f"ds.lmdb/{last}", (served.root / "ds.lmdb" / last).read_bytes()[::-1])  # a new ETag
+            again = pickle.loads(blob)
+            with pytest.raises(DatasetReplaced, match="s3://bucket/ds.lmdb: the dataset was replaced"):
+                _ranged(again).remote.read_range(last, 0, 10)
+            again.close()
+        finally:
+            copy.close()
 
 
 # ---------------------------------------------------------------- small payloads: groups by file offset

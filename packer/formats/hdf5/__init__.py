@@ -17,11 +17,28 @@ samples are found by offset or row, so one file costs nothing in lookups and is 
 
 from __future__ import annotations
 
-from packer.formats.base import Format
-from packer.formats.hdf5.reader import Reader
-from packer.formats.hdf5.writer import Writer
+from pathlib import Path
+
+from packer.formats.base import Format, ShardReader, ShardWriter
+from packer.layout.manifest import Shard
 
 __all__ = ["FORMAT", "Reader", "Writer"]
+
+
+def Reader(directory: Path, shard: Shard, payload: str, access: str = "sequential") -> ShardReader:  # noqa: N802
+    """hdf5's shard reader (``reader.Reader``), h5py imported on first use: packer.formats is imported by every
+    reader of any format (a spawned DataLoader worker of an lmdb dataset too), and h5py alone takes ~0.2 s."""
+    from packer.formats.hdf5.reader import Reader as ShardFileReader
+
+    return ShardFileReader(directory, shard, payload, access=access)
+
+
+def Writer(directory: Path, shard_id: int, num_samples: int, payload: str, options: dict) -> ShardWriter:  # noqa: N802
+    """hdf5's shard writer (``writer.Writer``), h5py imported on first use (as ``Reader``)."""
+    from packer.formats.hdf5.writer import Writer as ShardFileWriter
+
+    return ShardFileWriter(directory, shard_id, num_samples, payload, options)
+
 
 FORMAT = Format(
     name="hdf5", dataset_class="HDF5Dataset", payloads=frozenset({"encoded", "raw", "none"}),
