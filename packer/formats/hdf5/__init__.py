@@ -27,7 +27,7 @@ __all__ = ["FORMAT", "Reader", "Writer"]
 
 def Reader(directory: Path, shard: Shard, payload: str, access: str = "sequential") -> ShardReader:  # noqa: N802
     """hdf5's shard reader (``reader.Reader``), h5py imported on first use: packer.formats is imported by every
-    reader of any format (a spawned DataLoader worker of an lmdb dataset too), and h5py alone takes ~0.2 s."""
+    reader of any format (a spawned DataLoader worker of an lmdb dataset too), and importing h5py is slow."""
     from packer.formats.hdf5.reader import Reader as ShardFileReader
 
     return ShardFileReader(directory, shard, payload, access=access)
