@@ -428,8 +428,10 @@ def measure_setting(src: Source, level: str, order_name: str, order: BenchOrder,
         # Warm-up: loads libraries and opens handles (and, for warm passes, fills the page cache). A warm
         # measurement right after its cold one starts from the cache that pass filled: its warm-up is one batch
         # that pass read last too, which opens the files again (the cold setting closed them) and reads nothing.
+        # A head of the order warms up in this process: every timed pass starts its loader's workers afresh (a
+        # forked worker inherits what this process loaded and opened), so starting workers for it measures nothing.
         head = order if cache == "warm" and not prewarmed else order.head(o.batch_size if prewarmed else WARMUP_SAMPLES)
-        run_pass(src, level, head, w, o.batch_size, o.pin_memory, handle)
+        run_pass(src, level, head, w if head is order else 0, o.batch_size, o.pin_memory, handle)
         t = _timed_repeats(src, level, order, cache, w, o, thr, handle)
     finally:
         _close(handle)

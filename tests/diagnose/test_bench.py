@@ -179,6 +179,33 @@ def test_loader_level_with_workers(data):
     assert all(r["ceiling"]["samples_per_s"] > 0 for r in report["results"])
 
 
+def test_a_loader_setting_starts_workers_only_for_its_timed_passes(data, monkeypatch):
+    """The warm-up of a head of the order runs in this process: every timed pass starts its workers afresh anyway
+    (the README's cold bench of 2 datasets x 3 orders started 24 pairs of workers for 18 timed passes)."""
+    from packer.diagnose import bench
+
+    started = []
+    real = bench.DataLoader
+
+    def spy(*args, **kwargs):
+        started.append(kwargs["num_workers"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "DataLoader", spy)
+    folder, packed = data
+    opts = BenchOptions(levels=("loader",), orders=("block",), caches=("cold", "warm"), workers=(2,), repeats=2,
+                        ceiling_bytes=4 << 20, ceiling_seconds=0.2, batch_size=3)
+    rows = run_bench([folder, packed], opts)["results"]
+    assert len(rows) == 4 and all(r["samples"] == 10 and len(r["seconds"]) == 2 for r in rows)
+    assert started.count(2) == 4 * 2  # workers started once per timed pass
+    assert started.count(0) == 4  # the warm-ups (cold: a head; warm after its cold: one batch), in this process
+    opts = BenchOptions(levels=("loader",), orders=("block",), caches=("warm",), workers=(2,), repeats=1,
+                        ceiling_bytes=4 << 20, ceiling_seconds=0.2, batch_size=3)
+    started.clear()
+    run_bench([packed], opts)
+    assert started == [2, 2]  # a warm setting's warm-up is a whole pass (it fills the page cache): with workers
+
+
 @pytest.mark.parametrize("level", ["thread", "thread-train"])
 def test_thread_levels_run_the_packed_dataset_through_a_thread_loader(data, monkeypatch, level):
     from packer.read import threaded
