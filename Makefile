@@ -66,8 +66,9 @@ REQUIRE_JPEGREGION = $(if $(CI),--require-jpegregion,$(shell test -f /usr/includ
 REQUIRE_EMULATORS = $(if $(CI),--require-emulators)
 
 # The test files run on one pytest-xdist worker per core (-n auto), each file whole on one worker (its module
-# fixtures built once).
-XDIST = -n auto --dist loadfile
+# fixtures built once), in tests/conftest.py's order (the files holding slow tests first): pytest-xdist would
+# otherwise reorder files by their number of tests, and the pasted README (5 tests, 2-4 minutes) started last.
+XDIST = -n auto --dist loadfile --no-loadscope-reorder
 
 test: install emulators
 	$(BIN)/python -m pytest -q $(XDIST) $(REQUIRE_TURBOJPEG) $(REQUIRE_JPEGREGION) $(REQUIRE_EMULATORS)

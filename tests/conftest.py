@@ -44,8 +44,9 @@ GUARD = pytest.StashKey[procs.Guard]()
 
 
 def pytest_collection_modifyitems(config, items):
-    # The files holding slow tests first: make test runs files on pytest-xdist workers (--dist loadfile) in this
-    # order, so the longest ones start at once instead of ending the run alone.
+    # The files holding slow tests first: make test runs files on pytest-xdist workers (--dist loadfile, with
+    # --no-loadscope-reorder: test_make_test_keeps_the_slow_files_first) in this order, so the longest ones start
+    # at once instead of ending the run alone.
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)
     entries = procs.listed()

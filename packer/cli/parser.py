@@ -329,8 +329,9 @@ def _add_bench(sub) -> None:
                    help="block order: blocks shuffled together in a window (default: the sampler's, 8)")
     p.add_argument("--run", type=int_in(1), default=None, metavar="N",
                    help="block order: neighbours read together (default: the sampler's, 16)")
-    p.add_argument("--ceiling-size", type=size_arg, default=256 << 20, metavar="SIZE",
-                   help="size of the scratch file for the sequential-read ceiling (default 256MiB)")
+    p.add_argument("--ceiling-size", type=size_arg, default=None, metavar="SIZE",
+                   help="size of the scratch file for the sequential-read ceiling (default: the largest dataset's "
+                        "size on disk, from 32MiB to 256MiB)")
     _add_throttle(p)
     _add_remote_bench(p)
     p.add_argument("--json", metavar="FILE", help="write every figure and the machine/setup as JSON ('-': stdout)")

@@ -19,7 +19,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,9 @@ LOADER_LEVELS = ("loader", "thread", "train", "thread-train")  # through a loade
 CACHE_STATES = ("cold", "warm")
 WARMUP_SAMPLES = 32
 BENCH_VERSION = 1
+CEILING_BYTES = (32 << 20, 256 << 20)  # the cold-read scratch file sized to the data: at least, at most
+DECODE_SAMPLES = 48  # stored images the decode ceiling is measured on, spread over the first encoded dataset
+DECODE_SECONDS = 1.0  # per decoder, per measurement of the decode ceiling, when the data has more images than it
 
 
 @dataclass
@@ -66,8 +69,8 @@ class BenchOptions:
     block_bytes: int | None = None  # block order: packer.read.sampler's defaults when None
     open_blocks: int | None = None
     run: int | None = None
-    ceiling_bytes: int = 256 << 20
-    ceiling_seconds: float = 1.0  # per decoder, per measurement of the decode ceiling
+    ceiling_bytes: int | None = None  # the cold-read ceiling's scratch file; None: sized to the data
+    ceiling_seconds: float | None = None  # per decoder, per measurement of the decode ceiling; None: sized to the data
     emulate: str | None = None
     read_iops: int | None = None
     read_bps: int | None = None
@@ -207,6 +210,22 @@ def _close(handle: dict) -> None:
 # ------------------------------------------------------------------ ceilings
 
 
+def ceiling_sizes(sources: list[Source], o: BenchOptions) -> tuple[int, float]:
+    """(scratch file bytes, seconds per decoder) of the ceilings: ``o``'s, else sized to the data: the cold-read
+    scratch file as large as the largest dataset on disk (within ``CEILING_BYTES``), and the decode ceiling
+    ``DECODE_SECONDS`` per decoder, or, when its samples are every image of the encoded datasets, 3 timed passes
+    over them (each image decoded 3 times): rating passes over 5 MB of photos needs neither a 256 MB read nor
+    seconds of decoding the same photos over and over."""
+    nbytes = o.ceiling_bytes
+    if nbytes is None:
+        nbytes = int(min(CEILING_BYTES[1], max([CEILING_BYTES[0]] + [s.disk_bytes for s in sources])))
+    seconds = o.ceiling_seconds
+    if seconds is None:
+        encoded = [s.n for s in sources if s.payload == "encoded"]
+        seconds = 0.0 if encoded and max(encoded) <= DECODE_SAMPLES else DECODE_SECONDS
+    return nbytes, seconds
+
+
 def measure_ceilings(sources: list[Source], o: BenchOptions, log: Callable[[str], None]) -> dict:
     """Sequential read (cold) per filesystem, then the CPU ceilings (memory copy, per-core decode)."""
     ceilings: dict[str, Any] = {"sequential_read": {}}
@@ -216,22 +235,24 @@ def measure_ceilings(sources: list[Source], o: BenchOptions, log: Callable[[str]
         # The scratch file goes beside the dataset (same filesystem), else inside it.
         beside = s.path.parent if os.stat(s.path.parent).st_dev == dev and os.access(s.path.parent, os.W_OK) else s.path
         by_dev.setdefault(dev, beside)
+    nbytes, seconds = ceiling_sizes(sources, o)
     for dev, target in by_dev.items():
-        r = measure.sequential_read_ceiling(target, o.ceiling_bytes, repeats=max(2, min(o.repeats, 3)))
+        r = measure.sequential_read_ceiling(target, nbytes, repeats=max(2, min(o.repeats, 3)))
         ceilings["sequential_read"][str(dev)] = r.to_dict()
         log(f"ceiling: {r.name} {r.value:,.0f} MB/s ({r.detail})")
-    ceilings.update(cpu_ceilings(sources, o.ceiling_seconds))
+    ceilings.update(cpu_ceilings(sources, seconds))
     log(f"ceiling: memory copy {ceilings['memory_copy']['value']:,.0f} MB/s; "
         + ", ".join(f"{v['name']} {v['value']:,.0f} img/s" for v in ceilings["decode"].values()))
     return ceilings
 
 
-def cpu_ceilings(sources: list[Source], seconds: float = 1.0) -> dict:
-    """Memory copy bandwidth and the per-core rate of each decoder the datasets use."""
+def cpu_ceilings(sources: list[Source], seconds: float = DECODE_SECONDS) -> dict:
+    """Memory copy bandwidth and the per-core rate of each decoder the datasets use (each of 3 timings at least
+    one pass over the samples, and ``seconds`` in all)."""
     out: dict[str, Any] = {"memory_copy": measure.memory_copy_ceiling().to_dict(), "decode": {}}
     encoded = [s for s in sources if s.payload == "encoded"]
     if encoded:
-        samples = encoded[0].decode_samples()
+        samples = encoded[0].decode_samples(DECODE_SAMPLES)
         for backend in sorted({s.decoder for s in encoded}):
             out["decode"][backend] = measure.decode_rate(samples, backend, seconds=seconds).to_dict()
     return out
@@ -329,6 +350,8 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
         raise PackerError("give at least one folder or packed dataset to benchmark")
     refuse_urls("packer bench", *paths)
     sources = [open_source(p, o.limit) for p in paths]
+    nbytes, seconds = ceiling_sizes(sources, o)
+    o = replace(o, ceiling_bytes=nbytes, ceiling_seconds=seconds)  # the report's head records the sizes run
     emulating = bool(o.emulate or o.read_iops or o.read_bps)
     iops, bps, desc = resolve_limits(o.emulate, o.read_iops, o.read_bps)
     watched = [s.path for s in sources] + [s.path.parent for s in sources]
@@ -343,7 +366,7 @@ def run_bench(paths: Sequence[str | os.PathLike], options: BenchOptions | None =
         report["ceilings"] = measure_ceilings(sources, o, log)
         report["results"] = _measure_all(sources, o, thr, log)
         # Other load on the machine lowers a ceiling measured once: measure the CPU ones again, keep the best.
-        report["ceilings"].update(_best_of(report["ceilings"], cpu_ceilings(sources, o.ceiling_seconds)))
+        report["ceilings"].update(_best_of(report["ceilings"], cpu_ceilings(sources, seconds)))
         log("ceilings, the higher of before and after the passes (the table's): " + ceiling_summary(report["ceilings"]))
     for row in report["results"]:
         src = next(s for s in sources if str(s.path) == row["dataset"])
@@ -405,8 +428,10 @@ def measure_setting(src: Source, level: str, order_name: str, order: BenchOrder,
         # Warm-up: loads libraries and opens handles (and, for warm passes, fills the page cache). A warm
         # measurement right after its cold one starts from the cache that pass filled: its warm-up is one batch
         # that pass read last too, which opens the files again (the cold setting closed them) and reads nothing.
+        # A head of the order warms up in this process: every timed pass starts its loader's workers afresh (a
+        # forked worker inherits what this process loaded and opened), so starting workers for it measures nothing.
         head = order if cache == "warm" and not prewarmed else order.head(o.batch_size if prewarmed else WARMUP_SAMPLES)
-        run_pass(src, level, head, w, o.batch_size, o.pin_memory, handle)
+        run_pass(src, level, head, w if head is order else 0, o.batch_size, o.pin_memory, handle)
         t = _timed_repeats(src, level, order, cache, w, o, thr, handle)
     finally:
         _close(handle)

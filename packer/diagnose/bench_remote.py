@@ -27,6 +27,7 @@ import numpy as np
 from torch.utils.data import DataLoader, RandomSampler
 
 from packer.diagnose import measure, system
+from packer.diagnose.bench import DECODE_SECONDS
 from packer.diagnose.bench_sources import list_collate, one_shape
 from packer.errors import PackerError
 from packer.storage.url import redact
@@ -283,7 +284,8 @@ def run_remote_bench(targets: Sequence[Target], o: Any, opts: RemoteOptions | No
                 f"{link['bandwidth_bytes_per_s'] / 1e6:,.0f} MB/s ({link['in_flight']} ranged GETs of "
                 f"{link['range_bytes'] >> 10} KiB at once)")
     if samples:
-        report["ceilings"]["decode"]["auto"] = measure.decode_rate(samples, "auto", seconds=o.ceiling_seconds).to_dict()
+        report["ceilings"]["decode"]["auto"] = measure.decode_rate(
+            samples, "auto", seconds=DECODE_SECONDS if o.ceiling_seconds is None else o.ceiling_seconds).to_dict()
     for row in report["results"]:
         row["ceiling"] = remote_ceiling(report, row)
         row["fraction_of_ceiling"] = row["samples_per_s"]["median"] / row["ceiling"]["samples_per_s"]

@@ -110,6 +110,35 @@ def test_stderr_ends_with_the_ceilings_the_table_uses(data):
     assert [f"memory copy {v:,.0f} MB/s" in final for v in report["ceilings"]["memory_copy"]["runs"]].count(True) >= 1
 
 
+def test_the_ceilings_are_sized_to_the_data_benched(data):
+    """A bench of 10 photos (a few hundred KB) reads a 32 MiB scratch file for its cold-read ceiling, not 256 MiB,
+    and times its decoders on 3 passes over its photos, not for 1 s each; the JSON records the sizes used."""
+    folder, packed = data
+    report = run_bench([folder, packed], BenchOptions(levels=("read",), orders=("sequential",), caches=("warm",),
+                                                      repeats=1))
+    assert (report["options"]["ceiling_bytes"], report["options"]["ceiling_seconds"]) == (32 << 20, 0.0)
+    assert [r["detail"].split(" file ")[0] for r in report["ceilings"]["sequential_read"].values()] == ["34 MB"]
+    assert report["ceilings"]["decode"]
+    for rate in report["ceilings"]["decode"].values():  # measured before and after the passes: each 3 passes
+        assert [t["items"] for t in rate["timings"]] == [10, 10, 10], rate
+
+
+def test_the_ceilings_grow_with_the_data_up_to_their_caps_and_given_sizes_are_kept(data):
+    from dataclasses import replace
+
+    from packer.diagnose.bench import ceiling_sizes
+    from packer.diagnose.bench_sources import open_source
+
+    folder, packed = data
+    src = [open_source(folder, None), open_source(packed, None)]
+    assert ceiling_sizes(src, BenchOptions()) == (32 << 20, 0.0)
+    mid = replace(src[1], disk_bytes=100 << 20, nbytes=np.ones(49, np.int64))  # one image more than the samples
+    assert ceiling_sizes([src[0], mid], BenchOptions()) == (100 << 20, 1.0)
+    big = replace(src[1], disk_bytes=1 << 40)
+    assert ceiling_sizes([src[0], big], BenchOptions()) == (256 << 20, 0.0)
+    assert ceiling_sizes([src[0], big], BenchOptions(ceiling_bytes=4 << 20, ceiling_seconds=0.2)) == (4 << 20, 0.2)
+
+
 def test_in_process_passes_record_their_threads_time_on_and_waiting_for_a_cpu(data):
     """Read and decode passes record the passing thread's time on a CPU and waiting for one (the scheduler's
     count), from which the summary tells a busy CPU from a slow disk; loader levels run elsewhere and record none."""
@@ -148,6 +177,33 @@ def test_loader_level_with_workers(data):
     assert sorted((r["kind"], r["workers"]) for r in report["results"]) == [
         ("folder", 0), ("folder", 2), ("lmdb", 0), ("lmdb", 2)]
     assert all(r["ceiling"]["samples_per_s"] > 0 for r in report["results"])
+
+
+def test_a_loader_setting_starts_workers_only_for_its_timed_passes(data, monkeypatch):
+    """The warm-up of a head of the order runs in this process: every timed pass starts its workers afresh anyway
+    (the README's cold bench of 2 datasets x 3 orders started 24 pairs of workers for 18 timed passes)."""
+    from packer.diagnose import bench
+
+    started = []
+    real = bench.DataLoader
+
+    def spy(*args, **kwargs):
+        started.append(kwargs["num_workers"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "DataLoader", spy)
+    folder, packed = data
+    opts = BenchOptions(levels=("loader",), orders=("block",), caches=("cold", "warm"), workers=(2,), repeats=2,
+                        ceiling_bytes=4 << 20, ceiling_seconds=0.2, batch_size=3)
+    rows = run_bench([folder, packed], opts)["results"]
+    assert len(rows) == 4 and all(r["samples"] == 10 and len(r["seconds"]) == 2 for r in rows)
+    assert started.count(2) == 4 * 2  # workers started once per timed pass
+    assert started.count(0) == 4  # the warm-ups (cold: a head; warm after its cold: one batch), in this process
+    opts = BenchOptions(levels=("loader",), orders=("block",), caches=("warm",), workers=(2,), repeats=1,
+                        ceiling_bytes=4 << 20, ceiling_seconds=0.2, batch_size=3)
+    started.clear()
+    run_bench([packed], opts)
+    assert started == [2, 2]  # a warm setting's warm-up is a whole pass (it fills the page cache): with workers
 
 
 @pytest.mark.parametrize("level", ["thread", "thread-train"])
