@@ -283,9 +283,10 @@ class Output:
                 f"({where}); run the same command with {arg('resume', True)} to finish that (nothing is converted "
                 "again)")
 
-    def not_resumable(self, why: str) -> str:
-        """Why the interrupted run's ``folder`` cannot be gone on with, and the way out."""
-        return f"{self.folder}: {why}, so it can't be resumed; remove it (rm -r '{self.folder}') and convert again"
+    def not_resumable(self, why: str, again: str = "convert again") -> str:
+        """Why the interrupted run's ``folder`` cannot be gone on with, and the way out (``again``: a Writer's
+        "write again")."""
+        return f"{self.folder}: {why}, so it can't be resumed; remove it (rm -r '{self.folder}') and {again}"
 
     def shard_done(self, result: ShardResult, names: list[str]) -> ShardResult:
         """A shard's files are all written: flush and checksum them, then journal the shard as done."""

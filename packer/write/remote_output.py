@@ -273,8 +273,8 @@ class RemoteOutput(Output):
             raise
         return lock
 
-    def not_resumable(self, why: str) -> str:
-        return (f"{self.location}: {why}, so the unfinished upload can't be resumed; convert again with "
+    def not_resumable(self, why: str, again: str = "convert again") -> str:
+        return (f"{self.location}: {why}, so the unfinished upload can't be resumed; {again} with "
                 f"{arg('overwrite', True)} (it replaces the unfinished upload)")
 
     def _restage(self) -> None:

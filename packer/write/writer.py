@@ -249,10 +249,8 @@ class Writer:
         if not self.output.left_over():
             self.lock = self.output.start(self._plan())
         elif self.output.plan() != self._plan():
-            if isinstance(self.output, RemoteOutput):
-                raise OutputExistsError(self.output.not_resumable("written with other options, fields or classes"))
-            raise OutputExistsError(f"{self.partial}: written with other options, fields or classes, so it can't be "
-                                    f"resumed; remove it (rm -r '{self.partial}') and write again")
+            raise OutputExistsError(self.output.not_resumable("written with other options, fields or classes",
+                                                              again="write again"))
 
     def _resume(self, resume: bool) -> None:
         """Go on with an interrupted Writer's ``<out>.partial``: its journaled shards count as written."""
@@ -261,7 +259,8 @@ class Writer:
             raise OutputExistsError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
         self.output.check_free()  # a live run's is in use, not left over
         if plan.get("writer") != 1 and isinstance(self.output, RemoteOutput):
-            raise OutputExistsError(self.output.not_resumable("not written by a packer Writer (a conversion's)"))
+            raise OutputExistsError(self.output.not_resumable("not written by a packer Writer (a conversion's)",
+                                                              again="write again"))
         if plan.get("writer") != 1:
             raise OutputExistsError(f"{self.partial}: exists but was not made by a packer Writer; move it away")
         if not resume:

@@ -147,7 +147,7 @@ def test_writer_to_a_bucket_reads_back_and_refuses_what_it_cannot_do(source, fre
     # a conversion's unfinished upload (its plan names no Writer): not taken over by a Writer's resume, kept
     fresh_store.write(f"c.lmdb/{REMOTE_PARTIAL}/plan.json", json.dumps({"options": {"format": "lmdb"}}).encode())
     with pytest.raises(OutputExistsError, match="^s3://bucket/c.lmdb: not written by a packer Writer .a conversion's., "
-                       "so the unfinished upload can't be resumed; convert again with overwrite=True"):
+                       "so the unfinished upload can't be resumed; write again with overwrite=True"):
         packer.Writer("s3://bucket/c.lmdb", resume=True, storage_options=options, staging_dir=tmp_path / "st")
     assert _keys(tmp_path / "root", "c.lmdb") == {f"{REMOTE_PARTIAL}/plan.json"}
 
@@ -459,7 +459,7 @@ def test_a_killed_writer_resumes_uploading_only_what_is_missing(tmp_path):
             write_fielded(url, "lmdb", count=count, shard_bytes=2000, storage_options=_options(endpoint),
                           staging_dir=tmp_path / "staging-2")
         with pytest.raises(OutputExistsError, match="written with other options, fields or classes, so the "
-                           "unfinished upload can't be resumed"):
+                           "unfinished upload can't be resumed; write again with overwrite=True"):
             write_fielded(url, "lmdb", count=count, shard_bytes=3000, resume=True, storage_options=_options(endpoint),
                           staging_dir=tmp_path / "staging-2")
         before = srv.server.stats.settled()
