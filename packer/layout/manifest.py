@@ -297,7 +297,7 @@ def load_manifest(directory: Path, where: str, present: Callable[[int], int]) ->
     """``directory/manifest.json`` (a regular file inside it, size-capped), parsed and checked as a dataset's:
     ``present(listed)`` counts the files the dataset holds, up to ``listed`` (``check_counts``). ``where`` names
     the manifest in messages: its path, or the URL it was fetched from (packer/layout/remote.py)."""
-    raw = read_inside(directory, MANIFEST_NAME, _MAX_MANIFEST_BYTES)
+    raw = read_inside(directory, MANIFEST_NAME, MAX_MANIFEST_BYTES)
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -357,7 +357,7 @@ def count_files(directory: Path, enough: int) -> int:
     return count
 
 
-_MAX_MANIFEST_BYTES = 256 << 20
+MAX_MANIFEST_BYTES = 256 << 20
 
 
 def holds_dataset(directory: str | os.PathLike) -> bool:
@@ -366,7 +366,7 @@ def holds_dataset(directory: str | os.PathLike) -> bool:
     Only the manifest's ``kind`` is looked at, so a damaged dataset still counts; any other
     ``manifest.json`` (a photo collection's own) does not.
     """
-    return json_kind(os.path.join(directory, MANIFEST_NAME), _MAX_MANIFEST_BYTES) == KIND
+    return json_kind(os.path.join(directory, MANIFEST_NAME), MAX_MANIFEST_BYTES) == KIND
 
 
 def sha256_file(path: Path, block: int = 4 << 20) -> str:

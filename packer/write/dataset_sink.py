@@ -182,5 +182,5 @@ def drop_empty_shards(partial: Path, shards: Sequence[ShardResult]) -> list[Shar
 def _reused(scan: ScanResult, output: Output, started: float) -> ConvertResult:
     """The result for an output ``if_changed`` found up to date: its own counts, nothing converted."""
     manifest, folder, _ = output.finished()
-    return ConvertResult(output.result_name, manifest.num_samples, recorded_errors(folder),
+    return ConvertResult(output.result_name, manifest.num_samples, recorded_errors(folder, output.shown),
                          time.perf_counter() - started, 0, dict(scan.ignored), dict(scan.not_images), reused=True)

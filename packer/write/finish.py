@@ -19,7 +19,8 @@ from packer.layout.fields import FieldSpec, save_fields
 from packer.layout.fsutil import write_plain
 from packer.layout.index import Index
 from packer.layout.manifest import Manifest, dumps_lossless, file_info, write_manifest
-from packer.layout.report import ERRORS_NAME
+from packer.layout.report import ERRORS_NAME, MAX_ERRORS_BYTES
+from packer.layout.trust import read_inside
 from packer.write.journal import ShardResult
 from packer.write.output import Output
 from packer.write.ranges import record_ranges
@@ -99,11 +100,14 @@ def write_error_report(partial: Path, errors: list[SourceError], ignored: Mappin
         log.warning("%s", "\n".join([head, *shown, *more]))
 
 
-def recorded_errors(directory: Path) -> list[SourceError]:
-    """The errors a finished conversion's ``errors.json`` lists."""
-    path = directory / ERRORS_NAME
+def recorded_errors(directory: Path, shown: str | None = None) -> list[SourceError]:
+    """The errors a finished conversion's ``errors.json`` in ``directory`` lists (at most ``MAX_ERRORS_BYTES`` read);
+    ``shown``: the dataset's name in messages where ``directory`` holds a copy (a URL's, fetched)."""
+    name = shown or str(directory)
     try:
-        report = json.loads(path.read_text(encoding="utf-8"))
+        raw = read_inside(directory, ERRORS_NAME, MAX_ERRORS_BYTES, f"{name}/{ERRORS_NAME}")
+        report = json.loads(raw.decode("utf-8"))
         return [SourceError.from_json(e) for e in report["errors"]]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise DatasetError(f"{path}: damaged error report ({exc}); move {directory} away and convert again") from exc
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DatasetError(f"{name}/{ERRORS_NAME}: damaged error report ({exc}); move {name} away and convert "
+                           "again") from exc

@@ -30,10 +30,10 @@ import numpy as np
 
 from packer.errors import OptionError, OutputExistsError, PackerError, arg
 from packer.layout.fsutil import write_atomic
-from packer.layout.manifest import MANIFEST_NAME, Manifest, Shard, load_manifest
+from packer.layout.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, Shard, load_manifest
 from packer.layout.partial import JOURNAL_DIR, REMOTE_LOCK, REMOTE_PARTIAL, REMOTE_PLAN
 from packer.layout.ranges import DTYPES, RANGE_FILES, PayloadRanges
-from packer.layout.report import ERRORS_NAME
+from packer.layout.report import ERRORS_NAME, MAX_ERRORS_BYTES
 from packer.layout.wdsexport import CLASSES_NAME, EXPORT_NAME
 from packer.storage.client import ObjectInfo
 from packer.storage.faults import ObjectExists, ObjectNotFound, RetryPolicy, StorageError
@@ -148,7 +148,7 @@ class RemoteOutput(Output):
         named: set[str] = set(markers)
         for marker in markers:
             try:
-                named |= set(_named_objects(marker, json.loads(self.store.get(marker))))
+                named |= set(_named_objects(marker, json.loads(self._get_listed(marker))))
             except (ObjectNotFound, ValueError, KeyError, TypeError) as exc:
                 raise OutputExistsError(f"{self.where(marker)}: unreadable ({exc}), so packer cannot tell its "
                                         "objects from others: remove the dataset yourself") from None
@@ -175,11 +175,20 @@ class RemoteOutput(Output):
         for name in (MANIFEST_NAME, ERRORS_NAME):
             if name in self.found:
                 try:
-                    (folder / name).write_bytes(self.store.get(name))
+                    (folder / name).write_bytes(self._get_listed(name))
                 except StorageError as exc:
                     raise PackerError(f"{self.where(name)}: cannot be read ({exc})") from None
         manifest = load_manifest(folder, self.where(MANIFEST_NAME), lambda listed: len(self.found))
         return manifest, folder, manifest.size_problems({k: o.size for k, o in self.found.items()}, self.where)
+
+    def _get_listed(self, key: str) -> bytes:
+        """A small object found at the prefix (a manifest, an export's index, errors.json), refused before it is
+        fetched when its listed size is beyond any such file's (someone's object there is not read into memory)."""
+        limit = MAX_ERRORS_BYTES if key == ERRORS_NAME else MAX_MANIFEST_BYTES
+        if self.found[key].size > limit:
+            raise PackerError(f"{self.where(key)}: implausibly large ({self.found[key].size} bytes, at most {limit} "
+                              "expected)")
+        return self.store.get(key)
 
     def unfinished(self) -> bool:
         """Whether the prefix held an unfinished upload's lock or plan when checked."""

@@ -427,6 +427,31 @@ def test_resume_of_a_finished_upload_says_so_and_does_nothing(source, fresh_stor
     assert _etags(root, "ds.lmdb").keys() == kept.keys()
 
 
+def test_a_huge_or_damaged_errors_json_at_the_output_is_one_line_naming_its_url(source, fresh_store, tmp_path):
+    """``--resume`` and ``--if-changed`` read a finished upload's manifest and errors.json; an object there larger
+    than any such file (someone's, or damage) is refused by its listed size, never read into memory."""
+    endpoint, root, url = fresh_store.server.endpoint, tmp_path / "root", "s3://bucket/ds.lmdb"
+    _convert(source, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000)
+    with open(root / "ds.lmdb" / "errors.json", "r+b") as f:  # sparse: 300 MB listed, nothing on disk
+        f.truncate(300 << 20)
+    before = fresh_store.server.stats.settled()
+    for flag in ("--resume", "--if-changed"):
+        res = subprocess.run([sys.executable, "-m", "packer", "convert", str(source), "--to", "lmdb", "-o", url,
+                              "--shard-size", "6000", "--workers", "0", "--staging-dir", str(tmp_path / "st"), flag],
+                             env=_env(endpoint), capture_output=True, text=True)
+        assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+        assert f"{url}/errors.json: implausibly large (314572800 bytes" in res.stderr
+    after = fresh_store.server.stats.closed()
+    assert after["body_bytes"] - before["body_bytes"] < 1 << 20  # the manifest at most, not the 300 MB
+    (root / "ds.lmdb" / "errors.json").write_bytes(b'{"errors": [')  # damaged: named by its URL, not a local copy
+    res = subprocess.run([sys.executable, "-m", "packer", "convert", str(source), "--to", "lmdb", "-o", url,
+                          "--shard-size", "6000", "--workers", "0", "--staging-dir", str(tmp_path / "st"),
+                          "--if-changed"], env=_env(endpoint), capture_output=True, text=True)
+    assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+    assert res.stderr.startswith(f"packer: error: {url}/errors.json: damaged error report") and "packer-finished-" \
+        not in res.stderr
+
+
 WRITER = """
 import sys
 sys.path.insert(0, sys.argv[3])
