@@ -40,7 +40,7 @@ def cmd_convert(args) -> int:
     import contextlib
 
     from packer.formats import FORMATS
-    from packer.write.convert import SPLIT, convert, convert_split, keywords, refuse_cluster_output
+    from packer.write.convert import SPLIT, convert, convert_split, keywords
     from packer.write.options import own_options
 
     flags = [o for o in [*keywords(), *own_options(FORMATS)] if o.flag is not None and o.generated]
@@ -50,7 +50,6 @@ def cmd_convert(args) -> int:
     if args.scheduler:
         from packer.write.cluster import open_client
 
-        refuse_cluster_output(args.output)  # before minutes of waiting for a scheduler
         cluster = open_client(args.scheduler)
     else:
         cluster = contextlib.nullcontext()

@@ -7,7 +7,8 @@ path-style (``http://host:port/<bucket>/<key>``), so the same client reads it as
 ``s3://<bucket>/...`` through an endpoint URL, or as plain ``http://`` URLs. Signatures are not checked. Bodies go
 out with ``os.sendfile`` in paced chunks; ``stats`` counts what the server did (requests, delays applied, bytes
 paced), so tests check latency and bandwidth by counting, not by timing. ``faults`` injects failures at the server
-(status codes, connections cut mid-body, short bodies, slow bodies, resets) for the storage layer's tests.
+(status codes, connections cut mid-body, short bodies, slow bodies, resets) for the storage layer's tests;
+``on_write`` is told of each write request and who sent it (a test tells which process put an object).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -327,6 +328,8 @@ class _Handler(BaseHTTPRequestHandler):
         store.stats.enter()
         try:
             bucket, key, query = self._target()
+            if store.on_write is not None:
+                store.on_write(method, key, self.client_address)
             self._first_byte()
             body = self._receive()
             if method == "POST" and bucket == store.bucket and not key and "delete" in query:
@@ -497,12 +500,14 @@ class EmulatedStore:
 
     def __init__(self, root: str | os.PathLike, bucket: str = "packer", *, latency: float = 0.0,
                  bandwidth: float | None = None, host: str = "127.0.0.1", port: int = 0, page_size: int = 1000,
-                 faults: FaultPlan | None = None, weak_etags: bool = False) -> None:
+                 faults: FaultPlan | None = None, weak_etags: bool = False,
+                 on_write: Callable[[str, str, tuple[str, int]], None] | None = None) -> None:
         if latency < 0 or (bandwidth is not None and bandwidth <= 0) or page_size < 1:
             raise ValueError("latency >= 0, bandwidth > 0 (or None) and page_size >= 1 expected")
         self.root = Path(root).resolve()
         self.bucket, self.latency, self.page_size, self.faults = bucket, latency, page_size, faults
         self.weak_etags = weak_etags  # GET and HEAD send W/"..." (nginx or a CDN that compresses): If-Match fails
+        self.on_write = on_write  # (method, key, client address) of each write, in its thread, before it is answered
         self.link = Link(bandwidth)
         self.stats = ServerStats()
         self._address = (host, port)

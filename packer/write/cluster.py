@@ -8,6 +8,11 @@ folder, never a half shard under the real names; Dask runs the task again elsewh
 next ``load_done_shards`` (or the end of the run) clears the leftovers. The driver checks each
 returned shard against the plan and finishes (index, errors.json, manifest) like a local run.
 
+An output in a bucket (``Output.shard_uploader``): each task writes its shard in a temporary folder of its
+worker and uploads it from there (``remote_output.ShardUploader``: its objects, then its journal entry), so
+workers need share no disk with the driver and no shard passes through it; the task returns only the shard's
+record, and the driver puts the manifest last, as a local run does. A task re-run puts the same bytes again.
+
 Dask is an optional extra (``pip install -e '.[dask]'`` in packer's checkout), imported only here and only when used.
 """
 
@@ -19,11 +24,12 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packer._version import __version__
 from packer.errors import MissingPackageError, OptionError, PackerError, arg, install_hint
@@ -34,6 +40,9 @@ from packer.write.scan import scan_folder, walk_class
 from packer.write.shards import BuildJob, ShardWriteError, prepare, progress_bar, write_shard
 from packer.write.sources.base import FileReader, SourceReader
 from packer.write.sources.records import ClassMapper, ScanResult, Walk
+
+if TYPE_CHECKING:
+    from packer.write.remote_output import ShardUploader
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
@@ -147,12 +156,14 @@ def _walk_classes(folders: list[tuple[str, str]], skip_hidden: bool) -> list[Wal
 
 
 def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str, int, Any]], options: dict,
-                  on_error: str, version: str, reader: SourceReader | None = None) -> dict:
-    """Dask task: prepare, write, move into place and journal one shard.
+                  on_error: str, version: str, reader: SourceReader | None = None,
+                  uploader: ShardUploader | None = None) -> dict:
+    """Dask task: prepare, write, move into place and journal one shard; with ``uploader`` (an output in a bucket),
+    write it in a temporary folder of this worker and upload it instead (``partial`` is then not used).
 
     ``items``: (key, label, locator) records read by ``reader`` (default: files below ``root``).
-    Returns ``{"result": ShardResult JSON}``, or ``{"error": message, "kind": "write"|"input"}``
-    for a problem that running again would not fix (so Dask does not retry it).
+    Returns ``{"result": ShardResult JSON, "uploaded": keys put}``, or ``{"error": message, "kind":
+    "write"|"input"}`` for a problem that running again would not fix (so Dask does not retry it).
     """
     host = socket.gethostname()
     if version != __version__:
@@ -160,30 +171,40 @@ def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str,
                 "install the same packer on every worker"}
     part, src = Path(partial), Path(root)
     reader = FileReader(src) if reader is None else reader
-    unseen = f"cannot see the output folder {part}" if not part.is_dir() else reader.missing()
+    unseen = f"cannot see the output folder {part}" if uploader is None and not part.is_dir() else reader.missing()
     if unseen is not None:
-        return {"kind": "input", "error": f"worker {host} {unseen}: the source and the output must be on storage "
-                "shared by the driver and every worker, under the same path"}
+        shared = "the source" + (" and the output" if uploader is None else "")
+        return {"kind": "input", "error": f"worker {host} {unseen}: {shared} must be on storage shared by the driver "
+                "and every worker, under the same path"}
     opts = ConvertOptions.from_record(options)
     fmt = get_format(opts.format)
+    keys: list[str] = []
     staging = part / STAGING_DIR / f"{shard_id:05d}-{uuid.uuid4().hex}"
     try:
-        with contextlib.suppress(FileExistsError):
-            staging.parent.mkdir()  # not parents=True: never re-create a removed output folder
-        staging.mkdir()
+        if uploader is None:
+            with contextlib.suppress(FileExistsError):
+                staging.parent.mkdir()  # not parents=True: never re-create a removed output folder
+            staging.mkdir()
+        else:
+            staging = Path(tempfile.mkdtemp(prefix=f"packer-shard-{shard_id:05d}-"))  # this worker's disk
         records = reader.admitted(items) if reader.admitted_where_read else items
         samples = (prepare(reader, rel, label, opts, loc) for rel, label, loc in records)
         try:
             result, names = write_shard(staging, shard_id, len(items), samples, fmt, opts, on_error, src)
+            if uploader is not None:
+                result, keys = uploader.put(staging, result, names)
         except ShardWriteError as exc:
             return {"kind": "write", "error": exc.template}
         except PackerError as exc:  # a bad source under --on-error raise
             return {"kind": "input", "error": exc.template}
-        _move_into_place(staging, part, names)
-        record_shard(part, result, names)
+        if uploader is None:
+            _move_into_place(staging, part, names)
+            record_shard(part, result, names)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return {"result": result.to_json()}
+        if uploader is not None:
+            uploader.store.close()  # this task's client: a worker runs many tasks
+    return {"result": result.to_json(), "uploaded": keys}
 
 
 def _move_into_place(staging: Path, partial: Path, names: list[str]) -> None:
@@ -211,7 +232,7 @@ class DaskCluster:
         """Write every shard not yet done on the cluster; returns all shards' results, checked against the plan."""
         client = self.client
         distributed = _require_dask()
-        scan, partial, ranges = job.scan, job.partial, job.ranges
+        scan, partial, ranges, output = job.scan, job.partial, job.ranges, job.output
         root = os.path.abspath(scan.root)
         reader = scan.source_reader()
         opts = {**job.options.record(), "decoder": job.options.decoder}
@@ -227,9 +248,9 @@ class DaskCluster:
             a, b = ranges[sid]
             records = scan.records(a, b)  # a packed source: its shards checked here, once (objects: by the task)
             records = records if reader.admitted_where_read else list(reader.admitted(records))
-            future = client.submit(convert_shard, root, str(partial), sid, records, opts,
-                                   job.on_error, __version__, reader,
-                                   key=f"packer-shard-{sid:05d}-{token}", retries=_RETRIES)
+            future = client.submit(convert_shard, root, str(partial), sid, records, opts, job.on_error, __version__,
+                                   reader, output.shard_uploader(sid), key=f"packer-shard-{sid:05d}-{token}",
+                                   retries=_RETRIES)
             live[future.key] = (sid, future)
             return future
 
@@ -250,8 +271,9 @@ class DaskCluster:
                 if "error" in reply:
                     raise (ShardWriteError if reply["kind"] == "write" else PackerError)(reply["error"])
                 result = ShardResult.from_json(reply["result"], f"shard {sid} from the cluster")
-                check_result(result, sid, scan, ranges[sid], partial)
-                results[sid] = result
+                uploaded = [str(k) for k in reply["uploaded"]]  # a shard put in a bucket: its journal entry at least
+                check_result(result, sid, scan, ranges[sid], None if uploaded else partial)
+                results[sid] = output.shard_put(result, uploaded)
                 bar.update(ranges[sid][1] - ranges[sid][0])
                 for nxt in queue:
                     pending.add(submit(nxt))
@@ -260,7 +282,11 @@ class DaskCluster:
             # convert() removes the output folder after a bad source under --on-error raise: let the
             # shards already running end first, so none writes into a folder being removed
             bad_source = isinstance(exc, PackerError) and not isinstance(exc, ShardWriteError)
-            _stop(client, [f for _, f in live.values()], wait_running=bad_source)
+            stopped = [f for _, f in live.values()]
+            _stop(client, stopped, wait_running=bad_source)
+            for future in stopped:  # a shard put meanwhile is this run's: discard() deletes it with the rest
+                if future.status == "finished" and "uploaded" in (reply := future.result()):
+                    output.shard_put(ShardResult.from_json(reply["result"], "a shard"), reply["uploaded"])
             raise
         finally:
             bar.close()
@@ -277,8 +303,9 @@ def _stop(client: Any, futures: list, wait_running: bool) -> None:
         _require_dask().wait([f for f in live if str(f.key) in running])
 
 
-def check_result(result: ShardResult, sid: int, scan: ScanResult, span: tuple[int, int], partial: Path) -> None:
-    """A shard written elsewhere must hold exactly its planned samples, in order, and its journaled files."""
+def check_result(result: ShardResult, sid: int, scan: ScanResult, span: tuple[int, int], partial: Path | None) -> None:
+    """A shard written elsewhere must hold exactly its planned samples, in order, and its journaled files in
+    ``partial`` (None: uploaded to a bucket, where the end of the run checks their sizes before the manifest)."""
     a, b = span
     failed = {e.path for e in result.errors}
     expected = [p for p in scan.rel_paths[a:b] if p not in failed]
@@ -287,6 +314,8 @@ def check_result(result: ShardResult, sid: int, scan: ScanResult, span: tuple[in
         raise PackerError(f"{where}: holds other samples than planned (a worker with a different packer or source?)")
     if result.labels != scan.labels[a:b][[p not in failed for p in scan.rel_paths[a:b]]].tolist():
         raise PackerError(f"{where}: labels differ from the plan")
+    if partial is None:
+        return
     for f in result.shard.files:
         path = partial / f.name
         size = path.stat().st_size if path.is_file() else None

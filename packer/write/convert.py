@@ -112,24 +112,14 @@ def convert(src: str | os.PathLike, output: str | os.PathLike | None = None, *, 
     return drive(src, make_output(src, output, sink, run), sink, run, source, given)
 
 
-def refuse_cluster_output(output: str | os.PathLike | None) -> None:
-    """A conversion on a cluster writes to storage its workers share: a bucket output is refused in one line (the
-    command line asks before it connects to the scheduler)."""
-    if output is not None and is_url(output) and not parse(output).is_local:
-        raise OptionError(f"{redact(str(output))}: a conversion on a cluster ({arg('client', cli='scheduler')}) "
-                          "writes to storage its workers share, not object storage yet: convert here, or to a "
-                          "shared folder and upload it")
-
-
 def make_output(src: str | os.PathLike, output: str | os.PathLike | None, sink: Sink, run: RunOptions) -> Output:
     """Where the conversion goes: a local folder, or a dataset or WebDataset export in object storage
-    (``RemoteOutput``: shards uploaded as they are finished, the manifest or the export's index last)."""
+    (``RemoteOutput``: shards uploaded as they are finished, by the Dask tasks that wrote them on a cluster, the
+    manifest or the export's index last)."""
     if output is not None and is_url(output) and parse(output).is_local:  # file:///path: a local path
         output = parse(output).path
     if output is None or not is_url(output):
         return Output(output_path(src, output, sink.name))
-    if run.client is not None:
-        refuse_cluster_output(output)
     marker = MANIFEST_NAME if isinstance(sink, DatasetSink) else EXPORT_NAME  # an export (--to wds): its index
     return RemoteOutput(str(output), run.storage_options, run.staging_dir, overwrite=run.overwrite,
                         resume=run.resume, marker=marker)

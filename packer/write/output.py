@@ -15,7 +15,7 @@ import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from packer.errors import OptionError, OutputExistsError, PackerError, arg
 from packer.layout.fsutil import fsync_dir, fsync_tree
@@ -34,6 +34,9 @@ from packer.write.journal import (
 )
 from packer.write.lock import OutputLock, check_free
 from packer.write.sources.records import ScanResult
+
+if TYPE_CHECKING:
+    from packer.write.remote_output import ShardUploader
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 NEW_TAG = ".packer-new-"  # <out>.packer-new-<pid>-<random>: a new .partial until its plan is written
@@ -291,6 +294,16 @@ class Output:
     def shard_done(self, result: ShardResult, names: list[str]) -> ShardResult:
         """A shard's files are all written: flush and checksum them, then journal the shard as done."""
         return record_shard(self.folder, result, names)
+
+    def shard_uploader(self, shard_id: int) -> ShardUploader | None:
+        """What a Dask task on another machine needs to put shard ``shard_id``, written in its own temporary folder,
+        into this output (an output in a bucket: its ``ShardUploader``); None here: the task writes into ``folder``,
+        on storage every worker shares."""
+        return None
+
+    def shard_put(self, result: ShardResult, keys: list[str]) -> ShardResult:
+        """A shard a task put with ``shard_uploader`` (``keys``: the objects it put), recorded as this run's."""
+        return result
 
     def files_done(self, names: list[str]) -> None:
         """Files of ``folder`` that are finished and will not change (an export's tars as each is closed): they stay

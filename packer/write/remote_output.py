@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,85 @@ def staging_root(staging_dir: str | os.PathLike | None) -> Path:
     return Path(tempfile.gettempdir()) / f"packer-staging-{os.getuid()}"
 
 
+@dataclass(frozen=True)
+class ShardUploader:
+    """Puts a shard written in a local folder into an output in a bucket, the one way (``RemoteOutput.shard_done``):
+    checksums and payload ranges, the lock checked, an earlier run's entry for the shard deleted (``stale``), the
+    shard's objects, then its journal entry. Small and picklable, so that a Dask task on a machine sharing no disk
+    with the driver uploads the shard it wrote as the driver would; its repr names the URL only (the store's
+    credentials never show)."""
+
+    store: ObjectStore
+    token: str  # the run's, in its lock: an upload taken over by another writer puts nothing more
+    format: str = ""  # the plan's format and payload: the payload ranges a shard's entry records
+    payload: str = ""
+    stale: tuple[str, ...] = ()  # an earlier run's journal objects for this shard, deleted before it is put
+
+    def __repr__(self) -> str:
+        return f"ShardUploader({str(self.store.root)!r})"
+
+    def put(self, folder: Path, result: ShardResult, names: list[str]) -> tuple[ShardResult, list[str]]:
+        """Checksum and journal the shard in ``folder`` with its payload ranges (read while its files are here: the
+        meta/ ranges files a local conversion writes at the end), upload its files (none for a shard without
+        samples), what is journaled beside its entry (a Writer's field spool, ``shard-NNNNN.fields/``), then its
+        entry; its files in ``folder`` are deleted once uploaded. Returns the result and the keys put."""
+        (folder / JOURNAL_DIR).mkdir(exist_ok=True)
+        result = record_shard(folder, result, names)
+        entry = shard_entry(folder, result.shard_id)
+        if result.shard.num_samples > 0 and self._keep_ranges(folder, result):
+            write_atomic(entry, result.to_json())
+        self.check_lock()
+        for key in self.stale:
+            try:
+                self.store.delete(key)
+            except ObjectNotFound:
+                pass
+        keys = self.upload(folder, names) if result.shard.num_samples > 0 else []
+        beside = entry.with_suffix(".fields")
+        if beside.is_dir():
+            spool = [p.relative_to(folder).as_posix() for p in sorted(beside.rglob("*")) if p.is_file()]
+            keys += self.upload(folder, spool, prefix=REMOTE_PARTIAL + "/")
+        keys.append(self.upload_one(JOURNAL_PREFIX + entry.name, entry))
+        for name in names:
+            _remove(folder, name)
+        return result, keys
+
+    def _keep_ranges(self, folder: Path, result: ShardResult) -> bool:
+        """Record in ``result`` (its journal entry: a ``resume`` keeps them) the payload ranges of the shard whose
+        files are in ``folder`` (``write.ranges``); False where the format stores no plain ranges."""
+        got = shard_ranges(folder, result.shard, self.format, self.payload, np.asarray(result.nbytes, dtype=np.int64))
+        if got is None:
+            return False
+        result.ranges = {key: getattr(got, key).tolist() for key in RANGE_FILES}
+        return True
+
+    def check_lock(self) -> None:
+        """Still this run's lock in the bucket: an ``overwrite`` or ``resume`` from another machine may have taken
+        the upload over (the lock then names that writer), and this run must then put nothing more there."""
+        try:
+            holder = json.loads(self.store.get(REMOTE_LOCK))
+        except (ObjectNotFound, ValueError) as exc:
+            holder = {"error": str(exc)}
+        if holder.get("token") != self.token:
+            who = (f"pid {holder.get('pid')} on {holder.get('host')}" if "pid" in holder
+                   else "its lock is gone")
+            raise ShardWriteError(f"{self.store.root}: another conversion took this upload over meanwhile ({who}); "
+                                  "this run puts nothing more there")
+
+    def upload(self, folder: Path, names: list[str], prefix: str = "") -> list[str]:
+        """Put the files ``names`` (relative to ``folder``) as ``<prefix><name>``, 8 at once; the keys put."""
+        with ThreadPoolExecutor(max_workers=min(UPLOADS_IN_FLIGHT, max(1, len(names)))) as pool:
+            futures = [pool.submit(self.upload_one, prefix + name, folder / name) for name in names]
+            return [future.result() for future in futures]
+
+    def upload_one(self, key: str, path: Path) -> str:
+        try:
+            self.store.put(key, path)
+        except StorageError as exc:
+            raise ShardWriteError(f"uploading {key} failed ({exc})") from None
+        return key
+
+
 class RemoteOutput(Output):
     """A dataset written to ``url``: ``folder`` is a local staging folder (keyed by the URL and endpoint) holding the
     run's journal and the shards not uploaded yet; the journal is mirrored under ``<url>/.packer-partial/``.
@@ -90,6 +170,7 @@ class RemoteOutput(Output):
         self.uploaded: set[str] = set()  # keys this run put
         self._plan: dict[str, Any] | None = None
         self._token = secrets.token_hex(8)  # this run's, in its lock: a writer whose lock was taken over stops
+        self.uploader = ShardUploader(self.store, self._token)  # meta/, errors.json, the manifest, an export's tars
         self._ranges: dict[tuple[tuple[str, str], ...], PayloadRanges] = {}  # uploaded shards' payload ranges
         self._finished: tempfile.TemporaryDirectory | None = None  # a finished dataset's manifest, fetched
         self._present: dict[str, int] | None = None  # the prefix's objects and sizes when a resume looked
@@ -301,19 +382,6 @@ class RemoteOutput(Output):
                                     f"{self.left_over_reason()}") from None
         self.uploaded.add(REMOTE_LOCK)
 
-    def _check_lock(self) -> None:
-        """Still this run's lock in the bucket: an ``overwrite`` or ``resume`` from another machine may have taken
-        the upload over (the lock then names that writer), and this run must then put nothing more there."""
-        try:
-            holder = json.loads(self.store.get(REMOTE_LOCK))
-        except (ObjectNotFound, ValueError) as exc:
-            holder = {"error": str(exc)}
-        if holder.get("token") != self._token:
-            who = (f"pid {holder.get('pid')} on {holder.get('host')}" if "pid" in holder
-                   else "its lock is gone")
-            raise ShardWriteError(f"{self.location}: another conversion took this upload over meanwhile ({who}); "
-                                  "this run puts nothing more there")
-
     def swapping(self) -> bool:
         return False  # nothing is renamed in a bucket: the manifest, put last, makes the dataset
 
@@ -345,74 +413,47 @@ class RemoteOutput(Output):
                                                         for f in result.shard.files)
         if not (uploaded and _ranges_fit(result)):
             return False
-        if result.ranges is not None:
-            self._ranges[_shard_key(result.shard)] = PayloadRanges(
-                *(np.asarray(result.ranges[key], dtype=DTYPES[key]) for key in RANGE_FILES))
+        self._remember_ranges(result)
         return True
 
     def shard_done(self, result: ShardResult, names: list[str]) -> ShardResult:
-        """Checksum and journal the shard locally with its payload ranges (read now, while its files are here: the
-        meta/ ranges files a local conversion writes at the end), upload its files (none for a shard without
-        samples), what is journaled beside its entry (a Writer's field spool, ``shard-NNNNN.fields/``), then its
-        entry; its local files are deleted once uploaded. An earlier run's entry for this shard goes first: an
-        entry in the bucket always describes the objects there."""
-        result = record_shard(self.folder, result, names)
-        if result.shard.num_samples > 0 and self._keep_ranges(result):
-            write_atomic(shard_entry(self.folder, result.shard_id), result.to_json())
-        self._check_lock()
-        entry = shard_entry(self.folder, result.shard_id)
-        beside = entry.with_suffix(".fields")
-        for key in sorted(k for k in self._taken if k.startswith(JOURNAL_PREFIX + entry.stem + ".")):
-            try:  # left by the run this one goes on from (``take``)
-                self.store.delete(key)
-            except ObjectNotFound:
-                pass
-            self._taken.discard(key)
-        if result.shard.num_samples > 0:
-            self._upload(names)
-        if beside.is_dir():
-            spool = [p.relative_to(self.folder).as_posix() for p in sorted(beside.rglob("*")) if p.is_file()]
-            self._upload(spool, prefix=REMOTE_PARTIAL + "/")
-        self._upload_one(JOURNAL_PREFIX + entry.name, entry)
-        for name in names:
-            _remove(self.folder, name)
+        """Upload the shard written in the staging folder (``ShardUploader.put``: its objects, then its journal
+        entry) and record it as this run's."""
+        result, keys = self.shard_uploader(result.shard_id).put(self.folder, result, names)
+        return self.shard_put(result, keys)
+
+    def shard_uploader(self, shard_id: int) -> ShardUploader:
+        """What puts shard ``shard_id`` here, in this process or in a Dask task elsewhere; an earlier run's journal
+        objects for the shard (``take``) go with it, deleted before its own are put: an entry in the bucket always
+        describes the objects there."""
+        options = (self._plan or {}).get("options", {})
+        stem = JOURNAL_PREFIX + shard_entry(Path(), shard_id).stem + "."
+        stale = tuple(sorted(k for k in self._taken if k.startswith(stem)))
+        self._taken.difference_update(stale)
+        return replace(self.uploader, format=str(options.get("format")), payload=str(options.get("payload")),
+                       stale=stale)
+
+    def shard_put(self, result: ShardResult, keys: list[str]) -> ShardResult:
+        """A shard ``shard_uploader`` put: its keys are this run's (``discard`` deletes them), its payload ranges
+        kept for the end (``recorded_ranges``)."""
+        self.uploaded.update(keys)
+        self._remember_ranges(result)
         return result
 
-    def _keep_ranges(self, result: ShardResult) -> bool:
-        """Record the payload ranges of the shard whose files are in the staging folder (``write.ranges``), in
-        ``result`` (its journal entry: a ``resume`` keeps them) and for ``recorded_ranges``; False where the format
-        stores no plain ranges."""
-        options = (self._plan or {}).get("options", {})
-        got = shard_ranges(self.folder, result.shard, str(options.get("format")), str(options.get("payload")),
-                           np.asarray(result.nbytes, dtype=np.int64))
-        if got is None:
-            return False
-        result.ranges = {key: getattr(got, key).tolist() for key in RANGE_FILES}
-        self._ranges[_shard_key(result.shard)] = got
-        return True
+    def _remember_ranges(self, result: ShardResult) -> None:
+        if result.ranges is not None:
+            self._ranges[_shard_key(result.shard)] = PayloadRanges(
+                *(np.asarray(result.ranges[key], dtype=DTYPES[key]) for key in RANGE_FILES))
 
     def recorded_ranges(self, shard: Shard) -> PayloadRanges | None:
         return self._ranges.get(_shard_key(shard))
-
-    def _upload(self, names: list[str], prefix: str = "") -> None:
-        """Put the staged files ``names`` (relative to the staging folder) as ``<prefix><name>``, 8 at once."""
-        with ThreadPoolExecutor(max_workers=min(UPLOADS_IN_FLIGHT, max(1, len(names)))) as pool:
-            for future in [pool.submit(self._upload_one, prefix + name, self.folder / name) for name in names]:
-                future.result()
-
-    def _upload_one(self, key: str, path: Path) -> None:
-        try:
-            self.store.put(key, path)
-        except StorageError as exc:
-            raise ShardWriteError(f"uploading {key} failed ({exc})") from None
-        self.uploaded.add(key)
 
     # ---- the end
 
     def files_done(self, names: list[str]) -> None:
         """Upload finished files (an export's tars, as each is closed) and delete them in the staging folder."""
-        self._check_lock()
-        self._upload(names)
+        self.uploader.check_lock()
+        self.uploaded.update(self.uploader.upload(self.folder, names))
         for name in names:
             _remove(self.folder, name)
 
@@ -422,7 +463,7 @@ class RemoteOutput(Output):
         the plan and the lock."""
         rest = [p.relative_to(self.folder).as_posix() for p in sorted(self.folder.rglob("*"))
                 if p.is_file() and p.relative_to(self.folder).parts[0] != JOURNAL_DIR]
-        self._upload(rest)
+        self.uploaded.update(self.uploader.upload(self.folder, rest))
         write_last(self.folder)
         files = _named_objects(self.marker, json.loads((self.folder / self.marker).read_text(encoding="utf-8")))
         present = {o.key: o for o in self.store.list()}
@@ -434,8 +475,8 @@ class RemoteOutput(Output):
         for key in sorted(set(self.found) - keep):  # the old output's: the prefix held packer's objects only
             if not key.startswith(REMOTE_PARTIAL + "/"):
                 self.store.delete(key)
-        self._check_lock()
-        self._upload_one(self.marker, self.folder / self.marker)
+        self.uploader.check_lock()
+        self.uploaded.add(self.uploader.upload_one(self.marker, self.folder / self.marker))
         self._clear_partial(present)
         shutil.rmtree(self.folder, ignore_errors=True)
 

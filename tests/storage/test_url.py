@@ -115,15 +115,6 @@ def test_every_command_refuses_a_url_in_one_line(argv, by, imgs, in_tmp, capsys)
     assert not (in_tmp / "outdir").exists()
 
 
-def test_a_cluster_conversion_to_a_url_is_refused_before_any_cluster_starts(imgs, in_tmp, capsys):
-    """Dask workers write shards to storage they share with the driver: a bucket output is refused in one line
-    (exit 2), before a cluster is asked for (a scheduler address nothing listens on would hang or fail otherwise)."""
-    assert main(["convert", str(imgs), "--to", "lmdb", "-o", URL, "--scheduler", "tcp://127.0.0.1:9", "-q"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("packer: error: ") and "\n" not in err
-    assert "--scheduler" in err and "not object storage yet" in err
-
-
 def test_a_wds_export_to_a_url_is_written_there_not_refused(imgs, in_tmp, fresh_store, capsys):
     """``convert --to wds -o URL`` was refused like the entries above; it now exports into the bucket (the index
     last: tests/write/test_remote_output.py), and nothing is written locally."""

@@ -28,14 +28,6 @@ SHARD = 40_000  # about 8 images of 48x64: several shards from a tiny source
 
 
 @pytest.fixture(scope="module")
-def client():
-    """The cluster of ``--scheduler local:2``: 2 worker processes, 1 thread each (shared by the module)."""
-    with open_client("local:2") as c:
-        assert len(c.nthreads()) == 2 and set(c.nthreads().values()) == {1}
-        yield c
-
-
-@pytest.fixture(scope="module")
 def source(tmp_path_factory):
     root = make_imagefolder(tmp_path_factory.mktemp("dist") / "src", classes=3, per_class=20, size=(48, 64))
     make_bad_inputs(root)  # a fourth class, "weird", with files that must end in errors.json

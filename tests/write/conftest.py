@@ -1,0 +1,16 @@
+"""Fixtures of the write tests that start a Dask cluster (tests/write/test_cluster.py, test_cluster_to_bucket.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def client():
+    """The cluster of ``--scheduler local:2``: 2 worker processes, 1 thread each (shared by the module)."""
+    pytest.importorskip("distributed", reason="needs the packer[dask] extra (make install adds it)")
+    from packer.write.cluster import open_client
+
+    with open_client("local:2") as c:
+        assert len(c.nthreads()) == 2 and set(c.nthreads().values()) == {1}
+        yield c
