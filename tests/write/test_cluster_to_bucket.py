@@ -224,3 +224,30 @@ def test_cli_converts_into_a_bucket_on_a_scheduler(client, source, reference, tm
     assert res.returncode == 1, res.stderr  # 1: some source files were bad (listed in errors.json)
     assert "not packed, see errors.json" in res.stderr and SECRET not in res.stderr + res.stdout
     same_dataset(tmp_path / "root" / "ds.lmdb", reference)
+
+
+def test_a_bad_source_under_on_error_raise_leaves_nothing_in_the_bucket(client, source, tmp_path):
+    (tmp_path / "root").mkdir()
+    srv = Emulated(tmp_path / "root")
+    try:
+        with pytest.raises(PackerError, match=r"weird/(empty|truncated|random|broken_link|unreadable)\.jpg"):
+            _convert(source, srv, client, tmp_path, on_error="raise", order="source")  # the bad class last
+        wait_until(lambda: not any(client.processing().values()), "the cluster's tasks ended")
+        puts = srv.server.stats.settled()["puts"]
+    finally:
+        srv.stop()
+    assert puts > 3  # the lock, the plan and shards were put: the shards uploaded by tasks are deleted as well
+    assert not [p for p in (tmp_path / "root").rglob("*") if p.is_file()]
+
+
+def test_overwrite_on_the_cluster_replaces_a_dataset_as_a_local_run_does(client, source, reference, tmp_path):
+    (tmp_path / "root").mkdir()
+    srv = Emulated(tmp_path / "root")
+    try:
+        convert(source, URL, workers=0, to="memmap", progress=False, storage_options=_options(srv))  # another one
+        with pytest.raises(PackerError, match="already exists"):
+            _convert(source, srv, client, tmp_path)
+        _convert(source, srv, client, tmp_path, overwrite=True)
+    finally:
+        srv.stop()
+    same_dataset(tmp_path / "root" / "ds.lmdb", reference)  # and nothing of the memmap dataset left
