@@ -87,6 +87,7 @@ def _add_convert(sub) -> None:
         packer convert imgs/ --to mosaic --tile 224x224 --grid 16x16 --codec jpeg --quality 95   # lossy, small
         packer convert /shared/imgs --to lmdb --scheduler tcp://HOST:8786   # on a Dask cluster
         packer convert imgs/ --to lmdb --scheduler local:4      # a local Dask cluster of 4 processes
+        packer convert s3://b/imgs/ --to lmdb -o s3://b/imgs.lmdb --scheduler tcp://HOST:8786   # nothing shared
         packer convert labels.csv --root imgs/ --to lmdb    # a list file: path,label[,...] (or "path label" lines)
         packer convert train.tar --to lmdb                  # an archive, read in place (also .zip, nested tars)
         packer convert imgs.lmdb --to hdf5                  # a packer dataset into another format
@@ -111,8 +112,10 @@ def _add_convert(sub) -> None:
     p.add_argument("--scheduler", metavar="tcp://HOST:PORT|local:N",
                    help="convert on a Dask cluster (pip install -e '.[dask]' in packer's checkout): the address of "
                    "a running scheduler, or local:N to start N local worker processes. Workers scan the class folders "
-                   "and write one shard per task; source and output must be on storage they all share. "
-                   "Same bytes as a local conversion; --workers is then ignored")
+                   "and write one shard per task; the source must be on storage they all share (or in a bucket), "
+                   "and so must the output, unless it is in a bucket (-o s3://...: each task uploads its shard "
+                   "from its worker, the driver the manifest last). Same bytes as a local conversion; --workers "
+                   "is then ignored")
     p.add_argument("-q", "--quiet", action="store_true",
                    help="print errors only: no progress bar, no summary (the exit code still tells)")
     _add_json(p, "what was packed into each output and every record left out, with its reason")

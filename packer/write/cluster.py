@@ -9,7 +9,7 @@ next ``load_done_shards`` (or the end of the run) clears the leftovers. The driv
 returned shard against the plan and finishes (index, errors.json, manifest) like a local run.
 
 An output in a bucket (``Output.shard_uploader``): each task writes its shard in a temporary folder of its
-worker and uploads it from there (``remote_output.ShardUploader``: its objects, then its journal entry), so
+worker and uploads it from there (``ShardPutter``, ``remote_output.ShardUploader``: its objects, then its entry), so
 workers need share no disk with the driver and no shard passes through it; the task returns only the shard's
 record, and the driver puts the manifest last, as a local run does. A task re-run puts the same bytes again.
 
@@ -29,20 +29,18 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from packer._version import __version__
 from packer.errors import MissingPackageError, OptionError, PackerError, arg, install_hint
 from packer.formats import get_format
 from packer.write.journal import ShardResult, record_shard
 from packer.write.options import ConvertOptions
+from packer.write.output import ShardPutter
 from packer.write.scan import scan_folder, walk_class
 from packer.write.shards import BuildJob, ShardWriteError, prepare, progress_bar, write_shard
 from packer.write.sources.base import FileReader, SourceReader
 from packer.write.sources.records import ClassMapper, ScanResult, Walk
-
-if TYPE_CHECKING:
-    from packer.write.remote_output import ShardUploader
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
@@ -157,7 +155,7 @@ def _walk_classes(folders: list[tuple[str, str]], skip_hidden: bool) -> list[Wal
 
 def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str, int, Any]], options: dict,
                   on_error: str, version: str, reader: SourceReader | None = None,
-                  uploader: ShardUploader | None = None) -> dict:
+                  uploader: ShardPutter | None = None) -> dict:
     """Dask task: prepare, write, move into place and journal one shard; with ``uploader`` (an output in a bucket),
     write it in a temporary folder of this worker and upload it instead (``partial`` is then not used).
 
@@ -203,7 +201,7 @@ def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str,
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         if uploader is not None:
-            uploader.store.close()  # this task's client: a worker runs many tasks
+            uploader.close()  # this task's client: a worker runs many tasks
     return {"result": result.to_json(), "uploaded": keys}
 
 

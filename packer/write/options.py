@@ -141,8 +141,9 @@ class RunOptions:
                                    "always, False never (the command line's -q: none)", flag=None)
     client: Any = option(
         None, "a dask.distributed.Client: the cluster's workers scan the class folders and write the shards (source "
-        "and output on storage they all share); the bytes are the same as a local run's (the command line opens one "
-        "with --scheduler)", flag="scheduler", generated=False, wds=False)
+        "and output on storage they all share, or in a bucket: a task then uploads its shard from its worker); the "
+        "bytes are the same as a local run's (the command line opens one with --scheduler)", flag="scheduler",
+        generated=False, wds=False)
     storage_options: dict[str, Any] | None = option(
         None, "a source or an output in object storage (s3://, gs://, az://, http(s)://): the storage client's "
         "settings, one set for every object the conversion reads or writes (obstore's keys: endpoint, region, "

@@ -15,7 +15,7 @@ import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from packer.errors import OptionError, OutputExistsError, PackerError, arg
 from packer.layout.fsutil import fsync_dir, fsync_tree
@@ -34,9 +34,6 @@ from packer.write.journal import (
 )
 from packer.write.lock import OutputLock, check_free
 from packer.write.sources.records import ScanResult
-
-if TYPE_CHECKING:
-    from packer.write.remote_output import ShardUploader
 
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 NEW_TAG = ".packer-new-"  # <out>.packer-new-<pid>-<random>: a new .partial until its plan is written
@@ -150,6 +147,19 @@ def _remove_leftovers(out: Path, trash: Path | None) -> None:
         except OSError as exc:
             log.warning("warning: %s is in place, but %s could not be removed (%s); remove it yourself", out,
                         exc.filename or path, exc.strerror or exc)
+
+
+class ShardPutter(Protocol):
+    """Puts a shard written in a local folder where its output keeps it (``remote_output.ShardUploader``: a
+    bucket); picklable, so that a Dask task on a machine sharing no disk with the driver puts the shard it wrote."""
+
+    def put(self, folder: Path, result: ShardResult, names: list[str]) -> tuple[ShardResult, list[str]]:
+        """Checksum, journal and put the shard's files ``names`` in ``folder``; the result and the keys put."""
+        ...
+
+    def close(self) -> None:
+        """Release what this process opened to put shards (a storage client)."""
+        ...
 
 
 class Output:
@@ -295,7 +305,7 @@ class Output:
         """A shard's files are all written: flush and checksum them, then journal the shard as done."""
         return record_shard(self.folder, result, names)
 
-    def shard_uploader(self, shard_id: int) -> ShardUploader | None:
+    def shard_uploader(self, shard_id: int) -> ShardPutter | None:
         """What a Dask task on another machine needs to put shard ``shard_id``, written in its own temporary folder,
         into this output (an output in a bucket: its ``ShardUploader``); None here: the task writes into ``folder``,
         on storage every worker shares."""

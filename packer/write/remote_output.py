@@ -43,7 +43,7 @@ from packer.storage.url import parse
 from packer.sysinfo import pid_alive
 from packer.write.journal import ShardResult, changed_sources, record_shard, shard_entry
 from packer.write.lock import OutputLock
-from packer.write.output import Output
+from packer.write.output import Output, ShardPutter
 from packer.write.ranges import shard_ranges
 from packer.write.shards import ShardWriteError
 from packer.write.sources.records import ScanResult
@@ -64,7 +64,7 @@ def staging_root(staging_dir: str | os.PathLike | None) -> Path:
 
 
 @dataclass(frozen=True)
-class ShardUploader:
+class ShardUploader(ShardPutter):
     """Puts a shard written in a local folder into an output in a bucket, the one way (``RemoteOutput.shard_done``):
     checksums and payload ranges, the lock checked, an earlier run's entry for the shard deleted (``stale``), the
     shard's objects, then its journal entry. Small and picklable, so that a Dask task on a machine sharing no disk
@@ -105,6 +105,9 @@ class ShardUploader:
         for name in names:
             _remove(folder, name)
         return result, keys
+
+    def close(self) -> None:
+        self.store.close()
 
     def _keep_ranges(self, folder: Path, result: ShardResult) -> bool:
         """Record in ``result`` (its journal entry: a ``resume`` keeps them) the payload ranges of the shard whose
