@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
 import pytest
-from support.storage_servers import CREDENTIALS, Emulated, wait_until
+from support.storage_servers import CREDENTIALS, Emulated, killed_upload, wait_until
 
 distributed = pytest.importorskip("distributed", reason="needs the packer[dask] extra (make install adds it)")
 psutil = pytest.importorskip("psutil")
 
 import test_cluster  # noqa: E402
-from test_cluster import SHARD, _cli, same_dataset  # noqa: E402
+from test_cluster import REPO, SHARD, _cli, same_dataset  # noqa: E402
 
 from packer import PackerError, convert, open_dataset  # noqa: E402
 from packer.layout.manifest import read_manifest  # noqa: E402
@@ -251,3 +252,22 @@ def test_overwrite_on_the_cluster_replaces_a_dataset_as_a_local_run_does(client,
     finally:
         srv.stop()
     same_dataset(tmp_path / "root" / "ds.lmdb", reference)  # and nothing of the memmap dataset left
+
+
+def test_a_driver_killed_mid_run_leaves_no_manifest_and_resume_on_the_cluster_finishes(client, source, reference,
+                                                                                       tmp_path):
+    (tmp_path / "root").mkdir()
+    srv = Emulated(tmp_path / "root", bandwidth=100_000)  # a slow link: the driver is killed with shards to go
+    dataset = tmp_path / "root" / "ds.lmdb"
+    opts = [a for k, v in _options(srv).items() for a in ("--storage-option", f"{k}={v}")]
+    cmd = [sys.executable, "-m", "packer", "convert", str(source), "-o", URL, "--shard-size", str(SHARD),
+           "--scheduler", client.scheduler.address, "--staging-dir", str(tmp_path / "staging"), *opts, "-q"]
+    try:
+        killed_upload(cmd, {**os.environ, "PYTHONPATH": str(REPO)}, dataset / REMOTE_PARTIAL / "journal", srv)
+        wait_until(lambda: not any(client.processing().values()), "the killed driver's tasks ended")
+        assert not (dataset / "manifest.json").exists() and (dataset / REMOTE_LOCK).is_file()
+        _convert(source, srv, client, tmp_path, resume=True)
+    finally:
+        srv.stop()
+    same_dataset(dataset, reference)
+    assert not (dataset / REMOTE_PARTIAL).exists()
