@@ -6,6 +6,7 @@ the cache limit, faults in every reader, and two "nodes" of two ranks each."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import multiprocessing as mp
 import shutil
 import threading
@@ -32,6 +33,7 @@ from packer.errors import InputNotFoundError
 from packer.formats import FORMATS
 from packer.layout.manifest import read_manifest
 from packer.layout.remote import DatasetReplaced
+from packer.read.remote import RemoteShards
 from packer.storage.cache import ChecksumMismatch
 from packer.storage.emulate import Fault
 from packer.storage.faults import AccessDenied
@@ -72,6 +74,12 @@ def _open(server, tmp_path, url: str = URL, cache: str = "cache", **kw):
 
 def _counts(server) -> dict:
     return server.server.stats.settled()
+
+
+def _files(ds) -> RemoteShards:
+    """The dataset's shard files (whole-shard mode's reader)."""
+    assert isinstance(ds.store.files, RemoteShards)
+    return ds.store.files
 
 
 def _shard_bytes(ds) -> list[int]:
@@ -209,6 +217,18 @@ def test_the_next_shards_of_the_order_are_fetched_before_they_are_read(served, t
         wait_until(lambda: all((root / name).exists() for name in ahead), "the next two shards fetched ahead")
         later = [f.name for k in shards[3:] for f in ds.manifest.shards[k].files]
         assert not any((root / name).exists() for name in later)  # not the whole dataset: what the limit allows
+
+
+def test_a_pass_fetches_its_first_shard_where_it_starts_before_any_read(served, tmp_path):
+    """A DataLoader iterates the sampler in its main process while its workers start (seconds, spawned): the
+    shard of the pass's first sample is fetched then, with the shards after it, so reading it asks nothing."""
+    with _open(served, tmp_path, image="tensor") as ds:
+        first = next(iter(packer.BlockShuffleSampler(ds, batch_size=6, seed=0)))
+        asked = list(_files(ds)._process.get().futures.values())  # this process's fetches: the pass's, so far
+        concurrent.futures.wait(asked)
+        before = _counts(served)
+        ds[first]
+        assert _counts(served)["gets"] == before["gets"]
 
 
 def test_a_second_epoch_with_a_cache_as_large_as_the_dataset_fetches_nothing(served, tmp_path):
