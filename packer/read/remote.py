@@ -74,6 +74,17 @@ class RemoteShards:
         self.starts = shard_starts([s.num_samples for s in remote.manifest.shards])
         self._process: PerProcess[_Process] = PerProcess(_Process)
 
+    def __getstate__(self) -> dict:
+        """All but the shards' first positions, made again from the manifest where unpickled (the remote dataset,
+        unpickled first, has reloaded it: ``RemoteDataset.__setstate__``)."""
+        state = dict(self.__dict__)
+        del state["starts"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.starts = shard_starts([s.num_samples for s in self.remote.manifest.shards])
+
     # ---- ShardFiles ----
 
     def open(self) -> tuple[Manifest, Index, FieldStore, None]:

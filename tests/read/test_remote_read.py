@@ -1,13 +1,13 @@
 """open_dataset(URL): a dataset in object storage read as the local one is (packer/read/remote.py), against real
 servers: moto's S3 for correctness, the emulated store for counting GETs and bytes and for injecting faults.
 Whole-shard mode (remote_mode="shard"; ranged mode: test_ranged_read.py): every format, DataLoader workers (fork),
-ThreadLoader, read-ahead along the sampler's order,
-the cache limit, faults in every reader, and two "nodes" of two ranks each."""
+ThreadLoader, read-ahead along the sampler's order, the cache limit, faults in every reader, and two "nodes" of two
+ranks each; in both modes, the pickle a spawned worker gets (the same size for 4 shards and 300)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import multiprocessing as mp
+import pickle
 import shutil
 import threading
 
@@ -202,6 +202,59 @@ def test_spawned_dataloader_workers_read_through_the_pickled_dataset(served, tmp
         assert len(images) == len(ds) and all(torch.equal(a, local[i][0]) for i, a in enumerate(images))
 
 
+@pytest.fixture(scope="module")
+def shard_counts(tmp_path_factory):
+    """One folder of 300 small photos converted twice: in 4 shards (few/ds.lmdb) and one per photo (many/)."""
+    base = tmp_path_factory.mktemp("shard-counts")
+    src = make_imagefolder(base / "imgs", classes=3, per_class=100)
+    total = sum(f.stat().st_size for f in src.rglob("*.jpg"))
+    for name, shard_bytes in (("few", total // 4 + 1), ("many", 1)):
+        convert(src, base / name / "ds.lmdb", to="lmdb", shard_bytes=shard_bytes, workers=0, progress=False)
+    return base
+
+
+@pytest.mark.parametrize("mode", ["shard", "ranged"])
+def test_a_url_datasets_pickle_does_not_grow_with_its_shards_and_a_spawned_worker_reloads_it(shard_counts, tmp_path,
+                                                                                            mode):
+    """A spawned DataLoader worker gets its dataset through a 64 KiB pipe that Process.start blocks on: the
+    manifest, every object's ETag and the shard readers travel as references to the node's cache, so 300 shards
+    pickle as 4 do; the worker reloads them from there, reads the right samples and asks the store nothing."""
+    servers = {name: serve_copy(shard_counts / name / "ds.lmdb", tmp_path / name) for name in ("few", "many")}
+    try:
+        sizes = {}
+        for name, server in servers.items():
+            with _open(server, tmp_path, cache=f"cache-{name}", remote_mode=mode) as ds:
+                sizes[name] = (len(ds.manifest.shards), len(pickle.dumps(ds)))
+        assert sizes["few"][0] == 4 and sizes["many"][0] == 300
+        assert abs(sizes["many"][1] - sizes["few"][1]) < 256, sizes  # before: about 570 bytes more per shard
+        local = open_dataset(shard_counts / "many" / "ds.lmdb", image="tensor")
+        with _open(servers["many"], tmp_path, cache="cache-many", remote_mode=mode, image="tensor") as ds:
+            read_all(ds, "main")  # every shard or group in the node's cache: a worker's request would be its own
+            before = _counts(servers["many"])
+            got = DataLoader(ds, batch_size=50, num_workers=1, collate_fn=packer.collate,
+                             multiprocessing_context="spawn")
+            images = [img for imgs, _ in got for img in imgs]
+            assert len(images) == len(ds) and all(torch.equal(a, local[i][0]) for i, a in enumerate(images))
+            assert _counts(servers["many"])["requests"] == before["requests"]
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.mark.parametrize("changed", ["manifest", "objects"])
+def test_an_unpickled_url_dataset_refuses_a_node_cache_changed_since_the_open(served, tmp_path, changed):
+    """What a worker reloads from the node's cache (the manifest, the record of every object's ETag) is checked
+    against the digests its pickle holds: a copy changed there is refused in one line naming the URL, never read
+    with the original's index."""
+    with _open(served, tmp_path) as ds:
+        blob = pickle.dumps(ds)
+        folder = _files(ds).remote.folder
+    target = folder / "manifest.json" if changed == "manifest" else next(folder.glob("objects-*.json"))
+    target.write_bytes(target.read_bytes() + b"\n")  # the same JSON, other bytes
+    with pytest.raises(packer.DatasetError, match=r"^s3://bucket/ds.lmdb[^\n]*: open the dataset again$"):
+        pickle.loads(blob)
+
+
 def test_the_next_shards_of_the_order_are_fetched_before_they_are_read(served, tmp_path):
     with _open(served, tmp_path, cache_limit=1 << 30) as probe:
         limit = 5 * max(_shard_bytes(probe))  # the shard read, two ahead and two more
@@ -217,18 +270,6 @@ def test_the_next_shards_of_the_order_are_fetched_before_they_are_read(served, t
         wait_until(lambda: all((root / name).exists() for name in ahead), "the next two shards fetched ahead")
         later = [f.name for k in shards[3:] for f in ds.manifest.shards[k].files]
         assert not any((root / name).exists() for name in later)  # not the whole dataset: what the limit allows
-
-
-def test_a_pass_fetches_its_first_shard_where_it_starts_before_any_read(served, tmp_path):
-    """A DataLoader iterates the sampler in its main process while its workers start (seconds, spawned): the
-    shard of the pass's first sample is fetched then, with the shards after it, so reading it asks nothing."""
-    with _open(served, tmp_path, image="tensor") as ds:
-        first = next(iter(packer.BlockShuffleSampler(ds, batch_size=6, seed=0)))
-        asked = list(_files(ds)._process.get().futures.values())  # this process's fetches: the pass's, so far
-        concurrent.futures.wait(asked)
-        before = _counts(served)
-        ds[first]
-        assert _counts(served)["gets"] == before["gets"]
 
 
 def test_a_second_epoch_with_a_cache_as_large_as_the_dataset_fetches_nothing(served, tmp_path):
