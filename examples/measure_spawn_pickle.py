@@ -10,8 +10,9 @@ no latency; each repeat opens s3://packer/ds.lmdb in a new cache folder (ranged 
 one pass of DataLoader(num_workers=2, multiprocessing_context="spawn", BlockShuffleSampler, batch_size=--batch).
 Python writes a spawned child's pickle through a 64 KiB pipe and ``Process.start`` waits until the child has read
 it: a pickle past that makes the second worker start after the first has imported torch and packer. Reported per
-repeat: the pickle's bytes, each worker's ``worker_init_fn`` time after the DataLoader's iterator was asked for,
-their gap, the first batch's time and the load average. Figures go to docs/remote.md with this command.
+repeat: the pickle's bytes, the seconds to unpickle it in this process (its modules imported), each worker's
+``worker_init_fn`` time after the DataLoader's iterator was asked for, their gap, the first batch's time and the
+load average. Figures go to docs/remote.md with this command.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ def repeat(server: Server, cache_dir: Path, marks: Path, args: argparse.Namespac
                              storage_options={"endpoint": server.endpoint, "skip_signature": True,
                                               "region": "us-east-1"})
     try:
-        size = len(pickle.dumps(ds))
+        blob = pickle.dumps(ds)
+        began = time.perf_counter()
+        pickle.loads(blob).close()  # what a worker does with it, its modules imported
+        unpickle = time.perf_counter() - began
         loader = DataLoader(ds, batch_size=args.batch, sampler=packer.BlockShuffleSampler(ds, batch_size=args.batch),
                             num_workers=2, multiprocessing_context="spawn", collate_fn=packer.collate,
                             worker_init_fn=functools.partial(started, str(marks)))
@@ -67,7 +71,8 @@ def repeat(server: Server, cache_dir: Path, marks: Path, args: argparse.Namespac
         for _ in batches:
             pass
         inits = sorted(float((marks / f"worker-{w}").read_text()) - start for w in range(2))
-        return {"shards": len(ds.manifest.shards), "pickle_bytes": size, "worker_init_s": [round(t, 2) for t in inits],
+        return {"shards": len(ds.manifest.shards), "pickle_bytes": len(blob), "unpickle_s": round(unpickle, 3),
+                "worker_init_s": [round(t, 2) for t in inits],
                 "gap_s": round(inits[1] - inits[0], 2), "first_batch_s": round(first, 2), "load_1min": load}
     finally:
         ds.close()
