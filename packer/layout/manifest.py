@@ -21,6 +21,7 @@ from packer.errors import DatasetError, InputNotFoundError, PackerError
 from packer.layout.fsutil import write_atomic
 from packer.layout.partial import unfinished_note
 from packer.layout.trust import check_inner_name, inside, json_kind, read_inside
+from packer.perprocess import PicklesAs
 
 KIND = "packer-dataset"
 VERSION = 1
@@ -48,7 +49,10 @@ class Shard:
 
 
 @dataclass
-class Manifest:
+class Manifest(PicklesAs):
+    """What a packed dataset is (``manifest.json``); a URL dataset's pickles as a reference to it (reloaded from the
+    node's cache where unpickled: packer/layout/remote.py)."""
+
     format: str
     payload: str
     num_samples: int
@@ -293,11 +297,15 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     return load_manifest(directory, str(directory / MANIFEST_NAME), lambda listed: count_files(directory, listed))
 
 
-def load_manifest(directory: Path, where: str, present: Callable[[int], int]) -> Manifest:
+def load_manifest(directory: Path, where: str, present: Callable[[int], int], sha256: str | None = None) -> Manifest:
     """``directory/manifest.json`` (a regular file inside it, size-capped), parsed and checked as a dataset's:
     ``present(listed)`` counts the files the dataset holds, up to ``listed`` (``check_counts``). ``where`` names
-    the manifest in messages: its path, or the URL it was fetched from (packer/layout/remote.py)."""
+    the manifest in messages: its path, or the URL it was fetched from (packer/layout/remote.py). ``sha256``: the
+    digest its bytes must have (a URL dataset's copy in the node's cache, reloaded where it is unpickled)."""
     raw = read_inside(directory, MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
+        raise DatasetError(f"{where}: the node's copy ({directory / MANIFEST_NAME}) is no longer the manifest this "
+                           "dataset was opened with (the cache folder was changed): open the dataset again")
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

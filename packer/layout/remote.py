@@ -10,7 +10,9 @@ carries that ETag as If-Match, so a dataset replaced in the bucket while a job r
 ranges of shard objects (``fetch_ranges``) or whole shards (``fetch_shard``, into ``files/<...>/<name>``, where
 the format's own reader opens them by their manifest names), checked before use, the cache bounded by
 ``cache_limit``. Credentials (the environment, ``storage_options=``) reach the downloader only: never a file,
-message or ``repr`` here.
+message or ``repr`` here. Pickled (a spawned DataLoader worker's copy), it holds the URL and digests of the
+manifest and of ``objects-<digest>.json`` (every object's size and ETag as opened, written beside it once): the
+copy reloads both and the index from the node's cache, checked, asking the store nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import hashlib
+import json
 import logging
 import os
 import threading
@@ -31,12 +34,14 @@ from packer import sysinfo
 from packer.errors import DatasetError, InputNotFoundError, PackerError, SharedCacheWarning
 from packer.layout.fields import FieldStore, load_fields
 from packer.layout.index import Index
-from packer.layout.manifest import MANIFEST_NAME, load_manifest
+from packer.layout.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, load_manifest, sha256_file
 from packer.layout.report import ERRORS_NAME, MAX_ERRORS_BYTES
+from packer.layout.trust import read_inside
 from packer.perprocess import PerProcess
 from packer.storage.client import ObjectInfo, StoreSpec
 from packer.storage.downloader_client import DownloaderClient, wait_all
 from packer.storage.faults import ObjectChanged, ObjectNotFound, RetryPolicy
+from packer.storage.node import temp_suffix
 from packer.storage.protocol import cache_root, limit_bytes, range_name, store_identity
 from packer.storage.url import parse
 
@@ -143,7 +148,8 @@ class RemoteDataset:
         where = self.where(MANIFEST_NAME)
         # the objects under the prefix bound the files a manifest may list (http(s) can't list: HEADs follow)
         held = len(listed) if listed is not None else None
-        manifest = load_manifest(self.folder, where, lambda n: n if held is None else held)
+        self.manifest_sha256 = sha256_file(self.folder / MANIFEST_NAME)  # what an unpickled copy reloads
+        manifest = load_manifest(self.folder, where, lambda n: n if held is None else held, self.manifest_sha256)
         listing = listed if listed is not None else self._heads([f.name for f in manifest.all_files()] + [ERRORS_NAME])
         listing[MANIFEST_NAME] = RemoteFile(MANIFEST_NAME, head.size, head.etag)
         self.objects = listing
@@ -154,6 +160,7 @@ class RemoteDataset:
         if self.problems and strict:
             raise DatasetError(self.problems[0])
         self.manifest = manifest
+        manifest.pickle_as((getattr, (self, "manifest")))
         errors = listing.get(ERRORS_NAME)
         if errors is not None and errors.size > MAX_ERRORS_BYTES:
             raise DatasetError(f"{self.where(ERRORS_NAME)}: implausibly large ({errors.size} bytes, at most "
@@ -180,18 +187,61 @@ class RemoteDataset:
         self.fields.pickle_as((getattr, (self, "fields")))
 
     def __getstate__(self) -> dict:
-        """Everything but the index and fields (reloaded from the node's cache by ``__setstate__``): the URL, the
-        version opened and every object's ETag, so the unpickled copy reads exactly what this one opened (a file
+        """The URL, the version opened and digests of its manifest and of the record of every object's size and
+        ETag (written into the node's cache once), not what grows with the shards or samples: the unpickled copy
+        reloads them from there, checked (``__setstate__``), and reads exactly what this one opened (a file
         replaced in the bucket since is ``DatasetReplaced`` there too)."""
         state = dict(self.__dict__)
-        state.pop("index", None)
-        state.pop("fields", None)
+        for name in ("index", "fields", "manifest", "objects", "problems"):
+            state.pop(name, None)
+        if "manifest" in self.__dict__:  # opened (a failed open pickles nothing to reload)
+            state["objects_sha256"] = self._record_objects()
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        if "manifest" in state:  # opened (a failed open pickles nothing to reload)
+        if "objects_sha256" in state:
+            self.manifest = load_manifest(self.folder, self.where(MANIFEST_NAME), lambda n: n, self.manifest_sha256)
+            self.manifest.pickle_as((getattr, (self, "manifest")))
+            self.objects = self._recorded_objects()
+            self.problems = self.manifest.size_problems({n: f.size for n, f in self.objects.items()}, self.where)
             self._load_meta()
+
+    def _record_objects(self) -> str:
+        """The sha256 of the record of every object's size and ETag as opened, written once into the dataset's
+        folder of the node's cache as ``objects-<digest>.json`` (a temporary file renamed: ranks of a node may
+        write it at once)."""
+        digest = self.__dict__.get("objects_sha256")
+        if digest is None:
+            data = json.dumps({n: [f.size, f.etag] for n, f in sorted(self.objects.items())}).encode()
+            digest = hashlib.sha256(data).hexdigest()
+            path = self.folder / f"objects-{digest[:16]}.json"
+            if not os.path.exists(path):
+                tmp = path.with_name(path.name + temp_suffix())
+                try:
+                    with open(tmp, "xb") as fh:
+                        fh.write(data)
+                    os.replace(tmp, path)
+                except OSError as exc:
+                    tmp.unlink(missing_ok=True)
+                    raise PackerError(f"{self.where()}: cannot record its objects in the node's cache ({path}: "
+                                      f"{exc.strerror or exc})") from None
+            self.objects_sha256 = digest
+        return digest
+
+    def _recorded_objects(self) -> dict[str, RemoteFile]:
+        """Every object's size and ETag as the pickled copy's original opened them (``_record_objects``), checked
+        against the digest it pickled."""
+        name = f"objects-{self.objects_sha256[:16]}.json"
+        try:
+            raw = read_inside(self.folder, name, MAX_MANIFEST_BYTES)
+        except PackerError:
+            raw = b""
+        if hashlib.sha256(raw).hexdigest() != self.objects_sha256:
+            raise DatasetError(f"{self.where()}: the record of its objects as opened ({self.folder / name}) is "
+                               "missing or changed in the node's cache (the cache folder was changed): open the "
+                               "dataset again")
+        return {n: RemoteFile(n, size, etag) for n, (size, etag) in json.loads(raw).items()}
 
     def _list(self) -> dict[str, RemoteFile]:
         return {i.key: RemoteFile(i.key, i.size, i.etag) for i in self.client.list(self.spec)}

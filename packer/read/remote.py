@@ -74,6 +74,17 @@ class RemoteShards:
         self.starts = shard_starts([s.num_samples for s in remote.manifest.shards])
         self._process: PerProcess[_Process] = PerProcess(_Process)
 
+    def __getstate__(self) -> dict:
+        """All but the shards' first positions, made again from the manifest where unpickled (the remote dataset,
+        unpickled first, has reloaded it: ``RemoteDataset.__setstate__``)."""
+        state = dict(self.__dict__)
+        del state["starts"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.starts = shard_starts([s.num_samples for s in self.remote.manifest.shards])
+
     # ---- ShardFiles ----
 
     def open(self) -> tuple[Manifest, Index, FieldStore, None]:
@@ -307,12 +318,14 @@ class PassPlan(Pass):
 
     def _starting(self, seg: int) -> None:
         """Each shard of the pass from ``seg`` on: needed at its first use (entries of the last pass no longer
-        read go first)."""
+        read go first); the first one fetched where the pass starts (a DataLoader's main process, while its
+        workers start up), not when a worker first reads it (``_enter`` fetches the shards after it)."""
         first: dict[int, int] = {}
         for i in range(seg, len(self.unit)):
             first.setdefault(self.unit[i], i)
         for shard, i in first.items():
             self._need(shard, i)
+        self.files.start(self.unit[seg], again=True)
 
     def _leave(self, seg: int) -> None:
         """Segment ``seg`` was handed out ``lag`` indices ago (read by now): its shard is needed next where the

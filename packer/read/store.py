@@ -131,13 +131,31 @@ class ShardStore(SampleSource):
         check_recorded_options(fmt.name, self.manifest.options, root / MANIFEST_NAME)
         self.fits_in_memory = fits_in_memory(self.manifest)  # read-ahead may read a block's edge request whole
         self.access = resolve_access(access, self.fits_in_memory)
-        with reading(f"{root}: opening shards"):
+        self._shards()
+        self._checked: PerProcess[set[int]] = PerProcess(set)  # shards whose files this process checked
+        self.hulls: dict[tuple[int, int], list[tuple[str, int, int]]] = {}  # byte_hulls, per range asked
+
+    def _shards(self) -> None:
+        """A reader (opening nothing yet), a first position and a name per shard, from the manifest."""
+        fmt = get_format(self.manifest.format)
+        with reading(f"{self.root}: opening shards"):
             self.readers = [self.files.reader(fmt, k, s, self.manifest.payload, self.access)
                             for k, s in enumerate(self.manifest.shards)]
         self.starts = shard_starts([s.num_samples for s in self.manifest.shards])
         self._names = [self.files.where(s.files[0].name) for s in self.manifest.shards]  # where(): once, not per read
-        self._checked: PerProcess[set[int]] = PerProcess(set)  # shards whose files this process checked
-        self.hulls: dict[tuple[int, int], list[tuple[str, int, int]]] = {}  # byte_hulls, per range asked
+
+    def __getstate__(self) -> dict:
+        """All but what ``_shards`` makes again where unpickled (a URL dataset's manifest pickles as a reference:
+        a spawned worker's pickle does not grow with the shards) and the remembered hulls."""
+        state = dict(self.__dict__)
+        for name in ("readers", "starts", "_names"):
+            del state[name]
+        state["hulls"] = {}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state)
+        self._shards()
 
     def start(self, positions: np.ndarray, ahead: Sequence[Ahead] = (), skip_cached: bool = True
               ) -> readahead.Pending:

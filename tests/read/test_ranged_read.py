@@ -21,6 +21,7 @@ from packer.errors import OptionError
 from packer.layout.ranges import PayloadRanges
 from packer.layout.remote import DatasetReplaced
 from packer.read.ranged import GROUP_BYTES, SLACK, Groups, RangedSource
+from packer.read.remote import RemoteShards
 from packer.read.store import ShardStore
 from packer.storage.cache import ChecksumMismatch
 from packer.write.convert import convert
@@ -63,6 +64,12 @@ def _ranged(ds) -> RangedSource:
     """The dataset's ranged source (its reader in ranged mode)."""
     assert isinstance(ds.source, RangedSource)
     return ds.source
+
+
+def _shards(ds) -> RemoteShards:
+    """The dataset's shard files (its reader in whole-shard mode)."""
+    assert isinstance(ds.store.files, RemoteShards)
+    return ds.store.files
 
 
 def _counts(server) -> dict:
@@ -221,12 +228,15 @@ def test_spawned_dataloader_workers_read_the_pickled_ranged_dataset(served, tmp_
         assert len(images) == len(ds) and all(torch.equal(a, local[i][0]) for i, a in enumerate(images))
 
 
-def test_a_pass_fetches_its_first_group_where_it_starts_before_any_read(served, tmp_path):
+@pytest.mark.parametrize("mode", ["ranged", "shard"])
+def test_a_pass_fetches_its_first_group_or_shard_where_it_starts_before_any_read(served, tmp_path, mode):
     """A DataLoader iterates the sampler in its main process while its workers start (seconds, spawned): the
-    group of the pass's first sample is fetched then, with the groups after it, so reading it asks nothing."""
-    with _open(served, tmp_path, image="tensor") as ds:
+    group (whole-shard mode: the shard) of the pass's first sample is fetched then, with those after it, so
+    reading it asks nothing."""
+    with _open(served, tmp_path, image="tensor", remote_mode=mode) as ds:
         first = next(iter(packer.BlockShuffleSampler(ds, batch_size=6, seed=0)))
-        asked = list(_ranged(ds)._process.get().futures.values())  # this process's fetches: the pass's, so far
+        fetches = _ranged(ds) if mode == "ranged" else _shards(ds)
+        asked = list(fetches._process.get().futures.values())  # this process's fetches: the pass's, so far
         concurrent.futures.wait(asked)
         before = _counts(served)
         ds[first]

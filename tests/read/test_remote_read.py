@@ -1,12 +1,13 @@
 """open_dataset(URL): a dataset in object storage read as the local one is (packer/read/remote.py), against real
 servers: moto's S3 for correctness, the emulated store for counting GETs and bytes and for injecting faults.
 Whole-shard mode (remote_mode="shard"; ranged mode: test_ranged_read.py): every format, DataLoader workers (fork),
-ThreadLoader, read-ahead along the sampler's order,
-the cache limit, faults in every reader, and two "nodes" of two ranks each."""
+ThreadLoader, read-ahead along the sampler's order, the cache limit, faults in every reader, and two "nodes" of two
+ranks each; in both modes, the pickle a spawned worker gets (the same size for 4 shards and 300)."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import pickle
 import shutil
 import threading
 
@@ -32,6 +33,7 @@ from packer.errors import InputNotFoundError
 from packer.formats import FORMATS
 from packer.layout.manifest import read_manifest
 from packer.layout.remote import DatasetReplaced
+from packer.read.remote import RemoteShards
 from packer.storage.cache import ChecksumMismatch
 from packer.storage.emulate import Fault
 from packer.storage.faults import AccessDenied
@@ -72,6 +74,12 @@ def _open(server, tmp_path, url: str = URL, cache: str = "cache", **kw):
 
 def _counts(server) -> dict:
     return server.server.stats.settled()
+
+
+def _files(ds) -> RemoteShards:
+    """The dataset's shard files (whole-shard mode's reader)."""
+    assert isinstance(ds.store.files, RemoteShards)
+    return ds.store.files
 
 
 def _shard_bytes(ds) -> list[int]:
@@ -192,6 +200,59 @@ def test_spawned_dataloader_workers_read_through_the_pickled_dataset(served, tmp
         got = DataLoader(ds, batch_size=6, num_workers=1, collate_fn=packer.collate, multiprocessing_context="spawn")
         images = [img for imgs, _ in got for img in imgs]
         assert len(images) == len(ds) and all(torch.equal(a, local[i][0]) for i, a in enumerate(images))
+
+
+@pytest.fixture(scope="module")
+def shard_counts(tmp_path_factory):
+    """One folder of 300 small photos converted twice: in 4 shards (few/ds.lmdb) and one per photo (many/)."""
+    base = tmp_path_factory.mktemp("shard-counts")
+    src = make_imagefolder(base / "imgs", classes=3, per_class=100)
+    total = sum(f.stat().st_size for f in src.rglob("*.jpg"))
+    for name, shard_bytes in (("few", total // 4 + 1), ("many", 1)):
+        convert(src, base / name / "ds.lmdb", to="lmdb", shard_bytes=shard_bytes, workers=0, progress=False)
+    return base
+
+
+@pytest.mark.parametrize("mode", ["shard", "ranged"])
+def test_a_url_datasets_pickle_does_not_grow_with_its_shards_and_a_spawned_worker_reloads_it(shard_counts, tmp_path,
+                                                                                            mode):
+    """A spawned DataLoader worker gets its dataset through a 64 KiB pipe that Process.start blocks on: the
+    manifest, every object's ETag and the shard readers travel as references to the node's cache, so 300 shards
+    pickle as 4 do; the worker reloads them from there, reads the right samples and asks the store nothing."""
+    servers = {name: serve_copy(shard_counts / name / "ds.lmdb", tmp_path / name) for name in ("few", "many")}
+    try:
+        sizes = {}
+        for name, server in servers.items():
+            with _open(server, tmp_path, cache=f"cache-{name}", remote_mode=mode) as ds:
+                sizes[name] = (len(ds.manifest.shards), len(pickle.dumps(ds)))
+        assert sizes["few"][0] == 4 and sizes["many"][0] == 300
+        assert abs(sizes["many"][1] - sizes["few"][1]) < 256, sizes  # before: about 570 bytes more per shard
+        local = open_dataset(shard_counts / "many" / "ds.lmdb", image="tensor")
+        with _open(servers["many"], tmp_path, cache="cache-many", remote_mode=mode, image="tensor") as ds:
+            read_all(ds, "main")  # every shard or group in the node's cache: a worker's request would be its own
+            before = _counts(servers["many"])
+            got = DataLoader(ds, batch_size=50, num_workers=1, collate_fn=packer.collate,
+                             multiprocessing_context="spawn")
+            images = [img for imgs, _ in got for img in imgs]
+            assert len(images) == len(ds) and all(torch.equal(a, local[i][0]) for i, a in enumerate(images))
+            assert _counts(servers["many"])["requests"] == before["requests"]
+    finally:
+        for server in servers.values():
+            server.stop()
+
+
+@pytest.mark.parametrize("changed", ["manifest", "objects"])
+def test_an_unpickled_url_dataset_refuses_a_node_cache_changed_since_the_open(served, tmp_path, changed):
+    """What a worker reloads from the node's cache (the manifest, the record of every object's ETag) is checked
+    against the digests its pickle holds: a copy changed there is refused in one line naming the URL, never read
+    with the original's index."""
+    with _open(served, tmp_path) as ds:
+        blob = pickle.dumps(ds)
+        folder = _files(ds).remote.folder
+    target = folder / "manifest.json" if changed == "manifest" else next(folder.glob("objects-*.json"))
+    target.write_bytes(target.read_bytes() + b"\n")  # the same JSON, other bytes
+    with pytest.raises(packer.DatasetError, match=r"^s3://bucket/ds.lmdb[^\n]*: open the dataset again$"):
+        pickle.loads(blob)
 
 
 def test_the_next_shards_of_the_order_are_fetched_before_they_are_read(served, tmp_path):
