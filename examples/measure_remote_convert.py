@@ -10,7 +10,8 @@ link allows), the conversion from the bucket and the same conversion from the lo
 validation decodes every image), each --repeat times (the best kept). The server runs on the same cores, so what
 the request concurrency allows is measured as a ceiling in the same run against the same server: the same objects
 fetched by the plainest client (obstore's async ``get`` with --in-flight requests at once, nothing else: no
-packer), in one process and in --ceiling-procs processes. The figure of merit is conversion objects/s over
+packer), in one process and in --ceiling-procs processes; each repetition runs the ceilings, the fetch and the
+conversion in turn, so each sees the same load. The figure of merit is conversion objects/s over
 min(link, best ceiling). --distinct N generates N photos and writes the rest as copies of them (fast for 100,000).
 Figures go to docs/remote.md with this command.
 """
@@ -181,26 +182,36 @@ def main() -> None:
             remote_source.IN_FLIGHT = in_flight[0]
             batches = [int(n) for n in args.batch.split(",")]
             fetch_by_batch: dict[int, list[tuple[float, int]]] = {}
-            for b in reversed(batches):  # the first last: it stays set for the conversions
+            for b in reversed(batches[1:]):  # the first is measured below, alternated with the ceilings
                 remote_source.BATCH = b
                 mine, theirs = cpu_now(), server.cpu()
                 fetch_by_batch[b] = [fetch_all(url) for _ in range(args.repeat)]
                 count = args.count * args.repeat
                 cpu[-b] = {"client_ms": round((cpu_now() - mine) / count * 1e3, 3),
                            "server_ms": round((server.cpu() - theirs) / count * 1e3, 3)}
-            fetches = fetch_by_batch[batches[0]]
-            fetch_by.setdefault(in_flight[0], fetches)
-            cpu.setdefault(in_flight[0], cpu[-batches[0]])
-            fetched = fetches[0][1]
+            remote_source.BATCH = batches[0]
+            fetches: list[tuple[float, int]] = []
+            fetch_cpu = [0.0, 0.0]  # this process's, the server's, over the fetches below
             ceilings: dict[int, list[dict[str, float]]] = {int(p): [] for p in args.ceiling_procs.split(",")}
             remote: list[float] = []
             load = [os.getloadavg()]
-            for _ in range(args.repeat):  # the ceilings and the conversions alternate: the same load for both
+            for _ in range(args.repeat):  # the ceilings, the fetch and the conversion alternate: the same load
                 for procs, runs in ceilings.items():
                     runs.append(ceiling(server, keys_file, args.count, procs, in_flight[0]))
+                mine, theirs = cpu_now(), server.cpu()
+                fetches.append(fetch_all(url))
+                fetch_cpu[0] += cpu_now() - mine
+                fetch_cpu[1] += server.cpu() - theirs
                 if not args.fetch_only:
                     remote.append(timed_convert(url, Path(tmp) / "remote.lmdb", args))
                 load.append(os.getloadavg())
+            fetch_by_batch[batches[0]] = fetches
+            count = args.count * args.repeat
+            cpu[-batches[0]] = {"client_ms": round(fetch_cpu[0] / count * 1e3, 3),
+                                "server_ms": round(fetch_cpu[1] / count * 1e3, 3)}
+            fetch_by.setdefault(in_flight[0], fetches)
+            cpu.setdefault(in_flight[0], cpu[-batches[0]])
+            fetched = fetches[0][1]
         finally:
             server.close()
         local = [] if args.fetch_only else [timed_convert(folder, Path(tmp) / "local.lmdb", args)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -75,6 +76,23 @@ class StoreSpec:
 
     def __repr__(self) -> str:
         return f"StoreSpec({str(_location(self.url))!r}, options={sorted(self.options)}, {self.policy})"
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """A bound shared by the requests submitted with it: at most ``n`` out at once, the next (in the order
+    submitted) started by the client's loop as soon as one lands, not when the caller next asks, so a caller busy
+    with what landed leaves no request slot idle. ``key`` tells one bound from another (``Lanes.new``)."""
+
+    key: int
+    n: int
+
+    @classmethod
+    def new(cls, n: int) -> Lanes:
+        return cls(next(_LANES), n)
+
+
+_LANES = itertools.count()
 
 
 def _location(url: str) -> Location:
@@ -186,19 +204,31 @@ class LoopClient:
         # a client dropped unclosed stops its thread too (the thread holds the loop, not the client)
         self._stop = weakref.finalize(self, _stop_loop, self._loop, self._thread, os.getpid())
         self._stop.atexit = False  # at exit the process's end releases it, as before
+        self._lanes: weakref.WeakValueDictionary[int, asyncio.Semaphore] = weakref.WeakValueDictionary()
 
-    def submit(self, op: str, key: str, **kw: Any) -> concurrent.futures.Future:
-        """Run ``op`` ("head", "get", "list", "put", "delete") on ``key`` in the loop; its future."""
-        return asyncio.run_coroutine_threadsafe(self._with_retries(op, key, kw), self._loop)
+    def submit(self, op: str, key: str, lanes: Lanes | None = None, **kw: Any) -> concurrent.futures.Future:
+        """Run ``op`` ("head", "get", "list", "put", "delete") on ``key`` in the loop (within ``lanes``); its
+        future."""
+        return asyncio.run_coroutine_threadsafe(self._within(lanes, op, key, kw), self._loop)
 
-    def submit_many(self, op: str, calls: list[tuple[str, dict[str, Any]]]) -> concurrent.futures.Future:
-        """Run ``op`` on each ``(key, kw)`` of ``calls`` at once in the loop: one future of their results in order,
-        each the value or the ``StorageError`` it raised (one hand-over between threads for them all, not one each:
-        many small objects). Cancelling it cancels them all."""
-        return asyncio.run_coroutine_threadsafe(self._many(op, calls), self._loop)
+    def submit_many(self, op: str, calls: list[tuple[str, dict[str, Any]]],
+                    lanes: Lanes | None = None) -> concurrent.futures.Future:
+        """Run ``op`` on each ``(key, kw)`` of ``calls`` in the loop, all at once or within ``lanes``: one future of
+        their results in order, each the value or the ``StorageError`` it raised (one hand-over between threads for
+        them all, not one each: many small objects). Cancelling it cancels them all."""
+        return asyncio.run_coroutine_threadsafe(self._many(op, calls, lanes), self._loop)
 
-    async def _many(self, op: str, calls: list[tuple[str, dict[str, Any]]]) -> list[Any]:
-        results = await asyncio.gather(*(self._with_retries(op, key, kw) for key, kw in calls),
+    async def _within(self, lanes: Lanes | None, op: str, key: str, kw: dict[str, Any]) -> Any:
+        if lanes is None:
+            return await self._with_retries(op, key, kw)
+        gate = self._lanes.get(lanes.key)  # on the loop's thread only; gone once no request holds it
+        if gate is None:
+            gate = self._lanes[lanes.key] = asyncio.Semaphore(lanes.n)
+        async with gate:
+            return await self._with_retries(op, key, kw)
+
+    async def _many(self, op: str, calls: list[tuple[str, dict[str, Any]]], lanes: Lanes | None) -> list[Any]:
+        results = await asyncio.gather(*(self._within(lanes, op, key, kw) for key, kw in calls),
                                        return_exceptions=True)
         for result in results:  # a storage error is a result; anything else (a bug) is raised
             if isinstance(result, BaseException) and not isinstance(result, StorageError):
@@ -345,7 +375,8 @@ def serve_helper() -> None:
     while (msg := _receive(stdin)) is not None:
         header, payload = msg
         kw = header["kw"] | ({"data": payload} if header["op"] == "put" else {})
-        fut = client.submit(header["op"], header["key"], **kw)
+        lanes = Lanes(*header["lanes"]) if header.get("lanes") else None
+        fut = client.submit(header["op"], header["key"], lanes, **kw)
         fut.add_done_callback(lambda f, rid=header["id"], op=header["op"]: reply(rid, op, f))
     client.close()
 
@@ -368,21 +399,25 @@ class HelperClient:
         self._end = weakref.finalize(self, _end_helper, self._proc, os.getpid())
         self._end.atexit = False  # at exit the process's end releases it, as before
 
-    def submit(self, op: str, key: str, **kw: Any) -> concurrent.futures.Future:
+    def submit(self, op: str, key: str, lanes: Lanes | None = None, **kw: Any) -> concurrent.futures.Future:
+        """``LoopClient.submit``: ``lanes`` are kept by the helper's loop (a cancelled future does not withdraw a
+        request already sent)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         data = kw.pop("data", b"")
         with self._lock:
             rid, self._next = self._next, self._next + 1
             self._futures[rid] = (op, fut)
+        header = {"id": rid, "op": op, "key": key, "kw": kw, **({"lanes": [lanes.key, lanes.n]} if lanes else {})}
         try:
-            _send(self._proc.stdin, self._lock, {"id": rid, "op": op, "key": key, "kw": kw}, bytes(data))
+            _send(self._proc.stdin, self._lock, header, bytes(data))
         except (BrokenPipeError, ValueError):
             fut.set_exception(StorageError(f"the storage helper process ended (exit {self._proc.poll()})"))
         return fut
 
-    def submit_many(self, op: str, calls: list[tuple[str, dict[str, Any]]]) -> concurrent.futures.Future:
+    def submit_many(self, op: str, calls: list[tuple[str, dict[str, Any]]],
+                    lanes: Lanes | None = None) -> concurrent.futures.Future:
         """``LoopClient.submit_many``: each call a request to the helper, one future of their results."""
-        futures = [self.submit(op, key, **kw) for key, kw in calls]
+        futures = [self.submit(op, key, lanes, **kw) for key, kw in calls]
         return _combined(futures)
 
     def _reply(self, header: dict[str, Any], payload: bytes) -> None:

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from packer.perprocess import PerProcess
-from packer.storage.client import Client, ObjectInfo, StoreSpec, open_client
+from packer.storage.client import Client, Lanes, ObjectInfo, StoreSpec, open_client
 from packer.storage.faults import RetryPolicy
 from packer.storage.url import Location, parse
 
-__all__ = ["ObjectInfo", "ObjectStore", "RetryPolicy", "wait"]
+__all__ = ["Lanes", "ObjectInfo", "ObjectStore", "RetryPolicy", "wait"]
 
 
 def wait(future: concurrent.futures.Future) -> Any:
@@ -66,12 +66,13 @@ class ObjectStore:
         bytes of another version."""
         return self.client.submit("get", key, start=start, end=end, etag=etag)
 
-    def submit_gets(self, objects: list[tuple[str, str | None]]) -> concurrent.futures.Future:
-        """Start a GET of each whole ``(key, etag)`` object at once (If-Match where an ETag is given, as
-        ``submit_get``); one future of their results in order, each ``(data, ObjectInfo)`` or the ``StorageError`` it
-        gave. One hand-over to the client's loop for them all: many small objects cost less CPU than one future
-        each."""
-        return self.client.submit_many("get", [(key, {"etag": etag}) for key, etag in objects])
+    def submit_gets(self, objects: list[tuple[str, str | None]],
+                    lanes: Lanes | None = None) -> concurrent.futures.Future:
+        """Start a GET of each whole ``(key, etag)`` object (If-Match where an ETag is given, as ``submit_get``): all
+        at once, or within ``lanes`` shared with other calls; one future of their results in order, each ``(data,
+        ObjectInfo)`` or the ``StorageError`` it gave. One hand-over to the client's loop for them all: many small
+        objects cost less CPU than one future each."""
+        return self.client.submit_many("get", [(key, {"etag": etag}) for key, etag in objects], lanes)
 
     def get_range(self, key: str, start: int, end: int, etag: str | None = None) -> bytes:
         if not 0 <= start < end:

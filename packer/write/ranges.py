@@ -99,17 +99,17 @@ def _locate(spans: list, data: memoryview, names: dict[str, int],
     if not spans:
         return None
     path, start, end = spans[-1]
-    key = os.path.realpath(path)
-    if key not in maps:
+    if path not in maps:  # by the name the reader gives: resolved once a file, not once a sample (4 lstat calls)
+        key = os.path.realpath(path)
         j = names.get(key)
         if j is None:
             return None
         fd = open_checked(key, what="shard file")
         try:
-            maps[key] = (j, map_readonly(key, fd, "sequential") if os.fstat(fd).st_size else None)
+            maps[path] = (j, map_readonly(key, fd, "sequential") if os.fstat(fd).st_size else None)
         finally:
             os.close(fd)  # the map keeps its own duplicate
-    j, mm = maps[key]
+    j, mm = maps[path]
     size, nbytes = (0 if mm is None else len(mm)), len(data)
     if mm is None:
         return None

@@ -12,7 +12,7 @@ from support.storage_servers import FAST_POLICY, Emulated, s3_store, user_enviro
 
 from packer.cli import end_process
 from packer.errors import PackerError
-from packer.storage.client import HelperClient, LoopClient
+from packer.storage.client import HelperClient, Lanes, LoopClient
 from packer.storage.emulate import Fault
 from packer.storage.faults import AccessDenied, ObjectChanged, ObjectNotFound, RetryPolicy, StorageError
 from packer.storage.store import ObjectStore
@@ -298,6 +298,31 @@ def test_gets_started_together_give_each_result_or_error_in_order(emulated, kind
     finally:
         client.close()
         store.close()
+
+
+@pytest.mark.parametrize("kind", [LoopClient, HelperClient])
+def test_gets_within_lanes_keep_that_many_out_across_calls(tmp_path, kind):
+    """``Lanes``: GETs of several ``submit_gets`` calls share one bound, kept by the client's loop (the helper's
+    for a ``HelperClient``): the server never answers more than 3 at once and reaches 3, each result its own."""
+    (tmp_path / "root").mkdir()
+    server = Emulated(tmp_path / "root", latency=0.2)
+    for i in range(12):
+        server.write(f"lanes/{i:02d}.bin", bytes([i]) * (i + 1))
+    store = server.store("lanes")
+    client = kind(store.spec)
+    store._client.get = lambda: client  # this test's client kind in this process  # type: ignore[method-assign]
+    try:
+        lanes = Lanes.new(3)
+        futures = [store.submit_gets([(f"{i:02d}.bin", None), (f"{i + 1:02d}.bin", None)], lanes)
+                   for i in range(0, 12, 2)]
+        got = [bytes(data) for future in futures for data, _ in future.result(60)]
+        assert got == [bytes([i]) * (i + 1) for i in range(12)]
+        stats = server.server.stats.settled()
+        assert stats["gets"] == 12 and stats["max_active"] == 3
+    finally:
+        client.close()
+        store.close()
+        server.stop()
 
 
 def test_a_tree_is_listed_one_request_per_folder_at_once_as_one_listing_would(tmp_path):

@@ -24,15 +24,16 @@ from urllib.parse import unquote
 from packer.errors import DatasetError, PackerError, arg
 from packer.storage.client import ObjectInfo
 from packer.storage.faults import ObjectNotFound, StorageError
-from packer.storage.store import ObjectStore, wait
+from packer.storage.store import Lanes, ObjectStore, wait
 from packer.storage.url import Location
 from packer.write.scan import scan_names
 from packer.write.sources.base import MAX_LIST_BYTES, Facts, Payload, RecordError, SourceOptions, SourceReader
 from packer.write.sources.records import ClassMapper, ScanResult, Source
 
 IN_FLIGHT = 64  # GETs at once: enough to fill a fast link with small objects (docs/remote.md, converting)
-AHEAD_BYTES = 64 << 20  # fetched and not yet handed to the workers, at most (one object at least)
-BATCH = 16  # GETs started together, one future for them (docs/remote.md, converting: CPU per small object)
+AHEAD_BYTES = 64 << 20  # fetched or asked for and not yet handed to the workers, at most (one batch at least)
+AHEAD_OBJECTS = 4096  # the same in objects (tiny objects: futures and tasks, not bytes)
+BATCH = 16  # GETs handed to the client's loop together, one future for them (docs/remote.md: CPU per object)
 
 
 @dataclass(frozen=True)
@@ -73,32 +74,36 @@ class RemoteReader(SourceReader):
     admitted_where_read = True  # on a cluster each task fetches its shard's objects: they never cross the driver
 
     def __init__(self, store: ObjectStore, listing: str = "", in_flight: int | None = None,
-                 ahead_bytes: int = AHEAD_BYTES, batch: int | None = None) -> None:
-        self.store, self.listing, self.ahead_bytes = store, listing, ahead_bytes
+                 ahead_bytes: int = AHEAD_BYTES, batch: int | None = None, ahead_objects: int = AHEAD_OBJECTS) -> None:
+        self.store, self.listing, self.ahead_bytes, self.ahead_objects = store, listing, ahead_bytes, ahead_objects
         self.in_flight, self.batch = in_flight or IN_FLIGHT, max(1, batch or BATCH)
 
     def admitted(self, records: Iterable[tuple[str, int, Any]]) -> Iterator[tuple[str, int, Any]]:
-        """The records in the order given, each with its object's bytes (``Fetched``) as its locator; up to
-        ``in_flight`` GETs and ``ahead_bytes`` are out ahead of the one handed on, started ``batch`` at a time (one
-        hand-over to the client's loop and one future per batch: the CPU per small object is what limits their
-        rate). Ctrl-C or a consumer that stops cancels what is in flight."""
+        """The records in the order given, each with its object's bytes (``Fetched``) as its locator. Records are
+        asked for ``batch`` at a time (one hand-over to the client's loop and one future per batch: the CPU per
+        small object is what limits their rate) up to ``ahead_bytes``/``ahead_objects`` ahead of the one handed
+        on; the loop keeps ``in_flight`` of their GETs out, starting the next as each lands (``Lanes``), so the
+        requests in flight depend neither on this consumer's pace nor on a batch's slowest GET. Ctrl-C or a
+        consumer that stops cancels what is asked for."""
         pending: deque[tuple[list[tuple[str, int, Any]], Future | None, int, int]] = deque()
-        held = out = 0  # bytes and GETs out
+        lanes = Lanes.new(self.in_flight)
+        held = asked = 0  # bytes and objects asked for and not handed on
         it = iter(records)
         try:
             while True:
-                while out < self.in_flight and (held < self.ahead_bytes or not pending):
-                    batch = list(itertools.islice(it, min(self.batch, self.in_flight - out)))
+                while not pending or (held < self.ahead_bytes and asked < self.ahead_objects):
+                    batch = list(itertools.islice(it, self.batch))
                     if not batch:
                         break
                     listed = [(rel, loc.etag) for rel, _, loc in batch if isinstance(loc, Listed)]
                     nbytes = sum(loc.size for _, _, loc in batch if isinstance(loc, Listed))
-                    pending.append((batch, self.store.submit_gets(listed) if listed else None, len(listed), nbytes))
-                    held, out = held + nbytes, out + len(listed)
+                    future = self.store.submit_gets(listed, lanes) if listed else None
+                    pending.append((batch, future, len(listed), nbytes))
+                    held, asked = held + nbytes, asked + len(listed)
                 if not pending:
                     return
                 batch, future, gets, nbytes = pending.popleft()
-                held, out = held - nbytes, out - gets
+                held, asked = held - nbytes, asked - gets
                 results = iter(wait(future) if future is not None else [])
                 for rel, label, loc in batch:
                     yield rel, label, _fetched(next(results), loc.line) if isinstance(loc, Listed) else loc

@@ -21,7 +21,7 @@ import pytest
 from support.foreign import items, make_hf, make_wds
 from support.imagesets import jpeg_bytes, tiny_photos
 from support.interrupt import kill_after_shards
-from support.storage_servers import Emulated, s3_store, upload, user_environment
+from support.storage_servers import Emulated, s3_store, upload, user_environment, wait_until
 
 import packer
 from packer.cli import main
@@ -371,7 +371,8 @@ def test_objects_are_fetched_in_batches_each_record_its_own_bytes_or_error(serve
     assert isinstance(reader, RemoteReader) and reader.batch == 16
     batches: list[int] = []
     by_batch = reader.store.submit_gets
-    monkeypatch.setattr(reader.store, "submit_gets", lambda objects: batches.append(len(objects)) or by_batch(objects))
+    monkeypatch.setattr(reader.store, "submit_gets",
+                        lambda objects, lanes: batches.append(len(objects)) or by_batch(objects, lanes))
     monkeypatch.setattr(reader.store, "submit_get", None)  # never one GET at a time here
     records = list(scan.records())
     records.insert(5, ("c0/absent.jpg", 0, Absent(3)))
@@ -384,3 +385,26 @@ def test_objects_are_fetched_in_batches_each_record_its_own_bytes_or_error(serve
         elif rel != "c0/absent.jpg":
             assert loc.data == (root / rel).read_bytes() and loc.error is None
     assert served.server.stats.settled()["gets"] >= 40
+
+
+def test_gets_stay_at_their_concurrency_while_the_consumer_holds_a_record(served, tmp_path):
+    """The client's loop starts the next GET as one lands, not when the consumer next asks: with the consumer
+    holding its first record, the server still answers every GET of the window asked ahead (``ahead_objects``),
+    never more than ``in_flight`` at once and reaching it; every record then gets its own bytes, in order."""
+    root = tiny_photos(tmp_path / "root" / "train", classes=2, per_class=20)
+    scan = scan_source("s3://bucket/train/")
+    records = list(scan.records())
+    reader = RemoteReader(served.store("train/"), in_flight=4, batch=2, ahead_objects=24)
+    before = served.server.stats.settled()["gets"]
+    admitted = reader.admitted(records)
+    first = next(admitted)
+    wait_until(lambda: served.server.stats.snapshot()["gets"] - before >= 24,
+               "24 GETs answered while the consumer held its first record")
+    stats = served.server.stats.settled()
+    assert stats["gets"] - before == 24 and stats["max_active"] == 4  # the window, 4 at once (the server's count)
+    got = [first, *admitted]
+    reader.close()
+    assert [rel for rel, _, _ in got] == [rel for rel, _, _ in records]
+    assert all(loc.data == (root / rel).read_bytes() and loc.error is None for rel, _, loc in got)
+    stats = served.server.stats.settled()
+    assert stats["gets"] - before == 40 and stats["max_active"] == 4
