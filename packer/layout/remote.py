@@ -201,6 +201,9 @@ class RemoteDataset:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         if "objects_sha256" in state:
+            if not (self.folder / MANIFEST_NAME).is_file():
+                raise DatasetError(f"{self.where()}: its copy in the node's cache ({self.folder}) is gone (the cache "
+                                   "folder was cleared): open the dataset again")
             self.manifest = load_manifest(self.folder, self.where(MANIFEST_NAME), lambda n: n, self.manifest_sha256)
             self.manifest.pickle_as((getattr, (self, "manifest")))
             self.objects = self._recorded_objects()
@@ -210,13 +213,17 @@ class RemoteDataset:
     def _record_objects(self) -> str:
         """The sha256 of the record of every object's size and ETag as opened, written once into the dataset's
         folder of the node's cache as ``objects-<digest>.json`` (a temporary file renamed: ranks of a node may
-        write it at once)."""
+        write it at once); one found there with other bytes (a crash, another user) is replaced."""
         digest = self.__dict__.get("objects_sha256")
         if digest is None:
             data = json.dumps({n: [f.size, f.etag] for n, f in sorted(self.objects.items())}).encode()
             digest = hashlib.sha256(data).hexdigest()
             path = self.folder / f"objects-{digest[:16]}.json"
-            if not os.path.exists(path):
+            try:
+                found = read_inside(self.folder, path.name, len(data))
+            except PackerError:
+                found = None
+            if found != data:
                 tmp = path.with_name(path.name + temp_suffix())
                 try:
                     with open(tmp, "xb") as fh:

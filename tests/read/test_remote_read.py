@@ -255,6 +255,32 @@ def test_an_unpickled_url_dataset_refuses_a_node_cache_changed_since_the_open(se
         pickle.loads(blob)
 
 
+@pytest.mark.parametrize("changed", ["manifest", "objects"])
+def test_opening_again_mends_a_node_cache_changed_since_an_open(served, tmp_path, changed):
+    """What the refusal above tells (open the dataset again) works: the next open's pickle reloads in a worker,
+    whatever another user or a crash left in the node's cache under the record's name (here: an empty file)."""
+    with _open(served, tmp_path) as ds:
+        pickle.dumps(ds)
+        folder = _files(ds).remote.folder
+    target = folder / "manifest.json" if changed == "manifest" else next(folder.glob("objects-*.json"))
+    target.write_bytes(b"")
+    with _open(served, tmp_path) as ds:
+        copy = pickle.loads(pickle.dumps(ds))
+        assert bytes(copy.read_payload(len(ds) - 1)) == bytes(ds.read_payload(len(ds) - 1))
+        copy.close()
+
+
+def test_an_unpickled_url_dataset_whose_node_cache_was_cleared_is_named_by_its_url(served, tmp_path):
+    """The node's cache removed (by hand, or by a job's cleanup) between the open and a worker's start: one line
+    naming the URL and what to do, not a path of the cache's."""
+    with _open(served, tmp_path) as ds:
+        blob = pickle.dumps(ds)
+    shutil.rmtree(tmp_path / "cache")
+    with pytest.raises(packer.DatasetError, match=r"^s3://bucket/ds.lmdb: "
+                       r"[^\n]*cleared[^\n]*: open the dataset again$"):
+        pickle.loads(blob)
+
+
 def test_the_next_shards_of_the_order_are_fetched_before_they_are_read(served, tmp_path):
     with _open(served, tmp_path, cache_limit=1 << 30) as probe:
         limit = 5 * max(_shard_bytes(probe))  # the shard read, two ahead and two more
