@@ -169,6 +169,30 @@ def test_a_worker_killed_mid_upload_is_replaced_and_no_manifest_comes_before_the
     same_dataset(tmp_path / "root" / "ds.lmdb", reference)
 
 
+def test_the_shard_folder_of_a_worker_killed_mid_upload_is_removed_by_a_later_task(source, reference, tmp_path):
+    """A task writes its shard in a temporary folder of its worker: SIGKILLed mid-upload, its own cleanup dies with
+    it, so a later task on that machine removes the folder (before: left there for good, a shard each time). The
+    workers' temporary folder is this test's (TMPDIR of a cluster of its own)."""
+    scratch = tmp_path / "workers-tmp"
+    scratch.mkdir()
+    (tmp_path / "root").mkdir()
+    victim = sorted(_shard_files(reference))[2]
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None,
+                                  env={"TMPDIR": str(scratch)}) as cluster, distributed.Client(cluster) as client:
+        writers = Writers(client, kill=f"ds.lmdb/{victim}")
+        srv = Emulated(tmp_path / "root", on_write=writers)
+        try:
+            _convert(source, srv, client, tmp_path)
+            assert writers.killed, "no worker was killed: the test did not test anything"
+            wait_until(lambda: not psutil.pid_exists(writers.killed), "the killed worker reaped")
+            client.wait_for_workers(2, timeout=120)
+            _convert(source, srv, client, tmp_path, overwrite=True)  # later tasks, on this machine
+        finally:
+            srv.stop()
+    assert not list(scratch.glob("packer-shard-*"))
+    same_dataset(tmp_path / "root" / "ds.lmdb", reference)
+
+
 class _Shown(distributed.diagnostics.plugin.WorkerPlugin):
     """What a worker holds of each task it runs: its key, its call and its arguments' reprs (what Dask's dashboard
     and its "Compute Failed ... args:" log lines show; the scheduler holds them serialized)."""
