@@ -270,15 +270,30 @@ def test_opening_again_mends_a_node_cache_changed_since_an_open(served, tmp_path
         copy.close()
 
 
-def test_an_unpickled_url_dataset_whose_node_cache_was_cleared_is_named_by_its_url(served, tmp_path):
-    """The node's cache removed (by hand, or by a job's cleanup) between the open and a worker's start: one line
-    naming the URL and what to do, not a path of the cache's."""
-    with _open(served, tmp_path) as ds:
+@pytest.mark.parametrize("mode", ["shard", "ranged"])
+@pytest.mark.parametrize("meanwhile", ["nothing", "replaced"])
+def test_a_url_dataset_unpickled_on_another_node_fetches_what_it_reloads_the_version_opened(served, tmp_path,
+                                                                                           meanwhile, mode):
+    """Unpickled where the node's cache lacks the manifest and the record of the objects (another node: a dataset
+    sent to a Dask or Ray task; or the cache cleared), the worker fetches the manifest as opened and lists the
+    objects again, both checked: it reads the samples of the open, and a dataset replaced in the bucket since is
+    one DatasetReplaced naming the URL (before: a DatasetError naming the cache's manifest path, 'missing')."""
+    with _open(served, tmp_path, remote_mode=mode) as ds:
         blob = pickle.dumps(ds)
-    shutil.rmtree(tmp_path / "cache")
-    with pytest.raises(packer.DatasetError, match=r"^s3://bucket/ds.lmdb: "
-                       r"[^\n]*cleared[^\n]*: open the dataset again$"):
-        pickle.loads(blob)
+        want = bytes(ds.read_payload(len(ds) - 1))
+    shutil.rmtree(tmp_path / "cache")  # the other node's cache, at the same path: nothing in it
+    if meanwhile == "replaced":
+        last = ds.manifest.shards[-1].files[0].name
+        served.write(f"ds.lmdb/{last}", (served.root / "ds.lmdb" / last).read_bytes()[::-1])  # a new ETag
+        with pytest.raises(DatasetReplaced, match=r"^s3://bucket/ds.lmdb: the dataset was replaced since it was "
+                                                  r"opened[^\n]*: restart the job$"):
+            pickle.loads(blob)
+        return
+    copy = pickle.loads(blob)
+    try:
+        assert bytes(copy.read_payload(len(copy) - 1)) == want
+    finally:
+        copy.close()
 
 
 def test_the_next_shards_of_the_order_are_fetched_before_they_are_read(served, tmp_path):
