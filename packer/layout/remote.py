@@ -34,7 +34,7 @@ from packer import sysinfo
 from packer.errors import DatasetError, InputNotFoundError, PackerError, SharedCacheWarning
 from packer.layout.fields import FieldStore, load_fields
 from packer.layout.index import Index
-from packer.layout.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, load_manifest, sha256_file
+from packer.layout.manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, load_manifest, sha256_file
 from packer.layout.report import ERRORS_NAME, MAX_ERRORS_BYTES
 from packer.layout.trust import read_inside
 from packer.perprocess import PerProcess
@@ -150,8 +150,8 @@ class RemoteDataset:
         held = len(listed) if listed is not None else None
         self.manifest_sha256 = sha256_file(self.folder / MANIFEST_NAME)  # what an unpickled copy reloads
         manifest = load_manifest(self.folder, where, lambda n: n if held is None else held, self.manifest_sha256)
-        listing = listed if listed is not None else self._heads([f.name for f in manifest.all_files()] + [ERRORS_NAME])
-        listing[MANIFEST_NAME] = RemoteFile(MANIFEST_NAME, head.size, head.etag)
+        self.manifest_object = RemoteFile(MANIFEST_NAME, head.size, head.etag)
+        listing = self._objects(listed, manifest)
         self.objects = listing
         if any(f.etag is None for f in listing.values()):
             log.warning("%s: the server sends no ETag for some objects: a dataset replaced there while a job reads it "
@@ -166,6 +166,13 @@ class RemoteDataset:
             raise DatasetError(f"{self.where(ERRORS_NAME)}: implausibly large ({errors.size} bytes, at most "
                                f"{MAX_ERRORS_BYTES} expected)")
         self._load_meta([errors] if errors is not None else [])
+
+    def _objects(self, listed: dict[str, RemoteFile] | None, manifest: Manifest) -> dict[str, RemoteFile]:
+        """Every object of the dataset: ``listed`` under its prefix, else (http(s) can't list) the manifest's files
+        and errors.json by HEAD; the manifest as opened."""
+        listing = listed if listed is not None else self._heads([f.name for f in manifest.all_files()] + [ERRORS_NAME])
+        listing[MANIFEST_NAME] = self.manifest_object
+        return listing
 
     def _load_meta(self, also: Sequence[RemoteFile] = ()) -> None:
         """Fetch the manifest's ``meta/`` files (and ``also``) into the node's cache (hits where they are there:
@@ -190,7 +197,8 @@ class RemoteDataset:
         """The URL, the version opened and digests of its manifest and of the record of every object's size and
         ETag (written into the node's cache once), not what grows with the shards or samples: the unpickled copy
         reloads them from there, checked (``__setstate__``), and reads exactly what this one opened (a file
-        replaced in the bucket since is ``DatasetReplaced`` there too)."""
+        replaced in the bucket since is ``DatasetReplaced`` there too). Unpickled on another node (or after the
+        cache was cleared), it fetches the manifest and lists the objects again: they must be those opened."""
         state = dict(self.__dict__)
         for name in ("index", "fields", "manifest", "objects", "problems"):
             state.pop(name, None)
@@ -201,6 +209,8 @@ class RemoteDataset:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         if "objects_sha256" in state:
+            if not os.path.lexists(self.folder / MANIFEST_NAME):  # another node, or its cache cleared: fetch it
+                self._fetch_meta(self.manifest_object, self.manifest_sha256)  # the version opened, checked
             self.manifest = load_manifest(self.folder, self.where(MANIFEST_NAME), lambda n: n, self.manifest_sha256)
             self.manifest.pickle_as((getattr, (self, "manifest")))
             self.objects = self._recorded_objects()
@@ -210,29 +220,44 @@ class RemoteDataset:
     def _record_objects(self) -> str:
         """The sha256 of the record of every object's size and ETag as opened, written once into the dataset's
         folder of the node's cache as ``objects-<digest>.json`` (a temporary file renamed: ranks of a node may
-        write it at once)."""
+        write it at once); one found there with other bytes (a crash, another user) is replaced."""
         digest = self.__dict__.get("objects_sha256")
         if digest is None:
-            data = json.dumps({n: [f.size, f.etag] for n, f in sorted(self.objects.items())}).encode()
-            digest = hashlib.sha256(data).hexdigest()
-            path = self.folder / f"objects-{digest[:16]}.json"
-            if not os.path.exists(path):
-                tmp = path.with_name(path.name + temp_suffix())
-                try:
-                    with open(tmp, "xb") as fh:
-                        fh.write(data)
-                    os.replace(tmp, path)
-                except OSError as exc:
-                    tmp.unlink(missing_ok=True)
-                    raise PackerError(f"{self.where()}: cannot record its objects in the node's cache ({path}: "
-                                      f"{exc.strerror or exc})") from None
-            self.objects_sha256 = digest
+            self.objects_sha256 = digest = self._write_record(self.objects)
+        return digest
+
+    def _write_record(self, objects: dict[str, RemoteFile]) -> str:
+        """Write the record of ``objects`` (``objects-<digest>.json``) unless it is there already; its sha256."""
+        data = json.dumps({n: [f.size, f.etag] for n, f in sorted(objects.items())}).encode()
+        digest = hashlib.sha256(data).hexdigest()
+        path = self.folder / f"objects-{digest[:16]}.json"
+        try:
+            found = read_inside(self.folder, path.name, len(data))
+        except PackerError:
+            found = None
+        if found != data:
+            tmp = path.with_name(path.name + temp_suffix())
+            try:
+                with open(tmp, "xb") as fh:
+                    fh.write(data)
+                os.replace(tmp, path)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                raise PackerError(f"{self.where()}: cannot record its objects in the node's cache ({path}: "
+                                  f"{exc.strerror or exc})") from None
         return digest
 
     def _recorded_objects(self) -> dict[str, RemoteFile]:
         """Every object's size and ETag as the pickled copy's original opened them (``_record_objects``), checked
-        against the digest it pickled."""
+        against the digest it pickled; missing (another node, its cache cleared), the objects listed again, which
+        must be those."""
         name = f"objects-{self.objects_sha256[:16]}.json"
+        if not os.path.lexists(self.folder / name):
+            objects = self._objects(self._list() if self.location.scheme in LISTS else None, self.manifest)
+            if self._write_record(objects) != self.objects_sha256:
+                raise DatasetReplaced(f"{self.where()}: the dataset was replaced since it was opened (its objects "
+                                      "differ): restart the job")
+            return objects
         try:
             raw = read_inside(self.folder, name, MAX_MANIFEST_BYTES)
         except PackerError:

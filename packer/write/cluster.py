@@ -34,6 +34,8 @@ from typing import Any
 from packer._version import __version__
 from packer.errors import MissingPackageError, OptionError, PackerError, arg, install_hint
 from packer.formats import get_format
+from packer.storage.node import pid_space, temp_suffix
+from packer.sysinfo import pid_alive
 from packer.write.journal import ShardResult, record_shard
 from packer.write.options import ConvertOptions
 from packer.write.output import ShardPutter
@@ -45,6 +47,7 @@ from packer.write.sources.records import ClassMapper, ScanResult, Walk
 log = logging.getLogger(__name__)  # under "packer": the command line prints it, a library user routes it
 
 STAGING_DIR = ".staging"
+SHARD_FOLDER = "packer-shard-"  # a task's temporary folder on its worker (an output in a bucket): shard_folder
 _RETRIES = 2  # re-runs after an exception in a task (a lost worker is re-run by the scheduler anyway)
 _CLASSES_PER_TASK_TARGET = 8  # scan tasks per worker thread: balance without a task per tiny class
 
@@ -184,7 +187,7 @@ def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str,
                 staging.parent.mkdir()  # not parents=True: never re-create a removed output folder
             staging.mkdir()
         else:
-            staging = Path(tempfile.mkdtemp(prefix=f"packer-shard-{shard_id:05d}-"))  # this worker's disk
+            staging = shard_folder(shard_id)
         records = reader.admitted(items) if reader.admitted_where_read else items
         samples = (prepare(reader, rel, label, opts, loc) for rel, label, loc in records)
         try:
@@ -203,6 +206,24 @@ def convert_shard(root: str, partial: str, shard_id: int, items: list[tuple[str,
         if uploader is not None:
             uploader.close()  # this task's client: a worker runs many tasks
     return {"result": result.to_json(), "uploaded": keys}
+
+
+def shard_folder(shard_id: int) -> Path:
+    """A temporary folder on this worker's disk for shard ``shard_id`` (an output in a bucket), named after its pid
+    (``temp_suffix``); those of this user whose worker is gone (SIGKILLed mid-shard: its task's cleanup died with
+    it, and Dask runs the task again elsewhere) are removed first, as nothing else would."""
+    tmp = Path(tempfile.gettempdir())
+    with os.scandir(tmp) as entries:
+        left = [e.name for e in entries if e.name.startswith(SHARD_FOLDER) and ".tmp-" in e.name]
+    for name in left:
+        try:
+            space, pid = name.split(".tmp-", 1)[1].split("-")[:2]
+            mine = (tmp / name).lstat().st_uid == os.getuid()
+            if mine and space == pid_space() and not pid_alive(int(pid)):
+                shutil.rmtree(tmp / name, ignore_errors=True)
+        except (ValueError, OSError):
+            continue
+    return Path(tempfile.mkdtemp(prefix=f"{SHARD_FOLDER}{shard_id:05d}{temp_suffix()}-"))
 
 
 def _move_into_place(staging: Path, partial: Path, names: list[str]) -> None:

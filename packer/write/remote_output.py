@@ -96,6 +96,8 @@ class ShardUploader(ShardPutter):
                 self.store.delete(key)
             except ObjectNotFound:
                 pass
+            except StorageError as exc:  # a failed upload (kept for resume), not a bad source
+                raise ShardWriteError(f"deleting {key} failed ({exc})") from None
         keys = self.upload(folder, names) if result.shard.num_samples > 0 else []
         beside = entry.with_suffix(".fields")
         if beside.is_dir():
@@ -125,6 +127,8 @@ class ShardUploader(ShardPutter):
             holder = json.loads(self.store.get(REMOTE_LOCK))
         except (ObjectNotFound, ValueError) as exc:
             holder = {"error": str(exc)}
+        except StorageError as exc:  # a failed upload (kept for resume), not a bad source
+            raise ShardWriteError(f"reading {REMOTE_LOCK} failed ({exc})") from None
         if holder.get("token") != self.token:
             who = (f"pid {holder.get('pid')} on {holder.get('host')}" if "pid" in holder
                    else "its lock is gone")

@@ -255,6 +255,47 @@ def test_an_unpickled_url_dataset_refuses_a_node_cache_changed_since_the_open(se
         pickle.loads(blob)
 
 
+@pytest.mark.parametrize("changed", ["manifest", "objects"])
+def test_opening_again_mends_a_node_cache_changed_since_an_open(served, tmp_path, changed):
+    """What the refusal above tells (open the dataset again) works: the next open's pickle reloads in a worker,
+    whatever another user or a crash left in the node's cache under the record's name (here: an empty file)."""
+    with _open(served, tmp_path) as ds:
+        pickle.dumps(ds)
+        folder = _files(ds).remote.folder
+    target = folder / "manifest.json" if changed == "manifest" else next(folder.glob("objects-*.json"))
+    target.write_bytes(b"")
+    with _open(served, tmp_path) as ds:
+        copy = pickle.loads(pickle.dumps(ds))
+        assert bytes(copy.read_payload(len(ds) - 1)) == bytes(ds.read_payload(len(ds) - 1))
+        copy.close()
+
+
+@pytest.mark.parametrize("mode", ["shard", "ranged"])
+@pytest.mark.parametrize("meanwhile", ["nothing", "replaced"])
+def test_a_url_dataset_unpickled_on_another_node_fetches_what_it_reloads_the_version_opened(served, tmp_path,
+                                                                                           meanwhile, mode):
+    """Unpickled where the node's cache lacks the manifest and the record of the objects (another node: a dataset
+    sent to a Dask or Ray task; or the cache cleared), the worker fetches the manifest as opened and lists the
+    objects again, both checked: it reads the samples of the open, and a dataset replaced in the bucket since is
+    one DatasetReplaced naming the URL (before: a DatasetError naming the cache's manifest path, 'missing')."""
+    with _open(served, tmp_path, remote_mode=mode) as ds:
+        blob = pickle.dumps(ds)
+        want = bytes(ds.read_payload(len(ds) - 1))
+    shutil.rmtree(tmp_path / "cache")  # the other node's cache, at the same path: nothing in it
+    if meanwhile == "replaced":
+        last = ds.manifest.shards[-1].files[0].name
+        served.write(f"ds.lmdb/{last}", (served.root / "ds.lmdb" / last).read_bytes()[::-1])  # a new ETag
+        with pytest.raises(DatasetReplaced, match=r"^s3://bucket/ds.lmdb: the dataset was replaced since it was "
+                                                  r"opened[^\n]*: restart the job$"):
+            pickle.loads(blob)
+        return
+    copy = pickle.loads(blob)
+    try:
+        assert bytes(copy.read_payload(len(copy) - 1)) == want
+    finally:
+        copy.close()
+
+
 def test_the_next_shards_of_the_order_are_fetched_before_they_are_read(served, tmp_path):
     with _open(served, tmp_path, cache_limit=1 << 30) as probe:
         limit = 5 * max(_shard_bytes(probe))  # the shard read, two ahead and two more

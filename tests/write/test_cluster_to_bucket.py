@@ -145,6 +145,37 @@ def test_a_failed_upload_leaves_no_manifest_and_resume_on_the_cluster_puts_only_
     _manifest_last(writers.puts())
 
 
+def test_a_store_error_in_a_tasks_lock_check_keeps_the_work_for_resume(client, source, reference, tmp_path):
+    """A task checks the lock in the bucket before it puts its shard: a store failing that read (a 500 after the
+    client's retries) is a failed upload, as a failed PUT is: the shards put so far are kept and resume finishes
+    (before: taken for a bad source, the run deleted everything it had put)."""
+    (tmp_path / "root").mkdir()
+    dataset = tmp_path / "root" / "ds.lmdb"
+    lock = f"ds.lmdb/{REMOTE_LOCK}"
+
+    armed: list[str] = []
+
+    def fail_lock_reads_after_a_shard(method: str, key: str, peer: tuple[str, int]) -> None:
+        if method == "PUT" and key.startswith(f"ds.lmdb/{REMOTE_PARTIAL}/journal/") and not armed:
+            armed.append(key)
+            srv.faults.add(Fault("status", status=500, code="InternalError"), key=lock, method="GET", times=-1)
+
+    srv = Emulated(tmp_path / "root", on_write=fail_lock_reads_after_a_shard)
+    try:
+        with pytest.raises(PackerError, match="resume=True") as failed:
+            _convert(source, srv, client, tmp_path, order="source")
+        assert SECRET not in str(failed.value)
+        wait_until(lambda: not any(client.processing().values()), "the cluster's tasks ended")
+        assert not (dataset / "manifest.json").exists() and list((dataset / REMOTE_PARTIAL / "journal").glob("*"))
+        srv.faults.clear()
+        _convert(source, srv, client, tmp_path, order="source", resume=True)
+    finally:
+        srv.stop()
+    local = tmp_path / "local.lmdb"
+    convert(source, local, workers=0, shard_bytes=SHARD, progress=False, order="source")
+    same_dataset(dataset, local)
+
+
 def _names(entry: str) -> list[str]:
     import json
 
@@ -166,6 +197,30 @@ def test_a_worker_killed_mid_upload_is_replaced_and_no_manifest_comes_before_the
     puts = writers.puts()
     assert [key for key, _ in puts].count(victim) >= 2  # the killed attempt, then the task run again
     _manifest_last(puts)
+    same_dataset(tmp_path / "root" / "ds.lmdb", reference)
+
+
+def test_the_shard_folder_of_a_worker_killed_mid_upload_is_removed_by_a_later_task(source, reference, tmp_path):
+    """A task writes its shard in a temporary folder of its worker: SIGKILLed mid-upload, its own cleanup dies with
+    it, so a later task on that machine removes the folder (before: left there for good, a shard each time). The
+    workers' temporary folder is this test's (TMPDIR of a cluster of its own)."""
+    scratch = tmp_path / "workers-tmp"
+    scratch.mkdir()
+    (tmp_path / "root").mkdir()
+    victim = sorted(_shard_files(reference))[2]
+    with distributed.LocalCluster(n_workers=2, threads_per_worker=1, dashboard_address=None,
+                                  env={"TMPDIR": str(scratch)}) as cluster, distributed.Client(cluster) as client:
+        writers = Writers(client, kill=f"ds.lmdb/{victim}")
+        srv = Emulated(tmp_path / "root", on_write=writers)
+        try:
+            _convert(source, srv, client, tmp_path)
+            assert writers.killed, "no worker was killed: the test did not test anything"
+            wait_until(lambda: not psutil.pid_exists(writers.killed), "the killed worker reaped")
+            client.wait_for_workers(2, timeout=120)
+            _convert(source, srv, client, tmp_path, overwrite=True)  # later tasks, on this machine
+        finally:
+            srv.stop()
+    assert not list(scratch.glob("packer-shard-*"))
     same_dataset(tmp_path / "root" / "ds.lmdb", reference)
 
 
