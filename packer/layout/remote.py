@@ -168,9 +168,11 @@ class RemoteDataset:
         self._load_meta([errors] if errors is not None else [])
 
     def _objects(self, listed: dict[str, RemoteFile] | None, manifest: Manifest) -> dict[str, RemoteFile]:
-        """Every object of the dataset: ``listed`` under its prefix, else (http(s) can't list) the manifest's files
-        and errors.json by HEAD; the manifest as opened."""
-        listing = listed if listed is not None else self._heads([f.name for f in manifest.all_files()] + [ERRORS_NAME])
+        """Every object of the dataset: the manifest's files and errors.json, from ``listed`` under its prefix (other
+        objects there are not the dataset's: one added later must not read as the dataset replaced), else (http(s)
+        can't list) by HEAD; the manifest as opened."""
+        names = [f.name for f in manifest.all_files()] + [ERRORS_NAME]
+        listing = ({n: listed[n] for n in names if n in listed} if listed is not None else self._heads(names))
         listing[MANIFEST_NAME] = self.manifest_object
         return listing
 

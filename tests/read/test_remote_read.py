@@ -271,13 +271,14 @@ def test_opening_again_mends_a_node_cache_changed_since_an_open(served, tmp_path
 
 
 @pytest.mark.parametrize("mode", ["shard", "ranged"])
-@pytest.mark.parametrize("meanwhile", ["nothing", "replaced"])
+@pytest.mark.parametrize("meanwhile", ["nothing", "replaced", "another object added"])
 def test_a_url_dataset_unpickled_on_another_node_fetches_what_it_reloads_the_version_opened(served, tmp_path,
                                                                                            meanwhile, mode):
     """Unpickled where the node's cache lacks the manifest and the record of the objects (another node: a dataset
     sent to a Dask or Ray task; or the cache cleared), the worker fetches the manifest as opened and lists the
     objects again, both checked: it reads the samples of the open, and a dataset replaced in the bucket since is
-    one DatasetReplaced naming the URL (before: a DatasetError naming the cache's manifest path, 'missing')."""
+    one DatasetReplaced naming the URL (before: a DatasetError naming the cache's manifest path, 'missing'); an object
+    added under the prefix that is not a file of the dataset changes nothing."""
     with _open(served, tmp_path, remote_mode=mode) as ds:
         blob = pickle.dumps(ds)
         want = bytes(ds.read_payload(len(ds) - 1))
@@ -289,6 +290,8 @@ def test_a_url_dataset_unpickled_on_another_node_fetches_what_it_reloads_the_ver
                                                   r"opened[^\n]*: restart the job$"):
             pickle.loads(blob)
         return
+    if meanwhile == "another object added":  # not a file of the dataset: its prefix holds other objects too
+        served.write("ds.lmdb/notes.txt", b"added after the open")
     copy = pickle.loads(blob)
     try:
         assert bytes(copy.read_payload(len(copy) - 1)) == want
