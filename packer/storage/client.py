@@ -297,6 +297,9 @@ class LoopClient:
         self._stop()
 
 
+DRAIN_S = 5.0  # a closing client waits this long at most for its cancelled requests to end
+
+
 def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pid: int) -> None:
     """Cancel the loop's tasks, stop it and join its thread; only in the process that made it (a forked child's
     copy is not running), and without the join when called on the loop's own thread (a callback dropped the client:
@@ -304,12 +307,16 @@ def _stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread, pid: i
     if pid != os.getpid() or loop.is_closed():
         return
 
-    def stop() -> None:
-        for task in asyncio.all_tasks(loop):
+    async def drain() -> None:  # the cancelled requests end, and hand their end to the threads waiting on them
+        tasks = asyncio.all_tasks(loop) - {asyncio.current_task()}
+        for task in tasks:
             task.cancel()
-        loop.call_soon(loop.stop)
+        if tasks:
+            await asyncio.wait(tasks, timeout=DRAIN_S)
+        await asyncio.sleep(0)  # their done-callbacks (run_coroutine_threadsafe's hand-over) run before the stop
+        loop.stop()
 
-    loop.call_soon_threadsafe(stop)
+    loop.call_soon_threadsafe(lambda: loop.create_task(drain()))
     if threading.current_thread() is thread:
         return
     thread.join()

@@ -379,3 +379,31 @@ def test_weak_etags_read_and_still_detect_a_replaced_object(tmp_path):
                                                                             for i in range(len(local))]
     finally:
         srv.stop()
+
+
+def test_close_ends_a_request_another_thread_waits_on(emulated):
+    """A store closed while another thread waits on its request (a shared store: a Dask task's uploader in a
+    threaded worker, a tool's) ends that wait with CancelledError instead of leaving it waiting forever: the loop
+    stopped before the cancelled request could hand its cancellation to the waiting thread's future."""
+    import concurrent.futures
+    import threading
+
+    from support.storage_servers import wait_until
+
+    store, key = _store(emulated)
+    emulated.faults.add(Fault("slow", rate=4000), times=-1)  # the 100 KB body would take 25 s
+    outcome: list[BaseException | bytes] = []
+
+    def read() -> None:
+        try:
+            outcome.append(store.get_range(key, 0, 100_000))
+        except BaseException as exc:  # noqa: BLE001  # what the waiting thread got is the point
+            outcome.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    wait_until(lambda: emulated.server.stats.snapshot()["active"] >= 1, "the request under way at the server")
+    store.close()
+    reader.join(30)
+    assert not reader.is_alive(), "the waiting thread was left waiting"
+    assert len(outcome) == 1 and isinstance(outcome[0], concurrent.futures.CancelledError)
