@@ -473,6 +473,9 @@ def run_cases(base: Path, work: Path, seeds: list[int], processes: int = 2, time
         time.sleep(0.02)
         still = []
         for proc, log, part in running:
+            # Alive or not is asked before the log is read: a worker that wrote its last result and exited between
+            # the two would otherwise have that case reported as the one it died in.
+            alive = proc.is_alive()
             lines = complete_records(log)
             done = {r["seed"] for r in lines if "seed" in r}
             current = [r["start"] for r in lines if "start" in r and r["start"] not in done]
@@ -480,10 +483,10 @@ def run_cases(base: Path, work: Path, seeds: list[int], processes: int = 2, time
                 if "seed" in r:
                     results[r["seed"]] = r
             age = time.time() - log.stat().st_mtime if log.exists() else 0.0
-            if proc.is_alive() and not (current and age > timeout):
+            if alive and not (current and age > timeout):
                 still.append((proc, log, part))
                 continue
-            if proc.is_alive():
+            if alive:
                 proc.kill()
                 proc.join()
                 results[current[0]] = {"seed": current[0], "kind": kind_of(current[0]),
