@@ -371,7 +371,8 @@ def run_case(base: Path, work: Path, seed: int, expected, copies: Copies) -> dic
     ds, outside = case / "ds", case / "outside"
     copies.place(ds, outside)
     desc, crafted = mutate(ds, outside, rng, kind)
-    watch = OpenWatch([outside, outside / "meta"])
+    # every folder of the outside copy: the nested folders of a format (n5 blocks) too, not only the top and meta/
+    watch = OpenWatch([outside, *(p for p in outside.rglob("*") if p.is_dir() and not p.is_symlink())])
     out = {"seed": seed, "kind": kind, "desc": desc, "crafted": crafted, "ok": 0, "error": 0, "wrong": 0,
            "opened": False, "crash": None, "verify_ok": None}
     try:
