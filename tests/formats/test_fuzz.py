@@ -78,7 +78,7 @@ def test_the_harness_catches_crashes_hangs_and_reads_outside(tmp_path, monkeypat
     outside.mkdir()
     (outside / "secret").write_bytes(b"x")
 
-    def fake(base, work, seed, expected):
+    def fake(base, work, seed, expected, copies):
         if seed == 1:
             faulthandler.disable()  # the crash is the point: no traceback dump in the test output
             os.kill(os.getpid(), signal.SIGSEGV)
@@ -103,3 +103,37 @@ def test_the_harness_reads_only_complete_log_lines(tmp_path):
     log.write_text('{"start": 1}\n{"seed": 1, "ok": true}\n{"sta')
     assert complete_records(log) == [{"start": 1}, {"seed": 1, "ok": True}]
     assert complete_records(tmp_path / "missing.jsonl") == []
+
+
+def test_the_harness_puts_a_case_s_copies_back_as_fresh_copies(tmp_path, imagefolder):
+    """A worker reuses its two copies of the dataset: after each mutation kind (and a write into the outside copy,
+    as a read that escaped could make) both are again what copytree gives: the same names, types, bytes and times."""
+    import filecmp
+    import os
+    import random
+
+    from support.fuzzing import Copies, mutate
+
+    def same(a, b):
+        cmp = filecmp.dircmp(a, b)
+        assert not (cmp.left_only or cmp.right_only or cmp.funny_files or cmp.common_funny), (a, cmp.left_only,
+                                                                                             cmp.right_only)
+        assert filecmp.cmpfiles(a, b, cmp.common_files, shallow=False)[0] == sorted(cmp.common_files), a
+        for name in cmp.common:
+            sa, sb = os.lstat(a / name), os.lstat(b / name)
+            assert (sa.st_mode, sa.st_mtime_ns) == (sb.st_mode, sb.st_mtime_ns), a / name
+        for name in cmp.common_dirs:
+            same(a / name, b / name)
+
+    base = tmp_path / "ds.n5"  # shards of nested block folders, and meta/
+    convert(imagefolder, base, to="n5", payload="raw", resize="24x32", shard_bytes=6_000, workers=1, progress=False)
+    copies = Copies(base, tmp_path / "copies")
+    for seed, kind in enumerate(KINDS * 2):
+        ds, outside = tmp_path / f"case{seed}" / "ds", tmp_path / f"case{seed}" / "outside"
+        copies.place(ds, outside)
+        mutate(ds, outside, random.Random(seed), kind)
+        (outside / "meta" / "labels.npy").write_bytes(b"written through a symlink")
+        copies.put_back(ds, outside)
+        (tmp_path / f"case{seed}").rmdir()
+        same(base, copies.dirs[0])
+        same(base, copies.dirs[1])

@@ -1,12 +1,13 @@
 """Seeded mutations of a packed dataset, and the check that reading one is safe (used by test_fuzz.py).
 
-Each case copies a real packed dataset, applies one seeded mutation (damage, or a crafted
-edit whose checksums are recomputed so that only deeper checks can catch it) and then opens
-and reads every sample. Cases run in forked worker processes watched by the parent, so a
+Each case takes a copy of a real packed dataset, applies one seeded mutation (damage, or a
+crafted edit whose checksums are recomputed so that only deeper checks can catch it) and then
+opens and reads every sample. Cases run in forked worker processes watched by the parent, so a
 crash (segfault) or a hang is caught and attributed to its seed instead of stopping the run.
 Reads outside the dataset directory are caught with inotify on an identical copy placed
 beside it: following a symlink or an ``..`` name there would return "valid" data, so only
-watching the opens can tell.
+watching the opens can tell. A worker copies the dataset (and the outside copy) once, and after
+each case puts back only the entries that changed (``Copies``), instead of copying both per case.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 import random
 import resource
 import shutil
+import stat
 import time
 import traceback
 from pathlib import Path
@@ -269,6 +271,80 @@ def mutate(ds: Path, outside: Path, rng: random.Random, kind: str) -> tuple[str,
     return desc, crafted
 
 
+# ------------------------------------------------------------------ the copies a worker's cases damage
+
+
+def _entries(root: Path) -> dict[str, os.stat_result]:
+    """Every entry under ``root`` (not following symlinks), by path relative to it."""
+    found: dict[str, os.stat_result] = {}
+    todo = [""]
+    while todo:
+        rel = todo.pop()
+        with os.scandir(root / rel) as it:
+            for entry in it:
+                sub = f"{rel}/{entry.name}" if rel else entry.name
+                found[sub] = entry.stat(follow_symlinks=False)
+                if entry.is_dir(follow_symlinks=False):
+                    todo.append(sub)
+    return found
+
+
+def _identity(st: os.stat_result) -> tuple:
+    """What changes when an entry is written, replaced, renamed over, chmod-ed or made another type: a file's
+    inode, size, mtime and ctime; a directory's inode and type (its times change with its entries: see put_back)."""
+    if stat.S_ISDIR(st.st_mode):
+        return (st.st_mode, st.st_ino)
+    return (st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class Copies:
+    """A worker's two copies of ``base`` (the dataset a case damages, and the outside copy beside it): moved to a
+    case's paths for the case, and put back as a fresh copy would be after it by copying again only the entries
+    whose identity changed (a mutation, or anything a read wrote) and setting the directories' times."""
+
+    def __init__(self, base: Path, where: Path) -> None:
+        self.base = base
+        self.dirs = (where / "ds", where / "outside")
+        self.known: list[dict[str, tuple]] = []
+        for d in self.dirs:
+            shutil.copytree(base, d)
+            self.known.append({rel: _identity(st) for rel, st in _entries(d).items()})
+
+    def place(self, ds: Path, outside: Path) -> None:
+        ds.parent.mkdir(parents=True)
+        self.dirs[0].rename(ds)
+        self.dirs[1].rename(outside)
+
+    def put_back(self, ds: Path, outside: Path) -> None:
+        for i, placed in enumerate((ds, outside)):
+            placed.rename(self.dirs[i])
+            self.known[i] = self._restore(self.dirs[i], self.known[i])
+
+    def _restore(self, root: Path, known: dict[str, tuple]) -> dict[str, tuple]:
+        now = {rel: _identity(st) for rel, st in _entries(root).items()}
+        if now == known:
+            return known
+        done: list[str] = []
+        for rel in sorted(set(now) | set(known)):
+            if now.get(rel) == known.get(rel) or any(rel.startswith(d + "/") for d in done):
+                continue
+            done.append(rel)
+            path, src = root / rel, self.base / rel
+            if rel in now:
+                if stat.S_ISDIR(os.lstat(path).st_mode):
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            if rel in known:
+                if src.is_dir():
+                    shutil.copytree(src, path)
+                else:
+                    shutil.copy2(src, path)
+        for rel in ["", *sorted(r for r in known if stat.S_ISDIR(known[r][0]))]:
+            shutil.copystat(self.base / rel, root / rel)  # the times copytree gave: entries changed them
+        return {rel: _identity(st) for rel, st in _entries(root).items()}
+
+
 # ------------------------------------------------------------------ one case, in a worker
 
 
@@ -283,8 +359,9 @@ def kind_of(seed: int) -> str:
     return KINDS[seed % len(KINDS)]  # round robin: every kind gets its share of the cases
 
 
-def run_case(base: Path, work: Path, seed: int, expected) -> dict:
-    """Mutate a copy of ``base`` and read it; the dict says what happened."""
+def run_case(base: Path, work: Path, seed: int, expected, copies: Copies) -> dict:
+    """Mutate a copy of ``base`` (from ``copies``, put back as it was afterwards) and read it; the dict says what
+    happened."""
     from packer import PackerError, open_dataset
     from packer.tools.verify import verify
 
@@ -292,10 +369,10 @@ def run_case(base: Path, work: Path, seed: int, expected) -> dict:
     kind = kind_of(seed)
     case = work / f"case{seed}"
     ds, outside = case / "ds", case / "outside"
-    shutil.copytree(base, ds)
-    shutil.copytree(base, outside)
+    copies.place(ds, outside)
     desc, crafted = mutate(ds, outside, rng, kind)
-    watch = OpenWatch([outside, outside / "meta"])
+    # every folder of the outside copy: the nested folders of a format (n5 blocks) too, not only the top and meta/
+    watch = OpenWatch([outside, *(p for p in outside.rglob("*") if p.is_dir() and not p.is_symlink())])
     out = {"seed": seed, "kind": kind, "desc": desc, "crafted": crafted, "ok": 0, "error": 0, "wrong": 0,
            "opened": False, "crash": None, "verify_ok": None}
     try:
@@ -330,7 +407,8 @@ def run_case(base: Path, work: Path, seed: int, expected) -> dict:
         out["crash"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=-4)}"
     out["outside_reads"] = watch.events()
     watch.close()
-    shutil.rmtree(case, ignore_errors=True)
+    copies.put_back(ds, outside)
+    case.rmdir()
     return out
 
 
@@ -339,12 +417,13 @@ def _worker(base: Path, work: Path, seeds: list[int], log: Path, expected, mem_l
     vm = _vm_size()
     if vm:
         resource.setrlimit(resource.RLIMIT_AS, (vm + mem_limit, resource.RLIM_INFINITY))
+    copies = Copies(base, work / f"{log.stem}.copies")
     with open(log, "a") as fh:
         for seed in seeds:
             fh.write(json.dumps({"start": seed}) + "\n")
             fh.flush()
             try:
-                res = run_case(base, work, seed, expected)
+                res = run_case(base, work, seed, expected, copies)
             except MemoryError as exc:
                 res = {"seed": seed, "kind": kind_of(seed), "crash": f"MemoryError: {exc}"}
             fh.write(json.dumps(res) + "\n")
@@ -375,6 +454,8 @@ def run_cases(base: Path, work: Path, seeds: list[int], processes: int = 2, time
     """Run every seed in forked workers; a worker that dies or hangs has its current case recorded as such."""
     import multiprocessing as mp
 
+    import packer.tools.verify  # noqa: F401  (imported once here, not again in every forked worker)
+
     ctx = mp.get_context("fork")
     expected = expected_samples(base)
     pending = list(seeds)
@@ -393,6 +474,9 @@ def run_cases(base: Path, work: Path, seeds: list[int], processes: int = 2, time
         time.sleep(0.02)
         still = []
         for proc, log, part in running:
+            # Alive or not is asked before the log is read: a worker that wrote its last result and exited between
+            # the two would otherwise have that case reported as the one it died in.
+            alive = proc.is_alive()
             lines = complete_records(log)
             done = {r["seed"] for r in lines if "seed" in r}
             current = [r["start"] for r in lines if "start" in r and r["start"] not in done]
@@ -400,10 +484,10 @@ def run_cases(base: Path, work: Path, seeds: list[int], processes: int = 2, time
                 if "seed" in r:
                     results[r["seed"]] = r
             age = time.time() - log.stat().st_mtime if log.exists() else 0.0
-            if proc.is_alive() and not (current and age > timeout):
+            if alive and not (current and age > timeout):
                 still.append((proc, log, part))
                 continue
-            if proc.is_alive():
+            if alive:
                 proc.kill()
                 proc.join()
                 results[current[0]] = {"seed": current[0], "kind": kind_of(current[0]),
