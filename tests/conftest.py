@@ -148,7 +148,7 @@ def imagefolder(tmp_path_factory):
 def _spawned_all(request, tmp_path_factory):
     """Every selected test's spawn probe run by one DataLoader of two spawned workers (tests/support/spawned.py)."""
     selected = {(item.module.__name__, item.originalname) for item in request.session.items
-                if isinstance(item, pytest.Function)}
+                if isinstance(item, pytest.Function) and item.module is not None}
     builders = {key: build for key, build in spawned_probes.REGISTRY.items() if key in selected}
     return spawned_probes.run_all(builders, tmp_path_factory, tmp_path_factory.mktemp("spawned-cwd"))
 
@@ -156,7 +156,7 @@ def _spawned_all(request, tmp_path_factory):
 @pytest.fixture
 def spawned(request, _spawned_all) -> spawned_probes.Outcome:
     """What the session's spawned workers returned for this test's probe (registered with ``probe_for``)."""
-    key = (request.module.__name__, request.node.originalname)
+    key = (request.module.__name__, request.function.__name__)
     assert key in _spawned_all, f"no spawn probe registered for {key} (support/spawned.py: probe_for)"
     return _spawned_all[key]
 

@@ -27,7 +27,7 @@ def make_mixed_sizes(root: Path) -> Path:
     make_imagefolder(root / "src2", classes=2, per_class=6, seed=3, size=(36, 28))
     for f in sorted((root / "src2").rglob("*.jpg")):
         f.rename(src / f.parent.name / f"b_{f.name}")
-    return convert(src, root / "ds.lmdb", to="lmdb", workers=0, progress=False).output
+    return Path(convert(src, root / "ds.lmdb", to="lmdb", workers=0, progress=False).output)
 
 
 @pytest.mark.parametrize("workers", [0, 2])

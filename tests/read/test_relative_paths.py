@@ -7,6 +7,7 @@ import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -54,8 +55,8 @@ def _spawned_relative(tmp_path_factory):
     """Each sample of an lmdb opened by a relative path, read by spawned workers that start in another folder (the
     session's spawned DataLoader starts in a folder of its own). Context: the absolute path."""
     base = tmp_path_factory.mktemp("rel")
-    path = convert(make_imagefolder(base / "imgs", classes=2, per_class=3), base / "ds.lmdb", workers=0,
-                   progress=False).output
+    path = Path(convert(make_imagefolder(base / "imgs", classes=2, per_class=3), base / "ds.lmdb", workers=0,
+                        progress=False).output)
     here = os.getcwd()
     os.chdir(base)
     try:

@@ -154,12 +154,12 @@ class Battery(Dataset):
             return case, j, os.getpid(), Failed(f"run step {j} in the spawned worker", traceback.format_exc())
 
 
-def run_all(builders: dict[str, Builder], tmp_path_factory, cwd: Path) -> dict[str, Outcome]:
+def run_all(builders: dict[tuple[str, str], Builder], tmp_path_factory, cwd: Path) -> dict[tuple[str, str], Outcome]:
     """Builds every probe, runs them all through one DataLoader of two spawned workers started in ``cwd``, and
     gives each its Outcome."""
     from torch.utils.data import DataLoader
 
-    outcomes: dict[str, Outcome] = {}
+    outcomes: dict[tuple[str, str], Outcome] = {}
     names, blobs, lengths = [], [], []
     for name, build in builders.items():
         try:
