@@ -5,7 +5,7 @@ spawned worker does (every reader family unpickled in a fresh interpreter) do no
 registers a probe for its test (``probe_for``), and one DataLoader of two spawned workers runs the probes of every
 selected test at once. Each worker unpickles every probe (so every reader family) and runs its share of every
 probe's steps, and the test then asserts on what the workers returned, as it did on its own DataLoader's batches.
-A probe that fails to build, pickle, unpickle or run fails only its own test, with the worker's traceback.
+A probe that fails to build, pickle, unpickle or run fails only its own test, with its traceback.
 """
 
 from __future__ import annotations
@@ -119,20 +119,40 @@ class Outcome:
         return self.results
 
 
-class Battery(Dataset):
-    """The probes' steps one after another; item k runs its probe's step in the worker and returns (probe, step,
-    worker pid, result or Failed). Each probe travels pickled on its own, so one that cannot be unpickled fails
-    alone."""
+class Sealed:
+    """A probe as it travels to a worker: pickled on its own each time the battery is (once per worker, as a
+    DataLoader pickles its dataset for each worker: a tensor's shared memory is handed over once per pickle), and
+    unpickled when first run, so that a probe that cannot be pickled or unpickled fails alone."""
 
-    def __init__(self, blobs: Sequence[bytes], lengths: Sequence[int]):
-        self.blobs = list(blobs)
-        self.starts = [0]
-        for n in lengths:
-            self.starts.append(self.starts[-1] + n)
-        self._probes: dict[int, Probe | Failed] = {}
+    def __init__(self, probe: Probe):
+        self.probe: Probe | Failed | None = probe
+        self.blob: bytes | None = None
 
     def __getstate__(self):
-        return {**self.__dict__, "_probes": {}}
+        try:
+            return {"probe": None, "blob": bytes(ForkingPickler.dumps(self.probe))}  # torch's reducers, as Process
+        except Exception:  # noqa: BLE001  # the probe's test reports it
+            return {"probe": Failed("pickle for the spawned worker", traceback.format_exc()), "blob": None}
+
+    def get(self) -> Probe | Failed:
+        if self.probe is None:
+            try:
+                self.probe = pickle.loads(self.blob or b"")
+            except Exception:  # noqa: BLE001
+                self.probe = Failed("unpickle in the spawned worker", traceback.format_exc())
+        assert self.probe is not None
+        return self.probe
+
+
+class Battery(Dataset):
+    """The probes' steps one after another; item k runs its probe's step in the worker and returns (probe, step,
+    worker pid, result or Failed)."""
+
+    def __init__(self, probes: Sequence[Probe]):
+        self.probes = [Sealed(p) for p in probes]
+        self.starts = [0]
+        for p in probes:
+            self.starts.append(self.starts[-1] + len(p))
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -140,12 +160,7 @@ class Battery(Dataset):
     def __getitem__(self, k: int):
         case = bisect_right(self.starts, k) - 1
         j = k - self.starts[case]
-        if case not in self._probes:
-            try:
-                self._probes[case] = pickle.loads(self.blobs[case])
-            except Exception:  # noqa: BLE001  # the probe's test reports it
-                self._probes[case] = Failed("unpickle in the spawned worker", traceback.format_exc())
-        probe = self._probes[case]
+        probe = self.probes[case].get()
         if isinstance(probe, Failed):
             return case, j, os.getpid(), probe
         try:
@@ -160,21 +175,19 @@ def run_all(builders: dict[tuple[str, str], Builder], tmp_path_factory, cwd: Pat
     from torch.utils.data import DataLoader
 
     outcomes: dict[tuple[str, str], Outcome] = {}
-    names, blobs, lengths = [], [], []
+    names, probes = [], []
     for name, build in builders.items():
         try:
             probe, context = build(tmp_path_factory)
-            outcomes[name] = Outcome(context)
-            blob = bytes(ForkingPickler.dumps(probe))  # as the DataLoader pickles a dataset (torch's reducers)
         except Exception:  # noqa: BLE001
-            outcomes.setdefault(name, Outcome()).failed = Failed("build or pickle", traceback.format_exc())
+            outcomes[name] = Outcome(failed=Failed("build", traceback.format_exc()))
             continue
+        outcomes[name] = Outcome(context)
         names.append(name)
-        blobs.append(blob)
-        lengths.append(len(probe))
+        probes.append(probe)
     if not names:
         return outcomes
-    loader = DataLoader(Battery(blobs, lengths), batch_size=None, num_workers=2, multiprocessing_context="spawn",
+    loader = DataLoader(Battery(probes), batch_size=None, num_workers=2, multiprocessing_context="spawn",
                         collate_fn=_identity)
     here = os.getcwd()
     os.chdir(cwd)  # the workers start here: not where any dataset was opened by a relative path
