@@ -293,7 +293,7 @@ def pack_mixed(tmp_path: Path) -> tuple[Path, dict]:
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_bytes(data)
     out = tmp_path / "imgs.lmdb"
-    res = convert(src, out, to="lmdb", workers=1, progress=False)
+    res = convert(src, out, to="lmdb", workers=0, progress=False)
     assert res.num_samples == len(files) and not res.errors
     return out, {rel: pillow_rgb(data) for rel, data in files.items()}
 
