@@ -1,6 +1,6 @@
 """One spawned DataLoader for every spawn property of the session (tests/conftest.py's ``spawned`` fixture).
 
-A spawned worker pays an interpreter start-up and a torch import (seconds of CPU each), so the tests of what a
+A spawned worker pays an interpreter start-up and a torch import, so the tests of what a
 spawned worker does (every reader family unpickled in a fresh interpreter) do not start their own: each test module
 registers a probe for its test (``probe_for``), and one DataLoader of two spawned workers runs the probes of every
 selected test at once. Each worker unpickles every probe (so every reader family) and runs its share of every
@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import pickle
 import traceback
+from abc import ABC, abstractmethod
 from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,15 +28,15 @@ def _identity(x):
     return x
 
 
-class Probe:
+class Probe(ABC):
     """What spawned workers do for one test: ``run(j)`` for each step j < ``len(probe)``, in a worker. It is
     pickled to the workers with all it holds (datasets: their readers), as a DataLoader pickles its dataset."""
 
-    def __len__(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def __len__(self) -> int: ...
 
-    def run(self, j: int) -> Any:
-        raise NotImplementedError
+    @abstractmethod
+    def run(self, j: int) -> Any: ...
 
 
 class Fetch(Probe):
