@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 from support import procs
+from support import spawned as spawned_probes
 from support.imagesets import make_flat, make_imagefolder
 from support.storage_servers import Emulated, make_bucket, moto_server
 
@@ -141,6 +142,23 @@ def jpegregion(request):
 def imagefolder(tmp_path_factory):
     """3 classes x 5 small JPEGs, shared read-only by the tests of a session."""
     return make_imagefolder(tmp_path_factory.mktemp("src") / "imgs")
+
+
+@pytest.fixture(scope="session")
+def _spawned_all(request, tmp_path_factory):
+    """Every selected test's spawn probe run by one DataLoader of two spawned workers (tests/support/spawned.py)."""
+    selected = {(item.module.__name__, item.originalname) for item in request.session.items
+                if isinstance(item, pytest.Function) and item.module is not None}
+    builders = {key: build for key, build in spawned_probes.REGISTRY.items() if key in selected}
+    return spawned_probes.run_all(builders, tmp_path_factory, tmp_path_factory.mktemp("spawned-cwd"))
+
+
+@pytest.fixture
+def spawned(request, _spawned_all) -> spawned_probes.Outcome:
+    """What the session's spawned workers returned for this test's probe (registered with ``probe_for``)."""
+    key = (request.module.__name__, request.function.__name__)
+    assert key in _spawned_all, f"no spawn probe registered for {key} (support/spawned.py: probe_for)"
+    return _spawned_all[key]
 
 
 @pytest.fixture(scope="session")

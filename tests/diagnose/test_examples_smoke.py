@@ -15,6 +15,7 @@ import os
 import runpy
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,9 @@ CASES = [
     ("region_decode_speed.py", "{d}/imgs --count 10 --repeats 1", "region / whole"),
     ("train_example.py", "{d}/imgs.lmdb --epochs 1 --workers 2 --batch-size 8", "epoch 0: loss"),
     ("bmp_mosaic_speed.py", "{d}/imgs --limit 20 --repeats 1 --budget 0.2 --workdir {d}/w_bmp", "jpeg: grid"),
-    ("format_sizes.py", "{d}/imgs --out {d}/w_fmt --workers 2", "mosaic-jpeg-q95-224x224.mosaic"),
+    ("format_sizes.py", "{d}/imgs --out {d}/w_fmt --workers 0", "mosaic-jpeg-q95-224x224.mosaic"),
     ("measure_convert.py", "{d}/imgs --to lmdb,memmap --workers 2 --repeats 1 --scratch {d}/scratch", "memmap"),
-    ("measure_sources.py", "--workdir {d}/w_src --count 20 --workers 2 --repeats 1", "nested tar"),
+    ("measure_sources.py", "--workdir {d}/w_src --count 20 --workers 0 --repeats 1", "nested tar"),
     ("measure_bulk_crops.py", "warm {d}/imgs.memmap --rounds 2", "one by one"),
     ("measure_idle_cache.py", "{d}/imgs.lmdb --evict 0.05 --epochs 1 --batch-size 8", "read ahead"),
     ("measure_bulk_crops.py", "bench --one-by-one -- {d}/imgs.lmdb --levels thread-train --repeats 1 --warm",
@@ -64,16 +65,17 @@ IDS = [script + ("" if args.startswith(("{", "-")) else "-" + args.split()[0]) f
 OWN_PROCESS = {"measure_distributed.py", "measure_overhead.py", "measure_bulk_crops.py"}
 
 
-def run_in_process(script: Path, args: list[str], cwd: Path, monkeypatch) -> str:
-    """``python script args`` in this interpreter, as ``__main__``; returns what it printed. A non-zero exit or an
-    exception fails the test with its own traceback."""
+def run_in_process(script: Path, args: list[str], cwd: Path, monkeypatch, stderr: bool = False) -> str:
+    """``python script args`` in this interpreter, as ``__main__``; returns what it printed (on stdout, and on
+    stderr too, in order, with ``stderr``). A non-zero exit or an exception fails the test with its own traceback."""
     threads, environ = torch.get_num_threads(), dict(os.environ)
     monkeypatch.chdir(cwd)
     monkeypatch.setattr(sys, "argv", [str(script), *args])
     monkeypatch.setattr(sys, "path", [str(script.parent), *sys.path])  # as `python script` puts its folder first
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed):
+        with contextlib.redirect_stdout(printed), \
+                contextlib.redirect_stderr(printed) if stderr else contextlib.nullcontext():
             runpy.run_path(str(script), run_name="__main__")
     except SystemExit as e:
         assert e.code in (0, None), f"{script.name} exited {e.code}\n{printed.getvalue()[-3000:]}"
@@ -100,19 +102,19 @@ def test_example_runs(work, script, args, expect, monkeypatch):
     assert expect in out.stdout, out.stdout[-3000:]
 
 
-def test_format_sizes_says_what_it_writes_first_and_leaves_no_temporary_folder(work, tmp_path):
+def test_format_sizes_says_what_it_writes_first_and_leaves_no_temporary_folder(work, tmp_path, monkeypatch):
     """Without --out every variant goes into a temporary folder, deleted once measured; before writing, one line
     says how much and where (the 2,000 sample photos once filled 6.9 GB of a working folder without a word)."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "format_sizes.py"), str(work / "imgs"),
-                          "--workers", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp)})
-    assert out.returncode == 0, out.stdout[-3000:]
-    lines = out.stdout.splitlines()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # found again from TMPDIR, as a new process would
+    stdout = run_in_process(ROOT / "examples" / "format_sizes.py", [str(work / "imgs"), "--workers", "0"], tmp_path,
+                            monkeypatch, stderr=True)
+    lines = stdout.splitlines()
     said = next(n for n, line in enumerate(lines) if line.startswith("format_sizes: "))
     table = next(n for n, line in enumerate(lines) if line.startswith("| "))
-    assert said < table, out.stdout  # said before the first conversion
+    assert said < table, stdout  # said before the first conversion
     assert f"in the temporary folder {tmp}" in lines[said], lines[said]
     assert list(tmp.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["tmp"]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[table + 3:] if line.startswith("| ")]

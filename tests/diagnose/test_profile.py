@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from support._tiny import make_lmdb
+from support.spawned import Fetch, batches_of, probe_for
 from torch.utils.data import DataLoader
 
 import packer
@@ -63,20 +64,35 @@ def test_device_copy_is_timed_as_its_own_stage(lmdb_path):
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_stages_are_summed_across_workers(lmdb_path, start_method):
-    ds = instrument(tensor_ds(lmdb_path))
-    loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=ds.collate(),
-                        multiprocessing_context=start_method)
-    prof = profile(loader, progress=False)
-    for _ in prof:
-        pass
-    totals = prof.stage_totals()
-    assert totals.samples == 24 and totals.batches == 6 == prof.stats.iterations
+def test_stages_are_summed_across_workers(request, start_method):
+    if start_method == "spawn":  # read by the session's spawned workers (_spawned_stages): the clock's rows only
+        ds, batches = request.getfixturevalue("spawned").context, request.getfixturevalue("spawned").values()
+        clock = clock_of(ds)
+        assert clock is not None and len(batches) == 6
+        totals = clock.totals()
+    else:
+        ds = instrument(tensor_ds(request.getfixturevalue("lmdb_path")))
+        loader = DataLoader(ds, batch_size=4, num_workers=2, collate_fn=ds.collate(),
+                            multiprocessing_context=start_method)
+        prof = profile(loader, progress=False)
+        for _ in prof:
+            pass
+        totals = prof.stage_totals()
+        assert totals is not None and totals.batches == prof.stats.iterations
+        assert "per sample" in prof.summary()
+    assert totals.samples == 24 and totals.batches == 6
     assert totals.processes == 2  # both workers wrote their rows; the main process did no loading
     assert set(totals.seconds) == {"read", "decode", "transform", "collate"}
     assert all(v > 0 for v in totals.per_sample_ms().values())
-    assert "per sample" in prof.summary()
-    assert isinstance(ds, packer.PackedDataset) and ds.classes == tensor_ds(lmdb_path).classes  # the dataset itself
+    assert isinstance(ds, packer.PackedDataset) and ds.classes == tensor_ds(ds.root).classes  # the dataset itself
+
+
+@probe_for(test_stages_are_summed_across_workers)
+def _spawned_stages(tmp_path_factory):
+    """Batches of 4 of an instrumented dataset, collated by its timed collate, in the spawned workers: they write
+    their rows of the clock the parent reads. Context: the dataset."""
+    ds = instrument(tensor_ds(make_lmdb(tmp_path_factory.mktemp("profile"), count=24)))
+    return Fetch(ds, batches_of(len(ds), 4), ds.collate()), ds
 
 
 def test_uninstrumented_dataset_is_one_stage():

@@ -13,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 from support.interrupt import kill_after_shards
+from support.spawned import Fetch, batches_of, probe_for
 
 from packer import cli, convert, open_dataset
 from packer.errors import PackerError
@@ -375,9 +376,15 @@ def _tagged(tag: str, label: int) -> tuple[str, int]:
     return tag, label
 
 
-def _check_loader(ds, method: str) -> None:
+def _expected(ds) -> dict:
+    """{(pixels digest, label): index} of every sample, read in this process."""
     expected = {(_digest(img), label): i for i, (img, label) in enumerate(ds[i] for i in range(len(ds)))}
     assert len(expected) == len(ds)
+    return expected
+
+
+def _check_loader(ds, method: str) -> None:
+    expected = _expected(ds)
     loader = torch.utils.data.DataLoader(ds, batch_size=3, shuffle=True, num_workers=2, collate_fn=_as_list,
                                          multiprocessing_context=method, generator=torch.Generator().manual_seed(0))
     seen = [expected[(_digest(img), label)] for batch in loader for img, label in batch]  # pixels and label intact
@@ -392,13 +399,29 @@ def test_dataloader_two_fork_workers(src, tmp_path, kind):
     _check_loader(_open_kind(src, tmp_path, kind), "fork")
 
 
-def test_dataloader_two_spawn_workers_over_every_kind(src, tmp_path):
-    """One spawn run (each costs seconds of interpreter start-up) over all four kinds at once."""
+def _every_kind(src: Path, tmp_path: Path):
     parts = [_open_kind(src, tmp_path, k) for k in KINDS]
     for kind, part in zip(KINDS, parts, strict=True):
         part.target_transform = functools.partial(_tagged, kind)  # same pixels in several kinds: tell them apart
-    ds = torch.utils.data.ConcatDataset(parts)
-    _check_loader(ds, "spawn")
+    return torch.utils.data.ConcatDataset(parts)
+
+
+def test_dataloader_two_spawn_workers_over_every_kind(spawned):
+    """Read by the session's spawned workers (_spawned_kinds): all four kinds at once."""
+    expected = _expected(spawned.context)
+    seen = [expected[(_digest(img), label)] for batch in spawned.values() for img, label in batch]
+    assert sorted(seen) == list(range(len(expected)))  # every sample exactly once, pixels and label intact
+
+
+@probe_for(test_dataloader_two_spawn_workers_over_every_kind)
+def _spawned_kinds(tmp_path_factory):
+    """Shuffled batches of 3 over the four kinds, each reader used in the parent before. Context: the dataset."""
+    base = tmp_path_factory.mktemp("bmp-mosaic")
+    src = base / "src"
+    write_tree(src, SIZES)
+    ds = _every_kind(src, base)
+    order = torch.randperm(len(ds), generator=torch.Generator().manual_seed(0)).tolist()
+    return Fetch(ds, batches_of(len(ds), 3, order)), ds
 
 
 @pytest.mark.parametrize("codec,tile_read", [("bmp", "region"), ("png", "full"), ("jpeg", "segments"),

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 from support.imagefolder import ImageFolder
-from support.spawned import Cases
+from support.imagesets import make_imagefolder
+from support.spawned import Cases, Fetch, batches_of, probe_for
 from torch.utils.data import DataLoader
 
 from packer import FORMATS, PackerError, convert, open_dataset
@@ -53,7 +54,7 @@ def packed(request, imagefolder, packed_cache, tmp_path_factory):
     return packed_case(request.param, imagefolder, packed_cache, tmp_path_factory)
 
 
-def packed_case(key, imagefolder, packed_cache, tmp_path_factory):
+def packed_case(key, imagefolder, packed_cache, tmp_path_factory, workers: int = 2):
     name, payload, resize = key
     if key not in packed_cache:
         out = tmp_path_factory.mktemp("contract") / f"ds.{name}"
@@ -61,7 +62,8 @@ def packed_case(key, imagefolder, packed_cache, tmp_path_factory):
         if resize:
             kwargs["resize"] = resize
             kwargs.pop("tile", None)  # mosaic: a fixed --resize HxW is the tile size
-        convert(imagefolder, out, to=name, payload=payload, shard_bytes=6_000, workers=2, progress=False, **kwargs)
+        convert(imagefolder, out, to=name, payload=payload, shard_bytes=6_000, workers=workers, progress=False,
+                **kwargs)
         packed_cache[key] = out
     return packed_cache[key], name, payload, resize
 
@@ -180,40 +182,33 @@ def digest(img) -> str:
     return hashlib.sha1(np.ascontiguousarray(img).tobytes()).hexdigest()
 
 
-@pytest.fixture(scope="module")
-def spawned(imagefolder, packed_cache, tmp_path_factory):
-    """What one spawned DataLoader (2 workers, shuffled batches of 4) read of every case at once: {case: [(digest,
-    target)]}, or the error it stopped with. One spawn start for all cases; each worker unpickles every reader
-    family and reads batches that mix them (support/spawned.py), so each case still checks its own samples."""
-    keys = [case.values[0] for case in CASES]
-    sets = [open_dataset(packed_case(key, imagefolder, packed_cache, tmp_path_factory)[0], image="numpy",
-                         transform=digest) for key in keys]
-    loader = DataLoader(Cases(sets), batch_size=4, shuffle=True, num_workers=2, multiprocessing_context="spawn",
-                        generator=torch.Generator().manual_seed(0))
-    seen: dict = {key: [] for key in keys}
-    try:
-        for case, digests, targets in loader:
-            for c, d, t in zip(case.tolist(), digests, targets.tolist()):
-                seen[keys[c]].append((d, t))
-    except Exception as e:  # noqa: BLE001  # reported by every spawn case
-        return e
-    return seen
-
-
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_dataloader_workers_see_every_sample_once(packed, start_method, request):
     path, name, payload, resize = packed
+    if start_method == "spawn":  # read by the session's spawned workers (every case at once: _spawned_cases)
+        out = request.getfixturevalue("spawned")
+        keys, batches = list(out.context), out.values()
+        path = out.context[(name, payload, resize)]
+        seen = sorted((d, t) for batch in batches for c, d, t in batch if keys[c] == (name, payload, resize))
     ds = open_dataset(path, image="numpy", transform=digest)
     expected = sorted((digest(open_dataset(path, image="numpy")[i][0]), ds.targets[i]) for i in range(len(ds)))
-    if start_method == "spawn":  # read by the one spawned DataLoader of all cases
-        spawned = request.getfixturevalue("spawned")
-        assert not isinstance(spawned, Exception), f"the spawned DataLoader failed: {spawned!r}"
-        seen = sorted(spawned[(name, payload, resize)])
-    else:
+    if start_method != "spawn":
         loader = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, multiprocessing_context=start_method,
                             generator=torch.Generator().manual_seed(0))
         seen = sorted((d, int(t)) for digests, targets in loader for d, t in zip(digests, targets))
     assert seen == expected
+
+
+@probe_for(test_dataloader_workers_see_every_sample_once)
+def _spawned_cases(tmp_path_factory):
+    """Every case read by the spawned workers in shuffled batches of 4 that mix cases: each worker unpickles every
+    reader family; each case still checks its own samples. Context: {case: its dataset's path}."""
+    imagefolder = make_imagefolder(tmp_path_factory.mktemp("spawned-src") / "imgs")
+    cache: dict = {}
+    paths = {c.values[0]: packed_case(c.values[0], imagefolder, cache, tmp_path_factory, workers=0)[0] for c in CASES}
+    sets = Cases([open_dataset(p, image="numpy", transform=digest) for p in paths.values()])
+    order = torch.randperm(len(sets), generator=torch.Generator().manual_seed(0)).tolist()
+    return Fetch(sets, batches_of(len(sets), 4, order)), paths
 
 
 def test_worker_tensors_equal_main_process_reads(packed):

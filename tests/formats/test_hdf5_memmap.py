@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+from support.spawned import Fetch, batches_of, probe_for
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, default_convert
 
 from packer import PackerError, convert, open_dataset
 from packer.cli import main as cli_main
@@ -36,8 +37,11 @@ SIZES = [(60, 80), (80, 56), (64, 64), (20, 30), (72, 96), (50, 70)]
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory) -> Path:
+    return make_src(tmp_path_factory.mktemp("src") / "imgs")
+
+
+def make_src(root: Path) -> Path:
     """3 classes of small photo-like JPEGs (mixed shapes), one RGBA PNG, one truncated JPEG."""
-    root = tmp_path_factory.mktemp("src") / "imgs"
     rng = np.random.default_rng(3)
     n = 0
     for c in range(3):
@@ -319,16 +323,28 @@ def test_damaged_files_give_packer_errors(src, tmp_path):
 
 
 @pytest.mark.parametrize(("fmt", "method"), [("hdf5", "fork"), ("memmap", "spawn")])
-def test_batched_loader_reads_every_sample_once(src, tmp_path, fmt, method):
-    ds = pack(src, tmp_path, fmt, "raw", resize="16x20")
-    sampler = BatchSampler(SequentialSampler(range(len(ds))), batch_size=4, drop_last=False)
-    loader = DataLoader(ds.batched(layout="NCHW"), sampler=sampler, batch_size=None, num_workers=2,
-                        multiprocessing_context=method)
-    images, labels = zip(*loader, strict=True)
-    assert [tuple(x.shape[1:]) for x in images] == [(3, 16, 20)] * len(images)
+def test_batched_loader_reads_every_sample_once(request, tmp_path, fmt, method):
+    sampler = BatchSampler(SequentialSampler(range(13)), batch_size=4, drop_last=False)
+    if method == "spawn":  # read by the session's spawned workers (_spawned_batched)
+        ds, got = request.getfixturevalue("spawned").context, request.getfixturevalue("spawned").values()
+    else:
+        ds = pack(request.getfixturevalue("src"), tmp_path, fmt, "raw", resize="16x20")
+        got = DataLoader(ds.batched(layout="NCHW"), sampler=sampler, batch_size=None, num_workers=2,
+                         multiprocessing_context=method)
+    images, labels = zip(*got, strict=True)
+    assert len(ds) == 13 and [tuple(x.shape[1:]) for x in images] == [(3, 16, 20)] * len(images)
     allimg = torch.cat(images).permute(0, 2, 3, 1).numpy()
     assert np.array_equal(allimg, np.stack([ds[i][0] for i in range(len(ds))]))
     assert torch.cat(labels).tolist() == ds.targets
+
+
+@probe_for(test_batched_loader_reads_every_sample_once)
+def _spawned_batched(tmp_path_factory):
+    """Batches of 4 of a memmap through ``batched(layout="NCHW")``, as a DataLoader with batch_size=None and a
+    batch sampler fetches them. Context: the dataset."""
+    base = tmp_path_factory.mktemp("memmap")
+    ds = pack(make_src(base / "imgs"), base, "memmap", "raw", resize="16x20")
+    return Fetch(ds.batched(layout="NCHW"), batches_of(len(ds), 4), default_convert, batched=False), ds
 
 
 def test_cli_convert_and_info(src, tmp_path, capsys):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from support.fuzzing import _rewrite_checksums as recompute_checksums
 from support.imagesets import make_imagefolder
-from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+from support.spawned import Fetch, batches_of, probe_for
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler, default_convert
 
 from packer import PackerError, Writer, convert, open_dataset
 from packer.formats.lmdb.pages import Tree
@@ -24,7 +25,10 @@ CASES = {"encoded": {}, "raw": {"payload": "raw"}, "fixed": {"payload": "raw", "
 
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lmdbviews")
+    return make_bases(tmp_path_factory.mktemp("lmdbviews"))
+
+
+def make_bases(root: Path) -> Path:
     src = make_imagefolder(root / "src", classes=3, per_class=8, size=(24, 32))
     for name, options in CASES.items():  # small shards: several per dataset
         convert(src, root / name, to="lmdb", shard_bytes=4_000, workers=0, progress=False, **options)
@@ -254,15 +258,29 @@ def test_a_payload_held_after_close_still_reads_its_bytes(tmp_path, fmt):
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_dataloader_workers_read_views(bases, start_method):
-    ds = open_dataset(bases / "fixed", image="tensor")
-    expected = np.stack([np.frombuffer(v, np.uint8).reshape(16, 12, 3) for v in lmdb_values(bases / "fixed")])
-    ds.read_payload(0)  # the parent has the shards open: forked workers must open their own
+def test_dataloader_workers_read_views(request, start_method):
+    base = request.getfixturevalue("spawned").context if start_method == "spawn" else request.getfixturevalue("bases")
+    ds = open_dataset(base / "fixed", image="tensor")
+    expected = np.stack([np.frombuffer(v, np.uint8).reshape(16, 12, 3) for v in lmdb_values(base / "fixed")])
     batches = list(BatchSampler(SequentialSampler(range(len(ds))), batch_size=5, drop_last=False))
-    loader = DataLoader(ds.batched(), sampler=batches, batch_size=None, num_workers=2,
-                        multiprocessing_context=start_method)
-    for batch, (images, _labels) in zip(batches, loader, strict=True):  # each batch in storage order
+    if start_method == "spawn":  # read by the session's spawned workers (_spawned_views)
+        got = request.getfixturevalue("spawned").values()
+    else:
+        ds.read_payload(0)  # the parent has the shards open: forked workers must open their own
+        got = DataLoader(ds.batched(), sampler=batches, batch_size=None, num_workers=2,
+                         multiprocessing_context=start_method)
+    for batch, (images, _labels) in zip(batches, got, strict=True):  # each batch in storage order
         assert np.array_equal(images.numpy(), expected[np.sort(ds.positions(batch))])
+
+
+@probe_for(test_dataloader_workers_read_views)
+def _spawned_views(tmp_path_factory):
+    """Batches of 5 of a fixed-shape lmdb (several shards) through ``batched()``, as a DataLoader with
+    batch_size=None and a batch sampler fetches them. Context: the folder of the datasets."""
+    base = make_bases(tmp_path_factory.mktemp("lmdbviews"))
+    ds = open_dataset(base / "fixed", image="tensor")
+    ds.read_payload(0)
+    return Fetch(ds.batched(), batches_of(len(ds), 5), default_convert, batched=False), base
 
 
 def test_opening_a_shard_reads_its_leaf_pages_not_its_values(tmp_path, monkeypatch):

@@ -5,11 +5,11 @@ the same input gives the same bytes whatever the worker count, and extract gives
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.cli import run_cli
 from support.imagesets import make_imagefolder
 from support.interrupt import kill_after_shards
 
@@ -35,13 +35,13 @@ def source(tmp_path_factory):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_resume_after_sigkill_is_byte_identical(source, tmp_path, fmt):
     reference = tmp_path / "ref"
-    convert(source, reference, to=fmt, workers=1, shard_bytes=40_000, progress=False)
+    convert(source, reference, to=fmt, workers=0, shard_bytes=40_000, progress=False)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "packer", "convert", str(source), "--to", fmt, "-o", str(out), "--workers", "1",
-           "--shard-size", "40000", "-q"]
+    args = ["convert", str(source), "--to", fmt, "-o", str(out), "--workers", "1", "--shard-size", "40000", "-q"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    assert kill_after_shards(cmd, env, tmp_path / "out.partial" / "journal", shards=2) >= 2
-    res = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True)
+    assert kill_after_shards([sys.executable, "-m", "packer", *args], env, tmp_path / "out.partial" / "journal",
+                             shards=2) >= 2
+    res = run_cli(*args, "--resume")  # in this interpreter: the kill is the child's business
     assert res.returncode == 0, res.stderr
     assert tree(out) == tree(reference)
     assert verify(out, against=source).ok

@@ -14,11 +14,13 @@ import re
 import struct
 import warnings
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 from support.imagesets import jpeg_bytes
+from support.spawned import Fetch, batches_of, probe_for
 
 import packer.images.decode as dec
 from packer import convert, open_dataset
@@ -271,7 +273,12 @@ def test_missing_library_through_a_dataset(packed, no_turbojpeg, caplog):
 
 @pytest.fixture
 def packed(tmp_path):
-    """An LMDB of mixed real images (JPEG 4:2:0/4:4:4/progressive/gray/CMYK, PNGs, a PNG named .jpg)."""
+    return pack_mixed(tmp_path)
+
+
+def pack_mixed(tmp_path: Path) -> tuple[Path, dict]:
+    """An LMDB of mixed real images (JPEG 4:2:0/4:4:4/progressive/gray/CMYK, PNGs, a PNG named .jpg), and the
+    pixels Pillow decodes from each file."""
     src = tmp_path / "imgs"
     files = {
         "a/q90.jpg": jpeg(photo(120, 90, 1), quality=90),
@@ -286,7 +293,7 @@ def packed(tmp_path):
         (src / rel).parent.mkdir(parents=True, exist_ok=True)
         (src / rel).write_bytes(data)
     out = tmp_path / "imgs.lmdb"
-    res = convert(src, out, to="lmdb", workers=1, progress=False)
+    res = convert(src, out, to="lmdb", workers=0, progress=False)
     assert res.num_samples == len(files) and not res.errors
     return out, {rel: pillow_rgb(data) for rel, data in files.items()}
 
@@ -319,15 +326,21 @@ def handle_pids(img):
 
 
 @pytest.mark.parametrize("ctx,decode_size", [("fork", None), ("spawn", 30)])
-def test_workers_decode_with_their_own_handle(turbojpeg, packed, ctx, decode_size):
+def test_workers_decode_with_their_own_handle(turbojpeg, request, ctx, decode_size):
     from torch.utils.data import DataLoader
 
-    path, refs = packed
-    decode(jpeg(photo()), "auto")  # the parent holds a handle before forking
-    ds = open_dataset(path, image="numpy", decode_size=decode_size, transform=handle_pids)
-    ds[0]  # and has read from the dataset
-    loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context=ctx, collate_fn=list)
-    got = [item for batch in loader for item in batch]
+    if ctx == "spawn":  # read by the session's spawned workers (_spawned_decode)
+        out = request.getfixturevalue("spawned")
+        path, refs = out.context
+        ds = open_dataset(path, image="numpy", decode_size=decode_size)
+        got = [item for batch in out.values() for item in batch]
+    else:
+        path, refs = request.getfixturevalue("packed")
+        decode(jpeg(photo()), "auto")  # the parent holds a handle before forking
+        ds = open_dataset(path, image="numpy", decode_size=decode_size, transform=handle_pids)
+        ds[0]  # and has read from the dataset
+        loader = DataLoader(ds, batch_size=2, num_workers=2, multiprocessing_context=ctx, collate_fn=list)
+        got = [item for batch in loader for item in batch]
     assert len(got) == len(ds)
     pids = {pid for (pid, _, _), _ in got}
     assert os.getpid() not in pids and all(pid == loaded for (pid, loaded, _), _ in got)
@@ -337,6 +350,15 @@ def test_workers_decode_with_their_own_handle(turbojpeg, packed, ctx, decode_siz
         assert max_diff(arr, want) == 0, rel
         if decode_size is None:
             assert max_diff(arr, refs[rel]) == 0
+
+
+@probe_for(test_workers_decode_with_their_own_handle)
+def _spawned_decode(tmp_path_factory):
+    """Batches of 2 read at decode size 30 by spawned workers, a dataset the parent has read from."""
+    path, refs = pack_mixed(tmp_path_factory.mktemp("decode"))
+    ds = open_dataset(path, image="numpy", decode_size=30, transform=handle_pids)
+    ds[0]
+    return Fetch(ds, batches_of(len(ds), 2)), (path, refs)
 
 
 def test_require_turbojpeg_option(request):

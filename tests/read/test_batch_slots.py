@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from support.imagesets import make_imagefolder
+from support.spawned import Fetch, probe_for
 from torch.utils.data import DataLoader
 
 from packer import convert, open_dataset
@@ -63,12 +64,20 @@ def test_worker_batch_shares_one_block_and_matches_single_reads(tmp_path, mixed,
     assert seen == len(ds) and mixed_batches >= len(ds) // 5 - 1
 
 
-def test_spawned_workers_use_slots_too(tmp_path):
-    src = make_imagefolder(tmp_path / "src", classes=2, per_class=4)
-    ds = open_dataset(convert(src, tmp_path / "ds.lmdb", workers=0, progress=False).output, image="tensor")
-    (imgs, _labels), = _worker_batches(ds, "spawn", batch_size=8)
+def test_spawned_workers_use_slots_too(spawned):
+    """A batch of 8 decoded by a spawned worker (_spawned_slots) crossed as one block."""
+    ds = spawned.context
+    (imgs, _labels), = spawned.values()
     assert len({img.untyped_storage().data_ptr() for img in imgs}) == 1
     assert all(torch.equal(img, ds[k][0]) for k, img in enumerate(imgs))
+
+
+@probe_for(test_spawned_workers_use_slots_too)
+def _spawned_slots(tmp_path_factory):
+    base = tmp_path_factory.mktemp("slots-spawn")
+    src = make_imagefolder(base / "src", classes=2, per_class=4)
+    ds = open_dataset(convert(src, base / "ds.lmdb", workers=0, progress=False).output, image="tensor")
+    return Fetch(ds, [list(range(8))], list_collate), ds
 
 
 def test_no_slots_outside_workers_with_a_transform_or_unknown_sizes(tmp_path, mixed):

@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pytest
 from support._tiny import Probe, first, make_lmdb, mapped_files
+from support.spawned import Fetch, probe_for
 from torch.utils.data import DataLoader
 
 import packer
@@ -50,18 +51,29 @@ def test_cached_samples_equal_uncached(lmdb_path, mode):
     assert not cached.path.exists()
 
 
-@pytest.mark.parametrize("mode, start_method", [("ram", "fork"), ("ram-decoded", "fork"), ("ram-decoded", "spawn")])
-def test_workers_share_one_copy(lmdb_path, mode, start_method):  # spawn workers take seconds to start: one case
-    plain = packer.open_dataset(lmdb_path, image="numpy")
+def _shared_cache(lmdb_path, mode: str) -> tuple[CachedDataset, int]:
+    """A cache mapped in this process too, and the inode of its one shm file."""
     cached = CachedDataset(packer.open_dataset(lmdb_path, image="numpy"), mode, progress=False, workers=1)
+    cached[0]  # map it in the parent too
+    ino = os.stat(cached.path).st_ino
+    assert mapped_files(cached.path.name) == [(str(cached.path), ino)]
+    return cached, ino
+
+
+@pytest.mark.parametrize("mode, start_method", [("ram", "fork"), ("ram-decoded", "fork"), ("ram-decoded", "spawn")])
+def test_workers_share_one_copy(request, mode, start_method):  # spawn workers take seconds to start: one case
+    if start_method == "spawn":  # read by the session's spawned workers (_spawned_cache)
+        lmdb_path, cached, ino = request.getfixturevalue("spawned").context
+        items = request.getfixturevalue("spawned").values()
+    else:
+        lmdb_path = request.getfixturevalue("lmdb_path")
+        cached, ino = _shared_cache(lmdb_path, mode)
+        items = DataLoader(Probe(cached, cached.path.name), batch_size=1, num_workers=2,
+                           multiprocessing_context=start_method, collate_fn=first)
+    plain = packer.open_dataset(lmdb_path, image="numpy")
     try:
-        cached[0]  # map it in the parent too
-        ino = os.stat(cached.path).st_ino
-        assert mapped_files(cached.path.name) == [(str(cached.path), ino)]
-        loader = DataLoader(Probe(cached, cached.path.name), batch_size=1, num_workers=2,
-                            multiprocessing_context=start_method, collate_fn=first)
         pids, seen = set(), []
-        for i, pid, maps, img, label in loader:
+        for i, pid, maps, img, label in items:
             pids.add(pid)
             seen.append(i)
             assert maps == [(str(cached.path), ino)]  # the worker maps the very same shm file
@@ -73,6 +85,15 @@ def test_workers_share_one_copy(lmdb_path, mode, start_method):  # spawn workers
     finally:
         cached.close()
     assert not cached.path.exists()
+
+
+@probe_for(test_workers_share_one_copy)
+def _spawned_cache(tmp_path_factory):
+    """Each sample, with the pid and the cache files mapped by the spawned worker that read it, from a
+    ram-decoded cache the parent maps. Context: (lmdb path, the cache, its inode)."""
+    lmdb_path = make_lmdb(tmp_path_factory.mktemp("cache"), count=40)
+    cached, ino = _shared_cache(lmdb_path, "ram-decoded")
+    return Fetch(Probe(cached, cached.path.name), [[i] for i in range(len(cached))], first), (lmdb_path, cached, ino)
 
 
 def test_refuses_when_memory_is_short(lmdb_path, monkeypatch):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 from support.imagesets import make_imagefolder
+from support.spawned import Fetch, batches_of, probe_for
 from torch.utils.data import DataLoader, Subset, default_collate
 
 import packer
@@ -15,13 +18,16 @@ from packer import PackerError, convert, open_dataset
 
 @pytest.fixture(scope="module")
 def mixed_sizes(tmp_path_factory):
+    return make_mixed_sizes(tmp_path_factory.mktemp("collate"))
+
+
+def make_mixed_sizes(root: Path) -> Path:
     """An lmdb dataset of JPEGs in two sizes, so most batches mix shapes."""
-    root = tmp_path_factory.mktemp("collate")
     src = make_imagefolder(root / "src", classes=2, per_class=6, size=(30, 40))
     make_imagefolder(root / "src2", classes=2, per_class=6, seed=3, size=(36, 28))
     for f in sorted((root / "src2").rglob("*.jpg")):
         f.rename(src / f.parent.name / f"b_{f.name}")
-    return convert(src, root / "ds.lmdb", to="lmdb", workers=0, progress=False).output
+    return Path(convert(src, root / "ds.lmdb", to="lmdb", workers=0, progress=False).output)
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -65,13 +71,16 @@ def test_default_collate_fails_on_mixed_sizes_and_packer_collate_does_not(mixed_
 
 
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_worker_batches_of_mixed_sizes_cross_as_one_shared_block(mixed_sizes, start_method):
+def test_worker_batches_of_mixed_sizes_cross_as_one_shared_block(request, start_method):
     """With a transform (so no batch slots) each worker batch is still one shared block, not one per image."""
-    ds = open_dataset(mixed_sizes, image="tensor", transform=torch.clone)
-    loader = DataLoader(ds, batch_size=6, num_workers=2, collate_fn=packer.collate,
-                        multiprocessing_context=start_method)
+    if start_method == "spawn":  # read by the session's spawned workers (_spawned_mixed)
+        ds, batches = request.getfixturevalue("spawned").context, request.getfixturevalue("spawned").values()
+    else:
+        ds = open_dataset(request.getfixturevalue("mixed_sizes"), image="tensor", transform=torch.clone)
+        batches = DataLoader(ds, batch_size=6, num_workers=2, collate_fn=packer.collate,
+                             multiprocessing_context=start_method)
     seen, mixed = 0, 0
-    for b, (imgs, labels) in enumerate(loader):
+    for b, (imgs, labels) in enumerate(batches):
         if isinstance(imgs, list):
             mixed += 1
             assert len({img.untyped_storage().data_ptr() for img in imgs}) == 1
@@ -81,6 +90,13 @@ def test_worker_batches_of_mixed_sizes_cross_as_one_shared_block(mixed_sizes, st
             assert torch.equal(img, ref) and labels[k].item() == label
             seen += 1
     assert seen == len(ds) and mixed >= 1
+
+
+@probe_for(test_worker_batches_of_mixed_sizes_cross_as_one_shared_block)
+def _spawned_mixed(tmp_path_factory):
+    """Batches of 6 of mixed sizes collated by packer.collate in the spawned workers. Context: the dataset."""
+    ds = open_dataset(make_mixed_sizes(tmp_path_factory.mktemp("collate")), image="tensor", transform=torch.clone)
+    return Fetch(ds, batches_of(len(ds), 6), packer.collate), ds
 
 
 def test_one_shape_stacks_exactly_as_default_collate():

@@ -13,6 +13,7 @@ import pytest
 import torch
 from support.fielded import SPECS, same_value, write_fielded
 from support.fuzzing import _rewrite_checksums
+from support.spawned import Fetch, batches_of, probe_for
 
 from packer.errors import PackerError
 from packer.read.collate import collate
@@ -82,12 +83,12 @@ def test_packed_round_trip_keeps_payloads_and_fields_byte_identical(fielded, tmp
     assert _field_files(back) == _field_files(path) == _field_files(there)
 
 
-def _check_loader(path: Path, samples: list, method: str) -> None:
-    ds = open_dataset(path, image="tensor", fields=("image", "label", "boxes", "caption", "count"))
-    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context=method,
-                                         collate_fn=collate)
+FIELD_NAMES = ("image", "label", "boxes", "caption", "count")
+
+
+def _check_batches(batches, samples: list) -> None:
     seen = 0
-    for images, labels, boxes, captions, counts in loader:
+    for images, labels, boxes, captions, counts in batches:
         for k in range(len(labels)):
             want = samples[seen + k]
             assert int(labels[k]) == want["label"] and captions[k] == want["caption"]
@@ -98,11 +99,23 @@ def _check_loader(path: Path, samples: list, method: str) -> None:
 
 
 def test_workers_fork(fielded):
-    _check_loader(*fielded, "fork")
+    path, samples = fielded
+    ds = open_dataset(path, image="tensor", fields=FIELD_NAMES)
+    _check_batches(torch.utils.data.DataLoader(ds, batch_size=4, num_workers=2, multiprocessing_context="fork",
+                                               collate_fn=collate), samples)
 
 
-def test_workers_spawn(fielded):
-    _check_loader(*fielded, "spawn")
+def test_workers_spawn(spawned):
+    _check_batches(spawned.values(), spawned.context)
+
+
+@probe_for(test_workers_spawn)
+def _spawned_fields(tmp_path_factory):
+    """Batches of 4 of every field, collated by packer.collate in the spawned workers."""
+    out = tmp_path_factory.mktemp("fields") / "f.lmdb"
+    samples = write_fielded(out, "lmdb", count=9)
+    ds = open_dataset(out, image="tensor", fields=FIELD_NAMES)
+    return Fetch(ds, batches_of(len(ds), 4), collate), samples
 
 
 def test_extract_writes_the_fields_beside_the_files(fielded, tmp_path):

@@ -18,7 +18,8 @@ from support.cli import run_cli
 from support.fuzzing import _rewrite_checksums
 from support.imagefolder import ImageFolder
 from support.imagesets import jpeg_bytes
-from torch.utils.data import DataLoader, Subset
+from support.spawned import Fetch, batches_of, probe_for
+from torch.utils.data import DataLoader, Subset, default_collate
 
 from packer import PackerError, convert, open_dataset
 from packer.read.sampler import BlockBatchSampler, BlockShuffleSampler, block_order
@@ -132,18 +133,30 @@ def test_samplers_keep_block_locality_and_yield_imagefolder_indices(packed, sour
     assert list(BlockShuffleSampler(ds, shuffle=False)) == [ds.index_map.public(p) for p in range(len(ds))]
 
 
-def _labels_through_loader(path: str, idx: list[int], context: str) -> list[int]:
-    ds = open_dataset(path, image="tensor")
-    loader = DataLoader(Subset(ds, idx), batch_size=3, num_workers=2,
-                        multiprocessing_context=multiprocessing.get_context(context))
-    return [int(v) for _images, labels in loader for v in labels]
+SPLIT = [19, 0, 7, 8, 13, 2, 6]  # a saved split, by ImageFolder index
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_subset_in_dataloader_workers_gets_imagefolder_labels(packed, source, context):
+def test_subset_in_dataloader_workers_gets_imagefolder_labels(request, context):
+    if context == "spawn":  # read by the session's spawned workers (_spawned_subset)
+        source, batches = request.getfixturevalue("spawned").context, request.getfixturevalue("spawned").values()
+    else:
+        source = request.getfixturevalue("source")
+        ds = open_dataset(str(request.getfixturevalue("packed")["memmap"]), image="tensor")
+        batches = DataLoader(Subset(ds, SPLIT), batch_size=3, num_workers=2,
+                             multiprocessing_context=multiprocessing.get_context(context))
     ref = ImageFolder(source)
-    idx = [19, 0, 7, 8, 13, 2, 6]  # a saved split, by ImageFolder index
-    assert _labels_through_loader(str(packed["memmap"]), idx, context) == [ref.targets[i] for i in idx]
+    assert [int(v) for _images, labels in batches for v in labels] == [ref.targets[i] for i in SPLIT]
+
+
+@probe_for(test_subset_in_dataloader_workers_gets_imagefolder_labels)
+def _spawned_subset(tmp_path_factory):
+    """Batches of 3 of a Subset (a split by ImageFolder index) of a memmap, in spawned workers. Context: the
+    source folder."""
+    source = make_source(tmp_path_factory.mktemp("indexing") / "src")
+    path = convert(source, tmp_path_factory.mktemp("indexing-out") / "ds.memmap", to="memmap", payload="raw",
+                   resize="16x20", workers=0, progress=False, shard_bytes=4_000).output
+    return Fetch(Subset(open_dataset(path, image="tensor"), SPLIT), batches_of(len(SPLIT), 3), default_collate), source
 
 
 def _as_old_layout(path: Path, relative_source: bool) -> None:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import concurrent.futures
 import pickle
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from support.imagesets import jpeg_bytes, make_imagefolder
+from support.spawned import Fetch, batches_of, probe_for
 from support.storage_servers import CREDENTIALS, Emulated, open_served, read_all, s3_store, serve_copy, upload
 from torch.utils.data import DataLoader
 
@@ -35,17 +37,23 @@ def datasets(tmp_path_factory):
     """Photos of one size (about 28 KB each: lmdb keeps them in overflow pages, as real photos), every format
     with ranges converted in shards of about 200 KB, plus bmp (no ranges)."""
     base = tmp_path_factory.mktemp("ranged-read")
-    rng = np.random.default_rng(0)
-    for c in range(3):
-        (base / "imgs" / f"c{c}").mkdir(parents=True)
-        for i in range(8):
-            (base / "imgs" / f"c{c}" / f"i{i:02d}.jpg").write_bytes(jpeg_bytes(rng, 192, 256))
     root = base / "root"
     for name in RANGED:
-        convert(base / "imgs", root / f"ds.{name}", to=name, shard_bytes=200_000, workers=0, progress=False)
+        convert(_photos(base), root / f"ds.{name}", to=name, shard_bytes=200_000, workers=0, progress=False)
     convert(make_imagefolder(base / "small"), root / "ds.bmp", to="bmp", shard_bytes=6_000, workers=0,
             progress=False)
     return root
+
+
+def _photos(base: Path) -> Path:
+    """base/imgs: 3 classes of 8 photos of 192x256 (made once)."""
+    if not (base / "imgs").exists():
+        rng = np.random.default_rng(0)
+        for c in range(3):
+            (base / "imgs" / f"c{c}").mkdir(parents=True)
+            for i in range(8):
+                (base / "imgs" / f"c{c}" / f"i{i:02d}.jpg").write_bytes(jpeg_bytes(rng, 192, 256))
+    return base / "imgs"
 
 
 @pytest.fixture
@@ -219,13 +227,28 @@ def test_a_cache_smaller_than_the_dataset_reads_an_epoch_evicting_what_the_pass_
         assert stats["usage"] <= limit and stats["evicted"] > 0
 
 
-def test_spawned_dataloader_workers_read_the_pickled_ranged_dataset(served, tmp_path, datasets):
-    local = open_dataset(datasets / "ds.lmdb", image="tensor")
-    with _open(served, tmp_path, image="tensor") as ds:
-        ds[0]  # the parent fetched a group before the workers start
-        got = DataLoader(ds, batch_size=6, num_workers=1, collate_fn=packer.collate, multiprocessing_context="spawn")
-        images = [img for imgs, _ in got for img in imgs]
+def test_spawned_dataloader_workers_read_the_pickled_ranged_dataset(spawned):
+    """Read by the session's spawned workers (_spawned_ranged); the test closes the dataset and stops the server."""
+    server, ds, local_path = spawned.context
+    try:
+        local = open_dataset(local_path, image="tensor")
+        images = [img for imgs, _ in spawned.values() for img in imgs]
         assert len(images) == len(ds) and all(torch.equal(a, local[i][0]) for i, a in enumerate(images))
+    finally:
+        ds.close()
+        server.stop()
+
+
+@probe_for(test_spawned_dataloader_workers_read_the_pickled_ranged_dataset)
+def _spawned_ranged(tmp_path_factory):
+    """Batches of 6 collated by packer.collate, read by spawned workers from a ranged URL dataset the parent has
+    fetched a group of. Context: (the server, the dataset, the local copy)."""
+    base = tmp_path_factory.mktemp("ranged-spawn")
+    local = Path(convert(_photos(base), base / "ds.lmdb", shard_bytes=200_000, workers=0, progress=False).output)
+    server = serve_copy(local, base / "root")
+    ds = _open(server, base, image="tensor")
+    ds[0]  # the parent fetched a group before the workers start
+    return Fetch(ds, batches_of(len(ds), 6), packer.collate), (server, ds, local)
 
 
 @pytest.mark.parametrize("mode", ["ranged", "shard"])

@@ -7,11 +7,12 @@ import os
 import pickle
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 from support.imagesets import make_imagefolder
-from torch.utils.data import DataLoader
+from support.spawned import Fetch, probe_for
 
 from packer import convert, open_dataset
 
@@ -43,13 +44,26 @@ def test_relative_path_survives_chdir_and_pickling(packed, fmt, tmp_path, monkey
     assert pixels(pickle.loads(copy)) == expected
 
 
-def test_spawn_worker_after_chdir(packed, tmp_path, monkeypatch):
-    monkeypatch.chdir(packed["lmdb"].parent)
-    ds = open_dataset(packed["lmdb"].name, image="numpy")
-    monkeypatch.chdir(tmp_path)  # the spawn worker starts here
-    loader = DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="spawn")
-    got = [np.ascontiguousarray(img).tobytes() for img, _ in loader]
-    assert got == pixels(open_dataset(packed["lmdb"], image="numpy"))
+def test_spawn_worker_after_chdir(spawned):
+    """Read by a spawned worker started in another folder (_spawned_relative)."""
+    got = [np.ascontiguousarray(img).tobytes() for img, _ in spawned.values()]
+    assert got == pixels(open_dataset(spawned.context, image="numpy"))
+
+
+@probe_for(test_spawn_worker_after_chdir)
+def _spawned_relative(tmp_path_factory):
+    """Each sample of an lmdb opened by a relative path, read by spawned workers that start in another folder (the
+    session's spawned DataLoader starts in a folder of its own). Context: the absolute path."""
+    base = tmp_path_factory.mktemp("rel")
+    path = Path(convert(make_imagefolder(base / "imgs", classes=2, per_class=3), base / "ds.lmdb", workers=0,
+                        progress=False).output)
+    here = os.getcwd()
+    os.chdir(base)
+    try:
+        ds = open_dataset(path.name, image="numpy")
+    finally:
+        os.chdir(here)
+    return Fetch(ds, range(len(ds)), batched=False), path
 
 
 def test_unpickled_in_another_process_started_elsewhere(packed, tmp_path, monkeypatch):

@@ -10,11 +10,13 @@ import multiprocessing as mp
 import pickle
 import shutil
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from support.imagesets import make_imagefolder
+from support.spawned import Fetch, batches_of, probe_for
 from support.storage_servers import (
     CREDENTIALS,
     Emulated,
@@ -193,13 +195,29 @@ def test_dataloader_workers_forked_and_threadloader_read_every_sample_once(serve
         assert _labels(ThreadLoader(ds, batch_size=4, sampler=sampler, num_threads=3)) == want
 
 
-def test_spawned_dataloader_workers_read_through_the_pickled_dataset(served, tmp_path, datasets):
-    local = open_dataset(datasets / "ds.lmdb", image="tensor")
-    with _open(served, tmp_path, image="tensor") as ds:
-        ds[0]  # the parent used its connection before the workers start
-        got = DataLoader(ds, batch_size=6, num_workers=1, collate_fn=packer.collate, multiprocessing_context="spawn")
-        images = [img for imgs, _ in got for img in imgs]
+def test_spawned_dataloader_workers_read_through_the_pickled_dataset(spawned):
+    """Read by the session's spawned workers (_spawned_shards); the test closes the dataset and stops the server."""
+    server, ds, local_path = spawned.context
+    try:
+        local = open_dataset(local_path, image="tensor")
+        images = [img for imgs, _ in spawned.values() for img in imgs]
         assert len(images) == len(ds) and all(torch.equal(a, local[i][0]) for i, a in enumerate(images))
+    finally:
+        ds.close()
+        server.stop()
+
+
+@probe_for(test_spawned_dataloader_workers_read_through_the_pickled_dataset)
+def _spawned_shards(tmp_path_factory):
+    """Batches of 6 collated by packer.collate, read by spawned workers from a whole-shard URL dataset whose
+    connection the parent has used. Context: (the server, the dataset, the local copy)."""
+    base = tmp_path_factory.mktemp("remote-spawn")
+    local = Path(convert(make_imagefolder(base / "imgs", classes=3, per_class=8), base / "ds.lmdb", shard_bytes=6_000,
+                         workers=0, progress=False).output)
+    server = serve_copy(local, base / "root")
+    ds = _open(server, base, image="tensor")
+    ds[0]  # the parent used its connection before the workers start
+    return Fetch(ds, batches_of(len(ds), 6), packer.collate), (server, ds, local)
 
 
 @pytest.fixture(scope="module")

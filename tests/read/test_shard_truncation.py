@@ -40,7 +40,7 @@ CASES = {
 def bases(imagefolder, tmp_path_factory):
     root = tmp_path_factory.mktemp("truncation")
     for name, options in CASES.items():
-        convert(imagefolder, root / name, workers=1, progress=False, **options)
+        convert(imagefolder, root / name, workers=0, progress=False, **options)
     return root
 
 
@@ -82,7 +82,7 @@ def test_reading_a_shard_truncated_while_open_is_a_packer_error(bases, tmp_path,
 @pytest.mark.parametrize("file", [1, 2], ids=["offsets", "shapes"])
 def test_memmap_index_files_truncated_while_open(imagefolder, tmp_path, file):
     """A memmap shard's offsets and shapes are mapped too: their size is checked as the data's is."""
-    convert(imagefolder, tmp_path / "ds", to="memmap", payload="raw", workers=1, progress=False)
+    convert(imagefolder, tmp_path / "ds", to="memmap", payload="raw", workers=0, progress=False)
     kind, outcomes = limited_call(_truncate_while_open, tmp_path / "ds", 0.0, file)
     assert kind == "ok", (kind, outcomes)
     assert all("changed size since it was opened" in o for o in outcomes), outcomes
@@ -116,7 +116,7 @@ def threaded_bases(tmp_path_factory):
     imgs = make_imagefolder(root / "imgs", classes=3, per_class=20, size=(64, 80))
     for name, options in THREADED_CASES.items():
         shard_bytes = {"bmp": None, "mosaic": None, "mosaic-jpeg": None}.get(name, 40_000)
-        convert(imgs, root / name, workers=1, progress=False, shard_bytes=shard_bytes, **options)
+        convert(imgs, root / name, workers=0, progress=False, shard_bytes=shard_bytes, **options)
     return root
 
 

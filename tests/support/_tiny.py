@@ -11,7 +11,7 @@ from support.imagesets import make_imagefolder
 def make_lmdb(tmp_path: Path, count: int = 24, size=(24, 32)) -> Path:
     """An LMDB of ``count`` small photo-like JPEGs in 2 classes."""
     src = make_imagefolder(tmp_path / "imgs", classes=2, per_class=count // 2, size=size)
-    res = packer.convert(src, tmp_path / "imgs.lmdb", to="lmdb", workers=1, progress=False)
+    res = packer.convert(src, tmp_path / "imgs.lmdb", to="lmdb", workers=0, progress=False)
     return res.output
 
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.cli import run_cli
 from support.fielded import SPECS, same_value, write_fielded
 from support.imagesets import make_imagefolder
 from support.interrupt import run_cli_at
@@ -346,34 +347,46 @@ def test_if_changed_reuses_an_upload_of_the_same_files_and_replaces_a_stale_one_
 # ---------------------------------------------------------------- item 2: killed, then --resume
 
 
+def _aws(endpoint: str) -> dict:
+    return {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint}
+
+
 def _env(endpoint: str) -> dict:
-    return {**os.environ, "PYTHONPATH": os.getcwd(), "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": SECRET,
-            "AWS_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
+    """A child's environment: the store's credentials and endpoint, as a user exports them."""
+    return {**os.environ, "PYTHONPATH": os.getcwd(), **_aws(endpoint)}
 
 
-def test_a_killed_upload_never_opens_and_resume_uploads_only_what_is_missing(source, tmp_path):
+def _cli(monkeypatch, endpoint: str, *args) -> subprocess.CompletedProcess:
+    """``packer *args`` in this interpreter (support/cli.py) with _env's credentials and endpoint set: for runs that
+    are not about the process (a kill, a Ctrl-C)."""
+    for name, value in _aws(endpoint).items():
+        monkeypatch.setenv(name, value)
+    return run_cli(*args)
+
+
+def test_a_killed_upload_never_opens_and_resume_uploads_only_what_is_missing(source, tmp_path, monkeypatch):
     root = tmp_path / "root"
     root.mkdir()
     local = _local(source, tmp_path, shard_bytes=2_500)
     srv = Emulated(root, bandwidth=40_000)
     url, journal = "s3://bucket/ds.lmdb", root / "ds.lmdb" / REMOTE_PARTIAL / "journal"
-    cmd = [sys.executable, "-m", "packer", "convert", str(source), "--to", "lmdb", "-o", url, "-q", "--workers", "0",
-           "--shard-size", "2500", "--staging-dir", str(tmp_path / "staging-1")]
+    args = ["convert", str(source), "--to", "lmdb", "-o", url, "-q", "--workers", "0", "--shard-size", "2500",
+            "--staging-dir", str(tmp_path / "staging-1")]
     try:
-        env = _env(srv.server.endpoint)
-        killed_upload(cmd, env, journal, srv)
+        killed_upload([sys.executable, "-m", "packer", *args], _env(srv.server.endpoint), journal, srv)
         uploaded = sorted(p.stem for p in journal.glob("shard-*.json"))
         assert not (root / "ds.lmdb" / "manifest.json").exists()
         with pytest.raises(InputNotFoundError, match="no packer dataset there .*an upload that did not finish"):
             packer.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_options(srv.server.endpoint))
         # without --resume the unfinished upload is refused, naming the killed writer and the ways out
-        again = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        again = _cli(monkeypatch, srv.server.endpoint, *args)
         assert again.returncode != 0 and "an unfinished upload (written by pid" in again.stderr
         assert "--resume" in again.stderr and SECRET not in again.stderr
 
         before, kept = srv.server.stats.settled(), _etags(root, "ds.lmdb")
-        resume = [*cmd[:-1], str(tmp_path / "staging-2"), "--resume"]  # another staging folder: the bucket's journal
-        done = subprocess.run(resume, env=env, capture_output=True, text=True)
+        resume = [*args[:-1], str(tmp_path / "staging-2"), "--resume"]  # another staging folder: the bucket's journal
+        done = _cli(monkeypatch, srv.server.endpoint, *resume)
         assert done.returncode == 0, done.stderr
         after = srv.server.stats.settled()
     finally:
@@ -396,17 +409,17 @@ def test_a_killed_upload_never_opens_and_resume_uploads_only_what_is_missing(sou
         srv2.stop()
 
 
-def test_resume_of_a_finished_upload_says_so_and_does_nothing(source, fresh_store, tmp_path):
+def test_resume_of_a_finished_upload_says_so_and_does_nothing(source, fresh_store, tmp_path, monkeypatch):
     """``--resume`` pasted after an upload that finished: exit 0 and one line, as for a folder
     (tests/write/test_resume.py), nothing put or deleted in the bucket; it was refused (exit 2) before. A dataset of
     other options or another source is refused, naming the difference."""
     endpoint, root, url = fresh_store.server.endpoint, tmp_path / "root", "s3://bucket/ds.lmdb"
     _convert(source, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000)
     kept = _etags(root, "ds.lmdb")
-    cmd = [sys.executable, "-m", "packer", "convert", str(source), "--to", "lmdb", "-o", url, "--shard-size", "6000",
-           "--workers", "0", "--staging-dir", str(tmp_path / "st"), "--resume"]
+    args = ["convert", source, "--to", "lmdb", "-o", url, "--shard-size", "6000", "--workers", "0", "--staging-dir",
+            tmp_path / "st", "--resume"]
     before = fresh_store.server.stats.settled()
-    res = subprocess.run(cmd, env=_env(endpoint), capture_output=True, text=True)
+    res = _cli(monkeypatch, endpoint, *args)
     assert res.returncode == 0 and res.stderr == "", res.stderr
     assert res.stdout == (f"nothing to resume: {url} is complete (the same options, the same source files, sizes and "
                           "times); nothing was done\n")
@@ -415,38 +428,37 @@ def test_resume_of_a_finished_upload_says_so_and_does_nothing(source, fresh_stor
     assert _etags(root, "ds.lmdb") == kept
     result = _convert(source, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000, resume=True)
     assert result.nothing_to_resume and not result.reused and result.num_samples == 24 and result.output == url
-    other = subprocess.run([*cmd, "--validate", "header"], env=_env(endpoint), capture_output=True, text=True)
+    other = _cli(monkeypatch, endpoint, *args, "--validate", "header")
     assert other.returncode == 2 and len(other.stderr.splitlines()) == 1, other.stderr
     assert other.stderr.startswith(f"packer: error: {url}: a complete dataset, so there is nothing to resume, and it "
                                    "is not this conversion's (other options: validate full -> header)")
     assert "--overwrite" in other.stderr and SECRET not in other.stderr
     (root / "ds.lmdb" / "shard-00001.lmdb").write_bytes(b"cut")  # damaged in the bucket: not taken as finished
-    damaged = subprocess.run(cmd, env=_env(endpoint), capture_output=True, text=True)
+    damaged = _cli(monkeypatch, endpoint, *args)
     assert damaged.returncode == 2 and "it does not open: s3://bucket/ds.lmdb/shard-00001.lmdb: 3 bytes" in \
         damaged.stderr
     assert _etags(root, "ds.lmdb").keys() == kept.keys()
 
 
-def test_a_huge_or_damaged_errors_json_at_the_output_is_one_line_naming_its_url(source, fresh_store, tmp_path):
+def test_a_huge_or_damaged_errors_json_at_the_output_is_one_line_naming_its_url(source, fresh_store, tmp_path,
+                                                                                 monkeypatch):
     """``--resume`` and ``--if-changed`` read a finished upload's manifest and errors.json; an object there larger
     than any such file (someone's, or damage) is refused by its listed size, never read into memory."""
     endpoint, root, url = fresh_store.server.endpoint, tmp_path / "root", "s3://bucket/ds.lmdb"
     _convert(source, url, endpoint, tmp_path, to="lmdb", shard_bytes=6_000)
     with open(root / "ds.lmdb" / "errors.json", "r+b") as f:  # sparse: 300 MB listed, nothing on disk
         f.truncate(300 << 20)
+    args = ["convert", source, "--to", "lmdb", "-o", url, "--shard-size", "6000", "--workers", "0", "--staging-dir",
+            tmp_path / "st"]
     before = fresh_store.server.stats.settled()
     for flag in ("--resume", "--if-changed"):
-        res = subprocess.run([sys.executable, "-m", "packer", "convert", str(source), "--to", "lmdb", "-o", url,
-                              "--shard-size", "6000", "--workers", "0", "--staging-dir", str(tmp_path / "st"), flag],
-                             env=_env(endpoint), capture_output=True, text=True)
+        res = _cli(monkeypatch, endpoint, *args, flag)
         assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
         assert f"{url}/errors.json: implausibly large (314572800 bytes" in res.stderr
     after = fresh_store.server.stats.closed()
     assert after["body_bytes"] - before["body_bytes"] < 1 << 20  # the manifest at most, not the 300 MB
     (root / "ds.lmdb" / "errors.json").write_bytes(b'{"errors": [')  # damaged: named by its URL, not a local copy
-    res = subprocess.run([sys.executable, "-m", "packer", "convert", str(source), "--to", "lmdb", "-o", url,
-                          "--shard-size", "6000", "--workers", "0", "--staging-dir", str(tmp_path / "st"),
-                          "--if-changed"], env=_env(endpoint), capture_output=True, text=True)
+    res = _cli(monkeypatch, endpoint, *args, "--if-changed")
     assert res.returncode == 2 and len(res.stderr.splitlines()) == 1, res.stderr
     assert res.stderr.startswith(f"packer: error: {url}/errors.json: damaged error report") and "packer-finished-" \
         not in res.stderr
@@ -658,7 +670,7 @@ def test_503s_are_retried_and_a_lasting_error_is_one_line_without_credentials(so
         assert not path.is_file() or SECRET.encode() not in path.read_bytes()
 
 
-def test_ctrl_c_leaves_no_manifest_and_resume_finishes_the_upload(source, fresh_store, tmp_path):
+def test_ctrl_c_leaves_no_manifest_and_resume_finishes_the_upload(source, fresh_store, tmp_path, monkeypatch):
     root, url = tmp_path / "root", "s3://bucket/ds.lmdb"
     argv = ["convert", source, "--to", "lmdb", "-o", url, "--workers", "0", "-q", "--shard-size", "6000",
             "--staging-dir", tmp_path / "st"]
@@ -671,12 +683,10 @@ def test_ctrl_c_leaves_no_manifest_and_resume_finishes_the_upload(source, fresh_
     assert "manifest.json" not in _keys(root, "ds.lmdb") and "shard-00000.lmdb" in _keys(root, "ds.lmdb")
     with pytest.raises(InputNotFoundError, match="no packer dataset there"):
         packer.open_dataset(url, cache_dir=tmp_path / "cache", storage_options=_options(fresh_store.server.endpoint))
-    other = subprocess.run([sys.executable, "-m", "packer", *map(str, argv), "--resume", "--shard-size", "3000"],
-                           env=env, capture_output=True, text=True)
+    other = _cli(monkeypatch, fresh_store.server.endpoint, *argv, "--resume", "--shard-size", "3000")
     assert other.returncode == 2 and other.stderr.strip() == (
         f"packer: error: {url}: the source files or the options changed since the interrupted run, so the unfinished "
         "upload can't be resumed; convert again with --overwrite (it replaces the unfinished upload)")
-    done = subprocess.run([sys.executable, "-m", "packer", *map(str, argv), "--resume"], env=env, capture_output=True,
-                          text=True)
+    done = _cli(monkeypatch, fresh_store.server.endpoint, *argv, "--resume")
     assert done.returncode == 0, done.stderr
     _same_as_local(url, fresh_store.server.endpoint, _local(source, tmp_path, shard_bytes=6_000), tmp_path / "cache")
