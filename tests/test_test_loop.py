@@ -16,3 +16,10 @@ def test_make_test_keeps_the_slow_files_first():
     options = xdist.group(1).split()
     assert "loadfile" in options or "--dist=loadfile" in options, options
     assert "--no-loadscope-reorder" in options, f"make test's XDIST lets pytest-xdist reorder the files: {options}"
+
+
+def test_the_suite_has_one_conftest():
+    """Tests import helpers with ``from conftest import ...``; a second conftest.py (tests/write/conftest.py did)
+    takes the module name ``conftest`` in whichever worker imports it last, and those imports fail there."""
+    assert sorted(p.relative_to(REPO).as_posix() for p in (REPO / "tests").rglob("conftest.py")) == [
+        "tests/conftest.py"]

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.dask_cluster import cluster_client  # noqa: F401  # the fixture `client`: the module's cluster
 from support.imagesets import make_bad_inputs, make_imagefolder
 
 distributed = pytest.importorskip("distributed", reason="needs the packer[dask] extra (make install adds it)")

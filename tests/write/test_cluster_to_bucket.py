@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from support.dask_cluster import cluster_client  # noqa: F401  # the fixture `client`: the module's cluster
 from support.storage_servers import CREDENTIALS, Emulated, killed_upload, wait_until
 
 distributed = pytest.importorskip("distributed", reason="needs the packer[dask] extra (make install adds it)")
@@ -64,6 +65,16 @@ class Writers:
         """(key below the dataset's prefix, role) of every PUT, in order."""
         with self.lock:
             return [(key.split("/", 1)[1], role) for method, key, role in self.log if method == "PUT"]
+
+
+def _executing(dask_worker) -> int:
+    return dask_worker.state.executing_count  # cancelled tasks whose thread still runs included
+
+
+def tasks_ended(client) -> None:
+    """Every task has ended on the workers: a task the driver cancelled is released by the scheduler at once (no
+    longer in ``processing()``) while its thread still runs and may still put its shard and journal entry."""
+    wait_until(lambda: not any(client.run(_executing).values()), "every task's thread ended on the workers")
 
 
 def _options(srv: Emulated) -> dict:
@@ -127,7 +138,7 @@ def test_a_failed_upload_leaves_no_manifest_and_resume_on_the_cluster_puts_only_
         with pytest.raises(PackerError, match="resume=True") as failed:
             _convert(source, srv, client, tmp_path, order="source")
         assert victim in str(failed.value) and SECRET not in str(failed.value)
-        wait_until(lambda: not any(client.processing().values()), "the cluster's tasks ended")
+        tasks_ended(client)
         assert not (dataset / "manifest.json").exists() and (dataset / REMOTE_LOCK).is_file()
         journal = dataset / REMOTE_PARTIAL / "journal"
         kept = [read for e in journal.glob("shard-*.json") if (read := e.read_text())]
@@ -165,7 +176,7 @@ def test_a_store_error_in_a_tasks_lock_check_keeps_the_work_for_resume(client, s
         with pytest.raises(PackerError, match="resume=True") as failed:
             _convert(source, srv, client, tmp_path, order="source")
         assert SECRET not in str(failed.value)
-        wait_until(lambda: not any(client.processing().values()), "the cluster's tasks ended")
+        tasks_ended(client)
         assert not (dataset / "manifest.json").exists() and list((dataset / REMOTE_PARTIAL / "journal").glob("*"))
         srv.faults.clear()
         _convert(source, srv, client, tmp_path, order="source", resume=True)
@@ -288,7 +299,7 @@ def test_a_bad_source_under_on_error_raise_leaves_nothing_in_the_bucket(client, 
     try:
         with pytest.raises(PackerError, match=r"weird/(empty|truncated|random|broken_link|unreadable)\.jpg"):
             _convert(source, srv, client, tmp_path, on_error="raise", order="source")  # the bad class last
-        wait_until(lambda: not any(client.processing().values()), "the cluster's tasks ended")
+        tasks_ended(client)
         puts = srv.server.stats.settled()["puts"]
     finally:
         srv.stop()
@@ -319,7 +330,7 @@ def test_a_driver_killed_mid_run_leaves_no_manifest_and_resume_on_the_cluster_fi
            "--scheduler", client.scheduler.address, "--staging-dir", str(tmp_path / "staging"), *opts, "-q"]
     try:
         killed_upload(cmd, {**os.environ, "PYTHONPATH": str(REPO)}, dataset / REMOTE_PARTIAL / "journal", srv)
-        wait_until(lambda: not any(client.processing().values()), "the killed driver's tasks ended")
+        tasks_ended(client)
         assert not (dataset / "manifest.json").exists() and (dataset / REMOTE_LOCK).is_file()
         _convert(source, srv, client, tmp_path, resume=True)
     finally:

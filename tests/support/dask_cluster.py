@@ -1,12 +1,13 @@
-"""Fixtures of the write tests that start a Dask cluster (tests/write/test_cluster.py, test_cluster_to_bucket.py)."""
+"""The Dask cluster fixture of the write tests (tests/write/test_cluster.py, test_cluster_to_bucket.py import it: a
+conftest.py of their own would shadow tests/conftest.py for `from conftest import ...`)."""
 
 from __future__ import annotations
 
 import pytest
 
 
-@pytest.fixture(scope="module")
-def client():
+@pytest.fixture(scope="module", name="client")
+def cluster_client():
     """The cluster of ``--scheduler local:2``: 2 worker processes, 1 thread each (shared by the module)."""
     pytest.importorskip("distributed", reason="needs the packer[dask] extra (make install adds it)")
     from packer.write.cluster import open_client
