@@ -105,7 +105,10 @@ class ServerStats:
     connections: int = 0
     open_connections: int = 0  # connections the server holds now
     active: int = 0  # object requests being answered now
-    max_active: int = 0  # the most at once
+    max_active: int = 0  # the most at once (a body's last bytes may still be leaving after the client has them)
+    waiting: int = 0  # requests in their first-byte delay now (latency > 0)
+    max_waiting: int = 0  # the most at once: a client holds each request through this delay, so a bound on its
+    # requests in flight shows here exactly, where max_active may count one more whose last bytes are leaving
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **counts: float) -> None:
@@ -121,6 +124,17 @@ class ServerStats:
     def leave(self) -> None:
         with self.lock:
             self.active -= 1
+
+    def delay(self, seconds: float) -> None:
+        """Hold a request ``seconds`` before its first byte, counted in ``waiting``."""
+        with self.lock:
+            self.waiting += 1
+            self.max_waiting = max(self.max_waiting, self.waiting)
+        try:
+            time.sleep(seconds)
+        finally:
+            with self.lock:
+                self.waiting -= 1
 
     def snapshot(self) -> dict[str, float]:
         with self.lock:
@@ -230,7 +244,7 @@ class _Handler(BaseHTTPRequestHandler):
         store = self.server.store
         store.stats.add(requests=1)
         if store.latency > 0:
-            time.sleep(store.latency)
+            store.stats.delay(store.latency)
             store.stats.add(latency_delays=1, latency_seconds=store.latency)
 
     def do_HEAD(self) -> None:

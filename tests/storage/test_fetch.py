@@ -56,7 +56,7 @@ def test_requests_are_capped_in_size_and_in_flight(server):
     with Fetcher(store, max_in_flight=4) as fetcher:
         assert [f.result(30) for f in fetcher.fetch(spread)] == [DATA[r.start:r.end] for r in spread]
     stats = server.server.stats.settled()
-    assert stats["max_active"] == 4 and fetcher.stats.requests == 20  # the server's own count of concurrent GETs
+    assert stats["max_waiting"] == 4 and fetcher.stats.requests == 20  # the server's own count of concurrent GETs
     store.close()
 
 

@@ -401,10 +401,10 @@ def test_gets_stay_at_their_concurrency_while_the_consumer_holds_a_record(served
     wait_until(lambda: served.server.stats.snapshot()["gets"] - before >= 24,
                "24 GETs answered while the consumer held its first record")
     stats = served.server.stats.settled()
-    assert stats["gets"] - before == 24 and stats["max_active"] == 4  # the window, 4 at once (the server's count)
+    assert stats["gets"] - before == 24 and stats["max_waiting"] == 4  # the window, 4 at once (the server's count)
     got = [first, *admitted]
     reader.close()
     assert [rel for rel, _, _ in got] == [rel for rel, _, _ in records]
     assert all(loc.data == (root / rel).read_bytes() and loc.error is None for rel, _, loc in got)
     stats = served.server.stats.settled()
-    assert stats["gets"] - before == 40 and stats["max_active"] == 4
+    assert stats["gets"] - before == 40 and stats["max_waiting"] == 4
