@@ -36,20 +36,27 @@ def temp_suffix() -> str:
     return f".tmp-{pid_space()}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
+def temp_writer(name: str) -> tuple[str | None, int | None]:
+    """The pid space and pid of the process that named a temporary entry with ``temp_suffix`` (an older packer's
+    name has no space: None; a name that is not one: no pid)."""
+    parts = name.split(".tmp-", 1)[1].split("-") if ".tmp-" in name else []
+    space = parts.pop(0) if parts and parts[0].startswith("n") else None
+    return space, int(parts[0]) if parts and parts[0].isdigit() else None
+
+
 def stale_temp(name: str, mtime: float, now: float) -> bool:
     """A temporary entry left by a writer that is gone (no such pid in this pid space, a minute on) or over an hour
     old (a writer in another container or on another node sharing the folder, whose pid means nothing here)."""
     if now - mtime > STALE_TEMP_SECONDS:
         return True
+    space, pid = temp_writer(name)
+    if space is not None and space != pid_space():
+        return False
     try:
-        parts = name.split(".tmp-", 1)[1].split("-")
-        if parts[0].startswith("n"):
-            if parts[0] != pid_space():
-                return False
-            parts = parts[1:]
-        pid = int(parts[0])
+        if pid is None:
+            raise ValueError(name)
         os.kill(pid, 0)
-    except (ValueError, IndexError, ProcessLookupError):
+    except (ValueError, ProcessLookupError):
         return now - mtime > 60
     except PermissionError:
         return False

@@ -34,7 +34,7 @@ from typing import Any
 from packer._version import __version__
 from packer.errors import MissingPackageError, OptionError, PackerError, arg, install_hint
 from packer.formats import get_format
-from packer.storage.node import pid_space, temp_suffix
+from packer.storage.node import pid_space, temp_suffix, temp_writer
 from packer.sysinfo import pid_alive
 from packer.write.journal import ShardResult, record_shard
 from packer.write.options import ConvertOptions
@@ -216,13 +216,13 @@ def shard_folder(shard_id: int) -> Path:
     with os.scandir(tmp) as entries:
         left = [e.name for e in entries if e.name.startswith(SHARD_FOLDER) and ".tmp-" in e.name]
     for name in left:
+        space, pid = temp_writer(name)
         try:
-            space, pid = name.split(".tmp-", 1)[1].split("-")[:2]
             mine = (tmp / name).lstat().st_uid == os.getuid()
-            if mine and space == pid_space() and not pid_alive(int(pid)):
-                shutil.rmtree(tmp / name, ignore_errors=True)
-        except (ValueError, OSError):
+        except OSError:
             continue
+        if mine and pid is not None and space == pid_space() and not pid_alive(pid):
+            shutil.rmtree(tmp / name, ignore_errors=True)
     return Path(tempfile.mkdtemp(prefix=f"{SHARD_FOLDER}{shard_id:05d}{temp_suffix()}-"))
 
 
